@@ -1,0 +1,265 @@
+"""SSD scan on CPU: chunked ``ssd_scan`` vs the sequential ``ssd_scan_reference`` vs the torch
+fallback of transformers' ``mamba2_chunk_scan``.
+
+One Mamba2 head/state config (B=1, H=16, P=64, G=1, N=64, chunk 256, float32, Mamba2-like
+dt/A: dt = softplus(raw + dt_bias) with dt_bias from dt in [1e-3, 1e-1], A in [-16, -1]).
+For each length L, forward+backward (gradients of x, dt, A, B, C, D, dt_bias):
+
+- wall time: median over repeats; all implementations run round-robin in one process per L so
+  that load from other jobs on the machine hits them alike;
+- peak memory: one forward+backward in a fresh subprocess per (implementation, L), peak RSS
+  (``ru_maxrss``) minus the RSS just before the call, in MiB.
+
+Extra rows: ``ssd_scan`` with 8 packed documents (transformers' fallback refuses ``seq_idx``)
+and with chunk 64. The sequential reference only runs at L <= 4K. Accuracy: at L=1K each
+float32 output and x-gradient is compared with the float64 sequential reference.
+
+    python benchmarks/ssd.py [--quick]
+
+Prints a table and writes benchmarks/results/ssd.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    from hybridpar.models.ssd import ssd_scan, ssd_scan_reference
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from hybridpar.models.ssd import ssd_scan, ssd_scan_reference
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIG = dict(batch=1, nheads=16, headdim=64, ngroups=1, dstate=64, chunk_size=256, dtype="float32")
+IMPLS = {
+    "ssd_scan": "hybridpar ssd_scan",
+    "ssd_scan_packed": "hybridpar ssd_scan, 8 packed docs",
+    "ssd_scan_q64": "hybridpar ssd_scan, chunk 64",
+    "hf": "transformers mamba2_chunk_scan (torch)",
+    "reference": "hybridpar ssd_scan_reference (sequential)",
+}
+REFERENCE_MAX_LEN = 4096
+
+
+def make_inputs(seqlen: int, dtype=torch.float32, seed: int = 0) -> dict:
+    """Mamba2-like inputs, all leaves with requires_grad."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, p, g, n = (CONFIG[k] for k in ("batch", "nheads", "headdim", "ngroups", "dstate"))
+    dt_init = torch.exp(torch.rand(h, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    inputs = dict(
+        x=torch.randn(b, seqlen, h, p, generator=gen),
+        dt=0.5 * torch.randn(b, seqlen, h, generator=gen),
+        A=-(1 + 15 * torch.rand(h, generator=gen)),
+        B=torch.randn(b, seqlen, g, n, generator=gen),
+        C=torch.randn(b, seqlen, g, n, generator=gen),
+        D=torch.randn(h, generator=gen),
+        dt_bias=dt_init + torch.log(-torch.expm1(-dt_init)),  # inverse softplus
+    )
+    return {k: v.to(dtype).requires_grad_() for k, v in inputs.items()}
+
+
+def packed_seq_idx(seqlen: int, ndocs: int = 8) -> torch.Tensor:
+    """Document ids of ``ndocs`` documents of random lengths packed into one row ``[1, L]``."""
+    gen = torch.Generator().manual_seed(1)
+    cuts = torch.randperm(seqlen - 1, generator=gen)[: ndocs - 1].sort().values + 1
+    return torch.searchsorted(cuts, torch.arange(seqlen), right=True).int()[None]
+
+
+def scan_fn(impl: str, seqlen: int):
+    """``fn(inputs) -> y`` for one implementation."""
+    chunk = CONFIG["chunk_size"]
+    if impl == "hf":
+        from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+        return lambda t: mamba2_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True)
+    if impl == "reference":
+        return lambda t: ssd_scan_reference(**t, chunk_size=chunk, dt_softplus=True)
+    if impl == "ssd_scan_packed":
+        seq_idx = packed_seq_idx(seqlen)
+        return lambda t: ssd_scan(**t, chunk_size=chunk, dt_softplus=True, seq_idx=seq_idx)
+    if impl == "ssd_scan_q64":
+        return lambda t: ssd_scan(**t, chunk_size=64, dt_softplus=True)
+    return lambda t: ssd_scan(**t, chunk_size=chunk, dt_softplus=True)
+
+
+def forward_backward(fn, inputs: dict, grad_y: torch.Tensor) -> tuple:
+    y = fn(inputs)
+    return torch.autograd.grad(y, list(inputs.values()), grad_y)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def worker_memory(impl: str, seqlen: int) -> dict:
+    """Peak RSS added by one forward+backward (run in a fresh process)."""
+    fn = scan_fn(impl, seqlen)
+    inputs = make_inputs(seqlen)
+    grad_y = torch.randn(inputs["x"].shape)
+    before = rss_mib()
+    max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    forward_backward(fn, inputs, grad_y)
+    max_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"peak_mib": max_after - before, "rss_before_mib": before, "peak_seen": max_after > max_before}
+
+
+def worker_time(seqlen: int, impls: list[str], repeats: int, reference_repeats: int) -> dict:
+    """Median forward+backward seconds per implementation, round-robin after one warm-up each."""
+    inputs = make_inputs(seqlen)
+    grad_y = torch.randn(inputs["x"].shape)
+    fns = {impl: scan_fn(impl, seqlen) for impl in impls}
+    times = {impl: [] for impl in impls}
+    for impl in impls:
+        forward_backward(fns[impl], inputs, grad_y)
+    for round_ in range(repeats):
+        for impl in impls:
+            if impl == "reference" and round_ >= reference_repeats:
+                continue
+            start = time.perf_counter()
+            forward_backward(fns[impl], inputs, grad_y)
+            times[impl].append(time.perf_counter() - start)
+    return {impl: {"median_s": statistics.median(ts), "times_s": ts} for impl, ts in times.items()}
+
+
+def accuracy(seqlen: int = 1024) -> dict:
+    """Max error of float32 outputs and x-gradients against the float64 sequential reference,
+    relative to the reference's max magnitude."""
+    grad_y = torch.randn(CONFIG["batch"], seqlen, CONFIG["nheads"], CONFIG["headdim"], generator=torch.Generator().manual_seed(2))
+    inputs64 = make_inputs(seqlen, torch.float64)
+    y_ref = scan_fn("reference", seqlen)(inputs64)
+    (gx_ref,) = torch.autograd.grad(y_ref, [inputs64["x"]], grad_y.double())
+    result = {}
+    for impl in ("ssd_scan", "hf"):
+        inputs = make_inputs(seqlen)
+        y = scan_fn(impl, seqlen)(inputs)
+        (gx,) = torch.autograd.grad(y, [inputs["x"]], grad_y)
+        result[impl] = {
+            "y_rel_err": ((y.double() - y_ref).abs().max() / y_ref.abs().max()).item(),
+            "grad_x_rel_err": ((gx.double() - gx_ref).abs().max() / gx_ref.abs().max()).item(),
+        }
+    return result
+
+
+def run_worker(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def hf_backend() -> str:
+    """Which implementation transformers' decorated ``mamba2_chunk_scan`` dispatches to here."""
+    if importlib.util.find_spec("mamba_ssm") is not None:
+        return "mamba_ssm kernel (not the torch fallback!)"
+    if importlib.util.find_spec("kernels") is not None:
+        return "hub kernels possible (kernels installed)"
+    return "torch fallback (neither mamba_ssm nor kernels installed)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="L in {1K, 4K}, fewer repeats, reference at 1K only")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.worker:
+        kind, *rest = args.worker
+        if kind == "memory":
+            print(json.dumps(worker_memory(rest[0], int(rest[1]))))
+        else:
+            seqlen, repeats, ref_repeats = map(int, rest[:3])
+            print(json.dumps(worker_time(seqlen, rest[3:], repeats, ref_repeats)))
+        return
+
+    lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    repeats, ref_repeats = (5, 1) if args.quick else (7, 2)
+    ref_max = 1024 if args.quick else REFERENCE_MAX_LEN
+    backend = hf_backend()
+    print(f"transformers mamba2_chunk_scan backend: {backend}")
+    rows = []
+    for seqlen in lengths:
+        impls = [i for i in IMPLS if i != "reference" or seqlen <= ref_max]
+        print(f"L={seqlen}: timing {', '.join(impls)} ...", flush=True)
+        times = run_worker("time", str(seqlen), str(repeats), str(ref_repeats), *impls)
+        for impl in impls:
+            memory = run_worker("memory", impl, str(seqlen))
+            rows.append({"impl": impl, "name": IMPLS[impl], "seqlen": seqlen, **times[impl], **memory})
+    acc = accuracy()
+    verdicts = targets(rows)
+    record = {
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpu": platform.processor(), "cpus": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "load_avg": os.getloadavg()},
+        "config": CONFIG, "hf_backend": backend, "rows": rows, "accuracy_vs_float64_reference_L1024": acc, "targets": verdicts,
+    }
+    markdown = to_markdown(record)
+    print(markdown)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "ssd.json").write_text(json.dumps(record, indent=2) + "\n")
+    (RESULTS / "ssd.md").write_text(markdown)
+
+
+def targets(rows: list[dict], seqlen: int = 4096) -> dict:
+    """The issue's targets at L=4K: >= 20x over the reference, >= 2x faster and <= 0.5x memory vs HF."""
+    at = {r["impl"]: r for r in rows if r["seqlen"] == seqlen}
+    ours, hf, ref = at.get("ssd_scan"), at.get("hf"), at.get("reference")
+    out = {}
+    if ours and ref:
+        out["speedup_vs_reference"] = {"value": ref["median_s"] / ours["median_s"], "target": ">= 20"}
+    if ours and hf:
+        out["speedup_vs_hf"] = {"value": hf["median_s"] / ours["median_s"], "target": ">= 2"}
+        out["memory_ratio_vs_hf"] = {"value": ours["peak_mib"] / hf["peak_mib"], "target": "<= 0.5"}
+    for name, item in out.items():
+        bound = float(item["target"].split()[1])
+        item["met"] = item["value"] >= bound if item["target"].startswith(">=") else item["value"] <= bound
+    return out
+
+
+def to_markdown(record: dict) -> str:
+    cfg, machine = record["config"], record["machine"]
+    base = {(r["seqlen"]): r for r in record["rows"] if r["impl"] == "ssd_scan"}
+    lines = [
+        "# SSD scan: chunked vs sequential vs transformers (CPU)", "",
+        f"Command: `{record['command']}`  ",
+        f"Date: {record['date']}  ",
+        f"Machine: {machine['cpus']} CPUs, {machine['torch_threads']} torch threads, torch {machine['torch']}, "
+        f"load average at start {', '.join(f'{x:.1f}' for x in machine['load_avg'])} (shared machine: times are noisy)  ",
+        f"Config: B={cfg['batch']}, H={cfg['nheads']}, P={cfg['headdim']}, G={cfg['ngroups']}, N={cfg['dstate']}, "
+        f"chunk {cfg['chunk_size']}, {cfg['dtype']}, forward+backward; transformers backend: {record['hf_backend']}", "",
+        "| implementation | L | fwd+bwd median (s) | peak memory (MiB) | time / ssd_scan | memory / ssd_scan |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in record["rows"]:
+        ours = base[r["seqlen"]]
+        peak = f"{r['peak_mib']:.0f}" + ("" if r["peak_seen"] else " (<=)")
+        lines.append(
+            f"| {r['name']} | {r['seqlen']} | {r['median_s']:.3f} | {peak} | "
+            f"{r['median_s'] / ours['median_s']:.2f}x | {r['peak_mib'] / ours['peak_mib']:.2f}x |"
+        )
+    lines += ["", "Targets at L=4096:", ""]
+    for name, item in record["targets"].items():
+        lines.append(f"- {name}: {item['value']:.2f} (target {item['target']}): {'met' if item['met'] else 'MISSED'}")
+    lines += ["", "Accuracy at L=1024, float32 against the float64 sequential reference (max error / max magnitude):", ""]
+    for impl, acc in record["accuracy_vs_float64_reference_L1024"].items():
+        lines.append(f"- {IMPLS[impl]}: y {acc['y_rel_err']:.1e}, grad x {acc['grad_x_rel_err']:.1e}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Packed (THD) batches, the packer and the built-in data sources."""

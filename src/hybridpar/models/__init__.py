@@ -1,0 +1,1 @@
+"""Single-device model code: no process groups here."""

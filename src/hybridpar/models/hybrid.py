@@ -1,0 +1,205 @@
+"""The hybrid language model: a layer pattern of Mamba2, attention and MLP blocks.
+
+Pattern characters follow Nemotron-H: ``M`` Mamba2 block, ``*`` attention block,
+``-`` MLP block. Parameter names follow transformers' NemotronH/Mamba2 models
+(``backbone.embeddings``, ``backbone.layers.i.{norm,mixer}``, ``backbone.norm_f``,
+``lm_head``) so their checkpoints map onto this model by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from hybridpar.models.attention import Attention
+from hybridpar.models.blocks import MLP, ResidualBlock, RMSNorm
+from hybridpar.models.mamba2 import Mamba2Mixer
+
+BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
+
+
+@dataclass
+class HybridConfig:
+    """Shape of a ``HybridLM``. Build one with ``HybridConfig.from_preset(name, **overrides)``."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    pattern: str = "M*-M-"
+    # Mamba2 mixer
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 16
+    mamba_n_groups: int = 2
+    ssm_state_size: int = 16
+    conv_kernel: int = 4
+    chunk_size: int = 16
+    use_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    # attention
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0
+    attention_bias: bool = False
+    # MLP
+    intermediate_size: int = 128
+    mlp_activation: str = "relu2"
+    mlp_gated: bool = False
+    mlp_bias: bool = False
+    # everything else
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        self.time_step_limit = tuple(self.time_step_limit)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` with the fix for shapes that cannot build a model."""
+        unknown = sorted(set(self.pattern) - set(BLOCK_KINDS))
+        if not self.pattern or unknown:
+            raise ValueError(
+                f"layer pattern {self.pattern!r} has unknown characters {unknown}; use only "
+                "'M' (Mamba2), '*' (attention) and '-' (MLP), e.g. 'M*-M-'."
+            )
+        rules = [
+            (self.mamba_num_heads % self.mamba_n_groups == 0,
+             f"mamba_num_heads={self.mamba_num_heads} must be divisible by mamba_n_groups={self.mamba_n_groups}"),
+            (self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads={self.num_attention_heads} must be divisible by num_key_value_heads={self.num_key_value_heads}"),
+            (self.head_dim * self.rotary_fraction >= 2 or self.rotary_fraction == 0,
+             f"rotary_fraction={self.rotary_fraction} of head_dim={self.head_dim} leaves no channel pair to rotate"),
+        ]
+        for holds, message in rules:
+            if not holds:
+                raise ValueError(f"{message}; change one of them in the config.")
+        for name in ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+                     "conv_kernel", "chunk_size", "num_attention_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer.")
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "HybridConfig":
+        """A named shape (``tiny``, ``small``, ``nemotronh-8b``) with field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown HybridConfig fields {unknown}; valid fields are {sorted(fields)}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict] = {
+    # Tests and the demo: every block kind, grouped B/C, seconds on a CPU.
+    "tiny": dict(),
+    # A ~100M-parameter shape for local experiments.
+    "small": dict(
+        vocab_size=32000, hidden_size=768, pattern="M-M-M*-M-M-M*-M-M-", mamba_num_heads=24,
+        mamba_head_dim=64, mamba_n_groups=1, ssm_state_size=128, chunk_size=256,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=64, intermediate_size=3072,
+    ),
+    # Nemotron-H-8B-like: used for planning and communication-volume tables.
+    "nemotronh-8b": dict(
+        vocab_size=131072, hidden_size=4096,
+        pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        mamba_num_heads=128, mamba_head_dim=64, mamba_n_groups=8, ssm_state_size=128, conv_kernel=4,
+        chunk_size=128, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        intermediate_size=21504, mlp_activation="relu2", rotary_fraction=0.0, time_step_limit=(0.001, float("inf")),
+    ),
+}
+
+
+def build_block(config: HybridConfig, kind: str) -> ResidualBlock:
+    """One pre-norm residual block of the given pattern character."""
+    if kind == "M":
+        mixer = Mamba2Mixer(
+            config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.mamba_n_groups,
+            config.ssm_state_size, config.conv_kernel, config.chunk_size, config.use_conv_bias,
+            config.mamba_proj_bias, config.norm_eps, config.time_step_limit,
+        )
+    elif kind == "*":
+        mixer = Attention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.rope_theta, config.rotary_fraction, config.attention_bias,
+        )
+    else:
+        mixer = MLP(config.hidden_size, config.intermediate_size, config.mlp_activation, config.mlp_gated, config.mlp_bias)
+    return ResidualBlock(RMSNorm(config.hidden_size, config.norm_eps), mixer, BLOCK_KINDS[kind])
+
+
+class HybridBackbone(nn.Module):
+    """Embeddings, the residual blocks and the final norm."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(build_block(config, kind) for kind in config.pattern)
+        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None, packed=None) -> Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, S] or inputs_embeds [B, S, D].")
+        hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, packed)
+        return self.norm_f(hidden_states)
+
+
+class HybridLM(nn.Module):
+    """Hybrid Mamba2/attention causal LM returning logits ``[B, S, vocab]``.
+
+    ``packed`` (``PackedSeqParams``) describes document boundaries of a packed ``[1, T]``
+    row; no state, convolution or attention crosses a boundary.
+    """
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.config = config
+        self.backbone = HybridBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+        self.to(config.dtype)
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for layer in self.backbone.layers:  # scale residual outputs by depth (GPT-2 style)
+            out = getattr(layer.mixer, "out_proj", None) or getattr(layer.mixer, "o_proj", None) or layer.mixer.down_proj
+            out.weight.mul_(1.0 / (2 * len(self.backbone.layers)) ** 0.5)
+
+    def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None, packed=None) -> Tensor:
+        return self.lm_head(self.backbone(input_ids, inputs_embeds, packed))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @classmethod
+    def from_hf(cls, path, dtype: torch.dtype | None = None) -> "HybridLM":
+        """Load a Mamba2/Bamba/NemotronH causal-LM checkpoint directory (see ``models/hf.py``)."""
+        from hybridpar.models import hf  # lazy: hf.py imports this module
+
+        return hf.load_hf(path, dtype=dtype)
+
+    def save_hf(self, path, architecture: str | None = None, max_shard_bytes: int | None = None) -> None:
+        """Write config.json + safetensors that transformers loads (see ``models/hf.py``)."""
+        from hybridpar.models import hf
+
+        hf.save_hf(self, path, architecture=architecture, max_shard_bytes=max_shard_bytes)
