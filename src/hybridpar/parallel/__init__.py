@@ -1,0 +1,1 @@
+"""Parallelism applied from outside the model: TP/SP, CP, FSDP2."""

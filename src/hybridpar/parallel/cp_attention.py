@@ -1,0 +1,244 @@
+"""Context-parallel attention: two strategies for the ``Attention.core`` seam.
+
+Each rank holds ``S/P`` tokens of every row (``P`` = CP size, zigzag order, see
+``zigzag.py``) and calls ``core(q, k, v, packed)`` with ``q [B, S/P, Hq, Dh]``,
+``k, v [B, S/P, Hkv, Dh]`` (after RoPE) and its localized ``PackedSeqParams``. A
+strategy owns no parameters, so gradients land on the model's own projections.
+
+The single-process core computes, for every query token ``i``,
+``out_i = sum_j softmax_j(q_i . k_j / sqrt(Dh) | M_ij) v_j`` with the mask
+``M_ij = [doc(j) == doc(i)] and [j <= i]`` over global indices ``i, j``. Both strategies
+compute exactly this; they differ in what travels.
+
+``"allgather"`` (``AllGatherAttention``): all-gather ``K, V`` so every rank has all ``S``
+keys, in rank-major gathered order. Rank ``r`` attends its ``S/P`` queries to them with
+``M`` built from global indices (``cp.local_indices`` for queries, ``cp.gathered_indices``
+for keys) and document ids, so the token order never matters. The all-gather's backward
+reduce-scatters ``dK, dV`` back to their owners.
+
+``"ulysses"`` (``UlyssesAttention``): one all-to-all turns sequence-sharded
+``[B, S/P, H*Dh]`` into head-sharded ``[B, S, H/P*Dh]`` for ``q``, ``k`` and ``v`` at once;
+``cp.gathered_to_sequence`` puts the gathered tokens in sequence order, the rank runs the
+single-process document-causal attention on its ``Hq/P`` query heads over the whole
+sequence, the result goes back to gathered order and a second all-to-all returns
+``[B, S/P, Hq*Dh]``. Needs ``Hq % P == 0``. KV heads travel as ``Hkv' = lcm(Hkv, P)``
+heads (each repeated ``Hkv'/Hkv`` times; ``Hkv' = Hkv`` when ``P`` divides ``Hkv``), so that
+rank ``r`` receives kv heads ``[r Hkv'/P, (r+1) Hkv'/P)`` and its query head ``h`` uses
+local kv head ``(h - r Hq/P) // (Hq/Hkv')``, i.e. original kv head ``h // (Hq/Hkv)``.
+
+Bytes each rank sends per attention layer (``e`` bytes per element, counted as
+``comm.CommStats`` does: all-gather ``(P-1)`` x shard, reduce-scatter and all-to-all
+``(P-1)/P`` x the rank's buffer)::
+
+    allgather  forward   (P-1)   * e * B * (S/P) * 2*Hkv * Dh              all-gather of [k|v]
+               backward  (P-1)/P * e * B *  S    * 2*Hkv * Dh              reduce-scatter of d[k|v]
+                         = the forward count
+    ulysses    forward   (P-1)/P * e * B * (S/P) * (Hq + 2*Hkv') * Dh      all-to-all of [q|k|v]
+                       + (P-1)/P * e * B * (S/P) * Hq * Dh                 all-to-all of out
+                       = (P-1)/P * e * B * (S/P) * (2*Hq + 2*Hkv') * Dh
+               backward  the same two all-to-alls transposed: the forward count
+
+"allgather" grows with ``S`` whatever ``P`` is; "ulysses" shrinks as ``S/P`` (see
+``reference/peers-and-anchors.md`` B.2(c)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
+from hybridpar.models.attention import Attention, attend, causal_attention, document_causal_mask
+from hybridpar.parallel.comm import all_gather, hidden_to_seq, seq_to_hidden
+from hybridpar.parallel.inputs import group_size_and_rank
+
+__all__ = [
+    "AllGatherAttention",
+    "UlyssesAttention",
+    "STRATEGIES",
+    "apply_attention_cp",
+    "attention_cp_bytes_per_layer",
+    "ulysses_kv_heads",
+]
+
+
+def ulysses_kv_heads(num_kv_heads: int, cp_size: int) -> int:
+    """KV heads that travel in the ulysses all-to-all: ``lcm(Hkv, P)`` (``Hkv`` when ``P | Hkv``)."""
+    return math.lcm(num_kv_heads, cp_size)
+
+
+def attention_cp_bytes_per_layer(
+    strategy: str, batch: int, seq_len: int, cp: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    element_size: int,
+) -> float:
+    """Bytes one rank sends per attention layer in the forward pass (the backward sends as many)."""
+    if cp == 1:
+        return 0.0
+    if strategy == "allgather":
+        return (cp - 1) * element_size * batch * (seq_len / cp) * 2 * num_kv_heads * head_dim
+    if strategy == "ulysses":
+        width = 2 * num_heads + 2 * ulysses_kv_heads(num_kv_heads, cp)
+        return (cp - 1) / cp * element_size * batch * (seq_len / cp) * width * head_dim
+    raise ValueError(f"unknown attention context-parallel strategy {strategy!r}; choose one of ['allgather', 'ulysses'].")
+
+
+def _check_layout(packed: PackedSeqParams | None, cp_size: int, cp_rank: int, local_tokens: int, who: str) -> ContextParallelLayout:
+    """This rank's layout, checked against the group and the tensors (no communication)."""
+    layout = packed.cp if packed is not None else None
+    if layout is None:
+        raise ValueError(
+            f"{who} runs on a context-parallel group of size {cp_size} but got packed params without a CP "
+            "layout (packed.cp is None); pass the PackedSeqParams that shard_inputs(..., cp_group=...) returns "
+            "for this rank (dense batches get one too)."
+        )
+    if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
+        raise ValueError(
+            f"{who}: packed params were localized for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the "
+            f"attention's cp_group has size {cp_size} and this rank is {cp_rank}; shard the batch with the same "
+            "cp_group the attention was parallelized with."
+        )
+    if layout.local_indices.numel() != local_tokens:
+        raise ValueError(
+            f"{who}: q/k/v hold {local_tokens} tokens per row but this rank's layout holds "
+            f"{layout.local_indices.numel()}; pass the packed params built for this batch."
+        )
+    return layout
+
+
+class _ContextParallelCore:
+    """Common part of the strategies: the group, its size and this rank's place in it."""
+
+    name = ""
+
+    def __init__(self, cp_group: dist.ProcessGroup | None):
+        self.cp_group = cp_group
+        self.cp_size, self.cp_rank = group_size_and_rank(cp_group, "cp_group")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cp_size={self.cp_size}, cp_rank={self.cp_rank})"
+
+    def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        """Raise ``ValueError`` if this strategy cannot run these (rank-local) head counts."""
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"query heads {num_heads} must be a positive multiple of kv heads {num_kv_heads} (grouped-query attention)."
+            )
+
+    def _check_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+            raise ValueError(
+                f"{self.name} attention expects q [B, S/cp, Hq, Dh] and k, v [B, S/cp, Hkv, Dh], got q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
+            )
+        self.validate_heads(q.shape[2], k.shape[2])
+
+
+class AllGatherAttention(_ContextParallelCore):
+    """All-gather K, V over CP; local queries attend to all keys under a global-index mask."""
+
+    name = "allgather"
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
+        self._check_qkv(q, k, v)
+        if self.cp_size == 1:
+            if packed is not None and packed.cp is not None:
+                _check_layout(packed, 1, 0, q.shape[1], "allgather attention")
+            return causal_attention(q, k, v, packed)
+        layout = _check_layout(packed, self.cp_size, self.cp_rank, q.shape[1], "allgather attention")
+        num_kv_heads = k.shape[2]
+        kv = torch.cat([k, v], dim=2)  # 2 x [B, S/P, Hkv, Dh] -> [B, S/P, 2*Hkv, Dh]
+        kv = all_gather(kv, self.cp_group, 1)  # [B, S/P, 2*Hkv, Dh] -> [B, S, 2*Hkv, Dh], gathered order
+        k_all, v_all = kv.split(num_kv_heads, dim=2)  # 2 x [B, S, Hkv, Dh]
+        device = q.device
+        key_index = layout.gathered_indices.to(device)  # [S] global index of each gathered key
+        key_doc = layout.global_seq_idx[0].to(device).index_select(0, key_index)  # [S]
+        mask = document_causal_mask(
+            layout.local_indices.to(device), packed.seq_idx[0].to(device), key_index, key_doc
+        )  # [S/P, S]
+        return attend(q, k_all, v_all, mask=mask)  # [B, S/P, Hq, Dh]
+
+
+class UlyssesAttention(_ContextParallelCore):
+    """All-to-all sequence -> heads, full-sequence attention on Hq/P heads, all-to-all back."""
+
+    name = "ulysses"
+
+    def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        super().validate_heads(num_heads, num_kv_heads)
+        if num_heads % self.cp_size:
+            divisors = [p for p in range(1, num_heads + 1) if num_heads % p == 0]
+            raise ValueError(
+                f"ulysses attention splits query heads over the context-parallel group, but {num_heads} query "
+                f"heads (per tensor-parallel rank) are not divisible by cp={self.cp_size}; use the \"allgather\" "
+                f"strategy, or a cp that divides the heads (one of {divisors})."
+            )
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
+        self._check_qkv(q, k, v)
+        if self.cp_size == 1:
+            if packed is not None and packed.cp is not None:
+                _check_layout(packed, 1, 0, q.shape[1], "ulysses attention")
+            return causal_attention(q, k, v, packed)
+        layout = _check_layout(packed, self.cp_size, self.cp_rank, q.shape[1], "ulysses attention")
+        batch, local_len, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[2]
+        kv_heads = ulysses_kv_heads(num_kv_heads, self.cp_size)
+        if kv_heads != num_kv_heads:  # kv head j of the exchange is original head j // (Hkv'/Hkv)
+            k = k.repeat_interleave(kv_heads // num_kv_heads, dim=2)  # [B, S/P, Hkv, Dh] -> [B, S/P, Hkv', Dh]
+            v = v.repeat_interleave(kv_heads // num_kv_heads, dim=2)
+        flat = [x.reshape(batch, local_len, -1) for x in (q, k, v)]  # [B, S/P, H*Dh], heads contiguous
+        q_h, k_h, v_h = seq_to_hidden(flat, self.cp_group, seq_dim=1, hidden_dim=-1)  # -> [B, S, H/P*Dh]
+        device = q.device
+        to_sequence = layout.gathered_to_sequence.to(device)  # [S]
+        to_gathered = layout.gathered_indices.to(device)  # [S]
+        seq_len = to_sequence.numel()
+        q_h, k_h, v_h = (
+            x.index_select(1, to_sequence).view(batch, seq_len, -1, head_dim) for x in (q_h, k_h, v_h)
+        )  # [B, S, H/P, Dh], sequence order
+        doc = layout.global_seq_idx[0].to(device)  # [S]
+        if int(packed.cu_seqlens_padded.numel()) == 2:  # one document per row: plain causal
+            out = attend(q_h, k_h, v_h, is_causal=True)
+        else:
+            index = torch.arange(seq_len, device=device)
+            out = attend(q_h, k_h, v_h, mask=document_causal_mask(index, doc, index, doc))  # [B, S, Hq/P, Dh]
+        out = out.reshape(batch, seq_len, -1).index_select(1, to_gathered)  # [B, S, Hq/P*Dh], gathered order
+        (out,) = hidden_to_seq([out], self.cp_group, seq_dim=1, hidden_dim=-1)  # -> [B, S/P, Hq*Dh]
+        return out.view(batch, local_len, num_heads, head_dim)
+
+
+STRATEGIES = {"allgather": AllGatherAttention, "ulysses": UlyssesAttention}
+
+
+def _local_heads(attention: Attention) -> tuple[int, int]:
+    """Query and kv heads this rank computes (after any tensor-parallel sharding of the projections)."""
+
+    def rows(linear: nn.Linear) -> int:
+        weight = linear.weight
+        weight = weight.to_local() if hasattr(weight, "to_local") else weight  # DTensor under TP
+        return weight.shape[0] // attention.head_dim
+
+    return rows(attention.q_proj), rows(attention.k_proj)
+
+
+def apply_attention_cp(model: nn.Module, cp_group: dist.ProcessGroup | None, strategy: str = "allgather") -> nn.Module:
+    """Install a CP strategy as ``core`` of every ``Attention`` in ``model``; returns ``model``.
+
+    Head counts are checked on every module before any is changed, so a bad layout raises
+    ``ValueError`` here, long before a collective could hang.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown attention context-parallel strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
+    attentions = [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+    core = STRATEGIES[strategy](cp_group)
+    for name, attention in attentions:
+        num_heads, num_kv_heads = _local_heads(attention)
+        try:
+            core.validate_heads(num_heads, num_kv_heads)
+        except ValueError as error:
+            raise ValueError(f"attention module {name or '<root>'!r}: {error}") from None
+    for _, attention in attentions:
+        attention.core = core
+    return model
