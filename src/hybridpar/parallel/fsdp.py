@@ -1,0 +1,177 @@
+"""FSDP2 over the data-parallel mesh, and the TP layout of every parameter.
+
+``apply_fsdp`` makes every block (decoder layer / hybrid block) and the root an FSDP2 unit,
+sharded over ``dp_shard_cp`` (1-D) or HSDP ``(dp_replicate, dp_shard_cp)`` (2-D). FSDP's own
+gradient division is off (divide factor 1, SUM reductions): the loss already divides by the
+global token count, and ``ReduceOp.AVG`` on gloo is silently wrong (pytorch#162338).
+
+``parameter_layouts`` says, for every parameter, whether it is tensor-parallel sharded and on
+which dim, reading in order (seed 002, Megatron PR #4467's order):
+DTensor placements on the TP mesh dim -> parameter attributes ``tensor_model_parallel`` /
+``partition_dim`` -> module attributes or known column/row-parallel module types -> the
+norm-name fallback -> replicated.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from hybridpar.parallel.dims import ParallelDims
+
+__all__ = ["apply_fsdp", "fsdp_units", "Layout", "parameter_layouts", "MODULE_TP_DIMS"]
+
+# Parameter attributes FSDP2 drops when it re-creates parameters; apply_fsdp copies them back.
+_KEPT_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel")
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks to shard one by one: ``model._fsdp_units`` (modules or names, or a method
+    returning them) if the model gives it, else the first of ``model.model.layers``,
+    ``model.backbone.layers``, ``model.layers``."""
+    hint = getattr(model, "_fsdp_units", None)
+    if hint is not None:
+        units = hint() if callable(hint) else hint
+        return [model.get_submodule(u) if isinstance(u, str) else u for u in units]
+    for path in ("model.layers", "backbone.layers", "layers"):
+        try:
+            layers = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            return list(layers)
+    return []
+
+
+def _mixed_precision(mixed_precision) -> MixedPrecisionPolicy:
+    if mixed_precision is None:
+        return MixedPrecisionPolicy()
+    if isinstance(mixed_precision, MixedPrecisionPolicy):
+        return mixed_precision
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a MixedPrecisionPolicy")
+
+
+def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, mixed_precision=None,
+               reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` every block of ``model`` and the root over the data-parallel mesh.
+
+    ``mesh`` is the root mesh from ``dims.build_mesh()``. Blocks reshard after forward when
+    ``reshard_after_forward``; the root never does (its parameters are needed first in
+    backward). ``mixed_precision``: None (compute in the parameter dtype), ``"bf16"``
+    (bf16 parameters in compute, fp32 gradient reduction) or a ``MixedPrecisionPolicy``.
+    Apply after tensor parallelism; TP parameters become 2-D DTensors (dp, tp).
+    """
+    if tuple(mesh.mesh_dim_names or ()) != ("dp_replicate", "dp_shard", "cp", "tp"):
+        raise ValueError(f"apply_fsdp needs the root mesh from ParallelDims.build_mesh(), got dims "
+                         f"{mesh.mesh_dim_names}")
+    if tuple(mesh.shape) != (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp):
+        raise ValueError(f"mesh shape {tuple(mesh.shape)} does not match {dims}; build the mesh from these dims")
+    dp_mesh = dims.fsdp_mesh(mesh)
+    policy = _mixed_precision(mixed_precision)
+    kept = {name: {a: getattr(p, a) for a in _KEPT_PARAM_ATTRS if hasattr(p, a)}
+            for name, p in model.named_parameters()}
+    units = fsdp_units(model)
+    if not units:
+        warnings.warn(f"{type(model).__name__} has no model.layers / backbone.layers / layers / _fsdp_units; "
+                      "sharding the root as one FSDP unit", stacklevel=2)
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    for name, param in model.named_parameters():
+        for attr, value in kept.get(name, {}).items():
+            setattr(param, attr, value)
+    return model
+
+
+# --------------------------------------------------------------------------------------
+# Parameter layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """TP layout of one parameter: ``sharded`` on ``dim`` (None when replicated), and the rule
+    that decided it: "dtensor", "param_attr", "module_attr", "module_type", "norm_name", "default"."""
+
+    sharded: bool
+    dim: int | None
+    source: str
+
+
+# Known tensor-parallel module classes (by class name) -> the dim their weight is split on.
+# Biases of row-parallel (dim 1) modules are replicated.
+MODULE_TP_DIMS: dict[str, int] = {
+    "ColumnParallelLinear": 0, "TEColumnParallelLinear": 0, "TELayerNormColumnParallelLinear": 0,
+    "VocabParallelEmbedding": 0, "RowParallelLinear": 1, "TERowParallelLinear": 1,
+}
+
+
+def _dtensor_layout(param, tp_dim_names) -> Layout | None:
+    """Layout from the placement on a TP-named mesh dim; None if the mesh has none (e.g. FSDP-only)."""
+    if not isinstance(param, DTensor):
+        return None
+    names = param.device_mesh.mesh_dim_names or ()
+    for mesh_dim, name in enumerate(names):
+        if name in tp_dim_names:
+            placement = param.placements[mesh_dim]
+            if isinstance(placement, Shard):  # includes _StridedShard
+                return Layout(True, placement.dim % param.ndim, "dtensor")
+            return Layout(False, None, "dtensor")
+    return None
+
+
+def _dim_layout(param, dim: int, source: str) -> Layout:
+    """Sharded on ``dim`` if the parameter has that dim, else replicated (row-parallel biases)."""
+    if dim < 0 or param.ndim <= dim:
+        return Layout(False, None, source)
+    return Layout(True, dim, source)
+
+
+def _attribute_layout(obj, param, source: str) -> Layout | None:
+    """Megatron convention: ``tensor_model_parallel`` (bool) and ``partition_dim`` on obj."""
+    if not hasattr(obj, "tensor_model_parallel"):
+        return None
+    if not obj.tensor_model_parallel:
+        return Layout(False, None, source)
+    return _dim_layout(param, int(getattr(obj, "partition_dim", 0)), source)
+
+
+def parameter_layouts(model: nn.Module, tp_dim_names=("tp",)) -> dict[str, Layout]:
+    """The TP layout of every parameter of ``model`` by name (see the module docstring).
+
+    A DTensor mesh dim counts as tensor-parallel when its name is in ``tp_dim_names`` (plus
+    the name of the mesh ``apply_tp`` used, if the model has one); FSDP's data-parallel dims
+    (``Shard(0)`` over dp_shard_cp) are ignored.
+    """
+    tp_mesh = getattr(model, "_tp_mesh", None)
+    tp_dim_names = tuple(tp_dim_names) + tuple(getattr(tp_mesh, "mesh_dim_names", None) or ())
+    layouts: dict[str, Layout] = {}
+    seen: set[int] = set()  # tied parameters are listed once, under their first name
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            layout = (
+                _dtensor_layout(param, tp_dim_names)
+                or _attribute_layout(param, param, "param_attr")
+                or _attribute_layout(module, param, "module_attr")
+            )
+            if layout is None and type(module).__name__ in MODULE_TP_DIMS:
+                layout = _dim_layout(param, MODULE_TP_DIMS[type(module).__name__], "module_type")
+            if layout is None and ("norm" in module_name.rsplit(".", 1)[-1].lower()
+                                   or "norm" in type(module).__name__.lower()):
+                layout = Layout(False, None, "norm_name")
+            layouts[name] = layout or Layout(False, None, "default")
+    return layouts

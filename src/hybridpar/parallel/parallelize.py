@@ -1,0 +1,160 @@
+"""``parallelize()``: lay a model over the 4-D mesh in one fixed order.
+
+    validate everything (no collective before this passes)
+    -> split Mamba2 projections per component (always: parameter names never depend on layout)
+    -> tensor / sequence parallel           (tp > 1)            tp_hybrid / tp plans
+    -> context parallel                     (cp > 1)            cp_attention, cp_mamba
+    -> activation checkpointing per block   (optional)
+    -> FSDP2 over dp_shard x cp, HSDP with dp_replicate          fsdp
+
+FSDP runs whenever a rank shares parameters with another rank that sees different tokens
+(``dp_shard * cp > 1`` or ``dp_replicate > 1``): CP ranks and DP ranks hold partial gradients,
+and FSDP sums them (divide factor 1; the loss divides by the global token count). So after
+``loss.backward()`` every configuration holds fully reduced gradients. TP ranks see the same
+tokens and need no data-parallel reduction.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from hybridpar.models.attention import Attention
+from hybridpar.models.hybrid import HybridLM
+from hybridpar.models.mamba2 import Mamba2Mixer
+from hybridpar.parallel import cp_attention as attention_cp
+from hybridpar.parallel import cp_mamba as mamba_cp
+from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
+from hybridpar.parallel.fsdp import apply_fsdp
+from hybridpar.parallel.tp import apply_tp, get_tp_plan
+from hybridpar.parallel.tp_hybrid import split_mamba_mixers, validate_hybrid_tp
+
+__all__ = ["parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "needs_fsdp"]
+
+_BLOCK_CONTAINERS = ("model.layers", "backbone.layers", "layers")
+
+
+def needs_fsdp(dims: ParallelDims) -> bool:
+    """Whether gradients must be reduced over data/context-parallel ranks (FSDP does it)."""
+    return dims.size("dp_shard_cp") > 1 or dims.dp_replicate > 1
+
+
+def _check_mesh(mesh, dims: ParallelDims) -> None:
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != MESH_DIMS or tuple(mesh.shape) != (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp):
+        raise ValueError(
+            f"mesh has dims {names} and shape {tuple(mesh.shape)} but {dims} needs dims {MESH_DIMS} with shape "
+            f"{(dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)}; pass mesh=dims.build_mesh() or mesh=None."
+        )
+
+
+def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strategy: str, mamba_strategy: str) -> None:
+    """CP head/group rules on the heads each TP rank will hold (strategy objects do no communication)."""
+    attention_core = attention_cp.STRATEGIES[attention_strategy](cp_group)
+    mamba_core = mamba_cp.STRATEGIES[mamba_strategy](cp_group)
+    tp = dims.tp
+    for name, module in model.named_modules():
+        try:
+            if isinstance(module, Mamba2Mixer):
+                mamba_core.validate(module.num_heads // tp, module.n_groups // tp)
+            elif isinstance(module, Attention):
+                attention_core.validate_heads(module.num_heads // tp, module.num_kv_heads // tp)
+        except ValueError as error:
+            raise ValueError(f"module {name!r} at tp={tp}, cp={dims.cp}: {error}") from None
+
+
+def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_strategy: str = "allgather",
+                         cp_mamba_strategy: str = "a2a", sequence_parallel: bool = False, mixed_precision=None,
+                         tp_plan=None) -> None:
+    """Every rule ``parallelize`` needs that can be checked without a mesh; raises ``ValueError``."""
+    if not isinstance(dims, ParallelDims):
+        raise ValueError(f"dims must be a ParallelDims, got {type(dims).__name__}; e.g. ParallelDims(cp=2, tp=2).")
+    if dist.is_initialized():
+        dims.validate(dist.get_world_size())
+    if cp_attention_strategy not in attention_cp.STRATEGIES:
+        raise ValueError(f"unknown cp_attention={cp_attention_strategy!r}; choose one of {sorted(attention_cp.STRATEGIES)}.")
+    if cp_mamba_strategy not in mamba_cp.STRATEGIES:
+        raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
+    if dims.cp > 1 and not isinstance(model, HybridLM):
+        raise ValueError(f"context parallelism (cp={dims.cp}) needs hybridpar's attention and Mamba2 cores, but the "
+                         f"model is a {type(model).__name__}; use cp=1 (TP/FSDP work) or load it as a HybridLM.")
+    if mixed_precision is not None:
+        if not needs_fsdp(dims):
+            raise ValueError(f"mixed_precision={mixed_precision!r} is applied by FSDP, which {dims} does not use; "
+                             "set mixed_precision=None or add data/context parallelism.")
+        if not (mixed_precision == "bf16" or isinstance(mixed_precision, MixedPrecisionPolicy)):
+            raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
+                             "torch MixedPrecisionPolicy.")
+    if dims.tp > 1 or tp_plan is not None:
+        resolved = get_tp_plan(model, tp_plan, sequence_parallel and dims.tp > 1)  # unknown names raise here
+        if dims.tp > 1 and resolved.entry is not None and resolved.entry.validate is not None:
+            resolved.entry.validate(model, dims.tp)
+    if dims.tp > 1:
+        validate_hybrid_tp(model, dims.tp)  # hybridpar mixers inside any model, whatever plan was given
+
+
+def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", mamba_strategy: str = "a2a") -> nn.Module:
+    """Install the context-parallel cores on every attention and Mamba2 mixer."""
+    attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
+    mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Wrap every block (``model.layers`` / ``backbone.layers`` / ``layers``) in a non-reentrant
+    checkpoint: activations inside a block are recomputed in backward (exactly: no randomness)."""
+    for path in _BLOCK_CONTAINERS:
+        try:
+            layers = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            for index, block in enumerate(layers):
+                layers[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            return model
+    raise ValueError(f"{type(model).__name__} has none of {list(_BLOCK_CONTAINERS)} as a module list of blocks; "
+                     "activation checkpointing wraps those. Set activation_checkpointing=False.")
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    mesh=None,
+    cp_attention: str = "allgather",
+    cp_mamba: str = "a2a",
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
+    mixed_precision=None,
+    tp_plan=None,
+) -> nn.Module:
+    """Parallelize ``model`` in place over ``dims`` and return it (see the module docstring).
+
+    ``mesh``: the root mesh from ``dims.build_mesh()`` (built here when None; needs an
+    initialized process group unless every degree is 1). ``tp_plan``: a plan dict, callable
+    or registered name (default: the registry entry for the model class). ``mixed_precision``:
+    None, ``"bf16"`` or a ``MixedPrecisionPolicy`` (FSDP's). The mesh is kept on
+    ``model._parallel_mesh`` and the dims on ``model._parallel_dims``.
+    """
+    validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
+                         sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan)
+    if dims.world_size > 1 or mesh is not None:
+        mesh = dims.build_mesh() if mesh is None else mesh
+        _check_mesh(mesh, dims)
+    if dims.cp > 1:
+        _cp_checks(model, dims, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)
+
+    split_mamba_mixers(model)
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], plan=tp_plan, sequence_parallel=sequence_parallel)
+    if dims.cp > 1:
+        apply_cp(model, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if needs_fsdp(dims):
+        apply_fsdp(model, mesh, dims, mixed_precision=mixed_precision)
+    model._parallel_dims = dims
+    model._parallel_mesh = mesh
+    return model

@@ -1,0 +1,125 @@
+"""Full, layout-free parameter and gradient dicts of a parallelized model, and their inverse.
+
+``canonical_state_dict(model)`` maps the single-device names (``model.named_parameters()`` of
+the unparallelized model: tied weights once, no buffers) to full tensors, whatever was applied:
+
+- DTensors (TP, FSDP, FSDP+TP, HSDP) are gathered with ``full_tensor()``; a ``Partial``
+  gradient is summed. This is a collective: every rank of the model's meshes must call it,
+  and every rank gets the full dict.
+- Parameters stored per component (``tp_hybrid.SplitInProj`` / ``SplitConv1d``, or any
+  module with ``fused_parameters()`` and ``component_sizes``) are concatenated back into the
+  fused tensor, e.g. ``in_proj.weight = cat(weight_z, weight_x, weight_B, weight_C, weight_dt)``
+  in Hugging Face row order.
+- Wrapper atoms (``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``, ``_orig_mod``) are
+  dropped from names.
+
+``load_canonical_state_dict(model, state)`` copies such full tensors into a parallelized model,
+each rank keeping its own shard (no communication: every rank holds the full tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["WRAPPER_ATOMS", "canonical_name", "canonical_state_dict", "load_canonical_state_dict"]
+
+WRAPPER_ATOMS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without activation-checkpoint, FSDP1 or ``torch.compile`` wrapper atoms."""
+    return ".".join(atom for atom in name.split(".") if atom not in WRAPPER_ATOMS)
+
+
+def _components(model: nn.Module) -> dict[str, tuple[str, int, list[int]]]:
+    """``{component parameter name: (canonical fused name, position, full rows of each part)}``."""
+    out = {}
+    for module_name, module in model.named_modules():
+        fused = getattr(module, "fused_parameters", None)
+        if fused is None:
+            continue
+        sizes = list(module.component_sizes.values())
+        for fused_name, parts in fused().items():
+            full_name = canonical_name(f"{module_name}.{fused_name}" if module_name else fused_name)
+            for position, part in enumerate(parts):
+                out[f"{module_name}.{part}" if module_name else part] = (full_name, position, sizes)
+    return out
+
+
+def _full(t: Tensor) -> Tensor:
+    """A copy of the whole tensor on this rank (all-gather / sum over the DTensor's mesh), detached."""
+    if not isinstance(t, DTensor):
+        return t.detach().clone()
+    full = t.full_tensor().detach()
+    if full.untyped_storage().data_ptr() == t._local_tensor.untyped_storage().data_ptr():
+        full = full.clone()  # Replicate: full_tensor() is the local tensor itself
+    return full
+
+
+@torch.no_grad()
+def canonical_state_dict(model: nn.Module, grads: bool = False) -> dict[str, Tensor]:
+    """Full tensors under single-device names (see the module docstring); ``grads=True`` gives
+    the same for ``.grad`` (parameters without a gradient are left out). Collective."""
+    components = _components(model)
+    out: dict[str, Tensor | None] = {}
+    parts: dict[str, dict[int, Tensor]] = {}
+    for name, param in model.named_parameters():
+        value = param.grad if grads else param
+        if value is None:
+            continue
+        full = _full(value)
+        if name in components:
+            fused_name, position, _ = components[name]
+            out.setdefault(fused_name, None)  # keep the fused tensor where its first part was
+            parts.setdefault(fused_name, {})[position] = full
+        else:
+            out[canonical_name(name)] = full
+    for fused_name, pieces in parts.items():
+        expected = len(next(sizes for n, (f, _, sizes) in components.items() if f == fused_name))
+        if len(pieces) != expected:
+            raise ValueError(f"{fused_name}: only parts {sorted(pieces)} of {expected} have "
+                             f"{'gradients' if grads else 'values'}; a fused tensor needs all of them.")
+        out[fused_name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
+    return out
+
+
+def _shard_like(full: Tensor, param: DTensor) -> Tensor:
+    """This rank's local shard of ``full`` under ``param``'s mesh and placements (no communication)."""
+    mesh = param.device_mesh
+    replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, param.placements).to_local()
+
+
+@torch.no_grad()
+def load_canonical_state_dict(model: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
+    """Copy full canonical tensors (``canonical_state_dict``'s format) into ``model``'s
+    parameters, sharded like each parameter. ``strict``: every key used, every parameter set."""
+    components = _components(model)
+    used, missing = set(), []
+    for name, param in model.named_parameters():
+        if name in components:
+            key, position, sizes = components[name]
+            source = state.get(key)
+            full = None if source is None else source.split(sizes, dim=0)[position]
+        else:
+            key = canonical_name(name)
+            full = state.get(key)
+        if full is None:
+            missing.append(key)
+            continue
+        used.add(key)
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(f"{key}: state tensor has shape {tuple(full.shape)} but the parameter {name} is "
+                             f"{tuple(param.shape)} (full shape); load a state of the same model config.")
+        full = full.to(device=param.device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            param.to_local().copy_(_shard_like(full, param))
+        else:
+            param.copy_(full)
+    unexpected = sorted(set(state) - used)
+    if strict and (missing or unexpected):
+        raise ValueError(f"canonical state does not match the model: missing {sorted(set(missing))}, unexpected "
+                         f"{unexpected}; pass strict=False to load a subset.")
