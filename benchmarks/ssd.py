@@ -6,7 +6,9 @@ dt/A: dt = softplus(raw + dt_bias) with dt_bias from dt in [1e-3, 1e-1], A in [-
 For each length L, forward+backward (gradients of x, dt, A, B, C, D, dt_bias):
 
 - wall time: median over repeats; all implementations run round-robin in one process per L so
-  that load from other jobs on the machine hits them alike;
+  that load from other jobs on the machine hits them alike. One torch thread by default: on a
+  shared 2-core machine two OpenMP threads per process oversubscribe the cores, and the
+  sequential reference's thousands of tiny ops then slow down 5-30x at random;
 - peak memory: one forward+backward in a fresh subprocess per (implementation, L), peak RSS
   (``ru_maxrss``) minus the RSS just before the call, in MiB.
 
@@ -14,7 +16,7 @@ Extra rows: ``ssd_scan`` with 8 packed documents (transformers' fallback refuses
 and with chunk 64. The sequential reference only runs at L <= 4K. Accuracy: at L=1K each
 float32 output and x-gradient is compared with the float64 sequential reference.
 
-    python benchmarks/ssd.py [--quick]
+    python benchmarks/ssd.py [--quick] [--threads 1]
 
 Prints a table and writes benchmarks/results/ssd.{json,md}.
 """
@@ -157,8 +159,9 @@ def accuracy(seqlen: int = 1024) -> dict:
     return result
 
 
-def run_worker(*args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True, check=True)
+def run_worker(threads: int, *args: str) -> dict:
+    command = [sys.executable, __file__, "--threads", str(threads), "--worker", *args]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -174,9 +177,11 @@ def hf_backend() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="L in {1K, 4K}, fewer repeats, reference at 1K only")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per measuring process (default 1)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.set_num_threads(args.threads)
     if args.worker:
         kind, *rest = args.worker
         if kind == "memory":
@@ -190,14 +195,15 @@ def main() -> None:
     repeats, ref_repeats = (5, 1) if args.quick else (7, 2)
     ref_max = 1024 if args.quick else REFERENCE_MAX_LEN
     backend = hf_backend()
+    load_start = os.getloadavg()
     print(f"transformers mamba2_chunk_scan backend: {backend}")
     rows = []
     for seqlen in lengths:
         impls = [i for i in IMPLS if i != "reference" or seqlen <= ref_max]
         print(f"L={seqlen}: timing {', '.join(impls)} ...", flush=True)
-        times = run_worker("time", str(seqlen), str(repeats), str(ref_repeats), *impls)
+        times = run_worker(args.threads, "time", str(seqlen), str(repeats), str(ref_repeats), *impls)
         for impl in impls:
-            memory = run_worker("memory", impl, str(seqlen))
+            memory = run_worker(args.threads, "memory", impl, str(seqlen))
             rows.append({"impl": impl, "name": IMPLS[impl], "seqlen": seqlen, **times[impl], **memory})
     acc = accuracy()
     verdicts = targets(rows)
@@ -205,7 +211,8 @@ def main() -> None:
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpu": platform.processor(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "load_avg": os.getloadavg()},
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "load_avg_start": load_start, "load_avg_end": os.getloadavg()},
         "config": CONFIG, "hf_backend": backend, "rows": rows, "accuracy_vs_float64_reference_L1024": acc, "targets": verdicts,
     }
     markdown = to_markdown(record)
@@ -239,7 +246,8 @@ def to_markdown(record: dict) -> str:
         f"Command: `{record['command']}`  ",
         f"Date: {record['date']}  ",
         f"Machine: {machine['cpus']} CPUs, {machine['torch_threads']} torch threads, torch {machine['torch']}, "
-        f"load average at start {', '.join(f'{x:.1f}' for x in machine['load_avg'])} (shared machine: times are noisy)  ",
+        f"load average (1/5/15 min) at start {', '.join(f'{x:.1f}' for x in machine['load_avg_start'])}, at end "
+        f"{', '.join(f'{x:.1f}' for x in machine['load_avg_end'])} (shared machine: times are noisy)  ",
         f"Config: B={cfg['batch']}, H={cfg['nheads']}, P={cfg['headdim']}, G={cfg['ngroups']}, N={cfg['dstate']}, "
         f"chunk {cfg['chunk_size']}, {cfg['dtype']}, forward+backward; transformers backend: {record['hf_backend']}", "",
         "| implementation | L | fwd+bwd median (s) | peak memory (MiB) | time / ssd_scan | memory / ssd_scan |",
