@@ -50,10 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
+from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention import Attention, attend, causal_attention, document_causal_mask
 from hybridpar.parallel.comm import all_gather, hidden_to_seq, seq_to_hidden
-from hybridpar.parallel.inputs import group_size_and_rank
+from hybridpar.parallel.cp_core import ContextParallelCore
 
 __all__ = [
     "AllGatherAttention",
@@ -85,40 +85,8 @@ def attention_cp_bytes_per_layer(
     raise ValueError(f"unknown attention context-parallel strategy {strategy!r}; choose one of ['allgather', 'ulysses'].")
 
 
-def _check_layout(packed: PackedSeqParams | None, cp_size: int, cp_rank: int, local_tokens: int, who: str) -> ContextParallelLayout:
-    """This rank's layout, checked against the group and the tensors (no communication)."""
-    layout = packed.cp if packed is not None else None
-    if layout is None:
-        raise ValueError(
-            f"{who} runs on a context-parallel group of size {cp_size} but got packed params without a CP "
-            "layout (packed.cp is None); pass the PackedSeqParams that shard_inputs(..., cp_group=...) returns "
-            "for this rank (dense batches get one too)."
-        )
-    if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
-        raise ValueError(
-            f"{who}: packed params were localized for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the "
-            f"attention's cp_group has size {cp_size} and this rank is {cp_rank}; shard the batch with the same "
-            "cp_group the attention was parallelized with."
-        )
-    if layout.local_indices.numel() != local_tokens:
-        raise ValueError(
-            f"{who}: q/k/v hold {local_tokens} tokens per row but this rank's layout holds "
-            f"{layout.local_indices.numel()}; pass the packed params built for this batch."
-        )
-    return layout
-
-
-class _ContextParallelCore:
-    """Common part of the strategies: the group, its size and this rank's place in it."""
-
-    name = ""
-
-    def __init__(self, cp_group: dist.ProcessGroup | None):
-        self.cp_group = cp_group
-        self.cp_size, self.cp_rank = group_size_and_rank(cp_group, "cp_group")
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(cp_size={self.cp_size}, cp_rank={self.cp_rank})"
+class _AttentionCore(ContextParallelCore):
+    """Common part of the attention strategies: head and shape checks."""
 
     def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:
         """Raise ``ValueError`` if this strategy cannot run these (rank-local) head counts."""
@@ -136,7 +104,7 @@ class _ContextParallelCore:
         self.validate_heads(q.shape[2], k.shape[2])
 
 
-class AllGatherAttention(_ContextParallelCore):
+class AllGatherAttention(_AttentionCore):
     """All-gather K, V over CP; local queries attend to all keys under a global-index mask."""
 
     name = "allgather"
@@ -145,9 +113,9 @@ class AllGatherAttention(_ContextParallelCore):
         self._check_qkv(q, k, v)
         if self.cp_size == 1:
             if packed is not None and packed.cp is not None:
-                _check_layout(packed, 1, 0, q.shape[1], "allgather attention")
+                self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
             return causal_attention(q, k, v, packed)
-        layout = _check_layout(packed, self.cp_size, self.cp_rank, q.shape[1], "allgather attention")
+        layout = self.checked_layout(packed, q.shape[1])
         num_kv_heads = k.shape[2]
         kv = torch.cat([k, v], dim=2)  # 2 x [B, S/P, Hkv, Dh] -> [B, S/P, 2*Hkv, Dh]
         kv = all_gather(kv, self.cp_group, 1)  # [B, S/P, 2*Hkv, Dh] -> [B, S, 2*Hkv, Dh], gathered order
@@ -161,7 +129,7 @@ class AllGatherAttention(_ContextParallelCore):
         return attend(q, k_all, v_all, mask=mask)  # [B, S/P, Hq, Dh]
 
 
-class UlyssesAttention(_ContextParallelCore):
+class UlyssesAttention(_AttentionCore):
     """All-to-all sequence -> heads, full-sequence attention on Hq/P heads, all-to-all back."""
 
     name = "ulysses"
@@ -180,9 +148,9 @@ class UlyssesAttention(_ContextParallelCore):
         self._check_qkv(q, k, v)
         if self.cp_size == 1:
             if packed is not None and packed.cp is not None:
-                _check_layout(packed, 1, 0, q.shape[1], "ulysses attention")
+                self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
             return causal_attention(q, k, v, packed)
-        layout = _check_layout(packed, self.cp_size, self.cp_rank, q.shape[1], "ulysses attention")
+        layout = self.checked_layout(packed, q.shape[1])
         batch, local_len, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[2]
         kv_heads = ulysses_kv_heads(num_kv_heads, self.cp_size)

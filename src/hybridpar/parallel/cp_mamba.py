@@ -44,7 +44,7 @@ from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
 from hybridpar.models.mamba2 import Mamba2Mixer, conv_scan, local_conv_scan
 from hybridpar.parallel.comm import hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.cp_mamba_state import SegmentPlan, build_segment_plan, state_passing_conv_scan
-from hybridpar.parallel.inputs import group_size_and_rank
+from hybridpar.parallel.cp_core import ContextParallelCore
 
 __all__ = [
     "MambaContextParallelCore",
@@ -53,7 +53,6 @@ __all__ = [
     "STRATEGIES",
     "apply_mamba_cp",
     "a2a_bytes_per_layer",
-    "check_layout",
     "local_tensor",
     "mixer_local_sizes",
 ]
@@ -84,40 +83,8 @@ def a2a_bytes_per_layer(
     return element_size * batch * (seq_len / cp) * (cp - 1) / cp * width
 
 
-def check_layout(packed: PackedSeqParams | None, cp_size: int, cp_rank: int, local_tokens: int, who: str) -> ContextParallelLayout:
-    """This rank's layout, checked against the group and the tensors (no communication)."""
-    layout = packed.cp if packed is not None else None
-    if layout is None:
-        raise ValueError(
-            f"{who} runs on a context-parallel group of size {cp_size} but got packed params without a CP "
-            "layout (packed is None or packed.cp is None); pass the PackedSeqParams that "
-            "shard_inputs(..., cp_group=...) returns for this rank (dense batches get one too)."
-        )
-    if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
-        raise ValueError(
-            f"{who}: packed params were localized for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the "
-            f"mixer's cp_group has size {cp_size} and this rank is {cp_rank}; shard the batch with the same "
-            "cp_group the model was parallelized with."
-        )
-    if layout.local_indices.numel() != local_tokens:
-        raise ValueError(
-            f"{who}: xBC holds {local_tokens} tokens per row but this rank's layout holds "
-            f"{layout.local_indices.numel()}; pass the packed params built for this batch."
-        )
-    return layout
-
-
-class MambaContextParallelCore:
-    """Common part of the strategies: the group, its size and this rank's place in it."""
-
-    name = ""
-
-    def __init__(self, cp_group: dist.ProcessGroup | None):
-        self.cp_group = cp_group
-        self.cp_size, self.cp_rank = group_size_and_rank(cp_group, "cp_group")
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(cp_size={self.cp_size}, cp_rank={self.cp_rank})"
+class MambaContextParallelCore(ContextParallelCore):
+    """Common part of the Mamba2 strategies: head/group checks read from the tensors."""
 
     def validate(self, num_heads: int, n_groups: int) -> None:
         """Raise ``ValueError`` if this strategy cannot run these (rank-local) head/group counts."""
@@ -203,7 +170,7 @@ class HiddenParallelMamba(MambaContextParallelCore):
         heads, groups, d_inner = self._sizes(mixer, xBC, dt)
         if self.cp_size == 1:
             return local_conv_scan(mixer, xBC, dt, packed)
-        layout = check_layout(packed, self.cp_size, self.cp_rank, xBC.shape[1], "a2a mamba")
+        layout = self.checked_layout(packed, xBC.shape[1])
         batch, local_len, _ = xBC.shape
         state = mixer.ssm_state_size
         x, B, C = xBC.split([d_inner, groups * state, groups * state], dim=-1)  # [B, L/P, d_inner | G*N | G*N]
@@ -255,7 +222,7 @@ class StatePassingMamba(MambaContextParallelCore):
         self._sizes(mixer, xBC, dt)
         if self.cp_size == 1:
             return local_conv_scan(mixer, xBC, dt, packed)
-        layout = check_layout(packed, self.cp_size, self.cp_rank, xBC.shape[1], "state mamba")
+        layout = self.checked_layout(packed, xBC.shape[1])
         plan = self.plan(layout, packed, xBC.shape[0], mixer, xBC.device)
         return state_passing_conv_scan(
             xBC, dt, local_tensor(mixer.conv1d.weight).squeeze(1), local_tensor(mixer.conv1d.bias),
