@@ -1,10 +1,10 @@
-# hybridpar: `make test` sets everything up on a fresh machine.
+# hybridpar: `make demo` and `make test` set everything up on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install clean
+.PHONY: demo test install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The default job: the tiny hybrid model on packed MQAR, 4 processes as cp=2 x tp=2.
+demo: $(STAMP)
+	$(PY) -m hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 4 checkpoint.resume=null
 
 test: $(STAMP)
 	$(PY) -m pytest -q

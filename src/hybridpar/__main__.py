@@ -1,0 +1,5 @@
+import sys
+
+from hybridpar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Trainer, loss, checkpoints and metrics."""

@@ -1,0 +1,58 @@
+"""``hybridpar check``: one step under the configured layout against a single process.
+
+Every rank also builds the single-device model from the same seed, runs the same step's
+packs through it, and compares the loss and the full (gathered) gradient of every
+parameter. A user's proof that their layout computes what one GPU would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.config import RunConfig
+from hybridpar.parallel.state import canonical_state_dict
+from hybridpar.train.loss import token_loss_sum, valid_token_count
+from hybridpar.train.trainer import Trainer, build_model, pack_tensors
+
+TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def reference_step(model, packs, device) -> torch.Tensor:
+    """Loss of one step on one process (gradients left in ``model``)."""
+    count = sum(valid_token_count(p["labels"]) for p in packs)
+    total = torch.zeros((), dtype=torch.float64)
+    for pack in packs:
+        input_ids, labels, packed = pack_tensors(pack, device)
+        loss_sum = token_loss_sum(model(input_ids, packed=packed), labels)
+        (loss_sum / count).backward()
+        total += loss_sum.detach().double()
+    return total / count
+
+
+def run_check(config: RunConfig, device: torch.device, tolerance: float | None = None) -> int:
+    """Print one line per quantity with its largest difference; 0 when all are in tolerance.
+
+    The default tolerance follows the model dtype (1e-9 for float64)."""
+    reference = build_model(config).to(device)
+    trainer = Trainer(config, device)
+    tolerance = tolerance if tolerance is not None else TOLERANCES[next(reference.parameters()).dtype]
+    parallel_loss = trainer.step_gradients(0)
+    parallel_grads = canonical_state_dict(trainer.model, grads=True)
+    reference_loss = reference_step(reference, trainer.train_data.step_packs(0), device)
+
+    rows = [("loss", float((parallel_loss - reference_loss).abs()), float(reference_loss.abs()))]
+    for name, param in reference.named_parameters():
+        difference = (parallel_grads[name].to(param.grad.dtype) - param.grad).abs().max()
+        rows.append((f"grad {name}", float(difference), float(param.grad.abs().max())))
+    failures = [name for name, difference, scale in rows if difference > tolerance * max(1.0, scale)]
+    if dist.get_rank() == 0:
+        p = config.parallel
+        print(f"check: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
+              f"sp={p.sequence_parallel} cp_attention={p.cp_attention} cp_mamba={p.cp_mamba} "
+              f"dtype={config.model.dtype} tolerance={tolerance:.0e} (relative to max(1, |reference|))")
+        for name, difference, _ in rows:
+            print(f"  {name:<58} max|diff| {difference:.3e}  {'FAIL' if name in failures else 'ok'}")
+        verdict = f"FAILED: {len(failures)} of {len(rows)} quantities out of tolerance" if failures else f"exact: all {len(rows)} quantities within tolerance"
+        print(f"check {verdict}", flush=True)
+    return 1 if failures else 0

@@ -1,0 +1,182 @@
+"""The main job on real gloo ranks: it learns, resumes exactly, and fails clearly.
+
+Every test starts one group of ranks through the harness and runs the trainer inside
+it, the same code ``hybridpar train`` runs under torchrun.
+"""
+
+import contextlib
+import io
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from hybridpar.config import load_config
+from tests.distributed.harness import run_ranks
+
+DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
+QUIET = ["tensorboard=false", "plot=false"]
+
+
+def _train(rank, world_size, overrides, stop_after=None):
+    from hybridpar.train.trainer import Trainer
+
+    history = Trainer(load_config(DEFAULT, overrides + QUIET), torch.device("cpu")).fit(stop_after=stop_after)
+    return history if rank == 0 else None
+
+
+def test_default_job_learns_mqar_on_four_ranks(tmp_path):
+    """The default layout (cp=2, tp=2, sequence parallel): loss falls clearly and recall
+    beats chance (15 MQAR values: chance 1/15)."""
+    history = run_ranks(4, _train, [f"output_dir={tmp_path}", "checkpoint.every=-1"], timeout_s=600)[0]
+    first, last = history[0], history[-1]
+    assert first["loss"] - last["loss"] > 1.0, (first, last)
+    assert last["eval_accuracy"] > 2 / 15, last
+
+
+def _resume_run(rank, world_size, directory, first_layout, second_layout):
+    """Steps 1-3 under one layout, a checkpoint, then steps 4-6 resumed under another."""
+    from hybridpar.train.trainer import Trainer
+
+    common = [f"output_dir={directory}", "model.dtype=float64", "train.steps=6", "train.log_every=1",
+              "train.eval_every=0", "checkpoint.every=3", "data.pad_to_multiple_of=4", "data.packs_per_step=2"] + QUIET
+    before = Trainer(load_config(DEFAULT, common + first_layout), torch.device("cpu")).fit(stop_after=3)
+    after = Trainer(load_config(DEFAULT, common + second_layout), torch.device("cpu")).fit()
+    return [r["loss"] for r in before + after] if rank == 0 else None
+
+
+def _uninterrupted(rank, world_size, directory, layout):
+    from hybridpar.train.trainer import Trainer
+
+    common = [f"output_dir={directory}", "model.dtype=float64", "train.steps=6", "train.log_every=1",
+              "train.eval_every=0", "checkpoint.every=-1", "data.pad_to_multiple_of=4", "data.packs_per_step=2"] + QUIET
+    history = Trainer(load_config(DEFAULT, common + layout), torch.device("cpu")).fit()
+    return [r["loss"] for r in history] if rank == 0 else None
+
+
+CP2_TP2 = ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+DP2_TP2 = ["parallel.cp=1", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=false"]
+
+
+def test_resume_gives_the_same_losses_at_the_same_and_at_another_layout(tmp_path):
+    reference = run_ranks(4, _uninterrupted, str(tmp_path / "straight"), CP2_TP2, timeout_s=600)[0]
+    same = run_ranks(4, _resume_run, str(tmp_path / "same"), CP2_TP2, CP2_TP2, timeout_s=600)[0]
+    other = run_ranks(4, _resume_run, str(tmp_path / "other"), CP2_TP2, DP2_TP2, timeout_s=600)[0]
+    assert len(reference) == len(same) == len(other) == 6
+    torch.testing.assert_close(torch.tensor(same), torch.tensor(reference), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(other), torch.tensor(reference), rtol=1e-10, atol=1e-10)
+
+
+def _interrupted_save(rank, world_size, directory):
+    """A save that dies half-way leaves the previous checkpoint as the one to load."""
+    import torch.distributed.checkpoint as dcp
+
+    from hybridpar.train import checkpoint as ckpt
+    from hybridpar.train.trainer import Trainer
+
+    overrides = [f"output_dir={directory}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
+                 "train.steps=4", "train.eval_every=0", "checkpoint.every=2"] + QUIET
+    trainer = Trainer(load_config(DEFAULT, overrides), torch.device("cpu"))
+    trainer.fit(stop_after=2)
+    original_save = dcp.save
+
+    def dying_save(state, checkpoint_id):
+        original_save(state, checkpoint_id=checkpoint_id)  # shards written, but the rename never happens
+        raise KeyboardInterrupt("killed while writing")
+
+    ckpt.dcp.save = dying_save
+    try:
+        trainer.fit(stop_after=4)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ckpt.dcp.save = original_save
+    latest = ckpt.latest_checkpoint(f"{directory}/checkpoints")
+    resumed = Trainer(load_config(DEFAULT, overrides), torch.device("cpu"))
+    resumed.resume()
+    return latest.name, resumed.start_step, sorted(p.name for p in Path(f"{directory}/checkpoints").iterdir())
+
+
+def test_interrupted_checkpoint_leaves_the_previous_one_loadable(tmp_path):
+    results = run_ranks(2, _interrupted_save, str(tmp_path), timeout_s=300)
+    for latest, start_step, entries in results:
+        assert latest == "step_00000002" and start_step == 2
+        assert "step_00000004.tmp" in entries and "step_00000004" not in entries
+
+
+def _cli(rank, world_size, argv):
+    from hybridpar.cli import main
+
+    stderr, stdout = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        code = main(argv)
+    return code, stderr.getvalue(), stdout.getvalue()
+
+
+def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
+    corrupt = tmp_path / "corrupt"
+    good = [f"output_dir={tmp_path / 'good'}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
+            "train.steps=1", "train.eval_every=0", "checkpoint.every=1"] + QUIET
+    run_ranks(2, _cli, ["train", "--config", DEFAULT, *good], timeout_s=300)
+    shutil.copytree(tmp_path / "good" / "checkpoints" / "step_00000001", corrupt)
+    for shard in corrupt.glob("*.distcp"):
+        shard.write_bytes(b"not a checkpoint")
+    cases = [
+        (["train.nonsense=1"], "unknown config key"),
+        (["parallel.cp=3"], "but the world size is 2"),
+        (["parallel.cp=1", "parallel.tp=2", "model.overrides={mamba_num_heads: 6, mamba_n_groups: 3}"],
+         "n_groups.*3.*tp"),
+        (["parallel.cp_mamba=ring"], "unknown cp_mamba"),
+        (["data.task=jsonl"], "is not a file"),
+        ([f"checkpoint.resume={corrupt}"], "could not be loaded"),
+    ]
+    base = ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=2",
+            f"output_dir={tmp_path / 'bad'}"] + QUIET
+    for overrides, message in cases:
+        for code, stderr, _ in run_ranks(2, _cli, ["train", "--config", DEFAULT, *base, *overrides], timeout_s=300):
+            assert code == 2, (overrides, stderr)
+            assert len(stderr.strip().splitlines()) == 1, stderr
+            assert re.search(message, stderr), (overrides, stderr)
+
+
+def test_check_reports_exact_layout_and_fails_beyond_tolerance(tmp_path):
+    overrides = ["model.dtype=float64", f"output_dir={tmp_path}"] + QUIET
+    results = run_ranks(4, _cli, ["check", "--config", DEFAULT, *overrides], timeout_s=300)
+    code, _, report = results[0]
+    assert all(r[0] == 0 for r in results), report
+    assert "check exact" in report and report.count(" ok") >= 30
+    differences = [float(line.split("max|diff|")[1].split()[0]) for line in report.splitlines() if "max|diff|" in line]
+    assert max(differences) < 1e-9
+    strict = ["check", "--config", DEFAULT, "--tolerance", "1e-30", "model.dtype=float32", f"output_dir={tmp_path}"] + QUIET
+    results = run_ranks(4, _cli, strict, timeout_s=300)
+    assert all(r[0] == 1 for r in results) and "FAILED" in results[0][2]
+
+
+def test_fine_tune_a_hugging_face_checkpoint_and_export_it(tmp_path):
+    """NemotronH from a local directory -> 3 steps at tp=2 x cp=2 -> HF export that
+    transformers loads with the logits of our model."""
+    from transformers import AutoModelForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+    from hybridpar.models.hybrid import HybridLM
+
+    torch.manual_seed(0)
+    config = NemotronHConfig(
+        vocab_size=256, hidden_size=32, hybrid_override_pattern="M*-M-", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+        ssm_state_size=8, chunk_size=8,
+    )
+    NemotronHForCausalLM(config).save_pretrained(tmp_path / "original")
+    overrides = [f"model.hf_path={tmp_path / 'original'}", f"model.export_hf={tmp_path / 'tuned'}",
+                 f"output_dir={tmp_path / 'run'}", "train.steps=3", "train.eval_every=0", "checkpoint.every=-1"]
+    run_ranks(4, _train, overrides, timeout_s=300)
+
+    ours = HybridLM.from_hf(tmp_path / "tuned")
+    before = HybridLM.from_hf(tmp_path / "original")
+    assert not torch.equal(ours.lm_head.weight, before.lm_head.weight)  # it was trained
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "tuned", attn_implementation="eager").eval()
+    ids = torch.randint(0, 256, (2, 19))
+    with torch.no_grad():
+        expected = theirs(ids, use_cache=False).logits
+        actual = ours(ids)
+    assert ((actual - expected).abs().max() / expected.abs().max()) < 1e-5
