@@ -19,6 +19,7 @@ import sys
 import warnings
 
 from hybridpar.config import RunConfig, load_config
+from hybridpar.parallel.dims import ParallelDims
 
 COMMANDS = ("train", "check", "plan")
 
@@ -40,7 +41,7 @@ def launched_by_torchrun() -> bool:
 def relaunch_with_torchrun(args: argparse.Namespace, config: RunConfig) -> int:
     """Start ``args.nproc_per_node`` local processes running this same command."""
     p = config.parallel
-    needed = p.dp_replicate * p.dp_shard * p.cp * p.tp
+    needed = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp).world_size
     if needed != args.nproc_per_node:
         raise ValueError(
             f"--nproc-per-node {args.nproc_per_node} does not fit the layout dp_replicate*dp_shard*cp*tp = "

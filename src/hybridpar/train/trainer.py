@@ -47,6 +47,11 @@ def build_model(config: RunConfig) -> HybridLM:
     return HybridLM(HybridConfig.from_preset(config.model.preset, dtype=dtype, **config.model.overrides))
 
 
+def parallel_dims(config: RunConfig) -> ParallelDims:
+    p = config.parallel
+    return ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp)
+
+
 @dataclass
 class Layout:
     """The mesh and the groups one training step needs."""
@@ -61,9 +66,7 @@ class Layout:
 
     @classmethod
     def build(cls, config: RunConfig, device_type: str) -> "Layout":
-        p = config.parallel
-        dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp)
-        dims.validate(dist.get_world_size())
+        dims = parallel_dims(config)
         mesh = dims.build_mesh(device_type)
         dp_mesh = ParallelDims.mesh(mesh, "dp")
         return cls(
@@ -90,10 +93,10 @@ class Trainer:
         self.vocab_size = model.config.vocab_size
         p = config.parallel
         validate_parallelize(
-            model, ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp), cp_attention_strategy=p.cp_attention,
+            model, parallel_dims(config), cp_attention_strategy=p.cp_attention,
             cp_mamba_strategy=p.cp_mamba, sequence_parallel=p.sequence_parallel, mixed_precision=p.mixed_precision,
         )
-        cp = config.parallel.cp
+        cp = p.cp
         self.train_data = PackStream(config.data, cp, self.vocab_size, config.train.steps)
         eval_config = dataclasses.replace(config.data, packs_per_step=max(config.train.eval_packs, 1))
         self.eval_data = PackStream(eval_config, cp, self.vocab_size, 1, seed_offset=10_000)
