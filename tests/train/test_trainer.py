@@ -35,37 +35,38 @@ def test_default_job_learns_mqar_on_four_ranks(tmp_path):
     assert last["eval_accuracy"] > 2 / 15, last
 
 
-def _resume_run(rank, world_size, directory, first_layout, second_layout):
-    """Steps 1-3 under one layout, a checkpoint, then steps 4-6 resumed under another."""
+RESUME = ["model.dtype=float64", "train.steps=6", "train.log_every=1", "train.eval_every=0",
+          "data.pad_to_multiple_of=4", "data.packs_per_step=2"] + QUIET
+
+
+def _steps(rank, world_size, directory, layout, stop_after=None, checkpoint_every=3):
+    """Train (or resume) in ``directory`` under ``layout``; rank 0 returns the step losses."""
     from hybridpar.train.trainer import Trainer
 
-    common = [f"output_dir={directory}", "model.dtype=float64", "train.steps=6", "train.log_every=1",
-              "train.eval_every=0", "checkpoint.every=3", "data.pad_to_multiple_of=4", "data.packs_per_step=2"] + QUIET
-    before = Trainer(load_config(DEFAULT, common + first_layout), torch.device("cpu")).fit(stop_after=3)
-    after = Trainer(load_config(DEFAULT, common + second_layout), torch.device("cpu")).fit()
-    return [r["loss"] for r in before + after] if rank == 0 else None
-
-
-def _uninterrupted(rank, world_size, directory, layout):
-    from hybridpar.train.trainer import Trainer
-
-    common = [f"output_dir={directory}", "model.dtype=float64", "train.steps=6", "train.log_every=1",
-              "train.eval_every=0", "checkpoint.every=-1", "data.pad_to_multiple_of=4", "data.packs_per_step=2"] + QUIET
-    history = Trainer(load_config(DEFAULT, common + layout), torch.device("cpu")).fit()
+    overrides = RESUME + [f"output_dir={directory}", f"checkpoint.every={checkpoint_every}"] + layout
+    history = Trainer(load_config(DEFAULT, overrides), torch.device("cpu")).fit(stop_after=stop_after)
     return [r["loss"] for r in history] if rank == 0 else None
 
 
 CP2_TP2 = ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
 DP2_TP2 = ["parallel.cp=1", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=false"]
+TP2 = ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]
 
 
-def test_resume_gives_the_same_losses_at_the_same_and_at_another_layout(tmp_path):
-    reference = run_ranks(4, _uninterrupted, str(tmp_path / "straight"), CP2_TP2, timeout_s=600)[0]
-    same = run_ranks(4, _resume_run, str(tmp_path / "same"), CP2_TP2, CP2_TP2, timeout_s=600)[0]
-    other = run_ranks(4, _resume_run, str(tmp_path / "other"), CP2_TP2, DP2_TP2, timeout_s=600)[0]
-    assert len(reference) == len(same) == len(other) == 6
-    torch.testing.assert_close(torch.tensor(same), torch.tensor(reference), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(torch.tensor(other), torch.tensor(reference), rtol=1e-10, atol=1e-10)
+def test_resume_gives_the_same_losses_at_the_same_and_at_another_layout_and_world_size(tmp_path):
+    """Steps 1-3, a checkpoint, steps 4-6 resumed: equal to 6 uninterrupted steps (float64),
+    resumed under the same layout, another layout, and on 2 ranks instead of 4."""
+    reference = run_ranks(4, _steps, str(tmp_path / "straight"), CP2_TP2, None, -1, timeout_s=600)[0]
+    resumed = {}
+    for name, world_size, layout in [("same", 4, CP2_TP2), ("other layout", 4, DP2_TP2), ("2 ranks", 2, TP2)]:
+        directory = str(tmp_path / name.replace(" ", "_"))
+        first = run_ranks(4, _steps, directory, CP2_TP2, 3, timeout_s=600)[0]
+        second = run_ranks(world_size, _steps, directory, layout, timeout_s=600)[0]
+        resumed[name] = first + second
+    assert len(reference) == 6 and all(len(losses) == 6 for losses in resumed.values())
+    torch.testing.assert_close(torch.tensor(resumed["same"]), torch.tensor(reference), rtol=1e-12, atol=1e-12)
+    for name in ("other layout", "2 ranks"):
+        torch.testing.assert_close(torch.tensor(resumed[name]), torch.tensor(reference), rtol=1e-10, atol=1e-10, msg=name)
 
 
 def _interrupted_save(rank, world_size, directory):
