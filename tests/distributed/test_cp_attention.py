@@ -34,6 +34,7 @@ from hybridpar.parallel.cp_attention import (
     attention_cp_bytes_per_layer,
 )
 from hybridpar.parallel.inputs import gather_outputs, shard_inputs
+from tests.distributed.cp_reference import cu_seqlens, expect_value_error, gather_by_reference, max_err, reference_zigzag, summed
 from tests.distributed.harness import run_ranks
 
 TOL = 1e-9
@@ -45,17 +46,6 @@ HEAD_CONFIGS = [(4, 2), (4, 1), (6, 3), (8, 8), (12, 6), (6, 2)]
 
 
 # ---------------------------------------------------------------- references written here
-
-
-def reference_zigzag(doc_lengths: list[int], cp: int, rank: int) -> list[int]:
-    """Global tokens of ``rank``: per document, chunk ``rank`` then chunk ``2cp-1-rank``."""
-    out, start = [], 0
-    for length in doc_lengths:
-        c = length // (2 * cp)
-        for chunk in (rank, 2 * cp - 1 - rank):
-            out += range(start + chunk * c, start + (chunk + 1) * c)
-        start += length
-    return out
 
 
 def kv_heads_sent(hkv: int, cp: int) -> int:
@@ -76,10 +66,6 @@ def expected_bytes(strategy: str, cp: int, elem: int, batch: int, seq: int, hq: 
     return {"forward": {"all_to_all": both}, "backward": {"all_to_all": both}}
 
 
-def cu_seqlens(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-
-
 def batch_layout(kind: str, cp: int):
     """``(B, doc padded lengths, global PackedSeqParams or None for dense)``."""
     if kind == "dense":
@@ -89,28 +75,8 @@ def batch_layout(kind: str, cp: int):
     return 1, padded, PackedSeqParams.from_cu_seqlens(cu_seqlens(real), cu_seqlens(padded))
 
 
-def gather_by_reference(local: torch.Tensor, doc_lengths: list[int], cp: int, group) -> torch.Tensor:
-    """Plain all-gather, then put each rank's tokens at its reference zigzag indices."""
-    parts = [torch.empty_like(local) for _ in range(cp)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    full = torch.empty(local.shape[0], sum(doc_lengths), *local.shape[2:], dtype=local.dtype)
-    for r, part in enumerate(parts):
-        full[:, reference_zigzag(doc_lengths, cp, r)] = part
-    return full
-
-
-def summed(t: torch.Tensor, group) -> torch.Tensor:
-    out = t.detach().clone()
-    dist.all_reduce(out, group=group)
-    return out
-
-
 def bytes_of(stats) -> dict:
     return {op: Fraction(n) for op, n in stats.bytes_sent.items() if n}
-
-
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 # ---------------------------------------------------------------- checks run on every rank
@@ -222,16 +188,6 @@ def check_hybrid_lm(group, cp, rank, strategy) -> list[str]:
         if max_err(summed(p.grad, group), p_ref.grad) > TOL:
             failures.append(f"hybrid {strategy} cp={cp}: grad of {name} differs")
     return failures
-
-
-def expect_value_error(call, *needles) -> str | None:
-    """None if ``call()`` raises a ValueError whose message holds every needle, else what happened."""
-    try:
-        call()
-    except ValueError as error:
-        missing = [n for n in needles if n not in str(error)]
-        return f"message {str(error)!r} lacks {missing}" if missing else None
-    return "no ValueError raised"
 
 
 def check_errors_before_collectives(group, cp, rank) -> list[str]:

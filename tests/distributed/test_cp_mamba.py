@@ -29,6 +29,7 @@ from hybridpar.models.mamba2 import Mamba2Mixer
 from hybridpar.parallel.comm import CommStats
 from hybridpar.parallel.cp_mamba import HiddenParallelMamba, StatePassingMamba, apply_mamba_cp
 from hybridpar.parallel.inputs import gather_outputs, shard_inputs
+from tests.distributed.cp_reference import cu_seqlens as cu, expect_value_error, gather_by_reference, max_err, reference_zigzag, summed
 from tests.distributed.harness import run_ranks
 
 TOL = 1e-9
@@ -40,17 +41,6 @@ PACKED_REAL = [7, 24, 13, 8, 37]  # real lengths (padding belongs to the documen
 
 
 # ---------------------------------------------------------------- references written here
-
-
-def reference_zigzag(doc_lengths: list[int], cp: int, rank: int) -> list[int]:
-    """Global tokens of ``rank``: per document, chunk ``rank`` then chunk ``2cp-1-rank``."""
-    out, start = [], 0
-    for length in doc_lengths:
-        c = length // (2 * cp)
-        for chunk in (rank, 2 * cp - 1 - rank):
-            out += range(start + chunk * c, start + (chunk + 1) * c)
-        start += length
-    return out
 
 
 def expected_bytes(strategy: str, cp: int, elem: int, batch: int, seq: int, n_docs: int, groups: int, heads: int = HEADS) -> Fraction:
@@ -74,35 +64,11 @@ def make_mixer(groups: int, heads: int = HEADS, time_step_limit=(0.0, float("inf
     return mixer
 
 
-def cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-
-
 def batch_layout(kind: str, seq: int = 48):
     """``(B, doc padded lengths, global PackedSeqParams or None for dense)``."""
     if kind == "dense":
         return 2, [seq], None
     return 1, PACKED_DOCS, PackedSeqParams.from_cu_seqlens(cu(PACKED_REAL), cu(PACKED_DOCS))
-
-
-def gather_by_reference(local: torch.Tensor, doc_lengths: list[int], cp: int, group) -> torch.Tensor:
-    """Plain all-gather, then put each rank's tokens at its reference zigzag indices."""
-    parts = [torch.empty_like(local) for _ in range(cp)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    full = torch.empty(local.shape[0], sum(doc_lengths), *local.shape[2:], dtype=local.dtype)
-    for r, part in enumerate(parts):
-        full[:, reference_zigzag(doc_lengths, cp, r)] = part
-    return full
-
-
-def summed(t: torch.Tensor, group) -> torch.Tensor:
-    out = t.detach().clone()
-    dist.all_reduce(out, group=group)
-    return out
-
-
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 # ---------------------------------------------------------------- checks run on every rank
@@ -156,15 +122,6 @@ def check_parity(group, cp: int, rank: int, strategy: str, groups: int, kind: st
     if back != expected:
         failures.append(f"{where}: backward sent {dict(bwd.bytes_sent)}, expected {expected} in total")
     return failures, sent
-
-
-def expect_value_error(call, *needles) -> str | None:
-    try:
-        call()
-    except ValueError as error:
-        missing = [n for n in needles if n not in str(error)]
-        return f"message {str(error)!r} lacks {missing}" if missing else None
-    return "no ValueError"
 
 
 def check_errors_before_collectives(group, cp: int, rank: int) -> list[str]:
