@@ -18,8 +18,15 @@ class DataError(ValueError):
     """A data setting that cannot produce batches, with the fix."""
 
 
+EVAL_FRACTION = 0.1  # of a file's documents, held out for evaluation
+
+
 def load_documents(config: DataConfig, num_docs: int, seed_offset: int, vocab_size: int) -> list:
-    """Documents of the configured task or file; ``seed_offset`` separates train from eval."""
+    """Documents of the configured task or file; ``seed_offset`` separates train from eval.
+
+    Synthetic tasks draw eval documents from another seed; a file keeps its last 10% of
+    documents (at least one, when it has two or more) for evaluation.
+    """
     if config.task in TASKS:
         options = {"vocab_size": vocab_size, **config.task_options, "seed": config.seed + seed_offset}
         try:
@@ -34,7 +41,8 @@ def load_documents(config: DataConfig, num_docs: int, seed_offset: int, vocab_si
         too_large = [t for d in docs for t in d if t >= vocab_size]
         if too_large:
             raise DataError(f"data file has token id {max(too_large)} >= vocab_size {vocab_size}; use a model with vocab_size >= 256.")
-        return docs
+        held_out = max(1, int(len(docs) * EVAL_FRACTION)) if len(docs) > 1 else 0
+        return docs[len(docs) - held_out:] if seed_offset else docs[:len(docs) - held_out] or docs
     raise DataError(f"data.task={config.task!r} is unknown; choose one of {sorted(TASKS) + ['jsonl', 'text']}.")
 
 
