@@ -103,6 +103,15 @@ class _AttentionCore(ContextParallelCore):
             )
         self.validate_heads(q.shape[2], k.shape[2])
 
+    def _layout_or_none(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None):
+        """Checked inputs and this rank's layout; None on a group of one (single-process attention)."""
+        self._check_qkv(q, k, v)
+        if self.cp_size > 1:
+            return self.checked_layout(packed, q.shape[1])
+        if packed is not None and packed.cp is not None:
+            self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
+        return None
+
 
 class AllGatherAttention(_AttentionCore):
     """All-gather K, V over CP; local queries attend to all keys under a global-index mask."""
@@ -110,12 +119,9 @@ class AllGatherAttention(_AttentionCore):
     name = "allgather"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
-        self._check_qkv(q, k, v)
-        if self.cp_size == 1:
-            if packed is not None and packed.cp is not None:
-                self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
+        layout = self._layout_or_none(q, k, v, packed)
+        if layout is None:
             return causal_attention(q, k, v, packed)
-        layout = self.checked_layout(packed, q.shape[1])
         num_kv_heads = k.shape[2]
         kv = torch.cat([k, v], dim=2)  # 2 x [B, S/P, Hkv, Dh] -> [B, S/P, 2*Hkv, Dh]
         kv = all_gather(kv, self.cp_group, 1)  # [B, S/P, 2*Hkv, Dh] -> [B, S, 2*Hkv, Dh], gathered order
@@ -145,12 +151,9 @@ class UlyssesAttention(_AttentionCore):
             )
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
-        self._check_qkv(q, k, v)
-        if self.cp_size == 1:
-            if packed is not None and packed.cp is not None:
-                self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
+        layout = self._layout_or_none(q, k, v, packed)
+        if layout is None:
             return causal_attention(q, k, v, packed)
-        layout = self.checked_layout(packed, q.shape[1])
         batch, local_len, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[2]
         kv_heads = ulysses_kv_heads(num_kv_heads, self.cp_size)
