@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from hybridpar.models import ssd
+from hybridpar.models import ssd_chunked as ssd
 from hybridpar.models.ssd import ssd_scan, ssd_scan_reference
 
 RTOL = 1e-10
@@ -20,9 +20,11 @@ F64 = torch.float64
 
 
 def assert_close(actual, expected, name="", rtol=RTOL):
+    """Max error <= rtol * max|expected|; a gradient that is exactly 0 in the reference (a
+    structural zero) comes out as rounding noise of O(1) terms (~1e-15): the scale is at least 1e-3."""
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
     assert not torch.isnan(actual).any(), f"{name}: NaN"
-    scale = expected.abs().max().clamp(min=1e-30)
+    scale = expected.abs().max().clamp(min=1e-3)
     err = (actual - expected).abs().max()
     assert err <= rtol * scale, f"{name}: max error {err:.3e} > {rtol:g} * {scale:.3e}"
 

@@ -5,7 +5,7 @@
                  y, z -> gated grouped RMSNorm -> out_proj -> [B, L, D]
 
 ``Mamba2Mixer.core`` is the seam: a callable ``core(mixer, xBC, dt, packed) -> y``.
-The default runs ``conv_scan`` on the tokens this process holds; context-parallel
+The default runs ``mamba_core.mamba_conv_scan`` on the tokens this process holds; context-parallel
 strategies replace it from outside. Head and group counts are read from the tensors,
 so a tensor-parallel shard (heads split, groups split) runs the same code.
 """
@@ -18,68 +18,18 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.models.blocks import GatedRMSNorm
-from hybridpar.models.conv import causal_conv1d
-from hybridpar.models.ssd import ssd_scan
-
-
-def conv_scan(
-    xBC: Tensor,
-    dt: Tensor,
-    conv_weight: Tensor,
-    conv_bias: Tensor | None,
-    dt_bias: Tensor,
-    A_log: Tensor,
-    D: Tensor,
-    *,
-    head_dim: int,
-    state_size: int,
-    chunk_size: int,
-    seq_idx: Tensor | None = None,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-) -> Tensor:
-    """Causal conv (SiLU) then the SSD scan for the heads present in the inputs.
-
-    ``xBC [B, L, H*P + 2*G*N]``, ``dt [B, L, H]``, ``conv_weight [H*P + 2*G*N, K]``,
-    ``dt_bias / A_log / D [H]``; returns ``y [B, L, H*P]`` (D skip included, no gate).
-    """
-    batch, seq_len, _ = xBC.shape
-    num_heads = dt.shape[-1]
-    d_inner = num_heads * head_dim
-    n_groups = (xBC.shape[-1] - d_inner) // (2 * state_size)
-    xBC = causal_conv1d(xBC, conv_weight, conv_bias, seq_idx=seq_idx, activation="silu")
-    x, B, C = torch.split(xBC, [d_inner, n_groups * state_size, n_groups * state_size], dim=-1)
-    y = ssd_scan(
-        x.reshape(batch, seq_len, num_heads, head_dim),
-        dt,
-        -torch.exp(A_log),
-        B.reshape(batch, seq_len, n_groups, state_size),
-        C.reshape(batch, seq_len, n_groups, state_size),
-        chunk_size,
-        D=D,
-        dt_bias=dt_bias,
-        dt_softplus=True,
-        seq_idx=seq_idx,
-        dt_limit=dt_limit,
-    )  # [B, L, H, P]
-    return y.reshape(batch, seq_len, d_inner)
+from hybridpar.models.mamba_core import mamba_conv_scan, row_documents
 
 
 def local_conv_scan(mixer: "Mamba2Mixer", xBC: Tensor, dt: Tensor, packed=None) -> Tensor:
-    """The single-process core: conv + scan over this process's tokens, in sequence order."""
-    seq_idx = None if packed is None else packed.seq_idx.expand(xBC.shape[0], -1).contiguous()
-    return conv_scan(
-        xBC,
-        dt,
-        mixer.conv1d.weight.squeeze(1),
-        mixer.conv1d.bias,
-        mixer.dt_bias,
-        mixer.A_log,
-        mixer.D,
-        head_dim=mixer.head_dim,
-        state_size=mixer.ssm_state_size,
-        chunk_size=mixer.chunk_size,
-        seq_idx=seq_idx,
-        dt_limit=mixer.time_step_limit,
+    """The single-process core: conv + scan (``mamba_core``) over this process's tokens, in
+    sequence order; packed documents reset the conv and the state."""
+    batch, seq_len, _ = xBC.shape
+    cu_seqlens = None if packed is None else packed.cu_seqlens_padded
+    return mamba_conv_scan(
+        xBC, dt, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D,
+        head_dim=mixer.head_dim, state_size=mixer.ssm_state_size, chunk_size=mixer.chunk_size,
+        cu_docs=row_documents(cu_seqlens, batch, seq_len, xBC.device), dt_limit=mixer.time_step_limit,
     )
 
 
