@@ -83,7 +83,7 @@ def _boundary_terms(x, weight, cu_docs, init_at, history, with_sources=False):
     keep = crosses & (i < lengths[:, None, None])  # [n, K-1, K-1]
     source = starts[:, None, None] + i - lag
     sign = -(keep & (source >= 0)).to(x.dtype)
-    source = source.clamp(min=0).flatten()
+    source = source.clamp(0, total - 1).flatten()
     rows = x.index_select(0, source).view(*sign.shape, -1) * sign[..., None]
     terms.append((_targets(starts, k1, total), rows, lag_weight, source, sign))
     if history is not None:
@@ -91,7 +91,7 @@ def _boundary_terms(x, weight, cu_docs, init_at, history, with_sources=False):
         at = init_at.long().clamp(min=0)
         doc = torch.searchsorted(cu_docs[1:], at, right=True)
         keep = crosses & (i < (cu_docs[doc + 1] - at)[:, None, None]) & valid[:, None, None]  # [m, K-1, K-1]
-        slot = (k1 + i - lag).clamp(min=0)  # [K-1, K-1] history slot read by (i, lag)
+        slot = (k1 + i - lag).clamp(0, k1 - 1)  # [K-1, K-1] history slot read by (i, lag)
         source = (torch.arange(at.shape[0], device=device)[:, None, None] * k1 + slot).flatten()
         sign = keep.to(x.dtype)
         rows = history.reshape(-1, history.shape[-1]).index_select(0, source).view(*keep.shape, -1) * sign[..., None]

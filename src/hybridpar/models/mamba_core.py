@@ -178,10 +178,11 @@ def _ssd_chunk_scan_backward(
 
 
 def _as_grad(grad: Tensor | None, like: Tensor | None) -> Tensor:
-    """The gradient in the input's dtype, or an empty tensor for an absent input."""
-    if like is None or grad is None:
+    """The gradient in the input's dtype (zeros if nothing depends on it), or an empty tensor
+    for an absent input."""
+    if like is None:
         return torch.empty(0)
-    return grad.to(like.dtype)
+    return torch.zeros_like(like) if grad is None else grad.to(like.dtype)
 
 
 @_ssd_chunk_scan_backward.register_fake

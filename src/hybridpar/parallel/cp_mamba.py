@@ -14,7 +14,7 @@ so a tensor-parallel shard of the mixer runs the same code.
 sequence-sharded ``x, B, C, dt`` into head-sharded ones over the whole sequence,
 ``[B, L/P, W] -> [B, L, W/P]`` per tensor; ``cp.gathered_to_sequence`` puts the tokens in
 sequence order, the rank runs the single-process conv + scan on its ``H/P`` heads (with the
-global ``seq_idx``, so packed documents reset), ``cp.gathered_indices`` restores the
+global document boundaries, so packed documents reset), ``cp.gathered_indices`` restores the
 gathered order and a second all-to-all returns ``y [B, L/P, H*p]``. Rank ``r`` owns heads
 ``[r H/P, (r+1) H/P)``. Groups: if ``P | G`` it receives groups ``[r G/P, (r+1) G/P)``; if
 ``G | P`` and ``G < P`` every group is repeated ``R = P/G`` times before the exchange
@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
-from hybridpar.models.mamba2 import Mamba2Mixer, conv_scan, local_conv_scan
+from hybridpar.models.mamba2 import Mamba2Mixer, local_conv_scan
+from hybridpar.models.mamba_core import mamba_conv_scan, row_documents
 from hybridpar.parallel.comm import hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.cp_mamba_state import SegmentPlan, build_segment_plan, state_passing_conv_scan
 from hybridpar.parallel.cp_core import ContextParallelCore
@@ -183,14 +184,11 @@ class HiddenParallelMamba(MambaContextParallelCore):
         to_sequence = layout.gathered_to_sequence.to(device)  # [L]
         xBC_h = torch.cat([x, B, C], dim=-1).index_select(1, to_sequence)  # [B, L, C/P'], sequence order
         dt_h = dt.index_select(1, to_sequence)  # [B, L, H/P]
-        seq_len = to_sequence.numel()
-        seq_idx = None
-        if int(packed.cu_seqlens_padded.numel()) > 2:  # several documents per row: reset at each
-            seq_idx = layout.global_seq_idx.to(device).expand(batch, seq_len).contiguous()  # [B, L]
+        cu_docs = row_documents(packed.cu_seqlens_padded, batch, to_sequence.numel(), device)  # global documents
         weight, bias, dt_bias, A_log, D = self.local_parameters(mixer, heads, groups)
-        y = conv_scan(
+        y = mamba_conv_scan(
             xBC_h, dt_h, weight, bias, dt_bias, A_log, D, head_dim=mixer.head_dim, state_size=state,
-            chunk_size=mixer.chunk_size, seq_idx=seq_idx, dt_limit=mixer.time_step_limit,
+            chunk_size=mixer.chunk_size, cu_docs=cu_docs, dt_limit=mixer.time_step_limit,
         )  # [B, L, d_inner/P], sequence order
         y = y.index_select(1, layout.gathered_indices.to(device))  # -> gathered (rank-major) order
         (y,) = hidden_to_seq([y], self.cp_group, seq_dim=1, hidden_dim=-1)  # [B, L, d_inner/P] -> [B, L/P, d_inner]
@@ -204,16 +202,15 @@ class StatePassingMamba(MambaContextParallelCore):
 
     def __init__(self, cp_group: dist.ProcessGroup | None):
         super().__init__(cp_group)
-        self._plan_key: tuple | None = None  # (layout, batch, K, chunk, device): shared by all layers of a step
+        self._plan_key: tuple | None = None  # (layout, batch, K, device): shared by all layers of a step
         self._plan: SegmentPlan | None = None
 
     def plan(self, layout: ContextParallelLayout, packed: PackedSeqParams, batch: int, mixer: Mamba2Mixer, device) -> SegmentPlan:
         """The segment index plan of this batch (built once, reused by every Mamba layer)."""
-        key = (batch, mixer.conv_kernel_size, mixer.chunk_size, str(device))
+        key = (batch, mixer.conv_kernel_size, str(device))
         if self._plan_key is None or self._plan_key[0] is not layout or self._plan_key[1:] != key:
             self._plan = build_segment_plan(
-                packed.cu_seqlens_padded, batch, self.cp_size, self.cp_rank, mixer.conv_kernel_size,
-                mixer.chunk_size, device,
+                packed.cu_seqlens_padded, batch, self.cp_size, self.cp_rank, mixer.conv_kernel_size, device,
             )
             self._plan_key = (layout, *key)
         return self._plan

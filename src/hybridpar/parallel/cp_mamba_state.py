@@ -17,8 +17,8 @@ so each rank scans its segments from a zero state, keeping per segment the final
 ``h_end = h_last|zero`` ``[H, p, N]`` and the total decay ``a_seg = exp(A sum dt)`` ``[H]``. In
 global chunk order the entering states follow ``h0_0 = 0``,
 ``h0_{j+1} = a_seg_j h0_j + h_end_j``: a loop over the ``2P`` chunk positions, vectorised
-over rows and documents. Then ``y += C_t exp(cs_t) h0`` on every token of the segment,
-``cs_t`` the within-segment cumulative sum of ``dt A``.
+over rows and documents. The output then gains ``C_t exp(cs_t) h0`` on every token of the
+segment, ``cs_t`` the within-segment cumulative sum of ``dt A``.
 
 **Conv halo.** The depthwise conv (kernel ``K``) before the scan reads the ``K-1``
 pre-activation inputs before each segment, which live on other ranks. It has to be exchanged
@@ -36,12 +36,13 @@ the shard), with ``e`` the activation and ``e_s`` the state element size::
 
 independent of ``L``; the backward reduce-scatters the same volume.
 
-**Memory.** No per-token ``[T, H, p, N]`` tensor. The scan runs on the unpadded token stream
-(``ssd_scan`` with segment ids, varlen final states). The correction runs on *pieces*: each
-segment cut into pieces of ``Q = chunk_size`` tokens, zero padded to ``[n_pieces, Q]`` with
-``n_pieces <= T_local/Q + S``; it holds ``C`` and the correction for ``T_local + S*Q`` padded
-tokens and one entering state per piece, ``[n_pieces, H, p, N]``, the size of ``ssd_scan``'s
-own chunk states. The all-gathered states take ``P * S * H*p*N`` elements.
+**Passes.** Both run the ``mamba_core`` op on the rank's token stream with the segments as
+documents and the halo as each segment's conv history: first for the final states only
+(``h_end``, no output), then, once ``h0`` is composed, for ``y`` with ``h0`` entering each
+segment (the scan is linear in it, so this equals ``y|zero`` plus the correction above). Each
+pass keeps only its inputs for backward (the stream is a view of ``in_proj``'s output); no
+``[T, H, p, N]`` or per-piece state tensor is kept. The all-gathered states take
+``P * S * H*p*N`` elements.
 """
 
 from __future__ import annotations
@@ -53,8 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridpar.models.conv import causal_conv1d
-from hybridpar.models.ssd import ssd_scan
+from hybridpar.models.mamba_core import mamba_conv_scan
 from hybridpar.parallel.comm import all_gather
 
 __all__ = ["SegmentPlan", "build_segment_plan", "state_passing_conv_scan", "state_bytes_per_layer"]
@@ -89,16 +89,10 @@ class SegmentPlan:
     tail_valid: Tensor  # [S * K1] slot holds a token of the segment
     halo_index: Tensor  # [S * K1] index into the gathered tails [P * S * K1]
     halo_valid: Tensor  # [S * K1] halo slot lies inside the document
-    expanded_source: Tensor  # [T + S * K1] index into cat([stream, halo]): halo before each segment
-    expanded_keep: Tensor  # [T] expanded position of each stream token
-    piece_len: int  # Q
-    piece_segment: Tensor  # [n_pieces] segment of each piece
-    piece_first: Tensor  # [n_pieces] first piece of the same segment
-    token_padded: Tensor  # [T] flat index of each stream token in the padded [n_pieces * Q] layout
 
 
 def build_segment_plan(
-    cu_seqlens_padded: Tensor, batch: int, cp_size: int, cp_rank: int, conv_kernel: int, piece_len: int, device,
+    cu_seqlens_padded: Tensor, batch: int, cp_size: int, cp_rank: int, conv_kernel: int, device,
 ) -> SegmentPlan:
     """Segment layout of rank ``cp_rank`` for ``batch`` rows sharing the padded documents
     ``cu_seqlens_padded`` (global, each length a multiple of ``2*cp``). Built on the CPU with
@@ -120,7 +114,6 @@ def build_segment_plan(
     seg_start = doc_start.repeat_interleave(2) + k * seg_len  # [S]
     seg_chunk = torch.where(k == 0, cp_rank, 2 * cp_size - 1 - cp_rank)  # [S] global chunk j
     num_segments = seg_len.numel()
-    total = batch * local_len
     token_segment = torch.repeat_interleave(torch.arange(num_segments), seg_len)  # [T]
     cu_segments = torch.cat([torch.zeros(1, dtype=torch.int64), seg_len.cumsum(0)])  # [S + 1] == seg_start
 
@@ -142,21 +135,6 @@ def build_segment_plan(
     src_segment = 2 * seg_doc[:, None] + (src_chunk >= cp_size).long()
     halo_index = torch.where(halo_valid, (src_rank * num_segments + src_segment) * k1 + src_slot, 0)
 
-    # Expanded stream: each segment preceded by its K1 halo tokens. A plain causal conv over it
-    # gives every real token exactly its global window (K1 halo tokens separate segments).
-    keep = torch.arange(total) + (token_segment + 1) * k1  # [T]
-    halo_pos = ((seg_start + torch.arange(num_segments) * k1)[:, None] + slot).flatten()  # [S * K1]
-    expanded_source = torch.empty(total + num_segments * k1, dtype=torch.int64)
-    expanded_source[keep] = torch.arange(total)
-    expanded_source[halo_pos] = total + torch.arange(num_segments * k1)
-
-    # Pieces of at most Q tokens inside each segment, for the correction.
-    pieces_per_segment = (seg_len + piece_len - 1) // piece_len  # [S]
-    first_piece = torch.cat([torch.zeros(1, dtype=torch.int64), pieces_per_segment.cumsum(0)[:-1]])  # [S]
-    piece_segment = torch.repeat_interleave(torch.arange(num_segments), pieces_per_segment)  # [n_pieces]
-    within = torch.arange(total) - seg_start[token_segment]  # [T] offset in its segment
-    token_padded = (first_piece[token_segment] + within // piece_len) * piece_len + within % piece_len
-
     chunk_owner = [(j, 0) if j < cp_size else (2 * cp_size - 1 - j, 1) for j in range(2 * cp_size)]
     move = lambda t: t.to(device)  # noqa: E731
     return SegmentPlan(
@@ -164,28 +142,20 @@ def build_segment_plan(
         token_segment=move(token_segment), chunk_owner=chunk_owner,
         tail_index=move(tail_index.flatten()), tail_valid=move(tail_valid.flatten()),
         halo_index=move(halo_index.flatten()), halo_valid=move(halo_valid.flatten()),
-        expanded_source=move(expanded_source), expanded_keep=move(keep),
-        piece_len=piece_len, piece_segment=move(piece_segment), piece_first=move(first_piece[piece_segment]),
-        token_padded=move(token_padded),
     )
 
 
-def _conv_with_halo(stream: Tensor, weight: Tensor, bias: Tensor | None, plan: SegmentPlan, cp_group) -> Tensor:
-    """Causal conv (SiLU) of every segment with the K-1 inputs before it in global order."""
-    total, width = stream.shape
-    k1 = weight.shape[1] - 1
+def _conv_halo(stream: Tensor, plan: SegmentPlan, conv_kernel: int, cp_group) -> Tensor | None:
+    """The ``K-1`` conv inputs before every segment in global order, ``[S, K-1, C]`` (zeros
+    before a document's start): one all-gather of every segment's last ``K-1`` inputs."""
+    k1 = conv_kernel - 1
     if k1 == 0:
-        return causal_conv1d(stream[None], weight, bias, seq_idx=plan.token_segment[None], activation="silu")[0]
-    mask = plan.tail_valid.to(stream.dtype)[:, None]
-    tails = stream.index_select(0, plan.tail_index) * mask  # [S*K1, C]
+        return None
+    width = stream.shape[-1]
+    tails = stream.index_select(0, plan.tail_index) * plan.tail_valid.to(stream.dtype)[:, None]  # [S*K1, C]
     tails = all_gather(tails.view(plan.num_segments, k1, width), cp_group, 0)  # [S, K1, C] -> [P*S, K1, C]
-    halo = tails.reshape(-1, width).index_select(0, plan.halo_index)  # [S*K1, C]
-    halo = halo * plan.halo_valid.to(stream.dtype)[:, None]
-    expanded = torch.cat([stream, halo]).index_select(0, plan.expanded_source)  # [T + S*K1, C]
-    # Each kept output reads K1 halo/segment tokens back, never the previous segment: no seq_idx
-    # needed (halo outputs, which do mix segments, are dropped).
-    out = causal_conv1d(expanded[None], weight, bias, activation="silu")[0]
-    return out.index_select(0, plan.expanded_keep)  # [T + S*K1, C] -> [T, C]
+    halo = tails.reshape(-1, width).index_select(0, plan.halo_index) * plan.halo_valid.to(stream.dtype)[:, None]
+    return halo.view(plan.num_segments, k1, width)
 
 
 def _entering_states(states: Tensor, decay: Tensor, plan: SegmentPlan) -> Tensor:
@@ -201,29 +171,6 @@ def _entering_states(states: Tensor, decay: Tensor, plan: SegmentPlan) -> Tensor
         h = decay[rank, :, k, :, None] * h + states[rank, :, k]  # h0_j = a_{j-1} h0_{j-1} + h_end_{j-1}
         entering[j] = h
     return torch.stack([entering[wanted[0]], entering[wanted[1]]], dim=1).flatten(0, 1)  # [D, 2, ...] -> [S, ...]
-
-
-def _correction(C: Tensor, dA: Tensor, h0: Tensor, plan: SegmentPlan) -> Tensor:
-    """``C_t exp(cs_t) h0_seg`` for every stream token: C ``[T, G, N]``, dA ``[T, H]``,
-    h0 ``[S, H, p, N]``; returns ``[T, H, p]``. Runs on zero-padded pieces of Q tokens."""
-    total, groups, state = C.shape
-    heads, head_dim = h0.shape[1], h0.shape[2]
-    q = plan.piece_len
-    n_pieces = plan.piece_segment.numel()
-    padded = n_pieces * q
-
-    def to_pieces(t: Tensor) -> Tensor:  # [T, ...] -> [n_pieces, Q, ...], zeros where padded
-        return t.new_zeros(padded, *t.shape[1:]).index_copy(0, plan.token_padded, t).unflatten(0, (n_pieces, q))
-
-    cs = to_pieces(dA).cumsum(1)  # [n_pieces, Q, H] within-piece cumsum of dt*A
-    piece_total = cs[:, -1].double()  # [n_pieces, H]
-    before = piece_total.cumsum(0) - piece_total  # [n_pieces, H] exclusive, over all pieces
-    offset = (before - before.index_select(0, plan.piece_first)).to(dA.dtype)  # earlier pieces of its segment
-    h_piece = h0.index_select(0, plan.piece_segment) * offset.exp()[..., None, None]  # [n_pieces, H, p, N]
-    h_piece = h_piece.unflatten(1, (groups, heads // groups))  # [n_pieces, G, R, p, N]
-    y = torch.einsum("kqgn,kgrpn->kqgrp", to_pieces(C), h_piece)  # [n_pieces, Q, G, R, p]
-    y = y * cs.exp().unflatten(2, (groups, heads // groups))[..., None]
-    return y.reshape(padded, heads, head_dim).index_select(0, plan.token_padded)  # [T, H, p]
 
 
 def state_passing_conv_scan(
@@ -249,34 +196,29 @@ def state_passing_conv_scan(
     """
     batch, local_len, width = xBC.shape
     heads = dt.shape[-1]
-    d_inner = heads * head_dim
-    groups = (width - d_inner) // (2 * state_size)
     total = batch * local_len
-    conv = _conv_with_halo(xBC.reshape(total, width), conv_weight, conv_bias, plan, cp_group)  # [T, C]
-    x, B, C = conv.split([d_inner, groups * state_size, groups * state_size], dim=-1)
+    stream, dt_stream = xBC.reshape(1, total, width), dt.reshape(1, total, heads)  # views: rows back to back
+    options = dict(
+        head_dim=head_dim, state_size=state_size, chunk_size=chunk_size, cu_docs=plan.cu_segments, dt_limit=dt_limit,
+        init_at=plan.cu_segments[:-1], conv_history=_conv_halo(stream[0], plan, conv_weight.shape[1], cp_group),
+    )
+    params = (conv_weight, conv_bias, dt_bias, A_log, D)
+    _, h_end = mamba_conv_scan(stream, dt_stream, *params, final_at=plan.cu_segments[1:] - 1, want_y=False, **options)
+    # h_end [S, H, p, N]: each segment's state from a zero entering state
 
-    A = -torch.exp(A_log)  # [H], as conv_scan computes it
-    dtype = torch.float32  # ssd_scan's compute dtype: the promoted dtype of its inputs, at least float32
-    for t in (xBC, dt, A):
-        dtype = torch.promote_types(dtype, t.dtype)
-    dt = F.softplus(dt.reshape(total, heads).to(dtype) + dt_bias.to(dtype))  # [T, H], processed as ssd_scan does
+    dtype = h_end.dtype  # the scan's compute dtype (fp32 for bf16 activations)
+    dt_used = F.softplus(dt_stream[0].to(dtype) + dt_bias.to(dtype))  # [T, H], as the scan processes it
     if tuple(dt_limit) != (0.0, float("inf")):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    A = A.to(dtype)
-    y, h_end = ssd_scan(
-        x.reshape(1, total, heads, head_dim), dt[None], A, B.reshape(1, total, groups, state_size),
-        C.reshape(1, total, groups, state_size), chunk_size, D=D, seq_idx=plan.token_segment[None],
-        cu_seqlens=plan.cu_segments, return_varlen_states=True,
-    )  # y [1, T, H, p] from zero entering states, h_end [S, H, p, N]
-    dA = dt * A  # [T, H]
-    decay = dA.new_zeros(plan.num_segments, heads).index_add(0, plan.token_segment, dA).exp()  # [S, H] a_seg
+        dt_used = dt_used.clamp(min=dt_limit[0], max=dt_limit[1])
+    dt_sum = dt_used.new_zeros(plan.num_segments, heads).index_add(0, plan.token_segment, dt_used)  # [S, H]
+    decay = (dt_sum * -torch.exp(A_log.to(dtype))).exp()  # [S, H] a_seg
 
-    payload = torch.cat([h_end.to(dtype).flatten(1), decay], dim=1)  # [S, H*p*N + H]
+    payload = torch.cat([h_end.flatten(1), decay], dim=1)  # [S, H*p*N + H]
     gathered = all_gather(payload, cp_group, 0)  # [S, H*p*N + H] -> [P*S, H*p*N + H], rank-major
     gathered = gathered.reshape(plan.cp_size, plan.num_docs, 2, -1)  # [P, D, 2, H*p*N + H]
     states, decays = gathered.split([heads * head_dim * state_size, heads], dim=-1)
     states = states.unflatten(-1, (heads, head_dim * state_size))  # [P, D, 2, H, p*N]
     h0 = _entering_states(states, decays, plan).unflatten(-1, (head_dim, state_size))  # [S, H, p, N]
 
-    y = y[0] + _correction(C.reshape(total, groups, state_size).to(dtype), dA, h0, plan).to(y.dtype)
-    return y.reshape(batch, local_len, d_inner)
+    y = mamba_conv_scan(stream, dt_stream, *params, init_states=h0, **options)  # [1, T, H*p]
+    return y.reshape(batch, local_len, heads * head_dim)
