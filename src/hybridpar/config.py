@@ -51,8 +51,17 @@ class ParallelConfig:
     sequence_parallel: bool = False
     cp_attention: str = "allgather"  # allgather | ulysses
     cp_mamba: str = "a2a"  # a2a | state
-    activation_checkpointing: bool = False
+    activation_checkpointing: str | bool = "none"  # none | full | selective (true/false: full/none)
     mixed_precision: str | None = None  # None | bf16 (FSDP params in bf16, reduce in fp32)
+
+    def __post_init__(self):
+        from hybridpar.parallel.checkpointing import POLICIES, checkpointing_policy
+
+        try:
+            self.activation_checkpointing = checkpointing_policy(self.activation_checkpointing)
+        except ValueError:
+            raise ConfigError(f"parallel.activation_checkpointing={self.activation_checkpointing!r} is not a policy; "
+                              f"choose one of {list(POLICIES)} (true/false still mean full/none).") from None
 
 
 @dataclass

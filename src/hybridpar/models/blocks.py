@@ -22,10 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        x = hidden_states.to(compute_dtype)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(hidden_states.dtype)
+        return _RMSNormFunction.apply(hidden_states, None, self.weight, hidden_states.shape[-1], self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -43,13 +40,51 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states: Tensor, gate: Tensor) -> Tensor:
-        compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        x = hidden_states.to(compute_dtype) * F.silu(gate.to(compute_dtype))
-        *prefix, width = x.shape
-        x = x.view(*prefix, width // self.group_size, self.group_size)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = x.view(*prefix, width)
-        return self.weight * x.to(hidden_states.dtype)
+        return _RMSNormFunction.apply(hidden_states, gate, self.weight, self.group_size, self.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``weight * (u * rstd)`` with ``u = x`` or ``x * silu(gate)`` and ``rstd = (mean_group(u^2) +
+    eps)^-1/2`` per group of ``group_size`` channels, in float32 or wider.
+
+    Saves only the inputs (``x``, ``gate``: for a Mamba mixer ``gate`` is a view of ``in_proj``'s
+    output) and ``rstd`` ``[..., groups]``; the backward recomputes ``u``. Gradients, with
+    ``g = weight * dy`` and ``n = u * rstd``: ``du = rstd (g - n mean_group(g n))``,
+    ``dx = du * silu(gate)``, ``dgate = du * x * silu'(gate)``, ``dweight = sum(dy * n)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, group_size, eps):
+        u, _ = _gated(x, gate)
+        rstd = torch.rsqrt(u.unflatten(-1, (-1, group_size)).pow(2).mean(-1) + eps)  # [..., groups]
+        ctx.save_for_backward(x, gate, weight, rstd)
+        ctx.group_size = group_size
+        normed = (u.unflatten(-1, (-1, group_size)) * rstd[..., None]).flatten(-2)
+        return weight * normed.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, gate, weight, rstd = ctx.saved_tensors
+        u, silu_gate = _gated(x, gate)
+        grouped = (-1, ctx.group_size)
+        normed = u.unflatten(-1, grouped) * rstd[..., None]  # [..., groups, group_size]
+        grad_weight = (grad_out * normed.flatten(-2).to(x.dtype)).sum(tuple(range(grad_out.dim() - 1)))
+        g = (grad_out * weight).to(u.dtype).unflatten(-1, grouped)
+        du = (rstd[..., None] * (g - normed * (g * normed).mean(-1, keepdim=True))).flatten(-2)
+        if gate is None:
+            return du.to(x.dtype), None, grad_weight, None, None
+        sig = torch.sigmoid(gate.to(u.dtype))
+        grad_gate = du * x.to(u.dtype) * sig * (1 + gate.to(u.dtype) * (1 - sig))
+        return (du * silu_gate).to(x.dtype), grad_gate.to(gate.dtype), grad_weight, None, None
+
+
+def _gated(x: Tensor, gate: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``(u, silu(gate))`` in float32 or wider: ``u = x`` or ``x * silu(gate)``."""
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    if gate is None:
+        return x.to(compute_dtype), None
+    silu_gate = F.silu(gate.to(compute_dtype))
+    return x.to(compute_dtype) * silu_gate, silu_gate
 
 
 class MLP(nn.Module):

@@ -4,7 +4,7 @@
     -> split Mamba2 projections per component (always: parameter names never depend on layout)
     -> tensor / sequence parallel           (tp > 1)            tp_hybrid / tp plans
     -> context parallel                     (cp > 1)            cp_attention, cp_mamba
-    -> activation checkpointing per block   (optional)
+    -> activation checkpointing per block   (none|full|selective) checkpointing
     -> FSDP2 over dp_shard x cp, HSDP with dp_replicate          fsdp
 
 FSDP runs whenever a rank shares parameters with another rank that sees different tokens
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention import Attention
@@ -26,14 +25,13 @@ from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba2 import Mamba2Mixer
 from hybridpar.parallel import cp_attention as attention_cp
 from hybridpar.parallel import cp_mamba as mamba_cp
+from hybridpar.parallel.checkpointing import apply_activation_checkpointing, checkpointing_policy
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
 from hybridpar.parallel.fsdp import apply_fsdp
 from hybridpar.parallel.tp import apply_tp, get_tp_plan
 from hybridpar.parallel.tp_hybrid import split_mamba_mixers, validate_hybrid_tp
 
 __all__ = ["parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "needs_fsdp"]
-
-_BLOCK_CONTAINERS = ("model.layers", "backbone.layers", "layers")
 
 
 def needs_fsdp(dims: ParallelDims) -> bool:
@@ -67,8 +65,9 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
 
 def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_strategy: str = "allgather",
                          cp_mamba_strategy: str = "a2a", sequence_parallel: bool = False, mixed_precision=None,
-                         tp_plan=None) -> None:
+                         tp_plan=None, activation_checkpointing: str | bool = "none") -> None:
     """Every rule ``parallelize`` needs that can be checked without a mesh; raises ``ValueError``."""
+    checkpointing_policy(activation_checkpointing)
     if not isinstance(dims, ParallelDims):
         raise ValueError(f"dims must be a ParallelDims, got {type(dims).__name__}; e.g. ParallelDims(cp=2, tp=2).")
     if dist.is_initialized():
@@ -102,22 +101,6 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Wrap every block (``model.layers`` / ``backbone.layers`` / ``layers``) in a non-reentrant
-    checkpoint: activations inside a block are recomputed in backward (exactly: no randomness)."""
-    for path in _BLOCK_CONTAINERS:
-        try:
-            layers = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            for index, block in enumerate(layers):
-                layers[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            return model
-    raise ValueError(f"{type(model).__name__} has none of {list(_BLOCK_CONTAINERS)} as a module list of blocks; "
-                     "activation checkpointing wraps those. Set activation_checkpointing=False.")
-
-
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
@@ -126,7 +109,7 @@ def parallelize(
     cp_attention: str = "allgather",
     cp_mamba: str = "a2a",
     sequence_parallel: bool = False,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str | bool = "none",
     mixed_precision=None,
     tp_plan=None,
 ) -> nn.Module:
@@ -134,12 +117,15 @@ def parallelize(
 
     ``mesh``: the root mesh from ``dims.build_mesh()`` (built here when None; needs an
     initialized process group unless every degree is 1). ``tp_plan``: a plan dict, callable
-    or registered name (default: the registry entry for the model class). ``mixed_precision``:
+    or registered name (default: the registry entry for the model class).
+    ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` (``checkpointing.py``;
+    True/False mean full/none). ``mixed_precision``:
     None, ``"bf16"`` or a ``MixedPrecisionPolicy`` (FSDP's). The mesh is kept on
     ``model._parallel_mesh`` and the dims on ``model._parallel_dims``.
     """
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
-                         sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan)
+                         sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,
+                         activation_checkpointing=activation_checkpointing)
     if dims.world_size > 1 or mesh is not None:
         mesh = dims.build_mesh() if mesh is None else mesh
         _check_mesh(mesh, dims)
@@ -151,8 +137,7 @@ def parallelize(
         apply_tp(model, mesh["tp"], plan=tp_plan, sequence_parallel=sequence_parallel)
     if dims.cp > 1:
         apply_cp(model, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, activation_checkpointing)
     if needs_fsdp(dims):
         apply_fsdp(model, mesh, dims, mixed_precision=mixed_precision)
     model._parallel_dims = dims

@@ -1,0 +1,220 @@
+"""Long-context memory on CPU, by section.
+
+``saved``: bytes each block keeps for backward, per token, at ``nemotronh-8b`` widths (hidden
+4096; Mamba2 128 heads x 64, 8 groups, state 128, conv 4, chunk 128; attention 32/8 heads x
+128; MLP 21504 relu2), float32, one block of each kind (Mamba2 on a packed row of documents and
+on one document, MLP, attention) at L = 1024 and 2048, for each activation-checkpointing policy
+(``none``, ``full``, ``selective``: ``parallel/checkpointing.py``). Two measurements:
+
+- saved-tensor hooks (``none`` only): every tensor autograd packs, storage bytes counted once
+  per storage, parameters excluded;
+- live storages (every policy): a ``TorchDispatchMode`` records a weak reference to the
+  storage of every tensor the forward creates; after the forward the ones still alive, minus
+  the block's output, are what backward keeps (checkpoint inputs and selective caches
+  included), plus the block's input, which every policy keeps (the first norm saves it, a
+  checkpoint keeps it).
+
+Then the whole model per token under each policy as the sum over the preset's pattern (Mamba
+blocks counted packed), and the same for the ``small`` preset's widths.
+
+    python benchmarks/long_context.py --section saved [--lengths 1024 2048] [--presets nemotronh-8b small]
+
+Each (preset, block, L) runs in a fresh process. Prints tables and writes
+benchmarks/results/long_context_saved.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    import hybridpar  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POLICIES = ("none", "full", "selective")
+BLOCKS = {"mamba_packed": "M", "mamba_one_doc": "M", "mlp": "-", "attention": "*"}
+BLOCK_NAMES = {"mamba_packed": "Mamba2, packed (document resets)", "mamba_one_doc": "Mamba2, one document",
+               "mlp": "MLP", "attention": "attention (one document)"}
+DOCS_PER_PACK = 8
+# The issue's measurement before this work (nemotronh-8b widths, float32, no checkpointing), KiB per token.
+BEFORE_NONE = {"mamba_packed": 724, "mamba_one_doc": 605, "mlp": 216, "attention": 112}
+TARGETS = {"mamba_packed_none_kib": 200, "selective_over_none": 0.35}
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op returns (no strong reference kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                storage = t.untyped_storage()
+                self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+
+def _packed_params(seqlen: int):
+    from hybridpar.data.thd import PackedSeqParams
+
+    gen = torch.Generator().manual_seed(1)
+    cuts = torch.randperm(seqlen - 1, generator=gen)[: DOCS_PER_PACK - 1].sort().values + 1
+    return PackedSeqParams.from_cu_seqlens(torch.cat([torch.tensor([0]), cuts, torch.tensor([seqlen])]).int())
+
+
+def measure_block(preset: str, block: str, seqlen: int) -> dict:
+    """KiB per token kept for backward by one block, under each policy (this process)."""
+    from hybridpar.models.hybrid import HybridConfig, build_block
+    from hybridpar.parallel.checkpointing import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    config = HybridConfig.from_preset(preset)
+    packed = _packed_params(seqlen) if block == "mamba_packed" else None
+    results = {}
+    for policy in POLICIES:
+        holder = torch.nn.Module()
+        holder.layers = torch.nn.ModuleList([build_block(config, BLOCKS[block])])
+        apply_activation_checkpointing(holder, policy)
+        params = {p.untyped_storage()._cdata for p in holder.parameters()}
+        x = torch.randn(1, seqlen, config.hidden_size, requires_grad=True)
+        hooked = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage._cdata not in params:
+                hooked[storage._cdata] = storage.nbytes()
+            return t
+
+        if policy == "selective":  # the policy learns the block's matmul count in its first forward
+            holder.layers[0](x, packed).sum().backward()
+        tracker = _StorageTracker()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+            out = holder.layers[0](x, packed)
+        gc.collect()
+        skip = {out.untyped_storage()._cdata, x.untyped_storage()._cdata, *params}  # views of these are recorded too
+        live = sum(n for key, (ref, n) in tracker.storages.items() if not ref.expired() and key not in skip)
+        kept = live + x.untyped_storage().nbytes()
+        results[policy] = {"kib_per_token": kept / 1024 / seqlen}
+        if policy == "none":
+            results[policy]["hooks_kib_per_token"] = sum(hooked.values()) / 1024 / seqlen
+        out.sum().backward()  # the graph is complete and runs
+        del out, holder, x
+        gc.collect()
+    return results
+
+
+def run_worker(*args: str) -> dict:
+    command = [sys.executable, __file__, "--worker", *args]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def model_totals(preset: str, per_block: dict) -> dict:
+    """KiB per token of the whole model (blocks only) under each policy: the pattern's weighted sum."""
+    from hybridpar.models.hybrid import HybridConfig
+
+    pattern = HybridConfig.from_preset(preset).pattern
+    counts = {"mamba_packed": pattern.count("M"), "mlp": pattern.count("-"), "attention": pattern.count("*")}
+    totals = {p: sum(n * per_block[b][p]["kib_per_token"] for b, n in counts.items()) for p in POLICIES}
+    return {"pattern": pattern, "counts": counts, "kib_per_token": totals,
+            "selective_over_none": totals["selective"] / totals["none"], "full_over_none": totals["full"] / totals["none"]}
+
+
+def section_saved(args) -> None:
+    start = os.getloadavg()
+    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "load_avg_start": start},
+              "dtype": "float32", "docs_per_pack": DOCS_PER_PACK, "presets": {}}
+    for preset in args.presets:
+        blocks = {}
+        for block in BLOCKS:
+            blocks[block] = {}
+            for seqlen in args.lengths:
+                print(f"{preset} {block} L={seqlen} ...", flush=True)
+                blocks[block][seqlen] = run_worker("saved", preset, block, str(seqlen))
+        longest = max(args.lengths)
+        record["presets"][preset] = {"blocks": blocks, "model": model_totals(preset, {b: v[longest] for b, v in blocks.items()})}
+    record["machine"]["load_avg_end"] = os.getloadavg()
+    eight_b = record["presets"].get("nemotronh-8b")
+    if eight_b:
+        mamba = max(v["none"]["kib_per_token"] for v in eight_b["blocks"]["mamba_packed"].values())
+        ratio = eight_b["model"]["selective_over_none"]
+        record["targets"] = {
+            "mamba_packed_none_kib": {"value": mamba, "target": "<= 200", "met": mamba <= 200},
+            "selective_over_none": {"value": ratio, "target": "<= 0.35", "met": ratio <= 0.35},
+        }
+    markdown = to_markdown(record)
+    print(markdown)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "long_context_saved.json").write_text(json.dumps(record, indent=2) + "\n")
+    (RESULTS / "long_context_saved.md").write_text(markdown)
+
+
+def to_markdown(record: dict) -> str:
+    lines = ["# Long context: bytes kept for backward per token (CPU, float32)", "",
+             f"Command: `{record['command']}`  ", f"Date: {record['date']}  ",
+             f"Machine: {record['machine']['cpus']} CPUs, torch {record['machine']['torch']} (tensor bytes: load does not matter)  ",
+             f"Packed rows: {record['docs_per_pack']} documents of random lengths. Live-storage measurement; "
+             "`hooks` = saved-tensor hooks (policy none).", ""]
+    for preset, data in record["presets"].items():
+        lines += [f"## {preset}", "", "| block | L | none (KiB/token) | hooks | full | selective | none before this work |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for block, by_len in data["blocks"].items():
+            for seqlen, r in by_len.items():
+                before = BEFORE_NONE[block] if preset == "nemotronh-8b" else ""
+                lines.append(f"| {BLOCK_NAMES[block]} | {seqlen} | {r['none']['kib_per_token']:.1f} | "
+                             f"{r['none']['hooks_kib_per_token']:.1f} | {r['full']['kib_per_token']:.1f} | "
+                             f"{r['selective']['kib_per_token']:.1f} | {before} |")
+        model = data["model"]
+        totals = model["kib_per_token"]
+        lines += ["", f"Whole model (pattern `{model['pattern']}`: {model['counts']['mamba_packed']} Mamba2 packed, "
+                  f"{model['counts']['mlp']} MLP, {model['counts']['attention']} attention), blocks only, per token:", "",
+                  "| policy | KiB per token | MiB per token | / none |", "|---|---:|---:|---:|"]
+        for policy in POLICIES:
+            lines.append(f"| {policy} | {totals[policy]:.0f} | {totals[policy] / 1024:.2f} | {totals[policy] / totals['none']:.2f} |")
+        lines.append("")
+    for name, item in record.get("targets", {}).items():
+        lines.append(f"- {name}: {item['value']:.2f} (target {item['target']}): {'met' if item['met'] else 'MISSED'}")
+    return "\n".join(lines) + "\n"
+
+
+SECTIONS = {"saved": section_saved}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=sorted(SECTIONS), default="saved")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--presets", nargs="+", default=["nemotronh-8b", "small"])
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.worker:
+        _, preset, block, seqlen = args.worker
+        print(json.dumps(measure_block(preset, block, int(seqlen))))
+        return
+    SECTIONS[args.section](args)
+
+
+if __name__ == "__main__":
+    main()
