@@ -19,8 +19,13 @@ blocks counted packed), and the same for the ``small`` preset's widths.
 
     python benchmarks/long_context.py --section saved [--lengths 1024 2048] [--presets nemotronh-8b small]
 
-Each (preset, block, L) runs in a fresh process. Prints tables and writes
-benchmarks/results/long_context_saved.{json,md}.
+Each (preset, block, L) runs in a fresh process. By default the blocks run on the ``meta``
+device: every kernel, custom op and autograd node runs with its real shapes but no data, so
+the bytes are those of a CPU run (what is kept depends on shapes only) at no compute cost --
+one 8B-width block takes minutes of CPU per policy otherwise. Attention always runs on the CPU:
+``scaled_dot_product_attention`` picks its kernel (and so what it keeps) by device. ``--device
+cpu`` runs everything for real; with ``meta`` the script cross-checks one case (the ``small``
+preset at the first length) on the CPU and records both. Prints tables and writes benchmarks/results/long_context_saved.{json,md}.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def _packed_params(seqlen: int):
     return PackedSeqParams.from_cu_seqlens(torch.cat([torch.tensor([0]), cuts, torch.tensor([seqlen])]).int())
 
 
-def measure_block(preset: str, block: str, seqlen: int) -> dict:
+def measure_block(preset: str, block: str, seqlen: int, device: str = "meta") -> dict:
     """KiB per token kept for backward by one block, under each policy (this process)."""
     from hybridpar.models.hybrid import HybridConfig, build_block
     from hybridpar.parallel.checkpointing import apply_activation_checkpointing
@@ -89,12 +94,14 @@ def measure_block(preset: str, block: str, seqlen: int) -> dict:
     config = HybridConfig.from_preset(preset)
     packed = _packed_params(seqlen) if block == "mamba_packed" else None
     results = {}
+    if packed is not None:
+        packed = packed.to(device) if hasattr(packed, "to") else packed
     for policy in POLICIES:
         holder = torch.nn.Module()
-        holder.layers = torch.nn.ModuleList([build_block(config, BLOCKS[block])])
+        holder.layers = torch.nn.ModuleList([build_block(config, BLOCKS[block])]).to(device)
         apply_activation_checkpointing(holder, policy)
         params = {p.untyped_storage()._cdata for p in holder.parameters()}
-        x = torch.randn(1, seqlen, config.hidden_size, requires_grad=True)
+        x = torch.randn(1, seqlen, config.hidden_size, device=device, requires_grad=True)
         hooked = {}
 
         def pack(t):
@@ -144,16 +151,24 @@ def section_saved(args) -> None:
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "load_avg_start": start},
-              "dtype": "float32", "docs_per_pack": DOCS_PER_PACK, "presets": {}}
+              "dtype": "float32", "device": args.device, "docs_per_pack": DOCS_PER_PACK, "presets": {}}
     for preset in args.presets:
         blocks = {}
         for block in BLOCKS:
             blocks[block] = {}
             for seqlen in args.lengths:
                 print(f"{preset} {block} L={seqlen} ...", flush=True)
-                blocks[block][seqlen] = run_worker("saved", preset, block, str(seqlen))
+                device = "cpu" if block == "attention" else args.device
+                blocks[block][seqlen] = run_worker("saved", preset, block, str(seqlen), device)
         longest = max(args.lengths)
         record["presets"][preset] = {"blocks": blocks, "model": model_totals(preset, {b: v[longest] for b, v in blocks.items()})}
+    if args.device == "meta":  # the same case computed for real must give the same bytes
+        preset, seqlen = args.presets[-1], args.lengths[0]
+        cross = {b: run_worker("saved", preset, b, str(seqlen), "cpu") for b in BLOCKS if b != "attention"}
+        meta = {b: record["presets"][preset]["blocks"][b][seqlen] for b in BLOCKS}
+        record["cpu_cross_check"] = {"preset": preset, "seqlen": seqlen, "cpu": cross,
+                                     "equal": all(cross[b][p]["kib_per_token"] == meta[b][p]["kib_per_token"]
+                                                  for b in cross for p in POLICIES)}
     record["machine"]["load_avg_end"] = os.getloadavg()
     eight_b = record["presets"].get("nemotronh-8b")
     if eight_b:
@@ -175,7 +190,11 @@ def to_markdown(record: dict) -> str:
              f"Command: `{record['command']}`  ", f"Date: {record['date']}  ",
              f"Machine: {record['machine']['cpus']} CPUs, torch {record['machine']['torch']} (tensor bytes: load does not matter)  ",
              f"Packed rows: {record['docs_per_pack']} documents of random lengths. Live-storage measurement; "
-             "`hooks` = saved-tensor hooks (policy none).", ""]
+             "`hooks` = saved-tensor hooks (policy none).  ",
+             f"Device: {record['device']}" + (f" (cross-check on cpu, {record['cpu_cross_check']['preset']} L="
+                                              f"{record['cpu_cross_check']['seqlen']}: "
+                                              f"{'identical bytes' if record['cpu_cross_check']['equal'] else 'DIFFERENT bytes'})"
+                                              if "cpu_cross_check" in record else ""), ""]
     for preset, data in record["presets"].items():
         lines += [f"## {preset}", "", "| block | L | none (KiB/token) | hooks | full | selective | none before this work |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
@@ -206,12 +225,13 @@ def main() -> None:
     parser.add_argument("--section", choices=sorted(SECTIONS), default="saved")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--presets", nargs="+", default=["nemotronh-8b", "small"])
+    parser.add_argument("--device", default="meta", choices=["meta", "cpu"], help="meta: real shapes, no compute (default)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.worker:
-        _, preset, block, seqlen = args.worker
-        print(json.dumps(measure_block(preset, block, int(seqlen))))
+        _, preset, block, seqlen, device = args.worker
+        print(json.dumps(measure_block(preset, block, int(seqlen), device)))
         return
     SECTIONS[args.section](args)
 

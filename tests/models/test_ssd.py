@@ -275,6 +275,11 @@ def test_bad_input_raises(fn, change, match):
         fn(**{**small_inputs(), **change})
 
 
+def test_growing_state_is_rejected():
+    with pytest.raises(ValueError, match=r"decays exp\(dt \* A\) <= 1: A <= 0"):
+        ssd_scan(**{**small_inputs(), "A": torch.ones(4)})
+
+
 def test_cu_seqlens_with_batch_above_one_raises():
     inputs = small_inputs(batch=2)
     with pytest.raises(ValueError, match=r"cu_seqlens given with batch size 2.*use batch 1"):

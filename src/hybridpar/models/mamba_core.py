@@ -88,8 +88,8 @@ def _process_dt(dt, dt_bias, softplus, dt_min, dt_max):
     return (s.clamp(dt_min, dt_max) if _clamps(dt_min, dt_max) else s), z, s
 
 
-def _conv_inputs(x, B, C, conv_weight):
-    """``[(x_flat [T, c], weight rows)]`` for the x, B and C channel blocks."""
+def _conv_inputs(x, B, C):
+    """``([x, B, C] flattened to [T, c], their widths c)``: the conv's channel blocks."""
     flats = [t.reshape(t.shape[0] * t.shape[1], -1) for t in (x, B, C)]
     return flats, [f.shape[1] for f in flats]
 
@@ -101,7 +101,7 @@ def _run_inputs(x, dt, A, B, C, D, dt_bias, conv_weight, conv_bias, cu_docs, ini
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     pre = None
     if conv_weight is not None:
-        flats, widths = _conv_inputs(x, B, C, conv_weight)
+        flats, widths = _conv_inputs(x, B, C)
         weights = cast(conv_weight).split(widths)
         biases = [None] * 3 if conv_bias is None else cast(conv_bias).split(widths)
         histories = [None] * 3 if conv_history is None else cast(conv_history).split(widths, dim=-1)
@@ -159,7 +159,7 @@ def _ssd_chunk_scan_backward(
     grads["dt"] = ddt
     grads["dt_bias"] = None if dt_bias is None else ddt.sum((0, 1))
     if conv_weight is not None:
-        flats, widths = _conv_inputs(x, B, C, conv_weight)
+        flats, widths = _conv_inputs(x, B, C)
         weights = conv_weight.to(dtype).split(widths)
         histories = [None] * 3 if conv_history is None else conv_history.to(dtype).split(widths, dim=-1)
         parts = []
@@ -200,11 +200,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_y, grad_final):
-    saved = ctx.saved_tensors  # x, dt, A, B, C, D, dt_bias, conv_weight, conv_bias, cu_docs, init_at, init_states, conv_history, final_at
+    saved = ctx.saved_tensors  # the op's tensor arguments, in order
+    x, dt, A, B, C, D, dt_bias, conv_weight, conv_bias, cu_docs, init_at, init_states, conv_history, final_at = saved
     grads = torch.ops.hybridpar.ssd_chunk_scan_backward(
-        grad_y if ctx.want_y else None, grad_final if saved[13] is not None else None, *saved, *ctx.options)
-    grads = [None if saved_t is None else g for g, saved_t in zip(grads, saved[:9] + saved[11:13])]
-    return (*grads[:9], None, None, grads[9], grads[10], None, None, None, None, None, None)
+        grad_y if ctx.want_y else None, grad_final if final_at is not None else None, *saved, *ctx.options)
+    differentiable = (x, dt, A, B, C, D, dt_bias, conv_weight, conv_bias, init_states, conv_history)
+    dx, ddt, dA, dB, dC, dD, ddt_bias, dweight, dbias, dinit, dhistory = (
+        None if t is None else g for g, t in zip(grads, differentiable))
+    return dx, ddt, dA, dB, dC, dD, ddt_bias, dweight, dbias, None, None, dinit, dhistory, None, None, None, None, None, None
 
 
 _ssd_chunk_scan.register_autograd(_backward, setup_context=_setup_context)

@@ -60,6 +60,9 @@ def ssd_scan(
     them precomputed to ``mamba_core``.
     """
     _check_inputs(x, dt, A, B, C, chunk_size, D, dt_bias, seq_idx, initial_states, dt_limit, cu_seqlens, return_varlen_states)
+    if bool((A > 0).any()) or (not dt_softplus and dt_limit[0] < 0 and bool((_process_dt(dt, dt_bias, False, DEFAULT_DT_LIMIT) < 0).any())):
+        raise ValueError("ssd_scan needs decays exp(dt * A) <= 1: A <= 0 (Mamba2: A = -exp(A_log)) and dt >= 0 "
+                         "(use dt_softplus=True or a dt_limit with a low bound >= 0); ssd_scan_reference takes any A")
     seq_idx = _resolve_seq_idx(seq_idx, cu_seqlens, x)
     batch, seqlen = x.shape[:2]
     new_doc = torch.ones_like(seq_idx, dtype=torch.bool)

@@ -151,13 +151,14 @@ def _at(t: Tensor, offset: Tensor) -> Tensor:
 
 
 def _start_states(S: Tensor, p: _Prepared, layout: ChunkLayout):
-    """``start [Kc, G, N, R*P]`` (state entering each chunk) and the recurrence's ``h``."""
+    """``start [Kc, G, N, R*P]`` (state entering each chunk) and ``carry [Kc]`` (the chunk is all
+    the carried document, so its decay passes the state on)."""
     kc = S.shape[0]
     carry = layout.doc[:, -1] == layout.carried  # [Kc] the whole chunk continues the carried doc
     log_decay = p.cs[..., -1].reshape(kc, -1).t()  # [H, Kc]
     h = _from_heads(linear_recurrence(_to_heads(S, p.cs.shape[2]), log_decay, ~carry), S.shape)  # [Kc, G, N, R*P]
     start = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
-    return start, h, carry
+    return start, carry
 
 
 def _chunk_slices(p: _Prepared):
@@ -182,7 +183,7 @@ def forward(x, dt, A, B, C, D, layout: ChunkLayout, init_states=None, want_y=Tru
     p = _prepare(x, dt, A, B, C, layout, init_states)
     kc, groups, r, q, headdim = p.xdt.shape
     S, _, _ = _chunk_states(p, layout)
-    start, _, _ = _start_states(S, p, layout)
+    start, _ = _start_states(S, p, layout)
     y = final = None
     if want_y:
         in_carried = (layout.doc == layout.carried[:, None])[:, None, None, :]  # [Kc, 1, 1, Q]
@@ -240,7 +241,7 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
     p = _prepare(x, dt, A, B, C, layout, init_states)
     kc, groups, r, q, headdim = p.xdt.shape
     S, u, f_init = _chunk_states(p, layout)
-    start, _, carry = _start_states(S, p, layout)
+    start, carry = _start_states(S, p, layout)
     dxdt = torch.zeros_like(p.xdt)  # [Kc, G, R, Q, P]
     dcs_excl = torch.zeros_like(p.cs_excl)  # [Kc, G, R, Q + 1]: gradient of cs_excl; [..., 1:] is that of cs
     dcs = dcs_excl[..., 1:]
