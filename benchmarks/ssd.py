@@ -19,6 +19,7 @@ every step, a Python loop over chunks), kept as ``tests/models/mamba_reference.p
 float32 output and x-gradient is compared with the float64 sequential reference.
 
     python benchmarks/ssd.py [--quick] [--threads 1]
+    python benchmarks/ssd.py --lengths 4096 16384 --impls ssd_scan before --out ssd_vs_before   # a focused run
 
 Prints a table and writes benchmarks/results/ssd.{json,md}.
 """
@@ -186,6 +187,9 @@ def hf_backend() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="L in {1K, 4K}, fewer repeats, reference at 1K only")
+    parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 1K, 4K, 16K)")
+    parser.add_argument("--impls", nargs="+", choices=sorted(IMPLS), help="implementations (default all)")
+    parser.add_argument("--out", default="ssd", help="results file name in benchmarks/results (default ssd)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per measuring process (default 1)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -200,7 +204,7 @@ def main() -> None:
             print(json.dumps(worker_time(seqlen, rest[3:], repeats, ref_repeats)))
         return
 
-    lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    lengths = args.lengths or ([1024, 4096] if args.quick else [1024, 4096, 16384])
     repeats, ref_repeats = (5, 1) if args.quick else (7, 2)
     ref_max = 1024 if args.quick else REFERENCE_MAX_LEN
     backend = hf_backend()
@@ -208,7 +212,7 @@ def main() -> None:
     print(f"transformers mamba2_chunk_scan backend: {backend}")
     rows = []
     for seqlen in lengths:
-        impls = [i for i in IMPLS if i != "reference" or seqlen <= ref_max]
+        impls = [i for i in (args.impls or IMPLS) if i != "reference" or seqlen <= ref_max]
         print(f"L={seqlen}: timing {', '.join(impls)} ...", flush=True)
         times = run_worker(args.threads, "time", str(seqlen), str(repeats), str(ref_repeats), *impls)
         for impl in impls:
@@ -227,8 +231,8 @@ def main() -> None:
     markdown = to_markdown(record)
     print(markdown)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ssd.json").write_text(json.dumps(record, indent=2) + "\n")
-    (RESULTS / "ssd.md").write_text(markdown)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (RESULTS / f"{args.out}.md").write_text(markdown)
 
 
 def targets(rows: list[dict], seqlen: int = 4096) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 from hybridpar.config import ConfigError, load_config
 from hybridpar.models.mamba2 import Mamba2Mixer

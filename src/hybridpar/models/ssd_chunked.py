@@ -131,17 +131,19 @@ def _head_rows(t: Tensor, r: int) -> Tensor:
 
 def _chunk_states(p: _Prepared, layout: ChunkLayout):
     """States each chunk leaves for its last document, with the initial states that enter it:
-    ``S [Kc, G, N, R*P]``, the per-token weights ``u [Kc, G, R, Q]`` and the init weights."""
+    ``S [Kc, G, N, R*P]``, the per-token weights ``u [Kc, G, R, Q]``, the init weights and the
+    decayed inputs ``u * dt x`` as ``[Kc, G, Q, R*P]``."""
     in_last = (layout.doc == layout.doc[:, -1:])[:, None, None, :]  # [Kc, 1, 1, Q]
     u = _exp(p.cs[..., -1:] - p.cs, in_last)  # [Kc, G, R, Q]
-    S = p.Bg.transpose(-1, -2) @ _group_rows(p.xdt * u[..., None])  # [Kc, G, N, R*P]
+    decayed = _group_rows(p.xdt * u[..., None])  # [Kc, G, Q, R*P]
+    S = p.Bg.transpose(-1, -2) @ decayed  # [Kc, G, N, R*P]
     f = None
     if p.init_states is not None:
         k, o, d, valid = layout.points["init"]
         to_last = (layout.doc[k, -1] == d) & valid  # [m]
         f = _exp(p.cs[k, :, :, -1] - _at(p.cs_excl[k], o), to_last[:, None, None])  # [m, G, R]
         S = S.index_add(0, k, (p.init_states * f[:, :, None, :, None]).flatten(-2))
-    return S, u, f
+    return S, u, f, decayed
 
 
 def _at(t: Tensor, offset: Tensor) -> Tensor:
@@ -167,14 +169,17 @@ def _chunk_slices(p: _Prepared):
     return [slice(i, i + step) for i in range(0, kc, step)]
 
 
-def _diagonal(p: _Prepared, layout: ChunkLayout, part: slice):
-    """``scores [k, G, R, Q, Q]`` of the chunks in ``part``, their decays and masked ``C·B``."""
+def _diagonal(p: _Prepared, layout: ChunkLayout, part: slice, with_factors: bool = False):
+    """``scores [k, G, R, Q, Q]`` of the chunks in ``part`` (and, ``with_factors``, their decays,
+    masked ``C·B`` and mask)."""
     q = layout.chunk
     doc = layout.doc[part]
     keep = (doc[:, :, None] == doc[:, None, :]) & torch.ones(q, q, dtype=torch.bool, device=doc.device).tril()
     CB = (p.Cg[part] @ p.Bg[part].transpose(-1, -2)) * keep[:, None]  # [k, G, Q(l), Q(s)]
     cs = p.cs[part]
     decay = (cs[..., :, None] - cs[..., None, :]).clamp_(decay_floor(cs.dtype), 0.0).exp_()  # [k, G, R, Q, Q]
+    if not with_factors:
+        return decay.mul_(CB[:, :, None])
     return decay * CB[:, :, None], decay, CB, keep
 
 
@@ -182,14 +187,14 @@ def forward(x, dt, A, B, C, D, layout: ChunkLayout, init_states=None, want_y=Tru
     """``(y [B, L, H, P] or None, final states [m, H, P, N] or None)``; inputs in compute dtype."""
     p = _prepare(x, dt, A, B, C, layout, init_states)
     kc, groups, r, q, headdim = p.xdt.shape
-    S, _, _ = _chunk_states(p, layout)
+    S = _chunk_states(p, layout)[0]
     start, _ = _start_states(S, p, layout)
     y = final = None
     if want_y:
         in_carried = (layout.doc == layout.carried[:, None])[:, None, None, :]  # [Kc, 1, 1, Q]
         y = _head_rows(p.Cg @ start, r) * _exp(p.cs, in_carried)[..., None]  # [Kc, G, R, Q, P] step 4
         for part in _chunk_slices(p):
-            y[part] += _diagonal(p, layout, part)[0] @ p.xdt[part]  # step 1
+            y[part] += _diagonal(p, layout, part) @ p.xdt[part]  # step 1
         if p.init_states is not None:
             k, weight, _ = _init_outputs(p, layout)
             y = y.index_add(0, k, _head_rows(p.Cg[k] @ p.init_states.flatten(-2), r) * weight[..., None])
@@ -240,7 +245,7 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
     chunk tensors. ``dD``/``d_init_states`` are None when ``D``/``init_states`` are."""
     p = _prepare(x, dt, A, B, C, layout, init_states)
     kc, groups, r, q, headdim = p.xdt.shape
-    S, u, f_init = _chunk_states(p, layout)
+    S, u, f_init, decayed = _chunk_states(p, layout)
     start, carry = _start_states(S, p, layout)
     dxdt = torch.zeros_like(p.xdt)  # [Kc, G, R, Q, P]
     dcs_excl = torch.zeros_like(p.cs_excl)  # [Kc, G, R, Q + 1]: gradient of cs_excl; [..., 1:] is that of cs
@@ -272,7 +277,7 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
             add_at(k, o, -t.sum(-1))
         # 1. diagonal blocks
         for part in _chunk_slices(p):
-            scores, decay, CB, keep = _diagonal(p, layout, part)
+            scores, decay, CB, keep = _diagonal(p, layout, part, with_factors=True)
             dxdt[part] += scores.transpose(-1, -2) @ gy[part]
             d_scores = gy[part] @ p.xdt[part].transpose(-1, -2)  # [k, G, R, Q, Q]
             d_scores *= decay
@@ -318,7 +323,7 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
         add_at(k, o, -t)
     BdS = _head_rows(p.Bg @ dS, r)  # [Kc, G, R, Q, P]
     dxdt += BdS * u[..., None]
-    dBg += _group_rows(p.xdt * u[..., None]) @ dS.transpose(-1, -2)
+    dBg += decayed @ dS.transpose(-1, -2)
     uZ = u * (p.xdt * BdS).sum(-1)  # [Kc, G, R, Q]
     dcs -= uZ
     dcs[..., -1] += uZ.sum(-1)

@@ -189,7 +189,7 @@ def state_passing_conv_scan(
     cp_group: dist.ProcessGroup | None,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
 ) -> Tensor:
-    """``conv_scan`` of this rank's zigzag tokens, exact across ranks by state passing.
+    """The Mamba core (``mamba_conv_scan``) of this rank's zigzag tokens, exact across ranks by state passing.
 
     xBC ``[B, L/P, H*p + 2*G*N]``, dt ``[B, L/P, H]`` (raw), full (unsliced) parameters; returns
     ``y [B, L/P, H*p]`` equal to the single-process core at these tokens.
