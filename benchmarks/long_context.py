@@ -145,6 +145,12 @@ def model_totals(preset: str, per_block: dict) -> dict:
             "selective_over_none": totals["selective"] / totals["none"], "full_over_none": totals["full"] / totals["none"]}
 
 
+def before_totals(model: dict) -> dict:
+    """The whole model with ``none`` as the issue measured it before this work, and selective against it."""
+    none = sum(n * BEFORE_NONE[b] for b, n in model["counts"].items())
+    return {"none_kib_per_token": none, "selective_over_before_none": model["kib_per_token"]["selective"] / none}
+
+
 def section_saved(args) -> None:
     start = os.getloadavg()
     record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -178,6 +184,7 @@ def section_saved(args) -> None:
             "mamba_packed_none_kib": {"value": mamba, "target": "<= 200", "met": mamba <= 200},
             "selective_over_none": {"value": ratio, "target": "<= 0.35", "met": ratio <= 0.35},
         }
+        record["before_this_work"] = before_totals(eight_b["model"])
     markdown = to_markdown(record)
     print(markdown)
     RESULTS.mkdir(exist_ok=True)
@@ -214,6 +221,11 @@ def to_markdown(record: dict) -> str:
         lines.append("")
     for name, item in record.get("targets", {}).items():
         lines.append(f"- {name}: {item['value']:.2f} (target {item['target']}): {'met' if item['met'] else 'MISSED'}")
+    if "before_this_work" in record:
+        before = record["before_this_work"]
+        lines.append(f"- nemotronh-8b with `none` before this work: {before['none_kib_per_token']:.0f} KiB "
+                     f"({before['none_kib_per_token'] / 1024:.1f} MiB) per token; `selective` now is "
+                     f"{before['selective_over_before_none']:.2f}x of that")
     return "\n".join(lines) + "\n"
 
 
