@@ -131,19 +131,20 @@ def _head_rows(t: Tensor, r: int) -> Tensor:
 
 def _chunk_states(p: _Prepared, layout: ChunkLayout):
     """States each chunk leaves for its last document, with the initial states that enter it:
-    ``S [Kc, G, N, R*P]``, the per-token weights ``u [Kc, G, R, Q]``, the init weights and the
-    decayed inputs ``u * dt x`` as ``[Kc, G, Q, R*P]``."""
+    ``S [Kc, G, N, R*P]``, the per-token weights ``u [Kc, G, R, Q]`` and the init weights."""
     in_last = (layout.doc == layout.doc[:, -1:])[:, None, None, :]  # [Kc, 1, 1, Q]
     u = _exp(p.cs[..., -1:] - p.cs, in_last)  # [Kc, G, R, Q]
-    decayed = _group_rows(p.xdt * u[..., None])  # [Kc, G, Q, R*P]
-    S = p.Bg.transpose(-1, -2) @ decayed  # [Kc, G, N, R*P]
+    kc, groups, _, _, _ = p.xdt.shape
+    S = p.xdt.new_empty(kc, groups, p.Bg.shape[-1], p.xdt.shape[2] * p.xdt.shape[-1])
+    for part in _chunk_slices(p):
+        torch.matmul(p.Bg[part].transpose(-1, -2), _group_rows(p.xdt[part] * u[part, ..., None]), out=S[part])
     f = None
     if p.init_states is not None:
         k, o, d, valid = layout.points["init"]
         to_last = (layout.doc[k, -1] == d) & valid  # [m]
         f = _exp(p.cs[k, :, :, -1] - _at(p.cs_excl[k], o), to_last[:, None, None])  # [m, G, R]
         S = S.index_add(0, k, (p.init_states * f[:, :, None, :, None]).flatten(-2))
-    return S, u, f, decayed
+    return S, u, f
 
 
 def _at(t: Tensor, offset: Tensor) -> Tensor:
@@ -164,8 +165,10 @@ def _start_states(S: Tensor, p: _Prepared, layout: ChunkLayout):
 
 
 def _chunk_slices(p: _Prepared):
-    kc, groups, r, q, _ = p.xdt.shape
-    step = max(1, DIAGONAL_SLICE_BYTES // (groups * r * q * q * p.xdt.element_size()))
+    """Slices of a few chunks: each pass over the chunks works on one at a time, so its
+    temporaries (the ``[k, G, R, Q, Q]`` decay matrices and ``[k, Q, H, P]`` products) stay small."""
+    kc, groups, r, q, headdim = p.xdt.shape
+    step = max(1, DIAGONAL_SLICE_BYTES // (groups * r * q * max(q, headdim) * p.xdt.element_size()))
     return [slice(i, i + step) for i in range(0, kc, step)]
 
 
@@ -187,20 +190,21 @@ def forward(x, dt, A, B, C, D, layout: ChunkLayout, init_states=None, want_y=Tru
     """``(y [B, L, H, P] or None, final states [m, H, P, N] or None)``; inputs in compute dtype."""
     p = _prepare(x, dt, A, B, C, layout, init_states)
     kc, groups, r, q, headdim = p.xdt.shape
-    S = _chunk_states(p, layout)[0]
-    start, _ = _start_states(S, p, layout)
+    start, _ = _start_states(_chunk_states(p, layout)[0], p, layout)
     y = final = None
     if want_y:
         in_carried = (layout.doc == layout.carried[:, None])[:, None, None, :]  # [Kc, 1, 1, Q]
-        y = _head_rows(p.Cg @ start, r) * _exp(p.cs, in_carried)[..., None]  # [Kc, G, R, Q, P] step 4
+        w = _exp(p.cs, in_carried)  # [Kc, G, R, Q]
+        y = torch.empty_like(p.xdt)  # [Kc, G, R, Q, P]
         for part in _chunk_slices(p):
+            torch.mul(_head_rows(p.Cg[part] @ start[part], r), w[part, ..., None], out=y[part])  # step 4
             y[part] += _diagonal(p, layout, part) @ p.xdt[part]  # step 1
         if p.init_states is not None:
             k, weight, _ = _init_outputs(p, layout)
             y = y.index_add(0, k, _head_rows(p.Cg[k] @ p.init_states.flatten(-2), r) * weight[..., None])
         y = layout.unpad(y.permute(0, 3, 1, 2, 4).reshape(kc, q, groups * r, headdim))  # [B, L, H, P]
         if D is not None:
-            y = y + x * (D[:, None] if D.dim() == 1 else D)
+            y = torch.addcmul(y, x, D[:, None] if D.dim() == 1 else D)
     if want_final:
         final = _final_states(p, layout, start)[0]
         final = final.view(-1, groups, B.shape[3], r, headdim).permute(0, 1, 3, 4, 2).reshape(-1, groups * r, headdim, B.shape[3])
@@ -245,8 +249,9 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
     chunk tensors. ``dD``/``d_init_states`` are None when ``D``/``init_states`` are."""
     p = _prepare(x, dt, A, B, C, layout, init_states)
     kc, groups, r, q, headdim = p.xdt.shape
-    S, u, f_init, decayed = _chunk_states(p, layout)
+    S, u, f_init = _chunk_states(p, layout)
     start, carry = _start_states(S, p, layout)
+    del S
     dxdt = torch.zeros_like(p.xdt)  # [Kc, G, R, Q, P]
     dcs_excl = torch.zeros_like(p.cs_excl)  # [Kc, G, R, Q + 1]: gradient of cs_excl; [..., 1:] is that of cs
     dcs = dcs_excl[..., 1:]
@@ -256,38 +261,43 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
     def add_at(k: Tensor, offset: Tensor, values: Tensor) -> None:  # dcs_excl[k, :, :, offset] += values [m, G, R]
         dcs_excl.permute(0, 3, 1, 2).index_put_((k, offset), values, accumulate=True)
 
-    dx_skip = dD = None
+    dD = None
     if grad_y is not None:
-        gy = layout.pad(grad_y).view(kc, q, groups, r, headdim).permute(0, 2, 3, 1, 4).contiguous()
-        # 4. carried states: y_l = exp(cs_l) C_l · start
+        padded = layout.pad(grad_y).view(kc, q, groups, r, headdim)
+
+        def head_major(index) -> Tensor:  # dy of some chunks as [k, G, R, Q, P]
+            return padded[index].permute(0, 2, 3, 1, 4).contiguous()
+
         in_carried = (layout.doc == layout.carried[:, None])[:, None, None, :]
-        gy_rows = _group_rows(gy * _exp(p.cs, in_carried)[..., None])  # [Kc, G, Q, R*P]
-        dstart += p.Cg.transpose(-1, -2) @ gy_rows
-        dCg += gy_rows @ start.transpose(-1, -2)
-        dcs += (_head_rows(p.Cg @ start, r) * _head_rows(gy_rows, r)).sum(-1)
-        # 5. initial states inside their chunk
-        if p.init_states is not None:
-            k, weight, o = _init_outputs(p, layout)
-            h0 = p.init_states.flatten(-2)  # [m, G, N, R*P]
-            gi_rows = _group_rows(gy[k] * weight[..., None])  # [m, G, Q, R*P]
-            d_init += (p.Cg[k].transpose(-1, -2) @ gi_rows).unflatten(-1, (r, headdim))
-            dCg.index_add_(0, k, gi_rows @ h0.transpose(-1, -2))
-            t = (_head_rows(p.Cg[k] @ h0, r) * _head_rows(gi_rows, r)).sum(-1)  # [m, G, R, Q]
-            dcs.index_add_(0, k, t)
-            add_at(k, o, -t.sum(-1))
-        # 1. diagonal blocks
+        w = _exp(p.cs, in_carried)  # [Kc, G, R, Q]
         for part in _chunk_slices(p):
+            gy = head_major(part)
+            # 4. carried states: y_l = exp(cs_l) C_l · start
+            gy_rows = _group_rows(gy * w[part, ..., None])  # [k, G, Q, R*P]
+            dstart[part] += p.Cg[part].transpose(-1, -2) @ gy_rows
+            dCg[part] += gy_rows @ start[part].transpose(-1, -2)
+            dcs[part] += (_head_rows(p.Cg[part] @ start[part], r) * _head_rows(gy_rows, r)).sum(-1)
+            # 1. diagonal blocks
             scores, decay, CB, keep = _diagonal(p, layout, part, with_factors=True)
-            dxdt[part] += scores.transpose(-1, -2) @ gy[part]
-            d_scores = gy[part] @ p.xdt[part].transpose(-1, -2)  # [k, G, R, Q, Q]
+            dxdt[part] += scores.transpose(-1, -2) @ gy
+            d_scores = gy @ p.xdt[part].transpose(-1, -2)  # [k, G, R, Q, Q]
             d_scores *= decay
             dCB = d_scores.sum(2) * keep[:, None]  # [k, G, Q, Q]
             d_scores *= CB[:, :, None]
             dcs[part] += d_scores.sum(-1) - d_scores.sum(-2)
             dCg[part] += dCB @ p.Bg[part]
             dBg[part] += dCB.transpose(-1, -2) @ p.Cg[part]
+        # 5. initial states inside their chunk
+        if p.init_states is not None:
+            k, weight, o = _init_outputs(p, layout)
+            h0 = p.init_states.flatten(-2)  # [m, G, N, R*P]
+            gi_rows = _group_rows(head_major(k) * weight[..., None])  # [m, G, Q, R*P]
+            d_init += (p.Cg[k].transpose(-1, -2) @ gi_rows).unflatten(-1, (r, headdim))
+            dCg.index_add_(0, k, gi_rows @ h0.transpose(-1, -2))
+            t = (_head_rows(p.Cg[k] @ h0, r) * _head_rows(gi_rows, r)).sum(-1)  # [m, G, R, Q]
+            dcs.index_add_(0, k, t)
+            add_at(k, o, -t.sum(-1))
         if D is not None:
-            dx_skip = grad_y * (D[:, None] if D.dim() == 1 else D)
             dD = (grad_y * x).sum((0, 1))
             dD = dD.sum(-1) if D.dim() == 1 else dD
     if grad_final is not None:
@@ -308,11 +318,14 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
             d_init += torch.einsum("jigr,jgnrp->ignrp", coef, gf)
             add_at(ki, oi, -(coef * torch.einsum("ignrp,jgnrp->jigr", p.init_states, gf)).sum(0))
     # 3. state passing: h_k = a_k h_{k-1} + S_k with h_k = start_{k+1}
-    grad_h = torch.cat([dstart[1:], torch.zeros_like(dstart[:1])])
+    grad_h = _to_heads(torch.cat([dstart[1:], torch.zeros_like(dstart[:1])]), r)  # [H, Kc, N*P]
+    del dstart
     log_decay = p.cs[..., -1].reshape(kc, -1).t()  # [H, Kc]
-    dS = _from_heads(reverse_recurrence(_to_heads(grad_h, r), log_decay, ~carry), grad_h.shape)
-    d_log_decay = step_decay(log_decay, ~carry).t() * (_to_heads(dS, r) * _to_heads(start, r)).sum(-1).t()  # [Kc, H]
-    dcs[..., -1] += d_log_decay.view(kc, groups, r)
+    dS = _from_heads(reverse_recurrence(grad_h, log_decay, ~carry), start.shape)
+    del grad_h
+    inner = (dS.unflatten(-1, (r, headdim)) * start.unflatten(-1, (r, headdim))).sum((2, 4))  # [Kc, G, R] <dh_k, h_{k-1}>
+    dcs[..., -1] += step_decay(log_decay, ~carry).t().view(kc, groups, r) * inner
+    del start
     # 2. chunk states (and the initial states entering them)
     if f_init is not None:
         k, o, _, _ = layout.points["init"]
@@ -321,20 +334,21 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
         t = f_init * (p.init_states * dS_k).sum((2, 4))  # [m, G, R]
         dcs[..., -1].index_add_(0, k, t)
         add_at(k, o, -t)
-    BdS = _head_rows(p.Bg @ dS, r)  # [Kc, G, R, Q, P]
-    dxdt += BdS * u[..., None]
-    dBg += decayed @ dS.transpose(-1, -2)
-    uZ = u * (p.xdt * BdS).sum(-1)  # [Kc, G, R, Q]
-    dcs -= uZ
-    dcs[..., -1] += uZ.sum(-1)
+    for part in _chunk_slices(p):
+        BdS = _head_rows(p.Bg[part] @ dS[part], r)  # [k, G, R, Q, P]
+        dxdt[part] += BdS * u[part, ..., None]
+        dBg[part] += _group_rows(p.xdt[part] * u[part, ..., None]) @ dS[part].transpose(-1, -2)
+        uZ = u[part] * (p.xdt[part] * BdS).sum(-1)  # [k, G, R, Q]
+        dcs[part] -= uZ
+        dcs[part, ..., -1] += uZ.sum(-1)
     # back to the token layout: cs = cumsum(dt A), xdt = dt x
     da = layout.unpad(dcs.flip(-1).cumsum(-1).flip(-1).permute(0, 3, 1, 2).reshape(kc, q, groups * r))  # [B, L, H]
-    dxdt = layout.unpad(dxdt.permute(0, 3, 1, 2, 4).reshape(kc, q, groups * r, headdim))  # [B, L, H, P]
-    ddt = da * A + (dxdt * x).sum(-1)
+    dxdt = layout.unpad(dxdt.permute(0, 3, 1, 2, 4).reshape(kc, q, groups * r, headdim))  # [B, L, H, P] (a copy)
+    ddt = torch.linalg.vecdot(dxdt, x).addcmul_(da, A)
     dA = (da * dt).sum((0, 1))
-    dx = dxdt * dt[..., None]
-    if dx_skip is not None:
-        dx = dx + dx_skip
+    dx = dxdt.mul_(dt[..., None])
+    if D is not None and grad_y is not None:
+        dx.addcmul_(grad_y, D[:, None] if D.dim() == 1 else D)
     dB, dC = (layout.unpad(t.transpose(1, 2)) for t in (dBg, dCg))
     if d_init is not None:
         d_init = d_init.permute(0, 1, 3, 4, 2).reshape(-1, groups * r, headdim, B.shape[3])  # [m, H, P, N]
