@@ -7,7 +7,7 @@ the tensor's scale, and chosen parameters have the expected TP placement. The mo
 
 - registered plans: Llama, Qwen2, Qwen3, Mistral, Gemma3, Phi, Falcon-H1 (seed 004), and the
   plans derived for sequence parallelism where Hugging Face has none: Gemma2, Phi3 (fused qkv
-  gathered, fused gate_up packed), OLMo2, Granite, Cohere, Starcoder2, GPT-NeoX; GPT-2
+  and gate_up gathered), OLMo2, Granite, Cohere, Starcoder2, GPT-NeoX; GPT-2
   (``Conv1D``, packed ``c_attn``), StableLM (per-rank head counts), Bamba and NemotronH
   (Mamba mixers replicated); Mixtral, Qwen2-MoE, Qwen3-MoE (experts sharded, router
   replicated);
@@ -56,14 +56,14 @@ CASES = {
     "olmo2": ("registry", FT, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.self_attn.q_norm.weight": "R",
                                f"{L0}.post_feedforward_layernorm.weight": "R"}),
     "gemma2": ("registry", T, {f"{L0}.post_attention_layernorm.weight": "R", f"{L0}.mlp.up_proj.weight": "S0"}),
-    "phi3": ("registry", FT, {f"{L0}.self_attn.qkv_proj.weight": "S0", f"{L0}.mlp.gate_up_proj.weight": "SS0/2",
+    "phi3": ("registry", FT, {f"{L0}.self_attn.qkv_proj.weight": "S0", f"{L0}.mlp.gate_up_proj.weight": "S0",
                               f"{L0}.mlp.down_proj.weight": "S1"}),
     "granite": ("registry", T, {f"{L0}.self_attn.o_proj.weight": "S1"}),
     "cohere": ("registry", T, {f"{L0}.mlp.gate_proj.weight": "S0", f"{L0}.input_layernorm.weight": "R"}),
     "starcoder2": ("registry", T, {f"{L0}.mlp.c_fc.bias": "S0", f"{L0}.mlp.c_proj.bias": "R"}),
     "gpt_neox": ("registry", T, {"gpt_neox.layers.0.attention.query_key_value.weight": "S0",
                                  "gpt_neox.layers.0.attention.dense.weight": "S1", "gpt_neox.embed_in.weight": "S0"}),
-    "gpt2": ("registry", FT, {"transformer.h.0.attn.c_attn.weight": "SS1/3", "transformer.h.0.attn.c_attn.bias": "SS0/3",
+    "gpt2": ("registry", FT, {"transformer.h.0.attn.c_attn.weight": "SS1/3", "transformer.h.0.attn.c_attn.bias": "R",
                               "transformer.h.0.attn.c_proj.weight": "S0", "transformer.h.0.mlp.c_fc.weight": "S1",
                               "transformer.h.0.mlp.c_fc.bias": "S0", "transformer.wpe.weight": "R",
                               "transformer.wte.weight": "S0"}),
@@ -246,7 +246,7 @@ def tp_checks(rank: int, world_size: int) -> dict:
         results[(name, variant)] = _summary(parity(name, True, tp_mesh, variant), name, True, tp_mesh)
     results["errors"] = _errors_before_collectives(tp_mesh)
     results["report"] = _shard_report(tp_mesh)
-    results["layouts"] = {name: _layouts(name, tp_mesh) for name in ("phi3", "mixtral")}
+    results["layouts"] = {name: _layouts(name, tp_mesh) for name in ("gpt2", "mixtral")}
     results["mask_repair"] = _mask_partial_repair(tp_mesh)
     return results
 
@@ -324,8 +324,9 @@ def test_shard_fraction_report(tp_results):
 
 def test_parameter_layouts_read_packed_and_expert_shards(tp_results):
     for result in tp_results:
-        phi3, mixtral = result["layouts"]["phi3"], result["layouts"]["mixtral"]
-        assert phi3[f"{L0}.mlp.gate_up_proj.weight"] == (True, 0, "dtensor")
+        gpt2, mixtral = result["layouts"]["gpt2"], result["layouts"]["mixtral"]
+        assert gpt2["transformer.h.0.attn.c_attn.weight"] == (True, 1, "dtensor")
+        assert gpt2["transformer.h.0.attn.c_attn.bias"] == (False, None, "dtensor")
         assert mixtral[f"{L0}.mlp.experts.gate_up_proj"] == (True, 1, "dtensor")
         assert mixtral[f"{L0}.mlp.experts.down_proj"] == (True, 2, "dtensor")
         assert mixtral[f"{L0}.mlp.gate.weight"] == (False, None, "dtensor")

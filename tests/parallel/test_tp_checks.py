@@ -133,6 +133,14 @@ def test_config_flags_the_plans_cannot_shard_are_refused():
         _check(cohere)
 
 
+def test_packed_linear_weight_is_refused_under_fsdp():
+    model = nn.ModuleDict({"mlp": nn.ModuleDict({"gate_up_proj": nn.Linear(8, 16)})})
+    plan = {"mlp.gate_up_proj": PackedColwiseParallel(2)}
+    _check(model, plan)  # tensor parallel alone: fine
+    with pytest.raises(ValueError, match="mlp.gate_up_proj.*FSDP's dim-0 shard cannot compose"):
+        check_tp_plan(model, 2, plan, data_parallel=True)
+
+
 def test_packed_and_expert_styles_check_their_sizes():
     PackedColwiseParallel(3).check("qkv", nn.Linear(8, 96), 4)
     with pytest.raises(ValueError, match="90 output features packing 3 parts .* multiple of 12"):

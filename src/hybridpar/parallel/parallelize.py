@@ -88,7 +88,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
                              "torch MixedPrecisionPolicy.")
     if dims.tp > 1:
-        check_tp_plan(model, dims.tp, tp_plan, sequence_parallel)  # every plan check (tp_check), before the mesh
+        check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
         get_tp_plan(model, tp_plan)  # unknown names raise here
     if dims.tp > 1:

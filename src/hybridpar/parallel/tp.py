@@ -205,8 +205,10 @@ def _check_sequence_divisible(tp: int):
     return hook
 
 
-def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_parallel: bool = False) -> TPPlan:
-    """Resolve the plan for ``model`` and check it fits at ``tp`` (no mesh, no collective).
+def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_parallel: bool = False,
+                  data_parallel: bool = False) -> TPPlan:
+    """Resolve the plan for ``model`` and check it fits at ``tp`` (no mesh, no collective);
+    ``data_parallel``: FSDP will shard the parameters too.
 
     Returns the plan restricted to the entries that match a module; raises ValueError naming
     the module, the rule and the fix otherwise.
@@ -220,7 +222,7 @@ def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_par
     if not styles:
         raise ValueError(f"TP plan ({resolved.source}) matches no module of {type(model).__name__}; "
                          "check the module path patterns")
-    check_plan(model, styles, tp, sequence_parallel)
+    check_plan(model, styles, tp, sequence_parallel, data_parallel)
     return TPPlan(styles, resolved.source, resolved.entry)
 
 

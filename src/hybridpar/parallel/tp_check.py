@@ -11,6 +11,7 @@ For every module a plan entry matches:
   linear layer (``nn.Linear``/``Conv1D``) in the same parent module has a plan entry and at
   least one of them is column-parallel (a fallback plan naming ``down_proj`` but not a fused
   ``gate_up_proj`` would feed it a whole tensor taken for a shard);
+- with FSDP (``data_parallel``), no ``nn.Linear`` weight is packed on dim 0 (FSDP shards dim 0);
 - heads stay whole: a column-parallel projection inside a module with ``head_dim`` gives
   every rank whole heads, and the module's forward does not reshape or split with a
   head-count attribute (``self.num_heads``, ``self.config.num_attention_heads``, ...) unless
@@ -26,6 +27,7 @@ full-sequence tensor taken for a shard doubles the sequence).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from fnmatch import fnmatch
@@ -83,13 +85,14 @@ def _fail(name: str, message: str) -> None:
     raise ValueError(f"TP plan entry for {name!r}: {message}")
 
 
-def _head_attributes(module: nn.Module) -> set[str]:
-    """Head-count attributes the module's forward reads (``config.`` prefixed for config fields)."""
+@functools.lru_cache(maxsize=None)
+def _head_attributes(cls: type) -> frozenset[str]:
+    """Head-count attributes ``cls.forward`` reads (``config.`` prefixed for config fields)."""
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
-        return set()
-    return {f"{cfg or ''}{attr}" for cfg, attr in _HEAD_ATTRIBUTE.findall(source)}
+        return frozenset()
+    return frozenset(f"{cfg or ''}{attr}" for cfg, attr in _HEAD_ATTRIBUTE.findall(source))
 
 
 def _check_heads(name: str, module: nn.Module, parent_name: str, parent: nn.Module, local_attrs, tp: int) -> None:
@@ -98,7 +101,7 @@ def _check_heads(name: str, module: nn.Module, parent_name: str, parent: nn.Modu
     if isinstance(head_dim, int) and (out_features // tp) % head_dim:
         _fail(name, f"{out_features} output features over tp={tp} split a head of {type(parent).__name__} "
                     f"(head_dim={head_dim}); the head counts must be divisible by tp")
-    unpatched = sorted(_head_attributes(parent) - set(local_attrs))
+    unpatched = sorted(_head_attributes(type(parent)) - set(local_attrs))
     if unpatched:
         _fail(name, f"{type(parent).__name__}.forward ({parent_name!r}) reshapes or splits with {unpatched}, which "
                     "would still be the global head counts on a column shard; register a plan that makes them "
@@ -189,9 +192,18 @@ def sp_uncovered(model: nn.Module, entries) -> list[str]:
     return uncovered
 
 
-def check_plan(model: nn.Module, styles: dict[str, ParallelStyle], tp: int, sequence_parallel: bool) -> None:
-    """Raise ValueError if the plan does not fit ``model`` at ``tp`` (see the module docstring)."""
+def check_plan(model: nn.Module, styles: dict[str, ParallelStyle], tp: int, sequence_parallel: bool,
+               data_parallel: bool = False) -> None:
+    """Raise ValueError if the plan does not fit ``model`` at ``tp`` (see the module docstring);
+    ``data_parallel``: FSDP will shard dim 0 of every parameter as well."""
     entries = matched_modules(model, styles)
+    packed_dim0 = [name for name, module, style in entries
+                   if isinstance(style, PackedColwiseParallel) and isinstance(module, nn.Linear)]
+    if data_parallel and packed_dim0:
+        raise ValueError(
+            f"{compress_names(packed_dim0)}: PackedColwiseParallel shards an nn.Linear weight on dim 0 with a stride "
+            "(_StridedShard), which FSDP's dim-0 shard cannot compose with; use ColwiseParallel(output_layouts="
+            "Replicate()) for these projections (gathered output) or run without data/context parallelism")
     modules = dict(model.named_modules())
     local_attrs: dict[str, tuple[str, ...]] = {}
     for name, _, style in entries:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from hybridpar.parallel.tp_linear_styles import PackedColwiseParallel
 from hybridpar.parallel.tp_styles import (
     LocalReplicateParallel,
     RotaryEmbedParallel,
@@ -53,7 +52,7 @@ def decoder_plan(sequence_parallel: bool, *, prefix: str = "model", layers: str 
                  embed: str = "embed_tokens", rotary: str | None = "rotary_emb", final_norm: str = "norm",
                  lm_head: str = "lm_head", attn: str = "self_attn", qkv=("q_proj", "k_proj", "v_proj"),
                  attn_out: str = "o_proj", gather_attention: bool = False, mlp: str = "mlp",
-                 mlp_in=("gate_proj", "up_proj"), packed_mlp_in: str | None = None, mlp_out: str = "down_proj",
+                 mlp_in=("gate_proj", "up_proj"), gather_mlp: bool = False, mlp_out: str = "down_proj",
                  in_norms=("input_layernorm", "post_attention_layernorm"), post_norms=(), head_norms=(),
                  residual_inputs: bool = False) -> dict[str, ParallelStyle]:
     """A decoder plan; module names are relative to one decoder layer (``prefix.layers.*``).
@@ -62,7 +61,8 @@ def decoder_plan(sequence_parallel: bool, *, prefix: str = "model", layers: str 
       attention computed whole on every rank, the out projection row-parallel on a replicated
       input. For attention code that needs every head (OLMo2's q/k norm over all heads,
       Phi3's qkv split by config head counts). Weights are still sharded.
-    - ``packed_mlp_in``: a fused ``[gate | up]`` projection (``PackedColwiseParallel``).
+    - ``gather_mlp``: the same for the MLP (a fused ``[gate | up]`` projection that is chunked
+      after the projection: Phi3); the activation runs whole on every rank.
     - ``in_norms`` normalize a block's input (all-gathered under SP); ``post_norms`` a block's
       output before the residual add (stay sequence-sharded); ``head_norms`` are norms inside
       the attention (q/k norms), on local heads (gradients summed over TP) or on the gathered
@@ -83,10 +83,12 @@ def decoder_plan(sequence_parallel: bool, *, prefix: str = "model", layers: str 
         plan[f"{layer}.{attn}.{attn_out}"] = RowwiseParallel(**reduce_out)
     # per-head norms: on local heads the gradients are partial sums over TP; on gathered heads full
     plan.update({f"{layer}.{attn}.{n}": LocalReplicateParallel(grad_allreduce=not gather_attention) for n in head_norms})
-    plan.update({f"{layer}.{mlp}.{p}": ColwiseParallel(**col_in) for p in mlp_in})
-    if packed_mlp_in:
-        plan[f"{layer}.{mlp}.{packed_mlp_in}"] = PackedColwiseParallel(split_factor=2)
-    plan[f"{layer}.{mlp}.{mlp_out}"] = RowwiseParallel(**reduce_out)
+    if gather_mlp:
+        plan.update({f"{layer}.{mlp}.{p}": ColwiseParallel(output_layouts=Replicate(), **col_in) for p in mlp_in})
+        plan[f"{layer}.{mlp}.{mlp_out}"] = RowwiseParallel(input_layouts=Replicate(), **reduce_out)
+    else:
+        plan.update({f"{layer}.{mlp}.{p}": ColwiseParallel(**col_in) for p in mlp_in})
+        plan[f"{layer}.{mlp}.{mlp_out}"] = RowwiseParallel(**reduce_out)
     if not sp:
         for norm in (*in_norms, *post_norms):
             plan[f"{layer}.{norm}"] = LocalReplicateParallel()

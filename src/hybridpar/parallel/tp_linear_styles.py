@@ -14,6 +14,10 @@
       x [B, S, D] (replicated; SP: all-gathered) -> local linear -> [B, S, k n / tp]
       backward: dx is a partial sum over TP -> all-reduce (SP: reduce-scatter)
 
+  The bias stays replicated (each rank slices its rows of every part; its gradient, nonzero
+  on those rows only, is all-reduced). FSDP shards dim 0, so an ``nn.Linear`` weight packed
+  on dim 0 cannot also be FSDP-sharded (``tp_check`` refuses that); ``Conv1D`` packs dim 1.
+
 - ``LocalHeadCounts(names)``: attention modules that reshape with their own head-count
   attributes (``view(b, s, self.num_heads, d)``: StableLM, GPT-2's ``split_size``) get those
   attributes divided by ``tp``; the projections are sharded by the plan's other entries.
@@ -25,13 +29,14 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hybridpar.parallel.tp_styles import replicated_local, restore_params, swap_in_local_params
+from hybridpar.parallel.tp_styles import AllReduceGrad, replicated_local, restore_params, swap_in_local_params
 
 __all__ = ["is_conv1d", "Conv1DColwiseParallel", "Conv1DRowwiseParallel", "PackedColwiseParallel", "LocalHeadCounts"]
 
@@ -113,8 +118,18 @@ class PackedColwiseParallel(ParallelStyle):
                  f"{out} output features packing {self.split_factor} parts cannot give every one of tp={tp} "
                  f"ranks an equal slice of each part (needs a multiple of {self.split_factor * tp})")
 
+    def _local_bias(self, bias: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        """This rank's rows of every part of the replicated bias [k n] -> [k n / tp]."""
+        bias = AllReduceGrad.apply(bias, mesh.get_group()) if bias.requires_grad else bias
+        tp, rank = mesh.size(), mesh.get_local_rank()
+        parts = bias.view(self.split_factor, -1)
+        rows = parts.shape[1] // tp
+        return parts[:, rank * rows:(rank + 1) * rows].reshape(-1)
+
     def _forward_pre(self, mesh: DeviceMesh, conv1d: bool, module, args, kwargs):
         swap_in_local_params(module)
+        if module.bias is not None:
+            module._parameters["bias"] = self._local_bias(module.bias, mesh)
         if conv1d:
             module.nf = module.weight.shape[1]  # the local width; Conv1D.forward reshapes with nf
         # [B, S, D] (SP: [B, S/tp, D] all-gathered) whole on every rank; dx summed in backward
@@ -129,8 +144,7 @@ class PackedColwiseParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.check(type(module).__name__, module, device_mesh.size())
         packed = _StridedShard(self._out_dim(module), split_factor=self.split_factor)
-        _distribute(module, {"weight": packed, "bias": _StridedShard(0, split_factor=self.split_factor)},
-                    device_mesh, self.src_data_rank)
+        _distribute(module, {"weight": packed, "bias": Replicate()}, device_mesh, self.src_data_rank)
         conv1d = is_conv1d(module)
         module.register_forward_pre_hook(partial(self._forward_pre, device_mesh, conv1d), with_kwargs=True)
         module.register_forward_hook(partial(self._forward_post, device_mesh, conv1d), always_call=True)

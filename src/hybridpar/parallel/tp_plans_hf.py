@@ -5,8 +5,8 @@ Each plan is exact: float64 loss and every gradient equal the single-process mod
 sequence parallelism, so these plans derive it from the layer structure (``decoder_plan``):
 which norms feed a block (all-gathered once), which norms sit on a block's output (stay
 sequence-sharded), and which attention code needs every head (computed whole, weights still
-sharded: Phi3 slices its fused qkv by config head counts, OLMo2 normalizes q and k across
-all heads).
+sharded: Phi3 slices its fused qkv by config head counts and chunks its fused gate_up, OLMo2
+normalizes q and k across all heads).
 """
 
 from __future__ import annotations
@@ -96,10 +96,11 @@ def phi_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSty
 
 @_register("phi3", "Phi3ForCausalLM")
 def phi3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Phi3: fused ``qkv_proj`` split by config head counts (gathered attention) and fused
-    ``gate_up_proj`` (packed column-parallel)."""
-    return decoder_plan(sequence_parallel, qkv=("qkv_proj",), gather_attention=True, mlp_in=(),
-                        packed_mlp_in="gate_up_proj")
+    """Phi3: fused ``qkv_proj`` split by config head counts and fused ``gate_up_proj`` chunked
+    into gate and up: both outputs gathered (weights sharded ``Shard(0)``, so FSDP composes;
+    a packed ``_StridedShard(0)`` weight would collide with FSDP's dim-0 shard)."""
+    return decoder_plan(sequence_parallel, qkv=("qkv_proj",), gather_attention=True, mlp_in=("gate_up_proj",),
+                        gather_mlp=True)
 
 
 @_register("olmo2", "Olmo2ForCausalLM")

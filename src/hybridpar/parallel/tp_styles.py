@@ -45,6 +45,7 @@ __all__ = [
     "reduce_partial",
     "swap_in_local_params",
     "restore_params",
+    "AllReduceGrad",
 ]
 
 
@@ -180,7 +181,7 @@ def restore_params(module: nn.Module) -> None:
         sub._parameters[name] = param
 
 
-class _AllReduceGrad(torch.autograd.Function):
+class AllReduceGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over a process group."""
 
     @staticmethod
@@ -225,7 +226,7 @@ class LocalReplicateParallel(ParallelStyle):
 
     def _swap_in_local(self, mesh: DeviceMesh, mod, args, kwargs):
         if self.grad_allreduce:
-            swap_in_local_params(mod, lambda local: _AllReduceGrad.apply(local, mesh.get_group())
+            swap_in_local_params(mod, lambda local: AllReduceGrad.apply(local, mesh.get_group())
                                  if local.requires_grad else local)
         else:
             swap_in_local_params(mod)
