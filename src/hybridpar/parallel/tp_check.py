@@ -20,9 +20,10 @@ For every module a plan entry matches:
 With sequence parallelism the residual stream is a ``Shard(1)`` DTensor, so the plan must
 cover it: every module holding parameters is named by an entry (or lies inside one), and
 every entry on a direct child of a decoder layer or of the base model (norms, embeddings,
-mixers; the LM head, which returns the model's output, aside) returns a DTensor. Otherwise the uncovered modules are named in a ``ValueError``
-(a plain tensor added to the stream fails with "mixed torch.Tensor and DTensor", or worse, a
-full-sequence tensor taken for a shard doubles the sequence).
+mixers; the LM head, which returns the model's output, aside) returns a DTensor. Otherwise
+the uncovered modules are named in a ``ValueError`` (a plain tensor added to the stream fails
+with "mixed torch.Tensor and DTensor", or worse, a full-sequence tensor taken for a shard
+doubles the sequence).
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ from hybridpar.parallel.tp_styles import LocalReplicateParallel
 
 __all__ = ["validate_tp_sizes", "matches", "matched_modules", "check_plan", "sp_uncovered", "compress_names"]
 
-_SIZE_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
+_SIZE_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # experts: their own check
 _HEAD_ATTRIBUTE = re.compile(r"self\.(config\.)?(num_heads|num_attention_heads|num_key_value_heads|n_head|"
                              r"split_size|hidden_size|embed_dim|all_head_size)\b")
 
 
 def validate_tp_sizes(model: nn.Module, tp: int) -> None:
-    """Head, KV-head and MLP/expert sizes of a Hugging Face config must be divisible by ``tp``."""
+    """Head, KV-head and MLP sizes of a Hugging Face config must be divisible by ``tp``."""
     config = getattr(model, "config", None)
     if config is None:
         return
@@ -159,9 +159,8 @@ def _stream_parents(model: nn.Module) -> set[str]:
     for name, module in model.named_modules():
         if module is base:
             names.add(name)
-        for child_name, child in module.named_children():
-            if isinstance(module, nn.ModuleList):
-                names.add(f"{name}.{child_name}" if name else child_name)
+        if isinstance(module, nn.ModuleList):
+            names.update(f"{name}.{child}" if name else child for child, _ in module.named_children())
     return names
 
 
@@ -180,6 +179,8 @@ def sp_uncovered(model: nn.Module, entries) -> list[str]:
     """The outermost modules holding parameters that no plan entry names or contains
     (parameters a module shards itself, ``tensor_model_parallel``, aside)."""
     covered = {name for name, _, _ in entries}
+    if "" in covered:  # a root entry covers everything
+        return []
     holds_covered = {prefix for name in covered if name for prefix in _prefixes(name)}
     uncovered = []
     for name, module in model.named_modules():
@@ -215,7 +216,7 @@ def check_plan(model: nn.Module, styles: dict[str, ParallelStyle], tp: int, sequ
     for name, module, style in entries:
         _check_entry(name, module, style, tp)
         parent_name = name.rpartition(".")[0]
-        if _column_sharded(style):
+        if _column_sharded(style) and (isinstance(module, nn.Linear) or is_conv1d(module)):
             _check_heads(name, module, parent_name, modules[parent_name], local_attrs.get(parent_name, ()), tp)
         if isinstance(style, RowwiseParallel) and isinstance(style.input_layouts[0], Shard) and name:
             if isinstance(module, nn.Linear) or is_conv1d(module):
