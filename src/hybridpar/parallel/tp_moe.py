@@ -110,6 +110,8 @@ class GroupedExpertsParallel(ParallelStyle):
 
     def _forward_post(self, mesh: DeviceMesh, module, args, output):
         restore_params(module)
+        if output is None:
+            return output
         # partial [T, D] on each rank -> all-reduce -> [T, D]
         return reduce_partial(output, mesh, Replicate()).to_local()
 

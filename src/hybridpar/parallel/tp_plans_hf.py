@@ -27,7 +27,7 @@ from hybridpar.parallel.tp_registry import register_tp_plan
 from hybridpar.parallel.tp_styles import LocalReplicateParallel, RotaryEmbedParallel, SequenceParallelAllGatherActivation
 
 __all__ = [
-    "llama_plan", "qwen3_plan", "gemma2_plan", "gemma3_plan", "phi_plan", "phi3_plan", "olmo2_plan", "cohere_plan",
+    "hf_key", "register_hf_plan", "llama_plan", "qwen3_plan", "gemma2_plan", "gemma3_plan", "phi_plan", "phi3_plan", "olmo2_plan", "cohere_plan",
     "starcoder2_plan", "gpt_neox_plan", "stablelm_plan", "gpt2_plan",
 ]
 
@@ -37,7 +37,8 @@ def hf_key(model_type: str, class_name: str) -> str:
     return f"transformers.models.{model_type}.modeling_{model_type}.{class_name}"
 
 
-def _register(model_type: str, class_name: str, **kwargs):
+def register_hf_plan(model_type: str, class_name: str, **kwargs):
+    """Decorator: register a plan under a transformers class's key, with its bare name as alias."""
     return register_tp_plan(hf_key(model_type, class_name), aliases=(class_name,), **kwargs)
 
 
@@ -51,16 +52,16 @@ def _config_flag_refused(flag: str, why: str):
     return validate
 
 
-@_register("llama", "LlamaForCausalLM")
-@_register("mistral", "MistralForCausalLM")
-@_register("qwen2", "Qwen2ForCausalLM")
-@_register("granite", "GraniteForCausalLM")
+@register_hf_plan("llama", "LlamaForCausalLM")
+@register_hf_plan("mistral", "MistralForCausalLM")
+@register_hf_plan("qwen2", "Qwen2ForCausalLM")
+@register_hf_plan("granite", "GraniteForCausalLM")
 def llama_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Llama, Mistral, Qwen2, Granite: q/k/v, gate/up column-parallel; o/down row-parallel."""
     return decoder_plan(sequence_parallel)
 
 
-@_register("qwen3", "Qwen3ForCausalLM")
+@register_hf_plan("qwen3", "Qwen3ForCausalLM")
 def qwen3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Qwen3: Llama plus per-head q_norm/k_norm on local heads (gradients summed over TP)."""
     return decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"))
@@ -70,13 +71,13 @@ _GEMMA_NORMS = dict(in_norms=("input_layernorm", "pre_feedforward_layernorm"),
                     post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
 
 
-@_register("gemma2", "Gemma2ForCausalLM")
+@register_hf_plan("gemma2", "Gemma2ForCausalLM")
 def gemma2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Gemma2: scaled embedding, four norms per layer (two on the block outputs)."""
     return decoder_plan(sequence_parallel, **_GEMMA_NORMS)
 
 
-@_register("gemma3", "Gemma3ForCausalLM")
+@register_hf_plan("gemma3", "Gemma3ForCausalLM")
 def gemma3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Gemma3: Gemma2's layout plus per-head q/k norms."""
     plan = decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"), **_GEMMA_NORMS)
@@ -85,7 +86,7 @@ def gemma3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
     return plan
 
 
-@_register("phi", "PhiForCausalLM")
+@register_hf_plan("phi", "PhiForCausalLM")
 def phi_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Phi (Phi-2): attention output ``dense``, MLP ``fc1``/``fc2``, one LayerNorm per layer
     shared by the parallel attention and MLP branches, optional per-head q/k LayerNorms."""
@@ -94,7 +95,7 @@ def phi_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSty
                         final_norm="final_layernorm")
 
 
-@_register("phi3", "Phi3ForCausalLM")
+@register_hf_plan("phi3", "Phi3ForCausalLM")
 def phi3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Phi3: fused ``qkv_proj`` split by config head counts and fused ``gate_up_proj`` chunked
     into gate and up: both outputs gathered (weights sharded ``Shard(0)``, so FSDP composes;
@@ -103,7 +104,7 @@ def phi3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
                         gather_mlp=True)
 
 
-@_register("olmo2", "Olmo2ForCausalLM")
+@register_hf_plan("olmo2", "Olmo2ForCausalLM")
 def olmo2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """OLMo2: q/k RMSNorms over all heads (gathered attention); only post-block norms, so the
     blocks read the residual stream directly."""
@@ -111,20 +112,20 @@ def olmo2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
                         post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), residual_inputs=True)
 
 
-@_register("cohere", "CohereForCausalLM",
+@register_hf_plan("cohere", "CohereForCausalLM",
            validate=_config_flag_refused("use_qk_norm", "its q/k LayerNorms hold one weight row per head"))
 def cohere_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Cohere: one input LayerNorm feeding parallel attention and MLP branches."""
     return decoder_plan(sequence_parallel, in_norms=("input_layernorm",))
 
 
-@_register("starcoder2", "Starcoder2ForCausalLM")
+@register_hf_plan("starcoder2", "Starcoder2ForCausalLM")
 def starcoder2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Starcoder2: LayerNorms with bias, MLP ``c_fc``/``c_proj`` (nn.Linear, with bias)."""
     return decoder_plan(sequence_parallel, mlp_in=("c_fc",), mlp_out="c_proj")
 
 
-@_register("gpt_neox", "GPTNeoXForCausalLM")
+@register_hf_plan("gpt_neox", "GPTNeoXForCausalLM")
 def gpt_neox_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """GPT-NeoX: ``query_key_value`` interleaved per head (``[H, 3, d]`` rows, so a plain
     column split keeps whole heads), parallel or sequential residual."""
@@ -133,7 +134,7 @@ def gpt_neox_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
                         mlp_out="dense_4h_to_h", final_norm="final_layer_norm")
 
 
-@_register("stablelm", "StableLmForCausalLM",
+@register_hf_plan("stablelm", "StableLmForCausalLM",
            validate=_config_flag_refused("qk_layernorm", "its per-head LayerNorms are a list indexed by global head"))
 def stablelm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """StableLM: Llama-shaped, but attention reshapes with ``self.num_heads`` /
@@ -143,7 +144,7 @@ def stablelm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
     return plan
 
 
-@_register("gpt2", "GPT2LMHeadModel",
+@register_hf_plan("gpt2", "GPT2LMHeadModel",
            validate=_config_flag_refused("add_cross_attention", "cross-attention blocks have no TP plan"))
 def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """GPT-2: ``Conv1D`` projections (transposed weights); ``c_attn`` packs ``[q | k | v]``

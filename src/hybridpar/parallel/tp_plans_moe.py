@@ -21,10 +21,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hybridpar.parallel.tp_decoder import decoder_plan, embedding_style, lm_head_style
 from hybridpar.parallel.tp_moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
-from hybridpar.parallel.tp_plans_hf import _register
+from hybridpar.parallel.tp_plans_hf import register_hf_plan
 from hybridpar.parallel.tp_styles import LocalReplicateParallel, SequenceParallelAllGatherActivation
 
-__all__ = ["moe_block_plan", "moe_decoder_plan", "falcon_h1_plan", "bamba_plan", "nemotron_h_plan"]
+__all__ = ["moe_block_plan", "moe_decoder_plan", "mixtral_plan", "qwen3_moe_plan", "falcon_h1_plan", "bamba_plan",
+           "nemotron_h_plan"]
 
 
 def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -53,14 +54,14 @@ def moe_decoder_plan(model: nn.Module, sequence_parallel: bool, **decoder) -> di
     return plan
 
 
-@_register("mixtral", "MixtralForCausalLM")
-@_register("qwen2_moe", "Qwen2MoeForCausalLM")
+@register_hf_plan("mixtral", "MixtralForCausalLM")
+@register_hf_plan("qwen2_moe", "Qwen2MoeForCausalLM")
 def mixtral_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Mixtral, Qwen2-MoE (with a gated shared expert): Llama attention, MoE blocks."""
     return moe_decoder_plan(model, sequence_parallel)
 
 
-@_register("qwen3_moe", "Qwen3MoeForCausalLM")
+@register_hf_plan("qwen3_moe", "Qwen3MoeForCausalLM")
 def qwen3_moe_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Qwen3-MoE: Qwen3 attention (per-head q/k norms), MoE blocks."""
     return moe_decoder_plan(model, sequence_parallel, head_norms=("q_norm", "k_norm"))
@@ -69,7 +70,7 @@ def qwen3_moe_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paral
 _HYBRID = dict(mlp="feed_forward", in_norms=("input_layernorm", "pre_ff_layernorm"), final_norm="final_layernorm")
 
 
-@_register("falcon_h1", "FalconH1ForCausalLM")
+@register_hf_plan("falcon_h1", "FalconH1ForCausalLM")
 def falcon_h1_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Falcon-H1: attention and MLP (``feed_forward``) sharded; the parallel Mamba2 branch is
     replicated (seed 004). Under SP the Mamba branch reads the all-gathered norm output and
@@ -79,7 +80,7 @@ def falcon_h1_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paral
     return plan
 
 
-@_register("bamba", "BambaForCausalLM")
+@register_hf_plan("bamba", "BambaForCausalLM")
 def bamba_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Bamba: each layer is a Mamba2 mixer (replicated) or attention, then an MLP."""
     plan = decoder_plan(sequence_parallel, **_HYBRID)
@@ -87,7 +88,7 @@ def bamba_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     return plan
 
 
-@_register("nemotron_h", "NemotronHForCausalLM")
+@register_hf_plan("nemotron_h", "NemotronHForCausalLM")
 def nemotron_h_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """NemotronH: one mixer per layer (Mamba2, attention, MLP or MoE) after one norm. Hugging
     Face's own plan names MoE experts every layer and shards nothing else; this one shards
