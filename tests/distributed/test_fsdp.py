@@ -317,7 +317,7 @@ def test_layout_fallbacks_without_tp_metadata():
     layouts = parameter_layouts(model)
     assert layouts["mixer.norm.weight"] == Layout(False, None, "norm_name")  # no attrs: the name decides
     assert layouts["mixer.A_log"] == Layout(False, None, "default")
-    assert layouts["input_layernorm.bias"] == Layout(False, None, "norm_name")
+    assert layouts["input_layernorm.bias"] == Layout(False, None, "module_type")  # LayerNorm: Megatron's registry
     assert layouts["col.weight"] == layouts["col.bias"] == Layout(True, 0, "module_type")
     assert layouts["row.weight"] == Layout(True, 1, "module_type")
     assert layouts["row.bias"] == Layout(False, None, "module_type")  # row-parallel bias: replicated

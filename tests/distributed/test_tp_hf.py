@@ -1,19 +1,25 @@
 """Tensor/sequence-parallel plans for Hugging Face models against the single-process model.
 
-One 2-rank gloo group runs every parity check: for Llama, Qwen2, Qwen3, Mistral, Gemma3,
-Phi, Falcon-H1 (registered plans), Olmo2 (its own Hugging Face plan, translated) and a
-Llama subclass nothing is registered for (the generic default plan), with and without
-sequence parallelism where the plan has it, the float64 logits and every parameter gradient
-(gathered with ``full_tensor``) equal the single-process model's to 1e-9 relative to the
-tensor's scale. A few SP runs add a padding mask or packed position ids. Tiny random
-configs, no downloads, SDPA attention (float64 softmax).
+One 2-rank gloo group runs every parity check (models from ``tp_hf_models``): for each model,
+with and without sequence parallelism where listed, the float64 logits and every parameter
+gradient (gathered with ``full_tensor``) equal the single-process model's to 1e-9 relative to
+the tensor's scale, and chosen parameters have the expected TP placement. The models:
 
-Hugging Face RMSNorms compute in float32 (``x.to(float32)``/``x.float()``); a float32
-rounding flip caused by a 1e-16 difference in a TP partial sum would cap parity at ~1e-7,
-so both the reference and the TP model run their RMSNorms in the input dtype here.
+- registered plans: Llama, Qwen2, Qwen3, Mistral, Gemma3, Phi, Falcon-H1 (seed 004), and the
+  plans derived for sequence parallelism where Hugging Face has none: Gemma2, Phi3 (fused qkv
+  and gate_up gathered), OLMo2, Granite, Cohere, Starcoder2, GPT-NeoX; GPT-2
+  (``Conv1D``, packed ``c_attn``), StableLM (per-rank head counts), Bamba and NemotronH
+  (Mamba mixers replicated); Mixtral, Qwen2-MoE, Qwen3-MoE (experts sharded, router
+  replicated);
+- Arcee through its own Hugging Face plan, Mixtral through its Hugging Face plan
+  (``moe_tp_experts`` / ``packed_colwise`` translated);
+- a Llama subclass nothing is registered for (the generic default plan), and Zamba2, which
+  the default plan leaves almost whole: exact, with a warning naming what stays replicated.
 
-The same group checks the ``ValueError``s that must come before any collective and the
-``MaskPartial`` mask-buffer repair of ``VocabParallelEmbedding``.
+A few SP runs add a padding mask or packed position ids. The same group checks the
+``ValueError``s that must come before any collective, the shard-fraction report (exact
+element counts for a plan that shards everything and one that shards almost nothing), and
+the ``MaskPartial`` mask-buffer repair of ``VocabParallelEmbedding``.
 """
 
 from __future__ import annotations
@@ -27,123 +33,60 @@ import torch.nn as nn
 from hybridpar.parallel.tp import apply_tp, get_tp_plan, known_plan_names, register_tp_plan
 from hybridpar.parallel.tp_plans import hf_style, unregister_tp_plan
 from tests.distributed.harness import run_ranks
+from tests.distributed.tp_hf_models import COMMON, SEQ, VOCAB, build_model, parity
+
+__all__ = ["build_model", "SEQ", "VOCAB", "COMMON"]
 
 TOL = 1e-9
-VOCAB = 127  # odd: the vocab-parallel embedding and LM head shard unevenly
-SEQ = 16
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=VOCAB, attn_implementation="sdpa", use_cache=False)
-
-# name -> (expected plan source, sequence parallel supported, {param: expected TP placement})
+F, T, FT = (False,), (True,), (False, True)
 L0 = "model.layers.0"
+# name -> (expected plan source, sequence-parallel settings run, {param: expected TP placement})
 CASES = {
-    "llama": ("registry", True, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.mlp.down_proj.weight": "S1"}),
-    "qwen2": ("registry", True, {f"{L0}.self_attn.k_proj.bias": "S0", f"{L0}.mlp.up_proj.weight": "S0"}),
-    "qwen3": ("registry", True, {f"{L0}.self_attn.q_norm.weight": "R", f"{L0}.self_attn.o_proj.weight": "S1"}),
-    "mistral": ("registry", True, {f"{L0}.self_attn.v_proj.weight": "S0", f"{L0}.mlp.gate_proj.weight": "S0"}),
-    "gemma3": ("registry", True, {f"{L0}.self_attn.k_norm.weight": "R", f"{L0}.mlp.down_proj.weight": "S1"}),
-    "phi": ("registry", True, {f"{L0}.self_attn.dense.weight": "S1", f"{L0}.mlp.fc1.bias": "S0",
-                               "lm_head.bias": "S0", f"{L0}.self_attn.q_layernorm.bias": "R"}),
-    "falcon_h1": ("registry", True, {f"{L0}.feed_forward.down_proj.weight": "S1",
-                                     f"{L0}.mamba.in_proj.weight": "R", f"{L0}.mamba.A_log": "R"}),
-    "olmo2": ("hf", False, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.self_attn.q_norm.weight": "R"}),
-    "unregistered_llama": ("default", True, {f"{L0}.self_attn.q_proj.weight": "S0"}),
+    "llama": ("registry", FT, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.mlp.down_proj.weight": "S1"}),
+    "qwen2": ("registry", FT, {f"{L0}.self_attn.k_proj.bias": "S0", f"{L0}.mlp.up_proj.weight": "S0"}),
+    "qwen3": ("registry", FT, {f"{L0}.self_attn.q_norm.weight": "R", f"{L0}.self_attn.o_proj.weight": "S1"}),
+    "mistral": ("registry", FT, {f"{L0}.self_attn.v_proj.weight": "S0", f"{L0}.mlp.gate_proj.weight": "S0"}),
+    "gemma3": ("registry", FT, {f"{L0}.self_attn.k_norm.weight": "R", f"{L0}.mlp.down_proj.weight": "S1"}),
+    "phi": ("registry", FT, {f"{L0}.self_attn.dense.weight": "S1", f"{L0}.mlp.fc1.bias": "S0",
+                             "lm_head.bias": "S0", f"{L0}.self_attn.q_layernorm.bias": "R"}),
+    "falcon_h1": ("registry", FT, {f"{L0}.feed_forward.down_proj.weight": "S1",
+                                   f"{L0}.mamba.in_proj.weight": "R", f"{L0}.mamba.A_log": "R"}),
+    "unregistered_llama": ("default", FT, {f"{L0}.self_attn.q_proj.weight": "S0"}),
+    "arcee": ("hf", F, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.mlp.up_proj.weight": "S0"}),
+    "olmo2": ("registry", FT, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.self_attn.q_norm.weight": "R",
+                               f"{L0}.post_feedforward_layernorm.weight": "R"}),
+    "gemma2": ("registry", T, {f"{L0}.post_attention_layernorm.weight": "R", f"{L0}.mlp.up_proj.weight": "S0"}),
+    "phi3": ("registry", FT, {f"{L0}.self_attn.qkv_proj.weight": "S0", f"{L0}.mlp.gate_up_proj.weight": "S0",
+                              f"{L0}.mlp.down_proj.weight": "S1"}),
+    "granite": ("registry", T, {f"{L0}.self_attn.o_proj.weight": "S1"}),
+    "cohere": ("registry", T, {f"{L0}.mlp.gate_proj.weight": "S0", f"{L0}.input_layernorm.weight": "R"}),
+    "starcoder2": ("registry", T, {f"{L0}.mlp.c_fc.bias": "S0", f"{L0}.mlp.c_proj.bias": "R"}),
+    "gpt_neox": ("registry", T, {"gpt_neox.layers.0.attention.query_key_value.weight": "S0",
+                                 "gpt_neox.layers.0.attention.dense.weight": "S1", "gpt_neox.embed_in.weight": "S0"}),
+    "gpt2": ("registry", FT, {"transformer.h.0.attn.c_attn.weight": "SS1/3", "transformer.h.0.attn.c_attn.bias": "R",
+                              "transformer.h.0.attn.c_proj.weight": "S0", "transformer.h.0.mlp.c_fc.weight": "S1",
+                              "transformer.h.0.mlp.c_fc.bias": "S0", "transformer.wpe.weight": "R",
+                              "transformer.wte.weight": "S0"}),
+    "stablelm": ("registry", FT, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.input_layernorm.bias": "R"}),
+    "bamba": ("registry", T, {f"{L0}.mamba.in_proj.weight": "R", f"{L0}.feed_forward.down_proj.weight": "S1",
+                              "model.layers.1.self_attn.q_proj.weight": "S0"}),
+    "nemotron_h": ("registry", T, {f"{L0}.mixer.in_proj.weight": "R", "model.layers.1.mixer.k_proj.weight": "S0",
+                                   "model.layers.2.mixer.down_proj.weight": "S1", "model.embeddings.weight": "S0"}),
+    "mixtral": ("registry", FT, {f"{L0}.mlp.experts.gate_up_proj": "SS1/2", f"{L0}.mlp.experts.down_proj": "S2",
+                                 f"{L0}.mlp.gate.weight": "R"}),
+    "qwen3_moe": ("registry", FT, {f"{L0}.mlp.experts.gate_up_proj": "SS1/2", f"{L0}.self_attn.q_norm.weight": "R"}),
+    "qwen2_moe": ("registry", T, {f"{L0}.mlp.shared_expert.gate_proj.weight": "S0",
+                                  f"{L0}.mlp.shared_expert.down_proj.weight": "S1",
+                                  f"{L0}.mlp.shared_expert_gate.weight": "R", f"{L0}.mlp.experts.down_proj": "S2"}),
+    "zamba2": ("default", F, {"model.layers.0.mamba.in_proj.weight": "R", "model.embed_tokens.weight": "S0"}),
 }
-
-
+# Mixtral through its own Hugging Face plan (experts and packed gate_up from the plan strings)
+HF_PLAN_RUNS = {"mixtral_hf_plan": ("mixtral", {f"{L0}.mlp.experts.gate_up_proj": "SS1/2",
+                                                f"{L0}.mlp.experts.down_proj": "S2"})}
 # padding masks and packed documents (position ids restart) under sequence parallelism
 INPUT_VARIANTS = [("llama", "padded"), ("qwen3", "packed"), ("falcon_h1", "padded")]
-
-
-def _unregistered_llama_class():
-    from transformers import LlamaForCausalLM
-
-    class UnregisteredLlama(LlamaForCausalLM):
-        """A Llama-shaped class with no registry entry and no Hugging Face plan."""
-
-        _tp_plan = None
-
-    UnregisteredLlama.__qualname__ = UnregisteredLlama.__name__ = "UnregisteredLlama"
-    return UnregisteredLlama
-
-
-def _exact_rmsnorm(module: nn.Module) -> None:
-    """Run a Hugging Face RMSNorm in the input dtype (see module docstring)."""
-    eps = getattr(module, "variance_epsilon", None) or module.eps
-    offset = 1.0 if type(module).__name__.startswith("Gemma") else 0.0  # Gemma scales by (1 + w)
-
-    def forward(x):
-        return (offset + module.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    module.forward = forward
-
-
-def build_model(name: str) -> nn.Module:
-    """A tiny float64 model; every parameter perturbed so no gradient is trivially zero."""
-    import transformers as hf
-
-    torch.manual_seed(0)
-    if name == "llama":
-        model = hf.LlamaForCausalLM(hf.LlamaConfig(**COMMON))
-    elif name == "qwen2":
-        model = hf.Qwen2ForCausalLM(hf.Qwen2Config(**COMMON))  # q/k/v biases
-    elif name == "qwen3":
-        model = hf.Qwen3ForCausalLM(hf.Qwen3Config(head_dim=16, **COMMON))
-    elif name == "mistral":
-        model = hf.MistralForCausalLM(hf.MistralConfig(sliding_window=6, **COMMON))
-    elif name == "gemma3":  # tied embeddings, sliding + full layers, soft-capped logits
-        config = hf.Gemma3TextConfig(head_dim=16, sliding_window=5, final_logit_softcapping=30.0,
-                                     layer_types=["sliding_attention", "full_attention"], **COMMON)
-        model = hf.Gemma3ForCausalLM(config)
-    elif name == "phi":  # LayerNorm with bias, partial rotary, per-head q/k LayerNorms, lm_head bias
-        model = hf.PhiForCausalLM(hf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **COMMON))
-    elif name == "falcon_h1":
-        config = hf.FalconH1Config(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8,
-                                   mamba_n_groups=1, mamba_chunk_size=8, **COMMON)
-        model = hf.FalconH1ForCausalLM(config)
-    elif name == "olmo2":
-        model = hf.Olmo2ForCausalLM(hf.Olmo2Config(**COMMON))
-    elif name == "unregistered_llama":
-        config = hf.LlamaConfig(**COMMON)
-        config.base_model_tp_plan = None
-        model = _unregistered_llama_class()(config)
-    else:
-        raise ValueError(name)
-    model = model.to(torch.float64)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            _exact_rmsnorm(module)
-    return model
-
-
-def _placement_code(param) -> str:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(param, DTensor):
-        return "plain"
-    (placement,) = param.placements
-    if isinstance(placement, Shard):
-        return f"S{placement.dim}"
-    return "R" if isinstance(placement, Replicate) else repr(placement)
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
-
-
-def _model_inputs(variant: str) -> dict:
-    """Dense ids, plus a left-padded attention mask or two packed documents' position ids."""
-    torch.manual_seed(1)
-    inputs = {"input_ids": torch.randint(0, VOCAB, (2, SEQ)), "use_cache": False}
-    if variant == "padded":
-        inputs["attention_mask"] = torch.ones(2, SEQ, dtype=torch.long)
-        inputs["attention_mask"][1, :5] = 0
-    elif variant == "packed":
-        inputs["position_ids"] = torch.cat([torch.arange(6), torch.arange(SEQ - 6)])[None].expand(2, -1)
-    return inputs
+# models whose rotary module is checked directly under SP (signature rotary(x, position_ids[, layer_type]))
+ROTARY_CHECKED = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi", "falcon_h1", "unregistered_llama", "olmo2")
 
 
 def _rotary_is_plain_and_equal(model, reference, tp_mesh) -> bool:
@@ -160,38 +103,22 @@ def _rotary_is_plain_and_equal(model, reference, tp_mesh) -> bool:
     return all(type(g) is torch.Tensor and torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-def _parity(name: str, sequence_parallel: bool, tp_mesh, variant: str = "dense") -> dict:
-    from torch.distributed.tensor import DTensor
+def _summary(result: dict, name: str, sequence_parallel: bool, tp_mesh) -> dict:
+    """The picklable part of a parity result, plus the direct rotary check where it applies."""
+    model, reference = result.pop("model"), result.pop("reference")
+    result["rotary_ok"] = not (sequence_parallel and name in ROTARY_CHECKED) or \
+        _rotary_is_plain_and_equal(model, reference, tp_mesh)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    result["ties_kept"] = not tied or model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return result
 
-    inputs = _model_inputs(variant)
-    weights = torch.randn(2, SEQ, VOCAB, dtype=torch.float64)
 
-    reference = build_model(name)
-    ref_logits = reference(**inputs).logits
-    (ref_logits * weights).sum().backward()
-
-    model = build_model(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the "default plan" notice for the unregistered class
-        apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel)
-    logits = model(**inputs).logits
-    (logits * weights).sum().backward()
-
-    ref_params = dict(reference.named_parameters())
-    grad_errors = {}
-    for pname, param in model.named_parameters():
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        grad_errors[pname] = _relative_error(grad, ref_params[pname].grad)
-    return {
-        "source": model._tp_plan_applied.source.split(":")[0],
-        "logits_error": _relative_error(logits, ref_logits),
-        "grad_errors": grad_errors,
-        "same_names": sorted(ref_params) == sorted(dict(model.named_parameters())),
-        "placements": {n: _placement_code(p) for n, p in model.named_parameters()},
-        "tied": getattr(model.config, "tie_word_embeddings", False)
-        and model.lm_head.weight is model.model.embed_tokens.weight,
-        "rotary_ok": not sequence_parallel or _rotary_is_plain_and_equal(model, reference, tp_mesh),
-    }
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return "no error"
 
 
 def _errors_before_collectives(tp_mesh) -> dict:
@@ -200,25 +127,62 @@ def _errors_before_collectives(tp_mesh) -> dict:
 
     out = {}
     bad_heads = hf.LlamaForCausalLM(hf.LlamaConfig(**{**COMMON, "num_key_value_heads": 1}))
-    try:
-        apply_tp(bad_heads, tp_mesh)
-    except ValueError as err:
-        out["kv_heads"] = str(err)
+    out["kv_heads"] = _error(lambda: apply_tp(bad_heads, tp_mesh))
     bad_mlp = hf.LlamaForCausalLM(hf.LlamaConfig(**{**COMMON, "intermediate_size": 129}))
-    try:
-        apply_tp(bad_mlp, tp_mesh)
-    except ValueError as err:
-        out["intermediate"] = str(err)
-    olmo = build_model("olmo2")
-    try:
-        apply_tp(olmo, tp_mesh, sequence_parallel=True)
-    except ValueError as err:
-        out["hf_sp"] = str(err)
+    out["intermediate"] = _error(lambda: apply_tp(bad_mlp, tp_mesh))
+    out["hf_sp"] = _error(lambda: apply_tp(build_model("arcee"), tp_mesh, sequence_parallel=True))
     sp_model = apply_tp(build_model("llama"), tp_mesh, sequence_parallel=True)
-    try:
-        sp_model(input_ids=torch.zeros(2, SEQ - 1, dtype=torch.long))
-    except ValueError as err:
-        out["odd_sequence"] = str(err)
+    out["odd_sequence"] = _error(lambda: sp_model(input_ids=torch.zeros(2, SEQ - 1, dtype=torch.long)))
+    # the fallbacks the issue measured: GPT-2 with the generic plan under SP returned
+    # [B, 2S, V] logits; Zamba2 under SP failed on mixed Tensor/DTensor; StableLM's
+    # per-head LayerNorm list cannot follow a head shard
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out["gpt2_default_sp"] = _error(lambda: apply_tp(build_model("gpt2"), tp_mesh, plan="default",
+                                                         sequence_parallel=True))
+        out["zamba2_sp"] = _error(lambda: apply_tp(build_model("zamba2"), tp_mesh, sequence_parallel=True))
+    stablelm = build_model("stablelm")
+    stablelm.config.qk_layernorm = True
+    out["stablelm_qk_layernorm"] = _error(lambda: apply_tp(stablelm, tp_mesh))
+    return out
+
+
+def _expected_local_elements(model, sharded: dict[str, int], rank: int, tp: int) -> tuple[int, int]:
+    """(total, this rank's) parameter elements from names alone: ``sharded`` maps a parameter
+    to its TP dim; torch chunks an uneven dim as ceil(n / tp) rows first."""
+    total = local = 0
+    for name, param in model.named_parameters():  # tied parameters are listed once
+        total += param.numel()
+        if name not in sharded:
+            local += param.numel()
+            continue
+        size = param.shape[sharded[name]]
+        chunk = -(-size // tp)
+        rows = max(0, min(chunk, size - rank * chunk))
+        local += param.numel() // size * rows
+    return total, local
+
+
+def _shard_report(tp_mesh) -> dict:
+    """The report for Llama (everything but the norms sharded) and Zamba2 (the default plan
+    shards only the tied embedding / LM head) against counts computed from parameter names."""
+    rank, tp = tp_mesh.get_local_rank(), tp_mesh.size()
+    out = {}
+    llama = build_model("llama")
+    sharded = {n: (1 if n.endswith(("o_proj.weight", "down_proj.weight")) else 0)
+               for n, _ in llama.named_parameters() if "norm" not in n}
+    expected = _expected_local_elements(llama, sharded, rank, tp)
+    apply_tp(llama, tp_mesh)
+    report = llama._tp_shard_report
+    out["llama"] = ((report.total, report.local), expected, report.fraction, report.replicated)
+    zamba2 = build_model("zamba2")
+    expected = _expected_local_elements(zamba2, {"model.embed_tokens.weight": 0}, rank, tp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_tp(zamba2, tp_mesh)
+    report = zamba2._tp_shard_report
+    out["zamba2"] = ((report.total, report.local), expected, report.fraction, report.replicated,
+                     [str(w.message) for w in caught])
     return out
 
 
@@ -254,27 +218,54 @@ def _mask_partial_repair(tp_mesh) -> dict:
     return out
 
 
+def _layouts(name: str, tp_mesh) -> dict:
+    """``parameter_layouts`` of packed and expert weights (``_StridedShard`` reads as sharded)."""
+    from hybridpar.parallel.param_layouts import parameter_layouts
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = apply_tp(build_model(name), tp_mesh)
+    return {n: (layout.sharded, layout.dim, layout.source) for n, layout in parameter_layouts(model).items()}
+
+
 def tp_checks(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hybridpar.parallel.tp_plans import hf_tp_plan
+
     tp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     results = {}
-    for name, (_, supports_sp, _) in CASES.items():
-        for sequence_parallel in (False, True) if supports_sp else (False,):
-            results[(name, sequence_parallel)] = _parity(name, sequence_parallel, tp_mesh)
+    for name, (_, runs, _) in CASES.items():
+        for sequence_parallel in runs:
+            results[(name, sequence_parallel)] = _summary(parity(name, sequence_parallel, tp_mesh), name,
+                                                          sequence_parallel, tp_mesh)
+    for label, (name, _) in HF_PLAN_RUNS.items():
+        result = parity(name, False, tp_mesh, plan=lambda model, sp: hf_tp_plan(model))
+        results[label] = _summary(result, name, False, tp_mesh)
     for name, variant in INPUT_VARIANTS:
-        results[(name, variant)] = _parity(name, True, tp_mesh, variant)
+        results[(name, variant)] = _summary(parity(name, True, tp_mesh, variant), name, True, tp_mesh)
     results["errors"] = _errors_before_collectives(tp_mesh)
+    results["report"] = _shard_report(tp_mesh)
+    results["layouts"] = {name: _layouts(name, tp_mesh) for name in ("gpt2", "mixtral")}
     results["mask_repair"] = _mask_partial_repair(tp_mesh)
     return results
 
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return run_ranks(2, tp_checks, timeout_s=400)
+    return run_ranks(2, tp_checks, timeout_s=500)
 
 
-PARITY_RUNS = [(name, sp) for name, case in CASES.items() for sp in (False, True) if sp <= case[1]]
+PARITY_RUNS = [(name, sp) for name, case in CASES.items() for sp in case[1]]
+
+
+def _assert_exact(case: dict) -> None:
+    assert case["same_names"]
+    assert case["logits_shape"] == (2, SEQ, VOCAB)
+    assert case["logits_error"] < TOL
+    worst = max(case["grad_errors"], key=case["grad_errors"].get)
+    assert case["grad_errors"][worst] < TOL, f"{worst}: {case['grad_errors'][worst]:.3e}"
+    assert "plain" not in case["placements"].values(), "every parameter must be a DTensor"
 
 
 @pytest.mark.parametrize("name,sequence_parallel", PARITY_RUNS)
@@ -283,25 +274,26 @@ def test_hf_plan_parity(tp_results, name, sequence_parallel):
     for result in tp_results:
         case = result[(name, sequence_parallel)]
         assert case["source"] == expected_source
-        assert case["same_names"]
-        assert case["logits_error"] < TOL
-        worst = max(case["grad_errors"], key=case["grad_errors"].get)
-        assert case["grad_errors"][worst] < TOL, f"{worst}: {case['grad_errors'][worst]:.3e}"
-        assert "plain" not in case["placements"].values(), "every parameter must be a DTensor"
+        _assert_exact(case)
         for pname, code in expected_placements.items():
             assert case["placements"][pname] == code, pname
-        assert case["placements"]["model.embed_tokens.weight"] == "S0"
         assert case["rotary_ok"], "rotary outputs under SP must be plain full-sequence tensors"
-    if name == "gemma3":
-        assert all(r[(name, sequence_parallel)]["tied"] for r in tp_results), "tied lm_head must stay tied"
+        assert case["ties_kept"], "a tied lm_head must stay tied"
+
+
+@pytest.mark.parametrize("label", HF_PLAN_RUNS)
+def test_moe_through_the_hugging_face_plan(tp_results, label):
+    for result in tp_results:
+        case = result[label]
+        _assert_exact(case)
+        for pname, code in HF_PLAN_RUNS[label][1].items():
+            assert case["placements"][pname] == code, pname
 
 
 @pytest.mark.parametrize("name,variant", INPUT_VARIANTS)
 def test_sequence_parallel_with_padding_mask_and_packed_positions(tp_results, name, variant):
     for result in tp_results:
-        case = result[(name, variant)]
-        assert case["logits_error"] < TOL
-        assert max(case["grad_errors"].values()) < TOL
+        _assert_exact(result[(name, variant)])
 
 
 def test_errors_before_any_collective(tp_results):
@@ -310,7 +302,34 @@ def test_errors_before_any_collective(tp_results):
         assert "num_key_value_heads=1" in errors["kv_heads"] and "tp=2" in errors["kv_heads"]
         assert "intermediate_size=129" in errors["intermediate"] and "tp=2" in errors["intermediate"]
         assert "sequence parallelism" in errors["hf_sp"] and "sequence_parallel=False" in errors["hf_sp"]
+        assert "model.layers.*.input_layernorm" in errors["hf_sp"]  # names what SP would leave uncovered
         assert "sequence length 15" in errors["odd_sequence"] and "multiple of 2" in errors["odd_sequence"]
+        assert "sequence parallelism" in errors["gpt2_default_sp"] and "'transformer'" in errors["gpt2_default_sp"]
+        assert "uncovered" in errors["zamba2_sp"] and "model.layers.*.mamba" in errors["zamba2_sp"]
+        assert "qk_layernorm=True" in errors["stablelm_qk_layernorm"]
+
+
+def test_shard_fraction_report(tp_results):
+    for rank, result in enumerate(tp_results):
+        counts, expected, fraction, replicated = result["report"]["llama"]
+        assert counts == expected and fraction == expected[1] / expected[0]
+        assert 0.5 < fraction < 0.51  # everything but the norms is split in two
+        assert all("norm" in pattern for pattern, _, _ in replicated)
+        counts, expected, fraction, replicated, caught = result["report"]["zamba2"]
+        assert counts == expected and fraction > 0.95
+        assert replicated[0][0] == "model.layers"  # every decoder layer stays whole
+        warning = next(w for w in caught if "tensor parallelism saves little" in w)
+        assert f"{fraction:.0%}" in warning and "model.layers" in warning
+
+
+def test_parameter_layouts_read_packed_and_expert_shards(tp_results):
+    for result in tp_results:
+        gpt2, mixtral = result["layouts"]["gpt2"], result["layouts"]["mixtral"]
+        assert gpt2["transformer.h.0.attn.c_attn.weight"] == (True, 1, "dtensor")
+        assert gpt2["transformer.h.0.attn.c_attn.bias"] == (False, None, "dtensor")
+        assert mixtral[f"{L0}.mlp.experts.gate_up_proj"] == (True, 1, "dtensor")
+        assert mixtral[f"{L0}.mlp.experts.down_proj"] == (True, 2, "dtensor")
+        assert mixtral[f"{L0}.mlp.gate.weight"] == (False, None, "dtensor")
 
 
 def test_vocab_parallel_embedding_repairs_empty_mask(tp_results):
@@ -377,5 +396,7 @@ def test_hybrid_lm_is_a_registry_key_and_alias():
 def test_user_plan_dict_accepts_hf_strings_and_rejects_unknown():
     plan = get_tp_plan(nn.Linear(2, 2), {"a": "colwise", "b": "embedding_rowwise"})
     assert plan.source == "user" and type(plan.styles["b"]).__name__ == "VocabParallelEmbedding"
-    with pytest.raises(ValueError, match="'moe_tp_experts' is not supported"):
-        get_tp_plan(nn.Linear(2, 2), {"experts": "moe_tp_experts"})
+    assert type(get_tp_plan(nn.Linear(2, 2), {"experts": "moe_tp_experts"}).styles["experts"]).__name__ == \
+        "GroupedExpertsParallel"
+    with pytest.raises(ValueError, match="'packed_rowwise' is not supported"):
+        get_tp_plan(nn.Linear(2, 2), {"experts.down_proj": "packed_rowwise"})

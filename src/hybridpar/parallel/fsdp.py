@@ -5,24 +5,20 @@ sharded over ``dp_shard_cp`` (1-D) or HSDP ``(dp_replicate, dp_shard_cp)`` (2-D)
 gradient division is off (divide factor 1, SUM reductions): the loss already divides by the
 global token count, and ``ReduceOp.AVG`` on gloo is silently wrong (pytorch#162338).
 
-``parameter_layouts`` says, for every parameter, whether it is tensor-parallel sharded and on
-which dim, reading in order (seed 002, Megatron PR #4467's order):
-DTensor placements on the TP mesh dim -> parameter attributes ``tensor_model_parallel`` /
-``partition_dim`` -> module attributes or known column/row-parallel module types -> the
-norm-name fallback -> replicated.
+``parameter_layouts`` (every parameter's TP layout, Megatron's rule order) lives in
+``param_layouts`` and is re-exported here.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 
 from hybridpar.parallel.dims import ParallelDims
+from hybridpar.parallel.param_layouts import MODULE_TP_DIMS, Layout, parameter_layouts
 
 __all__ = ["apply_fsdp", "fsdp_units", "Layout", "parameter_layouts", "MODULE_TP_DIMS"]
 
@@ -92,86 +88,3 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, mixed_precision=None,
         for attr, value in kept.get(name, {}).items():
             setattr(param, attr, value)
     return model
-
-
-# --------------------------------------------------------------------------------------
-# Parameter layouts
-
-
-@dataclass(frozen=True)
-class Layout:
-    """TP layout of one parameter: ``sharded`` on ``dim`` (None when replicated), and the rule
-    that decided it: "dtensor", "param_attr", "module_attr", "module_type", "norm_name", "default"."""
-
-    sharded: bool
-    dim: int | None
-    source: str
-
-
-# Known tensor-parallel module classes (by class name) -> the dim their weight is split on.
-# Biases of row-parallel (dim 1) modules are replicated.
-MODULE_TP_DIMS: dict[str, int] = {
-    "ColumnParallelLinear": 0, "TEColumnParallelLinear": 0, "TELayerNormColumnParallelLinear": 0,
-    "VocabParallelEmbedding": 0, "RowParallelLinear": 1, "TERowParallelLinear": 1,
-}
-
-
-def _dtensor_layout(param, tp_dim_names) -> Layout | None:
-    """Layout from the placement on a TP-named mesh dim; None if the mesh has none (e.g. FSDP-only)."""
-    if not isinstance(param, DTensor):
-        return None
-    names = param.device_mesh.mesh_dim_names or ()
-    for mesh_dim, name in enumerate(names):
-        if name in tp_dim_names:
-            placement = param.placements[mesh_dim]
-            if isinstance(placement, Shard):  # includes _StridedShard
-                return Layout(True, placement.dim % param.ndim, "dtensor")
-            return Layout(False, None, "dtensor")
-    return None
-
-
-def _dim_layout(param, dim: int, source: str) -> Layout:
-    """Sharded on ``dim`` if the parameter has that dim, else replicated (row-parallel biases)."""
-    if dim < 0 or param.ndim <= dim:
-        return Layout(False, None, source)
-    return Layout(True, dim, source)
-
-
-def _attribute_layout(obj, param, source: str) -> Layout | None:
-    """Megatron convention: ``tensor_model_parallel`` (bool) and ``partition_dim`` on obj."""
-    if not hasattr(obj, "tensor_model_parallel"):
-        return None
-    if not obj.tensor_model_parallel:
-        return Layout(False, None, source)
-    return _dim_layout(param, int(getattr(obj, "partition_dim", 0)), source)
-
-
-def parameter_layouts(model: nn.Module, tp_dim_names=("tp",)) -> dict[str, Layout]:
-    """The TP layout of every parameter of ``model`` by name (see the module docstring).
-
-    A DTensor mesh dim counts as tensor-parallel when its name is in ``tp_dim_names`` (plus
-    the name of the mesh ``apply_tp`` used, if the model has one); FSDP's data-parallel dims
-    (``Shard(0)`` over dp_shard_cp) are ignored.
-    """
-    tp_mesh = getattr(model, "_tp_mesh", None)
-    tp_dim_names = tuple(tp_dim_names) + tuple(getattr(tp_mesh, "mesh_dim_names", None) or ())
-    layouts: dict[str, Layout] = {}
-    seen: set[int] = set()  # tied parameters are listed once, under their first name
-    for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            name = f"{module_name}.{param_name}" if module_name else param_name
-            layout = (
-                _dtensor_layout(param, tp_dim_names)
-                or _attribute_layout(param, param, "param_attr")
-                or _attribute_layout(module, param, "module_attr")
-            )
-            if layout is None and type(module).__name__ in MODULE_TP_DIMS:
-                layout = _dim_layout(param, MODULE_TP_DIMS[type(module).__name__], "module_type")
-            if layout is None and ("norm" in module_name.rsplit(".", 1)[-1].lower()
-                                   or "norm" in type(module).__name__.lower()):
-                layout = Layout(False, None, "norm_name")
-            layouts[name] = layout or Layout(False, None, "default")
-    return layouts

@@ -28,7 +28,7 @@ from hybridpar.parallel import cp_mamba as mamba_cp
 from hybridpar.parallel.checkpointing import apply_activation_checkpointing, checkpointing_policy
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
 from hybridpar.parallel.fsdp import apply_fsdp
-from hybridpar.parallel.tp import apply_tp, get_tp_plan
+from hybridpar.parallel.tp import apply_tp, check_tp_plan, get_tp_plan
 from hybridpar.parallel.tp_hybrid import split_mamba_mixers, validate_hybrid_tp
 
 __all__ = ["parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "needs_fsdp"]
@@ -86,10 +86,10 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         if not (mixed_precision == "bf16" or isinstance(mixed_precision, MixedPrecisionPolicy)):
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
                              "torch MixedPrecisionPolicy.")
-    if dims.tp > 1 or tp_plan is not None:
-        resolved = get_tp_plan(model, tp_plan, sequence_parallel and dims.tp > 1)  # unknown names raise here
-        if dims.tp > 1 and resolved.entry is not None and resolved.entry.validate is not None:
-            resolved.entry.validate(model, dims.tp)
+    if dims.tp > 1:
+        check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
+    elif tp_plan is not None:
+        get_tp_plan(model, tp_plan)  # unknown names raise here
     if dims.tp > 1:
         validate_hybrid_tp(model, dims.tp)  # hybridpar mixers inside any model, whatever plan was given
 

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism: plan selection and ``apply_tp``.
+"""Tensor and sequence parallelism: plan selection, checks and ``apply_tp``.
 
 Plan lookup order (``get_tp_plan``):
 
@@ -9,19 +9,22 @@ Plan lookup order (``get_tp_plan``):
 3. the model's Hugging Face ``tp_plan`` (no sequence parallelism);
 4. the generic ``"default"`` plan.
 
-``apply_tp`` checks sizes before any collective, applies the plan with torch's
-``parallelize_module``, re-ties tied weights, and turns every parameter the plan left alone
-into a replicated DTensor (``LocalReplicateParallel``): optimizers and ``clip_grad_norm_``
-then see one tensor type. Hugging Face attention modules reshape with
-``view(*input_shape, -1, head_dim)`` (checked for Llama, Mistral, Qwen2, Qwen3, Gemma3, Phi and
-Falcon-H1 in transformers 5.23), so no head-count attribute needs patching.
+``check_tp_plan`` resolves the plan and runs every check that needs no mesh: the plan's
+size validation, then ``tp_check.check_plan`` (module types, sharded sizes, whole heads,
+head-count attributes, and under sequence parallelism the coverage of every norm and of the
+residual stream). ``apply_tp`` runs it first, so a plan that does not fit is refused with a
+ValueError before any collective; then it applies the plan with torch's
+``parallelize_module``, re-ties tied weights, turns every parameter the plan left alone into
+a replicated DTensor (``LocalReplicateParallel``: optimizers and ``clip_grad_norm_`` see one
+tensor type), and reports the fraction of parameter elements each rank holds
+(``model._tp_shard_report``, ``tp_report``; a warning above 75% at tp >= 2).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from typing import Callable
 
 import torch.nn as nn
@@ -29,21 +32,31 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from hybridpar.parallel.tp_plans import (
+from hybridpar.parallel.tp_check import (
+    check_plan,
+    compress_names,
+    matched_modules,
+    matches,
+    sp_uncovered,
+    validate_tp_sizes,
+)
+from hybridpar.parallel.tp_plans import hf_style, hf_tp_plan
+from hybridpar.parallel.tp_registry import (
     PlanEntry,
     class_key,
-    hf_style,
-    hf_tp_plan,
     known_plan_names,
     lookup_tp_plan,
     register_tp_plan,
     unregister_tp_plan,
 )
+from hybridpar.parallel.tp_report import TPShardReport, report_tp_sharding, tp_shard_report
 from hybridpar.parallel.tp_styles import LocalReplicateParallel
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
-    "TPPlan", "get_tp_plan", "apply_tp", "validate_tp_sizes", "register_tp_plan", "unregister_tp_plan",
-    "known_plan_names", "class_key",
+    "TPPlan", "get_tp_plan", "check_tp_plan", "apply_tp", "validate_tp_sizes", "register_tp_plan",
+    "unregister_tp_plan", "known_plan_names", "class_key", "TPShardReport", "tp_shard_report",
 ]
 
 PlanLike = dict | str | Callable | None
@@ -95,41 +108,21 @@ def get_tp_plan(model: nn.Module, plan: PlanLike = None, sequence_parallel: bool
     hf = hf_tp_plan(model)
     if hf is not None:
         if sequence_parallel:
+            uncovered = compress_names(sp_uncovered(model, matched_modules(model, hf)))
             raise ValueError(
                 f"{type(model).__name__} has no registered TP plan and its Hugging Face plan has no sequence "
-                "parallelism; set sequence_parallel=False or register a plan (register_tp_plan)"
+                f"parallelism (it leaves {uncovered} off the sequence-sharded stream); set sequence_parallel=False "
+                "or register a plan (register_tp_plan)"
             )
         return TPPlan(hf, "hf")
     warnings.warn(f"no TP plan for {class_key(model)}; using the generic 'default' (Llama-shaped) plan", stacklevel=2)
     return _from_entry(lookup_tp_plan("default"), model, sequence_parallel, "default")
 
 
-def validate_tp_sizes(model: nn.Module, tp: int) -> None:
-    """Head, KV-head and MLP sizes of a Hugging Face config must be divisible by ``tp``."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, field, None)
-        if isinstance(value, int) and value % tp != 0:
-            raise ValueError(
-                f"config.{field}={value} is not divisible by tp={tp}; choose a tp that divides {value} "
-                f"(column-parallel projections split {field} evenly across TP ranks)"
-            )
-
-
-def _matches(path: str, pattern: str) -> bool:
-    """``parallelize_module`` matching: same number of dotted atoms, fnmatch per atom."""
-    atoms, tokens = path.split("."), pattern.split(".")
-    return len(atoms) == len(tokens) and all(fnmatch(a, t) for a, t in zip(atoms, tokens))
-
-
 def _matching_plan(model: nn.Module, styles: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """Keep plan entries that match a module (plans list optional names, e.g. ``qkv_proj``)."""
     names = [n for n, _ in model.named_modules() if n]
-    return {p: s for p, s in styles.items() if p == "" or any(_matches(n, p) for n in names)}
+    return {p: s for p, s in styles.items() if p == "" or any(matches(n, p) for n in names)}
 
 
 def _parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -212,6 +205,27 @@ def _check_sequence_divisible(tp: int):
     return hook
 
 
+def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_parallel: bool = False,
+                  data_parallel: bool = False) -> TPPlan:
+    """Resolve the plan for ``model`` and check it fits at ``tp`` (no mesh, no collective);
+    ``data_parallel``: FSDP will shard the parameters too.
+
+    Returns the plan restricted to the entries that match a module; raises ValueError naming
+    the module, the rule and the fix otherwise.
+    """
+    resolved = get_tp_plan(model, plan, sequence_parallel)
+    if resolved.entry is not None and resolved.entry.validate is not None:
+        resolved.entry.validate(model, tp)
+    else:
+        validate_tp_sizes(model, tp)
+    styles = _matching_plan(model, resolved.styles)
+    if not styles:
+        raise ValueError(f"TP plan ({resolved.source}) matches no module of {type(model).__name__}; "
+                         "check the module path patterns")
+    check_plan(model, styles, tp, sequence_parallel, data_parallel)
+    return TPPlan(styles, resolved.source, resolved.entry)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike = None,
              sequence_parallel: bool = False) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` in place and return it.
@@ -219,7 +233,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike = None,
     Every parameter ends up a DTensor on ``tp_mesh``. With ``sequence_parallel`` the
     residual stream between layers is sequence-sharded (``Shard(1)``) and inputs must have a
     sequence length divisible by the TP size. The resolved plan is kept on
-    ``model._tp_plan_applied`` (a ``TPPlan``), the mesh on ``model._tp_mesh``.
+    ``model._tp_plan_applied`` (a ``TPPlan``), the mesh on ``model._tp_mesh``, the shard
+    report on ``model._tp_shard_report`` (a ``TPShardReport``).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tp needs a 1-D TP mesh, got {tp_mesh.ndim}-D {tp_mesh.mesh_dim_names}; "
@@ -227,25 +242,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike = None,
     if getattr(model, "_tp_mesh", None) is not None:
         raise ValueError(f"{type(model).__name__} is already tensor-parallel; apply_tp runs once per model")
     tp = tp_mesh.size()
-    resolved = get_tp_plan(model, plan, sequence_parallel)
-    if resolved.entry is not None and resolved.entry.validate is not None:
-        resolved.entry.validate(model, tp)
-    else:
-        validate_tp_sizes(model, tp)
-
+    checked = check_tp_plan(model, tp, plan, sequence_parallel)
     tied_groups = _parameter_slots(model)
-    styles = _matching_plan(model, resolved.styles)
-    if not styles:
-        raise ValueError(f"TP plan ({resolved.source}) matches no module of {type(model).__name__}; "
-                         "check the module path patterns")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*could not be resolved.*")
-        parallelize_module(model, tp_mesh, styles)
+        parallelize_module(model, tp_mesh, checked.styles)
     _retie(model, tied_groups)
     _replicate_leftovers(model, tp_mesh)
     _retie(model, tied_groups)
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_divisible(tp), with_kwargs=True, prepend=True)
-    model._tp_plan_applied = TPPlan(styles, resolved.source, resolved.entry)
+    model._tp_plan_applied = checked
     model._tp_mesh = tp_mesh
+    model._tp_shard_report = report_tp_sharding(model, logger)
     return model

@@ -9,7 +9,18 @@
 - ``LocalReplicateParallel``: parameters become replicated DTensors (so optimizers and
   ``clip_grad_norm_`` see one tensor type), but the module computes on plain local tensors;
   with ``grad_allreduce=True`` the parameter gradients are summed over the TP group (for
-  modules fed head-sharded activations, e.g. Qwen3's per-head ``q_norm``).
+  modules fed head-sharded activations, e.g. Qwen3's per-head ``q_norm``); with
+  ``output_layouts=Shard(1)`` a replicated module (a Mamba mixer, a position embedding) joins
+  the sequence-sharded residual stream under sequence parallelism.
+
+Two conversions used by the styles that compute on local shards (``tp_linear_styles``,
+``tp_moe``), written with DTensor so the backward collective is DTensor's own:
+
+    replicated_local(x):  x [B, S, D] (plain, or a DTensor in any layout) -> plain [B, S, D]
+        forward: all-gather if x is sequence-sharded; backward: the local gradient is a
+        partial sum over TP ranks -> all-reduce (reduce-scatter if x was Shard(1))
+    reduce_partial(y, p): y [..., D] partial sum on each rank -> DTensor in layout p
+        forward: all-reduce (p = Replicate) or reduce-scatter (p = Shard(1)); backward: none
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement
 
@@ -30,6 +41,11 @@ __all__ = [
     "VocabParallelEmbedding",
     "LocalReplicateParallel",
     "repair_mask_partial",
+    "replicated_local",
+    "reduce_partial",
+    "swap_in_local_params",
+    "restore_params",
+    "AllReduceGrad",
 ]
 
 
@@ -145,7 +161,27 @@ class VocabParallelEmbedding(RowwiseParallel):
         return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
-class _AllReduceGrad(torch.autograd.Function):
+def swap_in_local_params(module: nn.Module, transform=None) -> None:
+    """For one forward: every DTensor parameter of ``module``'s subtree is replaced by its
+    local tensor (``to_local()``, differentiable, optionally passed through ``transform``),
+    so single-device module code runs on the shard. ``restore_params`` puts them back."""
+    saved = []
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                saved.append((sub, name, param))
+                sub._parameters[name] = transform(local) if transform else local
+    module.__dict__.setdefault("_tp_saved_params", []).append(saved)
+
+
+def restore_params(module: nn.Module) -> None:
+    """Undo the latest ``swap_in_local_params`` on ``module``."""
+    for sub, name, param in module.__dict__["_tp_saved_params"].pop():
+        sub._parameters[name] = param
+
+
+class AllReduceGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over a process group."""
 
     @staticmethod
@@ -172,40 +208,41 @@ class LocalReplicateParallel(ParallelStyle):
       gradient already is the full gradient.
     - ``grad_allreduce=True``: the inputs are sharded over TP (e.g. per-head norms on local
       heads); each rank holds a partial gradient, summed over the TP group in backward.
-    - ``output_as_dtensor=True``: outputs become ``Replicate`` DTensors so they can be added
-      to sequence-sharded DTensors under sequence parallelism.
+    - ``output_layouts``: None returns plain tensors; a placement turns every tensor output
+      (replicated on every rank) into a DTensor in that layout: ``Replicate()`` to add it to
+      sequence-sharded DTensors (``output_as_dtensor=True`` is the same), ``Shard(1)`` to
+      join the residual stream under sequence parallelism ([B, S, D] -> local [B, S/tp, D],
+      a slice; its backward all-gathers the gradient).
 
     Must be applied to the outermost module that uses the parameters (a parameter read as an
     attribute by a parent would otherwise bypass the swap).
     """
 
-    def __init__(self, *, grad_allreduce: bool = False, output_as_dtensor: bool = False):
+    def __init__(self, *, grad_allreduce: bool = False, output_as_dtensor: bool = False,
+                 output_layouts: Placement | None = None):
         super().__init__()
         self.grad_allreduce = grad_allreduce
-        self.output_as_dtensor = output_as_dtensor
+        self.output_layouts = output_layouts or (Replicate() if output_as_dtensor else None)
 
     def _swap_in_local(self, mesh: DeviceMesh, mod, args, kwargs):
-        saved = []
-        for sub in mod.modules():
-            for name, param in list(sub._parameters.items()):
-                if not isinstance(param, DTensor):
-                    continue
-                local = param.to_local()
-                if self.grad_allreduce and local.requires_grad:
-                    local = _AllReduceGrad.apply(local, mesh.get_group())
-                saved.append((sub, name, param))
-                sub._parameters[name] = local  # plain tensor for the duration of forward
-        mod.__dict__.setdefault("_local_replicate_saved", []).append(saved)
+        if self.grad_allreduce:
+            swap_in_local_params(mod, lambda local: AllReduceGrad.apply(local, mesh.get_group())
+                                 if local.requires_grad else local)
+        else:
+            swap_in_local_params(mod)
         args = tuple(_to_plain(a) for a in args)
         kwargs = {k: _to_plain(v) for k, v in kwargs.items()}
         return args, kwargs
 
     def _restore(self, mesh: DeviceMesh, mod, args, outputs):
-        for sub, name, param in mod.__dict__["_local_replicate_saved"].pop():
-            sub._parameters[name] = param
-        if not self.output_as_dtensor:
+        restore_params(mod)
+        if self.output_layouts is None:
             return outputs
-        wrap = partial(DTensor.from_local, device_mesh=mesh, placements=[Replicate()], run_check=False)
+
+        def wrap(tensor):
+            replicated = DTensor.from_local(tensor, mesh, [Replicate()], run_check=False)
+            return replicated if self.output_layouts == Replicate() else replicated.redistribute(mesh, [self.output_layouts])
+
         if isinstance(outputs, torch.Tensor):
             return wrap(outputs)
         if isinstance(outputs, tuple):
@@ -225,4 +262,24 @@ class LocalReplicateParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(grad_allreduce={self.grad_allreduce}, "
-                f"output_as_dtensor={self.output_as_dtensor})")
+                f"output_layouts={self.output_layouts})")
+
+
+def replicated_local(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` whole on every rank as a plain tensor whose gradient is summed over TP in backward.
+
+    For the input of a column-parallel computation on local shards: each rank's input
+    gradient covers only its columns (a partial sum). A plain ``x`` is taken as replicated;
+    a sequence-sharded DTensor is all-gathered first ([B, S/tp, D] -> [B, S, D]).
+    """
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    elif x.placements != (Replicate(),):
+        x = x.redistribute(mesh, [Replicate()])
+    return x.to_local(grad_placements=[Partial()])
+
+
+def reduce_partial(y: torch.Tensor, mesh: DeviceMesh, placement: Placement = Replicate()) -> DTensor:
+    """Sum the per-rank partial results ``y`` over TP into a DTensor in ``placement``
+    (all-reduce for ``Replicate()``, reduce-scatter for ``Shard(d)``)."""
+    return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [placement])
