@@ -206,8 +206,10 @@ class HybridLM(nn.Module):
 
         return hf.load_hf(path, dtype=dtype)
 
-    def save_hf(self, path, architecture: str | None = None, max_shard_bytes: int | None = None) -> None:
-        """Write config.json + safetensors that transformers loads (see ``models/hf.py``)."""
+    def save_hf(self, path, architecture: str | None = None, max_shard_bytes: int | None = None,
+                tokenizer_dir=None) -> None:
+        """Write config.json + safetensors that transformers loads, and the tokenizer files of
+        ``tokenizer_dir`` if given (see ``models/hf.py``)."""
         from hybridpar.models import hf
 
-        hf.save_hf(self, path, architecture=architecture, max_shard_bytes=max_shard_bytes)
+        hf.save_hf(self, path, architecture=architecture, max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir)
