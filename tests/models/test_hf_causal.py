@@ -171,3 +171,22 @@ def test_packed_documents_do_not_see_each_other(bpe, tmp_path):
     packed = hf_causal_lm_loss(model, batch["input_ids"], labels, 1, position_ids=batch["position_ids"])
     alone = sum(hf_causal_lm_loss(model, torch.tensor([d]), torch.tensor([d[1:] + [-100]]), 1) for d in docs)
     torch.testing.assert_close(packed, alone, rtol=1e-12, atol=0)
+
+
+def test_generation_dispatches_to_hybrid_or_transformers(bpe, tmp_path):
+    from hybridpar.models.hf_causal import generate_causal_lm
+    from hybridpar.models.hybrid import HybridConfig
+
+    llama = load_causal_lm(save_checkpoint("llama", tmp_path / "source", bpe), dtype=torch.float64)
+    prompt = torch.tensor([bpe.encode("hello there")])
+    greedy = generate_causal_lm(llama, prompt, 6, eos_token_id=[])
+    assert torch.equal(greedy, llama.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0))
+    rng_state = torch.random.get_rng_state()
+    sampled = [generate_causal_lm(llama, prompt, 6, temperature=1.0, top_p=0.9, seed=3, eos_token_id=[]) for _ in range(2)]
+    assert torch.equal(sampled[0], sampled[1]) and sampled[0].shape == (1, prompt.shape[1] + 6)
+    assert torch.equal(torch.random.get_rng_state(), rng_state)  # the caller's generator is untouched
+    torch.manual_seed(0)
+    hybrid = HybridLM(HybridConfig.from_preset("tiny", vocab_size=VOCAB, dtype=torch.float64))
+    assert torch.equal(generate_causal_lm(hybrid, prompt, 5), hybrid.generate(prompt, 5))
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        generate_causal_lm(llama, prompt, 4, top_p=1.5)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from hybridpar.models.attention import apply_rotary, rotary_cos_sin
 from hybridpar.models.ssd import ssd_scan
 
-__all__ = ["GenerationCache", "prefill", "decode_step", "sample_next", "generate"]
+__all__ = ["GenerationCache", "prefill", "decode_step", "sample_next", "check_sampling", "generate"]
 
 
 @dataclass
@@ -205,7 +205,8 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def _check_sampling(max_new_tokens, temperature, top_p) -> None:
+def check_sampling(max_new_tokens, temperature, top_p) -> None:
+    """ValueError for a negative token count or temperature, or top_p outside (0, 1]."""
     rules = [
         (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 0,
          f"max_new_tokens={max_new_tokens!r} must be an int >= 0"),
@@ -226,7 +227,7 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temper
     Stops early once every row has produced an ``eos_token_id`` (one id or a list); a row that
     finished first is filled with its end token. ``seed`` makes sampling reproducible.
     """
-    _check_sampling(max_new_tokens, temperature, top_p)
+    check_sampling(max_new_tokens, temperature, top_p)
     _check_ids(model, input_ids)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     generator = None

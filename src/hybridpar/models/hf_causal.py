@@ -19,6 +19,10 @@ global number of target tokens:
 
 and the ranks' gradients add up to the single-process gradient of the mean loss.
 
+**Generation** (``generate_causal_lm``): ``HybridLM.generate`` (cached, see
+``models/generation.py``) or the transformers model's own ``generate``, with the same
+arguments: greedy at temperature 0, else nucleus sampling seeded by ``seed``.
+
 **Export** (``export_causal_lm``): ``config.json`` + safetensors that transformers loads, the
 tokenizer files, chat template and ``generation_config.json``.
 """
@@ -32,11 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridpar.models.generation import check_sampling
 from hybridpar.models.hf_config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, read_hf_config
 from hybridpar.models.hf_files import copy_tokenizer_files
 from hybridpar.models.hybrid import HybridLM
 
-__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "hf_causal_lm_loss", "export_causal_lm"]
+__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "hf_causal_lm_loss", "generate_causal_lm",
+           "export_causal_lm"]
 
 BACKENDS = ("auto", "hybrid", "transformers")
 IGNORE_INDEX = -100
@@ -163,6 +169,36 @@ def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, globa
         handle.remove()
     hidden = captured["hidden"]
     return loss_fn(hidden, head.weight, labels) / count.to(hidden.device)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+@torch.no_grad()
+def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
+                       pad_token_id: int | None = None) -> Tensor:
+    """Prompt ``[B, S]`` plus up to ``max_new_tokens`` tokens from a ``HybridLM`` or a transformers model.
+
+    ``eos_token_id=None`` uses the model's generation config for a transformers model and
+    never stops early for a ``HybridLM``; ``pad_token_id`` fills rows of a transformers model
+    that finished first (default: the end token).
+    """
+    check_sampling(max_new_tokens, temperature, top_p)
+    if isinstance(model, HybridLM):
+        return model.generate(input_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              eos_token_id=eos_token_id)
+    eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
+    pad = pad_token_id if pad_token_id is not None else model.generation_config.pad_token_id
+    if pad is None and eos is not None:
+        pad = eos if isinstance(eos, int) else eos[0]
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    devices = [input_ids.device.index or 0] if input_ids.is_cuda else []
+    with torch.random.fork_rng(devices=devices):  # a seed never disturbs the caller's generators
+        if seed is not None:
+            torch.manual_seed(seed)
+        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                              eos_token_id=eos, pad_token_id=pad, **sampling)
 
 
 # ----------------------------------------------------------------------------- export
