@@ -137,3 +137,21 @@ def test_each_conversation_is_one_packed_document_with_its_labels(bpe):
     assert (batch["labels"][0, start:] == IGNORE_INDEX).all()
     assert shifted_labels([], []) == []
     assert torch.equal(batch["position_ids"][0, :len(docs[0]["input_ids"])], torch.arange(len(docs[0]["input_ids"])))
+
+
+def test_file_documents_is_one_entry_point_for_file_tasks(bpe, tmp_path):
+    from hybridpar.data.documents import file_documents
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    assert file_documents("chat", chat, bpe) == [chat_document(CONVERSATION, bpe)]
+    text = tmp_path / "a.txt"
+    text.write_text("hello there\n\nthe fox\n")
+    assert file_documents("text", text, bpe, {"split": "file"}) == [bpe.document("hello there\n\nthe fox\n")]
+    assert len(file_documents("text", text, None)) == 2  # paragraphs, bytes
+    with pytest.raises(ValueError, match=r"data.task_options \['text_field'\] do not apply to task 'chat'"):
+        file_documents("chat", chat, bpe, {"text_field": "x"})
+    with pytest.raises(ValueError, match="data.path=None does not exist"):
+        file_documents("prompt_completion", None, bpe)
+    with pytest.raises(ValueError, match="'mqar' is not a file task"):
+        file_documents("mqar", chat, bpe)

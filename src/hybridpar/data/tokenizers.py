@@ -30,7 +30,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-
 __all__ = [
     "ByteTokenizer",
     "TOKENIZER_SPECS",
@@ -88,19 +87,22 @@ class Tokenizer:
         """``encode(text)`` plus EOS (see the module docstring); ``add_bos``/``add_eos`` True or
         False force the token on or off, None keeps the rule."""
         ids = self.encode(text)
-        for wanted, token, at_start in ((add_bos, self.bos_id, True), (add_eos, self.eos_id, False)):
-            if not at_start and wanted is None:
-                wanted = token is not None  # documents end with EOS when there is one
-            if wanted is None:
-                continue
-            if wanted and token is None:
-                raise ValueError(f"tokenizer {self.name} has no {'BOS' if at_start else 'EOS'} token; pass "
-                                 f"add_{'bos' if at_start else 'eos'}=None or use a tokenizer that defines one.")
-            present = bool(ids) and ids[0 if at_start else -1] == token
-            if wanted and not present:
-                ids = [token] + ids if at_start else ids + [token]
-            elif not wanted and present:
-                ids = ids[1:] if at_start else ids[:-1]
+        if add_bos is not None:
+            ids = self._with_special(ids, "bos", self.bos_id, add_bos, first=True)
+        if add_eos is None:
+            add_eos = self.eos_id is not None  # documents end with EOS when there is one
+        return self._with_special(ids, "eos", self.eos_id, add_eos, first=False)
+
+    def _with_special(self, ids: list[int], name: str, token: int | None, wanted: bool, first: bool) -> list[int]:
+        """``ids`` with ``token`` at its start (``first``) or end, or without it there."""
+        if wanted and token is None:
+            raise ValueError(f"tokenizer {self.name} has no {name.upper()} token; pass add_{name}=None or use a "
+                             "tokenizer that defines one.")
+        present = bool(ids) and ids[0 if first else -1] == token
+        if wanted and not present:
+            return [token] + ids if first else ids + [token]
+        if not wanted and present:
+            return ids[1:] if first else ids[:-1]
         return ids
 
     def __repr__(self) -> str:
