@@ -1,6 +1,5 @@
 """Built-in data sources: tokenizer, synthetic tasks and their metric, local files."""
 
-import importlib.util
 import json
 
 import pytest
@@ -14,7 +13,6 @@ from hybridpar.data.sources import (
     SelectiveCopyTask,
     answer_accuracy,
     answer_counts,
-    hf_documents,
     jsonl_documents,
     text_documents,
 )
@@ -115,13 +113,3 @@ def test_text_and_jsonl_files(tmp_path):
         jsonl_documents(jsonl, text_field="body")
     with pytest.raises(ValueError, match="files not found"):
         text_documents(tmp_path / "missing.txt")
-
-
-def test_hf_documents_from_local_files_or_a_clear_install_error(tmp_path):
-    jsonl = tmp_path / "c.jsonl"
-    jsonl.write_text(json.dumps({"text": "abc"}) + "\n", encoding="utf-8")
-    if importlib.util.find_spec("datasets") is None:
-        with pytest.raises(ImportError, match="pip install datasets"):
-            hf_documents(jsonl)
-    else:
-        assert hf_documents(jsonl) == [[ord("a"), ord("b"), ord("c"), ByteTokenizer().eos_id]]

@@ -5,23 +5,23 @@ a token list (labels are the next tokens), or ``{"input_ids": [...], "labels": [
 labels already shifted (``labels[t]`` is the target predicted at position ``t``, -100 where
 there is none). Nothing is downloaded.
 
-- ``ByteTokenizer``: token id = byte value, vocabulary 256, so the tiny model (vocab 256)
-  trains on raw text. The specials are ASCII control codes: pad = NUL (0), bos = STX (2),
-  eos = ETX (3). Text that contains those bytes is rejected (or, with ``errors="drop"``,
-  stripped), so a special never stands for content.
+- ``ByteTokenizer`` (defined in ``data/tokenizers.py`` with the other tokenizers): token id =
+  byte value, vocabulary 256, so the tiny model (vocab 256) trains on raw text.
 - ``MQARTask``: multi-query associative recall (Zoology): key-value pairs, then the keys
   queried again far later; the target is the bound value. ``SelectiveCopyTask``: content
   tokens scattered among blanks, then a separator; the target is the content in order.
   Both draw variable-length documents from a seeded generator and keep every id below
   ``vocab_size``; ``answer_accuracy`` scores a model on the answer positions.
-- ``text_documents``, ``jsonl_documents``: local files through the byte tokenizer;
-  ``hf_documents``: Hugging Face ``datasets`` on local files (optional dependency).
+- ``text_documents``, ``jsonl_documents``: local files through any tokenizer (bytes by
+  default; see ``data/tokenizers.py`` for how documents get BOS/EOS). Chat and
+  prompt/completion files are in ``data/chat.py``, Hugging Face ``datasets`` in
+  ``data/hf_datasets.py``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import numpy as np
 from torch import Tensor
 
 from hybridpar.data.packing import IGNORE_INDEX
+from hybridpar.data.tokenizers import ByteTokenizer, as_tokenizer
 
 __all__ = [
     "ByteTokenizer",
@@ -40,36 +41,8 @@ __all__ = [
     "answer_accuracy",
     "text_documents",
     "jsonl_documents",
-    "hf_documents",
+    "read_jsonl",
 ]
-
-
-@dataclass(frozen=True)
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (vocab 256); pad/bos/eos are the control bytes NUL/STX/ETX."""
-
-    pad_id: int = 0
-    bos_id: int = 2
-    eos_id: int = 3
-    vocab_size: int = 256
-    errors: str = "raise"  # or "drop": strip the reserved control bytes from the text
-
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        reserved = bytes((self.pad_id, self.bos_id, self.eos_id))
-        if any(b in data for b in reserved):
-            if self.errors != "drop":
-                at = next(i for i, b in enumerate(data) if b in reserved)
-                raise ValueError(
-                    f"text contains reserved control byte {data[at]} (pad/bos/eos) at byte {at}; strip it or use "
-                    "ByteTokenizer(errors='drop')."
-                )
-            data = bytes(b for b in data if b not in reserved)
-        return [self.bos_id] * add_bos + list(data) + [self.eos_id] * add_eos
-
-    def decode(self, ids: Iterable[int]) -> str:
-        specials = {self.pad_id, self.bos_id, self.eos_id}
-        return bytes(int(i) for i in ids if int(i) not in specials).decode("utf-8", errors="replace")
 
 
 def _range(value: int | tuple[int, int], name: str) -> tuple[int, int]:
@@ -235,74 +208,51 @@ def _paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
 def text_documents(
     paths: str | Path | Iterable[str | Path],
     split: str = "file",
-    tokenizer: ByteTokenizer | None = None,
-    add_bos: bool = False,
-    add_eos: bool = True,
+    tokenizer=None,
+    add_bos: bool | None = None,
+    add_eos: bool | None = None,
 ) -> list[list[int]]:
     """Documents from plain text files: one per file, per non-empty line (``"line"``) or per
-    blank-line-separated paragraph (``"paragraph"``)."""
+    blank-line-separated paragraph (``"paragraph"``). ``tokenizer``: anything ``as_tokenizer``
+    takes (None = bytes); ``add_bos``/``add_eos`` as in ``Tokenizer.document``."""
     if split not in ("file", "line", "paragraph"):
         raise ValueError(f"split={split!r} must be 'file', 'line' or 'paragraph'.")
-    tokenizer = tokenizer or ByteTokenizer()
+    tokenizer = as_tokenizer(tokenizer)
     docs = []
     for path in _paths(paths):
         text = path.read_text(encoding="utf-8")
         parts = {"file": [text], "line": text.splitlines(), "paragraph": text.split("\n\n")}[split]
-        docs.extend(tokenizer.encode(p, add_bos, add_eos) for p in parts if p.strip())
+        docs.extend(tokenizer.document(p, add_bos, add_eos) for p in parts if p.strip())
     return docs
 
 
 def jsonl_documents(
     paths: str | Path | Iterable[str | Path],
     text_field: str = "text",
-    tokenizer: ByteTokenizer | None = None,
-    add_bos: bool = False,
-    add_eos: bool = True,
+    tokenizer=None,
+    add_bos: bool | None = None,
+    add_eos: bool | None = None,
 ) -> list[list[int]]:
     """Documents from JSON-lines files, one per record, from its ``text_field`` string."""
-    tokenizer = tokenizer or ByteTokenizer()
+    tokenizer = as_tokenizer(tokenizer)
     docs = []
+    for where, record in read_jsonl(paths):
+        if not isinstance(record.get(text_field), str):
+            raise ValueError(f"{where} has no string field {text_field!r} (keys: {sorted(record)}); pass text_field=.")
+        docs.append(tokenizer.document(record[text_field], add_bos, add_eos))
+    return docs
+
+
+def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
+    """``("file:line", record)`` for every non-empty line; ValueError naming the line otherwise."""
     for path in _paths(paths):
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(
-                    f"{path}:{number} has no string field {text_field!r} (keys: "
-                    f"{sorted(record) if isinstance(record, dict) else type(record).__name__}); pass text_field=."
-                )
-            docs.append(tokenizer.encode(record[text_field], add_bos, add_eos))
-    return docs
-
-
-_HF_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
-
-
-def hf_documents(
-    data_files: str | Path | Iterable[str | Path],
-    text_field: str = "text",
-    builder: str | None = None,
-    split: str = "train",
-    tokenizer: ByteTokenizer | None = None,
-    add_bos: bool = False,
-    add_eos: bool = True,
-) -> list[list[int]]:
-    """Documents from local files through Hugging Face ``datasets`` (``load_dataset(builder,
-    data_files=...)``, builder inferred from the extension). Needs ``pip install datasets``."""
-    try:
-        import datasets
-    except ImportError as error:
-        raise ImportError(
-            "hf_documents needs the optional Hugging Face 'datasets' package: pip install datasets "
-            "(or read local files with text_documents / jsonl_documents)."
-        ) from error
-    files = [str(p) for p in _paths(data_files)]
-    builder = builder or _HF_BUILDERS.get(Path(files[0]).suffix)
-    if builder is None:
-        raise ValueError(f"cannot infer the datasets builder of {files[0]}; pass builder= one of {sorted(set(_HF_BUILDERS.values()))}.")
-    dataset = datasets.load_dataset(builder, data_files=files, split=split)
-    if text_field not in dataset.column_names:
-        raise ValueError(f"dataset columns {dataset.column_names} have no {text_field!r}; pass text_field=.")
-    tokenizer = tokenizer or ByteTokenizer()
-    return [tokenizer.encode(text, add_bos, add_eos) for text in dataset[text_field] if text]
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number} is not valid JSON ({error}); write one JSON object per line.") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object.")
+            yield f"{path}:{number}", record

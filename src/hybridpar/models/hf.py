@@ -31,6 +31,7 @@ from hybridpar.models.hf_config import (  # noqa: F401  (the config API is also 
     ARCHITECTURES, BAMBA, CONFIG_FILE, INDEX_FILE, MAMBA2, NEMOTRON_H, SHARD_FILE, WEIGHTS_FILE,
     _encode_floats, architecture_of, config_differences, config_from_hf, config_to_hf, read_hf_config,
 )
+from hybridpar.models.hf_files import copy_tokenizer_files
 from hybridpar.models.hybrid import HybridLM
 
 
@@ -111,12 +112,13 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
 
 
 def save_hf(model: HybridLM, path: str | Path, architecture: str | None = None,
-            max_shard_bytes: int | None = None) -> None:
+            max_shard_bytes: int | None = None, tokenizer_dir: str | Path | None = None) -> None:
     """Write ``config.json`` and safetensors weights that transformers and ``load_hf`` read.
 
     A model from ``load_hf`` writes its original config back (``architecture`` may be left
     out); any other model needs ``architecture``. ``max_shard_bytes`` splits the weights into
-    ``model-0000k-of-0000n.safetensors`` shards with an index.
+    ``model-0000k-of-0000n.safetensors`` shards with an index. ``tokenizer_dir``: copy the
+    tokenizer, chat template and generation config from there (``hf_files.copy_tokenizer_files``).
     """
     stored = getattr(model, "hf_config", None)
     if stored is not None and architecture in (None, architecture_of(stored)):
@@ -140,6 +142,8 @@ def save_hf(model: HybridLM, path: str | Path, architecture: str | None = None,
     for old in path.iterdir():  # stale weights would shadow or mix with the new ones
         if old.name in (WEIGHTS_FILE, INDEX_FILE) or SHARD_FILE.fullmatch(old.name):
             old.unlink()
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, path)
     (path / CONFIG_FILE).write_text(json.dumps(_encode_floats(hf), indent=2, sort_keys=True) + "\n")
     if len(shards) == 1:
         save_file(shards[0], path / WEIGHTS_FILE, metadata={"format": "pt"})

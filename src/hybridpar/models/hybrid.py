@@ -188,6 +188,14 @@ class HybridLM(nn.Module):
     def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None, packed=None) -> Tensor:
         return self.lm_head(self.backbone(input_ids, inputs_embeds, packed))
 
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, eos_token_id: int | list[int] | None = None) -> Tensor:
+        """Prompt ``[B, S]`` plus up to ``max_new_tokens`` tokens, with a cache (see ``models/generation.py``)."""
+        from hybridpar.models.generation import generate
+
+        return generate(self, input_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                        eos_token_id=eos_token_id)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -198,8 +206,10 @@ class HybridLM(nn.Module):
 
         return hf.load_hf(path, dtype=dtype)
 
-    def save_hf(self, path, architecture: str | None = None, max_shard_bytes: int | None = None) -> None:
-        """Write config.json + safetensors that transformers loads (see ``models/hf.py``)."""
+    def save_hf(self, path, architecture: str | None = None, max_shard_bytes: int | None = None,
+                tokenizer_dir=None) -> None:
+        """Write config.json + safetensors that transformers loads, and the tokenizer files of
+        ``tokenizer_dir`` if given (see ``models/hf.py``)."""
         from hybridpar.models import hf
 
-        hf.save_hf(self, path, architecture=architecture, max_shard_bytes=max_shard_bytes)
+        hf.save_hf(self, path, architecture=architecture, max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir)

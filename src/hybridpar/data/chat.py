@@ -1,0 +1,151 @@
+"""Supervised fine-tuning documents: chat conversations and prompt/completion pairs.
+
+Each conversation (or pair) becomes one document ``{"input_ids": ids, "labels": labels}`` in
+the packer's convention: labels are already shifted, ``labels[t] = ids[t+1]`` when token
+``t+1`` is trained on and -100 otherwise, so ``pack_documents`` keeps every conversation in
+one document and no document sees another.
+
+Which tokens are trained on (``mask[t]`` for token ``t`` of ``ids``):
+
+- **chat** (``messages``: a list of ``{"role", "content"}``): ``ids`` is the whole conversation
+  rendered with the tokenizer's chat template. If the template marks assistant text with
+  ``{% generation %}`` blocks, the mask is transformers' ``return_assistant_tokens_mask``.
+  Otherwise, for every assistant message ``i``,
+
+      start = len(render(messages[:i], add_generation_prompt=True))   # after the assistant header
+      end   = len(render(messages[:i + 1]))                           # through the end-of-turn tokens
+      mask[start:end] = True
+
+  so the assistant's content and its end-of-turn tokens are learned, and the prompt, the
+  other roles and the assistant header the template adds as its generation prompt are not.
+  Both renders must be token prefixes of the whole conversation (templates that rewrite
+  earlier turns are refused with a ValueError; give them ``{% generation %}`` tags). A
+  template that ignores ``add_generation_prompt`` falls back to ``render(messages[:i])``, so
+  its assistant header is learned too.
+- **prompt_completion** (``prompt``, ``completion`` strings): ``ids = P + C + [EOS]`` with
+  ``P`` the prompt as a document without EOS (BOS if the tokenizer adds one) and ``C`` the
+  completion without special tokens, each tokenized on its own; the mask covers ``C`` and EOS.
+
+Errors name the file and line (JSONL) or the dataset row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hybridpar.data.packing import IGNORE_INDEX
+from hybridpar.data.sources import read_jsonl
+from hybridpar.data.tokenizers import Tokenizer, as_tokenizer
+
+__all__ = [
+    "shifted_labels",
+    "assistant_mask",
+    "chat_document",
+    "prompt_completion_document",
+    "chat_documents",
+    "prompt_completion_documents",
+]
+
+Document = dict[str, list[int]]
+
+
+def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
+    """``labels[t] = ids[t+1]`` where ``mask[t+1]``, else -100 (and -100 at the last token)."""
+    return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX] * bool(ids)
+
+
+def _check_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {messages!r:.80}")
+    for index, message in enumerate(messages):
+        if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"message {index} is {message!r:.80}; every message needs string 'role' and 'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"no message has role 'assistant' (roles: {[m['role'] for m in messages]}), so nothing "
+                         "would be trained on; drop the conversation or add the assistant's reply")
+    return [dict(m) for m in messages]
+
+
+def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
+    return len(prefix) <= len(ids) and ids[:len(prefix)] == prefix
+
+
+def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
+    """``(ids, mask)`` of a conversation: its rendered tokens and which are assistant tokens."""
+    messages = _check_messages(messages)
+    if tokenizer.has_generation_tags:
+        return tokenizer.apply_chat_template(messages, return_assistant_mask=True)
+    ids = tokenizer.apply_chat_template(messages)
+    mask = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        end = tokenizer.apply_chat_template(messages[:i + 1])
+        starts = [tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False)]
+        start = next((s for s in starts if _is_prefix(s, end)), None)
+        if start is None or not _is_prefix(end, ids):
+            raise ValueError(
+                f"the chat template does not render message {i} as a continuation of the messages before it, so the "
+                "assistant tokens cannot be found by prefix; use a template with {% generation %} tags"
+            )
+        mask[len(start):len(end)] = [True] * (len(end) - len(start))
+    return ids, mask
+
+
+def chat_document(messages: Sequence[Mapping[str, str]], tokenizer) -> Document:
+    """One conversation as ``{"input_ids", "labels"}`` with labels on assistant tokens only."""
+    ids, mask = assistant_mask(messages, as_tokenizer(tokenizer))
+    if not any(mask[1:]):
+        raise ValueError("the chat template left no assistant token to train on (is the reply empty?)")
+    return {"input_ids": ids, "labels": shifted_labels(ids, mask)}
+
+
+def prompt_completion_document(prompt: str, completion: str, tokenizer) -> Document:
+    """``prompt + completion + EOS`` as ``{"input_ids", "labels"}`` with labels on the completion and EOS."""
+    tokenizer = as_tokenizer(tokenizer)
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if tokenizer.eos_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name} has no EOS token to end the completion; use one that defines it")
+    prompt_ids = tokenizer.document(prompt, add_eos=False)
+    completion_ids = tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_id]
+    ids = prompt_ids + completion_ids
+    mask = [False] * len(prompt_ids) + [True] * len(completion_ids)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty; the first trained token needs a token before it")
+    return {"input_ids": ids, "labels": shifted_labels(ids, mask)}
+
+
+def _build(where: str, build, *args) -> Document:
+    try:
+        return build(*args)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def chat_documents(paths, tokenizer, messages_field: str = "messages") -> list[Document]:
+    """One document per JSONL record's ``messages`` list (see the module docstring)."""
+    tokenizer = as_tokenizer(tokenizer)
+    docs = []
+    for where, record in read_jsonl(paths):
+        if messages_field not in record:
+            raise ValueError(f"{where} has no {messages_field!r} field (keys: {sorted(record)}); pass messages_field=.")
+        docs.append(_build(where, chat_document, record[messages_field], tokenizer))
+    return docs
+
+
+def prompt_completion_documents(paths, tokenizer, prompt_field: str = "prompt",
+                                completion_field: str = "completion") -> list[Document]:
+    """One document per JSONL record's ``prompt``/``completion`` pair (see the module docstring)."""
+    tokenizer = as_tokenizer(tokenizer)
+    docs = []
+    for where, record in read_jsonl(paths):
+        absent = [f for f in (prompt_field, completion_field) if f not in record]
+        if absent:
+            raise ValueError(f"{where} has no {absent} field (keys: {sorted(record)}); pass prompt_field= / "
+                             "completion_field=.")
+        docs.append(_build(where, prompt_completion_document, record[prompt_field], record[completion_field], tokenizer))
+    return docs

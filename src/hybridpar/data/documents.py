@@ -1,0 +1,54 @@
+"""Documents of a file-based task: one entry point for every local-data ``data.task``.
+
+    task                 reads                                   options (default)
+    text                 plain text files                        split ("paragraph"): file | line | paragraph
+    jsonl                JSON lines, a string field              text_field ("text")
+    chat                 JSON lines with a ``messages`` list     messages_field ("messages")
+    prompt_completion    JSON lines with prompt / completion     prompt_field ("prompt"), completion_field ("completion")
+    hf_dataset           ``datasets`` files or saved dataset     kind ("text"), field, split ("train"), builder
+
+Text tasks give token lists (labels: the next tokens); chat, prompt/completion and
+``hf_dataset`` with kind messages/prompt_completion give ``{"input_ids", "labels"}`` with
+labels only on the trained tokens (``data/chat.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridpar.data.chat import chat_documents, prompt_completion_documents
+from hybridpar.data.hf_datasets import hf_dataset_documents
+from hybridpar.data.sources import jsonl_documents, text_documents
+
+__all__ = ["FILE_TASKS", "file_documents"]
+
+FILE_TASKS = {  # task -> its options and their defaults
+    "text": {"split": "paragraph"},
+    "jsonl": {"text_field": "text"},
+    "chat": {"messages_field": "messages"},
+    "prompt_completion": {"prompt_field": "prompt", "completion_field": "completion"},
+    "hf_dataset": {"kind": "text", "field": None, "split": "train", "builder": None},
+}
+
+
+def file_documents(task: str, path: str | Path | None, tokenizer, options: dict | None = None) -> list:
+    """Every document of ``task`` at ``path`` through ``tokenizer`` (a ``Tokenizer``, or None for bytes)."""
+    if task not in FILE_TASKS:
+        raise ValueError(f"data.task={task!r} is not a file task; choose one of {sorted(FILE_TASKS)}.")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(FILE_TASKS[task]))
+    if unknown:
+        raise ValueError(f"data.task_options {unknown} do not apply to task {task!r}; it takes {sorted(FILE_TASKS[task])}.")
+    if not path or not Path(path).exists():
+        raise ValueError(f"data.path={path!r} does not exist; task {task!r} needs a local file"
+                         f"{' or dataset directory' if task == 'hf_dataset' else ''}.")
+    options = {**FILE_TASKS[task], **options}
+    if task == "text":
+        return text_documents(path, split=options["split"], tokenizer=tokenizer)
+    if task == "jsonl":
+        return jsonl_documents(path, text_field=options["text_field"], tokenizer=tokenizer)
+    if task == "chat":
+        return chat_documents(path, tokenizer, **options)
+    if task == "prompt_completion":
+        return prompt_completion_documents(path, tokenizer, **options)
+    return hf_dataset_documents(path, tokenizer, **options)

@@ -1,0 +1,92 @@
+"""Documents from Hugging Face ``datasets`` on local files (the ``data`` extra).
+
+``path`` is one of
+
+- a directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (read with
+  ``load_from_disk``; a ``DatasetDict`` gives its ``split``),
+- a data file (``.json``/``.jsonl``/``.txt``/``.csv``/``.parquet``; the builder follows the
+  extension) or a directory of them (``load_dataset(path, split=split)``).
+
+``kind`` says what a row holds: ``"text"`` (a string column, default ``"text"``; one document
+per row, see ``Tokenizer.document``), ``"messages"`` (a chat column, default ``"messages"``;
+``chat.chat_document``) or ``"prompt_completion"`` (columns ``prompt`` and ``completion``;
+``chat.prompt_completion_document``). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridpar.data.chat import chat_document, prompt_completion_document
+from hybridpar.data.tokenizers import as_tokenizer
+
+__all__ = ["HF_KINDS", "load_hf_dataset", "hf_dataset_documents"]
+
+HF_KINDS = {"text": "text", "messages": "messages", "prompt_completion": None}  # kind -> default column
+HF_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
+SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            "data.task=hf_dataset needs the optional Hugging Face 'datasets' package: pip install 'hybridpar[data]' "
+            "(or pip install datasets); plain text and JSONL files work without it (tasks text, jsonl, chat)."
+        ) from error
+    return datasets
+
+
+def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None = None):
+    """The ``datasets.Dataset`` of ``split`` at local ``path`` (see the module docstring)."""
+    datasets = _datasets()
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"dataset path {path} does not exist; pass a local data file or a save_to_disk directory.")
+    if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"{path} has splits {sorted(loaded)}, not {split!r}; pass one of them as the split.")
+            return loaded[split]
+        return loaded
+    if path.is_dir():
+        return datasets.load_dataset(str(path), split=split)
+    builder = builder or HF_BUILDERS.get(path.suffix)
+    if builder is None:
+        raise ValueError(f"cannot infer the datasets builder of {path}; pass builder= one of "
+                         f"{sorted(set(HF_BUILDERS.values()))}.")
+    return datasets.load_dataset(builder, data_files=[str(path)], split=split)
+
+
+def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", field: str | None = None,
+                         split: str = "train", builder: str | None = None) -> list:
+    """Documents of every row of a local dataset: token lists (``text``) or ``{"input_ids",
+    "labels"}`` (``messages``, ``prompt_completion``)."""
+    if kind not in HF_KINDS:
+        raise ValueError(f"kind={kind!r} is unknown; choose one of {sorted(HF_KINDS)}.")
+    if kind == "prompt_completion" and field is not None:
+        raise ValueError("kind='prompt_completion' reads the columns 'prompt' and 'completion'; leave field unset.")
+    tokenizer = as_tokenizer(tokenizer)
+    dataset = load_hf_dataset(path, split, builder)
+    columns = [field or HF_KINDS[kind]] if kind != "prompt_completion" else ["prompt", "completion"]
+    absent = [c for c in columns if c not in dataset.column_names]
+    if absent:
+        raise ValueError(f"dataset {path} (split {split!r}) has columns {dataset.column_names}, not {absent}; "
+                         "pass the field option naming the right column.")
+    docs = []
+    for row, record in enumerate(dataset.select_columns(columns)):
+        try:
+            if kind == "text":
+                if not isinstance(record[columns[0]], str):
+                    raise ValueError(f"column {columns[0]!r} holds {type(record[columns[0]]).__name__}, not a string")
+                if record[columns[0]].strip():
+                    docs.append(tokenizer.document(record[columns[0]]))
+            elif kind == "messages":
+                docs.append(chat_document(record[columns[0]], tokenizer))
+            else:
+                docs.append(prompt_completion_document(record["prompt"], record["completion"], tokenizer))
+        except ValueError as error:
+            raise ValueError(f"{path} row {row}: {error}") from None
+    return docs

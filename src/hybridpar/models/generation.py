@@ -1,0 +1,252 @@
+"""Cached autoregressive generation for ``HybridLM``: the prompt once, then one token at a time.
+
+What each layer keeps between steps (``GenerationCache.layers[i]``):
+
+    Mamba2     conv [B, C, K-1]      the last K-1 inputs of the convolution (xBC before the
+                                     conv, oldest first; zeros before the prompt), C = H*P + 2*G*N
+               ssm  [B, H, P, N]     the state after the last token
+    attention  k, v [B, S, Hkv, Dh]  keys (after RoPE) and values of every token so far
+    MLP        nothing
+
+Prompt (``prefill``): one forward pass over the ``[B, S]`` prompt. Mamba layers run the
+causal conv and the chunked scan once (``ssd_scan(..., return_final_states=True)``) and keep
+the conv tail; attention layers run their own core and keep K/V.
+
+Step (``decode_step``), one token per row. A Mamba head ``h`` of group ``g`` computes
+
+    xBC   = silu(bias + sum_j w[:, j] * window_j)      window = [conv state, new input]
+    dt    = softplus(dt_raw + dt_bias)                 (clamped to time_step_limit if set)
+    state = exp(dt * A) * state + dt * x ⊗ B_g          A = -exp(A_log)
+    y     = state · C_g + D * x
+
+then the gated norm and ``out_proj`` as in ``Mamba2Mixer.forward``. An attention layer
+rotates q and k at position ``S`` (tokens so far), appends k and v, and lets the one query
+attend to every cached key. Logits therefore equal those of the full forward on the growing
+sequence (tested in float64 to 1e-10).
+
+Sampling: ``temperature == 0`` is greedy (argmax); otherwise softmax(logits / T) restricted
+to the smallest set of tokens whose probability reaches ``top_p`` (nucleus), drawn with a
+generator seeded by ``seed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridpar.models.attention import apply_rotary, rotary_cos_sin
+from hybridpar.models.ssd import ssd_scan
+
+__all__ = ["GenerationCache", "prefill", "decode_step", "sample_next", "check_sampling", "generate"]
+
+
+@dataclass
+class GenerationCache:
+    """Per-layer state after ``length`` tokens (see the module docstring for the tensors)."""
+
+    layers: list[dict[str, Tensor]] = field(default_factory=list)
+    length: int = 0
+
+
+# ----------------------------------------------------------------------------- Mamba2
+
+
+def _conv_weight(mixer: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """Depthwise conv weight ``[C, K]`` and bias ``[C]`` of a mixer's ``conv1d``."""
+    return mixer.conv1d.weight[:, 0], mixer.conv1d.bias
+
+
+def _split_xBC(mixer: nn.Module, xBC: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``[B, L, C]`` -> x ``[B, L, H, P]``, B and C ``[B, L, G, N]``."""
+    d_inner, state = mixer.num_heads * mixer.head_dim, mixer.ssm_state_size
+    groups = (xBC.shape[-1] - d_inner) // (2 * state)
+    x, B, C = torch.split(xBC, [d_inner, groups * state, groups * state], dim=-1)
+    return (x.unflatten(-1, (mixer.num_heads, mixer.head_dim)), B.unflatten(-1, (groups, state)),
+            C.unflatten(-1, (groups, state)))
+
+
+def _mamba_prefill(mixer: nn.Module, hidden: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mixer output ``[B, S, D]`` of the prompt and the layer's cache."""
+    z, xBC, dt = torch.split(mixer.in_proj(hidden), mixer.split_sizes(mixer.in_proj.out_features), dim=-1)
+    weight, bias = _conv_weight(mixer)
+    width = weight.shape[1]
+    history = F.pad(xBC.transpose(1, 2), (width - 1, 0))  # [B, C, K-1+S], zeros before the prompt
+    conv_state = history[:, :, history.shape[-1] - (width - 1):].clone()  # [B, C, K-1]
+    xBC = F.silu(F.conv1d(history, weight[:, None, :], bias, groups=weight.shape[0]).transpose(1, 2))  # [B, S, C]
+    x, B, C = _split_xBC(mixer, xBC)
+    y, ssm_state = ssd_scan(
+        x, dt, -torch.exp(mixer.A_log), B, C, mixer.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias,
+        dt_softplus=True, return_final_states=True, dt_limit=mixer.time_step_limit,
+    )  # [B, S, H, P], [B, H, P, N]
+    out = mixer.out_proj(mixer.norm(y.flatten(2), z))
+    return out, {"conv": conv_state, "ssm": ssm_state}
+
+
+def _mamba_step(mixer: nn.Module, hidden: Tensor, cache: dict[str, Tensor]) -> Tensor:
+    """Mixer output ``[B, 1, D]`` of one new token; updates ``cache`` in place."""
+    z, xBC, dt = torch.split(mixer.in_proj(hidden), mixer.split_sizes(mixer.in_proj.out_features), dim=-1)
+    weight, bias = _conv_weight(mixer)
+    window = torch.cat([cache["conv"], xBC.transpose(1, 2)], dim=-1)  # [B, C, K]
+    cache["conv"] = window[:, :, 1:]
+    xBC = (window * weight).sum(-1) + (0 if bias is None else bias)  # [B, C]
+    x, B, C = _split_xBC(mixer, F.silu(xBC)[:, None])  # [B, 1, H, P], [B, 1, G, N] x2
+    state = cache["ssm"]
+    dtype = state.dtype  # ssd_scan's compute dtype: the input's, at least float32
+    heads_per_group = mixer.num_heads // B.shape[2]
+    x, B, C = x[:, 0].to(dtype), B[:, 0].to(dtype), C[:, 0].to(dtype)  # [B, H, P], [B, G, N] x2
+    B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)  # [B, H, N]
+    dt = F.softplus(dt[:, 0].to(dtype) + mixer.dt_bias.to(dtype))  # [B, H]
+    low, high = mixer.time_step_limit
+    if (low, high) != (0.0, float("inf")):
+        dt = dt.clamp(min=low, max=high)
+    decay = torch.exp(dt * -torch.exp(mixer.A_log.to(dtype)))  # [B, H]
+    state = decay[..., None, None] * state + (dt[..., None] * x)[..., None] * B[:, :, None, :]  # [B, H, P, N]
+    cache["ssm"] = state
+    y = torch.einsum("bhpn,bhn->bhp", state, C) + mixer.D.to(dtype)[:, None] * x  # [B, H, P]
+    return mixer.out_proj(mixer.norm(y.flatten(1)[:, None].to(hidden.dtype), z))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _qkv(mixer: nn.Module, hidden: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q ``[B, S, Hq, Dh]``, k, v ``[B, S, Hkv, Dh]`` of tokens at positions ``start, start+1, ...``."""
+    batch, seq_len, _ = hidden.shape
+    q, k, v = (proj(hidden).unflatten(-1, (-1, mixer.head_dim)) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj))
+    if mixer.rotary_dim > 0:
+        positions = torch.arange(start, start + seq_len, device=hidden.device).expand(batch, -1)  # [B, S]
+        cos, sin = rotary_cos_sin(positions, mixer.rotary_dim, mixer.rope_theta, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q, k, v
+
+
+def _attention_prefill(mixer: nn.Module, hidden: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    q, k, v = _qkv(mixer, hidden, 0)
+    out = mixer.core(q, k, v, None)  # [B, S, Hq, Dh], the model's own causal core
+    return mixer.o_proj(out.flatten(2)), {"k": k, "v": v}
+
+
+def _attention_step(mixer: nn.Module, hidden: Tensor, cache: dict[str, Tensor], position: int) -> Tensor:
+    q, k, v = _qkv(mixer, hidden, position)
+    cache["k"], cache["v"] = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)  # [B, S+1, Hkv, Dh]
+    repeat = q.shape[2] // k.shape[2]
+    keys, values = (t.repeat_interleave(repeat, dim=2).transpose(1, 2) for t in (cache["k"], cache["v"]))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values)  # one query sees every cached key
+    return mixer.o_proj(out.transpose(1, 2).flatten(2))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _check_ids(model: nn.Module, input_ids: Tensor) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}; expected "
+                         "integer [B, S] with S >= 1 (use ids[None] for one prompt).")
+    vocab = model.config.vocab_size
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(f"input_ids hold ids in [{int(input_ids.min())}, {int(input_ids.max())}], outside the "
+                         f"model's vocabulary [0, {vocab}); encode with the model's tokenizer.")
+
+
+@torch.no_grad()
+def prefill(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, GenerationCache]:
+    """Logits ``[B, S, V]`` of the prompt ``[B, S]`` and the cache after it."""
+    _check_ids(model, input_ids)
+    cache = GenerationCache(length=input_ids.shape[1])
+    hidden = model.backbone.embeddings(input_ids)
+    for layer in model.backbone.layers:
+        normed = layer.norm(hidden)
+        if layer.kind == "mamba":
+            out, state = _mamba_prefill(layer.mixer, normed)
+        elif layer.kind == "attention":
+            out, state = _attention_prefill(layer.mixer, normed)
+        else:
+            out, state = layer.mixer(normed), {}
+        cache.layers.append(state)
+        hidden = hidden + out
+    return model.lm_head(model.backbone.norm_f(hidden)), cache
+
+
+@torch.no_grad()
+def decode_step(model: nn.Module, token_ids: Tensor, cache: GenerationCache) -> Tensor:
+    """Logits ``[B, 1, V]`` of one new token per row ``[B, 1]``; advances ``cache`` by one."""
+    _check_ids(model, token_ids)
+    if token_ids.shape[1] != 1:
+        raise ValueError(f"decode_step takes one token per row, got shape {tuple(token_ids.shape)}; run prefill "
+                         "for a longer prompt.")
+    hidden = model.backbone.embeddings(token_ids)
+    for layer, state in zip(model.backbone.layers, cache.layers, strict=True):
+        normed = layer.norm(hidden)
+        if layer.kind == "mamba":
+            out = _mamba_step(layer.mixer, normed, state)
+        elif layer.kind == "attention":
+            out = _attention_step(layer.mixer, normed, state, cache.length)
+        else:
+            out = layer.mixer(normed)
+        hidden = hidden + out
+    cache.length += 1
+    return model.lm_head(model.backbone.norm_f(hidden))
+
+
+def sample_next(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> Tensor:
+    """Next token ``[B]`` from last-position logits ``[B, V]``: argmax at temperature 0, else nucleus sampling."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def check_sampling(max_new_tokens, temperature, top_p) -> None:
+    """ValueError for a negative token count or temperature, or top_p outside (0, 1]."""
+    rules = [
+        (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 0,
+         f"max_new_tokens={max_new_tokens!r} must be an int >= 0"),
+        (isinstance(temperature, (int, float)) and temperature >= 0,
+         f"temperature={temperature!r} must be >= 0 (0 is greedy)"),
+        (isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)"),
+    ]
+    for holds, message in rules:
+        if not holds:
+            raise ValueError(f"{message}; change it in the generate call.")
+
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None) -> Tensor:
+    """Prompt ``[B, S]`` followed by up to ``max_new_tokens`` generated tokens, ``[B, S + n]``.
+
+    Stops early once every row has produced an ``eos_token_id`` (one id or a list); a row that
+    finished first is filled with its end token. ``seed`` makes sampling reproducible.
+    """
+    check_sampling(max_new_tokens, temperature, top_p)
+    _check_ids(model, input_ids)
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    if max_new_tokens == 0:
+        return input_ids
+    tokens = [input_ids]
+    logits, cache = prefill(model, input_ids)
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    filler = torch.full_like(finished, eos[0] if eos else 0, dtype=input_ids.dtype)
+    for step in range(max_new_tokens):
+        next_ids = sample_next(logits[:, -1], temperature, top_p, generator)
+        next_ids = torch.where(finished, filler, next_ids.to(input_ids.dtype))  # [B]
+        tokens.append(next_ids[:, None])
+        if eos:
+            finished |= torch.isin(next_ids, torch.tensor(eos, device=next_ids.device))
+            if bool(finished.all()):
+                break
+        if step + 1 < max_new_tokens:
+            logits = decode_step(model, next_ids[:, None], cache)
+    return torch.cat(tokens, dim=1)
