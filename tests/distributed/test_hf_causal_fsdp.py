@@ -34,7 +34,7 @@ def _fsdp_loss_checks(rank: int, world_size: int, export_dir: str) -> dict:
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.parallel.state import canonical_state_dict
-    from tests.distributed.test_tp_hf import _exact_rmsnorm, build_model
+    from tests.distributed.tp_hf_models import build_model, exact_norm
 
     reference, model = build_model("llama"), build_model("llama")
     dims = ParallelDims(dp_shard=2)
@@ -92,7 +92,7 @@ def _fsdp_loss_checks(rank: int, world_size: int, export_dir: str) -> dict:
     problems = sum(len(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     for module in reloaded.modules():  # the reference's norms run in the input dtype (see test_tp_hf)
         if type(module).__name__.endswith("RMSNorm"):
-            _exact_rmsnorm(module)
+            exact_norm(module)
     with torch.no_grad():
         logits_error = _relative(reloaded(ids, use_cache=False).logits, build_model("llama")(ids, use_cache=False).logits)
     return {"ratio_error": ratio_error, "local_count": int(local_count), "errors": errors,

@@ -97,7 +97,7 @@ def _builders(hf) -> dict:
     }
 
 
-def _exact_norm(module: nn.Module) -> None:
+def exact_norm(module: nn.Module) -> None:
     """Run a Hugging Face RMSNorm (or Cohere's LayerNorm) in the input dtype (see module docstring)."""
     eps = getattr(module, "variance_epsilon", None) or module.eps
     name = type(module).__name__
@@ -137,7 +137,7 @@ def build_model(name: str) -> nn.Module:
     for module in model.modules():
         kind = type(module).__name__
         if kind.endswith("RMSNorm") or kind == "CohereLayerNorm":
-            _exact_norm(module)
+            exact_norm(module)
         elif kind == "MixtralTopKRouter":
             _exact_mixtral_router(module)
     return model
