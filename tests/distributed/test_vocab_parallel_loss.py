@@ -11,6 +11,7 @@ One 4-rank group holds TP groups of 1, 2 and 4 ranks side by side:
 - predictions are the argmax with ties across shards and blocks going to the lower id;
 - no op allocates a [T, V] tensor at tp=2 (profiler memory tracking);
 - bad input raises ``ValueError`` on every rank before any collective;
+- (2 ranks) ``torch._dynamo.explain`` finds one graph and no break on plain and DTensor inputs;
 - the whole ``HybridLM`` at cp=2 x tp=2 with and without sequence parallelism: the in-forward
   loss, every gradient and the predictions equal the single-process model's (logits path).
 
@@ -157,6 +158,42 @@ def function_results(rank: int, groups: dict) -> dict:
     return results
 
 
+def compile_results() -> dict:
+    """``torch._dynamo.explain`` of the TP loss core on plain and DTensor inputs, and a fullgraph
+    ``aot_eager`` compile of the plain call (loss and gradients) against eager."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hybridpar.parallel.vocab_parallel_loss import VocabParallelLMHeadLoss
+
+    group = dist.group.WORLD
+    core = VocabParallelLMHeadLoss(group, chunk_size=CHUNK)
+    h, w, labels = _case(64)
+    shard = w.chunk(2)[dist.get_rank()]
+    mesh = DeviceMesh.from_group(group, "cpu")
+    inputs = {"plain": (h, shard, labels),
+              "dtensor": (distribute_tensor(h[: BATCH * SEQ].view(BATCH, SEQ, -1), mesh, [Shard(1)]),
+                          distribute_tensor(w, mesh, [Shard(0)]), labels[: BATCH * SEQ].view(BATCH, SEQ))}
+    out = {}
+    for name, args in inputs.items():
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(core)(*args)
+        out[name] = (explanation.graph_count, explanation.graph_break_count)
+    torch._dynamo.reset()
+    compiled = torch.compile(core, backend="aot_eager", fullgraph=True)
+    grads = []
+    for fn in (compiled, core):
+        hg, wg = h.clone().requires_grad_(), shard.clone().requires_grad_()
+        loss = fn(hg, wg, labels).loss_sum
+        loss.backward()
+        grads.append((loss.detach(), hg.grad, wg.grad))
+    torch._dynamo.reset()
+    out["compiled error"] = max((a - b).abs().max().item() for a, b in zip(*grads))
+    return out
+
+
 # ---------------------------------------------------------------- the whole model
 
 
@@ -225,6 +262,8 @@ def worker(rank: int, world_size: int) -> dict:
                 if start <= rank < start + tp:
                     groups[tp] = group
         results.update(function_results(rank, groups))
+    else:
+        results["compile"] = compile_results()
     results["models"] = model_results(world_size)
     return results
 
@@ -311,6 +350,13 @@ def _check_models(results_by_rank: list, world_size: int) -> None:
                 failures.append(f"{name} rank {rank}: count ok {record['count ok']}, "
                                 f"predictions ok {record['predictions ok']}")
     assert not failures, "\n".join(failures[:40])
+
+
+def test_vocab_parallel_loss_is_one_graph_under_torch_compile(two_ranks):
+    for results in two_ranks:
+        got = results["compile"]
+        assert got["plain"] == (1, 0) and got["dtensor"] == (1, 0), got
+        assert got["compiled error"] < TOL
 
 
 def test_model_in_forward_loss_at_tp2_matches_single_process(two_ranks):
