@@ -62,21 +62,18 @@ def _dtensor_case(mesh, vocab):
     w_d = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
     loss, _ = lm_head_loss(h3, w_d, labels[: BATCH * SEQ].view(BATCH, SEQ), chunk_size=CHUNK)
     loss.backward()
-    return {"loss": loss.item(), "dh": h3.grad.full_tensor(), "dw": w_d.grad.to_local()}
+    return {"loss": loss.item(), "dh": h3.grad.full_tensor(), "dw": w_d.grad.to_local(),
+            "offset": _shard(w, vocab, mesh.get_group())[0]}
 
 
-def _predictions(group, vocab):
-    from hybridpar.parallel.vocab_parallel_loss import vocab_parallel_lm_head_loss, vocab_shard
+def _shard(w, vocab: int, group):
+    """``(offset, this rank's rows of w)`` under ``Shard(0)`` of ``vocab`` rows over ``group``."""
+    import torch.distributed as dist
 
-    h, w, labels = _tied_case(vocab)
-    offset, rows = vocab_shard(vocab, dist_size(group), dist_rank(group))
-    out = vocab_parallel_lm_head_loss(h, w[offset:offset + rows], labels, tp_group=group, chunk_size=CHUNK,
-                                      vocab_size=vocab, return_predictions=True)
-    h2, w2, labels2 = _case(vocab + 1)
-    offset, rows = vocab_shard(vocab + 1, dist_size(group), dist_rank(group))
-    out2 = vocab_parallel_lm_head_loss(h2, w2[offset:offset + rows], labels2, tp_group=group, chunk_size=CHUNK,
-                                       vocab_size=vocab + 1, return_predictions=True)
-    return out.predictions, out2.predictions
+    from hybridpar.parallel.vocab_parallel_loss import vocab_shard
+
+    offset, rows = vocab_shard(vocab, dist.get_world_size(group), dist.get_rank(group))
+    return offset, w[offset:offset + rows]
 
 
 def _tied_case(vocab: int):
@@ -88,30 +85,26 @@ def _tied_case(vocab: int):
     return h, w, labels
 
 
-def dist_size(group) -> int:
-    import torch.distributed as dist
+def _predictions(group, vocab):
+    from hybridpar.parallel.vocab_parallel_loss import vocab_parallel_lm_head_loss
 
-    return dist.get_world_size(group)
-
-
-def dist_rank(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
+    out = []
+    for v, (h, w, labels) in ((vocab, _tied_case(vocab)), (vocab + 1, _case(vocab + 1))):
+        out.append(vocab_parallel_lm_head_loss(h, _shard(w, v, group)[1], labels, tp_group=group, chunk_size=CHUNK,
+                                               vocab_size=v, return_predictions=True).predictions)
+    return tuple(out)
 
 
 def _errors(group, vocab) -> dict:
     """Every rank of ``group`` runs these; each must raise before a collective (or the group hangs)."""
-    from hybridpar.parallel.vocab_parallel_loss import vocab_shard
     from hybridpar.train.loss import lm_head_loss
 
     h, w, labels = _case(vocab)
-    offset, rows = vocab_shard(vocab, dist_size(group), dist_rank(group))
-    shard = w[offset:offset + rows]
+    _, shard = _shard(w, vocab, group)
     cases = {
         "label = V": lambda: lm_head_loss(h, shard, torch.where(labels == labels[0], vocab, labels), tp_group=group,
                                           vocab_size=vocab),
-        "rows": lambda: lm_head_loss(h, w[:rows + 1], labels, tp_group=group, vocab_size=vocab),
+        "rows": lambda: lm_head_loss(h, w[:shard.shape[0] + 1], labels, tp_group=group, vocab_size=vocab),
         "chunk_size": lambda: lm_head_loss(h, shard, labels, tp_group=group, vocab_size=vocab, chunk_size=0),
     }
     out = {}
@@ -127,26 +120,22 @@ def _errors(group, vocab) -> dict:
 def function_results(rank: int, groups: dict) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hybridpar.parallel.vocab_parallel_loss import vocab_shard
-
     results = {}
     for tp, group in groups.items():
         for vocab in VOCABS:
             if vocab == 6 and tp != 4:
                 continue
             h, w, labels = _case(vocab)
-            offset, rows = vocab_shard(vocab, tp, dist_rank(group))
-            got = _loss_and_grads(h, w[offset:offset + rows], labels, group, vocab)
-            results[("plain", tp, vocab)] = {**got, "offset": offset}
+            offset, shard = _shard(w, vocab, group)
+            results[("plain", tp, vocab)] = {**_loss_and_grads(h, shard, labels, group, vocab), "offset": offset}
         if tp > 1:
             mesh = DeviceMesh.from_group(group, "cpu")
-            results[("dtensor", tp, 61)] = {**_dtensor_case(mesh, 61), "offset": vocab_shard(61, tp, dist_rank(group))[0]}
+            results[("dtensor", tp, 61)] = _dtensor_case(mesh, 61)
         results[("predictions", tp)] = _predictions(group, 61)
     results["errors tp2"] = _errors(groups[2], 61)
 
     h, w, labels = make_case(tokens=64, vocab=96, dtype=torch.float32)
-    offset, rows = vocab_shard(96, 2, dist_rank(groups[2]))
-    w_local = w[offset:offset + rows].clone().requires_grad_()
+    w_local = _shard(w, 96, groups[2])[1].clone().requires_grad_()
     h.requires_grad_()
 
     def run():
