@@ -38,6 +38,7 @@ __all__ = [
     "SelectiveCopyTask",
     "TASKS",
     "answer_counts",
+    "prediction_counts",
     "answer_accuracy",
     "text_documents",
     "jsonl_documents",
@@ -175,16 +176,31 @@ def answer_counts(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_IND
     """``(correct, total)`` int64 scalars over positions with a label (argmax == label).
 
     ``logits`` ``[..., V]`` and ``labels`` with the same leading shape (``[B, S]``, ``[T]``, ...);
-    sum them over ranks before dividing.
+    sum them over ranks before dividing. Training and evaluation never build the logits: they
+    take the predictions from ``model(..., labels=..., return_predictions=True)`` and call
+    ``prediction_counts``.
     """
     if logits.shape[:-1].numel() != labels.numel():
         raise ValueError(
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} cover different token counts; pass the "
             "labels of the same (local) tokens."
         )
-    labels = labels.reshape(-1).to(logits.device)  # [N]
+    return prediction_counts(logits.argmax(dim=-1), labels, ignore_index)
+
+
+def prediction_counts(predictions: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
+    """``(correct, total)`` int64 scalars: positions with a label where the predicted id equals it.
+
+    ``predictions`` (argmax token ids) and ``labels`` cover the same tokens in any shape.
+    """
+    if predictions.numel() != labels.numel():
+        raise ValueError(
+            f"predictions {tuple(predictions.shape)} and labels {tuple(labels.shape)} cover different token counts; "
+            "pass the labels of the same (local) tokens."
+        )
+    labels = labels.reshape(-1).to(predictions.device)  # [N]
     answered = labels != ignore_index
-    correct = (logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) == labels) & answered
+    correct = (predictions.reshape(-1) == labels) & answered
     return correct.sum(), answered.sum()
 
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from hybridpar.models.attention import Attention
 from hybridpar.models.blocks import MLP, ResidualBlock, RMSNorm
+from hybridpar.models.lm_head_loss import ChunkedLMHeadLoss
 from hybridpar.models.mamba2 import Mamba2Mixer
 
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
@@ -157,10 +158,12 @@ class HybridBackbone(nn.Module):
 
 
 class HybridLM(nn.Module):
-    """Hybrid Mamba2/attention causal LM returning logits ``[B, S, vocab]``.
+    """Hybrid Mamba2/attention causal LM returning logits ``[B, S, vocab]``, or with ``labels``
+    the loss ``(loss_sum, valid_count)`` from ``loss_core`` without building the logits.
 
     ``packed`` (``PackedSeqParams``) describes document boundaries of a packed ``[1, T]``
-    row; no state, convolution or attention crosses a boundary.
+    row; no state, convolution or attention crosses a boundary. ``loss_core`` (the blockwise
+    LM head + cross entropy) is the seam tensor parallelism replaces with a vocab-parallel one.
     """
 
     def __init__(self, config: HybridConfig):
@@ -168,6 +171,7 @@ class HybridLM(nn.Module):
         self.config = config
         self.backbone = HybridBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.loss_core = ChunkedLMHeadLoss()
         self._init_weights()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
@@ -185,8 +189,16 @@ class HybridLM(nn.Module):
             out = getattr(layer.mixer, "out_proj", None) or getattr(layer.mixer, "o_proj", None) or layer.mixer.down_proj
             out.weight.mul_(1.0 / (2 * len(self.backbone.layers)) ** 0.5)
 
-    def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None, packed=None) -> Tensor:
-        return self.lm_head(self.backbone(input_ids, inputs_embeds, packed))
+    def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None, packed=None,
+                labels: Tensor | None = None, return_predictions: bool = False):
+        """Logits ``[B, S, V]``; with ``labels`` ``(loss_sum, valid_count)``, plus the argmax
+        ``predictions`` (labels' shape) when ``return_predictions``. The loss runs here, inside the
+        root's forward, where FSDP has unsharded the LM head."""
+        hidden_states = self.backbone(input_ids, inputs_embeds, packed)
+        if labels is None:
+            return self.lm_head(hidden_states)
+        out = self.loss_core(hidden_states, self.lm_head.weight, labels, return_predictions=return_predictions)
+        return tuple(out) if return_predictions else (out.loss_sum, out.valid_count)
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, eos_token_id: int | list[int] | None = None) -> Tensor:

@@ -44,6 +44,7 @@ from hybridpar.parallel.tp_styles import (
     SequenceParallelAllGatherActivation,
     VocabParallelEmbedding,
 )
+from hybridpar.parallel.vocab_parallel_loss import VocabParallelLoss
 
 __all__ = [
     "IN_PROJ_COMPONENTS", "CONV_COMPONENTS", "SplitInProj", "SplitConv1d", "split_mamba_mixers",
@@ -289,11 +290,16 @@ def validate_hybrid_tp(model: nn.Module, tp: int) -> None:
 
 def hybrid_lm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The HybridLM plan: attention q/k/v and MLP up/gate column-parallel, o/down row-parallel,
-    the Mamba2 mixer by heads, vocab-parallel embedding, column-parallel LM head gathering the
-    full-vocab logits; with ``sequence_parallel`` the residual stream is ``Shard(1)``."""
+    the Mamba2 mixer by heads, vocab-parallel embedding, LM head vocab-sharded (``Shard(0)``)
+    with a vocab-parallel loss; with ``sequence_parallel`` the residual stream is ``Shard(1)``.
+
+    With labels, ``HybridLM.forward`` computes the loss through ``loss_core``, which the root
+    entry ``""`` makes vocab-parallel: no logits and no gather (SP: the final hidden states
+    ``[B, S/tp, D]`` are gathered to ``[B, S, D]``). Without labels the ``lm_head`` module
+    returns full logits ``[B, S, V/tp] -> [B, S, V]`` (generation, tests)."""
     sp = sequence_parallel
     out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
-    plan: dict[str, ParallelStyle] = {}
+    plan: dict[str, ParallelStyle] = {"": VocabParallelLoss()}
     if sp:  # ids [B, S] -> [B, S/tp, D]; norms all-gather once; norm_f stays sharded
         plan["backbone"] = SequenceShardedInputsEmbeds()
         plan["backbone.embeddings"] = VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
@@ -304,7 +310,7 @@ def hybrid_lm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paral
         plan["backbone.embeddings"] = VocabParallelEmbedding()
         plan["backbone.layers.*.norm"] = LocalReplicateParallel()
         plan["backbone.norm_f"] = LocalReplicateParallel()
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # [B, S, V/tp] -> [B, S, V]
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # logits only: [B, S, V/tp] -> [B, S, V]
     for index, layer in enumerate(model.backbone.layers):
         prefix = f"backbone.layers.{index}.mixer"
         mixer = layer.mixer

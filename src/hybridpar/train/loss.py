@@ -3,6 +3,10 @@
 Every rank sums the losses of the tokens it holds; dividing by the number of valid
 tokens over all data- and context-parallel ranks makes the sum of the ranks' losses
 the loss of the whole batch, so summed gradients (FSDP's divide factor 1) are exact.
+
+``lm_head_loss`` computes that sum from the final hidden states and the LM head weight in
+blocks, never holding the ``[T, V]`` logits (``models/lm_head_loss.py``), vocabulary-parallel
+over a tensor-parallel group (``parallel/vocab_parallel_loss.py``).
 """
 
 from __future__ import annotations
@@ -12,11 +16,42 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from hybridpar.models.lm_head_loss import IGNORE_INDEX, chunked_lm_head_loss
+
+__all__ = ["IGNORE_INDEX", "lm_head_loss", "token_loss_sum", "valid_token_count", "global_sum"]
+
+
+def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: int = 4096, tp_group=None,
+                 vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(loss_sum, valid_count)``: summed cross entropy of ``hidden @ weight.T`` over labels != -100.
+
+    Equals ``F.cross_entropy(hidden @ weight.T, labels, reduction="sum", ignore_index=-100)`` and its
+    gradients for ``hidden [..., D]`` and ``weight`` without the logits: blocks of ``chunk_size``
+    tokens x ``chunk_size`` vocabulary rows, computed in at least float32. ``valid_count`` is the
+    int64 number of labelled tokens (divide by the global count yourself).
+
+    - ``tp_group=None`` and a plain ``weight [V, D]``: one process.
+    - ``tp_group``: ``weight`` is this rank's contiguous vocabulary shard (``Shard(0)`` layout;
+      pass ``vocab_size=V`` when V does not split evenly) and ``hidden`` the same on every rank
+      of the group; ``grad_hidden`` is the full gradient, ``grad_weight`` this shard's.
+    - a ``Shard(0)`` DTensor ``weight`` (a ``ColwiseParallel`` LM head) implies its group;
+      a ``Shard(1)`` DTensor ``hidden`` (sequence parallel) is gathered first.
+    """
+    sharded = tp_group is not None or any(not p.is_replicate() for p in getattr(weight, "placements", ()))
+    if sharded:
+        from hybridpar.parallel.vocab_parallel_loss import vocab_parallel_lm_head_loss
+
+        out = vocab_parallel_lm_head_loss(hidden, weight, labels, tp_group=tp_group, chunk_size=chunk_size,
+                                          vocab_size=vocab_size)
+    else:
+        out = chunked_lm_head_loss(hidden, weight, labels, chunk_size=chunk_size)
+    return out.loss_sum, out.valid_count
 
 
 def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
-    """Sum of cross-entropy over tokens whose label is not ``-100``; ``logits [B, S, V]``."""
+    """Sum of cross-entropy over tokens whose label is not ``-100``; ``logits [B, S, V]``.
+
+    Materializes the logits: for tests and small models; training uses ``lm_head_loss``."""
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float() if logits.dtype in (torch.bfloat16, torch.float16) else logits.reshape(-1, logits.shape[-1]),
         labels.reshape(-1),

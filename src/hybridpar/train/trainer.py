@@ -3,8 +3,8 @@
     for step:
         packs of this data-parallel rank (one micro-batch each, gradients accumulate)
         count valid tokens of the whole step over dp              (one all-reduce)
-        per pack: shard over cp (and tp for sequence parallel) -> logits
-                  loss_sum(valid tokens) / global count -> backward
+        per pack: shard over cp (and tp for sequence parallel) -> model(..., labels) -> loss_sum
+                  (blockwise LM head + cross entropy, no logits) / global count -> backward
         clip the global gradient norm, AdamW step, lr schedule
 """
 
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from hybridpar.config import RunConfig, to_dict
 from hybridpar.data.packing import collate_thd
-from hybridpar.data.sources import answer_counts
+from hybridpar.data.sources import prediction_counts
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.dims import ParallelDims
@@ -29,7 +29,7 @@ from hybridpar.parallel.parallelize import parallelize, validate_parallelize
 from hybridpar.parallel.state import canonical_state_dict
 from hybridpar.train.batches import PackStream
 from hybridpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from hybridpar.train.loss import global_sum, token_loss_sum, valid_token_count
+from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.metrics import MetricsLogger, peak_memory_gib
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -113,17 +113,15 @@ class Trainer:
         self.start_step = 0
 
     # -- one step ---------------------------------------------------------------------------
-    def forward_loss_sum(self, pack: dict) -> tuple[Tensor, Tensor, Tensor]:
-        """``(loss_sum, logits, labels)`` of this rank's share of one pack."""
+    def forward_loss_sum(self, pack: dict, predictions: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+        """``(loss_sum, argmax ids or None, labels)`` of this rank's share of one pack."""
         input_ids, labels, packed = pack_tensors(pack, self.device)
         sharded = shard_inputs(
             input_ids=input_ids, labels=labels, packed=packed, cp_group=self.layout.cp_group,
             tp_group=self.layout.tp_group, sequence_parallel=self.config.parallel.sequence_parallel,
         )
-        logits = self.model(sharded.input_ids, packed=sharded.packed)
-        if hasattr(logits, "full_tensor"):
-            logits = logits.full_tensor()
-        return token_loss_sum(logits, sharded.labels), logits, sharded.labels
+        out = self.model(sharded.input_ids, packed=sharded.packed, labels=sharded.labels, return_predictions=predictions)
+        return out[0], out[2] if predictions else None, sharded.labels
 
     def step_gradients(self, step: int) -> Tensor:
         """Forward/backward of every pack of ``step`` on this rank; returns the global loss."""
@@ -153,8 +151,8 @@ class Trainer:
         packs = self.eval_data.rank_packs(0, self.layout.dp_rank, self.layout.dims.size("dp"))
         sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, answers
         for pack in packs:
-            loss_sum, logits, labels = self.forward_loss_sum(pack)
-            correct, total = answer_counts(logits, labels)
+            loss_sum, predicted, labels = self.forward_loss_sum(pack, predictions=True)
+            correct, total = prediction_counts(predicted, labels)
             sums += torch.stack([loss_sum.double(), correct.double(), total.double()])
         sums = global_sum(sums, self.layout.dp_cp_group)
         return {"eval_loss": float(sums[0] / sums[2].clamp(min=1)), "eval_accuracy": float(sums[1] / sums[2].clamp(min=1))}
