@@ -43,7 +43,16 @@ from hybridpar.models.attention_layout import (
 )
 from hybridpar.models.flash import BLOCK_SIZE, KEYS_PER_STEP, blockwise_attention, check_qkv
 
-__all__ = ["KERNELS", "FLEX_BLOCK_SIZE", "attention_core", "choose_kernel", "flex_block_mask", "flex_mask_mod", "plan_for"]
+__all__ = [
+    "FLEX_BLOCK_SIZE",
+    "KERNELS",
+    "attention_core",
+    "choose_kernel",
+    "flex_block_mask",
+    "flex_mask_mod",
+    "kernel_for",
+    "plan_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +80,25 @@ def _flex_attention():
     return flex_attention
 
 
-def choose_kernel(q: Tensor, layout: AttentionLayout) -> tuple[str, str]:
-    """``(kernel, reason)`` for these inputs (device, dtype, head_dim, token order)."""
-    head_dim = q.shape[-1]
-    if q.device.type != "cuda":
-        return "blockwise", f"device {q.device.type}"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return "blockwise", f"dtype {q.dtype} has no fused CUDA kernel"
-    if (layout.sequence_ordered and q.dtype != torch.float32 and head_dim % 8 == 0 and head_dim <= 256
-            and torch.cuda.get_device_capability(q.device) >= (8, 0) and _varlen_attn() is not None):
+def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, sequence_ordered: bool,
+               capability: tuple[int, int] | None = None) -> tuple[str, str]:
+    """``(kernel, reason)``: the rules above, as a pure function (``capability``: the CUDA device's)."""
+    if device_type != "cuda":
+        return "blockwise", f"device {device_type}"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "blockwise", f"dtype {dtype} has no fused CUDA kernel"
+    if (sequence_ordered and dtype != torch.float32 and head_dim % 8 == 0 and head_dim <= 256
+            and capability is not None and capability >= (8, 0) and _varlen_attn() is not None):
         return "varlen", "sequence-ordered rows"
     if 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and _flex_attention() is not None:
-        return "flex", "sequence-ordered float32 rows" if layout.sequence_ordered else "out-of-order tokens"
-    return "blockwise", f"head_dim {head_dim} / torch {torch.__version__} has no fused kernel for it"
+        return "flex", "sequence-ordered float32 rows" if sequence_ordered else "out-of-order tokens"
+    return "blockwise", f"no fused kernel for head_dim {head_dim} in torch {torch.__version__}"
+
+
+def choose_kernel(q: Tensor, layout: AttentionLayout) -> tuple[str, str]:
+    """``(kernel, reason)`` for these inputs (device, dtype, head_dim, token order)."""
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return kernel_for(q.device.type, q.dtype, q.shape[-1], layout.sequence_ordered, capability)
 
 
 def _log_once(kernel: str, reason: str, q: Tensor) -> None:

@@ -161,7 +161,8 @@ def _backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, 
             dq_b += torch.matmul(ds, k_s)
             dk_t[:, :, k_start:k_end] += torch.matmul(ds.transpose(-1, -2), q_b)  # q_b carries the scale
         dq[:, start:end] = _tokens_major(dq_b.mul_(scale), end - start)
-    return dq, dk_t.transpose(1, 2).to(k.dtype), dv_t.transpose(1, 2).to(v.dtype)
+    dk = torch.empty_like(k).copy_(dk_t.transpose(1, 2))  # [B, Hkv, S_k, Dh] -> [B, S_k, Hkv, Dh], contiguous
+    return dq, dk, torch.empty_like(v).copy_(dv_t.transpose(1, 2))
 
 
 # ---------------------------------------------------------------- the ops torch.compile sees
