@@ -1,9 +1,12 @@
 """Attention context parallelism ("allgather", "ulysses") against single-process attention.
 
-One gloo group per CP size (2 and 4) runs every check: float64 outputs and gradients at
-1e-9 for the bare core and for a full ``Attention`` module with RoPE, dense (B=2) and
-packed rows, the bytes each rank sends against the closed forms below, and the
-``ValueError``s that must come before any collective.
+One gloo group per CP size (2 and 4) runs every check: the bare core against the dense-mask
+reference (``tests/attention_reference.py``) at 1e-10 in float64, outputs and the gradients
+of q, k, v, with small blocks so lengths are not multiples of the block (head_dim 16 and 64,
+GQA ratios 1 to 4, documents of one token per zigzag chunk and documents over every rank); a
+full ``Attention`` module with RoPE at 1e-9; dense (B=2) and packed rows; the bytes each rank
+sends against the closed forms below; no tensor of ``S/cp x S`` elements on the allgather
+path; and the ``ValueError``s that must come before any collective.
 
 Closed-form bytes per rank per attention layer (``e`` bytes per element)::
 
@@ -22,6 +25,7 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention import Attention, causal_attention
@@ -34,11 +38,16 @@ from hybridpar.parallel.cp_attention import (
     attention_cp_bytes_per_layer,
 )
 from hybridpar.parallel.inputs import gather_outputs, shard_inputs
+from tests.attention_reference import dense_causal_attention
 from tests.distributed.cp_reference import cu_seqlens, expect_value_error, gather_by_reference, max_err, reference_zigzag, summed
 from tests.distributed.harness import run_ranks
 
 TOL = 1e-9
+CORE_TOL = 1e-10
 HEAD_DIM = 4
+CORE_HEAD_DIMS = (16, 64)
+CORE_KINDS = ("dense", "packed", "packed2")
+SMALL_BLOCKS = dict(block_size=5, keys_per_step=10)  # S/cp and S are never multiples of 5 here
 HIDDEN = 16
 STRATEGIES = ("allgather", "ulysses")
 # (Hq, Hkv): no kv replication, kv replication (Hkv < P), and Hkv' = lcm(Hkv, P) in between.
@@ -70,6 +79,9 @@ def batch_layout(kind: str, cp: int):
     """``(B, doc padded lengths, global PackedSeqParams or None for dense)``."""
     if kind == "dense":
         return 2, [6 * cp], None
+    if kind == "packed2":  # one token per zigzag chunk first (boundaries on every chunk edge), then long ones
+        padded = [2 * cp, 10 * cp, 2 * cp, 4 * cp]
+        return 1, padded, PackedSeqParams.from_cu_seqlens(cu_seqlens(padded))
     padded = [4 * cp, 2 * cp, 6 * cp]  # each a multiple of 2*cp, every document split over all ranks
     real = [4 * cp - 1, 2 * cp, 6 * cp - 3]
     return 1, padded, PackedSeqParams.from_cu_seqlens(cu_seqlens(real), cu_seqlens(padded))
@@ -82,16 +94,16 @@ def bytes_of(stats) -> dict:
 # ---------------------------------------------------------------- checks run on every rank
 
 
-def check_core(group, cp, rank, strategy, hq, hkv, kind) -> list[str]:
-    """The bare core on random q, k, v: outputs, dq/dk/dv and bytes."""
-    torch.manual_seed(1000 * hq + 10 * hkv + len(kind))  # same tensors on every rank
+def check_core(group, cp, rank, strategy, hq, hkv, kind, head_dim) -> list[str]:
+    """The bare core (small blocks) on random q, k, v against the dense mask: outputs, dq/dk/dv, bytes."""
+    torch.manual_seed(1000 * hq + 10 * hkv + len(kind) + head_dim)  # same tensors on every rank
     batch, docs, packed = batch_layout(kind, cp)
     seq = sum(docs)
-    q = torch.randn(batch, seq, hq, HEAD_DIM, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(batch, seq, hkv, HEAD_DIM, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(batch, seq, hkv, HEAD_DIM, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(batch, seq, hq, HEAD_DIM, dtype=torch.float64)
-    out_ref = causal_attention(q, k, v, packed)
+    q = torch.randn(batch, seq, hq, head_dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, seq, hkv, head_dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, seq, hkv, head_dim, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(batch, seq, hq, head_dim, dtype=torch.float64)
+    out_ref = dense_causal_attention(q, k, v, packed)
     (out_ref * weight).sum().backward()
     grads_ref = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
@@ -101,7 +113,7 @@ def check_core(group, cp, rank, strategy, hq, hkv, kind) -> list[str]:
     idx = reference_zigzag(docs, cp, rank)
     assert sharded.packed.cp.local_indices.tolist() == idx
     q_local, k_local, v_local = sharded.inputs_embeds, k[:, idx], v[:, idx]
-    core = (AllGatherAttention if strategy == "allgather" else UlyssesAttention)(group)
+    core = (AllGatherAttention if strategy == "allgather" else UlyssesAttention)(group, **SMALL_BLOCKS)
     with CommStats() as fwd:
         out_local = core(q_local, k_local, v_local, sharded.packed)
     loss = (out_local * weight[:, idx]).sum()
@@ -109,15 +121,15 @@ def check_core(group, cp, rank, strategy, hq, hkv, kind) -> list[str]:
         loss.backward()
 
     failures = []
-    where = f"core {strategy} cp={cp} {kind} Hq={hq} Hkv={hkv}"
+    where = f"core {strategy} cp={cp} {kind} Hq={hq} Hkv={hkv} Dh={head_dim}"
     out = gather_by_reference(out_local.detach(), docs, cp, group)
-    if max_err(out, out_ref) > TOL:
+    if max_err(out, out_ref) > CORE_TOL:
         failures.append(f"{where}: output differs by {max_err(out, out_ref):.3g}")
     for name, t, g_ref in zip("qkv", (q, k, v), grads_ref):
         err = max_err(summed(t.grad, group), g_ref)
-        if err > TOL:
+        if err > CORE_TOL:
             failures.append(f"{where}: d{name} differs by {err:.3g}")
-    expected = expected_bytes(strategy, cp, 8, batch, seq, hq, hkv, HEAD_DIM)
+    expected = expected_bytes(strategy, cp, 8, batch, seq, hq, hkv, head_dim)
     for phase, stats in (("forward", fwd), ("backward", bwd)):
         if bytes_of(stats) != expected[phase]:
             failures.append(f"{where}: {phase} bytes {bytes_of(stats)} != closed form {expected[phase]}")
@@ -190,6 +202,48 @@ def check_hybrid_lm(group, cp, rank, strategy) -> list[str]:
     return failures
 
 
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns (collectives included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def check_allgather_memory(group, cp, rank) -> list[str]:
+    """allgather on a packed row: no op output and no saved tensor has S/cp * S elements."""
+    docs = [16 * cp, 2 * cp, 78 * cp]  # S = 96 cp: every legitimate tensor is far below S/cp * S
+    seq = sum(docs)
+    packed = PackedSeqParams.from_cu_seqlens(cu_seqlens(docs))
+    torch.manual_seed(5)
+    q = torch.randn(1, seq, 2, 4, dtype=torch.float64)
+    kv = torch.randn(1, seq, 1, 4, dtype=torch.float64)
+    sharded = shard_inputs(inputs_embeds=q, packed=packed, cp_group=group)
+    idx = sharded.packed.cp.local_indices
+    q_local, k_local = sharded.inputs_embeds.requires_grad_(), kv[:, idx].requires_grad_()
+    saved = []
+
+    def keep(t):
+        saved.append(t.numel())
+        return t
+
+    core = AllGatherAttention(group, block_size=16, keys_per_step=32)
+    with LargestTensor() as tracker, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        core(q_local, k_local, k_local, sharded.packed).sum().backward()
+    limit = (seq // cp) * seq
+    if not 0 < tracker.largest < limit or max(saved) >= limit:
+        return [f"cp={cp} allgather memory: largest op output {tracker.largest}, largest saved {max(saved)}, "
+                f"S/cp*S = {limit}"]
+    return []
+
+
 def check_errors_before_collectives(group, cp, rank) -> list[str]:
     """Bad input raises on rank 0 alone while the others wait at a barrier: a collective would hang."""
     failures = []
@@ -220,6 +274,9 @@ def check_errors_before_collectives(group, cp, rank) -> list[str]:
                 str(2 * cp + 2), f"2*cp = {2 * cp}"),
         }
         for strategy, cls in (("allgather", AllGatherAttention), ("ulysses", UlyssesAttention)):
+            cases[f"{strategy} core, block size 0"] = (lambda cls=cls: cls(group, block_size=0), "block_size", "0")
+            cases[f"{strategy} core, wrong q/k shapes"] = (
+                lambda cls=cls: cls(group)(q_ok, k_ok[:, :-1], k_ok[:, :-1], local), str(tuple(q_ok.shape)))
             cases[f"{strategy} core, packed without CP layout"] = (
                 lambda cls=cls: cls(group)(q_ok, k_ok, k_ok, packed), "packed.cp is None")
             cases[f"{strategy} core, layout of another rank"] = (
@@ -241,12 +298,14 @@ def run_all_checks(rank, world_size) -> list[str]:
     cp = world_size
     group = dist.new_group(list(range(world_size)))  # an explicit group, not the default one
     failures = check_errors_before_collectives(group, cp, rank)
+    failures += check_allgather_memory(group, cp, rank)
     for strategy in STRATEGIES:
         for hq, hkv in HEAD_CONFIGS:
             if strategy == "ulysses" and hq % cp:
                 continue
-            for kind in ("dense", "packed"):
-                failures += check_core(group, cp, rank, strategy, hq, hkv, kind)
+            for kind in CORE_KINDS:
+                for head_dim in CORE_HEAD_DIMS:
+                    failures += check_core(group, cp, rank, strategy, hq, hkv, kind, head_dim)
         for hq, hkv in ((4, 2), (4, 1)):
             for kind in ("dense", "packed"):
                 failures += check_module(group, cp, rank, strategy, hq, hkv, kind)
