@@ -111,20 +111,20 @@ def _forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_siz
     for q_block, steps in _steps_by_query_block(plan):
         start, end = q_block * block_size, min((q_block + 1) * block_size, seq_q)
         q_b = _heads_major(q, start, end, num_kv_heads, dtype).mul_(scale)  # [B, Hkv, n*G, Dh]
-        rows = q_b.shape[2]
-        m = torch.full((batch, num_kv_heads, rows), float("-inf"), dtype=dtype, device=q.device)
-        l = torch.zeros_like(m)
-        acc = torch.zeros_like(q_b)
-        for k_start, k_end, all_visible in steps:
+        for step, (k_start, k_end, all_visible) in enumerate(steps):
             scores = torch.matmul(q_b, k_t[:, :, k_start:k_end].transpose(-1, -2))  # [B, Hkv, n*G, K]
             if not all_visible:
                 _hide(scores, q_pos[start:end], q_doc[start:end], k_pos[k_start:k_end], k_doc[k_start:k_end], window)
-            m_new = torch.maximum(m, scores.amax(-1))
-            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with nothing visible yet
+            m_new = scores.amax(-1) if step == 0 else torch.maximum(m, scores.amax(-1))
+            # rows that have seen no visible key yet keep m = -inf; exponentiate them against 0
+            m_safe = m_new if all_visible else m_new.masked_fill(m_new == float("-inf"), 0.0)
             p = scores.sub_(m_safe[..., None]).exp_()
-            alpha = torch.exp(m - m_safe)
-            l = l.mul_(alpha).add_(p.sum(-1))
-            acc = acc.mul_(alpha[..., None]).add_(torch.matmul(p, v_t[:, :, k_start:k_end]))
+            if step == 0:
+                l, acc = p.sum(-1), torch.matmul(p, v_t[:, :, k_start:k_end])  # [B, Hkv, n*G], [B, Hkv, n*G, Dh]
+            else:
+                alpha = torch.exp(m - m_safe)
+                l = l.mul_(alpha).add_(p.sum(-1))
+                acc = acc.mul_(alpha[..., None]).add_(torch.matmul(p, v_t[:, :, k_start:k_end]))
             m = m_new
         m_safe = m.masked_fill(m == float("-inf"), 0.0)
         out[:, start:end] = _tokens_major(acc / l.masked_fill(l == 0, 1.0)[..., None], end - start)
