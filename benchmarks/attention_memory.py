@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 2**20
+RESULT_FIELDS = ("peak_bytes", "wall_s", "cpu_s")  # what a child measures; the rest of a row is its case
 
 
 # ---------------------------------------------------------------- measuring inside a child
@@ -76,7 +77,7 @@ def measure(step: Callable[[], None]) -> dict:
         step()
         times.append((time.perf_counter() - start, time.process_time() - start_cpu))
     wall, cpu = min(times)
-    return {"peak_bytes": (peak - before) * 1024, "wall_s": wall, "cpu_s": cpu}
+    return dict(zip(RESULT_FIELDS, ((peak - before) * 1024, wall, cpu)))
 
 
 # ---------------------------------------------------------------- sections
@@ -106,13 +107,15 @@ def _dense_estimate_gib(length: int, kind: str) -> float:
 
 def attention_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=ATTENTION_LENGTHS, help="tokens L")
+    parser.add_argument("--impls", nargs="+", default=["blockwise", "dense"], choices=["blockwise", "dense"])
+    parser.add_argument("--kinds", nargs="+", default=["causal", "packed"], choices=["causal", "packed"])
     parser.add_argument("--max-dense-gib", type=float, default=6.0, help="skip old dense cases estimated above this")
 
 
 def attention_cases(args) -> list[dict]:
     cases = []
-    for impl in ("blockwise", "dense"):
-        for kind in ("causal", "packed"):
+    for impl in args.impls:
+        for kind in args.kinds:
             for length in args.lengths:
                 case = {"impl": impl, "kind": kind, "L": length}
                 need = _dense_estimate_gib(length, kind) if impl == "dense" else 0.0
@@ -168,13 +171,13 @@ def attention_report(rows: list[dict]) -> tuple[list[str], list[str]]:
             return "-"
         if "skip" in row or "error" in row:
             return "skipped: " + row.get("skip", row.get("error", ""))[:60]
-        return f"{row['peak_bytes'] / MIB:,.0f}" if what == "mem" else f"{row['wall_s']:.2f} / {row['cpu_s']:.2f}"
+        return f"{row["peak_bytes"] / MIB:,.0f}" if what == "mem" else f"{row['wall_s']:.2f} / {row['cpu_s']:.2f}"
 
     header = "| L | " + " | ".join(f"{i} {k} (MiB)" for i, k in columns) + " | " + " | ".join(
         f"{i} {k} wall / cpu (s)" for i, k in columns) + " |"
     lines = [header, "|---:|" + "---:|" * (2 * len(columns))]
     for length in lengths:
-        lines.append(f"| {length // 1024}K | " + " | ".join(cell(*c, length, "mem") for c in columns) + " | "
+        lines.append(f"| {length / 1024:g}K | " + " | ".join(cell(*c, length, "mem") for c in columns) + " | "
                      + " | ".join(cell(*c, length, "time") for c in columns) + " |")
     measured = [r for r in rows if "peak_bytes" in r]
     checks, fits = [], []
@@ -234,7 +237,8 @@ def markdown(results: dict) -> str:
                   f"Machine: {meta['machine']}, Python {meta['python']}, torch {meta['torch']}, "
                   f"load average at start {meta['load_average']}  ",
                   "Memory: peak RSS added by the step (VmHWM - VmRSS before). Time: wall / CPU seconds "
-                  "(noisy on a shared machine: re-run the command on a quiet one).", "", *table, "",
+                  "(noisy on a shared machine: re-run the command on a quiet one). Each row in the JSON has "
+                  "its own date: runs with --skip-done add to earlier ones.", "", *table, "",
                   "Checks:", "", *[f"- {c}" for c in meta["checks"]], ""]
     return "\n".join(lines)
 
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--section", choices=sorted(SECTIONS), default="attention")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
+    parser.add_argument("--skip-done", action="store_true", help="keep cases the saved JSON already measured")
     parser.add_argument("--out", type=Path, default=RESULTS)
     SECTIONS[parser.parse_known_args(argv)[0].section].arguments(parser)
     args = parser.parse_args(argv)
@@ -263,19 +268,30 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
         "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
     }
-    rows = []
-    for case in section.cases(args):
-        row = case if "skip" in case else run_case(args.section, case, args.timeout)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    table, meta["checks"] = section.report(rows)
     path = args.out / "attention_memory.json"
     results = json.loads(path.read_text()) if path.exists() else {}
-    results[args.section] = {"meta": meta, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "attention_memory.md").write_text(markdown(results))
-    print("\n".join(table + ["", "Checks:"] + [f"- {c}" for c in meta["checks"]]))
+    saved = {_key(row): row for row in results.get(args.section, {}).get("rows", [])}  # earlier runs' cases
+    for case in section.cases(args):
+        done = saved.get(_key(case))
+        if args.skip_done and done is not None and "error" not in done and "skip" not in done:
+            continue
+        row = case if "skip" in case else run_case(args.section, case, args.timeout)
+        print(json.dumps(row), flush=True)
+        saved[_key(case)] = {**row, "date": datetime.datetime.now().isoformat(timespec="seconds")}
+        rows = list(saved.values())  # save after every case: a long run can be resumed with --skip-done
+        _, meta["checks"] = section.report(rows)
+        results[args.section] = {"meta": meta, "rows": rows}
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / "attention_memory.md").write_text(markdown(results))
+    table, checks = section.report(list(saved.values()))
+    print("\n".join(table + ["", "Checks:"] + [f"- {c}" for c in checks]))
+
+
+def _key(case: dict) -> str:
+    """A case's identity: its spec without results (rows of one section share the spec keys)."""
+    spec = {k: v for k, v in case.items() if k not in ("skip", "error", "date", *RESULT_FIELDS)}
+    return json.dumps(spec, sort_keys=True)
 
 
 if __name__ == "__main__":
