@@ -169,9 +169,11 @@ def attention_report(rows: list[dict]) -> tuple[list[str], list[str]]:
         row = by.get((impl, kind, length))
         if row is None:
             return "-"
-        if "skip" in row or "error" in row:
-            return "skipped: " + row.get("skip", row.get("error", ""))[:60]
-        return f"{row["peak_bytes"] / MIB:,.0f}" if what == "mem" else f"{row['wall_s']:.2f} / {row['cpu_s']:.2f}"
+        if "skip" in row:
+            return "skipped: " + row["skip"]
+        if "error" in row:
+            return "error: " + row["error"][:60]
+        return f"{row['peak_bytes'] / MIB:,.0f}" if what == "mem" else f"{row['wall_s']:.2f} / {row['cpu_s']:.2f}"
 
     header = "| L | " + " | ".join(f"{i} {k} (MiB)" for i, k in columns) + " | " + " | ".join(
         f"{i} {k} wall / cpu (s)" for i, k in columns) + " |"
