@@ -56,7 +56,14 @@ from hybridpar.models.attention_layout import (
     invisible,
 )
 
-__all__ = ["BLOCK_SIZE", "KEYS_PER_STEP", "blockwise_attention", "check_qkv"]
+__all__ = [
+    "BLOCK_SIZE",
+    "KEYS_PER_STEP",
+    "blockwise_attention",
+    "blockwise_backward",
+    "blockwise_forward",
+    "check_qkv",
+]
 
 BLOCK_SIZE = 256
 KEYS_PER_STEP = 1024
@@ -97,7 +104,12 @@ def _hide(scores: Tensor, q_pos, q_doc, k_pos, k_doc, window: int | None) -> Ten
     return scores
 
 
-def _forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
+def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
+    """``(out [B, S_q, Hq, Dh], lse [B, Hq, S_q])`` over these keys, no autograd (the ops' forward).
+
+    ``lse`` is in the compute dtype, ``-inf`` (and ``out`` 0) where a query sees no key here, so
+    partial results over disjoint key sets merge by ``lse = logaddexp(lse_1, lse_2)``.
+    """
     batch, seq_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     dtype = _compute_dtype(q.dtype)
@@ -132,7 +144,13 @@ def _forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_siz
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
+def blockwise_backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size,
+                       keys_per_step):
+    """``(dq, dk, dv)`` of these keys' share, given the final ``out`` and ``lse`` (no autograd).
+
+    FlashAttention-2's backward needs only the final ``out`` and ``lse``, so it splits over
+    disjoint key sets: their ``dq`` add up, and each set gets its own ``dk, dv``.
+    """
     batch, seq_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     dtype = _compute_dtype(q.dtype)
@@ -173,7 +191,7 @@ def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, q_doc: Tensor, k_pos: Tensor, k_doc: Tensor,
     plan: Tensor | None, scale: float, window: int | None, block_size: int, keys_per_step: int,
 ) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step)
+    return blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step)
 
 
 @_forward_op.register_fake
@@ -187,7 +205,8 @@ def _backward_op(
     k_pos: Tensor, k_doc: Tensor, plan: Tensor | None, scale: float, window: int | None, block_size: int,
     keys_per_step: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step)
+    return blockwise_backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size,
+                              keys_per_step)
 
 
 @_backward_op.register_fake
@@ -223,7 +242,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
         if plan is None:
             plan = block_plan(q_pos, q_doc, k_pos, k_doc, block_size, keys_per_step, window)
-        out, lse = _forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step)
+        out, lse = blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan)
         ctx.options = (scale, window, block_size, keys_per_step)
         return out
@@ -231,7 +250,8 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, *ctx.options)
+        dq, dk, dv = blockwise_backward(dout.contiguous(), q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan,
+                                        *ctx.options)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

@@ -1,4 +1,4 @@
-"""Context-parallel attention: two strategies for the ``Attention.core`` seam.
+"""Context-parallel attention: strategies for the ``Attention.core`` seam.
 
 Each rank holds ``S/P`` tokens of every row (``P`` = CP size, zigzag order, see
 ``zigzag.py``) and calls ``core(q, k, v, packed)`` with ``q [B, S/P, Hq, Dh]``,
@@ -32,7 +32,10 @@ heads (each repeated ``Hkv'/Hkv`` times; ``Hkv' = Hkv`` when ``P`` divides ``Hkv
 rank ``r`` receives kv heads ``[r Hkv'/P, (r+1) Hkv'/P)`` and its query head ``h`` uses
 local kv head ``(h - r Hq/P) // (Hq/Hkv')``, i.e. original kv head ``h // (Hq/Hkv)``.
 
-No tensor of ``[S/P, S]`` or ``[S, S]`` elements exists on either path: the largest
+``"ring"`` (``cp_ring.RingAttention``): K, V travel around the group point to point and
+partial results merge by their logsumexp; the math and its bytes are in ``cp_ring.py``.
+
+No tensor of ``[S/P, S]`` or ``[S, S]`` elements exists on any path: the largest
 working tensor is one step of scores, ``B * Hq * block_size * keys_per_step``.
 
 Bytes each rank sends per attention layer (``e`` bytes per element, counted as
@@ -59,16 +62,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
-from hybridpar.models.attention import Attention, sequence_layout
+from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.attention import Attention
 from hybridpar.models.attention_kernels import attention_core
-from hybridpar.models.attention_layout import AttentionLayout, cached, check_block_sizes
-from hybridpar.models.flash import BLOCK_SIZE, KEYS_PER_STEP
+from hybridpar.models.attention_layout import AttentionLayout, cached
 from hybridpar.parallel.comm import all_gather, hidden_to_seq, seq_to_hidden
-from hybridpar.parallel.cp_core import ContextParallelCore
+from hybridpar.parallel.cp_attention_base import AttentionStrategy, global_sequence_layout
+from hybridpar.parallel.cp_ring import RingAttention
 
 __all__ = [
     "AllGatherAttention",
+    "RingAttention",
     "UlyssesAttention",
     "STRATEGIES",
     "apply_attention_cp",
@@ -86,7 +90,8 @@ def attention_cp_bytes_per_layer(
     strategy: str, batch: int, seq_len: int, cp: int, num_heads: int, num_kv_heads: int, head_dim: int,
     element_size: int,
 ) -> float:
-    """Bytes one rank sends per attention layer in the forward pass (the backward sends as many)."""
+    """Bytes one rank sends per attention layer in the forward pass (allgather, ulysses: the backward
+    sends as many; ring: see ``cp_ring.py``)."""
     if cp == 1:
         return 0.0
     if strategy == "allgather":
@@ -94,53 +99,12 @@ def attention_cp_bytes_per_layer(
     if strategy == "ulysses":
         width = 2 * num_heads + 2 * ulysses_kv_heads(num_kv_heads, cp)
         return (cp - 1) / cp * element_size * batch * (seq_len / cp) * width * head_dim
-    raise ValueError(f"unknown attention context-parallel strategy {strategy!r}; choose one of ['allgather', 'ulysses'].")
+    if strategy == "ring":  # the forward equals allgather's; its backward sends K, V and dK, dV (cp_ring.py)
+        return (cp - 1) * element_size * batch * (seq_len / cp) * 2 * num_kv_heads * head_dim
+    raise ValueError(f"unknown attention context-parallel strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
 
 
-class _AttentionCore(ContextParallelCore):
-    """Common part of the attention strategies: head and shape checks, the core's block sizes."""
-
-    def __init__(self, cp_group: dist.ProcessGroup | None, block_size: int = BLOCK_SIZE,
-                 keys_per_step: int = KEYS_PER_STEP):
-        check_block_sizes(block_size, keys_per_step)
-        super().__init__(cp_group)
-        self.core_options = dict(block_size=block_size, keys_per_step=keys_per_step)
-
-    def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:
-        """Raise ``ValueError`` if this strategy cannot run these (rank-local) head counts."""
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"query heads {num_heads} must be a positive multiple of kv heads {num_kv_heads} (grouped-query attention)."
-            )
-
-    def _check_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-            raise ValueError(
-                f"{self.name} attention expects q [B, S/cp, Hq, Dh] and k, v [B, S/cp, Hkv, Dh], got q "
-                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
-            )
-        self.validate_heads(q.shape[2], k.shape[2])
-
-    def _layout_or_none(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None):
-        """Checked inputs and this rank's layout; None on a group of one (single-process attention)."""
-        self._check_qkv(q, k, v)
-        if self.cp_size > 1:
-            return self.checked_layout(packed, q.shape[1])
-        if packed is not None and packed.cp is not None:
-            self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
-        return None
-
-    def _single_process(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None) -> Tensor:
-        return attention_core(q, k, v, sequence_layout(packed, q.shape[1], q.device), **self.core_options)
-
-
-def _global_sequence_layout(packed: PackedSeqParams, layout: ContextParallelLayout, device) -> AttentionLayout:
-    """All ``S`` tokens in sequence order: positions ``0..S-1``, documents ``cp.global_seq_idx``."""
-    return cached(packed.cache, ("attention.global_sequence", str(device)), lambda: AttentionLayout.sequence(
-        layout.global_seq_idx[0].to(device), packed.cu_seqlens_padded.to(device), packed.max_seqlen))
-
-
-class AllGatherAttention(_AttentionCore):
+class AllGatherAttention(AttentionStrategy):
     """All-gather K, V over CP; local queries attend to all keys by global positions and documents."""
 
     name = "allgather"
@@ -157,14 +121,14 @@ class AllGatherAttention(_AttentionCore):
         k_all, v_all = (x.index_select(1, to_sequence) for x in kv.split(num_kv_heads, dim=2))  # [B, S, Hkv, Dh]
 
         def build() -> AttentionLayout:
-            keys = _global_sequence_layout(packed, layout, device)
+            keys = global_sequence_layout(packed, layout, device)
             return AttentionLayout(layout.local_indices.to(device), packed.seq_idx[0].to(device), keys.k_pos, keys.k_doc)
 
         attention_layout = cached(packed.cache, ("attention.allgather", str(device)), build)
         return attention_core(q, k_all, v_all, attention_layout, **self.core_options)  # [B, S/P, Hq, Dh]
 
 
-class UlyssesAttention(_AttentionCore):
+class UlyssesAttention(AttentionStrategy):
     """All-to-all sequence -> heads, full-sequence attention on Hq/P heads, all-to-all back."""
 
     name = "ulysses"
@@ -198,13 +162,13 @@ class UlyssesAttention(_AttentionCore):
         q_h, k_h, v_h = (
             x.index_select(1, to_sequence).view(batch, seq_len, -1, head_dim) for x in (q_h, k_h, v_h)
         )  # [B, S, H/P, Dh], sequence order
-        out = attention_core(q_h, k_h, v_h, _global_sequence_layout(packed, layout, device), **self.core_options)
+        out = attention_core(q_h, k_h, v_h, global_sequence_layout(packed, layout, device), **self.core_options)
         out = out.reshape(batch, seq_len, -1).index_select(1, to_gathered)  # [B, S, Hq/P*Dh], gathered order
         (out,) = hidden_to_seq([out], self.cp_group, seq_dim=1, hidden_dim=-1)  # -> [B, S/P, Hq*Dh]
         return out.view(batch, local_len, num_heads, head_dim)
 
 
-STRATEGIES = {"allgather": AllGatherAttention, "ulysses": UlyssesAttention}
+STRATEGIES = {"allgather": AllGatherAttention, "ulysses": UlyssesAttention, "ring": RingAttention}
 
 
 def _local_heads(attention: Attention) -> tuple[int, int]:
