@@ -1,9 +1,13 @@
-"""Attention context parallelism ("allgather", "ulysses") against single-process attention.
+"""Attention context parallelism ("allgather", "ulysses", "ring") against single-process attention.
 
-One gloo group per CP size (2 and 4) runs every check: float64 outputs and gradients at
-1e-9 for the bare core and for a full ``Attention`` module with RoPE, dense (B=2) and
-packed rows, the bytes each rank sends against the closed forms below, and the
-``ValueError``s that must come before any collective.
+One gloo group per CP size (2 and 4) runs every check: the bare core against the dense-mask
+reference (``tests/attention_reference.py``) at 1e-10 in float64, outputs and the gradients
+of q, k, v, with small blocks so lengths are not multiples of the block (head_dim 16 and 64,
+GQA ratios 1 to 4, documents of one token per zigzag chunk and documents over every rank); a
+full ``Attention`` module with RoPE at 1e-9; dense (B=2) and packed rows; the bytes each rank
+sends against the closed forms below; no tensor of ``S/cp x S`` elements on the allgather
+path and none of all ``S`` keys on the ring path; and the ``ValueError``s that must come
+before any collective.
 
 Closed-form bytes per rank per attention layer (``e`` bytes per element)::
 
@@ -11,6 +15,8 @@ Closed-form bytes per rank per attention layer (``e`` bytes per element)::
                backward reduce_scatter  (P-1)/P * e * B *  S    * 2*Hkv * Dh
     ulysses    forward  all_to_all      (P-1)/P * e * B * (S/P) * (2*Hq + 2*Hkv') * Dh
                backward all_to_all      the same
+    ring       forward  send_recv       (P-1)   * e * B * (S/P) * 2*Hkv * Dh
+               backward send_recv       (2P-1)  * e * B * (S/P) * 2*Hkv * Dh   (float64: e = e_c)
     with Hkv' = Hkv if P divides Hkv, else the smallest multiple of Hkv that P divides.
 """
 
@@ -22,27 +28,36 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention import Attention, causal_attention
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.comm import CommStats
 from hybridpar.parallel.cp_attention import (
+    STRATEGIES as STRATEGY_CLASSES,
     AllGatherAttention,
+    RingAttention,
     UlyssesAttention,
     apply_attention_cp,
     attention_cp_bytes_per_layer,
 )
 from hybridpar.parallel.inputs import gather_outputs, shard_inputs
+from tests.attention_reference import dense_causal_attention
 from tests.distributed.cp_reference import cu_seqlens, expect_value_error, gather_by_reference, max_err, reference_zigzag, summed
 from tests.distributed.harness import run_ranks
 
 TOL = 1e-9
+CORE_TOL = 1e-10
 HEAD_DIM = 4
+CORE_HEAD_DIMS = (16, 64)
+CORE_KINDS = ("dense", "packed", "packed2")
+SMALL_BLOCKS = dict(block_size=5, keys_per_step=10)  # S/cp and S are never multiples of 5 here
 HIDDEN = 16
-STRATEGIES = ("allgather", "ulysses")
+STRATEGIES = ("allgather", "ulysses", "ring")
 # (Hq, Hkv): no kv replication, kv replication (Hkv < P), and Hkv' = lcm(Hkv, P) in between.
 HEAD_CONFIGS = [(4, 2), (4, 1), (6, 3), (8, 8), (12, 6), (6, 2)]
+WIDE_HEAD_CONFIGS = [(8, 8), (4, 2), (4, 1)]  # GQA ratios 1, 2, 4 also run at head_dim 64
 
 
 # ---------------------------------------------------------------- references written here
@@ -62,6 +77,9 @@ def expected_bytes(strategy: str, cp: int, elem: int, batch: int, seq: int, hq: 
         fwd = (cp - 1) * elem * batch * Fraction(seq, cp) * 2 * hkv * dh
         bwd = Fraction(cp - 1, cp) * elem * batch * seq * 2 * hkv * dh
         return {"forward": {"all_gather": fwd}, "backward": {"reduce_scatter": bwd}}
+    if strategy == "ring":
+        hop = elem * batch * Fraction(seq, cp) * 2 * hkv * dh
+        return {"forward": {"send_recv": (cp - 1) * hop}, "backward": {"send_recv": (2 * cp - 1) * hop}}
     both = Fraction(cp - 1, cp) * elem * batch * Fraction(seq, cp) * (2 * hq + 2 * kv_heads_sent(hkv, cp)) * dh
     return {"forward": {"all_to_all": both}, "backward": {"all_to_all": both}}
 
@@ -70,6 +88,9 @@ def batch_layout(kind: str, cp: int):
     """``(B, doc padded lengths, global PackedSeqParams or None for dense)``."""
     if kind == "dense":
         return 2, [6 * cp], None
+    if kind == "packed2":  # one token per zigzag chunk first (boundaries on every chunk edge), then long ones
+        padded = [2 * cp, 10 * cp, 2 * cp, 4 * cp]
+        return 1, padded, PackedSeqParams.from_cu_seqlens(cu_seqlens(padded))
     padded = [4 * cp, 2 * cp, 6 * cp]  # each a multiple of 2*cp, every document split over all ranks
     real = [4 * cp - 1, 2 * cp, 6 * cp - 3]
     return 1, padded, PackedSeqParams.from_cu_seqlens(cu_seqlens(real), cu_seqlens(padded))
@@ -82,16 +103,16 @@ def bytes_of(stats) -> dict:
 # ---------------------------------------------------------------- checks run on every rank
 
 
-def check_core(group, cp, rank, strategy, hq, hkv, kind) -> list[str]:
-    """The bare core on random q, k, v: outputs, dq/dk/dv and bytes."""
-    torch.manual_seed(1000 * hq + 10 * hkv + len(kind))  # same tensors on every rank
+def check_core(group, cp, rank, strategy, hq, hkv, kind, head_dim) -> list[str]:
+    """The bare core (small blocks) on random q, k, v against the dense mask: outputs, dq/dk/dv, bytes."""
+    torch.manual_seed(1000 * hq + 10 * hkv + len(kind) + head_dim)  # same tensors on every rank
     batch, docs, packed = batch_layout(kind, cp)
     seq = sum(docs)
-    q = torch.randn(batch, seq, hq, HEAD_DIM, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(batch, seq, hkv, HEAD_DIM, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(batch, seq, hkv, HEAD_DIM, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(batch, seq, hq, HEAD_DIM, dtype=torch.float64)
-    out_ref = causal_attention(q, k, v, packed)
+    q = torch.randn(batch, seq, hq, head_dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, seq, hkv, head_dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, seq, hkv, head_dim, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(batch, seq, hq, head_dim, dtype=torch.float64)
+    out_ref = dense_causal_attention(q, k, v, packed)
     (out_ref * weight).sum().backward()
     grads_ref = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
@@ -101,7 +122,7 @@ def check_core(group, cp, rank, strategy, hq, hkv, kind) -> list[str]:
     idx = reference_zigzag(docs, cp, rank)
     assert sharded.packed.cp.local_indices.tolist() == idx
     q_local, k_local, v_local = sharded.inputs_embeds, k[:, idx], v[:, idx]
-    core = (AllGatherAttention if strategy == "allgather" else UlyssesAttention)(group)
+    core = STRATEGY_CLASSES[strategy](group, **SMALL_BLOCKS)
     with CommStats() as fwd:
         out_local = core(q_local, k_local, v_local, sharded.packed)
     loss = (out_local * weight[:, idx]).sum()
@@ -109,15 +130,15 @@ def check_core(group, cp, rank, strategy, hq, hkv, kind) -> list[str]:
         loss.backward()
 
     failures = []
-    where = f"core {strategy} cp={cp} {kind} Hq={hq} Hkv={hkv}"
+    where = f"core {strategy} cp={cp} {kind} Hq={hq} Hkv={hkv} Dh={head_dim}"
     out = gather_by_reference(out_local.detach(), docs, cp, group)
-    if max_err(out, out_ref) > TOL:
+    if max_err(out, out_ref) > CORE_TOL:
         failures.append(f"{where}: output differs by {max_err(out, out_ref):.3g}")
     for name, t, g_ref in zip("qkv", (q, k, v), grads_ref):
         err = max_err(summed(t.grad, group), g_ref)
-        if err > TOL:
+        if err > CORE_TOL:
             failures.append(f"{where}: d{name} differs by {err:.3g}")
-    expected = expected_bytes(strategy, cp, 8, batch, seq, hq, hkv, HEAD_DIM)
+    expected = expected_bytes(strategy, cp, 8, batch, seq, hq, hkv, head_dim)
     for phase, stats in (("forward", fwd), ("backward", bwd)):
         if bytes_of(stats) != expected[phase]:
             failures.append(f"{where}: {phase} bytes {bytes_of(stats)} != closed form {expected[phase]}")
@@ -172,7 +193,7 @@ def check_hybrid_lm(group, cp, rank, strategy) -> list[str]:
     parallel = apply_attention_cp(copy.deepcopy(reference), group, strategy)
     cores = [m.core for m in parallel.modules() if isinstance(m, Attention)]
     failures = []
-    expected_type = AllGatherAttention if strategy == "allgather" else UlyssesAttention
+    expected_type = STRATEGY_CLASSES[strategy]
     if len(cores) != 2 or not all(isinstance(c, expected_type) for c in cores):
         failures.append(f"hybrid {strategy}: cores installed {cores}")
     _, docs, packed = batch_layout("packed", cp)
@@ -188,6 +209,49 @@ def check_hybrid_lm(group, cp, rank, strategy) -> list[str]:
         if max_err(summed(p.grad, group), p_ref.grad) > TOL:
             failures.append(f"hybrid {strategy} cp={cp}: grad of {name} differs")
     return failures
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns (collectives included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def check_memory(group, cp, rank, strategy) -> list[str]:
+    """A packed row: no op output and no saved tensor has S/cp * S elements (allgather), and none
+    holds the keys of all S tokens (ring: S * 2*Hkv*Dh elements)."""
+    docs = [16 * cp, 2 * cp, 78 * cp]  # S = 96 cp: every legitimate tensor is far below S/cp * S
+    seq = sum(docs)
+    packed = PackedSeqParams.from_cu_seqlens(cu_seqlens(docs))
+    torch.manual_seed(5)
+    q = torch.randn(1, seq, 2, 4, dtype=torch.float64)
+    kv = torch.randn(1, seq, 1, 4, dtype=torch.float64)
+    sharded = shard_inputs(inputs_embeds=q, packed=packed, cp_group=group)
+    idx = sharded.packed.cp.local_indices
+    q_local, k_local = sharded.inputs_embeds.requires_grad_(), kv[:, idx].requires_grad_()
+    saved = []
+
+    def keep(t):
+        saved.append(t.numel())
+        return t
+
+    core = STRATEGY_CLASSES[strategy](group, block_size=16, keys_per_step=32)
+    with LargestTensor() as tracker, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        core(q_local, k_local, k_local, sharded.packed).sum().backward()
+    limit = (seq // cp) * seq if strategy == "allgather" else seq * 2 * 1 * 4
+    if not 0 < tracker.largest < limit or max(saved) >= limit:
+        return [f"cp={cp} {strategy} memory: largest op output {tracker.largest}, largest saved {max(saved)}, "
+                f"limit {limit}"]
+    return []
 
 
 def check_errors_before_collectives(group, cp, rank) -> list[str]:
@@ -219,7 +283,10 @@ def check_errors_before_collectives(group, cp, rank) -> list[str]:
                     packed=PackedSeqParams.from_cu_seqlens(torch.tensor([0, 2 * cp, 4 * cp + 2]))),
                 str(2 * cp + 2), f"2*cp = {2 * cp}"),
         }
-        for strategy, cls in (("allgather", AllGatherAttention), ("ulysses", UlyssesAttention)):
+        for strategy, cls in STRATEGY_CLASSES.items():
+            cases[f"{strategy} core, block size 0"] = (lambda cls=cls: cls(group, block_size=0), "block_size", "0")
+            cases[f"{strategy} core, wrong q/k shapes"] = (
+                lambda cls=cls: cls(group)(q_ok, k_ok[:, :-1], k_ok[:, :-1], local), str(tuple(q_ok.shape)))
             cases[f"{strategy} core, packed without CP layout"] = (
                 lambda cls=cls: cls(group)(q_ok, k_ok, k_ok, packed), "packed.cp is None")
             cases[f"{strategy} core, layout of another rank"] = (
@@ -241,12 +308,16 @@ def run_all_checks(rank, world_size) -> list[str]:
     cp = world_size
     group = dist.new_group(list(range(world_size)))  # an explicit group, not the default one
     failures = check_errors_before_collectives(group, cp, rank)
+    failures += check_memory(group, cp, rank, "allgather") + check_memory(group, cp, rank, "ring")
     for strategy in STRATEGIES:
         for hq, hkv in HEAD_CONFIGS:
             if strategy == "ulysses" and hq % cp:
                 continue
-            for kind in ("dense", "packed"):
-                failures += check_core(group, cp, rank, strategy, hq, hkv, kind)
+            for kind in CORE_KINDS:
+                for head_dim in CORE_HEAD_DIMS:
+                    if head_dim == CORE_HEAD_DIMS[-1] and (hq, hkv) not in WIDE_HEAD_CONFIGS:
+                        continue
+                    failures += check_core(group, cp, rank, strategy, hq, hkv, kind, head_dim)
         for hq, hkv in ((4, 2), (4, 1)):
             for kind in ("dense", "packed"):
                 failures += check_module(group, cp, rank, strategy, hq, hkv, kind)
@@ -265,11 +336,11 @@ def test_cp_attention_matches_single_process(cp):
 
 
 def test_unknown_strategy_names_the_choices():
-    with pytest.raises(ValueError, match=r"'ring'.*\['allgather', 'ulysses'\]"):
-        apply_attention_cp(Attention(HIDDEN, 4, 2, HEAD_DIM), None, "ring")
+    with pytest.raises(ValueError, match=r"'stripe'.*\['allgather', 'ring', 'ulysses'\]"):
+        apply_attention_cp(Attention(HIDDEN, 4, 2, HEAD_DIM), None, "stripe")
 
 
-@pytest.mark.parametrize("cls", [AllGatherAttention, UlyssesAttention])
+@pytest.mark.parametrize("cls", [AllGatherAttention, UlyssesAttention, RingAttention])
 def test_group_of_one_is_the_single_process_core(cls):
     torch.manual_seed(0)
     q = torch.randn(1, 12, 4, HEAD_DIM, dtype=torch.float64)

@@ -18,7 +18,7 @@ token count; without ``seq_lens`` each row is one document right-padded with the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,6 +74,8 @@ class PackedSeqParams:
     - ``position_ids`` int64 ``[1, T_local]``: position of each such token in its document.
     - ``qkv_format``: ``"thd"`` for a packed ``[1, T]`` row, ``"bshd"`` for dense rows.
     - ``cp``: this rank's place in the global sequence under context parallelism.
+    - ``cache``: index tensors layers derive from this batch once and share (e.g. the
+      attention block plan); not an argument, and a fresh one on every copy.
     """
 
     cu_seqlens: Tensor
@@ -83,6 +85,7 @@ class PackedSeqParams:
     position_ids: Tensor
     qkv_format: str = "thd"
     cp: ContextParallelLayout | None = None
+    cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def total_tokens(self) -> int:

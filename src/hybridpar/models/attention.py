@@ -1,16 +1,23 @@
-"""Grouped-query causal attention with RoPE and document masks for packed input.
+"""Grouped-query causal attention with RoPE; packed rows attend within their documents.
 
 The token-mixing core (``Attention.core``) is the seam context parallelism replaces:
 it takes ``q [B, S, Hq, Dh]``, ``k, v [B, S, Hkv, Dh]`` after RoPE and the batch's
 ``PackedSeqParams`` and returns ``[B, S, Hq, Dh]``. Head counts are read from the
-tensors, so a tensor-parallel shard of the projections needs no change here.
+tensors, so a tensor-parallel shard of the projections needs no change here. The
+single-process core is ``attention_kernels.attention_core`` on the row's positions and
+document ids: blockwise with an online softmax (``flash.py``), never an ``[S, S]`` mask.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from hybridpar.models.attention_kernels import attention_core
+from hybridpar.models.attention_layout import AttentionLayout, cached
+from hybridpar.models.flash import check_qkv
 
 
 def rotary_cos_sin(position_ids: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -32,44 +39,41 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x_rot, x_pass], dim=-1)
 
 
-def document_causal_mask(q_index: Tensor, q_doc: Tensor, k_index: Tensor, k_doc: Tensor) -> Tensor:
-    """Boolean ``[Tq, Tk]`` mask: key visible iff same document and not after the query.
+def sequence_layout(packed, seq_len: int, device: torch.device) -> AttentionLayout:
+    """Positions and documents of a row in sequence order (one process, or ulysses after its exchange).
 
-    Indices are global token positions and docs are document ids, so the mask is right
-    for any token order (context-parallel ranks hold tokens out of order).
+    Packed: documents from ``packed.seq_idx``, cached on ``packed`` so every layer of a step
+    shares the layout and its block plan. Dense (``packed=None``): one document of ``seq_len``
+    tokens, cached per process by ``(seq_len, device)``.
     """
-    same_doc = q_doc[:, None] == k_doc[None, :]
-    not_future = k_index[None, :] <= q_index[:, None]
-    return same_doc & not_future
+    if packed is None:
+        if torch.compiler.is_compiling():
+            return _dense_layout.__wrapped__(seq_len, device)
+        return _dense_layout(seq_len, device)
+    if packed.seq_idx.shape[-1] != seq_len:
+        raise ValueError(
+            f"attention got {seq_len} tokens per row but packed params describe {packed.seq_idx.shape[-1]} "
+            "(seq_idx); pass the PackedSeqParams built for this batch (on a context-parallel rank: the one "
+            "shard_inputs returned)."
+        )
+    return cached(packed.cache, ("attention.sequence", str(device)), lambda: AttentionLayout.sequence(
+        packed.seq_idx[0].to(device), packed.cu_seqlens_padded.to(device), packed.max_seqlen))
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-    """Softmax attention, ``q [B, Sq, Hq, Dh]``, ``k, v [B, Sk, Hkv, Dh]`` -> ``[B, Sq, Hq, Dh]``.
-
-    KV heads are repeated to the query heads (GQA); ``mask`` is boolean, broadcastable to
-    ``[B, Hq, Sq, Sk]`` (True = attend).
-    """
-    num_heads, num_kv_heads = q.shape[2], k.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads {num_heads} are not a multiple of kv heads {num_kv_heads}.")
-    repeat = num_heads // num_kv_heads
-    if repeat > 1:
-        k = k.repeat_interleave(repeat, dim=2)
-        v = v.repeat_interleave(repeat, dim=2)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal
-    )  # [B, Hq, Sq, Dh]
-    return out.transpose(1, 2)
+@functools.lru_cache(maxsize=8)
+def _dense_layout(seq_len: int, device: torch.device) -> AttentionLayout:
+    doc = torch.zeros(seq_len, dtype=torch.int32, device=device)
+    return AttentionLayout.sequence(doc, torch.tensor([0, seq_len], dtype=torch.int32, device=device), seq_len)
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, packed=None) -> Tensor:
-    """The single-process core: causal attention, restricted to each document when packed."""
-    if packed is None:
-        return attend(q, k, v, is_causal=True)
-    seq_idx = packed.seq_idx[0]  # [S]; tokens are in sequence order on one process
-    index = torch.arange(seq_idx.numel(), device=q.device)
-    mask = document_causal_mask(index, seq_idx, index, seq_idx)
-    return attend(q, k, v, mask=mask)
+    """The single-process core: causal attention, restricted to each document when packed.
+
+    ``q [B, S, Hq, Dh]``, ``k, v [B, S, Hkv, Dh]`` -> ``[B, S, Hq, Dh]`` through
+    ``attention_core`` (blockwise on CPU, fused kernels on CUDA); nothing of size ``[S, S]``.
+    """
+    check_qkv(q, k, v, "causal_attention")
+    return attention_core(q, k, v, sequence_layout(packed, q.shape[1], q.device))
 
 
 class Attention(nn.Module):

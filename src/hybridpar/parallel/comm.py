@@ -16,6 +16,8 @@ P is the group size, r this rank's index in the group.
     sp_scatter(x, group, dim)       keep block r, no communication   backward: all_gather
     sp_gather(x, group, dim, grad)  all_gather                       backward: keep block r
                                                                      or reduce_scatter
+    ring_shift(x, group)            send x to rank r+1, receive      no autograd (the caller
+                                    rank r-1's x (async: .wait())    owns its backward)
 
 Gradient conventions. seq_to_hidden/hidden_to_seq are permutations, so each one's backward is
 the other. all_gather/reduce_scatter are exact adjoints of each other when every rank's
@@ -32,6 +34,7 @@ them on the wire, with n = bytes of this rank's input buffer:
     all_gather       (P-1) * n       its shard reaches the P-1 other ranks (ring: P-1 steps of n)
     reduce_scatter   (P-1)/P * n     ring: P-1 steps of n/P
     all_reduce       2(P-1)/P * n    ring reduce-scatter + all-gather (integer division)
+    send_recv        n               ring_shift: one neighbour gets the whole buffer
 
 Collectives that run in a backward pass are counted under the op that actually runs. With
 P = 1 nothing is sent; the call is still counted (0 bytes).
@@ -50,6 +53,7 @@ __all__ = [
     "all_reduce",
     "hidden_to_seq",
     "reduce_scatter",
+    "ring_shift",
     "seq_to_hidden",
     "sp_gather",
     "sp_scatter",
@@ -407,3 +411,37 @@ def sp_gather(x: torch.Tensor, group, dim: int, grad: str = "split") -> torch.Te
         raise ValueError(f"sp_gather: grad={grad!r}; use 'split' or 'reduce_scatter'")
     dim = _dim(dim, x.ndim, "sp_gather", "dim")
     return _AllGather.apply(x, group, size, rank, dim, grad)
+
+
+class RingShift:
+    """A started ``ring_shift``: ``wait()`` returns the tensor received from rank r-1."""
+
+    def __init__(self, sent: torch.Tensor, received: torch.Tensor, works: list):
+        self._sent, self._received, self._works = sent, received, works  # buffers live until wait()
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        return self._received
+
+
+def ring_shift(x: torch.Tensor, group, tag: int = 0) -> RingShift:
+    """Start sending ``x`` to rank ``(r+1) % P`` and receiving rank ``(r-1) % P``'s ``x`` (same shape).
+
+    Raw point-to-point (``batch_isend_irecv``), no autograd: callers (ring attention) run their
+    own backward. Shifts in flight at the same time need distinct ``tag``s. With P = 1 the
+    "received" tensor is ``x`` itself.
+    """
+    size, rank = _group_size(group, "ring_shift")
+    if _ACTIVE_STATS:
+        _record("send_recv", _nbytes(x) if size > 1 else 0)
+    if size == 1:
+        return RingShift(x, x, [])
+    send = x.contiguous()
+    received = torch.empty_like(send)
+    peer = lambda r: dist.get_global_rank(group, r % size)  # noqa: E731 - group rank -> global rank
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, send, peer(rank + 1), group, tag),
+        dist.P2POp(dist.irecv, received, peer(rank - 1), group, tag),
+    ])
+    return RingShift(send, received, works)

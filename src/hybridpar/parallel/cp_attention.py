@@ -1,4 +1,4 @@
-"""Context-parallel attention: two strategies for the ``Attention.core`` seam.
+"""Context-parallel attention: strategies for the ``Attention.core`` seam.
 
 Each rank holds ``S/P`` tokens of every row (``P`` = CP size, zigzag order, see
 ``zigzag.py``) and calls ``core(q, k, v, packed)`` with ``q [B, S/P, Hq, Dh]``,
@@ -6,25 +6,37 @@ Each rank holds ``S/P`` tokens of every row (``P`` = CP size, zigzag order, see
 strategy owns no parameters, so gradients land on the model's own projections.
 
 The single-process core computes, for every query token ``i``,
-``out_i = sum_j softmax_j(q_i . k_j / sqrt(Dh) | M_ij) v_j`` with the mask
+``out_i = sum_j softmax_j(q_i . k_j / sqrt(Dh) | M_ij) v_j`` with the visibility
 ``M_ij = [doc(j) == doc(i)] and [j <= i]`` over global indices ``i, j``. Both strategies
-compute exactly this; they differ in what travels.
+compute exactly this with the blockwise core (``models/attention_kernels.attention_core``,
+which never builds ``M``: it skips key blocks no query of a block can see and applies the
+rule token by token only on the blocks that need it); they differ in what travels.
 
 ``"allgather"`` (``AllGatherAttention``): all-gather ``K, V`` so every rank has all ``S``
-keys, in rank-major gathered order. Rank ``r`` attends its ``S/P`` queries to them with
-``M`` built from global indices (``cp.local_indices`` for queries, ``cp.gathered_indices``
-for keys) and document ids, so the token order never matters. The all-gather's backward
-reduce-scatters ``dK, dV`` back to their owners.
+keys, in rank-major gathered order, and put them in sequence order
+(``cp.gathered_to_sequence``; a local ``index_select``, so key blocks hold consecutive
+positions and skip well). Rank ``r`` attends its ``S/P`` queries (global positions
+``cp.local_indices``, documents ``seq_idx``) to them (positions ``0..S-1``, documents
+``cp.global_seq_idx``), so the token order of the queries never matters. In backward the
+``index_select`` scatters ``dK, dV`` back to gathered order and the all-gather's backward
+reduce-scatters them to their owners.
 
 ``"ulysses"`` (``UlyssesAttention``): one all-to-all turns sequence-sharded
 ``[B, S/P, H*Dh]`` into head-sharded ``[B, S, H/P*Dh]`` for ``q``, ``k`` and ``v`` at once;
 ``cp.gathered_to_sequence`` puts the gathered tokens in sequence order, the rank runs the
-single-process document-causal attention on its ``Hq/P`` query heads over the whole
-sequence, the result goes back to gathered order and a second all-to-all returns
+single-process document-causal core on its ``Hq/P`` query heads over the whole
+sequence (sequence order: on CUDA the varlen kernel applies), the result goes back to
+gathered order and a second all-to-all returns
 ``[B, S/P, Hq*Dh]``. Needs ``Hq % P == 0``. KV heads travel as ``Hkv' = lcm(Hkv, P)``
 heads (each repeated ``Hkv'/Hkv`` times; ``Hkv' = Hkv`` when ``P`` divides ``Hkv``), so that
 rank ``r`` receives kv heads ``[r Hkv'/P, (r+1) Hkv'/P)`` and its query head ``h`` uses
 local kv head ``(h - r Hq/P) // (Hq/Hkv')``, i.e. original kv head ``h // (Hq/Hkv)``.
+
+``"ring"`` (``cp_ring.RingAttention``): K, V travel around the group point to point and
+partial results merge by their logsumexp; the math and its bytes are in ``cp_ring.py``.
+
+No tensor of ``[S/P, S]`` or ``[S, S]`` elements exists on any path: the largest
+working tensor is one step of scores, ``B * Hq * block_size * keys_per_step``.
 
 Bytes each rank sends per attention layer (``e`` bytes per element, counted as
 ``comm.CommStats`` does: all-gather ``(P-1)`` x shard, reduce-scatter and all-to-all
@@ -51,12 +63,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.attention import Attention, attend, causal_attention, document_causal_mask
+from hybridpar.models.attention import Attention
+from hybridpar.models.attention_kernels import attention_core
+from hybridpar.models.attention_layout import AttentionLayout, cached
 from hybridpar.parallel.comm import all_gather, hidden_to_seq, seq_to_hidden
-from hybridpar.parallel.cp_core import ContextParallelCore
+from hybridpar.parallel.cp_attention_base import AttentionStrategy, global_sequence_layout
+from hybridpar.parallel.cp_ring import RingAttention
 
 __all__ = [
     "AllGatherAttention",
+    "RingAttention",
     "UlyssesAttention",
     "STRATEGIES",
     "apply_attention_cp",
@@ -74,7 +90,8 @@ def attention_cp_bytes_per_layer(
     strategy: str, batch: int, seq_len: int, cp: int, num_heads: int, num_kv_heads: int, head_dim: int,
     element_size: int,
 ) -> float:
-    """Bytes one rank sends per attention layer in the forward pass (the backward sends as many)."""
+    """Bytes one rank sends per attention layer in the forward pass (allgather, ulysses: the backward
+    sends as many; ring: see ``cp_ring.py``)."""
     if cp == 1:
         return 0.0
     if strategy == "allgather":
@@ -82,60 +99,36 @@ def attention_cp_bytes_per_layer(
     if strategy == "ulysses":
         width = 2 * num_heads + 2 * ulysses_kv_heads(num_kv_heads, cp)
         return (cp - 1) / cp * element_size * batch * (seq_len / cp) * width * head_dim
-    raise ValueError(f"unknown attention context-parallel strategy {strategy!r}; choose one of ['allgather', 'ulysses'].")
+    if strategy == "ring":  # the forward equals allgather's; its backward sends K, V and dK, dV (cp_ring.py)
+        return (cp - 1) * element_size * batch * (seq_len / cp) * 2 * num_kv_heads * head_dim
+    raise ValueError(f"unknown attention context-parallel strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
 
 
-class _AttentionCore(ContextParallelCore):
-    """Common part of the attention strategies: head and shape checks."""
-
-    def validate_heads(self, num_heads: int, num_kv_heads: int) -> None:
-        """Raise ``ValueError`` if this strategy cannot run these (rank-local) head counts."""
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"query heads {num_heads} must be a positive multiple of kv heads {num_kv_heads} (grouped-query attention)."
-            )
-
-    def _check_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-            raise ValueError(
-                f"{self.name} attention expects q [B, S/cp, Hq, Dh] and k, v [B, S/cp, Hkv, Dh], got q "
-                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}."
-            )
-        self.validate_heads(q.shape[2], k.shape[2])
-
-    def _layout_or_none(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None):
-        """Checked inputs and this rank's layout; None on a group of one (single-process attention)."""
-        self._check_qkv(q, k, v)
-        if self.cp_size > 1:
-            return self.checked_layout(packed, q.shape[1])
-        if packed is not None and packed.cp is not None:
-            self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
-        return None
-
-
-class AllGatherAttention(_AttentionCore):
-    """All-gather K, V over CP; local queries attend to all keys under a global-index mask."""
+class AllGatherAttention(AttentionStrategy):
+    """All-gather K, V over CP; local queries attend to all keys by global positions and documents."""
 
     name = "allgather"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
-            return causal_attention(q, k, v, packed)
+            return self._single_process(q, k, v, packed)
         num_kv_heads = k.shape[2]
+        device = q.device
         kv = torch.cat([k, v], dim=2)  # 2 x [B, S/P, Hkv, Dh] -> [B, S/P, 2*Hkv, Dh]
         kv = all_gather(kv, self.cp_group, 1)  # [B, S/P, 2*Hkv, Dh] -> [B, S, 2*Hkv, Dh], gathered order
-        k_all, v_all = kv.split(num_kv_heads, dim=2)  # 2 x [B, S, Hkv, Dh]
-        device = q.device
-        key_index = layout.gathered_indices.to(device)  # [S] global index of each gathered key
-        key_doc = layout.global_seq_idx[0].to(device).index_select(0, key_index)  # [S]
-        mask = document_causal_mask(
-            layout.local_indices.to(device), packed.seq_idx[0].to(device), key_index, key_doc
-        )  # [S/P, S]
-        return attend(q, k_all, v_all, mask=mask)  # [B, S/P, Hq, Dh]
+        to_sequence = layout.gathered_to_sequence.to(device)  # [S]
+        k_all, v_all = (x.index_select(1, to_sequence) for x in kv.split(num_kv_heads, dim=2))  # [B, S, Hkv, Dh]
+
+        def build() -> AttentionLayout:
+            keys = global_sequence_layout(packed, layout, device)
+            return AttentionLayout(layout.local_indices.to(device), packed.seq_idx[0].to(device), keys.k_pos, keys.k_doc)
+
+        attention_layout = cached(packed.cache, ("attention.allgather", str(device)), build)
+        return attention_core(q, k_all, v_all, attention_layout, **self.core_options)  # [B, S/P, Hq, Dh]
 
 
-class UlyssesAttention(_AttentionCore):
+class UlyssesAttention(AttentionStrategy):
     """All-to-all sequence -> heads, full-sequence attention on Hq/P heads, all-to-all back."""
 
     name = "ulysses"
@@ -153,7 +146,7 @@ class UlyssesAttention(_AttentionCore):
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
-            return causal_attention(q, k, v, packed)
+            return self._single_process(q, k, v, packed)
         batch, local_len, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[2]
         kv_heads = ulysses_kv_heads(num_kv_heads, self.cp_size)
@@ -169,18 +162,13 @@ class UlyssesAttention(_AttentionCore):
         q_h, k_h, v_h = (
             x.index_select(1, to_sequence).view(batch, seq_len, -1, head_dim) for x in (q_h, k_h, v_h)
         )  # [B, S, H/P, Dh], sequence order
-        doc = layout.global_seq_idx[0].to(device)  # [S]
-        if int(packed.cu_seqlens_padded.numel()) == 2:  # one document per row: plain causal
-            out = attend(q_h, k_h, v_h, is_causal=True)
-        else:
-            index = torch.arange(seq_len, device=device)
-            out = attend(q_h, k_h, v_h, mask=document_causal_mask(index, doc, index, doc))  # [B, S, Hq/P, Dh]
+        out = attention_core(q_h, k_h, v_h, global_sequence_layout(packed, layout, device), **self.core_options)
         out = out.reshape(batch, seq_len, -1).index_select(1, to_gathered)  # [B, S, Hq/P*Dh], gathered order
         (out,) = hidden_to_seq([out], self.cp_group, seq_dim=1, hidden_dim=-1)  # -> [B, S/P, Hq*Dh]
         return out.view(batch, local_len, num_heads, head_dim)
 
 
-STRATEGIES = {"allgather": AllGatherAttention, "ulysses": UlyssesAttention}
+STRATEGIES = {"allgather": AllGatherAttention, "ulysses": UlyssesAttention, "ring": RingAttention}
 
 
 def _local_heads(attention: Attention) -> tuple[int, int]:
