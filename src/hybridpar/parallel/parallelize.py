@@ -5,6 +5,7 @@
     -> tensor / sequence parallel           (tp > 1)            tp_hybrid / tp plans
     -> context parallel                     (cp > 1)            cp_attention, cp_mamba
     -> activation checkpointing per block   (optional)
+    -> torch.compile per block              (optional)          torchtitan's order: after AC, before FSDP
     -> FSDP2 over dp_shard x cp, HSDP with dp_replicate          fsdp
 
 FSDP runs whenever a rank shares parameters with another rank that sees different tokens
@@ -12,10 +13,16 @@ FSDP runs whenever a rank shares parameters with another rank that sees differen
 and FSDP sums them (divide factor 1; the loss divides by the global token count). So after
 ``loss.backward()`` every configuration holds fully reduced gradients. TP ranks see the same
 tokens and need no data-parallel reduction.
+
+Compile: each block is compiled in place (``Module.compile``: parameter names do not change)
+with the TP hooks, the CP core calls and the ``PackedSeqParams`` reads inside the graph and
+FSDP's hooks outside it. Checks that need a host sync run once per batch, before the model
+(``PackedSeqParams``, ``shard_inputs``), so a block compiles without graph breaks.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -27,11 +34,13 @@ from hybridpar.models.mamba2 import Mamba2Mixer
 from hybridpar.parallel import cp_attention as attention_cp
 from hybridpar.parallel import cp_mamba as mamba_cp
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
-from hybridpar.parallel.fsdp import apply_fsdp
+from hybridpar.parallel.fsdp import apply_fsdp, check_reshard_after_forward
 from hybridpar.parallel.tp import apply_tp, get_tp_plan
 from hybridpar.parallel.tp_hybrid import split_mamba_mixers, validate_hybrid_tp
 
-__all__ = ["parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "needs_fsdp"]
+__all__ = [
+    "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile", "needs_fsdp",
+]
 
 _BLOCK_CONTAINERS = ("model.layers", "backbone.layers", "layers")
 
@@ -67,7 +76,7 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
 
 def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_strategy: str = "allgather",
                          cp_mamba_strategy: str = "a2a", sequence_parallel: bool = False, mixed_precision=None,
-                         tp_plan=None) -> None:
+                         tp_plan=None, reshard_after_forward: bool | int = True, compile=False) -> None:
     """Every rule ``parallelize`` needs that can be checked without a mesh; raises ``ValueError``."""
     if not isinstance(dims, ParallelDims):
         raise ValueError(f"dims must be a ParallelDims, got {type(dims).__name__}; e.g. ParallelDims(cp=2, tp=2).")
@@ -87,6 +96,13 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         if not (mixed_precision == "bf16" or isinstance(mixed_precision, MixedPrecisionPolicy)):
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
                              "torch MixedPrecisionPolicy.")
+    if not isinstance(reshard_after_forward, bool) and not needs_fsdp(dims):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} sets FSDP's resharding group, but {dims} does "
+                         "not use FSDP; leave it true or false.")
+    check_reshard_after_forward(reshard_after_forward, dims.size("dp_shard_cp"))
+    if compile:
+        _compile_options(compile)
+        _blocks(model, "compile", "Set compile=False.")
     if dims.tp > 1 or tp_plan is not None:
         resolved = get_tp_plan(model, tp_plan, sequence_parallel and dims.tp > 1)  # unknown names raise here
         if dims.tp > 1 and resolved.entry is not None and resolved.entry.validate is not None:
@@ -102,20 +118,50 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Wrap every block (``model.layers`` / ``backbone.layers`` / ``layers``) in a non-reentrant
-    checkpoint: activations inside a block are recomputed in backward (exactly: no randomness)."""
+def _blocks(model: nn.Module, what: str, fix: str) -> nn.ModuleList | nn.Sequential:
+    """The module list of blocks: ``model.layers`` / ``backbone.layers`` / ``layers``."""
     for path in _BLOCK_CONTAINERS:
         try:
             layers = model.get_submodule(path)
         except AttributeError:
             continue
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            for index, block in enumerate(layers):
-                layers[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            return model
+            return layers
     raise ValueError(f"{type(model).__name__} has none of {list(_BLOCK_CONTAINERS)} as a module list of blocks; "
-                     "activation checkpointing wraps those. Set activation_checkpointing=False.")
+                     f"{what} works on those. {fix}")
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Wrap every block (``model.layers`` / ``backbone.layers`` / ``layers``) in a non-reentrant
+    checkpoint: activations inside a block are recomputed in backward (exactly: no randomness)."""
+    layers = _blocks(model, "activation checkpointing", "Set activation_checkpointing=False.")
+    for index, block in enumerate(layers):
+        layers[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return model
+
+
+def _compile_options(compile) -> dict:
+    """``torch.compile`` options of ``parallelize``'s ``compile``: True, a backend name or a dict."""
+    options = {"backend": compile} if isinstance(compile, str) else compile if isinstance(compile, dict) else {}
+    if not isinstance(compile, (bool, str, dict)):
+        raise ValueError(f"compile={compile!r} must be a bool, a torch.compile backend name or a dict of "
+                         "torch.compile options, e.g. {'backend': 'aot_eager'}.")
+    backend = options.get("backend", "inductor")
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if isinstance(backend, str) and backend not in known:
+        raise ValueError(f"compile backend {backend!r} is unknown; use one of {sorted(known)} (true means 'inductor').")
+    return options
+
+
+def apply_compile(model: nn.Module, **options) -> nn.Module:
+    """``torch.compile`` every block in place (``Module.compile(**options)``, e.g. ``backend="aot_eager"``).
+
+    One graph per block kind (blocks of a kind share it), forward and backward (AOT
+    autograd). Apply after TP, CP and activation checkpointing, before FSDP.
+    """
+    for block in _blocks(model, "compile", "Set compile=False."):
+        block.compile(**options)
+    return model
 
 
 def parallelize(
@@ -127,7 +173,9 @@ def parallelize(
     cp_mamba: str = "a2a",
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
+    compile: bool | str | dict = False,
     mixed_precision=None,
+    reshard_after_forward: bool | int = True,
     tp_plan=None,
 ) -> nn.Module:
     """Parallelize ``model`` in place over ``dims`` and return it (see the module docstring).
@@ -135,11 +183,14 @@ def parallelize(
     ``mesh``: the root mesh from ``dims.build_mesh()`` (built here when None; needs an
     initialized process group unless every degree is 1). ``tp_plan``: a plan dict, callable
     or registered name (default: the registry entry for the model class). ``mixed_precision``:
-    None, ``"bf16"`` or a ``MixedPrecisionPolicy`` (FSDP's). The mesh is kept on
-    ``model._parallel_mesh`` and the dims on ``model._parallel_dims``.
+    None, ``"bf16"`` or a ``MixedPrecisionPolicy`` (FSDP's). ``compile``: True (inductor), a
+    ``torch.compile`` backend name or a dict of its options (``apply_compile``).
+    ``reshard_after_forward``: FSDP's, for the blocks (``fsdp.check_reshard_after_forward``).
+    The mesh is kept on ``model._parallel_mesh`` and the dims on ``model._parallel_dims``.
     """
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
-                         sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan)
+                         sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,
+                         reshard_after_forward=reshard_after_forward, compile=compile)
     if dims.world_size > 1 or mesh is not None:
         mesh = dims.build_mesh() if mesh is None else mesh
         _check_mesh(mesh, dims)
@@ -153,8 +204,10 @@ def parallelize(
         apply_cp(model, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model, **_compile_options(compile))
     if needs_fsdp(dims):
-        apply_fsdp(model, mesh, dims, mixed_precision=mixed_precision)
+        apply_fsdp(model, mesh, dims, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model._parallel_dims = dims
     model._parallel_mesh = mesh
     return model
