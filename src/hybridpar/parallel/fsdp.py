@@ -8,11 +8,11 @@ global token count, and ``ReduceOp.AVG`` on gloo is silently wrong (pytorch#1623
 Traffic per unit and optimizer step with m micro-batches (S = this rank's padded shard bytes
 of the unit, P = shard size; ``set_micro_batch`` before each micro-batch):
 
-    reshard_after_forward   all-gathers                 reduce-scatters (+ HSDP all-reduce)
-    True  (blocks)          2m  (forward + backward)    1, after the last backward
-    int k                   m over P + m over k         1
-    False                   1   (kept until the last backward)   1
-    the root                m   (never resharded after forward)  1
+    reshard_after_forward   all-gathers                         reduce-scatters (+ HSDP all-reduce)
+    True                    2m (forward + backward); root m     1, after the last backward
+    int k                   m over P + m over k; root m         1
+    False                   1 (every unit, root included,       1
+                            kept gathered to the last backward)
 
 Without ``set_micro_batch`` FSDP reduces after every backward (m reduce-scatters).
 

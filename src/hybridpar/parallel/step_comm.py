@@ -23,7 +23,7 @@ dp_replicate``. Per pack unless marked "per step":
                   2 reduce_scatters bwd (``state_bytes_per_layer``), per layer
     fsdp          per unit u (blocks, root) with S_u = sum over its TP-local parameters of
                   ceil(d0/P_f) * (numel/d0) * e: all_gather (P_f-1) S_u, 2 per pack for blocks
-                  (1 per step with reshard_after_forward=False), 1 per pack for the root;
+                  and 1 for the root (every unit 1 per step with reshard_after_forward=False);
                   reduce_scatter (P_f-1) S_u per step; HSDP all_reduce 2(R-1)/R S_u per step
     clip          per parameter and mesh dim its gradient is sharded on: all_reduce of one norm (e bytes)
 
@@ -291,7 +291,7 @@ def fsdp(s: StepShape) -> Tally:
     for unit, params in unit_parameters(s.model, dims.tp, s.sequence_parallel).items():
         nbytes = _shard_bytes(params, shard, s.element_size)
         if shard > 1:
-            gathers = m if unit == "" else (2 * m if s.reshard_after_forward else 1)
+            gathers = 1 if not s.reshard_after_forward else (m if unit == "" else 2 * m)
             out.add("all_gather", shard_label, _ring("all_gather", shard, nbytes), gathers)
             out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * nbytes))
         if rep > 1:
