@@ -156,10 +156,16 @@ def _compile_options(compile) -> dict:
 def apply_compile(model: nn.Module, **options) -> nn.Module:
     """``torch.compile`` every block in place (``Module.compile(**options)``, e.g. ``backend="aot_eager"``).
 
-    One graph per block kind (blocks of a kind share it), forward and backward (AOT
-    autograd). Apply after TP, CP and activation checkpointing, before FSDP.
+    Blocks of a kind share their graphs (forward and, through AOT autograd, backward); a kind
+    is compiled for training and for evaluation (grad mode), each first for the first batch's
+    sizes and again as sizes turn dynamic, so dynamo's recompile limit (per code object, shared
+    by all blocks) is raised to 8 per kind. Apply after TP, CP and activation checkpointing,
+    before FSDP.
     """
-    for block in _blocks(model, "compile", "Set compile=False."):
+    blocks = _blocks(model, "compile", "Set compile=False.")
+    kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
+    for block in blocks:
         block.compile(**options)
     return model
 
