@@ -53,7 +53,8 @@ def test_compiled_blocks_match_eager_in_float64_without_graph_breaks():
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 3  # one per block kind: Mamba2, attention, MLP
     assert abs(losses["compiled"].item() - losses["eager"].item()) < TOL * abs(losses["eager"].item())
-    grads = {name: {n: p.grad for n, p in model.named_parameters()} for name, model in (("eager", eager), ("compiled", compiled))}
+    grads = {name: {n: p.grad for n, p in model.named_parameters()}
+             for name, model in (("eager", eager), ("compiled", compiled))}
     assert list(grads["compiled"]) == list(grads["eager"])  # compiled in place: parameter names unchanged
     assert _max_error(grads["compiled"], grads["eager"]) < TOL
 

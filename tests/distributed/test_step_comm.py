@@ -127,3 +127,21 @@ def test_tp2_x_cp2_step_uses_every_kind_on_both_dims(measured):
     kinds = set(measured["tp2_cp2", 0]["bytes"])
     assert {("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_reduce", "tp"), ("all_gather", "cp"),
             ("reduce_scatter", "cp"), ("all_to_all", "cp"), ("all_reduce", "cp")} <= kinds, kinds
+
+
+# ------------------------------------------------------------------- in-process (no ranks)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(mlp_gated=True, mlp_bias=True, attention_bias=True, mamba_proj_bias=True,
+                                                use_conv_bias=False, tie_word_embeddings=True)])
+def test_closed_forms_list_every_parameter_of_the_model(overrides):
+    """FSDP's and clipping's closed forms read the parameter list of ``unit_parameters``."""
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.parallel.step_comm import unit_parameters
+    from hybridpar.parallel.tp_hybrid import split_mamba_mixers
+
+    config = HybridConfig.from_preset("tiny", **overrides)
+    model = HybridLM(config)
+    split_mamba_mixers(model)
+    listed = {p.name: p.shape for params in unit_parameters(config).values() for p in params}
+    assert listed == {name: tuple(p.shape) for name, p in model.named_parameters()}

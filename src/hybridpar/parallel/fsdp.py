@@ -35,7 +35,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hybridpar.parallel.dims import ParallelDims
 
-__all__ = ["apply_fsdp", "set_micro_batch", "check_reshard_after_forward", "fsdp_units", "Layout", "parameter_layouts", "MODULE_TP_DIMS"]
+__all__ = [
+    "apply_fsdp", "set_micro_batch", "check_reshard_after_forward", "fsdp_units", "Layout", "parameter_layouts",
+    "MODULE_TP_DIMS",
+]
 
 # Parameter attributes FSDP2 drops when it re-creates parameters; apply_fsdp copies them back.
 _KEPT_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel")

@@ -97,8 +97,8 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
                              "torch MixedPrecisionPolicy.")
     if not isinstance(reshard_after_forward, bool) and not needs_fsdp(dims):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} sets FSDP's resharding group, but {dims} does "
-                         "not use FSDP; leave it true or false.")
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} sets FSDP's resharding group, but {dims} "
+                         "does not use FSDP; leave it true or false.")
     check_reshard_after_forward(reshard_after_forward, dims.size("dp_shard_cp"))
     if compile:
         _compile_options(compile)

@@ -136,13 +136,15 @@ def unit_parameters(config: HybridConfig, tp: int = 1, sequence_parallel: bool =
         params = [ParamShape(f"{prefix}.norm.weight", (d,), False, sp)]
         m = f"{prefix}.mixer"
         if kind == "M":
-            d_inner, heads, gn = config.mamba_intermediate_size, config.mamba_num_heads, config.mamba_n_groups * config.ssm_state_size
+            d_inner, heads = config.mamba_intermediate_size, config.mamba_num_heads
+            gn = config.mamba_n_groups * config.ssm_state_size
             parts = dict(z=d_inner, x=d_inner, B=gn, C=gn, dt=heads)
-            for kind_, sizes in (("weight", parts), ("bias", parts if config.mamba_proj_bias else {})):
-                params += [ParamShape(f"{m}.in_proj.{kind_}_{c}", (n // tp, d) if kind_ == "weight" else (n // tp,), tp > 1)
-                           for c, n in sizes.items()]
+            params += [ParamShape(f"{m}.in_proj.weight_{c}", (n // tp, d), tp > 1) for c, n in parts.items()]
+            if config.mamba_proj_bias:
+                params += [ParamShape(f"{m}.in_proj.bias_{c}", (n // tp,), tp > 1) for c, n in parts.items()]
             conv = dict(x=d_inner, B=gn, C=gn)
-            params += [ParamShape(f"{m}.conv1d.weight_{c}", (n // tp, 1, config.conv_kernel), tp > 1) for c, n in conv.items()]
+            params += [ParamShape(f"{m}.conv1d.weight_{c}", (n // tp, 1, config.conv_kernel), tp > 1)
+                       for c, n in conv.items()]
             if config.use_conv_bias:
                 params += [ParamShape(f"{m}.conv1d.bias_{c}", (n // tp,), tp > 1) for c, n in conv.items()]
             params += [ParamShape(f"{m}.{p}", (heads // tp,), tp > 1) for p in ("dt_bias", "A_log", "D")]
