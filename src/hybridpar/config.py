@@ -53,6 +53,8 @@ class ParallelConfig:
     cp_mamba: str = "a2a"  # a2a | state
     activation_checkpointing: str | bool = "none"  # none | full | selective (true/false: full/none)
     mixed_precision: str | None = None  # None | bf16 (FSDP params in bf16, reduce in fp32)
+    reshard_after_forward: bool | int = True  # FSDP blocks: true | false (gathered all step) | a divisor of dp_shard*cp
+    compile: bool | str = False  # torch.compile each block: true (inductor) | a backend name (e.g. aot_eager)
 
     def __post_init__(self):
         from hybridpar.parallel.checkpointing import POLICIES, checkpointing_policy

@@ -85,15 +85,22 @@ def apply_activation_checkpointing(model: nn.Module, policy: str | bool = "full"
     policy = checkpointing_policy(policy)
     if policy == "none":
         return model
+    layers = model_blocks(model, "activation checkpointing", "Set activation_checkpointing='none'.")
+    for index, block in enumerate(layers):
+        options = {} if policy == "full" else {"context_fn": _SelectivePolicy()}
+        layers[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options)
+    return model
+
+
+def model_blocks(model: nn.Module, what: str, fix: str) -> nn.ModuleList | nn.Sequential:
+    """The module list of blocks (``model.layers`` / ``backbone.layers`` / ``layers``) that ``what``
+    works on; a ``ValueError`` ending in ``fix`` when the model has none."""
     for path in BLOCK_CONTAINERS:
         try:
             layers = model.get_submodule(path)
         except AttributeError:
             continue
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            for index, block in enumerate(layers):
-                options = {} if policy == "full" else {"context_fn": _SelectivePolicy()}
-                layers[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options)
-            return model
+            return layers
     raise ValueError(f"{type(model).__name__} has none of {list(BLOCK_CONTAINERS)} as a module list of blocks; "
-                     "activation checkpointing wraps those. Set activation_checkpointing='none'.")
+                     f"{what} works on those. {fix}")

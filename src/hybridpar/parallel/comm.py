@@ -1,4 +1,4 @@
-"""Autograd-aware collectives on an explicit process group, and a byte counter.
+"""Autograd-aware collectives on an explicit process group (bytes: ``comm_stats.CommStats``).
 
 Every function takes the group it runs on; none reads the default group. Each one checks
 its inputs (dims in range, divisibility by the group size, matching shapes) before any
@@ -27,17 +27,13 @@ tensor after the collective is replicated and every rank back-propagates the sam
 into it (Megatron's TP/SP regions). Use sp_gather(grad="reduce_scatter") when the gathered
 tensor feeds rank-specific work (e.g. a column-parallel linear), so the grads are partial.
 
-CommStats counts the bytes this rank SENDS per collective, as ring/pairwise algorithms put
-them on the wire, with n = bytes of this rank's input buffer:
-
-    all_to_all       (P-1)/P * n     keeps its own 1/P, sends one 1/P to each other rank
-    all_gather       (P-1) * n       its shard reaches the P-1 other ranks (ring: P-1 steps of n)
-    reduce_scatter   (P-1)/P * n     ring: P-1 steps of n/P
-    all_reduce       2(P-1)/P * n    ring reduce-scatter + all-gather (integer division)
-    send_recv        n               ring_shift: one neighbour gets the whole buffer
-
-Collectives that run in a backward pass are counted under the op that actually runs. With
-P = 1 nothing is sent; the call is still counted (0 bytes).
+Byte counting lives in ``comm_stats.CommStats`` (re-exported here): it sees these
+collectives and every other one (DTensor's, FSDP's) at the dispatcher, and counts what this
+rank sends: all_gather ``(P-1) * n``, reduce_scatter and all_to_all ``(P-1)/P * n``,
+all_reduce ``2(P-1)/P * n``, with n the bytes of this rank's input buffer. Collectives that
+run in a backward pass are counted under the op that actually runs; ``ring_shift``'s
+point-to-point sends count as ``send``. With P = 1 no collective
+runs and nothing is counted.
 """
 
 from __future__ import annotations
@@ -46,6 +42,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from hybridpar.parallel.comm_stats import CommStats
 
 __all__ = [
     "CommStats",
@@ -64,54 +62,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-# --- byte counting ---------------------------------------------------------------------
-
-_ACTIVE_STATS: list[CommStats] = []  # every active recorder counts every collective
-
-
-class CommStats:
-    """Context manager recording bytes sent and calls per collective on this rank.
-
-    ``with CommStats() as stats: ...`` then read ``stats.bytes_sent["all_to_all"]`` and
-    ``stats.calls["all_to_all"]`` (ints). Recorders nest; an outer one also counts what
-    inner ones count. With none active, a collective pays one list truth test.
-    """
-
-    def __init__(self) -> None:
-        self.bytes_sent: dict[str, int] = {}
-        self.calls: dict[str, int] = {}
-
-    def __enter__(self) -> CommStats:
-        _ACTIVE_STATS.append(self)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for i in range(len(_ACTIVE_STATS) - 1, -1, -1):
-            if _ACTIVE_STATS[i] is self:
-                del _ACTIVE_STATS[i]
-                break
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_sent.values())
-
-    def record(self, op: str, nbytes: int) -> None:
-        self.bytes_sent[op] = self.bytes_sent.get(op, 0) + nbytes
-        self.calls[op] = self.calls.get(op, 0) + 1
-
-    def __repr__(self) -> str:
-        return f"CommStats(bytes_sent={self.bytes_sent}, calls={self.calls})"
-
-
-def _record(op: str, nbytes: int) -> None:
-    for stats in _ACTIVE_STATS:
-        stats.record(op, nbytes)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
 
 # --- validation (local, before any communication) --------------------------------------
 
@@ -181,8 +131,6 @@ def _check_fused(tensors, size, seq_dim, hidden_dim, split_is_hidden, fn) -> tup
 
 def _exchange(send: torch.Tensor, group, size: int) -> torch.Tensor:
     """all_to_all_single of a [P, n] buffer: row j goes to rank j; row j of the result came from rank j."""
-    if _ACTIVE_STATS:
-        _record("all_to_all", (size - 1) * _nbytes(send) // size)
     if size == 1:
         return send
     recv = torch.empty_like(send)
@@ -218,8 +166,6 @@ def _fused_all_to_all(tensors, group, size: int, split_dim: int, join_dim: int) 
 
 def _gather(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
     """[.., n, ..] -> [.., P*n, ..], rank-major along dim."""
-    if _ACTIVE_STATS:
-        _record("all_gather", (size - 1) * _nbytes(x))
     if size == 1:
         return x.clone()
     front = x.movedim(dim, 0).contiguous()  # [n, ..]
@@ -230,8 +176,6 @@ def _gather(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
 
 def _scatter_sum(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
     """[.., P*n, ..] summed over ranks -> this rank's block [.., n, ..]."""
-    if _ACTIVE_STATS:
-        _record("reduce_scatter", (size - 1) * _nbytes(x) // size)
     if size == 1:
         return x.clone()
     front = x.movedim(dim, 0).contiguous()  # [P*n, ..]
@@ -241,8 +185,6 @@ def _scatter_sum(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
 
 
 def _reduce(x: torch.Tensor, group, size: int, op: str) -> torch.Tensor:
-    if _ACTIVE_STATS:
-        _record("all_reduce", 2 * (size - 1) * _nbytes(x) // size)
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if size > 1:
         dist.all_reduce(out, op=_REDUCE_OPS[op], group=group)
@@ -433,8 +375,6 @@ def ring_shift(x: torch.Tensor, group, tag: int = 0) -> RingShift:
     "received" tensor is ``x`` itself.
     """
     size, rank = _group_size(group, "ring_shift")
-    if _ACTIVE_STATS:
-        _record("send_recv", _nbytes(x) if size > 1 else 0)
     if size == 1:
         return RingShift(x, x, [])
     send = x.contiguous()

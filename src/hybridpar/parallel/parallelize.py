@@ -5,6 +5,7 @@
     -> tensor / sequence parallel           (tp > 1)            tp_hybrid / tp plans
     -> context parallel                     (cp > 1)            cp_attention, cp_mamba
     -> activation checkpointing per block   (none|full|selective) checkpointing
+    -> torch.compile per block              (optional)          torchtitan's order: after AC, before FSDP
     -> FSDP2 over dp_shard x cp, HSDP with dp_replicate          fsdp
 
 FSDP runs whenever a rank shares parameters with another rank that sees different tokens
@@ -12,10 +13,16 @@ FSDP runs whenever a rank shares parameters with another rank that sees differen
 and FSDP sums them (divide factor 1; the loss divides by the global token count). So after
 ``loss.backward()`` every configuration holds fully reduced gradients. TP ranks see the same
 tokens and need no data-parallel reduction.
+
+Compile: each block is compiled in place (``Module.compile``: parameter names do not change)
+with the TP hooks, the CP core calls and the ``PackedSeqParams`` reads inside the graph and
+FSDP's hooks outside it. Checks that need a host sync run once per batch, before the model
+(``PackedSeqParams``, ``shard_inputs``), so a block compiles without graph breaks.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -25,13 +32,15 @@ from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba2 import Mamba2Mixer
 from hybridpar.parallel import cp_attention as attention_cp
 from hybridpar.parallel import cp_mamba as mamba_cp
-from hybridpar.parallel.checkpointing import apply_activation_checkpointing, checkpointing_policy
+from hybridpar.parallel.checkpointing import apply_activation_checkpointing, checkpointing_policy, model_blocks
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
-from hybridpar.parallel.fsdp import apply_fsdp
+from hybridpar.parallel.fsdp import apply_fsdp, check_reshard_after_forward
 from hybridpar.parallel.tp import apply_tp, check_tp_plan, get_tp_plan
 from hybridpar.parallel.tp_hybrid import split_mamba_mixers, validate_hybrid_tp
 
-__all__ = ["parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "needs_fsdp"]
+__all__ = [
+    "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile", "needs_fsdp",
+]
 
 
 def needs_fsdp(dims: ParallelDims) -> bool:
@@ -65,7 +74,8 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
 
 def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_strategy: str = "allgather",
                          cp_mamba_strategy: str = "a2a", sequence_parallel: bool = False, mixed_precision=None,
-                         tp_plan=None, activation_checkpointing: str | bool = "none") -> None:
+                         tp_plan=None, activation_checkpointing: str | bool = "none",
+                         reshard_after_forward: bool | int = True, compile=False) -> None:
     """Every rule ``parallelize`` needs that can be checked without a mesh; raises ``ValueError``."""
     checkpointing_policy(activation_checkpointing)
     if not isinstance(dims, ParallelDims):
@@ -86,6 +96,13 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         if not (mixed_precision == "bf16" or isinstance(mixed_precision, MixedPrecisionPolicy)):
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
                              "torch MixedPrecisionPolicy.")
+    if not isinstance(reshard_after_forward, bool) and not needs_fsdp(dims):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} sets FSDP's resharding group, but {dims} "
+                         "does not use FSDP; leave it true or false.")
+    check_reshard_after_forward(reshard_after_forward, dims.size("dp_shard_cp"))
+    if compile:
+        _compile_options(compile)
+        model_blocks(model, "compile", "Set compile=False.")
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
@@ -101,6 +118,36 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     return model
 
 
+def _compile_options(compile) -> dict:
+    """``torch.compile`` options of ``parallelize``'s ``compile``: True, a backend name or a dict."""
+    options = {"backend": compile} if isinstance(compile, str) else compile if isinstance(compile, dict) else {}
+    if not isinstance(compile, (bool, str, dict)):
+        raise ValueError(f"compile={compile!r} must be a bool, a torch.compile backend name or a dict of "
+                         "torch.compile options, e.g. {'backend': 'aot_eager'}.")
+    backend = options.get("backend", "inductor")
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if isinstance(backend, str) and backend not in known:
+        raise ValueError(f"compile backend {backend!r} is unknown; use one of {sorted(known)} (true means 'inductor').")
+    return options
+
+
+def apply_compile(model: nn.Module, **options) -> nn.Module:
+    """``torch.compile`` every block in place (``Module.compile(**options)``, e.g. ``backend="aot_eager"``).
+
+    Blocks of a kind share their graphs (forward and, through AOT autograd, backward); a kind
+    is compiled for training and for evaluation (grad mode), each first for the first batch's
+    sizes and again as sizes turn dynamic, so dynamo's recompile limit (per code object, shared
+    by all blocks) is raised to 8 per kind. Apply after TP, CP and activation checkpointing,
+    before FSDP.
+    """
+    blocks = model_blocks(model, "compile", "Set compile=False.")
+    kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
+    for block in blocks:
+        block.compile(**options)
+    return model
+
+
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
@@ -110,7 +157,9 @@ def parallelize(
     cp_mamba: str = "a2a",
     sequence_parallel: bool = False,
     activation_checkpointing: str | bool = "none",
+    compile: bool | str | dict = False,
     mixed_precision=None,
+    reshard_after_forward: bool | int = True,
     tp_plan=None,
 ) -> nn.Module:
     """Parallelize ``model`` in place over ``dims`` and return it (see the module docstring).
@@ -119,13 +168,16 @@ def parallelize(
     initialized process group unless every degree is 1). ``tp_plan``: a plan dict, callable
     or registered name (default: the registry entry for the model class).
     ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` (``checkpointing.py``;
-    True/False mean full/none). ``mixed_precision``:
-    None, ``"bf16"`` or a ``MixedPrecisionPolicy`` (FSDP's). The mesh is kept on
-    ``model._parallel_mesh`` and the dims on ``model._parallel_dims``.
+    True/False mean full/none). ``mixed_precision``: None, ``"bf16"`` or a ``MixedPrecisionPolicy``
+    (FSDP's). ``compile``: True (inductor), a ``torch.compile`` backend name or a dict of its
+    options (``apply_compile``). ``reshard_after_forward``: FSDP's, for the blocks
+    (``fsdp.check_reshard_after_forward``). The mesh is kept on ``model._parallel_mesh`` and the
+    dims on ``model._parallel_dims``.
     """
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
                          sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,
-                         activation_checkpointing=activation_checkpointing)
+                         activation_checkpointing=activation_checkpointing,
+                         reshard_after_forward=reshard_after_forward, compile=compile)
     if dims.world_size > 1 or mesh is not None:
         mesh = dims.build_mesh() if mesh is None else mesh
         _check_mesh(mesh, dims)
@@ -138,8 +190,10 @@ def parallelize(
     if dims.cp > 1:
         apply_cp(model, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)
     apply_activation_checkpointing(model, activation_checkpointing)
+    if compile:
+        apply_compile(model, **_compile_options(compile))
     if needs_fsdp(dims):
-        apply_fsdp(model, mesh, dims, mixed_precision=mixed_precision)
+        apply_fsdp(model, mesh, dims, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model._parallel_dims = dims
     model._parallel_mesh = mesh
     return model

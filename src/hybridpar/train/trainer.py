@@ -1,7 +1,8 @@
 """The training loop: packed batches -> shard_inputs -> forward/backward -> AdamW.
 
     for step:
-        packs of this data-parallel rank (one micro-batch each, gradients accumulate)
+        packs of this data-parallel rank (one micro-batch each, gradients accumulate;
+                                          FSDP reduces them once, after the last)
         count valid tokens of the whole step over dp              (one all-reduce)
         per pack: shard over cp (and tp for sequence parallel) -> model(..., labels) -> loss_sum
                   (blockwise LM head + cross entropy, no logits) / global count -> backward
@@ -24,6 +25,7 @@ from hybridpar.data.sources import prediction_counts
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.dims import ParallelDims
+from hybridpar.parallel.fsdp import set_micro_batch
 from hybridpar.parallel.inputs import shard_inputs
 from hybridpar.parallel.parallelize import parallelize, validate_parallelize
 from hybridpar.parallel.state import canonical_state_dict
@@ -95,6 +97,7 @@ class Trainer:
         validate_parallelize(
             model, parallel_dims(config), cp_attention_strategy=p.cp_attention,
             cp_mamba_strategy=p.cp_mamba, sequence_parallel=p.sequence_parallel, mixed_precision=p.mixed_precision,
+            reshard_after_forward=p.reshard_after_forward, compile=p.compile,
         )
         cp = p.cp
         self.train_data = PackStream(config.data, cp, self.vocab_size, config.train.steps)
@@ -107,6 +110,7 @@ class Trainer:
             sequence_parallel=config.parallel.sequence_parallel,
             activation_checkpointing=config.parallel.activation_checkpointing,
             mixed_precision=config.parallel.mixed_precision,
+            reshard_after_forward=config.parallel.reshard_after_forward, compile=config.parallel.compile,
         )
         self.optimizer = build_optimizer(self.model, config.train)
         self.scheduler = build_scheduler(self.optimizer, config.train)
@@ -130,7 +134,8 @@ class Trainer:
         if int(count) == 0:
             raise ValueError(f"step {step} has no labelled token; check data.task and data.pack_size.")
         loss_total = torch.zeros((), dtype=torch.float64)
-        for pack in packs:
+        for index, pack in enumerate(packs):
+            set_micro_batch(self.model, index, len(packs))  # FSDP reduces gradients once, after the last pack
             loss_sum, _, _ = self.forward_loss_sum(pack)
             (loss_sum / count).backward()
             loss_total += loss_sum.detach().double()

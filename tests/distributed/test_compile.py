@@ -1,0 +1,128 @@
+"""``parallel.compile``: each block compiled, no graph break, float64 results equal to eager.
+
+The tests use the ``aot_eager`` backend: dynamo traces each block exactly as for inductor (the
+graph breaks are dynamo's) and AOT autograd traces its backward, without inductor's C++
+code generation, which takes minutes per graph on this machine (``benchmarks/compile.py``
+times inductor). Parity is float64: the loss and every parameter gradient.
+
+- one process: a packed row through the tiny model, compiled against eager; parameter names
+  do not change;
+- the default job on 4 gloo ranks (cp=2 x tp=2, sequence parallel, FSDP over cp, two packs
+  per rank): two training steps, compiled against eager, and
+  ``torch._dynamo.utils.counters["graph_break"]`` empty on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from tests.distributed.harness import run_ranks
+
+DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
+TOL = 1e-10
+
+
+def _max_error(got: dict, want: dict) -> float:
+    return max(((got[n] - w).abs().max() / w.abs().max().clamp_min(1.0)).item() for n, w in want.items())
+
+
+def test_compiled_blocks_match_eager_in_float64_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+
+    torch.manual_seed(0)
+    base = HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float64))
+    eager = parallelize(copy.deepcopy(base), ParallelDims())
+    compiled = parallelize(copy.deepcopy(base), ParallelDims(), compile="aot_eager")
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 20, 52, 64], dtype=torch.int32))
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(1, 64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    counters.clear()
+    losses = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        losses[name] = (model(ids, packed=packed) * weight).sum()
+        losses[name].backward()
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 3  # one per block kind: Mamba2, attention, MLP
+    assert abs(losses["compiled"].item() - losses["eager"].item()) < TOL * abs(losses["eager"].item())
+    grads = {name: {n: p.grad for n, p in model.named_parameters()}
+             for name, model in (("eager", eager), ("compiled", compiled))}
+    assert list(grads["compiled"]) == list(grads["eager"])  # compiled in place: parameter names unchanged
+    assert _max_error(grads["compiled"], grads["eager"]) < TOL
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, activation):
+        super().__init__()
+        self.linear, self.activation = torch.nn.Linear(4, 4), activation
+
+    def forward(self, x):
+        return x + self.activation(self.linear(x))
+
+
+def test_blocks_stay_compiled_through_shape_and_grad_mode_changes():
+    """Three block kinds, each seen in training and evaluation at changing lengths: 12 graphs,
+    over dynamo's default of 8 per code object (shared by all blocks), so without the raised
+    limit the later ones would silently run eagerly."""
+    from torch._dynamo.utils import counters
+
+    from hybridpar.parallel.parallelize import apply_compile
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(_Block(a) for a in (torch.nn.ReLU(), torch.nn.Tanh(), torch.nn.SiLU()))
+    apply_compile(model, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    for length in (3, 5, 7):
+        x = torch.randn(length, 4)
+        for layer in model.layers:
+            x = layer(x)
+        x.sum().backward()
+        with torch.no_grad():
+            for layer in model.layers:
+                layer(torch.randn(length, 4))
+    assert counters["stats"]["unique_graphs"] == 12
+    assert counters["frames"]["ok"] == counters["frames"]["total"] == 12, dict(counters["frames"])
+
+
+def _two_steps(overrides: list) -> dict:
+    from torch._dynamo.utils import counters
+
+    from hybridpar.config import load_config
+    from hybridpar.parallel.state import canonical_state_dict
+    from hybridpar.train.trainer import Trainer
+
+    base = ["model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2", "train.eval_every=0",
+            "checkpoint.every=-1", "tensorboard=false", "plot=false", "output_dir=unused"]
+    trainer = Trainer(load_config(DEFAULT, base + overrides), torch.device("cpu"))
+    torch._dynamo.reset()
+    counters.clear()
+    first = trainer.step_gradients(0)
+    grads = canonical_state_dict(trainer.model, grads=True)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    second = trainer.train_step(1)["loss"]  # after the first step's update, through the optimizer
+    return {"losses": [float(first), second], "grads": grads, "graph_breaks": dict(counters["graph_break"]),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def default_job_compiled_and_eager(rank: int, world_size: int) -> dict:
+    return {"eager": _two_steps([]), "compiled": _two_steps(["parallel.compile=aot_eager"])}
+
+
+def test_default_job_compiles_without_graph_breaks_and_matches_eager():
+    for rank, result in enumerate(run_ranks(4, default_job_compiled_and_eager, timeout_s=900)):
+        eager, compiled = result["eager"], result["compiled"]
+        assert compiled["graph_breaks"] == {}, (rank, compiled["graph_breaks"])
+        assert 3 <= compiled["graphs"] <= 8, compiled["graphs"]  # per block kind, within dynamo's recompile limit
+        assert eager["graphs"] == 0
+        for got, want in zip(compiled["losses"], eager["losses"]):
+            assert abs(got - want) < TOL * abs(want), (rank, compiled["losses"], eager["losses"])
+        assert _max_error(compiled["grads"], eager["grads"]) < TOL, rank
