@@ -232,6 +232,53 @@ def _paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return found
 
 
+TEXT_SPLITS = ("paragraph", "line", "file")
+
+
+def read_text_file(path: Path) -> str:
+    """A file's text as UTF-8 (``\\r\\n`` read as ``\\n``); a ValueError names the file, line and byte."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        looks = "looks binary" if b"\0" in data[:8192] else "is not UTF-8 text"
+        raise ValueError(
+            f"{path}:{line}: byte {error.start} (0x{data[error.start]:02x}) is not UTF-8; the file {looks}: convert it "
+            "to UTF-8 (e.g. iconv -f latin1 -t utf-8) or point data.path at a text file."
+        ) from None
+    return text.replace("\r\n", "\n")
+
+
+def _encode_at(tokenizer: ByteTokenizer, text: str, path: Path, line: int, add_bos: bool, add_eos: bool) -> list[int]:
+    """Tokens of ``text`` (which starts at ``line`` of ``path``); reserved bytes are named by line."""
+    try:
+        return tokenizer.encode(text, add_bos, add_eos)
+    except ValueError:
+        data = text.encode("utf-8")
+        reserved = bytes((tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id))
+        at = next(i for i, b in enumerate(data) if b in reserved)
+        line += data.count(b"\n", 0, at)
+        raise ValueError(
+            f"{path}:{line}: contains the control byte {data[at]} (NUL, STX and ETX mark "
+            "padding and document ends; a NUL usually means a binary file); remove those bytes or point data.path at "
+            "a text file."
+        ) from None
+
+
+def _text_parts(text: str, split: str) -> list[tuple[int, str]]:
+    """``(first line number, text)`` of each document of ``text`` under ``split``."""
+    if split == "file":
+        return [(1, text)]
+    if split == "line":
+        return [(number, line) for number, line in enumerate(text.split("\n"), start=1)]
+    parts, line = [], 1
+    for part in text.split("\n\n"):  # paragraphs: separated by a blank line
+        parts.append((line, part))
+        line += part.count("\n") + 2
+    return parts
+
+
 def text_documents(
     paths: str | Path | Iterable[str | Path],
     split: str = "file",
@@ -239,16 +286,17 @@ def text_documents(
     add_bos: bool = False,
     add_eos: bool = True,
 ) -> list[list[int]]:
-    """Documents from plain text files: one per file, per non-empty line (``"line"``) or per
-    blank-line-separated paragraph (``"paragraph"``)."""
-    if split not in ("file", "line", "paragraph"):
-        raise ValueError(f"split={split!r} must be 'file', 'line' or 'paragraph'.")
+    """Documents from plain UTF-8 text files: one per file (``"file"``), per non-empty line
+    (``"line"``) or per blank-line-separated paragraph (``"paragraph"``). Errors name the file
+    and line."""
+    if split not in TEXT_SPLITS:
+        raise ValueError(f"split={split!r} must be one of {list(TEXT_SPLITS)}.")
     tokenizer = tokenizer or ByteTokenizer()
     docs = []
     for path in _paths(paths):
-        text = path.read_text(encoding="utf-8")
-        parts = {"file": [text], "line": text.splitlines(), "paragraph": text.split("\n\n")}[split]
-        docs.extend(tokenizer.encode(p, add_bos, add_eos) for p in parts if p.strip())
+        for line, part in _text_parts(read_text_file(path), split):
+            if part.strip():
+                docs.append(_encode_at(tokenizer, part, path, line, add_bos, add_eos))
     return docs
 
 
@@ -259,20 +307,28 @@ def jsonl_documents(
     add_bos: bool = False,
     add_eos: bool = True,
 ) -> list[list[int]]:
-    """Documents from JSON-lines files, one per record, from its ``text_field`` string."""
+    """Documents from JSON-lines files, one per record, from its ``text_field`` string.
+    Errors name the file and line."""
     tokenizer = tokenizer or ByteTokenizer()
     docs = []
     for path in _paths(paths):
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(read_text_file(path).split("\n"), start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); every line must be one "
+                    "JSON object such as {\"text\": \"...\"}: fix or remove that line."
+                ) from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(
                     f"{path}:{number} has no string field {text_field!r} (keys: "
-                    f"{sorted(record) if isinstance(record, dict) else type(record).__name__}); pass text_field=."
+                    f"{sorted(record) if isinstance(record, dict) else type(record).__name__}); pass text_field= "
+                    "(data.task_options.text_field) or fix the record."
                 )
-            docs.append(tokenizer.encode(record[text_field], add_bos, add_eos))
+            docs.append(_encode_at(tokenizer, record[text_field], path, number, add_bos, add_eos))
     return docs
 
 
