@@ -170,7 +170,10 @@ def worker_main(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
-        return run(args, config)
+        code = run(args, config)
+        if code:  # check out of tolerance: its table says which quantities
+            return fail(f"{args.command} failed (see its output above).", code)
+        return 0
     except INPUT_ERRORS as error:
         return fail(_message(error), 2)
     except NonFiniteError as error:

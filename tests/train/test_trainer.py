@@ -134,7 +134,7 @@ def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
         (["parallel.cp_mamba=ring"], "parallel.cp_mamba='ring' is invalid: it must be one of 'a2a', 'state'"),
         (["data.task=jsonl", "data.task_options={}"], "is not a file"),
         (["train.steps=0"], "train.steps=0 is invalid: it must be an integer >= 1"),
-        ([f"checkpoint.resume={corrupt}"], r"corrupt' is incomplete: .*__0_0.distcp has 16 bytes but the manifest"),
+        ([f"checkpoint.resume={corrupt}"], r"checkpoint.resume=.*corrupt' cannot be loaded: .*__0_0.distcp has 16 bytes but the manifest"),
     ]
     base = ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=2",
             f"output_dir={tmp_path / 'bad'}"] + QUIET

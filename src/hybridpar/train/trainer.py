@@ -95,9 +95,9 @@ class Trainer:
         self.config = config
         self.device = device
         self.rank = dist.get_rank()
-        p = config.parallel
+        p, world = config.parallel, dist.get_world_size()
         self.say(f"building the model ({config.model.hf_path or 'preset ' + config.model.preset}, {config.model.dtype}) "
-                 f"on {dist.get_world_size()} process{'es' * (dist.get_world_size() > 1)}: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
+                 f"on {world} process{'es' * (world > 1)}: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
                  f"cp={p.cp} tp={p.tp}")
         # Everything that can be wrong with the input is found before the first collective.
         model = build_model(config)
