@@ -213,7 +213,7 @@ RULES: dict[str, Rule] = {
     "train.max_nonfinite_skips": integer(0),
     "checkpoint.every": integer(-1),
     "checkpoint.keep": integer(1),
-    "checkpoint.resume": or_null(PATH, " ('auto' or a path)"),
+    "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or bool(str(v).strip())),
     "checkpoint.if_exists": one_of("refuse", "overwrite", "new_subdir"),
     "output_dir": PATH,
     "tensorboard": ANY,

@@ -223,8 +223,11 @@ class Trainer:
     def resume(self) -> None:
         """Lock the output directory, pick the checkpoint (or refuse), and load it."""
         plan, self._lock = prepare_output_dir(self.config, self.signature)
-        for note in plan.notes:
-            self.say(note)
+        for note in plan.notes if self.rank == 0 else ():
+            if note.startswith("warning: "):
+                notice(note.removeprefix("warning: "))
+            else:
+                print(note, flush=True)
         self.output_dir, self.run_id = plan.output_dir, plan.run_id
         if plan.checkpoint is None:
             return
