@@ -105,6 +105,8 @@ def load_documents(config: DataConfig, num_docs: int, seed_offset: int, vocab_si
 class PackStream:
     """The packs of step ``k`` (``packs_per_step`` of them), independent of how many steps run."""
 
+    _warned = False  # the packer's split/drop notice is shown once per process
+
     def __init__(self, config: DataConfig, cp_size: int, vocab_size: int, seed_offset: int = 0,
                  pad_to_multiple_of: int | None = None):
         self.multiple = pad_to_multiple_of or pad_multiple(config, cp_size)
@@ -120,7 +122,7 @@ class PackStream:
                 f"{-(-config.pack_size // self.multiple) * self.multiple}."
             )
         self.config, self.packs_per_step, self.pool = config, config.packs_per_step, []
-        self._warned, self._offset = False, 0  # _offset: global index of pool[0] (synthetic tasks)
+        self._offset = 0  # global index of pool[0] (synthetic tasks)
         if config.task in TASKS:
             self._task = make_task(config, vocab_size, seed_offset)
             self._rng = np.random.default_rng(self._task.seed)
@@ -137,8 +139,8 @@ class PackStream:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             self.pool += pack_documents(documents, self.config.pack_size, overlong="split", pad_to_multiple_of=self.multiple)
-        if caught and not self._warned:  # once per stream, not once per window
-            self._warned = True
+        if caught and not PackStream._warned:  # once per process (train and eval streams, every window)
+            PackStream._warned = True
             warnings.warn(str(caught[0].message), stacklevel=3)
 
     def _extend(self) -> None:
