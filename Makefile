@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test install clean
 
@@ -17,9 +18,15 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# The demo also writes TensorBoard logs (the optional `tensorboard` extra).
+$(DEMO_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,hf,tensorboard]"
+	touch $(DEMO_STAMP)
+
 # The default job: the tiny hybrid model on packed MQAR, 4 processes as cp=2 x tp=2.
-demo: $(STAMP)
-	$(PY) -m hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 4 checkpoint.resume=null
+# Each `make demo` starts afresh and replaces the previous demo run in runs/tiny-hybrid.
+demo: $(DEMO_STAMP)
+	$(PY) -m hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 4 checkpoint.resume=null checkpoint.if_exists=overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest -q

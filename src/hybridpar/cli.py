@@ -3,25 +3,31 @@
     hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 4 train.steps=100
     torchrun --nproc-per-node 4 -m hybridpar train --config configs/tiny-hybrid.yaml
 
-Under torchrun the launched world is used; ``--nproc-per-node N`` starts torchrun itself.
-gloo is used on CPU and nccl on CUDA. Bad input exits with status 2 and one message per
-rank, before any collective can wait on a rank that failed.
+Under torchrun the launched world is used; ``--nproc-per-node N`` runs torchrun's agent
+in this process (``hybridpar.launch``). gloo is used on CPU and nccl on CUDA.
+
+Exit status: 0 done; 1 the run failed (non-finite values, a rank that died or stalled, a
+``check`` out of tolerance); 2 bad input (config, data, files), with one message and before
+any process starts where it can be known then; 128+N stopped by signal N.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
+import math
 import os
 import socket
-import subprocess
 import sys
+import traceback
 import warnings
 
-from hybridpar.config import RunConfig, load_config
-from hybridpar.parallel.dims import ParallelDims
+from hybridpar.config import ConfigError, RunConfig, load_config
 
 COMMANDS = ("train", "check", "plan")
+# Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
+INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,45 +44,50 @@ def launched_by_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def relaunch_with_torchrun(args: argparse.Namespace, config: RunConfig) -> int:
-    """Start ``args.nproc_per_node`` local processes running this same command."""
-    p = config.parallel
-    needed = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp).world_size
-    if needed != args.nproc_per_node:
-        raise ValueError(
-            f"--nproc-per-node {args.nproc_per_node} does not fit the layout dp_replicate*dp_shard*cp*tp = "
+def check_arguments(args: argparse.Namespace) -> None:
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is invalid: it must be an integer >= 1.")
+    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
+        raise ConfigError(f"--tolerance {args.tolerance} is invalid: it must be a finite number > 0; e.g. --tolerance "
+                          "1e-6, or leave it out for the dtype's default (1e-9 in float64).")
+
+
+def check_world(config: RunConfig, nproc: int) -> None:
+    from hybridpar.train.preflight import parallel_dims
+
+    p, needed = config.parallel, parallel_dims(config).world_size
+    if needed != nproc:
+        raise ConfigError(
+            f"--nproc-per-node {nproc} does not fit the layout dp_replicate*dp_shard*cp*tp = "
             f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {needed}; pass --nproc-per-node {needed} or change parallel.*."
         )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc_per_node}", "-m", "hybridpar", args.command]
-    if args.config:
-        command += ["--config", args.config]
-    if args.tolerance is not None:
-        command += ["--tolerance", str(args.tolerance)]
-    command += args.overrides
-    environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))}
-    return subprocess.call(command, env=environment)
 
 
-def init_distributed() -> tuple:
-    """Join the torchrun world, or make a one-process world.
+def init_distributed(timeout_s: float = 600.0) -> tuple:
+    """Join the torchrun world, or make a one-process world; collectives time out after ``timeout_s``.
 
     Returns ``(device, owns_group)``; a caller that already set up a group keeps it.
     """
     import torch
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     cuda = torch.cuda.is_available()
     owns_group = not dist.is_initialized()
     if owns_group:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # The device mesh creates its groups with torch's default timeout (30 min on gloo); make it ours.
+        distributed_c10d.default_pg_timeout = timeout
         if launched_by_torchrun():
             if cuda:
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl" if cuda else "gloo")
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=timeout)
+    if dist.get_rank() != 0:
+        warnings.simplefilter("ignore")  # every rank runs the same code: rank 0 warns once for the job
     if not cuda:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -101,9 +112,9 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
     if args.command == "plan":
         from hybridpar.plan import print_plan
 
-        print_plan(config)
+        print_plan(config, world_size=args.nproc_per_node)
         return 0
-    device, owns_group = init_distributed()
+    device, owns_group = init_distributed(config.train.collective_timeout_s)
     import torch.distributed as dist
 
     try:
@@ -120,17 +131,103 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
             dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    rank = os.environ.get("RANK", "0")
+def _message(error: BaseException) -> str:
+    if os.environ.get("HYBRIDPAR_TRACEBACK"):
+        traceback.print_exception(error)
+    return str(error) if not isinstance(error, (FileNotFoundError, PermissionError)) or not error.filename else \
+        f"{error.strerror}: {error.filename}"
+
+
+def _collective_failure(error: BaseException) -> bool:
+    """A collective that failed because a peer died, stalled or timed out."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                                      "timed out", "Broken pipe", "gloo"))
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """One rank of a torchrun job: run, and report a failure once (see ``hybridpar.launch``)."""
+    from hybridpar.launch import WorkerChannel
+    from hybridpar.train.nonfinite import NonFiniteError
+
+    channel = WorkerChannel.from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    if channel is not None:
+        channel.start()
+        import hybridpar.train.trainer  # noqa: F401  (the heavy imports, before the heartbeat starts)
+
+        channel.start_heartbeat()
+
+    def fail(message: str, code: int) -> int:
+        if channel is None:  # a torchrun the user started: each rank says what it saw
+            print(f"hybridpar: error (rank {rank}): {message}", file=sys.stderr, flush=True)
+        else:
+            channel.report(message, code)  # the launcher prints the first report, once
+        return code
+
     try:
         config = load_config(args.config, args.overrides)
-        if args.nproc_per_node and not launched_by_torchrun():
-            return relaunch_with_torchrun(args, config)
+        code = run(args, config)
+        if code:  # check out of tolerance: its table says which quantities
+            return fail(f"{args.command} failed (see its output above).", code)
+        return 0
+    except INPUT_ERRORS as error:
+        return fail(_message(error), 2)
+    except NonFiniteError as error:
+        return fail(str(error), 1)
+    except Exception as error:  # noqa: BLE001 - a peer's death or a bug
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        if _collective_failure(error):
+            return fail(f"rank {rank}: a collective failed ({first_line}); a peer rank died, stalled or timed out "
+                        f"(train.collective_timeout_s).", 1)
+        traceback.print_exc()
+        return fail(f"rank {rank} failed with {type(error).__name__}: {first_line} (traceback above).", 1)
+    finally:
+        if channel is not None:
+            channel.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if launched_by_torchrun():
+        return worker_main(args)
+    from hybridpar.train.nonfinite import NonFiniteError
+
+    prefix = "hybridpar: error"
+    try:
+        config = load_config(args.config, args.overrides)
+        check_arguments(args)
+        if args.command == "plan":
+            return run(args, config)
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # a caller's group (tests): the trainer checks on every rank
+            prefix += f" (rank {dist.get_rank()})"
+        else:
+            if args.nproc_per_node:
+                check_world(config, args.nproc_per_node)
+            from hybridpar.train.preflight import validate_run
+
+            validate_run(config, args.command, args.nproc_per_node or 1)  # before any process starts
+        if args.nproc_per_node:
+            from hybridpar.launch import launch
+
+            worker_args = [args.command] + (["--config", args.config] if args.config else []) + \
+                (["--tolerance", repr(args.tolerance)] if args.tolerance is not None else []) + list(args.overrides)
+            return launch(args.nproc_per_node, worker_args, config.train.collective_timeout_s)
         return run(args, config)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"hybridpar: error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    except INPUT_ERRORS as error:
+        print(f"{prefix}: {_message(error)}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as error:
+        print(f"{prefix}: {error}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("hybridpar: interrupted (SIGINT).", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

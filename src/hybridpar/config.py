@@ -2,19 +2,32 @@
 
     hybridpar train --config configs/tiny-hybrid.yaml train.steps=100 parallel.cp=2
 
-Unknown keys and values of the wrong type are errors that name the key and the
-valid choices; nothing is silently ignored.
+Every key has a rule in ``RULES`` (next to the dataclasses): a range for numbers, the
+choices for strings. A value that breaks its rule, an unknown key, a value of the wrong
+type, a YAML syntax error (file and line) or a malformed override is a ``ConfigError`` with
+one message naming the key, the value, the rule and the fix. Nothing is silently ignored.
+
+YAML is read with the YAML 1.2 core schema for scalars: ``1e-3`` is a float (PyYAML's
+YAML 1.1 default reads it as a string), ``010`` is ten, ``yes``/``on`` are strings.
+
+A new key needs a field in its dataclass and a line in ``RULES`` (a test checks that every
+key has one); rules that relate keys to each other or to the model live in
+``hybridpar.train.preflight``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
 
 class ConfigError(ValueError):
@@ -37,9 +50,9 @@ class DataConfig:
     path: str | None = None  # the file for text/jsonl
     pack_size: int = 256  # tokens per packed row; a multiple of 2*cp
     packs_per_step: int = 2  # packed rows per step over all dp ranks; each rank accumulates gradients over its share
-    pad_to_multiple_of: int | None = None  # per-document padding; default 2*cp (pin it to resume at another cp)
+    pad_to_multiple_of: int | None = None  # per-document padding; default 2*cp (a resumed run keeps the checkpoint's)
     seed: int = 0
-    task_options: dict = field(default_factory=dict)  # passed to the synthetic task
+    task_options: dict = field(default_factory=dict)  # passed to the task; text: split, jsonl: text_field
 
 
 @dataclass
@@ -79,13 +92,17 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 20
     eval_packs: int = 8
+    collective_timeout_s: float = 600.0  # a collective that waits longer (a stalled or dead rank) ends the job
+    on_nonfinite: str = "stop"  # stop | skip: what a non-finite loss or gradient norm does
+    max_nonfinite_skips: int = 10  # with on_nonfinite=skip: the run stops at the skip after this many
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep: int = 2  # newest checkpoints kept
+    every: int = 0  # steps between checkpoints; 0 = only at the end, -1 = never
+    keep: int = 2  # newest checkpoints of this run kept
     resume: str | None = "auto"  # auto (latest in output/checkpoints) | a path | null
+    if_exists: str = "refuse"  # a fresh run into an output_dir with an earlier run: refuse | overwrite | new_subdir
 
 
 @dataclass
@@ -100,21 +117,191 @@ class RunConfig:
     plot: bool = True
 
 
+# ----------------------------------------------------------------------------- value rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a value must be (``text``, read after "must be") and the test of it."""
+
+    text: str  # or an object whose str() is the text (choices known only after an import)
+    holds: Callable[[typing.Any], bool]
+
+
+def integer(low: int, high: int | None = None) -> Rule:
+    text = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    return Rule(text, lambda v: v >= low and (high is None or v <= high))
+
+
+def number(low: float, high: float | None = None, low_open: bool = False, high_open: bool = False) -> Rule:
+    """A finite number in the interval (``*_open``: the bound itself excluded)."""
+    if high is None:
+        text = f"a finite number {'>' if low_open else '>='} {low:g}"
+    else:
+        text = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    return Rule(text, lambda v: math.isfinite(v) and (v > low if low_open else v >= low)
+                and (high is None or (v < high if high_open else v <= high)))
+
+
+def one_of(*choices: str, lazy: Callable[[], typing.Iterable[str]] | None = None) -> Rule:
+    """One of ``choices`` (or of ``lazy()``, for choices defined where importing is costly)."""
+    def allowed():
+        return sorted(lazy()) if lazy else list(choices)
+
+    return Rule(_LazyText(lambda: "one of " + ", ".join(repr(c) for c in allowed())), lambda v: v in allowed())
+
+
+class _LazyText:
+    """A rule text computed when a message needs it."""
+
+    def __init__(self, make: Callable[[], str]):
+        self.make = make
+
+    def __str__(self) -> str:
+        return self.make()
+
+
+def each(rule: Rule, count: int) -> Rule:
+    return Rule(f"{count} values, each {rule.text}", lambda v: len(v) == count and all(rule.holds(x) for x in v))
+
+
+def or_null(rule: Rule, meaning: str = "") -> Rule:
+    return Rule(_LazyText(lambda: f"{rule.text} or null{meaning}"), lambda v: v is None or rule.holds(v))
+
+
+PATH = Rule("a non-empty path", lambda v: bool(str(v).strip()))
+ANY = Rule("any value of its type", lambda v: True)
+
+
+def _presets():
+    from hybridpar.models.hybrid import PRESETS
+
+    return PRESETS
+
+
+def _architectures():
+    from hybridpar.models.hf_config import ARCHITECTURES
+
+    return ARCHITECTURES
+
+
+RULES: dict[str, Rule] = {
+    "model.preset": one_of(lazy=_presets),
+    "model.overrides": ANY,  # checked field by field against HybridConfig (preflight)
+    "model.dtype": one_of("float32", "float64", "bfloat16"),
+    "model.hf_path": or_null(PATH),
+    "model.export_hf": or_null(PATH),
+    "model.export_architecture": or_null(one_of(lazy=_architectures)),
+    "data.task": one_of("mqar", "selective_copy", "text", "jsonl"),
+    "data.path": or_null(PATH),
+    "data.pack_size": integer(1),
+    "data.packs_per_step": integer(1),
+    "data.pad_to_multiple_of": or_null(integer(1), " (null: 2*cp)"),
+    "data.seed": integer(0),
+    "data.task_options": ANY,  # checked by the task (preflight)
+    "parallel.dp_replicate": integer(1),
+    "parallel.dp_shard": integer(1),
+    "parallel.cp": integer(1),
+    "parallel.tp": integer(1),
+    "parallel.sequence_parallel": ANY,
+    "parallel.cp_attention": one_of("allgather", "ulysses"),
+    "parallel.cp_mamba": one_of("a2a", "state"),
+    "parallel.activation_checkpointing": Rule("'none', 'full' or 'selective' (true/false: full/none)",
+                                              lambda v: isinstance(v, bool) or v in ("none", "full", "selective")),
+    "parallel.reshard_after_forward": Rule("true, false or an integer >= 1 dividing dp_shard*cp",
+                                           lambda v: isinstance(v, bool) or v >= 1),
+    "parallel.compile": Rule("true, false or a torch.compile backend name such as 'aot_eager'",
+                             lambda v: isinstance(v, bool) or bool(str(v).strip())),
+    "parallel.mixed_precision": or_null(one_of("bf16")),
+    "train.steps": integer(1),
+    "train.lr": number(0, low_open=True),
+    "train.min_lr_ratio": number(0, 1),
+    "train.warmup_steps": integer(0),
+    "train.weight_decay": number(0),
+    "train.betas": each(number(0, 1, high_open=True), 2),
+    "train.grad_clip": number(0, low_open=True),
+    "train.seed": integer(0),
+    "train.log_every": integer(1),
+    "train.eval_every": integer(0),
+    "train.eval_packs": integer(1),
+    "train.collective_timeout_s": number(0, low_open=True),
+    "train.on_nonfinite": one_of("stop", "skip"),
+    "train.max_nonfinite_skips": integer(0),
+    "checkpoint.every": integer(-1),
+    "checkpoint.keep": integer(1),
+    "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or bool(str(v).strip())),
+    "checkpoint.if_exists": one_of("refuse", "overwrite", "new_subdir"),
+    "output_dir": PATH,
+    "tensorboard": ANY,
+    "plot": ANY,
+}
+
+
+def invalid(key: str, value, must: str, fix: str | None = None) -> ConfigError:
+    """The one message of a bad value: key, value, rule and fix."""
+    fix = fix or _example(key)
+    return ConfigError(f"{key}={_show(value)} is invalid: it must be {must}; {fix}.")
+
+
+def _example(key: str) -> str:
+    default = _default_of(key)
+    return f"e.g. {key}={_show(default)} (the default)" if default is not _MISSING else f"set {key}"
+
+
+_MISSING = object()
+
+
+def _default_of(key: str):
+    node = RunConfig()
+    for part in key.split("."):
+        node = getattr(node, part, _MISSING)
+        if node is _MISSING:
+            return _MISSING
+    return node
+
+
+def _show(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a YAML file (optional) and apply ``key.sub=value`` overrides."""
+    """Read a YAML file (optional) and apply ``key.sub=value`` overrides; every value checked."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file, e.g. configs/tiny-hybrid.yaml.")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}); save it as UTF-8 YAML.") from None
+        try:
+            raw = parse_yaml(text, f"config file {str(path)!r}") or {}
+        except YamlSyntaxError as error:
+            raise ConfigError(str(error)) from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level, got {type(raw).__name__}.")
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level, "
+                              f"got a {type(raw).__name__}; start it with e.g. 'train:'.")
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not key=value; write e.g. train.steps=100.")
-        _set_dotted(raw, key.strip().split("."), yaml.safe_load(value))
+        try:
+            parsed = yaml.load(value, Loader=Yaml12Loader)
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or "cannot be parsed"
+            raise ConfigError(f"override {item!r} has a malformed value {value!r} ({problem}); write it as a YAML "
+                              "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}.") from None
+        _set_dotted(raw, key.strip().split("."), parsed)
     return _build(RunConfig, raw, "")
 
 
@@ -134,7 +321,8 @@ def _set_dotted(tree: dict, keys: list[str], value) -> None:
 
 def _build(cls, raw, prefix: str):
     if not isinstance(raw, dict):
-        raise ConfigError(f"section {prefix.rstrip('.') or 'top level'!r} must be a mapping, got {raw!r}.")
+        raise ConfigError(f"section {prefix.rstrip('.') or 'top level'!r} must be a mapping, got {raw!r}; "
+                          f"set its keys one by one, e.g. {prefix}<key>=<value>.")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(raw) - set(names))
@@ -148,26 +336,47 @@ def _build(cls, raw, prefix: str):
         if dataclasses.is_dataclass(hint):
             values[name] = _build(hint, raw[name], f"{prefix}{name}.")
         else:
-            values[name] = _coerce(raw[name], hint, prefix + name)
+            key = prefix + name
+            value = coerce_value(raw[name], hint, key)
+            rule = RULES.get(key, ANY)
+            if not rule.holds(value):
+                raise invalid(key, value, str(rule.text))
+            values[name] = value
     return cls(**values)
 
 
-def _coerce(value, hint, key: str):
+def coerce_value(value, hint, key: str):
     """Check ``value`` against a simple type hint, converting int->float and list->tuple."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
     if value is None:
         if type(None) in options:
             return None
-        raise ConfigError(f"{key} may not be null.")
+        raise invalid(key, value, f"{_type_names(options)}, not null")
     for option in options:
         origin = typing.get_origin(option) or option
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if origin is tuple and isinstance(value, (list, tuple)):
+            items = typing.get_args(option)
+            if items and all(i is float for i in items):
+                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                    break
+                return tuple(float(v) for v in value)
             return tuple(value)
         if origin is bool and isinstance(value, bool):
             return value
         if origin in (int, str, dict) and isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
             return value
-    expected = " or ".join(getattr(o, "__name__", str(o)) for o in options)
-    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; expected {expected}.")
+    raise invalid(key, value, f"{_type_names(options)} (got {type(value).__name__})")
+
+
+def _type_names(options) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
+    out = []
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if origin is tuple:
+            out.append(f"a list of {len(typing.get_args(option))} numbers")
+        elif option is not type(None):
+            out.append(names.get(origin, getattr(origin, "__name__", str(origin))))
+    return " or ".join(out)

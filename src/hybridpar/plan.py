@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hybridpar.config import RunConfig
 from hybridpar.models.hybrid import HybridConfig
+from hybridpar.train.preflight import validate_layout
 from hybridpar.parallel.cp_mamba import a2a_bytes_per_layer
 from hybridpar.parallel.cp_mamba_state import state_bytes_per_layer
 
@@ -28,8 +29,8 @@ def parameter_count(config: HybridConfig) -> int:
     return config.vocab_size * d + body + n + head
 
 
-def print_plan(run: RunConfig) -> None:
-    model = HybridConfig.from_preset(run.model.preset, **run.model.overrides)
+def print_plan(run: RunConfig, world_size: int | None = None) -> None:
+    model = validate_layout(run, world_size)  # the same rules as train: an invalid layout has no plan
     p = run.parallel
     world = p.dp_replicate * p.dp_shard * p.cp * p.tp
     params = parameter_count(model)

@@ -109,7 +109,7 @@ def test_jsonl_files_and_errors_name_the_line(bpe, tmp_path):
         ('{"messages": [{"role": "user", "content": "hi"}]}', "bad.jsonl:2: no message has role 'assistant'"),
         ('{"messages": [{"role": "user"}]}', "bad.jsonl:2: message 0 .* needs string 'role' and 'content'"),
         ('{"text": "hi"}', "bad.jsonl:2 has no 'messages' field"),
-        ("not json", "bad.jsonl:2 is not valid JSON"),
+        ("not json", "bad.jsonl:2: not valid JSON"),
     ]
     for line, message in cases:
         bad.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + line + "\n")

@@ -1,7 +1,11 @@
-"""The command line as a user runs it: torchrun started by hybridpar itself, and plan."""
+"""The command line as a user runs it: torchrun started by hybridpar itself, and plan; bad
+input, signals, a stopped or killed rank. Every process has a timeout; none can hang."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,3 +35,135 @@ def test_plan_prints_sizes_and_mamba_cp_bytes():
                        "data.pack_size=131072")
     assert result.returncode == 0, result.stderr
     assert "parameters" in result.stdout and "a2a (z local)" in result.stdout and "state" in result.stdout
+
+
+# -- the launcher under faults: one message, exit 2 for bad input, nothing left running ----------
+
+FAST = ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=100000",
+        "train.eval_every=0", "plot=false", "data.pack_size=64", "data.packs_per_step=2",
+        "data.task_options={min_len: 16, max_len: 96, num_kv_pairs: 2, vocab_size: 32}"]
+NOISE = ("Traceback", "torch.distributed", "ChildFailedError", "Sending process", "elastic")
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class Launched:
+    """``hybridpar train --nproc-per-node 2`` in the background, read until its first step."""
+
+    def __init__(self, tmp_path, *overrides, startup_s: float = 300):
+        import queue
+        import threading
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "hybridpar", "train", "--nproc-per-node", "2", "--config", DEFAULT, *FAST,
+             f"output_dir={tmp_path}", *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.lines: "queue.Queue[str]" = queue.Queue()
+        self.stdout: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
+        deadline = time.monotonic() + startup_s
+        while not any(line.startswith("step") for line in self.stdout):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise AssertionError((self.stdout, self.process.wait(), self.process.stderr.read()))
+            try:
+                self.stdout.append(self.lines.get(timeout=1))
+            except queue.Empty:
+                pass
+        self.workers = [pid for pid in _descendants(self.process.pid) if _running(pid)]
+        ranks = {Path(f"/proc/{pid}/environ").read_bytes().split(b"\0").count(b"RANK=1"): pid for pid in self.workers}
+        self.rank1 = ranks.get(1)
+
+    def finish(self, within_s: float) -> tuple[int, float, str]:
+        started = time.monotonic()
+        code = self.process.wait(timeout=within_s)
+        return code, time.monotonic() - started, self.process.stderr.read()
+
+    def __enter__(self) -> "Launched":
+        return self
+
+    def __exit__(self, *exc) -> None:  # whatever happened, nothing outlives the test
+        if self.process.poll() is None:
+            self.process.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+            self.process.wait(timeout=30)
+
+
+def test_a_config_error_at_any_process_count_exits_2_with_one_line_before_launch(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  steps: [3\n")
+    for args in (["--config", DEFAULT, "train.log_every=0"], ["--config", str(broken)],
+                 ["--config", DEFAULT, "train.betas=[0.9,"], ["--config", DEFAULT, "train.lr=1e-3", "checkpoint.keep=0"]):
+        result = hybridpar("train", "--nproc-per-node", "4", *args, f"output_dir={tmp_path}")
+        assert result.returncode == 2 and result.stdout == "", result
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("hybridpar: error: "), result.stderr
+
+
+def test_an_error_found_on_the_ranks_is_printed_once_and_exits_2(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one"}\n{"text": "two"}\n{"text": three}\n')
+    result = hybridpar("train", "--nproc-per-node", "2", "--config", DEFAULT, *FAST[:3], "data.task=jsonl",
+                       f"data.path={data}", "data.task_options={}", f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result
+    assert result.stderr.strip().splitlines() == [
+        f"hybridpar: error: {data}:3: not valid JSON (Expecting value at column 10); every line must be one JSON "
+        "object: fix or remove that line."]
+
+
+def test_sigterm_to_the_launcher_ends_every_worker_and_feedback_comes_once(tmp_path):
+    with Launched(tmp_path, "checkpoint.every=1", "checkpoint.keep=1", "train.log_every=1") as job:
+        while not any(line.startswith("saved checkpoint") for line in job.stdout):
+            job.stdout.append(job.lines.get(timeout=120))
+        assert len(job.workers) == 2, job.workers
+        job.process.send_signal(signal.SIGTERM)
+        code, seconds, stderr = job.finish(within_s=30)
+    time.sleep(0.2)
+    assert code == 128 + signal.SIGTERM and seconds < 10 and not [p for p in job.workers if _running(p)]
+    assert "hybridpar: stopped by SIGTERM; all 2 workers ended." in stderr
+    assert job.stdout[0].startswith("building the model") and job.stdout[1].startswith("first step")
+    import importlib.util
+
+    tensorboard_warnings = stderr.count("tensorboard=true but the tensorboard package is not installed")
+    assert tensorboard_warnings == (0 if importlib.util.find_spec("tensorboard") else 1), stderr
+    assert stderr.count("split") == 1, stderr  # documents longer than a pack: warned by one rank, once
+    assert not any(noise in stderr for noise in NOISE), stderr
+
+
+def test_a_stopped_rank_ends_the_job_within_the_collective_timeout(tmp_path):
+    with Launched(tmp_path, "checkpoint.every=-1", "train.collective_timeout_s=8") as job:
+        os.kill(job.rank1, signal.SIGSTOP)
+        code, seconds, stderr = job.finish(within_s=60)
+    assert code == 1 and seconds < 8 + 10, (code, seconds, stderr, job.workers, job.rank1)
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"hybridpar: error: rank 1 (pid {job.rank1}) is stopped (SIGSTOP) and has not responded"), stderr
+    assert stderr.count("error") == 1 and not [p for p in job.workers if _running(p)]
+
+
+def test_a_killed_rank_ends_the_job_naming_it(tmp_path):
+    with Launched(tmp_path, "checkpoint.every=-1") as job:
+        os.kill(job.rank1, signal.SIGKILL)
+        code, seconds, stderr = job.finish(within_s=60)
+    assert code == 1 and seconds < 10, (code, seconds, stderr)
+    assert stderr.strip().splitlines()[-1] == (f"hybridpar: error: rank 1 (pid {job.rank1}) was killed by SIGKILL; the "
+                                               "job was stopped. Resume from the last checkpoint with checkpoint.resume=auto.")
+    assert stderr.count("error") == 1, stderr
+    assert not [p for p in job.workers if _running(p)]

@@ -1,8 +1,11 @@
-"""Run configs: YAML + dotted overrides, and clear errors for keys that do not exist."""
+"""Run configs: YAML 1.2 + dotted overrides, and one clear message for every bad key or value."""
+
+import dataclasses
+import typing
 
 import pytest
 
-from hybridpar.config import ConfigError, load_config
+from hybridpar.config import RULES, ConfigError, RunConfig, load_config
 
 DEFAULT = "configs/tiny-hybrid.yaml"
 
@@ -19,17 +22,102 @@ def test_default_config_loads_and_overrides_apply():
     [
         (["train.stpes=3"], r"unknown config key\(s\) \['train.stpes'\]"),
         (["trian.steps=3"], r"unknown config key\(s\) \['trian'\]"),
-        (["train.steps=many"], "train.steps='many' has type str; expected int"),
-        (["parallel.sequence_parallel=3"], "expected bool"),
+        (["train.steps=many"], r"train.steps='many' is invalid: it must be an integer \(got str\)"),
+        (["parallel.sequence_parallel=3"], "must be true or false"),
+        (["tensorboard=yes"], "tensorboard='yes' is invalid: it must be true or false"),  # YAML 1.2: 'yes' is a string
         (["train.steps"], "is not key=value"),
         (["train=3"], "must be a mapping"),
     ],
 )
-def test_bad_keys_and_values_name_the_key(overrides, message):
+def test_bad_keys_and_types_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEFAULT, overrides)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.steps=0", "train.steps=-3", "train.log_every=0", "train.grad_clip=-1", "train.grad_clip=0",
+        "checkpoint.keep=0", "checkpoint.every=-2", "data.packs_per_step=0", "data.pack_size=0", "train.lr=-1",
+        "train.lr=0", "train.lr=.nan", "train.lr=.inf", "train.min_lr_ratio=1.5", "train.warmup_steps=-1",
+        "train.weight_decay=-0.1", "train.betas=[0.9,1.0]", "train.betas=[0.9]", "train.eval_every=-1",
+        "train.eval_packs=0", "train.collective_timeout_s=0", "train.max_nonfinite_skips=-1", "data.seed=-1",
+        "train.seed=-5", "parallel.cp=0", "parallel.tp=-2", "parallel.dp_shard=0", "parallel.dp_replicate=0",
+        "data.pad_to_multiple_of=0",
+    ],
+)
+def test_numbers_out_of_range_name_key_value_rule_and_fix(override):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as error:
+        load_config(DEFAULT, [override])
+    message = str(error.value)
+    assert message.startswith(f"{key}=") and "is invalid: it must be" in message and f"e.g. {key}=" in message
+    assert len(message.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "override, choices",
+    [
+        ("model.dtype=float16", "'float32', 'float64', 'bfloat16'"),
+        ("model.preset=huge", "'nemotronh-8b', 'small', 'tiny'"),
+        ("model.export_architecture=GPT2LMHeadModel", "'BambaForCausalLM'"),
+        ("data.task=parquet", "'mqar', 'selective_copy', 'text', 'jsonl'"),
+        ("parallel.cp_attention=ring", "'allgather', 'ulysses'"),
+        ("parallel.cp_mamba=ring", "'a2a', 'state'"),
+        ("parallel.mixed_precision=fp16", "'bf16' or null"),
+        ("train.on_nonfinite=ignore", "'stop', 'skip'"),
+        ("checkpoint.if_exists=append", "'refuse', 'overwrite', 'new_subdir'"),
+        ("output_dir=''", "a non-empty path"),
+    ],
+)
+def test_strings_outside_their_choices_list_the_choices(override, choices):
+    with pytest.raises(ConfigError, match=f"is invalid: it must be .*{choices}"):
+        load_config(DEFAULT, [override])
+
+
+def test_yaml_1_2_numbers_in_files_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1e-3\n  weight_decay: 5E-2\n  min_lr_ratio: .5\n  steps: 010\n"
+                    "  betas: [0.9, 95e-2]\ndata:\n  seed: 0x10\n")
+    config = load_config(path, ["train.grad_clip=2e0", "train.warmup_steps=+3"])
+    assert (config.train.lr, config.train.weight_decay, config.train.min_lr_ratio) == (1e-3, 5e-2, 0.5)
+    assert config.train.steps == 10 and config.data.seed == 16 and config.train.betas == (0.9, 0.95)
+    assert config.train.grad_clip == 2.0 and config.train.warmup_steps == 3
+
+
+def test_yaml_syntax_errors_name_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  steps: 3\n  lr: [0.1\nmodel:\n  dtype: float32\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml' is not valid YAML at line \d+, column \d+"):
+        load_config(path)
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override", ["train.betas=[0.9,", "model.overrides={pattern: ", "train.lr='1e-3"])
+def test_malformed_overrides_are_one_clean_error(override):
+    with pytest.raises(ConfigError, match=r"override .* has a malformed value .*write it as a YAML value"):
+        load_config(DEFAULT, [override])
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def _keys(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _keys(hint, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name
+
+
+def test_every_key_has_a_rule_and_every_rule_a_key():
+    """A new config key must come with its rule (range or choices) in config.RULES."""
+    keys = set(_keys(RunConfig))
+    assert keys == set(RULES), (sorted(keys - set(RULES)), sorted(set(RULES) - keys))
+    defaults = load_config()  # every default satisfies its own rule
+    assert defaults.train.collective_timeout_s > 0 and defaults.checkpoint.if_exists == "refuse"

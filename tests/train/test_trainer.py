@@ -36,7 +36,7 @@ def test_default_job_learns_mqar_on_four_ranks(tmp_path):
 
 
 RESUME = ["model.dtype=float64", "train.steps=6", "train.log_every=1", "train.eval_every=0",
-          "data.pad_to_multiple_of=4", "data.packs_per_step=2"] + QUIET
+          "data.packs_per_step=2"] + QUIET  # no padding option: a resumed run keeps the checkpoint's
 
 
 def _steps(rank, world_size, directory, layout, stop_after=None, checkpoint_every=3):
@@ -54,8 +54,10 @@ TP2 = ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]
 
 
 def test_resume_gives_the_same_losses_at_the_same_and_at_another_layout_and_world_size(tmp_path):
-    """Steps 1-3, a checkpoint, steps 4-6 resumed: equal to 6 uninterrupted steps (float64),
-    resumed under the same layout, another layout, and on 2 ranks instead of 4."""
+    """Steps 1-3 at cp=2 x tp=2, a checkpoint, steps 4-6 resumed: equal to 6 uninterrupted
+    steps (float64), resumed under the same layout, another layout, and at tp=2 on 2 ranks
+    instead of 4. No padding option is given: at cp=1 the resumed runs keep the 2*cp=4
+    padding the checkpoint recorded, so they see the same batches."""
     reference = run_ranks(4, _steps, str(tmp_path / "straight"), CP2_TP2, None, -1, timeout_s=600)[0]
     resumed = {}
     for name, world_size, layout in [("same", 4, CP2_TP2), ("other layout", 4, DP2_TP2), ("2 ranks", 2, TP2)]:
@@ -116,6 +118,7 @@ def _cli(rank, world_size, argv):
 
 
 def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
+    """In a process group the caller made (no launcher to print once), every rank says it once."""
     corrupt = tmp_path / "corrupt"
     good = [f"output_dir={tmp_path / 'good'}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
             "train.steps=1", "train.eval_every=0", "checkpoint.every=1"] + QUIET
@@ -128,9 +131,10 @@ def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
         (["parallel.cp=3"], "but the world size is 2"),
         (["parallel.cp=1", "parallel.tp=2", "model.overrides={mamba_num_heads: 6, mamba_n_groups: 3}"],
          "n_groups.*3.*tp"),
-        (["parallel.cp_mamba=ring"], "unknown cp_mamba"),
-        (["data.task=jsonl"], "is not a file"),
-        ([f"checkpoint.resume={corrupt}"], "could not be loaded"),
+        (["parallel.cp_mamba=ring"], "parallel.cp_mamba='ring' is invalid: it must be one of 'a2a', 'state'"),
+        (["data.task=jsonl", "data.task_options={}"], "is not a file"),
+        (["train.steps=0"], "train.steps=0 is invalid: it must be an integer >= 1"),
+        ([f"checkpoint.resume={corrupt}"], r"checkpoint.resume=.*corrupt' cannot be loaded: .*__0_0.distcp has 16 bytes but the manifest"),
     ]
     base = ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=2",
             f"output_dir={tmp_path / 'bad'}"] + QUIET

@@ -221,6 +221,57 @@ def _paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return found
 
 
+TEXT_SPLITS = ("paragraph", "line", "file")
+
+
+def read_text_file(path: Path) -> str:
+    """A file's text as UTF-8 (``\\r\\n`` read as ``\\n``); a ValueError names the file, line and byte."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        looks = "looks binary" if b"\0" in data[:8192] else "is not UTF-8 text"
+        raise ValueError(
+            f"{path}:{line}: byte {error.start} (0x{data[error.start]:02x}) is not UTF-8; the file {looks}: convert it "
+            "to UTF-8 (e.g. iconv -f latin1 -t utf-8) or point data.path at a text file."
+        ) from None
+    return text.replace("\r\n", "\n")
+
+
+def _document_at(tokenizer, text: str, path, line: int, add_bos: bool | None, add_eos: bool | None) -> list[int]:
+    """``tokenizer.document(text)`` for text that starts at ``line`` of ``path``; errors name the line."""
+    try:
+        return tokenizer.document(text, add_bos, add_eos)
+    except ValueError as error:
+        if not isinstance(tokenizer, ByteTokenizer):
+            raise ValueError(f"{path}:{line}: {error}") from None
+        data = text.encode("utf-8")
+        reserved = bytes((tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id))
+        at = next((i for i, b in enumerate(data) if b in reserved), None)
+        if at is None:
+            raise ValueError(f"{path}:{line}: {error}") from None
+        line += data.count(b"\n", 0, at)
+        raise ValueError(
+            f"{path}:{line}: contains the control byte {data[at]} (NUL, STX and ETX mark "
+            "padding and document ends; a NUL usually means a binary file); remove those bytes or point data.path at "
+            "a text file."
+        ) from None
+
+
+def _text_parts(text: str, split: str) -> list[tuple[int, str]]:
+    """``(first line number, text)`` of each document of ``text`` under ``split``."""
+    if split == "file":
+        return [(1, text)]
+    if split == "line":
+        return [(number, line) for number, line in enumerate(text.split("\n"), start=1)]
+    parts, line = [], 1
+    for part in text.split("\n\n"):  # paragraphs: separated by a blank line
+        parts.append((line, part))
+        line += part.count("\n") + 2
+    return parts
+
+
 def text_documents(
     paths: str | Path | Iterable[str | Path],
     split: str = "file",
@@ -228,17 +279,18 @@ def text_documents(
     add_bos: bool | None = None,
     add_eos: bool | None = None,
 ) -> list[list[int]]:
-    """Documents from plain text files: one per file, per non-empty line (``"line"``) or per
-    blank-line-separated paragraph (``"paragraph"``). ``tokenizer``: anything ``as_tokenizer``
-    takes (None = bytes); ``add_bos``/``add_eos`` as in ``Tokenizer.document``."""
-    if split not in ("file", "line", "paragraph"):
-        raise ValueError(f"split={split!r} must be 'file', 'line' or 'paragraph'.")
+    """Documents from plain UTF-8 text files: one per file (``"file"``), per non-empty line
+    (``"line"``) or per blank-line-separated paragraph (``"paragraph"``). ``tokenizer``: anything
+    ``as_tokenizer`` takes (None = bytes); ``add_bos``/``add_eos`` as in ``Tokenizer.document``.
+    Errors name the file and line."""
+    if split not in TEXT_SPLITS:
+        raise ValueError(f"split={split!r} must be one of {list(TEXT_SPLITS)}.")
     tokenizer = as_tokenizer(tokenizer)
     docs = []
     for path in _paths(paths):
-        text = path.read_text(encoding="utf-8")
-        parts = {"file": [text], "line": text.splitlines(), "paragraph": text.split("\n\n")}[split]
-        docs.extend(tokenizer.document(p, add_bos, add_eos) for p in parts if p.strip())
+        for line, part in _text_parts(read_text_file(path), split):
+            if part.strip():
+                docs.append(_document_at(tokenizer, part, path, line, add_bos, add_eos))
     return docs
 
 
@@ -249,26 +301,33 @@ def jsonl_documents(
     add_bos: bool | None = None,
     add_eos: bool | None = None,
 ) -> list[list[int]]:
-    """Documents from JSON-lines files, one per record, from its ``text_field`` string."""
+    """Documents from JSON-lines files, one per record, from its ``text_field`` string.
+    Errors name the file and line."""
     tokenizer = as_tokenizer(tokenizer)
     docs = []
     for where, record in read_jsonl(paths):
         if not isinstance(record.get(text_field), str):
-            raise ValueError(f"{where} has no string field {text_field!r} (keys: {sorted(record)}); pass text_field=.")
-        docs.append(tokenizer.document(record[text_field], add_bos, add_eos))
+            raise ValueError(f"{where} has no string field {text_field!r} (keys: {sorted(record)}); pass text_field= "
+                             "(data.task_options.text_field) or fix the record.")
+        path, line = where.rsplit(":", 1)
+        docs.append(_document_at(tokenizer, record[text_field], path, int(line), add_bos, add_eos))
     return docs
 
 
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-empty line; ValueError naming the line otherwise."""
     for path in _paths(paths):
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(read_text_file(path).split("\n"), start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number} is not valid JSON ({error}); write one JSON object per line.") from None
+                raise ValueError(
+                    f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); every line must be one "
+                    "JSON object: fix or remove that line."
+                ) from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object.")
+                raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object; write one JSON "
+                                 "object per line.")
             yield f"{path}:{number}", record

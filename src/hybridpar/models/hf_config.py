@@ -68,7 +68,16 @@ def read_hf_config(path: str | Path) -> dict:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found; a Hugging Face checkpoint directory needs {CONFIG_FILE}.")
-    return _decode_floats(json.loads(file.read_text()))
+    try:
+        hf = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
+        raise ValueError(f"{file} is not valid JSON{where} ({getattr(error, 'msg', error)}); restore the "
+                         "checkpoint's config.json.") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file} holds a JSON {type(hf).__name__}, not an object of config fields; restore the "
+                         "checkpoint's config.json (it starts with '{').")
+    return _decode_floats(hf)
 
 
 def architecture_of(hf: dict) -> str:

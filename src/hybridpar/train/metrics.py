@@ -1,34 +1,57 @@
-"""Observability: one line per step on rank 0, JSONL metrics, TensorBoard, a loss-curve PNG."""
+"""Observability: one line per step on rank 0, JSONL metrics, TensorBoard, a loss-curve PNG.
+
+``metrics.jsonl`` is strict JSON, one object per step: a non-finite value is ``null``. A
+resumed run first drops the records after its checkpoint's step, so every step appears once.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 from pathlib import Path
+
+
+def notice(text: str) -> None:
+    """A one-line warning for the user (callers print it from rank 0 only)."""
+    print(f"hybridpar: warning: {text}", file=sys.stderr, flush=True)
+
+
+def _json_value(value):
+    value = float(value)
+    return value if math.isfinite(value) else None
 
 
 class MetricsLogger:
     """Writes metrics from rank 0 only; every other rank gets a silent logger."""
 
-    def __init__(self, output_dir: str | Path, rank: int, tensorboard: bool = True, plot: bool = True, append: bool = False):
+    def __init__(self, output_dir: str | Path, rank: int, tensorboard: bool = True, plot: bool = True, resume_step: int = 0):
         self.enabled = rank == 0
         self.output_dir = Path(output_dir)
         self.plot = plot
-        self.history: list[dict] = []
+        self.history: list[dict] = []  # the steps of this process
+        self._earlier: list[dict] = []  # records up to the resumed step, for the curve
         self._writer = None
         self._jsonl = None
         self._last_time = time.perf_counter()
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a" if append else "w")  # append when resuming
+        path = self.output_dir / "metrics.jsonl"
+        if resume_step and path.is_file():
+            self._earlier = [r for r in _read_records(path) if r.get("step", 0) <= resume_step]
+        self._jsonl = open(path, "w")
+        for record in self._earlier:
+            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._writer = SummaryWriter(str(self.output_dir / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self._writer = None
+            except ImportError:
+                notice("tensorboard=true but the tensorboard package is not installed, so no TensorBoard logs are "
+                       "written; pip install 'hybridpar[tensorboard]' or set tensorboard=false.")
 
     def log(self, step: int, metrics: dict, tokens: int | None = None, echo: bool = True) -> None:
         """Record one step; adds tokens/s (from ``tokens`` since the previous call)."""
@@ -38,13 +61,13 @@ class MetricsLogger:
         self._last_time = now
         if not self.enabled:
             return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
         self.history.append(record)
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._writer is not None:
             for key, value in record.items():
-                if key != "step":
+                if key != "step" and value is not None:
                     self._writer.add_scalar(key, value, step)
         if echo:
             print(format_line(record), flush=True)
@@ -56,7 +79,20 @@ class MetricsLogger:
         self._jsonl.close()
         if self._writer is not None:
             self._writer.close()
-        return plot_loss_curve(self.history, self.output_dir / "loss_curve.png") if self.plot else None
+        return plot_loss_curve(self._earlier + self.history, self.output_dir / "loss_curve.png") if self.plot else None
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (an unreadable line is skipped)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append({k: _json_value(v) if isinstance(v, float) else v for k, v in record.items()})
+    return records
 
 
 def format_line(record: dict) -> str:
@@ -64,10 +100,11 @@ def format_line(record: dict) -> str:
     parts = [f"step {record['step']:>5d}"]
     formats = {"loss": "loss {:.4f}", "grad_norm": "grad_norm {:.3f}", "lr": "lr {:.2e}",
                "tokens_per_s": "{:,.0f} tok/s", "peak_memory_gib": "peak {:.2f} GiB",
-               "eval_loss": "eval_loss {:.4f}", "eval_accuracy": "eval_acc {:.3f}"}
+               "eval_loss": "eval_loss {:.4f}", "eval_accuracy": "eval_acc {:.3f}",
+               "skipped_steps": "skipped {:.0f} non-finite steps"}
     for key, fmt in formats.items():
         if key in record:
-            parts.append(fmt.format(record[key]))
+            parts.append(fmt.format(record[key]) if record[key] is not None else f"{key} non-finite")
     return " | ".join(parts)
 
 
@@ -81,8 +118,8 @@ def plot_loss_curve(history: list[dict], path: Path) -> Path | None:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
-    train = [(r["step"], r["loss"]) for r in history if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
+    train = [(r["step"], r["loss"]) for r in history if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
     if train:
         ax.plot(*zip(*train), label="train loss")
     if evals:

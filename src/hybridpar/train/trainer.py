@@ -6,14 +6,21 @@
         count valid tokens of the whole step over dp              (one all-reduce)
         per pack: shard over cp (and tp for sequence parallel) -> model(..., labels) -> loss_sum
                   (blockwise LM head + cross entropy, no logits) / global count -> backward
-        clip the global gradient norm, AdamW step, lr schedule
+        clip the global gradient norm; a non-finite loss or norm stops (or skips) the step
+        AdamW step, lr schedule; a checkpoint (finite weights only) every checkpoint.every
+
+A run resumes exactly or not at all: the checkpoint records the model shape and the data
+stream, and ``resume`` refuses a different one (see ``train/run_dir.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,13 +34,18 @@ from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.fsdp import set_micro_batch
 from hybridpar.parallel.inputs import shard_inputs
-from hybridpar.parallel.parallelize import parallelize, validate_parallelize
+from hybridpar.parallel.parallelize import parallelize
 from hybridpar.parallel.state import canonical_state_dict
-from hybridpar.train.batches import PackStream
-from hybridpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridpar.train.batches import PackStream, pad_multiple, validate_data
+from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.loss import global_sum, valid_token_count
-from hybridpar.train.metrics import MetricsLogger, peak_memory_gib
+from hybridpar.train.metrics import MetricsLogger, notice, peak_memory_gib
+from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from hybridpar.train.preflight import export_target_problem, parallel_dims, validate_export, validate_layout
+from hybridpar.train.run_dir import data_stream, model_signature, prepare_output_dir
+
+__all__ = ["Trainer", "build_model", "pack_tensors", "parallel_dims", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -47,11 +59,6 @@ def build_model(config: RunConfig) -> HybridLM:
     if config.model.hf_path:
         return HybridLM.from_hf(config.model.hf_path, dtype=dtype)
     return HybridLM(HybridConfig.from_preset(config.model.preset, dtype=dtype, **config.model.overrides))
-
-
-def parallel_dims(config: RunConfig) -> ParallelDims:
-    p = config.parallel
-    return ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp)
 
 
 @dataclass
@@ -90,19 +97,20 @@ class Trainer:
         self.config = config
         self.device = device
         self.rank = dist.get_rank()
+        p, world = config.parallel, dist.get_world_size()
+        self.say(f"building the model ({config.model.hf_path or 'preset ' + config.model.preset}, {config.model.dtype}) "
+                 f"on {world} process{'es' * (world > 1)}: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
+                 f"cp={p.cp} tp={p.tp}")
         # Everything that can be wrong with the input is found before the first collective.
         model = build_model(config)
         self.vocab_size = model.config.vocab_size
-        p = config.parallel
-        validate_parallelize(
-            model, parallel_dims(config), cp_attention_strategy=p.cp_attention,
-            cp_mamba_strategy=p.cp_mamba, sequence_parallel=p.sequence_parallel, mixed_precision=p.mixed_precision,
-            reshard_after_forward=p.reshard_after_forward, compile=p.compile,
-        )
-        cp = p.cp
-        self.train_data = PackStream(config.data, cp, self.vocab_size, config.train.steps)
-        eval_config = dataclasses.replace(config.data, packs_per_step=max(config.train.eval_packs, 1))
-        self.eval_data = PackStream(eval_config, cp, self.vocab_size, 1, seed_offset=10_000)
+        validate_layout(config, dist.get_world_size(), model=model)
+        validate_data(config.data, self.vocab_size)
+        validate_export(config, model.config)  # before training, not after it
+        self.signature = model_signature(model.config)
+        self.pad = pad_multiple(config.data, p.cp)
+        self.train_data = PackStream(config.data, p.cp, self.vocab_size, pad_to_multiple_of=self.pad)
+        self._eval_data = None
         self.layout = Layout.build(config, device.type)
         self.model = parallelize(
             model, self.layout.dims, mesh=self.layout.mesh,
@@ -114,7 +122,25 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, config.train)
         self.scheduler = build_scheduler(self.optimizer, config.train)
+        self.guard = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
         self.start_step = 0
+        self.output_dir = config.output_dir
+        self.run_id = None
+        self.last_checkpoint = None
+        self._lock = None
+
+    def say(self, text: str) -> None:
+        """A progress line from rank 0."""
+        if self.rank == 0:
+            print(text, flush=True)
+
+    @property
+    def eval_data(self) -> PackStream:
+        if self._eval_data is None:
+            eval_config = dataclasses.replace(self.config.data, packs_per_step=self.config.train.eval_packs)
+            self._eval_data = PackStream(eval_config, self.config.parallel.cp, self.vocab_size, seed_offset=10_000,
+                                         pad_to_multiple_of=self.pad)
+        return self._eval_data
 
     # -- one step ---------------------------------------------------------------------------
     def forward_loss_sum(self, pack: dict, predictions: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -142,13 +168,23 @@ class Trainer:
         return global_sum(loss_total, self.layout.dp_cp_group) / count
 
     def train_step(self, step: int) -> dict:
+        """One optimizer step; a non-finite loss or gradient norm is stopped (or skipped) by the guard."""
         loss = self.step_gradients(step)
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        metrics = {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr}
+        try:
+            apply = self.guard.check(step + 1, metrics["loss"], metrics["grad_norm"], lr)
+        except NonFiniteError as error:
+            error.metrics = metrics
+            raise
+        if apply:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr}
+        if self.guard.skipped:
+            metrics["skipped_steps"] = self.guard.skipped
+        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -163,42 +199,99 @@ class Trainer:
         return {"eval_loss": float(sums[0] / sums[2].clamp(min=1)), "eval_accuracy": float(sums[1] / sums[2].clamp(min=1))}
 
     def export_hf(self, path: str) -> None:
-        """Gather the full weights and write them (rank 0) in the Hugging Face format."""
+        """Gather the full weights and write them (rank 0) in the Hugging Face format: into a
+        temporary directory renamed to ``path``, so nothing there is ever overwritten."""
         state = canonical_state_dict(self.model)
         if self.rank == 0:
+            target = Path(path)
+            problem = export_target_problem(target, self.config.model.hf_path)
+            if problem:  # appeared during training: keep the trained weights next to it
+                target = target.with_name(f"{target.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+                notice(f"model.export_hf={path!r} cannot be written now ({problem}); exporting to {target} instead.")
             single = HybridLM(self.model.config)
             single.load_state_dict(state, strict=not self.model.config.tie_word_embeddings)
             for attribute in ("hf_config", "hf_prefix"):
                 if hasattr(self.model, attribute):
                     setattr(single, attribute, getattr(self.model, attribute))
-            single.save_hf(path, architecture=self.config.model.export_architecture)
-            print(f"exported Hugging Face checkpoint: {path}", flush=True)
+            staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+            single.save_hf(staging, architecture=self.config.model.export_architecture)
+            if target.is_dir():
+                target.rmdir()  # empty (checked above)
+            staging.rename(target)
+            print(f"exported Hugging Face checkpoint: {target}", flush=True)
         dist.barrier()
 
     # -- the loop -----------------------------------------------------------------------------
     def resume(self) -> None:
-        ckpt = self.config.checkpoint
-        directory = f"{self.config.output_dir}/checkpoints"
-        path = latest_checkpoint(directory) if ckpt.resume == "auto" else ckpt.resume
-        if path is not None:
-            state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-            self.start_step = state["step"]
-            if self.rank == 0:
-                print(f"resumed from {path} at step {self.start_step}", flush=True)
+        """Lock the output directory, pick the checkpoint (or refuse), and load it."""
+        plan, self._lock = prepare_output_dir(self.config, self.signature)
+        for note in plan.notes if self.rank == 0 else ():
+            if note.startswith("warning: "):
+                notice(note.removeprefix("warning: "))
+            else:
+                print(note, flush=True)
+        self.output_dir, self.run_id = plan.output_dir, plan.run_id
+        if plan.checkpoint is None:
+            return
+        if plan.pad_to_multiple_of != self.pad:  # continue with the checkpoint's padding: the same batches
+            self.pad, self._eval_data = plan.pad_to_multiple_of, None
+            self.train_data = PackStream(self.config.data, self.config.parallel.cp, self.vocab_size,
+                                         pad_to_multiple_of=self.pad)
+        state = load_checkpoint(plan.checkpoint, self.model, self.optimizer, self.scheduler)
+        self.start_step = state["step"]
+        self.guard.skipped = state.get("nonfinite_skips", 0)
+        self.last_checkpoint = plan.checkpoint
+        self.say(f"resumed from {plan.checkpoint} at step {self.start_step}")
+
+    def save(self, step: int) -> None:
+        """A checkpoint of ``step``, only if every weight and optimizer state is finite."""
+        started = time.perf_counter()
+        kept = f"the last one, {self.last_checkpoint}, is kept" if self.last_checkpoint else "there is none before it"
+        assert_finite_state({"model": dict(self.model.named_parameters()),
+                             "optim": {str(i): s for i, s in enumerate(self.optimizer.state.values())}}, step, kept)
+        run_info = {"run_id": self.run_id, "model": self.signature, "data": data_stream(self.config, self.pad),
+                    "config": to_dict(self.config)}
+        path = save_checkpoint(f"{self.output_dir}/checkpoints", step, self.model, self.optimizer, self.scheduler,
+                               extra={"config": to_dict(self.config), "nonfinite_skips": self.guard.skipped},
+                               keep=self.config.checkpoint.keep, run_info=run_info)
+        self.last_checkpoint = str(path)
+        self.say(f"saved checkpoint {path} ({time.perf_counter() - started:.1f} s)")
 
     def fit(self, stop_after: int | None = None) -> list[dict]:
         """Train to ``train.steps`` (or stop after step ``stop_after``, as an interruption
         would); returns the metrics history (rank 0)."""
         cfg = self.config
         self.resume()
-        logger = MetricsLogger(cfg.output_dir, self.rank, cfg.tensorboard, cfg.plot, append=self.start_step > 0)
-        directory = f"{cfg.output_dir}/checkpoints"
+        logger = MetricsLogger(self.output_dir, self.rank, cfg.tensorboard, cfg.plot, resume_step=self.start_step)
+        try:
+            self._loop(logger, cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps))
+            if cfg.model.export_hf:
+                self.export_hf(cfg.model.export_hf)
+        finally:
+            plot = logger.close()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+        if plot is not None:
+            print(f"loss curve: {plot}", flush=True)
+        return logger.history
+
+    def _loop(self, logger: MetricsLogger, end: int) -> None:
+        cfg = self.config
+        every = cfg.checkpoint.every
         self.model.train()
-        for step in range(self.start_step, cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)):
+        if self.start_step < end:
+            self.say(f"first step: training steps {self.start_step + 1}-{end} of {cfg.train.steps} "
+                     "(the first one also warms up)")
+        for step in range(self.start_step, end):
             started = time.perf_counter()
-            metrics = self.train_step(step)
-            tokens = cfg.data.packs_per_step * cfg.data.pack_size
-            metrics["tokens_per_s"] = tokens / (time.perf_counter() - started)
+            try:
+                metrics = self.train_step(step)
+            except NonFiniteError as error:
+                logger.log(step + 1, getattr(error, "metrics", {}), echo=True)
+                raise
+            metrics["tokens_per_s"] = cfg.data.packs_per_step * cfg.data.pack_size / (time.perf_counter() - started)
             metrics["peak_memory_gib"] = peak_memory_gib()
             last = step + 1 == cfg.train.steps
             if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
@@ -207,12 +300,5 @@ class Trainer:
                 self.model.train()
             echo = step == self.start_step or (step + 1) % cfg.train.log_every == 0 or last or "eval_loss" in metrics
             logger.log(step + 1, metrics, echo=echo)  # every step goes to metrics.jsonl and the curve
-            if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or (last and cfg.checkpoint.every >= 0):
-                save_checkpoint(directory, step + 1, self.model, self.optimizer, self.scheduler,
-                                extra={"config": to_dict(cfg)}, keep=cfg.checkpoint.keep)
-        if cfg.model.export_hf:
-            self.export_hf(cfg.model.export_hf)
-        plot = logger.close()
-        if plot is not None:
-            print(f"loss curve: {plot}", flush=True)
-        return logger.history
+            if (every > 0 and (step + 1) % every == 0) or (last and every >= 0):  # -1: never
+                self.save(step + 1)

@@ -1,0 +1,201 @@
+"""Everything that can be wrong with a run, found before any process group exists.
+
+One function per concern, shared by every entry point so they cannot disagree:
+
+- ``validate_layout``: the degrees against the world size, the model's heads and groups
+  against tp and cp (on a shape-only ``meta`` model), the data shape against the layout.
+  ``hybridpar plan``, the launcher and every rank call it.
+- ``validate_run``: the layout, the data task and files, the export target and the output
+  directory (lock, earlier runs, the checkpoint to resume). The launcher calls it before
+  torchrun starts, so a config error exits 2 with one message at any process count.
+
+Rules between keys live here; rules of a single value live in ``config.RULES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of
+from hybridpar.parallel.dims import ParallelDims
+from hybridpar.train.batches import pad_multiple, validate_data
+
+
+# Rules of the HybridConfig fields ``model.overrides`` may set (types come from the dataclass).
+MODEL_RULES: dict[str, Rule] = {
+    **{name: integer(1) for name in ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups",
+                                     "ssm_state_size", "conv_kernel", "chunk_size", "num_attention_heads",
+                                     "num_key_value_heads", "head_dim", "intermediate_size")},
+    "rope_theta": number(0, low_open=True), "rotary_fraction": number(0, 1), "norm_eps": number(0, low_open=True),
+    "initializer_range": number(0), "mlp_activation": one_of("silu", "relu2", "gelu"),
+    "time_step_limit": Rule("[low, high] with 0 <= low <= high", lambda v: len(v) == 2 and 0 <= v[0] <= v[1]),
+}
+
+
+def parallel_dims(config: RunConfig) -> ParallelDims:
+    p = config.parallel
+    return ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp)
+
+
+def model_config(config: RunConfig):
+    """The ``HybridConfig`` of ``model.*`` (preset + overrides, or ``model.hf_path``'s config.json)."""
+    import torch
+
+    from hybridpar.models.hybrid import HybridConfig
+
+    dtype = getattr(torch, config.model.dtype)
+    if config.model.hf_path:
+        from hybridpar.models.hf_config import config_from_hf, read_hf_config
+
+        if config.model.overrides:
+            raise ConfigError(f"model.overrides={config.model.overrides} cannot change a model loaded from model.hf_path; "
+                              "remove the overrides or edit the checkpoint's config.json.")
+        path = Path(config.model.hf_path)
+        if not path.is_dir():
+            raise ConfigError(f"model.hf_path={str(path)!r} is not a directory; point it at a Hugging Face checkpoint "
+                              "directory (config.json + model.safetensors).")
+        try:
+            return config_from_hf(read_hf_config(path), dtype)
+        except (ValueError, TypeError, KeyError) as error:
+            raise ConfigError(f"model.hf_path={str(path)!r}: {path / 'config.json'} cannot be used: {error}") from None
+    hints = typing.get_type_hints(HybridConfig)
+    fields = {f.name for f in dataclasses.fields(HybridConfig)} - {"dtype"}
+    unknown = sorted(set(config.model.overrides) - fields)
+    if unknown:
+        raise ConfigError(f"model.overrides has unknown field(s) {unknown}; HybridConfig fields are {sorted(fields)}.")
+    overrides = {}
+    for name, value in config.model.overrides.items():
+        key = f"model.overrides.{name}"
+        overrides[name] = coerce_value(value, hints[name], key)
+        rule = MODEL_RULES.get(name)
+        if rule is not None and not rule.holds(overrides[name]):
+            raise invalid(key, value, str(rule.text), f"e.g. {key}={getattr(HybridConfig(), name)!r} (the tiny default)")
+    try:
+        return HybridConfig.from_preset(config.model.preset, dtype=dtype, **overrides)
+    except (ValueError, TypeError, ZeroDivisionError) as error:
+        raise ConfigError(f"model.overrides={config.model.overrides} do not make a valid "
+                          f"{config.model.preset!r} model: {error}") from None
+
+
+def meta_model(shape):
+    """A ``HybridLM`` of ``shape`` on the meta device: its modules, without memory or time."""
+    import torch
+
+    from hybridpar.models.hybrid import HybridLM
+
+    with torch.device("meta"):
+        return HybridLM(shape)
+
+
+def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> None:
+    """The CP strategies' own head/group rules, for the heads each TP rank will hold at ``dims.cp``."""
+    from hybridpar.models.attention import Attention
+    from hybridpar.models.mamba2 import Mamba2Mixer
+    from hybridpar.parallel import cp_attention, cp_mamba
+
+    attention_core, mamba_core = cp_attention.STRATEGIES[attention](None), cp_mamba.STRATEGIES[mamba](None)
+    attention_core.cp_size = mamba_core.cp_size = dims.cp  # what the CP group will have
+    for name, module in model.named_modules():
+        try:
+            if isinstance(module, Mamba2Mixer):
+                mamba_core.validate(module.num_heads // dims.tp, module.n_groups // dims.tp)
+            elif isinstance(module, Attention):
+                attention_core.validate_heads(module.num_heads // dims.tp, module.num_kv_heads // dims.tp)
+        except ValueError as error:
+            raise ConfigError(f"parallel.cp={dims.cp} with parallel.tp={dims.tp}: module {name!r}: {error}") from None
+
+
+def validate_layout(config: RunConfig, world_size: int | None = None, model=None, shape=None):
+    """Raise ``ValueError`` naming the key if the layout cannot run; returns the model shape.
+
+    ``world_size=None`` takes the product of the degrees (``plan``); ``model`` (default: a
+    meta model of ``shape``) is what will be parallelized.
+    """
+    from hybridpar.parallel.parallelize import validate_parallelize
+
+    p, data = config.parallel, config.data
+    dims = parallel_dims(config)
+    if world_size is not None:
+        dims.validate(world_size)
+    shape = shape if shape is not None else (model.config if model is not None else model_config(config))
+    model = model if model is not None else meta_model(shape)
+    validate_parallelize(model, dims, cp_attention_strategy=p.cp_attention, cp_mamba_strategy=p.cp_mamba,
+                         sequence_parallel=p.sequence_parallel, mixed_precision=p.mixed_precision,
+                         activation_checkpointing=p.activation_checkpointing,
+                         reshard_after_forward=p.reshard_after_forward, compile=p.compile)
+    if dims.cp > 1:
+        _cp_head_checks(model, dims, p.cp_attention, p.cp_mamba)
+    multiple = pad_multiple(data, p.cp)
+    if multiple % (2 * p.cp):
+        raise ConfigError(f"data.pad_to_multiple_of={multiple} is not a multiple of 2*cp={2 * p.cp}; every padded "
+                          f"document must split into 2*cp equal chunks: use a multiple of {2 * p.cp} or leave it null.")
+    if data.pack_size % multiple:
+        raise ConfigError(f"data.pack_size={data.pack_size} is not a multiple of the document padding {multiple} "
+                          f"(2*cp={2 * p.cp}); use data.pack_size={-(-data.pack_size // multiple) * multiple}.")
+    dp = dims.size("dp")
+    if data.packs_per_step % dp:
+        raise ConfigError(f"data.packs_per_step={data.packs_per_step} is not divisible by the data-parallel size "
+                          f"dp_replicate*dp_shard={dp}; use a multiple of {dp}.")
+    if config.train.eval_every and config.train.eval_packs % dp:
+        raise ConfigError(f"train.eval_packs={config.train.eval_packs} is not divisible by the data-parallel size {dp}; "
+                          f"use a multiple of {dp} (or train.eval_every=0).")
+    return shape
+
+
+def export_architecture(config: RunConfig) -> str | None:
+    """The architecture ``model.export_hf`` is written as (ConfigError if there is none)."""
+    if config.model.export_architecture or not config.model.export_hf:
+        return config.model.export_architecture
+    if config.model.hf_path:
+        from hybridpar.models.hf_config import architecture_of, read_hf_config
+
+        return architecture_of(read_hf_config(config.model.hf_path))
+    from hybridpar.models.hf_config import ARCHITECTURES
+
+    raise ConfigError(f"model.export_hf={config.model.export_hf!r} needs model.export_architecture (one of "
+                      f"{list(ARCHITECTURES)}) for a model not loaded from model.hf_path.")
+
+
+def export_target_problem(target: str | Path, source: str | None) -> str | None:
+    """Why ``target`` cannot receive an export without destroying something, or None."""
+    target = Path(target)
+    if source and target.resolve() == Path(source).resolve():
+        return f"it is model.hf_path, the checkpoint being fine-tuned; exporting there would overwrite the original"
+    if target.is_file():
+        return "it is a file"
+    if target.is_dir() and any(target.iterdir()):
+        return "it is a directory that is not empty; hybridpar never writes into one"
+    return None
+
+
+def validate_export(config: RunConfig, shape) -> None:
+    """``model.export_hf``: a representable architecture and a target that nothing would be lost in."""
+    if not config.model.export_hf:
+        return
+    architecture = export_architecture(config)
+    from hybridpar.models.hf_config import config_to_hf
+
+    if not config.model.hf_path or config.model.export_architecture:
+        try:
+            config_to_hf(shape, architecture)
+        except ValueError as error:
+            raise ConfigError(f"model.export_architecture={architecture!r} cannot hold this model: {error}") from None
+    problem = export_target_problem(config.model.export_hf, config.model.hf_path)
+    if problem:
+        raise ConfigError(f"model.export_hf={config.model.export_hf!r} cannot be written: {problem}; choose a new or "
+                          "empty directory.")
+
+
+def validate_run(config: RunConfig, command: str, world_size: int | None = None):
+    """Every check that needs no process group (the launcher's preflight); returns the model shape."""
+    shape = validate_layout(config, world_size)
+    validate_data(config.data, shape.vocab_size)
+    if command == "train":
+        from hybridpar.train.run_dir import check_lock_free, model_signature, plan_resume
+
+        validate_export(config, shape)
+        check_lock_free(config.output_dir)
+        plan_resume(config, model_signature(shape))
+    return shape

@@ -1,0 +1,61 @@
+"""YAML with the YAML 1.2 core schema's scalars, on PyYAML's safe loader.
+
+PyYAML implements YAML 1.1: ``1e-3`` is a string there (a float needs a dot), ``010`` is
+octal 8 and ``yes``/``on`` are booleans. ``Yaml12Loader`` keeps the safe loader and swaps
+its bool, int and float rules for YAML 1.2's (and drops 1.1's timestamps):
+
+    bool   true | True | TRUE | false | False | FALSE
+    int    [-+]?[0-9]+ (decimal) | 0o[0-7]+ | 0x[0-9a-fA-F]+
+    float  [-+]?(.[0-9]+ | [0-9]+(.[0-9]*)?)([eE][-+]?[0-9]+)? | [-+]?.inf | .nan
+"""
+
+from __future__ import annotations
+
+import re
+
+import yaml
+
+
+class YamlSyntaxError(ValueError):
+    """Text that is not YAML; the message names the source, line and column."""
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with the YAML 1.2 core schema's bool, int and float rules."""
+
+
+_REPLACED = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")
+Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _REPLACED]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                   list("-+0123456789"))
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"),
+)
+
+
+def _construct_int(loader, node) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def parse_yaml(text: str, source: str):
+    """``text`` as YAML 1.2; a syntax error names ``source``, the line and the column."""
+    try:
+        return yaml.load(text, Loader=Yaml12Loader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise YamlSyntaxError(f"{source} is not valid YAML{where}: {problem}; fix the YAML syntax there.") from None

@@ -1,0 +1,78 @@
+"""``hybridpar check`` cannot pass falsely: non-finite values fail, the tolerance must be a
+finite positive number, and only float64 results within 1e-9 are called exact."""
+
+import contextlib
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridpar.config import load_config
+from hybridpar.train.check import default_tolerance, within
+from tests.distributed.harness import run_ranks
+
+DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
+SMALL = ["parallel.cp=1", "parallel.tp=1", "parallel.sequence_parallel=false", "data.pack_size=64",
+         "data.task_options={min_len: 16, max_len: 32, num_kv_pairs: 2, vocab_size: 32}"]
+
+
+@pytest.mark.parametrize(
+    "difference, scale, tolerance, expected",
+    [(0.0, 1.0, 1e-9, True), (1e-10, 5.0, 1e-9, True), (1e-3, 1.0, 1e-9, False), (math.nan, 1.0, 1e-9, False),
+     (0.0, math.nan, 1e-9, False), (math.inf, 1.0, 1e-9, False), (0.0, math.inf, 1e-9, False)],
+)
+def test_the_pass_rule_fails_every_non_finite_value(difference, scale, tolerance, expected):
+    assert within(difference, scale, tolerance) is expected
+
+
+def test_default_tolerance_follows_the_dtype_the_step_runs_in():
+    assert default_tolerance(load_config(DEFAULT, ["model.dtype=float64"])) == 1e-9
+    assert default_tolerance(load_config(DEFAULT, ["model.dtype=float32"])) == 1e-4
+    assert default_tolerance(load_config(DEFAULT, ["parallel.mixed_precision=bf16"])) == 5e-2
+
+
+@pytest.mark.parametrize("tolerance", ["nan", "inf", "-1e-6", "0"])
+def test_a_tolerance_that_is_not_finite_and_positive_is_refused(tolerance, capsys):
+    from hybridpar.cli import main
+
+    assert main(["check", "--config", DEFAULT, f"--tolerance={tolerance}", *SMALL]) == 2
+    assert "must be a finite number > 0" in capsys.readouterr().err
+
+
+def _checks(rank, world_size):
+    import hybridpar.train.check as check
+    import hybridpar.train.trainer as trainer
+
+    def run(*overrides) -> tuple[int, str]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = check.run_check(load_config(DEFAULT, SMALL + list(overrides)), torch.device("cpu"))
+        return code, out.getvalue()
+
+    results = {"float64": run("model.dtype=float64"), "float32": run("model.dtype=float32")}
+    original = trainer.build_model
+
+    def poisoned(config):  # both sides compute NaN: every difference is NaN
+        model = original(config)
+        with torch.no_grad():
+            model.lm_head.weight[0, 0] = float("nan")
+        return model
+
+    check.build_model = trainer.build_model = poisoned
+    try:
+        results["nan"] = run("model.dtype=float64")
+    finally:
+        check.build_model = trainer.build_model = original
+    return results
+
+
+def test_check_calls_only_float64_exact_and_fails_nan():
+    results = run_ranks(1, _checks, timeout_s=300)[0]
+    code, report = results["float64"]
+    assert code == 0 and "check exact: all" in report and "in float64" in report
+    code, report = results["float32"]
+    assert code == 0 and "check passed: all" in report and "not exact" in report and "check exact" not in report
+    code, report = results["nan"]
+    assert code == 1 and "check FAILED" in report and "not finite" in report and "max|diff| nan" in report

@@ -1,0 +1,79 @@
+"""Rules between keys and against the model, checked before any process starts; ``plan``
+applies exactly the rules ``train`` does."""
+
+import pytest
+
+from hybridpar.config import load_config
+from hybridpar.plan import print_plan
+from hybridpar.train.preflight import validate_layout, validate_run
+
+DEFAULT = "configs/tiny-hybrid.yaml"
+NO_ROPE = "model.overrides={rotary_fraction: 0.0}"  # NemotronH attention has no RoPE
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (["parallel.cp=3"], None, r"parallel.cp=3 with parallel.tp=2: module 'backbone.layers.0.mixer'.*divisible by cp=3"),
+        (["parallel.tp=4", "parallel.cp=1"], None, r"mamba_n_groups=2 is not divisible by tp=4"),
+        (["parallel.cp_attention=ulysses", "parallel.cp=4", "parallel.tp=1", "parallel.cp_mamba=state",
+          "model.overrides={num_attention_heads: 6, num_key_value_heads: 2}"], None, r"attention"),
+        (["parallel.mixed_precision=bf16", "parallel.cp=1"], None, r"mixed_precision='bf16' is applied by FSDP"),
+        (["data.pack_size=250"], None, r"data.pack_size=250 is not a multiple of the document padding 4"),
+        (["data.pad_to_multiple_of=6"], None, r"data.pad_to_multiple_of=6 is not a multiple of 2\*cp=4"),
+        (["parallel.dp_shard=2", "parallel.cp=1", "data.packs_per_step=3"], None, r"packs_per_step=3 is not divisible"),
+        (["parallel.dp_shard=2", "parallel.cp=1", "data.packs_per_step=2", "train.eval_packs=3"], None, "eval_packs=3"),
+        (["model.overrides={patern: M-}"], None, r"model.overrides has unknown field\(s\) \['patern'\]"),
+        (["model.overrides={mamba_n_groups: 0}"], None, r"model.overrides.mamba_n_groups=0 is invalid: it must be an integer >= 1"),
+        (["model.overrides={hidden_size: 1.5}"], None, r"model.overrides.hidden_size=1.5 is invalid: it must be an integer"),
+        (["model.overrides={mamba_num_heads: 6, mamba_n_groups: 4}"], None, r"do not make a valid 'tiny' model: mamba_num_heads"),
+        ([], 2, r"the world size is 2"),
+    ],
+)
+def test_layouts_that_cannot_run_are_refused_by_plan_and_train_alike(overrides, world_size, message, capsys):
+    config = load_config(DEFAULT, overrides)
+    with pytest.raises(ValueError, match=message) as train_error:
+        validate_layout(config, world_size)
+    with pytest.raises(ValueError) as plan_error:
+        print_plan(config, world_size)
+    assert str(plan_error.value) == str(train_error.value)
+    assert capsys.readouterr().out == ""  # no plan of a layout that cannot run
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.task=text", "data.task_options={}"], r"data.path=None is not a file"),
+        (["data.task_options={vocab_size: 1024}"], r"vocab_size=1024 is larger than the model's vocabulary \(256\)"),
+        (["data.task=jsonl"], r"data.task_options \['max_len', 'min_len', 'num_kv_pairs', 'vocab_size'\] do not apply"),
+        (["data.task=text", "data.path=configs/tiny-hybrid.yaml", "data.task_options={}",
+          "model.overrides={vocab_size: 128}"], r"reads bytes .* vocab_size is 128"),
+        (["model.export_hf=OUT/export"], r"needs model.export_architecture"),
+        (["model.export_hf=OUT/export", "model.export_architecture=BambaForCausalLM"], r"cannot hold this model"),
+        (["model.export_hf=OUT/full", "model.export_architecture=NemotronHForCausalLM", NO_ROPE], "directory that is not empty"),
+        (["model.export_hf=OUT/file", "model.export_architecture=NemotronHForCausalLM", NO_ROPE], r"it is a file"),
+        (["checkpoint.resume=OUT/missing"], r"checkpoint.resume=.*missing' cannot be loaded: .* does not exist"),
+    ],
+)
+def test_data_export_and_resume_settings_are_refused_before_launch(tmp_path, overrides, message):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "weights.bin").write_text("the user's file")
+    (tmp_path / "file").write_text("a file")
+    overrides = [o.replace("OUT", str(tmp_path)) for o in overrides]
+    config = load_config(DEFAULT, [f"output_dir={tmp_path / 'run'}", "parallel.cp=1", "parallel.tp=1", *overrides])
+    with pytest.raises(ValueError, match=message):
+        validate_run(config, "train", 1)
+    assert (tmp_path / "full" / "weights.bin").read_text() == "the user's file"
+
+
+def test_export_onto_the_checkpoint_being_fine_tuned_is_refused(tmp_path):
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+
+    HybridLM(HybridConfig(rotary_fraction=0.0)).save_hf(tmp_path / "original", architecture="NemotronHForCausalLM")
+    before = (tmp_path / "original" / "model.safetensors").read_bytes()
+    for target in (tmp_path / "original", tmp_path / "original" / "." / ""):
+        config = load_config(DEFAULT, [f"model.hf_path={tmp_path / 'original'}", f"model.export_hf={target}",
+                                       "parallel.cp=1", "parallel.tp=1", f"output_dir={tmp_path / 'run'}"])
+        with pytest.raises(ValueError, match="it is model.hf_path, the checkpoint being fine-tuned"):
+            validate_run(config, "train", 1)
+    assert (tmp_path / "original" / "model.safetensors").read_bytes() == before
