@@ -187,6 +187,11 @@ def attention_core(
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {list(KERNELS)} or None (automatic).")
     else:
         reason = "requested"
+        missing = {"varlen": _varlen_attn, "flex": _flex_attention}.get(kernel)
+        if missing is not None and missing() is None:
+            raise ValueError(f"attention kernel {kernel!r} is not in torch {torch.__version__} (varlen needs "
+                             "torch.nn.attention.varlen.varlen_attn with enable_gqa and window_size, torch >= 2.12; "
+                             "flex needs torch.nn.attention.flex_attention); pass kernel=None to choose automatically.")
     _log_once(kernel, reason, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if kernel == "varlen":
