@@ -15,8 +15,8 @@ Closed-form bytes per rank per attention layer (``e`` bytes per element)::
                backward reduce_scatter  (P-1)/P * e * B *  S    * 2*Hkv * Dh
     ulysses    forward  all_to_all      (P-1)/P * e * B * (S/P) * (2*Hq + 2*Hkv') * Dh
                backward all_to_all      the same
-    ring       forward  send_recv       (P-1)   * e * B * (S/P) * 2*Hkv * Dh
-               backward send_recv       (2P-1)  * e * B * (S/P) * 2*Hkv * Dh   (float64: e = e_c)
+    ring       forward  send            (P-1)   * e * B * (S/P) * 2*Hkv * Dh
+               backward send            (2P-1)  * e * B * (S/P) * 2*Hkv * Dh   (float64: e = e_c)
     with Hkv' = Hkv if P divides Hkv, else the smallest multiple of Hkv that P divides.
 """
 
@@ -79,7 +79,7 @@ def expected_bytes(strategy: str, cp: int, elem: int, batch: int, seq: int, hq: 
         return {"forward": {"all_gather": fwd}, "backward": {"reduce_scatter": bwd}}
     if strategy == "ring":
         hop = elem * batch * Fraction(seq, cp) * 2 * hkv * dh
-        return {"forward": {"send_recv": (cp - 1) * hop}, "backward": {"send_recv": (2 * cp - 1) * hop}}
+        return {"forward": {"send": (cp - 1) * hop}, "backward": {"send": (2 * cp - 1) * hop}}
     both = Fraction(cp - 1, cp) * elem * batch * Fraction(seq, cp) * (2 * hq + 2 * kv_heads_sent(hkv, cp)) * dh
     return {"forward": {"all_to_all": both}, "backward": {"all_to_all": both}}
 
