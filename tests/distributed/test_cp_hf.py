@@ -47,7 +47,7 @@ def _loss_sum(logits, labels):
                                              ignore_index=-100, reduction="sum")
 
 
-def _case(name: str, strategy: str, variant: str, dims, mesh) -> dict:
+def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -65,7 +65,7 @@ def _case(name: str, strategy: str, variant: str, dims, mesh) -> dict:
     ref_loss.backward()
 
     model = build_model(name)
-    parallelize(model, dims, mesh=mesh, cp_attention=strategy)
+    parallelize(model, dims, mesh=mesh, cp_attention=strategy, compile=compile)
     cp_group = ParallelDims.group(mesh, "cp")
     sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group)
     loss = _loss_sum(model(**hf_cp_inputs(sharded)).logits, sharded.labels) / count
@@ -84,23 +84,114 @@ def _case(name: str, strategy: str, variant: str, dims, mesh) -> dict:
             "attn": model.config._attn_implementation}
 
 
-def _run_cases(rank: int, world_size: int, tp: int, cases: list) -> dict:
+def _refusals(mesh) -> dict:
+    """Messages of the errors that must come before any forward or collective."""
+    import transformers as hf
+
+    from hybridpar.parallel.cp_attention import UlyssesAttention
+    from hybridpar.parallel.cp_hf import validate_hf_cp
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+    from tests.distributed.tp_hf_models import COMMON, build_model
+
+    messages = {}
+    three_heads = hf.LlamaForCausalLM(hf.LlamaConfig(**{**COMMON, "hidden_size": 48, "num_attention_heads": 3,
+                                                          "num_key_value_heads": 1}))
+    try:
+        validate_hf_cp(three_heads, UlyssesAttention(ParallelDims.group(mesh, "cp")))
+    except ValueError as error:
+        messages["ulysses_heads"] = str(error)
+    model = parallelize(build_model("llama"), ParallelDims(cp=2), mesh=mesh)
+    try:
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long), attention_mask=torch.ones(1, 8, dtype=torch.long))
+    except ValueError as error:
+        messages["attention_mask"] = str(error)
+    return messages
+
+
+def _run_cases(rank: int, world_size: int, tp: int, cases: list, refusals: bool = False) -> dict:
     from hybridpar.parallel.dims import ParallelDims
 
     dims = ParallelDims(cp=2, tp=tp)
     mesh = dims.build_mesh()
-    return {case: _case(*case, dims, mesh) for case in cases}
+    results = {case: _case(*case, dims, mesh) for case in cases}
+    if refusals:
+        results["refusals"] = _refusals(mesh)
+    return results
 
 
 def _check(results: list[dict]) -> None:
     for rank_results in results:
         for case, r in rank_results.items():
+            if case == "refusals":
+                continue
             assert r["attn"] == "hybridpar", case
             assert r["params"] == r["expected_params"], case
             assert r["loss_error"] < TOL, (case, r)
             assert r["grad_error"] < TOL, (case, r)
 
 
-def test_cp2_matches_one_process():
+def test_cp2_matches_one_process_and_refuses_before_collectives():
     cases = [(m, s, v) for m in MODELS for s in ("allgather", "ulysses") for v in VARIANTS]
-    _check(run_ranks(2, _run_cases, 1, cases, timeout_s=600))
+    cases += [("mistral", "ring", "packed"), ("gemma3", "ring", "dense")]
+    results = run_ranks(2, _run_cases, 1, cases, True, timeout_s=600)
+    _check(results)
+    for rank_results in results:
+        refusals = rank_results["refusals"]
+        assert "3 query heads" in refusals["ulysses_heads"] and "model.layers.0.self_attn" in refusals["ulysses_heads"]
+        assert "drop attention_mask" in refusals["attention_mask"]
+
+
+def test_cp2_tp2_matches_one_process():
+    """cp=2 x tp=2 (world 4) with the registered TP plans; each model runs both strategies."""
+    cases = [(m, ("allgather", "ulysses")[(i + j) % 2], v) for i, m in enumerate(MODELS) for j, v in enumerate(VARIANTS)]
+    _check(run_ranks(4, _run_cases, 2, cases, timeout_s=600))
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("model_kwargs, fragment", [
+    ({"name": "gpt2"}, "use cp=1"),
+    ({"name": "bamba"}, "load the checkpoint as a HybridLM"),
+    ({"name": "llama", "attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"name": "llama", "rope": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic'"),
+    ({"name": "gemma3", "use_bidirectional_attention": True}, "bidirectional"),
+])
+def test_unsupported_models_are_refused_before_any_collective(model_kwargs, fragment):
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import validate_parallelize
+    from tests.distributed.tp_hf_models import build_model
+
+    kwargs = dict(model_kwargs)
+    model = build_model(kwargs.pop("name"))
+    if "rope" in kwargs:
+        model.config.rope_parameters = kwargs.pop("rope")
+    for key, value in kwargs.items():
+        setattr(model.config, key, value)
+    with pytest.raises(ValueError, match="context parallel") as error:
+        validate_parallelize(model, ParallelDims(cp=2))
+    assert fragment in str(error.value)
+
+
+def test_packed_from_position_ids_and_single_process_attention_match_sdpa():
+    """cp=1 with "hybridpar" attention: documents from position ids or PackedSeqParams, equal to SDPA."""
+    from hybridpar.parallel.cp_hf import hf_cp_inputs, packed_from_position_ids
+    from hybridpar.parallel.inputs import shard_inputs
+    from tests.distributed.tp_hf_models import build_model
+
+    positions = torch.cat([torch.arange(12), torch.arange(20)])[None].expand(BATCH, -1)
+    packed = packed_from_position_ids(positions)
+    assert packed.cu_seqlens.tolist() == DOCS
+    with pytest.raises(ValueError, match="count 0, 1, 2"):
+        packed_from_position_ids(torch.tensor([0, 1, 3, 0, 1]))
+    with pytest.raises(ValueError, match="start at 0"):
+        packed_from_position_ids(torch.tensor([1, 2, 0]))
+    for name in ("mistral", "gemma3"):
+        reference, model = build_model(name), build_model(name)
+        model.set_attn_implementation(__import__("hybridpar.parallel.cp_hf").parallel.cp_hf.register_hf_attention())
+        ids, _, _ = _batch(reference.config.vocab_size, "packed")
+        want = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+        by_positions = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        by_packed = model(**hf_cp_inputs(shard_inputs(input_ids=ids, packed=packed))).logits
+        assert _relative(by_positions, want) < 1e-12 and _relative(by_packed, want) < 1e-12, name

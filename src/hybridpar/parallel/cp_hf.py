@@ -147,7 +147,8 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1) -> None:
     cls = type(model).__name__
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    mamba = sorted({type(m).__name__ for m in model.modules() if "Mamba" in type(m).__name__})
+    mamba = sorted(key for key in (config.to_dict() if hasattr(config, "to_dict") else {}) if "mamba" in key)
+    mamba += sorted({type(m).__name__ for m in model.modules() if "Mamba" in type(m).__name__})
     if mamba:
         raise ValueError(f"context parallelism for {cls} ({model_type}): it contains Mamba mixers ({mamba[0]}), which "
                          "hybridpar runs context parallel only in its own HybridLM; load the checkpoint as a HybridLM "
