@@ -50,7 +50,7 @@ def _loss_sum(logits, labels):
                                              ignore_index=-100, reduction="sum")
 
 
-def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False) -> dict:
+def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False, sequence_parallel=False) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -68,9 +68,10 @@ def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False) -> 
     ref_loss.backward()
 
     model = build_model(name)
-    parallelize(model, dims, mesh=mesh, cp_attention=strategy, compile=compile)
-    cp_group = ParallelDims.group(mesh, "cp")
-    sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group)
+    parallelize(model, dims, mesh=mesh, cp_attention=strategy, compile=compile, sequence_parallel=sequence_parallel)
+    cp_group, tp_group = ParallelDims.group(mesh, "cp"), ParallelDims.group(mesh, "tp")
+    sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group, tp_group=tp_group,
+                           sequence_parallel=sequence_parallel)
     loss = _loss_sum(model(**hf_cp_inputs(sharded)).logits, sharded.labels) / count
     loss.backward()
     total = loss.detach().clone()
@@ -113,7 +114,7 @@ def _refusals(mesh) -> dict:
 
 
 def _run_cases(rank: int, world_size: int, tp: int, cases: list, refusals: bool = False,
-               compiled: tuple = ()) -> dict:
+               compiled: tuple = (), sequence_parallel: tuple = ()) -> dict:
     from hybridpar.parallel.dims import ParallelDims
 
     dims = ParallelDims(cp=2, tp=tp)
@@ -121,6 +122,7 @@ def _run_cases(rank: int, world_size: int, tp: int, cases: list, refusals: bool 
     results = {case: _case(*case, dims, mesh) for case in cases}
     if refusals:
         results["refusals"] = _refusals(mesh)
+    results.update({("sp", *case): _case(*case, dims, mesh, sequence_parallel=True) for case in sequence_parallel})
     if compiled:  # blocks compiled with aot_eager (dynamo's graph breaks are the same as inductor's)
         from torch._dynamo.utils import counters
 
@@ -156,9 +158,13 @@ def test_cp2_matches_one_process_compiles_and_refuses_before_collectives():
 
 
 def test_cp2_tp2_matches_one_process():
-    """cp=2 x tp=2 (world 4) with the registered TP plans; each model runs both strategies."""
+    """cp=2 x tp=2 (world 4) with the registered TP plans; each model runs both strategies; sequence
+    parallelism once per strategy."""
     cases = [(m, ("allgather", "ulysses")[(i + j) % 2], v) for i, m in enumerate(MODELS) for j, v in enumerate(VARIANTS)]
-    _check(run_ranks(4, _run_cases, 2, cases, timeout_s=600))
+    sp = (("gemma3", "allgather", "packed"), ("mistral", "ulysses", "dense"))
+    results = run_ranks(4, _run_cases, 2, cases, False, (), sp, timeout_s=600)
+    assert all(("sp", *case) in r for r in results for case in sp)
+    _check(results)
 
 
 # ----------------------------------------------------------------------------- one process
