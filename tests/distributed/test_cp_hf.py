@@ -35,13 +35,14 @@ def _relative(got, want) -> float:
 
 
 def _batch(vocab: int, variant: str):
-    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.parallel.cp_hf import packed_from_position_ids
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
     labels[:, ::5] = -100  # some tokens carry no target
-    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS)) if variant == "packed" else None
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCS[:-1], DOCS[1:])])  # restart at every document
+    packed = packed_from_position_ids(positions) if variant == "packed" else None
     return ids, labels, packed
 
 
@@ -89,11 +90,9 @@ def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False, seq
 
 
 def _refusals(mesh) -> dict:
-    """Messages of the errors that must come before any forward or collective."""
+    """Messages of the errors that must come before any forward or collective (every rank raises alike)."""
     import transformers as hf
 
-    from hybridpar.parallel.cp_attention import UlyssesAttention
-    from hybridpar.parallel.cp_hf import validate_hf_cp
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import parallelize
     from tests.distributed.tp_hf_models import COMMON, build_model
@@ -102,7 +101,7 @@ def _refusals(mesh) -> dict:
     three_heads = hf.LlamaForCausalLM(hf.LlamaConfig(**{**COMMON, "hidden_size": 48, "num_attention_heads": 3,
                                                           "num_key_value_heads": 1}))
     try:
-        validate_hf_cp(three_heads, UlyssesAttention(ParallelDims.group(mesh, "cp")))
+        parallelize(three_heads, ParallelDims(cp=2), mesh=mesh, cp_attention="ulysses")
     except ValueError as error:
         messages["ulysses_heads"] = str(error)
     model = parallelize(build_model("llama"), ParallelDims(cp=2), mesh=mesh)
