@@ -109,10 +109,12 @@ class AllGatherAttention(AttentionStrategy):
 
     name = "allgather"
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
+                 scale: float | None = None, sliding_window: int | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window)
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
-            return self._single_process(q, k, v, packed)
+            return self._single_process(q, k, v, packed, options)
         num_kv_heads = k.shape[2]
         device = q.device
         kv = torch.cat([k, v], dim=2)  # 2 x [B, S/P, Hkv, Dh] -> [B, S/P, 2*Hkv, Dh]
@@ -125,7 +127,7 @@ class AllGatherAttention(AttentionStrategy):
             return AttentionLayout(layout.local_indices.to(device), packed.seq_idx[0].to(device), keys.k_pos, keys.k_doc)
 
         attention_layout = cached(packed.cache, ("attention.allgather", str(device)), build)
-        return attention_core(q, k_all, v_all, attention_layout, **self.core_options)  # [B, S/P, Hq, Dh]
+        return attention_core(q, k_all, v_all, attention_layout, **options)  # [B, S/P, Hq, Dh]
 
 
 class UlyssesAttention(AttentionStrategy):
@@ -143,10 +145,12 @@ class UlyssesAttention(AttentionStrategy):
                 f"strategy, or a cp that divides the heads (one of {divisors})."
             )
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
+                 scale: float | None = None, sliding_window: int | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window)
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
-            return self._single_process(q, k, v, packed)
+            return self._single_process(q, k, v, packed, options)
         batch, local_len, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[2]
         kv_heads = ulysses_kv_heads(num_kv_heads, self.cp_size)
@@ -162,7 +166,7 @@ class UlyssesAttention(AttentionStrategy):
         q_h, k_h, v_h = (
             x.index_select(1, to_sequence).view(batch, seq_len, -1, head_dim) for x in (q_h, k_h, v_h)
         )  # [B, S, H/P, Dh], sequence order
-        out = attention_core(q_h, k_h, v_h, global_sequence_layout(packed, layout, device), **self.core_options)
+        out = attention_core(q_h, k_h, v_h, global_sequence_layout(packed, layout, device), **options)
         out = out.reshape(batch, seq_len, -1).index_select(1, to_gathered)  # [B, S, Hq/P*Dh], gathered order
         (out,) = hidden_to_seq([out], self.cp_group, seq_dim=1, hidden_dim=-1)  # -> [B, S/P, Hq*Dh]
         return out.view(batch, local_len, num_heads, head_dim)

@@ -1,9 +1,12 @@
 """What the attention CP strategies share: input checks, block sizes, the group-of-one path.
 
 A strategy (``cp_attention.py``: "allgather", "ulysses"; ``cp_ring.py``: "ring") is called as
-``core(q, k, v, packed)`` with this rank's ``q [B, S/P, Hq, Dh]``, ``k, v [B, S/P, Hkv, Dh]``
-and localized ``PackedSeqParams``. Everything here is checked without communication, so bad
-input raises the same ``ValueError`` on every rank before any collective.
+``core(q, k, v, packed, scale=None, sliding_window=None)`` with this rank's
+``q [B, S/P, Hq, Dh]``, ``k, v [B, S/P, Hkv, Dh]`` and localized ``PackedSeqParams``; ``scale``
+(default ``1/sqrt(Dh)``) and ``sliding_window`` (keys fewer than ``W`` global positions back)
+are the core's own options, which Hugging Face attention modules pass (``cp_hf.py``).
+Everything here is checked without communication, so bad input raises the same
+``ValueError`` on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch import Tensor
 from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
 from hybridpar.models.attention import sequence_layout
 from hybridpar.models.attention_kernels import attention_core
-from hybridpar.models.attention_layout import AttentionLayout, cached, check_block_sizes
+from hybridpar.models.attention_layout import AttentionLayout, cached, check_block_sizes, check_sliding_window
 from hybridpar.models.flash import BLOCK_SIZE, KEYS_PER_STEP
 from hybridpar.parallel.cp_core import ContextParallelCore
 
@@ -54,8 +57,15 @@ class AttentionStrategy(ContextParallelCore):
             self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
         return None
 
-    def _single_process(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None) -> Tensor:
-        return attention_core(q, k, v, sequence_layout(packed, q.shape[1], q.device), **self.core_options)
+    def call_options(self, scale: float | None, sliding_window: int | None) -> dict:
+        """The core's keyword arguments for one call: block sizes, ``scale`` (None: ``1/sqrt(Dh)``), window."""
+        check_sliding_window(sliding_window)
+        return dict(self.core_options, scale=scale, sliding_window=sliding_window)
+
+    def _single_process(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None,
+                        options: dict | None = None) -> Tensor:
+        options = self.core_options if options is None else options
+        return attention_core(q, k, v, sequence_layout(packed, q.shape[1], q.device), **options)
 
 
 def global_sequence_layout(packed: PackedSeqParams, layout: ContextParallelLayout, device) -> AttentionLayout:

@@ -56,11 +56,12 @@ def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Te
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, strategy, q_pos, q_doc, steps):
+    def forward(ctx, q, k, v, strategy, q_pos, q_doc, steps, scale, window):
         group, num_kv_heads = strategy.cp_group, k.shape[2]
         dtype = torch.promote_types(q.dtype, torch.float32)
         blocks = strategy.core_options
-        options = (1.0 / math.sqrt(q.shape[-1]), None, blocks["block_size"], blocks["keys_per_step"])  # no window
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        options = (scale, window, blocks["block_size"], blocks["keys_per_step"])
         kv = torch.cat([k, v], dim=2)  # [B, S/P, 2*Hkv, Dh]
         out = lse = None
         for t, (k_pos, k_doc, plan) in enumerate(steps):
@@ -94,7 +95,7 @@ class _Ring(torch.autograd.Function):
             dkv = ring_shift(dkv, group, _GRAD_TAG).wait()  # with the block to rank r+1; home after the last step
             kv = shift.wait() if shift is not None else kv
         dk, dv = dkv.split(num_kv_heads, dim=2)
-        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), *(None,) * 6
 
 
 class RingAttention(AttentionStrategy):
@@ -102,7 +103,7 @@ class RingAttention(AttentionStrategy):
 
     name = "ring"
 
-    def _steps(self, packed: PackedSeqParams, layout: ContextParallelLayout, device):
+    def _steps(self, packed: PackedSeqParams, layout: ContextParallelLayout, device, window: int | None):
         """Query positions/documents and, per step ``t``, the keys' positions, documents and plan."""
 
         def build():
@@ -113,14 +114,18 @@ class RingAttention(AttentionStrategy):
             for t in range(self.cp_size):
                 k_pos = held[(self.cp_rank - t) % self.cp_size]
                 k_doc = doc.index_select(0, k_pos)
-                steps.append((k_pos, k_doc, block_plan(q_pos, q_doc, k_pos, k_doc, **self.core_options)))
+                steps.append((k_pos, k_doc, block_plan(q_pos, q_doc, k_pos, k_doc, **self.core_options,
+                                                       sliding_window=window)))
             return q_pos, q_doc, steps
 
-        return cached(packed.cache, ("attention.ring", str(device), *self.core_options.values()), build)
+        return cached(packed.cache, ("attention.ring", str(device), *self.core_options.values(), window), build)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
+                 scale: float | None = None, sliding_window: int | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window)
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
-            return self._single_process(q, k, v, packed)
-        q_pos, q_doc, steps = self._steps(packed, layout, q.device)
-        return _Ring.apply(q.contiguous(), k.contiguous(), v.contiguous(), self, q_pos, q_doc, steps)  # [B, S/P, Hq, Dh]
+            return self._single_process(q, k, v, packed, options)
+        q_pos, q_doc, steps = self._steps(packed, layout, q.device, sliding_window)
+        return _Ring.apply(q.contiguous(), k.contiguous(), v.contiguous(), self, q_pos, q_doc, steps, scale,
+                           sliding_window)  # [B, S/P, Hq, Dh]

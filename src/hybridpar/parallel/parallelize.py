@@ -3,7 +3,7 @@
     validate everything (no collective before this passes)
     -> split Mamba2 projections per component (always: parameter names never depend on layout)
     -> tensor / sequence parallel           (tp > 1)            tp_hybrid / tp plans
-    -> context parallel                     (cp > 1)            cp_attention, cp_mamba
+    -> context parallel                     (cp > 1)            cp_attention, cp_mamba; transformers models: cp_hf
     -> activation checkpointing per block   (none|full|selective) checkpointing
     -> torch.compile per block              (optional)          torchtitan's order: after AC, before FSDP
     -> FSDP2 over dp_shard x cp, HSDP with dp_replicate          fsdp
@@ -31,6 +31,7 @@ from hybridpar.models.attention import Attention
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba2 import Mamba2Mixer
 from hybridpar.parallel import cp_attention as attention_cp
+from hybridpar.parallel import cp_hf as hf_cp
 from hybridpar.parallel import cp_mamba as mamba_cp
 from hybridpar.parallel.checkpointing import apply_activation_checkpointing, checkpointing_policy, model_blocks
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
@@ -62,6 +63,9 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
     attention_core = attention_cp.STRATEGIES[attention_strategy](cp_group)
     mamba_core = mamba_cp.STRATEGIES[mamba_strategy](cp_group)
     tp = dims.tp
+    if not isinstance(model, HybridLM):
+        hf_cp.validate_hf_cp(model, attention_core, tp)
+        return
     for name, module in model.named_modules():
         try:
             if isinstance(module, Mamba2Mixer):
@@ -86,9 +90,8 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         raise ValueError(f"unknown cp_attention={cp_attention_strategy!r}; choose one of {sorted(attention_cp.STRATEGIES)}.")
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
-    if dims.cp > 1 and not isinstance(model, HybridLM):
-        raise ValueError(f"context parallelism (cp={dims.cp}) needs hybridpar's attention and Mamba2 cores, but the "
-                         f"model is a {type(model).__name__}; use cp=1 (TP/FSDP work) or load it as a HybridLM.")
+    if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
+        hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp)
     if mixed_precision is not None:
         if not needs_fsdp(dims):
             raise ValueError(f"mixed_precision={mixed_precision!r} is applied by FSDP, which {dims} does not use; "
@@ -112,7 +115,9 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
 
 
 def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", mamba_strategy: str = "a2a") -> nn.Module:
-    """Install the context-parallel cores on every attention and Mamba2 mixer."""
+    """Install the context-parallel cores on every attention and Mamba2 mixer (transformers models: ``cp_hf``)."""
+    if not isinstance(model, HybridLM):
+        return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
     mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
     return model
