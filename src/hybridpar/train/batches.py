@@ -17,6 +17,7 @@ step's packs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from pathlib import Path
@@ -44,6 +45,12 @@ def pad_multiple(config: DataConfig, cp_size: int) -> int:
 
 def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
     """The synthetic task of ``data.task`` with ``data.task_options``; DataError names the option."""
+    allowed = {f.name: f.default for f in dataclasses.fields(TASKS[config.task]) if f.name != "seed"}
+    unknown = sorted(set(config.task_options) - set(allowed))
+    if unknown:
+        seed = " (the seed is data.seed)" if "seed" in unknown else ""
+        raise DataError(f"data.task_options {unknown} do not apply to data.task={config.task!r}{seed}; its options are "
+                        f"{allowed} (shown with their defaults); remove the others.")
     options = {"vocab_size": vocab_size, **config.task_options, "seed": config.seed + seed_offset}
     try:
         task = TASKS[config.task](**options)
