@@ -140,7 +140,9 @@ class PackStream:
             self._task = None
             self._pack(load_documents(config, 0, seed_offset, vocab_size))
         if not self.pool:
-            raise DataError(f"data source {config.task!r} produced no tokens; check data.path and data.task_options.")
+            where = f"data.path={config.path!r} holds no document (it is empty or blank)" if self._task is None else \
+                f"data.task={config.task!r} produced no tokens"
+            raise DataError(f"{where}; check data.path and data.task_options.")
 
     def _pack(self, documents: list) -> None:
         with warnings.catch_warnings(record=True) as caught:
