@@ -52,13 +52,15 @@ def check_arguments(args: argparse.Namespace) -> None:
                           "1e-6, or leave it out for the dtype's default (1e-9 in float64).")
 
 
-def check_world(config: RunConfig, nproc: int) -> None:
+def check_world(config: RunConfig, nproc: int | None) -> None:
+    """The layout needs ``nproc`` processes (None: no ``--nproc-per-node``, one process)."""
     from hybridpar.train.preflight import parallel_dims
 
     p, needed = config.parallel, parallel_dims(config).world_size
-    if needed != nproc:
+    if needed != (nproc or 1):
+        given = f"--nproc-per-node {nproc}" if nproc else "one process (no --nproc-per-node)"
         raise ConfigError(
-            f"--nproc-per-node {nproc} does not fit the layout dp_replicate*dp_shard*cp*tp = "
+            f"{given} does not fit the layout dp_replicate*dp_shard*cp*tp = "
             f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {needed}; pass --nproc-per-node {needed} or change parallel.*."
         )
 
@@ -207,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():  # a caller's group (tests): the trainer checks on every rank
             prefix += f" (rank {dist.get_rank()})"
         else:
-            if args.nproc_per_node:
-                check_world(config, args.nproc_per_node)
+            check_world(config, args.nproc_per_node)
             from hybridpar.train.preflight import validate_run
 
             validate_run(config, args.command, args.nproc_per_node or 1)  # before any process starts

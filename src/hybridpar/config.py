@@ -240,12 +240,12 @@ RULES: dict[str, Rule] = {
 def invalid(key: str, value, must: str, fix: str | None = None) -> ConfigError:
     """The one message of a bad value: key, value, rule and fix."""
     fix = fix or _example(key)
-    return ConfigError(f"{key}={_show(value)} is invalid: it must be {must}; {fix}.")
+    return ConfigError(f"{key}={show_value(value)} is invalid: it must be {must}; {fix}.")
 
 
 def _example(key: str) -> str:
     default = _default_of(key)
-    return f"e.g. {key}={_show(default)} (the default)" if default is not _MISSING else f"set {key}"
+    return f"e.g. {key}={show_value(default)} (the default)" if default is not _MISSING else f"set {key}"
 
 
 _MISSING = object()
@@ -260,13 +260,13 @@ def _default_of(key: str):
     return node
 
 
-def _show(value) -> str:
+def show_value(value) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_show(v) for v in value) + "]"
+        return "[" + ",".join(show_value(v) for v in value) + "]"
     return repr(value) if isinstance(value, str) else str(value)
 
 
@@ -312,7 +312,9 @@ def to_dict(config) -> dict:
 
 def _set_dotted(tree: dict, keys: list[str], value) -> None:
     for key in keys[:-1]:
-        node = tree.setdefault(key, {})
+        if tree.get(key) is None:  # an empty section in the file (``train:``) is a section
+            tree[key] = {}
+        node = tree[key]
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {'.'.join(keys)}: {key!r} is a value, not a section.")
         tree = node
@@ -320,6 +322,7 @@ def _set_dotted(tree: dict, keys: list[str], value) -> None:
 
 
 def _build(cls, raw, prefix: str):
+    raw = {} if raw is None else raw  # ``train:`` with nothing under it: the defaults
     if not isinstance(raw, dict):
         raise ConfigError(f"section {prefix.rstrip('.') or 'top level'!r} must be a mapping, got {raw!r}; "
                           f"set its keys one by one, e.g. {prefix}<key>=<value>.")

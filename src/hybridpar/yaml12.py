@@ -7,6 +7,9 @@ its bool, int and float rules for YAML 1.2's (and drops 1.1's timestamps):
     bool   true | True | TRUE | false | False | FALSE
     int    [-+]?[0-9]+ (decimal) | 0o[0-7]+ | 0x[0-9a-fA-F]+
     float  [-+]?(.[0-9]+ | [0-9]+(.[0-9]*)?)([eE][-+]?[0-9]+)? | [-+]?.inf | .nan
+
+A key written twice in one mapping is an error (YAML requires unique keys; PyYAML would
+silently keep the last one).
 """
 
 from __future__ import annotations
@@ -48,6 +51,21 @@ def _construct_int(loader, node) -> int:
 
 
 Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def _construct_unique_mapping(loader, node, deep=False) -> dict:
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark,
+                f"key {key!r} appears twice (first at line {seen[key] + 1}); keep one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+Yaml12Loader.construct_mapping = _construct_unique_mapping
 
 
 def parse_yaml(text: str, source: str):

@@ -30,6 +30,15 @@ def test_nproc_that_does_not_fit_the_layout_is_refused_before_launch():
     assert "--nproc-per-node 2 does not fit" in result.stderr and "pass --nproc-per-node 4" in result.stderr
 
 
+def test_a_layout_for_more_processes_without_nproc_says_how_many(capsys):
+    from hybridpar.cli import main
+
+    assert main(["train", "--config", DEFAULT]) == 2  # cp=2 x tp=2 needs 4 processes
+    assert capsys.readouterr().err == ("hybridpar: error: one process (no --nproc-per-node) does not fit the layout "
+                                       "dp_replicate*dp_shard*cp*tp = 1*1*2*2 = 4; pass --nproc-per-node 4 or change "
+                                       "parallel.*.\n")
+
+
 def test_plan_prints_sizes_and_mamba_cp_bytes():
     result = hybridpar("plan", "--config", DEFAULT, "model.preset=nemotronh-8b", "parallel.cp=8", "parallel.tp=1",
                        "data.pack_size=131072")

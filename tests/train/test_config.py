@@ -95,6 +95,19 @@ def test_yaml_syntax_errors_name_the_file_and_line(tmp_path):
         load_config(path)
 
 
+def test_a_key_written_twice_is_an_error_and_an_empty_section_means_its_defaults(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml' is not valid YAML at line 4, column 3: key 'steps' appears "
+                                          r"twice \(first at line 2\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="key 'pattern' appears twice"):
+        load_config(DEFAULT, ["model.overrides={pattern: M-, pattern: '*-'}"])
+    path.write_text("train:\nmodel:\n  dtype: float64\n")
+    assert load_config(path).train == RunConfig().train
+    assert load_config(path, ["train.steps=3"]).train.steps == 3
+
+
 @pytest.mark.parametrize("override", ["train.betas=[0.9,", "model.overrides={pattern: ", "train.lr='1e-3"])
 def test_malformed_overrides_are_one_clean_error(override):
     with pytest.raises(ConfigError, match=r"override .* has a malformed value .*write it as a YAML value"):

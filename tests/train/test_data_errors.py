@@ -34,6 +34,21 @@ def test_bad_files_name_the_file_and_line(tmp_path, task, content, message):
         _stream(tmp_path, task, content, split="paragraph")() if task == "text" else _stream(tmp_path, task, content)()
 
 
+@pytest.mark.parametrize("content", [b"", b"\n\n  \n"])
+def test_an_empty_file_is_named(tmp_path, content):
+    with pytest.raises(ValueError, match=r"data.path='.*data.txt' holds no document \(it is empty or blank\)"):
+        _stream(tmp_path, "text", content, split="paragraph")()
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    from hybridpar.train.batches import load_documents
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "ab"}\n{"text": "cd"}\n')
+    docs = load_documents(DataConfig(task="jsonl", path=str(path), task_options={}), 0, 0, 256)
+    assert len(docs) == 1 and docs[0][:2] == [97, 98]  # "ab" (the last 10% is held out), no BOM bytes 239 187 191
+
+
 def test_line_numbers_count_only_newlines(tmp_path):
     """U+2028 or U+0085 inside a record is not a line break (str.splitlines thinks so)."""
     make = _stream(tmp_path, "jsonl", '{"text": "a\u2028b"}\n{"text": "c\u0085d"}\n{"text": 3}\n'.encode())

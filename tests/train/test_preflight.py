@@ -28,6 +28,13 @@ NO_ROPE = "model.overrides={rotary_fraction: 0.0}"  # NemotronH attention has no
         (["model.overrides={hidden_size: 1.5}"], None, r"model.overrides.hidden_size=1.5 is invalid: it must be an integer"),
         (["model.overrides={mamba_num_heads: 6, mamba_n_groups: 4}"], None, r"do not make a valid 'tiny' model: mamba_num_heads"),
         ([], 2, r"the world size is 2"),
+        # parallelize's own rules name the config key they are about
+        (["parallel.compile=banana"], None, r"parallel.compile='banana' is invalid: .*'aot_eager'"),
+        (["parallel.dp_shard=2", "parallel.tp=1", "parallel.reshard_after_forward=3"], None,
+         r"^parallel.reshard_after_forward=3: .*one of \[1, 2, 4\]"),
+        (["parallel.tp=3", "parallel.cp=1"], None, r"^parallel.tp=3: .*mamba_num_heads=8 is not divisible by tp=3"),
+        (["model.overrides={pattern: ''}"], None, r"model.overrides.pattern='' is invalid: it must be a non-empty"),
+        (["model.overrides={pattern: MQ}"], None, r"model.overrides.pattern='MQ' is invalid"),
     ],
 )
 def test_layouts_that_cannot_run_are_refused_by_plan_and_train_alike(overrides, world_size, message, capsys):
@@ -53,6 +60,11 @@ def test_layouts_that_cannot_run_are_refused_by_plan_and_train_alike(overrides, 
         (["model.export_hf=OUT/full", "model.export_architecture=NemotronHForCausalLM", NO_ROPE], "directory that is not empty"),
         (["model.export_hf=OUT/file", "model.export_architecture=NemotronHForCausalLM", NO_ROPE], r"it is a file"),
         (["checkpoint.resume=OUT/missing"], r"checkpoint.resume=.*missing' cannot be loaded: .* does not exist"),
+        (["output_dir=OUT/file"], r"output_dir=.*file' cannot hold the run: it is a file"),
+        (["output_dir=OUT/file/run"], r"output_dir=.*run' cannot hold the run: .*file is a file"),
+        (["data.task_options={bogus: 1}"], r"data.task_options \['bogus'\] do not apply to data.task='mqar'; its "
+                                           r"options are \{'vocab_size': 256"),
+        (["data.task_options={seed: 5}"], r"\['seed'\] do not apply .* \(the seed is data.seed\)"),
     ],
 )
 def test_data_export_and_resume_settings_are_refused_before_launch(tmp_path, overrides, message):

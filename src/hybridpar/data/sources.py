@@ -225,7 +225,8 @@ TEXT_SPLITS = ("paragraph", "line", "file")
 
 
 def read_text_file(path: Path) -> str:
-    """A file's text as UTF-8 (``\\r\\n`` read as ``\\n``); a ValueError names the file, line and byte."""
+    """A file's text as UTF-8 (``\\r\\n`` read as ``\\n``, a leading BOM dropped); a ValueError names the
+    file, line and byte."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -236,7 +237,7 @@ def read_text_file(path: Path) -> str:
             f"{path}:{line}: byte {error.start} (0x{data[error.start]:02x}) is not UTF-8; the file {looks}: convert it "
             "to UTF-8 (e.g. iconv -f latin1 -t utf-8) or point data.path at a text file."
         ) from None
-    return text.replace("\r\n", "\n")
+    return text.removeprefix("\ufeff").replace("\r\n", "\n")  # a byte-order mark (Windows editors) is not text
 
 
 def _document_at(tokenizer, text: str, path, line: int, add_bos: bool | None, add_eos: bool | None) -> list[int]:

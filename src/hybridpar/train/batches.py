@@ -17,6 +17,7 @@ step's packs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from pathlib import Path
@@ -44,6 +45,12 @@ def pad_multiple(config: DataConfig, cp_size: int) -> int:
 
 def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
     """The synthetic task of ``data.task`` with ``data.task_options``; DataError names the option."""
+    allowed = {f.name: f.default for f in dataclasses.fields(TASKS[config.task]) if f.name != "seed"}
+    unknown = sorted(set(config.task_options) - set(allowed))
+    if unknown:
+        seed = " (the seed is data.seed)" if "seed" in unknown else ""
+        raise DataError(f"data.task_options {unknown} do not apply to data.task={config.task!r}{seed}; its options are "
+                        f"{allowed} (shown with their defaults); remove the others.")
     options = {"vocab_size": vocab_size, **config.task_options, "seed": config.seed + seed_offset}
     try:
         task = TASKS[config.task](**options)
@@ -133,7 +140,9 @@ class PackStream:
             self._task = None
             self._pack(load_documents(config, 0, seed_offset, vocab_size))
         if not self.pool:
-            raise DataError(f"data source {config.task!r} produced no tokens; check data.path and data.task_options.")
+            where = f"data.path={config.path!r} holds no document (it is empty or blank)" if self._task is None else \
+                f"data.task={config.task!r} produced no tokens"
+            raise DataError(f"{where}; check data.path and data.task_options.")
 
     def _pack(self, documents: list) -> None:
         with warnings.catch_warnings(record=True) as caught:

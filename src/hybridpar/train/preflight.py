@@ -15,10 +15,11 @@ Rules between keys live here; rules of a single value live in ``config.RULES``.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 
-from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of
+from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import pad_multiple, validate_data
 
@@ -31,7 +32,13 @@ MODEL_RULES: dict[str, Rule] = {
     "rope_theta": number(0, low_open=True), "rotary_fraction": number(0, 1), "norm_eps": number(0, low_open=True),
     "initializer_range": number(0), "mlp_activation": one_of("silu", "relu2", "gelu"),
     "time_step_limit": Rule("[low, high] with 0 <= low <= high", lambda v: len(v) == 2 and 0 <= v[0] <= v[1]),
+    "pattern": Rule("a non-empty string of 'M' (Mamba2), '*' (attention) and '-' (MLP) blocks",
+                    lambda v: bool(v) and set(v) <= set("M*-")),
 }
+# Keys of ``parallelize``'s own rules, as its messages name them ("tp=3", "compile backend").
+_PARALLEL_KEYS = re.compile(r"\b(compile|reshard_after_forward|mixed_precision|activation_checkpointing|sequence_parallel|"
+                            r"cp_attention|cp_mamba|tp|cp|dp_shard|dp_replicate)\b")
+COMMON_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 
 
 def parallel_dims(config: RunConfig) -> ParallelDims:
@@ -107,6 +114,28 @@ def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> No
             raise ConfigError(f"parallel.cp={dims.cp} with parallel.tp={dims.tp}: module {name!r}: {error}") from None
 
 
+def _check_compile_backend(value) -> None:
+    """``parallel.compile``: a backend name torch knows (the list is long: name the usual ones)."""
+    if not isinstance(value, str):
+        return
+    from torch._dynamo import list_backends
+
+    if value not in set(list_backends(exclude_tags=())) | set(COMMON_BACKENDS):
+        raise invalid("parallel.compile", value, f"true (inductor), false or a torch.compile backend such as "
+                      f"{', '.join(map(repr, COMMON_BACKENDS))} (all: torch._dynamo.list_backends())",
+                      "e.g. parallel.compile=true or parallel.compile=aot_eager")
+
+
+def _named_parallel_key(config: RunConfig, message: str) -> str:
+    """``parallel.<key>=<value>`` of the first parallel key a layout message names."""
+    match = _PARALLEL_KEYS.search(message)
+    if match is None:
+        p = config.parallel
+        return f"parallel.* (dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp})"
+    key = match[1]
+    return f"parallel.{key}={show_value(getattr(config.parallel, key))}"
+
+
 def validate_layout(config: RunConfig, world_size: int | None = None, model=None, shape=None):
     """Raise ``ValueError`` naming the key if the layout cannot run; returns the model shape.
 
@@ -121,10 +150,14 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
         dims.validate(world_size)
     shape = shape if shape is not None else (model.config if model is not None else model_config(config))
     model = model if model is not None else meta_model(shape)
-    validate_parallelize(model, dims, cp_attention_strategy=p.cp_attention, cp_mamba_strategy=p.cp_mamba,
-                         sequence_parallel=p.sequence_parallel, mixed_precision=p.mixed_precision,
-                         activation_checkpointing=p.activation_checkpointing,
-                         reshard_after_forward=p.reshard_after_forward, compile=p.compile)
+    _check_compile_backend(p.compile)
+    try:
+        validate_parallelize(model, dims, cp_attention_strategy=p.cp_attention, cp_mamba_strategy=p.cp_mamba,
+                             sequence_parallel=p.sequence_parallel, mixed_precision=p.mixed_precision,
+                             activation_checkpointing=p.activation_checkpointing,
+                             reshard_after_forward=p.reshard_after_forward, compile=p.compile)
+    except ValueError as error:
+        raise ConfigError(f"{_named_parallel_key(config, str(error))}: {error}") from None
     if dims.cp > 1:
         _cp_head_checks(model, dims, p.cp_attention, p.cp_mamba)
     multiple = pad_multiple(data, p.cp)
@@ -193,9 +226,10 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None)
     shape = validate_layout(config, world_size)
     validate_data(config.data, shape.vocab_size)
     if command == "train":
-        from hybridpar.train.run_dir import check_lock_free, model_signature, plan_resume
+        from hybridpar.train.run_dir import check_lock_free, check_output_dir, model_signature, plan_resume
 
         validate_export(config, shape)
+        check_output_dir(config.output_dir)
         check_lock_free(config.output_dir)
         plan_resume(config, model_signature(shape))
     return shape

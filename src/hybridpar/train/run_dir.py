@@ -101,6 +101,20 @@ def _in_use_message(directory: Path, holder: dict) -> str:
             "output_dir.")
 
 
+def check_output_dir(directory: str | Path) -> None:
+    """ConfigError unless ``directory`` is a directory this process can write, or can be created."""
+    directory = Path(directory)
+    existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
+    problem = None
+    if not existing.is_dir():
+        problem = "it is a file" if existing == directory else f"{existing} is a file, not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable by this user"
+    if problem:
+        raise ConfigError(f"output_dir={str(directory)!r} cannot hold the run: {problem}; choose a directory you can "
+                          "write, e.g. output_dir=runs/my-run.")
+
+
 def check_lock_free(directory: str | Path) -> None:
     """ConfigError if another process holds the lock of ``directory`` (this process may hold it)."""
     directory = Path(directory)
@@ -276,6 +290,7 @@ def prepare_output_dir(config: RunConfig, model: dict | None) -> tuple[ResumePla
     lock = None
     if rank == 0:
         try:
+            check_output_dir(config.output_dir)
             lock = OutputDirLock(config.output_dir)
             warning = lock.acquire()
             plan = plan_resume(config, model)
