@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"  # HybridConfig preset (tiny, small, nemotronh-8b)
+    preset: str = "tiny"  # HybridConfig preset (tiny, demo, small, nemotronh-8b)
     overrides: dict = field(default_factory=dict)  # HybridConfig fields, e.g. {pattern: "M*-M-"}
     dtype: str = "float32"  # float32 | float64 | bfloat16
     hf_path: str | None = None  # load a Mamba2/Bamba/NemotronH checkpoint directory instead

@@ -26,7 +26,7 @@ NO_ROPE = "model.overrides={rotary_fraction: 0.0}"  # NemotronH attention has no
         (["model.overrides={patern: M-}"], None, r"model.overrides has unknown field\(s\) \['patern'\]"),
         (["model.overrides={mamba_n_groups: 0}"], None, r"model.overrides.mamba_n_groups=0 is invalid: it must be an integer >= 1"),
         (["model.overrides={hidden_size: 1.5}"], None, r"model.overrides.hidden_size=1.5 is invalid: it must be an integer"),
-        (["model.overrides={mamba_num_heads: 6, mamba_n_groups: 4}"], None, r"do not make a valid 'tiny' model: mamba_num_heads"),
+        (["model.overrides={mamba_num_heads: 6, mamba_n_groups: 4}"], None, r"do not make a valid '[a-z]+' model: mamba_num_heads"),
         ([], 2, r"the world size is 2"),
         # parallelize's own rules name the config key they are about
         (["parallel.compile=banana"], None, r"parallel.compile='banana' is invalid: .*'aot_eager'"),

@@ -99,8 +99,8 @@ def test_metrics_of_an_earlier_run_are_not_overwritten_and_foreign_checkpoints_a
 
 def test_resume_is_refused_for_another_model_shape_or_data_stream(tmp_path):
     recorded = {"task": "mqar", "path": None, "seed": 0, "pack_size": 256, "packs_per_step": 4,
-                "task_options": {"vocab_size": 32, "num_kv_pairs": [2, 4], "min_len": 32, "max_len": 128},
-                "pad_to_multiple_of": 4, "file_bytes": None}
+                "task_options": {"vocab_size": 32, "num_kv_pairs": [2, 4], "min_len": 16, "max_len": 48},
+                "pad_to_multiple_of": 4, "file_bytes": None}  # the default job's batches
     fake_checkpoint(tmp_path / "checkpoints", 3, model=SHAPE, data=recorded)
     smaller = model_signature(HybridConfig(pattern="M*-M"))
     with pytest.raises(CheckpointError, match=r'another model shape \(pattern "M\*-M-" -> "M\*-M"'):

@@ -27,11 +27,13 @@ def _train(rank, world_size, overrides, stop_after=None):
 
 
 def test_default_job_learns_mqar_on_four_ranks(tmp_path):
-    """The default layout (cp=2, tp=2, sequence parallel): loss falls clearly and recall
-    beats chance (15 MQAR values: chance 1/15)."""
-    history = run_ranks(4, _train, [f"output_dir={tmp_path}", "checkpoint.every=-1"], timeout_s=600)[0]
+    """The default job (model, task, lr) and layout (cp=2, tp=2, sequence parallel), cut to
+    its first quarter of steps: the loss falls from ln(256) past the ln(15) of guessing among
+    the 15 values, and recall beats chance (1/15) twice over."""
+    quarter = ["train.steps=50", "train.eval_every=50", "checkpoint.every=-1"]
+    history = run_ranks(4, _train, [f"output_dir={tmp_path}", *quarter], timeout_s=600)[0]
     first, last = history[0], history[-1]
-    assert first["loss"] - last["loss"] > 1.0, (first, last)
+    assert first["loss"] - last["loss"] > 2.0, (first, last)
     assert last["eval_accuracy"] > 2 / 15, last
 
 
