@@ -21,7 +21,7 @@ from hybridpar.plan.memory import MemoryPlan, memory_plan
 from hybridpar.plan.params import parameter_count
 from hybridpar.plan.traffic import by_kind, by_kind_and_dim, step_traffic
 
-__all__ = ["Plan", "make_plan", "plan_layout", "parameter_count", "DeviceFigures", "H100", "GPU_BASELINE_GIB"]
+__all__ = ["Plan", "make_plan", "plan_layout", "print_plan", "parameter_count", "DeviceFigures", "H100", "GPU_BASELINE_GIB"]
 
 GPU_BASELINE_GIB = 1.0  # CUDA context + NCCL buffers per rank: an estimate, not measured here
 
@@ -64,3 +64,10 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
 
     model = validate_layout(run, world_size)
     return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
+
+
+def print_plan(run: RunConfig, world_size: int | None = None) -> None:
+    """Print the text plan (``hybridpar plan``); refuses an invalid layout as ``train`` does."""
+    from hybridpar.plan.report import plan_text
+
+    print(plan_text(make_plan(run, world_size)))

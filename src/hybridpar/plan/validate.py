@@ -18,21 +18,36 @@ BASE_OVERRIDES = ["train.steps=2", "train.eval_every=0", "checkpoint.every=-1", 
                   "train.log_every=1000"]
 
 
-def _saved_bytes(trainer, pack) -> int:
+def _storages(t):
+    """``(data_ptr, nbytes)`` of the real storages under ``t`` (DTensor and wrapper subclasses unwrapped)."""
     import torch
 
-    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-              for p in trainer.model.parameters()}
+    if not isinstance(t, torch.Tensor):
+        return
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _storages(getattr(t, name))
+        return
+    storage = t.untyped_storage()
+    yield storage.data_ptr(), storage.nbytes()
+
+
+def _saved_bytes(trainer, pack) -> int:
+    """Distinct storages one pack's forward keeps for backward, parameters (and FSDP's gathered
+    parameters) excluded."""
+    import torch
+
+    def parameters():
+        return {ptr for p in trainer.model.parameters() for ptr, _ in _storages(p)}
+
     kept: dict[int, int] = {}
 
     def pack_hook(t):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        if not isinstance(t, torch.nn.Parameter) and storage.data_ptr() not in params and storage.nbytes():
-            current = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-                       for p in trainer.model.parameters()}  # FSDP's gathered parameters while they are live
-            if storage.data_ptr() not in current:
-                kept[storage.data_ptr()] = storage.nbytes()
+        current = parameters()  # FSDP swaps in its gathered parameters during forward
+        for ptr, nbytes in _storages(t):
+            if nbytes and ptr not in current:
+                kept[ptr] = nbytes
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
