@@ -72,17 +72,22 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
 
     shape = model_config(run)
     model = meta_model(shape)  # one shape-only model validates every candidate
-    out = []
+    out, verdicts = [], {}
     for keys in _candidates(world):
         candidate = copy.deepcopy(run)
         candidate.parallel = dataclasses.replace(run.parallel, **keys)
         dp = keys["dp_replicate"] * keys["dp_shard"]
         if candidate.data.packs_per_step % dp:
             candidate.data.packs_per_step = -(-candidate.data.packs_per_step // dp) * dp
-        try:
-            validate_layout(candidate, world, model=model, shape=shape)
-        except ValueError as error:
-            out.append(Candidate(keys, refused=str(error)))
+        layout_key = tuple(v for k, v in keys.items() if k != "activation_checkpointing")  # policies share a verdict
+        if layout_key not in verdicts:
+            try:
+                validate_layout(candidate, world, model=model, shape=shape)
+                verdicts[layout_key] = None
+            except ValueError as error:
+                verdicts[layout_key] = str(error)
+        if verdicts[layout_key] is not None:
+            out.append(Candidate(keys, refused=verdicts[layout_key]))
             continue
         plan = plan_layout(Layout.from_run(candidate, shape), device, docs_per_pack)
         out.append(Candidate(keys, plan, needs_gib=plan.memory.peak_bytes / 2**30 + baseline_gib))
