@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -105,21 +106,24 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384])
     args = parser.parse_args()
     cases = []
+    record = {"command": "python benchmarks/planner.py " + " ".join(sys.argv[1:]), "planner": planner_time()}
     for model in args.models:
         for length in args.lengths:
             for layout in args.layouts:
-                result = run_case(model, layout, length)
-                cases.append(result)
-                print(json.dumps(result), flush=True)
+                cases.append(run_case(model, layout, length))
+                print(json.dumps(cases[-1]), flush=True)
+                save(record, cases)  # after every case: a long run stopped early keeps what it measured
+    print(to_markdown(record))
+
+
+def save(record: dict, cases: list) -> None:
     import torch
 
-    record = {"command": "python benchmarks/planner.py " + " ".join(sys.argv[1:]),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": f"{platform.node()}, torch {torch.__version__}", "cases": cases, "planner": planner_time()}
+    record.update(date=datetime.datetime.now().isoformat(timespec="seconds"), cases=cases,
+                  machine=f"{platform.node()}, {os.cpu_count()} CPUs (shared), torch {torch.__version__}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "planner.json").write_text(json.dumps(record, indent=2))
     (RESULTS / "planner.md").write_text(to_markdown(record))
-    print(to_markdown(record))
 
 
 if __name__ == "__main__":

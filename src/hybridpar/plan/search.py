@@ -65,6 +65,28 @@ def _candidates(world: int):
                            cp_attention=attention, cp_mamba=mamba, activation_checkpointing=policy)
 
 
+def _verdict(candidate: RunConfig, world: int, model, shape, verdicts: dict) -> str | None:
+    """``train``'s refusal of ``candidate`` or None. The rules are ``validate_layout``'s; its TP plan
+    check is the slow part and does not depend on the CP strategies, so once a layout's degrees
+    passed with one strategy pair, other pairs need only the strategies' own head/group rules."""
+    from hybridpar.train.preflight import _cp_head_checks, parallel_dims, validate_layout
+
+    p = candidate.parallel
+    degrees = (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.sequence_parallel)
+    if verdicts.get(("degrees",) + degrees, "unknown") is None:
+        try:
+            _cp_head_checks(model, parallel_dims(candidate), p.cp_attention, p.cp_mamba)
+            return None
+        except ValueError as error:
+            return str(error)
+    try:
+        validate_layout(candidate, world, model=model, shape=shape)
+    except ValueError as error:
+        return str(error)
+    verdicts[("degrees",) + degrees] = None
+    return None
+
+
 def search_layouts(run: RunConfig, world: int, budget_gib: float, device: DeviceFigures = H100,
                    baseline_gib: float = GPU_BASELINE_GIB, docs_per_pack: int = 1) -> list[Candidate]:
     """Every candidate, planned or refused; fitting ones first, fastest estimate first."""
@@ -81,11 +103,7 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
             candidate.data.packs_per_step = -(-candidate.data.packs_per_step // dp) * dp
         layout_key = tuple(v for k, v in keys.items() if k != "activation_checkpointing")  # policies share a verdict
         if layout_key not in verdicts:
-            try:
-                validate_layout(candidate, world, model=model, shape=shape)
-                verdicts[layout_key] = None
-            except ValueError as error:
-                verdicts[layout_key] = str(error)
+            verdicts[layout_key] = _verdict(candidate, world, model, shape, verdicts)
         if verdicts[layout_key] is not None:
             out.append(Candidate(keys, refused=verdicts[layout_key]))
             continue
