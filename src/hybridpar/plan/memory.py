@@ -78,7 +78,7 @@ def memory_plan(layout: Layout) -> MemoryPlan:
         done += sum(grad_after[u] if fsdp else full_grad[u] for u in units[i + 1:])
         grads = accumulated if layout.packs_per_rank > 1 else done
         moments.append((f"backward of block {i} ({BLOCK_NAMES[pattern[i]]})", {
-            **common, "accumulated_grads": grads, "activations": sum(saved[: i + 1]),
+            **common, "accumulated_grads": 0, "gradients": grads, "activations": sum(saved[: i + 1]),
             "fsdp_gathered": gathered(i) + gathered(i - 1), "workspace": ws[i].backward,
             "unsharded_grads": full_grad[units[i]] if sharded and layout.packs_per_rank == 1 else 0}))
     largest = max((n for n in params.unit_numel.values()), default=0)
