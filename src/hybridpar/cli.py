@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nproc-per-node", type=int, default=None, help="start this many processes with torchrun")
     parser.add_argument("--tolerance", type=float, default=None, help="check: largest allowed difference (default by dtype)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 parallel.cp=2")
+    from hybridpar.plan.command import add_plan_arguments
+
+    add_plan_arguments(parser)
     return parser.parse_intermixed_args(argv)
 
 
@@ -112,10 +115,9 @@ def quiet_known_warnings() -> None:
 def run(args: argparse.Namespace, config: RunConfig) -> int:
     quiet_known_warnings()
     if args.command == "plan":
-        from hybridpar.plan import print_plan
+        from hybridpar.plan.command import run_plan
 
-        print_plan(config, world_size=args.nproc_per_node)
-        return 0
+        return run_plan(args, config)
     device, owns_group = init_distributed(config.train.collective_timeout_s)
     import torch.distributed as dist
 

@@ -100,6 +100,7 @@ def format_line(record: dict) -> str:
     parts = [f"step {record['step']:>5d}"]
     formats = {"loss": "loss {:.4f}", "grad_norm": "grad_norm {:.3f}", "lr": "lr {:.2e}",
                "tokens_per_s": "{:,.0f} tok/s", "peak_memory_gib": "peak {:.2f} GiB",
+               "tensor_peak_gib": "tensors {:.3f} GiB",
                "eval_loss": "eval_loss {:.4f}", "eval_accuracy": "eval_acc {:.3f}",
                "skipped_steps": "skipped {:.0f} non-finite steps"}
     for key, fmt in formats.items():

@@ -15,6 +15,7 @@ stream, and ``resume`` refuses a different one (see ``train/run_dir.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -44,6 +45,7 @@ from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_fin
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import export_target_problem, parallel_dims, validate_export, validate_layout
 from hybridpar.train.run_dir import data_stream, model_signature, prepare_output_dir
+from hybridpar.train.tensor_peak import step_tensor_peak
 
 __all__ = ["Trainer", "build_model", "pack_tensors", "parallel_dims", "DTYPES"]
 
@@ -286,13 +288,18 @@ class Trainer:
                      "(the first one also warms up)")
         for step in range(self.start_step, end):
             started = time.perf_counter()
+            # CPU: live-tensor peak of one steady-state step (the second, or the only one)
+            peak = step_tensor_peak(self.model, self.optimizer, self.device) if step == min(self.start_step + 1, end - 1) else None
             try:
-                metrics = self.train_step(step)
+                with peak or contextlib.nullcontext():
+                    metrics = self.train_step(step)
             except NonFiniteError as error:
                 logger.log(step + 1, getattr(error, "metrics", {}), echo=True)
                 raise
             metrics["tokens_per_s"] = cfg.data.packs_per_step * cfg.data.pack_size / (time.perf_counter() - started)
             metrics["peak_memory_gib"] = peak_memory_gib()
+            if peak is not None:
+                metrics["tensor_peak_gib"] = peak.gib
             last = step + 1 == cfg.train.steps
             if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
                 self.model.eval()

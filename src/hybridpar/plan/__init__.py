@@ -1,0 +1,73 @@
+"""``hybridpar plan``: what a layout costs per rank, before anything runs.
+
+For a run config and a world size: parameters, gradients and AdamW state (``params``), bytes kept
+for backward per block kind under the checkpointing policy (``activations``), the largest
+workspaces (``transients``), the peak of a steady-state step (``memory``), bytes per collective
+kind and mesh dim (``traffic``, from ``parallel.step_comm``), a step-time estimate (``estimate``)
+and the layouts that fit a memory budget (``search``). Nothing is built but a ``meta`` model for
+validation (``train.preflight.validate_layout``, the same rules and messages as ``train``); no
+process group starts.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+
+from hybridpar.config import RunConfig
+from hybridpar.plan.estimate import H100, DeviceFigures, TimeEstimate, estimate_time
+from hybridpar.plan.layout import Layout
+from hybridpar.plan.memory import MemoryPlan, memory_plan
+from hybridpar.plan.params import parameter_count
+from hybridpar.plan.traffic import by_kind, by_kind_and_dim, step_traffic
+
+__all__ = ["Plan", "make_plan", "plan_layout", "print_plan", "parameter_count", "DeviceFigures", "H100", "GPU_BASELINE_GIB"]
+
+GPU_BASELINE_GIB = 1.0  # CUDA context + NCCL buffers per rank: an estimate, not measured here
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: MemoryPlan
+    traffic: dict  # source -> Tally
+    time: TimeEstimate
+    device: DeviceFigures
+
+    @property
+    def traffic_by_kind(self) -> dict[str, int]:
+        return by_kind(self.traffic)
+
+    @property
+    def traffic_by_kind_and_dim(self) -> dict[str, int]:
+        return by_kind_and_dim(self.traffic)
+
+
+def cpu_baseline_gib() -> float:
+    """Resident memory of this process (the interpreter, torch and hybridpar imported): what a
+    CPU rank holds before its first tensor."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def plan_layout(layout: Layout, device: DeviceFigures = H100, docs_per_pack: int = 1) -> Plan:
+    """The plan of an already validated layout (used by the search)."""
+    memory = memory_plan(layout)
+    traffic = step_traffic(layout, docs_per_pack)
+    time = estimate_time(layout, memory.saved_bytes, by_kind_and_dim(traffic), device)
+    return Plan(layout, memory, traffic, time, device)
+
+
+def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigures = H100,
+              docs_per_pack: int = 1) -> Plan:
+    """Validate ``run`` as ``train`` does (``ValueError`` with train's message) and plan it."""
+    from hybridpar.train.preflight import validate_layout
+
+    model = validate_layout(run, world_size)
+    return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
+
+
+def print_plan(run: RunConfig, world_size: int | None = None) -> None:
+    """Print the text plan (``hybridpar plan``); refuses an invalid layout as ``train`` does."""
+    from hybridpar.plan.report import plan_text
+
+    print(plan_text(make_plan(run, world_size)))

@@ -1,0 +1,92 @@
+"""Bytes each block keeps for backward, from its shapes, per checkpointing policy.
+
+Per rank and packed row (symbols in ``layout.py``; widths are TP-local: ``W/tp``). What the code
+saves today (``models/blocks.py``, ``mamba2.py``, ``attention.py``, ``flash.py``, ``mamba_core.py``):
+
+    every block    input x [Ts, D] and rstd [Ts] (RMSNorm saves its input and rstd)
+                   + the projections' input [Tc, D] (under SP the all-gathered norm output)
+    Mamba2         + in_proj output [Tc, 2 d_in + 2 G N + H]   (z for the gated norm; x, B, C, dt
+                     are views the core op saves: it saves its inputs only)
+                   + y [Tc, d_in] + gated-norm rstd [Tc, G] + gated-norm output [Tc, d_in] (out_proj input)
+                   cp_mamba=a2a: + the core's exchanged inputs [T, (d_in + 2 G_eff N + H)/cp]
+    attention      + q, k, v [Tc, (Hq + 2 Hkv) Dh] (rotated copies with RoPE, + cos, sin [Tc, 2 r])
+                   + out [Tc, Hq Dh] + lse [Tc, Hq] (flash core: q, k, v, out, lse)
+                   cp_attention=allgather: k, v are the gathered [T, 2 Hkv Dh]
+                   cp_attention=ulysses: + the core's own out [T, Hq Dh / cp] (exchanged back after)
+    MLP            + up output and act(up) [Tc, 2 I] (gated: gate, act(gate), up, product: 4 I)
+    head           final norm x [Ts, D] + rstd; loss: hidden [Tc, D], lse [Tc], labels [Tc] int64;
+                   embedding: input ids [Tc] int64
+
+``full`` keeps each block's input x [Ts, D] only. ``selective`` keeps the input and the
+outputs of every matmul but a block's last one, and the attention core's out and lse:
+Mamba2 in_proj [Tc, W_in]; attention q, k, v + out + lse; MLP up (and gate) [Tc, I].
+Statistics (rstd, lse) are in the compute dtype ``e_c``.
+"""
+
+from __future__ import annotations
+
+from hybridpar.plan.layout import Layout
+
+__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES"]
+
+BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp"}
+
+
+def _widths(layout: Layout) -> dict:
+    c, tp = layout.model, layout.tp
+    d_inner = c.mamba_num_heads * c.mamba_head_dim // tp
+    groups, heads = c.mamba_n_groups // tp, c.mamba_num_heads // tp
+    groups_sent = groups * max(1, layout.cp // groups) if layout.cp > 1 else groups
+    return dict(
+        d=c.hidden_size, d_inner=d_inner, groups=groups, heads=heads,
+        w_in=2 * d_inner + 2 * groups * c.ssm_state_size + heads,
+        w_core=d_inner + 2 * groups_sent * c.ssm_state_size + heads,
+        q=c.num_attention_heads * c.head_dim // tp, kv=c.num_key_value_heads * c.head_dim // tp,
+        hq=c.num_attention_heads // tp, rot=int(c.head_dim * c.rotary_fraction) // 2 * 2,
+        inter=c.intermediate_size // tp,
+    )
+
+
+def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> int:
+    """Bytes one block of ``kind`` ("M", "*", "-") keeps for backward on this rank, one pack."""
+    policy = policy or layout.checkpointing
+    w, e, ec = _widths(layout), layout.act_bytes, layout.compute_bytes
+    tc, ts, seq = layout.tokens, layout.stream_tokens, layout.pack_size
+    block_input = ts * w["d"] * e
+    if policy == "full":
+        return block_input
+    if policy == "selective":
+        kept = {"M": tc * w["w_in"] * e,
+                "*": tc * (w["q"] + 2 * w["kv"]) * e + tc * w["q"] * e + tc * w["hq"] * ec,
+                "-": tc * w["inter"] * e * (2 if layout.model.mlp_gated else 1)}[kind]
+        return block_input + kept
+    common = block_input + ts * ec + tc * w["d"] * e  # input, rstd, projections' input
+    if kind == "M":
+        out = tc * (w["w_in"] + 2 * w["d_inner"]) * e + tc * w["groups"] * ec
+        if layout.cp > 1 and layout.cp_mamba == "a2a":
+            out += tc * w["w_core"] * e
+        return common + out
+    if kind == "*":
+        kv_tokens = seq if layout.cp > 1 and layout.cp_attention == "allgather" else tc
+        out = tc * w["q"] * e + kv_tokens * 2 * w["kv"] * e + tc * w["q"] * e + tc * w["hq"] * ec
+        if w["rot"]:
+            out += tc * 2 * w["rot"] * e
+        if layout.cp > 1 and layout.cp_attention == "ulysses":
+            out += tc * w["q"] * e
+        return common + out
+    return common + tc * w["inter"] * e * (4 if layout.model.mlp_gated else 2)
+
+
+def head_saved_bytes(layout: Layout) -> int:
+    """Final norm, loss and embedding: kept under every policy (they are not checkpointed)."""
+    e, ec, tc, ts, d = layout.act_bytes, layout.compute_bytes, layout.tokens, layout.stream_tokens, layout.model.hidden_size
+    return ts * (d * e + ec) + tc * d * e + tc * ec + 2 * tc * 8
+
+
+def saved_bytes(layout: Layout, policy: str | None = None) -> dict:
+    """``{"mamba": bytes, "attention": ..., "mlp": ..., "head": ...}`` summed over the pattern, one pack."""
+    out = {name: 0 for name in BLOCK_NAMES.values()}
+    for kind in layout.model.pattern:
+        out[BLOCK_NAMES[kind]] += block_saved_bytes(layout, kind, policy)
+    out["head"] = head_saved_bytes(layout)
+    return out

@@ -1,0 +1,86 @@
+"""The ``hybridpar plan`` command line: options, the plan, the ``--fit`` table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hybridpar.config import ConfigError, RunConfig
+from hybridpar.plan import GPU_BASELINE_GIB, H100, DeviceFigures, cpu_baseline_gib, make_plan
+from hybridpar.plan.report import plan_dict, plan_text
+
+__all__ = ["add_plan_arguments", "run_plan"]
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("plan", "hybridpar plan: memory, traffic and a time estimate per rank")
+    group.add_argument("--json", action="store_true", help="plan: print one JSON object")
+    group.add_argument("--fit", type=float, metavar="GIB", help="plan: list the layouts that fit GIB per rank")
+    group.add_argument("--world-size", "--nproc", dest="world_size", type=int, metavar="N",
+                       help="plan: ranks (default: the layout's product; --fit needs it)")
+    group.add_argument("--target", choices=("gpu", "cpu"), default="gpu",
+                       help="plan: baseline stated apart from the peak: gpu (CUDA context, estimate) or cpu")
+    group.add_argument("--docs-per-pack", type=int, default=1, help="plan: documents per pack (cp_mamba=state traffic)")
+    for name, field, text in (("--device-tflops", "bf16_tflops", "bf16 dense TFLOP/s"),
+                              ("--device-efficiency", "efficiency", "fraction of peak FLOP/s reached"),
+                              ("--hbm-tbps", "hbm_tbps", "HBM TB/s"), ("--link-gbps", "link_gbps", "intra-node GB/s"),
+                              ("--network-gbps", "network_gbps", "inter-node GB/s per GPU"),
+                              ("--gpus-per-node", "gpus_per_node", "GPUs per node")):
+        kind = int if field == "gpus_per_node" else float
+        group.add_argument(name, dest=field, type=kind, default=None,
+                           help=f"plan: {text} (default {getattr(H100, field)}, an H100 SXM: the estimate's assumption)")
+
+
+def _device(args: argparse.Namespace) -> DeviceFigures:
+    fields = {f: getattr(args, f) for f in ("bf16_tflops", "efficiency", "hbm_tbps", "link_gbps", "network_gbps",
+                                            "gpus_per_node") if getattr(args, f, None) is not None}
+    for name, value in fields.items():
+        if not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} is invalid: it must be > 0.")
+    named = H100.name if not fields else "custom device (" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")"
+    return DeviceFigures(**{**H100.__dict__, **fields, "name": named})
+
+
+def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
+    world = args.world_size if args.world_size is not None else args.nproc_per_node
+    if world is not None and world < 1:
+        raise ConfigError(f"--world-size {world} is invalid: it must be an integer >= 1.")
+    if args.docs_per_pack < 1:
+        raise ConfigError(f"--docs-per-pack {args.docs_per_pack} is invalid: it must be an integer >= 1.")
+    device = _device(args)
+    if args.fit is None:
+        plan = make_plan(config, world, device, args.docs_per_pack)
+        print(json.dumps(plan_dict(plan, args.target), indent=2) if args.json else plan_text(plan, args.target))
+        return 0
+    if not args.fit > 0:
+        raise ConfigError(f"--fit {args.fit} is invalid: give the memory per rank in GiB, e.g. --fit 80.")
+    from hybridpar.plan.search import search_layouts
+
+    if world is None:
+        from hybridpar.train.preflight import parallel_dims
+
+        world = parallel_dims(config).world_size
+    baseline = cpu_baseline_gib() if args.target == "cpu" else GPU_BASELINE_GIB
+    candidates = search_layouts(config, world, args.fit, device, baseline, args.docs_per_pack)
+    fitting = [c for c in candidates if c.fits(args.fit)]
+    if args.json:
+        print(json.dumps({"budget_gib": args.fit, "world_size": world, "fitting": [
+            {"parallel": c.parallel, "needs_gib": c.needs_gib, "step_s_estimate": c.plan.time.step_s}
+            for c in fitting], "failing": [
+            {"parallel": c.parallel, "needs_gib": c.needs_gib, "refused": c.refused}
+            for c in candidates if not c.fits(args.fit)]}, indent=2))
+        return 0
+    print(f"{config.model.preset if not config.model.hf_path else config.model.hf_path}, "
+          f"{config.data.pack_size:,} tokens per pack, world {world}, budget {args.fit:g} GiB per rank "
+          f"(peak + baseline {baseline:.2f} GiB); time is an ESTIMATE ({device.name})")
+    print(f"fits ({len(fitting)}), fastest first:" if fitting else "no layout fits.")
+    for c in fitting:
+        print(f"  {c.needs_gib:8.2f} GiB  {c.plan.time.step_s * 1e3:10.1f} ms/step  {c.label()}")
+    print("does not fit:")
+    for c in candidates:
+        if not c.fits(args.fit):
+            why = c.refused if c.refused else f"needs {c.needs_gib:.2f} GiB > {args.fit:g} ({c.plan.memory.peak_moment})"
+            print(f"  {c.label()}: {why}")
+    if fitting:
+        print(f"recommended: {fitting[0].label()}")
+    return 0

@@ -1,0 +1,87 @@
+"""A step-time ESTIMATE from stated device figures (H100 SXM defaults), not a measurement.
+
+Per rank and step (``m`` packs of ``Tc`` tokens; widths TP-local)::
+
+    matmul FLOPs   = m * Tc * 2 * N_matmul * (3 + r)     forward 1, backward 2, recompute r
+                     (r = 1 for full, 0 otherwise; N_matmul = TP-local projection weights)
+    loss FLOPs     = m * Tc * 2 * V/tp * D * 4           logits in forward, recomputed + 2 in backward
+    attention      = m * 4 * Tc * (T/2) * Hq/tp * Dh * (1 + 2.5 + r)   causal, one document (upper bound)
+    SSD scan       = m * Tc * 2 * (H/tp) * (Q * (P + N) + 2 P N) * (3 + r)   chunked: intra + inter chunk
+    compute_s      = FLOPs / (flops * efficiency)
+    memory_s       = 3 * saved activation bytes * m / hbm_bandwidth    (written, read, gradient)
+    comm_s         = sum over mesh dims of bytes / bandwidth(dim)      (no overlap assumed)
+
+``bandwidth(dim)`` is ``link_gbps`` for dims inside a node (``gpus_per_node``) and ``network_gbps``
+for data-parallel dims once the world spans nodes. The sum is a pessimistic serial bound; real
+overlap makes steps faster, kernels below ``efficiency`` slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridpar.plan.layout import Layout
+
+__all__ = ["DeviceFigures", "TimeEstimate", "estimate_time", "H100"]
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    name: str = "H100 SXM 80GB (assumed)"
+    memory_gib: float = 80.0
+    bf16_tflops: float = 989.0  # dense bf16 tensor-core peak
+    efficiency: float = 0.4  # fraction of peak the matmuls reach
+    hbm_tbps: float = 3.35
+    link_gbps: float = 450.0  # NVLink, per direction per GPU
+    network_gbps: float = 50.0  # 400 Gb/s InfiniBand per GPU
+    gpus_per_node: int = 8
+
+
+H100 = DeviceFigures()
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    flops: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.memory_s + self.comm_s
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        return tokens_per_step / self.step_s if self.step_s else float("inf")
+
+
+def step_flops(layout: Layout) -> float:
+    c, tp, tc = layout.model, layout.tp, layout.tokens
+    r = 1 if layout.checkpointing == "full" else 0
+    d, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    d_in = c.mamba_num_heads * c.mamba_head_dim
+    w_in = 2 * d_in + 2 * c.mamba_n_groups * c.ssm_state_size + c.mamba_num_heads
+    mlp = c.intermediate_size * d * (3 if c.mlp_gated else 2)
+    per_kind = {"M": d * w_in + d_in * d, "*": d * (q + 2 * kv) + q * d, "-": mlp}
+    matmul = sum(per_kind[k] for k in c.pattern) / tp
+    flops = tc * 2 * matmul * (3 + r) + tc * 2 * c.vocab_size / tp * d * 4
+    attention_layers = c.pattern.count("*")
+    flops += attention_layers * 4 * tc * (layout.pack_size / 2) * q / tp * (3.5 + r)
+    heads = c.mamba_num_heads / tp
+    ssd = 2 * heads * (c.chunk_size * (c.mamba_head_dim + c.ssm_state_size) + 2 * c.mamba_head_dim * c.ssm_state_size)
+    flops += c.pattern.count("M") * tc * ssd * (3 + r)
+    return flops * layout.packs_per_rank
+
+
+def estimate_time(layout: Layout, saved_bytes: int, traffic_by_dim: dict[str, int],
+                  device: DeviceFigures = H100) -> TimeEstimate:
+    flops = step_flops(layout)
+    compute = flops / (device.bf16_tflops * 1e12 * device.efficiency)
+    memory = 3 * saved_bytes * layout.packs_per_rank / (device.hbm_tbps * 1e12)
+    multi_node = layout.dims.world_size > device.gpus_per_node
+    comm = 0.0
+    for key, nbytes in traffic_by_dim.items():
+        dims = key.split("/")[1].split("+")
+        slow = multi_node and any(dim.startswith("dp") for dim in dims)
+        comm += nbytes / ((device.network_gbps if slow else device.link_gbps) * 1e9)
+    return TimeEstimate(flops, compute, memory, comm)

@@ -1,0 +1,98 @@
+"""What a plan is computed for: the model shape, the layout and the per-rank token counts.
+
+Symbols used by every ``plan`` module (per rank, per packed row of ``T`` tokens)::
+
+    Tc = T / cp            tokens a CP rank holds (inside a block, widths are / tp)
+    Ts = Tc / tp (SP) or Tc  tokens of the residual stream between blocks
+    e   activation bytes (model dtype; 2 under mixed_precision=bf16)
+    e_p parameter / gradient / optimizer-state bytes (model dtype)
+    e_c = max(e, 4)        bytes of the kernels' compute dtype (float32 or wider)
+    m = packs_per_step / dp  packed rows each rank runs per step (gradient accumulation)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridpar.config import RunConfig
+from hybridpar.models.hybrid import HybridConfig
+from hybridpar.parallel.dims import ParallelDims
+
+__all__ = ["Layout", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated run, reduced to what memory and traffic depend on."""
+
+    model: HybridConfig
+    dims: ParallelDims
+    pack_size: int
+    packs_per_step: int
+    dtype: str = "float32"
+    sequence_parallel: bool = False
+    cp_attention: str = "allgather"
+    cp_mamba: str = "a2a"
+    checkpointing: str = "none"
+    mixed_precision: str | None = None
+    reshard_after_forward: bool | int = True
+
+    @classmethod
+    def from_run(cls, run: RunConfig, model: HybridConfig) -> "Layout":
+        p = run.parallel
+        return cls(model, ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp), run.data.pack_size,
+                   run.data.packs_per_step, run.model.dtype, p.sequence_parallel, p.cp_attention, p.cp_mamba,
+                   p.activation_checkpointing, p.mixed_precision, p.reshard_after_forward)
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.dims.tp > 1
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dims.size("dp_shard_cp") > 1 or self.dims.dp_replicate > 1
+
+    @property
+    def shard(self) -> int:
+        """FSDP shard group size ``dp_shard * cp`` (1: parameters not sharded)."""
+        return self.dims.size("dp_shard_cp") if self.fsdp else 1
+
+    @property
+    def tokens(self) -> int:  # Tc
+        return self.pack_size // self.cp
+
+    @property
+    def stream_tokens(self) -> int:  # Ts
+        return self.tokens // self.tp if self.sp else self.tokens
+
+    @property
+    def packs_per_rank(self) -> int:  # m
+        return max(1, self.packs_per_step // self.dims.size("dp"))
+
+    @property
+    def param_bytes(self) -> int:  # e_p
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def act_bytes(self) -> int:  # e
+        return 2 if self.mixed_precision == "bf16" and self.fsdp else DTYPE_BYTES[self.dtype]
+
+    @property
+    def compute_bytes(self) -> int:  # e_c
+        return max(self.act_bytes, 4)
+
+    def describe(self) -> str:
+        p = self.dims
+        return (f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
+                f"sp={'on' if self.sp else 'off'} cp_attention={self.cp_attention} cp_mamba={self.cp_mamba} "
+                f"checkpointing={self.checkpointing}")

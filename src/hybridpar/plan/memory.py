@@ -1,0 +1,93 @@
+"""Peak memory per rank: what is live at the worst moment of a steady-state training step.
+
+Walking one step's last pack (the worst: earlier packs' gradients are live) block by block::
+
+    base          = params (sharded) + AdamW state                  (parameter_memory)
+    G_acc         = gradients accumulated from earlier packs: unsharded under FSDP (one reduction
+                    per step), 0 when the rank runs one pack
+    root          = FSDP's gathered root (embeddings, norm_f, lm_head: never resharded), 0 without FSDP
+    forward  i    = base + G_acc + root + sum_{j<i} saved_j + gathered(i) + gathered(i+1) + fwd_ws(i)
+    loss          = base + G_acc + root + sum_j saved_j + saved_head + loss_ws (forward / backward)
+    backward i    = base + G_i + root + sum_{j<=i} saved_j + gathered(i) + gathered(i-1)
+                    + bwd_ws(i) + unsharded grads of i (FSDP, before its reduce-scatter)
+    optimizer     = params + grads + AdamW state + the largest parameter's update temporaries (x2)
+
+with ``G_i`` the gradients of the units already done (root and blocks > i; sharded under FSDP)
+plus ``G_acc``; ``gathered(u)`` is unit u's unsharded parameters (only under FSDP with
+``reshard_after_forward``; with it off every unit stays gathered). The peak is the maximum; the
+process baseline (CPU: the interpreter and libraries; GPU: the CUDA context) is stated apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridpar.plan.activations import BLOCK_NAMES, block_saved_bytes, head_saved_bytes
+from hybridpar.plan.layout import Layout
+from hybridpar.plan.params import ParameterMemory, parameter_memory
+from hybridpar.plan.transients import block_workspaces, loss_workspaces
+
+__all__ = ["MemoryPlan", "memory_plan"]
+
+
+@dataclass
+class MemoryPlan:
+    params: ParameterMemory
+    saved_by_kind: dict  # bytes kept for backward per block kind (+ "head"), one pack
+    peak_bytes: int
+    peak_moment: str  # e.g. "backward of block 3 (mamba)"
+    breakdown: dict = field(default_factory=dict)  # what is live at the peak
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved_by_kind.values())
+
+
+def memory_plan(layout: Layout) -> MemoryPlan:
+    params = parameter_memory(layout)
+    pattern = layout.model.pattern
+    units = [f"backbone.layers.{i}" for i in range(len(pattern))]
+    saved = [block_saved_bytes(layout, kind) for kind in pattern]
+    ws = [block_workspaces(layout, kind) for kind in pattern]
+    head = head_saved_bytes(layout)
+    loss = loss_workspaces(layout)
+    e_p, fsdp, sharded = params.element_bytes, layout.fsdp, layout.shard > 1
+    full_grad = {u: n * e_p for u, n in params.unit_numel.items()}
+    grad_after = {u: (-(-n // layout.shard) * e_p if fsdp else n * e_p) for u, n in params.unit_numel.items()}
+    keep_gathered = sharded and layout.reshard_after_forward is False
+
+    def gathered(i: int) -> int:
+        if not sharded or keep_gathered or not 0 <= i < len(units):
+            return 0
+        return params.gathered(units[i])
+
+    base = {"parameters": params.param_bytes, "optimizer": params.optimizer_bytes}
+    accumulated = sum(full_grad.values()) if layout.packs_per_rank > 1 else 0
+    root = params.gathered("") if sharded else 0
+    all_gathered = sum(params.gathered(u) for u in units) if keep_gathered else 0
+    moments: list[tuple[str, dict]] = []
+    common = {**base, "accumulated_grads": accumulated, "fsdp_root": root + all_gathered}
+    for i, kind in enumerate(pattern):
+        moments.append((f"forward of block {i} ({BLOCK_NAMES[kind]})", {
+            **common, "activations": sum(saved[:i]), "fsdp_gathered": gathered(i) + gathered(i + 1),
+            "workspace": ws[i].forward}))
+    for name, workspace in (("loss forward", loss.forward), ("loss backward", loss.backward)):
+        moments.append((name, {**common, "activations": sum(saved) + head, "workspace": workspace}))
+    for i in reversed(range(len(pattern))):
+        done = full_grad[""] if not fsdp else grad_after[""]
+        done += sum(grad_after[u] if fsdp else full_grad[u] for u in units[i + 1:])
+        grads = accumulated if layout.packs_per_rank > 1 else done
+        moments.append((f"backward of block {i} ({BLOCK_NAMES[pattern[i]]})", {
+            **common, "accumulated_grads": 0, "gradients": grads, "activations": sum(saved[: i + 1]),
+            "fsdp_gathered": gathered(i) + gathered(i - 1), "workspace": ws[i].backward,
+            "unsharded_grads": full_grad[units[i]] if sharded and layout.packs_per_rank == 1 else 0}))
+    largest = max((n for n in params.unit_numel.values()), default=0)
+    moments.append(("optimizer step", {**base, "gradients": params.grad_bytes,
+                                       "workspace": 2 * min(largest, params.per_rank) * e_p}))
+    moment, breakdown = max(moments, key=lambda m: sum(m[1].values()))
+    saved_by_kind = {name: 0 for name in BLOCK_NAMES.values()}
+    for kind, nbytes in zip(pattern, saved):
+        saved_by_kind[BLOCK_NAMES[kind]] += nbytes
+    saved_by_kind["head"] = head
+    return MemoryPlan(params, saved_by_kind, sum(breakdown.values()), moment,
+                      {k: v for k, v in breakdown.items() if v})

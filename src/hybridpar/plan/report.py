@@ -1,0 +1,74 @@
+"""The plan as text (``hybridpar plan``) and as one JSON object (``hybridpar plan --json``)."""
+
+from __future__ import annotations
+
+import json
+
+from hybridpar.plan import GPU_BASELINE_GIB, Plan, cpu_baseline_gib
+
+__all__ = ["plan_dict", "plan_text", "GIB"]
+
+GIB = 2**30
+
+
+def plan_dict(plan: Plan, target: str = "gpu") -> dict:
+    """JSON-ready: per-rank peak and its parts, parameters, traffic per kind (and per mesh dim), time."""
+    m, layout = plan.memory, plan.layout
+    baseline = cpu_baseline_gib() if target == "cpu" else GPU_BASELINE_GIB
+    return {
+        "model": {"pattern": layout.model.pattern, "parameters": m.params.total},
+        "layout": {"dp_replicate": layout.dims.dp_replicate, "dp_shard": layout.dims.dp_shard, "cp": layout.cp,
+                   "tp": layout.tp, "sequence_parallel": layout.sp, "cp_attention": layout.cp_attention,
+                   "cp_mamba": layout.cp_mamba, "activation_checkpointing": layout.checkpointing,
+                   "mixed_precision": layout.mixed_precision, "pack_size": layout.pack_size,
+                   "packs_per_rank": layout.packs_per_rank},
+        "parameters_per_rank": m.params.per_rank,
+        "peak_memory_gib_per_rank": m.peak_bytes / GIB,
+        "peak_moment": m.peak_moment,
+        "peak_breakdown_gib": {k: v / GIB for k, v in m.breakdown.items()},
+        "baseline_gib": baseline,
+        "baseline_is": "this process's resident memory (CPU)" if target == "cpu" else "CUDA context + NCCL (estimate)",
+        "saved_activation_bytes_per_pack": {**m.saved_by_kind, "total": m.saved_bytes},
+        "state_bytes": {"parameters": m.params.param_bytes, "gradients": m.params.grad_bytes,
+                        "optimizer": m.params.optimizer_bytes},
+        "traffic_bytes_per_step": plan.traffic_by_kind,
+        "traffic_bytes_per_step_by_dim": plan.traffic_by_kind_and_dim,
+        "estimate": {"device": plan.device.name, "step_s": plan.time.step_s, "compute_s": plan.time.compute_s,
+                     "memory_s": plan.time.memory_s, "comm_s": plan.time.comm_s, "tflop_per_step": plan.time.flops / 1e12,
+                     "note": "an estimate from the stated device figures, not a measurement"},
+    }
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def plan_text(plan: Plan, target: str = "gpu") -> str:
+    d = plan_dict(plan, target)
+    m, layout = plan.memory, plan.layout
+    lines = [
+        f"model: pattern {layout.model.pattern} ({len(layout.model.pattern)} blocks), {m.params.total:,} parameters",
+        f"layout: {layout.describe()} -> {layout.dims.world_size} ranks; {layout.pack_size:,} tokens per pack, "
+        f"{layout.packs_per_rank} pack(s) per rank per step, {layout.dtype}"
+        + (f", mixed precision {layout.mixed_precision}" if layout.mixed_precision else ""),
+        f"per rank: {m.params.per_rank:,} parameters; params {_bytes(m.params.param_bytes)}, grads "
+        f"{_bytes(m.params.grad_bytes)}, AdamW {_bytes(m.params.optimizer_bytes)}",
+        "saved for backward per pack: " + ", ".join(f"{k} {_bytes(v)}" for k, v in m.saved_by_kind.items())
+        + f" (total {_bytes(m.saved_bytes)})",
+        f"peak: {_bytes(d['peak_memory_gib_per_rank'] * GIB)} per rank at {m.peak_moment}: "
+        + ", ".join(f"{k} {_bytes(v)}" for k, v in m.breakdown.items()),
+        f"baseline (not in the peak): {d['baseline_gib']:.2f} GiB, {d['baseline_is']}",
+        "traffic per step per rank: " + (", ".join(f"{k} {_bytes(v)}" for k, v in d["traffic_bytes_per_step_by_dim"].items())
+                                         or "none"),
+        f"time (ESTIMATE, {plan.device.name}): {plan.time.step_s * 1e3:,.3g} ms per step = compute "
+        f"{plan.time.compute_s * 1e3:,.3g} + memory {plan.time.memory_s * 1e3:,.3g} + communication "
+        f"{plan.time.comm_s * 1e3:,.3g} ms ({plan.time.flops / 1e12:,.3g} TFLOP per rank)",
+    ]
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, target: str = "gpu") -> str:
+    return json.dumps(plan_dict(plan, target), indent=2)

@@ -1,0 +1,76 @@
+"""Bytes each rank sends per training step, by collective kind and mesh dimension.
+
+The closed forms are ``parallel.step_comm``'s (held equal to ``CommStats``' counts of a real step in
+``tests/distributed/test_step_comm.py``): the trainer's all-reduces, TP/SP entry and exit of every
+block, the embedding and the vocab-parallel loss, CP attention and CP Mamba, FSDP all-gathers,
+reduce-scatters and HSDP all-reduces, and gradient clipping. They count one step without
+activation checkpointing. With ``full`` or ``selective`` the recomputation of each block repeats
+its forward collectives (TP/SP entry and exit, CP exchanges) once more per pack; that share is
+listed as source ``recompute`` (the forward half of ``tp_blocks``, ``cp_attention``, ``cp_mamba``).
+``cp_attention=ring`` sends point to point (kind ``send``; ``cp_ring.py``'s
+count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``docs_per_pack`` documents are assumed in every pack.
+"""
+
+from __future__ import annotations
+
+from hybridpar.parallel.step_comm import StepShape, Tally, step_collectives
+from hybridpar.plan.layout import Layout
+
+__all__ = ["step_traffic", "by_kind", "by_kind_and_dim"]
+
+# The forward collectives a block's recomputation runs again: (source, kind) -> share of that source's calls.
+# SP's norm all-gather is half of tp_blocks' all-gathers (the other half is backward); the CP exchanges
+# into and out of the core are half of the all-to-alls and every all-gather. The exit reduce-scatter /
+# all-reduce is not repeated (the recomputation stops before a block's last matmul).
+RECOMPUTED = {("tp_blocks", "all_gather"): 0.5, ("cp_attention", "all_gather"): 1.0,
+              ("cp_attention", "all_to_all"): 0.5, ("cp_mamba", "all_gather"): 1.0, ("cp_mamba", "all_to_all"): 0.5}
+
+
+def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
+    m = layout.packs_per_rank
+    return StepShape(layout.model, layout.dims, layout.pack_size, m, layout.act_bytes, layout.sequence_parallel,
+                     layout.cp_attention, layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m)
+
+
+def ring_attention(layout: Layout) -> Tally:
+    """``cp_ring``: K, V hop P-1 times forward and again backward, dK, dV (compute dtype) P hops, as sends."""
+    c, cp, e = layout.model, layout.cp, layout.act_bytes
+    kv = layout.tokens * 2 * c.num_key_value_heads // layout.tp * c.head_dim
+    out, layers = Tally(), c.pattern.count("*") * layout.packs_per_rank
+    out.add("send", "cp", kv * e, 2 * (cp - 1) * layers)
+    out.add("send", "cp", kv * layout.compute_bytes, cp * layers)
+    return out
+
+
+def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
+    """Each source's ``Tally`` ``{(kind, dim): [calls, bytes]}`` for one step, ``recompute`` included."""
+    shape = step_shape(layout, docs_per_pack)
+    sources = step_collectives(StepShape(**{**shape.__dict__, "cp_attention": "allgather"})
+                               if layout.cp_attention == "ring" else shape)
+    if layout.cp_attention == "ring" and layout.cp > 1:
+        sources["cp_attention"] = ring_attention(layout)
+    if layout.checkpointing != "none":
+        extra = Tally()
+        for (name, kind), share in RECOMPUTED.items():
+            for (k, dim), (calls, nbytes) in sources[name].items():
+                if k == kind and calls:
+                    extra.add(kind, dim, nbytes // calls, round(calls * share))
+        sources["recompute"] = extra
+    return sources
+
+
+def by_kind_and_dim(sources: dict[str, Tally]) -> dict[str, int]:
+    """``{"all_gather/cp": bytes, ...}`` summed over sources."""
+    total = Tally()
+    for tally in sources.values():
+        total = total + tally
+    return {f"{kind}/{dim}": nbytes for (kind, dim), (_, nbytes) in sorted(total.items())}
+
+
+def by_kind(sources: dict[str, Tally]) -> dict[str, int]:
+    """``{"all_gather": bytes, ...}`` summed over sources and mesh dims."""
+    out: dict[str, int] = {}
+    for key, nbytes in by_kind_and_dim(sources).items():
+        kind = key.split("/")[0]
+        out[kind] = out.get(kind, 0) + nbytes
+    return out

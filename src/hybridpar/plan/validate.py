@@ -1,0 +1,92 @@
+"""Measure what the plan predicts, on real ranks (tests and ``benchmarks/planner.py``; not the planner).
+
+``measure_step(rank, world, overrides, output_dir)`` (a ``run_ranks`` worker) trains two steps of
+the config with ``Trainer.fit`` and reads the tensor peak the trainer reports for its second
+(steady-state) step in ``metrics.jsonl`` (``tensor_peak_gib``: allocator events, ``train/tensor_peak``),
+then runs a third step under ``CommStats`` (bytes per collective kind and mesh dim) and one pack's
+forward under saved-tensor hooks (distinct storages kept for backward, parameters excluded).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["measure_step", "predict", "BASE_OVERRIDES"]
+
+BASE_OVERRIDES = ["train.steps=2", "train.eval_every=0", "checkpoint.every=-1", "tensorboard=false", "plot=false",
+                  "train.log_every=1000"]
+
+
+def _storages(t):
+    """``(data_ptr, nbytes)`` of the real storages under ``t`` (DTensor and wrapper subclasses unwrapped)."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _storages(getattr(t, name))
+        return
+    storage = t.untyped_storage()
+    yield storage.data_ptr(), storage.nbytes()
+
+
+def _saved_bytes(trainer, pack) -> int:
+    """Distinct storages one pack's forward keeps for backward, parameters (and FSDP's gathered
+    parameters) excluded."""
+    import torch
+
+    def parameters():
+        return {ptr for p in trainer.model.parameters() for ptr, _ in _storages(p)}
+
+    kept: dict[int, int] = {}
+
+    def pack_hook(t):
+        current = parameters()  # FSDP swaps in its gathered parameters during forward
+        for ptr, nbytes in _storages(t):
+            if nbytes and ptr not in current:
+                kept[ptr] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        loss_sum, _, _ = trainer.forward_loss_sum(pack)
+    loss_sum.backward()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return sum(kept.values())
+
+
+def measure_step(rank: int, world: int, overrides: list[str], output_dir: str) -> dict:
+    import torch
+
+    from hybridpar.config import load_config
+    from hybridpar.parallel.comm_stats import CommStats
+    from hybridpar.train.trainer import Trainer
+
+    config = load_config(None, BASE_OVERRIDES + list(overrides) + [f"output_dir={output_dir}"])
+    trainer = Trainer(config, torch.device("cpu"))
+    trainer.fit()
+    with CommStats(trainer.layout.mesh) as stats:
+        trainer.train_step(config.train.steps)
+    pack = trainer.train_data.rank_packs(0, trainer.layout.dp_rank, trainer.layout.dims.size("dp"))[0]
+    saved = _saved_bytes(trainer, pack)
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
+    out = {"parameters_per_rank": sum(local(p).numel() for p in trainer.model.parameters()),
+           "traffic_by_dim": {f"{k}/{d}": n for (k, d), n in sorted(stats.by_dim().items())},
+           "saved_bytes": saved}
+    if rank == 0:
+        records = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+        step = [r for r in records if r.get("step") == 2][0]
+        out.update(tensor_peak_gib=step["tensor_peak_gib"], rss_peak_gib=step["peak_memory_gib"])
+    return out
+
+
+def predict(overrides: list[str]) -> dict:
+    """``hybridpar plan --json``'s object for the same config (in this process)."""
+    from hybridpar.config import load_config
+    from hybridpar.plan import make_plan
+    from hybridpar.plan.report import plan_dict
+
+    plan = make_plan(load_config(None, BASE_OVERRIDES + list(overrides)))
+    return plan_dict(plan, "cpu")

@@ -1,0 +1,76 @@
+"""Peak bytes of live tensors during a block of code, on CPU, from the allocator's events.
+
+``torch.profiler`` with ``profile_memory=True`` records every allocation and free of the CPU
+allocator (any thread: autograd's backward too, and inside custom ops). Walking them in time order
+gives the peak of ``live(t) = live_before + sum(alloc) - sum(free)``. ``live_before`` is what exists
+when the block starts and survives it; the caller passes the tensors it knows (the model's
+parameters and buffers, the optimizer state). The process baseline (interpreter, libraries)
+is not a tensor and is not included: RSS (``metrics.peak_memory_gib``) includes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["TensorPeak", "live_tensor_bytes"]
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def live_tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (DTensors by their local shard)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = _local(t).untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class TensorPeak(contextlib.AbstractContextManager):
+    """``with TensorPeak(live_before) as peak: ...``; then ``peak.bytes`` (``peak.gib``)."""
+
+    def __init__(self, live_before: int = 0):
+        self.live_before = live_before
+        self.bytes = live_before
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        from torch._C._profiler import _EventType
+
+        self._profile.__exit__(*exc)
+        events, stack = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+                events.append((event.start_time_ns, event.extra_fields.alloc_size))
+            stack.extend(event.children)
+        live = peak = 0
+        for _, size in sorted(events):
+            live += size
+            peak = max(peak, live)
+        self.bytes = self.live_before + peak
+        return False
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / 2**30
+
+
+def step_tensor_peak(model, optimizer, device):
+    """The context the trainer measures a step in: ``TensorPeak`` on CPU (live before: parameters,
+    buffers, optimizer state), None on an accelerator (its allocator peak is ``peak_memory_gib``)."""
+    if device.type != "cpu":
+        return None
+    state = [t for s in optimizer.state.values() for t in s.values()]
+    return TensorPeak(live_tensor_bytes([*model.parameters(), *model.buffers(), *state]))

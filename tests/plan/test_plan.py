@@ -1,0 +1,94 @@
+"""``hybridpar plan``: refusals as ``train``, the JSON keys, the search, and exact parameters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridpar.config import load_config
+from hybridpar.plan import make_plan, parameter_count
+from hybridpar.plan.report import plan_dict
+from hybridpar.plan.search import search_layouts
+from hybridpar.train.preflight import validate_layout
+
+TINY = ["parallel.cp=1", "parallel.tp=1"]
+
+
+def plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybridpar", "plan", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("overrides, world", [
+    (["parallel.tp=3", "parallel.cp=1"], None),  # tiny has 8 Mamba heads, 2 groups, 4 attention heads
+    (["parallel.tp=16", "parallel.cp=1", "model.preset=nemotronh-8b"], None),  # > 8 KV heads and groups
+    (["parallel.cp=3", "parallel.tp=1"], None),
+    (["parallel.cp=2", "parallel.tp=1", "data.pack_size=250"], None),
+    (["parallel.dp_shard=2", "parallel.cp=1", "parallel.tp=1", "data.packs_per_step=3"], None),
+    (TINY, 2),  # the degrees multiply to 1
+])
+def test_invalid_layouts_are_refused_with_trains_message(overrides, world):
+    config = load_config(None, overrides)
+    with pytest.raises(ValueError) as train_error:
+        validate_layout(config, world)
+    with pytest.raises(ValueError) as plan_error:
+        make_plan(config, world)
+    assert str(plan_error.value) == str(train_error.value)
+
+
+def test_cli_refuses_tp3_with_exit_2_and_no_plan():
+    result = plan_cli("parallel.tp=3", "parallel.cp=1", "--json")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "tp=3" in result.stderr, result.stderr
+
+
+def test_json_has_the_documented_keys_and_types():
+    result = plan_cli("parallel.cp=2", "parallel.tp=2", "data.pack_size=4096", "--json", "--target", "cpu")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert isinstance(out["peak_memory_gib_per_rank"], float) and out["peak_memory_gib_per_rank"] > 0
+    assert isinstance(out["baseline_gib"], float) and out["baseline_gib"] > 0
+    assert isinstance(out["parameters_per_rank"], int)
+    assert {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"} <= set(out["traffic_bytes_per_step"])
+    assert all(isinstance(v, int) for v in out["traffic_bytes_per_step"].values())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "nemotronh-8b"])
+def test_parameter_count_equals_the_model(preset):
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+
+    config = HybridConfig.from_preset(preset)
+    with torch.device("meta"):
+        model = HybridLM(config)
+    assert parameter_count(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_memory_falls_with_checkpointing_and_cp():
+    def peak(*overrides):
+        return plan_dict(make_plan(load_config(None, ["data.pack_size=8192", *overrides])))["peak_memory_gib_per_rank"]
+
+    none, selective, full = (peak(*TINY, f"parallel.activation_checkpointing={p}") for p in ("none", "selective", "full"))
+    assert none > selective > full
+    assert peak("parallel.cp=2", "parallel.tp=1") < none
+
+
+def test_fit_lists_fitting_layouts_fastest_first_and_says_why_others_fail():
+    config = load_config(None, ["data.pack_size=16384", "data.packs_per_step=1"])
+    candidates = search_layouts(config, 4, 0.1, baseline_gib=0.0)
+    fitting = [c for c in candidates if c.fits(0.1)]
+    assert fitting
+    times = [c.plan.time.step_s for c in fitting]
+    assert times == sorted(times)
+    refused = [c.refused for c in candidates if c.refused]
+    assert any("tp=4" in why and "mamba_n_groups=2" in why for why in refused), refused  # tiny has 2 groups
+    too_big = [c for c in candidates if c.plan is not None and not c.fits(0.1)]
+    assert too_big and all(c.needs_gib > 0.1 for c in too_big)
+
+
+def test_fit_cli_prints_the_recommendation():
+    result = plan_cli("data.pack_size=16384", "data.packs_per_step=1", "--fit", "1.1", "--world-size", "4")
+    assert result.returncode == 0, result.stderr
+    assert "recommended:" in result.stdout and "does not fit:" in result.stdout
