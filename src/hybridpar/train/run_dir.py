@@ -33,7 +33,7 @@ from hybridpar.train.checkpoint import (CheckpointError, checkpoint_step, incomp
 
 LOCK_FILE = ".hybridpar.lock"
 METRICS_FILE = "metrics.jsonl"
-DATA_STREAM_KEYS = ("task", "path", "seed", "pack_size", "packs_per_step", "task_options")
+DATA_STREAM_KEYS = ("task", "path", "tokenizer", "seed", "pack_size", "packs_per_step", "task_options")
 
 
 # ----------------------------------------------------------------------------- lock
@@ -143,9 +143,13 @@ def data_stream(config: RunConfig, pad_multiple: int) -> dict:
 
 
 def model_signature(model_config) -> dict:
-    """A model config as JSON values (dtype as its name), for run.json and comparison."""
-    values = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)}
-    values["dtype"] = str(values["dtype"]).removeprefix("torch.")
+    """A model config (``HybridConfig`` or a transformers ``PretrainedConfig``) as JSON values
+    (dtype as its name), for run.json and comparison."""
+    if dataclasses.is_dataclass(model_config):
+        values = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)}
+    else:
+        values = {key: value for key, value in model_config.to_diff_dict().items() if key != "transformers_version"}
+    values["dtype"] = str(values.get("dtype")).removeprefix("torch.")
     return json.loads(json.dumps(values, default=str))
 
 
