@@ -32,6 +32,17 @@ def parameter_count(config: HybridConfig) -> int:
 def print_plan(run: RunConfig, world_size: int | None = None) -> None:
     model = validate_layout(run, world_size)  # the same rules as train: an invalid layout has no plan
     p = run.parallel
+    if not isinstance(model, HybridConfig):  # a transformers model: its size and the per-rank share
+        from hybridpar.train.preflight import meta_model
+
+        meta = meta_model(model)
+        params = sum(t.numel() for t in meta.parameters())
+        per_rank = params / (p.tp * p.dp_shard * p.cp)
+        print(f"model: {type(meta).__name__} (transformers), {params / 1e6:,.1f}M parameters")
+        print(f"layout: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp}, "
+              f"sequence_parallel={p.sequence_parallel}")
+        print(f"per rank: {per_rank / 1e6:,.1f}M parameters; fp32 params + grads + AdamW = {per_rank * 16 / 2**30:,.2f} GiB")
+        return
     world = p.dp_replicate * p.dp_shard * p.cp * p.tp
     params = parameter_count(model)
     per_rank = params / (p.tp * p.dp_shard * p.cp)
