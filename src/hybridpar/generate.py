@@ -69,7 +69,8 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     config = config_from_dict(recorded)
     if dtype is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=str(dtype).removeprefix("torch.")))
-    stored = split_mamba_mixers(build_model(config))  # the names training saves (layout-free)
+    stored = build_model(config)
+    split_mamba_mixers(stored)  # the parameter names training saves (layout-free)
     state = {"model": stored.state_dict()}
     dcp.load(state, checkpoint_id=str(path))
     stored.load_state_dict(state["model"])
