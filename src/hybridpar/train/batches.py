@@ -8,7 +8,9 @@ layout and a run extended to more steps see the same tokens:
   number of documents (``WINDOW_PACKS`` packs' worth); each window is packed on its own
   and windows are appended as steps need them, so pack ``j`` depends only on the data
   settings, never on how many steps will run;
-- a file is read and packed whole, and steps cycle over its packs.
+- a file is read and packed whole, and steps cycle over its packs. File tasks (text, jsonl,
+  chat, prompt_completion, hf_dataset: ``data/documents.file_documents``) read it through the
+  tokenizer of ``data_tokenizer`` (``data.tokenizer`` against ``model.hf_path``).
 
 Packs are padded per document to ``pad_to_multiple_of`` (default ``2*cp``); a resumed run
 keeps the padding its checkpoint recorded. Each data-parallel rank takes its share of a

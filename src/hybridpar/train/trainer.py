@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from hybridpar.config import RunConfig, to_dict
 from hybridpar.data.packing import collate_thd
 from hybridpar.data.sources import prediction_counts
+from hybridpar.data.tokenizers import ships_tokenizer
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf_causal import export_causal_lm
 from hybridpar.models.hybrid import HybridConfig, HybridLM
@@ -232,7 +233,7 @@ class Trainer:
                 notice(f"model.export_hf={path!r} cannot be written now ({problem}); exporting to {target} instead.")
             staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             shutil.rmtree(staging, ignore_errors=True)
-            tokenizer_dir = self.tokenizer.source_dir if self.tokenizer is not None else None
+            tokenizer_dir = self.export_tokenizer_dir()
             export_causal_lm(self.model, staging, tokenizer_dir=tokenizer_dir, state_dict=state,
                              architecture=self.config.model.export_architecture)
             if target.is_dir():
@@ -240,6 +241,13 @@ class Trainer:
             staging.rename(target)
             print(f"exported Hugging Face checkpoint: {target}", flush=True)
         dist.barrier()
+
+    def export_tokenizer_dir(self) -> str | Path | None:
+        """Where the export's tokenizer files come from: the file task's tokenizer (none for bytes);
+        for a synthetic task, the tokenizer ``model.hf_path`` ships (its vocabulary is the model's)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.source_dir
+        return self.config.model.hf_path if ships_tokenizer(self.config.model.hf_path) else None
 
     # -- the loop -----------------------------------------------------------------------------
     def resume(self) -> None:
