@@ -147,6 +147,9 @@ def test_new_keys_are_checked_before_any_process_starts(sources, tmp_path):
     assert validate_data(config.data, VOCAB, llama).source_dir == Path(llama)
     config.data.tokenizer = "bytes"
     assert isinstance(validate_data(config.data, VOCAB, llama), ByteTokenizer)
+    small = load_config(None, ["data.task=text", f"data.path={text}", f"data.tokenizer={llama}", f"output_dir={tmp_path}/s"])
+    with pytest.raises(ValueError, match="produces ids up to 319, but the model's embedding has vocab_size=256"):
+        validate_run(small, "train", None)  # the tiny HybridLM's embedding is smaller than the tokenizer
     assert "needs model.hf_path" in refused("model.hf_path=null", "model.backend=transformers")
     assert "applies to HybridLM models" in refused(f"model.export_hf={tmp_path}/x",
                                                    "model.export_architecture=Mamba2ForCausalLM")
