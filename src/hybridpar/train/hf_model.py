@@ -37,7 +37,7 @@ from hybridpar.models.hf_config import read_hf_config
 from hybridpar.parallel.inputs import ShardedInputs
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
-__all__ = ["model_backend", "hf_shape", "hf_meta_model", "build_hf_model", "is_transformers_model",
+__all__ = ["model_backend", "hf_shape", "hf_meta_model", "build_hf_model",
            "hf_forward_inputs", "hf_loss_sum", "HF_CP_ISSUE"]
 
 HF_CP_ISSUE = 16  # "Context parallelism for Hugging Face models"
@@ -93,15 +93,6 @@ def hf_meta_model(shape) -> nn.Module:
 def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     """The transformers model of ``model.hf_path`` in ``dtype`` (weights from local safetensors)."""
     return load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
-
-
-def is_transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers model (also after FSDP, which keeps the class as a base)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
 
 
 def hf_forward_inputs(sharded: ShardedInputs) -> dict:
