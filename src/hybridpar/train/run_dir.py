@@ -206,6 +206,7 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
                               "would change. Resume at a cp whose 2*cp divides "
                               f"{pad}, or start fresh (checkpoint.resume=null).")
     if recorded:
+        recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
         changed = _differences(recorded, data_stream(config, pad), "data.", skip=("pad_to_multiple_of",))
         if changed:
             raise CheckpointError(f"resuming from {str(path)!r} would change the training batches ({'; '.join(changed)}; "
