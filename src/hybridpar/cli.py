@@ -1,10 +1,12 @@
-"""Command line: ``hybridpar train | check | plan`` (also ``python -m hybridpar``).
+"""Command line: ``hybridpar train | check | plan | generate`` (also ``python -m hybridpar``).
 
     hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 4 train.steps=100
     torchrun --nproc-per-node 4 -m hybridpar train --config configs/tiny-hybrid.yaml
+    hybridpar generate --hf-path runs/tuned --prompt "def add(" --max-new-tokens 64
 
 Under torchrun the launched world is used; ``--nproc-per-node N`` runs torchrun's agent
-in this process (``hybridpar.launch``). gloo is used on CPU and nccl on CUDA.
+in this process (``hybridpar.launch``). gloo is used on CPU and nccl on CUDA. ``generate``
+runs in this one process (``hybridpar.generate``).
 
 Exit status: 0 done; 1 the run failed (non-finite values, a rank that died or stalled, a
 ``check`` out of tolerance); 2 bad input (config, data, files), with one message and before
@@ -25,14 +27,15 @@ import warnings
 
 from hybridpar.config import ConfigError, RunConfig, load_config
 
-COMMANDS = ("train", "check", "plan")
+COMMANDS = ("train", "check", "plan", "generate")
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hybridpar", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=COMMANDS, help="train a model, check a layout's exactness, or print a plan")
+    parser.add_argument("command", choices=COMMANDS,
+                        help="train a model, check a layout's exactness, print a plan, or generate text")
     parser.add_argument("--config", help="YAML run config (default: built-in defaults)")
     parser.add_argument("--nproc-per-node", type=int, default=None, help="start this many processes with torchrun")
     parser.add_argument("--tolerance", type=float, default=None, help="check: largest allowed difference (default by dtype)")
@@ -40,7 +43,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from hybridpar.plan.command import add_plan_arguments
 
     add_plan_arguments(parser)
+    gen = parser.add_argument_group("generate")
+    gen.add_argument("--checkpoint", help="a training checkpoint (step_* folder) or a run's output_dir")
+    gen.add_argument("--hf-path", help="a Hugging Face checkpoint directory (e.g. a run's model.export_hf)")
+    gen.add_argument("--prompt", help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set reaching this mass")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling generator")
+    gen.add_argument("--tokenizer", default="auto", help="auto (the checkpoint's own) | bytes | a tokenizer directory")
+    gen.add_argument("--backend", default="auto", help="--hf-path: auto | hybrid | transformers (as model.backend)")
+    gen.add_argument("--dtype", default=None, help="float32 | float64 | bfloat16 (default: as stored / as trained)")
     return parser.parse_intermixed_args(argv)
+
+
+GENERATE_ONLY = ("checkpoint", "hf_path", "prompt", "max_new_tokens")  # --json is shared with plan
 
 
 def launched_by_torchrun() -> bool:
@@ -48,6 +65,19 @@ def launched_by_torchrun() -> bool:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
+    if args.command == "generate":
+        given = [f"--{a}" for a in ("config", "nproc_per_node", "tolerance") if getattr(args, a) is not None]
+        if given or args.overrides:
+            raise ConfigError(f"generate takes no run config ({given + list(args.overrides)}); it reads the model from "
+                              "--hf-path or --checkpoint.")
+        missing = [f"--{a.replace('_', '-')}" for a in ("prompt", "max_new_tokens") if getattr(args, a) is None]
+        if missing:
+            raise ConfigError(f"generate needs {' and '.join(missing)}; e.g. hybridpar generate --hf-path DIR "
+                              "--prompt 'Once upon a time' --max-new-tokens 32.")
+        return
+    used = [f"--{a.replace('_', '-')}" for a in GENERATE_ONLY if getattr(args, a) not in (None, False)]
+    if used:
+        raise ConfigError(f"{' '.join(used)} belong to hybridpar generate, not {args.command}.")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is invalid: it must be an integer >= 1.")
     if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
@@ -202,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
 
     prefix = "hybridpar: error"
     try:
-        config = load_config(args.config, args.overrides)
         check_arguments(args)
+        if args.command == "generate":
+            from hybridpar.generate import run_generate
+
+            return run_generate(args)
+        config = load_config(args.config, args.overrides)
         if args.command == "plan":
             return run(args, config)
         import torch.distributed as dist

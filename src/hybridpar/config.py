@@ -39,20 +39,22 @@ class ModelConfig:
     preset: str = "tiny"  # HybridConfig preset (tiny, demo, small, nemotronh-8b)
     overrides: dict = field(default_factory=dict)  # HybridConfig fields, e.g. {pattern: "M*-M-"}
     dtype: str = "float32"  # float32 | float64 | bfloat16
-    hf_path: str | None = None  # load a Mamba2/Bamba/NemotronH checkpoint directory instead
+    hf_path: str | None = None  # a Hugging Face checkpoint directory (config.json + safetensors) to start from
+    backend: str = "auto"  # auto | hybrid | transformers: how model.hf_path is loaded (see models/hf_causal.py)
     export_hf: str | None = None  # after training, write the model there in Hugging Face format
-    export_architecture: str | None = None  # for a model not loaded from HF: Mamba2/Bamba/NemotronHForCausalLM
+    export_architecture: str | None = None  # for a HybridLM not loaded from HF: Mamba2/Bamba/NemotronHForCausalLM
 
 
 @dataclass
 class DataConfig:
-    task: str = "mqar"  # mqar | selective_copy | text | jsonl
-    path: str | None = None  # the file for text/jsonl
+    task: str = "mqar"  # mqar | selective_copy | text | jsonl | chat | prompt_completion | hf_dataset
+    path: str | None = None  # the file (or hf_dataset directory) of a file task
+    tokenizer: str = "auto"  # auto (model.hf_path's tokenizer if it ships one, else bytes) | bytes | a directory
     pack_size: int = 256  # tokens per packed row; a multiple of 2*cp
     packs_per_step: int = 2  # packed rows per step over all dp ranks; each rank accumulates gradients over its share
     pad_to_multiple_of: int | None = None  # per-document padding; default 2*cp (a resumed run keeps the checkpoint's)
     seed: int = 0
-    task_options: dict = field(default_factory=dict)  # passed to the task; text: split, jsonl: text_field
+    task_options: dict = field(default_factory=dict)  # passed to the task (data/documents.py FILE_TASKS lists them)
 
 
 @dataclass
@@ -62,7 +64,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
-    cp_attention: str = "allgather"  # allgather | ulysses
+    cp_attention: str = "allgather"  # allgather | ulysses | ring
     cp_mamba: str = "a2a"  # a2a | state
     activation_checkpointing: str | bool = "none"  # none | full | selective (true/false: full/none)
     mixed_precision: str | None = None  # None | bf16 (FSDP params in bf16, reduce in fp32)
@@ -190,10 +192,12 @@ RULES: dict[str, Rule] = {
     "model.overrides": ANY,  # checked field by field against HybridConfig (preflight)
     "model.dtype": one_of("float32", "float64", "bfloat16"),
     "model.hf_path": or_null(PATH),
+    "model.backend": one_of("auto", "hybrid", "transformers"),
     "model.export_hf": or_null(PATH),
     "model.export_architecture": or_null(one_of(lazy=_architectures)),
-    "data.task": one_of("mqar", "selective_copy", "text", "jsonl"),
+    "data.task": one_of("mqar", "selective_copy", "text", "jsonl", "chat", "prompt_completion", "hf_dataset"),
     "data.path": or_null(PATH),
+    "data.tokenizer": Rule("'auto', 'bytes' or a tokenizer directory path", lambda v: bool(str(v).strip())),
     "data.pack_size": integer(1),
     "data.packs_per_step": integer(1),
     "data.pad_to_multiple_of": or_null(integer(1), " (null: 2*cp)"),
@@ -204,7 +208,7 @@ RULES: dict[str, Rule] = {
     "parallel.cp": integer(1),
     "parallel.tp": integer(1),
     "parallel.sequence_parallel": ANY,
-    "parallel.cp_attention": one_of("allgather", "ulysses"),
+    "parallel.cp_attention": one_of("allgather", "ulysses", "ring"),
     "parallel.cp_mamba": one_of("a2a", "state"),
     "parallel.activation_checkpointing": Rule("'none', 'full' or 'selective' (true/false: full/none)",
                                               lambda v: isinstance(v, bool) or v in ("none", "full", "selective")),
@@ -302,6 +306,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"override {item!r} has a malformed value {value!r} ({problem}); write it as a YAML "
                               "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}.") from None
         _set_dotted(raw, key.strip().split("."), parsed)
+    return _build(RunConfig, raw, "")
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    """A ``RunConfig`` from ``to_dict``'s form (e.g. the one recorded in a checkpoint), every value checked."""
     return _build(RunConfig, raw, "")
 
 

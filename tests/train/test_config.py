@@ -62,7 +62,7 @@ def test_numbers_out_of_range_name_key_value_rule_and_fix(override):
         ("model.preset=huge", "'nemotronh-8b', 'small', 'tiny'"),
         ("model.export_architecture=GPT2LMHeadModel", "'BambaForCausalLM'"),
         ("data.task=parquet", "'mqar', 'selective_copy', 'text', 'jsonl'"),
-        ("parallel.cp_attention=ring", "'allgather', 'ulysses'"),
+        ("parallel.cp_attention=zigzag", "'allgather', 'ulysses', 'ring'"),
         ("parallel.cp_mamba=ring", "'a2a', 'state'"),
         ("parallel.mixed_precision=fp16", "'bf16' or null"),
         ("train.on_nonfinite=ignore", "'stop', 'skip'"),

@@ -10,6 +10,7 @@ and norms are replicated (``LocalReplicateParallel``). With SP the residual stre
         -> partial [B, S, D] -> reduce-scatter -> [B, S/tp, D]
     post-norm (Gemma, OLMo2: on the block output) stays on [B, S/tp, D]
     final norm [B, S/tp, D] -> LM head: all-gather -> [B, S, V/tp] -> all-gather -> [B, S, V]
+                                 (the loss: all-gather -> [B, S, D] -> vocab-parallel lm_head_loss)
 
 A block without an input norm (OLMo2) reads the residual stream directly: its column-parallel
 projections declare a ``Shard(1)`` input and each all-gather it.
@@ -27,18 +28,35 @@ from hybridpar.parallel.tp_styles import (
     VocabParallelEmbedding,
 )
 
-__all__ = ["lm_head_style", "embedding_style", "decoder_plan"]
+__all__ = ["VocabParallelLMHead", "lm_head_style", "embedding_style", "decoder_plan"]
+
+
+class VocabParallelLMHead(ColwiseParallel):
+    """``ColwiseParallel`` for an LM head whose loss is vocab-parallel.
+
+    A forward that computes logits gathers them to ``[B, S, V]`` (``output_layouts``). The
+    training loss computes none: ``hf_causal_lm_loss``'s seam takes the head's input (after the
+    input all-gather under SP, the one the loss needs) to the vocab-parallel ``lm_head_loss``
+    and hands the head zero positions, whose ``[B, 0, V]`` output is made here, with no
+    collective, as in ``HybridLM``, whose loss never calls its head.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.numel() == 0:  # the loss seam: no logits, nothing to gather
+            return outputs.to_local().new_empty(outputs.shape)
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def lm_head_style(sequence_parallel: bool) -> ParallelStyle:
-    """The LM head: column-parallel (vocab-sharded weight), logits gathered to [B, S, V].
+    """The LM head: column-parallel (vocab-sharded weight), logits gathered to [B, S, V] when
+    computed; the training loss is vocab-parallel and gathers none (``VocabParallelLMHead``).
 
-    The one place that decides the LM head's layout for the Hugging Face plans (a
-    vocab-parallel loss would keep ``output_layouts=Shard(-1)`` here).
+    The one place that decides the LM head's layout for the Hugging Face plans.
     """
     if sequence_parallel:  # [B, S/tp, D] -> all-gather -> [B, S, V/tp] -> all-gather -> [B, S, V]
-        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-    return ColwiseParallel(output_layouts=Replicate())  # [B, S, V/tp] -> [B, S, V]
+        return VocabParallelLMHead(input_layouts=Shard(1), output_layouts=Replicate())
+    return VocabParallelLMHead(output_layouts=Replicate())  # [B, S, V/tp] -> [B, S, V]
 
 
 def embedding_style(sequence_parallel: bool) -> ParallelStyle:

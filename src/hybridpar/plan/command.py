@@ -6,7 +6,7 @@ import argparse
 import json
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.plan import GPU_BASELINE_GIB, H100, DeviceFigures, cpu_baseline_gib, make_plan
+from hybridpar.plan import GPU_BASELINE_GIB, H100, DeviceFigures, TransformersPlan, cpu_baseline_gib, make_plan
 from hybridpar.plan.report import plan_dict, plan_text
 
 __all__ = ["add_plan_arguments", "run_plan"]
@@ -14,7 +14,7 @@ __all__ = ["add_plan_arguments", "run_plan"]
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("plan", "hybridpar plan: memory, traffic and a time estimate per rank")
-    group.add_argument("--json", action="store_true", help="plan: print one JSON object")
+    group.add_argument("--json", action="store_true", help="plan and generate: print one JSON object")
     group.add_argument("--fit", type=float, metavar="GIB", help="plan: list the layouts that fit GIB per rank")
     group.add_argument("--world-size", "--nproc", dest="world_size", type=int, metavar="N",
                        help="plan: ranks (default: the layout's product; --fit needs it)")
@@ -50,6 +50,9 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
     device = _device(args)
     if args.fit is None:
         plan = make_plan(config, world, device, args.docs_per_pack)
+        if isinstance(plan, TransformersPlan):
+            print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.text())
+            return 0
         print(json.dumps(plan_dict(plan, args.target), indent=2) if args.json else plan_text(plan, args.target))
         return 0
     if not args.fit > 0:

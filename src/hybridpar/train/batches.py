@@ -8,7 +8,9 @@ layout and a run extended to more steps see the same tokens:
   number of documents (``WINDOW_PACKS`` packs' worth); each window is packed on its own
   and windows are appended as steps need them, so pack ``j`` depends only on the data
   settings, never on how many steps will run;
-- a file is read and packed whole, and steps cycle over its packs.
+- a file is read and packed whole, and steps cycle over its packs. File tasks (text, jsonl,
+  chat, prompt_completion, hf_dataset: ``data/documents.file_documents``) read it through the
+  tokenizer of ``data_tokenizer`` (``data.tokenizer`` against ``model.hf_path``).
 
 Packs are padded per document to ``pad_to_multiple_of`` (default ``2*cp``); a resumed run
 keeps the padding its checkpoint recorded. Each data-parallel rank takes its share of a
@@ -18,6 +20,7 @@ step's packs.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import warnings
 from pathlib import Path
@@ -25,8 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from hybridpar.config import DataConfig
+from hybridpar.data.documents import FILE_TASKS, file_documents
 from hybridpar.data.packing import pack_documents
-from hybridpar.data.sources import TASKS, TEXT_SPLITS, ByteTokenizer, jsonl_documents, text_documents
+from hybridpar.data.sources import TASKS, TEXT_SPLITS
+from hybridpar.data.tokenizers import TOKENIZER_SPECS, ByteTokenizer, Tokenizer, resolve_tokenizer, ships_tokenizer
 
 
 class DataError(ValueError):
@@ -35,7 +40,6 @@ class DataError(ValueError):
 
 EVAL_FRACTION = 0.1  # of a file's documents, held out for evaluation
 WINDOW_PACKS = 64  # synthetic documents are packed in windows of about this many packs
-FILE_TASKS = {"text": {"split": "paragraph"}, "jsonl": {"text_field": "text"}}  # options and defaults
 
 
 def pad_multiple(config: DataConfig, cp_size: int) -> int:
@@ -63,11 +67,45 @@ def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
     return task
 
 
-def validate_data(config: DataConfig, vocab_size: int) -> None:
-    """Every data rule that needs no file contents (the launcher checks these before starting)."""
+def data_tokenizer(config: DataConfig, vocab_size: int, model_path: str | None = None) -> Tokenizer:
+    """The tokenizer of a file task: ``data.tokenizer`` resolved against ``model.hf_path``
+    (``data/tokenizers.resolve_tokenizer``: ``auto`` is the checkpoint's own tokenizer when it ships
+    one, so fine-tuning never silently trains on byte ids) and checked against the embedding."""
+    spec = config.tokenizer
+    if spec not in TOKENIZER_SPECS and not Path(spec).is_dir():
+        raise DataError(f"data.tokenizer={spec!r} is neither 'auto', 'bytes' nor an existing directory; pass one of "
+                        f"{list(TOKENIZER_SPECS)} or the directory of a saved tokenizer (tokenizer.json, ...).")
+    if spec == "bytes" or (spec == "auto" and not ships_tokenizer(model_path)):
+        if vocab_size < ByteTokenizer.vocab_size:
+            raise DataError(f"data.task={config.task!r} reads bytes (ids 0-255) but the model's vocab_size is "
+                            f"{vocab_size}; use a model with vocab_size >= 256 or a tokenizer that fits "
+                            "(data.tokenizer=<directory>).")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # asking for bytes next to a shipped tokenizer is explicit here
+            tokenizer = resolve_tokenizer(spec, model_path=model_path, vocab_size=vocab_size)
+    except ImportError as error:
+        raise DataError(f"data.tokenizer={spec!r}: {error}") from None
+    except ValueError as error:
+        raise DataError(f"data.tokenizer={spec!r}: {error}") from None
+    needs_template = config.task == "chat" or (config.task == "hf_dataset"
+                                                and config.task_options.get("kind") == "messages")
+    if needs_template and tokenizer.chat_template is None:
+        raise DataError(f"data.task={config.task!r} renders conversations with the tokenizer's chat template, but "
+                        f"tokenizer {tokenizer.name} has none; set data.tokenizer to a directory whose "
+                        "tokenizer_config.json or chat_template.jinja defines one.")
+    return tokenizer
+
+
+def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = None) -> Tokenizer | None:
+    """Every data rule that needs no file contents (the launcher checks these before starting);
+    returns the tokenizer of a file task (None for a synthetic one)."""
     if config.task in TASKS:
+        if config.tokenizer != "auto":
+            raise DataError(f"data.tokenizer={config.tokenizer!r} has no effect on data.task={config.task!r}, which "
+                            "makes its own token ids; leave data.tokenizer=auto (or use a file task).")
         make_task(config, vocab_size)
-        return
+        return None
     if config.task not in FILE_TASKS:
         raise DataError(f"data.task={config.task!r} is unknown; choose one of {sorted(TASKS) + sorted(FILE_TASKS)}.")
     allowed = FILE_TASKS[config.task]
@@ -79,28 +117,37 @@ def validate_data(config: DataConfig, vocab_size: int) -> None:
     if config.task == "text" and split not in TEXT_SPLITS:
         raise DataError(f"data.task_options.split={split!r} is invalid: it must be one of {list(TEXT_SPLITS)} "
                         "(paragraph: documents separated by blank lines, line: one per line, file: the whole file).")
-    if not config.path or not Path(config.path).is_file():
+    if config.task == "hf_dataset":
+        if not config.path or not Path(config.path).exists():
+            raise DataError(f"data.path={config.path!r} does not exist; data.task='hf_dataset' needs a local data "
+                            "file or a save_to_disk directory.")
+        if importlib.util.find_spec("datasets") is None:
+            raise DataError("data.task='hf_dataset' needs the optional 'datasets' package: pip install "
+                            "'hybridpar[data]'; plain text and JSONL files work without it (tasks text, jsonl, chat).")
+    elif not config.path or not Path(config.path).is_file():
         raise DataError(f"data.path={config.path!r} is not a file; data.task={config.task!r} needs an existing local file.")
-    if vocab_size < ByteTokenizer.vocab_size:
-        raise DataError(f"data.task={config.task!r} reads bytes (ids 0-255) but the model's vocab_size is {vocab_size}; "
-                        "use a model with vocab_size >= 256.")
+    return data_tokenizer(config, vocab_size, model_path)
 
 
-def load_documents(config: DataConfig, num_docs: int, seed_offset: int, vocab_size: int) -> list:
+def load_documents(config: DataConfig, num_docs: int, seed_offset: int, vocab_size: int,
+                   tokenizer: Tokenizer | None = None) -> list:
     """Documents of the configured task or file; ``seed_offset`` separates train from eval.
 
     Synthetic tasks give their first ``num_docs`` documents (eval from another seed); a
-    file keeps its last 10% of documents (at least one) for evaluation.
+    file keeps its last 10% of documents (at least one) for evaluation. ``tokenizer``: a file
+    task's tokenizer (default: ``data.tokenizer`` resolved without a model directory).
     """
-    validate_data(config, vocab_size)
     if config.task in TASKS:
+        validate_data(config, vocab_size)
         task = make_task(config, vocab_size, seed_offset)
         return task.documents(num_docs)
-    options = {**FILE_TASKS[config.task], **config.task_options}
-    docs = text_documents(config.path, **options) if config.task == "text" else jsonl_documents(config.path, **options)
+    if tokenizer is None:
+        tokenizer = validate_data(config, vocab_size)
+    docs = file_documents(config.task, config.path, tokenizer, config.task_options)
     held_out = max(1, int(len(docs) * EVAL_FRACTION)) if len(docs) > 1 else 0
     if seed_offset and not held_out:
-        how = (f"under data.task_options.split={options['split']!r}" if config.task == "text" else "(one per line)")
+        how = (f"under data.task_options.split={config.task_options.get('split', 'paragraph')!r}"
+               if config.task == "text" else "(one per record)")
         raise DataError(
             f"data.path={config.path!r} holds {len(docs)} document(s) {how}; evaluation holds out the last 10% and "
             "needs at least 2. Add documents (text: separate them by blank lines, or use data.task_options.split=line "
@@ -115,7 +162,7 @@ class PackStream:
     _warned = False  # the packer's split/drop notice is shown once per process
 
     def __init__(self, config: DataConfig, cp_size: int, vocab_size: int, seed_offset: int = 0,
-                 pad_to_multiple_of: int | None = None):
+                 pad_to_multiple_of: int | None = None, tokenizer: Tokenizer | None = None):
         self.multiple = pad_to_multiple_of or pad_multiple(config, cp_size)
         if self.multiple % (2 * cp_size):
             raise DataError(
@@ -138,7 +185,7 @@ class PackStream:
             self._extend()
         else:
             self._task = None
-            self._pack(load_documents(config, 0, seed_offset, vocab_size))
+            self._pack(load_documents(config, 0, seed_offset, vocab_size, tokenizer))
         if not self.pool:
             where = f"data.path={config.path!r} holds no document (it is empty or blank)" if self._task is None else \
                 f"data.task={config.task!r} produced no tokens"

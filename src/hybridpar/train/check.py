@@ -2,7 +2,8 @@
 
 Every rank also builds the single-device model from the same seed, runs the same step's
 packs through it, and compares the loss and the full (gathered) gradient of every
-parameter. A user's proof that their layout computes what one GPU would.
+parameter. A user's proof that their layout computes what one GPU would, for a ``HybridLM``
+and for a transformers model alike (``trainer.pack_loss_sum``).
 
 A quantity passes when ``|parallel - reference| <= tolerance * max(1, |reference|)`` with
 both sides finite: a NaN or infinity anywhere fails. The default tolerance follows the
@@ -18,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.config import RunConfig
+from hybridpar.parallel.inputs import shard_inputs
 from hybridpar.parallel.state import canonical_state_dict
 from hybridpar.train.loss import valid_token_count
-from hybridpar.train.trainer import Trainer, build_model, pack_tensors
+from hybridpar.train.trainer import Trainer, build_model, pack_loss_sum, pack_tensors
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 EXACT = 1e-9  # float64 results within this are "exact"
@@ -44,7 +46,7 @@ def reference_step(model, packs, device) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for pack in packs:
         input_ids, labels, packed = pack_tensors(pack, device)
-        loss_sum, _ = model(input_ids, packed=packed, labels=labels)
+        loss_sum, _ = pack_loss_sum(model, shard_inputs(input_ids=input_ids, labels=labels, packed=packed))
         (loss_sum / count).backward()
         total += loss_sum.detach().double()
     return total / count

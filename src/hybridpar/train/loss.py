@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridpar.models.lm_head_loss import IGNORE_INDEX, chunked_lm_head_loss
+from hybridpar.models.lm_head_loss import IGNORE_INDEX, LMHeadLoss, chunked_lm_head_loss
 
-__all__ = ["IGNORE_INDEX", "lm_head_loss", "token_loss_sum", "valid_token_count", "global_sum"]
+__all__ = ["IGNORE_INDEX", "lm_head_loss", "lm_head_loss_output", "token_loss_sum", "valid_token_count", "global_sum"]
 
 
 def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: int = 4096, tp_group=None,
@@ -37,15 +37,21 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: 
     - a ``Shard(0)`` DTensor ``weight`` (a ``ColwiseParallel`` LM head) implies its group;
       a ``Shard(1)`` DTensor ``hidden`` (sequence parallel) is gathered first.
     """
+    out = lm_head_loss_output(hidden, weight, labels, chunk_size=chunk_size, tp_group=tp_group, vocab_size=vocab_size)
+    return out.loss_sum, out.valid_count
+
+
+def lm_head_loss_output(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: int = 4096, tp_group=None,
+                        vocab_size: int | None = None, return_predictions: bool = False) -> LMHeadLoss:
+    """``lm_head_loss`` as an ``LMHeadLoss`` (``loss_sum``, ``valid_count``, and the argmax
+    ``predictions`` when ``return_predictions``)."""
     sharded = tp_group is not None or any(not p.is_replicate() for p in getattr(weight, "placements", ()))
     if sharded:
         from hybridpar.parallel.vocab_parallel_loss import vocab_parallel_lm_head_loss
 
-        out = vocab_parallel_lm_head_loss(hidden, weight, labels, tp_group=tp_group, chunk_size=chunk_size,
-                                          vocab_size=vocab_size)
-    else:
-        out = chunked_lm_head_loss(hidden, weight, labels, chunk_size=chunk_size)
-    return out.loss_sum, out.valid_count
+        return vocab_parallel_lm_head_loss(hidden, weight, labels, tp_group=tp_group, chunk_size=chunk_size,
+                                           vocab_size=vocab_size, return_predictions=return_predictions)
+    return chunked_lm_head_loss(hidden, weight, labels, chunk_size=chunk_size, return_predictions=return_predictions)
 
 
 def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:

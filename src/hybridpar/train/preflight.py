@@ -3,9 +3,11 @@
 One function per concern, shared by every entry point so they cannot disagree:
 
 - ``validate_layout``: the degrees against the world size, the model's heads and groups
-  against tp and cp (on a shape-only ``meta`` model), the data shape against the layout.
+  against tp and cp (on a shape-only ``meta`` model: a ``HybridLM`` or a transformers model),
+  the data shape against the layout.
   ``hybridpar plan``, the launcher and every rank call it.
-- ``validate_run``: the layout, the data task and files, the export target and the output
+- ``validate_run``: the layout, the data task, files and tokenizer (``data.tokenizer`` against
+  ``model.hf_path`` and the embedding), the export target and the output
   directory (lock, earlier runs, the checkpoint to resume). The launcher calls it before
   torchrun starts, so a config error exits 2 with one message at any process count.
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import pad_multiple, validate_data
+from hybridpar.train.hf_model import hf_meta_model, hf_shape, model_backend
 
 
 # Rules of the HybridConfig fields ``model.overrides`` may set (types come from the dataclass).
@@ -47,12 +50,14 @@ def parallel_dims(config: RunConfig) -> ParallelDims:
 
 
 def model_config(config: RunConfig):
-    """The ``HybridConfig`` of ``model.*`` (preset + overrides, or ``model.hf_path``'s config.json)."""
+    """The shape of ``model.*``: a ``HybridConfig`` (preset + overrides, or ``model.hf_path``'s
+    config.json) or, for a transformers model, its ``PretrainedConfig`` (``train/hf_model.py``)."""
     import torch
 
     from hybridpar.models.hybrid import HybridConfig
 
     dtype = getattr(torch, config.model.dtype)
+    backend = model_backend(config)
     if config.model.hf_path:
         from hybridpar.models.hf_config import config_from_hf, read_hf_config
 
@@ -60,9 +65,10 @@ def model_config(config: RunConfig):
             raise ConfigError(f"model.overrides={config.model.overrides} cannot change a model loaded from model.hf_path; "
                               "remove the overrides or edit the checkpoint's config.json.")
         path = Path(config.model.hf_path)
-        if not path.is_dir():
-            raise ConfigError(f"model.hf_path={str(path)!r} is not a directory; point it at a Hugging Face checkpoint "
-                              "directory (config.json + model.safetensors).")
+        if backend == "transformers":
+            shape = hf_shape(path)
+            shape.dtype = dtype  # the dtype it is trained in, as the loaded model's config says
+            return shape
         try:
             return config_from_hf(read_hf_config(path), dtype)
         except (ValueError, TypeError, KeyError) as error:
@@ -87,11 +93,13 @@ def model_config(config: RunConfig):
 
 
 def meta_model(shape):
-    """A ``HybridLM`` of ``shape`` on the meta device: its modules, without memory or time."""
+    """The model of ``shape`` on the meta device: its modules, without memory or time."""
     import torch
 
-    from hybridpar.models.hybrid import HybridLM
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
 
+    if not isinstance(shape, HybridConfig):
+        return hf_meta_model(shape)
     with torch.device("meta"):
         return HybridLM(shape)
 
@@ -181,6 +189,8 @@ def export_architecture(config: RunConfig) -> str | None:
     """The architecture ``model.export_hf`` is written as (ConfigError if there is none)."""
     if config.model.export_architecture or not config.model.export_hf:
         return config.model.export_architecture
+    if model_backend(config) == "transformers":
+        return None  # exported as its own class
     if config.model.hf_path:
         from hybridpar.models.hf_config import architecture_of, read_hf_config
 
@@ -207,10 +217,15 @@ def validate_export(config: RunConfig, shape) -> None:
     """``model.export_hf``: a representable architecture and a target that nothing would be lost in."""
     if not config.model.export_hf:
         return
+    from hybridpar.models.hybrid import HybridConfig
+
+    if not isinstance(shape, HybridConfig) and config.model.export_architecture:
+        raise ConfigError(f"model.export_architecture={config.model.export_architecture!r} applies to HybridLM models; "
+                          f"a transformers model ({type(shape).__name__}) is exported as its own class: leave it null.")
     architecture = export_architecture(config)
     from hybridpar.models.hf_config import config_to_hf
 
-    if not config.model.hf_path or config.model.export_architecture:
+    if isinstance(shape, HybridConfig) and (not config.model.hf_path or config.model.export_architecture):
         try:
             config_to_hf(shape, architecture)
         except ValueError as error:
@@ -224,7 +239,7 @@ def validate_export(config: RunConfig, shape) -> None:
 def validate_run(config: RunConfig, command: str, world_size: int | None = None):
     """Every check that needs no process group (the launcher's preflight); returns the model shape."""
     shape = validate_layout(config, world_size)
-    validate_data(config.data, shape.vocab_size)
+    validate_data(config.data, shape.vocab_size, config.model.hf_path)
     if command == "train":
         from hybridpar.train.run_dir import check_lock_free, check_output_dir, model_signature, plan_resume
 

@@ -33,7 +33,7 @@ from hybridpar.train.checkpoint import (CheckpointError, checkpoint_step, incomp
 
 LOCK_FILE = ".hybridpar.lock"
 METRICS_FILE = "metrics.jsonl"
-DATA_STREAM_KEYS = ("task", "path", "seed", "pack_size", "packs_per_step", "task_options")
+DATA_STREAM_KEYS = ("task", "path", "tokenizer", "seed", "pack_size", "packs_per_step", "task_options")
 
 
 # ----------------------------------------------------------------------------- lock
@@ -157,9 +157,13 @@ def data_stream(config: RunConfig, pad_multiple: int) -> dict:
 
 
 def model_signature(model_config) -> dict:
-    """A model config as JSON values (dtype as its name), for run.json and comparison."""
-    values = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)}
-    values["dtype"] = str(values["dtype"]).removeprefix("torch.")
+    """A model config (``HybridConfig`` or a transformers ``PretrainedConfig``) as JSON values
+    (dtype as its name), for run.json and comparison."""
+    if dataclasses.is_dataclass(model_config):
+        values = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)}
+    else:
+        values = {key: value for key, value in model_config.to_diff_dict().items() if key != "transformers_version"}
+    values["dtype"] = str(values.get("dtype")).removeprefix("torch.")
     return json.loads(json.dumps(values, default=str))
 
 
@@ -216,6 +220,7 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
                               "would change. Resume at a cp whose 2*cp divides "
                               f"{pad}, or start fresh (checkpoint.resume=null).")
     if recorded:
+        recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
         changed = _differences(recorded, data_stream(config, pad), "data.", skip=("pad_to_multiple_of",))
         if changed:
             raise CheckpointError(f"resuming from {str(path)!r} would change the training batches ({'; '.join(changed)}; "

@@ -25,42 +25,59 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from hybridpar.config import RunConfig, to_dict
 from hybridpar.data.packing import collate_thd
 from hybridpar.data.sources import prediction_counts
+from hybridpar.data.tokenizers import ships_tokenizer
 from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.hf_causal import export_causal_lm
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.fsdp import set_micro_batch
-from hybridpar.parallel.inputs import shard_inputs
+from hybridpar.parallel.inputs import ShardedInputs, shard_inputs
 from hybridpar.parallel.parallelize import parallelize
 from hybridpar.parallel.state import canonical_state_dict
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
+from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from hybridpar.train.preflight import export_target_problem, parallel_dims, validate_export, validate_layout
+from hybridpar.train.preflight import (
+    export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
+)
 from hybridpar.train.run_dir import data_stream, model_signature, prepare_output_dir
 from hybridpar.train.tensor_peak import step_tensor_peak
 
-__all__ = ["Trainer", "build_model", "pack_tensors", "parallel_dims", "DTYPES"]
+__all__ = ["Trainer", "build_model", "pack_tensors", "pack_loss_sum", "parallel_dims", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-def build_model(config: RunConfig) -> HybridLM:
-    """The single-device model of the config (seeded, so every rank builds the same one)."""
+def build_model(config: RunConfig) -> nn.Module:
+    """The single-device model of the config (seeded, so every rank builds the same one): a
+    ``HybridLM``, or a transformers model for ``model.backend`` (``train/hf_model.py``)."""
     if config.model.dtype not in DTYPES:
         raise ValueError(f"model.dtype={config.model.dtype!r} is unknown; choose one of {sorted(DTYPES)}.")
     dtype = DTYPES[config.model.dtype]
     torch.manual_seed(config.train.seed)
+    if model_backend(config) == "transformers":
+        return build_hf_model(config, dtype)
     if config.model.hf_path:
         return HybridLM.from_hf(config.model.hf_path, dtype=dtype)
     return HybridLM(HybridConfig.from_preset(config.model.preset, dtype=dtype, **config.model.overrides))
+
+
+def pack_loss_sum(model: nn.Module, sharded: ShardedInputs, predictions: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``(summed token loss, argmax ids or None)`` of this rank's share of a pack (``shard_inputs``'s
+    output), through a ``HybridLM`` or a transformers model (``hf_model.hf_loss_sum``)."""
+    if isinstance(model, HybridLM):
+        out = model(sharded.input_ids, packed=sharded.packed, labels=sharded.labels, return_predictions=predictions)
+        return out[0], out[2] if predictions else None
+    return hf_loss_sum(model, sharded.input_ids, sharded.labels, hf_forward_inputs(sharded), predictions)
 
 
 @dataclass
@@ -106,12 +123,13 @@ class Trainer:
         # Everything that can be wrong with the input is found before the first collective.
         model = build_model(config)
         self.vocab_size = model.config.vocab_size
-        validate_layout(config, dist.get_world_size(), model=model)
-        validate_data(config.data, self.vocab_size)
-        validate_export(config, model.config)  # before training, not after it
-        self.signature = model_signature(model.config)
+        shape = model_config(config)
+        validate_layout(config, dist.get_world_size(), model=model, shape=shape)
+        self.tokenizer = validate_data(config.data, self.vocab_size, config.model.hf_path)
+        validate_export(config, shape)  # before training, not after it
+        self.signature = model_signature(shape)
         self.pad = pad_multiple(config.data, p.cp)
-        self.train_data = PackStream(config.data, p.cp, self.vocab_size, pad_to_multiple_of=self.pad)
+        self.train_data = self._stream(config.data)
         self._eval_data = None
         self.layout = Layout.build(config, device.type)
         self.model = parallelize(
@@ -136,12 +154,15 @@ class Trainer:
         if self.rank == 0:
             print(text, flush=True)
 
+    def _stream(self, data, seed_offset: int = 0) -> PackStream:
+        return PackStream(data, self.config.parallel.cp, self.vocab_size, seed_offset=seed_offset,
+                          pad_to_multiple_of=self.pad, tokenizer=self.tokenizer)
+
     @property
     def eval_data(self) -> PackStream:
         if self._eval_data is None:
             eval_config = dataclasses.replace(self.config.data, packs_per_step=self.config.train.eval_packs)
-            self._eval_data = PackStream(eval_config, self.config.parallel.cp, self.vocab_size, seed_offset=10_000,
-                                         pad_to_multiple_of=self.pad)
+            self._eval_data = self._stream(eval_config, seed_offset=10_000)
         return self._eval_data
 
     # -- one step ---------------------------------------------------------------------------
@@ -152,8 +173,8 @@ class Trainer:
             input_ids=input_ids, labels=labels, packed=packed, cp_group=self.layout.cp_group,
             tp_group=self.layout.tp_group, sequence_parallel=self.config.parallel.sequence_parallel,
         )
-        out = self.model(sharded.input_ids, packed=sharded.packed, labels=sharded.labels, return_predictions=predictions)
-        return out[0], out[2] if predictions else None, sharded.labels
+        loss_sum, predicted = pack_loss_sum(self.model, sharded, predictions)
+        return loss_sum, predicted, sharded.labels
 
     def step_gradients(self, step: int) -> Tensor:
         """Forward/backward of every pack of ``step`` on this rank; returns the global loss."""
@@ -201,8 +222,10 @@ class Trainer:
         return {"eval_loss": float(sums[0] / sums[2].clamp(min=1)), "eval_accuracy": float(sums[1] / sums[2].clamp(min=1))}
 
     def export_hf(self, path: str) -> None:
-        """Gather the full weights and write them (rank 0) in the Hugging Face format: into a
-        temporary directory renamed to ``path``, so nothing there is ever overwritten."""
+        """Gather the full weights and write them (rank 0) in the Hugging Face format with the
+        tokenizer files, chat template and generation config of the tokenizer trained with
+        (``models/hf_causal.export_causal_lm``): into a temporary directory renamed to ``path``,
+        so nothing there is ever overwritten."""
         state = canonical_state_dict(self.model)
         if self.rank == 0:
             target = Path(path)
@@ -210,19 +233,23 @@ class Trainer:
             if problem:  # appeared during training: keep the trained weights next to it
                 target = target.with_name(f"{target.name}-{time.strftime('%Y%m%d-%H%M%S')}")
                 notice(f"model.export_hf={path!r} cannot be written now ({problem}); exporting to {target} instead.")
-            single = HybridLM(self.model.config)
-            single.load_state_dict(state, strict=not self.model.config.tie_word_embeddings)
-            for attribute in ("hf_config", "hf_prefix"):
-                if hasattr(self.model, attribute):
-                    setattr(single, attribute, getattr(self.model, attribute))
             staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             shutil.rmtree(staging, ignore_errors=True)
-            single.save_hf(staging, architecture=self.config.model.export_architecture)
+            tokenizer_dir = self.export_tokenizer_dir()
+            export_causal_lm(self.model, staging, tokenizer_dir=tokenizer_dir, state_dict=state,
+                             architecture=self.config.model.export_architecture)
             if target.is_dir():
                 target.rmdir()  # empty (checked above)
             staging.rename(target)
             print(f"exported Hugging Face checkpoint: {target}", flush=True)
         dist.barrier()
+
+    def export_tokenizer_dir(self) -> str | Path | None:
+        """Where the export's tokenizer files come from: the file task's tokenizer (none for bytes);
+        for a synthetic task, the tokenizer ``model.hf_path`` ships (its vocabulary is the model's)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.source_dir
+        return self.config.model.hf_path if ships_tokenizer(self.config.model.hf_path) else None
 
     # -- the loop -----------------------------------------------------------------------------
     def resume(self) -> None:
@@ -238,8 +265,7 @@ class Trainer:
             return
         if plan.pad_to_multiple_of != self.pad:  # continue with the checkpoint's padding: the same batches
             self.pad, self._eval_data = plan.pad_to_multiple_of, None
-            self.train_data = PackStream(self.config.data, self.config.parallel.cp, self.vocab_size,
-                                         pad_to_multiple_of=self.pad)
+            self.train_data = self._stream(self.config.data)
         state = load_checkpoint(plan.checkpoint, self.model, self.optimizer, self.scheduler)
         self.start_step = state["step"]
         self.guard.skipped = state.get("nonfinite_skips", 0)

@@ -1,0 +1,130 @@
+"""``hybridpar generate``: text from a trained model, in one process.
+
+    hybridpar generate --hf-path runs/tuned --prompt "def add(" --max-new-tokens 64
+    hybridpar generate --checkpoint runs/tiny-hybrid --prompt "k" --max-new-tokens 32 --temperature 0.8 --top-p 0.9 --seed 0
+
+The model comes from
+
+- ``--hf-path DIR``: a Hugging Face checkpoint directory (an export, or any causal LM), loaded
+  as ``hybridpar train`` would load ``model.hf_path`` (``--backend auto|hybrid|transformers``):
+  Mamba2 / Bamba / NemotronH as a ``HybridLM`` (cached generation, ``models/generation.py``),
+  any other architecture as the transformers model with its own ``generate``;
+- ``--checkpoint DIR``: a training checkpoint (a ``step_*`` folder, or an ``output_dir`` or its
+  ``checkpoints`` folder: the newest complete one), i.e. the model of the config recorded in its
+  ``run.json`` with the checkpoint's weights.
+
+The tokenizer follows the training rules (``--tokenizer auto|bytes|DIR``; ``auto`` is the
+checkpoint's own tokenizer when it ships one, for ``--checkpoint`` the run's ``data.tokenizer``).
+The prompt is a document without its end token (BOS as the tokenizer defines); generation
+stops at the tokenizer's end token (a transformers model: its generation config's). Greedy at
+``--temperature 0`` (the default), else nucleus sampling seeded by ``--seed``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["GENERATE_DTYPES", "load_for_generation", "checkpoint_to_load", "run_generate"]
+
+GENERATE_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def checkpoint_to_load(path: str | Path) -> Path:
+    """The ``step_*`` folder ``--checkpoint`` means: itself, or the newest complete one under it."""
+    from hybridpar.train.checkpoint import incomplete_reason, is_complete, list_checkpoints
+
+    path = Path(path)
+    if (path / "run.json").is_file() or path.name.startswith("step_"):
+        reason = incomplete_reason(path)
+        if reason:
+            raise ValueError(f"--checkpoint {path} is not a complete checkpoint: {reason}; pass a complete step_* "
+                             "folder or the run's output_dir.")
+        return path
+    for folder in (path / "checkpoints", path):
+        complete = [p for p in list_checkpoints(folder) if is_complete(p)]
+        if complete:
+            return complete[-1]
+    raise ValueError(f"--checkpoint {path} holds no complete training checkpoint (step_* folder); pass one, or the "
+                     "output_dir of a run that saved one (for a Hugging Face directory use --hf-path).")
+
+
+def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
+    """``(model, run config)``: the recorded config's single-device model with the checkpoint's weights."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from hybridpar.config import config_from_dict
+    from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
+    from hybridpar.parallel.tp_hybrid import split_mamba_mixers
+    from hybridpar.train.checkpoint import read_run_info
+    from hybridpar.train.trainer import build_model
+
+    recorded = read_run_info(path).get("config")
+    if not recorded:
+        raise ValueError(f"{path}/run.json records no run config; this checkpoint cannot say which model it holds.")
+    config = config_from_dict(recorded)
+    if dtype is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=str(dtype).removeprefix("torch.")))
+    stored = build_model(config)
+    split_mamba_mixers(stored)  # the parameter names training saves (layout-free)
+    state = {"model": stored.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    stored.load_state_dict(state["model"])
+    model = build_model(config)
+    load_canonical_state_dict(model, canonical_state_dict(stored))  # fused names again; every parameter set
+    return model.eval(), config
+
+
+def load_for_generation(hf_path: str | None = None, checkpoint: str | None = None, backend: str = "auto",
+                        tokenizer: str = "auto", dtype: str | None = None):
+    """``(model, tokenizer)`` for ``hybridpar generate`` (module docstring)."""
+    from hybridpar.data.tokenizers import resolve_tokenizer
+    from hybridpar.models.hf_causal import load_causal_lm
+
+    if (hf_path is None) == (checkpoint is None):
+        raise ValueError("pass exactly one of --hf-path DIR (a Hugging Face checkpoint) or --checkpoint DIR (a "
+                         "hybridpar training checkpoint).")
+    if dtype is not None and dtype not in GENERATE_DTYPES:
+        raise ValueError(f"--dtype {dtype} is unknown; choose one of {list(GENERATE_DTYPES)} (default: as stored).")
+    torch_dtype = GENERATE_DTYPES.get(dtype)
+    if hf_path is not None:
+        if not Path(hf_path).is_dir():
+            raise ValueError(f"--hf-path {hf_path} is not a directory; pass a Hugging Face checkpoint directory "
+                             "(config.json + model.safetensors), e.g. a run's model.export_hf.")
+        model, model_path = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval(), hf_path
+    else:
+        model, config = _model_from_checkpoint(checkpoint_to_load(checkpoint), torch_dtype)
+        model_path = config.model.hf_path
+        tokenizer = config.data.tokenizer if tokenizer == "auto" else tokenizer
+    return model, resolve_tokenizer(tokenizer, model_path=model_path, vocab_size=model.config.vocab_size)
+
+
+def run_generate(args) -> int:
+    """The ``generate`` command: print the prompt and its continuation (``--json``: one JSON object)."""
+    from hybridpar.models.generation import check_sampling
+    from hybridpar.models.hf_causal import generate_causal_lm
+    from hybridpar.models.hybrid import HybridLM
+
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+    model, tokenizer = load_for_generation(args.hf_path, args.checkpoint, args.backend, args.tokenizer, args.dtype)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    device = next(model.parameters()).device
+    prompt_ids = tokenizer.document(args.prompt, add_eos=False)
+    if not prompt_ids:
+        raise ValueError("--prompt is empty and the tokenizer adds no BOS: give the model at least one token.")
+    eos = tokenizer.eos_id if isinstance(model, HybridLM) else None  # a transformers model: its generation config
+    out = generate_causal_lm(model, torch.tensor([prompt_ids], device=device), args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_token_id=eos)
+    new_ids = out[0, len(prompt_ids):].tolist()
+    completion = tokenizer.decode(new_ids)
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": completion, "prompt_ids": prompt_ids,
+                          "new_ids": new_ids}), flush=True)
+    else:
+        print(args.prompt + completion, flush=True)
+    return 0

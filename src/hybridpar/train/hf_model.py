@@ -1,0 +1,126 @@
+"""The model a run config names: a ``HybridLM`` or a transformers causal LM, its shape, its loss.
+
+    model.hf_path   model.backend   the model
+    null            auto | hybrid   HybridLM(model.preset + model.overrides)
+    null            transformers    ConfigError: there is no checkpoint to load
+    a directory     auto            Mamba2 / Bamba / NemotronH -> HybridLM, any other causal LM -> transformers
+    a directory     hybrid          HybridLM, or ConfigError for another architecture
+    a directory     transformers    the transformers model (``models/hf_causal.load_causal_lm``)
+
+The *shape* (``model_shape``) is what the preflight checks need before any process starts:
+the ``HybridConfig``, or the transformers ``PretrainedConfig`` of ``config.json``; a shape
+builds a ``meta`` model (modules without memory) for the layout rules.
+
+**The loss of a transformers model** (``hf_loss_sum``) follows ``HybridLM``'s: the summed
+token loss of this rank's share of a pack, from the final hidden states and ``lm_head.weight``
+through ``train.loss.lm_head_loss`` (blockwise, vocab-parallel under TP, never the ``[T, V]``
+logits), taken at the ``hf_causal_lm_loss`` seam; the trainer divides by the global count,
+which is what makes FSDP's summed gradients exact. Heads that are more than ``hidden @ W.T``
+(logit soft-capping or scaling, a bias) take the logits route instead.
+
+**Inputs** (``hf_forward_inputs``): position ids that restart at every packed document, so
+transformers masks attention per document and no document sees another; under context
+parallelism the zigzag-sharded positions and the localized ``PackedSeqParams`` that
+``parallel/cp_hf.py``'s attention reads (``parallelize`` installs it for cp > 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from hybridpar.config import ConfigError, RunConfig
+from hybridpar.models.hf_causal import _plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm
+from hybridpar.models.hf_config import read_hf_config
+from hybridpar.parallel.cp_hf import hf_cp_inputs
+from hybridpar.parallel.inputs import ShardedInputs
+from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
+
+__all__ = ["model_backend", "hf_shape", "hf_meta_model", "build_hf_model",
+           "hf_forward_inputs", "hf_loss_sum"]
+
+
+def model_backend(config: RunConfig) -> str:
+    """``"hybrid"`` or ``"transformers"``: the implementation ``model.*`` trains (module docstring)."""
+    model = config.model
+    if not model.hf_path:
+        if model.backend == "transformers":
+            raise ConfigError("model.backend='transformers' needs model.hf_path (a transformers checkpoint directory "
+                              "to load); set model.hf_path, or model.backend=auto for a HybridLM preset.")
+        return "hybrid"
+    path = Path(model.hf_path)
+    if not path.is_dir():
+        raise ConfigError(f"model.hf_path={str(path)!r} is not a directory; point it at a Hugging Face checkpoint "
+                          "directory (config.json + model.safetensors).")
+    try:
+        read_hf_config(path)
+    except (ValueError, TypeError, KeyError, OSError) as error:
+        raise ConfigError(f"model.hf_path={str(path)!r}: {path / 'config.json'} cannot be used: {error}") from None
+    try:
+        return causal_lm_backend(path, model.backend)
+    except ValueError as error:
+        raise ConfigError(f"model.backend={model.backend!r}: {error}") from None
+
+
+def hf_shape(path: str | Path):
+    """The transformers ``PretrainedConfig`` of checkpoint ``path`` (config.json only, no weights)."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    except ImportError as error:
+        raise ConfigError("a transformers model needs transformers: pip install 'hybridpar[hf]'.") from error
+    try:
+        shape = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError, KeyError) as error:
+        raise ConfigError(f"model.hf_path={str(path)!r}: config.json cannot be read by transformers: {error}") from None
+    if type(shape) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"model.hf_path={str(path)!r} holds a {type(shape).__name__}, which has no causal-LM class in "
+                          "transformers; hybridpar trains causal language models (AutoModelForCausalLM).")
+    return shape
+
+
+def hf_meta_model(shape) -> nn.Module:
+    """The transformers model of ``shape`` on the meta device (its modules, no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(shape)
+
+
+def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
+    """The transformers model of ``model.hf_path`` in ``dtype`` (weights from local safetensors)."""
+    return load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
+
+
+def hf_forward_inputs(sharded: ShardedInputs) -> dict:
+    """The transformers forward's keyword inputs (besides the ids) for this rank's share of a pack:
+    ``position_ids [1, T/cp]`` restarting at 0 at every document, and under CP the localized
+    ``packed_seq_params`` the context-parallel attention reads (``parallel/cp_hf.hf_cp_inputs``)."""
+    inputs = hf_cp_inputs(sharded)
+    for key in ("input_ids", "inputs_embeds", "use_cache"):
+        inputs.pop(key, None)
+    if sharded.packed is None or sharded.packed.cp is None:  # cp = 1: the model masks by position ids
+        inputs.pop("packed_seq_params", None)
+    return inputs
+
+
+def hf_loss_sum(model: nn.Module, input_ids: Tensor, labels: Tensor, inputs: dict,
+                predictions: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``(summed token loss, argmax ids or None)`` of a transformers model on ``input_ids [B, S]``
+    with hybridpar's shifted ``labels [B, S]`` (module docstring)."""
+    try:
+        _plain_head(model)
+    except ValueError:  # soft-capped / scaled logits or a head bias: through the logits [B, S, V]
+        logits = model(input_ids=input_ids, use_cache=False, **inputs).logits
+        return token_loss_sum(logits, labels), logits.argmax(-1) if predictions else None
+    found = {}
+
+    def head_loss(hidden: Tensor, weight: Tensor, target: Tensor) -> Tensor:
+        out = lm_head_loss_output(hidden, weight, target, return_predictions=predictions)
+        found["predictions"] = out.predictions
+        return out.loss_sum
+
+    loss_sum = hf_causal_lm_loss(model, input_ids, labels, 1, loss_fn=head_loss, **inputs)  # count 1: the sum
+    return loss_sum, found["predictions"]
