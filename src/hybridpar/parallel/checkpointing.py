@@ -6,9 +6,10 @@
   block's *sequence mixer* reads and returns and recomputing everything token-local:
 
   * kept: the outputs of the matrix multiplies (``aten.mm``/``addmm``) that run before the
-    block's last sequence-mixing kernel -- the projections into it (Mamba2 ``in_proj``;
-    attention ``q/k/v``) -- and the outputs of attention kernels (torch's fused SDPA kernels,
-    hybridpar's ``hybridpar::*`` attention ops);
+    block's last sequence-mixing kernel (attention kernel, ``hybridpar::*`` op, or the
+    ``aten.bmm`` score products of an eager attention core) -- the projections into it
+    (Mamba2 ``in_proj``; attention ``q/k/v``) -- and the outputs of attention kernels (torch's
+    fused SDPA kernels, hybridpar's ``hybridpar::*`` attention ops);
   * recomputed: norms, activations, RoPE, the Mamba conv + scan (``hybridpar::ssd_chunk_scan``,
     whose backward recomputes its internals anyway), and every matmul after the last mixing
     kernel: ``out_proj``/``o_proj`` (their output only enters the residual sum, which backward
@@ -23,9 +24,12 @@
   | --- | ---: | ---: | --- |
   | Mamba2 | 168.5 | 88.5 | input 16, ``in_proj`` output ``[z, xBC, dt]`` 72.5 (the scan and the gated norm read it) |
   | MLP | 200 | 16 | input 16 (``up``: 84, recomputed: one matmul) |
-  | attention | 96.1 | 56.1 | input 16, q 16, k 4, v 4, kernel output 16, log-sum-exp |
+  | attention | 72.1 | 40.0 | input 16, q 16, k 4, v 4 |
 
-  whole model 0.30x of ``none`` (keeping the MLP's ``up`` too would be 0.51x). The policy
+  The eager blockwise attention core (CPU) is an ``autograd.Function`` whose ops the policy
+  sees one by one, so its output is recomputed; torch's fused SDPA kernels and the compiled
+  core (``hybridpar::blockwise_attention_fwd``) keep theirs (+16 KiB per token, log-sum-exp).
+  Whole model 0.29x of ``none`` (keeping the MLP's ``up`` too would be 0.51x). The policy
   learns which matmuls precede the last mixing kernel from the block's previous forward (the
   first forward keeps every matmul).
 
