@@ -1,4 +1,4 @@
-"""Long-context memory on CPU, by section.
+"""Long-context memory on CPU, by section (``saved``, ``step``).
 
 ``saved``: bytes each block keeps for backward, per token, at ``nemotronh-8b`` widths (hidden
 4096; Mamba2 128 heads x 64, 8 groups, state 128, conv 4, chunk 128; attention 32/8 heads x
@@ -26,6 +26,26 @@ one 8B-width block takes minutes of CPU per policy otherwise. Attention always r
 ``scaled_dot_product_attention`` picks its kernel (and so what it keeps) by device. ``--device
 cpu`` runs everything for real; with ``meta`` the script cross-checks one case (the ``small``
 preset at the first length) on the CPU and records both. Prints tables and writes benchmarks/results/long_context_saved.{json,md}.
+
+``step``: one training step (forward, backward, AdamW) of the ``tiny`` preset on one packed row
+of L tokens at cp=4 on 4 processes of this machine, float32, through the documented CLI:
+
+    hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 4 data.pack_size=131072 \
+        data.packs_per_step=1 data.seed=1 data.task_options.min_len=1024 data.task_options.max_len=32768 \
+        parallel.cp=4 parallel.tp=1 parallel.sequence_parallel=false train.steps=1 \
+        train.eval_every=0 checkpoint.every=-1 output_dir=runs/long-context plot=false tensorboard=false
+
+(MQAR documents of uniform random length in [1024, 32768], packed best-fit decreasing, so a
+row holds documents of similar length; ``data.seed=1`` gives a first row of 9 documents of
+1.5K-16.6K tokens at L=131072, 2 at 32768 and 4 at 65536. Attention CP
+``allgather``, Mamba CP ``a2a``, as the default job). Each L (default 32768, 65536, 131072, and
+a 4096-token baseline that measures what does not depend on L: torch, the model, AdamW, the
+process group) runs as its own ``hybridpar train`` job, one after another. The script polls
+``VmHWM`` (peak resident set) of every worker process under the launcher, by ``RANK``, and
+reads the step time from ``metrics.jsonl``. Growth from 32K to 128K is the log-log slope of
+the per-rank peak (and of the peak above the baseline).
+
+    python benchmarks/long_context.py --section step [--step-lengths 32768 65536 131072]
 """
 
 from __future__ import annotations
@@ -34,11 +54,13 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -229,7 +251,158 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-SECTIONS = {"saved": section_saved}
+STEP_BASELINE = 4096
+STEP_TARGETS = {"peak_gib_at_131072": 3.0, "exponent_32k_to_128k": 1.05}
+
+
+def step_command(seqlen: int, output_dir: str) -> list[str]:
+    """The ``hybridpar train`` arguments of one long-context step (the documented invocation)."""
+    return ["train", "--config", "configs/tiny-hybrid.yaml", "--nproc-per-node", "4", "model.preset=tiny",
+            f"data.pack_size={seqlen}", "data.packs_per_step=1", "data.seed=1", "data.task_options.min_len=1024",
+            f"data.task_options.max_len={min(32768, seqlen)}", "parallel.cp=4", "parallel.tp=1",
+            "parallel.sequence_parallel=false", "train.steps=1", "train.eval_every=0", "checkpoint.every=-1",
+            f"output_dir={output_dir}", "plot=false", "tensorboard=false"]
+
+
+def _children() -> dict[int, list[int]]:
+    tree = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            tree.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    return tree
+
+
+def _descendants(root: int) -> list[int]:
+    tree, found, todo = _children(), [], [root]
+    while todo:
+        kids = tree.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _rank_and_peak(pid: int) -> tuple[int, int] | None:
+    """``(RANK, VmHWM bytes)`` of a worker process, None for other processes."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    rank = next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
+    hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    return None if rank is None or hwm is None else (rank, hwm)
+
+
+def run_step(seqlen: int, workdir: Path) -> dict:
+    """One ``hybridpar train`` step of ``seqlen`` tokens: per-rank peak RSS, step time, documents."""
+    output_dir = workdir / f"step_{seqlen}"
+    command = [sys.executable, "-m", "hybridpar", *step_command(seqlen, str(output_dir))]
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    peaks: dict[int, int] = {}
+    while process.poll() is None:
+        for pid in _descendants(process.pid):
+            found = _rank_and_peak(pid)
+            if found:
+                peaks[found[0]] = max(peaks.get(found[0], 0), found[1])
+        time.sleep(0.5)
+    output = process.stdout.read()
+    if process.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{output}")
+    metrics = json.loads((output_dir / "metrics.jsonl").read_text().splitlines()[0])
+    return {"seqlen": seqlen, "peak_rss_gib_by_rank": {r: peaks[r] / 2**30 for r in sorted(peaks)},
+            "step_s": seqlen / metrics["tokens_per_s"], "job_s": time.perf_counter() - started,
+            "loss": metrics["loss"], "documents": _document_lengths(seqlen), "log": output.strip().splitlines()[-1]}
+
+
+def _document_lengths(seqlen: int) -> list[int]:
+    """Document lengths of the step's packed row (before padding), rebuilt from the same config."""
+    from hybridpar.config import load_config
+    from hybridpar.train.batches import PackStream
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_config(root / "configs/tiny-hybrid.yaml", step_command(seqlen, "unused")[5:])
+    stream = PackStream(config.data, config.parallel.cp, 256)
+    return stream.step_packs(0)[0]["seq_lens"].tolist()
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log y on log x."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def section_step(args) -> None:
+    import tempfile
+
+    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+              "cli": "hybridpar " + " ".join(step_command(131072, "runs/long-context")),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "load_avg_start": os.getloadavg()},
+              "layout": "cp=4 (allgather attention, a2a Mamba), 4 processes, float32, tiny preset", "cases": []}
+    with tempfile.TemporaryDirectory(prefix="hybridpar-long-context-") as workdir:
+        for seqlen in [STEP_BASELINE, *args.step_lengths]:
+            print(f"step L={seqlen} ...", flush=True)
+            case = run_step(seqlen, Path(workdir))
+            print(f"  peak {max(case['peak_rss_gib_by_rank'].values()):.2f} GiB, step {case['step_s']:.0f} s", flush=True)
+            record["cases"].append(case)
+    record["machine"]["load_avg_end"] = os.getloadavg()
+    base = max(record["cases"][0]["peak_rss_gib_by_rank"].values())
+    long = [c for c in record["cases"][1:]]
+    peaks = [max(c["peak_rss_gib_by_rank"].values()) for c in long]
+    lengths = [c["seqlen"] for c in long]
+    if len(long) >= 2:
+        record["growth"] = {"exponent_peak": _slope(lengths, peaks),
+                            "exponent_above_baseline": _slope(lengths, [p - base for p in peaks]),
+                            "exponent_step_time": _slope(lengths, [c["step_s"] for c in long])}
+    if 131072 in lengths and len(long) >= 2:
+        peak = peaks[lengths.index(131072)]
+        record["targets"] = {
+            "peak_gib_at_131072": {"value": peak, "target": "<= 3", "met": peak <= 3.0},
+            "exponent_32k_to_128k": {"value": record["growth"]["exponent_peak"], "target": "<= 1.05",
+                                     "met": record["growth"]["exponent_peak"] <= 1.05},
+        }
+    markdown = step_markdown(record)
+    print(markdown)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "long_context_step.json").write_text(json.dumps(record, indent=2) + "\n")
+    (RESULTS / "long_context_step.md").write_text(markdown)
+
+
+def step_markdown(record: dict) -> str:
+    lines = ["# Long context: one training step of the tiny preset, one packed row, cp=4 (CPU, float32)", "",
+             f"Command: `{record['command']}`  ", f"Date: {record['date']}  ",
+             f"Machine: {record['machine']['cpus']} CPUs shared with other jobs (load average "
+             f"{record['machine']['load_avg_start'][0]:.1f} at the start, {record['machine']['load_avg_end'][0]:.1f} at the end), "
+             f"torch {record['machine']['torch']}: times are noisy  ", f"Layout: {record['layout']}  ", "",
+             "Each case is this CLI job (L = pack_size; baseline: max_len 4096):", "", f"    {record['cli']}", "",
+             "| L (tokens) | documents (lengths) | peak RSS per rank (GiB), ranks 0-3 | max | step time (s) | loss |",
+             "|---:|---|---|---:|---:|---:|"]
+    for case in record["cases"]:
+        peaks = case["peak_rss_gib_by_rank"]
+        docs = case["documents"]
+        shown = f"{len(docs)}: " + ", ".join(str(d) for d in docs) if len(docs) <= 12 else f"{len(docs)} (min {min(docs)}, max {max(docs)})"
+        name = f"{case['seqlen']} (baseline)" if case is record["cases"][0] else str(case["seqlen"])
+        lines.append(f"| {name} | {shown} | {' / '.join(f'{v:.2f}' for v in peaks.values())} | "
+                     f"{max(peaks.values()):.2f} | {case['step_s']:.0f} | {case['loss']:.3f} |")
+    if "growth" in record:
+        growth = record["growth"]
+        lines += ["", f"Growth over L (log-log slope): peak RSS {growth['exponent_peak']:.2f}, peak above the baseline "
+                  f"{growth['exponent_above_baseline']:.2f}, step time {growth['exponent_step_time']:.2f}."]
+    lines.append("")
+    for name, item in record.get("targets", {}).items():
+        lines.append(f"- {name}: {item['value']:.2f} (target {item['target']}): {'met' if item['met'] else 'MISSED'}")
+    return "\n".join(lines) + "\n"
+
+
+SECTIONS = {"saved": section_saved, "step": section_step}
 
 
 def main() -> None:
@@ -237,6 +410,7 @@ def main() -> None:
     parser.add_argument("--section", choices=sorted(SECTIONS), default="saved")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--presets", nargs="+", default=["nemotronh-8b", "small"])
+    parser.add_argument("--step-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     parser.add_argument("--device", default="meta", choices=["meta", "cpu"], help="meta: real shapes, no compute (default)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -2,15 +2,36 @@
 
 - ``full``: each block runs in a non-reentrant checkpoint; it keeps only its input and the
   backward recomputes the whole block.
-- ``selective``: the same checkpoint with torch's selective-checkpoint contexts. Outputs of
-  matrix multiplies (``aten.mm``/``addmm``: the projections in_proj, q/k/v, MLP up/gate) and of
-  attention kernels (torch's fused SDPA kernels and hybridpar's own ``hybridpar::*`` kernels,
-  e.g. an attention core) are kept; norms, activations, RoPE and the Mamba conv + scan (the
-  ``hybridpar::ssd_chunk_scan`` op, which recomputes its own internals anyway) are recomputed.
-  A block's last matmul (out_proj, o_proj, down_proj) is not kept: its output only enters the
-  residual sum, which backward never reads, and the recomputation stops (checkpoint early stop)
-  once the tensors backward needs exist, before that matmul runs. The policy learns which
-  matmul is last from the block's previous forward (the first step keeps all of them).
+- ``selective``: the same checkpoint with torch's selective-checkpoint contexts, keeping what the
+  block's *sequence mixer* reads and returns and recomputing everything token-local:
+
+  * kept: the outputs of the matrix multiplies (``aten.mm``/``addmm``) that run before the
+    block's last sequence-mixing kernel (attention kernel, ``hybridpar::*`` op, or the
+    ``aten.bmm`` score products of an eager attention core) -- the projections into it
+    (Mamba2 ``in_proj``; attention ``q/k/v``) -- and the outputs of attention kernels (torch's
+    fused SDPA kernels, hybridpar's ``hybridpar::*`` attention ops);
+  * recomputed: norms, activations, RoPE, the Mamba conv + scan (``hybridpar::ssd_chunk_scan``,
+    whose backward recomputes its internals anyway), and every matmul after the last mixing
+    kernel: ``out_proj``/``o_proj`` (their output only enters the residual sum, which backward
+    never reads: the recomputation stops (checkpoint early stop) before they run) and a whole
+    MLP block's ``up``/``gate`` (an MLP block has no mixing kernel, so it keeps only its input).
+
+  Why the MLP's projection goes: every projection from the hidden size costs ``2 D`` flops per
+  output element to recompute, so what matters is the bytes it frees. At ``nemotronh-8b``
+  widths (float32, KiB per token; ``benchmarks/results/long_context_saved.md``):
+
+  | block | none | selective | kept by selective |
+  | --- | ---: | ---: | --- |
+  | Mamba2 | 168.5 | 88.5 | input 16, ``in_proj`` output ``[z, xBC, dt]`` 72.5 (the scan and the gated norm read it) |
+  | MLP | 200 | 16 | input 16 (``up``: 84, recomputed: one matmul) |
+  | attention | 72.1 | 40.0 | input 16, q 16, k 4, v 4 |
+
+  The eager blockwise attention core (CPU) is an ``autograd.Function`` whose ops the policy
+  sees one by one, so its output is recomputed; torch's fused SDPA kernels and the compiled
+  core (``hybridpar::blockwise_attention_fwd``) keep theirs (+16 KiB per token, log-sum-exp).
+  Whole model 0.29x of ``none`` (keeping the MLP's ``up`` too would be 0.51x). The policy
+  learns which matmuls precede the last mixing kernel from the block's previous forward (the
+  first forward keeps every matmul).
 
 Any policy gives the same gradients (the recomputation is exact: no randomness in blocks); they
 trade memory for recomputation. Bytes kept per token, per block kind and policy:
@@ -49,31 +70,46 @@ def checkpointing_policy(value) -> str:
     return value
 
 
+def _is_mixing_kernel(op) -> bool:
+    """A sequence-mixing kernel: an attention kernel, a hybridpar op (attention core, SSD scan) or
+    a batched matmul (``aten.bmm``: the score and value products of an eager attention core,
+    e.g. hybridpar's blockwise core, whose ``autograd.Function`` runs its ops in the open)."""
+    return op in ATTENTION_KERNELS or op is _aten.bmm.default or getattr(op, "namespace", None) == "hybridpar"
+
+
+def _kept_kernel_output(op) -> bool:
+    """Attention kernels and hybridpar's opaque ops keep their outputs; the SSD scan (its backward
+    recomputes its internals anyway) and bmm (``[B, H, S_q, S_k]`` blocks) do not."""
+    hybridpar_op = getattr(op, "namespace", None) == "hybridpar"
+    return op in ATTENTION_KERNELS or (hybridpar_op and op._opname not in RECOMPUTED_KERNELS)
+
+
 class _SelectivePolicy:
     """``context_fn`` of one checkpointed block: a fresh pair of selective-checkpoint contexts per
-    forward, keeping matmul and attention-kernel outputs except the block's last matmul."""
+    forward, keeping the matmul outputs before the block's last mixing kernel and the attention
+    kernels' outputs."""
 
     def __init__(self):
-        self.matmuls_per_forward: int | None = None  # known after the block's first forward
-        self._counted = 0  # matmuls seen by the latest forward
+        self.kept_matmuls: int | None = None  # matmuls before the last mixing kernel (None: keep all)
+        self._seen: int | None = None  # that count in the latest forward (None: no forward yet)
 
     def __call__(self):
-        if self._counted:
-            self.matmuls_per_forward = self._counted
-        self._counted = 0
-        last = self.matmuls_per_forward  # the forward and its recomputation must decide alike
-        seen = {False: 0, True: 0}
+        if self._seen is not None:
+            self.kept_matmuls = self._seen
+        self._seen = 0
+        kept = self.kept_matmuls  # the forward and its recomputation must decide alike
+        matmuls = {False: 0, True: 0}
 
         def policy(ctx, op, *args, **kwargs):
             if op in MATMULS:
-                seen[ctx.is_recompute] += 1
-                if not ctx.is_recompute:
-                    self._counted = seen[False]
-                keep = last is None or seen[ctx.is_recompute] != last
+                matmuls[ctx.is_recompute] += 1
+                keep = kept is None or matmuls[ctx.is_recompute] <= kept
                 return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-            if op in ATTENTION_KERNELS or (getattr(op, "namespace", None) == "hybridpar"
-                                           and op._opname not in RECOMPUTED_KERNELS):
-                return CheckpointPolicy.MUST_SAVE
+            if _is_mixing_kernel(op):
+                if not ctx.is_recompute:
+                    self._seen = matmuls[False]
+                if _kept_kernel_output(op):
+                    return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
