@@ -98,6 +98,18 @@ def check_world(config: RunConfig, nproc: int | None) -> None:
         )
 
 
+def check_devices(nproc: int | None) -> None:
+    """Each process of a CUDA machine takes its own GPU (``cuda:LOCAL_RANK``): refuse more
+    processes than GPUs before any starts."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and (nproc or 1) > gpus:
+        raise ConfigError(f"--nproc-per-node {nproc} needs {nproc} GPUs (one per process) but this machine has {gpus}; "
+                          f"pass --nproc-per-node {gpus} or less with a smaller layout, or hide the GPUs "
+                          "(CUDA_VISIBLE_DEVICES=) to run every process on the CPU with gloo.")
+
+
 def init_distributed(timeout_s: float = 600.0) -> tuple:
     """Join the torchrun world, or make a one-process world; collectives time out after ``timeout_s``.
 
@@ -246,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix += f" (rank {dist.get_rank()})"
         else:
             check_world(config, args.nproc_per_node)
+            check_devices(args.nproc_per_node)
             from hybridpar.train.preflight import validate_run
 
             validate_run(config, args.command, args.nproc_per_node or 1)  # before any process starts
