@@ -182,6 +182,8 @@ class HybridLM(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
+        if self.lm_head.weight.is_meta:  # shapes only (planning, preflight): nothing to initialize
+            return
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
