@@ -11,6 +11,8 @@ is not a tensor and is not included: RSS (``metrics.peak_memory_gib``) includes 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import torch
 
@@ -31,6 +33,20 @@ def live_tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 points at /dev/null for the block (C++ code writes there directly)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class TensorPeak(contextlib.AbstractContextManager):
     """``with TensorPeak(live_before) as peak: ...``; then ``peak.bytes`` (``peak.gib``)."""
 
@@ -42,13 +58,15 @@ class TensorPeak(contextlib.AbstractContextManager):
         from torch.profiler import ProfilerActivity, profile
 
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profile.__enter__()
+        with _quiet_stderr():  # kineto prints "profiler_start" lines a user has no use for
+            self._profile.__enter__()
         return self
 
     def __exit__(self, *exc):
         from torch._C._profiler import _EventType
 
-        self._profile.__exit__(*exc)
+        with _quiet_stderr():
+            self._profile.__exit__(*exc)
         events, stack = [], list(self._profile.profiler.kineto_results.experimental_event_tree())
         while stack:
             event = stack.pop()
