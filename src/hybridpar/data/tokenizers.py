@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """What data sources and generation need from a tokenizer.
 
     ``vocab_size`` is one more than the largest id the tokenizer can produce; ``bos_id``,
@@ -65,11 +66,13 @@ class Tokenizer:
     chat_template: str | None = None
     source_dir: Path | None = None
 
+    @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise NotImplementedError
+        """Token ids of ``text`` (with the tokenizer's own special tokens unless told not to)."""
 
+    @abstractmethod
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        raise NotImplementedError
+        """The text of ``ids``."""
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False,
                             return_assistant_mask: bool = False):

@@ -104,6 +104,14 @@ def _hide(scores: Tensor, q_pos, q_doc, k_pos, k_doc, window: int | None) -> Ten
     return scores
 
 
+def _prepare(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, window, block_size, keys_per_step):
+    """``(compute dtype, block plan, k_t, v_t [B, Hkv, S_k, Dh])``: what forward and backward both start from."""
+    dtype = _compute_dtype(q.dtype)
+    if plan is None:
+        plan = block_plan(q_pos, q_doc, k_pos, k_doc, block_size, keys_per_step, window)
+    return dtype, plan, k.transpose(1, 2).to(dtype).contiguous(), v.transpose(1, 2).to(dtype).contiguous()
+
+
 def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
     """``(out [B, S_q, Hq, Dh], lse [B, Hq, S_q])`` over these keys, no autograd (the ops' forward).
 
@@ -112,11 +120,7 @@ def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, 
     """
     batch, seq_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
-    dtype = _compute_dtype(q.dtype)
-    if plan is None:
-        plan = block_plan(q_pos, q_doc, k_pos, k_doc, block_size, keys_per_step, window)
-    k_t = k.transpose(1, 2).to(dtype).contiguous()  # [B, Hkv, S_k, Dh]
-    v_t = v.transpose(1, 2).to(dtype).contiguous()
+    dtype, plan, k_t, v_t = _prepare(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, window, block_size, keys_per_step)
     out = torch.zeros_like(q)  # query blocks without any visible key stay 0
     lse = torch.full((batch, num_heads, seq_q), float("-inf"), dtype=dtype, device=q.device)
     lse_blocks = lse.view(batch, num_kv_heads, -1, seq_q)  # [B, Hkv, G, S_q]
@@ -153,11 +157,7 @@ def blockwise_backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan
     """
     batch, seq_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
-    dtype = _compute_dtype(q.dtype)
-    if plan is None:
-        plan = block_plan(q_pos, q_doc, k_pos, k_doc, block_size, keys_per_step, window)
-    k_t = k.transpose(1, 2).to(dtype).contiguous()  # [B, Hkv, S_k, Dh]
-    v_t = v.transpose(1, 2).to(dtype).contiguous()
+    dtype, plan, k_t, v_t = _prepare(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, window, block_size, keys_per_step)
     dk_t, dv_t = torch.zeros_like(k_t), torch.zeros_like(v_t)
     dq = torch.zeros_like(q)
     lse_safe = lse.masked_fill(lse == float("-inf"), 0.0).view(batch, num_kv_heads, -1, seq_q)  # [B, Hkv, G, S_q]
