@@ -136,8 +136,12 @@ def init_distributed(timeout_s: float = 600.0) -> tuple:
     if dist.get_rank() != 0:
         warnings.simplefilter("ignore")  # every rank runs the same code: rank 0 warns once for the job
     if not cuda:
+        # The cores shared among this machine's ranks, unless OMP_NUM_THREADS says otherwise: two
+        # processes that each spin two OpenMP threads on two cores run many times slower.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                              else max(1, (os.cpu_count() or 1) // local_world))
     return torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"), owns_group
 
 
