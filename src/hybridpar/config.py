@@ -18,15 +18,14 @@ key has one); rules that relate keys to each other or to the model live in
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
 
@@ -47,9 +46,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "mqar"  # mqar | selective_copy | text | jsonl | chat | prompt_completion | hf_dataset
-    path: str | None = None  # the file (or hf_dataset directory) of a file task
-    tokenizer: str = "auto"  # auto (model.hf_path's tokenizer if it ships one, else bytes) | bytes | a directory
+    task: str = "mqar"  # mqar | selective_copy | text | jsonl | chat | prompt_completion | hf_dataset | python_stdlib
+    path: str | None = None  # the file (hf_dataset, python_stdlib: directory; python_stdlib null: this Python's stdlib)
+    tokenizer: str = "auto"  # auto (model.hf_path's tokenizer, else bytes) | bytes | bpe (trained for the run) | a directory
     pack_size: int = 256  # tokens per packed row; a multiple of 2*cp
     packs_per_step: int = 2  # packed rows per step over all dp ranks; each rank accumulates gradients over its share
     pad_to_multiple_of: int | None = None  # per-document padding; default 2*cp (a resumed run keeps the checkpoint's)
@@ -97,6 +96,7 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # a collective that waits longer (a stalled or dead rank) ends the job
     on_nonfinite: str = "stop"  # stop | skip: what a non-finite loss or gradient norm does
     max_nonfinite_skips: int = 10  # with on_nonfinite=skip: the run stops at the skip after this many
+    sample: dict | None = None  # after training, print a continuation: {prompt, max_new_tokens, temperature, top_p, seed}
 
 
 @dataclass
@@ -122,63 +122,16 @@ class RunConfig:
 # ----------------------------------------------------------------------------- value rules
 
 
-@dataclass(frozen=True)
-class Rule:
-    """What a value must be (``text``, read after "must be") and the test of it."""
-
-    text: str  # or an object whose str() is the text (choices known only after an import)
-    holds: Callable[[typing.Any], bool]
-
-
-def integer(low: int, high: int | None = None) -> Rule:
-    text = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    return Rule(text, lambda v: v >= low and (high is None or v <= high))
-
-
-def number(low: float, high: float | None = None, low_open: bool = False, high_open: bool = False) -> Rule:
-    """A finite number in the interval (``*_open``: the bound itself excluded)."""
-    if high is None:
-        text = f"a finite number {'>' if low_open else '>='} {low:g}"
-    else:
-        text = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    return Rule(text, lambda v: math.isfinite(v) and (v > low if low_open else v >= low)
-                and (high is None or (v < high if high_open else v <= high)))
-
-
-def one_of(*choices: str, lazy: Callable[[], typing.Iterable[str]] | None = None) -> Rule:
-    """One of ``choices`` (or of ``lazy()``, for choices defined where importing is costly)."""
-    def allowed():
-        return sorted(lazy()) if lazy else list(choices)
-
-    return Rule(_LazyText(lambda: "one of " + ", ".join(repr(c) for c in allowed())), lambda v: v in allowed())
-
-
-class _LazyText:
-    """A rule text computed when a message needs it."""
-
-    def __init__(self, make: Callable[[], str]):
-        self.make = make
-
-    def __str__(self) -> str:
-        return self.make()
-
-
-def each(rule: Rule, count: int) -> Rule:
-    return Rule(f"{count} values, each {rule.text}", lambda v: len(v) == count and all(rule.holds(x) for x in v))
-
-
-def or_null(rule: Rule, meaning: str = "") -> Rule:
-    return Rule(_LazyText(lambda: f"{rule.text} or null{meaning}"), lambda v: v is None or rule.holds(v))
-
-
-PATH = Rule("a non-empty path", lambda v: bool(str(v).strip()))
-ANY = Rule("any value of its type", lambda v: True)
-
-
 def _presets():
     from hybridpar.models.hybrid import PRESETS
 
     return PRESETS
+
+
+def _sample():
+    from hybridpar.train import sample
+
+    return sample
 
 
 def _architectures():
@@ -195,9 +148,10 @@ RULES: dict[str, Rule] = {
     "model.backend": one_of("auto", "hybrid", "transformers"),
     "model.export_hf": or_null(PATH),
     "model.export_architecture": or_null(one_of(lazy=_architectures)),
-    "data.task": one_of("mqar", "selective_copy", "text", "jsonl", "chat", "prompt_completion", "hf_dataset"),
+    "data.task": one_of("mqar", "selective_copy", "text", "jsonl", "chat", "prompt_completion", "hf_dataset",
+                        "python_stdlib"),
     "data.path": or_null(PATH),
-    "data.tokenizer": Rule("'auto', 'bytes' or a tokenizer directory path", lambda v: bool(str(v).strip())),
+    "data.tokenizer": Rule("'auto', 'bytes', 'bpe' or a tokenizer directory path", lambda v: bool(str(v).strip())),
     "data.pack_size": integer(1),
     "data.packs_per_step": integer(1),
     "data.pad_to_multiple_of": or_null(integer(1), " (null: 2*cp)"),
@@ -231,6 +185,7 @@ RULES: dict[str, Rule] = {
     "train.collective_timeout_s": number(0, low_open=True),
     "train.on_nonfinite": one_of("stop", "skip"),
     "train.max_nonfinite_skips": integer(0),
+    "train.sample": Rule(LazyText(lambda: _sample().RULE_TEXT), lambda v: v is None or _sample().sample_problem(v) is None),
     "checkpoint.every": integer(-1),
     "checkpoint.keep": integer(1),
     "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or bool(str(v).strip())),

@@ -14,7 +14,8 @@ The model comes from
   ``run.json`` with the checkpoint's weights.
 
 The tokenizer follows the training rules (``--tokenizer auto|bytes|DIR``; ``auto`` is the
-checkpoint's own tokenizer when it ships one, for ``--checkpoint`` the run's ``data.tokenizer``).
+checkpoint's own tokenizer when it ships one, for ``--checkpoint`` the run's ``data.tokenizer``;
+``bpe``: the tokenizer trained for the run, in its ``output_dir/tokenizer``).
 The prompt is a document without its end token (BOS as the tokenizer defines); generation
 stops at the tokenizer's end token (a transformers model: its generation config's). Greedy at
 ``--temperature 0`` (the default), else nucleus sampling seeded by ``--seed``.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GENERATE_DTYPES", "load_for_generation", "checkpoint_to_load", "run_generate"]
+__all__ = ["GENERATE_DTYPES", "load_for_generation", "checkpoint_to_load", "continue_prompt", "run_generate"]
 
 GENERATE_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -97,31 +98,46 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
                              "(config.json + model.safetensors), e.g. a run's model.export_hf.")
         model, model_path = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval(), hf_path
     else:
-        model, config = _model_from_checkpoint(checkpoint_to_load(checkpoint), torch_dtype)
+        path = checkpoint_to_load(checkpoint)
+        model, config = _model_from_checkpoint(path, torch_dtype)
         model_path = config.model.hf_path
         tokenizer = config.data.tokenizer if tokenizer == "auto" else tokenizer
+        if tokenizer == "bpe":  # trained for the run, kept in its output_dir
+            from hybridpar.train.run_tokenizer import find_run_tokenizer
+
+            tokenizer = str(find_run_tokenizer(path, config.output_dir))
     return model, resolve_tokenizer(tokenizer, model_path=model_path, vocab_size=model.config.vocab_size)
+
+
+def continue_prompt(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                    seed: int | None = None) -> tuple[list[int], list[int], str]:
+    """``(prompt ids, new ids, decoded continuation)``: the prompt is a document without its end
+    token; a ``HybridLM`` stops at the tokenizer's end token, a transformers model at its
+    generation config's."""
+    from hybridpar.models.hf_causal import generate_causal_lm
+    from hybridpar.models.hybrid import HybridLM
+
+    prompt_ids = tokenizer.document(prompt, add_eos=False)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty and the tokenizer adds no BOS: give the model at least one token.")
+    eos = tokenizer.eos_id if isinstance(model, HybridLM) else None  # a transformers model: its generation config
+    device = next(model.parameters()).device
+    out = generate_causal_lm(model, torch.tensor([prompt_ids], device=device), max_new_tokens,
+                             temperature=temperature, top_p=top_p, seed=seed, eos_token_id=eos)
+    new_ids = out[0, len(prompt_ids):].tolist()
+    return prompt_ids, new_ids, tokenizer.decode(new_ids)
 
 
 def run_generate(args) -> int:
     """The ``generate`` command: print the prompt and its continuation (``--json``: one JSON object)."""
     from hybridpar.models.generation import check_sampling
-    from hybridpar.models.hf_causal import generate_causal_lm
-    from hybridpar.models.hybrid import HybridLM
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     model, tokenizer = load_for_generation(args.hf_path, args.checkpoint, args.backend, args.tokenizer, args.dtype)
     if torch.cuda.is_available():
         model = model.cuda()
-    device = next(model.parameters()).device
-    prompt_ids = tokenizer.document(args.prompt, add_eos=False)
-    if not prompt_ids:
-        raise ValueError("--prompt is empty and the tokenizer adds no BOS: give the model at least one token.")
-    eos = tokenizer.eos_id if isinstance(model, HybridLM) else None  # a transformers model: its generation config
-    out = generate_causal_lm(model, torch.tensor([prompt_ids], device=device), args.max_new_tokens,
-                             temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_token_id=eos)
-    new_ids = out[0, len(prompt_ids):].tolist()
-    completion = tokenizer.decode(new_ids)
+    prompt_ids, new_ids, completion = continue_prompt(model, tokenizer, args.prompt, args.max_new_tokens,
+                                                      args.temperature, args.top_p, args.seed)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "completion": completion, "prompt_ids": prompt_ids,
                           "new_ids": new_ids}), flush=True)

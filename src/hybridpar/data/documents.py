@@ -6,10 +6,14 @@
     chat                 JSON lines with a ``messages`` list     messages_field ("messages")
     prompt_completion    JSON lines with prompt / completion     prompt_field ("prompt"), completion_field ("completion")
     hf_dataset           ``datasets`` files or saved dataset     kind ("text"), field, split ("train"), builder
+    python_stdlib        the .py files under a directory         max_bytes, max_file_bytes, eval_fraction, exclude
+                         (null: this Python's standard library)  (``data/stdlib.py``)
 
 Text tasks give token lists (labels: the next tokens); chat, prompt/completion and
 ``hf_dataset`` with kind messages/prompt_completion give ``{"input_ids", "labels"}`` with
-labels only on the trained tokens (``data/chat.py``).
+labels only on the trained tokens (``data/chat.py``). ``python_stdlib`` holds files out by a
+hash of their path (``data/stdlib.py``), every other task its last 10% of documents
+(``train/batches.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from hybridpar.data.chat import chat_documents, prompt_completion_documents
 from hybridpar.data.hf_datasets import hf_dataset_documents
 from hybridpar.data.sources import jsonl_documents, text_documents
+from hybridpar.data.stdlib import STDLIB_OPTIONS
 
 __all__ = ["FILE_TASKS", "file_documents"]
 
@@ -28,13 +33,14 @@ FILE_TASKS = {  # task -> its options and their defaults
     "chat": {"messages_field": "messages"},
     "prompt_completion": {"prompt_field": "prompt", "completion_field": "completion"},
     "hf_dataset": {"kind": "text", "field": None, "split": "train", "builder": None},
+    "python_stdlib": STDLIB_OPTIONS,
 }
 
 
 def file_documents(task: str, path: str | Path | None, tokenizer, options: dict | None = None) -> list:
     """Every document of ``task`` at ``path`` through ``tokenizer`` (a ``Tokenizer``, or None for bytes)."""
-    if task not in FILE_TASKS:
-        raise ValueError(f"data.task={task!r} is not a file task; choose one of {sorted(FILE_TASKS)}.")
+    if task not in FILE_TASKS or task == "python_stdlib":  # split by file: batches.load_documents
+        raise ValueError(f"data.task={task!r} is not a single-file task; choose one of {sorted(FILE_TASKS)}.")
     options = dict(options or {})
     unknown = sorted(set(options) - set(FILE_TASKS[task]))
     if unknown:

@@ -9,8 +9,10 @@ layout and a run extended to more steps see the same tokens:
   and windows are appended as steps need them, so pack ``j`` depends only on the data
   settings, never on how many steps will run;
 - a file is read and packed whole, and steps cycle over its packs. File tasks (text, jsonl,
-  chat, prompt_completion, hf_dataset: ``data/documents.file_documents``) read it through the
-  tokenizer of ``data_tokenizer`` (``data.tokenizer`` against ``model.hf_path``).
+  chat, prompt_completion, hf_dataset: ``data/documents.file_documents``; python_stdlib, a
+  directory of Python files: ``data/stdlib.py``) read it through the tokenizer of
+  ``data_tokenizer`` (``data.tokenizer`` against ``model.hf_path``; ``bpe`` is resolved to the
+  run's trained tokenizer first: ``train/run_tokenizer.py``).
 
 Packs are padded per document to ``pad_to_multiple_of`` (default ``2*cp``); a resumed run
 keeps the padding its checkpoint recorded. Each data-parallel rank takes its share of a
@@ -30,7 +32,8 @@ import numpy as np
 from hybridpar.config import DataConfig
 from hybridpar.data.documents import FILE_TASKS, file_documents
 from hybridpar.data.packing import pack_documents
-from hybridpar.data.sources import TASKS, TEXT_SPLITS
+from hybridpar.data.sources import TASKS, TEXT_SPLITS, _document_at
+from hybridpar.data.stdlib import check_stdlib_options, stdlib_corpus, stdlib_root
 from hybridpar.data.tokenizers import TOKENIZER_SPECS, ByteTokenizer, Tokenizer, resolve_tokenizer, ships_tokenizer
 
 
@@ -72,6 +75,10 @@ def data_tokenizer(config: DataConfig, vocab_size: int, model_path: str | None =
     (``data/tokenizers.resolve_tokenizer``: ``auto`` is the checkpoint's own tokenizer when it ships
     one, so fine-tuning never silently trains on byte ids) and checked against the embedding."""
     spec = config.tokenizer
+    if spec == "bpe":
+        raise DataError("data.tokenizer='bpe' is the tokenizer trained for the run in <output_dir>/tokenizer; resolve "
+                        "it first with hybridpar.train.run_tokenizer.prepare_data(config, vocab_size), as "
+                        "hybridpar train does.")
     if spec not in TOKENIZER_SPECS and not Path(spec).is_dir():
         raise DataError(f"data.tokenizer={spec!r} is neither 'auto', 'bytes' nor an existing directory; pass one of "
                         f"{list(TOKENIZER_SPECS)} or the directory of a saved tokenizer (tokenizer.json, ...).")
@@ -117,7 +124,13 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
     if config.task == "text" and split not in TEXT_SPLITS:
         raise DataError(f"data.task_options.split={split!r} is invalid: it must be one of {list(TEXT_SPLITS)} "
                         "(paragraph: documents separated by blank lines, line: one per line, file: the whole file).")
-    if config.task == "hf_dataset":
+    if config.task == "python_stdlib":
+        try:
+            check_stdlib_options(config.task_options)
+            stdlib_root(config.path)
+        except ValueError as error:
+            raise DataError(str(error)) from None
+    elif config.task == "hf_dataset":
         if not config.path or not Path(config.path).exists():
             raise DataError(f"data.path={config.path!r} does not exist; data.task='hf_dataset' needs a local data "
                             "file or a save_to_disk directory.")
@@ -143,6 +156,8 @@ def load_documents(config: DataConfig, num_docs: int, seed_offset: int, vocab_si
         return task.documents(num_docs)
     if tokenizer is None:
         tokenizer = validate_data(config, vocab_size)
+    if config.task == "python_stdlib":
+        return _stdlib_documents(config, tokenizer, held_out=bool(seed_offset))
     docs = file_documents(config.task, config.path, tokenizer, config.task_options)
     held_out = max(1, int(len(docs) * EVAL_FRACTION)) if len(docs) > 1 else 0
     if seed_offset and not held_out:
@@ -154,6 +169,20 @@ def load_documents(config: DataConfig, num_docs: int, seed_offset: int, vocab_si
             "for one per line), or set train.eval_every=0."
         )
     return docs[len(docs) - held_out:] if seed_offset else docs[:len(docs) - held_out] or docs
+
+
+def _stdlib_documents(config: DataConfig, tokenizer: Tokenizer, held_out: bool) -> list:
+    """The training or held-out files of ``python_stdlib`` (split by a hash of each path), one document each."""
+    try:
+        corpus = stdlib_corpus(config.path, **config.task_options)
+        files = corpus.held_out if held_out else corpus.train
+        if held_out and not files:
+            raise ValueError(f"data.task='python_stdlib' holds out no file of {len(corpus.train)} under {corpus.root} "
+                             f"(data.task_options.eval_fraction={config.task_options.get('eval_fraction', 0.1)}); "
+                             "raise eval_fraction or max_bytes, or set train.eval_every=0.")
+        return [_document_at(tokenizer, f.text, corpus.root / f.path, 1, None, None) for f in files]
+    except ValueError as error:
+        raise DataError(str(error)) from None
 
 
 class PackStream:

@@ -1,5 +1,8 @@
 """Observability: one line per step on rank 0, JSONL metrics, TensorBoard, a loss-curve PNG.
 
+A file task's eval records also carry ``unigram_loss``, the held-out loss of a model that
+ignores context (``train/baseline.py``), printed next to ``eval_loss`` and drawn as a line.
+
 ``metrics.jsonl`` is strict JSON, one object per step: a non-finite value is ``null``. A
 resumed run first drops the records after its checkpoint's step, so every step appears once.
 """
@@ -101,11 +104,15 @@ def format_line(record: dict) -> str:
     formats = {"loss": "loss {:.4f}", "grad_norm": "grad_norm {:.3f}", "lr": "lr {:.2e}",
                "tokens_per_s": "{:,.0f} tok/s", "peak_memory_gib": "peak {:.2f} GiB",
                "tensor_peak_gib": "tensors {:.3f} GiB",
-               "eval_loss": "eval_loss {:.4f}", "eval_accuracy": "eval_acc {:.3f}",
+               "eval_loss": "eval_loss {:.4f}", "unigram_loss": "(unigram {:.4f})", "eval_accuracy": "eval_acc {:.3f}",
                "skipped_steps": "skipped {:.0f} non-finite steps"}
     for key, fmt in formats.items():
         if key in record:
-            parts.append(fmt.format(record[key]) if record[key] is not None else f"{key} non-finite")
+            text = fmt.format(record[key]) if record[key] is not None else f"{key} non-finite"
+            if key == "unigram_loss" and "eval_loss" in record:  # beside the loss it is the baseline of
+                parts[-1] += " " + text
+            else:
+                parts.append(text)
     return " | ".join(parts)
 
 
@@ -121,10 +128,13 @@ def plot_loss_curve(history: list[dict], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4))
     train = [(r["step"], r["loss"]) for r in history if r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
+    unigram = [r["unigram_loss"] for r in history if r.get("unigram_loss") is not None]
     if train:
         ax.plot(*zip(*train), label="train loss")
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
+    if unigram:
+        ax.axhline(unigram[-1], linestyle="--", color="gray", label="unigram baseline (eval)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()

@@ -6,9 +6,10 @@ One function per concern, shared by every entry point so they cannot disagree:
   against tp and cp (on a shape-only ``meta`` model: a ``HybridLM`` or a transformers model),
   the data shape against the layout.
   ``hybridpar plan``, the launcher and every rank call it.
-- ``validate_run``: the layout, the data task, files and tokenizer (``data.tokenizer`` against
-  ``model.hf_path`` and the embedding), the export target and the output
-  directory (lock, earlier runs, the checkpoint to resume). The launcher calls it before
+- ``validate_run``: the layout, the export target, the output directory (lock, earlier runs,
+  the checkpoint to resume), ``train.sample``, and the data task, files and tokenizer
+  (``data.tokenizer`` against ``model.hf_path`` and the embedding; ``bpe`` is trained here,
+  ``train/run_tokenizer.py``). The launcher calls it before
   torchrun starts, so a config error exits 2 with one message at any process count.
 
 Rules between keys live here; rules of a single value live in ``config.RULES``.
@@ -238,8 +239,11 @@ def validate_export(config: RunConfig, shape) -> None:
 
 def validate_run(config: RunConfig, command: str, world_size: int | None = None):
     """Every check that needs no process group (the launcher's preflight); returns the model shape."""
+    from hybridpar.train.run_tokenizer import prepare_data
+    from hybridpar.train.sample import check_sample
+
     shape = validate_layout(config, world_size)
-    validate_data(config.data, shape.vocab_size, config.model.hf_path)
+    check_sample(config)
     if command == "train":
         from hybridpar.train.run_dir import check_lock_free, check_output_dir, model_signature, plan_resume
 
@@ -247,4 +251,6 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None)
         check_output_dir(config.output_dir)
         check_lock_free(config.output_dir)
         plan_resume(config, model_signature(shape))
+    # data.tokenizer=bpe: trained here, once, before any worker starts (into output_dir, checked above)
+    validate_data(prepare_data(config, shape.vocab_size), shape.vocab_size, config.model.hf_path)
     return shape

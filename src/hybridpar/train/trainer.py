@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from hybridpar.config import RunConfig, to_dict
 from hybridpar.data.packing import collate_thd
 from hybridpar.data.sources import prediction_counts
+from hybridpar.data.documents import FILE_TASKS
 from hybridpar.data.tokenizers import ships_tokenizer
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf_causal import export_causal_lm
@@ -38,7 +39,8 @@ from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.fsdp import set_micro_batch
 from hybridpar.parallel.inputs import ShardedInputs, shard_inputs
 from hybridpar.parallel.parallelize import parallelize
-from hybridpar.parallel.state import canonical_state_dict
+from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
+from hybridpar.train.baseline import unigram_loss
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend
@@ -50,6 +52,8 @@ from hybridpar.train.preflight import (
     export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
 )
 from hybridpar.train.run_dir import data_stream, model_signature, prepare_output_dir
+from hybridpar.train.run_tokenizer import shared_data
+from hybridpar.train.sample import check_sample, print_sample, sample_settings
 from hybridpar.train.tensor_peak import step_tensor_peak
 
 __all__ = ["Trainer", "build_model", "pack_tensors", "pack_loss_sum", "parallel_dims", "DTYPES"]
@@ -125,12 +129,16 @@ class Trainer:
         self.vocab_size = model.config.vocab_size
         shape = model_config(config)
         validate_layout(config, dist.get_world_size(), model=model, shape=shape)
-        self.tokenizer = validate_data(config.data, self.vocab_size, config.model.hf_path)
+        check_sample(config)
+        self.sample = sample_settings(config.train.sample)
+        self.data = shared_data(config, self.vocab_size)  # data.tokenizer=bpe: trained by rank 0 if absent
+        self.tokenizer = validate_data(self.data, self.vocab_size, config.model.hf_path)
         validate_export(config, shape)  # before training, not after it
         self.signature = model_signature(shape)
-        self.pad = pad_multiple(config.data, p.cp)
-        self.train_data = self._stream(config.data)
+        self.pad = pad_multiple(self.data, p.cp)
+        self.train_data = self._stream(self.data)
         self._eval_data = None
+        self._unigram = None
         self.layout = Layout.build(config, device.type)
         self.model = parallelize(
             model, self.layout.dims, mesh=self.layout.mesh,
@@ -161,7 +169,7 @@ class Trainer:
     @property
     def eval_data(self) -> PackStream:
         if self._eval_data is None:
-            eval_config = dataclasses.replace(self.config.data, packs_per_step=self.config.train.eval_packs)
+            eval_config = dataclasses.replace(self.data, packs_per_step=self.config.train.eval_packs)
             self._eval_data = self._stream(eval_config, seed_offset=10_000)
         return self._eval_data
 
@@ -219,7 +227,20 @@ class Trainer:
             correct, total = prediction_counts(predicted, labels)
             sums += torch.stack([loss_sum.double(), correct.double(), total.double()])
         sums = global_sum(sums, self.layout.dp_cp_group)
-        return {"eval_loss": float(sums[0] / sums[2].clamp(min=1)), "eval_accuracy": float(sums[1] / sums[2].clamp(min=1))}
+        metrics = {"eval_loss": float(sums[0] / sums[2].clamp(min=1)), "eval_accuracy": float(sums[1] / sums[2].clamp(min=1))}
+        if self.config.data.task in FILE_TASKS:  # the unigram baseline of the same held-out tokens
+            if self._unigram is None:
+                self._unigram = unigram_loss(self.train_data.pool, self.eval_data.step_packs(0), self.vocab_size)
+            metrics["unigram_loss"] = self._unigram
+        return metrics
+
+    def print_sample(self) -> None:
+        """``train.sample``: gather the full weights, continue the prompt on rank 0 (``train/sample.py``)."""
+        state = canonical_state_dict(self.model)
+        if self.rank == 0:
+            model = build_model(self.config).to(self.device)
+            load_canonical_state_dict(model, state)
+            print_sample(model, self.tokenizer, self.sample)
 
     def export_hf(self, path: str) -> None:
         """Gather the full weights and write them (rank 0) in the Hugging Face format with the
@@ -265,7 +286,7 @@ class Trainer:
             return
         if plan.pad_to_multiple_of != self.pad:  # continue with the checkpoint's padding: the same batches
             self.pad, self._eval_data = plan.pad_to_multiple_of, None
-            self.train_data = self._stream(self.config.data)
+            self.train_data = self._stream(self.data)
         state = load_checkpoint(plan.checkpoint, self.model, self.optimizer, self.scheduler)
         self.start_step = state["step"]
         self.guard.skipped = state.get("nonfinite_skips", 0)
@@ -296,6 +317,8 @@ class Trainer:
             self._loop(logger, cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps))
             if cfg.model.export_hf:
                 self.export_hf(cfg.model.export_hf)
+            if self.sample is not None and stop_after is None:
+                self.print_sample()
         finally:
             plot = logger.close()
             if self._lock is not None:
