@@ -6,6 +6,7 @@ The runs use a small fake "standard library" (``data.path``), a 512-id vocabular
 
 import json
 import math
+import re
 import subprocess
 import sys
 import sysconfig
@@ -45,6 +46,13 @@ def run_argv(corpus: Path, output: Path, *extra: str) -> list[str]:
             "data.pack_size=128", "data.packs_per_step=2", "train.eval_packs=2", "train.eval_every=2", "train.log_every=1",
             "train.warmup_steps=1", "checkpoint.every=2", "tensorboard=false", "plot=false",
             "train.sample={prompt: 'def ', max_new_tokens: 6}", *extra]
+
+
+def printed_sample(stdout: str) -> str:
+    """The text after ``sample (N tokens, greedy):`` (the run's last output with plot=false)."""
+    match = re.search(r"^sample \(\d+ tokens, greedy\):\n(.*)", stdout, re.DOTALL | re.MULTILINE)
+    assert match, stdout
+    return match[1].strip()
 
 
 def hybridpar(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -105,19 +113,17 @@ def test_bpe_is_trained_once_by_the_launcher_reused_on_resume_and_the_sample_mat
     trained = (tokenizer / "tokenizer.json").read_bytes(), (tokenizer / "tokenizer.json").stat().st_mtime_ns
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["unigram_loss"] > 0 and "(unigram " in first.stdout
-    sample = first.stdout.split("sample (6 tokens, greedy):\n", 1)[1].split("\nloss curve")[0].strip()
+    assert printed_sample(first.stdout).startswith("def ")
 
     second = hybridpar(*run_argv(corpus, output, "train.steps=4"), "--nproc-per-node", "2")
     assert second.returncode == 0, second.stdout + second.stderr
     assert "trained a byte-level BPE" not in second.stdout and "at step 2" in second.stdout
     assert ((tokenizer / "tokenizer.json").read_bytes(), (tokenizer / "tokenizer.json").stat().st_mtime_ns) == trained
-    final = second.stdout.split("sample (6 tokens, greedy):\n", 1)[1].split("\nloss curve")[0].strip()
-    assert final.startswith("def ")
+    final = printed_sample(second.stdout)
 
     generated = hybridpar("generate", "--checkpoint", str(output), "--prompt", "def ", "--max-new-tokens", "6")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.strip() == final  # the run's tokenizer, found from the checkpoint
-    assert sample.startswith("def ")
 
 
 def _train(rank, world_size, argv):

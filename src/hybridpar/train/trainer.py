@@ -8,6 +8,8 @@
                   (blockwise LM head + cross entropy, no logits) / global count -> backward
         clip the global gradient norm; a non-finite loss or norm stops (or skips) the step
         AdamW step, lr schedule; a checkpoint (finite weights only) every checkpoint.every
+        every train.eval_every: held-out loss (a file task's beside its unigram baseline)
+    after the last step: export (model.export_hf), a printed sample (train.sample)
 
 A run resumes exactly or not at all: the checkpoint records the model shape and the data
 stream, and ``resume`` refuses a different one (see ``train/run_dir.py``).
@@ -28,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridpar.config import RunConfig, to_dict
+from hybridpar.data.documents import FILE_TASKS
 from hybridpar.data.packing import collate_thd
 from hybridpar.data.sources import prediction_counts
-from hybridpar.data.documents import FILE_TASKS
 from hybridpar.data.tokenizers import ships_tokenizer
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf_causal import export_causal_lm
