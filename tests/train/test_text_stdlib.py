@@ -4,6 +4,8 @@ trained for the run once and reused, the unigram baseline, the printed sample, a
 The runs use a small fake "standard library" (``data.path``), a 512-id vocabulary and a few steps.
 """
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -102,11 +104,21 @@ def test_unigram_baseline_on_a_hand_example():
 # -- one command: tokenizer once, baseline, sample; resume reuses the tokenizer ------------------
 
 
+def _train(rank, world_size, argv):
+    """``hybridpar <argv>`` in a harness rank: ``(exit status, what it printed)``."""
+    from hybridpar.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
 def test_bpe_is_trained_once_by_the_launcher_reused_on_resume_and_the_sample_matches_generate(tmp_path):
     corpus, output = fake_stdlib(tmp_path / "lib"), tmp_path / "run"
     first = hybridpar(*run_argv(corpus, output, "train.steps=2"), "--nproc-per-node", "2")
     assert first.returncode == 0, first.stdout + first.stderr
-    assert first.stdout.count("trained a byte-level BPE tokenizer (vocab 512)") == 1
+    assert first.stdout.count("trained a byte-level BPE tokenizer (vocab 512)") == 1  # by the launcher, once
     tokenizer = output / "tokenizer"
     stamp = json.loads((tokenizer / "hybridpar_bpe.json").read_text())
     assert stamp["vocab_size"] == 512 and stamp["train_files"] == len(stdlib_corpus(corpus).train)
@@ -115,27 +127,26 @@ def test_bpe_is_trained_once_by_the_launcher_reused_on_resume_and_the_sample_mat
     assert records[-1]["unigram_loss"] > 0 and "(unigram " in first.stdout
     assert printed_sample(first.stdout).startswith("def ")
 
-    second = hybridpar(*run_argv(corpus, output, "train.steps=4"), "--nproc-per-node", "2")
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "trained a byte-level BPE" not in second.stdout and "at step 2" in second.stdout
+    # resumed (here on one process): the tokenizer is reused, never retrained
+    [(code, printed)] = run_ranks(1, _train, run_argv(corpus, output, "train.steps=4", "parallel.dp_shard=1"),
+                                  timeout_s=300)
+    assert code == 0 and "trained a byte-level BPE" not in printed and "at step 2" in printed, printed
     assert ((tokenizer / "tokenizer.json").read_bytes(), (tokenizer / "tokenizer.json").stat().st_mtime_ns) == trained
-    final = printed_sample(second.stdout)
 
-    generated = hybridpar("generate", "--checkpoint", str(output), "--prompt", "def ", "--max-new-tokens", "6")
-    assert generated.returncode == 0, generated.stderr
-    assert generated.stdout.strip() == final  # the run's tokenizer, found from the checkpoint
-
-
-def _train(rank, world_size, argv):
     from hybridpar.cli import main
 
-    return main(argv)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # the run's tokenizer, found from the checkpoint
+        assert main(["generate", "--checkpoint", str(output), "--prompt", "def ", "--max-new-tokens", "6"]) == 0
+    assert out.getvalue().strip() == printed_sample(printed)
 
 
 def test_without_the_launcher_rank_0_trains_the_tokenizer_for_every_rank(tmp_path):
     corpus, output = fake_stdlib(tmp_path / "lib"), tmp_path / "run"
     argv = run_argv(corpus, output, "train.steps=1", "parallel.dp_shard=1", "parallel.cp=2", "train.sample=null")
-    assert run_ranks(2, _train, argv, timeout_s=300) == [0, 0]
+    results = run_ranks(2, _train, argv, timeout_s=300)
+    assert [code for code, _ in results] == [0, 0]
+    assert results[0][1].count("trained a byte-level BPE tokenizer") == 1 and "trained" not in results[1][1]
     assert (output / "tokenizer" / "hybridpar_bpe.json").is_file()
     assert not list(output.glob(".tokenizer.tmp-*"))
 
