@@ -44,7 +44,8 @@ def fake_stdlib(root: Path, files: int = 40) -> Path:
 
 
 def run_argv(corpus: Path, output: Path, *extra: str) -> list[str]:
-    return ["train", "--config", CONFIG, f"data.path={corpus}", f"output_dir={output}", "model.overrides={vocab_size: 512}",
+    return ["train", "--config", CONFIG, f"data.path={corpus}", f"output_dir={output}",
+            "model.overrides={vocab_size: 512, rotary_fraction: 0.0}",  # rotary 0: exportable as NemotronH
             "data.pack_size=128", "data.packs_per_step=2", "train.eval_packs=2", "train.eval_every=2", "train.log_every=1",
             "train.warmup_steps=1", "checkpoint.every=2", "tensorboard=false", "plot=false",
             "train.sample={prompt: 'def ', max_new_tokens: 6}", *extra]
@@ -116,7 +117,9 @@ def _train(rank, world_size, argv):
 
 def test_bpe_is_trained_once_by_the_launcher_reused_on_resume_and_the_sample_matches_generate(tmp_path):
     corpus, output = fake_stdlib(tmp_path / "lib"), tmp_path / "run"
-    first = hybridpar(*run_argv(corpus, output, "train.steps=2"), "--nproc-per-node", "2")
+    export = tmp_path / "export"
+    first = hybridpar(*run_argv(corpus, output, "train.steps=2", f"model.export_hf={export}",
+                                "model.export_architecture=NemotronHForCausalLM"), "--nproc-per-node", "2")
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count("trained a byte-level BPE tokenizer (vocab 512)") == 1  # by the launcher, once
     tokenizer = output / "tokenizer"
@@ -126,6 +129,7 @@ def test_bpe_is_trained_once_by_the_launcher_reused_on_resume_and_the_sample_mat
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["unigram_loss"] > 0 and "(unigram " in first.stdout
     assert printed_sample(first.stdout).startswith("def ")
+    assert (export / "tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()  # export carries it
 
     # resumed (here on one process): the tokenizer is reused, never retrained
     [(code, printed)] = run_ranks(1, _train, run_argv(corpus, output, "train.steps=4", "parallel.dp_shard=1"),
@@ -196,3 +200,12 @@ def test_a_tokenizer_trained_for_other_settings_is_never_replaced(tmp_path):
     with pytest.raises(ValueError, match="the corpus changed"):
         _preflight(tmp_path, f"data.path={corpus}", "model.overrides={vocab_size: 512}")
     assert (tmp_path / "run" / "tokenizer" / "hybridpar_bpe.json").read_text() == stamp
+
+
+def test_file_documents_gives_every_file_training_files_first(tmp_path):
+    from hybridpar.data.documents import file_documents
+
+    root = fake_stdlib(tmp_path)
+    corpus = stdlib_corpus(root)
+    documents = file_documents("python_stdlib", root, None)  # bytes
+    assert documents == [list(f.text.encode()) + [3] for f in corpus.train + corpus.held_out]
