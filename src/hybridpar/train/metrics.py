@@ -109,7 +109,7 @@ def format_line(record: dict) -> str:
     for key, fmt in formats.items():
         if key in record:
             text = fmt.format(record[key]) if record[key] is not None else f"{key} non-finite"
-            if key == "unigram_loss" and "eval_loss" in record:  # beside the loss it is the baseline of
+            if key == "unigram_loss" and "eval_loss" in record:  # beside the eval_loss it is the baseline of
                 parts[-1] += " " + text
             else:
                 parts.append(text)
