@@ -23,10 +23,10 @@ $(DEMO_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e ".[dev,hf,tensorboard]"
 	touch $(DEMO_STAMP)
 
-# The default job: the tiny hybrid model on packed MQAR, 4 processes as cp=2 x tp=2.
+# The default job: the tiny hybrid model on packed MQAR, 2 processes as cp=2.
 # Each `make demo` starts afresh and replaces the previous demo run in runs/tiny-hybrid.
 demo: $(DEMO_STAMP)
-	$(PY) -m hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 4 checkpoint.resume=null checkpoint.if_exists=overwrite
+	$(PY) -m hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 2 checkpoint.resume=null checkpoint.if_exists=overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -32,7 +32,7 @@ LAYOUTS = {  # name -> (world size, overrides)
     "tp2": (2, ["parallel.cp=1", "parallel.tp=2", "data.packs_per_step=2"]),
     "tp2_no_sp": (2, ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=false", "data.packs_per_step=2"]),
     "dp_shard2": (2, ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2", "data.packs_per_step=4"]),
-    "tp2_cp2": (4, ["data.packs_per_step=2"]),
+    "tp2_cp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.packs_per_step=2"]),
 }
 
 

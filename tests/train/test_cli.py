@@ -25,7 +25,7 @@ def test_check_through_torchrun_started_by_hybridpar(tmp_path):
 
 
 def test_nproc_that_does_not_fit_the_layout_is_refused_before_launch():
-    result = hybridpar("train", "--config", DEFAULT, "--nproc-per-node", "2")
+    result = hybridpar("train", "--config", DEFAULT, "--nproc-per-node", "2", "parallel.tp=2")
     assert result.returncode == 2
     assert "--nproc-per-node 2 does not fit" in result.stderr and "pass --nproc-per-node 4" in result.stderr
 
@@ -33,7 +33,7 @@ def test_nproc_that_does_not_fit_the_layout_is_refused_before_launch():
 def test_a_layout_for_more_processes_without_nproc_says_how_many(capsys):
     from hybridpar.cli import main
 
-    assert main(["train", "--config", DEFAULT]) == 2  # cp=2 x tp=2 needs 4 processes
+    assert main(["train", "--config", DEFAULT, "parallel.tp=2"]) == 2  # cp=2 x tp=2 needs 4 processes
     assert capsys.readouterr().err == ("hybridpar: error: one process (no --nproc-per-node) does not fit the layout "
                                        "dp_replicate*dp_shard*cp*tp = 1*1*2*2 = 4; pass --nproc-per-node 4 or change "
                                        "parallel.*.\n")

@@ -12,7 +12,7 @@ DEFAULT = "configs/tiny-hybrid.yaml"
 
 def test_default_config_loads_and_overrides_apply():
     config = load_config(DEFAULT, ["train.steps=7", "parallel.cp=1", "model.overrides={pattern: M-}", "train.lr=1"])
-    assert config.train.steps == 7 and config.parallel.cp == 1 and config.parallel.tp == 2
+    assert config.train.steps == 7 and config.parallel.cp == 1 and config.parallel.tp == 1
     assert config.model.overrides == {"pattern": "M-"}
     assert config.train.lr == 1.0 and isinstance(config.train.lr, float)
 

@@ -14,7 +14,7 @@ NO_ROPE = "model.overrides={rotary_fraction: 0.0}"  # NemotronH attention has no
 @pytest.mark.parametrize(
     "overrides, world_size, message",
     [
-        (["parallel.cp=3"], None, r"parallel.cp=3 with parallel.tp=2: module 'backbone.layers.0.mixer'.*divisible by cp=3"),
+        (["parallel.cp=3", "parallel.tp=2"], None, r"parallel.cp=3 with parallel.tp=2: module 'backbone.layers.0.mixer'.*divisible by cp=3"),
         (["parallel.tp=4", "parallel.cp=1"], None, r"mamba_n_groups=2 is not divisible by tp=4"),
         (["parallel.cp_attention=ulysses", "parallel.cp=4", "parallel.tp=1", "parallel.cp_mamba=state",
           "model.overrides={num_attention_heads: 6, num_key_value_heads: 2}"], None, r"attention"),
@@ -27,7 +27,7 @@ NO_ROPE = "model.overrides={rotary_fraction: 0.0}"  # NemotronH attention has no
         (["model.overrides={mamba_n_groups: 0}"], None, r"model.overrides.mamba_n_groups=0 is invalid: it must be an integer >= 1"),
         (["model.overrides={hidden_size: 1.5}"], None, r"model.overrides.hidden_size=1.5 is invalid: it must be an integer"),
         (["model.overrides={mamba_num_heads: 6, mamba_n_groups: 4}"], None, r"do not make a valid '[a-z]+' model: mamba_num_heads"),
-        ([], 2, r"the world size is 2"),
+        ([], 4, r"the world size is 4"),
         # parallelize's own rules name the config key they are about
         (["parallel.compile=banana"], None, r"parallel.compile='banana' is invalid: .*'aot_eager'"),
         (["parallel.dp_shard=2", "parallel.tp=1", "parallel.reshard_after_forward=3"], None,

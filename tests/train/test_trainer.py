@@ -26,15 +26,15 @@ def _train(rank, world_size, overrides, stop_after=None):
     return history if rank == 0 else None
 
 
-def test_default_job_learns_mqar_on_four_ranks(tmp_path):
-    """The default job (model, task, lr) and layout (cp=2, tp=2, sequence parallel), cut to
-    its first quarter of steps: the loss falls from ln(256) past the ln(15) of guessing among
-    the 15 values, and recall beats chance (1/15) twice over."""
-    quarter = ["train.steps=50", "train.eval_every=50", "checkpoint.every=-1"]
-    history = run_ranks(4, _train, [f"output_dir={tmp_path}", *quarter], timeout_s=600)[0]
+def test_default_job_learns_mqar_on_its_two_ranks(tmp_path):
+    """The default job (model, task, lr) and layout (cp=2 on 2 ranks), cut to its first quarter
+    of steps: the loss falls from ln(256) past the ln(7) = 1.9 of guessing among the 7 values,
+    and recall accuracy is at least twice chance (1/7)."""
+    quarter = ["train.steps=100", "train.eval_every=100", "checkpoint.every=-1"]
+    history = run_ranks(2, _train, [f"output_dir={tmp_path}", *quarter], timeout_s=600)[0]
     first, last = history[0], history[-1]
-    assert first["loss"] - last["loss"] > 2.0, (first, last)
-    assert last["eval_accuracy"] > 2 / 15, last
+    assert first["loss"] - last["loss"] > 3.0, (first, last)
+    assert last["eval_accuracy"] > 2 / 7, last
 
 
 RESUME = ["model.dtype=float64", "train.steps=6", "train.log_every=1", "train.eval_every=0",
@@ -148,14 +148,15 @@ def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
 
 
 def test_check_reports_exact_layout_and_fails_beyond_tolerance(tmp_path):
-    overrides = ["model.dtype=float64", f"output_dir={tmp_path}"] + QUIET
+    overrides = ["model.dtype=float64", f"output_dir={tmp_path}", *CP2_TP2] + QUIET
     results = run_ranks(4, _cli, ["check", "--config", DEFAULT, *overrides], timeout_s=300)
     code, _, report = results[0]
     assert all(r[0] == 0 for r in results), report
     assert "check exact" in report and report.count(" ok") >= 30
     differences = [float(line.split("max|diff|")[1].split()[0]) for line in report.splitlines() if "max|diff|" in line]
     assert max(differences) < 1e-9
-    strict = ["check", "--config", DEFAULT, "--tolerance", "1e-30", "model.dtype=float32", f"output_dir={tmp_path}"] + QUIET
+    strict = ["check", "--config", DEFAULT, "--tolerance", "1e-30", "model.dtype=float32", f"output_dir={tmp_path}",
+              *CP2_TP2] + QUIET
     results = run_ranks(4, _cli, strict, timeout_s=300)
     assert all(r[0] == 1 for r in results) and "FAILED" in results[0][2]
 
@@ -175,7 +176,7 @@ def test_fine_tune_a_hugging_face_checkpoint_and_export_it(tmp_path):
     )
     NemotronHForCausalLM(config).save_pretrained(tmp_path / "original")
     overrides = [f"model.hf_path={tmp_path / 'original'}", f"model.export_hf={tmp_path / 'tuned'}",
-                 f"output_dir={tmp_path / 'run'}", "train.steps=3", "train.eval_every=0", "checkpoint.every=-1"]
+                 f"output_dir={tmp_path / 'run'}", "train.steps=3", "train.eval_every=0", "checkpoint.every=-1", *CP2_TP2]
     run_ranks(4, _train, overrides, timeout_s=300)
 
     ours = HybridLM.from_hf(tmp_path / "tuned")

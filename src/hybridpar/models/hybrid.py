@@ -104,9 +104,9 @@ class HybridConfig:
 PRESETS: dict[str, dict] = {
     # Tests: every block kind, grouped B/C, seconds on a CPU.
     "tiny": dict(),
-    # The default job (`make demo`, configs/tiny-hybrid.yaml): tiny at width 128, where MQAR
-    # recall rises sooner than at width 64.
-    "demo": dict(hidden_size=128),
+    # The default job (`make demo`, configs/tiny-hybrid.yaml): tiny at width 128 with wider
+    # mixers (SSM state 64, Mamba and attention heads of 32), where MQAR recall rises sooner.
+    "demo": dict(hidden_size=128, ssm_state_size=64, mamba_head_dim=32, head_dim=32),
     # A ~100M-parameter shape for local experiments.
     "small": dict(
         vocab_size=32000, hidden_size=768, pattern="M-M-M*-M-M-M*-M-M-", mamba_num_heads=24,
