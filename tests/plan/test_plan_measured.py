@@ -1,8 +1,8 @@
 """The plan against one measured training step of the tiny model, on real gloo ranks.
 
-The issue's must-hold cases: cp=2, tp=2 and cp=2 x tp=2 at 4096 and 16384 tokens per pack
-(the other layouts, the mid-size model and the checkpointing policies run in
-``benchmarks/planner.py``). ``Trainer.fit`` trains two steps and reports the live-tensor peak of
+The issue's must-hold cases: cp=2, tp=2 and cp=2 x tp=2 at 4096 and 16384 tokens per pack, and
+cp=2 x tp=2 at 4096 under full and selective checkpointing (the other layouts, the mid-size model
+and more policies run in ``benchmarks/planner.py``). ``Trainer.fit`` trains two steps and reports the live-tensor peak of
 the second in ``metrics.jsonl``; a third step runs under ``CommStats``; one pack's forward is
 measured for what it keeps for backward (``plan/validate.py``). Held: parameters per rank exact,
 bytes per collective kind and mesh dim exact, saved activation bytes within 10%, peak within
@@ -16,12 +16,16 @@ import pytest
 from hybridpar.plan.validate import measure_step, predict
 from tests.distributed.harness import run_ranks
 
-CASES = {  # name -> (world size, overrides)
-    "cp2": (2, ["parallel.cp=2", "parallel.tp=1"]),
-    "tp2": (2, ["parallel.cp=1", "parallel.tp=2"]),
-    "cp2_tp2": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+SP = ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+CASES = {  # name -> (world size, overrides, pack sizes)
+    "cp2": (2, ["parallel.cp=2", "parallel.tp=1"], (4096, 16384)),
+    "tp2": (2, ["parallel.cp=1", "parallel.tp=2"], (4096, 16384)),
+    "cp2_tp2": (4, SP, (4096, 16384)),
+    # recomputation re-issues the forward collectives of TP/SP and CP: the plan's "recompute" traffic
+    "cp2_tp2_full": (4, SP + ["parallel.activation_checkpointing=full"], (4096,)),
+    "cp2_tp2_selective": (4, SP + ["parallel.activation_checkpointing=selective"], (4096,)),
 }
-LENGTHS = (4096, 16384)
+ALL = [(name, length) for name, (_, _, lengths) in CASES.items() for length in lengths]
 
 
 def overrides(name: str, length: int) -> list[str]:
@@ -37,14 +41,13 @@ def run_cases(rank: int, world: int, cases: list, root: str) -> dict:
 def measured(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("plan_measured"))
     out = {}
-    for world in sorted({w for w, _ in CASES.values()}):
-        cases = [(n, length) for n, (w, _) in CASES.items() if w == world for length in LENGTHS]
+    for world in sorted({w for w, _, _ in CASES.values()}):
+        cases = [(name, length) for name, length in ALL if CASES[name][0] == world]
         out.update(run_ranks(world, run_cases, cases, root, timeout_s=1800)[0])
     return out
 
 
-@pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name, length", ALL)
 def test_plan_matches_one_measured_step(measured, name, length):
     got, plan = measured[name, length], predict(overrides(name, length))
     assert plan["parameters_per_rank"] == got["parameters_per_rank"]
