@@ -20,7 +20,8 @@ saves today (``models/blocks.py``, ``mamba2.py``, ``attention.py``, ``flash.py``
 ``full`` keeps each block's input x [Ts, D] only. ``selective`` (``parallel/checkpointing.py``)
 keeps the input and the outputs of the matmuls before a block's last sequence-mixing kernel, and
 the attention core's out and lse: Mamba2 in_proj [Tc, W_in]; attention q, k, v + out + lse; an
-MLP block (no mixing kernel) its input only.
+MLP block (no mixing kernel) its input only. (On CPU the eager blockwise attention core's out and
+lse are recomputed instead, so there the plan is high by ``Tc (Hq Dh e + Hq e_c)`` per attention block.)
 Statistics (rstd, lse) are in the compute dtype ``e_c``.
 """
 

@@ -78,12 +78,12 @@ def mamba_core_backward(layout: Layout) -> int:
     chunks = -(-tokens // q)
     states = chunks * n * d * ec
     per_slice = max(1, DIAGONAL_SLICE_BYTES // (heads * q * max(q, p) * ec))
-    tp = min(chunks, per_slice) * q
+    slice_tokens = min(chunks, per_slice) * q
     dt_terms = 3 if tuple(c.time_step_limit) != (0.0, float("inf")) else 2
     common = (2 * tokens * d * e + tokens * ec * (2 * (d + 2 * gn) + dt_terms * heads + 2 * d + 4 * gn + 5 * heads)
               + states)
-    part = tp * ec * (2 * d + 3 * heads * q + 2 * groups * q)
-    loop = common + states + part + tp * groups * q * ec
+    part = slice_tokens * ec * (2 * d + 3 * heads * q + 2 * groups * q)
+    loop = common + states + part + slice_tokens * groups * q * ec
     passing = common + part + 4 * states
     return max(loop, passing)
 
