@@ -1,7 +1,7 @@
 """``hybridpar plan`` predicted against one measured training step, per layout, length and policy.
 
-For each model (``tiny``; ``mid``: the ``small`` preset's widths on a 5-block pattern and an 8K
-vocabulary), layout (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
+For each model (``tiny``; ``mid``: the ``small`` preset's widths on a 5-block pattern, an 8K
+vocabulary and 2 Mamba groups so that tp=2 applies), layout (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
 checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
 ``plan/validate.measure_step``: two training steps through ``Trainer.fit`` (the trainer reports
 the live-tensor peak of the second, steady-state step: ``tensor_peak_gib`` in metrics.jsonl, from
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192}"]}
+MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"]}
 # mid runs ~30x tiny's flops per token on 2 shared cores: 2048 and 4096 keep a case within minutes
 LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096]}
 LAYOUTS = {  # name -> (world size, overrides)

