@@ -33,19 +33,14 @@ def overrides(name: str, length: int) -> list[str]:
     return CASES[name][1] + [f"data.pack_size={length}", "data.packs_per_step=1"]
 
 
-def run_cases(rank: int, world: int, cases: list, root: str) -> dict:
-    return {(name, length): measure_step(rank, world, overrides(name, length), f"{root}/{name}_{length}")
-            for name, length in cases}
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    root = str(tmp_path_factory.mktemp("plan_measured"))
-    out = {}
-    for world in sorted({w for w, _, _ in CASES.values()}):
-        cases = [(name, length) for name, length in ALL if CASES[name][0] == world]
-        out.update(run_ranks(world, run_cases, cases, root, timeout_s=1800)[0])
-    return out
+    """Every case in its own fresh group of ranks, as ``benchmarks/planner.py`` runs it (a case
+    measured after others in the same processes can count their leftovers)."""
+    root = tmp_path_factory.mktemp("plan_measured")
+    return {(name, length): run_ranks(CASES[name][0], measure_step, overrides(name, length),
+                                      str(root / f"{name}_{length}"), timeout_s=1800)[0]
+            for name, length in ALL}
 
 
 @pytest.mark.parametrize("name, length", ALL)
@@ -57,7 +52,11 @@ def test_plan_matches_one_measured_step(measured, name, length):
     for key, nbytes in got["traffic_by_dim"].items():
         kinds[key.split("/")[0]] = kinds.get(key.split("/")[0], 0) + nbytes
     assert plan["traffic_bytes_per_step"] == kinds
-    saved = plan["saved_activation_bytes_per_pack"]["total"]
-    assert abs(saved / got["saved_bytes"] - 1) <= 0.10, (saved, got["saved_bytes"])
+    # saved-tensor hooks see everything a step without checkpointing keeps, and repeat exactly; a
+    # checkpointed block keeps its tensors out of their sight, so there the allocator's count
+    saved, kept = plan["saved_activation_bytes_per_pack"]["total"], got["saved_bytes"]
+    if not any(o.startswith("parallel.activation_checkpointing") for o in CASES[name][1]):
+        kept = got["saved_hook_bytes"]
+    assert abs(saved / kept - 1) <= 0.10, (saved, kept)
     peak = plan["peak_memory_gib_per_rank"]
     assert abs(peak / got["tensor_peak_gib"] - 1) <= 0.15, (peak, got["tensor_peak_gib"], plan["peak_breakdown_gib"])
