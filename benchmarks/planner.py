@@ -1,17 +1,27 @@
-"""``hybridpar plan`` predicted against one measured training step, per layout and length.
+"""``hybridpar plan`` predicted against one measured training step, per layout, length and policy.
 
-For each model (``tiny``; ``mid``: the ``small`` preset's widths on a 5-block pattern and an 8K
-vocabulary) and layout (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2) and pack size, a fresh
-set of gloo ranks (``tests/distributed/harness``) runs ``plan/validate.measure_step``: two
-training steps through ``Trainer.fit`` (the trainer reports the live-tensor peak of the second,
-steady-state step: ``tensor_peak_gib`` in metrics.jsonl, from the CPU allocator's events), a
-third step under ``CommStats``, and one pack's forward under saved-tensor hooks. Next to it the
-plan of the same config (``plan/validate.predict`` = ``hybridpar plan --json --target cpu``).
-Targets: parameters and bytes per collective kind exact, saved activations within 10%, peak
-within 15%. Also the planner's own time for ``nemotronh-8b`` (meta model included).
+For each model (``tiny``; ``mid``: the ``small`` preset's widths on a 5-block pattern, an 8K
+vocabulary and 2 Mamba groups so that tp=2 applies), layout (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
+checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
+``plan/validate.measure_step``: two training steps through ``Trainer.fit`` (the trainer reports
+the live-tensor peak of the second, steady-state step: ``tensor_peak_gib`` in metrics.jsonl, from
+the CPU allocator's events), a third step under ``CommStats``, and one pack's forward measuring
+what it keeps for backward (allocator events; saved-tensor hooks as a cross-check). Next to it
+the plan of the same config (``plan/validate.predict`` = ``hybridpar plan --json --target cpu``).
+Targets: parameters and bytes per collective kind and mesh dim exact, saved activations within
+10%, peak within 15%. Also the planner's own time for ``nemotronh-8b`` at 128K on cp=8, in a
+fresh process (``make_plan``'s first call, imports it triggers included, and the whole CLI).
 
-    python benchmarks/planner.py                       # everything (long on a loaded 2-core machine)
+Measurements accumulate in benchmarks/results/planner.json across invocations (a case is
+replaced when measured again); the plan side of every stored case is recomputed on each save,
+so a change to the planner shows without measuring again (``--replan`` does only that).
+
+    python benchmarks/planner.py                                  # every model at its two lengths, policy none
     python benchmarks/planner.py --models tiny --lengths 4096 16384
+    python benchmarks/planner.py --models mid                     # mid at 2048 and 4096
+    python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
+        --checkpointing full selective
+    python benchmarks/planner.py --replan
 
 Writes benchmarks/results/planner.{json,md}.
 """
@@ -23,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192}"]}
+MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"]}
+# mid runs ~30x tiny's flops per token on 2 shared cores: 2048 and 4096 keep a case within minutes
+LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096]}
 LAYOUTS = {  # name -> (world size, overrides)
     "1 process": (1, ["parallel.cp=1", "parallel.tp=1"]),
     "cp=2": (2, ["parallel.cp=2", "parallel.tp=1"]),
@@ -40,90 +53,143 @@ LAYOUTS = {  # name -> (world size, overrides)
     "dp_shard=2": (2, ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2"]),
     "cp=2 x tp=2": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
+POLICIES = ("none", "selective", "full")
+NEMOTRON = ["model.preset=nemotronh-8b", "data.pack_size=131072", "parallel.cp=8", "parallel.tp=1"]
 
 
-def case_overrides(model: str, layout: str, length: int) -> list[str]:
+def case_overrides(model: str, layout: str, length: int, policy: str = "none") -> list[str]:
     packs = 2 if layout == "dp_shard=2" else 1
-    return MODELS[model] + LAYOUTS[layout][1] + [f"data.pack_size={length}", f"data.packs_per_step={packs}"]
+    return MODELS[model] + LAYOUTS[layout][1] + [f"data.pack_size={length}", f"data.packs_per_step={packs}",
+                                                 f"parallel.activation_checkpointing={policy}"]
 
 
-def run_case(model: str, layout: str, length: int) -> dict:
-    from hybridpar.plan.validate import measure_step, predict
+def measure_case(model: str, layout: str, length: int, policy: str) -> dict:
+    from hybridpar.plan.validate import measure_step
     from tests.distributed.harness import run_ranks
 
-    overrides = case_overrides(model, layout, length)
+    overrides = case_overrides(model, layout, length, policy)
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         got = run_ranks(LAYOUTS[layout][0], measure_step, overrides, root, timeout_s=3600)[0]
-    plan = predict(overrides)
+    return {"model": model, "layout": layout, "length": length, "checkpointing": policy, "overrides": overrides,
+            "measured": got, "wall_s": time.perf_counter() - start}
+
+
+def compare(case: dict) -> dict:
+    """The plan of a stored case next to its measurement."""
+    from hybridpar.plan.validate import predict
+
+    plan, got = predict(case["overrides"]), case["measured"]
     kinds: dict[str, int] = {}
     for key, nbytes in got["traffic_by_dim"].items():
         kinds[key.split("/")[0]] = kinds.get(key.split("/")[0], 0) + nbytes
     return {
-        "model": model, "layout": layout, "length": length, "overrides": overrides,
         "params": [plan["parameters_per_rank"], got["parameters_per_rank"]],
         "traffic_by_kind": [plan["traffic_bytes_per_step"], kinds],
         "traffic_exact": plan["traffic_bytes_per_step_by_dim"] == got["traffic_by_dim"],
         "saved_bytes": [plan["saved_activation_bytes_per_pack"]["total"], got["saved_bytes"]],
         "peak_gib": [plan["peak_memory_gib_per_rank"], got["tensor_peak_gib"]],
-        "peak_moment": plan["peak_moment"], "rss_peak_gib": got["rss_peak_gib"], "baseline_gib": plan["baseline_gib"],
+        "peak_moment": plan["peak_moment"], "peak_breakdown_gib": plan["peak_breakdown_gib"],
+        "rss_peak_gib": got["rss_peak_gib"], "baseline_gib": plan["baseline_gib"],
     }
 
 
 def planner_time() -> dict:
-    from hybridpar.config import load_config
-    from hybridpar.plan import make_plan
+    """``make_plan`` for nemotronh-8b in a fresh process (first call, then best of 3), and the CLI."""
+    code = ("import time, json; t0 = time.perf_counter(); from hybridpar.config import load_config; "
+            "from hybridpar.plan import make_plan; t1 = time.perf_counter(); "
+            f"c = load_config(None, {NEMOTRON!r}); t2 = time.perf_counter(); make_plan(c); t3 = time.perf_counter(); "
+            "warm = []\nfor _ in range(3):\n    s = time.perf_counter(); make_plan(c); warm.append(time.perf_counter() - s)\n"
+            "print(json.dumps({'import_s': t1 - t0, 'first_plan_s': t3 - t2, 'warm_plan_s': min(warm)}))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                    env=env).stdout.strip().splitlines()[-1])
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hybridpar", "plan", *NEMOTRON], capture_output=True, check=True, env=env)
+    return {**out, "cli_s": time.perf_counter() - start}
 
-    config = load_config(None, ["model.preset=nemotronh-8b", "data.pack_size=131072", "parallel.cp=8", "parallel.tp=1"])
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        make_plan(config)
-        times.append(time.perf_counter() - start)
-    return {"nemotronh_8b_plan_s": min(times)}
+
+def case_key(case: dict) -> tuple:
+    return case["model"], case["layout"], case["length"], case.get("checkpointing", "none")
+
+
+def sort_key(case: dict) -> tuple:
+    return (list(MODELS).index(case["model"]), POLICIES.index(case.get("checkpointing", "none")), case["length"],
+            list(LAYOUTS).index(case["layout"]))
 
 
 def to_markdown(record: dict) -> str:
+    t = record["planner"]
     lines = ["# Planner: predicted against measured (CPU, float32, one step)", "",
-             f"Command: `{record['command']}`  ", f"Date: {record['date']}  ", f"Machine: {record['machine']}  ",
-             "Measured peak: live tensors of the second training step (`tensor_peak_gib`, CPU allocator events); "
-             "saved: distinct storages under saved-tensor hooks, one pack. RSS (with the process baseline) for reference.",
-             "", "| model | layout | tokens | params (plan = measured) | bytes per kind exact | saved MiB plan / measured "
-             "| ratio | peak MiB plan / measured | ratio | peak at | RSS GiB |", "|" + "---|" * 11]
-    for r in record["cases"]:
-        (sp, sm), (pp, pm) = r["saved_bytes"], r["peak_gib"]
-        lines.append(f"| {r['model']} | {r['layout']} | {r['length']:,} | {r['params'][0]:,} {'=' if r['params'][0] == r['params'][1] else '!='} "
-                     f"{r['params'][1]:,} | {'yes' if r['traffic_exact'] else 'NO'} | {sp / 2**20:,.1f} / {sm / 2**20:,.1f} | "
-                     f"{sp / sm:.3f} | {pp * 1024:,.1f} / {pm * 1024:,.1f} | {pp / pm:.3f} | {r['peak_moment']} | {r['rss_peak_gib']:.2f} |")
-    lines += ["", f"Planner time for nemotronh-8b, 128K tokens, cp=8 (meta model included): "
-              f"{record['planner']['nemotronh_8b_plan_s']:.2f} s (best of 3; machine shared, see the date)."]
+             "Commands (measurements accumulate; the plan columns are recomputed from the current planner):  "]
+    lines += [f"`{c}`  " for c in record["commands"]]
+    lines += [f"Last saved: {record['date']}  ", f"Machine: {record['machine']}  ",
+              "Measured peak: live tensors of the second training step (`tensor_peak_gib`, CPU allocator events). "
+              "Saved: bytes one pack's forward allocates and leaves live for backward (allocator events; under policy "
+              "none the saved-tensor hooks agree, column `hooks`), parameters and FSDP's gathered root excluded. RSS "
+              "(with the process baseline) for reference. Targets: params and bytes per kind and mesh dim exact, saved "
+              "within 10%, peak within 15%.", "",
+             "| model | layout | tokens | ckpt | params (plan = measured) | traffic exact | saved MiB plan / measured "
+             "| ratio | hooks MiB | peak MiB plan / measured | ratio | peak at (plan) | RSS GiB | case s |",
+             "|" + "---|" * 14]
+    for r in sorted(record["cases"], key=sort_key):
+        c = r["compare"]
+        (sp, sm), (pp, pm) = c["saved_bytes"], c["peak_gib"]
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['length']:,} | {r.get('checkpointing', 'none')} | {c['params'][0]:,} "
+            f"{'=' if c['params'][0] == c['params'][1] else '!='} {c['params'][1]:,} | {'yes' if c['traffic_exact'] else 'NO'} "
+            f"| {sp / 2**20:,.1f} / {sm / 2**20:,.1f} | {sp / sm:.3f} | {r['measured']['saved_hook_bytes'] / 2**20:,.1f} "
+            f"| {pp * 1024:,.1f} / {pm * 1024:,.1f} | {pp / pm:.3f} | {c['peak_moment']} | {c['rss_peak_gib']:.2f} "
+            f"| {r['wall_s']:.0f} |")
+    lines += ["", f"Planner time for nemotronh-8b, 128K tokens, cp=8, fresh process: first `make_plan` "
+              f"{t['first_plan_s']:.2f} s (imports it triggers included), then {t['warm_plan_s']:.3f} s; "
+              f"`import hybridpar.plan` {t['import_s']:.2f} s; whole `hybridpar plan` command {t['cli_s']:.2f} s "
+              "(machine shared, see the date)."]
     return "\n".join(lines) + "\n"
+
+
+def load() -> dict:
+    path = RESULTS / "planner.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    cases = [c for c in record.get("cases", []) if "measured" in c]  # older records kept no raw measurement
+    return {"commands": record.get("commands", []), "cases": cases}
+
+
+def save(record: dict) -> None:
+    import torch
+
+    for case in record["cases"]:
+        case["compare"] = compare(case)
+    record.update(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  machine=f"{platform.node()}, {os.cpu_count()} CPUs (shared), torch {torch.__version__}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "planner.json").write_text(json.dumps(record, indent=2))
+    (RESULTS / "planner.md").write_text(to_markdown(record))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--lengths", nargs="+", type=int, help="pack sizes (default: each model's two, LENGTHS)")
+    parser.add_argument("--checkpointing", nargs="+", default=["none"], choices=POLICIES)
+    parser.add_argument("--replan", action="store_true", help="only recompute the plan side of the stored cases")
     args = parser.parse_args()
-    cases = []
-    record = {"command": "python benchmarks/planner.py " + " ".join(sys.argv[1:]), "planner": planner_time()}
-    for model in args.models:
-        for length in args.lengths:
-            for layout in args.layouts:
-                cases.append(run_case(model, layout, length))
-                print(json.dumps(cases[-1]), flush=True)
-                save(record, cases)  # after every case: a long run stopped early keeps what it measured
+    record = load()
+    command = "python benchmarks/planner.py " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:])
+    record["commands"] = [c for c in record["commands"] if c != command] + [command]
+    record["planner"] = planner_time()
+    if not args.replan:
+        for model in args.models:
+            for policy in args.checkpointing:
+                for length in args.lengths or LENGTHS[model]:
+                    for layout in args.layouts:
+                        case = measure_case(model, layout, length, policy)
+                        record["cases"] = [c for c in record["cases"] if case_key(c) != case_key(case)] + [case]
+                        save(record)  # after every case: a long run stopped early keeps what it measured
+                        print(json.dumps({**case, "compare": compare(case)}), flush=True)
+    save(record)
     print(to_markdown(record))
-
-
-def save(record: dict, cases: list) -> None:
-    import torch
-
-    record.update(date=datetime.datetime.now().isoformat(timespec="seconds"), cases=cases,
-                  machine=f"{platform.node()}, {os.cpu_count()} CPUs (shared), torch {torch.__version__}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "planner.json").write_text(json.dumps(record, indent=2))
-    (RESULTS / "planner.md").write_text(to_markdown(record))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,8 @@ class Mamba2Mixer(nn.Module):
     @torch.no_grad()
     def _init_ssm_parameters(self, dt_min: float, dt_max: float, dt_floor: float) -> None:
         """mamba_ssm's init: A in [1, 16], dt log-uniform in [dt_min, dt_max], D = 1."""
+        if self.A_log.is_meta:  # shapes only (planning, preflight): nothing to initialize
+            return
         self.A_log.copy_(torch.log(torch.empty(self.num_heads).uniform_(1, 16)))
         self.D.fill_(1.0)
         dt = torch.exp(torch.rand(self.num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))

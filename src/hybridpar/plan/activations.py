@@ -17,9 +17,11 @@ saves today (``models/blocks.py``, ``mamba2.py``, ``attention.py``, ``flash.py``
     head           final norm x [Ts, D] + rstd; loss: hidden [Tc, D], lse [Tc], labels [Tc] int64;
                    embedding: input ids [Tc] int64
 
-``full`` keeps each block's input x [Ts, D] only. ``selective`` keeps the input and the
-outputs of every matmul but a block's last one, and the attention core's out and lse:
-Mamba2 in_proj [Tc, W_in]; attention q, k, v + out + lse; MLP up (and gate) [Tc, I].
+``full`` keeps each block's input x [Ts, D] only. ``selective`` (``parallel/checkpointing.py``)
+keeps the input and the outputs of the matmuls before a block's last sequence-mixing kernel, and
+the attention core's out and lse: Mamba2 in_proj [Tc, W_in]; attention q, k, v + out + lse; an
+MLP block (no mixing kernel) its input only. (On CPU the eager blockwise attention core's out and
+lse are recomputed instead, so there the plan is high by ``Tc (Hq Dh e + Hq e_c)`` per attention block.)
 Statistics (rstd, lse) are in the compute dtype ``e_c``.
 """
 
@@ -58,7 +60,7 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     if policy == "selective":
         kept = {"M": tc * w["w_in"] * e,
                 "*": tc * (w["q"] + 2 * w["kv"]) * e + tc * w["q"] * e + tc * w["hq"] * ec,
-                "-": tc * w["inter"] * e * (2 if layout.model.mlp_gated else 1)}[kind]
+                "-": 0}[kind]
         return block_input + kept
     common = block_input + ts * ec + tc * w["d"] * e  # input, rstd, projections' input
     if kind == "M":

@@ -8,7 +8,7 @@ Walking one step's last pack (the worst: earlier packs' gradients are live) bloc
     root          = FSDP's gathered root (embeddings, norm_f, lm_head: never resharded), 0 without FSDP
     forward  i    = base + G_acc + root + sum_{j<i} saved_j + gathered(i) + gathered(i+1) + fwd_ws(i)
     loss          = base + G_acc + root + sum_j saved_j + saved_head + loss_ws (forward / backward)
-    backward i    = base + G_i + root + sum_{j<=i} saved_j + gathered(i) + gathered(i-1)
+    backward i    = base + G_i + root + sum_{j<=i} saved_j - freed(i) + gathered(i) + gathered(i-1)
                     + bwd_ws(i) + unsharded grads of i (FSDP, before its reduce-scatter)
     optimizer     = params + grads + AdamW state + the largest parameter's update temporaries (x2)
 
@@ -78,7 +78,7 @@ def memory_plan(layout: Layout) -> MemoryPlan:
         done += sum(grad_after[u] if fsdp else full_grad[u] for u in units[i + 1:])
         grads = accumulated if layout.packs_per_rank > 1 else done
         moments.append((f"backward of block {i} ({BLOCK_NAMES[pattern[i]]})", {
-            **common, "accumulated_grads": 0, "gradients": grads, "activations": sum(saved[: i + 1]),
+            **common, "accumulated_grads": 0, "gradients": grads, "activations": sum(saved[: i + 1]) - ws[i].freed,
             "fsdp_gathered": gathered(i) + gathered(i - 1), "workspace": ws[i].backward,
             "unsharded_grads": full_grad[units[i]] if sharded and layout.packs_per_rank == 1 else 0}))
     largest = max((n for n in params.unit_numel.values()), default=0)

@@ -63,9 +63,9 @@ def plan_text(plan: Plan, target: str = "gpu") -> str:
         f"baseline (not in the peak): {d['baseline_gib']:.2f} GiB, {d['baseline_is']}",
         "traffic per step per rank: " + (", ".join(f"{k} {_bytes(v)}" for k, v in d["traffic_bytes_per_step_by_dim"].items())
                                          or "none"),
-        f"time (ESTIMATE, {plan.device.name}): {plan.time.step_s * 1e3:,.3g} ms per step = compute "
-        f"{plan.time.compute_s * 1e3:,.3g} + memory {plan.time.memory_s * 1e3:,.3g} + communication "
-        f"{plan.time.comm_s * 1e3:,.3g} ms ({plan.time.flops / 1e12:,.3g} TFLOP per rank)",
+        f"time (ESTIMATE, {plan.device.name}): {plan.time.step_s * 1e3:,.1f} ms per step = compute "
+        f"{plan.time.compute_s * 1e3:,.1f} + memory {plan.time.memory_s * 1e3:,.1f} + communication "
+        f"{plan.time.comm_s * 1e3:,.1f} ms ({plan.time.flops / 1e12:,.1f} TFLOP per rank)",
     ]
     return "\n".join(lines)
 

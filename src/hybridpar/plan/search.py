@@ -4,8 +4,8 @@ Candidates: every ``dp_replicate * dp_shard * cp * tp = world`` (sequence parall
 ``tp > 1``), every CP strategy pair when ``cp > 1`` (attention allgather/ulysses/ring x Mamba
 a2a/state), every checkpointing policy (none/selective/full). Each is validated with the rules of
 ``train`` (``validate_layout``: a refused candidate shows train's message) and planned; it fits when
-``peak + baseline <= GIB``. ``data.packs_per_step`` is raised to a multiple of the data-parallel size
-where needed (same tokens per rank per pack; said in the output).
+``peak + baseline <= GIB``. ``data.packs_per_step`` (and ``train.eval_packs``) are raised to a multiple
+of the data-parallel size where needed (same tokens per rank per pack; said in the output).
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
         dp = keys["dp_replicate"] * keys["dp_shard"]
         if candidate.data.packs_per_step % dp:
             candidate.data.packs_per_step = -(-candidate.data.packs_per_step // dp) * dp
+        if candidate.train.eval_every and candidate.train.eval_packs % dp:  # evaluation costs no training memory
+            candidate.train.eval_packs = -(-candidate.train.eval_packs // dp) * dp
         layout_key = tuple(v for k, v in keys.items() if k != "activation_checkpointing")  # policies share a verdict
         if layout_key not in verdicts:
             verdicts[layout_key] = _verdict(candidate, world, model, shape, verdicts)

@@ -13,15 +13,28 @@ Backward of one block: its recomputation (the forward workspace again; under ``f
 ``selective`` also the block's dropped tensors, rebuilt for this block only), the gradients of its
 saved tensors and inputs, and the residual gradient ``[Ts, D] + [Tc, D]``:
 
-    Mamba2     core recompute + d(core inputs) [Tc, W_core] e_c + conv grads [Tc, W_conv] e_c
-               + d(in_proj output) [Tc, W_in] e + 2 more chunk-state tensors + the diagonal
-               blocks min(16 MiB, 4 Tc H Q e_c)
+    Mamba2     the core's backward (``mamba_core`` + ``ssd_chunked.backward``), below; the block's
+               out_proj input, y and gated-norm rstd are already freed (``Workspaces.freed``)
     attention  K, V copies + 1.5 score steps + dq, dk, dv in e_c and in e
     MLP        [Tc, 2 I] (gated: 3 I)
 
-These workspace forms were checked against allocator peaks of single blocks (``tiny`` at 4K and
-``small`` at 2K tokens, ``benchmarks/planner.py --section blocks``): within about 15%, the tiny
-Mamba2 backward lower (its 16-token chunks add per-chunk tensors the form leaves out).
+Mamba2's core backward, in the core's own layout (under ``cp_mamba=a2a`` all ``T = cp Tc`` tokens
+and ``1/cp`` of the heads and groups; ``d = H P``, ``W = d + 2 G N``, chunks ``K = T/Q``, chunk
+states ``St = K N d e_c``), everything in ``e_c`` but the norm's gradients::
+
+    common  = dy, dz [T, d] e (gated norm's gradients, waiting) + conv pre-activation and SiLU output
+              2 [T, W] + dt terms 2-3 [T, H] + xdt, dxdt 2 [T, d] + B, C, dB, dC 4 [T, G N]
+              + cs, cs_excl, u, w, dcs 5 [T, H] + start states St
+    part    = one slice of chunks, Tp = Q * min(K, 16 MiB / (H Q max(Q, P) e_c)) tokens:
+              dy, dy rows 2 [Tp, d] + decay, scores, d_scores 3 [Tp, H, Q] + C.B, dCB 2 [Tp, G, Q]
+    loop    = common + dstart St + part + one matmul product [Tp, G, Q]
+    passing = common + part (the last slice's, still bound) + 4 St (grad_h, its flip, the
+              recurrence's local and final states)
+    backward = max(loop, passing)
+
+checked against the allocator's live tensors at the peak of a ``tiny`` step at 16K tokens
+(``benchmarks/planner.py``: 0.878 of the measured peak before, when the form left out the
+state passing and the slice temporaries).
 
 Loss (``lm_head_loss``, chunk ``C = 4096``): forward one ``[C, min(C, V/tp)]`` block of logits and its
 exponentials in ``e_c``; backward ``grad_hidden [Tc, D] e_c``, the weight gradient ``[V/tp, D] e_p``,
@@ -40,7 +53,7 @@ from hybridpar.train.loss import lm_head_loss
 from hybridpar.plan.activations import _widths, block_saved_bytes
 from hybridpar.plan.layout import Layout
 
-__all__ = ["Workspaces", "block_workspaces", "loss_workspaces", "LOSS_CHUNK", "ATTENTION_STEP"]
+__all__ = ["Workspaces", "block_workspaces", "mamba_core_backward", "loss_workspaces", "LOSS_CHUNK", "ATTENTION_STEP"]
 
 LOSS_CHUNK = inspect.signature(lm_head_loss).parameters["chunk_size"].default  # the trainer's (4096)
 ATTENTION_STEP = (BLOCK_SIZE, KEYS_PER_STEP)  # queries x keys per step of the flash core
@@ -50,6 +63,29 @@ ATTENTION_STEP = (BLOCK_SIZE, KEYS_PER_STEP)  # queries x keys per step of the f
 class Workspaces:
     forward: int
     backward: int
+    freed: int = 0  # bytes of the block's saved tensors released before its backward's peak
+
+
+def mamba_core_backward(layout: Layout) -> int:
+    """Peak bytes of the Mamba2 core's backward beyond its saved inputs (the form above)."""
+    c, w = layout.model, _widths(layout)
+    e, ec = layout.act_bytes, layout.compute_bytes
+    scale = layout.cp if layout.cp > 1 and layout.cp_mamba == "a2a" else 1
+    tokens, heads = layout.tokens * scale, w["heads"] // scale
+    groups = max(1, w["groups"] // scale) if scale > 1 else w["groups"]
+    d, gn, p, n = heads * c.mamba_head_dim, groups * c.ssm_state_size, c.mamba_head_dim, c.ssm_state_size
+    q = min(c.chunk_size, tokens)
+    chunks = -(-tokens // q)
+    states = chunks * n * d * ec
+    per_slice = max(1, DIAGONAL_SLICE_BYTES // (heads * q * max(q, p) * ec))
+    slice_tokens = min(chunks, per_slice) * q
+    dt_terms = 3 if tuple(c.time_step_limit) != (0.0, float("inf")) else 2
+    common = (2 * tokens * d * e + tokens * ec * (2 * (d + 2 * gn) + dt_terms * heads + 2 * d + 4 * gn + 5 * heads)
+              + states)
+    part = slice_tokens * ec * (2 * d + 3 * heads * q + 2 * groups * q)
+    loop = common + states + part + slice_tokens * groups * q * ec
+    passing = common + part + 4 * states
+    return max(loop, passing)
 
 
 def block_workspaces(layout: Layout, kind: str) -> Workspaces:
@@ -57,13 +93,13 @@ def block_workspaces(layout: Layout, kind: str) -> Workspaces:
     c, w = layout.model, _widths(layout)
     e, ec, tc, ts, seq = layout.act_bytes, layout.compute_bytes, layout.tokens, layout.stream_tokens, layout.pack_size
     flow = ts * w["d"] * e + tc * w["d"] * e  # block output (+ mixer output) / residual gradients
+    freed = 0
     if kind == "M":
         w_conv = w["w_core"] - w["heads"]
         states = -(-tc // c.chunk_size) * w["d_inner"] * c.ssm_state_size * ec  # [Tc/Q, H, P, N]
-        diagonal = min(DIAGONAL_SLICE_BYTES, 4 * tc * w["heads"] * c.chunk_size * ec)
-        core = tc * (w_conv + 4 * w["heads"]) * ec + states
-        forward = core + flow
-        backward = core + tc * (w["w_core"] + w_conv) * ec + tc * w["w_in"] * e + 2 * states + diagonal + flow
+        forward = tc * (w_conv + 4 * w["heads"]) * ec + states + flow
+        backward = mamba_core_backward(layout) + flow
+        freed = tc * 2 * w["d_inner"] * e + tc * w["groups"] * ec  # out_proj input, y, gated-norm rstd
     elif kind == "*":
         ulysses = layout.cp > 1 and layout.cp_attention == "ulysses"
         kv_tokens = seq if layout.cp > 1 and layout.cp_attention != "ring" else tc
@@ -79,7 +115,7 @@ def block_workspaces(layout: Layout, kind: str) -> Workspaces:
         backward = tc * w["inter"] * e * (3 if gated else 2) + flow
     if layout.checkpointing != "none":  # backward first rebuilds the block's tensors
         backward += block_saved_bytes(layout, kind, "none") - block_saved_bytes(layout, kind)
-    return Workspaces(forward, backward)
+    return Workspaces(forward, backward, freed)
 
 
 def loss_workspaces(layout: Layout) -> Workspaces:

@@ -4,11 +4,13 @@
 the config with ``Trainer.fit`` and reads the tensor peak the trainer reports for its second
 (steady-state) step in ``metrics.jsonl`` (``tensor_peak_gib``: allocator events, ``train/tensor_peak``),
 then runs a third step under ``CommStats`` (bytes per collective kind and mesh dim) and one pack's
-forward under saved-tensor hooks (distinct storages kept for backward, parameters excluded).
+forward measuring what it keeps for backward (``_saved_bytes``: allocator events, and saved-tensor
+hooks as a cross-check).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -33,13 +35,23 @@ def _storages(t):
     yield storage.data_ptr(), storage.nbytes()
 
 
-def _saved_bytes(trainer, pack) -> int:
-    """Distinct storages one pack's forward keeps for backward, parameters (and FSDP's gathered
-    parameters) excluded."""
+def _saved_bytes(trainer, pack) -> dict:
+    """What one pack's forward keeps for backward, measured two ways (both exclude parameters and
+    FSDP's gathered parameters):
+
+    - ``live``: bytes the forward allocated and left live (CPU allocator events,
+      ``train/tensor_peak``), minus the loss outputs: everything backward will read, under any
+      checkpointing policy (a checkpoint's kept input and selective cache included);
+    - ``hooks``: distinct storages autograd packs (saved-tensor hooks). A checkpointed block packs
+      its tensors under its own hooks, so this sees only un-checkpointed work: it agrees with
+      ``live`` under ``none`` (within 2% in ``benchmarks/planner.py``), listed as that cross-check.
+    """
     import torch
 
+    from hybridpar.train.tensor_peak import TensorPeak
+
     def parameters():
-        return {ptr for p in trainer.model.parameters() for ptr, _ in _storages(p)}
+        return {ptr: n for p in trainer.model.parameters() for ptr, n in _storages(p)}
 
     kept: dict[int, int] = {}
 
@@ -50,11 +62,17 @@ def _saved_bytes(trainer, pack) -> int:
                 kept[ptr] = nbytes
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+    before = parameters()
+    gc.collect()
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t), TensorPeak() as events:
         loss_sum, _, _ = trainer.forward_loss_sum(pack)
+        gc.collect()  # tensors the forward left in reference cycles are garbage, not kept for backward
+    gathered = sum(n for ptr, n in parameters().items() if ptr not in before)  # FSDP's root, kept gathered
+    outputs = sum(n for _, n in _storages(loss_sum))
+    live = events.net_bytes - gathered - outputs
     loss_sum.backward()
     trainer.optimizer.zero_grad(set_to_none=True)
-    return sum(kept.values())
+    return {"live": live, "hooks": sum(kept.values())}
 
 
 def measure_step(rank: int, world: int, overrides: list[str], output_dir: str) -> dict:
@@ -74,7 +92,7 @@ def measure_step(rank: int, world: int, overrides: list[str], output_dir: str) -
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
     out = {"parameters_per_rank": sum(local(p).numel() for p in trainer.model.parameters()),
            "traffic_by_dim": {f"{k}/{d}": n for (k, d), n in sorted(stats.by_dim().items())},
-           "saved_bytes": saved}
+           "saved_bytes": saved["live"], "saved_hook_bytes": saved["hooks"]}
     if rank == 0:
         records = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
         step = [r for r in records if r.get("step") == 2][0]

@@ -93,15 +93,40 @@ def model_config(config: RunConfig):
                           f"{config.model.preset!r} model: {error}") from None
 
 
+def _shapes_only():
+    """A torch-function mode under which parameter initializers do nothing: a meta tensor has a
+    shape and no values. (torch's meta initializers also cost about a second in a fresh
+    process: the first one imports ``torch._dynamo``.) ``HybridLM`` and ``Mamba2Mixer`` skip
+    their own initialization on meta."""
+    import torch
+    from torch.nn import init
+    from torch.overrides import TorchFunctionMode
+
+    value_only = {init.uniform_, init.normal_, init.trunc_normal_, init.constant_, init.kaiming_uniform_,
+                  torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_}
+
+    class ShapesOnly(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in value_only:
+                tensor = args[0] if args else kwargs["tensor"]
+                if tensor.is_meta:
+                    return tensor
+            return func(*args, **kwargs)
+
+    return ShapesOnly()
+
+
 def meta_model(shape):
-    """The model of ``shape`` on the meta device: its modules, without memory or time."""
+    """The model of ``shape`` on the meta device: its modules and parameter shapes, without
+    memory, time or initial values."""
     import torch
 
     from hybridpar.models.hybrid import HybridConfig, HybridLM
 
     if not isinstance(shape, HybridConfig):
         return hf_meta_model(shape)
-    with torch.device("meta"):
+    with torch.device("meta"), _shapes_only():
         return HybridLM(shape)
 
 

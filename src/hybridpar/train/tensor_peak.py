@@ -48,7 +48,8 @@ def _quiet_stderr():
 
 
 class TensorPeak(contextlib.AbstractContextManager):
-    """``with TensorPeak(live_before) as peak: ...``; then ``peak.bytes`` (``peak.gib``)."""
+    """``with TensorPeak(live_before) as peak: ...``; then ``peak.bytes`` (``peak.gib``) and
+    ``peak.net_bytes`` (what the block allocated and left live)."""
 
     def __init__(self, live_before: int = 0):
         self.live_before = live_before
@@ -78,6 +79,7 @@ class TensorPeak(contextlib.AbstractContextManager):
             live += size
             peak = max(peak, live)
         self.bytes = self.live_before + peak
+        self.net_bytes = live  # allocated in the block and still live at its end
         return False
 
     @property
