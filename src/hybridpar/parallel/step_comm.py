@@ -25,7 +25,8 @@ dp_replicate``. Per pack unless marked "per step":
                   ceil(d0/P_f) * (numel/d0) * e: all_gather (P_f-1) S_u, 2 per pack for blocks
                   and 1 for the root (every unit 1 per step with reshard_after_forward=False);
                   reduce_scatter (P_f-1) S_u per step; HSDP all_reduce 2(R-1)/R S_u per step
-    clip          per parameter and mesh dim its gradient is sharded on: all_reduce of one norm (e bytes)
+    clip          per set of groups gradients are sharded over, and group in it: all_reduce of one summed
+                  square (max(e, 4) bytes), per step
 
 The forms follow today's code (``tp_hybrid`` plan, ``cp_*`` cores, ``train/loss``); when one of
 those changes, change its source here and the test that holds the measurement to it.
@@ -304,16 +305,19 @@ def fsdp(s: StepShape) -> Tally:
 
 
 def clip(s: StepShape) -> Tally:
-    """``clip_grad_norm``: one norm per gradient, all-reduced over each mesh dim it is sharded on."""
-    out, dims, e = Tally(), s.dims, s.element_size
-    shard = dims.size("dp_shard_cp")
-    for params in unit_parameters(s.model, dims.tp, s.sequence_parallel).values():
-        for p in params:
-            if s.fsdp and shard > 1:
-                out.add("all_reduce", dim_label(dims, ("dp_shard", "cp")), _ring("all_reduce", shard, e))
-            # without FSDP the embedding's gradient comes back replicated (no reduction)
-            if p.tp_sharded and (s.fsdp or p.name != "backbone.embeddings.weight"):
-                out.add("all_reduce", dim_label(dims, ("tp",)), _ring("all_reduce", dims.tp, e))
+    """``clip_grad_norm``: one all_reduce of a summed square (>= float32) per set of groups the
+    gradients are sharded over and per group in it: FSDP shards every gradient over dp_shard x cp,
+    TP shards some over tp too; without FSDP the embedding's gradient comes back replicated."""
+    out, dims = Tally(), s.dims
+    e = max(s.element_size, 4)
+    fsdp = s.fsdp and dims.size("dp_shard_cp") > 1
+    params = [p for unit in unit_parameters(s.model, dims.tp, s.sequence_parallel).values() for p in unit]
+    tp_sets = {p.tp_sharded and (s.fsdp or p.name != "backbone.embeddings.weight") for p in params}
+    for tp_sharded in tp_sets:
+        if fsdp:
+            out.add("all_reduce", dim_label(dims, ("dp_shard", "cp")), _ring("all_reduce", dims.size("dp_shard_cp"), e))
+        if tp_sharded:
+            out.add("all_reduce", dim_label(dims, ("tp",)), _ring("all_reduce", dims.tp, e))
     return out
 
 

@@ -35,17 +35,36 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> to
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """Clip the total gradient norm and return it as a plain scalar.
+    """Clip the total gradient norm ``sqrt(sum_g |g|^2)`` and return it as a plain scalar.
 
-    A DTensor gradient (tensor parallel, FSDP) counts each global element once: its norm
-    is reduced over its own mesh, so parameters on different meshes mix freely.
+    A DTensor gradient counts each global element once: the squares of its local shard are
+    summed with those of every gradient sharded over the same process groups, and each such
+    group sum is all-reduced once over those groups (``[1] -> [1]``); replicated mesh dims are
+    not summed. A ``Partial`` gradient (sequence-parallel norm weights without FSDP) is
+    reduced first. One all-reduce per (group set, mesh dim), not one per parameter.
     """
+    from torch.distributed.tensor import DTensor
+
     grads = [p.grad for p in parameters if p.grad is not None]
-    squares = []
+    sums: dict[tuple, torch.Tensor] = {}
     for grad in grads:
-        norm = torch.linalg.vector_norm(grad)
-        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().square())
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+        groups: tuple = ()
+        if isinstance(grad, DTensor):
+            if any(placement.is_partial() for placement in grad.placements):
+                local = grad.full_tensor()
+            else:
+                mesh = grad.device_mesh
+                groups = tuple(mesh.get_group(i) for i, placement in enumerate(grad.placements)
+                               if not placement.is_replicate() and mesh.size(i) > 1)  # Shard, _StridedShard
+                local = grad.to_local()
+        else:
+            local = grad
+        square = local.square().sum(dtype=torch.promote_types(local.dtype, torch.float32))
+        sums[groups] = sums[groups] + square if groups in sums else square
+    for groups, total in sums.items():
+        for group in groups:
+            torch.distributed.all_reduce(total, group=group)  # [1] -> [1], summed over the shards
+    total = torch.stack([t.double() for t in sums.values()]).sum().sqrt() if sums else torch.zeros(())
     coefficient = max_norm / (float(total) + 1e-6)
     if coefficient < 1.0:
         for grad in grads:
