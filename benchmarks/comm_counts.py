@@ -1,9 +1,9 @@
 """Bytes per training step, per collective kind and mesh dim, measured next to the closed forms.
 
 One training step (forward and backward of every pack, gradient clipping, AdamW) of the
-default job (``configs/tiny-hybrid.yaml``: tiny model, float32, 4 packs of 256 tokens per step)
-on gloo processes of this machine, at cp=2, tp=2 (sequence parallel), dp_shard=2 and
-tp=2 x cp=2 (the default layout). ``comm_stats.CommStats`` counts every collective (hybridpar's
+default job (``configs/tiny-hybrid.yaml``) with the tiny model, float32, 4 packs of 256 tokens per
+step, on gloo processes of this machine, at cp=2, tp=2 (sequence parallel), dp_shard=2 and
+tp=2 x cp=2 (sequence parallel). ``comm_stats.CommStats`` counts every collective (hybridpar's
 CP exchanges, DTensor's TP/SP redistributions, FSDP2's gathers and reductions, the loss's and
 clipping's all-reduces); ``step_comm`` gives each (kind, dim) total in closed form, by source.
 A third column checks that nothing escapes: the collectives counted against the ``gloo:*``
@@ -37,11 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = str(ROOT / "configs" / "tiny-hybrid.yaml")
+# The tiny model on 4 packs of 256 tokens per step (the default job's MQAR data otherwise).
+BASE = ["model.preset=tiny", "data.pack_size=256", "data.packs_per_step=4", "parallel.reshard_after_forward=true"]
 LAYOUTS = {  # name -> (world size, overrides of the default job)
-    "cp=2": (2, ["parallel.cp=2", "parallel.tp=1"]),
-    "tp=2": (2, ["parallel.cp=1", "parallel.tp=2"]),
-    "dp_shard=2": (2, ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2"]),
-    "tp=2 x cp=2": (4, []),
+    "cp=2": (2, BASE + ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false"]),
+    "tp=2": (2, BASE + ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "dp_shard=2": (2, BASE + ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2", "parallel.sequence_parallel=false"]),
+    "tp=2 x cp=2": (4, BASE + ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
 
 

@@ -1,7 +1,7 @@
 """Command line: ``hybridpar train | check | plan | generate`` (also ``python -m hybridpar``).
 
-    hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 4 train.steps=100
-    torchrun --nproc-per-node 4 -m hybridpar train --config configs/tiny-hybrid.yaml
+    hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 2 train.steps=100
+    torchrun --nproc-per-node 2 -m hybridpar train --config configs/tiny-hybrid.yaml
     hybridpar generate --hf-path runs/tuned --prompt "def add(" --max-new-tokens 64
 
 Under torchrun the launched world is used; ``--nproc-per-node N`` runs torchrun's agent

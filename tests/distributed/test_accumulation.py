@@ -24,9 +24,9 @@ import torch
 from tests.distributed.harness import run_ranks
 
 DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
-BASE = ["model.dtype=float64", "data.pack_size=64", "data.task_options.min_len=16", "data.task_options.max_len=48",
+BASE = ["model.preset=tiny", "model.dtype=float64", "data.pack_size=64", "data.task_options.min_len=16", "data.task_options.max_len=48",
         "train.eval_every=0", "checkpoint.every=-1", "tensorboard=false", "plot=false", "output_dir=unused",
-        "parallel.sequence_parallel=false"]
+        "parallel.sequence_parallel=false", "parallel.reshard_after_forward=true"]
 LAYOUTS = {
     "dp_shard4": ["parallel.dp_shard=4", "parallel.cp=1", "parallel.tp=1", "data.packs_per_step=8"],
     "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.cp=1", "parallel.tp=1",

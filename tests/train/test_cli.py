@@ -49,7 +49,7 @@ def test_plan_prints_memory_traffic_and_an_estimate():
 
 # -- the launcher under faults: one message, exit 2 for bad input, nothing left running ----------
 
-FAST = ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=100000",
+FAST = ["model.preset=tiny", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=100000",
         "train.eval_every=0", "plot=false", "data.pack_size=64", "data.packs_per_step=2",
         "data.task_options={min_len: 16, max_len: 96, num_kv_pairs: 2, vocab_size: 32}"]
 NOISE = ("Traceback", "torch.distributed", "ChildFailedError", "Sending process", "elastic")

@@ -33,8 +33,13 @@ def fake_checkpoint(directory, step: int, run_id: str = "run-a", model=None, dat
     return path
 
 
+RECORDED_BATCHES = ["data.pack_size=256", "data.packs_per_step=4", "data.task_options.vocab_size=32"]
+
+
 def config(tmp_path, *overrides):
-    return load_config(DEFAULT, [f"output_dir={tmp_path}", "parallel.cp=1", "parallel.tp=1", *overrides])
+    """The default job in one process, with the batches the fake checkpoints below record."""
+    return load_config(DEFAULT, [f"output_dir={tmp_path}", "parallel.cp=1", "parallel.tp=1", *RECORDED_BATCHES,
+                                 *overrides])
 
 
 def test_checkpoints_are_ordered_and_pruned_by_step_number_within_their_run(tmp_path):
@@ -100,7 +105,7 @@ def test_metrics_of_an_earlier_run_are_not_overwritten_and_foreign_checkpoints_a
 def test_resume_is_refused_for_another_model_shape_or_data_stream(tmp_path):
     recorded = {"task": "mqar", "path": None, "seed": 0, "pack_size": 256, "packs_per_step": 4,
                 "task_options": {"vocab_size": 32, "num_kv_pairs": [2, 4], "min_len": 16, "max_len": 48},
-                "pad_to_multiple_of": 4, "file_bytes": None}  # the default job's batches
+                "pad_to_multiple_of": 4, "file_bytes": None}  # RECORDED_BATCHES
     fake_checkpoint(tmp_path / "checkpoints", 3, model=SHAPE, data=recorded)
     smaller = model_signature(HybridConfig(pattern="M*-M"))
     with pytest.raises(CheckpointError, match=r'another model shape \(pattern "M\*-M-" -> "M\*-M"'):

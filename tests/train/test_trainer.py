@@ -37,7 +37,7 @@ def test_default_job_learns_mqar_on_its_two_ranks(tmp_path):
     assert last["eval_accuracy"] > 2 / 7, last
 
 
-RESUME = ["model.dtype=float64", "train.steps=6", "train.log_every=1", "train.eval_every=0",
+RESUME = ["model.preset=tiny", "data.pack_size=256", "model.dtype=float64", "train.steps=6", "train.log_every=1", "train.eval_every=0",
           "data.packs_per_step=2"] + QUIET  # no padding option: a resumed run keeps the checkpoint's
 
 

@@ -11,7 +11,7 @@ from hybridpar.config import load_config
 from tests.distributed.harness import run_ranks
 
 DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
-SMALL = ["tensorboard=false", "plot=false", "train.eval_every=0", "train.log_every=1", "data.pack_size=64",
+SMALL = ["model.preset=tiny", "tensorboard=false", "plot=false", "train.eval_every=0", "train.log_every=1", "data.pack_size=64",
          "data.packs_per_step=2", "data.task_options={min_len: 16, max_len: 32, num_kv_pairs: 2, vocab_size: 32}"]
 CP2 = ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false"]
 ONE = ["parallel.cp=1", "parallel.tp=1", "parallel.sequence_parallel=false"]
