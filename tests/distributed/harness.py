@@ -51,8 +51,10 @@ import torch.distributed as dist
 
 __all__ = ["RankFailure", "free_port", "run_ranks"]
 
-# Modules the forkserver imports once; each child inherits them for free.
-# Only torch modules and this file: an import error in project code must not kill the server.
+# Modules the forkserver imports once; each child inherits them for free. Only libraries and this
+# file, no project code: an error importing it must fail its test, not kill the server. The server
+# skips a module that raises ImportError (transformers is in the `hf` extra); transformers' model
+# base (~3 s to import) is preloaded because the HF tests' ranks each paid for it.
 _FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
@@ -60,6 +62,8 @@ _FORKSERVER_PRELOAD = [
     "torch.distributed.tensor",
     "torch.distributed.tensor.parallel",
     "torch.distributed.fsdp",
+    "transformers.modeling_utils",
+    "transformers.generation",
     "pytest",
     __name__,
 ]

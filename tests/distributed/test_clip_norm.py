@@ -11,7 +11,7 @@ import torch
 from tests.distributed.harness import run_ranks
 
 DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
-BASE = ["model.dtype=float64", "data.pack_size=64", "data.packs_per_step=2", "train.eval_every=0",
+BASE = ["model.preset=tiny", "model.dtype=float64", "data.pack_size=64", "data.packs_per_step=2", "train.eval_every=0",
         "checkpoint.every=-1", "tensorboard=false", "plot=false", "output_dir=unused",
         "data.task_options={min_len: 16, max_len: 32, num_kv_pairs: 2, vocab_size: 16}"]
 LAYOUTS = {

@@ -7,8 +7,8 @@ times inductor). Parity is float64: the loss and every parameter gradient.
 
 - one process: a packed row through the tiny model, compiled against eager; parameter names
   do not change;
-- the default job on 4 gloo ranks (cp=2 x tp=2, sequence parallel, FSDP over cp, two packs
-  per rank): two training steps, compiled against eager, and
+- the default job (at the tiny preset's widths) on 4 gloo ranks (cp=2 x tp=2, sequence
+  parallel, FSDP over cp, two packs per rank): two training steps, compiled against eager, and
   ``torch._dynamo.utils.counters["graph_break"]`` empty on every rank.
 """
 
@@ -100,7 +100,7 @@ def _two_steps(overrides: list) -> dict:
     from hybridpar.parallel.state import canonical_state_dict
     from hybridpar.train.trainer import Trainer
 
-    base = ["model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2", "train.eval_every=0",
+    base = ["model.preset=tiny", "model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2", "train.eval_every=0",
             "checkpoint.every=-1", "tensorboard=false", "plot=false", "output_dir=unused",
             "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]  # the 4-rank layout
     trainer = Trainer(load_config(DEFAULT, base + overrides), torch.device("cpu"))

@@ -2,7 +2,7 @@
 sequence parallelism together, against the single-process model.
 
 One 8-rank group runs three layouts, each on dense batches (B=2 per data-parallel rank) and on
-packed rows, for 3 AdamW steps (every data-parallel rank reads its own batch; the reference
+packed rows, for 2 AdamW steps (every data-parallel rank reads its own batch; the reference
 trains on all of them at once):
 
 - ``dp_shard=2, cp=2, tp=2``          FSDP over dp_shard x cp, TP, CP allgather + a2a;
@@ -25,7 +25,7 @@ from tests.distributed.harness import run_ranks
 from tests.distributed.test_cp_model import KINDS, build_model, compare, distributed_run, make_batch, reference_run
 from tests.distributed.test_tp_hybrid import mamba_layout_problems
 
-STEPS, LR = 3, 1e-2
+STEPS, LR = 2, 1e-2  # the second step's gradients and update see the first's AdamW state
 # name -> (ParallelDims kwargs, parallelize kwargs)
 LAYOUTS = {
     "dp_shard2-cp2-tp2": (dict(dp_shard=2, cp=2, tp=2), dict(cp_attention="allgather", cp_mamba="a2a")),

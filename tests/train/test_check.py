@@ -14,7 +14,7 @@ from hybridpar.train.check import default_tolerance, within
 from tests.distributed.harness import run_ranks
 
 DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
-SMALL = ["parallel.cp=1", "parallel.tp=1", "parallel.sequence_parallel=false", "data.pack_size=64",
+SMALL = ["model.preset=tiny", "parallel.cp=1", "parallel.tp=1", "parallel.sequence_parallel=false", "data.pack_size=64",
          "data.task_options={min_len: 16, max_len: 32, num_kv_pairs: 2, vocab_size: 32}"]
 
 

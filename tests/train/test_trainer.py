@@ -27,21 +27,22 @@ def _train(rank, world_size, overrides, stop_after=None):
 
 
 def test_default_job_learns_mqar_on_its_two_ranks(tmp_path):
-    """The default job (model, task, lr) and layout (cp=2 on 2 ranks), cut to its first quarter
-    of steps: the loss falls from ln(256) past the ln(7) = 1.9 of guessing among the 7 values,
-    and recall accuracy is at least twice chance (1/7)."""
-    quarter = ["train.steps=100", "train.eval_every=100", "checkpoint.every=-1"]
-    history = run_ranks(2, _train, [f"output_dir={tmp_path}", *quarter], timeout_s=600)[0]
+    """The default job (model, task, lr) and layout (cp=2 on 2 ranks), cut to its first tenth of
+    steps: the loss falls from ln(256) past the ln(7) = 1.9 of guessing among the 7 values, and
+    recall accuracy is at least twice chance (1/7) (`make demo` at step 50: loss 1.57, 0.36)."""
+    tenth = ["train.steps=50", "train.eval_every=50", "checkpoint.every=-1"]
+    history = run_ranks(2, _train, [f"output_dir={tmp_path}", *tenth], timeout_s=600)[0]
     first, last = history[0], history[-1]
     assert first["loss"] - last["loss"] > 3.0, (first, last)
     assert last["eval_accuracy"] > 2 / 7, last
 
 
-RESUME = ["model.preset=tiny", "data.pack_size=256", "model.dtype=float64", "train.steps=6", "train.log_every=1", "train.eval_every=0",
-          "data.packs_per_step=2"] + QUIET  # no padding option: a resumed run keeps the checkpoint's
+TINY = ["model.preset=tiny", "data.pack_size=256"]  # the default job's demo widths and 1024-token rows cost minutes
+RESUME = TINY + ["model.dtype=float64", "train.steps=4", "train.log_every=1", "train.eval_every=0",
+                 "data.packs_per_step=2"] + QUIET  # no padding option: a resumed run keeps the checkpoint's
 
 
-def _steps(rank, world_size, directory, layout, stop_after=None, checkpoint_every=3):
+def _steps(rank, world_size, directory, layout, stop_after=None, checkpoint_every=2):
     """Train (or resume) in ``directory`` under ``layout``; rank 0 returns the step losses."""
     from hybridpar.train.trainer import Trainer
 
@@ -56,18 +57,18 @@ TP2 = ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]
 
 
 def test_resume_gives_the_same_losses_at_the_same_and_at_another_layout_and_world_size(tmp_path):
-    """Steps 1-3 at cp=2 x tp=2, a checkpoint, steps 4-6 resumed: equal to 6 uninterrupted
-    steps (float64), resumed under the same layout, another layout, and at tp=2 on 2 ranks
-    instead of 4. No padding option is given: at cp=1 the resumed runs keep the 2*cp=4
-    padding the checkpoint recorded, so they see the same batches."""
+    """Steps 1-2 at cp=2 x tp=2, a checkpoint, steps 3-4 resumed from a copy of it: equal to 4
+    uninterrupted steps (float64), resumed under the same layout, another layout, and at tp=2
+    on 2 ranks instead of 4. No padding option is given: at cp=1 the resumed runs keep the
+    2*cp=4 padding the checkpoint recorded, so they see the same batches."""
     reference = run_ranks(4, _steps, str(tmp_path / "straight"), CP2_TP2, None, -1, timeout_s=600)[0]
+    first = run_ranks(4, _steps, str(tmp_path / "first"), CP2_TP2, 2, timeout_s=600)[0]
     resumed = {}
     for name, world_size, layout in [("same", 4, CP2_TP2), ("other layout", 4, DP2_TP2), ("2 ranks", 2, TP2)]:
-        directory = str(tmp_path / name.replace(" ", "_"))
-        first = run_ranks(4, _steps, directory, CP2_TP2, 3, timeout_s=600)[0]
-        second = run_ranks(world_size, _steps, directory, layout, timeout_s=600)[0]
-        resumed[name] = first + second
-    assert len(reference) == 6 and all(len(losses) == 6 for losses in resumed.values())
+        directory = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "first", directory)
+        resumed[name] = first + run_ranks(world_size, _steps, str(directory), layout, timeout_s=600)[0]
+    assert len(reference) == 4 and all(len(losses) == 4 for losses in resumed.values())
     torch.testing.assert_close(torch.tensor(resumed["same"]), torch.tensor(reference), rtol=1e-12, atol=1e-12)
     for name in ("other layout", "2 ranks"):
         torch.testing.assert_close(torch.tensor(resumed[name]), torch.tensor(reference), rtol=1e-10, atol=1e-10, msg=name)
@@ -80,8 +81,8 @@ def _interrupted_save(rank, world_size, directory):
     from hybridpar.train import checkpoint as ckpt
     from hybridpar.train.trainer import Trainer
 
-    overrides = [f"output_dir={directory}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
-                 "train.steps=4", "train.eval_every=0", "checkpoint.every=2"] + QUIET
+    overrides = TINY + [f"output_dir={directory}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
+                        "train.steps=4", "train.eval_every=0", "checkpoint.every=2"] + QUIET
     trainer = Trainer(load_config(DEFAULT, overrides), torch.device("cpu"))
     trainer.fit(stop_after=2)
     original_save = dcp.save
@@ -122,7 +123,7 @@ def _cli(rank, world_size, argv):
 def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
     """In a process group the caller made (no launcher to print once), every rank says it once."""
     corrupt = tmp_path / "corrupt"
-    good = [f"output_dir={tmp_path / 'good'}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
+    good = TINY + [f"output_dir={tmp_path / 'good'}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
             "train.steps=1", "train.eval_every=0", "checkpoint.every=1"] + QUIET
     run_ranks(2, _cli, ["train", "--config", DEFAULT, *good], timeout_s=300)
     shutil.copytree(tmp_path / "good" / "checkpoints" / "step_00000001", corrupt)
@@ -138,7 +139,7 @@ def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
         (["train.steps=0"], "train.steps=0 is invalid: it must be an integer >= 1"),
         ([f"checkpoint.resume={corrupt}"], r"checkpoint.resume=.*corrupt' cannot be loaded: .*__0_0.distcp has 16 bytes but the manifest"),
     ]
-    base = ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=2",
+    base = TINY + ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=2",
             f"output_dir={tmp_path / 'bad'}"] + QUIET
     for overrides, message in cases:
         for code, stderr, _ in run_ranks(2, _cli, ["train", "--config", DEFAULT, *base, *overrides], timeout_s=300):
@@ -148,7 +149,7 @@ def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
 
 
 def test_check_reports_exact_layout_and_fails_beyond_tolerance(tmp_path):
-    overrides = ["model.dtype=float64", f"output_dir={tmp_path}", *CP2_TP2] + QUIET
+    overrides = TINY + ["model.dtype=float64", f"output_dir={tmp_path}", *CP2_TP2] + QUIET
     results = run_ranks(4, _cli, ["check", "--config", DEFAULT, *overrides], timeout_s=300)
     code, _, report = results[0]
     assert all(r[0] == 0 for r in results), report
@@ -156,7 +157,7 @@ def test_check_reports_exact_layout_and_fails_beyond_tolerance(tmp_path):
     differences = [float(line.split("max|diff|")[1].split()[0]) for line in report.splitlines() if "max|diff|" in line]
     assert max(differences) < 1e-9
     strict = ["check", "--config", DEFAULT, "--tolerance", "1e-30", "model.dtype=float32", f"output_dir={tmp_path}",
-              *CP2_TP2] + QUIET
+              *TINY, *CP2_TP2] + QUIET
     results = run_ranks(4, _cli, strict, timeout_s=300)
     assert all(r[0] == 1 for r in results) and "FAILED" in results[0][2]
 

@@ -4,8 +4,8 @@
 the config with ``Trainer.fit`` and reads the tensor peak the trainer reports for its second
 (steady-state) step in ``metrics.jsonl`` (``tensor_peak_gib``: allocator events, ``train/tensor_peak``),
 then runs a third step under ``CommStats`` (bytes per collective kind and mesh dim) and one pack's
-forward measuring what it keeps for backward (``_saved_bytes``, the smallest of four repeats:
-allocator events, and saved-tensor hooks as a cross-check).
+forward measuring what it keeps for backward (``_saved_bytes``: allocator events, the smallest of
+four repeats under checkpointing, and saved-tensor hooks).
 """
 
 from __future__ import annotations
@@ -88,9 +88,11 @@ def measure_step(rank: int, world: int, overrides: list[str], output_dir: str) -
     with CommStats(trainer.layout.mesh) as stats:
         trainer.train_step(config.train.steps)
     pack = trainer.train_data.rank_packs(0, trainer.layout.dp_rank, trainer.layout.dims.size("dp"))[0]
-    # the smallest of four: a count can catch 512 KiB buffers that backward never reads (tp=2 SP,
-    # full checkpointing, 4096 tokens: 0 to 4 of them over 10 repeats, 4.39 to 6.52 MB; predicted 4.28)
-    repeats = [_saved_bytes(trainer, pack) for _ in range(4)]
+    # Under checkpointing the allocator's count is the measure, the smallest of four: it can catch
+    # 512 KiB buffers that backward never reads (tp=2 SP, full, 4096 tokens: 0 to 4 of them over 10
+    # repeats, 4.39 to 6.52 MB; predicted 4.28). Without, the hooks' count is, and it repeats exactly.
+    checkpointed = config.parallel.activation_checkpointing != "none"
+    repeats = [_saved_bytes(trainer, pack) for _ in range(4 if checkpointed else 1)]
     saved = {key: min(r[key] for r in repeats) for key in ("live", "hooks")}
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
     out = {"parameters_per_rank": sum(local(p).numel() for p in trainer.model.parameters()),
