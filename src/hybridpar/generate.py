@@ -24,6 +24,7 @@ stops at the tokenizer's end token (a transformers model: its generation config'
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,6 +57,7 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     """``(model, run config)``: the recorded config's single-device model with the checkpoint's weights."""
     import dataclasses
 
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from hybridpar.config import config_from_dict
@@ -73,7 +75,9 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     stored = build_model(config)
     split_mamba_mixers(stored)  # the parameter names training saves (layout-free)
     state = {"model": stored.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     stored.load_state_dict(state["model"])
     model = build_model(config)
     load_canonical_state_dict(model, canonical_state_dict(stored))  # fused names again; every parameter set
