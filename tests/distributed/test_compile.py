@@ -100,8 +100,8 @@ def _two_steps(overrides: list) -> dict:
     from hybridpar.parallel.state import canonical_state_dict
     from hybridpar.train.trainer import Trainer
 
-    base = ["model.preset=tiny", "model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2", "train.eval_every=0",
-            "checkpoint.every=-1", "tensorboard=false", "plot=false", "output_dir=unused",
+    base = ["model.preset=tiny", "model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2",
+            "train.eval_every=0", "checkpoint.every=-1", "tensorboard=false", "plot=false", "output_dir=unused",
             "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]  # the 4-rank layout
     trainer = Trainer(load_config(DEFAULT, base + overrides), torch.device("cpu"))
     torch._dynamo.reset()

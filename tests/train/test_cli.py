@@ -18,8 +18,8 @@ def hybridpar(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_check_through_torchrun_started_by_hybridpar(tmp_path):
     result = hybridpar("check", "--config", DEFAULT, "--nproc-per-node", "2", "parallel.tp=1", "parallel.cp=2",
-                       "model.preset=tiny", "data.pack_size=256", "parallel.sequence_parallel=false", "parallel.cp_mamba=state", "model.dtype=float64",
-                       f"output_dir={tmp_path}")
+                       "parallel.sequence_parallel=false", "parallel.cp_mamba=state", "model.dtype=float64",
+                       "model.preset=tiny", "data.pack_size=256", f"output_dir={tmp_path}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "check exact" in result.stdout and "cp_mamba=state" in result.stdout
 

@@ -64,8 +64,8 @@ def _train(rank, world_size, argv):
 
 def test_generate_from_a_training_checkpoint_equals_its_export(tmp_path):
     run = ["train", "--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml"),
-           "model.preset=tiny", "data.pack_size=256", "model.overrides={rotary_fraction: 0.0}", "parallel.cp=1", "parallel.tp=1",
-           "parallel.sequence_parallel=false", "train.steps=2", "train.eval_every=0", "checkpoint.every=2",
+           "model.preset=tiny", "data.pack_size=256", "model.overrides={rotary_fraction: 0.0}", "parallel.cp=1",
+           "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=2", "train.eval_every=0", "checkpoint.every=2",
            f"output_dir={tmp_path / 'run'}", f"model.export_hf={tmp_path / 'export'}",
            "model.export_architecture=NemotronHForCausalLM", "tensorboard=false", "plot=false"]
     assert run_ranks(1, _train, run, timeout_s=300) == [0]

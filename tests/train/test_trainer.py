@@ -123,8 +123,8 @@ def _cli(rank, world_size, argv):
 def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
     """In a process group the caller made (no launcher to print once), every rank says it once."""
     corrupt = tmp_path / "corrupt"
-    good = TINY + [f"output_dir={tmp_path / 'good'}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
-            "train.steps=1", "train.eval_every=0", "checkpoint.every=1"] + QUIET
+    good = TINY + [f"output_dir={tmp_path / 'good'}", "parallel.cp=2", "parallel.tp=1",
+                   "parallel.sequence_parallel=false", "train.steps=1", "train.eval_every=0", "checkpoint.every=1"] + QUIET
     run_ranks(2, _cli, ["train", "--config", DEFAULT, *good], timeout_s=300)
     shutil.copytree(tmp_path / "good" / "checkpoints" / "step_00000001", corrupt)
     for shard in corrupt.glob("*.distcp"):
@@ -140,7 +140,7 @@ def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
         ([f"checkpoint.resume={corrupt}"], r"checkpoint.resume=.*corrupt' cannot be loaded: .*__0_0.distcp has 16 bytes but the manifest"),
     ]
     base = TINY + ["parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false", "train.steps=2",
-            f"output_dir={tmp_path / 'bad'}"] + QUIET
+                   f"output_dir={tmp_path / 'bad'}"] + QUIET
     for overrides, message in cases:
         for code, stderr, _ in run_ranks(2, _cli, ["train", "--config", DEFAULT, *base, *overrides], timeout_s=300):
             assert code == 2, (overrides, stderr)

@@ -43,8 +43,8 @@ def _saved_bytes(trainer, pack) -> dict:
       ``train/tensor_peak``), minus the loss outputs: everything backward will read, under any
       checkpointing policy (a checkpoint's kept input and selective cache included);
     - ``hooks``: distinct storages autograd packs (saved-tensor hooks). A checkpointed block packs
-      its tensors under its own hooks, so this sees only un-checkpointed work: it agrees with
-      ``live`` under ``none`` (within 2% in ``benchmarks/planner.py``), listed as that cross-check.
+      its tensors under its own hooks, but saves its inputs outside them: this sees everything
+      under ``none`` and ``full``, not selective checkpointing's cached outputs.
     """
     import torch
 
@@ -88,9 +88,10 @@ def measure_step(rank: int, world: int, overrides: list[str], output_dir: str) -
     with CommStats(trainer.layout.mesh) as stats:
         trainer.train_step(config.train.steps)
     pack = trainer.train_data.rank_packs(0, trainer.layout.dp_rank, trainer.layout.dims.size("dp"))[0]
-    # Under checkpointing the allocator's count is the measure, the smallest of four: it can catch
-    # 512 KiB buffers that backward never reads (tp=2 SP, full, 4096 tokens: 0 to 4 of them over 10
-    # repeats, 4.39 to 6.52 MB; predicted 4.28). Without, the hooks' count is, and it repeats exactly.
+    # The allocator's count can catch a collective buffer whose free ran on a gloo thread the
+    # profiler does not watch (tp=2 SP, full, 4096 tokens: 4.39 MB in 14 of 16 repeats, +32 KiB or
+    # +512 KiB in the others), so under checkpointing it is the smallest of four repeats. The
+    # hooks' count repeats exactly.
     checkpointed = config.parallel.activation_checkpointing != "none"
     repeats = [_saved_bytes(trainer, pack) for _ in range(4 if checkpointed else 1)]
     saved = {key: min(r[key] for r in repeats) for key in ("live", "hooks")}

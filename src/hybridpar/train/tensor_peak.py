@@ -1,11 +1,15 @@
 """Peak bytes of live tensors during a block of code, on CPU, from the allocator's events.
 
 ``torch.profiler`` with ``profile_memory=True`` records every allocation and free of the CPU
-allocator (any thread: autograd's backward too, and inside custom ops). Walking them in time order
-gives the peak of ``live(t) = live_before + sum(alloc) - sum(free)``. ``live_before`` is what exists
-when the block starts and survives it; the caller passes the tensors it knows (the model's
-parameters and buffers, the optimizer state). The process baseline (interpreter, libraries)
-is not a tensor and is not included: RSS (``metrics.peak_memory_gib``) includes it.
+allocator on the threads it watches (this one and autograd's). Walking them in time order gives
+the peak of ``live(t) = live_before + sum(alloc) - sum(free)``. ``live_before`` is what exists when
+the block starts and survives it; the caller passes the tensors it knows (the model's parameters
+and buffers, the optimizer state). gloo's worker threads are not watched: a collective's buffer
+whose last reference its work drops there leaves no free event (which thread drops it last is a
+race), so an allocation at an address still counted live first frees the block counted there.
+Such a block that no later allocation reuses stays counted, so the figure can still be high.
+The process baseline (interpreter, libraries) is not a tensor and is not included: RSS
+(``metrics.peak_memory_gib``) includes it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 
 import torch
 
-__all__ = ["TensorPeak", "live_tensor_bytes"]
+__all__ = ["TensorPeak", "live_tensor_bytes", "walk_allocations"]
 
 
 def _local(t):
@@ -47,6 +51,23 @@ def _quiet_stderr():
         os.close(saved)
 
 
+def walk_allocations(events) -> tuple[int, int]:
+    """``(peak, net)`` bytes of allocator events ``(time_ns, size, address)``, a free with size < 0:
+    the highest and the last value of the running sum, in time order. A new block at an address
+    still counted live first frees the block counted there (its free was not seen)."""
+    live = peak = 0
+    blocks: dict[int, int] = {}  # address -> size of a block allocated here and not freed
+    for _, size, address in sorted(events):
+        if size > 0:
+            live -= blocks.pop(address, 0)
+            blocks[address] = size
+        else:
+            blocks.pop(address, None)
+        live += size
+        peak = max(peak, live)
+    return peak, live
+
+
 class TensorPeak(contextlib.AbstractContextManager):
     """``with TensorPeak(live_before) as peak: ...``; then ``peak.bytes`` (``peak.gib``) and
     ``peak.net_bytes`` (what the block allocated and left live)."""
@@ -72,14 +93,10 @@ class TensorPeak(contextlib.AbstractContextManager):
         while stack:
             event = stack.pop()
             if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-                events.append((event.start_time_ns, event.extra_fields.alloc_size))
+                events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
             stack.extend(event.children)
-        live = peak = 0
-        for _, size in sorted(events):
-            live += size
-            peak = max(peak, live)
+        peak, self.net_bytes = walk_allocations(events)  # net: allocated in the block, live at its end
         self.bytes = self.live_before + peak
-        self.net_bytes = live  # allocated in the block and still live at its end
         return False
 
     @property
