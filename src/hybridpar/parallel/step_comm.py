@@ -34,6 +34,8 @@ those changes, change its source here and the test that holds the measurement to
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -121,7 +123,15 @@ def unit_parameters(config: HybridConfig, tp: int = 1, sequence_parallel: bool =
     """TP-local parameter shapes of every FSDP unit: ``backbone.layers.i`` and the root (``""``),
     as the ``hybrid_lm_plan`` shards them (Mamba by heads and groups, column/row-parallel
     projections, vocab-parallel embedding and head; norms replicated)."""
-    d, sp = config.hidden_size, sequence_parallel and tp > 1
+    shape = tuple(getattr(config, f.name) for f in dataclasses.fields(config))
+    units = _unit_parameters(type(config), shape, tp, sequence_parallel and tp > 1)
+    return {unit: list(params) for unit, params in units.items()}  # a copy: the cached lists stay as built
+
+
+@functools.lru_cache(maxsize=64)  # the planner asks again for every policy and strategy of a layout (--fit)
+def _unit_parameters(kind: type, shape: tuple, tp: int, sp: bool) -> dict[str, list[ParamShape]]:
+    config = kind(*shape)
+    d = config.hidden_size
 
     def col(name, rows, cols, bias):  # rows split over tp
         return [ParamShape(f"{name}.weight", (rows // tp, cols), tp > 1)] + (

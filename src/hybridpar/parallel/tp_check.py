@@ -63,6 +63,7 @@ def validate_tp_sizes(model: nn.Module, tp: int) -> None:
             )
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a check compares every module name with every entry: reused by --fit
 def matches(path: str, pattern: str) -> bool:
     """``parallelize_module`` matching: same number of dotted atoms, fnmatch per atom."""
     atoms, tokens = path.split("."), pattern.split(".")
