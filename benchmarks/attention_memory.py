@@ -17,11 +17,16 @@ Section ``attention``: the ``small`` preset's attention shape (``HybridConfig`` 
   a dense ``[L, L]`` document mask otherwise), skipped where its estimate exceeds
   ``--max-dense-gib``.
 
+Section ``hf``: a one-layer transformers Llama with that attention shape at cp=1, through the
+trainer's loss (``pack_loss_sum``) on a packed row of 8 documents: ``blockwise`` = the
+``"hybridpar"`` attention the trainer installs (``train/hf_model.use_blockwise_attention``),
+``dense`` = transformers' ``sdpa`` with the ``[L, L]`` document mask it builds from position ids.
+
 Targets (issue 11): memory exponent (least-squares log-log slope, 8K..64K) <= 1.05 for
 blockwise causal and packed; packed <= 1.2x causal memory at every L; packed <= 1.2x causal
 time at L >= 8K.
 
-    python benchmarks/attention_memory.py [--section attention] [--lengths 2048 4096 ...]
+    python benchmarks/attention_memory.py [--section attention|hf] [--lengths 2048 4096 ...]
 
 Prints the table and writes benchmarks/results/attention_memory.{json,md}; sections already in
 the JSON (run before with another ``--section``) are kept. Another section (e.g. ``loss``)
@@ -203,10 +208,69 @@ def attention_report(rows: list[dict]) -> tuple[list[str], list[str]]:
     return lines + [""] + [f"- {f}" for f in fits], checks
 
 
+HF_LENGTHS = [2048, 4096, 8192, 16384]
+HF_IMPLS = {"hybridpar": "blockwise", "sdpa": "dense"}  # the transformers implementation -> the report's column
+
+
+def hf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", type=int, nargs="+", default=HF_LENGTHS, help="tokens L of the packed row")
+    parser.add_argument("--max-dense-gib", type=float, default=6.0, help="skip sdpa cases estimated above this")
+
+
+def hf_cases(args) -> list[dict]:
+    cases = []
+    for attention, impl in HF_IMPLS.items():
+        for length in args.lengths:
+            case = {"impl": impl, "kind": "packed", "attention": attention, "L": length}
+            need = _dense_estimate_gib(length, "packed") if attention == "sdpa" else 0.0
+            if need > args.max_dense_gib:
+                case["skip"] = f"needs ~{need:.0f} GiB > {args.max_dense_gib:g}"
+            cases.append(case)
+    return cases
+
+
+def hf_step(case: dict) -> Callable[[], None]:
+    """One Llama layer with the small preset's attention (hidden 768, heads 12/4 x 64), vocab 1024,
+    through the trainer's loss (``train.trainer.pack_loss_sum``) on one row of 8 documents."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.parallel.inputs import shard_inputs
+    from hybridpar.train.hf_model import use_blockwise_attention
+    from hybridpar.train.trainer import pack_loss_sum
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=1,
+                                         num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=1024,
+                                         attn_implementation="sdpa", use_cache=False))
+    if case["attention"] == "hybridpar":
+        use_blockwise_attention(model)
+
+    def inputs(length: int):
+        ids = torch.randint(0, 1024, (1, length))
+        cu = torch.linspace(0, length, ATTENTION_SHAPE["documents"] + 1).round().int()
+        return shard_inputs(input_ids=ids, labels=torch.roll(ids, -1, 1), packed=PackedSeqParams.from_cu_seqlens(cu))
+
+    def run(sharded):
+        pack_loss_sum(model, sharded)[0].backward()
+        model.zero_grad(set_to_none=True)
+
+    run(inputs(1024))  # warm-up
+    sharded = inputs(case["L"])
+    return lambda: run(sharded)
+
+
 SECTIONS: dict[str, Section] = {
     "attention": Section(
         title="Attention core: forward+backward, small preset heads 12/4 x 64, float32, batch 1",
         arguments=attention_arguments, cases=attention_cases, step=attention_step, report=attention_report,
+    ),
+    "hf": Section(
+        title="A transformers Llama layer (heads 12/4 x 64, hidden 768, vocab 1024) at cp=1, forward+backward of "
+              "the trainer's loss on a packed row of 8 documents, float32: blockwise = hybridpar attention "
+              "(what the trainer now runs), dense = transformers' sdpa with its [L, L] document mask",
+        arguments=hf_arguments, cases=hf_cases, step=hf_step, report=attention_report,
     ),
     # Another section registers here, e.g. "loss": Section(title=..., arguments=..., cases=..., step=..., report=...)
     # (benchmarks/loss_memory.py); `--section loss` then runs it with the same fresh-process harness.

@@ -76,7 +76,8 @@ def _train_export_check(rank, world_size, checkpoints, chat, root, layout, check
         cp = any(option.startswith("parallel.cp=") for option in layout)
         with torch.no_grad():  # under CP the model takes sharded rows only: the check below covers it
             trained = None if cp else trainer.model(input_ids=ids, use_cache=False).logits  # gathered vocab shards
-        result = {"type": next(c.__name__ for c in type(trainer.model).__mro__ if not c.__name__.startswith("FSDP")), "losses": [h["loss"] for h in history or []]}
+        result = {"type": next(c.__name__ for c in type(trainer.model).__mro__ if not c.__name__.startswith("FSDP")), "losses": [h["loss"] for h in history or []],
+                  "attention": trainer.model.config._attn_implementation}
         if rank == 0:
             reloaded, info = AutoModelForCausalLM.from_pretrained(f"{out}/export", output_loading_info=True,
                                                                   local_files_only=True)
@@ -111,6 +112,7 @@ def test_train_export_and_check_llama_qwen3_mistral(sources, tmp_path, world_siz
         assert result["type"] == {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                   "mistral": "MistralForCausalLM"}[name]
         assert len(result["losses"]) == 3 and all(map(torch.isfinite, torch.tensor(result["losses"])))
+        assert result["attention"] == "hybridpar", name  # blockwise at every cp: no [S, S] mask
         assert result["problems"] == 0, name
         assert result["logits_error"] < 1e-5, (name, result["logits_error"])
         assert result["changed"] > 1e-3, name  # it was trained

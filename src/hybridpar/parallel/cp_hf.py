@@ -44,12 +44,15 @@ __all__ = [
     "ATTENTION_NAME",
     "SUPPORTED_MODEL_TYPES",
     "apply_hf_cp",
+    "attention_problem",
     "hf_attention",
     "hf_attention_modules",
     "hf_cp_inputs",
     "is_hf_model",
     "packed_from_position_ids",
     "register_hf_attention",
+    "runs_hybridpar_attention",
+    "use_hybridpar_attention",
     "validate_hf_cp",
 ]
 
@@ -137,12 +140,11 @@ def _rope_types(config) -> set[str]:
     return found
 
 
-def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1) -> None:
-    """Raise ``ValueError`` unless hybridpar can run ``model`` context parallel (no communication).
+def attention_problem(model: nn.Module) -> str | None:
+    """Why hybridpar's attention cannot stand in for ``model``'s (None: it can), at any cp.
 
     Rules: a transformers model of a supported type (``SUPPORTED_MODEL_TYPES``; Mamba hybrids only
-    as a HybridLM), causal, no attention dropout, no rope whose frequencies depend on the
-    largest position, and every attention module's per-TP-rank heads fit ``attention_core``.
+    as a HybridLM), causal, without attention dropout, with attention modules to take it.
     """
     cls = type(model).__name__
     config = getattr(model, "config", None)
@@ -150,29 +152,39 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1) -> None:
     mamba = sorted(key for key in (config.to_dict() if hasattr(config, "to_dict") else {}) if "mamba" in key)
     mamba += sorted({type(m).__name__ for m in model.modules() if "Mamba" in type(m).__name__})
     if mamba:
-        raise ValueError(f"context parallelism for {cls} ({model_type}): it contains Mamba mixers ({mamba[0]}), which "
-                         "hybridpar runs context parallel only in its own HybridLM; load the checkpoint as a HybridLM "
-                         "(load_causal_lm(path, backend='hybrid'): Mamba2, Bamba, NemotronH), or use cp=1.")
+        return (f"{cls} ({model_type}) contains Mamba mixers ({mamba[0]}), which hybridpar runs context parallel only "
+                "in its own HybridLM; load the checkpoint as a HybridLM (load_causal_lm(path, backend='hybrid'): "
+                "Mamba2, Bamba, NemotronH), or use cp=1.")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"context parallelism (cp > 1) supports HybridLM and transformers models of type "
-                         f"{list(SUPPORTED_MODEL_TYPES)}, but the model is a {cls} (model_type {model_type!r}); "
-                         "use cp=1 (TP and FSDP still apply) or one of those architectures.")
+        return (f"hybridpar's attention supports HybridLM and transformers models of type {list(SUPPORTED_MODEL_TYPES)}, "
+                f"but the model is a {cls} (model_type {model_type!r}); use cp=1 (TP and FSDP still apply) or one of "
+                "those architectures.")
     if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
-        raise ValueError(f"context parallelism for {cls}: its attention is bidirectional (use_bidirectional_attention"
-                         "/is_causal=False); hybridpar's CP cores are causal. Use cp=1.")
+        return (f"the attention of {cls} is bidirectional (use_bidirectional_attention/is_causal=False); hybridpar's "
+                "attention cores are causal. Use cp=1.")
     if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
-        raise ValueError(f"context parallelism for {cls}: attention_dropout={config.attention_dropout} is not "
-                         "supported by hybridpar's attention core; set config.attention_dropout = 0.0.")
-    bad_rope = sorted(_rope_types(config) & set(_POSITION_DEPENDENT_ROPE))
+        return (f"{cls} has attention_dropout={config.attention_dropout}, which hybridpar's attention core does not "
+                "apply; set config.attention_dropout = 0.0.")
+    if not hf_attention_modules(model):
+        return (f"no attention modules found in {cls} (classes named *Attention with config and head_dim); this model "
+                "cannot take hybridpar's attention.")
+    return None
+
+
+def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1) -> None:
+    """Raise ``ValueError`` unless hybridpar can run ``model`` context parallel (no communication):
+    ``attention_problem``'s rules, no rope whose frequencies depend on the largest position, and
+    every attention module's per-TP-rank heads fit ``attention_core``."""
+    cls = type(model).__name__
+    problem = attention_problem(model)
+    if problem:
+        raise ValueError(f"context parallelism for {cls}: {problem}")
+    bad_rope = sorted(_rope_types(model.config) & set(_POSITION_DEPENDENT_ROPE))
     if bad_rope:
         raise ValueError(f"context parallelism for {cls}: rope type {bad_rope[0]!r} chooses its frequencies from the "
                          "largest position id a rank holds, which differs between context-parallel ranks; use a "
                          "static rope (default, linear, yarn, llama3) or cp=1.")
-    modules = hf_attention_modules(model)
-    if not modules:
-        raise ValueError(f"context parallelism for {cls}: no attention modules found (classes named *Attention with "
-                         "config and head_dim); this model cannot take hybridpar's attention.")
-    for name, module in modules:
+    for name, module in hf_attention_modules(model):
         heads = module.config.num_attention_heads
         kv_heads = getattr(module.config, "num_key_value_heads", None) or heads
         try:
@@ -194,9 +206,20 @@ def apply_hf_cp(model: nn.Module, attention_core) -> nn.Module:
     ``"hybridpar"`` attention; run after ``validate_hf_cp`` and tensor parallelism."""
     for _, module in hf_attention_modules(model):
         setattr(module, CORE_ATTRIBUTE, attention_core)
+    return use_hybridpar_attention(model)
+
+
+def use_hybridpar_attention(model: nn.Module) -> nn.Module:
+    """Switch ``model`` to ``"hybridpar"`` attention (blockwise, documents from ``packed_seq_params``,
+    no ``[S, S]`` mask; one process without a CP core) and refuse ``attention_mask`` from now on."""
     model.set_attn_implementation(register_hf_attention())
     model.register_forward_pre_hook(_refuse_attention_mask, with_kwargs=True)
     return model
+
+
+def runs_hybridpar_attention(model: nn.Module) -> bool:
+    """Whether ``model`` runs ``"hybridpar"`` attention (it then reads ``packed_seq_params``)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -18,10 +18,13 @@ logits), taken at the ``hf_causal_lm_loss`` seam; the trainer divides by the glo
 which is what makes FSDP's summed gradients exact. Heads that are more than ``hidden @ W.T``
 (logit soft-capping or scaling, a bias) take the logits route instead.
 
-**Inputs** (``hf_forward_inputs``): position ids that restart at every packed document, so
-transformers masks attention per document and no document sees another; under context
-parallelism the zigzag-sharded positions and the localized ``PackedSeqParams`` that
-``parallel/cp_hf.py``'s attention reads (``parallelize`` installs it for cp > 1).
+**Attention and inputs** (``use_blockwise_attention``, ``hf_forward_inputs``): a model
+``parallel/cp_hf.attention_problem`` accepts runs hybridpar's ``"hybridpar"`` attention at every
+cp (``parallelize`` installs it for cp > 1, the trainer at cp = 1): blockwise and
+document-causal over the pack's ``PackedSeqParams``, so no ``[S, S]`` mask exists and memory
+grows linearly with ``data.pack_size``. Any other model keeps transformers' attention, which
+masks by position ids that restart at every packed document (a ``[S, S]`` mask per pack). Either
+way no document sees another; RoPE reads those position ids (zigzag-sharded under CP).
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ from torch import Tensor, nn
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.hf_causal import _plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm
 from hybridpar.models.hf_config import read_hf_config
-from hybridpar.parallel.cp_hf import hf_cp_inputs
+from hybridpar.parallel.cp_hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.inputs import ShardedInputs
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
-__all__ = ["model_backend", "hf_shape", "hf_meta_model", "build_hf_model",
+__all__ = ["model_backend", "hf_shape", "hf_meta_model", "build_hf_model", "use_blockwise_attention",
            "hf_forward_inputs", "hf_loss_sum"]
 
 
@@ -94,14 +97,25 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     return load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
 
 
-def hf_forward_inputs(sharded: ShardedInputs) -> dict:
+def use_blockwise_attention(model: nn.Module) -> str:
+    """Run ``model`` (one process, cp = 1) on hybridpar's blockwise attention if it can take it
+    (module docstring); returns the progress line that says which attention runs."""
+    problem = attention_problem(model)
+    if problem is None:
+        use_hybridpar_attention(model)
+        return "attention: hybridpar's blockwise document-causal core (no [S, S] mask; memory linear in the pack size)"
+    return (f"attention: transformers' {model.config._attn_implementation!r}, masked per document with an [S, S] "
+            f"mask per pack (memory quadratic in data.pack_size), because {problem}")
+
+
+def hf_forward_inputs(sharded: ShardedInputs, model: nn.Module) -> dict:
     """The transformers forward's keyword inputs (besides the ids) for this rank's share of a pack:
-    ``position_ids [1, T/cp]`` restarting at 0 at every document, and under CP the localized
-    ``packed_seq_params`` the context-parallel attention reads (``parallel/cp_hf.hf_cp_inputs``)."""
+    ``position_ids [1, T/cp]`` restarting at 0 at every document, and for ``"hybridpar"``
+    attention the (under CP localized) ``packed_seq_params`` it reads (``parallel/cp_hf.hf_cp_inputs``)."""
     inputs = hf_cp_inputs(sharded)
     for key in ("input_ids", "inputs_embeds", "use_cache"):
         inputs.pop(key, None)
-    if sharded.packed is None or sharded.packed.cp is None:  # cp = 1: the model masks by position ids
+    if not runs_hybridpar_attention(model):  # transformers' attention masks by position ids
         inputs.pop("packed_seq_params", None)
     return inputs
 

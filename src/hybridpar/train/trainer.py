@@ -45,7 +45,7 @@ from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_
 from hybridpar.train.baseline import unigram_loss
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
-from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend
+from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend, use_blockwise_attention
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
@@ -83,7 +83,7 @@ def pack_loss_sum(model: nn.Module, sharded: ShardedInputs, predictions: bool = 
     if isinstance(model, HybridLM):
         out = model(sharded.input_ids, packed=sharded.packed, labels=sharded.labels, return_predictions=predictions)
         return out[0], out[2] if predictions else None
-    return hf_loss_sum(model, sharded.input_ids, sharded.labels, hf_forward_inputs(sharded), predictions)
+    return hf_loss_sum(model, sharded.input_ids, sharded.labels, hf_forward_inputs(sharded, model), predictions)
 
 
 @dataclass
@@ -142,6 +142,8 @@ class Trainer:
         self._eval_data = None
         self._unigram = None
         self.layout = Layout.build(config, device.type)
+        if not isinstance(model, HybridLM) and p.cp == 1:  # at cp > 1 parallelize installs it with the CP core
+            self.say(use_blockwise_attention(model))
         self.model = parallelize(
             model, self.layout.dims, mesh=self.layout.mesh,
             cp_attention=config.parallel.cp_attention, cp_mamba=config.parallel.cp_mamba,

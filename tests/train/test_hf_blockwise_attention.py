@@ -1,0 +1,84 @@
+"""A transformers model at cp=1 trains on hybridpar's blockwise attention, with no [S, S] tensor.
+
+The trainer switches every model ``cp_hf.attention_problem`` accepts to ``"hybridpar"``
+attention before parallelizing (``train/hf_model.use_blockwise_attention``), as context
+parallelism already does; the loss and every gradient equal transformers' own SDPA attention with
+its per-document mask (float64), and no op output has two dims of the pack's length. A model it
+does not accept keeps transformers' attention and the trainer's line says why.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.flash import BLOCK_SIZE
+from hybridpar.parallel.inputs import shard_inputs
+from hybridpar.train.hf_model import use_blockwise_attention
+from hybridpar.train.trainer import pack_loss_sum
+from tests.distributed.tp_hf_models import VOCAB, build_model
+
+SEQ = 2 * BLOCK_SIZE + 88  # over two query blocks; a score block is [B, Hkv, BLOCK_SIZE * G, <= SEQ], G = 2
+DOCS = [0, 100, 101, 300, SEQ - 12, SEQ]
+
+
+class SquareTensors(TorchDispatchMode):
+    """Counts op outputs with two or more dims of length ``SEQ`` (an [S, S] mask or score matrix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and sum(size == SEQ for size in t.shape) >= 2:
+                self.found.append((str(func), tuple(t.shape)))
+        return out
+
+
+def _batch():
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    labels = torch.roll(ids, -1, 1)
+    labels[0, torch.tensor(DOCS[1:]) - 1] = -100  # no label across a document end
+    return ids, labels, PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
+
+
+def _step(model):
+    """``(loss, {name: grad}, [S, S] outputs)`` of the trainer's loss on one pack."""
+    ids, labels, packed = _batch()
+    model.zero_grad()
+    with SquareTensors() as tracker:
+        loss, _ = pack_loss_sum(model, shard_inputs(input_ids=ids, labels=labels, packed=packed))
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, tracker.found
+
+
+def _relative(got, want):
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma3", "phi"])
+def test_supported_models_train_on_blockwise_attention_equal_to_transformers(name):
+    reference, model = build_model(name), build_model(name)
+    line = use_blockwise_attention(model)
+    assert "blockwise" in line and model.config._attn_implementation == "hybridpar", line
+    want_loss, want_grads, want_square = _step(reference)
+    got_loss, got_grads, got_square = _step(model)
+    assert want_square, "the tracker must see transformers' [S, S] document mask"
+    assert got_square == []
+    assert _relative(got_loss, want_loss) < 1e-13
+    worst = max((_relative(got_grads[n], g), n) for n, g in want_grads.items())
+    assert worst[0] < 1e-10, worst
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 4, dtype=torch.long))
+
+
+def test_a_model_hybridpar_cannot_take_keeps_transformers_attention_and_says_why():
+    model = build_model("olmo2")
+    line = use_blockwise_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert "transformers' 'sdpa'" in line and "[S, S]" in line and "model_type 'olmo2'" in line, line
+    loss, grads, _ = _step(model)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
