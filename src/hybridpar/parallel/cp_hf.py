@@ -152,16 +152,15 @@ def attention_problem(model: nn.Module) -> str | None:
     mamba = sorted(key for key in (config.to_dict() if hasattr(config, "to_dict") else {}) if "mamba" in key)
     mamba += sorted({type(m).__name__ for m in model.modules() if "Mamba" in type(m).__name__})
     if mamba:
-        return (f"{cls} ({model_type}) contains Mamba mixers ({mamba[0]}), which hybridpar runs context parallel only "
-                "in its own HybridLM; load the checkpoint as a HybridLM (load_causal_lm(path, backend='hybrid'): "
-                "Mamba2, Bamba, NemotronH), or use cp=1.")
+        return (f"{cls} ({model_type}) contains Mamba mixers ({mamba[0]}), which hybridpar runs only in its own "
+                "HybridLM; load the checkpoint as a HybridLM (load_causal_lm(path, backend='hybrid'): Mamba2, Bamba, "
+                "NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"hybridpar's attention supports HybridLM and transformers models of type {list(SUPPORTED_MODEL_TYPES)}, "
-                f"but the model is a {cls} (model_type {model_type!r}); use cp=1 (TP and FSDP still apply) or one of "
-                "those architectures.")
+        return (f"hybridpar's attention takes transformers models of type {list(SUPPORTED_MODEL_TYPES)} (and HybridLM), "
+                f"and the model is a {cls} (model_type {model_type!r}).")
     if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
         return (f"the attention of {cls} is bidirectional (use_bidirectional_attention/is_causal=False); hybridpar's "
-                "attention cores are causal. Use cp=1.")
+                "attention core is causal.")
     if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         return (f"{cls} has attention_dropout={config.attention_dropout}, which hybridpar's attention core does not "
                 "apply; set config.attention_dropout = 0.0.")
@@ -178,7 +177,8 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1) -> None:
     cls = type(model).__name__
     problem = attention_problem(model)
     if problem:
-        raise ValueError(f"context parallelism for {cls}: {problem}")
+        raise ValueError(f"context parallelism (cp > 1) for {cls}: {problem} It runs on hybridpar's attention only: "
+                         "change that, or use cp=1 (TP and FSDP still apply).")
     bad_rope = sorted(_rope_types(model.config) & set(_POSITION_DEPENDENT_ROPE))
     if bad_rope:
         raise ValueError(f"context parallelism for {cls}: rope type {bad_rope[0]!r} chooses its frequencies from the "
