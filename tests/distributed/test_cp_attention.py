@@ -28,7 +28,6 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention import Attention, causal_attention
@@ -46,6 +45,7 @@ from hybridpar.parallel.inputs import gather_outputs, shard_inputs
 from tests.attention_reference import dense_causal_attention
 from tests.distributed.cp_reference import cu_seqlens, expect_value_error, gather_by_reference, max_err, reference_zigzag, summed
 from tests.distributed.harness import run_ranks
+from tests.op_outputs import OpOutputs
 
 TOL = 1e-9
 CORE_TOL = 1e-10
@@ -211,21 +211,6 @@ def check_hybrid_lm(group, cp, rank, strategy) -> list[str]:
     return failures
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns (collectives included)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def check_memory(group, cp, rank, strategy) -> list[str]:
     """A packed row: no op output and no saved tensor has S/cp * S elements (allgather), and none
     holds the keys of all S tokens (ring: S * 2*Hkv*Dh elements)."""
@@ -245,7 +230,7 @@ def check_memory(group, cp, rank, strategy) -> list[str]:
         return t
 
     core = STRATEGY_CLASSES[strategy](group, block_size=16, keys_per_step=32)
-    with LargestTensor() as tracker, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with OpOutputs() as tracker, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         core(q_local, k_local, k_local, sharded.packed).sum().backward()
     limit = (seq // cp) * seq if strategy == "allgather" else seq * 2 * 1 * 4
     if not 0 < tracker.largest < limit or max(saved) >= limit:

@@ -11,13 +11,13 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention import Attention, causal_attention
 from hybridpar.models.attention_layout import AttentionLayout, block_plan, invisible
 from hybridpar.models.flash import blockwise_attention
 from tests.attention_reference import dense_causal_attention, document_causal_mask, naive_attention, reference_attention
+from tests.op_outputs import OpOutputs
 
 TOL = 1e-10
 
@@ -187,21 +187,6 @@ def test_bad_input_raises_value_error_naming_the_value(call, needles):
 # ---------------------------------------------------------------- memory: nothing of [S_q, S_k]
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_no_tensor_of_sq_times_sk_elements_exists():
     """A packed row of 96 tokens, 2 heads x 4: every op output and every saved tensor < 96 * 96."""
     seq = 96
@@ -213,7 +198,7 @@ def test_no_tensor_of_sq_times_sk_elements_exists():
         saved.append(t)
         return t
 
-    with LargestTensor() as tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with OpOutputs() as tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = blockwise_attention(q, k, v, torch.arange(seq), packed.seq_idx[0], torch.arange(seq), packed.seq_idx[0],
                                   block_size=16, keys_per_step=32)
         out.sum().backward()  # sum saves nothing: every saved tensor is the core's
@@ -221,7 +206,7 @@ def test_no_tensor_of_sq_times_sk_elements_exists():
     assert saved and max(t.numel() for t in saved) < seq * seq
     floats = sorted(tuple(t.shape) for t in saved if t.is_floating_point())
     assert floats == sorted([(1, seq, 2, 4), (1, seq, 1, 4), (1, seq, 1, 4), (1, seq, 2, 4), (1, 2, seq)])  # q k v out lse
-    with LargestTensor() as dense:
+    with OpOutputs() as dense:
         dense_causal_attention(q, k, v, packed).square().sum().backward()
     assert dense.largest >= seq * seq  # the tracker sees the dense mask it is meant to catch
 

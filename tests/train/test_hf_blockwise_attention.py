@@ -9,7 +9,6 @@ does not accept keeps transformers' attention and the trainer's line says why.
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.flash import BLOCK_SIZE
@@ -17,24 +16,10 @@ from hybridpar.parallel.inputs import shard_inputs
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.trainer import pack_loss_sum
 from tests.distributed.tp_hf_models import VOCAB, build_model
+from tests.op_outputs import OpOutputs
 
 SEQ = 2 * BLOCK_SIZE + 88  # over two query blocks; a score block is [B, Hkv, BLOCK_SIZE * G, <= SEQ], G = 2
 DOCS = [0, 100, 101, 300, SEQ - 12, SEQ]
-
-
-class SquareTensors(TorchDispatchMode):
-    """Counts op outputs with two or more dims of length ``SEQ`` (an [S, S] mask or score matrix)."""
-
-    def __init__(self):
-        super().__init__()
-        self.found = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and sum(size == SEQ for size in t.shape) >= 2:
-                self.found.append((str(func), tuple(t.shape)))
-        return out
 
 
 def _batch():
@@ -49,10 +34,11 @@ def _step(model):
     """``(loss, {name: grad}, [S, S] outputs)`` of the trainer's loss on one pack."""
     ids, labels, packed = _batch()
     model.zero_grad()
-    with SquareTensors() as tracker:
+    with OpOutputs() as outputs:
         loss, _ = pack_loss_sum(model, shard_inputs(input_ids=ids, labels=labels, packed=packed))
         loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, tracker.found
+    square = [(op, shape) for op, shape in outputs.shapes if sum(size == SEQ for size in shape) >= 2]  # [S, S]
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, square
 
 
 def _relative(got, want):

@@ -226,7 +226,7 @@ torch.library.register_autograd("hybridpar::lm_head_loss", _backward, setup_cont
 
 
 def _reject_sharded(weight: Tensor) -> None:
-    placements = getattr(weight, "placements", None)  # a DTensor, read without importing torch.distributed
+    placements = getattr(weight, "placements", None)  # a DTensor, read by attribute: no distributed import
     if placements is not None and any(not p.is_replicate() for p in placements):
         raise ValueError(
             f"weight is a sharded DTensor (placements {tuple(placements)}); the single-process loss needs the whole "

@@ -1,0 +1,34 @@
+"""``OpOutputs``: a dispatch mode recording the shape of every tensor an op returns.
+
+Memory tests use it to show what never exists (``largest``: an ``[S_q, S_k]`` score matrix or
+mask; ``shapes``: any output of a forbidden shape), collectives and custom ops' inner ops included.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpOutputs"]
+
+
+class OpOutputs(TorchDispatchMode):
+    """``with OpOutputs() as outputs: ...``; then ``outputs.shapes`` ``[(op name, shape), ...]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+    @property
+    def largest(self) -> int:
+        """The most elements of any op output (0 if none)."""
+        return max((math.prod(shape) for _, shape in self.shapes), default=0)
