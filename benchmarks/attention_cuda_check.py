@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's hybridpar first
 
 from hybridpar.data.thd import PackedSeqParams  # noqa: E402
-from hybridpar.models.attention import sequence_layout  # noqa: E402
-from hybridpar.models.attention_kernels import attention_core, choose_kernel  # noqa: E402
-from hybridpar.models.attention_layout import AttentionLayout  # noqa: E402
-from hybridpar.parallel.zigzag import localize  # noqa: E402
+from hybridpar.models.attention.mixer import sequence_layout  # noqa: E402
+from hybridpar.models.attention.kernels import attention_core, choose_kernel  # noqa: E402
+from hybridpar.models.attention.layout import AttentionLayout  # noqa: E402
+from hybridpar.parallel.context.zigzag import localize  # noqa: E402
 
 
 def layouts(tokens: int, docs: int, device) -> dict[str, tuple[AttentionLayout, torch.Tensor]]:

@@ -11,7 +11,7 @@ Section ``attention``: the ``small`` preset's attention shape (``HybridConfig`` 
 12 query heads, 4 kv heads, head_dim 64), batch 1, float32, ``L`` tokens:
 
 - ``causal``: one document (``packed=None``); ``packed``: 8 equal documents (``PackedSeqParams``);
-- ``blockwise``: ``hybridpar.models.attention.causal_attention`` (the library's core);
+- ``blockwise``: ``hybridpar.models.attention.mixer.causal_attention`` (the library's core);
   ``dense``: the old implementation kept as the tests' reference
   (``tests/attention_reference.dense_causal_attention``: SDPA ``is_causal`` for one document,
   a dense ``[L, L]`` document mask otherwise), skipped where its estimate exceeds
@@ -134,7 +134,7 @@ def attention_step(case: dict) -> Callable[[], None]:
     import torch
 
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models.attention import causal_attention
+    from hybridpar.models.attention.mixer import causal_attention
     from tests.attention_reference import dense_causal_attention
 
     core = causal_attention if case["impl"] == "blockwise" else dense_causal_attention
@@ -236,7 +236,7 @@ def hf_step(case: dict) -> Callable[[], None]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.parallel.inputs import shard_inputs
+    from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.train.hf_model import use_blockwise_attention
     from hybridpar.train.trainer import pack_loss_sum
 

@@ -58,8 +58,8 @@ def measure_step(overrides: list[str], output_dir: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from hybridpar.config import load_config
-    from hybridpar.parallel.comm_stats import CommStats
-    from hybridpar.parallel.step_comm import StepShape, step_collectives
+    from hybridpar.parallel.comm.stats import CommStats
+    from hybridpar.parallel.comm.step import StepShape, step_collectives
     from hybridpar.train.trainer import Trainer, pack_tensors
 
     extra = ["train.eval_every=0", "checkpoint.every=-1", "tensorboard=false", "plot=false", f"output_dir={output_dir}"]

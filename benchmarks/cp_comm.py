@@ -44,11 +44,11 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from hybridpar.models.hybrid import HybridConfig
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.mamba2 import Mamba2Mixer
-from hybridpar.parallel.comm import CommStats
-from hybridpar.parallel.cp_mamba import a2a_bytes_per_layer, apply_mamba_cp
-from hybridpar.parallel.cp_mamba_state import state_bytes_per_layer
-from hybridpar.parallel.inputs import shard_inputs
+from hybridpar.models.mamba.mixer import Mamba2Mixer
+from hybridpar.parallel.comm.collectives import CommStats
+from hybridpar.parallel.context.mamba import a2a_bytes_per_layer, apply_mamba_cp
+from hybridpar.parallel.context.mamba_state import state_bytes_per_layer
+from hybridpar.parallel.context.inputs import shard_inputs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SEQ_LENS = (16 * 1024, 128 * 1024, 1024 * 1024)

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from hybridpar.data.thd import PackedSeqParams  # noqa: E402
-from hybridpar.models.attention import sequence_layout  # noqa: E402
-from hybridpar.models.attention_kernels import attention_core, choose_kernel  # noqa: E402
+from hybridpar.models.attention.mixer import sequence_layout  # noqa: E402
+from hybridpar.models.attention.kernels import attention_core, choose_kernel  # noqa: E402
 from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
 from hybridpar.parallel.dims import ParallelDims  # noqa: E402
 from hybridpar.parallel.parallelize import parallelize  # noqa: E402

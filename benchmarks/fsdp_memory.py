@@ -1,6 +1,6 @@
 """Parameter, gradient and AdamW-state memory per rank under FSDP2, by dp_shard.
 
-Each configuration runs ``apply_fsdp`` (blocks + root, ``hybridpar.parallel.fsdp``) on
+Each configuration runs ``apply_fsdp`` (blocks + root, ``hybridpar.parallel.data.fsdp``) on
 ``dp_shard`` gloo processes, takes one AdamW step (float32) and then adds up the storage
 bytes of the tensors each rank really holds: the local shards of the parameters, of their
 gradients, and of every AdamW state tensor (``exp_avg``, ``exp_avg_sq``, ``step``).
@@ -78,7 +78,7 @@ def storage_bytes(tensors) -> int:
 def measure_rank(name: str) -> dict:
     """One AdamW step under FSDP on this rank's group, then the bytes this rank holds."""
     from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.fsdp import apply_fsdp
+    from hybridpar.parallel.data.fsdp import apply_fsdp
 
     dims = ParallelDims(dp_shard=dist.get_world_size())
     model = build(name)

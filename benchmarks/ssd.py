@@ -14,7 +14,7 @@ For each length L, forward+backward (gradients of x, dt, A, B, C, D, dt_bias):
 
 ``ssd_scan`` is the ``hybridpar::ssd_chunk_scan`` op (inputs saved, internals recomputed in
 backward, loop-free state passing); "before" is the previous chunked scan (autograd through
-every step, a Python loop over chunks), kept as ``tests/models/mamba_reference.py``. Extra rows:
+every step, a Python loop over chunks), kept as ``tests/models/mamba/reference.py``. Extra rows:
 ``ssd_scan`` with 8 packed documents (transformers' fallback refuses ``seq_idx``) and with chunk 64. The sequential reference only runs at L <= 4K. Accuracy: at L=1K each
 float32 output and x-gradient is compared with the float64 sequential reference.
 
@@ -45,10 +45,10 @@ from pathlib import Path
 import torch
 
 try:
-    from hybridpar.models.ssd import ssd_scan, ssd_scan_reference
+    from tests.models.mamba.ssd_reference import ssd_scan, ssd_scan_reference
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from hybridpar.models.ssd import ssd_scan, ssd_scan_reference
+    from tests.models.mamba.ssd_reference import ssd_scan, ssd_scan_reference
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the previous implementation lives in tests/
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -104,7 +104,7 @@ def scan_fn(impl: str, seqlen: int):
     if impl == "ssd_scan_q64":
         return lambda t: ssd_scan(**t, chunk_size=64, dt_softplus=True)
     if impl.startswith("before"):
-        from tests.models.mamba_reference import ssd_scan_chunked
+        from tests.models.mamba.reference import ssd_scan_chunked
 
         return lambda t: ssd_scan_chunked(**t, chunk_size=64 if impl == "before_q64" else chunk, dt_softplus=True)
     return lambda t: ssd_scan(**t, chunk_size=chunk, dt_softplus=True)

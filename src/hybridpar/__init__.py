@@ -1,6 +1,34 @@
-"""hybridpar: exact context, tensor and data parallelism for hybrid Mamba2/attention LMs."""
+"""hybridpar: exact context, tensor and data parallelism for hybrid Mamba2/attention LMs.
 
-from hybridpar.models.hybrid import HybridConfig, HybridLM
+The public names (``hybridpar.HybridLM``, ``hybridpar.parallelize``, ...) live in
+``hybridpar.api`` and load on first use, so ``import hybridpar`` stays cheap and no module
+below imports this package's namespace.
+
+Packages, lowest floor first; a module imports only from its own floor or the ones below it
+(``tests/test_layout.py`` holds this):
+
+- ``yaml12``, ``config_rules``: YAML reading and the value rules of config keys;
+- ``models/`` and ``data/``: single-device model code and packed batches (no process group);
+- ``parallel/``: TP/SP, CP, FSDP2, applied from outside the model;
+- ``config``: the run configuration;
+- ``train/``: the trainer, loss, checkpoints and the run directory;
+- ``plan/``: the planner;
+- ``api``, ``generate``, ``launch``, ``cli``: the public API and the command line.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["HybridConfig", "HybridLM", "__version__"]
+
+
+def __getattr__(name: str):
+    api = importlib.import_module("hybridpar.api")
+    if name in api.__all__:
+        return getattr(api, name)
+    raise AttributeError(f"module 'hybridpar' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + importlib.import_module("hybridpar.api").__all__)

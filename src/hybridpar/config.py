@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from hybridpar.config_rules import SAMPLE_RULE_TEXT, sample_problem
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
@@ -39,7 +40,7 @@ class ModelConfig:
     overrides: dict = field(default_factory=dict)  # HybridConfig fields, e.g. {pattern: "M*-M-"}
     dtype: str = "float32"  # float32 | float64 | bfloat16
     hf_path: str | None = None  # a Hugging Face checkpoint directory (config.json + safetensors) to start from
-    backend: str = "auto"  # auto | hybrid | transformers: how model.hf_path is loaded (see models/hf_causal.py)
+    backend: str = "auto"  # auto | hybrid | transformers: how model.hf_path is loaded (see models/hf/causal_lm.py)
     export_hf: str | None = None  # after training, write the model there in Hugging Face format
     export_architecture: str | None = None  # for a HybridLM not loaded from HF: Mamba2/Bamba/NemotronHForCausalLM
 
@@ -128,14 +129,8 @@ def _presets():
     return PRESETS
 
 
-def _sample():
-    from hybridpar.train import sample
-
-    return sample
-
-
 def _architectures():
-    from hybridpar.models.hf_config import ARCHITECTURES
+    from hybridpar.models.hf.config import ARCHITECTURES
 
     return ARCHITECTURES
 
@@ -185,7 +180,7 @@ RULES: dict[str, Rule] = {
     "train.collective_timeout_s": number(0, low_open=True),
     "train.on_nonfinite": one_of("stop", "skip"),
     "train.max_nonfinite_skips": integer(0),
-    "train.sample": Rule(LazyText(lambda: _sample().RULE_TEXT), lambda v: v is None or _sample().sample_problem(v) is None),
+    "train.sample": Rule(SAMPLE_RULE_TEXT, lambda v: v is None or sample_problem(v) is None),
     "checkpoint.every": integer(-1),
     "checkpoint.keep": integer(1),
     "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or bool(str(v).strip())),

@@ -65,3 +65,33 @@ def or_null(rule: Rule, meaning: str = "") -> Rule:
 
 PATH = Rule("a non-empty path", lambda v: bool(str(v).strip()))
 ANY = Rule("any value of its type", lambda v: True)
+
+
+# ``train.sample`` (used by train/sample.py): a mapping of the sampling settings.
+SAMPLE_KEYS = {"prompt": None, "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}  # prompt required
+SAMPLE_RULE_TEXT = ("null or a mapping with prompt (text, required), max_new_tokens (an integer >= 1, default 64), "
+             "temperature (>= 0, default 0: greedy), top_p (in (0, 1], default 1) and seed (an integer >= 0, default 0)")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def sample_problem(raw) -> str | None:
+    """What is wrong with a ``train.sample`` mapping, or None."""
+    if not isinstance(raw, dict):
+        return f"a mapping, not a {type(raw).__name__}"
+    unknown = sorted(set(raw) - set(SAMPLE_KEYS))
+    if unknown:
+        return f"unknown key(s) {unknown}"
+    settings = {**SAMPLE_KEYS, **raw}
+    rules = [
+        (isinstance(settings["prompt"], str) and settings["prompt"] != "", "prompt must be a non-empty string"),
+        (isinstance(settings["max_new_tokens"], int) and not isinstance(settings["max_new_tokens"], bool)
+         and settings["max_new_tokens"] >= 1, "max_new_tokens must be an integer >= 1"),
+        (_number(settings["temperature"]) and settings["temperature"] >= 0, "temperature must be >= 0"),
+        (_number(settings["top_p"]) and 0 < settings["top_p"] <= 1, "top_p must be in (0, 1]"),
+        (isinstance(settings["seed"], int) and not isinstance(settings["seed"], bool) and settings["seed"] >= 0,
+         "seed must be an integer >= 0"),
+    ]
+    return next((message for holds, message in rules if not holds), None)

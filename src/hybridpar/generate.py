@@ -29,14 +29,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GENERATE_DTYPES", "load_for_generation", "checkpoint_to_load", "continue_prompt", "run_generate"]
+__all__ = ["GENERATE_DTYPES", "load_for_generation", "checkpoint_to_load", "run_generate"]
 
 GENERATE_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def checkpoint_to_load(path: str | Path) -> Path:
     """The ``step_*`` folder ``--checkpoint`` means: itself, or the newest complete one under it."""
-    from hybridpar.train.checkpoint import incomplete_reason, is_complete, list_checkpoints
+    from hybridpar.train.run.checkpoint import incomplete_reason, is_complete, list_checkpoints
 
     path = Path(path)
     if (path / "run.json").is_file() or path.name.startswith("step_"):
@@ -62,8 +62,8 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
 
     from hybridpar.config import config_from_dict
     from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
-    from hybridpar.parallel.tp_hybrid import split_mamba_mixers
-    from hybridpar.train.checkpoint import read_run_info
+    from hybridpar.parallel.tensor.hybrid import split_mamba_mixers
+    from hybridpar.train.run.checkpoint import read_run_info
     from hybridpar.train.trainer import build_model
 
     recorded = read_run_info(path).get("config")
@@ -88,7 +88,7 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
                         tokenizer: str = "auto", dtype: str | None = None):
     """``(model, tokenizer)`` for ``hybridpar generate`` (module docstring)."""
     from hybridpar.data.tokenizers import resolve_tokenizer
-    from hybridpar.models.hf_causal import load_causal_lm
+    from hybridpar.models.hf.causal_lm import load_causal_lm
 
     if (hf_path is None) == (checkpoint is None):
         raise ValueError("pass exactly one of --hf-path DIR (a Hugging Face checkpoint) or --checkpoint DIR (a "
@@ -107,34 +107,16 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         model_path = config.model.hf_path
         tokenizer = config.data.tokenizer if tokenizer == "auto" else tokenizer
         if tokenizer == "bpe":  # trained for the run, kept in its output_dir
-            from hybridpar.train.run_tokenizer import find_run_tokenizer
+            from hybridpar.train.run.tokenizer import find_run_tokenizer
 
             tokenizer = str(find_run_tokenizer(path, config.output_dir))
     return model, resolve_tokenizer(tokenizer, model_path=model_path, vocab_size=model.config.vocab_size)
 
 
-def continue_prompt(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                    seed: int | None = None) -> tuple[list[int], list[int], str]:
-    """``(prompt ids, new ids, decoded continuation)``: the prompt is a document without its end
-    token; a ``HybridLM`` stops at the tokenizer's end token, a transformers model at its
-    generation config's."""
-    from hybridpar.models.hf_causal import generate_causal_lm
-    from hybridpar.models.hybrid import HybridLM
-
-    prompt_ids = tokenizer.document(prompt, add_eos=False)
-    if not prompt_ids:
-        raise ValueError("the prompt is empty and the tokenizer adds no BOS: give the model at least one token.")
-    eos = tokenizer.eos_id if isinstance(model, HybridLM) else None  # a transformers model: its generation config
-    device = next(model.parameters()).device
-    out = generate_causal_lm(model, torch.tensor([prompt_ids], device=device), max_new_tokens,
-                             temperature=temperature, top_p=top_p, seed=seed, eos_token_id=eos)
-    new_ids = out[0, len(prompt_ids):].tolist()
-    return prompt_ids, new_ids, tokenizer.decode(new_ids)
-
-
 def run_generate(args) -> int:
     """The ``generate`` command: print the prompt and its continuation (``--json``: one JSON object)."""
     from hybridpar.models.generation import check_sampling
+    from hybridpar.train.sample import continue_prompt
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     model, tokenizer = load_for_generation(args.hf_path, args.checkpoint, args.backend, args.tokenizer, args.dtype)

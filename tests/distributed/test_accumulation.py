@@ -58,7 +58,7 @@ def _per_pack_reduction(trainer, step: int) -> torch.Tensor:
 
 def _gradients_and_counts(overrides: list, per_pack: bool) -> dict:
     from hybridpar.config import load_config
-    from hybridpar.parallel.comm_stats import CommStats
+    from hybridpar.parallel.comm.stats import CommStats
     from hybridpar.parallel.state import canonical_state_dict
     from hybridpar.train.trainer import Trainer
 
@@ -163,7 +163,7 @@ def test_bad_reshard_after_forward_is_refused_before_anything_runs(value, dims, 
 
 
 def test_reshard_after_forward_values_fsdp_takes():
-    from hybridpar.parallel.fsdp import check_reshard_after_forward
+    from hybridpar.parallel.data.fsdp import check_reshard_after_forward
 
     assert [check_reshard_after_forward(v, 4) for v in (True, False, 1, 2, 4)] == [True, False, False, 2, True]
 

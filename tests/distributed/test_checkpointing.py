@@ -1,7 +1,7 @@
 """Activation checkpointing policies and the new Mamba core under TP and CP, float64.
 
 The reference is the single-process ``HybridLM`` with the *old* Mamba core
-(``tests/models/mamba_reference.py``) and no checkpointing. One 2-rank group runs, on a packed
+(``tests/models/mamba/reference.py``) and no checkpointing. One 2-rank group runs, on a packed
 row: tp=2 (Mamba by heads, DTensor projections) with each policy none/full/selective, and
 cp=2 (FSDP over the CP ranks) with each Mamba strategy a2a/state and policies full/selective.
 Loss and every gradient (gathered, Mamba components fused back) equal the reference to 1e-10.
@@ -16,11 +16,11 @@ import copy
 import pytest
 
 from hybridpar.config import ConfigError, load_config
-from hybridpar.models.mamba2 import Mamba2Mixer
+from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.checkpointing import checkpointing_policy
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_cp_model import build_model, distributed_run, make_batch, reference_run
-from tests.models.mamba_reference import local_conv_scan as old_core
+from tests.distributed.context.test_model import build_model, distributed_run, make_batch, reference_run
+from tests.models.mamba.reference import local_conv_scan as old_core
 
 TOL = 1e-10
 STEPS = 2

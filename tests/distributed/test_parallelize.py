@@ -22,8 +22,8 @@ import copy
 import pytest
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_cp_model import KINDS, build_model, compare, distributed_run, make_batch, reference_run
-from tests.distributed.test_tp_hybrid import mamba_layout_problems
+from tests.distributed.context.test_model import KINDS, build_model, compare, distributed_run, make_batch, reference_run
+from tests.distributed.tensor.test_hybrid import mamba_layout_problems
 
 STEPS, LR = 2, 1e-2  # the second step's gradients and update see the first's AdamW state
 # name -> (ParallelDims kwargs, parallelize kwargs)
@@ -46,7 +46,7 @@ def batches_for(dims: dict, kind: str) -> list:
 
 def parallelize_worker(rank: int, world_size: int) -> dict | None:
     from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.fsdp import parameter_layouts
+    from hybridpar.parallel.data.fsdp import parameter_layouts
     from hybridpar.parallel.parallelize import parallelize
     from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 

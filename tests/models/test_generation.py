@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hybridpar.models.generation import decode_step, generate, prefill, sample_next
+from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 
 NEW_TOKENS = 32
@@ -115,10 +116,10 @@ def test_greedy_equals_transformers_generate_on_the_exported_checkpoint(architec
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
         model.lm_head.weight.mul_(20.0)
-    model.save_hf(tmp_path, architecture=architecture)
+    save_hf(model, tmp_path, architecture=architecture)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, local_files_only=True).eval()
     prompt = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
     expected = theirs.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ours = HybridLM.from_hf(tmp_path).generate(prompt, NEW_TOKENS)
+    ours = load_hf(tmp_path).generate(prompt, NEW_TOKENS)
     assert expected.shape == (2, 7 + NEW_TOKENS)
     assert torch.equal(ours, expected)

@@ -61,8 +61,8 @@ def test_parameter_shapes_equal_the_models(preset):
     """The plan's parameter list (``step_comm.unit_parameters``) is the model's, name by name,
     for every preset, on the meta model the planner validates with."""
     from hybridpar.models.hybrid import HybridConfig
-    from hybridpar.parallel.step_comm import unit_parameters
-    from hybridpar.parallel.tp_hybrid import split_mamba_mixers
+    from hybridpar.parallel.comm.step import unit_parameters
+    from hybridpar.parallel.tensor.hybrid import split_mamba_mixers
 
     config = HybridConfig.from_preset(preset)
     model = meta_model(config)

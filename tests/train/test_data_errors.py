@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hybridpar.config import DataConfig
-from hybridpar.models.hf_config import read_hf_config
+from hybridpar.models.hf.config import read_hf_config
 from hybridpar.train.batches import PackStream
 
 

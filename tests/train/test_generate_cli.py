@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hybridpar.models.hybrid import HybridConfig, HybridLM
+from hybridpar.models.hf.checkpoint import save_hf
 from tests.distributed.harness import run_ranks
 from tests.models.test_generation import HF_SHAPES, NEW_TOKENS
 
@@ -44,7 +45,7 @@ def test_generate_equals_transformers_generate_on_the_exported_checkpoint(archit
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
         model.lm_head.weight.mul_(20.0)  # sharp logits: no near ties for greedy to break differently
-    model.save_hf(tmp_path, architecture=architecture)
+    save_hf(model, tmp_path, architecture=architecture)
 
     code, output = generate("--hf-path", str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--json")
     assert code == 0, output

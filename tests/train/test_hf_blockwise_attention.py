@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.flash import BLOCK_SIZE
-from hybridpar.parallel.inputs import shard_inputs
+from hybridpar.models.attention.blockwise import BLOCK_SIZE
+from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.trainer import pack_loss_sum
-from tests.distributed.tp_hf_models import VOCAB, build_model
+from tests.distributed.tensor.hf_models import VOCAB, build_model
 from tests.op_outputs import OpOutputs
 
 SEQ = 2 * BLOCK_SIZE + 88  # over two query blocks; a score block is [B, Hkv, BLOCK_SIZE * G, <= SEQ], G = 2

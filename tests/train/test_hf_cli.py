@@ -1,7 +1,7 @@
 """Any transformers causal LM through the trainer and the CLI, with its own tokenizer, on chat data.
 
 Tiny Llama, Qwen3 and Mistral checkpoints saved by transformers next to a BPE tokenizer trained
-in the test (``tests/models/test_hf_causal.py`` makes them). On real gloo ranks, for each model:
+in the test (``tests/models/hf/test_causal_lm.py`` makes them). On real gloo ranks, for each model:
 3 training steps on chat JSONL at tp=2 (sequence parallel) and at tp=2 x dp_shard=2, through
 the code ``hybridpar train`` runs (``Trainer.fit``); the export reloads in transformers with no
 missing or unexpected keys, the tokenizer and chat template, and the logits of the trained
@@ -23,7 +23,7 @@ import torch
 from hybridpar.config import load_config
 from tests.data.bpe import train_tiny_bpe
 from tests.distributed.harness import run_ranks
-from tests.models.test_hf_causal import CONFIGS, VOCAB, save_checkpoint
+from tests.models.hf.test_causal_lm import CONFIGS, VOCAB, save_checkpoint
 
 QUIET = ["tensorboard=false", "plot=false"]
 TOPICS = ["the quick brown fox", "how are you today", "def add(a, b)", "be brief and kind", "hello there"]

@@ -2,7 +2,7 @@
 a ``[T, V]`` tensor, one node for ``torch.compile``, and ``ValueError`` for bad input.
 
 The vocabulary-parallel cases (tp 1, 2, 4 on gloo) are in
-``tests/distributed/test_vocab_parallel_loss.py``; the reference and the allocation tracker
+``tests/distributed/tensor/test_vocab_parallel_loss.py``; the reference and the allocation tracker
 used by both live here.
 """
 

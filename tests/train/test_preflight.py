@@ -4,6 +4,7 @@ applies exactly the rules ``train`` does."""
 import pytest
 
 from hybridpar.config import load_config
+from hybridpar.models.hf.checkpoint import save_hf
 from hybridpar.plan import print_plan
 from hybridpar.train.preflight import validate_layout, validate_run
 
@@ -81,7 +82,7 @@ def test_data_export_and_resume_settings_are_refused_before_launch(tmp_path, ove
 def test_export_onto_the_checkpoint_being_fine_tuned_is_refused(tmp_path):
     from hybridpar.models.hybrid import HybridConfig, HybridLM
 
-    HybridLM(HybridConfig(rotary_fraction=0.0)).save_hf(tmp_path / "original", architecture="NemotronHForCausalLM")
+    save_hf(HybridLM(HybridConfig(rotary_fraction=0.0)), tmp_path / "original", architecture="NemotronHForCausalLM")
     before = (tmp_path / "original" / "model.safetensors").read_bytes()
     for target in (tmp_path / "original", tmp_path / "original" / "." / ""):
         config = load_config(DEFAULT, [f"model.hf_path={tmp_path / 'original'}", f"model.export_hf={target}",

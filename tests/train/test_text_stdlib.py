@@ -184,7 +184,7 @@ def test_bad_sample_settings_are_config_errors():
             load_config(CONFIG, [f"train.sample={bad}"])
     with pytest.raises(ValueError, match=r"train.sample=\['def'\] is invalid: it must be a mapping"):
         load_config(CONFIG, ["train.sample=[def]"])
-    from hybridpar.train.sample import sample_problem
+    from hybridpar.config_rules import sample_problem
 
     assert sample_problem({"prompt": "x", "length": 3}) == "unknown key(s) ['length']"
     assert sample_problem({"prompt": "x", "top_p": 0}) == "top_p must be in (0, 1]"

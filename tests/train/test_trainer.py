@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from hybridpar.config import load_config
+from hybridpar.models.hf.checkpoint import load_hf
 from tests.distributed.harness import run_ranks
 
 DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
@@ -78,7 +79,7 @@ def _interrupted_save(rank, world_size, directory):
     """A save that dies half-way leaves the previous checkpoint as the one to load."""
     import torch.distributed.checkpoint as dcp
 
-    from hybridpar.train import checkpoint as ckpt
+    from hybridpar.train.run import checkpoint as ckpt
     from hybridpar.train.trainer import Trainer
 
     overrides = TINY + [f"output_dir={directory}", "parallel.cp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
@@ -180,8 +181,8 @@ def test_fine_tune_a_hugging_face_checkpoint_and_export_it(tmp_path):
                  f"output_dir={tmp_path / 'run'}", "train.steps=3", "train.eval_every=0", "checkpoint.every=-1", *CP2_TP2]
     run_ranks(4, _train, overrides, timeout_s=300)
 
-    ours = HybridLM.from_hf(tmp_path / "tuned")
-    before = HybridLM.from_hf(tmp_path / "original")
+    ours = load_hf(tmp_path / "tuned")
+    before = load_hf(tmp_path / "original")
     assert not torch.equal(ours.lm_head.weight, before.lm_head.weight)  # it was trained
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "tuned", attn_implementation="eager").eval()
     ids = torch.randint(0, 256, (2, 19))

@@ -31,7 +31,7 @@ def _strict_records(path: Path) -> list[dict]:
 
 
 def _nonfinite_cases(rank, world_size, root):
-    from hybridpar.train.checkpoint import is_complete, list_checkpoints
+    from hybridpar.train.run.checkpoint import is_complete, list_checkpoints
     from hybridpar.train.nonfinite import NonFiniteError
 
     out = {}
@@ -101,7 +101,7 @@ def _locked(rank, world_size, directory):
 def test_a_second_run_into_a_locked_output_dir_is_refused_on_every_rank(tmp_path):
     import os
 
-    from hybridpar.train.run_dir import OutputDirLock
+    from hybridpar.train.run.directory import OutputDirLock
 
     lock = OutputDirLock(tmp_path)
     lock.acquire()  # this test process plays the first run

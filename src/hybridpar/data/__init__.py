@@ -1,1 +1,6 @@
-"""Packed (THD) batches, the packer and the built-in data sources."""
+"""Packed (THD) batches: ``PackedSeqParams``, the packer and collators, the built-in sources,
+tokenizers, chat templates and local datasets.
+
+A bottom floor beside ``models/``: imports libraries only; imported by
+``parallel/`` and above.
+"""

@@ -43,7 +43,7 @@ SEQ_LENS_PADDING_VALUE = -1000  # marks an empty slot in [B, max_packs] seq_lens
 class ContextParallelLayout:
     """Where the tokens of one context-parallel rank sit in the global sequence.
 
-    Built once per batch (``parallel/zigzag.py``); layers only index with it.
+    Built once per batch (``parallel/context/zigzag.py``); layers only index with it.
 
     - ``local_indices`` int64 ``[T_local]``: global index of each local token, local order.
     - ``gathered_indices`` int64 ``[T]``: ``local_indices`` of ranks ``0..cp-1`` concatenated,

@@ -9,8 +9,8 @@ What each layer keeps between steps (``GenerationCache.layers[i]``):
     MLP        nothing
 
 Prompt (``prefill``): one forward pass over the ``[B, S]`` prompt. Mamba layers run the
-causal conv and the chunked scan once (``ssd_scan(..., return_final_states=True)``) and keep
-the conv tail; attention layers run their own core and keep K/V.
+causal conv and the chunked scan once (``mamba_conv_scan`` with the state after each row's
+last token, the training core) and keep the conv tail; attention layers run their own core and keep K/V.
 
 Step (``decode_step``), one token per row. A Mamba head ``h`` of group ``g`` computes
 
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridpar.models.attention import apply_rotary, rotary_cos_sin
-from hybridpar.models.ssd import ssd_scan
+from hybridpar.models.attention.mixer import apply_rotary, rotary_cos_sin
+from hybridpar.models.mamba.core import mamba_conv_scan
 
 __all__ = ["GenerationCache", "prefill", "decode_step", "sample_next", "check_sampling", "generate"]
 
@@ -69,19 +69,21 @@ def _split_xBC(mixer: nn.Module, xBC: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _mamba_prefill(mixer: nn.Module, hidden: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mixer output ``[B, S, D]`` of the prompt and the layer's cache."""
+    """Mixer output ``[B, S, D]`` of the prompt and the layer's cache: the training core
+    (``mamba_conv_scan``) with the state read after each row's last token."""
     z, xBC, dt = torch.split(mixer.in_proj(hidden), mixer.split_sizes(mixer.in_proj.out_features), dim=-1)
+    batch, seq_len, _ = xBC.shape
     weight, bias = _conv_weight(mixer)
     width = weight.shape[1]
     history = F.pad(xBC.transpose(1, 2), (width - 1, 0))  # [B, C, K-1+S], zeros before the prompt
     conv_state = history[:, :, history.shape[-1] - (width - 1):].clone()  # [B, C, K-1]
-    xBC = F.silu(F.conv1d(history, weight[:, None, :], bias, groups=weight.shape[0]).transpose(1, 2))  # [B, S, C]
-    x, B, C = _split_xBC(mixer, xBC)
-    y, ssm_state = ssd_scan(
-        x, dt, -torch.exp(mixer.A_log), B, C, mixer.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias,
-        dt_softplus=True, return_final_states=True, dt_limit=mixer.time_step_limit,
-    )  # [B, S, H, P], [B, H, P, N]
-    out = mixer.out_proj(mixer.norm(y.flatten(2), z))
+    last_tokens = torch.arange(1, batch + 1, device=xBC.device) * seq_len - 1  # row-major stream positions
+    y, ssm_state = mamba_conv_scan(
+        xBC, dt, weight, bias, mixer.dt_bias, mixer.A_log, mixer.D, head_dim=mixer.head_dim,
+        state_size=mixer.ssm_state_size, chunk_size=mixer.chunk_size, dt_limit=mixer.time_step_limit,
+        final_at=last_tokens,
+    )  # [B, S, H*P], [B, H, P, N]
+    out = mixer.out_proj(mixer.norm(y, z))
     return out, {"conv": conv_state, "ssm": ssm_state}
 
 
@@ -94,7 +96,7 @@ def _mamba_step(mixer: nn.Module, hidden: Tensor, cache: dict[str, Tensor]) -> T
     xBC = (window * weight).sum(-1) + (0 if bias is None else bias)  # [B, C]
     x, B, C = _split_xBC(mixer, F.silu(xBC)[:, None])  # [B, 1, H, P], [B, 1, G, N] x2
     state = cache["ssm"]
-    dtype = state.dtype  # ssd_scan's compute dtype: the input's, at least float32
+    dtype = state.dtype  # the core's compute dtype: the input's, at least float32
     heads_per_group = mixer.num_heads // B.shape[2]
     x, B, C = x[:, 0].to(dtype), B[:, 0].to(dtype), C[:, 0].to(dtype)  # [B, H, P], [B, G, N] x2
     B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)  # [B, H, N]

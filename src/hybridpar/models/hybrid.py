@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from hybridpar.models.attention import Attention
+from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP, ResidualBlock, RMSNorm
 from hybridpar.models.lm_head_loss import ChunkedLMHeadLoss
-from hybridpar.models.mamba2 import Mamba2Mixer
+from hybridpar.models.mamba.mixer import Mamba2Mixer
 
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
 
@@ -216,18 +216,3 @@ class HybridLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-    @classmethod
-    def from_hf(cls, path, dtype: torch.dtype | None = None) -> "HybridLM":
-        """Load a Mamba2/Bamba/NemotronH causal-LM checkpoint directory (see ``models/hf.py``)."""
-        from hybridpar.models import hf  # lazy: hf.py imports this module
-
-        return hf.load_hf(path, dtype=dtype)
-
-    def save_hf(self, path, architecture: str | None = None, max_shard_bytes: int | None = None,
-                tokenizer_dir=None) -> None:
-        """Write config.json + safetensors that transformers loads, and the tokenizer files of
-        ``tokenizer_dir`` if given (see ``models/hf.py``)."""
-        from hybridpar.models import hf
-
-        hf.save_hf(self, path, architecture=architecture, max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir)

@@ -27,17 +27,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from hybridpar.models.attention import Attention
+from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hybrid import HybridLM
-from hybridpar.models.mamba2 import Mamba2Mixer
-from hybridpar.parallel import cp_attention as attention_cp
-from hybridpar.parallel import cp_hf as hf_cp
-from hybridpar.parallel import cp_mamba as mamba_cp
+from hybridpar.models.mamba.mixer import Mamba2Mixer
+from hybridpar.parallel.context import attention as attention_cp
+from hybridpar.parallel.context import hf as hf_cp
+from hybridpar.parallel.context import mamba as mamba_cp
 from hybridpar.parallel.checkpointing import apply_activation_checkpointing, checkpointing_policy, model_blocks
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
-from hybridpar.parallel.fsdp import apply_fsdp, check_reshard_after_forward
-from hybridpar.parallel.tp import apply_tp, check_tp_plan, get_tp_plan
-from hybridpar.parallel.tp_hybrid import split_mamba_mixers, validate_hybrid_tp
+from hybridpar.parallel.data.fsdp import apply_fsdp, check_reshard_after_forward
+from hybridpar.parallel.tensor.apply import apply_tp, check_tp_plan, get_tp_plan
+from hybridpar.parallel.tensor.hybrid import split_mamba_mixers, validate_hybrid_tp
 
 __all__ = [
     "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile", "needs_fsdp",

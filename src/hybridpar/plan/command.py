@@ -6,7 +6,7 @@ import argparse
 import json
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.plan import GPU_BASELINE_GIB, H100, DeviceFigures, TransformersPlan, cpu_baseline_gib, make_plan
+from hybridpar.plan.planner import GPU_BASELINE_GIB, H100, DeviceFigures, TransformersPlan, cpu_baseline_gib, make_plan
 from hybridpar.plan.report import plan_dict, plan_text
 
 __all__ = ["add_plan_arguments", "run_plan"]

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from hybridpar.models.hybrid import HybridConfig
-from hybridpar.parallel.step_comm import unit_parameters
+from hybridpar.parallel.comm.step import unit_parameters
 from hybridpar.plan.layout import Layout
 
 __all__ = ["parameter_count", "ParameterMemory", "parameter_memory"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
-from hybridpar.plan import GPU_BASELINE_GIB, Plan, cpu_baseline_gib
+from hybridpar.config import RunConfig
 
-__all__ = ["plan_dict", "plan_text", "GIB"]
+from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, TransformersPlan, cpu_baseline_gib, make_plan
+
+__all__ = ["plan_dict", "plan_text", "print_plan", "GIB"]
 
 GIB = 2**30
 
@@ -72,3 +74,9 @@ def plan_text(plan: Plan, target: str = "gpu") -> str:
 
 def plan_json(plan: Plan, target: str = "gpu") -> str:
     return json.dumps(plan_dict(plan, target), indent=2)
+
+
+def print_plan(run: RunConfig, world_size: int | None = None) -> None:
+    """Print the text plan (``hybridpar plan``); refuses an invalid layout as ``train`` does."""
+    plan = make_plan(run, world_size)
+    print(plan.text() if isinstance(plan, TransformersPlan) else plan_text(plan))

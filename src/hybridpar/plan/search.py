@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hybridpar.config import RunConfig
-from hybridpar.plan import GPU_BASELINE_GIB, Plan, plan_layout
+from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, plan_layout
 from hybridpar.plan.estimate import H100, DeviceFigures
 from hybridpar.plan.layout import Layout
 

@@ -1,7 +1,7 @@
 """Bytes each rank sends per training step, by collective kind and mesh dimension.
 
 The closed forms are ``parallel.step_comm``'s (held equal to ``CommStats``' counts of a real step in
-``tests/distributed/test_step_comm.py``): the trainer's all-reduces, TP/SP entry and exit of every
+``tests/distributed/comm/test_step.py``): the trainer's all-reduces, TP/SP entry and exit of every
 block, the embedding and the vocab-parallel loss, CP attention and CP Mamba, FSDP all-gathers,
 reduce-scatters and HSDP all-reduces, and gradient clipping. They count one step without
 activation checkpointing. With ``full`` or ``selective`` the recomputation of each block repeats
@@ -13,7 +13,7 @@ count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``
 
 from __future__ import annotations
 
-from hybridpar.parallel.step_comm import StepShape, Tally, step_collectives
+from hybridpar.parallel.comm.step import StepShape, Tally, step_collectives
 from hybridpar.plan.layout import Layout
 
 __all__ = ["step_traffic", "by_kind", "by_kind_and_dim"]

@@ -46,8 +46,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from hybridpar.models.flash import BLOCK_SIZE, KEYS_PER_STEP
-from hybridpar.models.ssd_chunked import DIAGONAL_SLICE_BYTES
+from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP
+from hybridpar.models.mamba.ssd_chunked import DIAGONAL_SLICE_BYTES
 from hybridpar.train.loss import lm_head_loss
 
 from hybridpar.plan.activations import _widths, block_saved_bytes

@@ -79,7 +79,7 @@ def measure_step(rank: int, world: int, overrides: list[str], output_dir: str) -
     import torch
 
     from hybridpar.config import load_config
-    from hybridpar.parallel.comm_stats import CommStats
+    from hybridpar.parallel.comm.stats import CommStats
     from hybridpar.train.trainer import Trainer
 
     config = load_config(None, BASE_OVERRIDES + list(overrides) + [f"output_dir={output_dir}"])
@@ -109,7 +109,7 @@ def measure_step(rank: int, world: int, overrides: list[str], output_dir: str) -
 def predict(overrides: list[str]) -> dict:
     """``hybridpar plan --json``'s object for the same config (in this process)."""
     from hybridpar.config import load_config
-    from hybridpar.plan import make_plan
+    from hybridpar.plan.planner import make_plan
     from hybridpar.plan.report import plan_dict
 
     plan = make_plan(load_config(None, BASE_OVERRIDES + list(overrides)))

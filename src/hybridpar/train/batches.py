@@ -12,7 +12,7 @@ layout and a run extended to more steps see the same tokens:
   chat, prompt_completion, hf_dataset: ``data/documents.file_documents``; python_stdlib, a
   directory of Python files: ``data/stdlib.py``) read it through the tokenizer of
   ``data_tokenizer`` (``data.tokenizer`` against ``model.hf_path``; ``bpe`` is resolved to the
-  run's trained tokenizer first: ``train/run_tokenizer.py``).
+  run's trained tokenizer first: ``train/run/tokenizer.py``).
 
 Packs are padded per document to ``pad_to_multiple_of`` (default ``2*cp``); a resumed run
 keeps the padding its checkpoint recorded. Each data-parallel rank takes its share of a
@@ -77,7 +77,7 @@ def data_tokenizer(config: DataConfig, vocab_size: int, model_path: str | None =
     spec = config.tokenizer
     if spec == "bpe":
         raise DataError("data.tokenizer='bpe' is the tokenizer trained for the run in <output_dir>/tokenizer; resolve "
-                        "it first with hybridpar.train.run_tokenizer.prepare_data(config, vocab_size), as "
+                        "it first with hybridpar.train.run.tokenizer.prepare_data(config, vocab_size), as "
                         "hybridpar train does.")
     if spec not in TOKENIZER_SPECS and not Path(spec).is_dir():
         raise DataError(f"data.tokenizer={spec!r} is neither 'auto', 'bytes' nor an existing directory; pass one of "

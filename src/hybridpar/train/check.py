@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.config import RunConfig
-from hybridpar.parallel.inputs import shard_inputs
+from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.parallel.state import canonical_state_dict
 from hybridpar.train.loss import valid_token_count
 from hybridpar.train.trainer import Trainer, build_model, pack_loss_sum, pack_tensors

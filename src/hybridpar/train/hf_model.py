@@ -35,10 +35,10 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.models.hf_causal import _plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm
-from hybridpar.models.hf_config import read_hf_config
-from hybridpar.parallel.cp_hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
-from hybridpar.parallel.inputs import ShardedInputs
+from hybridpar.models.hf.causal_lm import _plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm
+from hybridpar.models.hf.config import read_hf_config
+from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
+from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
 __all__ = ["model_backend", "hf_shape", "hf_meta_model", "build_hf_model", "use_blockwise_attention",

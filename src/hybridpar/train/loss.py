@@ -6,7 +6,7 @@ the loss of the whole batch, so summed gradients (FSDP's divide factor 1) are ex
 
 ``lm_head_loss`` computes that sum from the final hidden states and the LM head weight in
 blocks, never holding the ``[T, V]`` logits (``models/lm_head_loss.py``), vocabulary-parallel
-over a tensor-parallel group (``parallel/vocab_parallel_loss.py``).
+over a tensor-parallel group (``parallel/tensor/vocab_parallel_loss.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def lm_head_loss_output(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk
     ``predictions`` when ``return_predictions``)."""
     sharded = tp_group is not None or any(not p.is_replicate() for p in getattr(weight, "placements", ()))
     if sharded:
-        from hybridpar.parallel.vocab_parallel_loss import vocab_parallel_lm_head_loss
+        from hybridpar.parallel.tensor.vocab_parallel_loss import vocab_parallel_lm_head_loss
 
         return vocab_parallel_lm_head_loss(hidden, weight, labels, tp_group=tp_group, chunk_size=chunk_size,
                                            vocab_size=vocab_size, return_predictions=return_predictions)

@@ -9,7 +9,7 @@ One function per concern, shared by every entry point so they cannot disagree:
 - ``validate_run``: the layout, the export target, the output directory (lock, earlier runs,
   the checkpoint to resume), ``train.sample``, and the data task, files and tokenizer
   (``data.tokenizer`` against ``model.hf_path`` and the embedding; ``bpe`` is trained here,
-  ``train/run_tokenizer.py``). The launcher calls it before
+  ``train/run/tokenizer.py``). The launcher calls it before
   torchrun starts, so a config error exits 2 with one message at any process count.
 
 Rules between keys live here; rules of a single value live in ``config.RULES``.
@@ -60,7 +60,7 @@ def model_config(config: RunConfig):
     dtype = getattr(torch, config.model.dtype)
     backend = model_backend(config)
     if config.model.hf_path:
-        from hybridpar.models.hf_config import config_from_hf, read_hf_config
+        from hybridpar.models.hf.config import config_from_hf, read_hf_config
 
         if config.model.overrides:
             raise ConfigError(f"model.overrides={config.model.overrides} cannot change a model loaded from model.hf_path; "
@@ -132,9 +132,9 @@ def meta_model(shape):
 
 def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> None:
     """The CP strategies' own head/group rules, for the heads each TP rank will hold at ``dims.cp``."""
-    from hybridpar.models.attention import Attention
-    from hybridpar.models.mamba2 import Mamba2Mixer
-    from hybridpar.parallel import cp_attention, cp_mamba
+    from hybridpar.models.attention.mixer import Attention
+    from hybridpar.models.mamba.mixer import Mamba2Mixer
+    from hybridpar.parallel.context import attention as cp_attention, mamba as cp_mamba
 
     attention_core, mamba_core = cp_attention.STRATEGIES[attention](None), cp_mamba.STRATEGIES[mamba](None)
     attention_core.cp_size = mamba_core.cp_size = dims.cp  # what the CP group will have
@@ -218,10 +218,10 @@ def export_architecture(config: RunConfig) -> str | None:
     if model_backend(config) == "transformers":
         return None  # exported as its own class
     if config.model.hf_path:
-        from hybridpar.models.hf_config import architecture_of, read_hf_config
+        from hybridpar.models.hf.config import architecture_of, read_hf_config
 
         return architecture_of(read_hf_config(config.model.hf_path))
-    from hybridpar.models.hf_config import ARCHITECTURES
+    from hybridpar.models.hf.config import ARCHITECTURES
 
     raise ConfigError(f"model.export_hf={config.model.export_hf!r} needs model.export_architecture (one of "
                       f"{list(ARCHITECTURES)}) for a model not loaded from model.hf_path.")
@@ -249,7 +249,7 @@ def validate_export(config: RunConfig, shape) -> None:
         raise ConfigError(f"model.export_architecture={config.model.export_architecture!r} applies to HybridLM models; "
                           f"a transformers model ({type(shape).__name__}) is exported as its own class: leave it null.")
     architecture = export_architecture(config)
-    from hybridpar.models.hf_config import config_to_hf
+    from hybridpar.models.hf.config import config_to_hf
 
     if isinstance(shape, HybridConfig) and (not config.model.hf_path or config.model.export_architecture):
         try:
@@ -264,13 +264,13 @@ def validate_export(config: RunConfig, shape) -> None:
 
 def validate_run(config: RunConfig, command: str, world_size: int | None = None):
     """Every check that needs no process group (the launcher's preflight); returns the model shape."""
-    from hybridpar.train.run_tokenizer import prepare_data
+    from hybridpar.train.run.tokenizer import prepare_data
     from hybridpar.train.sample import check_sample
 
     shape = validate_layout(config, world_size)
     check_sample(config)
     if command == "train":
-        from hybridpar.train.run_dir import check_lock_free, check_output_dir, model_signature, plan_resume
+        from hybridpar.train.run.directory import check_lock_free, check_output_dir, model_signature, plan_resume
 
         validate_export(config, shape)
         check_output_dir(config.output_dir)

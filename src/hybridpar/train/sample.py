@@ -5,42 +5,18 @@
 
 Every rank gathers the full weights (one collective per parameter, as an export does); rank 0
 loads them into a single-device copy of the model and continues the prompt with
-``generate.continue_prompt``, the code path of ``hybridpar generate``. So no generation is
+``continue_prompt``, the code path of ``hybridpar generate``. So no generation is
 distributed, the sample needs no checkpoint, and ``hybridpar generate --checkpoint
 <output_dir>`` with the same settings prints the same text from the final checkpoint.
 """
 
 from __future__ import annotations
 
-__all__ = ["SAMPLE_KEYS", "RULE_TEXT", "sample_problem", "sample_settings", "check_sample", "print_sample"]
+import torch
 
-SAMPLE_KEYS = {"prompt": None, "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}  # prompt required
-RULE_TEXT = ("null or a mapping with prompt (text, required), max_new_tokens (an integer >= 1, default 64), "
-             "temperature (>= 0, default 0: greedy), top_p (in (0, 1], default 1) and seed (an integer >= 0, default 0)")
+from hybridpar.config_rules import SAMPLE_KEYS, SAMPLE_RULE_TEXT, sample_problem
 
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def sample_problem(raw) -> str | None:
-    """What is wrong with a ``train.sample`` mapping, or None."""
-    if not isinstance(raw, dict):
-        return f"a mapping, not a {type(raw).__name__}"
-    unknown = sorted(set(raw) - set(SAMPLE_KEYS))
-    if unknown:
-        return f"unknown key(s) {unknown}"
-    settings = {**SAMPLE_KEYS, **raw}
-    rules = [
-        (isinstance(settings["prompt"], str) and settings["prompt"] != "", "prompt must be a non-empty string"),
-        (isinstance(settings["max_new_tokens"], int) and not isinstance(settings["max_new_tokens"], bool)
-         and settings["max_new_tokens"] >= 1, "max_new_tokens must be an integer >= 1"),
-        (_number(settings["temperature"]) and settings["temperature"] >= 0, "temperature must be >= 0"),
-        (_number(settings["top_p"]) and 0 < settings["top_p"] <= 1, "top_p must be in (0, 1]"),
-        (isinstance(settings["seed"], int) and not isinstance(settings["seed"], bool) and settings["seed"] >= 0,
-         "seed must be an integer >= 0"),
-    ]
-    return next((message for holds, message in rules if not holds), None)
+__all__ = ["sample_settings", "check_sample", "continue_prompt", "print_sample"]
 
 
 def sample_settings(raw: dict | None) -> dict | None:
@@ -49,7 +25,7 @@ def sample_settings(raw: dict | None) -> dict | None:
         return None
     problem = sample_problem(raw)
     if problem:
-        raise ValueError(f"train.sample={raw!r} is invalid: {problem}; it must be {RULE_TEXT}.")
+        raise ValueError(f"train.sample={raw!r} is invalid: {problem}; it must be {SAMPLE_RULE_TEXT}.")
     return {**SAMPLE_KEYS, **raw}
 
 
@@ -66,10 +42,6 @@ def check_sample(config) -> None:
 def print_sample(model, tokenizer, settings: dict) -> str:
     """Continue ``settings["prompt"]`` with ``model`` (single-device, trained weights) and print
     ``sample: <prompt><continuation>``; returns the continuation."""
-    import torch
-
-    from hybridpar.generate import continue_prompt
-
     model.eval()
     with torch.no_grad():
         _, new_ids, completion = continue_prompt(model, tokenizer, settings["prompt"], settings["max_new_tokens"],
@@ -78,3 +50,22 @@ def print_sample(model, tokenizer, settings: dict) -> str:
         f"temperature {settings['temperature']:g}, top_p {settings['top_p']:g}, seed {settings['seed']}"
     print(f"sample ({len(new_ids)} tokens, {how}):\n{settings['prompt']}{completion}", flush=True)
     return completion
+
+
+def continue_prompt(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                    seed: int | None = None) -> tuple[list[int], list[int], str]:
+    """``(prompt ids, new ids, decoded continuation)``: the prompt is a document without its end
+    token; a ``HybridLM`` stops at the tokenizer's end token, a transformers model at its
+    generation config's."""
+    from hybridpar.models.hf.causal_lm import generate_causal_lm
+    from hybridpar.models.hybrid import HybridLM
+
+    prompt_ids = tokenizer.document(prompt, add_eos=False)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty and the tokenizer adds no BOS: give the model at least one token.")
+    eos = tokenizer.eos_id if isinstance(model, HybridLM) else None  # a transformers model: its generation config
+    device = next(model.parameters()).device
+    out = generate_causal_lm(model, torch.tensor([prompt_ids], device=device), max_new_tokens,
+                             temperature=temperature, top_p=top_p, seed=seed, eos_token_id=eos)
+    new_ids = out[0, len(prompt_ids):].tolist()
+    return prompt_ids, new_ids, tokenizer.decode(new_ids)

@@ -12,7 +12,7 @@
     after the last step: export (model.export_hf), a printed sample (train.sample)
 
 A run resumes exactly or not at all: the checkpoint records the model shape and the data
-stream, and ``resume`` refuses a different one (see ``train/run_dir.py``).
+stream, and ``resume`` refuses a different one (see ``train/run/directory.py``).
 """
 
 from __future__ import annotations
@@ -35,26 +35,27 @@ from hybridpar.data.packing import collate_thd
 from hybridpar.data.sources import prediction_counts
 from hybridpar.data.tokenizers import ships_tokenizer
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.hf_causal import export_causal_lm
+from hybridpar.models.hf.causal_lm import export_causal_lm
+from hybridpar.models.hf.checkpoint import load_hf
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.dims import ParallelDims
-from hybridpar.parallel.fsdp import set_micro_batch
-from hybridpar.parallel.inputs import ShardedInputs, shard_inputs
+from hybridpar.parallel.data.fsdp import set_micro_batch
+from hybridpar.parallel.context.inputs import ShardedInputs, shard_inputs
 from hybridpar.parallel.parallelize import parallelize
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.train.baseline import unigram_loss
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
-from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
+from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend, use_blockwise_attention
 from hybridpar.train.loss import global_sum, valid_token_count
-from hybridpar.train.metrics import MetricsLogger, notice, peak_memory_gib
+from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import (
     export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
 )
-from hybridpar.train.run_dir import data_stream, model_signature, prepare_output_dir
-from hybridpar.train.run_tokenizer import shared_data
+from hybridpar.train.run.directory import data_stream, model_signature, prepare_output_dir
+from hybridpar.train.run.tokenizer import shared_data
 from hybridpar.train.sample import check_sample, print_sample, sample_settings
 from hybridpar.train.tensor_peak import step_tensor_peak
 
@@ -73,7 +74,7 @@ def build_model(config: RunConfig) -> nn.Module:
     if model_backend(config) == "transformers":
         return build_hf_model(config, dtype)
     if config.model.hf_path:
-        return HybridLM.from_hf(config.model.hf_path, dtype=dtype)
+        return load_hf(config.model.hf_path, dtype=dtype)
     return HybridLM(HybridConfig.from_preset(config.model.preset, dtype=dtype, **config.model.overrides))
 
 

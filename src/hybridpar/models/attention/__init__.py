@@ -1,0 +1,5 @@
+"""Attention: the grouped-query mixer with RoPE, the blockwise document-causal core (online
+softmax, pure PyTorch), which keys each query may see per block, and the CUDA kernel dispatch.
+
+Single-device code (no process group). Imported by ``models/``, ``parallel/`` and above.
+"""

@@ -1,0 +1,203 @@
+"""One attention core signature, three kernels behind it, and the index math each needs.
+
+``attention_core(q, k, v, layout)`` computes document-causal attention of ``q [B, S_q, Hq, Dh]``
+over ``k, v [B, S_k, Hkv, Dh]`` for the positions and documents of an ``AttentionLayout``
+(``attention_layout.py``). Which kernel runs:
+
+- ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2) on CUDA for
+  fp16/bf16 rows in sequence order (``layout.cu_seqlens`` set: one process, ulysses). The
+  ``B`` rows are laid end to end, ``[B, S, H, Dh] -> [B*S, H, Dh]`` with
+  ``cu_seqlens_of_rows``; causal and the sliding window are ``window_size = (W-1 or -1, 0)``.
+- ``"flex"``: FlexAttention on CUDA for any token order (the all-gather layout), fp16, bf16
+  or fp32, head_dim a power of two in [16, 256]. Its ``BlockMask`` comes from the same
+  block ranges as the pure core at 128-token blocks (``block_visibility``: "all visible"
+  blocks are full blocks, the rest of "maybe" get ``mask_mod``), and ``mask_mod`` is the
+  token rule on the layout's index tensors.
+- ``"blockwise"``: ``flash.blockwise_attention`` (pure PyTorch) everywhere else: CPU,
+  float64, other head dims, or no fused kernel in this torch.
+
+The choice is logged once per kernel per process (``logging``, logger
+``hybridpar.models.attention.kernels``; skipped while ``torch.compile`` traces). Plans and
+block masks are cached in ``layout.cache``: built once per batch, shared by every layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+
+import torch
+from torch import Tensor
+
+from hybridpar.models.attention.layout import (
+    AttentionLayout,
+    block_plan,
+    block_ranges,
+    block_visibility,
+    cached,
+    check_block_sizes,
+    check_sliding_window,
+    cu_seqlens_of_rows,
+    invisible,
+)
+from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP, blockwise_attention, check_qkv
+
+__all__ = [
+    "FLEX_BLOCK_SIZE",
+    "KERNELS",
+    "attention_core",
+    "choose_kernel",
+    "flex_block_mask",
+    "flex_mask_mod",
+    "kernel_for",
+    "plan_for",
+]
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("varlen", "flex", "blockwise")
+FLEX_BLOCK_SIZE = 128
+_LOGGED: set[str] = set()
+_COMPILED_FLEX = None
+
+
+def _varlen_attn():
+    """torch's ``varlen_attn`` if it has GQA and windows (torch >= 2.12), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if "enable_gqa" in params and "window_size" in params else None
+
+
+def _flex_attention():
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, sequence_ordered: bool,
+               capability: tuple[int, int] | None = None) -> tuple[str, str]:
+    """``(kernel, reason)``: the rules above, as a pure function (``capability``: the CUDA device's)."""
+    if device_type != "cuda":
+        return "blockwise", f"device {device_type}"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "blockwise", f"dtype {dtype} has no fused CUDA kernel"
+    if (sequence_ordered and dtype != torch.float32 and head_dim % 8 == 0 and head_dim <= 256
+            and capability is not None and capability >= (8, 0) and _varlen_attn() is not None):
+        return "varlen", "sequence-ordered rows"
+    if 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and _flex_attention() is not None:
+        return "flex", "sequence-ordered float32 rows" if sequence_ordered else "out-of-order tokens"
+    return "blockwise", f"no fused kernel for head_dim {head_dim} in torch {torch.__version__}"
+
+
+def choose_kernel(q: Tensor, layout: AttentionLayout) -> tuple[str, str]:
+    """``(kernel, reason)`` for these inputs (device, dtype, head_dim, token order)."""
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return kernel_for(q.device.type, q.dtype, q.shape[-1], layout.sequence_ordered, capability)
+
+
+def _log_once(kernel: str, reason: str, q: Tensor) -> None:
+    if kernel not in _LOGGED and not torch.compiler.is_compiling():
+        _LOGGED.add(kernel)
+        logger.info("attention kernel: %s (%s; %s on %s, head_dim %d)", kernel, reason, q.dtype, q.device, q.shape[-1])
+
+
+def plan_for(layout: AttentionLayout, block_size: int, keys_per_step: int, sliding_window: int | None):
+    """The blockwise plan of this layout (cached; None while tracing: the op then builds it)."""
+    if torch.compiler.is_compiling():
+        return None
+    return cached(layout.cache, ("plan", block_size, keys_per_step, sliding_window), lambda: block_plan(
+        layout.q_pos, layout.q_doc, layout.k_pos, layout.k_doc, block_size, keys_per_step, sliding_window))
+
+
+def flex_mask_mod(layout: AttentionLayout, sliding_window: int | None = None):
+    """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``: the token rule on the layout's indices."""
+    q_pos, q_doc, k_pos, k_doc = layout.q_pos, layout.q_doc, layout.k_pos, layout.k_doc
+    last_q, last_k = q_pos.numel() - 1, k_pos.numel() - 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_idx, kv_idx = q_idx.clamp(max=last_q), kv_idx.clamp(max=last_k)  # padded tiles read in bounds
+        return ~invisible(q_pos[q_idx], q_doc[q_idx], k_pos[kv_idx], k_doc[kv_idx], sliding_window)
+
+    return mask_mod
+
+
+def flex_block_mask(layout: AttentionLayout, sliding_window: int | None = None, block_size: int = FLEX_BLOCK_SIZE):
+    """A ``BlockMask`` from the block ranges: no ``[S_q, S_k]`` mask is ever evaluated."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    maybe, every = block_visibility(
+        block_ranges(layout.q_pos, layout.q_doc, block_size), block_ranges(layout.k_pos, layout.k_doc, block_size),
+        sliding_window,
+    )  # [n_q_blocks, n_k_blocks] on the layout's device
+
+    def ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:  # counts [1, 1, n_q], indices [1, 1, n_q, n_k]
+        indices = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return blocks.sum(-1).to(torch.int32)[None, None], indices[None, None]
+
+    partial_num, partial_idx = ordered(maybe & ~every)
+    full_num, full_idx = ordered(every)
+    return BlockMask.from_kv_blocks(
+        partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+        mask_mod=flex_mask_mod(layout, sliding_window), seq_lengths=(layout.q_pos.numel(), layout.k_pos.numel()),
+    )
+
+
+def _run_flex(q, k, v, layout, scale, sliding_window):
+    global _COMPILED_FLEX
+    flex = _flex_attention()
+    if not torch.compiler.is_compiling():  # eager flex_attention is a slow dense reference: compile it once
+        _COMPILED_FLEX = _COMPILED_FLEX or torch.compile(flex)
+        flex = _COMPILED_FLEX
+    mask = cached(layout.cache, ("flex", sliding_window, q.device), lambda: flex_block_mask(layout, sliding_window))
+    out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)  # [B, Hq, S_q, Dh] -> [B, S_q, Hq, Dh]
+
+
+def _run_varlen(q, k, v, layout, scale, sliding_window):
+    batch, seq_len = q.shape[:2]
+    cu = cached(layout.cache, ("cu_seqlens", batch, q.device),
+                 lambda: cu_seqlens_of_rows(layout.cu_seqlens.to(q.device), batch))
+    window = (-1 if sliding_window is None else sliding_window - 1, 0)
+    out = _varlen_attn()(
+        q.reshape(batch * seq_len, *q.shape[2:]), k.reshape(batch * seq_len, *k.shape[2:]),
+        v.reshape(batch * seq_len, *v.shape[2:]), cu, cu, layout.max_seqlen, layout.max_seqlen,
+        scale=scale, window_size=window, enable_gqa=True,
+    )  # [B*S, Hq, Dh]
+    return out.view(q.shape)
+
+
+def attention_core(
+    q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout, *, scale: float | None = None,
+    sliding_window: int | None = None, block_size: int = BLOCK_SIZE, keys_per_step: int = KEYS_PER_STEP,
+    kernel: str | None = None,
+) -> Tensor:
+    """Document-causal attention ``[B, S_q, Hq, Dh]`` on the best kernel (or the one named)."""
+    check_qkv(q, k, v, "attention_core")
+    check_block_sizes(block_size, keys_per_step)
+    check_sliding_window(sliding_window)
+    if kernel is None:
+        kernel, reason = choose_kernel(q, layout)
+    elif kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {list(KERNELS)} or None (automatic).")
+    else:
+        reason = "requested"
+        missing = {"varlen": _varlen_attn, "flex": _flex_attention}.get(kernel)
+        if missing is not None and missing() is None:
+            raise ValueError(f"attention kernel {kernel!r} is not in torch {torch.__version__} (varlen needs "
+                             "torch.nn.attention.varlen.varlen_attn with enable_gqa and window_size, torch >= 2.12; "
+                             "flex needs torch.nn.attention.flex_attention); pass kernel=None to choose automatically.")
+    _log_once(kernel, reason, q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if kernel == "varlen":
+        return _run_varlen(q, k, v, layout, scale, sliding_window)
+    if kernel == "flex":
+        return _run_flex(q, k, v, layout, scale, sliding_window)
+    plan = plan_for(layout, block_size, keys_per_step, sliding_window)
+    return blockwise_attention(q, k, v, layout.q_pos, layout.q_doc, layout.k_pos, layout.k_doc, plan, scale=scale,
+                               sliding_window=sliding_window, block_size=block_size, keys_per_step=keys_per_step)

@@ -1,0 +1,250 @@
+"""Any transformers causal LM: load it, compute its loss right under FSDP, export it.
+
+**Loading** (``load_causal_lm``). ``backend`` picks the implementation:
+
+    backend          Mamba2 / Bamba / NemotronH          any other causal LM
+    "auto"           HybridLM (``HybridLM.from_hf``)     the transformers model
+    "hybrid"         HybridLM                            ValueError (use "transformers" or "auto")
+    "transformers"   the transformers model              the transformers model
+
+A transformers model is built from the directory's ``config.json`` and its local safetensors
+weights (``local_files_only=True``, never remote code, never pickled ``.bin`` files); a
+checkpoint whose tensors do not match the architecture is refused.
+
+**Loss** (``hf_causal_lm_loss``). hybridpar's FSDP sums gradients over the data-parallel ranks
+(divide factor 1; gloo's AVG is wrong), so every rank's loss must already be divided by the
+global number of target tokens:
+
+    loss_rank = sum_{t on this rank, labels[t] != -100} CE(logits[t], labels[t]) / N_global
+
+and the ranks' gradients add up to the single-process gradient of the mean loss.
+
+**Generation** (``generate_causal_lm``): ``HybridLM.generate`` (cached, see
+``models/generation.py``) or the transformers model's own ``generate``, with the same
+arguments: greedy at temperature 0, else nucleus sampling seeded by ``seed``.
+
+**Export** (``export_causal_lm``): ``config.json`` + safetensors that transformers loads, the
+tokenizer files, chat template and ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridpar.models.generation import check_sampling
+from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, read_hf_config
+from hybridpar.models.hf.checkpoint import load_hf, save_hf
+from hybridpar.models.hf.files import copy_tokenizer_files
+from hybridpar.models.hybrid import HybridLM
+
+__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "hf_causal_lm_loss", "generate_causal_lm",
+           "export_causal_lm"]
+
+BACKENDS = ("auto", "hybrid", "transformers")
+IGNORE_INDEX = -100
+# config fields that change logits after lm_head: the hidden-state loss seam cannot see them
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                    "output_multiplier_scale")
+
+# ----------------------------------------------------------------------------- loading
+
+
+def causal_lm_backend(path: str | Path, backend: str = "auto") -> str:
+    """``"hybrid"`` or ``"transformers"``: which implementation ``load_causal_lm`` will use."""
+    if backend not in BACKENDS:
+        raise ValueError(f"model backend {backend!r} is unknown; choose one of {list(BACKENDS)}.")
+    hf = read_hf_config(path)
+    try:
+        architecture_of(hf)
+        supported = True
+    except ValueError:
+        supported = False
+    if backend == "hybrid" and not supported:
+        given = hf.get("architectures") or hf.get("model_type")
+        raise ValueError(f"backend 'hybrid' loads only {list(ARCHITECTURES)}, but {path} holds {given!r}; use backend "
+                         "'transformers' (or 'auto') to train it as the transformers model.")
+    return "hybrid" if backend in ("auto", "hybrid") and supported else "transformers"
+
+
+def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype | None = None,
+                   attn_implementation: str | None = None) -> nn.Module:
+    """The causal LM in checkpoint directory ``path`` (see the module docstring).
+
+    ``dtype=None`` keeps the stored dtype. A transformers model comes back as transformers
+    returns it (eval mode); ``attn_implementation`` (None: transformers' default, SDPA where the
+    model supports it) is passed to it.
+    """
+    if causal_lm_backend(path, backend) == "hybrid":
+        return load_hf(path, dtype=dtype)
+    path = Path(path)
+    if not (path / WEIGHTS_FILE).is_file() and not (path / INDEX_FILE).is_file():
+        raise ValueError(f"{path} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); hybridpar loads safetensors weights only: "
+                         "re-save the checkpoint with save_pretrained(safe_serialization=True).")
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as error:
+        raise ImportError("loading a transformers model needs transformers: pip install 'hybridpar[hf]'.") from error
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True,
+        use_safetensors=True, trust_remote_code=False, output_loading_info=True,
+    )
+    problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(problems.values()):
+        details = "; ".join(f"{k.replace('_', ' ')} {v[:6]}" for k, v in problems.items() if v)
+        raise ValueError(f"checkpoint {path} does not match its {type(model).__name__} config: {details}; "
+                         "check config.json against the weights.")
+    return model
+
+
+# ----------------------------------------------------------------------------- loss
+
+LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (hidden [B, S, D], weight [V, D], labels [B, S]) -> loss sum
+
+
+def _token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    logits = logits.reshape(-1, logits.shape[-1])
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _plain_head(model: nn.Module) -> nn.Module:
+    """``model``'s output layer; ValueError if logits are more than ``hidden @ weight.T``."""
+    head = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    transforms = [f for f in LOGIT_TRANSFORMS if getattr(config, f, None) not in (None, 1, 1.0, False)]
+    if not isinstance(head, nn.Linear) or head.bias is not None or transforms:
+        raise ValueError(f"{type(model).__name__}'s logits are not hidden @ lm_head.weight.T (head "
+                         f"{type(head).__name__}, bias {getattr(head, 'bias', None) is not None}, {transforms}); "
+                         "compute its loss from logits (loss_fn=None).")
+    return head
+
+
+def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, global_count: int | Tensor, *,
+                      loss_fn: LossFn | None = None, **model_inputs) -> Tensor:
+    """This rank's share of the mean token loss of a transformers causal LM, exact under FSDP.
+
+    ``labels [B, S]`` are hybridpar's shifted labels (``labels[t]`` is the target at position
+    ``t``, -100 for none; ``pack_documents``/``collate_thd`` build them), ``global_count`` the
+    number of labels != -100 over every data- and context-parallel rank (the caller sums it).
+    Returns ``sum of per-token losses on this rank / global_count``; extra ``model_inputs``
+    go to the model. For packed rows pass ``position_ids`` restarting at 0 per document:
+    transformers then masks attention per document (it does so only without a KV cache, so
+    ``use_cache`` defaults to False here).
+
+    Why not ``model(ids, labels=ids).loss``: transformers averages over this rank's tokens,
+    and hybridpar's FSDP *sums* the ranks' gradients (divide factor 1), so that loss gives
+    ``dp_shard`` times the gradient when ranks hold equally many tokens (exactly 2x at
+    dp_shard=2), and wrongly weighted ranks otherwise. Dividing by the global count is exact.
+
+    ``loss_fn=None`` computes logits with the model's forward (any head). Otherwise
+    ``loss_fn(hidden [B, S, D], weight [V, D], labels [B, S])`` returns the summed token loss
+    from the final hidden states and ``lm_head.weight`` (e.g. a chunked, vocab-parallel
+    ``lm_head_loss``), and the model builds no logits: a pre-hook hands ``lm_head`` an empty
+    sequence. Refused for heads with a bias or logit scaling/soft-capping.
+    """
+    model_inputs.setdefault("use_cache", False)
+    count = torch.as_tensor(global_count)
+    if count.numel() != 1 or int(count) < 1:
+        raise ValueError(f"global_count={global_count!r} must be a positive count of labelled tokens over all "
+                         "data/context-parallel ranks (all-reduce the local counts).")
+    if loss_fn is None:
+        logits = model(input_ids=input_ids, **model_inputs).logits  # [B, S, V]
+        return _token_loss_sum(logits, labels) / count.to(logits.device)
+    head = _plain_head(model)
+    captured = {}
+
+    def capture_and_skip(module, args):
+        captured["hidden"] = args[0]  # [B, S, D]
+        return (args[0][:, :0],)  # lm_head computes logits for no position
+
+    handle = head.register_forward_pre_hook(capture_and_skip)
+    try:
+        model(input_ids=input_ids, **model_inputs)
+    finally:
+        handle.remove()
+    hidden = captured["hidden"]
+    return loss_fn(hidden, head.weight, labels) / count.to(hidden.device)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+@torch.no_grad()
+def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int | None = None, eos_token_id: int | list[int] | None = None,
+                       pad_token_id: int | None = None) -> Tensor:
+    """Prompt ``[B, S]`` plus up to ``max_new_tokens`` tokens from a ``HybridLM`` or a transformers model.
+
+    ``eos_token_id=None`` uses the model's generation config for a transformers model and
+    never stops early for a ``HybridLM``; ``pad_token_id`` fills rows of a transformers model
+    that finished first (default: the end token).
+    """
+    check_sampling(max_new_tokens, temperature, top_p)
+    if isinstance(model, HybridLM):
+        return model.generate(input_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              eos_token_id=eos_token_id)
+    eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
+    pad = pad_token_id if pad_token_id is not None else model.generation_config.pad_token_id
+    if pad is None and eos is not None:
+        pad = eos if isinstance(eos, int) else eos[0]
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    devices = [input_ids.device.index or 0] if input_ids.is_cuda else []
+    with torch.random.fork_rng(devices=devices):  # a seed never disturbs the caller's generators
+        if seed is not None:
+            torch.manual_seed(seed)
+        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                              eos_token_id=eos, pad_token_id=pad, **sampling)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _single_device_copy(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
+    """A fresh model of ``model``'s config holding ``state_dict`` (full tensors, single-device names)."""
+    if isinstance(model, HybridLM):
+        single = HybridLM(model.config)
+        single.load_state_dict(state_dict, strict=not model.config.tie_word_embeddings)
+        for attribute in ("hf_config", "hf_prefix"):
+            if hasattr(model, attribute):
+                setattr(single, attribute, getattr(model, attribute))
+        return single
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        single = AutoModelForCausalLM.from_config(model.config, dtype=next(iter(state_dict.values())).dtype)
+    unexpected = single.load_state_dict(state_dict, strict=False, assign=True).unexpected_keys
+    single.tie_weights()  # a tied head is listed once (as the embedding) by named_parameters
+    missing = [name for name, tensor in single.state_dict().items() if tensor.is_meta]
+    if missing or unexpected:
+        raise ValueError(f"state_dict does not fit {type(single).__name__}: missing {sorted(missing)[:6]}, unexpected "
+                         f"{sorted(unexpected)[:6]}; pass full tensors under single-device names (canonical_state_dict).")
+    single.generation_config = model.generation_config
+    return single
+
+
+def export_causal_lm(model: nn.Module, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
+                     state_dict: dict[str, Tensor] | None = None, architecture: str | None = None) -> None:
+    """Write ``model`` as a transformers checkpoint, with the tokenizer of ``tokenizer_dir``.
+
+    ``state_dict``: full tensors under single-device names (``canonical_state_dict`` of a
+    parallelized model) to export instead of ``model``'s own parameters; the model then only
+    supplies the config. ``architecture``: for a ``HybridLM`` not loaded from a checkpoint.
+    """
+    if state_dict is not None:
+        model = _single_device_copy(model, state_dict)
+    out_dir = Path(out_dir)
+    if isinstance(model, HybridLM):
+        save_hf(model, out_dir, architecture=architecture, tokenizer_dir=tokenizer_dir)
+        return
+    if architecture is not None:
+        raise ValueError(f"architecture={architecture!r} applies to HybridLM exports only; a transformers model "
+                         "keeps its own class.")
+    if tokenizer_dir is not None:  # first, so the model's own generation_config.json wins
+        copy_tokenizer_files(tokenizer_dir, out_dir)
+    model.save_pretrained(str(out_dir), safe_serialization=True)

@@ -1,0 +1,173 @@
+"""Hugging Face checkpoints <-> ``HybridLM``: Mamba2, Bamba and NemotronH causal LMs.
+
+A checkpoint directory holds ``config.json`` and ``model.safetensors`` (or the shards listed
+in ``model.safetensors.index.json``). Loading maps config.json onto a ``HybridConfig`` and
+renames every tensor; saving does the reverse. No transformers import is needed.
+
+    architecture          pattern                       tensor names (ours -> theirs)
+    Mamba2ForCausalLM     "M" * num_hidden_layers       identical (``backbone.*``)
+    NemotronHForCausalLM  layers_block_type -> M * -    ``backbone.*`` (or ``model.*`` on disk)
+    BambaForCausalLM      layer i -> blocks 2i, 2i+1:   ``backbone.layers.2i.{norm,mixer}`` ->
+                          "M-" or "*-"                  ``model.layers.i.{input_layernorm, mamba|self_attn}``,
+                                                        ``backbone.layers.2i+1.{norm,mixer}`` ->
+                                                        ``model.layers.i.{pre_ff_layernorm, feed_forward}``
+
+A model loaded here keeps the original config.json dict as ``model.hf_config`` so that
+``save_hf`` writes it back unchanged; a model built from a ``HybridConfig`` needs an
+``architecture`` and gets a config.json built from its shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybridpar.models.hf.config import (  # noqa: F401  (the config API is also reached through this module)
+    ARCHITECTURES, BAMBA, CONFIG_FILE, INDEX_FILE, MAMBA2, NEMOTRON_H, SHARD_FILE, WEIGHTS_FILE,
+    _encode_floats, architecture_of, config_differences, config_from_hf, config_to_hf, read_hf_config,
+)
+from hybridpar.models.hf.files import copy_tokenizer_files
+from hybridpar.models.hybrid import HybridLM
+
+
+def hf_tensor_name(name: str, architecture: str, pattern: str, prefix: str = "backbone.") -> str:
+    """The checkpoint name of our parameter ``name`` (``prefix`` replaces ``backbone.`` except for Bamba)."""
+    if architecture != BAMBA:
+        return prefix + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+    fixed = {"backbone.embeddings.weight": "model.embed_tokens.weight",
+             "backbone.norm_f.weight": "model.final_layernorm.weight", "lm_head.weight": "lm_head.weight"}
+    if name in fixed:
+        return fixed[name]
+    match = re.fullmatch(r"backbone\.layers\.(\d+)\.(norm|mixer)\.(.+)", name)
+    if match is None:
+        raise ValueError(f"parameter {name!r} has no {BAMBA} name.")
+    block, part, rest = int(match[1]), match[2], match[3]
+    layer, is_mlp = divmod(block, 2)
+    if part == "norm":
+        module = "pre_ff_layernorm" if is_mlp else "input_layernorm"
+    else:
+        module = "feed_forward" if is_mlp else ("mamba" if pattern[block] == "M" else "self_attn")
+    return f"model.layers.{layer}.{module}.{rest}"
+
+
+def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards its index lists."""
+    path = Path(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return load_file(path / WEIGHTS_FILE)
+    if not (path / INDEX_FILE).is_file():
+        raise FileNotFoundError(f"{path / WEIGHTS_FILE} not found (nor a sharded {INDEX_FILE}); "
+                                "save the weights in safetensors format there.")
+    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            raise FileNotFoundError(f"{path / shard} not found; {INDEX_FILE} lists it as a shard.")
+        tensors.update(load_file(path / shard))
+    return tensors
+
+
+def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
+    """``HybridLM`` from a Mamba2/Bamba/NemotronH checkpoint directory.
+
+    ``dtype=None`` keeps the dtype of the stored embedding tensor. The model keeps the
+    original config dict as ``model.hf_config`` (and ``model.hf_prefix``) for ``save_hf``.
+    """
+    hf = read_hf_config(path)
+    architecture, config = architecture_of(hf), config_from_hf(hf)  # fail before reading any weights
+    tensors = read_hf_tensors(path)
+    if "backbone.embedding.weight" in tensors:  # early mamba2 checkpoints
+        tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
+    prefix = "model." if architecture == NEMOTRON_H and "model.embeddings.weight" in tensors else "backbone."
+    embedding_name = hf_tensor_name("backbone.embeddings.weight", architecture, "", prefix)
+    if dtype is None:
+        dtype = tensors[embedding_name].dtype if embedding_name in tensors else torch.float32
+    config = dataclasses.replace(config, dtype=dtype)
+    with torch.device("meta"):
+        model = HybridLM(config)
+    model.to_empty(device="cpu")  # meta -> cpu makes new Parameters, so tie the head again
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.backbone.embeddings.weight
+    names = {ours: hf_tensor_name(ours, architecture, config.pattern, prefix) for ours, _ in model.named_parameters()}
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = sorted(k for k in set(tensors) - set(names.values()) - ignorable if not k.endswith("rotary_emb.inv_freq"))
+    missing = sorted(set(names.values()) - set(tensors))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match its {architecture} config: missing tensors {missing[:8]}, "
+                         f"unexpected tensors {unexpected[:8]}; check config.json against the weights.")
+    with torch.no_grad():
+        for ours, param in model.named_parameters():
+            stored = tensors[names[ours]]
+            if stored.shape != param.shape:
+                raise ValueError(f"tensor {names[ours]} has shape {tuple(stored.shape)} but config.json implies "
+                                 f"{tuple(param.shape)}; the config and weights disagree.")
+            param.copy_(stored)
+    model.hf_config, model.hf_prefix = hf, prefix
+    return model
+
+
+def save_hf(model: HybridLM, path: str | Path, architecture: str | None = None,
+            max_shard_bytes: int | None = None, tokenizer_dir: str | Path | None = None) -> None:
+    """Write ``config.json`` and safetensors weights that transformers and ``load_hf`` read.
+
+    A model from ``load_hf`` writes its original config back (``architecture`` may be left
+    out); any other model needs ``architecture``. ``max_shard_bytes`` splits the weights into
+    ``model-0000k-of-0000n.safetensors`` shards with an index. ``tokenizer_dir``: copy the
+    tokenizer, chat template and generation config from there (``hf_files.copy_tokenizer_files``).
+    """
+    stored = getattr(model, "hf_config", None)
+    if stored is not None and architecture in (None, architecture_of(stored)):
+        architecture, hf, prefix = architecture_of(stored), dict(stored), getattr(model, "hf_prefix", "backbone.")
+        differences = config_differences(model.config, config_from_hf(hf, model.config.dtype))
+        if differences:
+            raise ValueError(f"the model no longer matches the config it was loaded with ({'; '.join(differences)}); "
+                             "delete model.hf_config and pass architecture= to build a new config.")
+    elif architecture is None:
+        raise ValueError(f"this model was not loaded from Hugging Face, so pass architecture= one of {list(ARCHITECTURES)}.")
+    else:
+        hf, prefix = config_to_hf(model.config, architecture), "backbone."
+    tensors = {hf_tensor_name(name, architecture, model.config.pattern, prefix): param.detach().cpu().contiguous()
+               for name, param in model.named_parameters()}  # a tied lm_head is listed once, as the embedding
+    shards = _split_shards(tensors, max_shard_bytes)
+    dtype_name = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
+        hf[key] = dtype_name  # the dtype the tensors are written in
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for old in path.iterdir():  # stale weights would shadow or mix with the new ones
+        if old.name in (WEIGHTS_FILE, INDEX_FILE) or SHARD_FILE.fullmatch(old.name):
+            old.unlink()
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, path)
+    (path / CONFIG_FILE).write_text(json.dumps(_encode_floats(hf), indent=2, sort_keys=True) + "\n")
+    if len(shards) == 1:
+        save_file(shards[0], path / WEIGHTS_FILE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def _split_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """Greedy split in order; a tensor larger than the limit gets a shard of its own."""
+    if max_shard_bytes is None:
+        return [tensors]
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive (or None for one file).")
+    shards, size = [{}], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards, size = shards + [{}], 0
+        shards[-1][name], size = tensor, size + nbytes
+    return shards
+

@@ -1,0 +1,342 @@
+"""Closed forms of every collective in one training step of a ``HybridLM``, by source.
+
+One step = ``m`` packs per rank (forward + backward each), gradient clipping, AdamW. Each
+source returns a ``Tally`` of ``(kind, mesh dim) -> (calls, bytes)`` that ``CommStats`` must
+measure exactly (``comm_stats`` counts what a rank sends: all_gather ``(P-1) n``,
+reduce_scatter and all_to_all ``(P-1)/P n``, all_reduce ``2(P-1)/P n``, n = input bytes).
+Symbols: ``e`` element bytes, ``T`` tokens per pack, ``Tc = T/cp`` per CP rank, ``Ts = Tc/tp``
+per SP rank, ``D`` hidden, ``V`` vocab, ``P_f = dp_shard*cp`` (FSDP shard group), ``R =
+dp_replicate``. Per pack unless marked "per step":
+
+    trainer       token count (int64) over dp, loss sum (float64) over dp*cp: 1 all_reduce each, per step
+    tp_embedding  SP: reduce_scatter [Tc, D] (fwd), all_gather [Ts, D] (bwd); else all_reduce [Tc, D] (fwd)
+    tp_blocks     per block, SP: norm output all_gather [Ts, D] (fwd) + reduce_scatter [Tc, D] (bwd),
+                  mixer output reduce_scatter [Tc, D] (fwd) + all_gather [Ts, D] (bwd);
+                  else: mixer output all_reduce [Tc, D] (fwd), mixer input grad all_reduce [Tc, D] (bwd)
+    tp_head       vocab-parallel loss input: SP all_gather [Ts, D] + reduce_scatter [Tc, D]; else all_reduce
+                  [Tc, D] (bwd); all_reduce of the row max [Tc] and the sums [2 Tc + 1] (fwd, >= float32)
+    tp_norm_grads SP norms (blocks + norm_f) leave Partial weight grads [D]: with FSDP one all_reduce each
+                  per step; without, 1 (clipping) + 3 (AdamW reads the grad 3 times) per step
+    cp_attention  allgather: all_gather [Tc, 2 Hkv/tp Dh] (fwd) + reduce_scatter (bwd), per layer;
+                  ulysses: 2 all_to_alls fwd + 2 bwd (``attention_cp_bytes_per_layer``)
+    cp_mamba      a2a: 2 all_to_alls fwd + 2 bwd (``a2a_bytes_per_layer``); state: 2 all_gathers fwd +
+                  2 reduce_scatters bwd (``state_bytes_per_layer``), per layer
+    fsdp          per unit u (blocks, root) with S_u = sum over its TP-local parameters of
+                  ceil(d0/P_f) * (numel/d0) * e: all_gather (P_f-1) S_u, 2 per pack for blocks
+                  and 1 for the root (every unit 1 per step with reshard_after_forward=False);
+                  reduce_scatter (P_f-1) S_u per step; HSDP all_reduce 2(R-1)/R S_u per step
+    clip          per set of groups gradients are sharded over, and group in it: all_reduce of one summed
+                  square (max(e, 4) bytes), per step
+
+The forms follow today's code (``tp_hybrid`` plan, ``cp_*`` cores, ``train/loss``); when one of
+those changes, change its source here and the test that holds the measurement to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from hybridpar.models.hybrid import HybridConfig
+from hybridpar.parallel.context.attention import attention_cp_bytes_per_layer, ulysses_kv_heads
+from hybridpar.parallel.context.mamba import a2a_bytes_per_layer
+from hybridpar.parallel.context.mamba_state import state_bytes_per_layer
+from hybridpar.parallel.dims import ParallelDims
+
+__all__ = ["StepShape", "Tally", "ParamShape", "unit_parameters", "step_collectives", "SOURCES", "dim_label"]
+
+
+class Tally(dict):
+    """``{(kind, dim): [calls, bytes]}`` with ``add`` and ``+``."""
+
+    def add(self, kind: str, dim: str, nbytes: int, calls: int = 1) -> None:
+        if calls <= 0:
+            return
+        entry = self.setdefault((kind, dim), [0, 0])
+        entry[0] += calls
+        entry[1] += calls * int(nbytes)
+
+    def __add__(self, other: "Tally") -> "Tally":
+        out = Tally()
+        for part in (self, other):
+            for (kind, dim), (calls, nbytes) in part.items():
+                entry = out.setdefault((kind, dim), [0, 0])
+                entry[0] += calls
+                entry[1] += nbytes
+        return out
+
+    def calls(self) -> dict[tuple[str, str], int]:
+        return {key: value[0] for key, value in self.items()}
+
+    def bytes(self) -> dict[tuple[str, str], int]:
+        return {key: value[1] for key, value in self.items()}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one training step's traffic depends on."""
+
+    model: HybridConfig
+    dims: ParallelDims
+    pack_size: int  # T, tokens of one packed row
+    packs_per_rank: int  # m
+    element_size: int  # e, bytes of a parameter / activation element
+    sequence_parallel: bool = False
+    cp_attention: str = "allgather"
+    cp_mamba: str = "a2a"
+    reshard_after_forward: bool = True
+    docs_per_pack: tuple[int, ...] = ()  # documents of each pack, for cp_mamba="state"
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.dims.tp > 1
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dims.size("dp_shard_cp") > 1 or self.dims.dp_replicate > 1
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """A parameter's TP-local shape and how TP treats it."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_sharded: bool  # a Shard placement on tp (its gradient norm is reduced over tp)
+    sp_norm: bool = False  # a replicated norm weight fed sequence-sharded activations (Partial grad)
+
+
+def dim_label(dims: ParallelDims, names: tuple[str, ...]) -> str:
+    """``CommStats``'s label of a group spanning mesh dims ``names``: those of size > 1, joined by +."""
+    return "+".join(n for n in names if dims.size(n) > 1) or "self"
+
+
+def _ring(kind: str, size: int, nbytes: int) -> int:
+    """Bytes one rank sends for an input of ``nbytes`` (the CommStats convention)."""
+    return {"all_gather": (size - 1) * nbytes, "reduce_scatter": (size - 1) * nbytes // size,
+            "all_reduce": 2 * (size - 1) * nbytes // size, "all_to_all": (size - 1) * nbytes // size}[kind]
+
+
+def unit_parameters(config: HybridConfig, tp: int = 1, sequence_parallel: bool = False) -> dict[str, list[ParamShape]]:
+    """TP-local parameter shapes of every FSDP unit: ``backbone.layers.i`` and the root (``""``),
+    as the ``hybrid_lm_plan`` shards them (Mamba by heads and groups, column/row-parallel
+    projections, vocab-parallel embedding and head; norms replicated)."""
+    shape = tuple(getattr(config, f.name) for f in dataclasses.fields(config))
+    units = _unit_parameters(type(config), shape, tp, sequence_parallel and tp > 1)
+    return {unit: list(params) for unit, params in units.items()}  # a copy: the cached lists stay as built
+
+
+@functools.lru_cache(maxsize=64)  # the planner asks again for every policy and strategy of a layout (--fit)
+def _unit_parameters(kind: type, shape: tuple, tp: int, sp: bool) -> dict[str, list[ParamShape]]:
+    config = kind(*shape)
+    d = config.hidden_size
+
+    def col(name, rows, cols, bias):  # rows split over tp
+        return [ParamShape(f"{name}.weight", (rows // tp, cols), tp > 1)] + (
+            [ParamShape(f"{name}.bias", (rows // tp,), tp > 1)] if bias else [])
+
+    def row(name, rows, cols, bias):  # input columns split over tp, bias replicated
+        return [ParamShape(f"{name}.weight", (rows, cols // tp), tp > 1)] + (
+            [ParamShape(f"{name}.bias", (rows,), False)] if bias else [])
+
+    units: dict[str, list[ParamShape]] = {}
+    for index, kind in enumerate(config.pattern):
+        prefix = f"backbone.layers.{index}"
+        params = [ParamShape(f"{prefix}.norm.weight", (d,), False, sp)]
+        m = f"{prefix}.mixer"
+        if kind == "M":
+            d_inner, heads = config.mamba_intermediate_size, config.mamba_num_heads
+            gn = config.mamba_n_groups * config.ssm_state_size
+            parts = dict(z=d_inner, x=d_inner, B=gn, C=gn, dt=heads)
+            params += [ParamShape(f"{m}.in_proj.weight_{c}", (n // tp, d), tp > 1) for c, n in parts.items()]
+            if config.mamba_proj_bias:
+                params += [ParamShape(f"{m}.in_proj.bias_{c}", (n // tp,), tp > 1) for c, n in parts.items()]
+            conv = dict(x=d_inner, B=gn, C=gn)
+            params += [ParamShape(f"{m}.conv1d.weight_{c}", (n // tp, 1, config.conv_kernel), tp > 1)
+                       for c, n in conv.items()]
+            if config.use_conv_bias:
+                params += [ParamShape(f"{m}.conv1d.bias_{c}", (n // tp,), tp > 1) for c, n in conv.items()]
+            params += [ParamShape(f"{m}.{p}", (heads // tp,), tp > 1) for p in ("dt_bias", "A_log", "D")]
+            params += [ParamShape(f"{m}.norm.weight", (d_inner // tp,), tp > 1)]
+            params += row(f"{m}.out_proj", d, d_inner, config.mamba_proj_bias)
+        elif kind == "*":
+            q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                params += col(f"{m}.{name}", rows, d, config.attention_bias)
+            params += row(f"{m}.o_proj", d, q, config.attention_bias)
+        else:
+            for name in (("gate_proj", "up_proj") if config.mlp_gated else ("up_proj",)):
+                params += col(f"{m}.{name}", config.intermediate_size, d, config.mlp_bias)
+            params += row(f"{m}.down_proj", d, config.intermediate_size, config.mlp_bias)
+        units[prefix] = params
+    root = [ParamShape("backbone.embeddings.weight", (config.vocab_size // tp, d), tp > 1),
+            ParamShape("backbone.norm_f.weight", (d,), False, sp)]
+    if not config.tie_word_embeddings:
+        root.append(ParamShape("lm_head.weight", (config.vocab_size // tp, d), tp > 1))
+    units[""] = root
+    return units
+
+
+# --------------------------------------------------------------------------------------------
+# Sources
+
+
+def trainer(s: StepShape) -> Tally:
+    out, dims = Tally(), s.dims
+    for names, nbytes in ((("dp_replicate", "dp_shard"), 8), (("dp_replicate", "dp_shard", "cp"), 8)):
+        size = math.prod(dims.size(n) for n in names)
+        if size > 1:
+            out.add("all_reduce", dim_label(dims, names), _ring("all_reduce", size, nbytes))
+    return out
+
+
+def _tp_pair(out: Tally, s: StepShape, calls: int, width: int) -> None:
+    """One [Tc, width] activation entering a TP region and its gradient leaving it, ``calls`` times:
+    SP all_gather (fwd) + reduce_scatter (bwd), else all_reduce of the gradient (bwd)."""
+    tp, tokens, e, label = s.dims.tp, s.pack_size // s.dims.cp, s.element_size, dim_label(s.dims, ("tp",))
+    if s.sp:
+        out.add("all_gather", label, _ring("all_gather", tp, tokens // tp * width * e), calls)
+        out.add("reduce_scatter", label, _ring("reduce_scatter", tp, tokens * width * e), calls)
+    else:
+        out.add("all_reduce", label, _ring("all_reduce", tp, tokens * width * e), calls)
+
+
+def tp_embedding(s: StepShape) -> Tally:
+    """The vocab-parallel embedding's partial output leaving the TP region (and its gradient)."""
+    out = Tally()
+    if s.dims.tp > 1:
+        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size)  # fwd RS + bwd AG, or fwd AR
+    return out
+
+
+def tp_blocks(s: StepShape) -> Tally:
+    """Every block: its input enters the TP region, its row-parallel output leaves it."""
+    out = Tally()
+    if s.dims.tp > 1:
+        _tp_pair(out, s, 2 * s.packs_per_rank * len(s.model.pattern), s.model.hidden_size)
+    return out
+
+
+def tp_head(s: StepShape) -> Tally:
+    """The vocab-parallel loss: its hidden input enters the TP region (as a block's does); forward
+    all-reduces the row max [Tc] and the sums [2 Tc + 1] in at least float32; no logits move."""
+    out = Tally()
+    if s.dims.tp > 1:
+        tp, tokens, label = s.dims.tp, s.pack_size // s.dims.cp, dim_label(s.dims, ("tp",))
+        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size)
+        stat = max(s.element_size, 4)
+        for width in (tokens, 2 * tokens + 1):
+            out.add("all_reduce", label, _ring("all_reduce", tp, width * stat), s.packs_per_rank)
+    return out
+
+
+def tp_norm_grads(s: StepShape) -> Tally:
+    out = Tally()
+    if s.sp:
+        norms = [p for unit in unit_parameters(s.model, s.dims.tp, True).values() for p in unit if p.sp_norm]
+        per_norm = 1 if s.fsdp else 4  # FSDP reduces once; else clipping once and AdamW three times
+        for p in norms:
+            nbytes = math.prod(p.shape) * s.element_size
+            out.add("all_reduce", dim_label(s.dims, ("tp",)), _ring("all_reduce", s.dims.tp, nbytes), per_norm)
+    return out
+
+
+def cp_attention(s: StepShape) -> Tally:
+    out, cfg, cp, e = Tally(), s.model, s.dims.cp, s.element_size
+    if cp == 1:
+        return out
+    layers = s.model.pattern.count("*") * s.packs_per_rank
+    hq, hkv = cfg.num_attention_heads // s.dims.tp, cfg.num_key_value_heads // s.dims.tp
+    label = dim_label(s.dims, ("cp",))
+    forward = round(attention_cp_bytes_per_layer(s.cp_attention, 1, s.pack_size, cp, hq, hkv, cfg.head_dim, e))
+    if s.cp_attention == "allgather":
+        out.add("all_gather", label, forward, layers)
+        out.add("reduce_scatter", label, forward, layers)
+    else:  # ulysses: [q|k|v] and out, each way
+        tokens = s.pack_size // cp
+        for width in (hq + 2 * ulysses_kv_heads(hkv, cp), hq):
+            out.add("all_to_all", label, _ring("all_to_all", cp, tokens * width * cfg.head_dim * e), 2 * layers)
+        assert out.bytes()["all_to_all", label] == 2 * layers * forward
+    return out
+
+
+def cp_mamba(s: StepShape) -> Tally:
+    out, cfg, cp, tp, e = Tally(), s.model, s.dims.cp, s.dims.tp, s.element_size
+    if cp == 1:
+        return out
+    layers, label = s.model.pattern.count("M"), dim_label(s.dims, ("cp",))
+    d_inner, heads, groups = cfg.mamba_intermediate_size // tp, cfg.mamba_num_heads // tp, cfg.mamba_n_groups // tp
+    state = cfg.ssm_state_size
+    if s.cp_mamba == "a2a":  # [x | B | C | dt] in, y back; the same two transposed in backward
+        tokens, groups_sent = s.pack_size // cp, groups * max(1, cp // groups)
+        calls = 2 * layers * s.packs_per_rank
+        for width in (d_inner + 2 * groups_sent * state + heads, d_inner):
+            out.add("all_to_all", label, _ring("all_to_all", cp, tokens * width * e), calls)
+        forward = a2a_bytes_per_layer(1, s.pack_size, cp, d_inner, heads, groups, state, e)
+        assert out.bytes()["all_to_all", label] == round(2 * forward * layers * s.packs_per_rank)
+        return out
+    if len(s.docs_per_pack) != s.packs_per_rank:
+        raise ValueError(f"cp_mamba='state' sends per document: give docs_per_pack for all {s.packs_per_rank} packs.")
+    for docs in s.docs_per_pack:  # conv halo tails [2 docs, K-1, C], then (h_end, a_seg) [2 docs, H p N + H]
+        halo = 2 * docs * (cfg.conv_kernel - 1) * (d_inner + 2 * groups * state) * e
+        states = 2 * docs * (heads * cfg.mamba_head_dim * state + heads) * max(e, 4)
+        for nbytes in (halo, states):
+            out.add("all_gather", label, _ring("all_gather", cp, nbytes), layers)
+            out.add("reduce_scatter", label, _ring("reduce_scatter", cp, cp * nbytes), layers)
+        assert (cp - 1) * (halo + states) == state_bytes_per_layer(
+            1, docs, cp, d_inner, heads, cfg.mamba_head_dim, groups, state, cfg.conv_kernel, e, max(e, 4))
+    return out
+
+
+def _shard_bytes(params: list[ParamShape], shard: int, e: int) -> int:
+    return sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) * e for p in params)
+
+
+def fsdp(s: StepShape) -> Tally:
+    out, dims = Tally(), s.dims
+    if not s.fsdp:
+        return out
+    shard, rep = dims.size("dp_shard_cp"), dims.dp_replicate
+    if not isinstance(s.reshard_after_forward, bool):
+        raise ValueError("closed forms cover reshard_after_forward true or false, not a resharding group size.")
+    shard_label, rep_label = dim_label(dims, ("dp_shard", "cp")), dim_label(dims, ("dp_replicate",))
+    m = s.packs_per_rank
+    for unit, params in unit_parameters(s.model, dims.tp, s.sequence_parallel).items():
+        nbytes = _shard_bytes(params, shard, s.element_size)
+        if shard > 1:
+            gathers = 1 if not s.reshard_after_forward else (m if unit == "" else 2 * m)
+            out.add("all_gather", shard_label, _ring("all_gather", shard, nbytes), gathers)
+            out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * nbytes))
+        if rep > 1:
+            out.add("all_reduce", rep_label, _ring("all_reduce", rep, nbytes))
+    return out
+
+
+def clip(s: StepShape) -> Tally:
+    """``clip_grad_norm``: one all_reduce of a summed square (>= float32) per set of groups the
+    gradients are sharded over and per group in it: FSDP shards every gradient over dp_shard x cp,
+    TP shards some over tp too; without FSDP the embedding's gradient comes back replicated."""
+    out, dims = Tally(), s.dims
+    e = max(s.element_size, 4)
+    fsdp = s.fsdp and dims.size("dp_shard_cp") > 1
+    params = [p for unit in unit_parameters(s.model, dims.tp, s.sequence_parallel).values() for p in unit]
+    tp_sets = {p.tp_sharded and (s.fsdp or p.name != "backbone.embeddings.weight") for p in params}
+    for tp_sharded in tp_sets:
+        if fsdp:
+            out.add("all_reduce", dim_label(dims, ("dp_shard", "cp")), _ring("all_reduce", dims.size("dp_shard_cp"), e))
+        if tp_sharded:
+            out.add("all_reduce", dim_label(dims, ("tp",)), _ring("all_reduce", dims.tp, e))
+    return out
+
+
+SOURCES = {
+    "trainer": trainer, "tp_embedding": tp_embedding, "tp_blocks": tp_blocks, "tp_head": tp_head,
+    "tp_norm_grads": tp_norm_grads, "cp_attention": cp_attention, "cp_mamba": cp_mamba, "fsdp": fsdp, "clip": clip,
+}
+
+
+def step_collectives(shape: StepShape) -> dict[str, Tally]:
+    """Every source's tally for one training step (sum them for the step's total)."""
+    return {name: source(shape) for name, source in SOURCES.items()}

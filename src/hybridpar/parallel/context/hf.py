@@ -1,0 +1,278 @@
+"""Context parallelism for Hugging Face attention models through transformers' attention interface.
+
+hybridpar registers one attention implementation, ``"hybridpar"``, with transformers'
+``AttentionInterface``. A transformers attention module computes ``q, k, v`` (projections,
+q/k norms, RoPE at the ``position_ids`` it was given) and calls
+``attention(module, q [B, Hq, S, Dh], k, v [B, Hkv, S, Dh], mask, scaling=s, sliding_window=W, **kwargs)``;
+ours transposes to ``[B, S, H, Dh]`` and runs the CP strategy ``apply_hf_cp`` installed on the
+module (``cp_attention.py``: ``allgather``, ``ulysses``, ``ring``) with the batch's
+``PackedSeqParams`` from ``kwargs["packed_seq_params"]``, so the math is the strategies' own:
+for query ``i`` and key ``j`` at global positions ``p`` in documents ``d``::
+
+    out_i = sum_j softmax_j(s q_i . k_j | M_ij) v_j,   M_ij = [d_j = d_i] [p_j <= p_i] [p_i - p_j < W]
+
+(the window term only on sliding layers: Mistral with ``sliding_window``, Gemma3's local
+layers, Qwen2/3 with ``use_sliding_window``). No ``[S, S]`` mask exists: the
+strategies run the blockwise core. transformers builds no mask for an implementation
+without a registered mask function (``attention_mask`` arrives as None).
+
+Rotary positions follow the zigzag layout because the model receives this rank's *global*
+position ids: ``hf_cp_inputs(sharded)`` returns ``position_ids [B, S/P]`` = position of each
+local token inside its document (``packed.position_ids``, which ``shard_inputs`` localized),
+so ``cos/sin`` are those of the single-process run, token for token.
+
+Without a CP core (a model set to ``"hybridpar"`` at cp=1) the single-process core runs
+on the documents of ``packed_seq_params``, or else of ``position_ids`` (a new document
+where ``position_ids[0]`` does not continue by 1, as transformers detects packing).
+
+Under ``torch.compile`` the function is plain tensor code around the strategy: dynamo
+traces it with the block (the core is one custom op per direction), no graph breaks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.attention.mixer import sequence_layout
+from hybridpar.models.attention.kernels import attention_core
+from hybridpar.models.attention.layout import AttentionLayout
+from hybridpar.parallel.context.inputs import ShardedInputs
+
+__all__ = [
+    "ATTENTION_NAME",
+    "SUPPORTED_MODEL_TYPES",
+    "apply_hf_cp",
+    "attention_problem",
+    "hf_attention",
+    "hf_attention_modules",
+    "hf_cp_inputs",
+    "is_hf_model",
+    "packed_from_position_ids",
+    "register_hf_attention",
+    "runs_hybridpar_attention",
+    "use_hybridpar_attention",
+    "validate_hf_cp",
+]
+
+ATTENTION_NAME = "hybridpar"
+CORE_ATTRIBUTE = "hybridpar_cp_core"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi")
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies from max(position_ids): differs per rank
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+               for cls in type(model).__mro__)
+
+
+# ----------------------------------------------------------------------------- the attention function
+
+
+def _position_layout(position_ids: Tensor, device) -> AttentionLayout:
+    """Documents of row 0 where its position ids do not continue by 1 (transformers' packing rule)."""
+    pos = position_ids.reshape(-1, position_ids.shape[-1])[0].to(device)
+    new_doc = torch.ones_like(pos, dtype=torch.bool)
+    new_doc[1:] = pos[1:] - pos[:-1] != 1
+    return AttentionLayout.sequence(torch.cumsum(new_doc.to(torch.int32), 0) - 1)  # on-device, no host sync
+
+
+def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
+                 dropout: float = 0.0, sliding_window: int | None = None, softcap=None,
+                 packed_seq_params: PackedSeqParams | None = None, position_ids: Tensor | None = None,
+                 **kwargs) -> tuple[Tensor, None]:
+    """transformers attention: ``q [B, Hq, S, Dh]``, ``k, v [B, Hkv, S, Dh]`` -> ``([B, S, Hq, Dh], None)``."""
+    where = f"hybridpar attention in {type(module).__name__}"
+    if attention_mask is not None:
+        raise ValueError(f"{where} got an attention mask; it takes documents and padding from packed_seq_params "
+                         "(hf_cp_inputs) instead: drop attention_mask.")
+    if dropout or softcap is not None or kwargs.get("s_aux") is not None:
+        raise ValueError(f"{where}: attention dropout ({dropout}), logit soft-capping ({softcap}) and attention "
+                         "sinks are not supported; set attention_dropout=0 and use a model without them.")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, H, S, Dh] -> [B, S, H, Dh]
+    core = getattr(module, CORE_ATTRIBUTE, None)
+    if core is not None:
+        if packed_seq_params is None:
+            raise ValueError(f"{where} runs context parallel but got no packed_seq_params; call the model with "
+                             "**hf_cp_inputs(shard_inputs(..., cp_group=...)).")
+        return core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window), None
+    if packed_seq_params is not None or position_ids is None:
+        layout = sequence_layout(packed_seq_params, q.shape[1], q.device)
+    else:
+        if not torch.compiler.is_compiling() and not bool((position_ids == position_ids[:1]).all()):
+            raise ValueError(f"{where}: rows have different position ids; every row of a batch shares one document "
+                             "layout, so pass packed_seq_params=packed_from_position_ids(row) per row.")
+        layout = _position_layout(position_ids, q.device)
+    return attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window), None
+
+
+def register_hf_attention() -> str:
+    """Register ``hf_attention`` as transformers attention ``"hybridpar"`` (idempotent); returns the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, hf_attention)
+    return ATTENTION_NAME
+
+
+# ----------------------------------------------------------------------------- rules and installation
+
+
+def hf_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every transformers self-attention module (``*Attention`` with a config)."""
+    return [(name, m) for name, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and hasattr(m, "config") and hasattr(m, "head_dim")]
+
+
+def _rope_types(config) -> set[str]:
+    found = set()
+
+    def walk(value):
+        if isinstance(value, dict):
+            if isinstance(value.get("rope_type") or value.get("type"), str):
+                found.add(value.get("rope_type") or value.get("type"))
+            for item in value.values():
+                walk(item)
+
+    walk(getattr(config, "rope_parameters", None))
+    walk(getattr(config, "rope_scaling", None))
+    return found
+
+
+def attention_problem(model: nn.Module) -> str | None:
+    """Why hybridpar's attention cannot stand in for ``model``'s (None: it can), at any cp.
+
+    Rules: a transformers model of a supported type (``SUPPORTED_MODEL_TYPES``; Mamba hybrids only
+    as a HybridLM), causal, without attention dropout, with attention modules to take it.
+    """
+    cls = type(model).__name__
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    mamba = sorted(key for key in (config.to_dict() if hasattr(config, "to_dict") else {}) if "mamba" in key)
+    mamba += sorted({type(m).__name__ for m in model.modules() if "Mamba" in type(m).__name__})
+    if mamba:
+        return (f"{cls} ({model_type}) contains Mamba mixers ({mamba[0]}), which hybridpar runs only in its own "
+                "HybridLM; load the checkpoint as a HybridLM (load_causal_lm(path, backend='hybrid'): Mamba2, Bamba, "
+                "NemotronH).")
+    if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"hybridpar's attention takes transformers models of type {list(SUPPORTED_MODEL_TYPES)} (and HybridLM), "
+                f"and the model is a {cls} (model_type {model_type!r}).")
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
+        return (f"the attention of {cls} is bidirectional (use_bidirectional_attention/is_causal=False); hybridpar's "
+                "attention core is causal.")
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return (f"{cls} has attention_dropout={config.attention_dropout}, which hybridpar's attention core does not "
+                "apply; set config.attention_dropout = 0.0.")
+    if not hf_attention_modules(model):
+        return (f"no attention modules found in {cls} (classes named *Attention with config and head_dim); this model "
+                "cannot take hybridpar's attention.")
+    return None
+
+
+def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1) -> None:
+    """Raise ``ValueError`` unless hybridpar can run ``model`` context parallel (no communication):
+    ``attention_problem``'s rules, no rope whose frequencies depend on the largest position, and
+    every attention module's per-TP-rank heads fit ``attention_core``."""
+    cls = type(model).__name__
+    problem = attention_problem(model)
+    if problem:
+        raise ValueError(f"context parallelism (cp > 1) for {cls}: {problem} It runs on hybridpar's attention only: "
+                         "change that, or use cp=1 (TP and FSDP still apply).")
+    bad_rope = sorted(_rope_types(model.config) & set(_POSITION_DEPENDENT_ROPE))
+    if bad_rope:
+        raise ValueError(f"context parallelism for {cls}: rope type {bad_rope[0]!r} chooses its frequencies from the "
+                         "largest position id a rank holds, which differs between context-parallel ranks; use a "
+                         "static rope (default, linear, yarn, llama3) or cp=1.")
+    for name, module in hf_attention_modules(model):
+        heads = module.config.num_attention_heads
+        kv_heads = getattr(module.config, "num_key_value_heads", None) or heads
+        try:
+            attention_core.validate_heads(heads // tp, kv_heads // tp)
+        except ValueError as error:
+            raise ValueError(f"module {name!r} at tp={tp}, cp={attention_core.cp_size}: {error}") from None
+
+
+def _refuse_attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """transformers drops a 2-D mask for an implementation without a mask function: refuse it instead."""
+    if kwargs.get("attention_mask") is not None or (len(args) > 1 and args[1] is not None):
+        raise ValueError(f"{type(module).__name__} runs hybridpar's context-parallel attention, which takes documents "
+                         "and padding from packed_seq_params, not attention_mask; drop attention_mask and describe "
+                         "padding with PackedSeqParams (cu_seqlens_padded), labels -100 on padding.")
+
+
+def apply_hf_cp(model: nn.Module, attention_core) -> nn.Module:
+    """Install ``attention_core`` (a CP strategy) on every attention module and switch the model to
+    ``"hybridpar"`` attention; run after ``validate_hf_cp`` and tensor parallelism."""
+    for _, module in hf_attention_modules(model):
+        setattr(module, CORE_ATTRIBUTE, attention_core)
+    return use_hybridpar_attention(model)
+
+
+def use_hybridpar_attention(model: nn.Module) -> nn.Module:
+    """Switch ``model`` to ``"hybridpar"`` attention (blockwise, documents from ``packed_seq_params``,
+    no ``[S, S]`` mask; one process without a CP core) and refuse ``attention_mask`` from now on."""
+    model.set_attn_implementation(register_hf_attention())
+    model.register_forward_pre_hook(_refuse_attention_mask, with_kwargs=True)
+    return model
+
+
+def runs_hybridpar_attention(model: nn.Module) -> bool:
+    """Whether ``model`` runs ``"hybridpar"`` attention (it then reads ``packed_seq_params``)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def packed_from_position_ids(position_ids: Tensor) -> PackedSeqParams:
+    """The ``PackedSeqParams`` of rows whose position ids restart at 0 at every document start.
+
+    ``position_ids`` ``[S]`` or ``[B, S]`` (every row the same layout: one ``PackedSeqParams`` is
+    shared by the batch); each document must count ``0, 1, 2, ...``. Build it from the global
+    batch and pass it to ``shard_inputs(..., packed=...)`` (one host sync).
+    """
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).long().cpu()
+    if pos.shape[-1] == 0 or not bool((pos == pos[:1]).all()):
+        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} must be non-empty and equal on every "
+                         "row (one document layout per batch); pack rows with one layout or use one row.")
+    row = pos[0]
+    starts = torch.nonzero(row == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError(f"position_ids must start at 0 (a document start), got {row[:8].tolist()}...; build them per "
+                         "document, restarting at 0.")
+    cu = torch.cat([starts, torch.tensor([row.numel()])]).to(torch.int32)
+    packed = PackedSeqParams.from_cu_seqlens(cu)
+    if not torch.equal(packed.position_ids[0], row):
+        bad = int(torch.nonzero(packed.position_ids[0] != row)[0])
+        raise ValueError(f"position_ids must count 0, 1, 2, ... inside every document; token {bad} has "
+                         f"{int(row[bad])}, expected {int(packed.position_ids[0, bad])}.")
+    return packed
+
+
+def hf_cp_inputs(sharded: ShardedInputs) -> dict:
+    """The forward kwargs of a transformers model for this rank's ``shard_inputs`` result.
+
+    Returns ``input_ids`` (or ``inputs_embeds``) ``[B, S/cp]``, ``position_ids [B, S/cp]`` (this
+    rank's tokens' positions in their documents: ``sharded.position_ids`` if given, else
+    ``packed.position_ids``; these drive RoPE), ``packed_seq_params`` (the localized layout the
+    attention reads; omitted when there is none), ``attention_mask`` only when given (cp=1), and
+    ``use_cache=False``. Labels are not included: compute the loss from the logits or with
+    ``hf_causal_lm_loss(model, labels=sharded.labels, **hf_cp_inputs(sharded), ...)``.
+    """
+    tokens = sharded.input_ids if sharded.input_ids is not None else sharded.inputs_embeds
+    if tokens is None:
+        raise ValueError("hf_cp_inputs needs sharded input_ids or inputs_embeds; pass them to shard_inputs.")
+    inputs = {"input_ids": sharded.input_ids} if sharded.input_ids is not None else {
+        "inputs_embeds": sharded.inputs_embeds}
+    positions = sharded.position_ids
+    if positions is None and sharded.packed is not None:
+        positions = sharded.packed.position_ids.to(tokens.device).expand(tokens.shape[0], -1)  # [B, S/cp]
+    if positions is not None:
+        inputs["position_ids"] = positions
+    if sharded.packed is not None:
+        inputs["packed_seq_params"] = sharded.packed
+    if sharded.attention_mask is not None:
+        inputs["attention_mask"] = sharded.attention_mask
+    inputs["use_cache"] = False
+    return inputs

@@ -1,0 +1,141 @@
+"""FSDP2 over the data-parallel mesh, and the TP layout of every parameter.
+
+``apply_fsdp`` makes every block (decoder layer / hybrid block) and the root an FSDP2 unit,
+sharded over ``dp_shard_cp`` (1-D) or HSDP ``(dp_replicate, dp_shard_cp)`` (2-D). FSDP's own
+gradient division is off (divide factor 1, SUM reductions): the loss already divides by the
+global token count, and ``ReduceOp.AVG`` on gloo is silently wrong (pytorch#162338).
+
+Traffic per unit and optimizer step with m micro-batches (S = this rank's padded shard bytes
+of the unit, P = shard size; ``set_micro_batch`` before each micro-batch):
+
+    reshard_after_forward   all-gathers                         reduce-scatters (+ HSDP all-reduce)
+    True                    2m (forward + backward); root m     1, after the last backward
+    int k                   m over P + m over k; root m         1
+    False                   1 (every unit, root included,       1
+                            kept gathered to the last backward)
+
+Without ``set_micro_batch`` FSDP reduces after every backward (m reduce-scatters).
+
+``parameter_layouts`` (every parameter's TP layout, Megatron's rule order) lives in
+``param_layouts`` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from hybridpar.parallel.dims import ParallelDims
+from hybridpar.parallel.data.param_layouts import MODULE_TP_DIMS, Layout, parameter_layouts
+
+__all__ = [
+    "apply_fsdp", "set_micro_batch", "check_reshard_after_forward", "fsdp_units", "Layout", "parameter_layouts",
+    "MODULE_TP_DIMS",
+]
+
+# Parameter attributes FSDP2 drops when it re-creates parameters; apply_fsdp copies them back.
+_KEPT_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel")
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks to shard one by one: ``model._fsdp_units`` (modules or names, or a method
+    returning them) if the model gives it, else the first of ``model.model.layers``,
+    ``model.backbone.layers``, ``model.layers``."""
+    hint = getattr(model, "_fsdp_units", None)
+    if hint is not None:
+        units = hint() if callable(hint) else hint
+        return [model.get_submodule(u) if isinstance(u, str) else u for u in units]
+    for path in ("model.layers", "backbone.layers", "layers"):
+        try:
+            layers = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            return list(layers)
+    return []
+
+
+def _mixed_precision(mixed_precision) -> MixedPrecisionPolicy:
+    if mixed_precision is None:
+        return MixedPrecisionPolicy()
+    if isinstance(mixed_precision, MixedPrecisionPolicy):
+        return mixed_precision
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a MixedPrecisionPolicy")
+
+
+def check_reshard_after_forward(value, shard_size: int) -> bool | int:
+    """``value`` as ``fully_shard`` takes it, or ``ValueError``: a bool, or an int dividing the
+    FSDP shard size ``dp_shard * cp`` (the group size parameters are resharded to after
+    forward; 1 means False and ``shard_size`` True)."""
+    if isinstance(value, bool):
+        return value
+    divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0]
+    if not isinstance(value, int) or value not in divisors:
+        raise ValueError(
+            f"reshard_after_forward={value!r} is neither a bool nor a divisor of the FSDP shard size "
+            f"dp_shard*cp = {shard_size}; use true (reshard, least memory), false (keep parameters gathered "
+            f"for the whole step) or one of {divisors} (reshard to groups of that size).")
+    if value in (1, shard_size):
+        return value == shard_size
+    return value
+
+
+def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, mixed_precision=None,
+               reshard_after_forward: bool | int = True) -> nn.Module:
+    """``fully_shard`` every block of ``model`` and the root over the data-parallel mesh.
+
+    ``mesh`` is the root mesh from ``dims.build_mesh()``. Blocks reshard after forward as
+    ``reshard_after_forward`` says (see the module docstring); the root never does (its
+    parameters are needed first in backward). ``mixed_precision``: None (compute in the
+    parameter dtype), ``"bf16"`` (bf16 parameters in compute, fp32 gradient reduction) or a
+    ``MixedPrecisionPolicy``. Apply after tensor parallelism; TP parameters become 2-D DTensors (dp, tp).
+    """
+    if tuple(mesh.mesh_dim_names or ()) != ("dp_replicate", "dp_shard", "cp", "tp"):
+        raise ValueError(f"apply_fsdp needs the root mesh from ParallelDims.build_mesh(), got dims "
+                         f"{mesh.mesh_dim_names}")
+    if tuple(mesh.shape) != (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp):
+        raise ValueError(f"mesh shape {tuple(mesh.shape)} does not match {dims}; build the mesh from these dims")
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, dims.size("dp_shard_cp"))
+    dp_mesh = dims.fsdp_mesh(mesh)
+    policy = _mixed_precision(mixed_precision)
+    kept = {name: {a: getattr(p, a) for a in _KEPT_PARAM_ATTRS if hasattr(p, a)}
+            for name, p in model.named_parameters()}
+    units = fsdp_units(model)
+    if not units:
+        warnings.warn(f"{type(model).__name__} has no model.layers / backbone.layers / layers / _fsdp_units; "
+                      "sharding the root as one FSDP unit", stacklevel=2)
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    for name, param in model.named_parameters():
+        for attr, value in kept.get(name, {}).items():
+            setattr(param, attr, value)
+    model._fsdp_keep_gathered = reshard_after_forward is False
+    return model
+
+
+def set_micro_batch(model: nn.Module, index: int, count: int) -> None:
+    """Call before micro-batch ``index`` (0-based) of the ``count`` that make one optimizer step.
+
+    FSDP reduces gradients (reduce-scatter, and HSDP's all-reduce) only in the last one's
+    backward; until then every rank accumulates unsharded gradients of the units it runs
+    (more memory, one reduction per step). With ``reshard_after_forward=False`` parameters
+    also stay gathered until that last backward. A model without FSDP is left alone.
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    if not 0 <= index < count:
+        raise ValueError(f"micro-batch index {index} is outside 0..{count - 1}; pass index < count.")
+    last = index == count - 1
+    model.set_requires_gradient_sync(last)
+    if getattr(model, "_fsdp_keep_gathered", False):
+        model.set_reshard_after_backward(last)

@@ -1,0 +1,122 @@
+"""The plan builder for decoder-only causal LMs, and the LM head style.
+
+Without sequence parallelism (SP) activations between blocks are replicated plain tensors
+and norms are replicated (``LocalReplicateParallel``). With SP the residual stream is a
+``Shard(1)`` DTensor:
+
+    ids [B, S] -> vocab-parallel embedding -> reduce-scatter -> [B, S/tp, D]
+    in-norm (input_layernorm, ...) [B, S/tp, D] -> all-gather once -> [B, S, D]
+        -> column-parallel projections [B, S, n/tp] -> block -> row-parallel out projection
+        -> partial [B, S, D] -> reduce-scatter -> [B, S/tp, D]
+    post-norm (Gemma, OLMo2: on the block output) stays on [B, S/tp, D]
+    final norm [B, S/tp, D] -> LM head: all-gather -> [B, S, V/tp] -> all-gather -> [B, S, V]
+                                 (the loss: all-gather -> [B, S, D] -> vocab-parallel lm_head_loss)
+
+A block without an input norm (OLMo2) reads the residual stream directly: its column-parallel
+projections declare a ``Shard(1)`` input and each all-gather it.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from hybridpar.parallel.tensor.styles import (
+    LocalReplicateParallel,
+    RotaryEmbedParallel,
+    SequenceParallelAllGatherActivation,
+    VocabParallelEmbedding,
+)
+
+__all__ = ["VocabParallelLMHead", "lm_head_style", "embedding_style", "decoder_plan"]
+
+
+class VocabParallelLMHead(ColwiseParallel):
+    """``ColwiseParallel`` for an LM head whose loss is vocab-parallel.
+
+    A forward that computes logits gathers them to ``[B, S, V]`` (``output_layouts``). The
+    training loss computes none: ``hf_causal_lm_loss``'s seam takes the head's input (after the
+    input all-gather under SP, the one the loss needs) to the vocab-parallel ``lm_head_loss``
+    and hands the head zero positions, whose ``[B, 0, V]`` output is made here, with no
+    collective, as in ``HybridLM``, whose loss never calls its head.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.numel() == 0:  # the loss seam: no logits, nothing to gather
+            return outputs.to_local().new_empty(outputs.shape)
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def lm_head_style(sequence_parallel: bool) -> ParallelStyle:
+    """The LM head: column-parallel (vocab-sharded weight), logits gathered to [B, S, V] when
+    computed; the training loss is vocab-parallel and gathers none (``VocabParallelLMHead``).
+
+    The one place that decides the LM head's layout for the Hugging Face plans.
+    """
+    if sequence_parallel:  # [B, S/tp, D] -> all-gather -> [B, S, V/tp] -> all-gather -> [B, S, V]
+        return VocabParallelLMHead(input_layouts=Shard(1), output_layouts=Replicate())
+    return VocabParallelLMHead(output_layouts=Replicate())  # [B, S, V/tp] -> [B, S, V]
+
+
+def embedding_style(sequence_parallel: bool) -> ParallelStyle:
+    """Vocab-parallel token embedding; under SP its output is the sequence-sharded stream."""
+    if sequence_parallel:  # [B, S] ids -> [B, S/tp, D] DTensor
+        return VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
+    return VocabParallelEmbedding()
+
+
+def decoder_plan(sequence_parallel: bool, *, prefix: str = "model", layers: str = "layers",
+                 embed: str = "embed_tokens", rotary: str | None = "rotary_emb", final_norm: str = "norm",
+                 lm_head: str = "lm_head", attn: str = "self_attn", qkv=("q_proj", "k_proj", "v_proj"),
+                 attn_out: str = "o_proj", gather_attention: bool = False, mlp: str = "mlp",
+                 mlp_in=("gate_proj", "up_proj"), gather_mlp: bool = False, mlp_out: str = "down_proj",
+                 in_norms=("input_layernorm", "post_attention_layernorm"), post_norms=(), head_norms=(),
+                 residual_inputs: bool = False) -> dict[str, ParallelStyle]:
+    """A decoder plan; module names are relative to one decoder layer (``prefix.layers.*``).
+
+    - ``gather_attention``: q/k/v (or a fused qkv) column-parallel with the output gathered,
+      attention computed whole on every rank, the out projection row-parallel on a replicated
+      input. For attention code that needs every head (OLMo2's q/k norm over all heads,
+      Phi3's qkv split by config head counts). Weights are still sharded.
+    - ``gather_mlp``: the same for the MLP (a fused ``[gate | up]`` projection that is chunked
+      after the projection: Phi3); the activation runs whole on every rank.
+    - ``in_norms`` normalize a block's input (all-gathered under SP); ``post_norms`` a block's
+      output before the residual add (stay sequence-sharded); ``head_norms`` are norms inside
+      the attention (q/k norms), on local heads (gradients summed over TP) or on the gathered
+      heads with ``gather_attention``.
+    - ``residual_inputs``: blocks read the residual stream without an input norm (OLMo2).
+    """
+    sp = sequence_parallel
+    layer = f"{prefix}.{layers}.*"
+    reduce_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    col_in = dict(input_layouts=Shard(1)) if sp and residual_inputs else {}
+    plan: dict[str, ParallelStyle] = {f"{prefix}.{embed}": embedding_style(sp), lm_head: lm_head_style(sp)}
+    if gather_attention:
+        plan.update({f"{layer}.{attn}.{p}": ColwiseParallel(output_layouts=Replicate(), **col_in) for p in qkv})
+        # [B, S, H d] replicated -> local column slice -> partial [B, S, D] -> all-reduce / reduce-scatter
+        plan[f"{layer}.{attn}.{attn_out}"] = RowwiseParallel(input_layouts=Replicate(), **reduce_out)
+    else:
+        plan.update({f"{layer}.{attn}.{p}": ColwiseParallel(**col_in) for p in qkv})
+        plan[f"{layer}.{attn}.{attn_out}"] = RowwiseParallel(**reduce_out)
+    # per-head norms: on local heads the gradients are partial sums over TP; on gathered heads full
+    plan.update({f"{layer}.{attn}.{n}": LocalReplicateParallel(grad_allreduce=not gather_attention) for n in head_norms})
+    if gather_mlp:
+        plan.update({f"{layer}.{mlp}.{p}": ColwiseParallel(output_layouts=Replicate(), **col_in) for p in mlp_in})
+        plan[f"{layer}.{mlp}.{mlp_out}"] = RowwiseParallel(input_layouts=Replicate(), **reduce_out)
+    else:
+        plan.update({f"{layer}.{mlp}.{p}": ColwiseParallel(**col_in) for p in mlp_in})
+        plan[f"{layer}.{mlp}.{mlp_out}"] = RowwiseParallel(**reduce_out)
+    if not sp:
+        for norm in (*in_norms, *post_norms):
+            plan[f"{layer}.{norm}"] = LocalReplicateParallel()
+        plan[f"{prefix}.{final_norm}"] = LocalReplicateParallel()
+        return plan
+    if rotary:
+        plan[f"{prefix}.{rotary}"] = RotaryEmbedParallel()
+    for norm in in_norms:  # [B, S/tp, D] -> [B, S, D] once per norm
+        plan[f"{layer}.{norm}"] = SequenceParallelAllGatherActivation(use_local_output=False)
+    for norm in post_norms:
+        plan[f"{layer}.{norm}"] = SequenceParallel()
+    plan[f"{prefix}.{final_norm}"] = SequenceParallel()
+    return plan

@@ -1,0 +1,140 @@
+"""Tensor parallelism for Hugging Face mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE,
+NemotronH): every expert is split over TP on its intermediate dim, the router is replicated.
+
+transformers 5.23 stores the experts of one layer as 3-D parameters (``@use_experts_implementation``):
+
+    gate_up_proj [E, 2I, D] = [gate | up] per expert (``is_concatenated``; interleaved pairs otherwise)
+    up_proj      [E, I, D]  (``has_gate=False``: NemotronH)
+    down_proj    [E, D, I]
+    (``is_transposed``: [E, D, 2I] / [E, I, D], so I is the last / middle dim)
+
+Rank ``r`` of ``tp`` holds intermediate rows ``[r I/tp, (r+1) I/tp)`` of every expert: of gate and
+of up (``_StridedShard(I dim, 2)`` of the packed weight, so ``chunk(2)`` finds the local halves)
+and the matching columns of ``down_proj`` (``Shard(I dim)``). For the tokens routed to expert e,
+
+    y_e = sum_r  act(x G_e^r) * (x U_e^r) @ D_e^r         (one partial term per rank)
+    out = sum_e w_e y_e  -> partial [T, D] on each rank -> all-reduce -> [T, D]
+
+so the experts' own forward runs unchanged on the local shards (any experts implementation:
+eager loop, batched or grouped mm). The router (``gate``) runs replicated on every rank and
+picks the same experts everywhere. In backward, the gradients of the expert input ``x`` and
+of the routing weights ``w`` are partial sums over TP and are all-reduced
+(``replicated_local``), so everything before the experts sees full gradients.
+
+Under sequence parallelism the MoE block reads the all-gathered norm output and its
+(replicated) output is sliced back to the sequence shard: ``moe_block_sp_style``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hybridpar.parallel.tensor.linear_styles import _distribute, _require
+from hybridpar.parallel.tensor.styles import reduce_partial, replicated_local, restore_params, swap_in_local_params
+
+__all__ = ["is_grouped_experts", "is_moe_block", "expert_placements", "GroupedExpertsParallel", "moe_block_sp_style"]
+
+
+def is_grouped_experts(module: nn.Module) -> bool:
+    """A transformers experts module: 3-D ``down_proj`` plus ``gate_up_proj`` or ``up_proj``."""
+    down = module._parameters.get("down_proj")
+    up = module._parameters.get("gate_up_proj", module._parameters.get("up_proj"))
+    return down is not None and up is not None and down.ndim == 3 and up.ndim == 3
+
+
+def expert_placements(module: nn.Module) -> dict[str, object]:
+    """TP placement of each expert parameter (see the module docstring); ValueError if unknown."""
+    name = type(module).__name__
+    if not is_grouped_experts(module):
+        raise ValueError(f"{name} is not a grouped experts module (3-D down_proj and gate_up_proj/up_proj)")
+    if getattr(module, "has_bias", False) or getattr(module, "has_post_expert_norm", False):
+        raise ValueError(f"{name} has expert biases or a post-expert norm; GroupedExpertsParallel shards plain "
+                         "gated/ungated experts only. Leave the experts replicated (plan entry "
+                         "LocalReplicateParallel()) or use tp=1")
+    transposed = bool(getattr(module, "is_transposed", False))
+    up_dim, down_dim = (2, 1) if transposed else (1, 2)
+    placements: dict[str, object] = {"down_proj": Shard(down_dim)}
+    if "gate_up_proj" in module._parameters:
+        concatenated = getattr(module, "is_concatenated", True)
+        placements["gate_up_proj"] = _StridedShard(up_dim, split_factor=2) if concatenated else Shard(up_dim)
+    else:
+        placements["up_proj"] = Shard(up_dim)
+    extra = sorted(set(n for n, p in module._parameters.items() if p is not None) - set(placements))
+    if extra:
+        raise ValueError(f"{name} has parameters {extra} that GroupedExpertsParallel does not know how to shard")
+    return placements
+
+
+def _intermediate_size(module: nn.Module) -> int:
+    return module.down_proj.shape[1 if getattr(module, "is_transposed", False) else 2]
+
+
+def _full(value):
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class GroupedExpertsParallel(ParallelStyle):
+    """Experts sharded on the intermediate dim; called as ``experts(x [T, D], top_k_index
+    [T, k], top_k_weights [T, k])``, returns the all-reduced ``[T, D]``."""
+
+    def check(self, name: str, module: nn.Module, tp: int) -> None:
+        try:
+            expert_placements(module)
+        except ValueError as err:
+            raise ValueError(f"TP plan entry for {name!r}: {err}") from None
+        size = _intermediate_size(module)
+        _require(size % tp == 0, name, f"expert intermediate size {size} is not divisible by tp={tp}")
+
+    def _forward_pre(self, mesh: DeviceMesh, module, args, kwargs):
+        args, kwargs = list(args), dict(kwargs)
+        swap_in_local_params(module)
+        # x [T, D] whole on every rank; its gradient (a partial sum over ranks) is all-reduced
+        if args:
+            args[0] = replicated_local(_full(args[0]), mesh)
+        else:
+            kwargs["hidden_states"] = replicated_local(_full(kwargs["hidden_states"]), mesh)
+        args = [_full(a) for a in args]
+        kwargs = {k: _full(v) for k, v in kwargs.items()}
+        # routing weights [T, k]: same all-reduce of their partial gradient
+        if len(args) >= 3:
+            args[2] = replicated_local(args[2], mesh) if args[2].is_floating_point() else args[2]
+        elif "top_k_weights" in kwargs:
+            kwargs["top_k_weights"] = replicated_local(kwargs["top_k_weights"], mesh)
+        return tuple(args), kwargs
+
+    def _forward_post(self, mesh: DeviceMesh, module, args, output):
+        restore_params(module)
+        if output is None:
+            return output
+        # partial [T, D] on each rank -> all-reduce -> [T, D]
+        return reduce_partial(output, mesh, Replicate()).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.check(type(module).__name__, module, device_mesh.size())
+        _distribute(module, expert_placements(module), device_mesh, self.src_data_rank)
+        module.register_forward_pre_hook(partial(self._forward_pre, device_mesh), with_kwargs=True)
+        module.register_forward_hook(partial(self._forward_post, device_mesh), always_call=True)
+        return module
+
+
+def moe_block_sp_style() -> ParallelStyle:
+    """A MoE block under sequence parallelism: reads the all-gathered norm output
+    ([B, S, D] Replicate) as a plain tensor; its output [B, S, D] (replicated: the experts
+    all-reduce) is sliced to the sequence shard [B, S/tp, D] (backward: all-gather)."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False,
+    )
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """A block holding a grouped-experts child named ``experts``."""
+    experts = getattr(module, "experts", None)
+    return isinstance(experts, nn.Module) and is_grouped_experts(experts)
+

@@ -1,0 +1,169 @@
+"""Tensor/sequence-parallel plans for dense Hugging Face decoders (transformers 5.23).
+
+Each plan is exact: float64 loss and every gradient equal the single-process model's
+(``tests/distributed/test_tp_hf*.py``). Hugging Face's own ``base_model_tp_plan`` has no
+sequence parallelism, so these plans derive it from the layer structure (``decoder_plan``):
+which norms feed a block (all-gathered once), which norms sit on a block's output (stay
+sequence-sharded), and which attention code needs every head (computed whole, weights still
+sharded: Phi3 slices its fused qkv by config head counts and chunks its fused gate_up, OLMo2
+normalizes q and k across all heads).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+
+from hybridpar.parallel.tensor.check import validate_tp_sizes
+from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
+from hybridpar.parallel.tensor.linear_styles import (
+    Conv1DColwiseParallel,
+    Conv1DRowwiseParallel,
+    LocalHeadCounts,
+    PackedColwiseParallel,
+)
+from hybridpar.parallel.tensor.registry import register_tp_plan
+from hybridpar.parallel.tensor.styles import LocalReplicateParallel, RotaryEmbedParallel, SequenceParallelAllGatherActivation
+
+__all__ = [
+    "hf_key", "register_hf_plan", "llama_plan", "qwen3_plan", "gemma2_plan", "gemma3_plan", "phi_plan", "phi3_plan", "olmo2_plan", "cohere_plan",
+    "starcoder2_plan", "gpt_neox_plan", "stablelm_plan", "gpt2_plan",
+]
+
+
+def hf_key(model_type: str, class_name: str) -> str:
+    """The registry key of a transformers class: ``transformers.models.<t>.modeling_<t>.<Class>``."""
+    return f"transformers.models.{model_type}.modeling_{model_type}.{class_name}"
+
+
+def register_hf_plan(model_type: str, class_name: str, **kwargs):
+    """Decorator: register a plan under a transformers class's key, with its bare name as alias."""
+    return register_tp_plan(hf_key(model_type, class_name), aliases=(class_name,), **kwargs)
+
+
+def _config_flag_refused(flag: str, why: str):
+    """A ``validate`` that refuses configs with ``flag`` set, then checks the usual sizes."""
+    def validate(model: nn.Module, tp: int) -> None:
+        if getattr(model.config, flag, False):
+            raise ValueError(f"{type(model).__name__} with config.{flag}=True is not supported at tp={tp}: {why}; "
+                             f"use tp=1 (FSDP still shards it) or a config with {flag}=False")
+        validate_tp_sizes(model, tp)
+    return validate
+
+
+@register_hf_plan("llama", "LlamaForCausalLM")
+@register_hf_plan("mistral", "MistralForCausalLM")
+@register_hf_plan("qwen2", "Qwen2ForCausalLM")
+@register_hf_plan("granite", "GraniteForCausalLM")
+def llama_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Llama, Mistral, Qwen2, Granite: q/k/v, gate/up column-parallel; o/down row-parallel."""
+    return decoder_plan(sequence_parallel)
+
+
+@register_hf_plan("qwen3", "Qwen3ForCausalLM")
+def qwen3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Qwen3: Llama plus per-head q_norm/k_norm on local heads (gradients summed over TP)."""
+    return decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"))
+
+
+_GEMMA_NORMS = dict(in_norms=("input_layernorm", "pre_feedforward_layernorm"),
+                    post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+
+
+@register_hf_plan("gemma2", "Gemma2ForCausalLM")
+def gemma2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Gemma2: scaled embedding, four norms per layer (two on the block outputs)."""
+    return decoder_plan(sequence_parallel, **_GEMMA_NORMS)
+
+
+@register_hf_plan("gemma3", "Gemma3ForCausalLM")
+def gemma3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Gemma3: Gemma2's layout plus per-head q/k norms."""
+    plan = decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"), **_GEMMA_NORMS)
+    if sequence_parallel:
+        plan["model.rotary_emb_local"] = RotaryEmbedParallel()  # older Gemma3 versions
+    return plan
+
+
+@register_hf_plan("phi", "PhiForCausalLM")
+def phi_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Phi (Phi-2): attention output ``dense``, MLP ``fc1``/``fc2``, one LayerNorm per layer
+    shared by the parallel attention and MLP branches, optional per-head q/k LayerNorms."""
+    return decoder_plan(sequence_parallel, attn_out="dense", mlp_in=("fc1",), mlp_out="fc2",
+                        in_norms=("input_layernorm",), head_norms=("q_layernorm", "k_layernorm"),
+                        final_norm="final_layernorm")
+
+
+@register_hf_plan("phi3", "Phi3ForCausalLM")
+def phi3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Phi3: fused ``qkv_proj`` split by config head counts and fused ``gate_up_proj`` chunked
+    into gate and up: both outputs gathered (weights sharded ``Shard(0)``, so FSDP composes;
+    a packed ``_StridedShard(0)`` weight would collide with FSDP's dim-0 shard)."""
+    return decoder_plan(sequence_parallel, qkv=("qkv_proj",), gather_attention=True, mlp_in=("gate_up_proj",),
+                        gather_mlp=True)
+
+
+@register_hf_plan("olmo2", "Olmo2ForCausalLM")
+def olmo2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """OLMo2: q/k RMSNorms over all heads (gathered attention); only post-block norms, so the
+    blocks read the residual stream directly."""
+    return decoder_plan(sequence_parallel, gather_attention=True, head_norms=("q_norm", "k_norm"), in_norms=(),
+                        post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), residual_inputs=True)
+
+
+@register_hf_plan("cohere", "CohereForCausalLM",
+           validate=_config_flag_refused("use_qk_norm", "its q/k LayerNorms hold one weight row per head"))
+def cohere_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Cohere: one input LayerNorm feeding parallel attention and MLP branches."""
+    return decoder_plan(sequence_parallel, in_norms=("input_layernorm",))
+
+
+@register_hf_plan("starcoder2", "Starcoder2ForCausalLM")
+def starcoder2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Starcoder2: LayerNorms with bias, MLP ``c_fc``/``c_proj`` (nn.Linear, with bias)."""
+    return decoder_plan(sequence_parallel, mlp_in=("c_fc",), mlp_out="c_proj")
+
+
+@register_hf_plan("gpt_neox", "GPTNeoXForCausalLM")
+def gpt_neox_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """GPT-NeoX: ``query_key_value`` interleaved per head (``[H, 3, d]`` rows, so a plain
+    column split keeps whole heads), parallel or sequential residual."""
+    return decoder_plan(sequence_parallel, prefix="gpt_neox", embed="embed_in", attn="attention",
+                        qkv=("query_key_value",), attn_out="dense", mlp_in=("dense_h_to_4h",),
+                        mlp_out="dense_4h_to_h", final_norm="final_layer_norm")
+
+
+@register_hf_plan("stablelm", "StableLmForCausalLM",
+           validate=_config_flag_refused("qk_layernorm", "its per-head LayerNorms are a list indexed by global head"))
+def stablelm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """StableLM: Llama-shaped, but attention reshapes with ``self.num_heads`` /
+    ``self.num_key_value_heads``, which become the per-rank head counts."""
+    plan = decoder_plan(sequence_parallel)
+    plan["model.layers.*.self_attn"] = LocalHeadCounts(("num_heads", "num_key_value_heads"))
+    return plan
+
+
+@register_hf_plan("gpt2", "GPT2LMHeadModel",
+           validate=_config_flag_refused("add_cross_attention", "cross-attention blocks have no TP plan"))
+def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """GPT-2: ``Conv1D`` projections (transposed weights); ``c_attn`` packs ``[q | k | v]``
+    (``PackedColwiseParallel(3)``, attention ``split_size``/``num_heads`` made per-rank);
+    learned positions ``wpe`` replicated, added to the sequence-sharded token embeddings."""
+    sp = sequence_parallel
+    reduce_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    block = "transformer.h.*"
+    plan: dict[str, ParallelStyle] = {
+        "transformer.wte": embedding_style(sp),
+        "transformer.wpe": LocalReplicateParallel(output_layouts=Shard(1) if sp else None),
+        f"{block}.attn": LocalHeadCounts(("num_heads", "split_size")),
+        f"{block}.attn.c_attn": PackedColwiseParallel(split_factor=3),
+        f"{block}.attn.c_proj": Conv1DRowwiseParallel(**reduce_out),
+        f"{block}.mlp.c_fc": Conv1DColwiseParallel(),
+        f"{block}.mlp.c_proj": Conv1DRowwiseParallel(**reduce_out),
+        "lm_head": lm_head_style(sp),
+    }
+    for norm in ("ln_1", "ln_2"):
+        plan[f"{block}.{norm}"] = SequenceParallelAllGatherActivation(use_local_output=False) if sp else LocalReplicateParallel()
+    plan["transformer.ln_f"] = SequenceParallel() if sp else LocalReplicateParallel()
+    return plan

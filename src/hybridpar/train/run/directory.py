@@ -1,0 +1,318 @@
+"""The output directory of a run: one run at a time, and nothing of an earlier run lost.
+
+- **Lock.** Rank 0 holds ``flock`` on ``<output_dir>/.hybridpar.lock`` for the whole run and
+  writes its pid and host there; a second run into the directory is refused while the
+  first holds it. The kernel releases the lock when a process dies, so a lock file that
+  still names a process (it did not finish cleanly) is taken over with a warning.
+- **Resume or refuse.** ``plan_resume`` picks the checkpoint to load (``auto``: the newest
+  complete one, printing every newer one it skips and why), checks that it was written
+  by the same model shape and the same data stream (naming every differing key), and
+  lists what an earlier run left in the directory (checkpoints of another run or later
+  steps, a ``metrics.jsonl`` of a fresh start). Those are never touched silently:
+  ``checkpoint.if_exists`` = ``refuse`` (default) stops, ``overwrite`` deletes them,
+  ``new_subdir`` writes this run to ``<output_dir>/run-NNN``.
+
+The launcher calls ``check_lock_free`` and ``plan_resume`` before torchrun starts (so the
+error exits 2 at once); rank 0 calls them again as the authority and shares the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridpar.config import ConfigError, RunConfig
+from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
+                                        read_run_info, remove_checkpoint)
+
+LOCK_FILE = ".hybridpar.lock"
+METRICS_FILE = "metrics.jsonl"
+DATA_STREAM_KEYS = ("task", "path", "tokenizer", "seed", "pack_size", "packs_per_step", "task_options")
+
+
+# ----------------------------------------------------------------------------- lock
+
+
+class OutputDirLock:
+    """An exclusive lock on an output directory for this process (re-entrant within it)."""
+
+    _held: dict[str, list] = {}  # resolved directory -> [file descriptor, count]
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.key = str(self.directory.resolve())
+        self.acquired = False
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a warning when a stale lock was taken over. ConfigError if held."""
+        if self.key in self._held:
+            self._held[self.key][1] += 1
+            self.acquired = True
+            return None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise ConfigError(_in_use_message(self.directory, holder)) from None
+        previous = _read_holder(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode(), 0)
+        self._held[self.key] = [fd, 1]
+        self.acquired = True
+        if previous.get("pid") and previous.get("pid") != os.getpid():
+            return (f"output_dir {str(self.directory)!r} was locked by process {previous['pid']} on "
+                    f"{previous.get('host', '?')}, which is no longer running (it did not finish cleanly); "
+                    "taking the lock over.")
+        return None
+
+    def release(self) -> None:
+        if not self.acquired or self.key not in self._held:
+            return
+        self.acquired = False
+        entry = self._held[self.key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._held[self.key]
+            os.ftruncate(entry[0], 0)  # a clean exit leaves no holder behind
+            fcntl.flock(entry[0], fcntl.LOCK_UN)
+            os.close(entry[0])
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, OSError):
+        return {}
+
+
+def _in_use_message(directory: Path, holder: dict) -> str:
+    who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}" if holder else "another process"
+    return (f"output_dir {str(directory)!r} is in use by {who} (it holds {directory / LOCK_FILE}); two runs in one "
+            "directory would overwrite each other's checkpoints: wait for it to finish, stop it, or choose another "
+            "output_dir.")
+
+
+def check_output_dir(directory: str | Path) -> None:
+    """ConfigError unless ``directory`` is a directory this process can write, or can be created."""
+    directory = Path(directory)
+    existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
+    problem = None
+    if not existing.is_dir():
+        problem = "it is a file" if existing == directory else f"{existing} is a file, not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable by this user"
+    if problem:
+        raise ConfigError(f"output_dir={str(directory)!r} cannot hold the run: {problem}; choose a directory you can "
+                          "write, e.g. output_dir=runs/my-run.")
+
+
+def check_lock_free(directory: str | Path) -> None:
+    """ConfigError if another process holds the lock of ``directory`` (this process may hold it)."""
+    directory = Path(directory)
+    path = directory / LOCK_FILE
+    if not path.is_file() or str(directory.resolve()) in OutputDirLock._held:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        raise ConfigError(_in_use_message(directory, _read_holder(fd))) from None
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- resume plan
+
+
+@dataclass
+class ResumePlan:
+    """Where this run writes, what it loads, and what it must print or delete first."""
+
+    output_dir: str
+    checkpoint: str | None = None
+    start_step: int = 0
+    run_id: str | None = None  # the run a resumed checkpoint belongs to
+    pad_to_multiple_of: int | None = None  # the recorded padding of a resumed checkpoint
+    notes: list[str] = field(default_factory=list)
+    remove: list[str] = field(default_factory=list)
+
+
+def data_stream(config: RunConfig, pad_multiple: int) -> dict:
+    """Everything that decides the batch of each step (recorded in every checkpoint)."""
+    data = config.data
+    stream = {key: getattr(data, key) for key in DATA_STREAM_KEYS}
+    stream["pad_to_multiple_of"] = pad_multiple
+    stream["file_bytes"] = Path(data.path).stat().st_size if data.path and Path(data.path).is_file() else None
+    return json.loads(json.dumps(stream))  # the form it has after a round trip through run.json
+
+
+def model_signature(model_config) -> dict:
+    """A model config (``HybridConfig`` or a transformers ``PretrainedConfig``) as JSON values
+    (dtype as its name), for run.json and comparison."""
+    if dataclasses.is_dataclass(model_config):
+        values = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)}
+    else:
+        values = {key: value for key, value in model_config.to_diff_dict().items() if key != "transformers_version"}
+    values["dtype"] = str(values.get("dtype")).removeprefix("torch.")
+    return json.loads(json.dumps(values, default=str))
+
+
+def _differences(recorded: dict, current: dict, prefix: str, skip: tuple = ()) -> list[str]:
+    return [f"{prefix}{key} {json.dumps(recorded.get(key))} -> {json.dumps(current.get(key))}"
+            for key in sorted(set(recorded) | set(current))
+            if key not in skip and recorded.get(key) != current.get(key)]
+
+
+def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None, list[str]]:
+    resume = config.checkpoint.resume
+    if resume is None:
+        return None, []
+    if resume != "auto":
+        path = Path(resume)
+        reason = incomplete_reason(path)
+        if reason is not None:
+            hint = " (it holds step_* folders: point at one of them)" if list_checkpoints(path) else ""
+            raise CheckpointError(f"checkpoint.resume={resume!r} cannot be loaded: {reason}{hint}; point it at a "
+                                  "complete step_* folder, use checkpoint.resume=auto, or start fresh with "
+                                  "checkpoint.resume=null.")
+        return path, []
+    notes = []
+    for path in reversed(list_checkpoints(directory)):
+        reason = incomplete_reason(path)
+        if reason is None:
+            return path, notes
+        notes.append(f"skipping checkpoint {path}: {reason}")
+    if notes:
+        notes.append("no complete checkpoint found; starting from step 0")
+    return None, notes
+
+
+def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | None, cp: int) -> int:
+    """Refuse a checkpoint of another model shape or data stream; returns the padding to use."""
+    if model is not None and "model" in info:
+        changed = _differences(info["model"], model, "", skip=("dtype",))
+        if changed:
+            raise CheckpointError(f"checkpoint {str(path)!r} was written by another model shape ({'; '.join(changed)}; "
+                                  "recorded -> now); resuming would load only part of it. Use the model.preset/"
+                                  "model.overrides/model.hf_path it was trained with, or start fresh "
+                                  "(checkpoint.resume=null).")
+    recorded = info.get("data", {})
+    pad = recorded.get("pad_to_multiple_of")
+    wanted = config.data.pad_to_multiple_of
+    if pad is not None and wanted is not None and wanted != pad:
+        raise CheckpointError(f"data.pad_to_multiple_of={wanted} differs from the {pad} checkpoint {str(path)!r} was "
+                              "trained with, so the batches would change; leave data.pad_to_multiple_of unset (null) "
+                              "to continue with the recorded padding.")
+    pad = pad if pad is not None else (wanted or 2 * cp)
+    if pad % (2 * cp):
+        raise CheckpointError(f"checkpoint {str(path)!r} was trained with documents padded to multiples of {pad}; at "
+                              f"parallel.cp={cp} every document must pad to a multiple of 2*cp={2 * cp}, so the batches "
+                              "would change. Resume at a cp whose 2*cp divides "
+                              f"{pad}, or start fresh (checkpoint.resume=null).")
+    if recorded:
+        recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
+        changed = _differences(recorded, data_stream(config, pad), "data.", skip=("pad_to_multiple_of",))
+        if changed:
+            raise CheckpointError(f"resuming from {str(path)!r} would change the training batches ({'; '.join(changed)}; "
+                                  "recorded -> now); set those keys back to the recorded values, or start a fresh run "
+                                  "(checkpoint.resume=null).")
+    return pad
+
+
+def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
+    """What this run loads and where it writes; raises ConfigError/CheckpointError to refuse.
+
+    ``model`` is ``model_signature`` of this run's model (None skips the shape check).
+    """
+    out = Path(config.output_dir)
+    directory = out / "checkpoints"
+    chosen, notes = _choose_checkpoint(config, directory)
+    plan = ResumePlan(output_dir=str(out), notes=notes)
+    if chosen is not None:
+        info = read_run_info(chosen)
+        plan.checkpoint, plan.start_step, plan.run_id = str(chosen), int(info.get("step", checkpoint_step(chosen) or 0)), info.get("run_id")
+        plan.pad_to_multiple_of = _check_compatible(chosen, info, config, model, config.parallel.cp)
+    earlier = []
+    for path in list_checkpoints(directory):
+        if path == chosen or incomplete_reason(path) is not None:
+            continue
+        step = checkpoint_step(path)
+        run_id = _run_id_of(path)
+        if plan.run_id is None or run_id != plan.run_id or step > plan.start_step:
+            earlier.append(path)
+    metrics = out / METRICS_FILE
+    if metrics.is_file() and (chosen is None or chosen.parent.resolve() != directory.resolve()):
+        earlier.append(metrics)
+    if not earlier:
+        return plan
+    names = ", ".join(p.name for p in earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
+    policy = config.checkpoint.if_exists
+    if policy == "refuse":
+        start = "a fresh run" if chosen is None else f"a run resumed from step {plan.start_step}"
+        raise ConfigError(f"output_dir {str(out)!r} holds outputs of an earlier run ({names}) that {start} would "
+                          "overwrite or mix with; resume it with checkpoint.resume=auto, or set "
+                          "checkpoint.if_exists=overwrite to delete them, or checkpoint.if_exists=new_subdir to write "
+                          f"this run to a fresh {out}/run-NNN, or choose another output_dir.")
+    if policy == "overwrite":
+        plan.remove = [str(p) for p in earlier]
+        plan.notes.append(f"checkpoint.if_exists=overwrite: deleting {names} of an earlier run in {out}")
+        return plan
+    number = 1
+    while (out / f"run-{number:03d}").exists():
+        number += 1
+    plan.output_dir = str(out / f"run-{number:03d}")
+    plan.notes.append(f"{out} holds an earlier run ({names}); checkpoint.if_exists=new_subdir: writing this run to "
+                      f"{plan.output_dir}")
+    return plan
+
+
+def _run_id_of(path: Path) -> str | None:
+    try:
+        return read_run_info(path).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def prepare_output_dir(config: RunConfig, model: dict | None) -> tuple[ResumePlan, OutputDirLock | None]:
+    """Rank 0 locks ``output_dir``, plans the resume and deletes what ``overwrite`` allows;
+    every rank gets the same plan, or raises the same error (one broadcast, no hang)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    outcome: list = [None]
+    lock = None
+    if rank == 0:
+        try:
+            check_output_dir(config.output_dir)
+            lock = OutputDirLock(config.output_dir)
+            warning = lock.acquire()
+            plan = plan_resume(config, model)
+            if warning:
+                plan.notes.insert(0, f"warning: {warning}")
+            plan.run_id = plan.run_id or uuid.uuid4().hex[:12]
+            for path in map(Path, plan.remove):
+                remove_checkpoint(path) if path.is_dir() else path.unlink(missing_ok=True)
+            Path(plan.output_dir).mkdir(parents=True, exist_ok=True)
+            outcome = [plan]
+        except (ValueError, OSError) as error:
+            if lock is not None:
+                lock.release()
+            lock = None
+            outcome = [error if isinstance(error, ValueError) else ConfigError(f"output_dir {config.output_dir!r}: {error}")]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0], lock

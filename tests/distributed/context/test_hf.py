@@ -1,0 +1,215 @@
+"""Context parallelism for Hugging Face models (``parallel/context/hf.py``) against one process.
+
+Tiny float64 Llama, Qwen3, Mistral (sliding window 6) and Gemma3 (a sliding layer with window
+5, a full layer, ``query_pre_attn_scalar`` scaling) from ``tp_hf_models``: the single-process
+reference is the transformers model with SDPA (packed rows through position ids that restart
+at 0, which transformers masks per document); the parallel model goes through
+``parallelize(model, dims, cp_attention=...)`` (FSDP over dp_shard x cp, TP plans at tp=2)
+and is fed ``hf_cp_inputs(shard_inputs(...))``. The loss (token-loss sum / global count,
+summed over CP ranks) and every parameter gradient (``full_tensor``) agree to 1e-9. Ring, Qwen2
+and Phi run once each; Mistral also with its blocks compiled (``aot_eager``): exact, and no
+graph break. One process: the refusals, ``packed_from_position_ids``, and the attention
+at cp=1 (documents from position ids or ``PackedSeqParams``) against SDPA.
+
+Rows are 32 tokens; packed rows hold documents of 12 and 20 tokens, so at cp=2 (four zigzag
+chunks per document) both documents are split across the two ranks and the window crosses
+chunk boundaries. One process-group launch runs every case of a world size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+TOL = 1e-9
+BATCH, SEQ = 2, 32
+DOCS = [0, 12, 32]
+MODELS = ("llama", "qwen3", "mistral", "gemma3")
+VARIANTS = ("dense", "packed")
+
+
+def _relative(got, want) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
+
+
+def _batch(vocab: int, variant: str):
+    from hybridpar.parallel.context.hf import packed_from_position_ids
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    labels[:, ::5] = -100  # some tokens carry no target
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCS[:-1], DOCS[1:])])  # restart at every document
+    packed = packed_from_position_ids(positions) if variant == "packed" else None
+    return ids, labels, packed
+
+
+def _loss_sum(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+
+
+def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False, sequence_parallel=False) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from hybridpar.parallel.context.hf import hf_cp_inputs
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.context.inputs import shard_inputs
+    from hybridpar.parallel.parallelize import parallelize
+    from tests.distributed.tensor.hf_models import build_model
+
+    reference = build_model(name)
+    ids, labels, packed = _batch(reference.config.vocab_size, variant)
+    count = int((labels != -100).sum())
+    positions = None if packed is None else packed.position_ids.expand(BATCH, -1)
+    ref_loss = _loss_sum(reference(input_ids=ids, position_ids=positions, use_cache=False).logits, labels) / count
+    ref_loss.backward()
+
+    model = build_model(name)
+    parallelize(model, dims, mesh=mesh, cp_attention=strategy, compile=compile, sequence_parallel=sequence_parallel)
+    cp_group, tp_group = ParallelDims.group(mesh, "cp"), ParallelDims.group(mesh, "tp")
+    sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group, tp_group=tp_group,
+                           sequence_parallel=sequence_parallel)
+    loss = _loss_sum(model(**hf_cp_inputs(sharded)).logits, sharded.labels) / count
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp_group)  # [] -> the global loss
+
+    ref_params = dict(reference.named_parameters())
+    errors = {}
+    for pname, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        errors[pname] = _relative(grad, ref_params[pname].grad)
+    worst = max(errors, key=errors.get)
+    return {"loss_error": abs(total.item() - ref_loss.item()), "grad_error": errors[worst], "worst": worst,
+            "params": len(errors), "expected_params": len(ref_params),
+            "attn": model.config._attn_implementation}
+
+
+def _refusals(mesh) -> dict:
+    """Messages of the errors that must come before any forward or collective (every rank raises alike)."""
+    import transformers as hf
+
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+    from tests.distributed.tensor.hf_models import COMMON, build_model
+
+    messages = {}
+    three_heads = hf.LlamaForCausalLM(hf.LlamaConfig(**{**COMMON, "hidden_size": 48, "num_attention_heads": 3,
+                                                          "num_key_value_heads": 1}))
+    try:
+        parallelize(three_heads, ParallelDims(cp=2), mesh=mesh, cp_attention="ulysses")
+    except ValueError as error:
+        messages["ulysses_heads"] = str(error)
+    model = parallelize(build_model("llama"), ParallelDims(cp=2), mesh=mesh)
+    try:
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long), attention_mask=torch.ones(1, 8, dtype=torch.long))
+    except ValueError as error:
+        messages["attention_mask"] = str(error)
+    return messages
+
+
+def _run_cases(rank: int, world_size: int, tp: int, cases: list, refusals: bool = False,
+               compiled: tuple = (), sequence_parallel: tuple = ()) -> dict:
+    from hybridpar.parallel.dims import ParallelDims
+
+    dims = ParallelDims(cp=2, tp=tp)
+    mesh = dims.build_mesh()
+    results = {case: _case(*case, dims, mesh) for case in cases}
+    if refusals:
+        results["refusals"] = _refusals(mesh)
+    results.update({("sp", *case): _case(*case, dims, mesh, sequence_parallel=True) for case in sequence_parallel})
+    if compiled:  # blocks compiled with aot_eager (dynamo's graph breaks are the same as inductor's)
+        from torch._dynamo.utils import counters
+
+        results.update({("compiled", *case): _case(*case, dims, mesh, compile="aot_eager") for case in compiled})
+        results["graph_breaks"] = dict(counters["graph_break"])
+    return results
+
+
+def _check(results: list[dict]) -> None:
+    for rank_results in results:
+        for case, r in rank_results.items():
+            if case in ("refusals", "graph_breaks"):
+                continue
+            assert r["attn"] == "hybridpar", case
+            assert r["params"] == r["expected_params"], case
+            assert r["loss_error"] < TOL, (case, r)
+            assert r["grad_error"] < TOL, (case, r)
+
+
+def test_cp2_matches_one_process_compiles_and_refuses_before_collectives():
+    """cp=2: every model with allgather and ulysses, dense and packed; ring, Qwen2 and Phi once each;
+    Mistral compiled per block without graph breaks; the refusals that need a CP group."""
+    cases = [(m, s, v) for m in MODELS for s in ("allgather", "ulysses") for v in VARIANTS]
+    cases += [("mistral", "ring", "packed"), ("gemma3", "ring", "dense"), ("qwen2", "allgather", "packed"),
+              ("phi", "ulysses", "packed")]
+    results = run_ranks(2, _run_cases, 1, cases, True, (("mistral", "allgather", "packed"),), timeout_s=600)
+    _check(results)
+    for rank_results in results:
+        assert rank_results["graph_breaks"] == {}
+        refusals = rank_results["refusals"]
+        assert "3 query heads" in refusals["ulysses_heads"] and "model.layers.0.self_attn" in refusals["ulysses_heads"]
+        assert "drop attention_mask" in refusals["attention_mask"]
+
+
+def test_cp2_tp2_matches_one_process():
+    """cp=2 x tp=2 (world 4) with the registered TP plans; each model runs both strategies; sequence
+    parallelism once per strategy."""
+    cases = [(m, ("allgather", "ulysses")[(i + j) % 2], v) for i, m in enumerate(MODELS) for j, v in enumerate(VARIANTS)]
+    sp = (("gemma3", "allgather", "packed"), ("mistral", "ulysses", "dense"))
+    results = run_ranks(4, _run_cases, 2, cases, False, (), sp, timeout_s=600)
+    assert all(("sp", *case) in r for r in results for case in sp)
+    _check(results)
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("model_kwargs, fragment", [
+    ({"name": "gpt2"}, "use cp=1"),
+    ({"name": "bamba"}, "load the checkpoint as a HybridLM"),
+    ({"name": "llama", "attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"name": "llama", "rope": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic'"),
+    ({"name": "gemma3", "use_bidirectional_attention": True}, "bidirectional"),
+])
+def test_unsupported_models_are_refused_before_any_collective(model_kwargs, fragment):
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import validate_parallelize
+    from tests.distributed.tensor.hf_models import build_model
+
+    kwargs = dict(model_kwargs)
+    model = build_model(kwargs.pop("name"))
+    if "rope" in kwargs:
+        model.config.rope_parameters = kwargs.pop("rope")
+    for key, value in kwargs.items():
+        setattr(model.config, key, value)
+    with pytest.raises(ValueError, match="context parallel") as error:
+        validate_parallelize(model, ParallelDims(cp=2))
+    assert fragment in str(error.value)
+
+
+def test_packed_from_position_ids_and_single_process_attention_match_sdpa():
+    """cp=1 with "hybridpar" attention: documents from position ids or PackedSeqParams, equal to SDPA."""
+    from hybridpar.parallel.context.hf import hf_cp_inputs, packed_from_position_ids
+    from hybridpar.parallel.context.inputs import shard_inputs
+    from tests.distributed.tensor.hf_models import build_model
+
+    positions = torch.cat([torch.arange(12), torch.arange(20)])[None].expand(BATCH, -1)
+    packed = packed_from_position_ids(positions)
+    assert packed.cu_seqlens.tolist() == DOCS
+    with pytest.raises(ValueError, match="count 0, 1, 2"):
+        packed_from_position_ids(torch.tensor([0, 1, 3, 0, 1]))
+    with pytest.raises(ValueError, match="start at 0"):
+        packed_from_position_ids(torch.tensor([1, 2, 0]))
+    for name in ("mistral", "gemma3"):
+        reference, model = build_model(name), build_model(name)
+        model.set_attn_implementation(__import__("hybridpar.parallel.context.hf").parallel.cp_hf.register_hf_attention())
+        ids, _, _ = _batch(reference.config.vocab_size, "packed")
+        want = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+        by_positions = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        by_packed = model(**hf_cp_inputs(shard_inputs(input_ids=ids, packed=packed))).logits
+        assert _relative(by_positions, want) < 1e-12 and _relative(by_packed, want) < 1e-12, name

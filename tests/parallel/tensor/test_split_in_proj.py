@@ -1,0 +1,38 @@
+"""``SplitInProj`` (the Mamba2 ``in_proj`` stored per component) computes the fused projection
+without a fused copy of its weight: nothing autograd saves is a new weight-sized tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridpar.models.mamba.mixer import Mamba2Mixer
+from hybridpar.parallel.tensor.hybrid import SplitInProj, split_mamba_mixers
+
+
+def test_split_in_proj_equals_the_fused_linear_and_saves_no_weight_copy():
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.mixer = Mamba2Mixer(32, num_heads=4, head_dim=8, n_groups=2, state_size=8, chunk_size=8, use_bias=True).double()
+    fused = torch.nn.Linear(32, holder.mixer.in_proj.out_features, bias=True).double()
+    fused.load_state_dict(holder.mixer.in_proj.state_dict())
+    split_mamba_mixers(holder)
+    split = holder.mixer.in_proj
+    assert isinstance(split, SplitInProj)
+    x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
+    params = {p.untyped_storage()._cdata for p in split.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in params:
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = split(x)
+    torch.testing.assert_close(out, fused(x), rtol=0, atol=1e-13)
+    assert saved and all(shape[-1] == 32 and shape[0] != fused.out_features for shape in saved), saved
+    out.square().sum().backward()
+    fused_out = fused(x.detach())
+    fused_out.square().sum().backward()
+    weight_grad = torch.cat([getattr(split, f"weight_{n}").grad for n in split.component_sizes])
+    torch.testing.assert_close(weight_grad, fused.weight.grad, rtol=0, atol=1e-12)
