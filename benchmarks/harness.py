@@ -66,9 +66,9 @@ def child_env(threads: int | None = None) -> dict:
 
 def run_fresh(fn: Callable, *args, timeout_s: float = 3600, threads: int | None = None):
     """``fn(*args)`` in a new Python process (arguments and result through JSON); ``threads``
-    sets OMP_NUM_THREADS and ``torch.set_num_threads`` there."""
+    sets OMP_NUM_THREADS there (torch's thread count; the child imports nothing before ``fn``'s script)."""
     source = sys.modules[fn.__module__].__file__
-    command = [sys.executable, __file__, str(Path(source).resolve()), fn.__name__, json.dumps(args), str(threads or 0)]
+    command = [sys.executable, __file__, str(Path(source).resolve()), fn.__name__, json.dumps(args)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=child_env(threads), cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -81,12 +81,8 @@ def run_fresh(fn: Callable, *args, timeout_s: float = 3600, threads: int | None 
         raise CaseError(f"no JSON on the last line of stdout: {done.stdout.strip()[-200:]!r}") from None
 
 
-def _child(source: str, name: str, args_json: str, threads: str) -> None:
+def _child(source: str, name: str, args_json: str) -> None:
     """The child side of ``run_fresh``: load the script as a module, call ``name``, print JSON."""
-    if int(threads):
-        import torch
-
-        torch.set_num_threads(int(threads))
     spec = importlib.util.spec_from_file_location(Path(source).stem, source)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look a class's module up here
