@@ -321,11 +321,6 @@ def _document_lengths(seqlen: int) -> list[int]:
     return stream.step_packs(0)[0]["seq_lens"].tolist()
 
 
-def _slope(xs: list[float], ys: list[float]) -> float | None:
-    """Least-squares slope of log y on log x."""
-    return harness.log_slope(zip(xs, ys))
-
-
 def section_step(args) -> None:
     import tempfile
 
@@ -343,9 +338,9 @@ def section_step(args) -> None:
     peaks = [max(c["peak_rss_gib_by_rank"].values()) for c in long]
     lengths = [c["seqlen"] for c in long]
     if len(long) >= 2:
-        record["growth"] = {"exponent_peak": _slope(lengths, peaks),
-                            "exponent_above_baseline": _slope(lengths, [p - base for p in peaks]),
-                            "exponent_step_time": _slope(lengths, [c["step_s"] for c in long])}
+        record["growth"] = {"exponent_peak": harness.log_slope(zip(lengths, peaks)),
+                            "exponent_above_baseline": harness.log_slope(zip(lengths, [p - base for p in peaks])),
+                            "exponent_step_time": harness.log_slope(zip(lengths, [c["step_s"] for c in long]))}
     if 131072 in lengths and len(long) >= 2:
         peak = peaks[lengths.index(131072)]
         record["targets"] = {
