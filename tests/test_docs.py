@@ -10,7 +10,8 @@ is checked (output and illustrations go in ```text blocks):
 - ``hybridpar plan`` runs as written; ``hybridpar generate`` with ``--dry-run`` (arguments only);
 - ``make TARGET`` names a target of the Makefile.
 
-Relative links must point to files that exist (and ``#anchors`` to headings there). Every
+The import lines of ```python blocks run, and every ``hp.NAME`` they use is public. Relative
+links must point to files that exist (and ``#anchors`` to headings there). Every
 ``configs/*.yaml`` loads, and every ``a | b | c`` list in a config comment names values its key
 accepts: all of them when the key has a fixed list.
 """
@@ -191,3 +192,23 @@ def test_every_config_loads_and_its_comments_name_real_values(path):
             if choices - set(named):
                 wrong.append(f"{path.name}:{number}: {key}: the comment leaves out {sorted(choices - set(named))}")
     assert wrong == []
+
+
+def test_python_examples_import_names_that_exist():
+    """Every import line of a ```python block runs, and every ``hp.NAME`` it uses is public."""
+    import hybridpar
+
+    missing = []
+    for page in PAGES:
+        for language, start, lines in _fences(page):
+            if language != "python":
+                continue
+            for line in lines:
+                if re.match(r"(from \S+ )?import ", line):
+                    try:
+                        exec(line, {})
+                    except ImportError as error:
+                        missing.append(f"{page.relative_to(ROOT)}:{start}: {line} ({error})")
+            missing += [f"{page.relative_to(ROOT)}:{start}: hp.{name}" for name in
+                        re.findall(r"\bhp\.(\w+)", "\n".join(lines)) if not hasattr(hybridpar, name)]
+    assert missing == []
