@@ -30,13 +30,13 @@ import warnings
 
 from hybridpar.config import ConfigError, RunConfig, load_config
 
-COMMANDS = ("train", "check", "plan", "generate")
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 VERBS = {"train": "train a model (the config's layout, on --nproc-per-node processes)",
          "check": "run one step under the layout and in one process; compare loss and every gradient",
          "plan": "memory, traffic and a step-time estimate per rank, before anything runs; --fit: layouts that fit",
          "generate": "continue a prompt with a trained model, in this process"}
+COMMANDS = tuple(VERBS)
 
 
 def _run_config_arguments(parser: argparse.ArgumentParser, launches: bool) -> None:
