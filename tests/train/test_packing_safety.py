@@ -4,7 +4,9 @@ The trainer (as ``hybridpar train``, ``check`` and evaluation build it) of tiny 
 checkpoints saved by transformers: Qwen3-Next (gated DeltaNet), LFM2 (short convolutions) and
 FalconMamba (Mamba1) train one document per row and say so with the padding it costs; a
 Granite 4.0-H MoE and a NemotronH with MoE layers (``model.backend=auto``: the transformers
-model) pack several documents, say why that is safe, and take a float64 step (eager experts).
+model) pack several documents, say why that is safe, and take a float64 step (eager experts);
+the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
+transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows.
 The leak probe tells a leaking model from an exact one.
 """
 
@@ -93,6 +95,36 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         assert "packing: several documents per row; every token mixer resets" in result["out"], result["out"]
         assert "hybridpar's blockwise document-causal core" in result["out"]
         assert result["type"].endswith("ForCausalLM") and torch.isfinite(torch.tensor(result["loss"]))
+
+
+def _cli_runs(rank, world_size, runs):
+    from hybridpar.cli import main
+
+    results = []
+    for argv in runs:
+        out = io.StringIO()
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            code = main(argv)
+        results.append((code, out.getvalue()))
+    return results
+
+
+def test_granite_moe_at_cp2_trains_exports_reloads_and_checks_exact(checkpoints, tmp_path):
+    common = [f"model.hf_path={checkpoints['granite_moe']}", "data.pack_size=128", "data.packs_per_step=2",
+              "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}", "parallel.cp=2",
+              "tensorboard=false", "plot=false"]
+    train = ["train", *common, "train.steps=2", "train.eval_every=0", "checkpoint.every=-1",
+             f"output_dir={tmp_path}/run", f"model.export_hf={tmp_path}/export"]
+    check = ["check", *common, "model.dtype=float64", "parallel.cp_mamba=state", "parallel.cp_attention=ulysses",
+             f"output_dir={tmp_path}/check"]
+    results = run_ranks(2, _cli_runs, [train, check], timeout_s=300)
+    (train_code, train_out), (check_code, report) = results[0]
+    assert all(code == 0 for rank in results for code, _ in rank), train_out + report
+    assert "packing: several documents per row" in report and "check exact" in report, report
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(f"{tmp_path}/export", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
 def test_the_leak_probe_sees_a_leak_and_passes_our_cores():

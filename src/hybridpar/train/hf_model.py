@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.hf.causal_lm import _plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm
 from hybridpar.models.hf.config import read_hf_config
-from hybridpar.models.hf.mamba_mixers import install_mamba_core
+from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
@@ -87,11 +87,14 @@ def hf_shape(path: str | Path):
 
 
 def hf_meta_model(shape) -> nn.Module:
-    """The transformers model of ``shape`` on the meta device (its modules, no memory)."""
+    """The transformers model of ``shape`` on the meta device (its modules, no memory), its Mamba2
+    mixers switched to hybridpar's core as ``build_hf_model`` switches them."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(shape)
+        model = AutoModelForCausalLM.from_config(shape)
+    install_mamba_core(model)
+    return model
 
 
 def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
@@ -122,7 +125,7 @@ def hf_forward_inputs(sharded: ShardedInputs, model: nn.Module) -> dict:
     inputs = hf_cp_inputs(sharded)
     for key in ("input_ids", "inputs_embeds", "use_cache"):
         inputs.pop(key, None)
-    if not runs_hybridpar_attention(model):  # transformers' attention masks by position ids
+    if not runs_hybridpar_attention(model) and not bridged_mixers(model):  # only position ids reach the model
         inputs.pop("packed_seq_params", None)
     return inputs
 

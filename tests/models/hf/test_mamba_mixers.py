@@ -111,11 +111,14 @@ def test_an_unsupported_mixer_variant_is_refused():
         install_mamba_core(model)
 
 
-def test_context_parallelism_of_transformers_mamba_mixers_is_refused_before_collectives():
-    from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.parallelize import validate_parallelize
+def test_mamba_heads_that_do_not_split_over_cp_are_refused_before_collectives():
+    from hybridpar.parallel.context.attention import STRATEGIES as ATTENTION
+    from hybridpar.parallel.context.hf import validate_hf_cp
+    from hybridpar.parallel.context.mamba import HiddenParallelMamba
 
-    model = build_hybrid("bamba")
+    model = build_hybrid("bamba")  # 8 Mamba heads, 2 groups
     install_mamba_core(model)
-    with pytest.raises(ValueError, match="Mamba core at cp=1 only so far; use cp=1"):
-        validate_parallelize(model, ParallelDims(cp=2))
+    core = HiddenParallelMamba(None)
+    core.cp_size = 3  # the rule as a 3-rank group would apply it (no group needed: no communication)
+    with pytest.raises(ValueError, match=r"Mamba2 mixer 'model.layers.0.mamba' at tp=1, cp=3: .*not divisible by cp=3"):
+        validate_hf_cp(model, ATTENTION["allgather"](None), 1, core)

@@ -192,20 +192,24 @@ def attention_problem(model: nn.Module) -> str | None:
     return None
 
 
-def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1) -> None:
+def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=None) -> None:
     """Raise ``ValueError`` unless hybridpar can run ``model`` context parallel (no communication):
-    ``attention_problem``'s rules, no rope whose frequencies depend on the largest position, and
-    every attention module's per-TP-rank heads fit ``attention_core``."""
+    ``attention_problem``'s rules, no rope whose frequencies depend on the largest position,
+    every attention module's per-TP-rank heads fit ``attention_core``, and every transformers
+    Mamba2 mixer on hybridpar's core (replicated under TP) fits ``mamba_core``."""
     cls = type(model).__name__
     problem = attention_problem(model)
     if problem:
         raise ValueError(f"context parallelism (cp > 1) for {cls}: {problem} It runs on hybridpar's attention only: "
                          "change that, or use cp=1 (TP and FSDP still apply).")
-    mixers = bridged_mixers(model)
-    if mixers:
-        raise ValueError(f"context parallelism (cp > 1) for {cls}: its transformers Mamba2 mixers ({mixers[0][0]}, "
-                         f"{len(mixers)} in all) run hybridpar's Mamba core at cp=1 only so far; use cp=1 (TP and FSDP "
-                         "still apply), or load a Bamba / dense NemotronH checkpoint as a HybridLM (model.backend=auto).")
+    for name, mixer in bridged_mixers(model):
+        if mamba_core is None:
+            raise ValueError(f"context parallelism (cp > 1) for {cls}: Mamba2 mixer {name!r} needs a Mamba CP strategy "
+                             "(cp_mamba 'a2a' or 'state'); pass one to validate_hf_cp.")
+        try:  # transformers' mixers stay whole under TP: all their heads and groups on every TP rank
+            mamba_core.validate(mixer.num_heads, mixer.n_groups)
+        except ValueError as error:
+            raise ValueError(f"Mamba2 mixer {name!r} at tp={tp}, cp={mamba_core.cp_size}: {error}") from None
     bad_rope = sorted(_rope_types(model.config) & set(_POSITION_DEPENDENT_ROPE))
     if bad_rope:
         raise ValueError(f"context parallelism for {cls}: rope type {bad_rope[0]!r} chooses its frequencies from the "
