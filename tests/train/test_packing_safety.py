@@ -6,7 +6,8 @@ FalconMamba (Mamba1) train one document per row and say so with the padding it c
 Granite 4.0-H MoE and a NemotronH with MoE layers (``model.backend=auto``: the transformers
 model) pack several documents, say why that is safe, and take a float64 step (eager experts);
 the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
-transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows.
+transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
+(and at tp=2, where its Mamba mixers are replicated).
 The leak probe tells a leaking model from an exact one.
 """
 
@@ -117,10 +118,12 @@ def test_granite_moe_at_cp2_trains_exports_reloads_and_checks_exact(checkpoints,
              f"output_dir={tmp_path}/run", f"model.export_hf={tmp_path}/export"]
     check = ["check", *common, "model.dtype=float64", "parallel.cp_mamba=state", "parallel.cp_attention=ulysses",
              f"output_dir={tmp_path}/check"]
-    results = run_ranks(2, _cli_runs, [train, check], timeout_s=300)
-    (train_code, train_out), (check_code, report) = results[0]
-    assert all(code == 0 for rank in results for code, _ in rank), train_out + report
+    tp = [a if a != "parallel.cp=2" else "parallel.tp=2" for a in check[:-3]] + [f"output_dir={tmp_path}/tp"]
+    results = run_ranks(2, _cli_runs, [train, check, tp], timeout_s=300)
+    (_, train_out), (_, report), (_, tp_report) = results[0]
+    assert all(code == 0 for rank in results for code, _ in rank), train_out + report + tp_report
     assert "packing: several documents per row" in report and "check exact" in report, report
+    assert "tp=2" in tp_report and "check exact" in tp_report, tp_report  # Mamba replicated under TP
     from transformers import AutoModelForCausalLM
 
     _, info = AutoModelForCausalLM.from_pretrained(f"{tmp_path}/export", output_loading_info=True)
