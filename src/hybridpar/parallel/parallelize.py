@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
+from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.context import attention as attention_cp
@@ -179,8 +180,12 @@ def parallelize(
     (FSDP's). ``compile``: True (inductor), a ``torch.compile`` backend name or a dict of its
     options (``apply_compile``). ``reshard_after_forward``: FSDP's, for the blocks
     (``fsdp.check_reshard_after_forward``). The mesh is kept on ``model._parallel_mesh`` and the
-    dims on ``model._parallel_dims``.
+    dims on ``model._parallel_dims``. A transformers model's Mamba2 mixers are switched to
+    hybridpar's Mamba core first (``models/hf/mamba_mixers.install_mamba_core``), the seam of
+    the Mamba CP strategies.
     """
+    if hf_cp.is_hf_model(model):
+        install_mamba_core(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
                          sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,
                          activation_checkpointing=activation_checkpointing,

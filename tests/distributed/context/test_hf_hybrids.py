@@ -52,8 +52,7 @@ def _case(name, mamba, attention, mesh) -> dict:
     ref_loss = pack_loss_sum(reference, shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / count
     ref_loss.backward()
 
-    model = build_hybrid(name)
-    install_mamba_core(model)
+    model = build_hybrid(name)  # parallelize switches its Mamba2 mixers to hybridpar's core
     parallelize(model, ParallelDims(cp=2), mesh=mesh, cp_attention=attention, cp_mamba=mamba)
     cores = {type(m.core).__name__ for _, m in bridged_mixers(model)}
     cp_group = ParallelDims.group(mesh, "cp")
