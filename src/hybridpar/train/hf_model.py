@@ -25,7 +25,8 @@ document-causal over the pack's ``PackedSeqParams``, so no ``[S, S]`` mask exist
 grows linearly with ``data.pack_size``; its Mamba2 mixers run hybridpar's Mamba core
 (``models/hf/mamba_mixers``). Any other model keeps transformers' attention and trains one
 document per row (``train/packing_rule.py``). RoPE reads the position ids (zigzag-sharded under CP).
-A float64 model with MoE experts runs transformers' eager experts (``grouped_mm`` has no float64).
+A float64 model with MoE experts runs transformers' eager experts (``grouped_mm`` has no float64),
+and every float32 cast inside transformers stays float64 (``models/hf/float64.keep_float64``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import Tensor, nn
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.hf.causal_lm import _plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm
 from hybridpar.models.hf.config import read_hf_config
+from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import ShardedInputs
@@ -103,6 +105,8 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     model = load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
     if dtype == torch.float64 and type(model)._can_set_experts_implementation():
         model.set_experts_implementation("eager")  # torch._grouped_mm (transformers' default) has no float64
+    if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
+        keep_float64(model.to(torch.float64))
     install_mamba_core(model)
     return model
 
