@@ -42,6 +42,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from hybridpar.models.precision import full_precision
+
 __all__ = [
     "IGNORE_INDEX", "LMHeadLoss", "ChunkedLMHeadLoss", "chunked_lm_head_loss", "check_lm_head_inputs",
     "check_label_values", "local_statistics", "local_gradients", "loss_from_statistics",
@@ -106,6 +108,7 @@ def _blocks(size: int, chunk_size: int):
 
 
 @torch.no_grad()
+@full_precision
 def local_statistics(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int,
                      vocab_offset: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One blockwise pass over the rows ``weight [V_local, D]`` (global ids from ``vocab_offset``).
@@ -150,6 +153,7 @@ def loss_from_statistics(lse: Tensor, target: Tensor, labels: Tensor, vocab_size
 
 
 @torch.no_grad()
+@full_precision
 def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor,
                     chunk_size: int, vocab_offset: int = 0) -> tuple[Tensor, Tensor]:
     """``(grad_hidden [T, D] in the compute dtype, grad_weight [V_local, D] in weight's dtype)``.

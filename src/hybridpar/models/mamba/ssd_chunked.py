@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridpar.models.precision import full_precision
 from hybridpar.models.mamba.recurrence import decay_floor, linear_recurrence, reverse_recurrence, step_decay
 
 DIAGONAL_SLICE_BYTES = 16 << 20  # working set of step 1: a few chunks' [G, R, Q, Q] decay matrices
@@ -186,6 +187,7 @@ def _diagonal(p: _Prepared, layout: ChunkLayout, part: slice, with_factors: bool
     return decay * CB[:, :, None], decay, CB, keep
 
 
+@full_precision
 def forward(x, dt, A, B, C, D, layout: ChunkLayout, init_states=None, want_y=True, want_final=False):
     """``(y [B, L, H, P] or None, final states [m, H, P, N] or None)``; inputs in compute dtype."""
     p = _prepare(x, dt, A, B, C, layout, init_states)
@@ -243,6 +245,7 @@ def _final_states(p: _Prepared, layout: ChunkLayout, start: Tensor):
     return state, w_start, v, coef
 
 
+@full_precision
 def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_final):
     """Gradients ``(dx, ddt, dA, dB, dC, dD, d_init_states)`` of ``forward``'s outputs against
     ``grad_y [B, L, H, P]`` and ``grad_final [m, H, P, N]`` (either may be None), recomputing the
