@@ -230,7 +230,8 @@ def _final_states(p: _Prepared, layout: ChunkLayout, start: Tensor):
     carry = (layout.carried[k] == d) & valid
     w_start = _exp(cs_o, carry[:, None, None])  # [m, G, R]
     mask = (torch.arange(q, device=k.device) <= o[:, None]) & (layout.doc[k] == d[:, None]) & valid[:, None]
-    v = _exp(cs_o[..., None] - p.cs[k], mask[:, None, None, :])  # [m, G, R, Q]
+    v = _exp(cs_o[..., None] - p.cs[k], mask[:, None, None, :], upper=0.0)  # [m, G, R, Q]; masked tokens after o
+    # would have exponents > 0 (exp overflows to inf in float32 over a long chunk, and inf * 0 is NaN)
     r = p.cs.shape[2]
     state = (start[k].unflatten(-1, (r, -1)) * w_start[:, :, None, :, None]).flatten(-2)
     state = state + p.Bg[k].transpose(-1, -2) @ _group_rows(p.xdt[k] * v[..., None])
@@ -240,7 +241,7 @@ def _final_states(p: _Prepared, layout: ChunkLayout, start: Tensor):
         _, _, oi = _init_outputs(p, layout)
         match = (k[:, None] == ki) & (d[:, None] == di) & (oi <= o[:, None]) & valid[:, None] & valid_i  # [m, m']
         cs_excl_i = _at(p.cs_excl[ki], oi)  # [m', G, R]
-        coef = _exp(cs_o[:, None] - cs_excl_i[None], match[..., None, None])  # [m, m', G, R]
+        coef = _exp(cs_o[:, None] - cs_excl_i[None], match[..., None, None], upper=0.0)  # [m, m', G, R]
         state = state + torch.einsum("jigr,ignrp->jgnrp", coef, p.init_states).flatten(-2)
     return state, w_start, v, coef
 
