@@ -99,3 +99,33 @@ def test_tf32_key_sets_the_float32_matmul_precision():
         assert load_config(DEFAULT, ["parallel.tf32=false"]).parallel.tf32 is False
     finally:
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+
+
+def test_lm_head_loss_under_autocast_runs_bf16_matmuls_with_float32_statistics():
+    """The loss of bf16 logits (bf16 matmuls) with float32 logsumexp, forward and backward alike:
+    equal to that loss written out with autograd, and within bf16 rounding of float32."""
+    from hybridpar.models.lm_head_loss import chunked_lm_head_loss
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(96, 32, generator=gen, requires_grad=True)
+    weight = (torch.randn(200, 32, generator=gen) * 0.3).requires_grad_()
+    labels = torch.randint(0, 200, (96,), generator=gen)
+    labels[::7] = -100
+
+    def written_out(bf16: bool):
+        h, w = (hidden.bfloat16(), weight.bfloat16()) if bf16 else (hidden, weight)
+        logits = (h @ w.T).float()
+        valid = labels != -100
+        losses = logits.logsumexp(-1) - logits.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+        loss = torch.where(valid, losses, 0.0).sum()
+        return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_lm_head_loss(hidden, weight, labels, chunk_size=64).loss_sum
+    assert loss.dtype == torch.float32
+    got = (loss, *torch.autograd.grad(loss, (hidden, weight)))
+    assert got[1].dtype == got[2].dtype == torch.float32
+    for mine, bf16, fp32 in zip(got, written_out(True), written_out(False)):
+        scale = fp32.abs().max()
+        assert (mine - bf16).abs().max() <= 1e-2 * scale  # the same bf16 loss (accumulation order aside)
+        assert 1e-5 * scale < (mine - fp32).abs().max() <= 3e-2 * scale  # bf16, not float32, and close to it
