@@ -1,5 +1,8 @@
 """The fused Mamba path on CUDA against the pure-PyTorch core, float32 (TF32 off): issue 25's parity.
 
+Float32 means IEEE float32 on both sides: torch's TF32 is off and triton's default dot
+precision is set to IEEE (``TRITON_F32_DEFAULT=ieee``, before triton compiles FLA's kernels).
+
 - ``model``: the ``small`` preset on one packed row (4,096 tokens, 5 documents): loss and every
   parameter gradient with ``use_mamba_kernel("fla")`` against ``use_mamba_kernel("pure")``;
 - ``states``: the core as the CP ``state`` strategy calls it (``small``'s Mamba shapes, 4
@@ -20,10 +23,14 @@ import argparse
 import copy
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
-import torch
+# FLA's kernels use triton's default dot precision, TF32 for float32 inputs: IEEE for parity.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
