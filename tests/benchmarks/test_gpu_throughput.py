@@ -4,7 +4,6 @@ MFU arithmetic follows the formula in its docstring."""
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,13 +39,12 @@ def test_dry_run_writes_every_variant_in_the_issue_schema(tmp_path):
     assert "| tiny | 128 | bf16-fused-compiled |" in (tmp_path / "gpu_throughput.md").read_text()
 
 
-def test_without_cuda_it_refuses_in_one_line(tmp_path):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, even on a machine that has one
-    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env=env)
-    assert result.returncode == 2
-    assert result.stderr.strip() == ("gpu_throughput: no CUDA device here; run it on a GPU machine "
-                                     "(or pass --dry-run on CPU).")
+def test_without_cuda_it_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+    module = _module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU, even on a machine that has one
+    assert module.main(["--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("gpu_throughput: no CUDA device here; run it on a GPU machine "
+                                               "(or pass --dry-run on CPU).")
     assert not any(tmp_path.iterdir())
 
 
