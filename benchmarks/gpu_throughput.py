@@ -30,8 +30,8 @@ the mean number of keys a token sees in its document, and chunk size ``Q``:
 
 Writes ``gpu_throughput.json`` (``{"device", "torch", "date", "command", "rows": [{"model",
 "tokens", "variant", "step_s", "tokens_per_s", "mfu", "peak_gib", "graph_breaks"}]}``) and
-``gpu_throughput.md``. A row that does not fit (out of memory) or is skipped for time has null
-numbers and a note in the Markdown. Without CUDA (and without ``--dry-run``) it refuses.
+``gpu_throughput.md``. A row that does not fit (out of memory), fails (the error) or is skipped
+for time has null numbers and a note in the Markdown. Without CUDA (and without ``--dry-run``) it refuses.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import shlex
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -203,6 +204,9 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
         row["graph_breaks"] = sum(counters["graph_break"].values())
     except torch.OutOfMemoryError as error:
         note = f"out of memory: {str(error).splitlines()[0][:90]}"
+    except Exception as error:  # noqa: BLE001 - a row that fails is reported, the others still run
+        traceback.print_exc()
+        note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
     finally:
         model = step = None  # noqa: F841
         gc.collect()
