@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 # FLA's kernels use triton's default dot precision, TF32 for float32 inputs: IEEE for parity.
@@ -117,8 +118,10 @@ def main() -> int:
     for name, run in (("model", model_parity), ("states", state_parity)):
         try:
             sections[name] = [{"quantity": q, "rel": r, "ok": r <= TOLERANCE} for q, r in run(device)]
-        except ValueError as error:  # use_mamba_kernel('fla') cannot run here: the reason
-            sections[name] = [{"quantity": "fused kernel", "rel": None, "ok": False, "error": str(error)}]
+        except Exception as error:  # noqa: BLE001 - e.g. use_mamba_kernel('fla') cannot run here: the reason
+            traceback.print_exc()
+            sections[name] = [{"quantity": "fused kernel", "rel": None, "ok": False,
+                               "error": f"{type(error).__name__}: {error}"[:300]}]
     failures = [(s, row["quantity"]) for s, rows in sections.items() for row in rows if not row["ok"]]
     lines = ["# Fused Mamba path vs the pure-PyTorch core on CUDA (float32, TF32 off)", "",
              f"Device: {meta['device']}, torch {meta['torch']}, {meta['date']}; pass: relative max difference "
