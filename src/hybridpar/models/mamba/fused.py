@@ -20,6 +20,10 @@ autograd. The whole fused core runs under ``torch.utils.checkpoint``: like the p
 saves only its inputs and recomputes conv, dt and scan in the backward, so the saved-bytes
 budget of a block does not change with the kernel.
 
+Under ``torch.compile`` the fused core runs eagerly (``torch.compiler.disable``: FLA's launchers
+sync with the host and autotune), one graph break per call; registering it as a custom op
+needs an explicit backward (docs/gpu.md).
+
 ``choose_kernel`` says which core runs and why (logged once per kernel and reason): ``fla``
 on CUDA for float32/bf16/fp16 when ``fla-core`` imports (``pip install 'hybridpar[gpu]'``),
 initial states only at document starts and final states only at document ends; otherwise
@@ -157,6 +161,7 @@ def _fused_math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states,
     return y.reshape(batch, seqlen, d_inner).to(xBC.dtype), final
 
 
+@torch.compiler.disable  # FLA's Python launchers (host syncs, autotuning) run eager: one graph break per call
 def fused_conv_scan(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, dt_bias: Tensor,
                     A_log: Tensor, D: Tensor, *, head_dim: int, state_size: int, cu_docs: Tensor,
                     dt_limit=(0.0, float("inf")), init_at: Tensor | None = None, init_states: Tensor | None = None,
