@@ -1,6 +1,7 @@
 """``parallel.mixed_precision=bf16`` without FSDP: fp32 master weights, bf16 matmuls (autocast),
 fp32 where precision decides; and ``parallel.tf32``."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,9 @@ def test_autocast_runs_matmuls_in_bf16_and_keeps_statistics_in_float32():
     assert abs(float(loss) - float(loss_ref)) / float(loss_ref) < 1e-2
     loss.backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+    copied = copy.deepcopy(model)  # the copy's forward runs the copy, under autocast
+    assert copied.forward.__self__ is copied and copied._forward_before_autocast.__self__ is copied
+    assert float(copied(ids, labels=ids)[0]) == float(loss)
 
 
 def test_full_precision_keeps_a_custom_ops_matmul_in_float32():

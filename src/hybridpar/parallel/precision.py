@@ -17,7 +17,7 @@ float64 never uses TF32, and ``hybridpar check`` turns it off.
 
 from __future__ import annotations
 
-import functools
+import types
 
 import torch
 from torch import nn
@@ -48,23 +48,22 @@ def _device_type(args, kwargs, model: nn.Module) -> str:
     return "cpu"
 
 
+def _autocast_forward(self, *args, **kwargs):
+    with torch.autocast(_device_type(args, kwargs, self), dtype=self._autocast_dtype):
+        return self._forward_before_autocast(*args, **kwargs)
+
+
 def apply_autocast(model: nn.Module, mixed_precision: str = "bf16") -> nn.Module:
     """Run ``model``'s forward under ``torch.autocast(<inputs' device>, dtype)`` (in place).
 
-    The wrapper is an instance attribute (``model.forward``), so parameter and module names do
-    not change; ``model._autocast_dtype`` records the dtype.
+    The wrapper is a bound method on the instance (``model.forward``), so parameter and module
+    names do not change and ``copy.deepcopy`` rebinds it to the copy; ``model._autocast_dtype``
+    records the dtype.
     """
     check_autocast_model(model, mixed_precision)
-    dtype = AUTOCAST_DTYPES[mixed_precision]
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def autocast_forward(*args, **kwargs):
-        with torch.autocast(_device_type(args, kwargs, model), dtype=dtype):
-            return forward(*args, **kwargs)
-
-    model.forward = autocast_forward
-    model._autocast_dtype = dtype
+    model._autocast_dtype = AUTOCAST_DTYPES[mixed_precision]
+    model._forward_before_autocast = model.forward
+    model.forward = types.MethodType(_autocast_forward, model)
     return model
 
 
