@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import sys
 import traceback
@@ -33,8 +32,10 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (puts this checkout's src/ first on sys.path)
+
+ROOT = harness.ROOT
 
 from hybridpar.data.thd import PackedSeqParams  # noqa: E402
 from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
@@ -131,10 +132,7 @@ def main() -> int:
         lines.append(f"- {name}: {len(rows)} quantities, worst {worst['quantity']} "
                      f"{worst.get('error') or format(worst['rel'], '.2e')}, {'ok' if all(r['ok'] for r in rows) else 'FAIL'}")
     lines += ["", f"verdict: {'FAILED ' + str(failures) if failures else 'passed'}", ""]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_parity.json").write_text(json.dumps({**meta, "sections": sections}, indent=1) + "\n")
-    (args.out / "gpu_parity.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    harness.write_results("gpu_parity", {**meta, "sections": sections}, "\n".join(lines), out=args.out)
     return 1 if failures else 0
 
 

@@ -50,8 +50,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (puts this checkout's src/ first on sys.path)
+
+ROOT = harness.ROOT
 
 from hybridpar.data.thd import PackedSeqParams  # noqa: E402
 from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
@@ -245,13 +247,6 @@ def markdown(meta: dict, rows: list[dict], notes: list[str], kernels: str) -> st
     return "\n".join(lines)
 
 
-def write_results(out: Path, name: str, payload: dict, text: str) -> None:
-    """``<name>.json`` and ``<name>.md`` in ``out`` (the one writer; benchmarks/harness.py may take it over)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (out / f"{name}.md").write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -283,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             notes.append(note)
             print(json.dumps(row), note, flush=True)
-            write_results(args.out, "gpu_throughput", {**meta, "rows": rows}, markdown(meta, rows, notes, kernels))
+            harness.write_results("gpu_throughput", {**meta, "rows": rows}, markdown(meta, rows, notes, kernels),
+                                  out=args.out, echo=False)
     print(markdown(meta, rows, notes, kernels))
     return 0
 
