@@ -11,16 +11,17 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# torch is pinned in pyproject.toml (torch==2.13.0, the CPU build here).
-$(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e ".[dev,hf,data]"
+# pyproject.toml declares the torch range hybridpar is tested on; constraints.txt pins the exact
+# versions the suite and CI run (torch==2.13.0), so `make` stays reproducible.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf,data]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 # The demo also writes TensorBoard logs (the optional `tensorboard` extra).
 $(DEMO_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,hf,tensorboard]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf,tensorboard]"
 	touch $(DEMO_STAMP)
 
 # The default job: the tiny hybrid model on packed MQAR, 2 processes as cp=2.

@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"  # HybridConfig preset (tiny, demo, small, nemotronh-8b)
+    preset: str = "tiny"  # HybridConfig preset (tiny, demo, small, 1b, nemotronh-8b)
     overrides: dict = field(default_factory=dict)  # HybridConfig fields, e.g. {pattern: "M*-M-"}
     dtype: str = "float32"  # float32 | float64 | bfloat16
     hf_path: str | None = None  # a Hugging Face checkpoint directory (config.json + safetensors) to start from
@@ -67,7 +67,8 @@ class ParallelConfig:
     cp_attention: str = "allgather"  # allgather | ulysses | ring
     cp_mamba: str = "a2a"  # a2a | state
     activation_checkpointing: str | bool = "none"  # none | full | selective (true/false: full/none)
-    mixed_precision: str | None = None  # None | bf16 (FSDP params in bf16, reduce in fp32)
+    mixed_precision: str | None = None  # None | bf16: fp32 weights, bf16 matmuls (FSDP policy, else autocast)
+    tf32: bool = True  # float32 matmuls/convs on CUDA in TF32 (never for float64 or `hybridpar check`)
     reshard_after_forward: bool | int = True  # FSDP blocks: true | false (gathered all step) | a divisor of dp_shard*cp
     compile: bool | str = False  # torch.compile each block: true (inductor) | a backend name (e.g. aot_eager)
 
@@ -166,6 +167,7 @@ RULES: dict[str, Rule] = {
     "parallel.compile": Rule("true, false or a torch.compile backend name such as 'aot_eager'",
                              lambda v: isinstance(v, bool) or bool(str(v).strip())),
     "parallel.mixed_precision": or_null(one_of("bf16")),
+    "parallel.tf32": ANY,
     "train.steps": integer(1),
     "train.lr": number(0, low_open=True),
     "train.min_lr_ratio": number(0, 1),

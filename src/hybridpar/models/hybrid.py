@@ -91,7 +91,7 @@ class HybridConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "HybridConfig":
-        """A named shape (``tiny``, ``demo``, ``small``, ``nemotronh-8b``) with field overrides."""
+        """A named shape (``tiny``, ``demo``, ``small``, ``1b``, ``nemotronh-8b``) with field overrides."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -113,6 +113,16 @@ PRESETS: dict[str, dict] = {
         vocab_size=32000, hidden_size=768, pattern="M-M-M*-M-M-M*-M-M-", mamba_num_heads=24,
         mamba_head_dim=64, mamba_n_groups=1, ssm_state_size=128, chunk_size=256,
         num_attention_heads=12, num_key_value_heads=4, head_dim=64, intermediate_size=3072,
+    ),
+    # ~1.2B Nemotron-H-like, for GPU throughput work (benchmarks/gpu_throughput.py): the 8B
+    # pattern's 6:1:6 ratio of Mamba, attention and MLP blocks in 26 layers, hidden 2048, the
+    # 8B's head shapes (Mamba heads of 64 with 8 groups and state 128, attention heads of 128
+    # with 4:1 GQA, no RoPE) and MLP ratio (5.25 x hidden, relu2); a 64K vocabulary.
+    "1b": dict(
+        vocab_size=65536, hidden_size=2048, pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-",
+        mamba_num_heads=64, mamba_head_dim=64, mamba_n_groups=8, ssm_state_size=128, conv_kernel=4,
+        chunk_size=128, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        intermediate_size=10752, mlp_activation="relu2", rotary_fraction=0.0, time_step_limit=(0.001, float("inf")),
     ),
     # Nemotron-H-8B-like: used for planning and communication-volume tables.
     "nemotronh-8b": dict(

@@ -20,8 +20,10 @@ saves ``hidden``, ``weight``, ``labels`` and ``lse [T]``. The backward recompute
 
 Blocks are computed in ``promote(dtype, float32)`` (bfloat16 inputs run in float32; float64
 stays float64); the statistics, ``grad_hidden [T, D]`` and each vocabulary block's ``dW``
-accumulate in that dtype and are cast to the input dtypes once at the end. Peak memory beyond
-the inputs and gradients: a few ``[C, C]`` blocks and ``O(T)`` statistics.
+accumulate in that dtype and are cast to the input dtypes once at the end. Under autocast (bf16
+mixed precision of a float32 model) the block matmuls alone run in the autocast dtype, forward
+and backward alike (the backward recomputes the forward's logits); statistics stay float32.
+Peak memory beyond the inputs and gradients: a few ``[C, C]`` blocks and ``O(T)`` statistics.
 
 The same passes run on a vocabulary shard (rows ``[offset, offset + V_local)``): they return
 the local max, sum of exponentials, target logit and argmax that ``parallel/vocab_parallel_loss``
@@ -42,6 +44,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from hybridpar.models.precision import full_precision
+
 __all__ = [
     "IGNORE_INDEX", "LMHeadLoss", "ChunkedLMHeadLoss", "chunked_lm_head_loss", "check_lm_head_inputs",
     "check_label_values", "local_statistics", "local_gradients", "loss_from_statistics",
@@ -57,6 +61,15 @@ class LMHeadLoss(NamedTuple):
     loss_sum: Tensor
     valid_count: Tensor
     predictions: Tensor | None = None
+
+
+def autocast_matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype | None:
+    """The autocast dtype of ``hidden``'s device when autocast is on and the compute dtype is
+    float32 (mixed precision: the logit matmuls in bf16, statistics in float32), else None."""
+    device = hidden.device.type
+    if compute_dtype(hidden, weight) != torch.float32 or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
 
 
 def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -106,28 +119,31 @@ def _blocks(size: int, chunk_size: int):
 
 
 @torch.no_grad()
+@full_precision
 def local_statistics(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int,
-                     vocab_offset: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     vocab_offset: int = 0, matmul_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One blockwise pass over the rows ``weight [V_local, D]`` (global ids from ``vocab_offset``).
 
     Returns, per token of ``hidden [T, D]`` / ``labels [T]``: the max logit ``m [T]``, the sum of
     ``exp(z - m) [T]``, the target logit ``[T]`` (0 where the label is not in these rows) and the
     global id of the first max ``[T]`` (int64). An empty shard gives ``m = -inf``, ``s = 0``.
+    ``matmul_dtype`` (bf16 under mixed precision): the logit blocks' matmuls run in it, every
+    statistic stays in the compute dtype.
     """
     dtype = compute_dtype(hidden, weight)
     tokens, rows = hidden.shape[0], weight.shape[0]
-    h = hidden.to(dtype)
+    h = hidden.to(matmul_dtype or dtype)
     row_max = torch.full((tokens,), float("-inf"), dtype=dtype, device=h.device)
     sum_exp = torch.zeros(tokens, dtype=dtype, device=h.device)
     target = torch.zeros(tokens, dtype=dtype, device=h.device)
     argmax = torch.zeros(tokens, dtype=torch.long, device=h.device)
     local_labels = labels - vocab_offset  # [T]; -100 and other shards' ids fall outside [0, rows)
     for v0, v1 in _blocks(rows, chunk_size):
-        w = weight[v0:v1].to(dtype)  # [Cv, D]
+        w = weight[v0:v1].to(matmul_dtype or dtype)  # [Cv, D]
         in_block = (local_labels >= v0) & (local_labels < v1)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
         for t0, t1 in _blocks(tokens, chunk_size):
-            logits = h[t0:t1] @ w.T  # [Ct, Cv]: the only vocabulary-sized tensor, one block
+            logits = (h[t0:t1] @ w.T).to(dtype)  # [Ct, Cv]: the only vocabulary-sized tensor, one block
             block_max, block_arg = logits.max(dim=1)
             old_max = row_max[t0:t1]
             new_max = torch.maximum(old_max, block_max)
@@ -150,30 +166,37 @@ def loss_from_statistics(lse: Tensor, target: Tensor, labels: Tensor, vocab_size
 
 
 @torch.no_grad()
+@full_precision
 def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor,
-                    chunk_size: int, vocab_offset: int = 0) -> tuple[Tensor, Tensor]:
+                    chunk_size: int, vocab_offset: int = 0, matmul_dtype: torch.dtype | None = None
+                    ) -> tuple[Tensor, Tensor]:
     """``(grad_hidden [T, D] in the compute dtype, grad_weight [V_local, D] in weight's dtype)``.
 
     ``grad_hidden`` sums over these rows only (a partial sum under vocabulary parallelism).
     """
     dtype = compute_dtype(hidden, weight)
+    mm = matmul_dtype or dtype  # the forward's matmul dtype: the same logits, recomputed
     tokens, rows = hidden.shape[0], weight.shape[0]
-    h = hidden.to(dtype)
+    h = hidden.to(mm)
     scale = grad_loss.to(dtype) * (labels != IGNORE_INDEX).to(dtype)  # [T]
     local_labels = labels - vocab_offset
     grad_hidden = torch.zeros(tokens, h.shape[1], dtype=dtype, device=h.device)
     grad_weight = torch.empty_like(weight)
     for v0, v1 in _blocks(rows, chunk_size):
-        w = weight[v0:v1].to(dtype)  # [Cv, D]
-        grad_w = torch.zeros_like(w)
+        w = weight[v0:v1].to(mm)  # [Cv, D]
+        grad_w = torch.zeros(w.shape, dtype=dtype, device=w.device)
         in_block = ((local_labels >= v0) & (local_labels < v1)).to(dtype)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
         for t0, t1 in _blocks(tokens, chunk_size):
-            dz = (h[t0:t1] @ w.T).sub_(lse[t0:t1, None]).exp_()  # softmax over the whole vocabulary, this block
+            dz = (h[t0:t1] @ w.T).to(dtype).sub_(lse[t0:t1, None]).exp_()  # softmax over the whole vocabulary, this block
             dz.scatter_add_(1, column[t0:t1, None], -in_block[t0:t1, None])  # - onehot(y)
             dz.mul_(scale[t0:t1, None])
-            grad_hidden[t0:t1].addmm_(dz, w)  # [Ct, Cv] @ [Cv, D]
-            grad_w.addmm_(dz.T, h[t0:t1])  # [Cv, Ct] @ [Ct, D]
+            if mm == dtype:
+                grad_hidden[t0:t1].addmm_(dz, w)  # [Ct, Cv] @ [Cv, D]
+                grad_w.addmm_(dz.T, h[t0:t1])  # [Cv, Ct] @ [Ct, D]
+            else:  # bf16 matmuls, accumulated in the compute dtype
+                grad_hidden[t0:t1] += dz.to(mm) @ w
+                grad_w += dz.T.to(mm) @ h[t0:t1]
         grad_weight[v0:v1] = grad_w
     return grad_hidden, grad_weight
 
@@ -182,16 +205,17 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
 
 
 @torch.library.custom_op("hybridpar::lm_head_loss", mutates_args=())
-def _lm_head_loss_op(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def _lm_head_loss_op(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int,
+                     matmul_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss_sum, lse [T], argmax [T])`` of ``hidden [T, D]``, ``weight [V, D]``, ``labels [T]``."""
     check_label_values(labels, weight.shape[0])
-    row_max, sum_exp, target, argmax = local_statistics(hidden, weight, labels, chunk_size)
+    row_max, sum_exp, target, argmax = local_statistics(hidden, weight, labels, chunk_size, matmul_dtype=matmul_dtype)
     lse = row_max + sum_exp.log()
     return loss_from_statistics(lse, target, labels, weight.shape[0]), lse, argmax
 
 
 @_lm_head_loss_op.register_fake
-def _(hidden, weight, labels, chunk_size):
+def _(hidden, weight, labels, chunk_size, matmul_dtype=None):
     dtype = compute_dtype(hidden, weight)
     tokens = hidden.shape[0]
     return hidden.new_empty((), dtype=dtype), hidden.new_empty((tokens,), dtype=dtype), labels.new_empty((tokens,))
@@ -199,27 +223,29 @@ def _(hidden, weight, labels, chunk_size):
 
 @torch.library.custom_op("hybridpar::lm_head_loss_backward", mutates_args=())
 def _lm_head_loss_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor,
-                              chunk_size: int) -> tuple[Tensor, Tensor]:
-    grad_hidden, grad_weight = local_gradients(grad_loss, hidden, weight, labels, lse, chunk_size)
+                              chunk_size: int, matmul_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    grad_hidden, grad_weight = local_gradients(grad_loss, hidden, weight, labels, lse, chunk_size,
+                                               matmul_dtype=matmul_dtype)
     return grad_hidden.to(hidden.dtype), grad_weight
 
 
 @_lm_head_loss_backward_op.register_fake
-def _(grad_loss, hidden, weight, labels, lse, chunk_size):
+def _(grad_loss, hidden, weight, labels, lse, chunk_size, matmul_dtype=None):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, labels, chunk_size = inputs
+    hidden, weight, labels, chunk_size, matmul_dtype = inputs
     ctx.save_for_backward(hidden, weight, labels, output[1])
     ctx.chunk_size = chunk_size
+    ctx.matmul_dtype = matmul_dtype
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_argmax):
     hidden, weight, labels, lse = ctx.saved_tensors
     grad_hidden, grad_weight = torch.ops.hybridpar.lm_head_loss_backward(grad_loss, hidden, weight, labels, lse,
-                                                                          ctx.chunk_size)
-    return grad_hidden, grad_weight, None, None
+                                                                          ctx.chunk_size, ctx.matmul_dtype)
+    return grad_hidden, grad_weight, None, None, None
 
 
 torch.library.register_autograd("hybridpar::lm_head_loss", _backward, setup_context=_setup_context)
@@ -246,7 +272,7 @@ def chunked_lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chun
     check_lm_head_inputs(hidden, weight, labels, chunk_size)
     flat_labels = labels.reshape(-1).long()
     loss_sum, _, argmax = torch.ops.hybridpar.lm_head_loss(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                           flat_labels, chunk_size)
+                                                           flat_labels, chunk_size, autocast_matmul_dtype(hidden, weight))
     count = (flat_labels != IGNORE_INDEX).sum()
     return LMHeadLoss(loss_sum, count, argmax.view(labels.shape) if return_predictions else None)
 

@@ -7,6 +7,7 @@
     -> activation checkpointing per block   (none|full|selective) checkpointing
     -> torch.compile per block              (optional)          torchtitan's order: after AC, before FSDP
     -> FSDP2 over dp_shard x cp, HSDP with dp_replicate          fsdp
+       (no FSDP and mixed_precision: the forward under torch.autocast, precision)
 
 FSDP runs whenever a rank shares parameters with another rank that sees different tokens
 (``dp_shard * cp > 1`` or ``dp_replicate > 1``): CP ranks and DP ranks hold partial gradients,
@@ -37,6 +38,7 @@ from hybridpar.parallel.context import mamba as mamba_cp
 from hybridpar.parallel.checkpointing import apply_activation_checkpointing, checkpointing_policy, model_blocks
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
 from hybridpar.parallel.data.fsdp import apply_fsdp, check_reshard_after_forward
+from hybridpar.parallel.precision import apply_autocast, check_autocast_model
 from hybridpar.parallel.tensor.apply import apply_tp, check_tp_plan, get_tp_plan
 from hybridpar.parallel.tensor.hybrid import split_mamba_mixers, validate_hybrid_tp
 
@@ -96,9 +98,8 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
                              mamba_cp.STRATEGIES[cp_mamba_strategy](None))
     if mixed_precision is not None:
         if not needs_fsdp(dims):
-            raise ValueError(f"mixed_precision={mixed_precision!r} is applied by FSDP, which {dims} does not use; "
-                             "set mixed_precision=None or add data/context parallelism.")
-        if not (mixed_precision == "bf16" or isinstance(mixed_precision, MixedPrecisionPolicy)):
+            check_autocast_model(model, mixed_precision)  # one process, TP/CP alone: torch.autocast
+        elif not (mixed_precision == "bf16" or isinstance(mixed_precision, MixedPrecisionPolicy)):
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
                              "torch MixedPrecisionPolicy.")
     if not isinstance(reshard_after_forward, bool) and not needs_fsdp(dims):
@@ -177,7 +178,7 @@ def parallelize(
     or registered name (default: the registry entry for the model class).
     ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` (``checkpointing.py``;
     True/False mean full/none). ``mixed_precision``: None, ``"bf16"`` or a ``MixedPrecisionPolicy``
-    (FSDP's). ``compile``: True (inductor), a ``torch.compile`` backend name or a dict of its
+    (FSDP's; without FSDP ``"bf16"`` runs the forward under autocast, ``precision.py``). ``compile``: True (inductor), a ``torch.compile`` backend name or a dict of its
     options (``apply_compile``). ``reshard_after_forward``: FSDP's, for the blocks
     (``fsdp.check_reshard_after_forward``). The mesh is kept on ``model._parallel_mesh`` and the
     dims on ``model._parallel_dims``. A transformers model's Mamba2 mixers are switched to
@@ -206,6 +207,8 @@ def parallelize(
         apply_compile(model, **_compile_options(compile))
     if needs_fsdp(dims):
         apply_fsdp(model, mesh, dims, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
+    elif mixed_precision is not None:
+        apply_autocast(model, mixed_precision)
     model._parallel_dims = dims
     model._parallel_mesh = mesh
     return model

@@ -13,6 +13,7 @@ within 1e-9 are called "exact"; lower precisions pass "within tolerance".
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -60,6 +61,7 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     The default tolerance follows the dtype (1e-9 for float64)."""
     if tolerance is not None and not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"--tolerance {tolerance} is invalid: it must be a finite number > 0; e.g. --tolerance 1e-6.")
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tf32=False))  # never TF32
     reference = build_model(config).to(device)
     if not isinstance(reference, HybridLM):
         use_blockwise_attention(reference)  # the attention the trainer runs (documents from packed_seq_params)

@@ -43,6 +43,7 @@ from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import ShardedInputs
+from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
 __all__ = ["model_backend", "hf_shape", "hf_meta_model", "build_hf_model", "use_blockwise_attention",
@@ -145,8 +146,11 @@ def hf_loss_sum(model: nn.Module, input_ids: Tensor, labels: Tensor, inputs: dic
         return token_loss_sum(logits, labels), logits.argmax(-1) if predictions else None
     found = {}
 
+    mixed = autocast_dtype(model)  # the forward ran under autocast: so do the head's matmuls
+
     def head_loss(hidden: Tensor, weight: Tensor, target: Tensor) -> Tensor:
-        out = lm_head_loss_output(hidden, weight, target, return_predictions=predictions)
+        with torch.autocast(hidden.device.type, dtype=mixed, enabled=mixed is not None):
+            out = lm_head_loss_output(hidden, weight, target, return_predictions=predictions)
         found["predictions"] = out.predictions
         return out.loss_sum
 

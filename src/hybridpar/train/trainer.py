@@ -42,6 +42,7 @@ from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.data.fsdp import set_micro_batch
 from hybridpar.parallel.context.inputs import ShardedInputs, shard_inputs
 from hybridpar.parallel.parallelize import parallelize
+from hybridpar.parallel.precision import set_tf32
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.train.baseline import unigram_loss
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
@@ -149,6 +150,7 @@ class Trainer:
         self._eval_data = None
         self._unigram = None
         self.layout = Layout.build(config, device.type)
+        set_tf32(config.parallel.tf32 and config.model.dtype == "float32")  # CUDA float32 matmuls only
         self.model = parallelize(
             model, self.layout.dims, mesh=self.layout.mesh,
             cp_attention=config.parallel.cp_attention, cp_mamba=config.parallel.cp_mamba,

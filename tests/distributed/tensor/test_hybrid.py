@@ -85,6 +85,7 @@ def _error(fn) -> str | None:
 def error_checks(mesh) -> dict:
     """Every rank runs the same checks; each must raise before the model changes."""
     from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import parallelize
@@ -99,7 +100,8 @@ def error_checks(mesh) -> dict:
         "mesh mismatch": ({}, ParallelDims(cp=2), {"mesh": mesh}),
         "unknown plan": ({}, tp2, {"tp_plan": "no-such-plan"}),
         "unknown strategy": ({}, tp2, {"cp_mamba": "ring"}),
-        "mixed precision without fsdp": ({}, tp2, {"mixed_precision": "bf16"}),
+        # without FSDP mixed precision is autocast: bf16 by name, never an FSDP policy object
+        "mixed precision without fsdp": ({}, tp2, {"mixed_precision": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}),
     }
     for name, (overrides, dims, options) in cases.items():
         model = build_model(**overrides)

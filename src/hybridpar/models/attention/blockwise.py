@@ -45,6 +45,7 @@ from itertools import groupby
 import torch
 from torch import Tensor
 
+from hybridpar.models.precision import full_precision
 from hybridpar.models.attention.layout import (
     ALL_VISIBLE,
     K_END,
@@ -112,6 +113,7 @@ def _prepare(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, window, block_size, keys
     return dtype, plan, k.transpose(1, 2).to(dtype).contiguous(), v.transpose(1, 2).to(dtype).contiguous()
 
 
+@full_precision
 def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
     """``(out [B, S_q, Hq, Dh], lse [B, Hq, S_q])`` over these keys, no autograd (the ops' forward).
 
@@ -148,6 +150,7 @@ def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, 
     return out, lse
 
 
+@full_precision
 def blockwise_backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size,
                        keys_per_step):
     """``(dq, dk, dv)`` of these keys' share, given the final ``out`` and ``lse`` (no autograd).

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from hybridpar.models.mamba import ssd_chunked
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
+from hybridpar.models.mamba.fused import choose_kernel, fused_conv_scan
 
 _OPTIONAL_GRADS = 11  # dx, ddt, dA, dB, dC, dD, ddt_bias, dconv_weight, dconv_bias, dinit_states, dconv_history
 
@@ -42,7 +43,8 @@ def mamba_conv_scan(
     ``dt [B, L, H]`` (raw), ``conv_weight [H*P + 2*G*N, K]``, ``dt_bias / A_log / D [H]``;
     ``init_states [m, H, P, N]`` and ``conv_history [m, K-1, H*P + 2*G*N]`` enter the documents
     starting at ``init_at [m]``. Returns ``y [B, L, H*P]`` or, with ``final_at``, ``(y, states)``
-    (``y`` is empty when ``want_y`` is False)."""
+    (``y`` is empty when ``want_y`` is False). On CUDA with ``fla-core`` the same contract runs
+    through FLA's fused scan (``fused.py``: which kernel runs and why is logged once)."""
     batch, seqlen, width = xBC.shape
     heads = dt.shape[-1]
     d_inner = heads * head_dim
@@ -50,6 +52,10 @@ def mamba_conv_scan(
     x, B, C = xBC.split([d_inner, groups * state_size, groups * state_size], dim=-1)
     if cu_docs is None:
         cu_docs = row_documents(None, batch, seqlen, xBC.device)
+    if choose_kernel(xBC, cu_docs, init_at, final_at)[0] == "fla":  # CUDA + fla-core (fused.py)
+        return fused_conv_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, head_dim=head_dim,
+                               state_size=state_size, cu_docs=cu_docs, dt_limit=dt_limit, init_at=init_at,
+                               init_states=init_states, conv_history=conv_history, final_at=final_at, want_y=want_y)
     y, final = torch.ops.hybridpar.ssd_chunk_scan(
         x.unflatten(-1, (heads, head_dim)), dt, -torch.exp(A_log), B.unflatten(-1, (groups, state_size)),
         C.unflatten(-1, (groups, state_size)), D, dt_bias, conv_weight, conv_bias, cu_docs, init_at, init_states,

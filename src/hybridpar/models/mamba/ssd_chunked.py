@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridpar.models.precision import full_precision
 from hybridpar.models.mamba.recurrence import decay_floor, linear_recurrence, reverse_recurrence, step_decay
 
 DIAGONAL_SLICE_BYTES = 16 << 20  # working set of step 1: a few chunks' [G, R, Q, Q] decay matrices
@@ -186,6 +187,7 @@ def _diagonal(p: _Prepared, layout: ChunkLayout, part: slice, with_factors: bool
     return decay * CB[:, :, None], decay, CB, keep
 
 
+@full_precision
 def forward(x, dt, A, B, C, D, layout: ChunkLayout, init_states=None, want_y=True, want_final=False):
     """``(y [B, L, H, P] or None, final states [m, H, P, N] or None)``; inputs in compute dtype."""
     p = _prepare(x, dt, A, B, C, layout, init_states)
@@ -228,7 +230,8 @@ def _final_states(p: _Prepared, layout: ChunkLayout, start: Tensor):
     carry = (layout.carried[k] == d) & valid
     w_start = _exp(cs_o, carry[:, None, None])  # [m, G, R]
     mask = (torch.arange(q, device=k.device) <= o[:, None]) & (layout.doc[k] == d[:, None]) & valid[:, None]
-    v = _exp(cs_o[..., None] - p.cs[k], mask[:, None, None, :])  # [m, G, R, Q]
+    v = _exp(cs_o[..., None] - p.cs[k], mask[:, None, None, :], upper=0.0)  # [m, G, R, Q]; masked tokens after o
+    # would have exponents > 0 (exp overflows to inf in float32 over a long chunk, and inf * 0 is NaN)
     r = p.cs.shape[2]
     state = (start[k].unflatten(-1, (r, -1)) * w_start[:, :, None, :, None]).flatten(-2)
     state = state + p.Bg[k].transpose(-1, -2) @ _group_rows(p.xdt[k] * v[..., None])
@@ -238,11 +241,12 @@ def _final_states(p: _Prepared, layout: ChunkLayout, start: Tensor):
         _, _, oi = _init_outputs(p, layout)
         match = (k[:, None] == ki) & (d[:, None] == di) & (oi <= o[:, None]) & valid[:, None] & valid_i  # [m, m']
         cs_excl_i = _at(p.cs_excl[ki], oi)  # [m', G, R]
-        coef = _exp(cs_o[:, None] - cs_excl_i[None], match[..., None, None])  # [m, m', G, R]
+        coef = _exp(cs_o[:, None] - cs_excl_i[None], match[..., None, None], upper=0.0)  # [m, m', G, R]
         state = state + torch.einsum("jigr,ignrp->jgnrp", coef, p.init_states).flatten(-2)
     return state, w_start, v, coef
 
 
+@full_precision
 def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_final):
     """Gradients ``(dx, ddt, dA, dB, dC, dD, d_init_states)`` of ``forward``'s outputs against
     ``grad_y [B, L, H, P]`` and ``grad_final [m, H, P, N]`` (either may be None), recomputing the

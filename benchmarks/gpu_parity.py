@@ -1,0 +1,140 @@
+"""The fused Mamba path on CUDA against the pure-PyTorch core, float32 (TF32 off): issue 25's parity.
+
+Float32 means IEEE float32 on both sides: torch's TF32 is off and triton's default dot
+precision is set to IEEE (``TRITON_F32_DEFAULT=ieee``, before triton compiles FLA's kernels).
+
+- ``model``: the ``small`` preset on one packed row (4,096 tokens, 5 documents): loss and every
+  parameter gradient with ``use_mamba_kernel("fla")`` against ``use_mamba_kernel("pure")``;
+- ``states``: the core as the CP ``state`` strategy calls it (``small``'s Mamba shapes, 4
+  documents): conv histories and SSM states entering every document (one entry -1), final
+  states at every document end; outputs, final states and the gradient of every input.
+
+Each quantity passes when ``max |fused - pure| <= 1e-4 * max |pure|``. Exit status 1 on any
+failure (or when the fused kernel cannot run here: the reason is printed).
+
+    python benchmarks/gpu_parity.py [--out benchmarks/results]
+
+Writes ``gpu_parity.json`` and ``gpu_parity.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+# FLA's kernels use triton's default dot precision, TF32 for float32 inputs: IEEE for parity.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (puts this checkout's src/ first on sys.path)
+
+ROOT = harness.ROOT
+
+from hybridpar.data.thd import PackedSeqParams  # noqa: E402
+from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
+from hybridpar.models.mamba.core import mamba_conv_scan  # noqa: E402
+from hybridpar.models.mamba.fused import use_mamba_kernel  # noqa: E402
+from hybridpar.parallel.precision import set_tf32  # noqa: E402
+
+TOLERANCE = 1e-4
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def model_parity(device) -> list[tuple[str, float]]:
+    torch.manual_seed(0)
+    reference = HybridLM(HybridConfig.from_preset("small")).to(device)
+    fused = copy.deepcopy(reference)
+    ids = torch.randint(0, reference.config.vocab_size, (1, 4097), generator=torch.Generator().manual_seed(1)).to(device)
+    cu = torch.tensor([0, 1000, 1800, 2600, 3100, 4096], dtype=torch.int32)
+    packed = PackedSeqParams.from_cu_seqlens(cu)
+    packed.__dict__.update({k: v.to(device) for k, v in vars(packed).items() if isinstance(v, torch.Tensor)})
+    results = {}
+    for mode, model in (("pure", reference), ("fla", fused)):
+        with use_mamba_kernel(mode):
+            loss, count = model(ids[:, :-1], packed=packed, labels=ids[:, 1:])
+            (loss / count).backward()
+        results[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    rows = [("loss", rel(results["fla"][0], results["pure"][0]))]
+    rows += [(f"grad {n}", rel(results["fla"][1][n], g)) for n, g in results["pure"][1].items()]
+    return rows
+
+
+def state_parity(device) -> list[tuple[str, float]]:
+    c = HybridConfig.from_preset("small")
+    heads, p, n, g, k = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_n_groups, c.conv_kernel
+    width = heads * p + 2 * g * n
+    gen = torch.Generator().manual_seed(2)
+    cu = torch.tensor([0, 700, 1500, 2300, 3072])
+    docs, tokens = cu.shape[0] - 1, int(cu[-1])
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device).requires_grad_()
+
+    inputs = dict(xBC=leaf(1, tokens, width), dt=leaf(1, tokens, heads), conv_weight=leaf(width, k, scale=0.5),
+                  conv_bias=leaf(width, scale=0.1), dt_bias=leaf(heads, scale=0.5),
+                  A_log=(torch.rand(heads, generator=gen) * 2).log().to(device).requires_grad_(), D=leaf(heads),
+                  conv_history=leaf(docs, k - 1, width), init_states=leaf(docs, heads, p, n, scale=0.1))
+    init_at = cu[:-1].clone()
+    init_at[2] = -1
+    options = dict(head_dim=p, state_size=n, chunk_size=c.chunk_size, cu_docs=cu.to(device), dt_limit=c.time_step_limit,
+                   init_at=init_at.to(device), final_at=(cu[1:] - 1).to(device))
+    weights = torch.Generator().manual_seed(3)
+    out = {}
+    for mode in ("pure", "fla"):
+        with use_mamba_kernel(mode):
+            y, final = mamba_conv_scan(*list(inputs.values())[:7], conv_history=inputs["conv_history"],
+                                       init_states=inputs["init_states"], **options)
+        probe_y = torch.randn(y.shape, generator=weights.manual_seed(4)).to(device)
+        probe_f = torch.randn(final.shape, generator=weights.manual_seed(5)).to(device)
+        grads = torch.autograd.grad((y * probe_y).sum() + (final * probe_f).sum(), list(inputs.values()))
+        out[mode] = (y.detach(), final.detach(), dict(zip(inputs, grads)))
+    rows = [("y", rel(out["fla"][0], out["pure"][0])), ("final states", rel(out["fla"][1], out["pure"][1]))]
+    rows += [(f"grad {name}", rel(out["fla"][2][name], grad)) for name, grad in out["pure"][2].items()]
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_parity: no CUDA device here; run it on a GPU machine.", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    set_tf32(False)
+    meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python benchmarks/gpu_parity.py", "tolerance": TOLERANCE}
+    sections = {}
+    for name, run in (("model", model_parity), ("states", state_parity)):
+        try:
+            sections[name] = [{"quantity": q, "rel": r, "ok": r <= TOLERANCE} for q, r in run(device)]
+        except Exception as error:  # noqa: BLE001 - e.g. use_mamba_kernel('fla') cannot run here: the reason
+            traceback.print_exc()
+            sections[name] = [{"quantity": "fused kernel", "rel": None, "ok": False,
+                               "error": f"{type(error).__name__}: {error}"[:300]}]
+    failures = [(s, row["quantity"]) for s, rows in sections.items() for row in rows if not row["ok"]]
+    lines = ["# Fused Mamba path vs the pure-PyTorch core on CUDA (float32, TF32 off)", "",
+             f"Device: {meta['device']}, torch {meta['torch']}, {meta['date']}; pass: relative max difference "
+             f"<= {TOLERANCE:g}", ""]
+    for name, rows in sections.items():
+        worst = max(rows, key=lambda r: -1 if r["rel"] is None else r["rel"])
+        lines.append(f"- {name}: {len(rows)} quantities, worst {worst['quantity']} "
+                     f"{worst.get('error') or format(worst['rel'], '.2e')}, {'ok' if all(r['ok'] for r in rows) else 'FAIL'}")
+    lines += ["", f"verdict: {'FAILED ' + str(failures) if failures else 'passed'}", ""]
+    harness.write_results("gpu_parity", {**meta, "sections": sections}, "\n".join(lines), out=args.out)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 25's GPU checks in one shot, for a machine with one H100/H200, a CUDA torch (2.11+),
+# triton, transformers and einops, and no internet. Finishes in about 9 minutes:
+#   1. install hybridpar over the machine's torch (no dependency is touched);
+#   2. fla-core from a wheel that travels with the tree (.whl/, see docs/gpu.md), if present;
+#   3. parity: the fused Mamba path vs the pure-PyTorch core, float32, 1e-4 (gpu_parity.py);
+#   4. throughput: every row of gpu_throughput.py, within --budget-s.
+# Usage: bash benchmarks/run_on_gpu.sh [results directory, default benchmarks/results]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS="${1:-benchmarks/results}"
+mkdir -p "$RESULTS"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+
+if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . ; then
+    echo "run_on_gpu: pip install --no-deps -e . failed (old setuptools?); using PYTHONPATH=src instead"
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if compgen -G ".whl/fla_core-*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps .whl/fla_core-*.whl || echo "run_on_gpu: fla-core did not install"
+fi
+"$PY" -c "from hybridpar.models.mamba.fused import fla_scan; print('fused scan:', fla_scan()[1])"
+
+status=0
+timeout 90 "$PY" benchmarks/gpu_parity.py --out "$RESULTS" || status=1
+timeout 420 "$PY" benchmarks/gpu_throughput.py --budget-s 330 --out "$RESULTS" || status=1
+exit $status

@@ -1,0 +1,79 @@
+"""Mixed precision at every layout, and TF32 for float32 matmuls on CUDA.
+
+``parallel.mixed_precision=bf16`` means fp32 master weights and optimizer state, bf16 matmuls
+and fp32 where precision decides (norm statistics, attention softmax/logsumexp, SSD decays and
+states, the loss: ``models/precision.py``). Two mechanisms give it, as torchtitan does:
+
+- under FSDP (``dp_shard * cp > 1`` or ``dp_replicate > 1``): FSDP2's ``MixedPrecisionPolicy``
+  (parameters gathered in bf16, gradients reduced in fp32; ``data/fsdp.py``);
+- otherwise (one process, TP and/or CP alone): ``apply_autocast`` runs the model's forward in
+  ``torch.autocast(bfloat16)`` on the inputs' device type. Parameters stay float32; the
+  backward runs in the dtypes autocast chose in the forward.
+
+``set_tf32`` sets torch's float32 matmul and cuDNN conv precision (``"tf32"`` or ``"ieee"``, the
+new API; torch refuses a mix with the legacy ``allow_tf32`` flags). It only matters on CUDA;
+float64 never uses TF32, and ``hybridpar check`` turns it off.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+__all__ = ["apply_autocast", "autocast_dtype", "set_tf32", "AUTOCAST_DTYPES"]
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+
+
+def check_autocast_model(model: nn.Module, mixed_precision) -> None:
+    """``ValueError`` unless ``mixed_precision`` is a name autocast applies to a float32 model."""
+    if mixed_precision not in AUTOCAST_DTYPES:
+        raise ValueError(f"mixed_precision={mixed_precision!r} without FSDP runs through torch.autocast, which "
+                         f"takes one of {sorted(AUTOCAST_DTYPES)}; pass 'bf16' (a MixedPrecisionPolicy needs FSDP).")
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
+    if dtypes and dtypes != ["torch.float32"]:
+        raise ValueError(f"mixed_precision={mixed_precision!r} keeps float32 master weights, but the model's "
+                         f"parameters are {', '.join(dtypes)}; build the model in float32 (model.dtype=float32) "
+                         "or set mixed_precision=None.")
+
+
+def _device_type(args, kwargs, model: nn.Module) -> str:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for param in model.parameters():
+        return param.device.type
+    return "cpu"
+
+
+def _autocast_forward(self, *args, **kwargs):
+    with torch.autocast(_device_type(args, kwargs, self), dtype=self._autocast_dtype):
+        return self._forward_before_autocast(*args, **kwargs)
+
+
+def apply_autocast(model: nn.Module, mixed_precision: str = "bf16") -> nn.Module:
+    """Run ``model``'s forward under ``torch.autocast(<inputs' device>, dtype)`` (in place).
+
+    The wrapper is a bound method on the instance (``model.forward``), so parameter and module
+    names do not change and ``copy.deepcopy`` rebinds it to the copy; ``model._autocast_dtype``
+    records the dtype.
+    """
+    check_autocast_model(model, mixed_precision)
+    model._autocast_dtype = AUTOCAST_DTYPES[mixed_precision]
+    model._forward_before_autocast = model.forward
+    model.forward = types.MethodType(_autocast_forward, model)
+    return model
+
+
+def autocast_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype ``apply_autocast`` gave ``model``, or None."""
+    return getattr(model, "_autocast_dtype", None)
+
+
+def set_tf32(enabled: bool) -> None:
+    """float32 matmuls and convolutions on CUDA in TF32 (``enabled``) or full IEEE float32."""
+    precision = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision

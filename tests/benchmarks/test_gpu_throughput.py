@@ -1,0 +1,69 @@
+"""``benchmarks/gpu_throughput.py`` runs on CPU in its dry-run mode (every variant's code path,
+tiny shapes) with the issue's JSON schema, refuses cleanly without CUDA otherwise, and its
+MFU arithmetic follows the formula in its docstring."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_throughput.py"
+KEYS = ["model", "tokens", "variant", "step_s", "tokens_per_s", "mfu", "peak_gib", "graph_breaks"]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_writes_every_variant_in_the_issue_schema(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "gpu_throughput.json").read_text())
+    assert list(data) == ["device", "torch", "date", "command", "rows"]
+    assert [(r["model"], r["variant"]) for r in data["rows"]] == [
+        ("tiny", "fp32-eager"), ("tiny", "bf16-fused"), ("tiny", "bf16-fused-compiled"),
+        ("llama-tiny", "transformers-sdpa"), ("llama-tiny", "bf16-fused")]
+    for row in data["rows"]:
+        assert list(row) == KEYS
+        assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_s"])
+        assert row["graph_breaks"] == 0
+    assert "| tiny | 128 | bf16-fused-compiled |" in (tmp_path / "gpu_throughput.md").read_text()
+
+
+def test_without_cuda_it_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+    module = _module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU, even on a machine that has one
+    assert module.main(["--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("gpu_throughput: no CUDA device here; run it on a GPU machine "
+                                               "(or pass --dry-run on CPU).")
+    assert not any(tmp_path.iterdir())
+
+
+def test_model_flops_per_token_follow_the_docstring_formula():
+    module = _module()
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+
+    with torch.device("meta"):
+        model = HybridLM(HybridConfig.from_preset("1b"))
+    lengths = module.doc_lengths(8192)
+    assert sum(lengths) == 8192 and len(lengths) == 8 and all(n % 8 == 0 for n in lengths)
+    c = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    keys = sum(n * (n + 1) / 2 for n in lengths) / 8192
+    ssd = 3 * (2 * 128 * (8 * 128 + 64 * 64) + 4 * 64 * 64 * 128)
+    expected = 6 * linear + 2 * 12 * 16 * 128 * keys + 12 * ssd
+    assert module.hybrid_flops_per_token(model, lengths) == pytest.approx(expected)
+    assert 6 * linear > 6e9  # ~1.17B parameters, most of them in matmuls
+    assert module.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert module.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert module.peak_flops("NVIDIA H200") == 989e12
+    assert module.peak_flops("cpu") is None

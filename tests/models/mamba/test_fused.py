@@ -1,0 +1,136 @@
+"""The fused Mamba path (``models/mamba/fused.py``): which kernel runs and why, and the mapping
+of Mamba2's arguments onto FLA's ``chunk_simple_gla``, in float64 on CPU.
+
+FLA's Triton kernels do not run on a CPU, not even under ``TRITON_INTERPRET=1`` (its launch asks
+triton for an active GPU driver), and its pure-PyTorch references (``fla.ops.simple_gla.naive``)
+compute in float32 and take no ``cu_seqlens`` or ``state_v_first``. So the mapping is held here
+to ``simple_gla_contract``: FLA's documented op, written out token by token in float64 from its
+docstring and ``naive_recurrent_simple_gla`` (the recurrence ``S = S * exp(g_t) + k_t v_t^T``,
+``o_t = scale * q_t S``), per ``cu_seqlens`` document, states ``[N, H, V, K]`` with
+``state_v_first``. The fused path with this contract in place of the kernel must equal the
+pure-PyTorch core to 1e-10 in outputs, states and every input's gradient. On a GPU,
+``benchmarks/run_on_gpu.sh`` holds the real kernel to the pure core (float32, 1e-4).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hybridpar.models.mamba import fused
+from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
+from hybridpar.models.mamba.fused import choose_kernel, fused_conv_scan, kernel_for, use_mamba_kernel
+from tests.models.mamba.test_core import F64, assert_close, grads, make_case
+
+
+def simple_gla_contract(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                        state_v_first=False):
+    """FLA's ``chunk_simple_gla`` contract, sequentially: ``q, k [1, T, H, K]``, ``v [1, T, H, V]``,
+    ``g [1, T, H]`` (log decay), states ``[N, H, V, K]`` (``state_v_first``)."""
+    assert state_v_first and q.shape[0] == 1 and cu_seqlens is not None
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    heads, dim_k, dim_v = q.shape[2], q.shape[3], v.shape[3]
+    outputs, finals = [], []
+    for n in range(cu_seqlens.shape[0] - 1):
+        state = initial_state[n] if initial_state is not None else q.new_zeros(heads, dim_v, dim_k)
+        for t in range(int(cu_seqlens[n]), int(cu_seqlens[n + 1])):
+            state = state * g[0, t].exp()[:, None, None] + v[0, t][:, :, None] * k[0, t][:, None, :]  # [H, V, K]
+            outputs.append(scale * (state @ q[0, t][:, :, None]).squeeze(-1))  # [H, V]
+        finals.append(state)
+    return torch.stack(outputs)[None], (torch.stack(finals) if output_final_state else None)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("dt_limit", [(0.0, float("inf")), (0.05, 0.9)])
+def test_fused_mapping_equals_the_pure_core_on_packed_rows(groups, dt_limit):
+    """Two rows of packed documents (boundaries inside and on chunk edges, a one-token document):
+    outputs and every input's gradient."""
+    inputs, cu, sizes = make_case(20 + groups, groups)
+    batch, seqlen = inputs["dt"].shape[:2]
+    cu_docs = row_documents(cu, batch, seqlen, "cpu")
+    y_ref = mamba_conv_scan(*inputs.values(), **sizes, cu_docs=cu_docs, dt_limit=dt_limit)
+    y = fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"], cu_docs=cu_docs,
+                        dt_limit=dt_limit, scan=simple_gla_contract)
+    assert_close(y, y_ref, "y")
+    for name, g, g_ref in zip(inputs, grads([y], inputs), grads([y_ref], inputs)):
+        assert_close(g, g_ref, f"grad {name}")
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_fused_mapping_carries_initial_and_final_states(groups):
+    """The CP ``state`` strategy's calls: conv histories and SSM states entering documents (one
+    entry -1: none), final states at every document end, with gradients through both."""
+    inputs, cu, sizes = make_case(30 + groups, groups, batch=1)
+    gen = torch.Generator().manual_seed(3)
+    xBC, dt, weight = inputs["xBC"], inputs["dt"], inputs["conv_weight"]
+    heads, docs = dt.shape[-1], cu.shape[0] - 1
+    init_at = cu[:-1].clone()
+    init_at[1] = -1  # the second document starts from zeros
+    history = torch.randn(docs, weight.shape[1] - 1, xBC.shape[-1], generator=gen, dtype=F64).requires_grad_()
+    h0 = torch.randn(docs, heads, sizes["head_dim"], sizes["state_size"], generator=gen, dtype=F64).requires_grad_()
+    states_in = dict(init_at=init_at, init_states=h0, conv_history=history, final_at=cu[1:] - 1)
+    all_inputs = {**inputs, "history": history, "h0": h0}
+    y_ref, final_ref = mamba_conv_scan(*inputs.values(), **sizes, cu_docs=cu, **states_in)
+    y, final = fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"], cu_docs=cu,
+                               scan=simple_gla_contract, **states_in)
+    assert_close(y, y_ref, "y")
+    assert_close(final, final_ref, "final states")
+    for name, g, g_ref in zip(all_inputs, grads([y, final], all_inputs), grads([y_ref, final_ref], all_inputs)):
+        assert_close(g, g_ref, f"grad {name}")
+
+
+def test_fused_core_keeps_only_its_inputs_for_backward():
+    """Checkpointed: the saved tensors are the inputs (no conv output, no q/k/v), as the pure op."""
+    inputs, cu, sizes = make_case(7, 2)
+    batch, seqlen = inputs["dt"].shape[:2]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"],
+                        cu_docs=row_documents(cu, batch, seqlen, "cpu"), scan=simple_gla_contract)
+    ids = {id(t) for t in inputs.values()}
+    largest = max(t.numel() for t in saved)
+    assert largest <= inputs["xBC"].numel(), (largest, inputs["xBC"].numel())
+    assert {id(t) for t in saved if t.numel() == inputs["xBC"].numel()} <= ids
+
+
+@pytest.mark.parametrize(
+    "device, dtype, available, mode, expected",
+    [
+        ("cpu", torch.float32, True, "auto", ("pure", "device cpu")),
+        ("cuda", torch.float64, True, "auto", ("pure", "dtype torch.float64 has no fused kernel")),
+        ("cuda", torch.bfloat16, False, "auto", ("pure", "fla-core is not installed; pip install 'hybridpar[gpu]'")),
+        ("cuda", torch.bfloat16, True, "auto", ("fla", "fla-core chunk_simple_gla")),
+        ("cuda", torch.float32, True, "pure", ("pure", "use_mamba_kernel('pure')")),
+    ],
+)
+def test_kernel_rules(device, dtype, available, mode, expected):
+    assert kernel_for(device, dtype, available, mode=mode) == expected
+
+
+def test_states_inside_documents_keep_the_pure_core():
+    cu = torch.tensor([0, 5, 9, 12])
+    assert fused._states_at_boundaries(cu, cu[:-1], cu[1:] - 1) is None
+    assert fused._states_at_boundaries(cu, torch.tensor([0, -1]), None) is None
+    assert fused._states_at_boundaries(cu, None, torch.tensor([3, 8, 11])) == "final states requested inside documents"
+    assert fused._states_at_boundaries(cu, torch.tensor([2]), None) == "initial states entering inside documents"
+
+
+def test_the_kernel_that_runs_is_logged_once_with_its_reason(caplog, monkeypatch):
+    monkeypatch.setattr(fused, "_LOGGED", set())
+    inputs, cu, sizes = make_case(1, 1)
+    with caplog.at_level(logging.INFO, logger="hybridpar.models.mamba.fused"):
+        for _ in range(2):
+            mamba_conv_scan(*(t.detach() for t in inputs.values()), **sizes)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hybridpar.models.mamba.fused"]
+    assert lines == ["mamba kernel: pure (device cpu; torch.float64 on cpu)"], lines
+    cu_docs = row_documents(None, 2, 8, "cpu")
+    assert choose_kernel(torch.zeros(2, 8, 4), cu_docs, None, None) == ("pure", "device cpu")
+    with use_mamba_kernel("pure"):
+        assert choose_kernel(torch.zeros(2, 8, 4), cu_docs, None, None) == ("pure", "use_mamba_kernel('pure')")
+    with use_mamba_kernel("fla"), pytest.raises(ValueError, match=r"use_mamba_kernel\('fla'\) cannot run here: device cpu"):
+        choose_kernel(torch.zeros(2, 8, 4), cu_docs, None, None)
+    with pytest.raises(ValueError, match="'triton' is unknown"):
+        with use_mamba_kernel("triton"):
+            pass
