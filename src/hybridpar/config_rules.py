@@ -2,16 +2,61 @@
 
 ``config.RULES`` gives every key one; ``config.invalid`` turns a broken rule into the message
 naming the key, the value, the rule and the fix.
+
+Also the two helpers every user-facing message of the lower floors uses: ``quoted`` (a value
+cut to a readable length: a message never grows with its input) and ``Notice`` (a warning
+category printed as one ``hybridpar: warning: ...`` line, never as a raw ``UserWarning``).
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Rule", "LazyText", "integer", "number", "one_of", "each", "or_null", "PATH", "ANY"]
+__all__ = ["Rule", "LazyText", "integer", "number", "one_of", "each", "or_null", "PATH", "ANY", "quoted", "shorten",
+           "Notice", "INT64_MAX", "SEED_MAX"]
+
+INT64_MAX = 2**63 - 1  # every integer key's ceiling: torch and numpy hold counts in int64
+SEED_MAX = 2**64 - 1  # torch.manual_seed and torch.Generator.manual_seed take [0, 2**64 - 1]
+MESSAGE_VALUE_CHARS = 120  # a value quoted in a message is cut to about this many characters
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 8, 8, 8, 8
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+
+
+def shorten(text: str, limit: int = MESSAGE_VALUE_CHARS) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def quoted(value, limit: int = MESSAGE_VALUE_CHARS) -> str:
+    """``repr(value)`` for a message, bounded in length and in time (nested containers, long
+    strings and huge integers are elided, as ``reprlib`` does)."""
+    if isinstance(value, str):
+        return repr(shorten(value, limit)) if len(value) > limit else repr(value)
+    return shorten(_REPR.repr(value), limit)
+
+
+class Notice(UserWarning):
+    """A warning for the person running hybridpar: printed as one ``hybridpar: warning:`` line."""
+
+
+_format_warning = warnings.formatwarning
+
+
+def _notice_format(message, category, filename, lineno, line=None) -> str:
+    if isinstance(category, type) and issubclass(category, Notice):
+        return f"hybridpar: warning: {message}\n"
+    return _format_warning(message, category, filename, lineno, line)
+
+
+warnings.formatwarning = _notice_format  # only Notice changes: every other warning prints as Python prints it
 
 
 @dataclass(frozen=True)
@@ -22,9 +67,11 @@ class Rule:
     holds: Callable[[typing.Any], bool]
 
 
-def integer(low: int, high: int | None = None) -> Rule:
-    text = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    return Rule(text, lambda v: v >= low and (high is None or v <= high))
+def integer(low: int, high: int = INT64_MAX, why: str = "") -> Rule:
+    """An integer in ``[low, high]`` (every integer key has a ceiling: int64's by default)."""
+    ceiling = {INT64_MAX: "2**63-1", SEED_MAX: "2**64-1", 2**31 - 1: "2**31-1"}.get(high, str(high))
+    text = f"an integer >= {low} and <= {ceiling}" if high == INT64_MAX else f"an integer in [{low}, {ceiling}]"
+    return Rule(text + why, lambda v: low <= v <= high)
 
 
 def number(low: float, high: float | None = None, low_open: bool = False, high_open: bool = False) -> Rule:
@@ -69,8 +116,10 @@ ANY = Rule("any value of its type", lambda v: True)
 
 # ``train.sample`` (used by train/sample.py): a mapping of the sampling settings.
 SAMPLE_KEYS = {"prompt": None, "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}  # prompt required
-SAMPLE_RULE_TEXT = ("null or a mapping with prompt (text, required), max_new_tokens (an integer >= 1, default 64), "
-             "temperature (>= 0, default 0: greedy), top_p (in (0, 1], default 1) and seed (an integer >= 0, default 0)")
+MAX_NEW_TOKENS = 2**31 - 1
+SAMPLE_RULE_TEXT = ("null or a mapping with prompt (text, required), max_new_tokens (an integer >= 1, at most 2**31-1, "
+                    "default 64), temperature (a finite number >= 0, default 0: greedy), top_p (in (0, 1], default 1) "
+                    "and seed (an integer in [0, 2**64-1], default 0)")
 
 
 def _number(value) -> bool:
@@ -88,10 +137,11 @@ def sample_problem(raw) -> str | None:
     rules = [
         (isinstance(settings["prompt"], str) and settings["prompt"] != "", "prompt must be a non-empty string"),
         (isinstance(settings["max_new_tokens"], int) and not isinstance(settings["max_new_tokens"], bool)
-         and settings["max_new_tokens"] >= 1, "max_new_tokens must be an integer >= 1"),
-        (_number(settings["temperature"]) and settings["temperature"] >= 0, "temperature must be >= 0"),
+         and 1 <= settings["max_new_tokens"] <= MAX_NEW_TOKENS, "max_new_tokens must be an integer in [1, 2**31-1]"),
+        (_number(settings["temperature"]) and math.isfinite(settings["temperature"]) and settings["temperature"] >= 0,
+         "temperature must be a finite number >= 0"),
         (_number(settings["top_p"]) and 0 < settings["top_p"] <= 1, "top_p must be in (0, 1]"),
-        (isinstance(settings["seed"], int) and not isinstance(settings["seed"], bool) and settings["seed"] >= 0,
-         "seed must be an integer >= 0"),
+        (isinstance(settings["seed"], int) and not isinstance(settings["seed"], bool) and 0 <= settings["seed"] <= SEED_MAX,
+         "seed must be an integer in [0, 2**64-1]"),
     ]
     return next((message for holds, message in rules if not holds), None)
