@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, quoted, sample_problem, shorten
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, path_problem, quoted, sample_problem, shorten
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
@@ -158,7 +158,7 @@ RULES: dict[str, Rule] = {
     "data.task": one_of("mqar", "selective_copy", "text", "jsonl", "chat", "prompt_completion", "hf_dataset",
                         "python_stdlib"),
     "data.path": or_null(PATH),
-    "data.tokenizer": Rule("'auto', 'bytes', 'bpe' or a tokenizer directory path", lambda v: bool(str(v).strip())),
+    "data.tokenizer": Rule("'auto', 'bytes', 'bpe' or a tokenizer directory path", PATH.holds),
     "data.pack_size": integer(1, 2**31 - 1, " (cu_seqlens are int32; the preflight also holds a pack to memory)"),
     "data.packs_per_step": integer(1),
     "data.pad_to_multiple_of": or_null(integer(1), " (null: 2*cp)"),
@@ -196,7 +196,7 @@ RULES: dict[str, Rule] = {
     "train.sample": Rule(SAMPLE_RULE_TEXT, lambda v: v is None or sample_problem(v) is None),
     "checkpoint.every": integer(-1),
     "checkpoint.keep": integer(1),
-    "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or bool(str(v).strip())),
+    "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or PATH.holds(v)),
     "checkpoint.if_exists": one_of("refuse", "overwrite", "new_subdir"),
     "output_dir": PATH,
     "tensorboard": ANY,
@@ -246,6 +246,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     raw: dict = {}
     if path is not None:
         path = Path(path)
+        if path_problem(path):
+            raise ConfigError(f"config file {quoted(str(path))} cannot be read: {path_problem(path)}; pass an existing "
+                              "YAML file, e.g. configs/tiny-hybrid.yaml.")
         if path.is_dir():
             raise ConfigError(f"config file {quoted(str(path))} is a directory, not a YAML file; pass the YAML file in "
                               "it, e.g. --config configs/tiny-hybrid.yaml.")

@@ -110,7 +110,27 @@ def or_null(rule: Rule, meaning: str = "") -> Rule:
     return Rule(LazyText(lambda: f"{rule.text} or null{meaning}"), lambda v: v is None or rule.holds(v))
 
 
-PATH = Rule("a non-empty path", lambda v: bool(str(v).strip()))
+def path_problem(value) -> str | None:
+    """Why ``value`` cannot even be looked up as a path (empty, a NUL byte, a name longer than the
+    file system allows, a symlink loop), or None; a path that does not exist is fine here."""
+    import os
+
+    text = str(value)
+    if not text.strip():
+        return "it is empty"
+    try:
+        os.stat(text)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None
+    except ValueError:
+        return "it contains a NUL byte"
+    except OSError as error:
+        return f"the system cannot look it up ({error.strerror})"
+    return None
+
+
+PATH = Rule("a non-empty path the system can look up (no NUL, every name at most 255 bytes)",
+            lambda v: path_problem(v) is None)
 ANY = Rule("any value of its type", lambda v: True)
 
 
