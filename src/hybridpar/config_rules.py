@@ -70,8 +70,7 @@ class Rule:
 def integer(low: int, high: int = INT64_MAX, why: str = "") -> Rule:
     """An integer in ``[low, high]`` (every integer key has a ceiling: int64's by default)."""
     ceiling = {INT64_MAX: "2**63-1", SEED_MAX: "2**64-1", 2**31 - 1: "2**31-1"}.get(high, str(high))
-    text = f"an integer >= {low} and <= {ceiling}" if high == INT64_MAX else f"an integer in [{low}, {ceiling}]"
-    return Rule(text + why, lambda v: low <= v <= high)
+    return Rule(f"an integer >= {low} and <= {ceiling}{why}", lambda v: low <= v <= high)
 
 
 def number(low: float, high: float | None = None, low_open: bool = False, high_open: bool = False) -> Rule:

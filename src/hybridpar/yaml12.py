@@ -88,8 +88,14 @@ Yaml12Loader.add_implicit_resolver(
 )
 
 
+MAX_INT_DIGITS = 4000  # Python refuses to parse longer decimal integers (sys.get_int_max_str_digits)
+
+
 def _construct_int(loader, node) -> int:
     text = loader.construct_scalar(node)
+    if len(text) > MAX_INT_DIGITS:
+        raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(text):,} digits is too large to be "
+                                                "a value (no key takes one); shorten it", node.start_mark)
     if text.startswith(("0o", "0x")):
         return int(text[2:], 8 if text[1] == "o" else 16)
     return int(text, 10)

@@ -34,6 +34,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from hybridpar.config_rules import Notice
 from hybridpar.data.thd import SEQ_LENS_PADDING_VALUE
 
 __all__ = [
@@ -136,7 +137,7 @@ def pack_documents(
         warnings.warn(
             f"pack_documents(pack_size={pack_size}): split {split} documents longer than the pack into pieces, "
             f"dropped {dropped} such documents ({dropped_tokens} tokens), skipped {empty} empty documents.",
-            stacklevel=2,
+            Notice, stacklevel=2,
         )
 
     bins = _best_fit_decreasing([_round_up(t.numel(), multiple) for _, _, t, _ in pieces], pack_size)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.tokenizers import ByteTokenizer, as_tokenizer
 
@@ -222,6 +223,7 @@ def _paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
 
 
 TEXT_SPLITS = ("paragraph", "line", "file")
+_JSON_KINDS = {int: "number", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
 def read_text_file(path: Path) -> str:
@@ -307,9 +309,15 @@ def jsonl_documents(
     tokenizer = as_tokenizer(tokenizer)
     docs = []
     for where, record in read_jsonl(paths):
-        if not isinstance(record.get(text_field), str):
-            raise ValueError(f"{where} has no string field {text_field!r} (keys: {sorted(record)}); pass text_field= "
-                             "(data.task_options.text_field) or fix the record.")
+        if text_field not in record:
+            raise ValueError(f"{where} has no string field {quoted(text_field)} (keys: {quoted(sorted(record))}); pass "
+                             "text_field= (data.task_options.text_field) or fix the record.")
+        if not isinstance(record[text_field], str):
+            value = record[text_field]
+            kind = "null" if value is None else f"a JSON {_JSON_KINDS.get(type(value), type(value).__name__)}"
+            raise ValueError(f"{where} has no string field {quoted(text_field)}: its value is {kind} "
+                             f"({quoted(value, 60)}), not a string; every record's text must be a JSON string: quote "
+                             "it, or fix or remove the record.")
         path, line = where.rsplit(":", 1)
         docs.append(_document_at(tokenizer, record[text_field], path, int(line), add_bos, add_eos))
     return docs

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpar.config_rules import Notice
+
 __all__ = [
     "ByteTokenizer",
     "TOKENIZER_SPECS",
@@ -236,7 +238,7 @@ def resolve_tokenizer(spec: str | Path = "auto", model_path: str | Path | None =
         tokenizer = ByteTokenizer()
         if ships_tokenizer(model_path):
             warnings.warn(f"tokenizer='bytes' was asked for, so the tokenizer shipped in {model_path} is not used; "
-                          "the model will read byte ids.", stacklevel=2)
+                          "the model will read byte ids.", Notice, stacklevel=2)
     elif spec == "auto":
         tokenizer = load_pretrained_tokenizer(model_path) if ships_tokenizer(model_path) else ByteTokenizer()
     elif Path(spec).is_dir():

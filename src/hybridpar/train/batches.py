@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridpar.config_rules import Notice
 from hybridpar.config import DataConfig
 from hybridpar.data.documents import FILE_TASKS, file_documents
 from hybridpar.data.packing import pack_documents
@@ -226,7 +227,7 @@ class PackStream:
             self.pool += pack_documents(documents, self.config.pack_size, overlong="split", pad_to_multiple_of=self.multiple)
         if caught and not PackStream._warned:  # once per process (train and eval streams, every window)
             PackStream._warned = True
-            warnings.warn(str(caught[0].message), stacklevel=3)
+            warnings.warn(str(caught[0].message), Notice, stacklevel=3)  # one notice line
 
     def _extend(self) -> None:
         self._pack([self._task.sample(self._rng) for _ in range(self._window)])
