@@ -25,24 +25,17 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, path_problem, quoted, sample_problem, shorten
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, path_problem, quoted, sample_problem, shorten
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot be used, with the fix in the message (one line,
-    at most ``MAX_MESSAGE_CHARS``: values are quoted with ``quoted``, and this bound catches the rest)."""
+    at most ``config_rules.MAX_MESSAGE_CHARS``: values are quoted with ``quoted``; this bounds the rest)."""
 
     def __init__(self, message="", *args):
-        text = " ".join(str(message).split("\n"))
-        if len(text) > MAX_MESSAGE_CHARS:
-            text = f"{text[:MAX_MESSAGE_CHARS - 200]} ...[{len(text) - MAX_MESSAGE_CHARS + 200:,} characters cut]... " \
-                   f"{text[-150:]}"
-        super().__init__(text, *args)
-
-
-MAX_MESSAGE_CHARS = 2000
+        super().__init__(bounded_message(message), *args)
 
 
 @dataclass

@@ -35,6 +35,17 @@ def shorten(text: str, limit: int = MESSAGE_VALUE_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
+MAX_MESSAGE_CHARS = 2000  # the longest error message of bad input, whatever the input
+
+
+def bounded_message(message) -> str:
+    """``message`` on one line, at most ``MAX_MESSAGE_CHARS`` (the middle cut, the fix at the end kept)."""
+    text = " ".join(str(message).split("\n"))
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS - 200]} ...[{len(text) - MAX_MESSAGE_CHARS + 200:,} characters cut]... {text[-150:]}"
+
+
 def quoted(value, limit: int = MESSAGE_VALUE_CHARS) -> str:
     """``repr(value)`` for a message, bounded in length and in time (nested containers, long
     strings and huge integers are elided, as ``reprlib`` does)."""

@@ -61,6 +61,8 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     import torch.distributed.checkpoint as dcp
 
     from hybridpar.config import config_from_dict
+    from hybridpar.config_rules import shorten
+    from hybridpar.models.hf.weights import check_finite
     from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
     from hybridpar.parallel.tensor.hybrid import split_mamba_mixers
     from hybridpar.train.run.checkpoint import read_run_info
@@ -75,12 +77,18 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     stored = build_model(config)
     split_mamba_mixers(stored)  # the parameter names training saves (layout-free)
     state = {"model": stored.state_dict()}
-    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    stored.load_state_dict(state["model"])
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        stored.load_state_dict(state["model"])
+    except Exception as error:  # noqa: BLE001 - DCP raises many kinds; the message names the folder
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"--checkpoint {path} could not be loaded ({type(error).__name__}: {shorten(first, 200)}); it "
+                         "may be corrupt or from another model: pass another step_* folder.") from None
     model = build_model(config)
     load_canonical_state_dict(model, canonical_state_dict(stored))  # fused names again; every parameter set
+    check_finite(model.named_parameters(), f"checkpoint {path}")
     return model.eval(), config
 
 

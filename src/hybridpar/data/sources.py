@@ -50,7 +50,7 @@ __all__ = [
 def _range(value: int | tuple[int, int], name: str) -> tuple[int, int]:
     low, high = (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
     if low < 1 or high < low:
-        raise ValueError(f"{name}={value!r} must be a positive int or an inclusive range (low, high) with low <= high.")
+        raise ValueError(f"{name}={quoted(value)} must be a positive int or an inclusive range (low, high) with low <= high.")
     return low, high
 
 
@@ -94,7 +94,7 @@ class MQARTask:
                 f"max_len={self.max_len}; raise min_len or lower num_kv_pairs."
             )
         if self.filler not in ("blank", "random"):
-            raise ValueError(f"filler={self.filler!r} must be 'blank' or 'random'.")
+            raise ValueError(f"filler={quoted(self.filler)} must be 'blank' or 'random'.")
 
     def sample(self, rng: np.random.Generator) -> dict[str, list[int]]:
         """One document from ``rng``."""
@@ -287,7 +287,7 @@ def text_documents(
     ``as_tokenizer`` takes (None = bytes); ``add_bos``/``add_eos`` as in ``Tokenizer.document``.
     Errors name the file and line."""
     if split not in TEXT_SPLITS:
-        raise ValueError(f"split={split!r} must be one of {list(TEXT_SPLITS)}.")
+        raise ValueError(f"split={quoted(split)} must be one of {list(TEXT_SPLITS)}.")
     tokenizer = as_tokenizer(tokenizer)
     docs = []
     for path in _paths(paths):

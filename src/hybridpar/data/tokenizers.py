@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpar.config_rules import Notice
+from hybridpar.config_rules import Notice, quoted
 
 __all__ = [
     "ByteTokenizer",
@@ -232,7 +232,7 @@ def resolve_tokenizer(spec: str | Path = "auto", model_path: str | Path | None =
     """The tokenizer for setting ``spec`` (``"auto"``, ``"bytes"`` or a directory; see the module
     docstring), checked against ``vocab_size`` when given."""
     if not isinstance(spec, (str, Path)) or not str(spec):
-        raise ValueError(f"tokenizer={spec!r} must be 'auto', 'bytes' or a tokenizer directory path.")
+        raise ValueError(f"tokenizer={quoted(spec)} must be 'auto', 'bytes' or a tokenizer directory path.")
     spec = str(spec)
     if spec == "bytes":
         tokenizer = ByteTokenizer()
@@ -244,7 +244,7 @@ def resolve_tokenizer(spec: str | Path = "auto", model_path: str | Path | None =
     elif Path(spec).is_dir():
         tokenizer = load_pretrained_tokenizer(spec)
     else:
-        raise ValueError(f"tokenizer={spec!r} is neither 'auto', 'bytes' nor an existing directory; pass one of "
+        raise ValueError(f"tokenizer={quoted(spec)} is neither 'auto', 'bytes' nor an existing directory; pass one of "
                          f"{list(TOKENIZER_SPECS)} or the directory of a saved tokenizer.")
     if vocab_size is not None:
         check_tokenizer(tokenizer, vocab_size, model_path, explicit_bytes=spec == "bytes")

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridpar.config_rules import quoted
 from hybridpar.models.attention.mixer import apply_rotary, rotary_cos_sin
 from hybridpar.models.mamba.core import mamba_conv_scan
 
@@ -225,12 +226,12 @@ def check_sampling(max_new_tokens, temperature, top_p, seed=None) -> None:
 
     rules = [
         (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and 0 <= max_new_tokens <= MAX_NEW_TOKENS,
-         f"max_new_tokens={max_new_tokens!r} must be an integer in [0, 2**31-1]"),
+         f"max_new_tokens={quoted(max_new_tokens)} must be an integer in [0, 2**31-1]"),
         (number(temperature) and temperature >= 0,
-         f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy, as is anything below {GREEDY_BELOW:g})"),
-        (number(top_p) and 0 < top_p <= 1, f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)"),
+         f"temperature={quoted(temperature)} must be a finite number >= 0 (0 is greedy, as is anything below {GREEDY_BELOW:g})"),
+        (number(top_p) and 0 < top_p <= 1, f"top_p={quoted(top_p)} must be in (0, 1] (1 keeps every token)"),
         (seed is None or (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX),
-         f"seed={seed!r} must be an integer in [0, 2**64-1]"),
+         f"seed={quoted(seed)} must be an integer in [0, 2**64-1]"),
     ]
     for holds, message in rules:
         if not holds:

@@ -311,9 +311,10 @@ def one_process_rendezvous() -> str | None:
     """Make ``MASTER_ADDR``/``MASTER_PORT`` usable for a one-process run that is not under torchrun
     (it owns the rendezvous: nothing else connects to it); returns a notice when they were replaced."""
     port_text = os.environ.get("MASTER_PORT")
-    if port_text is None or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    if ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ) or \
+            (port_text is None and "MASTER_ADDR" not in os.environ):
         return None
-    if not port_text.strip().isdigit() or not 1 <= int(port_text) <= 65535:
+    if port_text is not None and (not port_text.strip().isdigit() or not 1 <= int(port_text) <= 65535):
         raise ConfigError(f"MASTER_PORT={quoted(port_text)} is not a port number: it must be an integer in [1, 65535]; "
                           "fix it, or unset it (a one-process run then picks a free port).")
     address = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -323,7 +324,7 @@ def one_process_rendezvous() -> str | None:
             probe.bind((address, 0))
     except (OSError, UnicodeError):
         problem = f"MASTER_ADDR={quoted(address)} is not an address of this machine"
-    if problem is None:
+    if problem is None and port_text is not None:
         try:
             with socket.socket() as probe:  # the store listens on every interface, as torch's TCPStore does
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

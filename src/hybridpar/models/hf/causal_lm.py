@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridpar.config_rules import quoted
 from hybridpar.models.generation import GREEDY_BELOW, check_sampling
 from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, read_hf_config
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
@@ -58,7 +59,7 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 def causal_lm_backend(path: str | Path, backend: str = "auto") -> str:
     """``"hybrid"`` or ``"transformers"``: which implementation ``load_causal_lm`` will use."""
     if backend not in BACKENDS:
-        raise ValueError(f"model backend {backend!r} is unknown; choose one of {list(BACKENDS)}.")
+        raise ValueError(f"model backend {quoted(backend)} is unknown; choose one of {list(BACKENDS)}.")
     hf = read_hf_config(path)
     try:
         architecture_of(hf)
@@ -67,7 +68,7 @@ def causal_lm_backend(path: str | Path, backend: str = "auto") -> str:
         supported = False
     if backend == "hybrid" and not supported:
         given = hf.get("architectures") or hf.get("model_type")
-        raise ValueError(f"backend 'hybrid' loads only {list(ARCHITECTURES)}, but {path} holds {given!r}; use backend "
+        raise ValueError(f"backend 'hybrid' loads only {list(ARCHITECTURES)}, but {path} holds {quoted(given)}; use backend "
                          "'transformers' (or 'auto') to train it as the transformers model.")
     return "hybrid" if backend in ("auto", "hybrid") and supported else "transformers"
 
