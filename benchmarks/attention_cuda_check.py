@@ -21,26 +21,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
+import harness  # noqa: F401  (this checkout's hybridpar first)
 import torch
+from cuda_check import packed as growing_documents
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's hybridpar first
-
-from hybridpar.data.thd import PackedSeqParams  # noqa: E402
-from hybridpar.models.attention.mixer import sequence_layout  # noqa: E402
-from hybridpar.models.attention.kernels import attention_core, choose_kernel  # noqa: E402
-from hybridpar.models.attention.layout import AttentionLayout  # noqa: E402
-from hybridpar.parallel.context.zigzag import localize  # noqa: E402
+from hybridpar.models.attention.kernels import attention_core, choose_kernel
+from hybridpar.models.attention.layout import AttentionLayout
+from hybridpar.models.attention.mixer import sequence_layout
+from hybridpar.parallel.context.zigzag import localize
 
 
 def layouts(tokens: int, docs: int, device) -> dict[str, tuple[AttentionLayout, torch.Tensor]]:
     """``name -> (layout, query token indices)`` for a row of ``docs`` documents (lengths multiples of 8)."""
-    weights = torch.arange(1, docs + 1, dtype=torch.float64)
-    lengths = (weights / weights.sum() * tokens / 8).floor().long() * 8
-    lengths[-1] += tokens - int(lengths.sum())
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
-    packed = PackedSeqParams.from_cu_seqlens(cu)
+    packed = growing_documents(tokens, docs, "cpu")
     packed.seq_idx, packed.position_ids = packed.seq_idx.to(device), packed.position_ids.to(device)
     sequence = sequence_layout(packed, tokens, device)
     local = localize(packed, 4, 1)  # rank 1 of cp=4

@@ -1,6 +1,6 @@
 """Forward+backward peak memory and time, one fresh process per case, by section.
 
-Each case runs in its own Python process (``--child``): it builds its inputs, warms the
+Each case runs in its own Python process (``harness.run_fresh``): it builds its inputs, warms the
 code path up on a small shape, resets the kernel's peak-RSS counter (``/proc/self/clear_refs``),
 then runs one forward+backward and reports ``VmHWM - VmRSS(before)``: the peak resident
 memory the step added, in a process that holds nothing else. Time is wall and CPU seconds of
@@ -38,51 +38,30 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
-import os
-import platform
-import shlex
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+import harness
+
 MIB = 2**20
 RESULT_FIELDS = ("peak_bytes", "wall_s", "cpu_s")  # what a child measures; the rest of a row is its case
 
 
-# ---------------------------------------------------------------- measuring inside a child
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def measure(step: Callable[[], None]) -> dict:
     """Peak RSS the step adds (bytes) and its wall/CPU seconds; ``step`` must be warmed up."""
-    import gc
-
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS")
-    wall, cpu = time.perf_counter(), time.process_time()
-    step()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    peak = _status_kib("VmHWM")
-    times = [(wall, cpu)]
-    while wall < 2.0 and len(times) < 3:  # short steps: keep the fastest of three
-        start, start_cpu = time.perf_counter(), time.process_time()
-        step()
-        times.append((time.perf_counter() - start, time.process_time() - start_cpu))
+    first = harness.measure_peak(step)
+    times = [(first["wall_s"], first["cpu_s"])]
+    while first["wall_s"] < 2.0 and len(times) < 3:  # short steps: keep the fastest of three
+        again = harness.measure_peak(step)
+        times.append((again["wall_s"], again["cpu_s"]))
     wall, cpu = min(times)
-    return dict(zip(RESULT_FIELDS, ((peak - before) * 1024, wall, cpu)))
+    return dict(zip(RESULT_FIELDS, (first["peak_bytes"], wall, cpu)))
+
+
+def run_child(section: str, case: dict) -> dict:
+    """In a fresh process: the section's step for ``case``, measured."""
+    return measure(SECTIONS[section].step(case))
 
 
 # ---------------------------------------------------------------- sections
@@ -158,11 +137,7 @@ def attention_step(case: dict) -> Callable[[], None]:
 
 def _slope(rows: list[dict], key: str, low: int = 8192, high: int = 65536) -> float | None:
     """Least-squares slope of log(value) on log(L) over low <= L <= high (None if < 2 points)."""
-    points = [(math.log(r["L"]), math.log(r[key])) for r in rows if low <= r["L"] <= high and r.get(key)]
-    if len(points) < 2:
-        return None
-    mean_x, mean_y = (sum(p[i] for p in points) / len(points) for i in (0, 1))
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return harness.log_slope((r["L"], r[key]) for r in rows if low <= r["L"] <= high and r.get(key))
 
 
 def attention_report(rows: list[dict]) -> tuple[list[str], list[str]]:
@@ -281,16 +256,11 @@ SECTIONS: dict[str, Section] = {
 
 
 def run_case(section: str, case: dict, timeout_s: float) -> dict:
-    """Run one case in a fresh ``python`` process; the child prints one JSON line."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", section, json.dumps(case)]
+    """Run one case in a fresh ``python`` process (``harness.run_fresh``)."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {**case, "error": f"timed out after {timeout_s:.0f} s"}
-    if done.returncode != 0:
-        return {**case, "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
-    return {**case, **json.loads(done.stdout.strip().splitlines()[-1])}
+        return {**case, **harness.run_fresh(run_child, section, case, timeout_s=timeout_s)}
+    except harness.CaseError as error:
+        return {**case, "error": str(error)}
 
 
 def markdown(results: dict) -> str:
@@ -310,30 +280,17 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        import torch  # noqa: F401  (the child's only job: one case)
-
-        print(json.dumps(measure(SECTIONS[argv[1]].step(json.loads(argv[2])))))
-        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--section", choices=sorted(SECTIONS), default="attention")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
     parser.add_argument("--skip-done", action="store_true", help="keep cases the saved JSON already measured")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     SECTIONS[parser.parse_known_args(argv)[0].section].arguments(parser)
     args = parser.parse_args(argv)
 
-    import torch
-
     section = SECTIONS[args.section]
-    meta = {
-        "command": " ".join(["python benchmarks/attention_memory.py", shlex.join(argv)]).strip(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-    }
+    meta = harness.environment(__file__, argv)
+    meta["load_average"] = " ".join(f"{x:.1f}" for x in meta["load_average"])
     path = args.out / "attention_memory.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     saved = {_key(row): row for row in results.get(args.section, {}).get("rows", [])}  # earlier runs' cases
@@ -347,9 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = list(saved.values())  # save after every case: a long run can be resumed with --skip-done
         _, meta["checks"] = section.report(rows)
         results[args.section] = {"meta": meta, "rows": rows}
-        args.out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "attention_memory.md").write_text(markdown(results))
+        harness.write_results("attention_memory", results, markdown(results), args.out, echo=False)
     table, checks = section.report(list(saved.values()))
     print("\n".join(table + ["", "Checks:"] + [f"- {c}" for c in checks]))
 

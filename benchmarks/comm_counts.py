@@ -20,23 +20,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
-import os
-import platform
-import socket
-import sys
 import tempfile
 from pathlib import Path
 
+import harness
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-RESULTS = ROOT / "benchmarks" / "results"
-CONFIG = str(ROOT / "configs" / "tiny-hybrid.yaml")
+from tests.distributed.harness import run_ranks
+
+CONFIG = str(harness.ROOT / "configs" / "tiny-hybrid.yaml")
 # The tiny model on 4 packs of 256 tokens per step (the default job's MQAR data otherwise).
 BASE = ["model.preset=tiny", "data.pack_size=256", "data.packs_per_step=4", "parallel.reshard_after_forward=true"]
 LAYOUTS = {  # name -> (world size, overrides of the default job)
@@ -45,12 +37,6 @@ LAYOUTS = {  # name -> (world size, overrides of the default job)
     "dp_shard=2": (2, BASE + ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2", "parallel.sequence_parallel=false"]),
     "tp=2 x cp=2": (4, BASE + ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def measure_step(overrides: list[str], output_dir: str) -> dict:
@@ -84,34 +70,14 @@ def measure_step(overrides: list[str], output_dir: str) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], output_dir: str, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        result = measure_step(overrides, output_dir)
-        dist.destroy_process_group()
-        queue.put((rank, result))
-    except BaseException as error:  # noqa: BLE001 - report to the parent
-        queue.put((rank, {"error": repr(error)}))
-        raise
+def _rank_step(rank: int, world: int, overrides: list[str], output_dir: str) -> dict:
+    return measure_step(overrides, output_dir)
 
 
 def run_layout(world: int, overrides: list[str]) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
+    """``measure_step`` on ``world`` fresh gloo ranks; rank 0's result (the layouts are symmetric)."""
     with tempfile.TemporaryDirectory() as output_dir:
-        procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, output_dir, queue)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join(timeout=60)
-    for rank, result in results.items():
-        if "error" in result:
-            raise RuntimeError(f"rank {rank} failed: {result['error']}")
-    return results[0]
+        return run_ranks(world, _rank_step, overrides, output_dir, timeout_s=1800)[0]
 
 
 def closed_form(sources: dict) -> tuple[dict, dict]:
@@ -124,9 +90,7 @@ def closed_form(sources: dict) -> tuple[dict, dict]:
 
 
 def markdown(results: dict, meta: dict) -> str:
-    lines = [
-        "# Collectives of one training step: measured (CommStats) and closed form (step_comm)", "",
-        f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
+    lines = harness.header("Collectives of one training step: measured (CommStats) and closed form (step_comm)", meta) + [
         f"Model: tiny preset, float32; data: the default job's (4 packs of 256 tokens per step); {meta['machine']}, "
         f"torch {meta['torch']}. Bytes one rank sends in the whole step (forward, backward, clipping, AdamW).", "",
     ]
@@ -152,7 +116,7 @@ def markdown(results: dict, meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     results = {}
     for name, (world, overrides) in LAYOUTS.items():
@@ -163,17 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         calls, nbytes = closed_form(r["sources"])
         checks.append(f"{name}: every (kind, dim) total equals its closed form: {r['calls'] == calls and r['bytes'] == nbytes}; "
                       f"every collective gloo ran was counted: {r['counted'] == r['gloo']}")
-    meta = {
-        "command": " ".join(["python benchmarks/comm_counts.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-        "python": platform.python_version(), "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "checks": checks,
-    }
-    table = markdown(results, meta)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "comm_counts.json").write_text(json.dumps({"meta": meta, "layouts": results}, indent=2) + "\n")
-    (args.out / "comm_counts.md").write_text(table)
+    meta = {**harness.environment(__file__, argv), "checks": checks}
+    harness.write_results("comm_counts", {"meta": meta, "layouts": results}, markdown(results, meta), args.out)
 
 
 if __name__ == "__main__":

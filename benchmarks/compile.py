@@ -24,27 +24,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-RESULTS = ROOT / "benchmarks" / "results"
-
-from hybridpar.data.thd import PackedSeqParams  # noqa: E402
-from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
-from hybridpar.parallel.dims import ParallelDims  # noqa: E402
-from hybridpar.parallel.parallelize import parallelize  # noqa: E402
-from hybridpar.train.loss import token_loss_sum  # noqa: E402
+from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.hybrid import HybridConfig, HybridLM
+from hybridpar.parallel.dims import ParallelDims
+from hybridpar.parallel.parallelize import parallelize
+from hybridpar.train.loss import token_loss_sum
 
 
 def packed_row(tokens: int, vocab: int, seed: int = 0):
@@ -81,7 +73,7 @@ def measure(preset: str, tokens: int, repeats: int, backends: list[str], dtype: 
     base = HybridLM(HybridConfig.from_preset(preset, dtype=getattr(torch, dtype)))
     batch = packed_row(tokens, base.config.vocab_size)
     jobs = {"eager": Job(base, None, batch)} | {b: Job(base, b, batch) for b in backends}
-    first, samples, parity, graphs = {}, {name: [] for name in jobs}, {}, {}
+    first, parity, graphs = {}, {}, {}
     reference = None
     for name, job in jobs.items():  # the first step compiles
         counters.clear()
@@ -97,18 +89,14 @@ def measure(preset: str, tokens: int, repeats: int, backends: list[str], dtype: 
                 "grad_rel": max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
                                 for n, g in reference[1].items()),
             }
-    for _ in range(repeats):
-        for name, job in jobs.items():
-            samples[name].append(job.step()[0])
+    samples = harness.interleaved({name: job.step for name, job in jobs.items()}, repeats, warmup=0)
     median = {name: statistics.median(v) for name, v in samples.items()}
     return {"first_step_s": first, "median_step_s": median, "samples_s": samples, "parity": parity, "graphs": graphs,
             "ratio": {name: median[name] / median["eager"] for name in jobs}, "parameters": base.num_parameters()}
 
 
 def markdown(result: dict, meta: dict) -> str:
-    lines = [
-        "# torch.compile per block: one training step against eager (one process)", "",
-        f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
+    lines = harness.header("torch.compile per block: one training step against eager (one process)", meta) + [
         f"Model: {meta['preset']} preset ({result['parameters'] / 1e6:.2f}M parameters), {meta['dtype']}; one packed row of "
         f"{meta['tokens']} tokens (4 documents); forward, loss, backward, AdamW. {meta['machine']}, torch {meta['torch']}, "
         f"{meta['threads']} torch thread(s); load average {meta['load_average'][0]:.1f} (1 min) at the start: the machine "
@@ -133,23 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", nargs="+", default=["inductor", "aot_eager"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_average = list(os.getloadavg())
     result = measure(args.preset, args.tokens, args.repeats, args.backends, args.dtype)
     meta = {
-        "command": " ".join(["python benchmarks/compile.py", shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-        "python": platform.python_version(), "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "preset": args.preset, "tokens": args.tokens, "repeats": args.repeats, "threads": args.threads,
-        "load_average": load_average, "dtype": args.dtype,
+        **harness.environment(__file__, argv), "preset": args.preset, "tokens": args.tokens, "repeats": args.repeats,
+        "threads": args.threads, "load_average": load_average, "dtype": args.dtype,
     }
-    table = markdown(result, meta)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compile.json").write_text(json.dumps({"meta": meta, "result": result}, indent=2) + "\n")
-    (args.out / "compile.md").write_text(table)
+    harness.write_results("compile", {"meta": meta, "result": result}, markdown(result, meta), args.out)
 
 
 if __name__ == "__main__":

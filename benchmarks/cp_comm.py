@@ -23,34 +23,24 @@ Prints the tables and writes benchmarks/results/cp_comm.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import shlex
-import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-try:
-    from hybridpar.models.hybrid import HybridConfig
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from hybridpar.models.hybrid import HybridConfig
+from hybridpar.models.hybrid import HybridConfig
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.comm.collectives import CommStats
 from hybridpar.parallel.context.mamba import a2a_bytes_per_layer, apply_mamba_cp
 from hybridpar.parallel.context.mamba_state import state_bytes_per_layer
 from hybridpar.parallel.context.inputs import shard_inputs
+from tests.distributed.harness import run_ranks
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SEQ_LENS = (16 * 1024, 128 * 1024, 1024 * 1024)
 CP_SIZES = (2, 8)
 
@@ -91,12 +81,6 @@ def comm_table(s: dict) -> list[dict]:
 
 
 # ---------------------------------------------------------------- measured on 2 gloo processes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tiny_mixer(config: HybridConfig, n_groups: int, dtype=torch.float32) -> Mamba2Mixer:
@@ -144,54 +128,35 @@ def _step_seconds(mixer: Mamba2Mixer, x: torch.Tensor, packed) -> float:
     return time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, port: int, seq: int, repeats: int, queue) -> None:
+def _rank_measure(rank: int, world: int, seq: int, repeats: int) -> dict:
     """Counts bytes, then times cp=1 (rank 0 alone, rank 1 waiting) and both cp=2 strategies,
     interleaved per repeat so the three layouts see the same background load."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        group = dist.new_group(list(range(world)))
-        config = HybridConfig.from_preset("tiny")
-        result = {"bytes": _count_bytes(group, config), "times": {"cp1": [], "a2a": [], "state": []}}
-        torch.manual_seed(1)
-        u = torch.randn(1, seq, config.hidden_size)
-        single = _tiny_mixer(config, config.mamba_n_groups)
-        layouts = {}
-        for strategy in ("a2a", "state"):
-            sharded = shard_inputs(inputs_embeds=u, cp_group=group)
-            mixer = apply_mamba_cp(_tiny_mixer(config, config.mamba_n_groups), group, strategy)
-            layouts[strategy] = (mixer, sharded.inputs_embeds, sharded.packed)
-        for step in range(repeats + 1):  # step 0 warms up
+    group = dist.new_group(list(range(world)))
+    config = HybridConfig.from_preset("tiny")
+    result = {"bytes": _count_bytes(group, config), "times": {"cp1": [], "a2a": [], "state": []}}
+    torch.manual_seed(1)
+    u = torch.randn(1, seq, config.hidden_size)
+    single = _tiny_mixer(config, config.mamba_n_groups)
+    layouts = {}
+    for strategy in ("a2a", "state"):
+        sharded = shard_inputs(inputs_embeds=u, cp_group=group)
+        mixer = apply_mamba_cp(_tiny_mixer(config, config.mamba_n_groups), group, strategy)
+        layouts[strategy] = (mixer, sharded.inputs_embeds, sharded.packed)
+    for step in range(repeats + 1):  # step 0 warms up
+        dist.barrier(group)
+        seconds = _step_seconds(single, u, None) if rank == 0 else 0.0
+        if step and rank == 0:
+            result["times"]["cp1"].append(seconds)
+        for strategy, (mixer, x, packed) in layouts.items():
             dist.barrier(group)
-            seconds = _step_seconds(single, u, None) if rank == 0 else 0.0
-            if step and rank == 0:
-                result["times"]["cp1"].append(seconds)
-            for strategy, (mixer, x, packed) in layouts.items():
-                dist.barrier(group)
-                seconds = _step_seconds(mixer, x, packed)
-                if step:
-                    result["times"][strategy].append(seconds)
-        dist.destroy_process_group()
-        queue.put((rank, result))
-    except BaseException as error:  # noqa: BLE001 - report to the parent
-        queue.put((rank, {"error": repr(error)}))
-        raise
+            seconds = _step_seconds(mixer, x, packed)
+            if step:
+                result["times"][strategy].append(seconds)
+    return result
 
 
 def measure(seq: int, repeats: int) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, seq, repeats, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, res in results.items():
-        if "error" in res:
-            raise RuntimeError(f"rank {rank} failed: {res['error']}")
+    results = run_ranks(2, _rank_measure, seq, repeats, timeout_s=1800)
     times = {"cp1": results[0]["times"]["cp1"]}
     for k in ("a2a", "state"):  # a cp=2 step takes as long as its slower rank
         times[f"cp2_{k}"] = [max(a, b) for a, b in zip(results[0]["times"][k], results[1]["times"][k])]
@@ -213,8 +178,7 @@ def mb(n: float) -> str:
 def markdown(rows: list[dict], measured: dict, meta: dict) -> str:
     s = meta["shape"]
     lines = [
-        "# Mamba2 context parallelism: bytes per layer", "",
-        f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
+        *harness.header("Mamba2 context parallelism: bytes per layer", meta),
         f"Shape: nemotronh-8b preset, d_inner={s['d_inner']}, H={s['num_heads']}, p={s['head_dim']}, "
         f"G={s['n_groups']}, N={s['state_size']}, K={s['conv_kernel']}; B=1, one document; bf16 activations (e=2). "
         "MB = 1e6 bytes one rank sends, forward, one layer (the backward sends the same again).", "",
@@ -264,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=16 * 1024, help="sequence length of the wall-time run")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
 
     shape = shape_of(HybridConfig.from_preset("nemotronh-8b"))
@@ -288,17 +252,11 @@ def main(argv: list[str] | None = None) -> None:
         + str(all(b["backward"] == b["forward"] for b in measured["bytes"])),
     ]
     meta = {
-        "command": " ".join(["python benchmarks/cp_comm.py", shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores", "shape": shape, "seq": args.seq,
+        **harness.environment(__file__, argv), "shape": shape, "seq": args.seq,
         "repeats": args.repeats, "checks": checks, "load_average": load_average,
     }
-    table = markdown(rows, measured, meta)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cp_comm.json").write_text(json.dumps({"meta": meta, "closed_form": rows, "measured": measured}, indent=2) + "\n")
-    (args.out / "cp_comm.md").write_text(table)
+    record = {"meta": meta, "closed_form": rows, "measured": measured}
+    harness.write_results("cp_comm", record, markdown(rows, measured, meta), args.out)
 
 
 if __name__ == "__main__":

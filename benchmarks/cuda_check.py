@@ -22,27 +22,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
-import math
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from hybridpar.data.thd import PackedSeqParams  # noqa: E402
-from hybridpar.models.attention.mixer import sequence_layout  # noqa: E402
-from hybridpar.models.attention.kernels import attention_core, choose_kernel  # noqa: E402
-from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
-from hybridpar.parallel.dims import ParallelDims  # noqa: E402
-from hybridpar.parallel.parallelize import parallelize  # noqa: E402
-from hybridpar.train.loss import lm_head_loss  # noqa: E402
+from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.attention.mixer import sequence_layout
+from hybridpar.models.attention.kernels import attention_core, choose_kernel
+from hybridpar.models.hybrid import HybridConfig, HybridLM
+from hybridpar.parallel.dims import ParallelDims
+from hybridpar.parallel.parallelize import parallelize
+from hybridpar.train.loss import lm_head_loss
 
 GIB = 2**30
 
@@ -70,12 +64,7 @@ def peak_of(step) -> tuple[float, float]:
 
 
 def exponent(rows: list[dict], key: str) -> float | None:
-    points = [(r["L"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and r[key] > 0]
-    if len(points) < 2:
-        return None
-    xs, ys = [math.log(p[0]) for p in points], [math.log(p[1]) for p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return harness.log_slope((r["L"], r.get(key)) for r in rows)
 
 
 def section_parity(device) -> dict:
@@ -197,8 +186,7 @@ def section_compile(device) -> dict:
 
 
 def markdown(results: dict, meta: dict) -> str:
-    lines = ["# CUDA checks", "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
-             f"Device: {meta['device']}, torch {meta['torch']}", ""]
+    lines = [*harness.header("CUDA checks", meta), ""]
     if "parity" in results:
         p = results["parity"]
         lines += ["## Parity (small preset, float64, packed 2048 tokens, CUDA vs CPU)", "",
@@ -240,23 +228,18 @@ def main() -> int:
     parser.add_argument("--sections", nargs="+", default=["parity", "memory", "compile"],
                         choices=["parity", "memory", "compile"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_check: no CUDA device here; run it on a GPU machine.")
         return 0
     device = torch.device("cuda")
-    meta = {"command": "python benchmarks/cuda_check.py " + shlex.join(sys.argv[1:]),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    meta = harness.environment(__file__)
     results = {}
     for name in args.sections:
         results[name] = {"parity": lambda: section_parity(device), "memory": lambda: section_memory(device, args.lengths),
                          "compile": lambda: section_compile(device)}[name]()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cuda_check.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
-    (args.out / "cuda_check.md").write_text(markdown(results, meta))
-    print(markdown(results, meta))
+    harness.write_results("cuda_check", {"meta": meta, "results": results}, markdown(results, meta), args.out)
     return 0
 
 

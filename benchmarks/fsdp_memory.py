@@ -19,25 +19,14 @@ Prints a table and writes benchmarks/results/fsdp_memory.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import shlex
-import socket
-import sys
 from pathlib import Path
 
+import harness
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-try:
-    import hybridpar  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from tests.distributed.harness import run_ranks
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 0.3
 HYBRID_SHAPE = dict(vocab_size=8192, hidden_size=256, pattern="M*-M-M*-M-", mamba_num_heads=8,
                     mamba_head_dim=64, mamba_n_groups=2, ssm_state_size=32, num_attention_heads=8,
@@ -120,48 +109,18 @@ def unsharded_bytes(model) -> int | None:
     return storage_bytes(buffers)
 
 
-def _worker(rank: int, world: int, port: int, name: str, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        result = measure_rank(name)
-        dist.destroy_process_group()
-        queue.put((rank, result))
-    except BaseException as error:  # noqa: BLE001 - report to the parent
-        queue.put((rank, {"error": repr(error)}))
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rank_measure(rank: int, world: int, name: str) -> dict:
+    return measure_rank(name)
 
 
 def run(name: str, world: int) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, name, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=60)
-    for rank, res in results.items():
-        if "error" in res:
-            raise RuntimeError(f"{name} dp_shard={world} rank {rank} failed: {res['error']}")
-    return [results[r] for r in range(world)]
+    """``measure_rank`` on ``world`` fresh gloo ranks; one result per rank."""
+    return run_ranks(world, _rank_measure, name, timeout_s=900)
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     mib = 2**20
-    lines = [
-        "# FSDP2 parameter + gradient + AdamW-state memory per rank",
-        "",
-        f"Command: `{meta['command']}`  ",
-        f"Date: {meta['date']}  ",
-        f"Machine: {meta['machine']}, Python {meta['python']}, torch {meta['torch']}  ",
+    lines = harness.header("FSDP2 parameter + gradient + AdamW-state memory per rank", meta) + [
         "Bytes of the storages each rank holds after one AdamW step (float32), the largest rank shown; "
         "'unsharded left' is what FSDP's all-gather buffers still hold after the step (counted apart). "
         f"Target: dp_shard=4 at most {TARGET_RATIO}x dp_shard=1.",
@@ -187,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4], help="dp_shard sizes (1 is the baseline)")
     parser.add_argument("--models", nargs="+", default=["hybrid", "llama"])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     sizes = sorted(set(args.dp) | {1})
 
@@ -207,17 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     checks = [f"{r['model']}: dp_shard=4 / dp_shard=1 = {r['ratio']:.3f} <= {TARGET_RATIO}: {r['ratio'] <= TARGET_RATIO}"
               for r in at4]
     meta = {
-        "command": " ".join(["python benchmarks/fsdp_memory.py", shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "shapes": {"hybrid": HYBRID_SHAPE, "llama": LLAMA_SHAPE}, "checks": checks,
+        **harness.environment(__file__, argv), "shapes": {"hybrid": HYBRID_SHAPE, "llama": LLAMA_SHAPE}, "checks": checks,
     }
-    table = markdown(rows, meta)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fsdp_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (args.out / "fsdp_memory.md").write_text(table)
+    harness.write_results("fsdp_memory", {"meta": meta, "rows": rows}, markdown(rows, meta), args.out)
 
 
 if __name__ == "__main__":

@@ -51,28 +51,20 @@ the per-rank peak (and of the peak above the baseline).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import math
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import harness
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-try:
-    import hybridpar  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("none", "full", "selective")
 BLOCKS = {"mamba_packed": "M", "mamba_one_doc": "M", "mlp": "-", "attention": "*"}
 BLOCK_NAMES = {"mamba_packed": "Mamba2, packed (document resets)", "mamba_one_doc": "Mamba2, one document",
@@ -150,10 +142,9 @@ def measure_block(preset: str, block: str, seqlen: int, device: str = "meta") ->
     return results
 
 
-def run_worker(*args: str) -> dict:
-    command = [sys.executable, __file__, "--worker", *args]
-    out = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run_worker(preset: str, block: str, seqlen: int, device: str) -> dict:
+    """``measure_block`` in a fresh process, one thread."""
+    return harness.run_fresh(measure_block, preset, block, seqlen, device, threads=1)
 
 
 def model_totals(preset: str, per_block: dict) -> dict:
@@ -174,11 +165,7 @@ def before_totals(model: dict) -> dict:
 
 
 def section_saved(args) -> None:
-    start = os.getloadavg()
-    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                          "load_avg_start": start},
+    record = {**_started(),
               "dtype": "float32", "device": args.device, "docs_per_pack": DOCS_PER_PACK, "presets": {}}
     for preset in args.presets:
         blocks = {}
@@ -187,12 +174,12 @@ def section_saved(args) -> None:
             for seqlen in args.lengths:
                 print(f"{preset} {block} L={seqlen} ...", flush=True)
                 device = "cpu" if block == "attention" else args.device
-                blocks[block][seqlen] = run_worker("saved", preset, block, str(seqlen), device)
+                blocks[block][seqlen] = run_worker(preset, block, seqlen, device)
         longest = max(args.lengths)
         record["presets"][preset] = {"blocks": blocks, "model": model_totals(preset, {b: v[longest] for b, v in blocks.items()})}
     if args.device == "meta":  # the same case computed for real must give the same bytes
         preset, seqlen = args.presets[-1], args.lengths[0]
-        cross = {b: run_worker("saved", preset, b, str(seqlen), "cpu") for b in BLOCKS if b != "attention"}
+        cross = {b: run_worker(preset, b, seqlen, "cpu") for b in BLOCKS if b != "attention"}
         meta = {b: record["presets"][preset]["blocks"][b][seqlen] for b in BLOCKS}
         record["cpu_cross_check"] = {"preset": preset, "seqlen": seqlen, "cpu": cross,
                                      "equal": all(cross[b][p]["kib_per_token"] == meta[b][p]["kib_per_token"]
@@ -207,11 +194,15 @@ def section_saved(args) -> None:
             "selective_over_none": {"value": ratio, "target": "<= 0.35", "met": ratio <= 0.35},
         }
         record["before_this_work"] = before_totals(eight_b["model"])
-    markdown = to_markdown(record)
-    print(markdown)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "long_context_saved.json").write_text(json.dumps(record, indent=2) + "\n")
-    (RESULTS / "long_context_saved.md").write_text(markdown)
+    harness.write_results("long_context_saved", record, to_markdown(record))
+
+
+def _started() -> dict:
+    """The command, date and machine of a section's record."""
+    env = harness.environment(__file__)
+    return {"command": env["command"], "date": env["date"],
+            "machine": {"platform": platform.platform(), "cpus": env["cpus"], "torch": env["torch"],
+                        "load_avg_start": env["load_average"]}}
 
 
 def to_markdown(record: dict) -> str:
@@ -302,8 +293,8 @@ def run_step(seqlen: int, workdir: Path) -> dict:
     output_dir = workdir / f"step_{seqlen}"
     command = [sys.executable, "-m", "hybridpar", *step_command(seqlen, str(output_dir))]
     started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, cwd=harness.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=harness.child_env())
     peaks: dict[int, int] = {}
     while process.poll() is None:
         for pid in _descendants(process.pid):
@@ -325,27 +316,15 @@ def _document_lengths(seqlen: int) -> list[int]:
     from hybridpar.config import load_config
     from hybridpar.train.batches import PackStream
 
-    root = Path(__file__).resolve().parents[1]
-    config = load_config(root / "configs/tiny-hybrid.yaml", step_command(seqlen, "unused")[5:])
+    config = load_config(harness.ROOT / "configs/tiny-hybrid.yaml", step_command(seqlen, "unused")[5:])
     stream = PackStream(config.data, config.parallel.cp, 256)
     return stream.step_packs(0)[0]["seq_lens"].tolist()
-
-
-def _slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of log y on log x."""
-    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
 def section_step(args) -> None:
     import tempfile
 
-    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-              "cli": "hybridpar " + " ".join(step_command(131072, "runs/long-context")),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                          "load_avg_start": os.getloadavg()},
+    record = {**_started(), "cli": "hybridpar " + " ".join(step_command(131072, "runs/long-context")),
               "layout": "cp=4 (allgather attention, a2a Mamba), 4 processes, float32, tiny preset", "cases": []}
     with tempfile.TemporaryDirectory(prefix="hybridpar-long-context-") as workdir:
         for seqlen in [STEP_BASELINE, *args.step_lengths]:
@@ -359,9 +338,9 @@ def section_step(args) -> None:
     peaks = [max(c["peak_rss_gib_by_rank"].values()) for c in long]
     lengths = [c["seqlen"] for c in long]
     if len(long) >= 2:
-        record["growth"] = {"exponent_peak": _slope(lengths, peaks),
-                            "exponent_above_baseline": _slope(lengths, [p - base for p in peaks]),
-                            "exponent_step_time": _slope(lengths, [c["step_s"] for c in long])}
+        record["growth"] = {"exponent_peak": harness.log_slope(zip(lengths, peaks)),
+                            "exponent_above_baseline": harness.log_slope(zip(lengths, [p - base for p in peaks])),
+                            "exponent_step_time": harness.log_slope(zip(lengths, [c["step_s"] for c in long]))}
     if 131072 in lengths and len(long) >= 2:
         peak = peaks[lengths.index(131072)]
         record["targets"] = {
@@ -369,11 +348,7 @@ def section_step(args) -> None:
             "exponent_32k_to_128k": {"value": record["growth"]["exponent_peak"], "target": "<= 1.05",
                                      "met": record["growth"]["exponent_peak"] <= 1.05},
         }
-    markdown = step_markdown(record)
-    print(markdown)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "long_context_step.json").write_text(json.dumps(record, indent=2) + "\n")
-    (RESULTS / "long_context_step.md").write_text(markdown)
+    harness.write_results("long_context_step", record, step_markdown(record))
 
 
 def step_markdown(record: dict) -> str:
@@ -412,13 +387,8 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["nemotronh-8b", "small"])
     parser.add_argument("--step-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     parser.add_argument("--device", default="meta", choices=["meta", "cpu"], help="meta: real shapes, no compute (default)")
-    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.worker:
-        _, preset, block, seqlen, device = args.worker
-        print(json.dumps(measure_block(preset, block, int(seqlen), device)))
-        return
     SECTIONS[args.section](args)
 
 

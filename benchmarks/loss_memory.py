@@ -30,24 +30,10 @@ process per case) and ``loss_markdown(section)``. Timings on a shared machine ar
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import math
-import os
-import platform
-import resource
-import shlex
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-try:
-    import hybridpar  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB, HIDDEN = 131072, 256
 TOKENS = (1024, 2048, 4096, 8192, 16384)
 OLD_BYTES_PER_LOGIT = 12
@@ -84,31 +70,6 @@ def loss_cases(args) -> list[dict]:
 
 
 # ---------------------------------------------------------------- one case, in this process
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _peak_live_tensor_bytes(prof) -> int | None:
@@ -151,44 +112,22 @@ def run_loss_case(case: dict) -> dict:
     # one-time costs (lazy imports of the first custom-op call, autograd threads) stay out of the numbers
     step(hidden[:8].detach().requires_grad_(), weight[:64].detach().requires_grad_(), labels[:8] % 64)
 
-    rss_before = _rss_bytes()
-    hwm_reset = _reset_hwm()
-    started = time.perf_counter()
-    loss = step(hidden, weight, labels)
-    seconds = time.perf_counter() - started
-    hwm = _hwm_bytes()
-    peak_rss = hwm if (hwm is not None and hwm_reset) else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    timed = harness.measure_peak(lambda: step(hidden, weight, labels))
 
     hidden.grad = weight.grad = None  # a second run, profiled, for the tensor-level peak
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         step(hidden, weight, labels)
-    return {**case, "loss": loss, "seconds": seconds, "rss_bytes": peak_rss - rss_before,
-            "rss_method": "VmHWM after clear_refs" if hwm_reset else "ru_maxrss (lifetime peak)",
+    return {**case, "loss": timed["value"], "seconds": timed["wall_s"], "rss_bytes": timed["peak_bytes"],
+            "rss_method": "VmHWM after clear_refs" if timed["hwm_reset"] else "ru_maxrss (lifetime peak)",
             "tensor_bytes": _peak_live_tensor_bytes(prof), "threads": torch.get_num_threads()}
 
 
 def measure_in_fresh_process(case: dict, timeout_s: float = 3600) -> dict:
     """``run_loss_case`` in a new Python process (nothing allocated before it counts)."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--case-json", json.dumps(case)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-    if done.returncode != 0:
-        return {**case, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-# ---------------------------------------------------------------- the section
-
-
-def fit_exponent(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope of log(y) on log(x); None with fewer than two points."""
-    points = [(math.log(x), math.log(y)) for x, y in points if x > 0 and y and y > 0]
-    if len(points) < 2:
-        return None
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    try:
+        return harness.run_fresh(run_loss_case, case, timeout_s=timeout_s)
+    except harness.CaseError as error:
+        return {**case, "error": str(error)}
 
 
 def run_loss_section(args, echo=print) -> dict:
@@ -202,7 +141,7 @@ def run_loss_section(args, echo=print) -> dict:
     fits = {}
     for path in ("old", "new"):
         measured = [r for r in rows if r["path"] == path and not r.get("skip") and not r.get("error")]
-        fits[path] = {key: fit_exponent([(r["tokens"], r[key]) for r in measured])
+        fits[path] = {key: harness.log_slope([(r["tokens"], r[key]) for r in measured])
                       for key in ("rss_bytes", "tensor_bytes", "seconds")}
     return {"rows": rows, "fits": fits, "checks": _checks(rows, fits)}
 
@@ -261,38 +200,21 @@ def loss_markdown(section: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_loss_arguments(parser)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--case-json", help=argparse.SUPPRESS)  # internal: run one case, print JSON
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
-    if args.case_json:
-        print(json.dumps(run_loss_case(json.loads(args.case_json))))
-        return
-
-    import torch
-
     section = run_loss_section(args)
-    meta = {
-        "command": "python " + " ".join(shlex.quote(a) for a in ["benchmarks/loss_memory.py", *sys.argv[1:]]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "python": platform.python_version(), "torch": torch.__version__,
-        "load_average": os.getloadavg(),
-    }
+    meta = harness.environment(__file__, argv)
     text = "\n".join([
-        "# Loss-path memory: blockwise lm_head_loss against materialized logits", "",
-        f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
-        f"Machine: {meta['machine']}, Python {meta['python']}, torch {meta['torch']}, load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in meta['load_average'])} (shared machine: times are noisy)  ",
+        *harness.header("Loss-path memory: blockwise lm_head_loss against materialized logits", meta),
+        f"Load average at the end {', '.join(f'{x:.1f}' for x in meta['load_average'])} (shared machine: times are "
+        "noisy)  ",
         "Float32, forward + backward, a fresh process per case; memory is what the loss adds to its inputs "
         "(gradients of hidden and weight included). 'old' is F.cross_entropy(hidden @ weight.T), 'new' is "
         f"lm_head_loss. Targets: new peak at T={TARGET_TOKENS} <= {TARGET_PEAK_GIB} GiB, exponent <= "
         f"{TARGET_EXPONENT}.", "",
         loss_markdown(section), "",
     ])
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "loss_memory.json").write_text(json.dumps({"meta": meta, **section}, indent=2) + "\n")
-    (args.out / "loss_memory.md").write_text(text)
+    harness.write_results("loss_memory", {"meta": meta, **section}, text, args.out)
 
 
 if __name__ == "__main__":

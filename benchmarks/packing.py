@@ -15,25 +15,15 @@ Prints a table and writes benchmarks/results/packing.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import shlex
-import sys
 import time
 import warnings
 from pathlib import Path
 
+import harness
 import numpy as np
 import torch
 
-try:
-    from hybridpar.data.packing import collate_padded, document_pad_multiple, pack_documents, padding_fraction
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from hybridpar.data.packing import collate_padded, document_pad_multiple, pack_documents, padding_fraction
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from hybridpar.data.packing import collate_padded, document_pad_multiple, pack_documents, padding_fraction
 
 
 def lognormal_lengths(total_tokens: int, mean: float, sigma: float, seed: int) -> list[int]:
@@ -90,11 +80,7 @@ def measure(lengths: list[int], pack_size: int, cp: int, batch_size: int, seed: 
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [
-        "# Packing vs pad-to-longest",
-        "",
-        f"Command: `{meta['command']}`  ",
-        f"Date: {meta['date']}  ",
+    lines = harness.header("Packing vs pad-to-longest", meta) + [
         f"Documents: {meta['num_documents']} log-normal lengths (mean {meta['mean_length_measured']:.1f}, "
         f"sigma {meta['sigma']}, max {meta['max_length']}), {meta['real_tokens']} real tokens; pack size "
         f"{meta['pack_size']}; target pad fraction <= 2% for packing at cp=1 and cp=8.",
@@ -120,24 +106,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 8])
     parser.add_argument("--batch-size", type=int, default=8, help="documents per pad-to-longest batch")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
 
     lengths = lognormal_lengths(args.tokens, args.mean, args.sigma, args.seed)
     rows = [r for cp in args.cp for r in measure(lengths, args.pack_size, cp, args.batch_size, args.seed)]
     meta = {
-        "command": " ".join(["python benchmarks/packing.py", shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "python": platform.python_version(), "torch": torch.__version__,
+        **harness.environment(__file__, argv),
         "num_documents": len(lengths), "real_tokens": sum(lengths), "mean_length_measured": float(np.mean(lengths)),
         "max_length": max(lengths), "sigma": args.sigma, "pack_size": args.pack_size, "batch_size": args.batch_size,
         "seed": args.seed,
     }
-    table = markdown(rows, meta)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "packing.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    (args.out / "packing.md").write_text(table)
+    harness.write_results("packing", {"meta": meta, "results": rows}, markdown(rows, meta), args.out)
     for r in rows:
         if r["method"].startswith("packing") and r["cp"] in (1, 8) and r["pad_fraction"] > 0.02:
             print(f"WARNING: packing pad fraction {r['pad_fraction']:.2%} at cp={r['cp']} is above the 2% target")

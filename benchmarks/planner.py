@@ -29,20 +29,15 @@ Writes benchmarks/results/planner.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import platform
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+import harness
+
 MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"]}
 # mid runs ~30x tiny's flops per token on 2 shared cores: 2048 and 4096 keep a case within minutes
 LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096]}
@@ -94,18 +89,27 @@ def compare(case: dict) -> dict:
     }
 
 
+def plan_timing() -> dict:
+    """In a fresh process: the planner's import, its first ``make_plan`` and the best of 3 more."""
+    start = time.perf_counter()
+    from hybridpar.config import load_config
+    from hybridpar.plan import make_plan
+
+    imported = time.perf_counter()
+    config = load_config(None, NEMOTRON)
+    loaded = time.perf_counter()
+    make_plan(config)
+    first = time.perf_counter() - loaded
+    warm = harness.timed(lambda: make_plan(config), repeats=3, warmup=0)["samples_s"]
+    return {"import_s": imported - start, "first_plan_s": first, "warm_plan_s": min(warm)}
+
+
 def planner_time() -> dict:
     """``make_plan`` for nemotronh-8b in a fresh process (first call, then best of 3), and the CLI."""
-    code = ("import time, json; t0 = time.perf_counter(); from hybridpar.config import load_config; "
-            "from hybridpar.plan import make_plan; t1 = time.perf_counter(); "
-            f"c = load_config(None, {NEMOTRON!r}); t2 = time.perf_counter(); make_plan(c); t3 = time.perf_counter(); "
-            "warm = []\nfor _ in range(3):\n    s = time.perf_counter(); make_plan(c); warm.append(time.perf_counter() - s)\n"
-            "print(json.dumps({'import_s': t1 - t0, 'first_plan_s': t3 - t2, 'warm_plan_s': min(warm)}))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                    env=env).stdout.strip().splitlines()[-1])
+    out = harness.run_fresh(plan_timing, threads=1)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hybridpar", "plan", *NEMOTRON], capture_output=True, check=True, env=env)
+    subprocess.run([sys.executable, "-m", "hybridpar", "plan", *NEMOTRON], capture_output=True, check=True,
+                   env=harness.child_env(threads=1))
     return {**out, "cli_s": time.perf_counter() - start}
 
 
@@ -149,22 +153,18 @@ def to_markdown(record: dict) -> str:
 
 
 def load() -> dict:
-    path = RESULTS / "planner.json"
+    path = harness.RESULTS / "planner.json"
     record = json.loads(path.read_text()) if path.exists() else {}
     cases = [c for c in record.get("cases", []) if "measured" in c]  # older records kept no raw measurement
     return {"commands": record.get("commands", []), "cases": cases}
 
 
 def save(record: dict) -> None:
-    import torch
-
     for case in record["cases"]:
         case["compare"] = compare(case)
-    record.update(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                  machine=f"{platform.node()}, {os.cpu_count()} CPUs (shared), torch {torch.__version__}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "planner.json").write_text(json.dumps(record, indent=2))
-    (RESULTS / "planner.md").write_text(to_markdown(record))
+    env = harness.environment(__file__)
+    record.update(date=env["date"], machine=f"{platform.node()}, {env['cpus']} CPUs (shared), torch {env['torch']}")
+    harness.write_results("planner", record, to_markdown(record), echo=False)
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ For each length L, forward+backward (gradients of x, dt, A, B, C, D, dt_bias):
   shared 2-core machine two OpenMP threads per process oversubscribe the cores, and the
   sequential reference's thousands of tiny ops then slow down 5-30x at random;
 - peak memory: one forward+backward in a fresh subprocess per (implementation, L), peak RSS
-  (``ru_maxrss``) minus the RSS just before the call, in MiB.
+  (``VmHWM``, reset just before the call: ``harness.measure_peak``) minus the RSS just before the
+  call, in MiB.
 
 ``ssd_scan`` is the ``hybridpar::ssd_chunk_scan`` op (inputs saved, internals recomputed in
 backward, loop-free state passing); "before" is the previous chunked scan (autograd through
@@ -27,31 +28,19 @@ Prints a table and writes benchmarks/results/ssd.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
 import logging
 import math
 import os
 import platform
-import resource
-import shlex
 import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
+import harness
 import torch
 
-try:
-    from tests.models.mamba.ssd_reference import ssd_scan, ssd_scan_reference
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from tests.models.mamba.ssd_reference import ssd_scan, ssd_scan_reference
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the previous implementation lives in tests/
+from tests.models.mamba.ssd_reference import ssd_scan, ssd_scan_reference
 
-RESULTS = Path(__file__).resolve().parent / "results"
+logging.getLogger("transformers").setLevel(logging.ERROR)
 CONFIG = dict(batch=1, nheads=16, headdim=64, ngroups=1, dstate=64, chunk_size=256, dtype="float32")
 IMPLS = {
     "ssd_scan": "hybridpar ssd_scan",
@@ -115,38 +104,22 @@ def forward_backward(fn, inputs: dict, grad_y: torch.Tensor) -> tuple:
     return torch.autograd.grad(y, list(inputs.values()), grad_y)
 
 
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def worker_memory(impl: str, seqlen: int) -> dict:
     """Peak RSS added by one forward+backward (run in a fresh process)."""
     fn = scan_fn(impl, seqlen)
     inputs = make_inputs(seqlen)
     grad_y = torch.randn(inputs["x"].shape)
-    before = rss_mib()
-    max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    forward_backward(fn, inputs, grad_y)
-    max_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"peak_mib": max_after - before, "rss_before_mib": before, "peak_seen": max_after > max_before}
+    peak = harness.measure_peak(lambda: forward_backward(fn, inputs, grad_y))
+    return {"peak_mib": peak["peak_bytes"] / 2**20, "rss_before_mib": peak["rss_before_bytes"] / 2**20,
+            "peak_seen": peak["hwm_reset"]}
 
 
 def worker_time(seqlen: int, impls: list[str], repeats: int, reference_repeats: int) -> dict:
     """Median forward+backward seconds per implementation, round-robin after one warm-up each."""
     inputs = make_inputs(seqlen)
     grad_y = torch.randn(inputs["x"].shape)
-    fns = {impl: scan_fn(impl, seqlen) for impl in impls}
-    times = {impl: [] for impl in impls}
-    for impl in impls:
-        forward_backward(fns[impl], inputs, grad_y)
-    for round_ in range(repeats):
-        for impl in impls:
-            if impl == "reference" and round_ >= reference_repeats:
-                continue
-            start = time.perf_counter()
-            forward_backward(fns[impl], inputs, grad_y)
-            times[impl].append(time.perf_counter() - start)
+    steps = {impl: (lambda fn=scan_fn(impl, seqlen): forward_backward(fn, inputs, grad_y)) for impl in impls}
+    times = harness.interleaved(steps, repeats, limit={"reference": reference_repeats})
     return {impl: {"median_s": statistics.median(ts), "times_s": ts} for impl, ts in times.items()}
 
 
@@ -169,12 +142,6 @@ def accuracy(seqlen: int = 1024) -> dict:
     return result
 
 
-def run_worker(threads: int, *args: str) -> dict:
-    command = [sys.executable, __file__, "--threads", str(threads), "--worker", *args]
-    out = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def hf_backend() -> str:
     """Which implementation transformers' decorated ``mamba2_chunk_scan`` dispatches to here."""
     if importlib.util.find_spec("mamba_ssm") is not None:
@@ -191,18 +158,8 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", choices=sorted(IMPLS), help="implementations (default all)")
     parser.add_argument("--out", default="ssd", help="results file name in benchmarks/results (default ssd)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per measuring process (default 1)")
-    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
-    if args.worker:
-        kind, *rest = args.worker
-        if kind == "memory":
-            print(json.dumps(worker_memory(rest[0], int(rest[1]))))
-        else:
-            seqlen, repeats, ref_repeats = map(int, rest[:3])
-            print(json.dumps(worker_time(seqlen, rest[3:], repeats, ref_repeats)))
-        return
 
     lengths = args.lengths or ([1024, 4096] if args.quick else [1024, 4096, 16384])
     repeats, ref_repeats = (5, 1) if args.quick else (7, 2)
@@ -214,25 +171,21 @@ def main() -> None:
     for seqlen in lengths:
         impls = [i for i in (args.impls or IMPLS) if i != "reference" or seqlen <= ref_max]
         print(f"L={seqlen}: timing {', '.join(impls)} ...", flush=True)
-        times = run_worker(args.threads, "time", str(seqlen), str(repeats), str(ref_repeats), *impls)
+        times = harness.run_fresh(worker_time, seqlen, impls, repeats, ref_repeats, threads=args.threads)
         for impl in impls:
-            memory = run_worker(args.threads, "memory", impl, str(seqlen))
+            memory = harness.run_fresh(worker_memory, impl, seqlen, threads=args.threads)
             rows.append({"impl": impl, "name": IMPLS[impl], "seqlen": seqlen, **times[impl], **memory})
     acc = accuracy()
     verdicts = targets(rows)
+    env = harness.environment(__file__)
     record = {
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": env["command"], "date": env["date"],
         "machine": {"platform": platform.platform(), "cpu": platform.processor(), "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "load_avg_start": load_start, "load_avg_end": os.getloadavg()},
         "config": CONFIG, "hf_backend": backend, "rows": rows, "accuracy_vs_float64_reference_L1024": acc, "targets": verdicts,
     }
-    markdown = to_markdown(record)
-    print(markdown)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(record, indent=2) + "\n")
-    (RESULTS / f"{args.out}.md").write_text(markdown)
+    harness.write_results(args.out, record, to_markdown(record))
 
 
 def targets(rows: list[dict], seqlen: int = 4096) -> dict:
@@ -260,9 +213,8 @@ def to_markdown(record: dict) -> str:
     cfg, machine = record["config"], record["machine"]
     base = {(r["seqlen"]): r for r in record["rows"] if r["impl"] == "ssd_scan"}
     lines = [
-        "# SSD scan: chunked vs sequential vs transformers (CPU)", "",
-        f"Command: `{record['command']}`  ",
-        f"Date: {record['date']}  ",
+        *harness.header("SSD scan: chunked vs sequential vs transformers (CPU)", {**record, "device": "CPU",
+                                                                                   "torch": machine["torch"]}),
         f"Machine: {machine['cpus']} CPUs, {machine['torch_threads']} torch threads, torch {machine['torch']}, "
         f"load average (1/5/15 min) at start {', '.join(f'{x:.1f}' for x in machine['load_avg_start'])}, at end "
         f"{', '.join(f'{x:.1f}' for x in machine['load_avg_end'])} (shared machine: times are noisy)  ",

@@ -1,16 +1,19 @@
 """Command line: ``hybridpar train | check | plan | generate`` (also ``python -m hybridpar``).
 
     hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 2 train.steps=100
+    hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 2 --dry-run
     torchrun --nproc-per-node 2 -m hybridpar train --config configs/tiny-hybrid.yaml
     hybridpar generate --hf-path runs/tuned --prompt "def add(" --max-new-tokens 64
 
-Under torchrun the launched world is used; ``--nproc-per-node N`` runs torchrun's agent
-in this process (``hybridpar.launch``). gloo is used on CPU and nccl on CUDA. ``generate``
-runs in this one process (``hybridpar.generate``).
+Each verb has its own flags (``hybridpar VERB --help``); flags and ``section.key=value``
+overrides may come in any order after the verb. Under torchrun the launched world is used;
+``--nproc-per-node N`` runs torchrun's agent in this process (``hybridpar.launch``). gloo is
+used on CPU and nccl on CUDA. ``generate`` runs in this one process (``hybridpar.generate``).
+``--dry-run`` makes every check the verb makes before it starts a process, then exits.
 
 Exit status: 0 done; 1 the run failed (non-finite values, a rank that died or stalled, a
-``check`` out of tolerance); 2 bad input (config, data, files), with one message and before
-any process starts where it can be known then; 128+N stopped by signal N.
+``check`` out of tolerance); 2 bad input (config, data, files, flags), with one message and
+before any process starts where it can be known then; 128+N stopped by signal N.
 """
 
 from __future__ import annotations
@@ -27,37 +30,66 @@ import warnings
 
 from hybridpar.config import ConfigError, RunConfig, load_config
 
-COMMANDS = ("train", "check", "plan", "generate")
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
+VERBS = {"train": "train a model (the config's layout, on --nproc-per-node processes)",
+         "check": "run one step under the layout and in one process; compare loss and every gradient",
+         "plan": "memory, traffic and a step-time estimate per rank, before anything runs; --fit: layouts that fit",
+         "generate": "continue a prompt with a trained model, in this process"}
+COMMANDS = tuple(VERBS)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="hybridpar", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=COMMANDS,
-                        help="train a model, check a layout's exactness, print a plan, or generate text")
+def _run_config_arguments(parser: argparse.ArgumentParser, launches: bool) -> None:
     parser.add_argument("--config", help="YAML run config (default: built-in defaults)")
-    parser.add_argument("--nproc-per-node", type=int, default=None, help="start this many processes with torchrun")
-    parser.add_argument("--tolerance", type=float, default=None, help="check: largest allowed difference (default by dtype)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 parallel.cp=2")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides, e.g. train.steps=100 parallel.cp=2")
+    if launches:
+        parser.add_argument("--nproc-per-node", type=int, default=None, help="start this many processes with torchrun")
+        parser.add_argument("--dry-run", action="store_true", help="check the config, layout, data and output_dir as "
+                            "the run would, then exit: no process starts, nothing is written")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """``hybridpar`` and one subparser per verb, each with only its own flags."""
     from hybridpar.plan.command import add_plan_arguments
 
-    add_plan_arguments(parser)
-    gen = parser.add_argument_group("generate")
+    parser = argparse.ArgumentParser(prog="hybridpar", description="Exact context, tensor and data parallel training "
+                                     "of hybrid Mamba2/attention LMs and transformers models.",
+                                     epilog="hybridpar VERB --help lists the flags of VERB.")
+    verbs = parser.add_subparsers(dest="command", metavar="VERB", required=True)
+    subs = {name: verbs.add_parser(name, help=text, description=text) for name, text in VERBS.items()}
+    for name in ("train", "check"):
+        _run_config_arguments(subs[name], launches=True)
+    subs["check"].add_argument("--tolerance", type=float, default=None,
+                               help="largest allowed difference (default by dtype: 1e-9 float64, 1e-4 float32)")
+    _run_config_arguments(subs["plan"], launches=False)
+    subs["plan"].add_argument("--nproc-per-node", type=int, default=None, help=argparse.SUPPRESS)  # = --world-size
+    add_plan_arguments(subs["plan"])
+    gen = subs["generate"]
     gen.add_argument("--checkpoint", help="a training checkpoint (step_* folder) or a run's output_dir")
     gen.add_argument("--hf-path", help="a Hugging Face checkpoint directory (e.g. a run's model.export_hf)")
-    gen.add_argument("--prompt", help="the text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate at most")
+    gen.add_argument("--prompt", help="the text to continue (required)")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate at most (required)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set reaching this mass")
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampling generator")
     gen.add_argument("--tokenizer", default="auto", help="auto (the checkpoint's own) | bytes | a tokenizer directory")
     gen.add_argument("--backend", default="auto", help="--hf-path: auto | hybrid | transformers (as model.backend)")
     gen.add_argument("--dtype", default=None, help="float32 | float64 | bfloat16 (default: as stored / as trained)")
-    return parser.parse_intermixed_args(argv)
+    gen.add_argument("--json", action="store_true", help="print one JSON object with the token ids")
+    gen.add_argument("--dry-run", action="store_true", help="check the arguments, then exit without loading the model")
+    return parser, subs
 
 
-GENERATE_ONLY = ("checkpoint", "hf_path", "prompt", "max_new_tokens")  # --json is shared with plan
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """``hybridpar VERB [flags] [KEY=VALUE ...]``: flags and overrides in any order after the verb."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, subs = build_parser()
+    if not argv or argv[0] not in subs:
+        return parser.parse_args(argv)  # --help, or an error naming the verbs
+    args = subs[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
 
 
 def launched_by_torchrun() -> bool:
@@ -65,24 +97,49 @@ def launched_by_torchrun() -> bool:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
+    """What argparse cannot say: required pairs and value ranges (ConfigError: one line, exit 2)."""
     if args.command == "generate":
-        given = [f"--{a}" for a in ("config", "nproc_per_node", "tolerance") if getattr(args, a) is not None]
-        if given or args.overrides:
-            raise ConfigError(f"generate takes no run config ({given + list(args.overrides)}); it reads the model from "
-                              "--hf-path or --checkpoint.")
         missing = [f"--{a.replace('_', '-')}" for a in ("prompt", "max_new_tokens") if getattr(args, a) is None]
         if missing:
             raise ConfigError(f"generate needs {' and '.join(missing)}; e.g. hybridpar generate --hf-path DIR "
                               "--prompt 'Once upon a time' --max-new-tokens 32.")
         return
-    used = [f"--{a.replace('_', '-')}" for a in GENERATE_ONLY if getattr(args, a) not in (None, False)]
-    if used:
-        raise ConfigError(f"{' '.join(used)} belong to hybridpar generate, not {args.command}.")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is invalid: it must be an integer >= 1.")
-    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance > 0):
-        raise ConfigError(f"--tolerance {args.tolerance} is invalid: it must be a finite number > 0; e.g. --tolerance "
+    tolerance = getattr(args, "tolerance", None)
+    if tolerance is not None and not (math.isfinite(tolerance) and tolerance > 0):
+        raise ConfigError(f"--tolerance {tolerance} is invalid: it must be a finite number > 0; e.g. --tolerance "
                           "1e-6, or leave it out for the dtype's default (1e-9 in float64).")
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """``--dry-run``: every check the command makes before it starts a process or loads a model, then exit.
+
+    train/check: the config and overrides, the layout against the process count and the devices, and
+    ``validate_run`` (model shape, data, export target, output_dir and resume), writing nothing.
+    generate: the arguments and sampling settings (the model is not loaded)."""
+    if args.command == "generate":
+        from hybridpar.generate import GENERATE_DTYPES
+        from hybridpar.models.generation import check_sampling
+
+        check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+        if (args.hf_path is None) == (args.checkpoint is None):
+            raise ConfigError("pass exactly one of --hf-path DIR (a Hugging Face checkpoint) or --checkpoint DIR (a "
+                              "hybridpar training checkpoint).")
+        if args.dtype is not None and args.dtype not in GENERATE_DTYPES:
+            raise ConfigError(f"--dtype {args.dtype} is unknown; choose one of {list(GENERATE_DTYPES)}.")
+        print("dry run: generate arguments valid (the model was not loaded)", flush=True)
+        return 0
+    from hybridpar.train.preflight import parallel_dims, validate_run
+
+    config = load_config(args.config, args.overrides)
+    nproc = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nproc_per_node
+    check_world(config, nproc)
+    check_devices(nproc)
+    validate_run(config, args.command, nproc or 1, dry_run=True)
+    world = parallel_dims(config).world_size
+    print(f"dry run: config and layout valid for {world} process{'es' if world > 1 else ''}", flush=True)
+    return 0
 
 
 def check_world(config: RunConfig, nproc: int | None) -> None:
@@ -242,13 +299,15 @@ def worker_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if launched_by_torchrun():
+    if launched_by_torchrun() and not getattr(args, "dry_run", False):
         return worker_main(args)
     from hybridpar.train.nonfinite import NonFiniteError
 
     prefix = "hybridpar: error"
     try:
         check_arguments(args)
+        if getattr(args, "dry_run", False):
+            return dry_run(args)
         if args.command == "generate":
             from hybridpar.generate import run_generate
 
@@ -270,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             from hybridpar.launch import launch
 
             worker_args = [args.command] + (["--config", args.config] if args.config else []) + \
-                (["--tolerance", repr(args.tolerance)] if args.tolerance is not None else []) + list(args.overrides)
+                (["--tolerance", repr(args.tolerance)] if getattr(args, "tolerance", None) is not None else []) + list(args.overrides)
             return launch(args.nproc_per_node, worker_args, config.train.collective_timeout_s)
         return run(args, config)
     except INPUT_ERRORS as error:

@@ -306,3 +306,18 @@ def test_from_cu_seqlens_and_for_dense_keep_their_behaviour():
     assert params.max_seqlen == 4
     dense = PackedSeqParams.for_dense(6)
     assert dense.qkv_format == "bshd" and dense.cu_seqlens.tolist() == [0, 6] and dense.seq_idx.tolist() == [[0] * 6]
+
+
+def test_packed_params_survive_fsdp_input_casting_with_a_fresh_cache():
+    """FSDP2's mixed precision casts forward inputs by ``dataclasses.replace`` of every field
+    (``parallel.mixed_precision=bf16`` failed on every packed run while the cache was a field)."""
+    import dataclasses
+
+    from torch.distributed.utils import _apply_to_tensors
+
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 3, 8], dtype=torch.int32))
+    packed.cache["plan"] = torch.arange(3)
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, packed)
+    assert isinstance(cast, PackedSeqParams) and cast.cache == {}
+    assert torch.equal(cast.seq_idx, packed.seq_idx) and cast.max_seqlen == packed.max_seqlen
+    assert "cache" not in {f.name for f in dataclasses.fields(PackedSeqParams)}

@@ -177,3 +177,50 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path):
                                                "job was stopped. Resume from the last checkpoint with checkpoint.resume=auto.")
     assert stderr.count("error") == 1, stderr
     assert not [p for p in job.workers if _running(p)]
+
+
+# -- verbs with their own flags, and --dry-run ------------------------------------------------------
+
+
+def test_each_verb_has_its_own_flags_and_help(capsys):
+    import pytest
+
+    from hybridpar.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    listing = capsys.readouterr().out
+    assert exit_.value.code == 0 and all(verb in listing for verb in ("train", "check", "plan", "generate"))
+    own = {"train": ("--nproc-per-node", "--dry-run"), "check": ("--tolerance", "--nproc-per-node", "--dry-run"), "plan": ("--fit", "--world-size"),
+           "generate": ("--prompt", "--hf-path", "--dry-run")}
+    for verb, flags in own.items():
+        with pytest.raises(SystemExit) as exit_:
+            main([verb, "--help"])
+        text = capsys.readouterr().out
+        others = {flag for other, names in own.items() if other != verb for flag in names} - set(flags)
+        assert exit_.value.code == 0 and all(f in text for f in flags) and not [f for f in others if f in text], (verb, text)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", DEFAULT, "--prompt", "x"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --prompt" in capsys.readouterr().err
+
+
+def test_dry_run_checks_what_train_checks_and_writes_nothing(tmp_path, capsys):
+    from hybridpar.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--config", DEFAULT, "--nproc-per-node", "2", f"output_dir={out}", "--dry-run"]) == 0
+    assert capsys.readouterr().out == "dry run: config and layout valid for 2 processes\n"
+    stdlib = str(ROOT / "configs" / "text-stdlib.yaml")  # data.tokenizer=bpe: not trained by a dry run
+    assert main(["train", "--config", stdlib, "--nproc-per-node", "2", f"output_dir={out}", "--dry-run"]) == 0
+    assert main(["check", "--config", DEFAULT, "--nproc-per-node", "4", "parallel.tp=2", f"output_dir={out}",
+                 "--dry-run"]) == 0
+    assert not out.exists()
+    capsys.readouterr()
+    assert main(["train", "--config", DEFAULT, f"output_dir={out}", "--dry-run"]) == 2  # cp=2 on one process
+    assert "pass --nproc-per-node 2" in capsys.readouterr().err
+    assert main(["train", "--config", DEFAULT, "--nproc-per-node", "2", "data.task=jsonl", f"data.path={tmp_path}/none",
+                 "data.task_options={}", f"output_dir={out}", "--dry-run"]) == 2
+    assert "is not a file" in capsys.readouterr().err and not out.exists()
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "k", "--max-new-tokens", "2", "--top-p", "0",
+                 "--dry-run"]) == 2
+    assert "top_p=0.0 must be in (0, 1]" in capsys.readouterr().err

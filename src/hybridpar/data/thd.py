@@ -18,7 +18,7 @@ token count; without ``seq_lens`` each row is one document right-padded with the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,7 +75,7 @@ class PackedSeqParams:
     - ``qkv_format``: ``"thd"`` for a packed ``[1, T]`` row, ``"bshd"`` for dense rows.
     - ``cp``: this rank's place in the global sequence under context parallelism.
     - ``cache``: index tensors layers derive from this batch once and share (e.g. the
-      attention block plan); not an argument, and a fresh one on every copy.
+      attention block plan); an attribute, not a field, and a fresh one on every copy.
     """
 
     cu_seqlens: Tensor
@@ -85,7 +85,11 @@ class PackedSeqParams:
     position_ids: Tensor
     qkv_format: str = "thd"
     cp: ContextParallelLayout | None = None
-    cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Not a dataclass field: every copy (``dataclasses.replace``, FSDP2's cast of forward
+        # inputs under mixed precision, which replaces every field) starts with an empty cache.
+        self.cache: dict = {}
 
     @property
     def total_tokens(self) -> int:

@@ -341,10 +341,13 @@ def one_process_rendezvous() -> str | None:
             "as --nproc-per-node does.")
 
 
-def validate_run(config: RunConfig, command: str, world_size: int | None = None):
-    """Every check that needs no process group (the launcher's preflight); returns the model shape."""
+def validate_run(config: RunConfig, command: str, world_size: int | None = None, dry_run: bool = False):
+    """Every check that needs no process group (the launcher's preflight); returns the model shape.
+
+    ``dry_run`` (``hybridpar train --dry-run``) writes nothing: a ``data.tokenizer=bpe`` tokenizer
+    not trained yet is checked for what training it needs, and the data with bytes instead."""
     from hybridpar.train.run.metrics import notice
-    from hybridpar.train.run.tokenizer import prepare_data
+    from hybridpar.train.run.tokenizer import BPE, _refuse_bpe, bpe_dir, prepare_data
     from hybridpar.train.sample import check_sample
 
     shape = validate_layout(config, world_size)
@@ -362,5 +365,11 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None)
         check_lock_free(config.output_dir)
         plan_resume(config, model_signature(shape))
     # data.tokenizer=bpe: trained here, once, before any worker starts (into output_dir, checked above)
-    validate_data(prepare_data(config, shape.vocab_size), shape.vocab_size, config.model.hf_path)
+    data = config.data
+    if dry_run and data.tokenizer == BPE and not bpe_dir(config.output_dir).exists():
+        _refuse_bpe(config, shape.vocab_size)
+        data = dataclasses.replace(data, tokenizer="bytes")
+    else:
+        data = prepare_data(config, shape.vocab_size)
+    validate_data(data, shape.vocab_size, config.model.hf_path)
     return shape

@@ -23,7 +23,7 @@ import torch
 
 from tests.distributed.harness import run_ranks
 
-DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
+DEFAULT = str(Path(__file__).resolve().parents[3] / "configs" / "tiny-hybrid.yaml")
 BASE = ["model.preset=tiny", "data.pack_size=128", "train.eval_every=0", "checkpoint.every=-1", "tensorboard=false", "plot=false"]
 LAYOUTS = {  # name -> (world size, overrides)
     "cp2": (2, ["parallel.cp=2", "parallel.tp=1", "data.packs_per_step=2"]),

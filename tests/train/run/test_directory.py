@@ -134,7 +134,7 @@ def test_one_run_per_output_dir_and_a_dead_holder_is_taken_over(tmp_path, capsys
     from hybridpar.cli import main
 
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3] / "src")})
     try:
         assert holder.stdout.readline().strip() == "locked"
         args = ["train", "--config", DEFAULT, f"output_dir={tmp_path}", "parallel.cp=1", "parallel.tp=1"]

@@ -1,0 +1,38 @@
+"""The public API: every name of ``hybridpar.api`` reachable as ``hybridpar.<name>``, a cheap
+``import hybridpar``, and the example that uses it (2 real gloo processes) runs and is exact."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_public_name_is_reachable_from_the_package():
+    import hybridpar
+    from hybridpar import api
+
+    assert api.__all__ and all(getattr(hybridpar, name) is getattr(api, name) for name in api.__all__)
+    assert set(api.__all__) <= set(dir(hybridpar))
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        hybridpar.not_a_name  # noqa: B018
+
+
+def test_import_hybridpar_loads_no_torch():
+    code = "import sys, hybridpar; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_example_runs_and_cp2_equals_one_process():
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True,
+                         timeout=280, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].split()[-1] == lines[1].split()[-1], lines  # the same loss, printed to 12 decimals
+    assert "largest gradient difference over" in lines[2]
