@@ -164,13 +164,17 @@ def test_every_path_a_run_writes_is_checked_before_training(tmp_path, setup, ove
     assert key in str(error.value) and len(str(error.value)) < SHORT
 
 
-def test_an_export_under_a_regular_file_is_refused_before_any_step(tmp_path):
+def test_an_export_under_a_regular_file_is_refused_before_any_step(tmp_path, capsys):
+    from hybridpar.cli import main
+
     (tmp_path / "file").write_text("x")
-    result = hybridpar("train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}/run", "train.steps=1",
-                       f"model.export_hf={tmp_path}/file/export", "model.export_architecture=NemotronHForCausalLM",
-                       "model.overrides={rotary_fraction: 0.0}")
-    assert "model.export_hf" in one_line_error(result) and "is a file, not a directory" in result.stderr
-    assert "step " not in result.stdout and not (tmp_path / "run" / "checkpoints").exists()
+    code = main(["train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}/run", "train.steps=1",
+                 f"model.export_hf={tmp_path}/file/export", "model.export_architecture=NemotronHForCausalLM",
+                 "model.overrides={rotary_fraction: 0.0}"])
+    out = capsys.readouterr()
+    assert code == 2 and out.err.startswith("hybridpar: error: model.export_hf") and out.err.count("\n") == 1
+    assert "is a file, not a directory" in out.err and "step " not in out.out
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 # -- 3, 5: Hugging Face weights: finite, and whole ----------------------------------------------------
@@ -208,7 +212,7 @@ def test_a_truncated_or_damaged_safetensors_file_is_one_line(tmp_path, damage):
 # -- 6: generate: a tiny temperature is greedy; every bad option one line ------------------------------
 
 
-def test_generate_tiny_temperature_is_greedy_and_bad_options_are_one_line(tmp_path):
+def test_generate_tiny_temperature_is_greedy_and_bad_options_are_one_line(tmp_path, capsys):
     from argparse import Namespace
 
     from hybridpar.generate import check_generate_arguments
@@ -227,28 +231,39 @@ def test_generate_tiny_temperature_is_greedy_and_bad_options_are_one_line(tmp_pa
         with pytest.raises(ValueError) as error:
             check_generate_arguments(Namespace(**{**args, **bad}))
         assert str(error.value).startswith(flag) and len(str(error.value)) < 400, str(error.value)
+    from hybridpar.cli import main
+
     path = tiny_hf(tmp_path / "hf")
     common = ["generate", "--hf-path", str(path), "--prompt", "hello", "--max-new-tokens", "3", "--json"]
-    greedy = hybridpar(*common)
-    tiny = hybridpar(*common, "--temperature", "1e-300", "--seed", "1")
-    assert greedy.returncode == tiny.returncode == 0, tiny.stderr[-2000:]
-    assert json.loads(tiny.stdout)["new_ids"] == json.loads(greedy.stdout)["new_ids"]
+    assert main(common) == 0
+    greedy = json.loads(capsys.readouterr().out)
+    assert main([*common, "--temperature", "1e-300", "--seed", "1"]) == 0  # was: probability tensor contains nan
+    assert json.loads(capsys.readouterr().out)["new_ids"] == greedy["new_ids"]
+    assert main([*common, "--temperature", "inf"]) == 2
+    assert capsys.readouterr().err == ("hybridpar: error: --temperature inf must be a finite number >= 0 (0 is greedy, "
+                                       "as is anything below 1e-05).\n")
 
 
 # -- 7: a busy MASTER_PORT in a one-process run --------------------------------------------------------
 
 
 def test_a_busy_master_port_in_a_one_process_run_is_replaced_and_a_bad_one_exits_2(tmp_path):
+    """One real run: MASTER_PORT held by a listening socket (and documents longer than a pack)."""
     from hybridpar.train.preflight import one_process_rendezvous
 
+    (tmp_path / "long.txt").write_text(("word " * 100 + "\n\n") * 20)  # paragraphs longer than a pack: split
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = hybridpar("train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}", "train.steps=1",
-                           "checkpoint.every=-1", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        result = hybridpar("train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}/run", "train.steps=1",
+                           "checkpoint.every=-1", "data.task=text", f"data.path={tmp_path}/long.txt",
+                           "data.task_options={}", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"hybridpar: warning: MASTER_PORT={port} is in use" in result.stderr and "Traceback" not in result.stderr
+    # 12: the packer's split notice is one notice line, not a raw UserWarning
+    assert re.search(r"^hybridpar: warning: pack_documents\(pack_size=128\): split \d+ documents", result.stderr, re.M)
+    assert "UserWarning" not in result.stderr and "warnings.warn" not in result.stderr
     for bad in ("abc", "0", "70000", "99999999999999999999"):
         os.environ["MASTER_PORT"] = bad
         try:
@@ -261,7 +276,7 @@ def test_a_busy_master_port_in_a_one_process_run_is_replaced_and_a_bad_one_exits
 # -- 8: a pack larger than int32 cu_seqlens or than memory ---------------------------------------------
 
 
-def test_a_pack_beyond_int32_or_memory_is_refused_at_once(tmp_path):
+def test_a_pack_beyond_int32_or_memory_is_refused_at_once(tmp_path, capsys):
     from hybridpar.train.preflight import check_pack_memory, model_config
 
     with pytest.raises(ConfigError, match=r"data.pack_size=2147483648 is invalid: it must be an integer >= 1 and <= 2\*\*31-1"):
@@ -270,10 +285,22 @@ def test_a_pack_beyond_int32_or_memory_is_refused_at_once(tmp_path):
     with pytest.raises(ConfigError, match=r"data.pack_size=2147483646 .* needs at least [\d,.]+ GiB per rank"):
         check_pack_memory(config, model_config(config), 1)
     check_pack_memory(load_config(DEFAULT, TINY), model_config(config), 1)  # the tiny job fits
+    for many in (["train.eval_every=1", "train.eval_packs=99999999999"], ["data.packs_per_step=99999999999"],
+                 ["data.task_options={max_len: 99999999999}"]):  # evaluation packs, packs per step, documents
+        with pytest.raises(ConfigError, match=r"needs at least [\d,.]+ GiB per rank"):
+            check_pack_memory(load_config(DEFAULT, TINY + many), model_config(config), 1)
+    from hybridpar.train.batches import DataError, make_task
+
+    with pytest.raises(DataError, match=r"data.task_options.num_kv_pairs=\[2, 1099511627776\] is invalid: its integers "
+                                        r"must be in \[0, 2\*\*31-1\]"):
+        make_task(load_config(DEFAULT, TINY + ["data.task_options={num_kv_pairs: [2, 1099511627776]}"]).data, 256)
+    from hybridpar.cli import main
+
     (tmp_path / "docs.txt").write_text("some text\n\nmore text\n")
-    result = hybridpar("train", "--config", DEFAULT, *TINY, "data.task=text", f"data.path={tmp_path}/docs.txt",
-                       "data.task_options={}", "data.pack_size=1073741824", f"output_dir={tmp_path}/run", timeout=60)
-    assert "data.pack_size=1073741824" in one_line_error(result) and "GiB" in result.stderr
+    code = main(["train", "--config", DEFAULT, *TINY, "data.task=text", f"data.path={tmp_path}/docs.txt",
+                 "data.task_options={}", "data.pack_size=1073741824", f"output_dir={tmp_path}/run"])
+    err = capsys.readouterr().err  # was: memory grew, then an allocation traceback
+    assert code == 2 and err.startswith("hybridpar: error: data.pack_size=1073741824") and err.count("\n") == 1
 
 
 # -- 9, 10: YAML aliases bounded, values in messages cut, every integer key with its range -------------
@@ -349,9 +376,3 @@ def test_smaller_cases_say_what_is_wrong_precisely(tmp_path):
     (tmp_path / "records.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match=r"has no string field 'text' \(keys: \['body'\]\)"):
         jsonl_documents(tmp_path / "records.jsonl")
-    (tmp_path / "long.txt").write_text(("word " * 100 + "\n\n") * 20)  # paragraphs longer than a pack: split
-    result = hybridpar("train", "--config", DEFAULT, *TINY, "data.task=text", f"data.path={tmp_path}/long.txt",
-                       "data.task_options={}", "train.steps=1", "checkpoint.every=-1", f"output_dir={tmp_path}/run")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^hybridpar: warning: pack_documents\(pack_size=128\): split \d+ documents", result.stderr, re.M)
-    assert "UserWarning" not in result.stderr and "warnings.warn" not in result.stderr

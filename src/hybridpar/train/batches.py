@@ -47,6 +47,7 @@ class DataError(ValueError):
 
 EVAL_FRACTION = 0.1  # of a file's documents, held out for evaluation
 WINDOW_PACKS = 64  # synthetic documents are packed in windows of about this many packs
+MAX_TASK_INT = 2**31 - 1  # every integer of a synthetic task's options (ids, lengths, counts)
 
 
 def pad_multiple(config: DataConfig, cp_size: int) -> int:
@@ -62,11 +63,17 @@ def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
         seed = " (the seed is data.seed)" if "seed" in unknown else ""
         raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}{seed}; its options are "
                         f"{allowed} (shown with their defaults); remove the others.")
+    for name, value in config.task_options.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_TASK_INT for v in values):
+            raise DataError(f"data.task_options.{name}={quoted(value)} is invalid: its integers must be in [0, 2**31-1] "
+                            f"(token ids and document lengths); e.g. data.task_options.{name}={quoted(allowed[name])} "
+                            "(the default).")
     options = {"vocab_size": vocab_size, **config.task_options, "seed": config.seed + seed_offset}
     try:
         task = TASKS[config.task](**options)
     except (TypeError, ValueError, IndexError, KeyError) as error:
-        raise DataError(f"data.task_options={config.task_options} do not fit data.task={quoted(config.task)}: {error}") from None
+        raise DataError(f"data.task_options={quoted(config.task_options)} do not fit data.task={quoted(config.task)}: {error}") from None
     if task.vocab_size > vocab_size:
         raise DataError(f"data.task_options.vocab_size={task.vocab_size} is larger than the model's vocabulary "
                         f"({vocab_size}), so token ids would not exist; use data.task_options.vocab_size <= {vocab_size} "

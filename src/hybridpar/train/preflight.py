@@ -287,12 +287,15 @@ def _memory_bytes(local_ranks: int) -> tuple[int, str]:
 
 def pack_memory_floor(config: RunConfig, shape) -> int:
     """Bytes one rank needs at least for one step's packs: ids, labels and positions (int64, every
-    rank builds whole packs) and one saved ``[T/(cp*tp), hidden]`` input per block. The planner's
-    estimate (``hybridpar plan``) is always above it."""
+    rank builds whole packs; evaluation's ``train.eval_packs`` too), a synthetic task's window of at
+    least 8 documents of ``max_len`` tokens (ids and labels), and one saved ``[T/(cp*tp), hidden]``
+    input per block. The planner's estimate (``hybridpar plan``) is always above it."""
     p, data = config.parallel, config.data
     blocks = len(getattr(shape, "pattern", "") or "") or getattr(shape, "num_hidden_layers", 1) or 1
     element = 2 if p.mixed_precision == "bf16" else _DTYPE_BYTES.get(config.model.dtype, 4)
-    return 24 * data.pack_size * data.packs_per_step + \
+    packs = max(data.packs_per_step, config.train.eval_packs if config.train.eval_every else 0)
+    longest = data.task_options.get("max_len", 0) if isinstance(data.task_options.get("max_len"), int) else 0
+    return 24 * data.pack_size * packs + 16 * 8 * longest + \
         -(-data.pack_size // (p.cp * p.tp)) * int(getattr(shape, "hidden_size", 1) or 1) * element * blocks
 
 
@@ -301,10 +304,15 @@ def check_pack_memory(config: RunConfig, shape, local_ranks: int) -> None:
     need = pack_memory_floor(config, shape)
     have, what = _memory_bytes(local_ranks)
     if need > have:
-        raise ConfigError(f"data.pack_size={config.data.pack_size} (with data.packs_per_step={config.data.packs_per_step})"
-                          f" needs at least {need / 2**30:,.1f} GiB per rank for its tokens and the blocks' saved "
-                          f"inputs, more than {what}: {have / 2**30:,.1f} GiB; use a smaller data.pack_size or more "
-                          "context parallelism (parallel.cp), and see hybridpar plan for the full estimate.")
+        data, train = config.data, config.train
+        packs = f"data.packs_per_step={data.packs_per_step}" + \
+            (f", train.eval_packs={train.eval_packs}" if train.eval_every else "")
+        longest = data.task_options.get("max_len")
+        documents = f", documents of data.task_options.max_len={longest}" if isinstance(longest, int) else ""
+        raise ConfigError(f"data.pack_size={data.pack_size} ({packs}{documents}) needs at least {need / 2**30:,.1f} GiB "
+                          f"per rank for its tokens and the blocks' saved inputs, more than {what}: "
+                          f"{have / 2**30:,.1f} GiB; use a smaller data.pack_size, fewer packs, shorter documents or "
+                          "more context parallelism (parallel.cp), and see hybridpar plan for the full estimate.")
 
 
 def one_process_rendezvous() -> str | None:
