@@ -209,6 +209,20 @@ def test_a_truncated_or_damaged_safetensors_file_is_one_line(tmp_path, damage):
         assert "\n" not in str(error.value) and len(str(error.value)) < SHORT
 
 
+def test_damaged_tokenizer_files_are_one_line_naming_the_directory(tmp_path):
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+    from tests.data.bpe import train_tiny_bpe
+
+    train_tiny_bpe(tmp_path / "tok")
+    file = tmp_path / "tok" / "tokenizer.json"
+    text = file.read_text()
+    for damaged in (text[:len(text) // 2], '{"model": {"type": "BPE"}}'):
+        file.write_text(damaged)
+        with pytest.raises(ValueError, match=r"the tokenizer in '.*tok' cannot be loaded .*copy them again") as error:
+            load_pretrained_tokenizer(tmp_path / "tok")
+        assert "\n" not in str(error.value) and len(str(error.value)) < SHORT
+
+
 # -- 6: generate: a tiny temperature is greedy; every bad option one line ------------------------------
 
 

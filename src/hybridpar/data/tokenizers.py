@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpar.config_rules import Notice, quoted
+from hybridpar.config_rules import Notice, quoted, shorten
 
 __all__ = [
     "ByteTokenizer",
@@ -195,7 +195,20 @@ def load_pretrained_tokenizer(path: str | Path) -> PretrainedTokenizer:
         from transformers import AutoTokenizer
     except ImportError as error:
         raise ImportError("loading a tokenizer directory needs transformers: pip install 'hybridpar[hf]'.") from error
-    return PretrainedTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True), source_dir=path)
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as error:  # also json's and tokenizers' errors
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"the tokenizer in {quoted(str(path))} cannot be loaded ({type(error).__name__}: "
+                         f"{shorten(first, 200)}); its tokenizer files are damaged or incomplete: copy them again "
+                         "from the source checkpoint.") from None
+    except Exception as error:  # noqa: BLE001 - the Rust tokenizers library raises its own Exception type
+        if type(error).__module__.split(".")[0] not in ("tokenizers", "builtins"):
+            raise
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"the tokenizer in {quoted(str(path))} cannot be loaded ({shorten(first, 200)}); its "
+                         "tokenizer files are damaged or incomplete: copy them again from the source checkpoint.") from None
+    return PretrainedTokenizer(loaded, source_dir=path)
 
 
 def as_tokenizer(tokenizer) -> Tokenizer:
