@@ -37,7 +37,7 @@ MLP_FIELDS = ("intermediate_size", "mlp_activation", "mlp_gated", "mlp_bias")
 
 
 def unsupported(field: str, value, rule: str) -> ValueError:
-    return ValueError(f"config.json field {field}={value!r} cannot be represented by HybridLM: {rule}.")
+    return ValueError(f"config.json field {field}={quoted(value)} cannot be represented by HybridLM: {rule}.")
 
 
 # ----------------------------------------------------------------------------- config.json

@@ -38,6 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hybridpar.config_rules import bounded_message
+
 TRAINER_STATE = "trainer.pt"
 RUN_INFO = "run.json"
 MANIFEST = "manifest.json"
@@ -48,7 +50,10 @@ _NAME = re.compile(rf"{PREFIX}(\d+)")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded, with the path and what to do."""
+    """A checkpoint that cannot be loaded, with the path and what to do (one bounded line)."""
+
+    def __init__(self, message="", *args):
+        super().__init__(bounded_message(message), *args)
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:
