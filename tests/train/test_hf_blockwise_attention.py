@@ -4,7 +4,8 @@ The trainer switches every model ``cp_hf.attention_problem`` accepts to ``"hybri
 attention before parallelizing (``train/hf_model.use_blockwise_attention``), as context
 parallelism already does; the loss and every gradient equal transformers' own SDPA attention with
 its per-document mask (float64), and no op output has two dims of the pack's length. A model it
-does not accept keeps transformers' attention and the trainer's line says why.
+does not accept keeps transformers' attention, trains one document per row (``train/packing_rule.py``)
+and the trainer's line says why.
 """
 
 import pytest
@@ -65,6 +66,6 @@ def test_a_model_hybridpar_cannot_take_keeps_transformers_attention_and_says_why
     model = build_model("olmo2")
     line = use_blockwise_attention(model)
     assert model.config._attn_implementation == "sdpa"
-    assert "transformers' 'sdpa'" in line and "[S, S]" in line and "model_type 'olmo2'" in line, line
+    assert "transformers' 'sdpa' over rows of one document each" in line and "model_type 'olmo2'" in line, line
     loss, grads, _ = _step(model)
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())

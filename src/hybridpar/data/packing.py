@@ -92,6 +92,7 @@ def pack_documents(
     pad_id: int = 0,
     overlong: str = "split",
     pad_to_multiple_of: int | None = None,
+    one_per_row: bool = False,
 ) -> list[dict[str, Tensor]]:
     """Pack documents into rows of ``pack_size`` tokens (best-fit decreasing).
 
@@ -101,6 +102,8 @@ def pack_documents(
     ``document_offset`` (where the piece starts in that document; 0 unless split). Documents keep
     their input order inside a pack; packs are ordered by their first document.
     ``pad_to_multiple_of`` overrides the per-document multiple (default ``2*cp``, 1 at cp=1).
+    ``one_per_row=True`` gives every document (piece) a row of its own, padded to ``pack_size``:
+    for models whose token mixers cannot reset at document boundaries (``train/packing_rule.py``).
     """
     multiple = document_pad_multiple(cp_size) if pad_to_multiple_of is None else int(pad_to_multiple_of)
     if not isinstance(pack_size, int) or pack_size < 1:
@@ -140,7 +143,10 @@ def pack_documents(
             Notice, stacklevel=2,
         )
 
-    bins = _best_fit_decreasing([_round_up(t.numel(), multiple) for _, _, t, _ in pieces], pack_size)
+    if one_per_row:
+        bins = [[j] for j in range(len(pieces))]
+    else:
+        bins = _best_fit_decreasing([_round_up(t.numel(), multiple) for _, _, t, _ in pieces], pack_size)
     bins.sort(key=lambda members: members[0])
     return [_build_pack([pieces[j] for j in members], pack_size, multiple, pad_id) for members in bins]
 

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
+from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.context import attention as attention_cp
@@ -64,7 +65,7 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
     mamba_core = mamba_cp.STRATEGIES[mamba_strategy](cp_group)
     tp = dims.tp
     if not isinstance(model, HybridLM):
-        hf_cp.validate_hf_cp(model, attention_core, tp)
+        hf_cp.validate_hf_cp(model, attention_core, tp, mamba_core)
         return
     for name, module in model.named_modules():
         try:
@@ -91,7 +92,8 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
-        hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp)
+        hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp,
+                             mamba_cp.STRATEGIES[cp_mamba_strategy](None))
     if mixed_precision is not None:
         if not needs_fsdp(dims):
             raise ValueError(f"mixed_precision={mixed_precision!r} is applied by FSDP, which {dims} does not use; "
@@ -116,7 +118,8 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
 
 def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", mamba_strategy: str = "a2a") -> nn.Module:
     """Install the context-parallel cores on every attention and Mamba2 mixer (transformers models: ``cp_hf``)."""
-    if not isinstance(model, HybridLM):
+    if not isinstance(model, HybridLM):  # transformers' Mamba2 mixers on hybridpar's core share mixer.core
+        mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
         return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
     mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
@@ -177,8 +180,12 @@ def parallelize(
     (FSDP's). ``compile``: True (inductor), a ``torch.compile`` backend name or a dict of its
     options (``apply_compile``). ``reshard_after_forward``: FSDP's, for the blocks
     (``fsdp.check_reshard_after_forward``). The mesh is kept on ``model._parallel_mesh`` and the
-    dims on ``model._parallel_dims``.
+    dims on ``model._parallel_dims``. A transformers model's Mamba2 mixers are switched to
+    hybridpar's Mamba core first (``models/hf/mamba_mixers.install_mamba_core``), the seam of
+    the Mamba CP strategies.
     """
+    if hf_cp.is_hf_model(model):
+        install_mamba_core(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
                          sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,
                          activation_checkpointing=activation_checkpointing,

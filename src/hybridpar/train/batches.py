@@ -202,7 +202,9 @@ class PackStream:
     _warned = False  # the packer's split/drop notice is shown once per process
 
     def __init__(self, config: DataConfig, cp_size: int, vocab_size: int, seed_offset: int = 0,
-                 pad_to_multiple_of: int | None = None, tokenizer: Tokenizer | None = None):
+                 pad_to_multiple_of: int | None = None, tokenizer: Tokenizer | None = None,
+                 one_per_row: bool = False):
+        self.one_per_row = one_per_row  # one document per row (a model that cannot pack: train/packing_rule.py)
         self.multiple = pad_to_multiple_of or pad_multiple(config, cp_size)
         if self.multiple % (2 * cp_size):
             raise DataError(
@@ -234,7 +236,8 @@ class PackStream:
     def _pack(self, documents: list) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            self.pool += pack_documents(documents, self.config.pack_size, overlong="split", pad_to_multiple_of=self.multiple)
+            self.pool += pack_documents(documents, self.config.pack_size, overlong="split", pad_to_multiple_of=self.multiple,
+                                       one_per_row=self.one_per_row)
         if caught and not PackStream._warned:  # once per process (train and eval streams, every window)
             PackStream._warned = True
             warnings.warn(str(caught[0].message), Notice, stacklevel=3)  # one notice line

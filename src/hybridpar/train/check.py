@@ -22,6 +22,8 @@ from hybridpar.config import RunConfig
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.parallel.state import canonical_state_dict
 from hybridpar.train.loss import valid_token_count
+from hybridpar.models.hybrid import HybridLM
+from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.trainer import Trainer, build_model, pack_loss_sum, pack_tensors
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -59,6 +61,8 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     if tolerance is not None and not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"--tolerance {tolerance} is invalid: it must be a finite number > 0; e.g. --tolerance 1e-6.")
     reference = build_model(config).to(device)
+    if not isinstance(reference, HybridLM):
+        use_blockwise_attention(reference)  # the attention the trainer runs (documents from packed_seq_params)
     trainer = Trainer(config, device)
     tolerance = tolerance if tolerance is not None else default_tolerance(config)
     parallel_loss = trainer.step_gradients(0)

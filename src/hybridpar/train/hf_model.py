@@ -19,12 +19,14 @@ which is what makes FSDP's summed gradients exact. Heads that are more than ``hi
 (logit soft-capping or scaling, a bias) take the logits route instead.
 
 **Attention and inputs** (``use_blockwise_attention``, ``hf_forward_inputs``): a model
-``parallel/cp_hf.attention_problem`` accepts runs hybridpar's ``"hybridpar"`` attention at every
+``parallel/context/hf.attention_problem`` accepts runs hybridpar's ``"hybridpar"`` attention at every
 cp (``parallelize`` installs it for cp > 1, the trainer at cp = 1): blockwise and
 document-causal over the pack's ``PackedSeqParams``, so no ``[S, S]`` mask exists and memory
-grows linearly with ``data.pack_size``. Any other model keeps transformers' attention, which
-masks by position ids that restart at every packed document (a ``[S, S]`` mask per pack). Either
-way no document sees another; RoPE reads those position ids (zigzag-sharded under CP).
+grows linearly with ``data.pack_size``; its Mamba2 mixers run hybridpar's Mamba core
+(``models/hf/mamba_mixers``). Any other model keeps transformers' attention and trains one
+document per row (``train/packing_rule.py``). RoPE reads the position ids (zigzag-sharded under CP).
+A float64 model with MoE experts runs transformers' eager experts (``grouped_mm`` has no float64),
+and every float32 cast inside transformers stays float64 (``models/hf/float64.keep_float64``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from torch import Tensor, nn
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.hf.causal_lm import _plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm
 from hybridpar.models.hf.config import read_hf_config
+from hybridpar.models.hf.float64 import keep_float64
+from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
@@ -85,16 +89,26 @@ def hf_shape(path: str | Path):
 
 
 def hf_meta_model(shape) -> nn.Module:
-    """The transformers model of ``shape`` on the meta device (its modules, no memory)."""
+    """The transformers model of ``shape`` on the meta device (its modules, no memory), its Mamba2
+    mixers switched to hybridpar's core as ``build_hf_model`` switches them."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(shape)
+        model = AutoModelForCausalLM.from_config(shape)
+    install_mamba_core(model)
+    return model
 
 
 def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
-    """The transformers model of ``model.hf_path`` in ``dtype`` (weights from local safetensors)."""
-    return load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
+    """The transformers model of ``model.hf_path`` in ``dtype`` (weights from local safetensors), its
+    Mamba2 mixers on hybridpar's core (``models/hf/mamba_mixers.install_mamba_core``)."""
+    model = load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
+    if dtype == torch.float64 and type(model)._can_set_experts_implementation():
+        model.set_experts_implementation("eager")  # torch._grouped_mm (transformers' default) has no float64
+    if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
+        keep_float64(model.to(torch.float64))
+    install_mamba_core(model)
+    return model
 
 
 def use_blockwise_attention(model: nn.Module) -> str:
@@ -104,8 +118,8 @@ def use_blockwise_attention(model: nn.Module) -> str:
     if problem is None:
         use_hybridpar_attention(model)
         return "attention: hybridpar's blockwise document-causal core (no [S, S] mask; memory linear in the pack size)"
-    return (f"attention: transformers' {model.config._attn_implementation!r}, masked per document with an [S, S] "
-            f"mask per pack (memory quadratic in data.pack_size), because {problem}")
+    return (f"attention: transformers' {model.config._attn_implementation!r} over rows of one document each (the "
+            f"packing line says so), because {problem}")
 
 
 def hf_forward_inputs(sharded: ShardedInputs, model: nn.Module) -> dict:
@@ -115,7 +129,7 @@ def hf_forward_inputs(sharded: ShardedInputs, model: nn.Module) -> dict:
     inputs = hf_cp_inputs(sharded)
     for key in ("input_ids", "inputs_embeds", "use_cache"):
         inputs.pop(key, None)
-    if not runs_hybridpar_attention(model):  # transformers' attention masks by position ids
+    if not runs_hybridpar_attention(model) and not bridged_mixers(model):  # only position ids reach the model
         inputs.pop("packed_seq_params", None)
     return inputs
 

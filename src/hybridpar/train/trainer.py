@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from hybridpar.config import RunConfig, to_dict
 from hybridpar.data.documents import FILE_TASKS
-from hybridpar.data.packing import collate_thd
+from hybridpar.data.packing import collate_thd, padding_fraction
 from hybridpar.data.sources import prediction_counts
 from hybridpar.data.tokenizers import ships_tokenizer
 from hybridpar.data.thd import PackedSeqParams
@@ -46,6 +46,7 @@ from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_
 from hybridpar.train.baseline import unigram_loss
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
+from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
 from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend, use_blockwise_attention
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
@@ -142,12 +143,15 @@ class Trainer:
         self.signature = model_signature(shape)
         self.pad = pad_multiple(self.data, p.cp)
         self.data_sources = data_sources(config)  # the content this run reads, recorded in its checkpoints
+        if not isinstance(model, HybridLM) and p.cp == 1:  # at cp > 1 parallelize installs it with the CP core
+            self.say(use_blockwise_attention(model))
+        problem = self._packing_problem(model)
+        self.one_per_row = problem is not None
         self.train_data = self._stream(self.data)
+        self.say(packing_line(model, problem, padding_fraction(self.train_data.pool), self.data.pack_size))
         self._eval_data = None
         self._unigram = None
         self.layout = Layout.build(config, device.type)
-        if not isinstance(model, HybridLM) and p.cp == 1:  # at cp > 1 parallelize installs it with the CP core
-            self.say(use_blockwise_attention(model))
         self.model = parallelize(
             model, self.layout.dims, mesh=self.layout.mesh,
             cp_attention=config.parallel.cp_attention, cp_mamba=config.parallel.cp_mamba,
@@ -170,9 +174,21 @@ class Trainer:
         if self.rank == 0:
             print(text, flush=True)
 
+    def _packing_problem(self, model: nn.Module) -> str | None:
+        """Why documents must not share a row (``train/packing_rule.py``); at cp = 1 a transformers
+        model the rule accepts is also probed (two documents packed against each alone)."""
+        problem = packing_problem(model)
+        if problem is None and not isinstance(model, HybridLM) and self.config.parallel.cp == 1:
+            leak = leak_probe(model, self.vocab_size)
+            tolerance = PROBE_TOLERANCE.get(next(model.parameters()).dtype, 3e-2)
+            if not leak <= tolerance:
+                problem = (f"the leak probe found two packed documents' logits {leak:.1e} (relative) away from each "
+                           f"run alone, above {tolerance:.0e}")
+        return problem
+
     def _stream(self, data, seed_offset: int = 0) -> PackStream:
         return PackStream(data, self.config.parallel.cp, self.vocab_size, seed_offset=seed_offset,
-                          pad_to_multiple_of=self.pad, tokenizer=self.tokenizer)
+                          pad_to_multiple_of=self.pad, tokenizer=self.tokenizer, one_per_row=self.one_per_row)
 
     @property
     def eval_data(self) -> PackStream:

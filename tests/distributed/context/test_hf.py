@@ -207,7 +207,7 @@ def test_packed_from_position_ids_and_single_process_attention_match_sdpa():
         packed_from_position_ids(torch.tensor([1, 2, 0]))
     for name in ("mistral", "gemma3"):
         reference, model = build_model(name), build_model(name)
-        model.set_attn_implementation(__import__("hybridpar.parallel.context.hf").parallel.cp_hf.register_hf_attention())
+        model.set_attn_implementation(__import__("hybridpar.parallel.context.hf").parallel.context.hf.register_hf_attention())
         ids, _, _ = _batch(reference.config.vocab_size, "packed")
         want = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
         by_positions = model(input_ids=ids, position_ids=positions, use_cache=False).logits

@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -163,3 +164,19 @@ def test_hugging_face_moe_plan_translation():
     # dense NemotronH: its Hugging Face plan names experts it does not have; they match nothing
     nemotron = build_model("nemotron_h")
     assert set(_check(nemotron, lambda model, sp: hf_tp_plan(model)).styles) == {"model.embeddings"}
+
+
+def test_a_module_with_own_parameters_beside_planned_children_is_named_not_stop_iteration():
+    """Qwen3-Next's gated DeltaNet holds A_log / dt_bias itself while its projections are planned:
+    sequence parallelism is refused with a ValueError naming it (it raised a bare StopIteration)."""
+    import transformers as hf
+
+    config = hf.Qwen3NextConfig(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], hidden_size=64, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, vocab_size=128)
+    with torch.device("meta"):
+        model = hf.Qwen3NextForCausalLM(config)
+    with pytest.raises(ValueError, match=r"model\.layers\.\*\.linear_attn'"):
+        check_tp_plan(model, 2, sequence_parallel=True)

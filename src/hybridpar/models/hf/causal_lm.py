@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from hybridpar.config_rules import quoted
 from hybridpar.models.generation import GREEDY_BELOW, check_sampling
-from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, read_hf_config
+from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, config_from_hf, read_hf_config
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.weights import check_finite, weight_files
@@ -63,13 +63,14 @@ def causal_lm_backend(path: str | Path, backend: str = "auto") -> str:
     hf = read_hf_config(path)
     try:
         architecture_of(hf)
-        supported = True
-    except ValueError:
-        supported = False
+        config_from_hf(hf)  # e.g. NemotronH with MoE or MTP layers: a transformers model under 'auto'
+        supported, reason = True, ""
+    except ValueError as error:
+        supported, reason = False, f" ({error})"
     if backend == "hybrid" and not supported:
         given = hf.get("architectures") or hf.get("model_type")
-        raise ValueError(f"backend 'hybrid' loads only {list(ARCHITECTURES)}, but {path} holds {quoted(given)}; use backend "
-                         "'transformers' (or 'auto') to train it as the transformers model.")
+        raise ValueError(f"backend 'hybrid' loads only {list(ARCHITECTURES)}, but {path} holds {quoted(given)}{reason}; "
+                         "use backend 'transformers' (or 'auto') to train it as the transformers model.")
     return "hybrid" if backend in ("auto", "hybrid") and supported else "transformers"
 
 

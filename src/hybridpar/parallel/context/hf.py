@@ -38,10 +38,12 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
+from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.parallel.context.inputs import ShardedInputs
 
 __all__ = [
     "ATTENTION_NAME",
+    "HYBRID_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
     "apply_hf_cp",
     "attention_problem",
@@ -52,13 +54,16 @@ __all__ = [
     "packed_from_position_ids",
     "register_hf_attention",
     "runs_hybridpar_attention",
+    "unreached_token_mixers",
     "use_hybridpar_attention",
     "validate_hf_cp",
 ]
 
 ATTENTION_NAME = "hybridpar"
 CORE_ATTRIBUTE = "hybridpar_cp_core"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi")
+# Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
+HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi") + HYBRID_MODEL_TYPES
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies from max(position_ids): differs per rank
 
 
@@ -140,21 +145,38 @@ def _rope_types(config) -> set[str]:
     return found
 
 
+def unreached_token_mixers(model: nn.Module) -> list[str]:
+    """Names of modules that mix tokens outside hybridpar's cores: a direct ``A_log`` parameter
+    (Mamba1, gated DeltaNet, a Mamba2 mixer not switched by ``install_mamba_core``) or an
+    ``nn.Conv1d`` over the sequence (short convolutions), outside a switched Mamba2 mixer."""
+    inside = tuple(f"{name}." for name, _ in bridged_mixers(model))
+    found = []
+    for name, module in model.named_modules():
+        if getattr(module, MARK, False) or (inside and name.startswith(inside)):
+            continue
+        if isinstance(module, nn.Conv1d) or "A_log" in dict(module.named_parameters(recurse=False)):
+            found.append(f"{name} ({type(module).__name__})")
+    return found
+
+
 def attention_problem(model: nn.Module) -> str | None:
     """Why hybridpar's attention cannot stand in for ``model``'s (None: it can), at any cp.
 
-    Rules: a transformers model of a supported type (``SUPPORTED_MODEL_TYPES``; Mamba hybrids only
-    as a HybridLM), causal, without attention dropout, with attention modules to take it.
+    Rules: a transformers model of a supported type (``SUPPORTED_MODEL_TYPES``: attention models and
+    the Mamba2 hybrids of ``HYBRID_MODEL_TYPES``), causal, without attention dropout, with attention
+    modules to take it, and no token mixer outside hybridpar's cores (``unreached_token_mixers``;
+    Mamba2 mixers must have been switched by ``models.hf.mamba_mixers.install_mamba_core``).
     """
     cls = type(model).__name__
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    mamba = sorted(key for key in (config.to_dict() if hasattr(config, "to_dict") else {}) if "mamba" in key)
-    mamba += sorted({type(m).__name__ for m in model.modules() if "Mamba" in type(m).__name__})
-    if mamba:
-        return (f"{cls} ({model_type}) contains Mamba mixers ({mamba[0]}), which hybridpar runs only in its own "
-                "HybridLM; load the checkpoint as a HybridLM (load_causal_lm(path, backend='hybrid'): Mamba2, Bamba, "
-                "NemotronH).")
+    unreached = unreached_token_mixers(model)
+    if unreached:
+        return (f"{cls} ({model_type}) has token mixers that hybridpar's attention and Mamba cores do not reach "
+                f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: Mamba1, gated "
+                "DeltaNet, short convolutions or other recurrent code), so they cannot reset at document boundaries; "
+                "Mamba2 mixers reach our core through models.hf.mamba_mixers.install_mamba_core(model) (the trainer "
+                "calls it), or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
         return (f"hybridpar's attention takes transformers models of type {list(SUPPORTED_MODEL_TYPES)} (and HybridLM), "
                 f"and the model is a {cls} (model_type {model_type!r}).")
@@ -170,15 +192,24 @@ def attention_problem(model: nn.Module) -> str | None:
     return None
 
 
-def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1) -> None:
+def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=None) -> None:
     """Raise ``ValueError`` unless hybridpar can run ``model`` context parallel (no communication):
-    ``attention_problem``'s rules, no rope whose frequencies depend on the largest position, and
-    every attention module's per-TP-rank heads fit ``attention_core``."""
+    ``attention_problem``'s rules, no rope whose frequencies depend on the largest position,
+    every attention module's per-TP-rank heads fit ``attention_core``, and every transformers
+    Mamba2 mixer on hybridpar's core (replicated under TP) fits ``mamba_core``."""
     cls = type(model).__name__
     problem = attention_problem(model)
     if problem:
         raise ValueError(f"context parallelism (cp > 1) for {cls}: {problem} It runs on hybridpar's attention only: "
                          "change that, or use cp=1 (TP and FSDP still apply).")
+    for name, mixer in bridged_mixers(model):
+        if mamba_core is None:
+            raise ValueError(f"context parallelism (cp > 1) for {cls}: Mamba2 mixer {name!r} needs a Mamba CP strategy "
+                             "(cp_mamba 'a2a' or 'state'); pass one to validate_hf_cp.")
+        try:  # transformers' mixers stay whole under TP: all their heads and groups on every TP rank
+            mamba_core.validate(mixer.num_heads, mixer.n_groups)
+        except ValueError as error:
+            raise ValueError(f"Mamba2 mixer {name!r} at tp={tp}, cp={mamba_core.cp_size}: {error}") from None
     bad_rope = sorted(_rope_types(model.config) & set(_POSITION_DEPENDENT_ROPE))
     if bad_rope:
         raise ValueError(f"context parallelism for {cls}: rope type {bad_rope[0]!r} chooses its frequencies from the "

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
+from hybridpar.models.hf.mamba_mixers import MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer, local_conv_scan
 from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
 from hybridpar.parallel.comm.collectives import hidden_to_seq, seq_to_hidden
@@ -233,14 +234,15 @@ STRATEGIES = {"a2a": HiddenParallelMamba, "state": StatePassingMamba}
 
 
 def apply_mamba_cp(model: nn.Module, cp_group: dist.ProcessGroup | None, strategy: str = "a2a") -> nn.Module:
-    """Install a CP strategy as ``core`` of every ``Mamba2Mixer`` in ``model``; returns ``model``.
+    """Install a CP strategy as ``core`` of every ``Mamba2Mixer`` in ``model`` (and of every transformers
+    Mamba2 mixer ``models/hf/mamba_mixers.install_mamba_core`` switched); returns ``model``.
 
     Head and group counts are checked on every mixer before any is changed, so a bad layout
     raises ``ValueError`` here, long before a collective could hang.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown mamba context-parallel strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
-    mixers = [(name, m) for name, m in model.named_modules() if isinstance(m, Mamba2Mixer)]
+    mixers = [(name, m) for name, m in model.named_modules() if isinstance(m, Mamba2Mixer) or getattr(m, MARK, False)]
     core = STRATEGIES[strategy](cp_group)
     for name, mixer in mixers:
         try:

@@ -188,7 +188,9 @@ def sp_uncovered(model: nn.Module, entries) -> list[str]:
         params = [p for p in module._parameters.values() if p is not None and not getattr(p, "tensor_model_parallel", False)]
         if not params or not name or any(prefix in covered for prefix in _prefixes(name)):
             continue
-        top = next(prefix for prefix in _prefixes(name) if prefix not in holds_covered)
+        # a module whose children are covered but whose own parameters are not (e.g. a gated DeltaNet's
+        # A_log beside a planned in_proj) is itself the outermost uncovered holder
+        top = next((prefix for prefix in _prefixes(name) if prefix not in holds_covered), name)
         if top not in uncovered:
             uncovered.append(top)
     return uncovered

@@ -1,0 +1,170 @@
+"""transformers' Mamba2 hybrids on CPU at cp=1: hybridpar's cores against transformers' own torch path.
+
+Five architectures (Granite 4.0-H MoE, Falcon-H1, Nemotron-H, Bamba, Zamba2), each a small
+random float32 model built from transformers' config classes: hidden 256, one Mamba2 layer
+(8 heads x 64, 1 group, state 64, chunk 256) and one attention layer (4 heads, 2 KV heads),
+vocab 1024. One packed row of ``T`` tokens holding 4 equal documents; forward + backward of
+the summed logits:
+
+- ``ours``: ``install_mamba_core`` + hybridpar's blockwise attention, documents from
+  ``packed_seq_params`` (exact per document);
+- ``transformers``: the model as transformers runs it without mamba_ssm (its torch SSD, SDPA
+  with the per-document mask built from position ids). Its Mamba mixers do not reset at the
+  document starts: the timing is of the same amount of work, not of a correct packed step.
+
+Wall time: median of ``--repeats`` runs after one warm-up, one torch thread (the machine is
+shared). Peak memory: one forward+backward in a fresh subprocess per (architecture, path, T),
+peak RSS (``VmHWM``, reset just before the call) minus the RSS just before it, in MiB.
+
+    python benchmarks/hf_hybrids.py [--lengths 4096 16384] [--repeats 3] [--long-paths ours]
+
+Prints a table and writes benchmarks/results/hf_hybrids.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ARCHS = ("granite_moe", "falcon_h1", "nemotron_h", "bamba", "zamba2")
+_C = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+          use_cache=False)
+_M = dict(mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=256)
+
+
+def build(name: str):
+    import transformers as hf
+
+    builders = {
+        "granite_moe": lambda: hf.GraniteMoeHybridForCausalLM(hf.GraniteMoeHybridConfig(
+            num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=64, mamba_expand=2,
+            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=512, **_M, **_C)),
+        "falcon_h1": lambda: hf.FalconH1ForCausalLM(hf.FalconH1Config(
+            num_hidden_layers=2, mamba_n_heads=8, mamba_d_head=64, mamba_d_ssm=512, **_M, **_C)),
+        "nemotron_h": lambda: hf.NemotronHForCausalLM(hf.NemotronHConfig(
+            layers_block_type=["mamba", "attention"], head_dim=64, mamba_num_heads=8, mamba_head_dim=64,
+            ssm_state_size=64, n_groups=1, chunk_size=256, **_C)),
+        "bamba": lambda: hf.BambaForCausalLM(hf.BambaConfig(
+            num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=64, **_M, **_C)),
+        "zamba2": lambda: hf.Zamba2ForCausalLM(hf.Zamba2Config(
+            num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=64, n_mamba_heads=8,
+            mamba_ngroups=1, chunk_size=256, **_C)),
+    }
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return builders[name]().train()
+
+
+def step_fn(name: str, path: str, tokens: int):
+    """A closure running one forward + backward of ``name`` on a packed row of ``tokens``."""
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hf.mamba_mixers import install_mamba_core
+    from hybridpar.parallel.context.hf import use_hybridpar_attention
+
+    model = build(name)
+    ids = torch.randint(0, _C["vocab_size"], (1, tokens))
+    cu = torch.arange(0, tokens + 1, tokens // 4, dtype=torch.int32)
+    packed = PackedSeqParams.from_cu_seqlens(cu)
+    inputs = {"input_ids": ids, "position_ids": packed.position_ids, "use_cache": False}
+    if path == "ours":
+        install_mamba_core(model)
+        use_hybridpar_attention(model)
+        inputs["packed_seq_params"] = packed
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**inputs).logits.sum().backward()
+
+    return step
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as handle:
+        line = next(line for line in handle if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def peak_child(name: str, path: str, tokens: int) -> None:
+    """(in a subprocess) print the peak RSS growth of one step over the RSS before it, MiB: the
+    high-water mark is reset first (``/proc/self/clear_refs``), so imports and the model build
+    do not count."""
+    step = step_fn(name, path, tokens)
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    before = _status_mib("VmRSS")
+    step()
+    print(json.dumps({"peak_mib": _status_mib("VmHWM") - before}))
+
+
+def measure(name: str, path: str, tokens: int, repeats: int) -> dict:
+    step = step_fn(name, path, tokens)
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    child = subprocess.run([sys.executable, __file__, "--child", name, path, str(tokens)], capture_output=True,
+                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    peak = json.loads(child.stdout.strip().splitlines()[-1])["peak_mib"] if child.returncode == 0 else None
+    return {"arch": name, "path": path, "tokens": tokens, "seconds": statistics.median(times), "peak_mib": peak,
+            "error": None if child.returncode == 0 else child.stderr.strip().splitlines()[-1][:200]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--archs", nargs="+", default=list(ARCHS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--paths", nargs="+", default=["ours", "transformers"])
+    parser.add_argument("--long-paths", nargs="+", default=None,
+                        help="paths run at lengths above 4096 (default: --paths)")
+    parser.add_argument("--child", nargs=3)
+    parser.add_argument("--out", default="hf_hybrids")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child:
+        name, path, tokens = args.child
+        return peak_child(name, path, int(tokens))
+    rows = []
+    for tokens in args.lengths:
+        for name in args.archs:
+            for path in (args.paths if tokens <= 4096 or args.long_paths is None else args.long_paths):
+                row = measure(name, path, tokens, args.repeats)
+                rows.append(row)
+                print(f"{name:<12} {path:<13} T={tokens:>6}  {row['seconds']:8.2f} s  peak {row['peak_mib']} MiB",
+                      flush=True)
+    command = "python benchmarks/" + Path(__file__).name + " " + shlex.join(sys.argv[1:])
+    meta = {"command": command.strip(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "threads": args.threads}
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = [f"# {__doc__.splitlines()[0]}", "", f"`{meta['command']}` on {meta['date']} (torch {meta['torch']}, "
+             f"{args.threads} thread, CPU)", "", "| arch | T | ours s | transformers s | ours peak MiB | transformers peak MiB |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for tokens in args.lengths:
+        for name in args.archs:
+            found = {r["path"]: r for r in rows if (r["arch"], r["tokens"]) == (name, tokens)}
+            ours, theirs = found.get("ours", {}), found.get("transformers", {})
+            fmt = lambda v, f="{:.0f}": "not run" if v is None else f.format(v)  # noqa: E731
+            lines.append(f"| {name} | {tokens} | {fmt(ours.get('seconds'), '{:.2f}')} | {fmt(theirs.get('seconds'), '{:.2f}')} "
+                         f"| {fmt(ours.get('peak_mib'))} | {fmt(theirs.get('peak_mib'))} |")
+    (out / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

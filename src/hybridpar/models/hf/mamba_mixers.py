@@ -1,0 +1,123 @@
+"""hybridpar's Mamba core inside transformers' Mamba2-family mixers (Bamba, NemotronH, Falcon-H1,
+GraniteMoeHybrid, Zamba2), recognised by structure, never by class name.
+
+A transformers module is a *Mamba2 mixer* when it has ``in_proj`` / ``out_proj`` (``nn.Linear``),
+a depthwise ``conv1d`` over ``x|B|C`` (``conv_dim = intermediate_size + 2 * n_groups * ssm_state_size``
+channels), 1-D ``A_log``, ``dt_bias`` and ``D`` over ``num_heads``, ``in_proj`` of width
+``intermediate_size + conv_dim + num_heads`` (``[z | xBC | dt]``) and a ``norm`` (a gated grouped
+RMSNorm, or ``nn.Identity`` with a plain ``y * silu(z)`` gate: Falcon-H1 without ``mamba_rms_norm``).
+
+``install_mamba_core(model)`` gives each such mixer a training forward::
+
+    u [B, L, D] (* ssm_in_multiplier)  -> in_proj (* mup_vector)  -> [z | xBC | dt]
+    xBC, dt -> mixer.core(mixer, xBC, dt, packed) -> y [B, L, H*P]   (conv + SSD, documents reset)
+    y, z -> mixer.norm(y, z)  (or y * silu(z)) -> out_proj
+
+``mixer.core`` is the same seam as ``HybridLM``'s ``Mamba2Mixer.core`` (default
+``models.mamba.mixer.local_conv_scan``), so context-parallel strategies can replace it from
+outside. The batch's ``PackedSeqParams`` arrive as ``packed_seq_params`` through the decoder
+layer's ``**kwargs``. The per-architecture twists live in the module itself and are read from it:
+Falcon-H1's ``ssm_in_multiplier`` and ``mup_vector`` and its norm variants (the module's own
+``norm`` applies ``norm_before_gate``), NemotronH's and Zamba2's ``time_step_limit`` (dt clamped
+at ``time_step_min``), Zamba2's conv bias and norm epsilon; Granite's multipliers sit outside the
+mixer. Parameter names do not change. With a cache (generation) or a padding ``attention_mask``
+the module's own transformers forward runs.
+
+Single-device code (no process group).
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import Tensor, nn
+
+from hybridpar.models.mamba.mixer import local_conv_scan
+
+__all__ = ["MARK", "is_mamba2_mixer", "mamba_mixer_problem", "install_mamba_core", "bridged_mixers",
+           "mamba_training_forward"]
+
+MARK = "hybridpar_mamba_core"  # set on a mixer whose forward runs hybridpar's core
+_NEEDED = ("in_proj", "out_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "num_heads", "head_dim", "n_groups",
+           "ssm_state_size", "intermediate_size", "chunk_size", "time_step_limit")
+
+
+def is_mamba2_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` has the structure of a Mamba2 mixer (module docstring); hybridpar's own
+    ``Mamba2Mixer`` and non-transformers modules are not counted."""
+    if type(module).__module__.startswith("hybridpar") or not all(hasattr(module, a) for a in _NEEDED):
+        return False
+    conv, in_proj = module.conv1d, module.in_proj
+    if not isinstance(conv, nn.Conv1d) or not isinstance(in_proj, nn.Linear) or not isinstance(module.out_proj, nn.Linear):
+        return False
+    heads = module.num_heads
+    conv_dim = module.intermediate_size + 2 * module.n_groups * module.ssm_state_size
+    return (all(isinstance(p, Tensor) and p.dim() == 1 and p.numel() == heads for p in (module.A_log, module.dt_bias))
+            and conv.in_channels == conv.out_channels == conv.groups == conv_dim
+            and in_proj.out_features == module.intermediate_size + conv_dim + heads
+            and module.intermediate_size == heads * module.head_dim)
+
+
+def mamba_mixer_problem(name: str, module: nn.Module) -> str | None:
+    """Why hybridpar's core cannot run Mamba2 mixer ``module`` exactly (None: it can)."""
+    where = f"Mamba2 mixer {name!r} ({type(module).__name__})"
+    activation = getattr(module, "activation", "silu")
+    if activation not in ("silu", "swish"):
+        return f"{where} uses activation {activation!r} after its conv; hybridpar's Mamba core applies SiLU only"
+    if module.D.dim() != 1 or module.D.numel() != module.num_heads:
+        return f"{where} has D of shape {tuple(module.D.shape)}; hybridpar's Mamba core takes one D per head"
+    if module.num_heads % module.n_groups:
+        return f"{where} has num_heads={module.num_heads} not divisible by n_groups={module.n_groups}"
+    if not isinstance(module.norm, nn.Identity) and not hasattr(module.norm, "weight"):
+        return f"{where} has a norm {type(module.norm).__name__} that is neither a gated RMSNorm nor Identity"
+    return None
+
+
+def mamba_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
+                           packed_seq_params=None, **kwargs) -> Tensor:
+    """The mixer's forward through ``mixer.core`` (module docstring); ``hidden_states [B, L, D]``."""
+    padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
+    if cache is not None or padded or kwargs.get("cache_params") is not None:
+        return mixer._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    dtype = hidden_states.dtype
+    multiplier = getattr(mixer, "ssm_in_multiplier", None)
+    if multiplier is not None:
+        hidden_states = hidden_states * multiplier
+    projected = mixer.in_proj(hidden_states)  # [B, L, d_inner + conv_dim + H]
+    mup = getattr(mixer, "mup_vector", None)
+    if mup is not None:
+        projected = projected * mup
+    conv_dim = mixer.intermediate_size + 2 * mixer.n_groups * mixer.ssm_state_size
+    gate, xBC, dt = projected.split([mixer.intermediate_size, conv_dim, mixer.num_heads], dim=-1)
+    y = mixer.core(mixer, xBC, dt, packed_seq_params)  # [B, L, d_inner]
+    if isinstance(mixer.norm, nn.Identity):  # Falcon-H1 without mamba_rms_norm
+        y = y * nn.functional.silu(gate)
+    else:
+        y = mixer.norm(y, gate)
+    return mixer.out_proj(y.to(dtype))
+
+
+def install_mamba_core(model: nn.Module) -> list[str]:
+    """Give every Mamba2 mixer of ``model`` the training forward through ``mixer.core`` (idempotent);
+    returns their names. Raises ``ValueError`` for a variant the core cannot run exactly."""
+    names = []
+    for name, module in model.named_modules():
+        if not is_mamba2_mixer(module):
+            continue
+        problem = mamba_mixer_problem(name, module)
+        if problem:
+            raise ValueError(f"{problem}; train this model with a supported Mamba2 variant, or file it as a new mixer.")
+        if not getattr(module, MARK, False):
+            module._hybridpar_transformers_forward = module.forward
+            module.forward = types.MethodType(mamba_training_forward, module)
+            if getattr(module, "core", None) is None:
+                module.core = local_conv_scan
+            setattr(module, MARK, True)
+        names.append(name)
+    return names
+
+
+def bridged_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the mixers ``install_mamba_core`` switched to hybridpar's core."""
+    return [(n, m) for n, m in model.named_modules() if getattr(m, MARK, False)]
+

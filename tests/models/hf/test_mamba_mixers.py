@@ -1,0 +1,124 @@
+"""hybridpar's Mamba core inside transformers' Mamba2-family mixers (``models/hf/mamba_mixers.py``).
+
+Tiny float64 models of every hybrid (``hybrid_models.py``): with the core installed and
+hybridpar's attention, a row packing two documents gives the loss and every parameter gradient
+of the two documents run one per row (1e-9); the same model without the core leaks (the test
+can fail); our forward equals transformers' own torch forward on unpacked rows (1e-6: transformers
+computes ``A = -exp(A_log)`` and its gated norm in float32); parameter names do not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
+from hybridpar.parallel.context.hf import attention_problem, use_hybridpar_attention
+from hybridpar.parallel.context.inputs import shard_inputs
+from hybridpar.train.trainer import pack_loss_sum
+from tests.models.hf.hybrid_models import HYBRIDS, MIXERS, VOCAB, build_hybrid
+
+DOCS = (10, 14)
+
+
+def _rows():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, sum(DOCS)), generator=gen)
+    labels = torch.randint(0, VOCAB, (1, sum(DOCS)), generator=gen)
+    labels[:, ::5] = -100
+    return ids, labels
+
+
+def _loss_and_grads(model, pieces):
+    model.zero_grad()
+    total = 0
+    for ids, labels, cu in pieces:
+        packed = PackedSeqParams.from_cu_seqlens(torch.tensor(cu, dtype=torch.int32))
+        loss, _ = pack_loss_sum(model, shard_inputs(input_ids=ids, labels=labels, packed=packed))
+        loss.backward()
+        total = total + loss.detach()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _relative(got, want):
+    return float((got - want).detach().abs().max() / want.detach().abs().max().clamp_min(1.0))
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_packed_rows_equal_one_document_per_row(name):
+    model = build_hybrid(name)
+    names = install_mamba_core(model)
+    assert len(names) == MIXERS[name] and len(bridged_mixers(model)) == MIXERS[name]
+    assert attention_problem(model) is None
+    use_hybridpar_attention(model)
+    ids, labels = _rows()
+    packed_loss, packed_grads = _loss_and_grads(model, [(ids, labels, [0, *torch.tensor(DOCS).cumsum(0).tolist()])])
+    a, b = DOCS
+    alone_loss, alone_grads = _loss_and_grads(model, [(ids[:, :a], labels[:, :a], [0, a]),
+                                                     (ids[:, a:], labels[:, a:], [0, b])])
+    assert _relative(packed_loss, alone_loss) < 1e-9
+    assert sorted(packed_grads) == sorted(alone_grads) == sorted(n for n, _ in model.named_parameters())
+    worst = max((_relative(packed_grads[n], g), n) for n, g in alone_grads.items())
+    assert worst[0] < 1e-9, worst
+
+
+@pytest.mark.parametrize("name", ["granite_moe", "zamba2"])
+def test_without_our_core_transformers_leaks_across_packed_documents(name):
+    model = build_hybrid(name).eval()
+    ids, _ = _rows()
+    positions = torch.cat([torch.arange(d) for d in DOCS])[None]
+    packed = model(input_ids=ids, position_ids=positions).logits
+    alone = torch.cat([model(input_ids=ids[:, :DOCS[0]]).logits, model(input_ids=ids[:, DOCS[0]:]).logits], 1)
+    assert _relative(packed, alone) > 1e-6  # the state of document 1 reaches document 2
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_our_mixers_equal_transformers_torch_forward_and_keep_names(name):
+    reference, model = build_hybrid(name), build_hybrid(name)
+    keys = sorted(model.state_dict())
+    install_mamba_core(model)
+    assert sorted(model.state_dict()) == keys
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    want = reference(input_ids=ids).logits
+    calls = []
+    for _, mixer in bridged_mixers(model):
+        core = mixer.core
+        mixer.core = lambda *args, _core=core: calls.append(1) or _core(*args)
+    got = model(input_ids=ids).logits
+    assert len(calls) == MIXERS[name]  # every mixer ran our core
+    assert _relative(got, want) < 1e-6
+
+
+def test_attention_of_every_hybrid_runs_through_our_core(monkeypatch):
+    import hybridpar.parallel.context.hf as hf_cp
+
+    seen, core = [], hf_cp.attention_core
+    monkeypatch.setattr(hf_cp, "attention_core", lambda *a, **k: seen.append(1) or core(*a, **k))
+    for name in HYBRIDS:
+        model = build_hybrid(name)
+        install_mamba_core(model)
+        use_hybridpar_attention(model)
+        seen.clear()
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+        assert seen, name
+
+
+def test_an_unsupported_mixer_variant_is_refused():
+    model = build_hybrid("bamba")
+    next(m for _, m in model.named_modules() if type(m).__name__ == "BambaMixer").activation = "gelu"
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        install_mamba_core(model)
+
+
+def test_mamba_heads_that_do_not_split_over_cp_are_refused_before_collectives():
+    from hybridpar.parallel.context.attention import STRATEGIES as ATTENTION
+    from hybridpar.parallel.context.hf import validate_hf_cp
+    from hybridpar.parallel.context.mamba import HiddenParallelMamba
+
+    model = build_hybrid("bamba")  # 8 Mamba heads, 2 groups
+    install_mamba_core(model)
+    core = HiddenParallelMamba(None)
+    core.cp_size = 3  # the rule as a 3-rank group would apply it (no group needed: no communication)
+    with pytest.raises(ValueError, match=r"Mamba2 mixer 'model.layers.0.mamba' at tp=1, cp=3: .*not divisible by cp=3"):
+        validate_hf_cp(model, ATTENTION["allgather"](None), 1, core)
