@@ -25,13 +25,17 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import SAMPLE_RULE_TEXT, sample_problem
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, path_problem, quoted, sample_problem, shorten
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
 
 class ConfigError(ValueError):
-    """A configuration key or value that cannot be used, with the fix in the message."""
+    """A configuration key or value that cannot be used, with the fix in the message (one line,
+    at most ``config_rules.MAX_MESSAGE_CHARS``: values are quoted with ``quoted``; this bounds the rest)."""
+
+    def __init__(self, message="", *args):
+        super().__init__(bounded_message(message), *args)
 
 
 @dataclass
@@ -55,6 +59,7 @@ class DataConfig:
     pad_to_multiple_of: int | None = None  # per-document padding; default 2*cp (a resumed run keeps the checkpoint's)
     seed: int = 0
     task_options: dict = field(default_factory=dict)  # passed to the task (data/documents.py FILE_TASKS lists them)
+    on_change: str = "refuse"  # a resumed run whose data file or tokenizer changed since the checkpoint: refuse | warn
 
 
 @dataclass
@@ -78,7 +83,7 @@ class ParallelConfig:
         try:
             self.activation_checkpointing = checkpointing_policy(self.activation_checkpointing)
         except ValueError:
-            raise ConfigError(f"parallel.activation_checkpointing={self.activation_checkpointing!r} is not a policy; "
+            raise ConfigError(f"parallel.activation_checkpointing={quoted(self.activation_checkpointing)} is not a policy; "
                               f"choose one of {list(POLICIES)} (true/false still mean full/none).") from None
 
 
@@ -147,12 +152,13 @@ RULES: dict[str, Rule] = {
     "data.task": one_of("mqar", "selective_copy", "text", "jsonl", "chat", "prompt_completion", "hf_dataset",
                         "python_stdlib"),
     "data.path": or_null(PATH),
-    "data.tokenizer": Rule("'auto', 'bytes', 'bpe' or a tokenizer directory path", lambda v: bool(str(v).strip())),
-    "data.pack_size": integer(1),
+    "data.tokenizer": Rule("'auto', 'bytes', 'bpe' or a tokenizer directory path", PATH.holds),
+    "data.pack_size": integer(1, 2**31 - 1, " (cu_seqlens are int32; the preflight also holds a pack to memory)"),
     "data.packs_per_step": integer(1),
     "data.pad_to_multiple_of": or_null(integer(1), " (null: 2*cp)"),
-    "data.seed": integer(0),
+    "data.seed": integer(0, INT64_MAX),
     "data.task_options": ANY,  # checked by the task (preflight)
+    "data.on_change": one_of("refuse", "warn"),
     "parallel.dp_replicate": integer(1),
     "parallel.dp_shard": integer(1),
     "parallel.cp": integer(1),
@@ -162,8 +168,8 @@ RULES: dict[str, Rule] = {
     "parallel.cp_mamba": one_of("a2a", "state"),
     "parallel.activation_checkpointing": Rule("'none', 'full' or 'selective' (true/false: full/none)",
                                               lambda v: isinstance(v, bool) or v in ("none", "full", "selective")),
-    "parallel.reshard_after_forward": Rule("true, false or an integer >= 1 dividing dp_shard*cp",
-                                           lambda v: isinstance(v, bool) or v >= 1),
+    "parallel.reshard_after_forward": Rule("true, false or an integer >= 1 and <= 2**63-1 dividing dp_shard*cp",
+                                           lambda v: isinstance(v, bool) or 1 <= v <= INT64_MAX),
     "parallel.compile": Rule("true, false or a torch.compile backend name such as 'aot_eager'",
                              lambda v: isinstance(v, bool) or bool(str(v).strip())),
     "parallel.mixed_precision": or_null(one_of("bf16")),
@@ -175,7 +181,7 @@ RULES: dict[str, Rule] = {
     "train.weight_decay": number(0),
     "train.betas": each(number(0, 1, high_open=True), 2),
     "train.grad_clip": number(0, low_open=True),
-    "train.seed": integer(0),
+    "train.seed": integer(0, SEED_MAX, " (torch.manual_seed's range)"),
     "train.log_every": integer(1),
     "train.eval_every": integer(0),
     "train.eval_packs": integer(1),
@@ -185,7 +191,7 @@ RULES: dict[str, Rule] = {
     "train.sample": Rule(SAMPLE_RULE_TEXT, lambda v: v is None or sample_problem(v) is None),
     "checkpoint.every": integer(-1),
     "checkpoint.keep": integer(1),
-    "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or bool(str(v).strip())),
+    "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or PATH.holds(v)),
     "checkpoint.if_exists": one_of("refuse", "overwrite", "new_subdir"),
     "output_dir": PATH,
     "tensorboard": ANY,
@@ -217,13 +223,14 @@ def _default_of(key: str):
 
 
 def show_value(value) -> str:
+    """A config value as it would be written, cut to a readable length (``quoted``)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(show_value(v) for v in value) + "]"
-    return repr(value) if isinstance(value, str) else str(value)
+        return shorten("[" + ",".join(show_value(v) for v in value[:9]) + (",..." if len(value) > 9 else "") + "]")
+    return quoted(value)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -234,28 +241,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     raw: dict = {}
     if path is not None:
         path = Path(path)
+        if path_problem(path):
+            raise ConfigError(f"config file {quoted(str(path))} cannot be read: {path_problem(path)}; pass an existing "
+                              "YAML file, e.g. configs/tiny-hybrid.yaml.")
+        if path.is_dir():
+            raise ConfigError(f"config file {quoted(str(path))} is a directory, not a YAML file; pass the YAML file in "
+                              "it, e.g. --config configs/tiny-hybrid.yaml.")
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file, e.g. configs/tiny-hybrid.yaml.")
+            raise ConfigError(f"config file {quoted(str(path))} does not exist; pass an existing YAML file, e.g. "
+                              "configs/tiny-hybrid.yaml.")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as error:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {error.start}); save it as UTF-8 YAML.") from None
+            raise ConfigError(f"config file {quoted(str(path))} is not UTF-8 text (byte {error.start}); save it as UTF-8 YAML.") from None
         try:
-            raw = parse_yaml(text, f"config file {str(path)!r}") or {}
+            raw = parse_yaml(text, f"config file {quoted(str(path))}") or {}
         except YamlSyntaxError as error:
             raise ConfigError(str(error)) from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level, "
+            raise ConfigError(f"config file {quoted(str(path))} must hold a mapping of sections at the top level, "
                               f"got a {type(raw).__name__}; start it with e.g. 'train:'.")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not key=value; write e.g. train.steps=100.")
+            raise ConfigError(f"override {quoted(item)} is not key=value; write e.g. train.steps=100.")
         try:
             parsed = yaml.load(value, Loader=Yaml12Loader)
         except yaml.YAMLError as error:
             problem = getattr(error, "problem", None) or "cannot be parsed"
-            raise ConfigError(f"override {item!r} has a malformed value {value!r} ({problem}); write it as a YAML "
+            raise ConfigError(f"override {quoted(item)} has a malformed value {quoted(value)} ({problem}); write it as a YAML "
                               "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}.") from None
         _set_dotted(raw, key.strip().split("."), parsed)
     return _build(RunConfig, raw, "")
@@ -277,7 +291,7 @@ def _set_dotted(tree: dict, keys: list[str], value) -> None:
             tree[key] = {}
         node = tree[key]
         if not isinstance(node, dict):
-            raise ConfigError(f"cannot set {'.'.join(keys)}: {key!r} is a value, not a section.")
+            raise ConfigError(f"cannot set {shorten('.'.join(keys))}: {quoted(key)} is a value, not a section.")
         tree = node
     tree[keys[-1]] = value
 
@@ -285,13 +299,14 @@ def _set_dotted(tree: dict, keys: list[str], value) -> None:
 def _build(cls, raw, prefix: str):
     raw = {} if raw is None else raw  # ``train:`` with nothing under it: the defaults
     if not isinstance(raw, dict):
-        raise ConfigError(f"section {prefix.rstrip('.') or 'top level'!r} must be a mapping, got {raw!r}; "
+        raise ConfigError(f"section {prefix.rstrip('.') or 'top level'!r} must be a mapping, got {quoted(raw)}; "
                           f"set its keys one by one, e.g. {prefix}<key>=<value>.")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; valid keys here: {[prefix + n for n in names]}.")
+        raise ConfigError(f"unknown config key(s) {quoted([prefix + str(k) for k in unknown])}; valid keys here: "
+                          f"{[prefix + n for n in names]}.")
     values = {}
     for name in names:
         if name not in raw:

@@ -2,16 +2,72 @@
 
 ``config.RULES`` gives every key one; ``config.invalid`` turns a broken rule into the message
 naming the key, the value, the rule and the fix.
+
+Also the two helpers every user-facing message of the lower floors uses: ``quoted`` (a value
+cut to a readable length: a message never grows with its input) and ``Notice`` (a warning
+category printed as one ``hybridpar: warning: ...`` line, never as a raw ``UserWarning``).
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Rule", "LazyText", "integer", "number", "one_of", "each", "or_null", "PATH", "ANY"]
+__all__ = ["Rule", "LazyText", "integer", "number", "one_of", "each", "or_null", "PATH", "ANY", "quoted", "shorten",
+           "Notice", "INT64_MAX", "SEED_MAX"]
+
+INT64_MAX = 2**63 - 1  # every integer key's ceiling: torch and numpy hold counts in int64
+SEED_MAX = 2**64 - 1  # torch.manual_seed and torch.Generator.manual_seed take [0, 2**64 - 1]
+MESSAGE_VALUE_CHARS = 120  # a value quoted in a message is cut to about this many characters
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 8, 8, 8, 8
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+
+
+def shorten(text: str, limit: int = MESSAGE_VALUE_CHARS) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+MAX_MESSAGE_CHARS = 2000  # the longest error message of bad input, whatever the input
+
+
+def bounded_message(message) -> str:
+    """``message`` on one line, at most ``MAX_MESSAGE_CHARS`` (the middle cut, the fix at the end kept)."""
+    text = " ".join(str(message).split("\n"))
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS - 200]} ...[{len(text) - MAX_MESSAGE_CHARS + 200:,} characters cut]... {text[-150:]}"
+
+
+def quoted(value, limit: int = MESSAGE_VALUE_CHARS) -> str:
+    """``repr(value)`` for a message, bounded in length and in time (nested containers, long
+    strings and huge integers are elided, as ``reprlib`` does)."""
+    if isinstance(value, str):
+        return repr(shorten(value, limit)) if len(value) > limit else repr(value)
+    return shorten(_REPR.repr(value), limit)
+
+
+class Notice(UserWarning):
+    """A warning for the person running hybridpar: printed as one ``hybridpar: warning:`` line."""
+
+
+_format_warning = warnings.formatwarning
+
+
+def _notice_format(message, category, filename, lineno, line=None) -> str:
+    if isinstance(category, type) and issubclass(category, Notice):
+        return f"hybridpar: warning: {message}\n"
+    return _format_warning(message, category, filename, lineno, line)
+
+
+warnings.formatwarning = _notice_format  # only Notice changes: every other warning prints as Python prints it
 
 
 @dataclass(frozen=True)
@@ -22,9 +78,10 @@ class Rule:
     holds: Callable[[typing.Any], bool]
 
 
-def integer(low: int, high: int | None = None) -> Rule:
-    text = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    return Rule(text, lambda v: v >= low and (high is None or v <= high))
+def integer(low: int, high: int = INT64_MAX, why: str = "") -> Rule:
+    """An integer in ``[low, high]`` (every integer key has a ceiling: int64's by default)."""
+    ceiling = {INT64_MAX: "2**63-1", SEED_MAX: "2**64-1", 2**31 - 1: "2**31-1"}.get(high, str(high))
+    return Rule(f"an integer >= {low} and <= {ceiling}{why}", lambda v: low <= v <= high)
 
 
 def number(low: float, high: float | None = None, low_open: bool = False, high_open: bool = False) -> Rule:
@@ -63,14 +120,36 @@ def or_null(rule: Rule, meaning: str = "") -> Rule:
     return Rule(LazyText(lambda: f"{rule.text} or null{meaning}"), lambda v: v is None or rule.holds(v))
 
 
-PATH = Rule("a non-empty path", lambda v: bool(str(v).strip()))
+def path_problem(value) -> str | None:
+    """Why ``value`` cannot even be looked up as a path (empty, a NUL byte, a name longer than the
+    file system allows, a symlink loop), or None; a path that does not exist is fine here."""
+    import os
+
+    text = str(value)
+    if not text.strip():
+        return "it is empty"
+    try:
+        os.stat(text)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None
+    except ValueError:
+        return "it contains a NUL byte"
+    except OSError as error:
+        return f"the system cannot look it up ({error.strerror})"
+    return None
+
+
+PATH = Rule("a non-empty path the system can look up (no NUL, every name at most 255 bytes)",
+            lambda v: path_problem(v) is None)
 ANY = Rule("any value of its type", lambda v: True)
 
 
 # ``train.sample`` (used by train/sample.py): a mapping of the sampling settings.
 SAMPLE_KEYS = {"prompt": None, "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}  # prompt required
-SAMPLE_RULE_TEXT = ("null or a mapping with prompt (text, required), max_new_tokens (an integer >= 1, default 64), "
-             "temperature (>= 0, default 0: greedy), top_p (in (0, 1], default 1) and seed (an integer >= 0, default 0)")
+MAX_NEW_TOKENS = 2**31 - 1
+SAMPLE_RULE_TEXT = ("null or a mapping with prompt (text, required), max_new_tokens (an integer >= 1, at most 2**31-1, "
+                    "default 64), temperature (a finite number >= 0, default 0: greedy), top_p (in (0, 1], default 1) "
+                    "and seed (an integer in [0, 2**64-1], default 0)")
 
 
 def _number(value) -> bool:
@@ -88,10 +167,11 @@ def sample_problem(raw) -> str | None:
     rules = [
         (isinstance(settings["prompt"], str) and settings["prompt"] != "", "prompt must be a non-empty string"),
         (isinstance(settings["max_new_tokens"], int) and not isinstance(settings["max_new_tokens"], bool)
-         and settings["max_new_tokens"] >= 1, "max_new_tokens must be an integer >= 1"),
-        (_number(settings["temperature"]) and settings["temperature"] >= 0, "temperature must be >= 0"),
+         and 1 <= settings["max_new_tokens"] <= MAX_NEW_TOKENS, "max_new_tokens must be an integer in [1, 2**31-1]"),
+        (_number(settings["temperature"]) and math.isfinite(settings["temperature"]) and settings["temperature"] >= 0,
+         "temperature must be a finite number >= 0"),
         (_number(settings["top_p"]) and 0 < settings["top_p"] <= 1, "top_p must be in (0, 1]"),
-        (isinstance(settings["seed"], int) and not isinstance(settings["seed"], bool) and settings["seed"] >= 0,
-         "seed must be an integer >= 0"),
+        (isinstance(settings["seed"], int) and not isinstance(settings["seed"], bool) and 0 <= settings["seed"] <= SEED_MAX,
+         "seed must be an integer in [0, 2**64-1]"),
     ]
     return next((message for holds, message in rules if not holds), None)

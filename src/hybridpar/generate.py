@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GENERATE_DTYPES", "load_for_generation", "checkpoint_to_load", "run_generate"]
+__all__ = ["GENERATE_DTYPES", "load_for_generation", "checkpoint_to_load", "check_generate_arguments", "run_generate"]
 
 GENERATE_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -61,6 +61,8 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     import torch.distributed.checkpoint as dcp
 
     from hybridpar.config import config_from_dict
+    from hybridpar.config_rules import shorten
+    from hybridpar.models.hf.weights import check_finite
     from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
     from hybridpar.parallel.tensor.hybrid import split_mamba_mixers
     from hybridpar.train.run.checkpoint import read_run_info
@@ -75,12 +77,18 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     stored = build_model(config)
     split_mamba_mixers(stored)  # the parameter names training saves (layout-free)
     state = {"model": stored.state_dict()}
-    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    stored.load_state_dict(state["model"])
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        stored.load_state_dict(state["model"])
+    except Exception as error:  # noqa: BLE001 - DCP raises many kinds; the message names the folder
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"--checkpoint {path} could not be loaded ({type(error).__name__}: {shorten(first, 200)}); it "
+                         "may be corrupt or from another model: pass another step_* folder.") from None
     model = build_model(config)
     load_canonical_state_dict(model, canonical_state_dict(stored))  # fused names again; every parameter set
+    check_finite(model.named_parameters(), f"checkpoint {path}")
     return model.eval(), config
 
 
@@ -93,12 +101,15 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
     if (hf_path is None) == (checkpoint is None):
         raise ValueError("pass exactly one of --hf-path DIR (a Hugging Face checkpoint) or --checkpoint DIR (a "
                          "hybridpar training checkpoint).")
+    from hybridpar.config_rules import quoted
+
     if dtype is not None and dtype not in GENERATE_DTYPES:
-        raise ValueError(f"--dtype {dtype} is unknown; choose one of {list(GENERATE_DTYPES)} (default: as stored).")
+        raise ValueError(f"--dtype {quoted(dtype)} is unknown; choose one of {list(GENERATE_DTYPES)} (default: as "
+                         "stored).")
     torch_dtype = GENERATE_DTYPES.get(dtype)
     if hf_path is not None:
         if not Path(hf_path).is_dir():
-            raise ValueError(f"--hf-path {hf_path} is not a directory; pass a Hugging Face checkpoint directory "
+            raise ValueError(f"--hf-path {quoted(hf_path)} is not a directory; pass a Hugging Face checkpoint directory "
                              "(config.json + model.safetensors), e.g. a run's model.export_hf.")
         model, model_path = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval(), hf_path
     else:
@@ -113,12 +124,40 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
     return model, resolve_tokenizer(tokenizer, model_path=model_path, vocab_size=model.config.vocab_size)
 
 
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
+
+
+def check_generate_arguments(args) -> None:
+    """ValueError (one bounded line, naming the option) for any sampling option out of range
+    (``models/generation.check_sampling``: a temperature below 1e-5 is greedy, inf or NaN is refused)."""
+    import re
+
+    from hybridpar.config_rules import shorten
+    from hybridpar.models.generation import check_sampling
+
+    try:
+        check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    except ValueError as error:
+        message = re.sub(r"^(\w+)=(\S+) ", lambda m: f"{_FLAGS.get(m[1], m[1])} {m[2]} ", str(error))
+        raise ValueError(shorten(message.replace("; change it in the generate call.", "."), 400)) from None
+    from hybridpar.config_rules import path_problem, quoted
+
+    for name in ("hf_path", "checkpoint", "tokenizer"):
+        value = getattr(args, name, None)
+        if value is not None and path_problem(value):
+            raise ValueError(f"--{name.replace('_', '-')} {quoted(value)} is not a usable path: {path_problem(value)}.")
+    if not isinstance(args.backend, str) or args.backend not in ("auto", "hybrid", "transformers"):
+        raise ValueError(f"--backend {quoted(args.backend)} is unknown; choose one of auto, hybrid, transformers.")
+    if args.dtype is not None and args.dtype not in GENERATE_DTYPES:
+        raise ValueError(f"--dtype {quoted(args.dtype)} is unknown; choose one of {list(GENERATE_DTYPES)} (default: as "
+                         "stored).")
+
+
 def run_generate(args) -> int:
     """The ``generate`` command: print the prompt and its continuation (``--json``: one JSON object)."""
-    from hybridpar.models.generation import check_sampling
     from hybridpar.train.sample import continue_prompt
 
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+    check_generate_arguments(args)
     model, tokenizer = load_for_generation(args.hf_path, args.checkpoint, args.backend, args.tokenizer, args.dtype)
     if torch.cuda.is_available():
         model = model.cuda()

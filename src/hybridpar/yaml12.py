@@ -9,7 +9,9 @@ its bool, int and float rules for YAML 1.2's (and drops 1.1's timestamps):
     float  [-+]?(.[0-9]+ | [0-9]+(.[0-9]*)?)([eE][-+]?[0-9]+)? | [-+]?.inf | .nan
 
 A key written twice in one mapping is an error (YAML requires unique keys; PyYAML would
-silently keep the last one).
+silently keep the last one). Aliases are bounded: a document whose values, with every alias
+expanded, number more than ``MAX_EXPANDED_NODES`` (an "alias bomb": 300 bytes can stand for
+millions of values) or that refers to itself is refused before anything is built.
 """
 
 from __future__ import annotations
@@ -18,13 +20,56 @@ import re
 
 import yaml
 
+from hybridpar.config_rules import quoted, shorten
+
 
 class YamlSyntaxError(ValueError):
     """Text that is not YAML; the message names the source, line and column."""
 
 
+MAX_EXPANDED_NODES = 100_000  # a run config has a few hundred values
+
+
 class Yaml12Loader(yaml.SafeLoader):
     """PyYAML's safe loader with the YAML 1.2 core schema's bool, int and float rules."""
+
+    def construct_document(self, node):
+        _check_expansion(node)
+        return super().construct_document(node)
+
+
+def _check_expansion(root) -> None:
+    """ConstructorError if ``root``, with its aliases expanded, holds more than ``MAX_EXPANDED_NODES``
+    nodes or contains itself (sizes are memoized per node, so this costs one pass over the text)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise yaml.constructor.ConstructorError(None, None, "an alias refers to a node that contains it (a "
+                                                    "recursive structure); write the values out", node.start_mark)
+        open_nodes.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child)
+            if total > MAX_EXPANDED_NODES:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"its aliases expand to more than {MAX_EXPANDED_NODES:,} values (an alias bomb?); "
+                    "write the values out or use fewer nested aliases", node.start_mark)
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root)
 
 
 _REPLACED = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")
@@ -43,8 +88,14 @@ Yaml12Loader.add_implicit_resolver(
 )
 
 
+MAX_INT_DIGITS = 4000  # Python refuses to parse longer decimal integers (sys.get_int_max_str_digits)
+
+
 def _construct_int(loader, node) -> int:
     text = loader.construct_scalar(node)
+    if len(text) > MAX_INT_DIGITS:
+        raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(text):,} digits is too large to be "
+                                                "a value (no key takes one); shorten it", node.start_mark)
     if text.startswith(("0o", "0x")):
         return int(text[2:], 8 if text[1] == "o" else 16)
     return int(text, 10)
@@ -60,7 +111,7 @@ def _construct_unique_mapping(loader, node, deep=False) -> dict:
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 "while constructing a mapping", node.start_mark,
-                f"key {key!r} appears twice (first at line {seen[key] + 1}); keep one", key_node.start_mark)
+                f"key {quoted(key)} appears twice (first at line {seen[key] + 1}); keep one", key_node.start_mark)
         seen[key] = key_node.start_mark.line
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
@@ -75,5 +126,5 @@ def parse_yaml(text: str, source: str):
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        problem = shorten(getattr(error, "problem", None) or str(error).splitlines()[0], 300)
         raise YamlSyntaxError(f"{source} is not valid YAML{where}: {problem}; fix the YAML syntax there.") from None

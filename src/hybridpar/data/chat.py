@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.sources import read_jsonl
 from hybridpar.data.tokenizers import Tokenizer, as_tokenizer
@@ -132,7 +133,8 @@ def chat_documents(paths, tokenizer, messages_field: str = "messages") -> list[D
     docs = []
     for where, record in read_jsonl(paths):
         if messages_field not in record:
-            raise ValueError(f"{where} has no {messages_field!r} field (keys: {sorted(record)}); pass messages_field=.")
+            raise ValueError(f"{where} has no {quoted(messages_field)} field (keys: {quoted(sorted(record))}); pass "
+                             "messages_field=.")
         docs.append(_build(where, chat_document, record[messages_field], tokenizer))
     return docs
 
@@ -145,7 +147,7 @@ def prompt_completion_documents(paths, tokenizer, prompt_field: str = "prompt",
     for where, record in read_jsonl(paths):
         absent = [f for f in (prompt_field, completion_field) if f not in record]
         if absent:
-            raise ValueError(f"{where} has no {absent} field (keys: {sorted(record)}); pass prompt_field= / "
+            raise ValueError(f"{where} has no {absent} field (keys: {quoted(sorted(record))}); pass prompt_field= / "
                              "completion_field=.")
         docs.append(_build(where, prompt_completion_document, record[prompt_field], record[completion_field], tokenizer))
     return docs

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridpar.config_rules import quoted
 from hybridpar.data.chat import chat_documents, prompt_completion_documents
 from hybridpar.data.hf_datasets import hf_dataset_documents
 from hybridpar.data.sources import jsonl_documents, text_documents
@@ -41,16 +42,16 @@ FILE_TASKS = {  # task -> its options and their defaults
 def file_documents(task: str, path: str | Path | None, tokenizer, options: dict | None = None) -> list:
     """Every document of ``task`` at ``path`` through ``tokenizer`` (a ``Tokenizer``, or None for bytes)."""
     if task not in FILE_TASKS:
-        raise ValueError(f"data.task={task!r} is not a file task; choose one of {sorted(FILE_TASKS)}.")
+        raise ValueError(f"data.task={quoted(task)} is not a file task; choose one of {sorted(FILE_TASKS)}.")
     options = dict(options or {})
     unknown = sorted(set(options) - set(FILE_TASKS[task]))
     if unknown:
-        raise ValueError(f"data.task_options {unknown} do not apply to task {task!r}; it takes {sorted(FILE_TASKS[task])}.")
+        raise ValueError(f"data.task_options {unknown} do not apply to task {quoted(task)}; it takes {sorted(FILE_TASKS[task])}.")
     if task == "python_stdlib":  # training files, then held-out ones (batches.load_documents takes one part)
         corpus = stdlib_corpus(path, **options)
         return [as_tokenizer(tokenizer).document(f.text) for f in corpus.train + corpus.held_out]
     if not path or not Path(path).exists():
-        raise ValueError(f"data.path={path!r} does not exist; task {task!r} needs a local file"
+        raise ValueError(f"data.path={quoted(path)} does not exist; task {quoted(task)} needs a local file"
                          f"{' or dataset directory' if task == 'hf_dataset' else ''}.")
     options = {**FILE_TASKS[task], **options}
     if task == "text":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridpar.config_rules import quoted
 from hybridpar.data.chat import chat_document, prompt_completion_document
 from hybridpar.data.tokenizers import as_tokenizer
 
@@ -48,7 +49,7 @@ def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None 
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ValueError(f"{path} has splits {sorted(loaded)}, not {split!r}; pass one of them as the split.")
+                raise ValueError(f"{path} has splits {sorted(loaded)}, not {quoted(split)}; pass one of them as the split.")
             return loaded[split]
         return loaded
     if path.is_dir():
@@ -65,7 +66,7 @@ def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", f
     """Documents of every row of a local dataset: token lists (``text``) or ``{"input_ids",
     "labels"}`` (``messages``, ``prompt_completion``)."""
     if kind not in HF_KINDS:
-        raise ValueError(f"kind={kind!r} is unknown; choose one of {sorted(HF_KINDS)}.")
+        raise ValueError(f"kind={quoted(kind)} is unknown; choose one of {sorted(HF_KINDS)}.")
     if kind == "prompt_completion" and field is not None:
         raise ValueError("kind='prompt_completion' reads the columns 'prompt' and 'completion'; leave field unset.")
     tokenizer = as_tokenizer(tokenizer)
@@ -73,14 +74,14 @@ def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", f
     columns = [field or HF_KINDS[kind]] if kind != "prompt_completion" else ["prompt", "completion"]
     absent = [c for c in columns if c not in dataset.column_names]
     if absent:
-        raise ValueError(f"dataset {path} (split {split!r}) has columns {dataset.column_names}, not {absent}; "
+        raise ValueError(f"dataset {path} (split {quoted(split)}) has columns {dataset.column_names}, not {absent}; "
                          "pass the field option naming the right column.")
     docs = []
     for row, record in enumerate(dataset.select_columns(columns)):
         try:
             if kind == "text":
                 if not isinstance(record[columns[0]], str):
-                    raise ValueError(f"column {columns[0]!r} holds {type(record[columns[0]]).__name__}, not a string")
+                    raise ValueError(f"column {quoted(columns[0])} holds {type(record[columns[0]]).__name__}, not a string")
                 if record[columns[0]].strip():
                     docs.append(tokenizer.document(record[columns[0]]))
             elif kind == "messages":

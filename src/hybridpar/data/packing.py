@@ -34,6 +34,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from hybridpar.config_rules import Notice, quoted
 from hybridpar.data.thd import SEQ_LENS_PADDING_VALUE
 
 __all__ = [
@@ -76,7 +77,7 @@ def document_tokens_and_labels(doc: Document) -> tuple[Tensor, Tensor]:
 def document_pad_multiple(cp_size: int) -> int:
     """Per-document padding multiple: ``2*cp`` under context parallelism, 1 without."""
     if not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}.")
+        raise ValueError(f"cp_size must be a positive int, got {quoted(cp_size)}.")
     return 1 if cp_size == 1 else 2 * cp_size
 
 
@@ -106,7 +107,7 @@ def pack_documents(
     """
     multiple = document_pad_multiple(cp_size) if pad_to_multiple_of is None else int(pad_to_multiple_of)
     if not isinstance(pack_size, int) or pack_size < 1:
-        raise ValueError(f"pack_size must be a positive int, got {pack_size!r}.")
+        raise ValueError(f"pack_size must be a positive int, got {quoted(pack_size)}.")
     if multiple < 1 or pack_size % multiple != 0:
         raise ValueError(
             f"pack_size={pack_size} is not a multiple of {multiple} (2*cp_size with cp_size={cp_size}); context "
@@ -114,7 +115,7 @@ def pack_documents(
             f"{_round_up(pack_size, max(multiple, 1))}."
         )
     if overlong not in ("split", "drop", "error"):
-        raise ValueError(f"overlong={overlong!r} is not one of 'split', 'drop', 'error'.")
+        raise ValueError(f"overlong={quoted(overlong)} is not one of 'split', 'drop', 'error'.")
 
     pieces: list[tuple[int, int, Tensor, Tensor]] = []  # (document index, offset, tokens, labels), input order
     split = dropped = empty = dropped_tokens = 0
@@ -139,7 +140,7 @@ def pack_documents(
         warnings.warn(
             f"pack_documents(pack_size={pack_size}): split {split} documents longer than the pack into pieces, "
             f"dropped {dropped} such documents ({dropped_tokens} tokens), skipped {empty} empty documents.",
-            stacklevel=2,
+            Notice, stacklevel=2,
         )
 
     if one_per_row:

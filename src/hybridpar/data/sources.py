@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.tokenizers import ByteTokenizer, as_tokenizer
 
@@ -49,7 +50,7 @@ __all__ = [
 def _range(value: int | tuple[int, int], name: str) -> tuple[int, int]:
     low, high = (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
     if low < 1 or high < low:
-        raise ValueError(f"{name}={value!r} must be a positive int or an inclusive range (low, high) with low <= high.")
+        raise ValueError(f"{name}={quoted(value)} must be a positive int or an inclusive range (low, high) with low <= high.")
     return low, high
 
 
@@ -93,7 +94,7 @@ class MQARTask:
                 f"max_len={self.max_len}; raise min_len or lower num_kv_pairs."
             )
         if self.filler not in ("blank", "random"):
-            raise ValueError(f"filler={self.filler!r} must be 'blank' or 'random'.")
+            raise ValueError(f"filler={quoted(self.filler)} must be 'blank' or 'random'.")
 
     def sample(self, rng: np.random.Generator) -> dict[str, list[int]]:
         """One document from ``rng``."""
@@ -222,6 +223,7 @@ def _paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
 
 
 TEXT_SPLITS = ("paragraph", "line", "file")
+_JSON_KINDS = {int: "number", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
 def read_text_file(path: Path) -> str:
@@ -285,7 +287,7 @@ def text_documents(
     ``as_tokenizer`` takes (None = bytes); ``add_bos``/``add_eos`` as in ``Tokenizer.document``.
     Errors name the file and line."""
     if split not in TEXT_SPLITS:
-        raise ValueError(f"split={split!r} must be one of {list(TEXT_SPLITS)}.")
+        raise ValueError(f"split={quoted(split)} must be one of {list(TEXT_SPLITS)}.")
     tokenizer = as_tokenizer(tokenizer)
     docs = []
     for path in _paths(paths):
@@ -307,9 +309,15 @@ def jsonl_documents(
     tokenizer = as_tokenizer(tokenizer)
     docs = []
     for where, record in read_jsonl(paths):
-        if not isinstance(record.get(text_field), str):
-            raise ValueError(f"{where} has no string field {text_field!r} (keys: {sorted(record)}); pass text_field= "
-                             "(data.task_options.text_field) or fix the record.")
+        if text_field not in record:
+            raise ValueError(f"{where} has no string field {quoted(text_field)} (keys: {quoted(sorted(record))}); pass "
+                             "text_field= (data.task_options.text_field) or fix the record.")
+        if not isinstance(record[text_field], str):
+            value = record[text_field]
+            kind = "null" if value is None else f"a JSON {_JSON_KINDS.get(type(value), type(value).__name__)}"
+            raise ValueError(f"{where} has no string field {quoted(text_field)}: its value is {kind} "
+                             f"({quoted(value, 60)}), not a string; every record's text must be a JSON string: quote "
+                             "it, or fix or remove the record.")
         path, line = where.rsplit(":", 1)
         docs.append(_document_at(tokenizer, record[text_field], path, int(line), add_bos, add_eos))
     return docs

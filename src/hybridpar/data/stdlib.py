@@ -28,6 +28,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpar.config_rules import quoted
 from hybridpar.data.sources import read_text_file
 
 __all__ = ["STDLIB_OPTIONS", "SourceFile", "StdlibCorpus", "stdlib_root", "check_stdlib_options", "stdlib_corpus"]
@@ -64,7 +65,7 @@ def stdlib_root(path: str | Path | None = None) -> Path:
     """``path`` (a directory of Python files) or the running interpreter's standard library."""
     root = Path(path) if path is not None else Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise ValueError(f"data.path={str(path)!r} is not a directory; data.task='python_stdlib' reads the .py files "
+        raise ValueError(f"data.path={quoted(str(path))} is not a directory; data.task='python_stdlib' reads the .py files "
                          "under a directory: leave data.path null for this Python's standard library, or name one.")
     return root
 
@@ -78,14 +79,14 @@ def check_stdlib_options(options: dict) -> dict:
     merged = {**STDLIB_OPTIONS, **options}
     for key in ("max_bytes", "max_file_bytes"):
         if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 1:
-            raise ValueError(f"data.task_options.{key}={merged[key]!r} is invalid: it must be an integer >= 1; e.g. "
+            raise ValueError(f"data.task_options.{key}={quoted(merged[key])} is invalid: it must be an integer >= 1; e.g. "
                              f"{key}={STDLIB_OPTIONS[key]} (the default).")
     fraction = merged["eval_fraction"]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
-        raise ValueError(f"data.task_options.eval_fraction={fraction!r} is invalid: it must be a number in [0, 1); "
+        raise ValueError(f"data.task_options.eval_fraction={quoted(fraction)} is invalid: it must be a number in [0, 1); "
                          "e.g. eval_fraction=0.1 (the default).")
     if not isinstance(merged["exclude"], (list, tuple)) or not all(isinstance(x, str) for x in merged["exclude"]):
-        raise ValueError(f"data.task_options.exclude={merged['exclude']!r} is invalid: it must be a list of directory "
+        raise ValueError(f"data.task_options.exclude={quoted(merged['exclude'])} is invalid: it must be a list of directory "
                          f"names; e.g. exclude={STDLIB_OPTIONS['exclude']} (the default).")
     return merged
 

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpar.config_rules import Notice, quoted, shorten
+
 __all__ = [
     "ByteTokenizer",
     "TOKENIZER_SPECS",
@@ -193,7 +195,20 @@ def load_pretrained_tokenizer(path: str | Path) -> PretrainedTokenizer:
         from transformers import AutoTokenizer
     except ImportError as error:
         raise ImportError("loading a tokenizer directory needs transformers: pip install 'hybridpar[hf]'.") from error
-    return PretrainedTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True), source_dir=path)
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as error:  # also json's and tokenizers' errors
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"the tokenizer in {quoted(str(path))} cannot be loaded ({type(error).__name__}: "
+                         f"{shorten(first, 200)}); its tokenizer files are damaged or incomplete: copy them again "
+                         "from the source checkpoint.") from None
+    except Exception as error:  # noqa: BLE001 - the Rust tokenizers library raises its own Exception type
+        if type(error).__module__.split(".")[0] not in ("tokenizers", "builtins"):
+            raise
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"the tokenizer in {quoted(str(path))} cannot be loaded ({shorten(first, 200)}); its "
+                         "tokenizer files are damaged or incomplete: copy them again from the source checkpoint.") from None
+    return PretrainedTokenizer(loaded, source_dir=path)
 
 
 def as_tokenizer(tokenizer) -> Tokenizer:
@@ -230,19 +245,19 @@ def resolve_tokenizer(spec: str | Path = "auto", model_path: str | Path | None =
     """The tokenizer for setting ``spec`` (``"auto"``, ``"bytes"`` or a directory; see the module
     docstring), checked against ``vocab_size`` when given."""
     if not isinstance(spec, (str, Path)) or not str(spec):
-        raise ValueError(f"tokenizer={spec!r} must be 'auto', 'bytes' or a tokenizer directory path.")
+        raise ValueError(f"tokenizer={quoted(spec)} must be 'auto', 'bytes' or a tokenizer directory path.")
     spec = str(spec)
     if spec == "bytes":
         tokenizer = ByteTokenizer()
         if ships_tokenizer(model_path):
             warnings.warn(f"tokenizer='bytes' was asked for, so the tokenizer shipped in {model_path} is not used; "
-                          "the model will read byte ids.", stacklevel=2)
+                          "the model will read byte ids.", Notice, stacklevel=2)
     elif spec == "auto":
         tokenizer = load_pretrained_tokenizer(model_path) if ships_tokenizer(model_path) else ByteTokenizer()
     elif Path(spec).is_dir():
         tokenizer = load_pretrained_tokenizer(spec)
     else:
-        raise ValueError(f"tokenizer={spec!r} is neither 'auto', 'bytes' nor an existing directory; pass one of "
+        raise ValueError(f"tokenizer={quoted(spec)} is neither 'auto', 'bytes' nor an existing directory; pass one of "
                          f"{list(TOKENIZER_SPECS)} or the directory of a saved tokenizer.")
     if vocab_size is not None:
         check_tokenizer(tokenizer, vocab_size, model_path, explicit_bytes=spec == "bytes")

@@ -31,12 +31,15 @@ generator seeded by ``seed``.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridpar.config_rules import quoted
 from hybridpar.models.attention.mixer import apply_rotary, rotary_cos_sin
 from hybridpar.models.mamba.core import mamba_conv_scan
 
@@ -193,12 +196,20 @@ def decode_step(model: nn.Module, token_ids: Tensor, cache: GenerationCache) -> 
     return model.lm_head(model.backbone.norm_f(hidden))
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy: exp(-gap / T) underflows for any visible logit gap
+MAX_NEW_TOKENS = 2**31 - 1
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed's range (negative seeds are refused here)
+
+
 def sample_next(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> Tensor:
-    """Next token ``[B]`` from last-position logits ``[B, V]``: argmax at temperature 0, else nucleus sampling."""
-    if temperature == 0:
+    """Next token ``[B]`` from last-position logits ``[B, V]``: argmax at temperature 0 (and below
+    ``GREEDY_BELOW``), else nucleus sampling. The logits are shifted by their maximum and scaled in
+    float64, so no finite temperature overflows them."""
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    shifted = logits.double() - logits.double().amax(dim=-1, keepdim=True)  # <= 0, the top token at 0
+    probs = torch.softmax(shifted / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
@@ -207,14 +218,20 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def check_sampling(max_new_tokens, temperature, top_p) -> None:
-    """ValueError for a negative token count or temperature, or top_p outside (0, 1]."""
+def check_sampling(max_new_tokens, temperature, top_p, seed=None) -> None:
+    """ValueError (one line) for a token count outside [0, 2**31-1], a temperature that is not a
+    finite number >= 0, top_p outside (0, 1], or a seed outside [0, 2**64-1]."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
     rules = [
-        (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 0,
-         f"max_new_tokens={max_new_tokens!r} must be an int >= 0"),
-        (isinstance(temperature, (int, float)) and temperature >= 0,
-         f"temperature={temperature!r} must be >= 0 (0 is greedy)"),
-        (isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)"),
+        (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and 0 <= max_new_tokens <= MAX_NEW_TOKENS,
+         f"max_new_tokens={quoted(max_new_tokens)} must be an integer in [0, 2**31-1]"),
+        (number(temperature) and temperature >= 0,
+         f"temperature={quoted(temperature)} must be a finite number >= 0 (0 is greedy, as is anything below {GREEDY_BELOW:g})"),
+        (number(top_p) and 0 < top_p <= 1, f"top_p={quoted(top_p)} must be in (0, 1] (1 keeps every token)"),
+        (seed is None or (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX),
+         f"seed={quoted(seed)} must be an integer in [0, 2**64-1]"),
     ]
     for holds, message in rules:
         if not holds:
@@ -229,7 +246,7 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temper
     Stops early once every row has produced an ``eos_token_id`` (one id or a list); a row that
     finished first is filled with its end token. ``seed`` makes sampling reproducible.
     """
-    check_sampling(max_new_tokens, temperature, top_p)
+    check_sampling(max_new_tokens, temperature, top_p, seed)
     _check_ids(model, input_ids)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     generator = None

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.plan.planner import GPU_BASELINE_GIB, H100, DeviceFigures, TransformersPlan, cpu_baseline_gib, make_plan
 from hybridpar.plan.report import plan_dict, plan_text
 
-__all__ = ["add_plan_arguments", "run_plan"]
+__all__ = ["add_plan_arguments", "run_plan", "check_device_figures"]
+
+DEVICE_OPTIONS = (("--device-tflops", "bf16_tflops", "bf16 dense TFLOP/s"),
+                  ("--device-efficiency", "efficiency", "fraction of peak FLOP/s reached"),
+                  ("--hbm-tbps", "hbm_tbps", "HBM TB/s"), ("--link-gbps", "link_gbps", "intra-node GB/s"),
+                  ("--network-gbps", "network_gbps", "inter-node GB/s per GPU"),
+                  ("--gpus-per-node", "gpus_per_node", "GPUs per node"))
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,32 +28,45 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--target", choices=("gpu", "cpu"), default="gpu",
                        help="plan: baseline stated apart from the peak: gpu (CUDA context, estimate) or cpu")
     group.add_argument("--docs-per-pack", type=int, default=1, help="plan: documents per pack (cp_mamba=state traffic)")
-    for name, field, text in (("--device-tflops", "bf16_tflops", "bf16 dense TFLOP/s"),
-                              ("--device-efficiency", "efficiency", "fraction of peak FLOP/s reached"),
-                              ("--hbm-tbps", "hbm_tbps", "HBM TB/s"), ("--link-gbps", "link_gbps", "intra-node GB/s"),
-                              ("--network-gbps", "network_gbps", "inter-node GB/s per GPU"),
-                              ("--gpus-per-node", "gpus_per_node", "GPUs per node")):
+    for name, field, text in DEVICE_OPTIONS:
         kind = int if field == "gpus_per_node" else float
         group.add_argument(name, dest=field, type=kind, default=None,
                            help=f"plan: {text} (default {getattr(H100, field)}, an H100 SXM: the estimate's assumption)")
 
 
 def _device(args: argparse.Namespace) -> DeviceFigures:
-    fields = {f: getattr(args, f) for f in ("bf16_tflops", "efficiency", "hbm_tbps", "link_gbps", "network_gbps",
-                                            "gpus_per_node") if getattr(args, f, None) is not None}
-    for name, value in fields.items():
-        if not value > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {value} is invalid: it must be > 0.")
+    fields = {f: getattr(args, f) for _, f, _ in DEVICE_OPTIONS if getattr(args, f, None) is not None}
+    check_device_figures(fields)
     named = H100.name if not fields else "custom device (" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")"
     return DeviceFigures(**{**H100.__dict__, **fields, "name": named})
 
 
+def check_device_figures(fields: dict) -> None:
+    """ConfigError naming the option of any device figure that is not finite and positive
+    (``efficiency``: in (0, 1]; ``gpus_per_node``: an integer in [1, 2**20])."""
+    flags = {field: flag for flag, field, _ in DEVICE_OPTIONS}
+    for name, value in fields.items():
+        flag, default = flags.get(name, f"--{name.replace('_', '-')}"), getattr(H100, name)
+        if name == "efficiency":
+            if not (math.isfinite(value) and 0 < value <= 1):
+                raise ConfigError(f"{flag} {value} is invalid: it must be a fraction in (0, 1]; e.g. {flag} {default}.")
+        elif name == "gpus_per_node":
+            if not 1 <= value <= 2**20:
+                raise ConfigError(f"{flag} {value} is invalid: it must be an integer in [1, 2**20]; e.g. {flag} {default}.")
+        elif not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} {value} is invalid: it must be a finite number > 0; e.g. {flag} {default} (an "
+                              "H100 SXM), or leave it out.")
+
+
 def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
     world = args.world_size if args.world_size is not None else args.nproc_per_node
-    if world is not None and world < 1:
-        raise ConfigError(f"--world-size {world} is invalid: it must be an integer >= 1.")
-    if args.docs_per_pack < 1:
-        raise ConfigError(f"--docs-per-pack {args.docs_per_pack} is invalid: it must be an integer >= 1.")
+    if world is not None and not 1 <= world <= 2**31 - 1:
+        raise ConfigError(f"--world-size {world} is invalid: it must be an integer in [1, 2**31-1].")
+    if not 1 <= args.docs_per_pack <= 2**31 - 1:
+        raise ConfigError(f"--docs-per-pack {args.docs_per_pack} is invalid: it must be an integer in [1, 2**31-1].")
+    if args.fit is not None and not (math.isfinite(args.fit) and args.fit > 0):
+        raise ConfigError(f"--fit {args.fit} is invalid: give the memory per rank in GiB, a finite number > 0, e.g. "
+                          "--fit 80.")
     device = _device(args)
     if args.fit is None:
         plan = make_plan(config, world, device, args.docs_per_pack)
@@ -55,8 +75,6 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
             return 0
         print(json.dumps(plan_dict(plan, args.target), indent=2) if args.json else plan_text(plan, args.target))
         return 0
-    if not args.fit > 0:
-        raise ConfigError(f"--fit {args.fit} is invalid: give the memory per rank in GiB, e.g. --fit 80.")
     from hybridpar.plan.search import search_layouts
 
     if world is None:

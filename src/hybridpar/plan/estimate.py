@@ -36,6 +36,16 @@ class DeviceFigures:
     network_gbps: float = 50.0  # 400 Gb/s InfiniBand per GPU
     gpus_per_node: int = 8
 
+    def __post_init__(self):
+        import math
+
+        for name in ("memory_gib", "bf16_tflops", "efficiency", "hbm_tbps", "link_gbps", "network_gbps", "gpus_per_node"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0) or \
+                    (name == "efficiency" and value > 1):
+                raise ValueError(f"DeviceFigures.{name}={value!r} is invalid: every device figure must be a finite "
+                                 "number > 0 (efficiency at most 1).")
+
 
 H100 = DeviceFigures()
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridpar.config_rules import Notice, bounded_message, quoted
 from hybridpar.config import DataConfig
 from hybridpar.data.documents import FILE_TASKS, file_documents
 from hybridpar.data.packing import pack_documents
@@ -38,11 +39,15 @@ from hybridpar.data.tokenizers import TOKENIZER_SPECS, ByteTokenizer, Tokenizer,
 
 
 class DataError(ValueError):
-    """A data setting that cannot produce batches, with the fix."""
+    """A data setting that cannot produce batches, with the fix (one bounded line)."""
+
+    def __init__(self, message="", *args):
+        super().__init__(bounded_message(message), *args)
 
 
 EVAL_FRACTION = 0.1  # of a file's documents, held out for evaluation
 WINDOW_PACKS = 64  # synthetic documents are packed in windows of about this many packs
+MAX_TASK_INT = 2**31 - 1  # every integer of a synthetic task's options (ids, lengths, counts)
 
 
 def pad_multiple(config: DataConfig, cp_size: int) -> int:
@@ -56,13 +61,19 @@ def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
     unknown = sorted(set(config.task_options) - set(allowed))
     if unknown:
         seed = " (the seed is data.seed)" if "seed" in unknown else ""
-        raise DataError(f"data.task_options {unknown} do not apply to data.task={config.task!r}{seed}; its options are "
+        raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}{seed}; its options are "
                         f"{allowed} (shown with their defaults); remove the others.")
+    for name, value in config.task_options.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_TASK_INT for v in values):
+            raise DataError(f"data.task_options.{name}={quoted(value)} is invalid: its integers must be in [0, 2**31-1] "
+                            f"(token ids and document lengths); e.g. data.task_options.{name}={quoted(allowed[name])} "
+                            "(the default).")
     options = {"vocab_size": vocab_size, **config.task_options, "seed": config.seed + seed_offset}
     try:
         task = TASKS[config.task](**options)
     except (TypeError, ValueError, IndexError, KeyError) as error:
-        raise DataError(f"data.task_options={config.task_options} do not fit data.task={config.task!r}: {error}") from None
+        raise DataError(f"data.task_options={quoted(config.task_options)} do not fit data.task={quoted(config.task)}: {error}") from None
     if task.vocab_size > vocab_size:
         raise DataError(f"data.task_options.vocab_size={task.vocab_size} is larger than the model's vocabulary "
                         f"({vocab_size}), so token ids would not exist; use data.task_options.vocab_size <= {vocab_size} "
@@ -80,11 +91,11 @@ def data_tokenizer(config: DataConfig, vocab_size: int, model_path: str | None =
                         "it first with hybridpar.train.run.tokenizer.prepare_data(config, vocab_size), as "
                         "hybridpar train does.")
     if spec not in TOKENIZER_SPECS and not Path(spec).is_dir():
-        raise DataError(f"data.tokenizer={spec!r} is neither 'auto', 'bytes' nor an existing directory; pass one of "
+        raise DataError(f"data.tokenizer={quoted(spec)} is neither 'auto', 'bytes' nor an existing directory; pass one of "
                         f"{list(TOKENIZER_SPECS)} or the directory of a saved tokenizer (tokenizer.json, ...).")
     if spec == "bytes" or (spec == "auto" and not ships_tokenizer(model_path)):
         if vocab_size < ByteTokenizer.vocab_size:
-            raise DataError(f"data.task={config.task!r} reads bytes (ids 0-255) but the model's vocab_size is "
+            raise DataError(f"data.task={quoted(config.task)} reads bytes (ids 0-255) but the model's vocab_size is "
                             f"{vocab_size}; use a model with vocab_size >= 256 or a tokenizer that fits "
                             "(data.tokenizer=<directory>).")
     try:
@@ -92,13 +103,13 @@ def data_tokenizer(config: DataConfig, vocab_size: int, model_path: str | None =
             warnings.simplefilter("ignore")  # asking for bytes next to a shipped tokenizer is explicit here
             tokenizer = resolve_tokenizer(spec, model_path=model_path, vocab_size=vocab_size)
     except ImportError as error:
-        raise DataError(f"data.tokenizer={spec!r}: {error}") from None
+        raise DataError(f"data.tokenizer={quoted(spec)}: {error}") from None
     except ValueError as error:
-        raise DataError(f"data.tokenizer={spec!r}: {error}") from None
+        raise DataError(f"data.tokenizer={quoted(spec)}: {error}") from None
     needs_template = config.task == "chat" or (config.task == "hf_dataset"
                                                 and config.task_options.get("kind") == "messages")
     if needs_template and tokenizer.chat_template is None:
-        raise DataError(f"data.task={config.task!r} renders conversations with the tokenizer's chat template, but "
+        raise DataError(f"data.task={quoted(config.task)} renders conversations with the tokenizer's chat template, but "
                         f"tokenizer {tokenizer.name} has none; set data.tokenizer to a directory whose "
                         "tokenizer_config.json or chat_template.jinja defines one.")
     return tokenizer
@@ -109,20 +120,20 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
     returns the tokenizer of a file task (None for a synthetic one)."""
     if config.task in TASKS:
         if config.tokenizer != "auto":
-            raise DataError(f"data.tokenizer={config.tokenizer!r} has no effect on data.task={config.task!r}, which "
+            raise DataError(f"data.tokenizer={quoted(config.tokenizer)} has no effect on data.task={quoted(config.task)}, which "
                             "makes its own token ids; leave data.tokenizer=auto (or use a file task).")
         make_task(config, vocab_size)
         return None
     if config.task not in FILE_TASKS:
-        raise DataError(f"data.task={config.task!r} is unknown; choose one of {sorted(TASKS) + sorted(FILE_TASKS)}.")
+        raise DataError(f"data.task={quoted(config.task)} is unknown; choose one of {sorted(TASKS) + sorted(FILE_TASKS)}.")
     allowed = FILE_TASKS[config.task]
     unknown = sorted(set(config.task_options) - set(allowed))
     if unknown:
-        raise DataError(f"data.task_options {unknown} do not apply to data.task={config.task!r}; its options are "
+        raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}; its options are "
                         f"{allowed} (shown with their defaults); clear the others with data.task_options={{}}.")
     split = config.task_options.get("split", "paragraph")
     if config.task == "text" and split not in TEXT_SPLITS:
-        raise DataError(f"data.task_options.split={split!r} is invalid: it must be one of {list(TEXT_SPLITS)} "
+        raise DataError(f"data.task_options.split={quoted(split)} is invalid: it must be one of {list(TEXT_SPLITS)} "
                         "(paragraph: documents separated by blank lines, line: one per line, file: the whole file).")
     if config.task == "python_stdlib":
         try:
@@ -132,13 +143,13 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
             raise DataError(str(error)) from None
     elif config.task == "hf_dataset":
         if not config.path or not Path(config.path).exists():
-            raise DataError(f"data.path={config.path!r} does not exist; data.task='hf_dataset' needs a local data "
+            raise DataError(f"data.path={quoted(config.path)} does not exist; data.task='hf_dataset' needs a local data "
                             "file or a save_to_disk directory.")
         if importlib.util.find_spec("datasets") is None:
             raise DataError("data.task='hf_dataset' needs the optional 'datasets' package: pip install "
                             "'hybridpar[data]'; plain text and JSONL files work without it (tasks text, jsonl, chat).")
     elif not config.path or not Path(config.path).is_file():
-        raise DataError(f"data.path={config.path!r} is not a file; data.task={config.task!r} needs an existing local file.")
+        raise DataError(f"data.path={quoted(config.path)} is not a file; data.task={quoted(config.task)} needs an existing local file.")
     return data_tokenizer(config, vocab_size, model_path)
 
 
@@ -164,7 +175,7 @@ def load_documents(config: DataConfig, num_docs: int, seed_offset: int, vocab_si
         how = (f"under data.task_options.split={config.task_options.get('split', 'paragraph')!r}"
                if config.task == "text" else "(one per record)")
         raise DataError(
-            f"data.path={config.path!r} holds {len(docs)} document(s) {how}; evaluation holds out the last 10% and "
+            f"data.path={quoted(config.path)} holds {len(docs)} document(s) {how}; evaluation holds out the last 10% and "
             "needs at least 2. Add documents (text: separate them by blank lines, or use data.task_options.split=line "
             "for one per line), or set train.eval_every=0."
         )
@@ -218,8 +229,8 @@ class PackStream:
             self._task = None
             self._pack(load_documents(config, 0, seed_offset, vocab_size, tokenizer))
         if not self.pool:
-            where = f"data.path={config.path!r} holds no document (it is empty or blank)" if self._task is None else \
-                f"data.task={config.task!r} produced no tokens"
+            where = f"data.path={quoted(config.path)} holds no document (it is empty or blank)" if self._task is None else \
+                f"data.task={quoted(config.task)} produced no tokens"
             raise DataError(f"{where}; check data.path and data.task_options.")
 
     def _pack(self, documents: list) -> None:
@@ -229,7 +240,7 @@ class PackStream:
                                        one_per_row=self.one_per_row)
         if caught and not PackStream._warned:  # once per process (train and eval streams, every window)
             PackStream._warned = True
-            warnings.warn(str(caught[0].message), stacklevel=3)
+            warnings.warn(str(caught[0].message), Notice, stacklevel=3)  # one notice line
 
     def _extend(self) -> None:
         self._pack([self._task.sample(self._rng) for _ in range(self._window)])

@@ -6,8 +6,15 @@ One function per concern, shared by every entry point so they cannot disagree:
   against tp and cp (on a shape-only ``meta`` model: a ``HybridLM`` or a transformers model),
   the data shape against the layout.
   ``hybridpar plan``, the launcher and every rank call it.
-- ``validate_run``: the layout, the export target, the output directory (lock, earlier runs,
-  the checkpoint to resume), ``train.sample``, and the data task, files and tokenizer
+- ``check_pack_memory``: ``data.pack_size`` against what this machine can hold (a lower
+  bound of the planner's estimate: the pack's ids, labels and positions, and every block's
+  saved input), on every rank and in the launcher, before any memory is spent;
+- ``one_process_rendezvous``: a one-process run outside torchrun owns its rendezvous, so a
+  busy or foreign ``MASTER_PORT``/``MASTER_ADDR`` is replaced by a free local one (a notice
+  says so), as ``--nproc-per-node`` does; a ``MASTER_PORT`` that is not a port exits 2;
+- ``validate_run``: the layout, the export target, every path the run writes, the output
+  directory (lock, earlier runs, the checkpoint to resume and its data fingerprints),
+  ``train.sample``, and the data task, files and tokenizer
   (``data.tokenizer`` against ``model.hf_path`` and the embedding; ``bpe`` is trained here,
   ``train/run/tokenizer.py``). The launcher calls it before
   torchrun starts, so a config error exits 2 with one message at any process count.
@@ -18,11 +25,14 @@ Rules between keys live here; rules of a single value live in ``config.RULES``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import socket
 import typing
 from pathlib import Path
 
 from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
+from hybridpar.config_rules import quoted
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import pad_multiple, validate_data
 from hybridpar.train.hf_model import hf_meta_model, hf_shape, model_backend
@@ -30,7 +40,7 @@ from hybridpar.train.hf_model import hf_meta_model, hf_shape, model_backend
 
 # Rules of the HybridConfig fields ``model.overrides`` may set (types come from the dataclass).
 MODEL_RULES: dict[str, Rule] = {
-    **{name: integer(1) for name in ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups",
+    **{name: integer(1, 2**31 - 1) for name in ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups",
                                      "ssm_state_size", "conv_kernel", "chunk_size", "num_attention_heads",
                                      "num_key_value_heads", "head_dim", "intermediate_size")},
     "rope_theta": number(0, low_open=True), "rotary_fraction": number(0, 1), "norm_eps": number(0, low_open=True),
@@ -63,7 +73,7 @@ def model_config(config: RunConfig):
         from hybridpar.models.hf.config import config_from_hf, read_hf_config
 
         if config.model.overrides:
-            raise ConfigError(f"model.overrides={config.model.overrides} cannot change a model loaded from model.hf_path; "
+            raise ConfigError(f"model.overrides={quoted(config.model.overrides)} cannot change a model loaded from model.hf_path; "
                               "remove the overrides or edit the checkpoint's config.json.")
         path = Path(config.model.hf_path)
         if backend == "transformers":
@@ -78,7 +88,7 @@ def model_config(config: RunConfig):
     fields = {f.name for f in dataclasses.fields(HybridConfig)} - {"dtype"}
     unknown = sorted(set(config.model.overrides) - fields)
     if unknown:
-        raise ConfigError(f"model.overrides has unknown field(s) {unknown}; HybridConfig fields are {sorted(fields)}.")
+        raise ConfigError(f"model.overrides has unknown field(s) {quoted(unknown)}; HybridConfig fields are {sorted(fields)}.")
     overrides = {}
     for name, value in config.model.overrides.items():
         key = f"model.overrides.{name}"
@@ -89,7 +99,7 @@ def model_config(config: RunConfig):
     try:
         return HybridConfig.from_preset(config.model.preset, dtype=dtype, **overrides)
     except (ValueError, TypeError, ZeroDivisionError) as error:
-        raise ConfigError(f"model.overrides={config.model.overrides} do not make a valid "
+        raise ConfigError(f"model.overrides={quoted(config.model.overrides)} do not make a valid "
                           f"{config.model.preset!r} model: {error}") from None
 
 
@@ -262,21 +272,104 @@ def validate_export(config: RunConfig, shape) -> None:
                           "empty directory.")
 
 
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
+
+
+def _memory_bytes(local_ranks: int) -> tuple[int, str]:
+    """``(bytes, what)`` one rank of this machine can use: its GPU's memory, or its share of the RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "its GPU's memory"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, local_ranks), f"its share of this machine's RAM ({local_ranks} process(es))"
+
+
+def pack_memory_floor(config: RunConfig, shape) -> int:
+    """Bytes one rank needs at least for one step's packs: ids, labels and positions (int64, every
+    rank builds whole packs; evaluation's ``train.eval_packs`` too), a synthetic task's window of at
+    least 8 documents of ``max_len`` tokens (ids and labels), and one saved ``[T/(cp*tp), hidden]``
+    input per block. The planner's estimate (``hybridpar plan``) is always above it."""
+    p, data = config.parallel, config.data
+    blocks = len(getattr(shape, "pattern", "") or "") or getattr(shape, "num_hidden_layers", 1) or 1
+    element = 2 if p.mixed_precision == "bf16" else _DTYPE_BYTES.get(config.model.dtype, 4)
+    packs = max(data.packs_per_step, config.train.eval_packs if config.train.eval_every else 0)
+    longest = data.task_options.get("max_len", 0) if isinstance(data.task_options.get("max_len"), int) else 0
+    return 24 * data.pack_size * packs + 16 * 8 * longest + \
+        -(-data.pack_size // (p.cp * p.tp)) * int(getattr(shape, "hidden_size", 1) or 1) * element * blocks
+
+
+def check_pack_memory(config: RunConfig, shape, local_ranks: int) -> None:
+    """ConfigError if ``data.pack_size`` cannot fit in this machine's memory (``pack_memory_floor``)."""
+    need = pack_memory_floor(config, shape)
+    have, what = _memory_bytes(local_ranks)
+    if need > have:
+        data, train = config.data, config.train
+        packs = f"data.packs_per_step={data.packs_per_step}" + \
+            (f", train.eval_packs={train.eval_packs}" if train.eval_every else "")
+        longest = data.task_options.get("max_len")
+        documents = f", documents of data.task_options.max_len={longest}" if isinstance(longest, int) else ""
+        raise ConfigError(f"data.pack_size={data.pack_size} ({packs}{documents}) needs at least {need / 2**30:,.1f} GiB "
+                          f"per rank for its tokens and the blocks' saved inputs, more than {what}: "
+                          f"{have / 2**30:,.1f} GiB; use a smaller data.pack_size, fewer packs, shorter documents or "
+                          "more context parallelism (parallel.cp), and see hybridpar plan for the full estimate.")
+
+
+def one_process_rendezvous() -> str | None:
+    """Make ``MASTER_ADDR``/``MASTER_PORT`` usable for a one-process run that is not under torchrun
+    (it owns the rendezvous: nothing else connects to it); returns a notice when they were replaced."""
+    port_text = os.environ.get("MASTER_PORT")
+    if ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ) or \
+            (port_text is None and "MASTER_ADDR" not in os.environ):
+        return None
+    if port_text is not None and (not port_text.strip().isdigit() or not 1 <= int(port_text) <= 65535):
+        raise ConfigError(f"MASTER_PORT={quoted(port_text)} is not a port number: it must be an integer in [1, 65535]; "
+                          "fix it, or unset it (a one-process run then picks a free port).")
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    problem = None
+    try:
+        with socket.socket() as probe:  # a local address: binding to it works
+            probe.bind((address, 0))
+    except (OSError, UnicodeError):
+        problem = f"MASTER_ADDR={quoted(address)} is not an address of this machine"
+    if problem is None and port_text is not None:
+        try:
+            with socket.socket() as probe:  # the store listens on every interface, as torch's TCPStore does
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(("", int(port_text)))
+        except OSError as error:
+            problem = f"MASTER_PORT={int(port_text)} is in use ({error.strerror})"
+    if problem is None:
+        return None
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return (f"{problem}; this one-process run uses 127.0.0.1:{port} instead (it needs no other process to find it), "
+            "as --nproc-per-node does.")
+
+
 def validate_run(config: RunConfig, command: str, world_size: int | None = None, dry_run: bool = False):
     """Every check that needs no process group (the launcher's preflight); returns the model shape.
 
     ``dry_run`` (``hybridpar train --dry-run``) writes nothing: a ``data.tokenizer=bpe`` tokenizer
     not trained yet is checked for what training it needs, and the data with bytes instead."""
+    from hybridpar.train.run.metrics import notice
     from hybridpar.train.run.tokenizer import BPE, _refuse_bpe, bpe_dir, prepare_data
     from hybridpar.train.sample import check_sample
 
     shape = validate_layout(config, world_size)
+    check_pack_memory(config, shape, world_size or 1)
     check_sample(config)
+    if (world_size or 1) == 1:
+        replaced = one_process_rendezvous()
+        if replaced:
+            notice(replaced)
     if command == "train":
-        from hybridpar.train.run.directory import check_lock_free, check_output_dir, model_signature, plan_resume
+        from hybridpar.train.run.directory import check_lock_free, check_run_paths, model_signature, plan_resume
 
         validate_export(config, shape)
-        check_output_dir(config.output_dir)
+        check_run_paths(config)
         check_lock_free(config.output_dir)
         plan_resume(config, model_signature(shape))
     # data.tokenizer=bpe: trained here, once, before any worker starts (into output_dir, checked above)

@@ -54,9 +54,10 @@ from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import (
-    export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
+    check_pack_memory, export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
 )
 from hybridpar.train.run.directory import data_stream, model_signature, prepare_output_dir
+from hybridpar.train.run.fingerprints import data_sources
 from hybridpar.train.run.tokenizer import shared_data
 from hybridpar.train.sample import check_sample, print_sample, sample_settings
 from hybridpar.train.tensor_peak import step_tensor_peak
@@ -134,6 +135,7 @@ class Trainer:
         self.vocab_size = model.config.vocab_size
         shape = model_config(config)
         validate_layout(config, dist.get_world_size(), model=model, shape=shape)
+        check_pack_memory(config, shape, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         check_sample(config)
         self.sample = sample_settings(config.train.sample)
         self.data = shared_data(config, self.vocab_size)  # data.tokenizer=bpe: trained by rank 0 if absent
@@ -141,6 +143,7 @@ class Trainer:
         validate_export(config, shape)  # before training, not after it
         self.signature = model_signature(shape)
         self.pad = pad_multiple(self.data, p.cp)
+        self.data_sources = data_sources(config)  # the content this run reads, recorded in its checkpoints
         if not isinstance(model, HybridLM) and p.cp == 1:  # at cp > 1 parallelize installs it with the CP core
             self.say(use_blockwise_attention(model))
         problem = self._packing_problem(model)
@@ -322,7 +325,7 @@ class Trainer:
         kept = f"the last one, {self.last_checkpoint}, is kept" if self.last_checkpoint else "there is none before it"
         assert_finite_state({"model": dict(self.model.named_parameters()),
                              "optim": {str(i): s for i, s in enumerate(self.optimizer.state.values())}}, step, kept)
-        run_info = {"run_id": self.run_id, "model": self.signature, "data": data_stream(self.config, self.pad),
+        run_info = {"run_id": self.run_id, "model": self.signature, "data": data_stream(self.config, self.pad, self.data_sources),
                     "config": to_dict(self.config)}
         path = save_checkpoint(f"{self.output_dir}/checkpoints", step, self.model, self.optimizer, self.scheduler,
                                extra={"config": to_dict(self.config), "nonfinite_skips": self.guard.skipped},

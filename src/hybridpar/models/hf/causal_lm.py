@@ -36,10 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridpar.models.generation import check_sampling
+from hybridpar.config_rules import quoted
+from hybridpar.models.generation import GREEDY_BELOW, check_sampling
 from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, config_from_hf, read_hf_config
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hf.files import copy_tokenizer_files
+from hybridpar.models.hf.weights import check_finite, weight_files
 from hybridpar.models.hybrid import HybridLM
 
 __all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "hf_causal_lm_loss", "generate_causal_lm",
@@ -57,7 +59,7 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 def causal_lm_backend(path: str | Path, backend: str = "auto") -> str:
     """``"hybrid"`` or ``"transformers"``: which implementation ``load_causal_lm`` will use."""
     if backend not in BACKENDS:
-        raise ValueError(f"model backend {backend!r} is unknown; choose one of {list(BACKENDS)}.")
+        raise ValueError(f"model backend {quoted(backend)} is unknown; choose one of {list(BACKENDS)}.")
     hf = read_hf_config(path)
     try:
         architecture_of(hf)
@@ -67,8 +69,8 @@ def causal_lm_backend(path: str | Path, backend: str = "auto") -> str:
         supported, reason = False, f" ({error})"
     if backend == "hybrid" and not supported:
         given = hf.get("architectures") or hf.get("model_type")
-        raise ValueError(f"backend 'hybrid' loads only {list(ARCHITECTURES)}, but {path} holds {given!r}{reason}; use "
-                         "backend 'transformers' (or 'auto') to train it as the transformers model.")
+        raise ValueError(f"backend 'hybrid' loads only {list(ARCHITECTURES)}, but {path} holds {quoted(given)}{reason}; "
+                         "use backend 'transformers' (or 'auto') to train it as the transformers model.")
     return "hybrid" if backend in ("auto", "hybrid") and supported else "transformers"
 
 
@@ -86,6 +88,7 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
     if not (path / WEIGHTS_FILE).is_file() and not (path / INDEX_FILE).is_file():
         raise ValueError(f"{path} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); hybridpar loads safetensors weights only: "
                          "re-save the checkpoint with save_pretrained(safe_serialization=True).")
+    weight_files(path, WEIGHTS_FILE, INDEX_FILE)  # a truncated or damaged file: one line naming it
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as error:
@@ -99,6 +102,7 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
         details = "; ".join(f"{k.replace('_', ' ')} {v[:6]}" for k, v in problems.items() if v)
         raise ValueError(f"checkpoint {path} does not match its {type(model).__name__} config: {details}; "
                          "check config.json against the weights.")
+    check_finite(model.named_parameters(), f"checkpoint {path}")
     return model
 
 
@@ -186,7 +190,7 @@ def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int,
     never stops early for a ``HybridLM``; ``pad_token_id`` fills rows of a transformers model
     that finished first (default: the end token).
     """
-    check_sampling(max_new_tokens, temperature, top_p)
+    check_sampling(max_new_tokens, temperature, top_p, seed)
     if isinstance(model, HybridLM):
         return model.generate(input_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               eos_token_id=eos_token_id)
@@ -194,7 +198,8 @@ def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int,
     pad = pad_token_id if pad_token_id is not None else model.generation_config.pad_token_id
     if pad is None and eos is not None:
         pad = eos if isinstance(eos, int) else eos[0]
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature >= GREEDY_BELOW \
+        else dict(do_sample=False)
     devices = [input_ids.device.index or 0] if input_ids.is_cuda else []
     with torch.random.fork_rng(devices=devices):  # a seed never disturbs the caller's generators
         if seed is not None:

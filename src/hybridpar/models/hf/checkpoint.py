@@ -25,13 +25,14 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from hybridpar.models.hf.config import (  # noqa: F401  (the config API is also reached through this module)
     ARCHITECTURES, BAMBA, CONFIG_FILE, INDEX_FILE, MAMBA2, NEMOTRON_H, SHARD_FILE, WEIGHTS_FILE,
     _encode_floats, architecture_of, config_differences, config_from_hf, config_to_hf, read_hf_config,
 )
 from hybridpar.models.hf.files import copy_tokenizer_files
+from hybridpar.models.hf.weights import check_finite, load_weight_file, weight_files
 from hybridpar.models.hybrid import HybridLM
 
 
@@ -56,19 +57,11 @@ def hf_tensor_name(name: str, architecture: str, pattern: str, prefix: str = "ba
 
 
 def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards its index lists."""
-    path = Path(path)
-    if (path / WEIGHTS_FILE).is_file():
-        return load_file(path / WEIGHTS_FILE)
-    if not (path / INDEX_FILE).is_file():
-        raise FileNotFoundError(f"{path / WEIGHTS_FILE} not found (nor a sharded {INDEX_FILE}); "
-                                "save the weights in safetensors format there.")
-    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    """All tensors of ``model.safetensors`` or of the shards its index lists; every file's
+    structure is checked first (``models/hf/weights.py``: a truncated file is one ValueError)."""
     tensors = {}
-    for shard in sorted(set(weight_map.values())):
-        if not (path / shard).is_file():
-            raise FileNotFoundError(f"{path / shard} not found; {INDEX_FILE} lists it as a shard.")
-        tensors.update(load_file(path / shard))
+    for file in weight_files(path, WEIGHTS_FILE, INDEX_FILE):
+        tensors.update(load_weight_file(file))
     return tensors
 
 
@@ -81,6 +74,7 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
     hf = read_hf_config(path)
     architecture, config = architecture_of(hf), config_from_hf(hf)  # fail before reading any weights
     tensors = read_hf_tensors(path)
+    check_finite(tensors.items(), f"checkpoint {path}")  # before step 1, naming the tensor
     if "backbone.embedding.weight" in tensors:  # early mamba2 checkpoints
         tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
     prefix = "model." if architecture == NEMOTRON_H and "model.embeddings.weight" in tensors else "backbone."

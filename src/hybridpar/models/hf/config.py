@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hybridpar.config_rules import quoted
 from hybridpar.models.hybrid import HybridConfig
 
 MAMBA2, BAMBA, NEMOTRON_H = "Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"
@@ -36,7 +37,7 @@ MLP_FIELDS = ("intermediate_size", "mlp_activation", "mlp_gated", "mlp_bias")
 
 
 def unsupported(field: str, value, rule: str) -> ValueError:
-    return ValueError(f"config.json field {field}={value!r} cannot be represented by HybridLM: {rule}.")
+    return ValueError(f"config.json field {field}={quoted(value)} cannot be represented by HybridLM: {rule}.")
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -87,7 +88,7 @@ def architecture_of(hf: dict) -> str:
         if name in ARCHITECTURES:
             return name
     given = hf.get("architectures") or hf.get("model_type")
-    raise ValueError(f"unsupported architecture {given!r}; HybridLM loads and saves {list(ARCHITECTURES)}.")
+    raise ValueError(f"unsupported architecture {quoted(given)}; HybridLM loads and saves {list(ARCHITECTURES)}.")
 
 
 def _first(hf: dict, *names, default=None):

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from hybridpar.config_rules import Notice
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.data.param_layouts import MODULE_TP_DIMS, Layout, parameter_layouts
 
@@ -108,7 +109,7 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, mixed_precision=None,
     units = fsdp_units(model)
     if not units:
         warnings.warn(f"{type(model).__name__} has no model.layers / backbone.layers / layers / _fsdp_units; "
-                      "sharding the root as one FSDP unit", stacklevel=2)
+                      "sharding the root as one FSDP unit", Notice, stacklevel=2)
     for unit in units:
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)

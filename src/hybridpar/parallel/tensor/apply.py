@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from hybridpar.config_rules import Notice
 from hybridpar.parallel.tensor.check import (
     check_plan,
     compress_names,
@@ -115,7 +116,8 @@ def get_tp_plan(model: nn.Module, plan: PlanLike = None, sequence_parallel: bool
                 "or register a plan (register_tp_plan)"
             )
         return TPPlan(hf, "hf")
-    warnings.warn(f"no TP plan for {class_key(model)}; using the generic 'default' (Llama-shaped) plan", stacklevel=2)
+    warnings.warn(f"no TP plan for {class_key(model)}; using the generic 'default' (Llama-shaped) plan", Notice,
+                  stacklevel=2)
     return _from_entry(lookup_tp_plan("default"), model, sequence_parallel, "default")
 
 

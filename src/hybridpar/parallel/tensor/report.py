@@ -24,6 +24,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hybridpar.config_rules import Notice
+
 __all__ = ["TPShardReport", "tp_shard_report", "report_tp_sharding", "REPLICATED_WARNING_FRACTION"]
 
 REPLICATED_WARNING_FRACTION = 0.75
@@ -122,5 +124,5 @@ def report_tp_sharding(model: nn.Module, logger: logging.Logger) -> TPShardRepor
             f"{type(model).__name__}: each of tp={report.tp} ranks holds {report.fraction:.0%} of the parameter "
             f"elements (tensor parallelism saves little); largest replicated modules: "
             f"{', '.join(f'{n} ({c}x, {e:,})' for n, c, e in report.replicated[:5])}. Register a plan that shards "
-            "them (register_tp_plan) or use FSDP instead", stacklevel=3)
+            "them (register_tp_plan) or use FSDP instead", Notice, stacklevel=3)
     return report

@@ -4,12 +4,17 @@
         __<rank>_<k>.distcp, .metadata    DCP shards (every rank writes its own)
         trainer.pt                        step, scheduler, RNG, skipped steps (rank 0)
         run.json                          run id, model config, data stream (rank 0)
-        manifest.json                     every file above with its size (and a hash of the
-                                          small ones), written last
+        manifest.json                     every file above with its size and sha256, written last
     <dir>/step_00000060.tmp/        being written; never loaded, replaced by the next save
 
 A checkpoint is complete when its manifest exists and every listed file has its size and
-hash; nothing else is ever loaded, and the reason names the file. Rank 0 renames the
+sha256, whatever its size (format 2; format-1 manifests hashed files up to 64 MiB only, and
+those are checked as recorded). Each rank hashes the shards it wrote while saving, and each
+rank verifies a share of the files before loading (about 2 s per GiB with sha256 on one
+core of a busy machine: ``benchmarks/checkpoint_hash.py``); a verified file is not hashed
+again in the same process unless its size or mtime changed. Nothing else is ever loaded,
+and the reason names the file. A loaded checkpoint's weights and optimizer state must be
+finite, or it is refused naming the tensor. Rank 0 renames the
 ``.tmp`` folder only after all ranks finished writing, so an interrupted save leaves the
 previous checkpoint loadable. Retention keeps the newest ``keep`` checkpoints of the
 current run (same ``run_id`` in run.json), ordered by step number; other runs' checkpoints
@@ -33,16 +38,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hybridpar.config_rules import bounded_message
+
 TRAINER_STATE = "trainer.pt"
 RUN_INFO = "run.json"
 MANIFEST = "manifest.json"
 PREFIX = "step_"
-HASHED_BYTES = 64 * 2**20  # files up to this size also get a sha256 in the manifest
+FORMAT = 2  # 1: sha256 of files up to 64 MiB only; 2: of every file
+_VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, the files this process hashed
 _NAME = re.compile(rf"{PREFIX}(\d+)")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded, with the path and what to do."""
+    """A checkpoint that cannot be loaded, with the path and what to do (one bounded line)."""
+
+    def __init__(self, message="", *args):
+        super().__init__(bounded_message(message), *args)
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:
@@ -64,36 +75,64 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(2**20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, streamed in 16 MiB blocks (remembered for this size and mtime)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _VERIFIED:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(16 * 2**20), b""):
+                digest.update(block)
+        _VERIFIED[key] = digest.hexdigest()
+    return _VERIFIED[key]
 
 
-def incomplete_reason(path: str | Path) -> str | None:
-    """Why ``path`` is not a complete checkpoint (naming the file), or None if it is."""
-    path = Path(path)
-    if not path.is_dir():
-        return f"{path} does not exist or is not a directory"
+def _read_manifest(path: Path) -> tuple[dict, dict, str | None]:
+    """``(files -> size, files -> sha256, problem)`` of a checkpoint folder's manifest."""
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        return f"{manifest_file} is missing (the save did not finish)"
+        return {}, {}, f"{manifest_file} is missing (the save did not finish)"
     try:
         manifest = json.loads(manifest_file.read_text())
         files, hashes = dict(manifest["files"]), dict(manifest.get("sha256", {}))
-    except (ValueError, KeyError, TypeError) as error:
-        return f"{manifest_file} is unreadable ({error})"
-    for name, size in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        actual = file.stat().st_size
-        if actual != size:
-            return f"{file} has {actual} bytes but the manifest records {size} (truncated or overwritten)"
-        if name in hashes and _sha256(file) != hashes[name]:
-            return f"{file} does not match the sha256 in the manifest (corrupted or overwritten)"
+        if manifest.get("format", 1) >= 2 and set(files) - set(hashes):
+            return {}, {}, f"{manifest_file} records no sha256 for {sorted(set(files) - set(hashes))[:3]}"
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return {}, {}, f"{manifest_file} is unreadable ({str(error)[:200]})"
+    return files, hashes, None
+
+
+def _file_problem(path: Path, name: str, size: int, sha256: str | None, verify: bool) -> str | None:
+    file = path / name
+    if not file.is_file():
+        return f"{file} is missing"
+    actual = file.stat().st_size
+    if actual != size:
+        return f"{file} has {actual} bytes but the manifest records {size} (truncated or overwritten)"
+    if verify and sha256 is not None and file_sha256(file) != sha256:
+        return f"{file} does not match the sha256 in the manifest (corrupted or overwritten)"
+    return None
+
+
+def incomplete_reason(path: str | Path, verify: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Why ``path`` is not a complete checkpoint (naming the file), or None if it is.
+
+    Every listed file must exist with its recorded size; ``verify`` also hashes every file
+    (``share=(rank, world)``: only files ``rank, rank + world, ...`` are hashed, so ranks split
+    the work). ``verify=False`` (listing, pruning) checks sizes only.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path} does not exist or is not a directory"
+    files, hashes, problem = _read_manifest(path)
+    if problem:
+        return problem
+    rank, world = share
+    for index, (name, size) in enumerate(sorted(files.items())):
+        problem = _file_problem(path, name, size, hashes.get(name), verify and index % world == rank)
+        if problem:
+            return problem
     return None
 
 
@@ -107,9 +146,11 @@ def read_run_info(path: str | Path) -> dict:
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """Newest complete checkpoint in ``directory`` (``.tmp`` and incomplete folders are skipped)."""
-    complete = [p for p in list_checkpoints(directory) if is_complete(p)]
-    return complete[-1] if complete else None
+    """Newest complete, verified checkpoint in ``directory`` (``.tmp`` and incomplete folders are skipped)."""
+    for path in reversed(list_checkpoints(directory)):
+        if is_complete(path):
+            return path
+    return None
 
 
 def rng_state() -> dict:
@@ -127,10 +168,17 @@ def _write_json(path: Path, value: dict) -> None:
     os.replace(temporary, path)
 
 
-def _write_manifest(folder: Path) -> None:
+def _write_manifest(folder: Path, hashed: dict[str, str] | None = None) -> None:
+    """The manifest of every file in ``folder``: size and sha256 (``hashed``: those the other
+    ranks computed for the shards they wrote)."""
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-    hashes = {name: _sha256(folder / name) for name, size in files.items() if size <= HASHED_BYTES}
-    _write_json(folder / MANIFEST, {"format": 1, "files": files, "sha256": hashes})
+    hashes = {name: (hashed or {}).get(name) or file_sha256(folder / name) for name in files}
+    _write_json(folder / MANIFEST, {"format": FORMAT, "files": files, "sha256": hashes})
+
+
+def _hash_own_shards(folder: Path, rank: int) -> dict[str, str]:
+    """sha256 of the DCP shards this rank wrote (``__<rank>_<k>.distcp``), while it still has them in cache."""
+    return {p.name: file_sha256(p) for p in sorted(folder.glob(f"__{rank}_*.distcp")) if p.is_file()}
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -144,7 +192,7 @@ def prune(directory: str | Path, run_id: str, keep: int) -> list[Path]:
     mine = []
     for path in list_checkpoints(directory):
         try:
-            if is_complete(path) and read_run_info(path).get("run_id") == run_id:
+            if incomplete_reason(path, verify=False) is None and read_run_info(path).get("run_id") == run_id:
                 mine.append(path)
         except (OSError, ValueError):
             continue
@@ -170,11 +218,16 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, extra: di
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    hashed = [_hash_own_shards(staging, rank)]  # every rank hashes its own shards, in parallel
+    if dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(hashed[0], gathered, dst=0)
+        hashed = gathered
     if rank == 0:
         trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state(), **(extra or {})}
         torch.save(trainer_state, staging / TRAINER_STATE)
         _write_json(staging / RUN_INFO, {"step": step, **(run_info or {})})
-        _write_manifest(staging)  # last: its presence means every file above is whole
+        _write_manifest(staging, {k: v for part in hashed for k, v in part.items()})  # last: every file above is whole
     dist.barrier()
     if rank == 0:
         if final.exists():
@@ -190,19 +243,50 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, extra: di
     return final
 
 
+def verify_checkpoint(path: str | Path) -> None:
+    """CheckpointError on every rank unless every file of ``path`` has its recorded size and
+    sha256; the ranks split the hashing and share their verdicts (one all_gather_object)."""
+    path = Path(path)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    share = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    reasons = [incomplete_reason(path, share=share)]
+    if distributed:
+        reasons = [None] * share[1]
+        dist.all_gather_object(reasons, incomplete_reason(path, share=share))
+    reason = next((r for r in reasons if r), None)
+    if reason is not None:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be loaded: {reason}; point checkpoint.resume at a complete step_* "
+            "folder, or start fresh with checkpoint.resume=null."
+        )
+
+
+def _check_loaded_finite(path: Path, model, optimizer) -> None:
+    """CheckpointError on every rank if a loaded weight or optimizer state is not finite (naming it)."""
+    from hybridpar.train.nonfinite import first_nonfinite
+
+    bad = first_nonfinite({"model": dict(model.named_parameters()),
+                           "optim": {str(i): s for i, s in enumerate(optimizer.state.values())}})
+    found = [bad]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, bad)
+    bad = next((b for b in found if b), None)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds a non-finite value in {bad}; it was damaged after its "
+                              "manifest was written, or written by an older hybridpar without the finite check: resume "
+                              "from an earlier step_* folder, or start fresh with checkpoint.resume=null.")
+
+
 def load_checkpoint(path, model, optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and RNG from ``path``; returns the trainer state.
 
-    Every rank checks the same files first, so a broken checkpoint fails everywhere with
-    the same message instead of leaving some ranks waiting in a collective.
+    Every file is verified first (size and sha256, the ranks sharing the work), so a broken
+    checkpoint fails everywhere with the same message instead of leaving some ranks waiting
+    in a collective; the loaded weights and optimizer state must be finite.
     """
     path = Path(path)
-    reason = incomplete_reason(path)
-    if reason is not None:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is incomplete: {reason}; point checkpoint.resume at a complete step_* "
-            "folder, or start fresh with checkpoint.resume=null."
-        )
+    verify_checkpoint(path)
     try:
         trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -211,10 +295,11 @@ def load_checkpoint(path, model, optimizer, scheduler) -> dict:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except (Exception, CheckpointException) as error:  # DCP gathers every rank's failure: all ranks get here
         raise CheckpointError(
-            f"checkpoint {str(path)!r} could not be loaded ({type(error).__name__}: {str(error).splitlines()[0][:300]}); "
+            f"checkpoint {str(path)!r} could not be loaded ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}); "
             "it may be corrupt or from a different model: resume from another step_* folder or start fresh "
             "with checkpoint.resume=null."
         ) from error
+    _check_loaded_finite(path, model, optimizer)
     scheduler.load_state_dict(trainer_state["scheduler"])
     set_rng_state(trainer_state["rng"])
     return trainer_state

@@ -4,9 +4,15 @@
   writes its pid and host there; a second run into the directory is refused while the
   first holds it. The kernel releases the lock when a process dies, so a lock file that
   still names a process (it did not finish cleanly) is taken over with a warning.
+- **Writable before the first step.** ``check_run_paths`` checks every path the run will
+  write (output_dir, its checkpoints/, metrics.jsonl, tensorboard/, loss_curve.png, the
+  trained tokenizer, model.export_hf and the sibling it is staged in) before any process
+  starts, naming the key: a path under a regular file, a directory where a file goes, or
+  a directory this user cannot write.
 - **Resume or refuse.** ``plan_resume`` picks the checkpoint to load (``auto``: the newest
-  complete one, printing every newer one it skips and why), checks that it was written
-  by the same model shape and the same data stream (naming every differing key), and
+  complete one whose every file matches its sha256, printing every newer one it skips and
+  why), checks that it was written by the same model shape, the same data stream (naming
+  every differing key) and the same data content (``fingerprints.py``, ``data.on_change``), and
   lists what an earlier run left in the directory (checkpoints of another run or later
   steps, a ``metrics.jsonl`` of a fresh start). Those are never touched silently:
   ``checkpoint.if_exists`` = ``refuse`` (default) stops, ``overwrite`` deletes them,
@@ -28,8 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpar.config import ConfigError, RunConfig
+from hybridpar.config_rules import quoted
 from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
                                         read_run_info, remove_checkpoint)
+from hybridpar.train.run.fingerprints import data_sources, source_changes
 
 LOCK_FILE = ".hybridpar.lock"
 METRICS_FILE = "metrics.jsonl"
@@ -101,18 +109,59 @@ def _in_use_message(directory: Path, holder: dict) -> str:
             "output_dir.")
 
 
+def _write_problem(path: Path, kind: str) -> str | None:
+    """Why this user cannot create or write ``path`` (``kind``: "dir" or "file"), or None."""
+    if path.exists() or path.is_symlink():
+        if kind == "dir" and not path.is_dir():
+            return "it is a file, not a directory"
+        if kind == "file" and path.is_dir():
+            return "it is a directory, not a file"
+        target = path if kind == "dir" else path.parent
+        return None if os.access(path, os.W_OK) and os.access(target, os.W_OK | os.X_OK) else \
+            "it is not writable by this user"
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    return None
+
+
 def check_output_dir(directory: str | Path) -> None:
     """ConfigError unless ``directory`` is a directory this process can write, or can be created."""
-    directory = Path(directory)
-    existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
-    problem = None
-    if not existing.is_dir():
-        problem = "it is a file" if existing == directory else f"{existing} is a file, not a directory"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = f"{existing} is not writable by this user"
+    problem = _write_problem(Path(directory), "dir")
     if problem:
-        raise ConfigError(f"output_dir={str(directory)!r} cannot hold the run: {problem}; choose a directory you can "
-                          "write, e.g. output_dir=runs/my-run.")
+        raise ConfigError(f"output_dir={quoted(str(directory))} cannot hold the run: {problem}; choose a directory "
+                          "you can write, e.g. output_dir=runs/my-run.")
+
+
+def run_paths(config: RunConfig) -> list[tuple[str, Path, str]]:
+    """``(key, path, "dir" | "file")`` of everything a run writes."""
+    out = Path(config.output_dir)
+    paths = [("output_dir", out, "dir"), ("output_dir (its checkpoints/)", out / "checkpoints", "dir"),
+             ("output_dir (its metrics.jsonl)", out / METRICS_FILE, "file")]
+    if config.tensorboard:
+        paths.append(("tensorboard=true (output_dir/tensorboard/)", out / "tensorboard", "dir"))
+    if config.plot:
+        paths.append(("plot=true (output_dir/loss_curve.png)", out / "loss_curve.png", "file"))
+    if config.data.tokenizer == "bpe":
+        paths.append(("data.tokenizer=bpe (output_dir/tokenizer/)", out / "tokenizer", "dir"))
+    if config.model.export_hf:
+        target = Path(config.model.export_hf)
+        paths += [("model.export_hf", target, "dir"), ("model.export_hf (staged beside it)", target.absolute().parent,
+                                                          "dir")]
+    return paths
+
+
+def check_run_paths(config: RunConfig) -> None:
+    """ConfigError naming the key of the first path the run will write that it cannot (module docstring)."""
+    check_output_dir(config.output_dir)
+    for key, path, kind in run_paths(config):
+        problem = _write_problem(path, kind)
+        if problem:
+            raise ConfigError(f"{key}: {quoted(str(path))} cannot be written: {problem}; the run would fail there "
+                              "after training. Choose paths you can write (output_dir=..., model.export_hf=...), or "
+                              "move what is in the way.")
 
 
 def check_lock_free(directory: str | Path) -> None:
@@ -147,12 +196,13 @@ class ResumePlan:
     remove: list[str] = field(default_factory=list)
 
 
-def data_stream(config: RunConfig, pad_multiple: int) -> dict:
-    """Everything that decides the batch of each step (recorded in every checkpoint)."""
+def data_stream(config: RunConfig, pad_multiple: int, sources: dict | None = None) -> dict:
+    """Everything that decides the batch of each step (recorded in every checkpoint), with the
+    content fingerprints of the data sources (``sources``: computed when the data was read)."""
     data = config.data
     stream = {key: getattr(data, key) for key in DATA_STREAM_KEYS}
     stream["pad_to_multiple_of"] = pad_multiple
-    stream["file_bytes"] = Path(data.path).stat().st_size if data.path and Path(data.path).is_file() else None
+    stream["sources"] = data_sources(config) if sources is None else sources
     return json.loads(json.dumps(stream))  # the form it has after a round trip through run.json
 
 
@@ -173,10 +223,11 @@ def _differences(recorded: dict, current: dict, prefix: str, skip: tuple = ()) -
             if key not in skip and recorded.get(key) != current.get(key)]
 
 
-def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None, list[str]]:
+def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None, list[str], set[Path]]:
+    """The checkpoint to load, the notes on the newer ones skipped, and those skipped."""
     resume = config.checkpoint.resume
     if resume is None:
-        return None, []
+        return None, [], set()
     if resume != "auto":
         path = Path(resume)
         reason = incomplete_reason(path)
@@ -185,20 +236,22 @@ def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None,
             raise CheckpointError(f"checkpoint.resume={resume!r} cannot be loaded: {reason}{hint}; point it at a "
                                   "complete step_* folder, use checkpoint.resume=auto, or start fresh with "
                                   "checkpoint.resume=null.")
-        return path, []
-    notes = []
+        return path, [], set()
+    notes, skipped = [], set()
     for path in reversed(list_checkpoints(directory)):
         reason = incomplete_reason(path)
         if reason is None:
-            return path, notes
+            return path, notes, skipped
         notes.append(f"skipping checkpoint {path}: {reason}")
+        skipped.add(path)
     if notes:
         notes.append("no complete checkpoint found; starting from step 0")
-    return None, notes
+    return None, notes, skipped
 
 
-def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | None, cp: int) -> int:
-    """Refuse a checkpoint of another model shape or data stream; returns the padding to use."""
+def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | None, cp: int) -> tuple[int, list[str]]:
+    """Refuse a checkpoint of another model shape or data stream; returns the padding to use and
+    the notes (a changed data source under ``data.on_change=warn``)."""
     if model is not None and "model" in info:
         changed = _differences(info["model"], model, "", skip=("dtype",))
         if changed:
@@ -219,14 +272,25 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
                               f"parallel.cp={cp} every document must pad to a multiple of 2*cp={2 * cp}, so the batches "
                               "would change. Resume at a cp whose 2*cp divides "
                               f"{pad}, or start fresh (checkpoint.resume=null).")
+    notes = []
     if recorded:
         recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
-        changed = _differences(recorded, data_stream(config, pad), "data.", skip=("pad_to_multiple_of",))
+        current = data_stream(config, pad)
+        legacy_bytes, recorded_sources = recorded.pop("file_bytes", None), recorded.pop("sources", None)
+        changed = _differences(recorded, current, "data.", skip=("pad_to_multiple_of", "sources"))
         if changed:
             raise CheckpointError(f"resuming from {str(path)!r} would change the training batches ({'; '.join(changed)}; "
                                   "recorded -> now); set those keys back to the recorded values, or start a fresh run "
                                   "(checkpoint.resume=null).")
-    return pad
+        content = source_changes(recorded_sources, current["sources"], legacy_bytes)
+        if content and config.data.on_change == "refuse":
+            raise CheckpointError(f"the data changed since checkpoint {str(path)!r} was written: {'; '.join(content)}; "
+                                  "the batches after its step would differ from the ones the run started with. Restore "
+                                  "the file, or set data.on_change=warn to continue on the new content, or start fresh "
+                                  "(checkpoint.resume=null).")
+        notes += [f"warning: data.on_change=warn: {change}; resuming from {path} on the new content (the next "
+                  "checkpoint records it)" for change in content]
+    return pad, notes
 
 
 def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
@@ -236,15 +300,16 @@ def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
     """
     out = Path(config.output_dir)
     directory = out / "checkpoints"
-    chosen, notes = _choose_checkpoint(config, directory)
+    chosen, notes, skipped = _choose_checkpoint(config, directory)
     plan = ResumePlan(output_dir=str(out), notes=notes)
     if chosen is not None:
         info = read_run_info(chosen)
         plan.checkpoint, plan.start_step, plan.run_id = str(chosen), int(info.get("step", checkpoint_step(chosen) or 0)), info.get("run_id")
-        plan.pad_to_multiple_of = _check_compatible(chosen, info, config, model, config.parallel.cp)
+        plan.pad_to_multiple_of, changes = _check_compatible(chosen, info, config, model, config.parallel.cp)
+        plan.notes += changes
     earlier = []
     for path in list_checkpoints(directory):
-        if path == chosen or incomplete_reason(path) is not None:
+        if path == chosen or path in skipped or incomplete_reason(path, verify=False) is not None:
             continue
         step = checkpoint_step(path)
         run_id = _run_id_of(path)
@@ -295,7 +360,7 @@ def prepare_output_dir(config: RunConfig, model: dict | None) -> tuple[ResumePla
     lock = None
     if rank == 0:
         try:
-            check_output_dir(config.output_dir)
+            check_run_paths(config)
             lock = OutputDirLock(config.output_dir)
             warning = lock.acquire()
             plan = plan_resume(config, model)

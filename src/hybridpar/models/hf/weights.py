@@ -1,0 +1,132 @@
+"""The weight files of a Hugging Face checkpoint, checked before any value is used.
+
+safetensors files carry no checksum, so what can be checked is checked, with one line that
+names the file or tensor:
+
+- **structure** (``safetensors_problem``): the 8-byte header length, the JSON header, and
+  tensor byte ranges that lie inside the file and cover it exactly. A truncated or
+  overwritten-at-the-end file fails here, for both backends, before transformers or
+  safetensors read it;
+- **the index** of a sharded checkpoint: valid JSON with a ``weight_map``, every shard present;
+- **values** (``check_finite``): every loaded tensor finite, or the tensor is named (a NaN
+  or inf in a weight would otherwise surface steps later as a "non-finite loss").
+
+A byte flipped inside the data that leaves a finite value is not detected: safetensors has
+no checksum for it (hybridpar's own training checkpoints do: ``train/run/checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from hybridpar.config_rules import quoted, shorten
+
+__all__ = ["safetensors_problem", "weight_files", "load_weight_file", "check_finite"]
+
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def safetensors_problem(file: str | Path) -> str | None:
+    """What is wrong with the structure of safetensors ``file`` (truncated, not safetensors), or None."""
+    file = Path(file)
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        start = handle.read(8)
+        if len(start) < 8:
+            return f"it has {size} bytes, less than the 8-byte header length (truncated or empty)"
+        (header_bytes,) = struct.unpack("<Q", start)
+        if header_bytes > min(MAX_HEADER_BYTES, size - 8):
+            return (f"its header claims {header_bytes:,} bytes but the file has {size:,} (truncated, or not a "
+                    "safetensors file)")
+        try:
+            header = json.loads(handle.read(header_bytes))
+        except (ValueError, UnicodeDecodeError) as error:
+            return f"its header is not valid JSON ({shorten(str(error), 80)}; not a safetensors file?)"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object (not a safetensors file?)"
+    data_bytes, covered = size - 8 - header_bytes, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            count = 1
+            for dim in entry["shape"]:
+                count *= int(dim)
+            expected = count * _DTYPE_BYTES.get(entry["dtype"], 0)
+        except (KeyError, TypeError, ValueError):
+            return f"its header entry for tensor {quoted(name)} is malformed"
+        if not 0 <= begin <= end <= data_bytes:
+            return (f"tensor {quoted(name)} lies at bytes [{begin:,}, {end:,}) of the data but the file holds "
+                    f"{data_bytes:,} bytes of data (truncated)")
+        if expected and end - begin != expected:
+            return f"tensor {quoted(name)} has {end - begin:,} bytes but its shape and dtype need {expected:,}"
+        covered = max(covered, end)
+    if covered != data_bytes:
+        return f"its tensors cover {covered:,} of its {data_bytes:,} data bytes (extra bytes appended?)"
+    return None
+
+
+def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[Path]:
+    """The safetensors files of checkpoint directory ``path`` (``weights_file``, or the shards
+    ``index_file`` lists), each checked by ``safetensors_problem``; ValueError naming the file."""
+    path = Path(path)
+    if (path / weights_file).is_file():
+        files = [path / weights_file]
+    elif (path / index_file).is_file():
+        index = path / index_file
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index} is not a valid safetensors index (a JSON object with a weight_map of tensor -> "
+                             f"shard file; {shorten(str(error), 80)}); restore it from the checkpoint.") from None
+        files = []
+        for shard in shards:
+            if not isinstance(shard, str) or not (path / shard).is_file():
+                raise FileNotFoundError(f"{path / str(shard)} not found; {index_file} lists it as a shard.")
+            files.append(path / shard)
+    else:
+        raise FileNotFoundError(f"{path / weights_file} not found (nor a sharded {index_file}); "
+                                "save the weights in safetensors format there.")
+    for file in files:
+        problem = safetensors_problem(file)
+        if problem:
+            raise ValueError(f"{file} cannot be read: {problem}; copy or export the checkpoint again.")
+    return files
+
+
+def load_weight_file(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; ValueError naming the file for anything unreadable."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, RuntimeError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"{file} cannot be read: {shorten(first, 160)}; copy or export the checkpoint "
+                         "again.") from None
+
+
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """ValueError naming the first tensors (with their counts of NaN and inf) that are not finite."""
+    bad = []
+    for name, tensor in tensors:
+        if tensor.is_floating_point() or tensor.is_complex():
+            finite = torch.isfinite(tensor)
+            if not bool(finite.all()):
+                nan = int(torch.isnan(tensor).sum())
+                bad.append(f"{name} ({nan} NaN, {int((~finite).sum()) - nan} inf of {tensor.numel():,})")
+    if bad:
+        more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
+        raise ValueError(f"{source} holds non-finite weights: {', '.join(bad[:3])}{more}; training or generating from "
+                         "them would only produce NaN. The file is damaged or was saved after a divergence: use an "
+                         "earlier checkpoint or export it again.")
