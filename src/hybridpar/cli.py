@@ -119,15 +119,12 @@ def dry_run(args: argparse.Namespace) -> int:
     ``validate_run`` (model shape, data, export target, output_dir and resume), writing nothing.
     generate: the arguments and sampling settings (the model is not loaded)."""
     if args.command == "generate":
-        from hybridpar.generate import GENERATE_DTYPES
-        from hybridpar.models.generation import check_sampling
+        from hybridpar.generate import check_generate_arguments
 
-        check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+        check_generate_arguments(args)
         if (args.hf_path is None) == (args.checkpoint is None):
             raise ConfigError("pass exactly one of --hf-path DIR (a Hugging Face checkpoint) or --checkpoint DIR (a "
                               "hybridpar training checkpoint).")
-        if args.dtype is not None and args.dtype not in GENERATE_DTYPES:
-            raise ConfigError(f"--dtype {args.dtype} is unknown; choose one of {list(GENERATE_DTYPES)}.")
         print("dry run: generate arguments valid (the model was not loaded)", flush=True)
         return 0
     from hybridpar.train.preflight import parallel_dims, validate_run
@@ -332,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 (["--tolerance", repr(args.tolerance)] if getattr(args, "tolerance", None) is not None else []) + list(args.overrides)
             return launch(args.nproc_per_node, worker_args, config.train.collective_timeout_s)
         return run(args, config)
-    except INPUT_ERRORS as error:
+    except (*INPUT_ERRORS, OSError) as error:  # any other OSError (a path too long, ...): one line, not a traceback
         print(f"{prefix}: {_message(error)}", file=sys.stderr, flush=True)
         return 2
     except NonFiniteError as error:

@@ -149,7 +149,8 @@ def test_sigterm_to_the_launcher_ends_every_worker_and_feedback_comes_once(tmp_p
     time.sleep(0.2)
     assert code == 128 + signal.SIGTERM and seconds < 10 and not [p for p in job.workers if _running(p)]
     assert "hybridpar: stopped by SIGTERM; all 2 workers ended." in stderr
-    assert job.stdout[0].startswith("building the model") and job.stdout[1].startswith("first step")
+    assert job.stdout[0].startswith("building the model") and job.stdout[1].startswith("packing: several documents")
+    assert job.stdout[2].startswith("first step")
     import importlib.util
 
     tensorboard_warnings = stderr.count("tensorboard=true but the tensorboard package is not installed")
