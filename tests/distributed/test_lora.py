@@ -155,3 +155,17 @@ def test_bad_lora_input_is_refused_before_parallelizing():
         add_lora(copy.deepcopy(model), r=0)
     with pytest.raises(ValueError, match=r"'norm'.*non-Linear"):
         add_lora(copy.deepcopy(model), targets=["norm"])
+
+
+def test_a_tp_style_lora_cannot_pair_is_refused_before_any_collective():
+    from hybridpar.parallel.tensor.apply import check_tp_plan
+    from hybridpar.parallel.tensor.linear_styles import PackedColwiseParallel
+    from tests.distributed.tensor.hf_models import build_model
+
+    plan = {"model.layers.*.mlp.up_proj": PackedColwiseParallel(split_factor=2)}  # a fused [gate | up]-style split
+    model = build_model("llama")
+    add_lora(model, r=2, targets=["up_proj", "o_proj"])
+    with pytest.raises(ValueError, match=r"LoRA target 'model\.layers\.0\.mlp\.up_proj'.*PackedColwiseParallel"
+                                         r".*drop it from peft\.target_modules or use parallel\.tp=1"):
+        check_tp_plan(model, 2, plan)
+    check_tp_plan(build_model("llama"), 2, plan)  # the same model without adapters passes

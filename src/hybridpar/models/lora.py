@@ -7,7 +7,7 @@ once its adapter name is dropped: ``...q_proj.lora_A.weight``) and runs from a f
 the base module keeps its class, its parameter names and its forward. A tensor-parallel style
 that wraps the base's forward with input/output conversions therefore hands the hook the
 converted input (e.g. the all-gathered, replicated DTensor) and the not yet converted output
-(column shards, or partial sums before the all-reduce): ``parallel/tensor/lora.py`` lays A and
+(column shards, or partial sums before the all-reduce): ``parallel/lora.py`` lays A and
 B out to match, and the update rides on the base layer's own collective.
 
 ``add_lora`` freezes every base parameter (``requires_grad=False``: no gradient, no optimizer

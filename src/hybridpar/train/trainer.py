@@ -50,6 +50,7 @@ from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
+from hybridpar.train.peft import apply_peft
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import (
     export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
@@ -128,7 +129,7 @@ class Trainer:
                  f"on {world} process{'es' * (world > 1)}: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
                  f"cp={p.cp} tp={p.tp}")
         # Everything that can be wrong with the input is found before the first collective.
-        model = build_model(config)
+        model = apply_peft(config, build_model(config))  # peft.method=lora: frozen base + adapters
         self.vocab_size = model.config.vocab_size
         shape = model_config(config)
         validate_layout(config, dist.get_world_size(), model=model, shape=shape)

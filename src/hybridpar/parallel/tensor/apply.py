@@ -40,7 +40,7 @@ from hybridpar.parallel.tensor.check import (
     sp_uncovered,
     validate_tp_sizes,
 )
-from hybridpar.parallel.tensor.lora import check_lora_pairing, detached_adapters, pair_lora
+from hybridpar.parallel.lora import check_lora_pairing, detached_adapters, pair_lora
 from hybridpar.parallel.tensor.plans import hf_style, hf_tp_plan
 from hybridpar.parallel.tensor.registry import (
     PlanEntry,
@@ -223,7 +223,7 @@ def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_par
     if not styles:
         raise ValueError(f"TP plan ({resolved.source}) matches no module of {type(model).__name__}; "
                          "check the module path patterns")
-    with detached_adapters(model):  # LoRA adapters are paired with their base layer's style (tensor/lora.py)
+    with detached_adapters(model):  # LoRA adapters are paired with their base layer's style (parallel/lora.py)
         check_plan(model, styles, tp, sequence_parallel, data_parallel)
     check_lora_pairing(model, styles)
     return TPPlan(styles, resolved.source, resolved.entry)

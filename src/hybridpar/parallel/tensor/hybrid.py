@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP
 from hybridpar.models.mamba.mixer import Mamba2Mixer
-from hybridpar.parallel.tensor.lora import split_lora_components
+from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.plans import register_tp_plan
 from hybridpar.parallel.tensor.styles import (
     LocalReplicateParallel,

@@ -26,7 +26,7 @@ backward ([r, in] or [out, r] elements, like a replicated norm weight's under SP
 ``ValueError`` by ``check_lora_pairing`` before any collective.
 
 ``split_lora_components`` moves an adapter onto the per-component Mamba ``in_proj``
-(``tensor/hybrid.py``); ``LoRAComponentsB`` fuses back to ``in_proj.lora_B.weight`` in
+(``parallel/tensor/hybrid.py``); ``LoRAComponentsB`` fuses back to ``in_proj.lora_B.weight`` in
 ``canonical_state_dict``.
 """
 
@@ -43,7 +43,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
+from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.tensor.check import matches
+from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
 from hybridpar.parallel.tensor.styles import AllReduceGrad, LocalReplicateParallel, VocabParallelEmbedding
 
 __all__ = ["LoRAComponentsB", "split_lora_components", "lora_pairings", "check_lora_pairing", "detached_adapters",
@@ -87,8 +89,6 @@ def split_lora_components(fused: nn.Module, split: nn.Module, sizes: dict[str, i
 
 
 def _style_kind(style: ParallelStyle, module: nn.Module) -> str | None:
-    from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
-
     if isinstance(style, (Conv1DColwiseParallel, Conv1DRowwiseParallel, VocabParallelEmbedding)):
         return None
     if not isinstance(module, nn.Linear):
@@ -102,10 +102,9 @@ def _style_kind(style: ParallelStyle, module: nn.Module) -> str | None:
     return None
 
 
-def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle]) -> tuple[str | None, str]:
+def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
+             modules: dict[str, nn.Module]) -> tuple[str | None, str]:
     """(kind or None, the style that decided it) for the adapter on module ``name``."""
-    from hybridpar.parallel.tensor.hybrid import MambaHeadParallel
-
     own = [s for p, s in styles.items() if p and matches(name, p)]
     if own:
         return _style_kind(own[-1], module), repr(own[-1])
@@ -114,7 +113,8 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle]) -> 
         prefix = ".".join(atoms[:cut])
         above = [s for p, s in styles.items() if (matches(prefix, p) if p else cut == 0)]
         for style in above:
-            if isinstance(style, MambaHeadParallel):
+            if isinstance(modules.get(prefix), Mamba2Mixer) and not isinstance(style, LocalReplicateParallel):
+                # our mixer's style (MambaHeadParallel): in_proj per component, out_proj rowwise
                 leaf = atoms[-1]
                 kind = {"in_proj": "components", "out_proj": "rowwise"}.get(leaf) if cut == len(atoms) - 1 else None
                 return kind, repr(style)
@@ -127,8 +127,9 @@ def lora_pairings(model: nn.Module, styles: dict[str, ParallelStyle]) -> dict[st
     """``{adapter module name: colwise | rowwise | components | replicated}``; raises ``ValueError``
     for an adapter whose base layer's style has no pairing."""
     out = {}
+    modules = dict(model.named_modules())
     for name, module in lora_modules(model).items():
-        kind, style = _pairing(name, module, styles)
+        kind, style = _pairing(name, module, styles, modules)
         if kind is None:
             raise ValueError(f"LoRA target {name!r} ({type(module).__name__}) is tensor-parallel with {style}, "
                              "which LoRA cannot pair (packed, Conv1D, embedding or per-head styles); drop it from "
