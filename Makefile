@@ -13,7 +13,7 @@ $(PY):
 
 # torch is pinned in pyproject.toml (torch==2.13.0, the CPU build here).
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e ".[dev,hf,data]"
+	$(PY) -m pip install --quiet -e ".[dev,hf,data,peft]"
 	touch $(STAMP)
 
 install: $(STAMP)

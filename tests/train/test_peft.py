@@ -72,3 +72,13 @@ def test_a_lora_run_trains_only_the_adapters(tmp_path):
     assert result["base_changed"] == []
     assert result["adapters_moved"] == result["adapters"] > 0
     assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+def test_an_unloadable_adapter_export_is_refused_in_preflight():
+    from hybridpar.train.preflight import validate_layout
+
+    config = load_config(DEFAULT, ["peft.method=lora", "model.export_hf=/tmp/x", "model.export_architecture=Mamba2ForCausalLM"])
+    with pytest.raises(ConfigError, match=r"peft cannot load one on a Mamba mixer's out_proj.*peft\.merge=true"):
+        validate_layout(config)
+    validate_layout(load_config(DEFAULT, ["peft.method=lora", "model.export_hf=/tmp/x", "peft.merge=true",
+                                          "model.export_architecture=Mamba2ForCausalLM"]))

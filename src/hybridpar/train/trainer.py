@@ -50,7 +50,7 @@ from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
-from hybridpar.train.peft import apply_peft
+from hybridpar.train.peft import apply_peft, export_lora
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import (
     export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
@@ -263,8 +263,12 @@ class Trainer:
             staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             shutil.rmtree(staging, ignore_errors=True)
             tokenizer_dir = self.export_tokenizer_dir()
-            export_causal_lm(self.model, staging, tokenizer_dir=tokenizer_dir, state_dict=state,
-                             architecture=self.config.model.export_architecture)
+            if self.config.peft.method == "lora":  # the adapter in the PEFT format, or merged weights
+                export_lora(self.model, staging, state, merge=self.config.peft.merge, base_path=self.config.model.hf_path,
+                            tokenizer_dir=tokenizer_dir, architecture=self.config.model.export_architecture)
+            else:
+                export_causal_lm(self.model, staging, tokenizer_dir=tokenizer_dir, state_dict=state,
+                                 architecture=self.config.model.export_architecture)
             if target.is_dir():
                 target.rmdir()  # empty (checked above)
             staging.rename(target)
