@@ -82,3 +82,34 @@ def test_an_unloadable_adapter_export_is_refused_in_preflight():
         validate_layout(config)
     validate_layout(load_config(DEFAULT, ["peft.method=lora", "model.export_hf=/tmp/x", "peft.merge=true",
                                           "model.export_architecture=Mamba2ForCausalLM"]))
+
+
+RESUME = [o for o in LORA if not o.startswith(("train.steps", "checkpoint.every"))] + ["train.steps=4"]
+
+
+def _steps(rank, world_size, directory, extra, stop_after=None):
+    from hybridpar.train.trainer import Trainer
+
+    config = load_config(DEFAULT, RESUME + [f"output_dir={directory}", "checkpoint.every=2"] + extra)
+    history = Trainer(config, torch.device("cpu")).fit(stop_after=stop_after)
+    return [r["loss"] for r in history] if rank == 0 else None
+
+
+def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints_and_refuses_another_base(tmp_path):
+    from hybridpar.train.run.checkpoint import read_run_info
+    from tests.distributed.harness import RankFailure
+
+    straight = run_ranks(2, _steps, tmp_path / "a", [], timeout_s=300)[0]
+    run_ranks(2, _steps, tmp_path / "b", [], 2, timeout_s=300)
+    checkpoint = tmp_path / "b" / "checkpoints" / "step_00000002"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:4]
+    assert read_run_info(checkpoint)["lora_base"]["path"] == "preset tiny (seed 0)"
+    resumed = run_ranks(2, _steps, tmp_path / "b", [], timeout_s=300)[0]
+    assert resumed == straight[2:], (resumed, straight)
+
+    with pytest.raises(RankFailure, match=r"trained on preset tiny \(seed 0\).*this run's base is preset tiny \(seed 1\)"):
+        run_ranks(2, _steps, tmp_path / "b", ["train.seed=1", "train.steps=6"], timeout_s=300)

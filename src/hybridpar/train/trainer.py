@@ -51,6 +51,7 @@ from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
 from hybridpar.train.peft import apply_peft, export_lora
+from hybridpar.train.run.adapters import base_reference, check_same_base
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import (
     export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
@@ -155,6 +156,9 @@ class Trainer:
             reshard_after_forward=config.parallel.reshard_after_forward, compile=config.parallel.compile,
         )
         self.optimizer = build_optimizer(self.model, config.train)
+        lora_base = [base_reference(config) if self.rank == 0 else None]  # peft.method=lora: the base's path and hash
+        dist.broadcast_object_list(lora_base, src=0)  # hashed once; every rank refuses a foreign base alike
+        self.lora_base = lora_base[0]
         self.scheduler = build_scheduler(self.optimizer, config.train)
         self.guard = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
         self.start_step = 0
@@ -297,6 +301,7 @@ class Trainer:
         if plan.pad_to_multiple_of != self.pad:  # continue with the checkpoint's padding: the same batches
             self.pad, self._eval_data = plan.pad_to_multiple_of, None
             self.train_data = self._stream(self.data)
+        check_same_base(plan.checkpoint, self.lora_base)  # adapters resume only on their own base
         state = load_checkpoint(plan.checkpoint, self.model, self.optimizer, self.scheduler)
         self.start_step = state["step"]
         self.guard.skipped = state.get("nonfinite_skips", 0)
@@ -310,7 +315,7 @@ class Trainer:
         assert_finite_state({"model": dict(self.model.named_parameters()),
                              "optim": {str(i): s for i, s in enumerate(self.optimizer.state.values())}}, step, kept)
         run_info = {"run_id": self.run_id, "model": self.signature, "data": data_stream(self.config, self.pad),
-                    "config": to_dict(self.config)}
+                    "config": to_dict(self.config), "lora_base": self.lora_base}
         path = save_checkpoint(f"{self.output_dir}/checkpoints", step, self.model, self.optimizer, self.scheduler,
                                extra={"config": to_dict(self.config), "nonfinite_skips": self.guard.skipped},
                                keep=self.config.checkpoint.keep, run_info=run_info)
