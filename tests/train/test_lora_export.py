@@ -119,3 +119,39 @@ def test_hybrid_lm_adapter_exports_with_checkpoint_names(tmp_path):
     got = loaded(input_ids=ids).logits
     assert _relative(got, merged(input_ids=ids).logits) < TOL  # peft's adapter path == our merge
     print("HybridLM vs transformers NemotronH + peft:", _relative(got, ours(ids)))
+
+
+def test_generate_loads_base_plus_adapter(tmp_path):
+    """``hybridpar generate --hf-path ADAPTER`` (base from adapter_config.json, adapter merged) gives
+    the tokens of the merged export."""
+    from hybridpar.models.hf.checkpoint import save_hf
+    from hybridpar.models.hf.lora_export import split_lora_state
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from tests.models.test_generation import HF_SHAPES
+    from tests.train.test_generate_cli import PROMPT, generate
+
+    architecture = "Mamba2ForCausalLM"
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float64, chunk_size=4, **HF_SHAPES[architecture]))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+        model.lm_head.weight.mul_(20.0)
+    add_lora(model, r=4, alpha=8.0, seed=1, targets=["in_proj"])  # peft loads in_proj adapters on Mamba models
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                param.normal_(0, 0.5)
+    state = canonical_state_dict(model)
+    save_hf_base = HybridLM(model.config)
+    save_hf_base.load_state_dict(split_lora_state(state)[0])
+    save_hf(save_hf_base, tmp_path / "base", architecture=architecture)
+    export_lora(model, tmp_path / "adapter", state, base_path=tmp_path / "base", architecture=architecture)
+    export_lora(model, tmp_path / "merged", state, merge=True, architecture=architecture)
+
+    runs = {}
+    for name in ("adapter", "merged", "base"):
+        code, output = generate("--hf-path", str(tmp_path / name), "--prompt", PROMPT, "--max-new-tokens", "6", "--json")
+        assert code == 0, output
+        runs[name] = json.loads(output.strip().splitlines()[-1])["new_ids"]
+    assert runs["adapter"] == runs["merged"] and runs["adapter"] != runs["base"]

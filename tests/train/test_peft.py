@@ -111,5 +111,14 @@ def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints_and_refuses_an
     resumed = run_ranks(2, _steps, tmp_path / "b", [], timeout_s=300)[0]
     assert resumed == straight[2:], (resumed, straight)
 
+    from hybridpar.generate import load_for_generation  # generate --checkpoint: base rebuilt + trained adapters
+    from hybridpar.train.trainer import build_model
+
+    model, _ = load_for_generation(checkpoint=str(tmp_path / "b"))
+    fresh = dict(build_model(load_config(DEFAULT, RESUME)).named_parameters())
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], p) for n, p in fresh.items())
+    assert all(params[n].abs().max() > 0 for n in params if ".lora_B." in n)
+
     with pytest.raises(RankFailure, match=r"trained on preset tiny \(seed 0\).*this run's base is preset tiny \(seed 1\)"):
         run_ranks(2, _steps, tmp_path / "b", ["train.seed=1", "train.steps=6"], timeout_s=300)

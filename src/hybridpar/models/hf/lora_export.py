@@ -30,7 +30,8 @@ from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.lora import is_lora_parameter, lora_modules
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "split_lora_state", "save_peft_adapter", "merge_peft_adapter",
-           "read_peft_adapter", "lora_settings", "merged_state", "mamba_out_proj_targets"]
+           "read_peft_adapter", "lora_settings", "merged_state", "mamba_out_proj_targets",
+           "merge_adapter_checkpoint"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -129,3 +130,42 @@ def mamba_out_proj_targets(model: nn.Module) -> list[str]:
 
 def _is_mamba(module) -> bool:
     return module is not None and hasattr(module, "A_log") and hasattr(module, "in_proj")
+
+
+def merge_adapter_checkpoint(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | None = None) -> Path:
+    """Write the base checkpoint of a PEFT adapter with the adapter merged into ``out_dir``.
+
+    The base is ``base_dir`` or the adapter config's ``base_model_name_or_path``; each adapted
+    weight becomes ``W + (lora_alpha / r) B A`` (a NemotronH checkpoint's ``backbone.`` names are
+    found from transformers' ``model.`` module names). Files other than the weights are copied.
+    """
+    from hybridpar.models.hf.checkpoint import CONFIG_FILE, INDEX_FILE, SHARD_FILE, WEIGHTS_FILE, read_hf_tensors
+
+    config, adapters = read_peft_adapter(adapter_dir)
+    base_dir = Path(base_dir or config.get("base_model_name_or_path") or "")
+    if not (base_dir / CONFIG_FILE).is_file():
+        raise ValueError(f"adapter {str(adapter_dir)!r} names base {str(base_dir)!r}, which holds no {CONFIG_FILE}; "
+                         "put the base checkpoint there or edit base_model_name_or_path in adapter_config.json.")
+    if config.get("use_rslora") or config.get("use_dora"):
+        raise ValueError(f"adapter {str(adapter_dir)!r} uses rsLoRA/DoRA, which hybridpar does not merge; export a "
+                         "plain LoRA adapter.")
+    tensors = read_hf_tensors(base_dir)
+    scaling = float(config["lora_alpha"]) / int(config["r"])
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.rpartition(".lora_A.")[0]
+        b = adapters[f"{module}.lora_B.weight"]
+        key = next((k for k in (f"{module}.weight", "backbone." + module.removeprefix("model.") + ".weight")
+                    if k in tensors), None)
+        if key is None:
+            raise ValueError(f"adapter tensor {name!r} has no weight {module}.weight in base {str(base_dir)!r}; "
+                             "the adapter was trained on another model.")
+        tensors[key] = (tensors[key].double() + scaling * (b.double() @ a.double())).to(tensors[key].dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for extra in base_dir.iterdir():
+        if extra.is_file() and extra.name not in (WEIGHTS_FILE, INDEX_FILE) and not SHARD_FILE.fullmatch(extra.name):
+            (out_dir / extra.name).write_bytes(extra.read_bytes())
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out_dir
