@@ -5,8 +5,10 @@ boundaries; adapters on attention q/k/v/o, the MLP and the Mamba ``in_proj``/``o
 transformers Llama and a transformers NemotronH (Mamba, attention and MLP layers; dense rows; not at cp>1, which refuses
 transformers' own Mamba mixers),
 with ``add_lora(r=4)`` on the default targets and ``B`` perturbed so every adapter gradient is
-nonzero. Layouts: tp=2, tp=2 + SP, cp=2 (with activation checkpointing), dp_shard=2 on one
-2-rank group; cp=2 x tp=2 on a 4-rank group. The loss and every adapter gradient
+nonzero. Layouts: tp=2, tp=2 + SP, cp=2 (with activation checkpointing), dp_shard=2 (and the
+HybridLM with its blocks compiled, ``aot_eager``) on one 2-rank group; cp=2 x tp=2 on a 4-rank
+group. FSDP's reduce-scatter (``CommStats``) sends exactly the adapters' padded gradients: the
+frozen base has none to reduce. The loss and every adapter gradient
 (``canonical_state_dict(grads=True)``: gathered, Mamba components fused back) equal the
 single-process model's to 1e-9; no base parameter has a gradient, on any rank. One process:
 the ``ValueError``s of bad targets, ranks and unpairable TP styles.
@@ -31,6 +33,7 @@ LAYOUTS_2 = {  # name -> (ParallelDims kwargs, parallelize kwargs)
     "tp2-sp": (dict(tp=2), dict(sequence_parallel=True)),
     "cp2-ac": (dict(cp=2), dict(activation_checkpointing="full")),
     "dp_shard2": (dict(dp_shard=2), {}),
+    "dp_shard2-compiled": (dict(dp_shard=2), dict(compile="aot_eager")),  # HybridLM only (time)
 }
 LAYOUTS_4 = {"cp2-tp2": (dict(cp=2, tp=2), {})}
 
@@ -73,6 +76,7 @@ def reference(name: str, dp: int) -> dict:
 
 
 def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh) -> dict:
+    from hybridpar.parallel.comm.stats import CommStats
     from hybridpar.parallel.context.hf import hf_cp_inputs
     from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.parallel.dims import ParallelDims
@@ -87,16 +91,23 @@ def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh) -> dict:
     local = shard_inputs(ids, labels=labels, packed=packed, cp_group=mesh["cp"].get_group(),
                          tp_group=mesh["tp"].get_group(), sequence_parallel=options.get("sequence_parallel", False))
     count = global_sum(valid_token_count(local.labels), dp_cp)
-    if name == "hybrid":
-        logits = model(local.input_ids, packed=local.packed)
-    else:
-        logits = model(**hf_cp_inputs(local)).logits
-    loss_sum = token_loss_sum(logits, local.labels)
-    (loss_sum / count).backward()
+    with CommStats(mesh) as stats:
+        if name == "hybrid":
+            logits = model(local.input_ids, packed=local.packed)
+        else:
+            logits = model(**hf_cp_inputs(local)).logits
+        loss_sum = token_loss_sum(logits, local.labels)
+        (loss_sum / count).backward()
+    # FSDP2 reduce-scatters each group's padded trainable gradients [P * ceil(d0/P), ...]: a rank
+    # sends (P-1)/P of them, at P = 2 one shard's worth
+    shard = dims.dp_shard * dims.cp
+    trainable = sum(-(-p.shape[0] // shard) * p[0].numel() * p.element_size()
+                    for p in model.parameters() if p.requires_grad)
     base_grads = [n for n, p in model.named_parameters() if not is_lora_parameter(n) and p.grad is not None]
     frozen_trainable = [n for n, p in model.named_parameters() if not is_lora_parameter(n) and p.requires_grad]
     return {"loss": (global_sum(loss_sum, dp_cp) / count).item(), "grads": canonical_state_dict(model, grads=True),
-            "base_grads": base_grads, "frozen_trainable": frozen_trainable}
+            "base_grads": base_grads, "frozen_trainable": frozen_trainable,
+            "reduce_scatter": (stats.bytes_sent.get("reduce_scatter", 0), trainable if dims.tp == 1 else None)}
 
 
 def lora_worker(rank: int, world_size: int, layouts: dict) -> dict:
@@ -108,6 +119,8 @@ def lora_worker(rank: int, world_size: int, layouts: dict) -> dict:
         for name in MODELS:
             if name == "nemotron_h" and dims_kwargs.get("cp", 1) > 1:
                 continue  # transformers' Mamba mixers run under CP only inside a HybridLM (backend='hybrid')
+            if "compile" in options and name != "hybrid":
+                continue
             results[(layout, name)] = _parallel_case(name, dims_kwargs, options, mesh)
     return results
 
@@ -131,6 +144,10 @@ def _check(results: list[dict], layouts: dict) -> None:
                 failures.append(f"{where}: {pname} gradient error {err:.3e}")
     for rank_results in results:
         for key, got in rank_results.items():
+            sent, trainable = got["reduce_scatter"]
+            if trainable is not None and layouts[key[0]][0] == dict(dp_shard=2):  # (CP reduce-scatters dK, dV too)
+                if sent != trainable:  # frozen base weights: no gradient reduce-scatter
+                    failures.append(f"{key}: FSDP reduce-scattered {sent} bytes, the adapters' gradients are {trainable}")
             if got["base_grads"] or got["frozen_trainable"]:
                 failures.append(f"{key}: base parameters with gradients {got['base_grads'][:4]} / trainable "
                                 f"{got['frozen_trainable'][:4]}")
