@@ -122,3 +122,21 @@ def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints_and_refuses_an
 
     with pytest.raises(RankFailure, match=r"trained on preset tiny \(seed 0\).*this run's base is preset tiny \(seed 1\)"):
         run_ranks(2, _steps, tmp_path / "b", ["train.seed=1", "train.steps=6"], timeout_s=300)
+
+
+def _check_lora(rank, world_size):
+    import contextlib
+    import io
+
+    from hybridpar.train.check import run_check
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = run_check(load_config(DEFAULT, LORA[:3] + ["peft.method=lora", "peft.r=4", "parallel.cp=1",
+                                                          "parallel.tp=2", "output_dir=unused"]), torch.device("cpu"))
+    return code, out.getvalue()
+
+
+def test_hybridpar_check_of_a_lora_layout_is_exact():
+    code, text = run_ranks(2, _check_lora, timeout_s=300)[0]
+    assert code == 0 and "exact" in text and "(frozen)" in text, text[-2000:]

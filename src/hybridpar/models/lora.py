@@ -71,6 +71,9 @@ def _linear_targets(model: nn.Module, targets: tuple[str, ...] | None) -> dict[s
     for target in targets:
         found = {n: m for n, m in model.named_modules() if n and target_matches(n, target)}
         linear = {n: m for n, m in found.items() if isinstance(m, nn.Linear) and n.split(".")[-1] != "lm_head"}
+        if found and not linear and all(n.split(".")[-1] == "lm_head" for n in found):
+            raise ValueError(f"peft.target_modules entry {target!r} names the LM head, which LoRA here leaves alone "
+                             "(it is vocab-parallel); drop it from peft.target_modules.")
         if not linear:
             kinds = sorted({type(m).__name__ for m in found.values()})
             what = f"only non-Linear modules ({kinds})" if found else "no module"
