@@ -14,7 +14,7 @@ $(PY):
 # pyproject.toml declares the torch range hybridpar is tested on; constraints.txt pins the exact
 # versions the suite and CI run (torch==2.13.0), so `make` stays reproducible.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf,data]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf,data,peft]"
 	touch $(STAMP)
 
 install: $(STAMP)

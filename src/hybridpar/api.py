@@ -20,12 +20,14 @@ from hybridpar.models.hf.causal_lm import export_causal_lm, load_causal_lm
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hybrid import PRESETS, HybridConfig, HybridLM
 from hybridpar.models.lm_head_loss import chunked_lm_head_loss
+from hybridpar.models.lora import add_lora
 from hybridpar.parallel.context.inputs import ShardedInputs, gather_outputs, shard_inputs
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.parallelize import parallelize
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.plan import make_plan
 from hybridpar.train.loss import lm_head_loss
+from hybridpar.train.peft import export_lora
 
 __all__ = [
     # models
@@ -37,6 +39,8 @@ __all__ = [
     "canonical_state_dict", "load_canonical_state_dict",
     # loss
     "lm_head_loss", "chunked_lm_head_loss",
+    # LoRA (docs/lora.md): adapters before parallelize, the PEFT-format export
+    "add_lora", "export_lora",
     # runs and the planner
     "RunConfig", "load_config", "make_plan",
 ]

@@ -115,12 +115,23 @@ class CheckpointConfig:
 
 
 @dataclass
+class PeftConfig:
+    method: str = "none"  # none | lora: train low-rank adapters on a frozen model (models/lora.py)
+    r: int = 8  # LoRA rank
+    alpha: float = 16.0  # the update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapter's input
+    target_modules: tuple[str, ...] | None = None  # linear layers by name (peft's rule); null: q/k/v/o, MLP, Mamba in/out_proj
+    merge: bool = False  # model.export_hf writes merged full weights instead of the adapter
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     output_dir: str = "runs/default"
     tensorboard: bool = True
     plot: bool = True
@@ -193,6 +204,14 @@ RULES: dict[str, Rule] = {
     "checkpoint.keep": integer(1),
     "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or PATH.holds(v)),
     "checkpoint.if_exists": one_of("refuse", "overwrite", "new_subdir"),
+    "peft.method": one_of("none", "lora"),
+    "peft.r": integer(1),
+    "peft.alpha": number(0, low_open=True),
+    "peft.dropout": number(0, 1, high_open=True),
+    "peft.target_modules": or_null(Rule("a non-empty list of module names such as [q_proj, v_proj]",
+                                        lambda v: len(v) > 0 and all(isinstance(t, str) and t.strip() for t in v)),
+                                   " (null: q/k/v/o_proj, gate/up/down_proj, in/out_proj where present)"),
+    "peft.merge": ANY,
     "output_dir": PATH,
     "tensorboard": ANY,
     "plot": ANY,

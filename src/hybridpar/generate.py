@@ -9,7 +9,9 @@ The model comes from
   as ``hybridpar train`` would load ``model.hf_path`` (``--backend auto|hybrid|transformers``):
   Mamba2 / Bamba / NemotronH as a ``HybridLM`` (cached generation, ``models/generation.py``),
   any other architecture as the transformers model with its own ``generate``;
-- ``--checkpoint DIR``: a training checkpoint (a ``step_*`` folder, or an ``output_dir`` or its
+- ``--hf-path ADAPTER``: a LoRA adapter in the PEFT format (``adapter_config.json``, e.g. a LoRA
+  run's ``model.export_hf``): its base checkpoint with the adapter merged in;
+- ``--checkpoint DIR``: a training checkpoint (of a LoRA run: the base rebuilt, the adapters loaded) (a ``step_*`` folder, or an ``output_dir`` or its
   ``checkpoints`` folder: the newest complete one), i.e. the model of the config recorded in its
   ``run.json`` with the checkpoint's weights.
 
@@ -65,6 +67,8 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     from hybridpar.models.hf.weights import check_finite
     from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
     from hybridpar.parallel.tensor.hybrid import split_mamba_mixers
+    from hybridpar.train.peft import apply_peft
+    from hybridpar.train.run.adapters import base_reference, check_same_base
     from hybridpar.train.run.checkpoint import read_run_info
     from hybridpar.train.trainer import build_model
 
@@ -74,22 +78,40 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     config = config_from_dict(recorded)
     if dtype is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=str(dtype).removeprefix("torch.")))
-    stored = build_model(config)
+    stored = apply_peft(config, build_model(config))  # a LoRA run: the frozen base is rebuilt, adapters loaded
+    check_same_base(path, base_reference(config))
     split_mamba_mixers(stored)  # the parameter names training saves (layout-free)
-    state = {"model": stored.state_dict()}
+    lora = config.peft.method != "none"
+    state = {"model": {n: p for n, p in stored.named_parameters() if p.requires_grad} if lora else stored.state_dict()}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        stored.load_state_dict(state["model"])
+        stored.load_state_dict(state["model"], strict=not lora)
     except Exception as error:  # noqa: BLE001 - DCP raises many kinds; the message names the folder
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ValueError(f"--checkpoint {path} could not be loaded ({type(error).__name__}: {shorten(first, 200)}); it "
                          "may be corrupt or from another model: pass another step_* folder.") from None
-    model = build_model(config)
+    model = apply_peft(config, build_model(config))
     load_canonical_state_dict(model, canonical_state_dict(stored))  # fused names again; every parameter set
     check_finite(model.named_parameters(), f"checkpoint {path}")
     return model.eval(), config
+
+
+def _merged_adapter(adapter_dir: str) -> tuple[str, str]:
+    """``(merged checkpoint in a temporary directory, the base's directory)`` of a PEFT adapter."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from hybridpar.models.hf.lora_export import merge_adapter_checkpoint, read_peft_adapter
+
+    scratch = tempfile.mkdtemp(prefix="hybridpar-lora-")
+    atexit.register(shutil.rmtree, scratch, True)
+    merge_adapter_checkpoint(adapter_dir, scratch)
+    base = read_peft_adapter(adapter_dir)[0].get("base_model_name_or_path")
+    tokenizer_home = adapter_dir if any(Path(adapter_dir).glob("tokenizer*")) else base
+    return scratch, tokenizer_home
 
 
 def load_for_generation(hf_path: str | None = None, checkpoint: str | None = None, backend: str = "auto",
@@ -111,7 +133,10 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         if not Path(hf_path).is_dir():
             raise ValueError(f"--hf-path {quoted(hf_path)} is not a directory; pass a Hugging Face checkpoint directory "
                              "(config.json + model.safetensors), e.g. a run's model.export_hf.")
-        model, model_path = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval(), hf_path
+        model_path = hf_path
+        if (Path(hf_path) / "adapter_config.json").is_file():  # a LoRA adapter: its base with the adapter merged
+            hf_path, model_path = _merged_adapter(hf_path)
+        model = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval()
     else:
         path = checkpoint_to_load(checkpoint)
         model, config = _model_from_checkpoint(path, torch_dtype)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from hybridpar.plan.layout import Layout
 
-__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES"]
+__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "lora_saved_bytes"]
 
 BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp"}
 
@@ -92,3 +92,15 @@ def saved_bytes(layout: Layout, policy: str | None = None) -> dict:
         out[BLOCK_NAMES[kind]] += block_saved_bytes(layout, kind, policy)
     out["head"] = head_saved_bytes(layout)
     return out
+
+
+def lora_saved_bytes(layout: Layout, index: int) -> int:
+    """LoRA adapters of block ``index``: each keeps ``h = A x`` [Tc, r] for ``B``'s gradient (its
+    input x is the base layer's, already counted; under ``full``/``selective`` checkpointing the
+    block recomputes them). The frozen base's own saved tensors are counted as for training it."""
+    if not layout.lora_rank or layout.checkpointing in ("full", "selective"):
+        return 0
+    from hybridpar.plan.params import adapter_units
+
+    factors = adapter_units(layout)[f"backbone.layers.{index}"]
+    return (len(factors) // 2) * layout.tokens * layout.lora_rank * layout.act_bytes

@@ -38,13 +38,18 @@ class Layout:
     checkpointing: str = "none"
     mixed_precision: str | None = None
     reshard_after_forward: bool | int = True
+    lora_rank: int = 0  # peft.method=lora: the adapters' rank (0: full fine-tuning)
+    lora_targets: tuple[str, ...] = ()  # the adapted linear layers by name (peft.target_modules or the defaults)
 
     @classmethod
     def from_run(cls, run: RunConfig, model: HybridConfig) -> "Layout":
-        p = run.parallel
+        from hybridpar.models.lora import DEFAULT_TARGETS
+
+        p, lora = run.parallel, run.peft.method == "lora"
         return cls(model, ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp), run.data.pack_size,
                    run.data.packs_per_step, run.model.dtype, p.sequence_parallel, p.cp_attention, p.cp_mamba,
-                   p.activation_checkpointing, p.mixed_precision, p.reshard_after_forward)
+                   p.activation_checkpointing, p.mixed_precision, p.reshard_after_forward,
+                   run.peft.r if lora else 0, tuple(run.peft.target_modules or DEFAULT_TARGETS) if lora else ())
 
     @property
     def tp(self) -> int:
@@ -95,4 +100,4 @@ class Layout:
         p = self.dims
         return (f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
                 f"sp={'on' if self.sp else 'off'} cp_attention={self.cp_attention} cp_mamba={self.cp_mamba} "
-                f"checkpointing={self.checkpointing}")
+                f"checkpointing={self.checkpointing}" + (f" lora_r={self.lora_rank}" if self.lora_rank else ""))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridpar.plan.activations import BLOCK_NAMES, block_saved_bytes, head_saved_bytes
+from hybridpar.plan.activations import BLOCK_NAMES, block_saved_bytes, head_saved_bytes, lora_saved_bytes
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import ParameterMemory, parameter_memory
 from hybridpar.plan.transients import block_workspaces, loss_workspaces
@@ -47,13 +47,13 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     params = parameter_memory(layout)
     pattern = layout.model.pattern
     units = [f"backbone.layers.{i}" for i in range(len(pattern))]
-    saved = [block_saved_bytes(layout, kind) for kind in pattern]
+    saved = [block_saved_bytes(layout, kind) + lora_saved_bytes(layout, i) for i, kind in enumerate(pattern)]
     ws = [block_workspaces(layout, kind) for kind in pattern]
     head = head_saved_bytes(layout)
     loss = loss_workspaces(layout)
     e_p, fsdp, sharded = params.element_bytes, layout.fsdp, layout.shard > 1
-    full_grad = {u: n * e_p for u, n in params.unit_numel.items()}
-    grad_after = {u: (-(-n // layout.shard) * e_p if fsdp else n * e_p) for u, n in params.unit_numel.items()}
+    full_grad = {u: n * e_p for u, n in params.trainable_unit_numel.items()}  # LoRA: the adapters' only
+    grad_after = {u: (-(-n // layout.shard) * e_p if fsdp else n * e_p) for u, n in params.trainable_unit_numel.items()}
     keep_gathered = sharded and layout.reshard_after_forward is False
 
     def gathered(i: int) -> int:
@@ -81,7 +81,7 @@ def memory_plan(layout: Layout) -> MemoryPlan:
             **common, "accumulated_grads": 0, "gradients": grads, "activations": sum(saved[: i + 1]) - ws[i].freed,
             "fsdp_gathered": gathered(i) + gathered(i - 1), "workspace": ws[i].backward,
             "unsharded_grads": full_grad[units[i]] if sharded and layout.packs_per_rank == 1 else 0}))
-    largest = max((n for n in params.unit_numel.values()), default=0)
+    largest = max((n for n in params.trainable_unit_numel.values()), default=0)
     moments.append(("optimizer step", {**base, "gradients": params.grad_bytes,
                                        "workspace": 2 * min(largest, params.per_rank) * e_p}))
     moment, breakdown = max(moments, key=lambda m: sum(m[1].values()))

@@ -9,6 +9,13 @@ every parameter over ``P_f = dp_shard * cp`` ranks; rank 0 holds the largest sha
     gathered(u) = sum_{p in u} numel_p * e_fsdp              one unit's unsharded parameters
                                                              (e_fsdp = 2 under bf16, else e_p)
 
+LoRA (``peft.method=lora``, rank r): the base keeps ``N_rank * e_p`` of frozen parameters and no
+gradient or AdamW state; the adapters (``adapter_units``: per adapted linear ``A [r, in]`` and
+``B [out, r]``, the TP-sharded factor split like its base) add their own parameters, gradients
+and AdamW state (``A_rank``, sharded by FSDP like the rest)::
+
+    persistent = N_rank * e_p + A_rank * e_p * (1 + 1 + 2)
+
 HSDP replicates the shards over ``dp_replicate`` (no change per rank). With several packs per
 rank FSDP accumulates *unsharded* gradients until the last pack (one reduction per step), so
 during accumulation a rank holds ``sum_u numel_u * e_p`` of gradients instead of ``N_rank * e_p``.
@@ -16,6 +23,7 @@ during accumulation a rank holds ``sum_u numel_u * e_p`` of gradients instead of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,7 +31,7 @@ from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.comm.step import unit_parameters
 from hybridpar.plan.layout import Layout
 
-__all__ = ["parameter_count", "ParameterMemory", "parameter_memory"]
+__all__ = ["parameter_count", "ParameterMemory", "parameter_memory", "adapter_units"]
 
 
 def parameter_count(config: HybridConfig) -> int:
@@ -41,14 +49,52 @@ class ParameterMemory:
     optimizer_bytes: int  # AdamW exp_avg + exp_avg_sq
     gather_bytes_per_element: int  # e_fsdp
     element_bytes: int  # e_p
+    grad_unit_numel: dict | None = None  # trainable elements per unit (LoRA: the adapters'); None: unit_numel
+    adapters: int = 0  # adapter parameters of the model (LoRA)
 
     def gathered(self, unit: str) -> int:
         return self.unit_numel[unit] * self.gather_bytes_per_element
 
     @property
+    def trainable_unit_numel(self) -> dict:
+        return self.unit_numel if self.grad_unit_numel is None else self.grad_unit_numel
+
+    @property
     def unsharded_grad_bytes(self) -> int:
         """Gradients of every unit before FSDP reduces them (kept while accumulating)."""
-        return sum(self.unit_numel.values()) * self.element_bytes
+        return sum(self.trainable_unit_numel.values()) * self.element_bytes
+
+
+def _adapted(name: str, targets: tuple[str, ...]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def adapter_units(layout: Layout) -> dict[str, list[tuple[int, ...]]]:
+    """TP-local shapes of the LoRA factors per FSDP unit, as ``parallel/lora.py`` lays them out:
+    column-parallel base (q/k/v, gate/up, Mamba in_proj per component): ``A [r, in]``,
+    ``B [out/tp, r]``; row-parallel base (o, down, out_proj): ``A [r, in/tp]``, ``B [out, r]``."""
+    c, tp, r = layout.model, layout.tp, layout.lora_rank
+    d, out = c.hidden_size, {}
+    for index, kind in enumerate(c.pattern):
+        m = f"backbone.layers.{index}.mixer"
+        if kind == "M":
+            d_inner = c.mamba_intermediate_size
+            width = 2 * d_inner + 2 * c.mamba_n_groups * c.ssm_state_size + c.mamba_num_heads
+            linears = {"in_proj": (d, width, "col"), "out_proj": (d_inner, d, "row")}
+        elif kind == "*":
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            linears = {"q_proj": (d, q, "col"), "k_proj": (d, kv, "col"), "v_proj": (d, kv, "col"),
+                       "o_proj": (q, d, "row")}
+        else:
+            linears = {"up_proj": (d, c.intermediate_size, "col"), "down_proj": (c.intermediate_size, d, "row")}
+            if c.mlp_gated:
+                linears["gate_proj"] = (d, c.intermediate_size, "col")
+        shapes = []
+        for name, (fan_in, fan_out, style) in linears.items():
+            if _adapted(f"{m}.{name}", layout.lora_targets):
+                shapes += [(r, fan_in), (fan_out // tp, r)] if style == "col" else [(r, fan_in // tp), (fan_out, r)]
+        out[f"backbone.layers.{index}"] = shapes
+    return out
 
 
 def parameter_memory(layout: Layout) -> ParameterMemory:
@@ -58,5 +104,14 @@ def parameter_memory(layout: Layout) -> ParameterMemory:
     unit_numel = {name: sum(math.prod(p.shape) for p in params) for name, params in units.items()}
     e_p = layout.param_bytes
     gather = 2 if layout.mixed_precision == "bf16" else e_p
-    return ParameterMemory(parameter_count(layout.model), per_rank, unit_numel, per_rank * e_p, per_rank * e_p,
-                           2 * per_rank * e_p, gather, e_p)
+    if not layout.lora_rank:
+        return ParameterMemory(parameter_count(layout.model), per_rank, unit_numel, per_rank * e_p, per_rank * e_p,
+                               2 * per_rank * e_p, gather, e_p)
+    adapters = adapter_units(layout)
+    adapter_rank = sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for u in adapters.values() for s in u)
+    adapter_numel = {name: sum(math.prod(s) for s in adapters.get(name, ())) for name in unit_numel}
+    full = adapter_units(dataclasses.replace(layout, dims=dataclasses.replace(layout.dims, tp=1)))
+    return ParameterMemory(parameter_count(layout.model), per_rank + adapter_rank,
+                           {n: unit_numel[n] + adapter_numel[n] for n in unit_numel}, (per_rank + adapter_rank) * e_p,
+                           adapter_rank * e_p, 2 * adapter_rank * e_p, gather, e_p, adapter_numel,
+                           sum(math.prod(s) for u in full.values() for s in u))

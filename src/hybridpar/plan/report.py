@@ -57,7 +57,9 @@ def plan_text(plan: Plan, target: str = "gpu") -> str:
         f"{layout.packs_per_rank} pack(s) per rank per step, {layout.dtype}"
         + (f", mixed precision {layout.mixed_precision}" if layout.mixed_precision else ""),
         f"per rank: {m.params.per_rank:,} parameters; params {_bytes(m.params.param_bytes)}, grads "
-        f"{_bytes(m.params.grad_bytes)}, AdamW {_bytes(m.params.optimizer_bytes)}",
+        f"{_bytes(m.params.grad_bytes)}, AdamW {_bytes(m.params.optimizer_bytes)}"
+        + (f" (LoRA r={layout.lora_rank}: {m.params.adapters:,} adapter parameters train, the base is frozen)"
+           if layout.lora_rank else ""),
         "saved for backward per pack: " + ", ".join(f"{k} {_bytes(v)}" for k, v in m.saved_by_kind.items())
         + f" (total {_bytes(m.saved_bytes)})",
         f"peak: {_bytes(d['peak_memory_gib_per_rank'] * GIB)} per rank at {m.peak_moment}: "

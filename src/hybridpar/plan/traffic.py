@@ -9,6 +9,7 @@ its forward collectives (TP/SP entry and exit, CP exchanges) once more per pack;
 listed as source ``recompute`` (the forward half of ``tp_blocks``, ``cp_attention``, ``cp_mamba``).
 ``cp_attention=ring`` sends point to point (kind ``send``; ``cp_ring.py``'s
 count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``docs_per_pack`` documents are assumed in every pack.
+Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not yet measured).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from hybridpar.parallel.comm.step import StepShape, Tally, step_collectives
 from hybridpar.plan.layout import Layout
 
-__all__ = ["step_traffic", "by_kind", "by_kind_and_dim"]
+__all__ = ["step_traffic", "by_kind", "by_kind_and_dim", "lora_fsdp"]
 
 # The forward collectives a block's recomputation runs again: (source, kind) -> share of that source's calls.
 # SP's norm all-gather is half of tp_blocks' all-gathers (the other half is backward); the CP exchanges
@@ -49,6 +50,8 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
                                if layout.cp_attention == "ring" else shape)
     if layout.cp_attention == "ring" and layout.cp > 1:
         sources["cp_attention"] = ring_attention(layout)
+    if layout.lora_rank and "fsdp" in sources:
+        sources["fsdp"] = lora_fsdp(layout, sources["fsdp"])
     if layout.checkpointing != "none":
         extra = Tally()
         for (name, kind), share in RECOMPUTED.items():
@@ -57,6 +60,20 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
                     extra.add(kind, dim, nbytes // calls, round(calls * share))
         sources["recompute"] = extra
     return sources
+
+
+def lora_fsdp(layout: Layout, full: Tally) -> Tally:
+    """FSDP under LoRA: frozen base weights are still all-gathered, but only the adapters' gradients
+    are reduce-scattered (and HSDP all-reduced): those totals scale by adapter / base elements."""
+    from hybridpar.plan.params import parameter_memory
+
+    params = parameter_memory(layout)
+    base = sum(params.unit_numel.values()) - sum(params.trainable_unit_numel.values())
+    share = sum(params.trainable_unit_numel.values()) / max(1, base)
+    out = Tally()
+    for (kind, dim), (calls, nbytes) in full.items():
+        out[(kind, dim)] = [calls, nbytes if kind == "all_gather" else round(nbytes * share)]
+    return out
 
 
 def by_kind_and_dim(sources: dict[str, Tally]) -> dict[str, int]:

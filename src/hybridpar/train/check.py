@@ -25,6 +25,7 @@ from hybridpar.parallel.state import canonical_state_dict
 from hybridpar.train.loss import valid_token_count
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.train.hf_model import use_blockwise_attention
+from hybridpar.train.peft import apply_peft
 from hybridpar.train.trainer import Trainer, build_model, pack_loss_sum, pack_tensors
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -62,7 +63,7 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     if tolerance is not None and not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"--tolerance {tolerance} is invalid: it must be a finite number > 0; e.g. --tolerance 1e-6.")
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tf32=False))  # never TF32
-    reference = build_model(config).to(device)
+    reference = apply_peft(config, build_model(config)).to(device)  # peft.method=lora: adapters only train
     if not isinstance(reference, HybridLM):
         use_blockwise_attention(reference)  # the attention the trainer runs (documents from packed_seq_params)
     trainer = Trainer(config, device)
@@ -73,6 +74,9 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
 
     rows = [("loss", float((parallel_loss - reference_loss).abs()), float(reference_loss.abs()))]
     for name, param in reference.named_parameters():
+        if param.grad is None:  # a frozen base weight: the parallel run must not have a gradient either
+            rows.append((f"grad {name} (frozen)", float(name in parallel_grads), 0.0))
+            continue
         difference = (parallel_grads[name].to(param.grad.dtype) - param.grad).abs().max()
         rows.append((f"grad {name}", float(difference), float(param.grad.abs().max())))
     failures = [name for name, difference, scale in rows if not within(difference, scale, tolerance)]

@@ -36,6 +36,7 @@ from hybridpar.config_rules import quoted
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import pad_multiple, validate_data
 from hybridpar.train.hf_model import hf_meta_model, hf_shape, model_backend
+from hybridpar.train.peft import apply_peft
 
 
 # Rules of the HybridConfig fields ``model.overrides`` may set (types come from the dataclass).
@@ -193,7 +194,7 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
     if world_size is not None:
         dims.validate(world_size)
     shape = shape if shape is not None else (model.config if model is not None else model_config(config))
-    model = model if model is not None else meta_model(shape)
+    model = apply_peft(config, model if model is not None else meta_model(shape))  # peft.*: adapters first
     _check_compile_backend(p.compile)
     try:
         validate_parallelize(model, dims, cp_attention_strategy=p.cp_attention, cp_mamba_strategy=p.cp_mamba,

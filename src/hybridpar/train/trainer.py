@@ -52,6 +52,8 @@ from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
+from hybridpar.train.peft import apply_peft, export_lora
+from hybridpar.train.run.adapters import base_reference, check_same_base
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import (
     check_pack_memory, export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
@@ -131,7 +133,7 @@ class Trainer:
                  f"on {world} process{'es' * (world > 1)}: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
                  f"cp={p.cp} tp={p.tp}")
         # Everything that can be wrong with the input is found before the first collective.
-        model = build_model(config)
+        model = apply_peft(config, build_model(config))  # peft.method=lora: frozen base + adapters
         self.vocab_size = model.config.vocab_size
         shape = model_config(config)
         validate_layout(config, dist.get_world_size(), model=model, shape=shape)
@@ -163,6 +165,9 @@ class Trainer:
             reshard_after_forward=config.parallel.reshard_after_forward, compile=config.parallel.compile,
         )
         self.optimizer = build_optimizer(self.model, config.train)
+        lora_base = [base_reference(config) if self.rank == 0 else None]  # peft.method=lora: the base's path and hash
+        dist.broadcast_object_list(lora_base, src=0)  # hashed once; every rank refuses a foreign base alike
+        self.lora_base = lora_base[0]
         self.scheduler = build_scheduler(self.optimizer, config.train)
         self.guard = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
         self.start_step = 0
@@ -283,8 +288,12 @@ class Trainer:
             staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             shutil.rmtree(staging, ignore_errors=True)
             tokenizer_dir = self.export_tokenizer_dir()
-            export_causal_lm(self.model, staging, tokenizer_dir=tokenizer_dir, state_dict=state,
-                             architecture=self.config.model.export_architecture)
+            if self.config.peft.method == "lora":  # the adapter in the PEFT format, or merged weights
+                export_lora(self.model, staging, state, merge=self.config.peft.merge, base_path=self.config.model.hf_path,
+                            tokenizer_dir=tokenizer_dir, architecture=self.config.model.export_architecture)
+            else:
+                export_causal_lm(self.model, staging, tokenizer_dir=tokenizer_dir, state_dict=state,
+                                 architecture=self.config.model.export_architecture)
             if target.is_dir():
                 target.rmdir()  # empty (checked above)
             staging.rename(target)
@@ -313,6 +322,7 @@ class Trainer:
         if plan.pad_to_multiple_of != self.pad:  # continue with the checkpoint's padding: the same batches
             self.pad, self._eval_data = plan.pad_to_multiple_of, None
             self.train_data = self._stream(self.data)
+        check_same_base(plan.checkpoint, self.lora_base)  # adapters resume only on their own base
         state = load_checkpoint(plan.checkpoint, self.model, self.optimizer, self.scheduler)
         self.start_step = state["step"]
         self.guard.skipped = state.get("nonfinite_skips", 0)
@@ -326,7 +336,7 @@ class Trainer:
         assert_finite_state({"model": dict(self.model.named_parameters()),
                              "optim": {str(i): s for i, s in enumerate(self.optimizer.state.values())}}, step, kept)
         run_info = {"run_id": self.run_id, "model": self.signature, "data": data_stream(self.config, self.pad, self.data_sources),
-                    "config": to_dict(self.config)}
+                    "config": to_dict(self.config), "lora_base": self.lora_base}
         path = save_checkpoint(f"{self.output_dir}/checkpoints", step, self.model, self.optimizer, self.scheduler,
                                extra={"config": to_dict(self.config), "nonfinite_skips": self.guard.skipped},
                                keep=self.config.checkpoint.keep, run_info=run_info)

@@ -41,6 +41,7 @@ from hybridpar.parallel.tensor.check import (
     sp_uncovered,
     validate_tp_sizes,
 )
+from hybridpar.parallel.lora import check_lora_pairing, detached_adapters, pair_lora
 from hybridpar.parallel.tensor.plans import hf_style, hf_tp_plan
 from hybridpar.parallel.tensor.registry import (
     PlanEntry,
@@ -224,7 +225,9 @@ def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_par
     if not styles:
         raise ValueError(f"TP plan ({resolved.source}) matches no module of {type(model).__name__}; "
                          "check the module path patterns")
-    check_plan(model, styles, tp, sequence_parallel, data_parallel)
+    with detached_adapters(model):  # LoRA adapters are paired with their base layer's style (parallel/lora.py)
+        check_plan(model, styles, tp, sequence_parallel, data_parallel)
+    check_lora_pairing(model, styles)
     return TPPlan(styles, resolved.source, resolved.entry)
 
 
@@ -246,12 +249,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike = None,
     tp = tp_mesh.size()
     checked = check_tp_plan(model, tp, plan, sequence_parallel)
     tied_groups = _parameter_slots(model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*could not be resolved.*")
-        parallelize_module(model, tp_mesh, checked.styles)
-    _retie(model, tied_groups)
-    _replicate_leftovers(model, tp_mesh)
-    _retie(model, tied_groups)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # some torch styles re-create params
+    with detached_adapters(model):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*could not be resolved.*")
+            parallelize_module(model, tp_mesh, checked.styles)
+        _retie(model, tied_groups)
+        _replicate_leftovers(model, tp_mesh)
+        _retie(model, tied_groups)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    pair_lora(model, tp_mesh, checked.styles)
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_divisible(tp), with_kwargs=True, prepend=True)
     model._tp_plan_applied = checked

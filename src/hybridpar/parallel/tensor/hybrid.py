@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP
 from hybridpar.models.mamba.mixer import Mamba2Mixer
+from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.plans import register_tp_plan
 from hybridpar.parallel.tensor.styles import (
     LocalReplicateParallel,
@@ -149,7 +150,9 @@ def split_mamba_mixers(model: nn.Module) -> list[str]:
         d_inner, gn, heads = mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.num_heads
         if any(isinstance(p, DTensor) for p in mixer.parameters()):
             raise ValueError(f"mamba mixer {name!r} is already sharded; split it before tensor parallelism.")
-        mixer.in_proj = SplitInProj(mixer.in_proj, dict(z=d_inner, x=d_inner, B=gn, C=gn, dt=heads))
+        sizes = dict(z=d_inner, x=d_inner, B=gn, C=gn, dt=heads)
+        fused, mixer.in_proj = mixer.in_proj, SplitInProj(mixer.in_proj, sizes)
+        split_lora_components(fused, mixer.in_proj, sizes)  # a LoRA adapter follows, B per component
         mixer.conv1d = SplitConv1d(mixer.conv1d, dict(x=d_inner, B=gn, C=gn))
         done.append(name)
     return done

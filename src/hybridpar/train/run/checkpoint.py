@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hybridpar.config_rules import bounded_message
 
@@ -202,6 +202,13 @@ def prune(directory: str | Path, run_id: str, keep: int) -> list[Path]:
     return doomed
 
 
+def _options(model, setting: bool = False) -> StateDictOptions:
+    """Frozen parameters (a LoRA run's base weights) are neither saved nor loaded (``adapters.py``);
+    ``dcp.load`` still requires every trainable key, so setting the loaded subset is not strict."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not (frozen and setting))
+
+
 def save_checkpoint(directory, step: int, model, optimizer, scheduler, extra: dict | None = None, keep: int = 2,
                     run_info: dict | None = None) -> Path:
     """Write a checkpoint of ``step`` atomically and keep the newest ``keep`` of this run; returns its path.
@@ -216,7 +223,7 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, extra: di
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
     hashed = [_hash_own_shards(staging, rank)]  # every rank hashes its own shards, in parallel
     if dist.get_world_size() > 1:
@@ -289,10 +296,11 @@ def load_checkpoint(path, model, optimizer, scheduler) -> dict:
     verify_checkpoint(path)
     try:
         trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_options(model, setting=True))
     except (Exception, CheckpointException) as error:  # DCP gathers every rank's failure: all ranks get here
         raise CheckpointError(
             f"checkpoint {str(path)!r} could not be loaded ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}); "

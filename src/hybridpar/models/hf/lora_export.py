@@ -1,0 +1,171 @@
+"""LoRA adapters in the PEFT format: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+``peft.PeftModel.from_pretrained(base, adapter_dir)`` loads what ``save_peft_adapter`` writes on
+the Hugging Face base checkpoint: the config is peft's own ``LoraConfig`` (r, lora_alpha,
+lora_dropout, target_modules by leaf name, the base's path), the tensors are named
+``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight`` with transformers' module names
+(a ``HybridLM`` maps them like its weights, ``checkpoint.hf_tensor_name``; NemotronH checkpoints
+say ``backbone.`` where transformers' modules say ``model.``).
+``merged_state`` merges ``W + (alpha/r) B A`` into full weights itself: peft refuses adapters on
+a transformers Mamba mixer's ``out_proj`` (its fused CUDA path reads the weight directly), so
+merging through peft would fail for the default targets; the tests hold our merge to peft's
+``merge_and_unload`` where peft accepts the adapter. For the same reason an unmerged adapter on
+a Mamba ``out_proj`` is refused (``mamba_out_proj_targets``): export it with ``peft.merge=true``.
+
+Tensors come from ``parallel.state.canonical_state_dict`` (full, single-device names; the
+Mamba ``in_proj``'s per-component ``B`` already fused back), so any layout exports alike.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from hybridpar.models.hf.checkpoint import NEMOTRON_H, architecture_of, hf_tensor_name
+from hybridpar.models.hybrid import HybridLM
+from hybridpar.models.lora import is_lora_parameter, lora_modules
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "split_lora_state", "save_peft_adapter", "merge_peft_adapter",
+           "read_peft_adapter", "lora_settings", "merged_state", "mamba_out_proj_targets",
+           "merge_adapter_checkpoint"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def split_lora_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``(base tensors, adapter tensors)`` of a canonical state dict."""
+    base = {n: t for n, t in state.items() if not is_lora_parameter(n)}
+    return base, {n: t for n, t in state.items() if is_lora_parameter(n)}
+
+
+def lora_settings(model: nn.Module) -> dict:
+    """``r``, ``alpha``, ``dropout`` and the adapted leaf names of a model with adapters."""
+    modules = lora_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters; set peft.method=lora to train some.")
+    first = next(iter(modules.values()))
+    dropout = getattr(first.lora_dropout, "p", 0.0)
+    return {"r": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "dropout": float(dropout),
+            "targets": sorted({name.split(".")[-1] for name in modules})}
+
+
+def _hf_name(model: nn.Module, architecture: str | None):
+    """Our parameter name -> the Hugging Face checkpoint's name (identity for transformers models)."""
+    if not isinstance(model, HybridLM):
+        return lambda name: name
+    stored = getattr(model, "hf_config", None)
+    if stored is not None and architecture in (None, architecture_of(stored)):
+        architecture, prefix = architecture_of(stored), getattr(model, "hf_prefix", "backbone.")
+    elif architecture is None:
+        raise ValueError("this HybridLM was not loaded from Hugging Face; set model.export_architecture to export "
+                         "its adapter.")
+    else:
+        prefix = "backbone."
+
+    def name_of(name: str) -> str:
+        module, _, leaf = name.rpartition(".lora_")  # "x.in_proj" + "A.weight"
+        stored = hf_tensor_name(f"{module}.weight", architecture, model.config.pattern, prefix)[: -len(".weight")]
+        if architecture == NEMOTRON_H and stored.startswith("backbone."):
+            stored = "model." + stored.removeprefix("backbone.")  # transformers' module name (its loader renames)
+        return f"{stored}.lora_{leaf}"
+
+    return name_of
+
+
+def save_peft_adapter(model: nn.Module, adapters: dict[str, Tensor], out_dir: str | Path, *,
+                      base_path: str | Path | None = None, architecture: str | None = None) -> Path:
+    """Write ``adapters`` (canonical adapter tensors of ``model``) in the PEFT format into ``out_dir``."""
+    from peft import LoraConfig
+
+    settings = lora_settings(model)
+    refused = mamba_out_proj_targets(model)
+    if refused:
+        raise ValueError(f"peft cannot load a LoRA adapter on a Mamba mixer's out_proj ({refused[0]!r}, "
+                         f"{len(refused)} in all); export merged weights (peft.merge=true) or leave out_proj out of "
+                         "peft.target_modules.")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
+                        target_modules=settings["targets"], bias="none", task_type="CAUSAL_LM",
+                        base_model_name_or_path=None if base_path is None else str(base_path))
+    config.save_pretrained(str(out_dir))
+    name_of = _hf_name(model, architecture)
+    tensors = {PEFT_PREFIX + name_of(n): t.detach().cpu().contiguous() for n, t in adapters.items()}
+    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    return out_dir
+
+
+def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """``(adapter_config.json, {module name without peft's prefix: tensor})``."""
+    adapter_dir = Path(adapter_dir)
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    tensors = {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(str(adapter_dir / ADAPTER_WEIGHTS)).items()}
+    return config, tensors
+
+
+def merged_state(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
+    """Base tensors with every adapter merged: ``W + scaling * B @ A`` ([out, r] @ [r, in])."""
+    base, adapters = split_lora_state(state)
+    merged = dict(base)
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.rpartition(".lora_A.")[0]
+        b = adapters[f"{module}.lora_B.weight"]
+        merged[f"{module}.weight"] = base[f"{module}.weight"] + scaling * (b @ a)
+    return merged
+
+
+def mamba_out_proj_targets(model: nn.Module) -> list[str]:
+    """Adapted ``out_proj`` modules of Mamba mixers (peft cannot load those adapters)."""
+    return [name for name in lora_modules(model)
+            if name.endswith("out_proj") and _is_mamba(dict(model.named_modules()).get(name.rpartition(".")[0]))]
+
+
+def _is_mamba(module) -> bool:
+    return module is not None and hasattr(module, "A_log") and hasattr(module, "in_proj")
+
+
+def merge_adapter_checkpoint(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | None = None) -> Path:
+    """Write the base checkpoint of a PEFT adapter with the adapter merged into ``out_dir``.
+
+    The base is ``base_dir`` or the adapter config's ``base_model_name_or_path``; each adapted
+    weight becomes ``W + (lora_alpha / r) B A`` (a NemotronH checkpoint's ``backbone.`` names are
+    found from transformers' ``model.`` module names). Files other than the weights are copied.
+    """
+    from hybridpar.models.hf.checkpoint import CONFIG_FILE, INDEX_FILE, SHARD_FILE, WEIGHTS_FILE, read_hf_tensors
+
+    config, adapters = read_peft_adapter(adapter_dir)
+    base_dir = Path(base_dir or config.get("base_model_name_or_path") or "")
+    if not (base_dir / CONFIG_FILE).is_file():
+        raise ValueError(f"adapter {str(adapter_dir)!r} names base {str(base_dir)!r}, which holds no {CONFIG_FILE}; "
+                         "put the base checkpoint there or edit base_model_name_or_path in adapter_config.json.")
+    if config.get("use_rslora") or config.get("use_dora"):
+        raise ValueError(f"adapter {str(adapter_dir)!r} uses rsLoRA/DoRA, which hybridpar does not merge; export a "
+                         "plain LoRA adapter.")
+    tensors = read_hf_tensors(base_dir)
+    scaling = float(config["lora_alpha"]) / int(config["r"])
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.rpartition(".lora_A.")[0]
+        b = adapters[f"{module}.lora_B.weight"]
+        key = next((k for k in (f"{module}.weight", "backbone." + module.removeprefix("model.") + ".weight")
+                    if k in tensors), None)
+        if key is None:
+            raise ValueError(f"adapter tensor {name!r} has no weight {module}.weight in base {str(base_dir)!r}; "
+                             "the adapter was trained on another model.")
+        tensors[key] = (tensors[key].double() + scaling * (b.double() @ a.double())).to(tensors[key].dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for extra in base_dir.iterdir():
+        if extra.is_file() and extra.name not in (WEIGHTS_FILE, INDEX_FILE) and not SHARD_FILE.fullmatch(extra.name):
+            (out_dir / extra.name).write_bytes(extra.read_bytes())
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out_dir

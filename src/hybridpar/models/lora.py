@@ -1,0 +1,123 @@
+"""LoRA: a trainable low-rank update beside a frozen linear layer (single-device code).
+
+    y = base(x) + (alpha / r) * B(A(dropout(x)))      A: [r, in] (Kaiming uniform), B: [out, r] (zeros)
+
+The adapter lives *inside* the base module as children ``lora_A`` / ``lora_B`` (peft's names
+once its adapter name is dropped: ``...q_proj.lora_A.weight``) and runs from a forward hook, so
+the base module keeps its class, its parameter names and its forward. A tensor-parallel style
+that wraps the base's forward with input/output conversions therefore hands the hook the
+converted input (e.g. the all-gathered, replicated DTensor) and the not yet converted output
+(column shards, or partial sums before the all-reduce): ``parallel/lora.py`` lays A and
+B out to match, and the update rides on the base layer's own collective.
+
+``add_lora`` freezes every base parameter (``requires_grad=False``: no gradient, no optimizer
+state, no FSDP gradient reduce-scatter) and adds adapters to the ``nn.Linear`` modules whose
+name ends with one of the targets (peft's rule: ``name == t`` or ``name.endswith("." + t)``).
+
+Why not peft's ``LoraLayer``: peft wraps the base (``q_proj.base_layer``), which renames every
+base weight and moves the module torch's ``ColwiseParallel``/``RowwiseParallel`` and our Mamba
+head split act on; its forward adds the update after the base layer's output conversion, i.e.
+after the TP all-reduce, so a row-parallel update would need its own collective. peft is used
+for the adapter file format, its config and merging (``train/run/adapters.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "lora_modules", "is_lora_parameter", "target_matches",
+           "lora_update", "lora_forward_hook"]
+
+# attention q/k/v/o, the (gated) MLP, the Mamba mixer's projections; transformers models use the
+# same names (Llama, Mistral, Qwen, Bamba, NemotronH, Falcon-H1's feed_forward); Phi: add dense, fc1, fc2
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj", "out_proj")
+LORA_PARAMETERS = ("lora_A", "lora_B")
+
+
+def target_matches(name: str, target: str) -> bool:
+    """peft's module-name rule: the whole name, or its last dotted atoms."""
+    return name == target or name.endswith("." + target)
+
+
+def is_lora_parameter(name: str) -> bool:
+    """Whether a parameter name belongs to an adapter (``...q_proj.lora_A.weight``)."""
+    return any(f".{atom}." in f".{name}" for atom in LORA_PARAMETERS)
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: base module}`` of every module carrying an adapter."""
+    return {name: m for name, m in model.named_modules() if getattr(m, "lora_scaling", None) is not None}
+
+
+def lora_update(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``(alpha / r) * B(A(dropout(x)))``: [..., in] -> [..., r] -> [..., out]."""
+    return module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scaling
+
+
+def lora_forward_hook(module: nn.Module, args, output):
+    return output + lora_update(module, args[0])
+
+
+def _linear_targets(model: nn.Module, targets: tuple[str, ...] | None) -> dict[str, nn.Linear]:
+    """Target ``nn.Linear`` modules by name; ``None``: the defaults the model has (at least one)."""
+    if targets is None:
+        present = tuple(t for t in DEFAULT_TARGETS if any(target_matches(n, t) and isinstance(m, nn.Linear)
+                                                          for n, m in model.named_modules()))
+        targets = present or DEFAULT_TARGETS[:1]
+    names = {}
+    for target in targets:
+        found = {n: m for n, m in model.named_modules() if n and target_matches(n, target)}
+        linear = {n: m for n, m in found.items() if isinstance(m, nn.Linear) and n.split(".")[-1] != "lm_head"}
+        if found and not linear and all(n.split(".")[-1] == "lm_head" for n in found):
+            raise ValueError(f"peft.target_modules entry {target!r} names the LM head, which LoRA here leaves alone "
+                             "(it is vocab-parallel); drop it from peft.target_modules.")
+        if not linear:
+            kinds = sorted({type(m).__name__ for m in found.values()})
+            what = f"only non-Linear modules ({kinds})" if found else "no module"
+            examples = sorted({n.split(".")[-1] for n, m in model.named_modules()
+                               if isinstance(m, nn.Linear) and not n.endswith("lm_head")})
+            raise ValueError(f"peft.target_modules entry {target!r} matches {what} of {type(model).__name__}; "
+                             f"use names of its linear layers, e.g. {examples[:12]}.")
+        names.update(linear)
+    return names
+
+
+def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+             targets: tuple[str, ...] | list[str] | None = None, seed: int | None = None) -> list[str]:
+    """Freeze ``model`` and add a LoRA adapter to every target ``nn.Linear``; returns their names.
+
+    ``targets``: module names (peft's rule), each of which must match an ``nn.Linear``; None: those
+    of ``DEFAULT_TARGETS`` the model has. Run before ``parallelize`` (adapters are laid out with
+    their base layer there). A target matching no ``nn.Linear`` or ``r < 1`` is a ``ValueError``.
+    """
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"peft.r={r!r} is invalid: the LoRA rank must be an integer >= 1; e.g. peft.r=8.")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"peft.dropout={dropout!r} is invalid: it must be in [0, 1); e.g. peft.dropout=0.0.")
+    if targets is not None and not targets:
+        raise ValueError("peft.target_modules is empty; name at least one linear layer, e.g. [q_proj, v_proj].")
+    if lora_modules(model):
+        raise ValueError(f"{type(model).__name__} already has LoRA adapters; add_lora runs once per model.")
+    if getattr(model, "_parallel_dims", None) is not None or getattr(model, "_tp_mesh", None) is not None:
+        raise ValueError("add_lora runs on the single-device model, before parallelize(); call it first.")
+    chosen = _linear_targets(model, None if targets is None else tuple(targets))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    for name, linear in chosen.items():
+        weight = linear.weight
+        a = nn.Linear(linear.in_features, r, bias=False, device=weight.device, dtype=weight.dtype)
+        b = nn.Linear(r, linear.out_features, bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            bound = 1.0 / math.sqrt(linear.in_features)  # kaiming_uniform_(a=sqrt(5)), as peft and nn.Linear
+            a.weight.copy_(torch.empty(a.weight.shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator))
+            b.weight.zero_()
+        linear.lora_A, linear.lora_B = a, b
+        linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        linear.lora_scaling = float(alpha) / r
+        linear.lora_rank = r
+        linear.register_forward_hook(lora_forward_hook)
+    return sorted(chosen)

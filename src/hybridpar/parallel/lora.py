@@ -1,0 +1,220 @@
+"""LoRA adapters laid out like their base layer's tensor-parallel style (``models/lora.py``).
+
+The adapter ``(alpha/r) B(A x)`` runs in a forward hook of the base module, after the style's
+input conversion and before its output conversion, so it shares the base layer's collective:
+
+- column-parallel base (``ColwiseParallel``; the Mamba ``in_proj`` split per component):
+  ``A [r, in]`` replicated, ``B [out, r]`` sharded by output rows (``Shard(0)``; per component
+  ``z, x, B, C, dt`` for the Mamba ``in_proj``, like its weights)::
+
+      x [B, S, D] (replicated, SP: gathered by the base's input conversion)
+        -> A: h [B, S, r] (replicated) -> B_local: [B, S, out/tp] + base output shard
+
+- row-parallel base (``RowwiseParallel``, the Mamba ``out_proj``): ``A`` sharded by input
+  columns (``Shard(1)``), ``B`` replicated::
+
+      x [B, S, in/tp] -> A_local: h [B, S, r] partial -> B: [B, S, D] partial
+        + base partial -> the base's all-reduce (SP: reduce-scatter) -> [B, S, D]
+
+- a base TP leaves whole (``LocalReplicateParallel``, left-over modules): ``A``, ``B``
+  replicated, computed on local tensors.
+
+No forward collective is added. The replicated factor's gradient is a partial sum over TP
+(column: ``dA = sum_r (dy_r B_r)^T x``; row: ``dB = dy^T sum_r h_r``), reduced once in
+backward ([r, in] or [out, r] elements, like a replicated norm weight's under SP). Packed
+(``PackedColwiseParallel``), ``Conv1D``, embedding and MoE styles are refused with a
+``ValueError`` by ``check_lora_pairing`` before any collective.
+
+``split_lora_components`` moves an adapter onto the per-component Mamba ``in_proj``
+(``parallel/tensor/hybrid.py``); ``LoRAComponentsB`` fuses back to ``in_proj.lora_B.weight`` in
+``canonical_state_dict``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
+from hybridpar.models.mamba.mixer import Mamba2Mixer
+from hybridpar.parallel.tensor.check import matches
+from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
+from hybridpar.parallel.tensor.styles import AllReduceGrad, LocalReplicateParallel, VocabParallelEmbedding
+
+__all__ = ["LoRAComponentsB", "split_lora_components", "lora_pairings", "check_lora_pairing", "detached_adapters",
+           "pair_lora"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LoRAComponentsB(nn.Module):
+    """LoRA ``B`` of the Mamba ``in_proj`` stored per component (``weight_z ... weight_dt``),
+    rows in fused order; the forward concatenates the (local) components like ``SplitInProj``."""
+
+    def __init__(self, weight: torch.Tensor, sizes: dict[str, int]):
+        super().__init__()
+        self.component_sizes = dict(sizes)
+        for name, part in zip(sizes, weight.detach().split(list(sizes.values()), dim=0)):
+            self.register_parameter(f"weight_{name}", nn.Parameter(part.clone(), requires_grad=weight.requires_grad))
+
+    def fused_parameters(self) -> dict[str, list[str]]:
+        return {"weight": [f"weight_{name}" for name in self.component_sizes]}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # [B, S, r] @ [c_l, r]^T -> [B, S, c_l] per component, cat -> [B, S, z_l | x_l | B_l | C_l | dt_l]
+        return torch.cat([F.linear(h, _local(getattr(self, f"weight_{n}"))) for n in self.component_sizes], dim=-1)
+
+
+def split_lora_components(fused: nn.Module, split: nn.Module, sizes: dict[str, int]) -> None:
+    """Carry ``fused``'s adapter (if any) to its per-component replacement ``split``."""
+    if getattr(fused, "lora_scaling", None) is None:
+        return
+    split.lora_A = fused.lora_A
+    split.lora_B = LoRAComponentsB(fused.lora_B.weight, sizes)
+    split.lora_dropout = fused.lora_dropout
+    split.lora_scaling, split.lora_rank = fused.lora_scaling, fused.lora_rank
+    split.register_forward_hook(lora_forward_hook)
+
+
+# ----------------------------------------------------------------------------- pairing rules
+
+
+def _style_kind(style: ParallelStyle, module: nn.Module) -> str | None:
+    if isinstance(style, (Conv1DColwiseParallel, Conv1DRowwiseParallel, VocabParallelEmbedding)):
+        return None
+    if not isinstance(module, nn.Linear):
+        return None
+    if isinstance(style, ColwiseParallel):
+        return "colwise"
+    if isinstance(style, RowwiseParallel):
+        return "rowwise"
+    if isinstance(style, LocalReplicateParallel) and not style.grad_allreduce and style.output_layouts is None:
+        return "replicated"
+    return None
+
+
+def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
+             modules: dict[str, nn.Module]) -> tuple[str | None, str]:
+    """(kind or None, the style that decided it) for the adapter on module ``name``."""
+    own = [s for p, s in styles.items() if p and matches(name, p)]
+    if own:
+        return _style_kind(own[-1], module), repr(own[-1])
+    atoms = name.split(".")
+    for cut in range(len(atoms) - 1, -1, -1):
+        prefix = ".".join(atoms[:cut])
+        above = [s for p, s in styles.items() if (matches(prefix, p) if p else cut == 0)]
+        for style in above:
+            if isinstance(modules.get(prefix), Mamba2Mixer) and not isinstance(style, LocalReplicateParallel):
+                # our mixer's style (MambaHeadParallel): in_proj per component, out_proj rowwise
+                leaf = atoms[-1]
+                kind = {"in_proj": "components", "out_proj": "rowwise"}.get(leaf) if cut == len(atoms) - 1 else None
+                return kind, repr(style)
+            if isinstance(style, LocalReplicateParallel):
+                return ("replicated" if not style.grad_allreduce else None), repr(style)
+    return "replicated", "none (replicated as a left-over module)"
+
+
+def lora_pairings(model: nn.Module, styles: dict[str, ParallelStyle]) -> dict[str, str]:
+    """``{adapter module name: colwise | rowwise | components | replicated}``; raises ``ValueError``
+    for an adapter whose base layer's style has no pairing."""
+    out = {}
+    modules = dict(model.named_modules())
+    for name, module in lora_modules(model).items():
+        kind, style = _pairing(name, module, styles, modules)
+        if kind is None:
+            raise ValueError(f"LoRA target {name!r} ({type(module).__name__}) is tensor-parallel with {style}, "
+                             "which LoRA cannot pair (packed, Conv1D, embedding or per-head styles); drop it from "
+                             "peft.target_modules or use parallel.tp=1.")
+        out[name] = kind
+    return out
+
+
+def check_lora_pairing(model: nn.Module, styles: dict[str, ParallelStyle]) -> None:
+    """``lora_pairings`` for its error only (no mesh, no collective)."""
+    lora_pairings(model, styles)
+
+
+@contextlib.contextmanager
+def detached_adapters(model: nn.Module):
+    """Take the adapter children off their base modules while the base plan is applied
+    (torch's styles distribute every parameter of the module they shard), then put them back."""
+    taken = []
+    for module in lora_modules(model).values():
+        children = {n: module._modules.pop(n) for n in (*LORA_PARAMETERS, "lora_dropout")}
+        taken.append((module, children))
+    try:
+        yield
+    finally:
+        for module, children in taken:
+            module._modules.update(children)
+
+
+def _distribute(module: nn.Module, placement, mesh: DeviceMesh) -> None:
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                dist = distribute_tensor(param.data, mesh, [placement])
+                sub.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+def _local_params_pre(reduce_grad_group, module, args):
+    """Plain input: run on local shards (``A``'s gradient summed over TP when B is sharded)."""
+    if isinstance(args[0], DTensor) or not any(isinstance(p, DTensor) for p in module._parameters.values()):
+        module.__dict__.setdefault("_lora_saved", []).append(())
+        return None
+    saved = []
+    for name, param in list(module._parameters.items()):
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            if reduce_grad_group is not None and local.requires_grad:
+                local = AllReduceGrad.apply(local, reduce_grad_group)
+            saved.append((name, param))
+            module._parameters[name] = local
+    module.__dict__.setdefault("_lora_saved", []).append(tuple(saved))
+    return None
+
+
+def _local_params_post(module, args, output):
+    for name, param in module.__dict__["_lora_saved"].pop():
+        module._parameters[name] = param
+    return output
+
+
+def _replicate_partial_grad(param: nn.Parameter) -> None:
+    """The replicated factor's partial-sum gradient -> ``Replicate`` (one all-reduce, [r, in] or [out, r])."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(grad.device_mesh, param.placements)
+
+
+def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> dict[str, str]:
+    """Distribute every adapter over ``tp_mesh`` to match its base layer (see the module docstring)."""
+    kinds = lora_pairings(model, styles)
+    modules = lora_modules(model)
+    for name, kind in kinds.items():
+        module = modules[name]
+        a, b = module.lora_A, module.lora_B
+        a_place, b_place = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate()),
+                            "components": (Replicate(), Shard(0)), "replicated": (Replicate(), Replicate())}[kind]
+        _distribute(a, a_place, tp_mesh)
+        _distribute(b, b_place, tp_mesh)
+        for param in (*a.parameters(), *b.parameters()):  # without FSDP (FSDP2 reduces TP-partial grads itself)
+            if param.requires_grad and isinstance(param, DTensor) and param.placements == (Replicate(),):
+                param.register_post_accumulate_grad_hook(_replicate_partial_grad)
+        if kind in ("components", "replicated"):  # the base computes on plain local tensors
+            group = tp_mesh.get_group() if kind == "components" else None
+            a.register_forward_pre_hook(partial(_local_params_pre, group))
+            a.register_forward_hook(_local_params_post, always_call=True)
+            if kind == "replicated":
+                b.register_forward_pre_hook(partial(_local_params_pre, None))
+                b.register_forward_hook(_local_params_post, always_call=True)
+    return kinds

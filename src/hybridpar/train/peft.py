@@ -1,0 +1,70 @@
+"""``peft.*``: LoRA adapters on the single-device model, before ``parallelize`` (``models/lora.py``).
+
+``apply_peft`` is called by the trainer on the model it will train and by the preflight on
+the shape-only model, so a target that matches nothing or a bad rank is a ``ConfigError``
+before torchrun starts; a target whose TP style has no LoRA pairing is refused by
+``parallelize``'s validation (``parallel/lora.py``), also before any collective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from hybridpar.config import ConfigError, RunConfig
+from hybridpar.models.lora import add_lora, lora_modules
+
+__all__ = ["apply_peft", "trainable_parameter_count", "export_lora"]
+
+
+def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
+    """Add ``config.peft``'s adapters to ``model`` (frozen otherwise); no-op for ``peft.method=none``
+    or a model that already has them."""
+    peft = config.peft
+    if peft.method == "none" or lora_modules(model):
+        return model
+    try:
+        add_lora(model, r=peft.r, alpha=peft.alpha, dropout=peft.dropout, targets=peft.target_modules,
+                 seed=config.train.seed)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if config.model.export_hf and not peft.merge:
+        from hybridpar.models.hf.lora_export import mamba_out_proj_targets
+
+        refused = mamba_out_proj_targets(model)
+        if refused:
+            raise ConfigError(f"model.export_hf with peft.merge=false writes a peft adapter, and peft cannot load one on "
+                              f"a Mamba mixer's out_proj ({refused[0]!r}); set peft.merge=true or peft.target_modules "
+                              "without out_proj.")
+    return model
+
+
+def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter elements of a single-device model."""
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total
+
+
+def export_lora(model: nn.Module, out_dir: str | Path, state: dict, *, merge: bool = False,
+                base_path: str | Path | None = None, tokenizer_dir: str | Path | None = None,
+                architecture: str | None = None) -> None:
+    """Write a LoRA model's export into ``out_dir`` (single process; ``state``: its canonical state).
+
+    ``merge=False``: the adapter in the PEFT format (``adapter_config.json`` naming ``base_path``,
+    ``adapter_model.safetensors``) plus the tokenizer files; ``merge=True``: full weights with the
+    adapters merged, exported like a fully trained model (``models/hf/lora_export.py``).
+    """
+    from hybridpar.models.hf.causal_lm import export_causal_lm
+    from hybridpar.models.hf.files import copy_tokenizer_files
+    from hybridpar.models.hf.lora_export import lora_settings, merged_state, save_peft_adapter, split_lora_state
+
+    base, adapters = split_lora_state(state)
+    out_dir = Path(out_dir)
+    if merge:  # W + (alpha/r) B A, then the usual export
+        export_causal_lm(model, out_dir, tokenizer_dir=tokenizer_dir, architecture=architecture,
+                         state_dict=merged_state(state, lora_settings(model)["alpha"] / lora_settings(model)["r"]))
+        return
+    save_peft_adapter(model, adapters, out_dir, base_path=base_path, architecture=architecture)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, out_dir)

@@ -1,0 +1,47 @@
+"""``hybridpar plan`` with ``peft.method=lora``: adapters counted exactly, the base frozen.
+
+The planner's adapter count equals the real model's after ``add_lora`` (every preset it can
+build quickly, the default and a narrowed target list); gradients and AdamW state are the
+adapters' only; the saved activations grow by ``h = A x`` per adapter; FSDP reduce-scatters only
+adapter gradients; ``--fit`` searches LoRA layouts and finds one where full fine-tuning fits none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpar.config import load_config
+from hybridpar.models.hybrid import HybridConfig, HybridLM
+from hybridpar.models.lora import add_lora
+from hybridpar.plan import make_plan
+from hybridpar.plan.search import search_layouts
+
+ONE = ["parallel.cp=1", "parallel.tp=1"]
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "in_proj", "down_proj"]])
+def test_adapter_count_equals_the_real_model(targets):
+    overrides = ONE + ["peft.method=lora", "peft.r=4"] + ([f"peft.target_modules=[{','.join(targets)}]"] if targets else [])
+    plan = make_plan(load_config(None, overrides))
+    model = HybridLM(HybridConfig.from_preset("tiny"))
+    add_lora(model, r=4, targets=targets)
+    real = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    e = 4  # float32
+    assert plan.memory.params.adapters == real
+    assert plan.memory.params.grad_bytes == real * e and plan.memory.params.optimizer_bytes == 2 * real * e
+    full = make_plan(load_config(None, ONE))
+    assert plan.memory.params.param_bytes == full.memory.params.param_bytes + real * e
+    assert plan.memory.saved_bytes > full.memory.saved_bytes  # h = A x per adapter
+    assert plan.memory.peak_bytes < full.memory.peak_bytes
+
+
+def test_fsdp_reduces_only_adapter_gradients_and_fit_searches_lora_layouts():
+    big = ["model.preset=nemotronh-8b", "model.dtype=bfloat16", "data.pack_size=8192", "data.packs_per_step=2",
+           "parallel.dp_shard=2", "parallel.cp=1", "parallel.tp=1"]
+    full, lora = make_plan(load_config(None, big)), make_plan(load_config(None, big + ["peft.method=lora"]))
+    assert lora.traffic_by_kind["reduce_scatter"] < full.traffic_by_kind["reduce_scatter"] / 100
+    assert lora.traffic_by_kind["all_gather"] == full.traffic_by_kind["all_gather"]
+    budget = (lora.memory.peak_bytes + full.memory.peak_bytes) / 2 / 2**30 + 1.0  # between the two peaks
+    fits = [c for c in search_layouts(load_config(None, big + ["peft.method=lora"]), 2, budget) if c.fits(budget)]
+    assert fits and all(c.plan.layout.lora_rank == 8 for c in fits)
