@@ -22,6 +22,13 @@ def test_every_public_name_is_reachable_from_the_package():
         hybridpar.not_a_name  # noqa: B018
 
 
+def test_every_public_name_is_documented():
+    from hybridpar import api
+
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert [name for name in api.__all__ if f"`{name}`" not in page] == []
+
+
 def test_import_hybridpar_loads_no_torch():
     code = "import sys, hybridpar; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
