@@ -161,8 +161,7 @@ def _fused_math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states,
     return y.reshape(batch, seqlen, d_inner).to(xBC.dtype), final
 
 
-@torch.compiler.disable  # FLA's Python launchers (host syncs, autotuning) run eager: one graph break per call
-def fused_conv_scan(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, dt_bias: Tensor,
+def _fused_conv_scan(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, dt_bias: Tensor,
                     A_log: Tensor, D: Tensor, *, head_dim: int, state_size: int, cu_docs: Tensor,
                     dt_limit=(0.0, float("inf")), init_at: Tensor | None = None, init_states: Tensor | None = None,
                     conv_history: Tensor | None = None, final_at: Tensor | None = None, want_y: bool = True,
@@ -174,3 +173,17 @@ def fused_conv_scan(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Ten
                           cu_docs, init_at, final_at, head_dim, state_size, tuple(dt_limit), scan, use_reentrant=False)
     y = y if want_y else y.new_empty(0)
     return y if final_at is None else (y, final)
+
+
+@functools.cache
+def _eager_only():
+    """``_fused_conv_scan`` with torch.compile kept out (FLA's Python launchers sync and autotune: one
+    graph break per call). Built on first use: ``torch.compiler.disable`` imports torch._dynamo, which
+    ``hybridpar plan`` and every CPU run never need."""
+    return torch.compiler.disable(_fused_conv_scan)
+
+
+def fused_conv_scan(*args, **kwargs):
+    """``mamba_conv_scan``'s contract through FLA's ``chunk_simple_gla`` (see ``_fused_conv_scan``), eager."""
+    return _eager_only()(*args, **kwargs)
+
