@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP
 from hybridpar.models.mamba.mixer import Mamba2Mixer
-from hybridpar.parallel.tensor.plans import register_tp_plan
+from hybridpar.parallel.tensor.registry import register_tp_plan
 from hybridpar.parallel.tensor.styles import (
     LocalReplicateParallel,
     SequenceParallelAllGatherActivation,
@@ -335,6 +335,6 @@ def hybrid_lm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paral
     return plan
 
 
-# Replaces the lazy entry in tp_plans.py with the same plan plus the HybridLM size check.
+# Replaces the lazy entry in plans.py with the same plan plus the HybridLM size check.
 register_tp_plan("hybridpar.models.hybrid.HybridLM", hybrid_lm_plan, aliases=("HybridLM",),
                  validate=validate_hybrid_tp, replace=True)
