@@ -7,7 +7,7 @@ Granite 4.0-H MoE and a NemotronH with MoE layers (``model.backend=auto``: the t
 model) pack several documents, say why that is safe, and take a float64 step (eager experts);
 the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
-(and at tp=2, where its Mamba mixers are replicated).
+(and at tp=2, where its Mamba mixers are sharded by heads, the one B/C group replicated).
 The leak probe tells a leaking model from an exact one.
 """
 
