@@ -4,13 +4,14 @@ Tiny models of ``tests/models/hf/hybrid_models.py``; ``parallelize`` puts hybrid
 Mamba2 mixers and shards them by heads (``parallel/tensor/plans_moe.py``: z/x/dt/conv/dt_bias/
 A_log/D/norm by heads, B/C by groups, ``out_proj`` row-parallel; Falcon-H1's ``mup_vector`` cut
 like its channels), attention and MLPs as their plans say, MoE experts on their intermediate dim.
-One row of two packed documents (12 and 20 tokens; the trainer packs rows of one: a
-transformers head under TP fails in DTensor on an empty [B > 1, 0, D] input). One 4-rank group runs tp=2 (two TP groups
-of the same tokens), tp=2 with sequence parallelism, and cp=2 x tp=2 (FSDP over cp), for Granite
-4.0-H MoE, Falcon-H1 and NemotronH MoE, and Granite MoE and Falcon-H1 with one B/C group (as their
-released checkpoints: B/C replicated, the gated norm's sum of squares all-reduced): the loss and every parameter gradient (fused back to
-transformers' names, ``canonical_state_dict``) equal the one-process model's to 1e-9. The same
-group checks the ``ValueError`` for heads not divisible by tp, raised before any collective.
+One row of two packed documents (12 and 20 tokens; the trainer packs rows of one: a transformers
+head under TP fails in DTensor on an empty [B > 1, 0, D] input). One 4-rank group runs tp=2 with
+FSDP over dp=2 (the same tokens on both dp ranks), tp=2 with sequence parallelism, and cp=2 x tp=2
+(FSDP over cp), for Granite 4.0-H MoE, Falcon-H1, NemotronH MoE and Bamba, and Granite MoE and
+Falcon-H1 with one B/C group (as their released checkpoints: B/C replicated, the gated norm's sum
+of squares all-reduced): the loss and every parameter gradient (fused back to transformers' names,
+``canonical_state_dict``) equal the one-process model's to 1e-9. The same group checks the
+``ValueError`` for heads not divisible by tp, raised before any collective.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.distributed.harness import run_ranks
 
 TOL = 1e-9
 DOCS = [0, 12, 32]
-MODELS = ("falcon_h1", "nemotron_h_moe", "granite_moe", "granite_moe_g1", "falcon_h1_g1")
+MODELS = ("falcon_h1", "nemotron_h_moe", "granite_moe", "granite_moe_g1", "falcon_h1_g1", "bamba")
 LAYOUTS = (("tp2_sp", dict(dp_shard=2, tp=2), True), ("tp2", dict(dp_shard=2, tp=2), False),
            ("cp2_tp2", dict(cp=2, tp=2), False))
 
