@@ -62,6 +62,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         _run_config_arguments(subs[name], launches=True)
     subs["check"].add_argument("--tolerance", type=float, default=None,
                                help="largest allowed difference (default by dtype: 1e-9 float64, 1e-4 float32)")
+    subs["check"].add_argument("--packing", action="store_true",
+                               help="instead of the layout: compare packed rows with the same documents one per row "
+                                    "(one process per rank, no parallelism)")
     _run_config_arguments(subs["plan"], launches=False)
     subs["plan"].add_argument("--nproc-per-node", type=int, default=None, help=argparse.SUPPRESS)  # = --world-size
     add_plan_arguments(subs["plan"])
@@ -227,7 +230,11 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
 
             Trainer(config, device).fit()
             return 0
-        from hybridpar.train.check import run_check
+        if getattr(args, "packing", False):
+            from hybridpar.train.proof.packing import run_packing_check
+
+            return run_packing_check(config, device, args.tolerance)
+        from hybridpar.train.proof.layout import run_check
 
         return run_check(config, device, args.tolerance)
     finally:
@@ -326,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             from hybridpar.launch import launch
 
             worker_args = [args.command] + (["--config", args.config] if args.config else []) + \
-                (["--tolerance", repr(args.tolerance)] if getattr(args, "tolerance", None) is not None else []) + list(args.overrides)
+                (["--tolerance", repr(args.tolerance)] if getattr(args, "tolerance", None) is not None else []) + \
+                (["--packing"] if getattr(args, "packing", False) else []) + list(args.overrides)
             return launch(args.nproc_per_node, worker_args, config.train.collective_timeout_s)
         return run(args, config)
     except (*INPUT_ERRORS, OSError) as error:  # any other OSError (a path too long, ...): one line, not a traceback

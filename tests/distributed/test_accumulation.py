@@ -5,7 +5,7 @@ FSDP reduce only after the last one. On 4 gloo ranks, float64, two packs per ran
 dp_shard=4, HSDP 2x2, dp_shard=2 x tp=2 (sequence parallel) and dp_shard=2 x cp=2 with
 ``reshard_after_forward`` true, false and 2:
 
-- the loss and every gradient equal the single-process step's (``train/check.reference_step``)
+- the loss and every gradient equal the single-process step's (``train/proof/layout.reference_step``)
   to 1e-9 and the previous behaviour's (FSDP reducing after every pack) to 1e-12;
 - FSDP reduce-scatters once per parameter group per step (before: once per pack), HSDP
   all-reduces once per group per step; with ``reshard_after_forward=false`` every unit is
@@ -73,7 +73,7 @@ def _gradients_and_counts(overrides: list, per_pack: bool) -> dict:
 
 def accumulation_checks(rank: int, world_size: int) -> dict:
     from hybridpar.config import load_config
-    from hybridpar.train.check import reference_step
+    from hybridpar.train.proof.layout import reference_step
     from hybridpar.train.trainer import build_model
 
     results = {}

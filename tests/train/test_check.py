@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridpar.config import load_config
-from hybridpar.train.check import default_tolerance, within
+from hybridpar.train.proof.layout import default_tolerance, within
 from tests.distributed.harness import run_ranks
 
 DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
@@ -42,7 +42,7 @@ def test_a_tolerance_that_is_not_finite_and_positive_is_refused(tolerance, capsy
 
 
 def _checks(rank, world_size):
-    import hybridpar.train.check as check
+    import hybridpar.train.proof.layout as check
     import hybridpar.train.trainer as trainer
 
     def run(*overrides) -> tuple[int, str]:

@@ -7,7 +7,7 @@ Granite 4.0-H MoE and a NemotronH with MoE layers (``model.backend=auto``: the t
 model) pack several documents, say why that is safe, and take a float64 step (eager experts);
 the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
-(and at tp=2, where its Mamba mixers are replicated).
+(and at tp=2, where its Mamba mixers are sharded by heads, the one B/C group replicated).
 The leak probe tells a leaking model from an exact one.
 """
 
@@ -123,7 +123,7 @@ def test_granite_moe_at_cp2_trains_exports_reloads_and_checks_exact(checkpoints,
     (_, train_out), (_, report), (_, tp_report) = results[0]
     assert all(code == 0 for rank in results for code, _ in rank), train_out + report + tp_report
     assert "packing: several documents per row" in report and "check exact" in report, report
-    assert "tp=2" in tp_report and "check exact" in tp_report, tp_report  # Mamba replicated under TP
+    assert "tp=2" in tp_report and "check exact" in tp_report, tp_report  # Mamba by heads (one B/C group: replicated)
     from transformers import AutoModelForCausalLM
 
     _, info = AutoModelForCausalLM.from_pretrained(f"{tmp_path}/export", output_loading_info=True)

@@ -128,7 +128,7 @@ def _check_lora(rank, world_size):
     import contextlib
     import io
 
-    from hybridpar.train.check import run_check
+    from hybridpar.train.proof.layout import run_check
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

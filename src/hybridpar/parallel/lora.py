@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
+from hybridpar.models.hf.mamba_mixers import MARK as MAMBA_CORE_MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.tensor.check import matches
 from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
@@ -113,7 +114,9 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
         prefix = ".".join(atoms[:cut])
         above = [s for p, s in styles.items() if (matches(prefix, p) if p else cut == 0)]
         for style in above:
-            if isinstance(modules.get(prefix), Mamba2Mixer) and not isinstance(style, LocalReplicateParallel):
+            mixer = modules.get(prefix)
+            if (isinstance(mixer, Mamba2Mixer) or getattr(mixer, MAMBA_CORE_MARK, False)) \
+                    and not isinstance(style, LocalReplicateParallel):
                 # our mixer's style (MambaHeadParallel): in_proj per component, out_proj rowwise
                 leaf = atoms[-1]
                 kind = {"in_proj": "components", "out_proj": "rowwise"}.get(leaf) if cut == len(atoms) - 1 else None
@@ -166,6 +169,33 @@ def _distribute(module: nn.Module, placement, mesh: DeviceMesh) -> None:
                 sub.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
+def _shared_components(split_in_proj: nn.Module) -> list[str]:
+    """Components of a per-component ``in_proj`` that tensor parallelism left replicated."""
+    names = getattr(split_in_proj.lora_B, "component_sizes", {})
+    return [n for n in names if isinstance(w := getattr(split_in_proj, f"weight_{n}", None), DTensor)
+            and w.placements == (Replicate(),)]
+
+
+def _distribute_one(module: nn.Module, name: str, placement, mesh: DeviceMesh) -> None:
+    param = module._parameters[name]
+    module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [placement]),
+                                                 requires_grad=param.requires_grad))
+
+
+def _local_shared_pre(group, shared: set[str], module, args):
+    """Run on local tensors; the ``shared`` (replicated) rows' gradient is summed over ``group``."""
+    saved = []
+    for name, param in list(module._parameters.items()):
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            if name in shared and local.requires_grad:
+                local = AllReduceGrad.apply(local, group)
+            saved.append((name, param))
+            module._parameters[name] = local
+    module.__dict__.setdefault("_lora_saved", []).append(tuple(saved))
+    return None
+
+
 def _local_params_pre(reduce_grad_group, module, args):
     """Plain input: run on local shards (``A``'s gradient summed over TP when B is sharded)."""
     if isinstance(args[0], DTensor) or not any(isinstance(p, DTensor) for p in module._parameters.values()):
@@ -206,7 +236,13 @@ def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelS
         a_place, b_place = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate()),
                             "components": (Replicate(), Shard(0)), "replicated": (Replicate(), Replicate())}[kind]
         _distribute(a, a_place, tp_mesh)
+        shared = _shared_components(module) if kind == "components" else []
+        for part in shared:  # one B/C group read by every rank's heads (n_groups < tp): replicated like the base
+            _distribute_one(b, f"weight_{part}", Replicate(), tp_mesh)
         _distribute(b, b_place, tp_mesh)
+        if shared:  # each rank's heads add to the shared rows' gradient: summed over TP
+            b.register_forward_pre_hook(partial(_local_shared_pre, tp_mesh.get_group(), {f"weight_{p}" for p in shared}))
+            b.register_forward_hook(_local_params_post, always_call=True)
         for param in (*a.parameters(), *b.parameters()):  # without FSDP (FSDP2 reduces TP-partial grads itself)
             if param.requires_grad and isinstance(param, DTensor) and param.placements == (Replicate(),):
                 param.register_post_accumulate_grad_hook(_replicate_partial_grad)

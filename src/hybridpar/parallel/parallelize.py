@@ -41,6 +41,7 @@ from hybridpar.parallel.data.fsdp import apply_fsdp, check_reshard_after_forward
 from hybridpar.parallel.precision import apply_autocast, check_autocast_model
 from hybridpar.parallel.tensor.apply import apply_tp, check_tp_plan, get_tp_plan
 from hybridpar.parallel.tensor.hybrid import split_mamba_mixers, validate_hybrid_tp
+from hybridpar.parallel.tensor.plans_moe import split_hf_mixers
 
 __all__ = [
     "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile", "needs_fsdp",
@@ -199,6 +200,7 @@ def parallelize(
 
     split_mamba_mixers(model)
     if dims.tp > 1:
+        split_hf_mixers(model)  # transformers' Mamba2 mixers on our core: per component, adapters kept
         apply_tp(model, mesh["tp"], plan=tp_plan, sequence_parallel=sequence_parallel)
     if dims.cp > 1:
         apply_cp(model, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)

@@ -3,7 +3,7 @@
 For a run config and a world size: parameters, gradients and AdamW state (``params``), bytes kept
 for backward per block kind under the checkpointing policy (``activations``), the largest
 workspaces (``transients``), the peak of a steady-state step (``memory``), bytes per collective
-kind and mesh dim (``traffic``, from ``parallel.step_comm``), a step-time estimate (``estimate``)
+kind and mesh dim (``traffic``, from ``parallel.comm.step``), a step-time estimate (``estimate``)
 and the layouts that fit a memory budget (``search``). Nothing is built but a ``meta`` model for
 validation (``train.preflight.validate_layout``, the same rules and messages as ``train``); no
 process group starts.

@@ -1,7 +1,7 @@
 """Bytes each block keeps for backward, from its shapes, per checkpointing policy.
 
 Per rank and packed row (symbols in ``layout.py``; widths are TP-local: ``W/tp``). What the code
-saves today (``models/blocks.py``, ``mamba2.py``, ``attention.py``, ``flash.py``, ``mamba_core.py``):
+saves today (``models/blocks.py``, ``mamba/mixer.py``, ``attention/mixer.py``, ``attention/blockwise.py``, ``mamba/core.py``):
 
     every block    input x [Ts, D] and rstd [Ts] (RMSNorm saves its input and rstd)
                    + the projections' input [Tc, D] (under SP the all-gathered norm output)

@@ -1,13 +1,13 @@
 """Bytes each rank sends per training step, by collective kind and mesh dimension.
 
-The closed forms are ``parallel.step_comm``'s (held equal to ``CommStats``' counts of a real step in
+The closed forms are ``parallel.comm.step``'s (held equal to ``CommStats``' counts of a real step in
 ``tests/distributed/comm/test_step.py``): the trainer's all-reduces, TP/SP entry and exit of every
 block, the embedding and the vocab-parallel loss, CP attention and CP Mamba, FSDP all-gathers,
 reduce-scatters and HSDP all-reduces, and gradient clipping. They count one step without
 activation checkpointing. With ``full`` or ``selective`` the recomputation of each block repeats
 its forward collectives (TP/SP entry and exit, CP exchanges) once more per pack; that share is
 listed as source ``recompute`` (the forward half of ``tp_blocks``, ``cp_attention``, ``cp_mamba``).
-``cp_attention=ring`` sends point to point (kind ``send``; ``cp_ring.py``'s
+``cp_attention=ring`` sends point to point (kind ``send``; ``context/ring.py``'s
 count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``docs_per_pack`` documents are assumed in every pack.
 Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not yet measured).
 """

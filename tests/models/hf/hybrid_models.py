@@ -1,6 +1,6 @@
 """Tiny float64 transformers Mamba2 hybrids, built from transformers' own config classes.
 
-Granite 4.0-H (dense: NoPE, multipliers; MoE: RoPE, eager experts), Falcon-H1 (``mamba_rms_norm``
+Granite 4.0-H (dense: NoPE, multipliers; MoE: RoPE, eager experts; ``_g1``: one B/C group), Falcon-H1 (``mamba_rms_norm``
 with ``norm_before_gate``, μP multipliers; and the plain ``y * silu(z)`` gate), NemotronH (dense
 with a dt clamp at ``time_step_min``; MoE), Bamba and Zamba2 (shared attention block, LoRA).
 Every parameter is perturbed so no gradient is trivially zero; plain RMSNorms and NemotronH's
@@ -36,6 +36,12 @@ def _builders(hf) -> dict:
             num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_rms_norm=True,
             mamba_norm_before_gate=True, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.7,
             key_multiplier=0.5, **_M, **_C)),
+        "granite_moe_g1": lambda: hf.GraniteMoeHybridForCausalLM(hf.GraniteMoeHybridConfig(
+            num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope", **{**_GRANITE, "mamba_n_groups": 1})),
+        "falcon_h1_g1": lambda: hf.FalconH1ForCausalLM(hf.FalconH1Config(
+            num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_rms_norm=True,
+            mamba_norm_before_gate=True, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.7,
+            key_multiplier=0.5, **{**_M, "mamba_n_groups": 1}, **_C)),
         "falcon_h1_gate": lambda: hf.FalconH1ForCausalLM(hf.FalconH1Config(
             num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_rms_norm=False, **_M, **_C)),
         "nemotron_h": lambda: hf.NemotronHForCausalLM(hf.NemotronHConfig(
@@ -53,7 +59,7 @@ def _builders(hf) -> dict:
 
 HYBRIDS = ("granite", "granite_moe", "falcon_h1", "falcon_h1_gate", "nemotron_h", "nemotron_h_moe", "bamba", "zamba2")
 MIXERS = {"granite": 2, "granite_moe": 2, "falcon_h1": 2, "falcon_h1_gate": 2, "nemotron_h": 1, "nemotron_h_moe": 1,
-          "bamba": 1, "zamba2": 3}  # Mamba2 mixers per tiny model
+          "bamba": 1, "zamba2": 3, "granite_moe_g1": 2, "falcon_h1_g1": 2}  # Mamba2 mixers per tiny model
 
 
 def build_hybrid(name: str, seed: int = 0):

@@ -12,7 +12,7 @@ document). ``initial_states`` is ``h_{-1}``, so it reaches only the row's first 
 ``ssd_scan`` has the signature of mamba_ssm's ``mamba_chunk_scan_combined`` and runs the chunked
 block decomposition of ``ssd_chunked.py`` (diagonal blocks, chunk states, loop-free state
 passing over chunks, state to output) through the ``hybridpar::ssd_chunk_scan`` op of
-``mamba_core.py``: its autograd keeps the inputs only and the backward recomputes the rest.
+``models/mamba/core.py``: its autograd keeps the inputs only and the backward recomputes the rest.
 Exponents are floored at ``log(tiny**0.75)`` (decays below ~1e-29 in float32, ~1e-231 in
 float64, are raised to that value): exact up to that size, and no denormal number, which slows
 CPU math about 5x, ever reaches a matmul. Requires ``dt * A <= 0`` (decays at most 1).

@@ -3,7 +3,7 @@
 Shapes: ``q [B, S_q, Hq, Dh]``, ``k, v [B, S_k, Hkv, Dh]``, ``Hq = G * Hkv``; query head
 ``h`` reads kv head ``h // G``. Queries are viewed as ``[B, Hkv, (token, g), Dh]`` so a
 block of ``n`` query tokens is one ``[n*G, Dh]`` matrix per kv head: GQA without copying
-K or V. Visibility comes from global positions and document ids (``attention_layout.py``).
+K or V. Visibility comes from global positions and document ids (``attention/layout.py``).
 
 Forward, for one query block ``Q`` (``s = scale``) over its plan steps ``K_1, K_2, ...``
 (runs of key blocks; invisible pairs are never computed)::

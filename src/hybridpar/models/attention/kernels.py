@@ -2,7 +2,7 @@
 
 ``attention_core(q, k, v, layout)`` computes document-causal attention of ``q [B, S_q, Hq, Dh]``
 over ``k, v [B, S_k, Hkv, Dh]`` for the positions and documents of an ``AttentionLayout``
-(``attention_layout.py``). Which kernel runs:
+(``attention/layout.py``). Which kernel runs:
 
 - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2) on CUDA for
   fp16/bf16 rows in sequence order (``layout.cu_seqlens`` set: one process, ulysses). The

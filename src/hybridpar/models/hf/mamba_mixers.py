@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from hybridpar.models.mamba.mixer import local_conv_scan
 
 __all__ = ["MARK", "is_mamba2_mixer", "mamba_mixer_problem", "install_mamba_core", "bridged_mixers",
-           "mamba_training_forward"]
+           "local_split_sizes", "mamba_training_forward"]
 
 MARK = "hybridpar_mamba_core"  # set on a mixer whose forward runs hybridpar's core
 _NEEDED = ("in_proj", "out_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "num_heads", "head_dim", "n_groups",
@@ -73,11 +73,28 @@ def mamba_mixer_problem(name: str, module: nn.Module) -> str | None:
     return None
 
 
+def local_split_sizes(mixer: nn.Module, width: int) -> list[int]:
+    """Widths of ``[z | xBC | dt]`` in an ``in_proj`` output of ``width``: the whole mixer, or a
+    tensor-parallel shard of ``H/tp`` heads and ``G/tp`` groups (one group: kept whole on every
+    rank; ``parallel/tensor/plans_moe.py``)."""
+    heads, n_groups, state = mixer.num_heads, mixer.n_groups, mixer.ssm_state_size
+    for shards in (s for s in range(1, heads + 1) if heads % s == 0 and (n_groups % s == 0 or n_groups == 1)):
+        d_inner, groups = mixer.intermediate_size // shards, max(1, n_groups // shards)
+        if 2 * d_inner + 2 * groups * state + heads // shards == width:
+            return [d_inner, d_inner + 2 * groups * state, heads // shards]
+    raise ValueError(f"in_proj output width {width} is not a whole mixer or a shard by heads of one (heads {heads}, "
+                     f"groups {n_groups}); shard the mixer by heads and groups.")
+
+
 def mamba_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
                            packed_seq_params=None, **kwargs) -> Tensor:
     """The mixer's forward through ``mixer.core`` (module docstring); ``hidden_states [B, L, D]``."""
     padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
     if cache is not None or padded or kwargs.get("cache_params") is not None:
+        if getattr(mixer, "_hybridpar_head_sharded", False):
+            raise ValueError(f"{type(mixer).__name__} is sharded by heads (tensor parallel), where only hybridpar's "
+                             "core runs: pass no cache and no padding attention_mask (describe padding and documents "
+                             "with packed_seq_params), or generate with the unsharded model.")
         return mixer._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     dtype = hidden_states.dtype
     multiplier = getattr(mixer, "ssm_in_multiplier", None)
@@ -87,8 +104,7 @@ def mamba_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, 
     mup = getattr(mixer, "mup_vector", None)
     if mup is not None:
         projected = projected * mup
-    conv_dim = mixer.intermediate_size + 2 * mixer.n_groups * mixer.ssm_state_size
-    gate, xBC, dt = projected.split([mixer.intermediate_size, conv_dim, mixer.num_heads], dim=-1)
+    gate, xBC, dt = projected.split(local_split_sizes(mixer, projected.shape[-1]), dim=-1)
     y = mixer.core(mixer, xBC, dt, packed_seq_params)  # [B, L, d_inner]
     if isinstance(mixer.norm, nn.Identity):  # Falcon-H1 without mamba_rms_norm
         y = y * nn.functional.silu(gate)

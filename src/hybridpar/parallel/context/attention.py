@@ -33,7 +33,7 @@ rank ``r`` receives kv heads ``[r Hkv'/P, (r+1) Hkv'/P)`` and its query head ``h
 local kv head ``(h - r Hq/P) // (Hq/Hkv')``, i.e. original kv head ``h // (Hq/Hkv)``.
 
 ``"ring"`` (``cp_ring.RingAttention``): K, V travel around the group point to point and
-partial results merge by their logsumexp; the math and its bytes are in ``cp_ring.py``.
+partial results merge by their logsumexp; the math and its bytes are in ``context/ring.py``.
 
 No tensor of ``[S/P, S]`` or ``[S, S]`` elements exists on any path: the largest
 working tensor is one step of scores, ``B * Hq * block_size * keys_per_step``.
@@ -91,7 +91,7 @@ def attention_cp_bytes_per_layer(
     element_size: int,
 ) -> float:
     """Bytes one rank sends per attention layer in the forward pass (allgather, ulysses: the backward
-    sends as many; ring: see ``cp_ring.py``)."""
+    sends as many; ring: see ``context/ring.py``)."""
     if cp == 1:
         return 0.0
     if strategy == "allgather":
@@ -99,7 +99,7 @@ def attention_cp_bytes_per_layer(
     if strategy == "ulysses":
         width = 2 * num_heads + 2 * ulysses_kv_heads(num_kv_heads, cp)
         return (cp - 1) / cp * element_size * batch * (seq_len / cp) * width * head_dim
-    if strategy == "ring":  # the forward equals allgather's; its backward sends K, V and dK, dV (cp_ring.py)
+    if strategy == "ring":  # the forward equals allgather's; its backward sends K, V and dK, dV (context/ring.py)
         return (cp - 1) * element_size * batch * (seq_len / cp) * 2 * num_kv_heads * head_dim
     raise ValueError(f"unknown attention context-parallel strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
 

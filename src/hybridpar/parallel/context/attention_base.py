@@ -1,10 +1,10 @@
 """What the attention CP strategies share: input checks, block sizes, the group-of-one path.
 
-A strategy (``cp_attention.py``: "allgather", "ulysses"; ``cp_ring.py``: "ring") is called as
+A strategy (``context/attention.py``: "allgather", "ulysses"; ``context/ring.py``: "ring") is called as
 ``core(q, k, v, packed, scale=None, sliding_window=None)`` with this rank's
 ``q [B, S/P, Hq, Dh]``, ``k, v [B, S/P, Hkv, Dh]`` and localized ``PackedSeqParams``; ``scale``
 (default ``1/sqrt(Dh)``) and ``sliding_window`` (keys fewer than ``W`` global positions back)
-are the core's own options, which Hugging Face attention modules pass (``cp_hf.py``).
+are the core's own options, which Hugging Face attention modules pass (``context/hf.py``).
 Everything here is checked without communication, so bad input raises the same
 ``ValueError`` on every rank before any collective.
 """

@@ -5,7 +5,7 @@ hybridpar registers one attention implementation, ``"hybridpar"``, with transfor
 q/k norms, RoPE at the ``position_ids`` it was given) and calls
 ``attention(module, q [B, Hq, S, Dh], k, v [B, Hkv, S, Dh], mask, scaling=s, sliding_window=W, **kwargs)``;
 ours transposes to ``[B, S, H, Dh]`` and runs the CP strategy ``apply_hf_cp`` installed on the
-module (``cp_attention.py``: ``allgather``, ``ulysses``, ``ring``) with the batch's
+module (``context/attention.py``: ``allgather``, ``ulysses``, ``ring``) with the batch's
 ``PackedSeqParams`` from ``kwargs["packed_seq_params"]``, so the math is the strategies' own:
 for query ``i`` and key ``j`` at global positions ``p`` in documents ``d``::
 
@@ -196,7 +196,7 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=Non
     """Raise ``ValueError`` unless hybridpar can run ``model`` context parallel (no communication):
     ``attention_problem``'s rules, no rope whose frequencies depend on the largest position,
     every attention module's per-TP-rank heads fit ``attention_core``, and every transformers
-    Mamba2 mixer on hybridpar's core (replicated under TP) fits ``mamba_core``."""
+    Mamba2 mixer on hybridpar's core (its heads and groups per TP rank) fits ``mamba_core``."""
     cls = type(model).__name__
     problem = attention_problem(model)
     if problem:
@@ -206,8 +206,11 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=Non
         if mamba_core is None:
             raise ValueError(f"context parallelism (cp > 1) for {cls}: Mamba2 mixer {name!r} needs a Mamba CP strategy "
                              "(cp_mamba 'a2a' or 'state'); pass one to validate_hf_cp.")
-        try:  # transformers' mixers stay whole under TP: all their heads and groups on every TP rank
-            mamba_core.validate(mixer.num_heads, mixer.n_groups)
+        heads, groups = mixer.num_heads, mixer.n_groups
+        if heads % tp == 0 and groups % tp == 0:  # sharded by heads under TP (tensor/plans_moe.py); else the
+            heads, groups = heads // tp, groups // tp  # TP plan check refuses it, or the mixer stays whole
+        try:
+            mamba_core.validate(heads, groups)
         except ValueError as error:
             raise ValueError(f"Mamba2 mixer {name!r} at tp={tp}, cp={mamba_core.cp_size}: {error}") from None
     bad_rope = sorted(_rope_types(model.config) & set(_POSITION_DEPENDENT_ROPE))

@@ -30,7 +30,7 @@ Bytes each rank sends per Mamba layer (``e`` bytes per activation element, count
          backward  the same two all-to-alls transposed: the forward count
 
 with ``G_eff = max(G, P)``. The seed's layout also sends ``z`` (``3*d_inner`` instead of
-``2*d_inner``). ``"state"`` (``StatePassingMamba``, ``cp_mamba_state.py``) sends bytes that do
+``2*d_inner``). ``"state"`` (``StatePassingMamba``, ``context/mamba_state.py``) sends bytes that do
 not grow with ``L``; see that module.
 """
 

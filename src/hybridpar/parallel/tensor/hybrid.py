@@ -39,7 +39,7 @@ from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.lora import split_lora_components
-from hybridpar.parallel.tensor.plans import register_tp_plan
+from hybridpar.parallel.tensor.registry import register_tp_plan
 from hybridpar.parallel.tensor.styles import (
     LocalReplicateParallel,
     SequenceParallelAllGatherActivation,
@@ -338,6 +338,6 @@ def hybrid_lm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paral
     return plan
 
 
-# Replaces the lazy entry in tp_plans.py with the same plan plus the HybridLM size check.
+# Replaces the lazy entry in plans.py with the same plan plus the HybridLM size check.
 register_tp_plan("hybridpar.models.hybrid.HybridLM", hybrid_lm_plan, aliases=("HybridLM",),
                  validate=validate_hybrid_tp, replace=True)

@@ -102,8 +102,9 @@ def default_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paralle
 
 # Our own model: the plan (Mamba2 mixer by heads, attention, MLP, vocab-parallel embedding
 # and head) lives in hybridpar.parallel.tensor.hybrid and is imported on first use.
-register_tp_plan("hybridpar.models.hybrid.HybridLM", "hybridpar.parallel.tensor.hybrid:hybrid_lm_plan",
-                 aliases=("HybridLM",))
+if lookup_tp_plan("hybridpar.models.hybrid.HybridLM") is None:  # tensor.hybrid registers itself when imported first
+    register_tp_plan("hybridpar.models.hybrid.HybridLM", "hybridpar.parallel.tensor.hybrid:hybrid_lm_plan",
+                     aliases=("HybridLM",))
 
 # The Hugging Face plans register themselves on import.
 from hybridpar.parallel.tensor import plans_hf, plans_moe  # noqa: E402,F401

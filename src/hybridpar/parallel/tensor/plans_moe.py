@@ -1,13 +1,34 @@
-"""Tensor/sequence-parallel plans for Hugging Face mixture-of-experts and Mamba-hybrid models.
+"""Tensor/sequence-parallel plans for Hugging Face mixture-of-experts and Mamba2-hybrid models.
 
-- MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, NemotronH ``moe`` layers): experts sharded on the
-  intermediate dim (``GroupedExpertsParallel``), router replicated, shared experts column/row
-  parallel inside the block; under SP the block reads the all-gathered norm output and
-  returns the sequence shard (``moe_block_sp_style``).
-- Mamba mixers of Hugging Face classes (Falcon-H1, Bamba, NemotronH) stay replicated: their
-  fused ``in_proj`` and single-device kernels are not split by heads here (hybridpar's own
-  ``HybridLM`` mixer is, in ``tp_hybrid``). Under SP a replicated mixer's output is sliced
-  to the sequence shard (``LocalReplicateParallel(output_layouts=Shard(1))``).
+- MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, NemotronH ``moe`` layers, Granite 4.0-H): experts
+  sharded on the intermediate dim (``GroupedExpertsParallel``), router replicated, shared experts
+  column/row parallel inside the block; under SP the block reads the all-gathered norm output
+  and returns the sequence shard (``moe_block_sp_style``).
+- Mamba2 mixers of transformers classes (Falcon-H1, Bamba, NemotronH, GraniteMoeHybrid) running
+  hybridpar's core (``install_mamba_core``; ``parallelize`` installs it) are sharded by heads
+  (``HFMambaHeadParallel``), as ``HybridLM``'s mixer (``tensor/hybrid.py``); a mixer on
+  transformers' own forward stays replicated (its output sliced to the sequence shard under SP).
+
+``HFMambaHeadParallel``: ``in_proj`` and ``conv1d`` are stored per component (``SplitInProj`` /
+``SplitConv1d``: ``in_proj.weight_z ... weight_dt``; ``canonical_state_dict`` fuses them back
+to transformers' names for export and ``hybridpar check``), then rank ``r`` of ``tp`` holds heads
+``[r H/tp, (r+1) H/tp)`` of ``z, x, dt``, conv ``x`` channels, ``dt_bias``, ``A_log``, ``D``
+and the gated norm weight, and groups ``[r G/tp, (r+1) G/tp)`` of ``B, C``: whole norm groups
+(size ``d_inner/G``), so the gated norm needs no collective. With one group (``n_groups=1``:
+Granite 4.0-H, Falcon-H1, Bamba) ``B, C`` are replicated (their gradient summed over TP) and
+the norm's sum of squares is all-reduced over TP (``[B, S, 1]`` per layer)::
+
+    u [B, S, D] (SP: all-gathered from [B, S/tp, D]) (* ssm_in_multiplier)
+      -> in_proj (local components) [B, S, d/tp | d/tp + 2 G/tp N | H/tp] (* local mup_vector rows)
+      -> mixer.core on the local heads (a CP strategy too) -> y [B, S, d/tp]
+      -> gated norm on G/tp groups -> out_proj rowwise: partial [B, S, D]
+      -> all-reduce -> [B, S, D]   (SP: reduce-scatter -> [B, S/tp, D])
+
+Falcon-H1's ``mup_vector`` (a non-persistent buffer over the ``in_proj`` rows) is cut to this
+rank's rows of each component and its gated norm's ``n_groups`` (it reshapes with it) becomes
+the local count; the other gated norms reshape with ``group_size``, which does not change. Under
+TP only hybridpar's core runs: a cache or a padding mask is refused. Parameter names under TP are
+the split ones (a DCP checkpoint resumes at another tp > 1, not at tp = 1; exports are fused).
 
 The plans are built per model instance where layers differ (MoE or dense MLP, Mamba or
 attention), with concrete layer indices.
@@ -15,17 +36,147 @@ attention), with concrete layer indices.
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 import torch.nn as nn
-from torch.distributed.tensor import Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from hybridpar.models.hf.mamba_mixers import MARK
+from hybridpar.parallel.comm.collectives import all_reduce
+from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
+from hybridpar.parallel.tensor.hybrid import MambaHeadParallel, SplitConv1d, SplitInProj
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
 from hybridpar.parallel.tensor.plans_hf import register_hf_plan
-from hybridpar.parallel.tensor.styles import LocalReplicateParallel, SequenceParallelAllGatherActivation
+from hybridpar.parallel.tensor.styles import AllReduceGrad, LocalReplicateParallel, SequenceParallelAllGatherActivation
 
-__all__ = ["moe_block_plan", "moe_decoder_plan", "mixtral_plan", "qwen3_moe_plan", "falcon_h1_plan", "bamba_plan",
-           "nemotron_h_plan"]
+__all__ = ["mamba_tp_problem", "split_hf_mixer", "split_hf_mixers", "HFMambaHeadParallel", "hf_mamba_style", "moe_block_plan",
+           "moe_decoder_plan", "mixtral_plan", "qwen3_moe_plan", "falcon_h1_plan", "bamba_plan", "nemotron_h_plan",
+           "granite_moe_hybrid_plan"]
+
+
+def mamba_tp_problem(name: str, mixer: nn.Module, tp: int) -> str | None:
+    """Why ``mixer`` cannot be sharded by heads over ``tp`` ranks (None: it can)."""
+    heads, groups = mixer.num_heads, mixer.n_groups
+    if heads % tp == 0 and (groups % tp == 0 or groups == 1):
+        return None
+    valid = [t for t in range(1, heads + 1) if heads % t == 0 and (groups % t == 0 or groups == 1)]
+    value = f"num_heads={heads}" if heads % tp else f"n_groups={groups}"
+    return (f"Mamba2 mixer {name!r} ({type(mixer).__name__}) has {value}, not divisible by tp={tp}: tensor "
+            "parallelism splits its heads and its B/C groups over the TP ranks (one group is replicated); use a tp "
+            f"dividing both (one of {valid})")
+
+
+def _spanning_norm(norm: nn.Module, group, full_width: int):
+    """The gated RMSNorm of one group spanning every TP rank (``n_groups == 1``): the sum of
+    squares of the local ``[B, S, d/tp]`` is all-reduced over TP (differentiable), the rest is local."""
+    before_gate = getattr(norm, "norm_before_gate", False)  # Falcon-H1: norm, weight, then the gate
+
+    def forward(hidden_states, gate=None):
+        dtype = hidden_states.dtype
+        compute = torch.promote_types(dtype, torch.float32)
+        hidden = hidden_states.to(compute)
+        if gate is not None and not before_gate:
+            hidden = hidden * nn.functional.silu(gate.to(compute))
+        # [B, S, 1] summed over TP; backward sums too (each rank's channels give part of the gradient)
+        squares = AllReduceGrad.apply(all_reduce(hidden.pow(2).sum(-1, keepdim=True), group), group)
+        hidden = hidden * torch.rsqrt(squares / full_width + norm.variance_epsilon)
+        if before_gate:
+            hidden = norm.weight * hidden
+            return (hidden * nn.functional.silu(gate.to(compute)) if gate is not None else hidden).to(dtype)
+        return norm.weight * hidden.to(dtype)
+
+    return forward
+
+
+def _component_sizes(mixer: nn.Module) -> dict[str, int]:
+    d_inner, gn = mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size
+    return dict(z=d_inner, x=d_inner, B=gn, C=gn, dt=mixer.num_heads)
+
+
+def split_hf_mixer(mixer: nn.Module) -> None:
+    """Store ``in_proj`` and ``conv1d`` of a transformers Mamba2 mixer per component (idempotent)."""
+    if isinstance(mixer.in_proj, SplitInProj):
+        return
+    sizes = _component_sizes(mixer)
+    fused, mixer.in_proj = mixer.in_proj, SplitInProj(mixer.in_proj, sizes)
+    split_lora_components(fused, mixer.in_proj, sizes)  # a LoRA adapter follows, B per component
+    mixer.conv1d = SplitConv1d(mixer.conv1d, dict(x=sizes["x"], B=sizes["B"], C=sizes["C"]))
+
+
+def split_hf_mixers(model: nn.Module) -> None:
+    """``split_hf_mixer`` for every transformers Mamba2 mixer on hybridpar's core, before TP applies
+    (with its LoRA adapter attached: ``apply_tp`` detaches adapters while the styles run)."""
+    for module in model.modules():
+        if getattr(module, MARK, False):
+            split_hf_mixer(module)
+
+
+def _local_rows(vector: torch.Tensor, sizes: dict[str, int], tp: int, rank: int, shared: bool) -> torch.Tensor:
+    """This rank's rows of every component of a ``[..., z | x | B | C | dt]`` vector (B, C whole if ``shared``)."""
+    parts = vector.split(list(sizes.values()), dim=-1)
+    return torch.cat([part if shared and name in "BC" else part.chunk(tp, dim=-1)[rank]
+                      for name, part in zip(sizes, parts)], dim=-1)
+
+
+class HFMambaHeadParallel(MambaHeadParallel):
+    """``MambaHeadParallel`` for a transformers Mamba2 mixer on hybridpar's core (module docstring)."""
+
+    def __init__(self, *, sequence_parallel: bool = False):
+        super().__init__(sequence_parallel=sequence_parallel)
+        self.use_local_output = not sequence_parallel  # read by tp_check's SP rules
+
+    def check(self, name: str, module: nn.Module, tp: int) -> None:
+        if not getattr(module, MARK, False):
+            raise ValueError(f"TP plan entry for {name!r}: HFMambaHeadParallel shards a transformers Mamba2 mixer "
+                             f"that runs hybridpar's core, got {type(module).__name__}; call install_mamba_core(model) "
+                             "first (parallelize does), or replicate it (LocalReplicateParallel)")
+        problem = mamba_tp_problem(name, module, tp)
+        if problem:
+            raise ValueError(problem + ".")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        self.check(type(module).__name__, module, tp)
+        sizes = _component_sizes(module)
+        split_hf_mixer(module)
+        norm = module.norm
+        subs = (module, module.in_proj, module.conv1d) + (() if isinstance(norm, nn.Identity) else (norm,))
+        shared = module.n_groups < tp  # one B/C group read by every rank's heads: replicated
+        self._shared_groups = [(s, n) for s in (module.in_proj, module.conv1d) for n in s._parameters
+                               if n.endswith(("_B", "_C"))] if shared else []
+        for sub in subs:
+            for name in list(sub._parameters):  # heads (z, x, dt, conv x, per head, norm) or groups (B, C)
+                self._shard(sub, name, device_mesh, Replicate() if (sub, name) in self._shared_groups else Shard(0))
+        if shared and not isinstance(norm, nn.Identity):
+            norm.forward = _spanning_norm(norm, device_mesh.get_group(), module.intermediate_size)
+        mup = getattr(module, "mup_vector", None)
+        if isinstance(mup, torch.Tensor):  # Falcon-H1: [1, 1, W] -> [1, 1, W/tp], a non-persistent buffer
+            module.mup_vector = _local_rows(mup, sizes, tp, rank, shared)
+        if isinstance(getattr(norm, "n_groups", None), int) and not shared:  # Falcon-H1's reshapes with n_groups
+            norm.n_groups //= tp
+        output = Shard(1) if self.sequence_parallel else Replicate()
+        # y_local [B, S, d/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
+        RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
+            module.out_proj, device_mesh)
+        module.register_forward_pre_hook(partial(self._enter_shared, device_mesh), with_kwargs=True)
+        module.register_forward_hook(self._exit, always_call=True)
+        module._hybridpar_head_sharded = True
+        return module
+
+    def _enter_shared(self, mesh: DeviceMesh, mixer: nn.Module, args, kwargs):
+        args, kwargs = self._enter(mesh, mixer, args, kwargs)
+        for sub, name in self._shared_groups:  # each rank's heads give part of a shared group's gradient
+            sub._parameters[name] = AllReduceGrad.apply(sub._parameters[name], mesh.get_group())
+        return args, kwargs
+
+
+def hf_mamba_style(mixer: nn.Module, sequence_parallel: bool, replicated: ParallelStyle) -> ParallelStyle:
+    """By heads for a mixer on hybridpar's core, else ``replicated`` (transformers' own forward)."""
+    return HFMambaHeadParallel(sequence_parallel=sequence_parallel) if getattr(mixer, MARK, False) else replicated
 
 
 def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -72,19 +223,24 @@ _HYBRID = dict(mlp="feed_forward", in_norms=("input_layernorm", "pre_ff_layernor
 
 @register_hf_plan("falcon_h1", "FalconH1ForCausalLM")
 def falcon_h1_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Falcon-H1: attention and MLP (``feed_forward``) sharded; the parallel Mamba2 branch is
-    replicated (seed 004). Under SP the Mamba branch reads the all-gathered norm output and
-    its replicated output joins the sequence-sharded attention output as a DTensor."""
+    """Falcon-H1: attention and MLP (``feed_forward``) sharded; the parallel Mamba2 branch by heads
+    (replicated on transformers' own forward, seed 004). Under SP the Mamba branch reads the
+    all-gathered norm output and its output joins the sequence-sharded attention output."""
     plan = decoder_plan(sequence_parallel, **_HYBRID)
-    plan["model.layers.*.mamba"] = LocalReplicateParallel(output_as_dtensor=sequence_parallel)
+    replicated = LocalReplicateParallel(output_as_dtensor=sequence_parallel)
+    for index, layer in enumerate(model.model.layers):
+        plan[f"model.layers.{index}.mamba"] = hf_mamba_style(layer.mamba, sequence_parallel, replicated)
     return plan
 
 
 @register_hf_plan("bamba", "BambaForCausalLM")
 def bamba_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Bamba: each layer is a Mamba2 mixer (replicated) or attention, then an MLP."""
+    """Bamba: each layer is a Mamba2 mixer (by heads) or attention, then an MLP."""
     plan = decoder_plan(sequence_parallel, **_HYBRID)
-    plan["model.layers.*.mamba"] = LocalReplicateParallel(output_layouts=Shard(1) if sequence_parallel else None)
+    replicated = LocalReplicateParallel(output_layouts=Shard(1) if sequence_parallel else None)
+    for index, layer in enumerate(model.model.layers):
+        if getattr(layer, "mamba", None) is not None:
+            plan[f"model.layers.{index}.mamba"] = hf_mamba_style(layer.mamba, sequence_parallel, replicated)
     return plan
 
 
@@ -112,6 +268,26 @@ def nemotron_h_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Para
             plan[f"{path}.down_proj"] = RowwiseParallel(**reduce_out)
         elif kind == "moe":
             plan.update(moe_block_plan(path, layer.mixer, sp))
-        else:  # Mamba2 ("linear_attention"): replicated, joins the residual stream as a shard under SP
-            plan[path] = LocalReplicateParallel(output_layouts=Shard(1) if sp else None)
+        else:  # Mamba2 ("linear_attention"): by heads (replicated on transformers' forward)
+            plan[path] = hf_mamba_style(layer.mixer, sp, LocalReplicateParallel(output_layouts=Shard(1) if sp else None))
+    return plan
+
+
+@register_hf_plan("granitemoehybrid", "GraniteMoeHybridForCausalLM")
+def granite_moe_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Granite 4.0-H: per layer a Mamba2 mixer (by heads) or attention (RoPE or NoPE, multipliers
+    outside the projections), then the MoE block (experts sharded, router replicated) plus a shared
+    MLP whose fused ``[gate | up]`` ``input_linear`` is column-parallel with its output gathered
+    (chunked after the projection; a plain weight shard composes with FSDP)."""
+    sp = sequence_parallel
+    plan = decoder_plan(sp, mlp="shared_mlp", mlp_in=("input_linear",), gather_mlp=True, mlp_out="output_linear",
+                        rotary="rotary_emb" if getattr(model.model, "rotary_emb", None) is not None else None)
+    replicated = LocalReplicateParallel(output_layouts=Shard(1) if sp else None)
+    for index, layer in enumerate(model.model.layers):
+        if layer.mamba is not None:
+            plan[f"model.layers.{index}.mamba"] = hf_mamba_style(layer.mamba, sp, replicated)
+        if layer.block_sparse_moe is not None and is_moe_block(layer.block_sparse_moe):
+            path = f"model.layers.{index}.block_sparse_moe"
+            plan.update(moe_block_plan(path, layer.block_sparse_moe, sp))
+            plan[f"{path}.router"] = LocalReplicateParallel()
     return plan
