@@ -224,4 +224,4 @@ def test_dry_run_checks_what_train_checks_and_writes_nothing(tmp_path, capsys):
     assert "is not a file" in capsys.readouterr().err and not out.exists()
     assert main(["generate", "--checkpoint", str(out), "--prompt", "k", "--max-new-tokens", "2", "--top-p", "0",
                  "--dry-run"]) == 2
-    assert "top_p=0.0 must be in (0, 1]" in capsys.readouterr().err
+    assert "--top-p 0.0 must be in (0, 1]" in capsys.readouterr().err
