@@ -182,22 +182,9 @@ def _distribute_one(module: nn.Module, name: str, placement, mesh: DeviceMesh) -
                                                  requires_grad=param.requires_grad))
 
 
-def _local_shared_pre(group, shared: set[str], module, args):
-    """Run on local tensors; the ``shared`` (replicated) rows' gradient is summed over ``group``."""
-    saved = []
-    for name, param in list(module._parameters.items()):
-        if isinstance(param, DTensor):
-            local = param.to_local()
-            if name in shared and local.requires_grad:
-                local = AllReduceGrad.apply(local, group)
-            saved.append((name, param))
-            module._parameters[name] = local
-    module.__dict__.setdefault("_lora_saved", []).append(tuple(saved))
-    return None
-
-
-def _local_params_pre(reduce_grad_group, module, args):
-    """Plain input: run on local shards (``A``'s gradient summed over TP when B is sharded)."""
+def _local_params_pre(reduce_grad_group, module, args, only: set[str] | None = None):
+    """Plain input: run on local shards; the gradient of every parameter (or of those named in
+    ``only``) is summed over ``reduce_grad_group`` (``A`` when B is sharded; B's replicated rows)."""
     if isinstance(args[0], DTensor) or not any(isinstance(p, DTensor) for p in module._parameters.values()):
         module.__dict__.setdefault("_lora_saved", []).append(())
         return None
@@ -205,7 +192,7 @@ def _local_params_pre(reduce_grad_group, module, args):
     for name, param in list(module._parameters.items()):
         if isinstance(param, DTensor):
             local = param.to_local()
-            if reduce_grad_group is not None and local.requires_grad:
+            if reduce_grad_group is not None and local.requires_grad and (only is None or name in only):
                 local = AllReduceGrad.apply(local, reduce_grad_group)
             saved.append((name, param))
             module._parameters[name] = local
@@ -241,7 +228,7 @@ def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelS
             _distribute_one(b, f"weight_{part}", Replicate(), tp_mesh)
         _distribute(b, b_place, tp_mesh)
         if shared:  # each rank's heads add to the shared rows' gradient: summed over TP
-            b.register_forward_pre_hook(partial(_local_shared_pre, tp_mesh.get_group(), {f"weight_{p}" for p in shared}))
+            b.register_forward_pre_hook(partial(_local_params_pre, tp_mesh.get_group(), only={f"weight_{p}" for p in shared}))
             b.register_forward_hook(_local_params_post, always_call=True)
         for param in (*a.parameters(), *b.parameters()):  # without FSDP (FSDP2 reduces TP-partial grads itself)
             if param.requires_grad and isinstance(param, DTensor) and param.placements == (Replicate(),):
