@@ -121,9 +121,9 @@ def lora_worker(rank: int, world_size: int, layouts: dict) -> dict:
     for layout, (dims_kwargs, options) in layouts.items():
         mesh = ParallelDims(**dims_kwargs).build_mesh()
         for name in MODELS:
-            if name == "nemotron_h" and dims_kwargs.get("cp", 1) > 1:
-                continue  # the cp=2 layout here also checkpoints activations, which the transformers NemotronH
-                # on our core does not take yet (a recompile under checkpointing); cp=2 itself: test_hf_hybrids
+            if name == "nemotron_h" and "activation_checkpointing" in options and dims_kwargs.get("cp", 1) > 1:
+                continue  # a transformers hybrid at cp=2 under full checkpointing fails on a torch.compile recompile
+                # in the recomputed forward (a known gap, see docs/lora.md); cp=2 x tp=2 below covers its CP
             if "compile" in options and name != "hybrid":
                 continue
             results[(layout, name)] = _parallel_case(name, dims_kwargs, options, mesh)
