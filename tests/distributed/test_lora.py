@@ -2,8 +2,8 @@
 
 Models: the tiny ``HybridLM`` of ``context/test_model.py`` (packed row, documents crossing rank
 boundaries; adapters on attention q/k/v/o, the MLP and the Mamba ``in_proj``/``out_proj``), a
-transformers Llama and a transformers NemotronH (Mamba, attention and MLP layers; dense rows; not at cp>1, which refuses
-transformers' own Mamba mixers),
+transformers Llama and a transformers NemotronH (Mamba, attention and MLP layers; dense rows; its Mamba
+mixers on hybridpar's core and float64 throughout, as the trainer runs it),
 with ``add_lora(r=4)`` on the default targets and ``B`` perturbed so every adapter gradient is
 nonzero. Layouts: tp=2, tp=2 + SP, cp=2 (with activation checkpointing), dp_shard=2 (and the
 HybridLM with its blocks compiled, ``aot_eager``) on one 2-rank group; cp=2 x tp=2 on a 4-rank
@@ -121,9 +121,6 @@ def lora_worker(rank: int, world_size: int, layouts: dict) -> dict:
     for layout, (dims_kwargs, options) in layouts.items():
         mesh = ParallelDims(**dims_kwargs).build_mesh()
         for name in MODELS:
-            if name == "nemotron_h" and "activation_checkpointing" in options and dims_kwargs.get("cp", 1) > 1:
-                continue  # a transformers hybrid at cp=2 under full checkpointing fails on a torch.compile recompile
-                # in the recomputed forward (a known gap, see docs/lora.md); cp=2 x tp=2 below covers its CP
             if "compile" in options and name != "hybrid":
                 continue
             results[(layout, name)] = _parallel_case(name, dims_kwargs, options, mesh)

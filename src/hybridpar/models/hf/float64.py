@@ -49,7 +49,8 @@ class KeepFloat64(TorchFunctionMode):
 
 
 def keep_float64(model: nn.Module) -> nn.Module:
-    """Run ``model``'s forward under ``KeepFloat64`` (module docstring); returns ``model``."""
+    """Run ``model``'s forward (and each layer's, recomputed or not) under ``KeepFloat64``
+    (module docstring); returns ``model``."""
     modes: list[KeepFloat64] = []
 
     def enter(module, args, kwargs):
@@ -60,6 +61,10 @@ def keep_float64(model: nn.Module) -> nn.Module:
     def leave(module, args, kwargs, output):
         modes.pop().__exit__(None, None, None)
 
-    model.register_forward_pre_hook(enter, with_kwargs=True)
-    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
+    # the root, and every layer of a ModuleList: activation checkpointing recomputes a layer in
+    # backward, outside the root's forward, and must see the same float64 casts
+    layers = [m for holder in model.modules() if isinstance(holder, nn.ModuleList) for m in holder]
+    for module in (model, *layers):
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave, with_kwargs=True, always_call=True)
     return model
