@@ -13,8 +13,8 @@ the summed logits:
   document starts: the timing is of the same amount of work, not of a correct packed step.
 
 Wall time: median of ``--repeats`` runs after one warm-up, one torch thread (the machine is
-shared). Peak memory: one forward+backward in a fresh subprocess per (architecture, path, T),
-peak RSS (``VmHWM``, reset just before the call) minus the RSS just before it, in MiB.
+shared). Peak memory: one forward+backward in a fresh process per (architecture, path, T)
+(``harness.run_fresh`` + ``harness.measure_peak``: peak RSS over the RSS just before the call), in MiB.
 
     python benchmarks/hf_hybrids.py [--lengths 4096 16384] [--repeats 3] [--long-paths ours]
 
@@ -24,17 +24,9 @@ Prints a table and writes benchmarks/results/hf_hybrids.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import shlex
-import statistics
-import subprocess
-import sys
-import time
 import warnings
-from pathlib import Path
 
+import harness
 import torch
 
 ARCHS = ("granite_moe", "falcon_h1", "nemotron_h", "bamba", "zamba2")
@@ -90,37 +82,36 @@ def step_fn(name: str, path: str, tokens: int):
     return step
 
 
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as handle:
-        line = next(line for line in handle if line.startswith(field + ":"))
-    return int(line.split()[1]) / 1024
-
-
-def peak_child(name: str, path: str, tokens: int) -> None:
-    """(in a subprocess) print the peak RSS growth of one step over the RSS before it, MiB: the
-    high-water mark is reset first (``/proc/self/clear_refs``), so imports and the model build
-    do not count."""
+def peak_case(name: str, path: str, tokens: int, threads: int) -> dict:
+    """(in a fresh process) the peak RSS one step adds, MiB: imports and the model build do not count."""
+    torch.set_num_threads(threads)
     step = step_fn(name, path, tokens)
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    before = _status_mib("VmRSS")
-    step()
-    print(json.dumps({"peak_mib": _status_mib("VmHWM") - before}))
+    return {"peak_mib": harness.measure_peak(step)["peak_bytes"] / 2**20}
 
 
-def measure(name: str, path: str, tokens: int, repeats: int) -> dict:
-    step = step_fn(name, path, tokens)
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    child = subprocess.run([sys.executable, __file__, "--child", name, path, str(tokens)], capture_output=True,
-                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    peak = json.loads(child.stdout.strip().splitlines()[-1])["peak_mib"] if child.returncode == 0 else None
-    return {"arch": name, "path": path, "tokens": tokens, "seconds": statistics.median(times), "peak_mib": peak,
-            "error": None if child.returncode == 0 else child.stderr.strip().splitlines()[-1][:200]}
+def measure(name: str, path: str, tokens: int, repeats: int, threads: int) -> dict:
+    seconds = harness.timed(step_fn(name, path, tokens), repeats=repeats, warmup=1)["median_s"]
+    try:
+        peak, error = harness.run_fresh(peak_case, name, path, tokens, threads, threads=threads)["peak_mib"], None
+    except harness.CaseError as failure:
+        peak, error = None, str(failure)[:200]
+    return {"arch": name, "path": path, "tokens": tokens, "seconds": seconds, "peak_mib": peak, "error": error}
+
+
+def report(meta: dict, rows: list[dict], lengths, archs) -> str:
+    fmt = lambda v, f="{:.0f}": "not run" if v is None else f.format(v)  # noqa: E731
+    lines = harness.header(__doc__.splitlines()[0], meta) + [
+        "", "| arch | T | ours s | transformers s | ours peak MiB | transformers peak MiB |", "| --- | --- | --- | --- | --- | --- |"]
+    for tokens in lengths:
+        for name in archs:
+            found = {r["path"]: r for r in rows if (r["arch"], r["tokens"]) == (name, tokens)}
+            ours, theirs = found.get("ours", {}), found.get("transformers", {})
+            lines.append(f"| {name} | {tokens} | {fmt(ours.get('seconds'), '{:.2f}')} | "
+                         f"{fmt(theirs.get('seconds'), '{:.2f}')} | {fmt(ours.get('peak_mib'))} | {fmt(theirs.get('peak_mib'))} |")
+    lines += ["", "One packed row of 4 equal documents, small random float32 models (module docstring), forward +",
+              "backward of the summed logits. transformers' path does not reset its Mamba state at document starts:",
+              "the same amount of work, not a correct packed step. 'not run': the path was not asked for at that length."]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -132,38 +123,19 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=["ours", "transformers"])
     parser.add_argument("--long-paths", nargs="+", default=None,
                         help="paths run at lengths above 4096 (default: --paths)")
-    parser.add_argument("--child", nargs=3)
     parser.add_argument("--out", default="hf_hybrids")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.child:
-        name, path, tokens = args.child
-        return peak_child(name, path, int(tokens))
     rows = []
     for tokens in args.lengths:
         for name in args.archs:
             for path in (args.paths if tokens <= 4096 or args.long_paths is None else args.long_paths):
-                row = measure(name, path, tokens, args.repeats)
+                row = measure(name, path, tokens, args.repeats, args.threads)
                 rows.append(row)
                 print(f"{name:<12} {path:<13} T={tokens:>6}  {row['seconds']:8.2f} s  peak {row['peak_mib']} MiB",
                       flush=True)
-    command = "python benchmarks/" + Path(__file__).name + " " + shlex.join(sys.argv[1:])
-    meta = {"command": command.strip(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "threads": args.threads}
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    lines = [f"# {__doc__.splitlines()[0]}", "", f"`{meta['command']}` on {meta['date']} (torch {meta['torch']}, "
-             f"{args.threads} thread, CPU)", "", "| arch | T | ours s | transformers s | ours peak MiB | transformers peak MiB |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for tokens in args.lengths:
-        for name in args.archs:
-            found = {r["path"]: r for r in rows if (r["arch"], r["tokens"]) == (name, tokens)}
-            ours, theirs = found.get("ours", {}), found.get("transformers", {})
-            fmt = lambda v, f="{:.0f}": "not run" if v is None else f.format(v)  # noqa: E731
-            lines.append(f"| {name} | {tokens} | {fmt(ours.get('seconds'), '{:.2f}')} | {fmt(theirs.get('seconds'), '{:.2f}')} "
-                         f"| {fmt(ours.get('peak_mib'))} | {fmt(theirs.get('peak_mib'))} |")
-    (out / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    meta = {**harness.environment(__file__), "threads": args.threads}
+    harness.write_results(args.out, {"meta": meta, "rows": rows}, report(meta, rows, args.lengths, args.archs))
 
 
 if __name__ == "__main__":
