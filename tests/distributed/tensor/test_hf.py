@@ -78,7 +78,7 @@ CASES = {
     "qwen2_moe": ("registry", T, {f"{L0}.mlp.shared_expert.gate_proj.weight": "S0",
                                   f"{L0}.mlp.shared_expert.down_proj.weight": "S1",
                                   f"{L0}.mlp.shared_expert_gate.weight": "R", f"{L0}.mlp.experts.down_proj": "S2"}),
-    "zamba2": ("default", F, {"model.layers.0.mamba.in_proj.weight": "R", "model.embed_tokens.weight": "S0"}),
+    "zamba2": ("registry", F, {"model.layers.0.mamba.in_proj.weight": "R", "model.embed_tokens.weight": "S0"}),
 }
 # Mixtral through its own Hugging Face plan (experts and packed gate_up from the plan strings)
 HF_PLAN_RUNS = {"mixtral_hf_plan": ("mixtral", {f"{L0}.mlp.experts.gate_up_proj": "SS1/2",

@@ -51,6 +51,7 @@ from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_
 from hybridpar.parallel.tensor.hybrid import MambaHeadParallel, SplitConv1d, SplitInProj
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
 from hybridpar.parallel.tensor.plans_hf import register_hf_plan
+from hybridpar.parallel.tensor.registry import lookup_tp_plan
 from hybridpar.parallel.tensor.styles import AllReduceGrad, LocalReplicateParallel, SequenceParallelAllGatherActivation
 
 __all__ = ["mamba_tp_problem", "split_hf_mixer", "split_hf_mixers", "HFMambaHeadParallel", "hf_mamba_style", "moe_block_plan",
@@ -290,4 +291,22 @@ def granite_moe_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[s
             path = f"model.layers.{index}.block_sparse_moe"
             plan.update(moe_block_plan(path, layer.block_sparse_moe, sp))
             plan[f"{path}.router"] = LocalReplicateParallel()
+    return plan
+
+
+@register_hf_plan("zamba2", "Zamba2ForCausalLM")
+def zamba2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Zamba2: the generic plan (embeddings and head vocab-parallel; the shared attention block,
+    one set of weights every hybrid layer reuses, as that plan finds it), plus every Mamba2 mixer
+    on hybridpar's core by heads (its Mamba layers' and each hybrid layer's). Under SP the generic
+    plan's checks name what it cannot cover, as before."""
+    plan = dict(lookup_tp_plan("default").resolve()(model, sequence_parallel))
+    if sequence_parallel:
+        return plan
+    replicated = LocalReplicateParallel()
+    for index, layer in enumerate(model.model.layers):
+        inner = getattr(layer, "mamba_decoder", layer)
+        if getattr(inner, "mamba", None) is not None and getattr(inner.mamba, MARK, False):
+            prefix = f"model.layers.{index}" + (".mamba_decoder" if inner is not layer else "")
+            plan[f"{prefix}.mamba"] = hf_mamba_style(inner.mamba, False, replicated)
     return plan
