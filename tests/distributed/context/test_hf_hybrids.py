@@ -19,7 +19,11 @@ from tests.distributed.harness import run_ranks
 TOL = 1e-9
 DOCS = [0, 12, 32]
 CASES = [("granite_moe", "a2a", "allgather"), ("granite_moe", "state", "ulysses"), ("falcon_h1", "state", "allgather"),
-         ("nemotron_h_moe", "a2a", "ulysses"), ("bamba", "state", "allgather"), ("zamba2", "a2a", "allgather")]
+         ("nemotron_h_moe", "a2a", "ulysses"), ("bamba", "state", "allgather"), ("zamba2", "a2a", "allgather"),
+         # the other attention strategy for each, and Granite dense and NemotronH dense as transformers models
+         ("falcon_h1", "a2a", "ulysses"), ("nemotron_h_moe", "state", "allgather"), ("bamba", "a2a", "ulysses"),
+         ("zamba2", "state", "ulysses"), ("granite", "state", "allgather"), ("granite", "a2a", "ulysses"),
+         ("nemotron_h", "a2a", "allgather"), ("nemotron_h", "state", "ulysses")]
 
 
 def _relative(got, want) -> float:
