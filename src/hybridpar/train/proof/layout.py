@@ -56,6 +56,17 @@ def reference_step(model, packs, device) -> torch.Tensor:
     return total / count
 
 
+def print_rows(rows, failures) -> None:
+    """One line per compared quantity: its largest difference and ok/FAIL (rank 0 prints)."""
+    for name, difference, _ in rows:
+        print(f"  {name:<58} max|diff| {difference:.3e}  {'FAIL' if name in failures else 'ok'}")
+
+
+def passed_within_rounding(count: int, tolerance: float, dtype: str) -> str:
+    return (f"passed: all {count} quantities within tolerance {tolerance:.0e} in {dtype} "
+            "(equal to rounding, not exact: run with model.dtype=float64 for the exact check)")
+
+
 def run_check(config: RunConfig, device: torch.device, tolerance: float | None = None) -> int:
     """Print one line per quantity with its largest difference; 0 when all are in tolerance.
 
@@ -87,14 +98,12 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
         print(f"check: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
               f"sp={p.sequence_parallel} cp_attention={p.cp_attention} cp_mamba={p.cp_mamba} "
               f"dtype={config.model.dtype} tolerance={tolerance:.0e} (relative to max(1, |reference|))")
-        for name, difference, _ in rows:
-            print(f"  {name:<58} max|diff| {difference:.3e}  {'FAIL' if name in failures else 'ok'}")
+        print_rows(rows, failures)
         if failures:
             verdict = f"FAILED: {len(failures)} of {len(rows)} quantities out of tolerance or not finite"
         elif exact:
             verdict = f"exact: all {len(rows)} quantities within {EXACT:.0e} in float64"
         else:
-            verdict = (f"passed: all {len(rows)} quantities within tolerance {tolerance:.0e} in {config.model.dtype} "
-                       "(equal to rounding, not exact: run with model.dtype=float64 for the exact check)")
+            verdict = passed_within_rounding(len(rows), tolerance, config.model.dtype)
         print(f"check {verdict}", flush=True)
     return 1 if failures else 0

@@ -23,7 +23,7 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
-from hybridpar.train.proof.layout import EXACT, default_tolerance, within
+from hybridpar.train.proof.layout import EXACT, default_tolerance, passed_within_rounding, print_rows, within
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.loss import valid_token_count
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
@@ -105,8 +105,7 @@ def run_packing_check(config: RunConfig, device: torch.device, tolerance: float 
         if len(alone) == len(packs):
             print("  no row holds two documents (each fills a row at this data.pack_size): nothing can leak, the "
                   "comparison below is trivial")
-        for name, difference, _ in rows:
-            print(f"  {name:<58} max|diff| {difference:.3e}  {'FAIL' if name in failures else 'ok'}")
+        print_rows(rows, failures)
         if failures:
             verdict = (f"FAILED: {len(failures)} of {len(rows)} quantities differ: packed documents see each other"
                        + (" (training packs this model one document per row, so training is not affected)"
@@ -114,7 +113,6 @@ def run_packing_check(config: RunConfig, device: torch.device, tolerance: float 
         elif exact:
             verdict = f"exact: all {len(rows)} quantities within {EXACT:.0e} in float64; packed documents never meet"
         else:
-            verdict = (f"passed: all {len(rows)} quantities within tolerance {tolerance:.0e} in {config.model.dtype} "
-                       "(equal to rounding, not exact: run with model.dtype=float64 for the exact check)")
+            verdict = passed_within_rounding(len(rows), tolerance, config.model.dtype)
         print(f"check --packing {verdict}", flush=True)
     return 1 if failures else 0
