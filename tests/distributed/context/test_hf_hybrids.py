@@ -2,7 +2,7 @@
 
 Tiny models of ``tests/models/hf/hybrid_models.py`` with hybridpar's Mamba core in their mixers
 (``install_mamba_core``); ``parallelize(cp=2)`` installs the Mamba CP strategy (``a2a``,
-``state``) through ``mixer.core`` and the attention strategy (``allgather``, ``ulysses``)
+``state``) through ``mixer.core`` and the attention strategy (``allgather``, ``ulysses``, ``ring``)
 through the transformers attention bridge. Two rows of two packed documents (12 and 20
 tokens: both cut across the ranks); the one-process reference runs the same cores at cp=1
 (``tests/models/hf/test_mamba_mixers.py`` proves it equals one document per row). The loss and
@@ -23,7 +23,11 @@ CASES = [("granite_moe", "a2a", "allgather"), ("granite_moe", "state", "ulysses"
          # the other attention strategy for each, and Granite dense and NemotronH dense as transformers models
          ("falcon_h1", "a2a", "ulysses"), ("nemotron_h_moe", "state", "allgather"), ("bamba", "a2a", "ulysses"),
          ("zamba2", "state", "ulysses"), ("granite", "state", "allgather"), ("granite", "a2a", "ulysses"),
-         ("nemotron_h", "a2a", "allgather"), ("nemotron_h", "state", "ulysses")]
+         ("nemotron_h", "a2a", "allgather"), ("nemotron_h", "state", "ulysses"),
+         # ring attention on every architecture's attention layers (Granite NoPE and RoPE with multipliers,
+         # Falcon-H1's key multiplier, Zamba2's shared block)
+         ("granite", "a2a", "ring"), ("granite_moe", "state", "ring"), ("falcon_h1", "a2a", "ring"),
+         ("nemotron_h_moe", "state", "ring"), ("bamba", "a2a", "ring"), ("zamba2", "state", "ring")]
 
 
 def _relative(got, want) -> float:
