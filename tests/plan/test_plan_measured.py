@@ -1,7 +1,8 @@
 """The plan against one measured training step of the tiny model, on real gloo ranks.
 
-The issue's must-hold cases: cp=2, tp=2 and cp=2 x tp=2 at 4096 and 16384 tokens per pack, and
-tp=2 with sequence parallelism at 4096 under full and selective checkpointing (the other layouts,
+The issue's must-hold cases: cp=2, tp=2 and cp=2 x tp=2 at 4096 and 16384 tokens per pack,
+tp=2 with sequence parallelism at 4096 under full and selective checkpointing, and bf16 mixed
+precision with and without FSDP (the other layouts,
 the mid-size model and the policies under CP run in ``benchmarks/planner.py``). ``Trainer.fit`` trains two steps and reports the live-tensor peak of
 the second in ``metrics.jsonl``; a third step runs under ``CommStats``; one pack's forward is
 measured for what it keeps for backward (``plan/validate.py``). Held: parameters per rank exact,
@@ -25,6 +26,10 @@ CASES = {  # name -> (world size, overrides, pack sizes)
     # recomputation re-issues SP's norm all-gathers: the plan's "recompute" traffic (CP's in the benchmark)
     "tp2_sp_full": (2, TP_SP + ["parallel.activation_checkpointing=full"], (4096,)),
     "tp2_sp_selective": (2, TP_SP + ["parallel.activation_checkpointing=selective"], (4096,)),
+    # bf16 mixed precision: autocast without FSDP (float32 stream, bf16 matmuls and their weight
+    # copies), and FSDP's policy (bf16 gathers, float32 gradient reductions)
+    "tp2_bf16": (2, ["parallel.cp=1", "parallel.tp=2", "parallel.mixed_precision=bf16"], (4096,)),
+    "cp2_tp2_sp_bf16": (4, SP + ["parallel.mixed_precision=bf16"], (4096,)),
 }
 ALL = [(name, length) for name, (_, _, lengths) in CASES.items() for length in lengths]
 

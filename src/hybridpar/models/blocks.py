@@ -13,8 +13,17 @@ ACTIVATIONS = {
 }
 
 
+def matmul_input(t: Tensor) -> Tensor:
+    """``t`` in autocast's dtype when autocast is on (else unchanged): a norm's output is cast once,
+    not once per linear that reads it (autocast copies a float32 input for every matmul, and each
+    copy is kept for backward: five for a Mamba ``in_proj`` split in parts)."""
+    device = t.device.type
+    return t.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else t
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim, computed in float32 or wider."""
+    """Root-mean-square norm over the last dim, computed in float32 or wider; under autocast its
+    output is in autocast's dtype (``matmul_input``)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__()
@@ -22,7 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return _RMSNormFunction.apply(hidden_states, None, self.weight, hidden_states.shape[-1], self.eps)
+        return matmul_input(_RMSNormFunction.apply(hidden_states, None, self.weight, hidden_states.shape[-1], self.eps))
 
 
 class GatedRMSNorm(nn.Module):

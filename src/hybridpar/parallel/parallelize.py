@@ -31,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hybrid import HybridLM
+from hybridpar.models.mamba.fused_op import fla_scan
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context import hf as hf_cp
@@ -151,6 +152,8 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
     before FSDP.
     """
     blocks = model_blocks(model, "compile", "Set compile=False.")
+    if torch.cuda.is_available():
+        fla_scan()  # resolved before tracing: dynamo reads the fused scan's availability as a constant
     kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
     for block in blocks:

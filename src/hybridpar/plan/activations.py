@@ -23,6 +23,12 @@ the attention core's out and lse: Mamba2 in_proj [Tc, W_in]; attention q, k, v +
 MLP block (no mixing kernel) its input only. (On CPU the eager blockwise attention core's out and
 lse are recomputed instead, so there the plan is high by ``Tc (Hq Dh e + Hq e_c)`` per attention block.)
 Statistics (rstd, lse) are in the compute dtype ``e_c``.
+
+Under autocast (``mixed_precision=bf16`` without FSDP) the residual stream and norm inputs stay in
+the model dtype (``e_s``); norm outputs (cast once, ``blocks.matmul_input``) and what matmuls
+produce are bf16 (``e = 2``), and
+every linear saves the bf16 copy of its weight that autocast made: ``2 * (linear weights of the
+block)`` more per block that is not checkpointed (``full`` and ``selective`` recompute the casts).
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     policy = policy or layout.checkpointing
     w, e, ec = _widths(layout), layout.act_bytes, layout.compute_bytes
     tc, ts, seq = layout.tokens, layout.stream_tokens, layout.pack_size
-    block_input = ts * w["d"] * e
+    block_input = ts * w["d"] * layout.stream_bytes
+    if policy == "none" and layout.autocast:
+        block_input += 2 * _linear_weights(layout, kind)
     if policy == "full":
         return block_input
     if policy == "selective":
@@ -79,10 +87,20 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     return common + tc * w["inter"] * e * (4 if layout.model.mlp_gated else 2)
 
 
+def _linear_weights(layout: Layout, kind: str) -> int:
+    """TP-local elements of the linear weights (the 2-D parameters) of one block of ``kind``."""
+    from hybridpar.parallel.comm.step import unit_parameters
+
+    index = layout.model.pattern.index(kind)
+    units = unit_parameters(layout.model, layout.tp, layout.sp)
+    return sum(p.shape[0] * p.shape[1] for p in units[f"backbone.layers.{index}"] if len(p.shape) == 2)
+
+
 def head_saved_bytes(layout: Layout) -> int:
     """Final norm, loss and embedding: kept under every policy (they are not checkpointed)."""
-    e, ec, tc, ts, d = layout.act_bytes, layout.compute_bytes, layout.tokens, layout.stream_tokens, layout.model.hidden_size
-    return ts * (d * e + ec) + tc * d * e + tc * ec + 2 * tc * 8
+    e, es, ec = layout.act_bytes, layout.stream_bytes, layout.compute_bytes
+    tc, ts, d = layout.tokens, layout.stream_tokens, layout.model.hidden_size
+    return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8
 
 
 def saved_bytes(layout: Layout, policy: str | None = None) -> dict:

@@ -5,6 +5,8 @@ Symbols used by every ``plan`` module (per rank, per packed row of ``T`` tokens)
     Tc = T / cp            tokens a CP rank holds (inside a block, widths are / tp)
     Ts = Tc / tp (SP) or Tc  tokens of the residual stream between blocks
     e   activation bytes (model dtype; 2 under mixed_precision=bf16)
+    e_s residual-stream bytes: e, but the model dtype under autocast (bf16 without FSDP keeps
+        the stream and norms in float32; only matmuls run in bf16)
     e_p parameter / gradient / optimizer-state bytes (model dtype)
     e_c = max(e, 4)        bytes of the kernels' compute dtype (float32 or wider)
     m = packs_per_step / dp  packed rows each rank runs per step (gradient accumulation)
@@ -89,8 +91,17 @@ class Layout:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def autocast(self) -> bool:
+        """``mixed_precision=bf16`` without FSDP: the forward runs under ``torch.autocast``."""
+        return self.mixed_precision == "bf16" and not self.fsdp
+
+    @property
     def act_bytes(self) -> int:  # e
-        return 2 if self.mixed_precision == "bf16" and self.fsdp else DTYPE_BYTES[self.dtype]
+        return 2 if self.mixed_precision == "bf16" else DTYPE_BYTES[self.dtype]
+
+    @property
+    def stream_bytes(self) -> int:  # e_s
+        return DTYPE_BYTES[self.dtype] if self.autocast else self.act_bytes
 
     @property
     def compute_bytes(self) -> int:  # e_c

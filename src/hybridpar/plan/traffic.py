@@ -30,7 +30,8 @@ RECOMPUTED = {("tp_blocks", "all_gather"): 0.5, ("cp_attention", "all_gather"): 
 def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
     m = layout.packs_per_rank
     return StepShape(layout.model, layout.dims, layout.pack_size, m, layout.act_bytes, layout.sequence_parallel,
-                     layout.cp_attention, layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m)
+                     layout.cp_attention, layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m,
+                     layout.stream_bytes)
 
 
 def ring_attention(layout: Layout) -> Tally:

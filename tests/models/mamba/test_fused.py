@@ -21,7 +21,8 @@ import torch
 
 from hybridpar.models.mamba import fused
 from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
-from hybridpar.models.mamba.fused import choose_kernel, fused_conv_scan, kernel_for, use_mamba_kernel
+from hybridpar.models.mamba.fused import choose_kernel, kernel_for, use_mamba_kernel
+from hybridpar.models.mamba.fused_op import fused_conv_scan, register_scan, states_at_boundaries
 from tests.models.mamba.test_core import F64, assert_close, grads, make_case
 
 
@@ -32,6 +33,8 @@ def simple_gla_contract(q, k, v, g, scale=None, initial_state=None, output_final
     assert state_v_first and q.shape[0] == 1 and cu_seqlens is not None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     heads, dim_k, dim_v = q.shape[2], q.shape[3], v.shape[3]
+    out_dtype, acc = v.dtype, torch.promote_types(q.dtype, torch.float32)  # FLA: o in v's dtype, fp32 states
+    q, k, v, g = (t.to(acc) for t in (q, k, v, g))
     outputs, finals = [], []
     for n in range(cu_seqlens.shape[0] - 1):
         state = initial_state[n] if initial_state is not None else q.new_zeros(heads, dim_v, dim_k)
@@ -39,7 +42,10 @@ def simple_gla_contract(q, k, v, g, scale=None, initial_state=None, output_final
             state = state * g[0, t].exp()[:, None, None] + v[0, t][:, :, None] * k[0, t][:, None, :]  # [H, V, K]
             outputs.append(scale * (state @ q[0, t][:, :, None]).squeeze(-1))  # [H, V]
         finals.append(state)
-    return torch.stack(outputs)[None], (torch.stack(finals) if output_final_state else None)
+    return torch.stack(outputs)[None].to(out_dtype), (torch.stack(finals) if output_final_state else None)
+
+
+register_scan("contract", simple_gla_contract)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -52,7 +58,7 @@ def test_fused_mapping_equals_the_pure_core_on_packed_rows(groups, dt_limit):
     cu_docs = row_documents(cu, batch, seqlen, "cpu")
     y_ref = mamba_conv_scan(*inputs.values(), **sizes, cu_docs=cu_docs, dt_limit=dt_limit)
     y = fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"], cu_docs=cu_docs,
-                        dt_limit=dt_limit, scan=simple_gla_contract)
+                        dt_limit=dt_limit, scan="contract")
     assert_close(y, y_ref, "y")
     for name, g, g_ref in zip(inputs, grads([y], inputs), grads([y_ref], inputs)):
         assert_close(g, g_ref, f"grad {name}")
@@ -74,7 +80,7 @@ def test_fused_mapping_carries_initial_and_final_states(groups):
     all_inputs = {**inputs, "history": history, "h0": h0}
     y_ref, final_ref = mamba_conv_scan(*inputs.values(), **sizes, cu_docs=cu, **states_in)
     y, final = fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"], cu_docs=cu,
-                               scan=simple_gla_contract, **states_in)
+                               scan="contract", **states_in)
     assert_close(y, y_ref, "y")
     assert_close(final, final_ref, "final states")
     for name, g, g_ref in zip(all_inputs, grads([y, final], all_inputs), grads([y_ref, final_ref], all_inputs)):
@@ -88,7 +94,7 @@ def test_fused_core_keeps_only_its_inputs_for_backward():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"],
-                        cu_docs=row_documents(cu, batch, seqlen, "cpu"), scan=simple_gla_contract)
+                        cu_docs=row_documents(cu, batch, seqlen, "cpu"), scan="contract")
     ids = {id(t) for t in inputs.values()}
     largest = max(t.numel() for t in saved)
     assert largest <= inputs["xBC"].numel(), (largest, inputs["xBC"].numel())
@@ -111,10 +117,10 @@ def test_kernel_rules(device, dtype, available, mode, expected):
 
 def test_states_inside_documents_keep_the_pure_core():
     cu = torch.tensor([0, 5, 9, 12])
-    assert fused._states_at_boundaries(cu, cu[:-1], cu[1:] - 1) is None
-    assert fused._states_at_boundaries(cu, torch.tensor([0, -1]), None) is None
-    assert fused._states_at_boundaries(cu, None, torch.tensor([3, 8, 11])) == "final states requested inside documents"
-    assert fused._states_at_boundaries(cu, torch.tensor([2]), None) == "initial states entering inside documents"
+    assert states_at_boundaries(cu, cu[:-1], cu[1:] - 1) is None
+    assert states_at_boundaries(cu, torch.tensor([0, -1]), None) is None
+    assert states_at_boundaries(cu, None, torch.tensor([3, 8, 11])) == "final states requested inside documents"
+    assert states_at_boundaries(cu, torch.tensor([2]), None) == "initial states entering inside documents"
 
 
 def test_the_kernel_that_runs_is_logged_once_with_its_reason(caplog, monkeypatch):
@@ -134,3 +140,95 @@ def test_the_kernel_that_runs_is_logged_once_with_its_reason(caplog, monkeypatch
     with pytest.raises(ValueError, match="'triton' is unknown"):
         with use_mamba_kernel("triton"):
             pass
+
+
+def test_fused_op_passes_torch_library_opcheck():
+    """Schema, fake kernel (shapes and dtypes, the bf16 activations of mixed precision too), autograd
+    registration and AOT dispatch of ``hybridpar::fused_conv_scan``, against its real kernel."""
+    for dtype in (F64, torch.bfloat16):
+        inputs, cu, sizes = make_case(11, 2, batch=1)
+        args = [t.detach().to(dtype if name in ("xBC", "dt") else t.dtype).requires_grad_()
+                for name, t in inputs.items()]
+        xBC, dt, weight = args[0], args[1], args[2]
+        history = torch.randn(cu.shape[0] - 1, weight.shape[1] - 1, xBC.shape[-1], dtype=F64)
+        h0 = torch.randn(cu.shape[0] - 1, dt.shape[-1], sizes["head_dim"], sizes["state_size"], dtype=F64)
+        op_args = (*args[:7], h0.requires_grad_(), history.requires_grad_(), cu, cu[:-1], cu[1:] - 1,
+                   sizes["head_dim"], sizes["state_size"], 0.0, float("inf"), True, "contract")
+        torch.library.opcheck(torch.ops.hybridpar.fused_conv_scan.default, op_args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                          "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("with_states", [False, True])
+def test_fused_core_compiles_without_graph_breaks_and_matches_the_pure_core(with_states):
+    """``torch.compile(fullgraph=True)`` through the fused path (a graph break raises): two opaque ops.
+    With the CP ``state`` strategy's states the boundary check runs inside the op."""
+    inputs, cu, sizes = make_case(21, 2, batch=1)
+    states = {}
+    if with_states:
+        gen = torch.Generator().manual_seed(5)
+        heads, docs = inputs["dt"].shape[-1], cu.shape[0] - 1
+        states = dict(init_at=cu[:-1], final_at=cu[1:] - 1, init_states=torch.randn(
+            docs, heads, sizes["head_dim"], sizes["state_size"], generator=gen, dtype=F64).requires_grad_())
+    leaves = {**inputs, **{k: v for k, v in states.items() if k == "init_states"}}
+
+    def core(*tensors):
+        out = mamba_conv_scan(*tensors[:7], **sizes, cu_docs=cu, **{**states, **dict(zip(["init_states"], tensors[7:]))})
+        return out if isinstance(out, tuple) else (out,)
+
+    torch._dynamo.reset()
+    with fused.use_stand_in("contract"):
+        got = torch.compile(core, backend="aot_eager", fullgraph=True)(*leaves.values())
+    want = core(*leaves.values())  # the pure core, eager
+    for a, b in zip(got, want):
+        assert_close(a, b, "compiled fused output")
+    for name, g, g_ref in zip(leaves, grads(list(got), leaves), grads(list(want), leaves)):
+        assert_close(g, g_ref, f"compiled fused grad {name}")
+
+
+def test_fused_op_refuses_states_inside_documents():
+    """Outside compile such calls go to the pure core (``choose_kernel``); the op itself refuses them."""
+    inputs, cu, sizes = make_case(3, 1, batch=1)
+    with pytest.raises(ValueError, match="initial states entering inside documents; run this call with"):
+        heads, docs = inputs["dt"].shape[-1], cu.shape[0] - 1
+        fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"], cu_docs=cu,
+                        init_at=cu[:-1] + 1, scan="contract",
+                        init_states=torch.zeros(docs, heads, sizes["head_dim"], sizes["state_size"], dtype=F64))
+
+
+def test_compiled_model_with_the_fused_path_equals_eager_pure_without_graph_breaks():
+    """The tiny hybrid, blocks compiled by ``parallelize`` (aot_eager), its Mamba layers on the fused
+    path (FLA's contract standing in for the kernel): no graph break, loss and every parameter
+    gradient equal to the eager pure-PyTorch model in float64."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+
+    torch.manual_seed(0)
+    base = HybridLM(HybridConfig.from_preset("tiny", dtype=F64))
+    eager = parallelize(copy.deepcopy(base), ParallelDims())
+    compiled = parallelize(copy.deepcopy(base), ParallelDims(), compile="aot_eager")
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 9, 25, 32], dtype=torch.int32))
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(1, 32, 256, dtype=F64, generator=torch.Generator().manual_seed(2))
+    calls = []
+    register_scan("counted", lambda *args, **kwargs: calls.append(1) or simple_gla_contract(*args, **kwargs))
+    torch._dynamo.reset()
+    counters.clear()
+    eager_loss = (eager(ids, packed=packed) * weight).sum()
+    eager_loss.backward()
+    assert not calls
+    with fused.use_stand_in("counted"):
+        loss = (compiled(ids, packed=packed) * weight).sum()
+        loss.backward()
+    assert dict(counters["graph_break"]) == {}
+    mamba_layers = base.config.pattern.count("M")
+    assert len(calls) == 2 * mamba_layers  # each layer's forward, and its backward's recompute
+    assert abs(loss.item() - eager_loss.item()) < 1e-10 * abs(eager_loss.item())
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, f"grad {name}")

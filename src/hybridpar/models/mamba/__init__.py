@@ -1,5 +1,6 @@
 """Mamba2: the causal conv with document resets, the chunked SSD scan and its loop-free state
-passing, the conv+scan core as one opaque op (``core``), and the mixer with transformers' names.
+passing, the conv+scan core as one opaque op (``core``), FLA's fused scan behind the same contract
+(``fused_op``, chosen by ``fused``), and the mixer with transformers' names.
 
 Single-device code (no process group). May import ``models/blocks``; imported by ``models/``,
 ``parallel/`` and above.

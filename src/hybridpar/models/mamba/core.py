@@ -28,7 +28,8 @@ from torch import Tensor
 
 from hybridpar.models.mamba import ssd_chunked
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
-from hybridpar.models.mamba.fused import choose_kernel, fused_conv_scan
+from hybridpar.models.mamba.fused import choose_kernel
+from hybridpar.models.mamba.fused_op import fused_conv_scan
 
 _OPTIONAL_GRADS = 11  # dx, ddt, dA, dB, dC, dD, ddt_bias, dconv_weight, dconv_bias, dinit_states, dconv_history
 
@@ -44,7 +45,7 @@ def mamba_conv_scan(
     ``init_states [m, H, P, N]`` and ``conv_history [m, K-1, H*P + 2*G*N]`` enter the documents
     starting at ``init_at [m]``. Returns ``y [B, L, H*P]`` or, with ``final_at``, ``(y, states)``
     (``y`` is empty when ``want_y`` is False). On CUDA with ``fla-core`` the same contract runs
-    through FLA's fused scan (``fused.py``: which kernel runs and why is logged once)."""
+    through FLA's fused scan (``fused_op.py``; ``fused.py`` says which kernel runs and why, once)."""
     batch, seqlen, width = xBC.shape
     heads = dt.shape[-1]
     d_inner = heads * head_dim
@@ -52,10 +53,12 @@ def mamba_conv_scan(
     x, B, C = xBC.split([d_inner, groups * state_size, groups * state_size], dim=-1)
     if cu_docs is None:
         cu_docs = row_documents(None, batch, seqlen, xBC.device)
-    if choose_kernel(xBC, cu_docs, init_at, final_at)[0] == "fla":  # CUDA + fla-core (fused.py)
+    kernel = choose_kernel(xBC, cu_docs, init_at, final_at)[0]
+    if kernel != "pure":  # CUDA + fla-core (fused.py): FLA's scan, or a test's stand-in for it
         return fused_conv_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, head_dim=head_dim,
                                state_size=state_size, cu_docs=cu_docs, dt_limit=dt_limit, init_at=init_at,
-                               init_states=init_states, conv_history=conv_history, final_at=final_at, want_y=want_y)
+                               init_states=init_states, conv_history=conv_history, final_at=final_at, want_y=want_y,
+                               scan=kernel)
     y, final = torch.ops.hybridpar.ssd_chunk_scan(
         x.unflatten(-1, (heads, head_dim)), dt, -torch.exp(A_log), B.unflatten(-1, (groups, state_size)),
         C.unflatten(-1, (groups, state_size)), D, dt_bias, conv_weight, conv_bias, cu_docs, init_at, init_states,

@@ -88,6 +88,13 @@ class StepShape:
     cp_mamba: str = "a2a"
     reshard_after_forward: bool = True
     docs_per_pack: tuple[int, ...] = ()  # documents of each pack, for cp_mamba="state"
+    stream_size: int | None = None  # e_s, the residual stream's and norm weights' bytes (None: e)
+
+    @property
+    def stream_bytes(self) -> int:
+        """e_s: under autocast (bf16 matmuls, float32 weights, no FSDP) the embedding's output, the
+        residual stream and the norm weights' gradients stay in the weights' dtype."""
+        return self.stream_size or self.element_size
 
     @property
     def sp(self) -> bool:
@@ -192,10 +199,12 @@ def trainer(s: StepShape) -> Tally:
     return out
 
 
-def _tp_pair(out: Tally, s: StepShape, calls: int, width: int) -> None:
-    """One [Tc, width] activation entering a TP region and its gradient leaving it, ``calls`` times:
-    SP all_gather (fwd) + reduce_scatter (bwd), else all_reduce of the gradient (bwd)."""
-    tp, tokens, e, label = s.dims.tp, s.pack_size // s.dims.cp, s.element_size, dim_label(s.dims, ("tp",))
+def _tp_pair(out: Tally, s: StepShape, calls: int, width: int, e: int | None = None) -> None:
+    """One [Tc, width] activation (``e`` bytes, default the activations') entering a TP region and its
+    gradient leaving it, ``calls`` times: SP all_gather (fwd) + reduce_scatter (bwd), else
+    all_reduce of the gradient (bwd)."""
+    tp, tokens, label = s.dims.tp, s.pack_size // s.dims.cp, dim_label(s.dims, ("tp",))
+    e = e or s.element_size
     if s.sp:
         out.add("all_gather", label, _ring("all_gather", tp, tokens // tp * width * e), calls)
         out.add("reduce_scatter", label, _ring("reduce_scatter", tp, tokens * width * e), calls)
@@ -207,7 +216,7 @@ def tp_embedding(s: StepShape) -> Tally:
     """The vocab-parallel embedding's partial output leaving the TP region (and its gradient)."""
     out = Tally()
     if s.dims.tp > 1:
-        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size)  # fwd RS + bwd AG, or fwd AR
+        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, s.stream_bytes)  # fwd RS + bwd AG, or fwd AR
     return out
 
 
@@ -220,13 +229,14 @@ def tp_blocks(s: StepShape) -> Tally:
 
 
 def tp_head(s: StepShape) -> Tally:
-    """The vocab-parallel loss: its hidden input enters the TP region (as a block's does); forward
-    all-reduces the row max [Tc] and the sums [2 Tc + 1] in at least float32; no logits move."""
+    """The vocab-parallel loss: its hidden input enters the TP region (as a block's does; without SP
+    the loss all-reduces its hidden's gradient itself, in at least float32); forward all-reduces
+    the row max [Tc] and the sums [2 Tc + 1] in at least float32; no logits move."""
     out = Tally()
     if s.dims.tp > 1:
         tp, tokens, label = s.dims.tp, s.pack_size // s.dims.cp, dim_label(s.dims, ("tp",))
-        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size)
         stat = max(s.element_size, 4)
+        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, s.element_size if s.sp else stat)
         for width in (tokens, 2 * tokens + 1):
             out.add("all_reduce", label, _ring("all_reduce", tp, width * stat), s.packs_per_rank)
     return out
@@ -238,7 +248,7 @@ def tp_norm_grads(s: StepShape) -> Tally:
         norms = [p for unit in unit_parameters(s.model, s.dims.tp, True).values() for p in unit if p.sp_norm]
         per_norm = 1 if s.fsdp else 4  # FSDP reduces once; else clipping once and AdamW three times
         for p in norms:
-            nbytes = math.prod(p.shape) * s.element_size
+            nbytes = math.prod(p.shape) * s.stream_bytes
             out.add("all_reduce", dim_label(s.dims, ("tp",)), _ring("all_reduce", s.dims.tp, nbytes), per_norm)
     return out
 
@@ -303,14 +313,15 @@ def fsdp(s: StepShape) -> Tally:
         raise ValueError("closed forms cover reshard_after_forward true or false, not a resharding group size.")
     shard_label, rep_label = dim_label(dims, ("dp_shard", "cp")), dim_label(dims, ("dp_replicate",))
     m = s.packs_per_rank
+    reduce_size = max(s.element_size, 4)  # parameters gathered in e, gradients reduced in >= float32
     for unit, params in unit_parameters(s.model, dims.tp, s.sequence_parallel).items():
-        nbytes = _shard_bytes(params, shard, s.element_size)
+        nbytes, grad_bytes = (_shard_bytes(params, shard, e) for e in (s.element_size, reduce_size))
         if shard > 1:
             gathers = 1 if not s.reshard_after_forward else (m if unit == "" else 2 * m)
             out.add("all_gather", shard_label, _ring("all_gather", shard, nbytes), gathers)
-            out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * nbytes))
+            out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * grad_bytes))
         if rep > 1:
-            out.add("all_reduce", rep_label, _ring("all_reduce", rep, nbytes))
+            out.add("all_reduce", rep_label, _ring("all_reduce", rep, grad_bytes))
     return out
 
 

@@ -1,0 +1,245 @@
+"""Mamba2's conv + scan through FLA's ``chunk_simple_gla``, as two registered custom ops.
+
+Mamba2's SSD with a scalar decay per head is FLA's simple GLA. Per document and head, with
+``x`` the conv output (after SiLU), ``dt`` processed (``softplus(dt + dt_bias)``, clamped) and
+``A = -exp(A_log)``::
+
+    h_t = exp(dt_t A) h_{t-1} + (dt_t x_t) B_t^T          y_t = h_t C_t + D x_t
+
+    chunk_simple_gla(q = C, k = B, v = x * dt, g = dt * A, scale = 1,
+                     initial_state, output_final_state, cu_seqlens, state_v_first=True)
+
+with ``B``/``C`` repeated from groups to heads (``k``/``q [1, T, H, N]``), ``v [1, T, H, P]``,
+``g [1, T, H]`` in float32 (the decays stay fp32; FLA's kernels accumulate states in fp32),
+every row laid end to end on one stream whose documents are ``cu_docs`` (``cu_seqlens``), and
+states ``[docs, H, P, N]`` (``state_v_first``: our layout). ``D x`` is added outside. Initial
+states enter the documents that start at ``init_at``; final states are read at document ends.
+The conv is ours (``conv.py``, in float32 or wider, document resets and histories as in the pure
+core); ``q``, ``k``, ``v`` are in the activations' dtype (bf16 under mixed precision).
+
+``hybridpar::fused_conv_scan`` runs that math without autograd and saves only its inputs;
+``hybridpar::fused_conv_scan_backward`` recomputes it with autograd on and differentiates it
+(FLA's own backward for the scan), so a block's saved bytes do not depend on the kernel.
+``torch.compile`` sees two opaque ops with fake kernels: no graph break, and FLA's launchers
+(host syncs, autotuning) stay out of the trace.
+
+A custom op's implementation runs below the Autograd dispatch keys, so ops there record no
+graph even under ``enable_grad``; ``_autograd_on`` lifts that exclusion for the recompute
+(``torch._C._ForceDispatchKeyGuard``, the thread's dispatch-key state with autograd put back;
+``tests/models/mamba/test_fused.py`` fails if a torch release changes this).
+
+The scan is named: ``"fla"`` is FLA's kernel (imported on first use); tests register stand-ins
+(``register_scan``) such as FLA's contract written out in float64 on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hybridpar.models.mamba.conv import conv_forward
+from hybridpar.models.precision import autocast_off
+
+__all__ = ["fla_scan", "register_scan", "fused_conv_scan", "states_at_boundaries"]
+
+_SCANS: dict[str, Callable] = {}
+_FLA: tuple[Callable | None, str] | None = None
+
+
+def fla_scan() -> tuple[Callable | None, str]:
+    """``(chunk_simple_gla or None, why not)``: FLA's op if ``fla-core`` imports here. Resolved once,
+    into a module global that ``torch.compile`` reads as a constant (``apply_compile`` resolves it
+    before tracing on CUDA)."""
+    global _FLA
+    if _FLA is None:
+        _FLA = _import_fla()
+    return _FLA
+
+
+def _import_fla() -> tuple[Callable | None, str]:
+    try:
+        import fla
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as error:  # ImportError, or triton failing to find a driver
+        return None, f"fla-core does not import ({type(error).__name__}: {str(error)[:80]}); pip install 'hybridpar[gpu]'"
+    return chunk_simple_gla, f"fla-core {getattr(fla, '__version__', '?')} chunk_simple_gla"
+
+
+def register_scan(name: str, scan: Callable) -> None:
+    """Make ``scan`` (``chunk_simple_gla``'s signature) runnable as ``fused_conv_scan(..., scan=name)``."""
+    if name == "fla":
+        raise ValueError("the scan name 'fla' is FLA's kernel; register a stand-in under another name.")
+    _SCANS[name] = scan
+
+
+def _scan(name: str) -> Callable:
+    if name == "fla":
+        op, why = fla_scan()
+        if op is None:
+            raise ValueError(f"the fused Mamba scan 'fla' cannot run: {why}.")
+        return op
+    if name not in _SCANS:
+        raise ValueError(f"fused Mamba scan {name!r} is not registered; known: {['fla', *_SCANS]}.")
+    return _SCANS[name]
+
+
+def states_at_boundaries(cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None) -> str | None:
+    """Why FLA cannot take these states (None: it can): it starts and ends states only at documents'
+    edges. Reads tensors (a host sync)."""
+    if final_at is not None and (final_at.shape[0] != cu_docs.shape[0] - 1 or not torch.equal(
+            final_at.long(), cu_docs[1:].long() - 1)):
+        return "final states requested inside documents"
+    if init_at is not None:
+        valid = init_at[init_at >= 0].long()
+        if not bool(torch.isin(valid, cu_docs[:-1].long()).all()):
+            return "initial states entering inside documents"
+    return None
+
+
+def _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs, init_at,
+          want_final, head_dim, state_size, dt_min, dt_max, scan):
+    """``(y [B, L, H*P] in xBC's dtype, final states [n_docs, H, P, N] in fp32 or wider, or None)``."""
+    batch, seqlen, width = xBC.shape
+    heads = dt.shape[-1]
+    d_inner = heads * head_dim
+    groups = (width - d_inner) // (2 * state_size)
+    total = batch * seqlen
+    fp = torch.promote_types(xBC.dtype, torch.float32)  # conv, decays, dt and the D skip: fp32 or wider
+    cast = lambda t: None if t is None else t.to(fp)  # noqa: E731
+    pre = conv_forward(cast(xBC.reshape(total, width)), cast(conv_weight), cast(conv_bias), cu_docs, init_at,
+                       cast(conv_history))
+    post = F.silu(pre).to(xBC.dtype)  # q, k, v in the activations' dtype (bf16 under mixed precision)
+    x, B, C = post.split([d_inner, groups * state_size, groups * state_size], dim=-1)  # [T, .]
+    dt_used = F.softplus(cast(dt.reshape(total, heads)) + cast(dt_bias))  # [T, H]
+    if (dt_min, dt_max) != (0.0, float("inf")):
+        dt_used = dt_used.clamp(dt_min, dt_max)
+    x = x.view(1, total, heads, head_dim)
+    per_head = heads // groups
+    k = B.view(1, total, groups, 1, state_size).expand(-1, -1, -1, per_head, -1).reshape(1, total, heads, state_size)
+    q = C.view(1, total, groups, 1, state_size).expand(-1, -1, -1, per_head, -1).reshape(1, total, heads, state_size)
+    v = (x.to(fp) * dt_used[None, :, :, None]).to(x.dtype)
+    g = (dt_used * -torch.exp(cast(A_log)))[None]  # [1, T, H] log decays
+    documents = cu_docs.shape[0] - 1
+    initial = None
+    if init_states is not None:
+        at = init_at.long()
+        doc = torch.where(at >= 0, torch.searchsorted(cu_docs.long(), at, right=True) - 1, documents)  # -1: dropped
+        slots = init_states.new_zeros(documents + 1, *init_states.shape[1:], dtype=fp)
+        initial = slots.index_copy(0, doc, cast(init_states))[:documents]  # [n_docs, H, P, N]
+    o, final = scan(q, k, v, g, scale=1.0, initial_state=initial, output_final_state=want_final,
+                    cu_seqlens=cu_docs.long(), state_v_first=True)
+    y = o.to(fp) + cast(D)[:, None] * x.to(fp)  # [1, T, H, P]
+    return y.reshape(batch, seqlen, d_inner).to(xBC.dtype), (None if final is None else final.to(fp))
+
+
+@contextlib.contextmanager
+def _autograd_on():
+    """Autograd records inside a custom op's implementation (see the module docstring)."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor, keys.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+def _check_states(cu_docs, init_at, final_at):
+    problem = states_at_boundaries(cu_docs, init_at, final_at)
+    if problem:  # choose_kernel keeps these calls on the pure core outside torch.compile
+        raise ValueError(f"the fused Mamba scan cannot take these states: {problem}; run this call with "
+                         "use_mamba_kernel('pure').")
+
+
+@torch.library.custom_op("hybridpar::fused_conv_scan", mutates_args=())
+def _fused_op(
+    xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, dt_bias: Tensor, A_log: Tensor, D: Tensor,
+    init_states: Tensor | None, conv_history: Tensor | None, cu_docs: Tensor, init_at: Tensor | None,
+    final_at: Tensor | None, head_dim: int, state_size: int, dt_min: float, dt_max: float, want_y: bool, scan: str,
+) -> tuple[Tensor, Tensor]:
+    _check_states(cu_docs, init_at, final_at)
+    with torch.no_grad(), autocast_off():
+        y, final = _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs,
+                         init_at, final_at is not None, head_dim, state_size, dt_min, dt_max, _scan(scan))
+    fp = torch.promote_types(xBC.dtype, torch.float32)
+    return (y if want_y else xBC.new_empty(0)), (final if final is not None else xBC.new_empty(0, dtype=fp))
+
+
+@_fused_op.register_fake
+def _(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs, init_at, final_at,
+      head_dim, state_size, dt_min, dt_max, want_y, scan):
+    fp = torch.promote_types(xBC.dtype, torch.float32)
+    heads = dt.shape[-1]
+    y = xBC.new_empty(*xBC.shape[:2], heads * head_dim) if want_y else xBC.new_empty(0)
+    if final_at is None:
+        return y, xBC.new_empty(0, dtype=fp)
+    return y, xBC.new_empty(final_at.shape[0], heads, head_dim, state_size, dtype=fp)
+
+
+_DIFFERENTIABLE = 9  # xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history
+
+
+@torch.library.custom_op("hybridpar::fused_conv_scan_backward", mutates_args=())
+def _fused_backward_op(
+    grad_y: Tensor | None, grad_final: Tensor | None, xBC: Tensor, dt: Tensor, conv_weight: Tensor,
+    conv_bias: Tensor | None, dt_bias: Tensor, A_log: Tensor, D: Tensor, init_states: Tensor | None,
+    conv_history: Tensor | None, cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None, head_dim: int,
+    state_size: int, dt_min: float, dt_max: float, scan: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    inputs = (xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history)
+    with _autograd_on(), autocast_off():
+        leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+        y, final = _math(*leaves, cu_docs, init_at, final_at is not None, head_dim, state_size, dt_min, dt_max,
+                         _scan(scan))
+        outputs, grads_out = [], []
+        for out, grad in ((y, grad_y), (final, grad_final)):
+            if out is not None and grad is not None and grad.numel():
+                outputs.append(out)
+                grads_out.append(grad)
+        wanted = [leaf for leaf in leaves if leaf is not None]
+        found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True) if outputs else
+                     [None] * len(wanted))
+    grads = [None if leaf is None else next(found) for leaf in leaves]
+    return tuple(torch.empty(0) if t is None else (torch.zeros_like(t) if g is None else g)
+                 for g, t in zip(grads, inputs))
+
+
+@_fused_backward_op.register_fake
+def _(grad_y, grad_final, xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs,
+      init_at, final_at, head_dim, state_size, dt_min, dt_max, scan):
+    like = (xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history)
+    return tuple(torch.empty(0) if t is None else torch.empty_like(t) for t in like)
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, head_dim, state_size, dt_min, dt_max, want_y, scan = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.options = (head_dim, state_size, dt_min, dt_max, scan)
+    ctx.want_y = want_y
+
+
+def _backward(ctx, grad_y, grad_final):
+    saved = ctx.saved_tensors  # the op's tensor arguments, in order
+    final_at = saved[-1]
+    grads = torch.ops.hybridpar.fused_conv_scan_backward(
+        grad_y if ctx.want_y else None, grad_final if final_at is not None else None, *saved, *ctx.options)
+    grads = [None if t is None else g for g, t in zip(grads, saved[:_DIFFERENTIABLE])]
+    return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+_fused_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_conv_scan(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, dt_bias: Tensor,
+                    A_log: Tensor, D: Tensor, *, head_dim: int, state_size: int, cu_docs: Tensor,
+                    dt_limit=(0.0, float("inf")), init_at: Tensor | None = None, init_states: Tensor | None = None,
+                    conv_history: Tensor | None = None, final_at: Tensor | None = None, want_y: bool = True,
+                    scan: str = "fla"):
+    """``mamba_conv_scan``'s contract through the named scan (default: FLA's ``chunk_simple_gla``)."""
+    y, final = torch.ops.hybridpar.fused_conv_scan(
+        xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs, init_at, final_at,
+        head_dim, state_size, float(dt_limit[0]), float(dt_limit[1]), want_y, scan)
+    return y if final_at is None else (y, final)
