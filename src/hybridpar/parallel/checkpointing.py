@@ -9,9 +9,9 @@
     block's last sequence-mixing kernel (attention kernel, ``hybridpar::*`` op, or the
     ``aten.bmm`` score products of an eager attention core) -- the projections into it
     (Mamba2 ``in_proj``; attention ``q/k/v``) -- and the outputs of attention kernels (torch's
-    fused SDPA kernels, hybridpar's ``hybridpar::*`` attention ops);
-  * recomputed: norms, activations, RoPE, the Mamba conv + scan (``hybridpar::ssd_chunk_scan``,
-    whose backward recomputes its internals anyway), and every matmul after the last mixing
+    fused SDPA kernels and varlen flash attention, hybridpar's ``hybridpar::*`` attention ops);
+  * recomputed: norms, activations, RoPE, the Mamba conv + scan (``hybridpar::ssd_chunk_scan``
+    or, on CUDA, ``hybridpar::fused_conv_scan``: their backward recomputes their internals anyway), and every matmul after the last mixing
     kernel: ``out_proj``/``o_proj`` (their output only enters the residual sum, which backward
     never reads: the recomputation stops (checkpoint early stop) before they run) and a whole
     MLP block's ``up``/``gate`` (an MLP block has no mixing kernel, so it keeps only its input).
@@ -57,7 +57,9 @@ ATTENTION_KERNELS = {
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
     if hasattr(_aten, name)
 }
-RECOMPUTED_KERNELS = {"ssd_chunk_scan"}  # hybridpar ops selective recomputes (names in the hybridpar namespace)
+# hybridpar ops selective recomputes (names in the hybridpar namespace): the Mamba conv + scan, pure or fused
+RECOMPUTED_KERNELS = {"ssd_chunk_scan", "fused_conv_scan"}
+KERNEL_NAMESPACES = ("hybridpar", "torch_attn")  # hybridpar's opaque ops; torch's varlen flash attention
 
 
 def checkpointing_policy(value) -> str:
@@ -74,14 +76,15 @@ def _is_mixing_kernel(op) -> bool:
     """A sequence-mixing kernel: an attention kernel, a hybridpar op (attention core, SSD scan) or
     a batched matmul (``aten.bmm``: the score and value products of an eager attention core,
     e.g. hybridpar's blockwise core, whose ``autograd.Function`` runs its ops in the open)."""
-    return op in ATTENTION_KERNELS or op is _aten.bmm.default or getattr(op, "namespace", None) == "hybridpar"
+    return op in ATTENTION_KERNELS or op is _aten.bmm.default or getattr(op, "namespace", None) in KERNEL_NAMESPACES
 
 
 def _kept_kernel_output(op) -> bool:
-    """Attention kernels and hybridpar's opaque ops keep their outputs; the SSD scan (its backward
-    recomputes its internals anyway) and bmm (``[B, H, S_q, S_k]`` blocks) do not."""
-    hybridpar_op = getattr(op, "namespace", None) == "hybridpar"
-    return op in ATTENTION_KERNELS or (hybridpar_op and op._opname not in RECOMPUTED_KERNELS)
+    """Attention kernels (torch's varlen flash attention included) and hybridpar's opaque ops keep
+    their outputs; the Mamba conv + scan (its backward recomputes its internals anyway) and bmm
+    (``[B, H, S_q, S_k]`` blocks) do not."""
+    opaque = getattr(op, "namespace", None) in KERNEL_NAMESPACES
+    return op in ATTENTION_KERNELS or (opaque and op._opname not in RECOMPUTED_KERNELS)
 
 
 class _SelectivePolicy:

@@ -111,6 +111,10 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if compile:
         _compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
+        if checkpointing_policy(activation_checkpointing) == "selective":
+            raise ValueError("compile with activation_checkpointing='selective' cannot run: torch.compile cannot trace "
+                             "the selective policy (it learns from each block's previous forward which matmuls to "
+                             "keep); use 'full' or 'none' with compile, or 'selective' without it.")
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:

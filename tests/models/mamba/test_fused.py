@@ -196,10 +196,22 @@ def test_fused_op_refuses_states_inside_documents():
                         init_states=torch.zeros(docs, heads, sizes["head_dim"], sizes["state_size"], dtype=F64))
 
 
-def test_compiled_model_with_the_fused_path_equals_eager_pure_without_graph_breaks():
+def test_selective_checkpointing_recomputes_the_mamba_core_and_keeps_attention_kernels():
+    import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn ops)
+
+    from hybridpar.parallel.checkpointing import _is_mixing_kernel, _kept_kernel_output
+
+    for op, kept in ((torch.ops.hybridpar.fused_conv_scan.default, False),
+                     (torch.ops.hybridpar.ssd_chunk_scan.default, False),
+                     (torch.ops.torch_attn._varlen_attn.default, True)):
+        assert _is_mixing_kernel(op) and _kept_kernel_output(op) == kept, op
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_compiled_model_with_the_fused_path_equals_eager_pure_without_graph_breaks(checkpointing):
     """The tiny hybrid, blocks compiled by ``parallelize`` (aot_eager), its Mamba layers on the fused
-    path (FLA's contract standing in for the kernel): no graph break, loss and every parameter
-    gradient equal to the eager pure-PyTorch model in float64."""
+    path (FLA's contract standing in for the kernel), with and without full checkpointing: no
+    graph break, loss and every parameter gradient equal to the eager pure-PyTorch model in float64."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -212,7 +224,8 @@ def test_compiled_model_with_the_fused_path_equals_eager_pure_without_graph_brea
     torch.manual_seed(0)
     base = HybridLM(HybridConfig.from_preset("tiny", dtype=F64))
     eager = parallelize(copy.deepcopy(base), ParallelDims())
-    compiled = parallelize(copy.deepcopy(base), ParallelDims(), compile="aot_eager")
+    compiled = parallelize(copy.deepcopy(base), ParallelDims(), compile="aot_eager",
+                           activation_checkpointing=checkpointing)
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 9, 25, 32], dtype=torch.int32))
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(1))
     weight = torch.randn(1, 32, 256, dtype=F64, generator=torch.Generator().manual_seed(2))
@@ -228,7 +241,8 @@ def test_compiled_model_with_the_fused_path_equals_eager_pure_without_graph_brea
         loss.backward()
     assert dict(counters["graph_break"]) == {}
     mamba_layers = base.config.pattern.count("M")
-    assert len(calls) == 2 * mamba_layers  # each layer's forward, and its backward's recompute
+    # each layer's forward and its backward op's recompute (+ the checkpoint's recompute of the forward)
+    assert len(calls) == (2 if checkpointing == "none" else 3) * mamba_layers
     assert abs(loss.item() - eager_loss.item()) < 1e-10 * abs(eager_loss.item())
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         assert_close(p.grad, q.grad, f"grad {name}")
