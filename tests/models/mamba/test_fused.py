@@ -1,15 +1,14 @@
-"""The fused Mamba path (``models/mamba/fused.py``): which kernel runs and why, and the mapping
-of Mamba2's arguments onto FLA's ``chunk_simple_gla``, in float64 on CPU.
+"""The fused Mamba path (``models/mamba/fused.py``, ``fused_op.py``): which kernel runs and why, the
+mapping of Mamba2's arguments onto FLA's ``chunk_simple_gla`` in float64 on CPU, and the custom
+ops under ``torch.compile``.
 
-FLA's Triton kernels do not run on a CPU, not even under ``TRITON_INTERPRET=1`` (its launch asks
-triton for an active GPU driver), and its pure-PyTorch references (``fla.ops.simple_gla.naive``)
-compute in float32 and take no ``cu_seqlens`` or ``state_v_first``. So the mapping is held here
-to ``simple_gla_contract``: FLA's documented op, written out token by token in float64 from its
+``simple_gla_contract`` is FLA's documented op written out token by token in float64 from its
 docstring and ``naive_recurrent_simple_gla`` (the recurrence ``S = S * exp(g_t) + k_t v_t^T``,
 ``o_t = scale * q_t S``), per ``cu_seqlens`` document, states ``[N, H, V, K]`` with
 ``state_v_first``. The fused path with this contract in place of the kernel must equal the
-pure-PyTorch core to 1e-10 in outputs, states and every input's gradient. On a GPU,
-``benchmarks/run_on_gpu.sh`` holds the real kernel to the pure core (float32, 1e-4).
+pure-PyTorch core to 1e-10 in outputs, states and every input's gradient. FLA's real kernels,
+run by triton's interpreter, are held to the pure core in ``test_fla_on_cpu.py``; on a GPU,
+``benchmarks/run_on_gpu.sh`` does the same in float32 at 1e-4.
 """
 
 from __future__ import annotations

@@ -1,0 +1,130 @@
+"""FLA's real Triton kernels on CPU: ``TRITON_INTERPRET=1`` plus three patches, then the fused
+Mamba op (``scan="fla"``) against the pure-PyTorch core in float64.
+
+Run as a script in a fresh process (``python -m tests.models.mamba.fla_on_cpu``): the environment
+variable must be set before triton and FLA import, and the patches change triton's interpreter
+for the whole process. It prints one JSON object: per case, the relative error (max-normalized)
+of FLA in float32 and of the pure core in float32, each against the pure core in float64, for the
+outputs, the final states and every input's gradient (FLA's backward kernels included).
+
+Why the patches (triton 3.6, fla-core 0.6.0):
+
+- the autotuner benchmarks its configs through the active driver, and a CPU has none: a
+  stand-in driver runs each config once;
+- the interpreter's ``tensor.__index__`` needs a 0-d array, and FLA's ``range(NT)`` over a length
+  loaded from ``cu_seqlens`` is a one-element array: take its element;
+- the interpreter hands out loop indices as Python ints, and FLA's kernels call ``.to(tl.int64)``
+  on them (compiled Triton's loop indices are tensors): an int with that method.
+
+None of them changes what a kernel computes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _patch_triton() -> None:
+    import triton.runtime.driver  # noqa: F401  (the package exports a DriverConfig under the same name)
+    import triton.runtime.interpreter as interpreter
+
+    class CPUDriver:
+        def get_benchmarker(self):
+            def bench(fn, quantiles=None, **kwargs):
+                fn()
+                return [1.0] * len(quantiles) if quantiles else 1.0
+            return bench
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    config = sys.modules["triton.runtime.driver"].driver
+    config.set_active(CPUDriver())
+    config._default = config._active
+
+    class LoopIndex(int):
+        def to(self, *args, **kwargs):
+            return self
+
+    def loop_range(*args):
+        return (LoopIndex(i) for i in range(*(int(a) for a in args)))
+
+    patch_tensor, patch_lang = interpreter._patch_lang_tensor, interpreter._patch_lang
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def patched_lang(fn):
+        fn.__globals__["range"] = loop_range
+        return patch_lang(fn)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    interpreter._patch_lang = patched_lang
+
+
+def _relative(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def run_case(groups: int, with_states: bool, seed: int) -> dict:
+    """``{quantity: [FLA fp32 error, pure fp32 error]}`` against the pure core in float64."""
+    import torch
+
+    from hybridpar.models.mamba.core import mamba_conv_scan
+    from hybridpar.models.mamba.fused_op import fused_conv_scan
+
+    gen = torch.Generator().manual_seed(seed)
+    heads, head_dim, state, kernel, tokens = 4, 16, 16, 4, 160
+    width = heads * head_dim + 2 * groups * state
+    cu = torch.tensor([0, 70, 75, 160])  # three documents, one of 5 tokens
+    base = dict(xBC=torch.randn(1, tokens, width, generator=gen), dt=torch.randn(1, tokens, heads, generator=gen) - 1,
+                conv_weight=0.5 * torch.randn(width, kernel, generator=gen), conv_bias=0.1 * torch.randn(width, generator=gen),
+                dt_bias=0.5 * torch.randn(heads, generator=gen), A_log=torch.rand(heads, generator=gen).log(),
+                D=torch.randn(heads, generator=gen))
+    if with_states:
+        base.update(conv_history=torch.randn(3, kernel - 1, width, generator=gen),
+                    init_states=0.3 * torch.randn(3, heads, head_dim, state, generator=gen))
+    init_at = torch.tensor([0, -1, 75])  # the second document starts from zeros
+    results: dict = {}
+    for dtype in (torch.float64, torch.float32):
+        leaves = {name: t.to(dtype).requires_grad_() for name, t in base.items()}
+        states = dict(init_at=init_at, init_states=leaves["init_states"], conv_history=leaves["conv_history"],
+                      final_at=cu[1:] - 1) if with_states else {}
+        args = [leaves[name] for name in ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A_log", "D")]
+        runs = {"pure": lambda: mamba_conv_scan(*args, head_dim=head_dim, state_size=state, chunk_size=64, cu_docs=cu,
+                                                **states)}
+        if dtype == torch.float32:
+            runs["fla"] = lambda: fused_conv_scan(*args, head_dim=head_dim, state_size=state, cu_docs=cu, scan="fla",
+                                                  **states)
+        for kernel_name, run in runs.items():
+            out = run()
+            outs = list(out) if isinstance(out, tuple) else [out]
+            weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(dtype)
+                       for o in outs]
+            grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), list(leaves.values()))
+            names = ["y", "final_states"][:len(outs)] + [f"grad {name}" for name in leaves]
+            results[kernel_name, dtype] = dict(zip(names, outs + list(grads)))
+    reference = results["pure", torch.float64]
+    return {name: [_relative(results["fla", torch.float32][name], want),
+                   _relative(results["pure", torch.float32][name], want)] for name, want in reference.items()}
+
+
+def main() -> None:
+    _patch_triton()
+    import fla
+
+    cases = {"1 group, no states": (1, False, 0), "2 groups, CP states": (2, True, 1)}
+    report = {"fla": fla.__version__, "cases": {name: run_case(*args) for name, args in cases.items()}}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
