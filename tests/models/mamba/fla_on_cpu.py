@@ -1,5 +1,6 @@
 """FLA's real Triton kernels on CPU: ``TRITON_INTERPRET=1`` plus three patches, then the fused
-Mamba op (``scan="fla"``) against the pure-PyTorch core in float64.
+Mamba op (``scan="fla"``: FLA's ``causal_conv1d`` and ``chunk_simple_gla``) against the
+pure-PyTorch core in float64.
 
 Run as a script in a fresh process (``python -m tests.models.mamba.fla_on_cpu``): the environment
 variable must be set before triton and FLA import, and the patches change triton's interpreter

@@ -1,4 +1,4 @@
-"""FLA's own Triton kernels (fla-core 0.6.0, forward and backward) behind the fused Mamba op, run on
+"""FLA's own Triton kernels (fla-core 0.6.0: conv and scan, forward and backward) behind the fused Mamba op, run on
 CPU by triton's interpreter (``fla_on_cpu.py``, a fresh process): outputs, final states and every
 input's gradient within 1e-5 of the pure-PyTorch core in float64, on packed documents with and
 without the CP ``state`` strategy's initial states and conv histories. The pure core in float32

@@ -106,7 +106,7 @@ def test_fused_core_keeps_only_its_inputs_for_backward():
         ("cpu", torch.float32, True, "auto", ("pure", "device cpu")),
         ("cuda", torch.float64, True, "auto", ("pure", "dtype torch.float64 has no fused kernel")),
         ("cuda", torch.bfloat16, False, "auto", ("pure", "fla-core is not installed; pip install 'hybridpar[gpu]'")),
-        ("cuda", torch.bfloat16, True, "auto", ("fla", "fla-core chunk_simple_gla")),
+        ("cuda", torch.bfloat16, True, "auto", ("fla", "fla-core chunk_simple_gla + causal_conv1d")),
         ("cuda", torch.float32, True, "pure", ("pure", "use_mamba_kernel('pure')")),
     ],
 )

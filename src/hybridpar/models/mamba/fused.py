@@ -73,7 +73,7 @@ def kernel_for(device_type: str, dtype: torch.dtype, fla_available: bool, fla_no
         return "pure", f"dtype {dtype} has no fused kernel"
     if not fla_available:
         return "pure", fla_note or "fla-core is not installed; pip install 'hybridpar[gpu]'"
-    return "fla", fla_note or "fla-core chunk_simple_gla"
+    return "fla", fla_note or "fla-core chunk_simple_gla + causal_conv1d"
 
 
 def choose_kernel(xBC: Tensor, cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None) -> tuple[str, str]:

@@ -14,12 +14,13 @@ with ``B``/``C`` repeated from groups to heads (``k``/``q [1, T, H, N]``), ``v [
 every row laid end to end on one stream whose documents are ``cu_docs`` (``cu_seqlens``), and
 states ``[docs, H, P, N]`` (``state_v_first``: our layout). ``D x`` is added outside. Initial
 states enter the documents that start at ``init_at``; final states are read at document ends.
-The conv is ours (``conv.py``, in float32 or wider, document resets and histories as in the pure
-core); ``q``, ``k``, ``v`` are in the activations' dtype (bf16 under mixed precision).
+The conv + SiLU is FLA's ``causal_conv1d`` (documents as ``cu_seqlens``, conv histories as its
+initial states); with a stand-in scan, ours (``conv.py``). Both accumulate in float32; ``q``, ``k``,
+``v`` are in the activations' dtype (bf16 under mixed precision).
 
 ``hybridpar::fused_conv_scan`` runs that math without autograd and saves only its inputs;
 ``hybridpar::fused_conv_scan_backward`` recomputes it with autograd on and differentiates it
-(FLA's own backward for the scan), so a block's saved bytes do not depend on the kernel.
+(FLA's own backward kernels), so a block's saved bytes do not depend on the kernel.
 ``torch.compile`` sees two opaque ops with fake kernels: no graph break, and FLA's launchers
 (host syncs, autotuning) stay out of the trace.
 
@@ -66,7 +67,7 @@ def _import_fla() -> tuple[Callable | None, str]:
         from fla.ops.simple_gla import chunk_simple_gla
     except Exception as error:  # ImportError, or triton failing to find a driver
         return None, f"fla-core does not import ({type(error).__name__}: {str(error)[:80]}); pip install 'hybridpar[gpu]'"
-    return chunk_simple_gla, f"fla-core {getattr(fla, '__version__', '?')} chunk_simple_gla"
+    return chunk_simple_gla, f"fla-core {getattr(fla, '__version__', '?')} chunk_simple_gla + causal_conv1d"
 
 
 def register_scan(name: str, scan: Callable) -> None:
@@ -76,15 +77,19 @@ def register_scan(name: str, scan: Callable) -> None:
     _SCANS[name] = scan
 
 
-def _scan(name: str) -> Callable:
+def _kernels(name: str) -> tuple[Callable, Callable | None]:
+    """``(scan, conv)``: FLA's ``chunk_simple_gla`` and ``causal_conv1d`` for ``"fla"``; a registered
+    stand-in scan with our conv otherwise."""
     if name == "fla":
         op, why = fla_scan()
         if op is None:
             raise ValueError(f"the fused Mamba scan 'fla' cannot run: {why}.")
-        return op
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        return op, causal_conv1d
     if name not in _SCANS:
         raise ValueError(f"fused Mamba scan {name!r} is not registered; known: {['fla', *_SCANS]}.")
-    return _SCANS[name]
+    return _SCANS[name], None
 
 
 def states_at_boundaries(cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None) -> str | None:
@@ -100,19 +105,45 @@ def states_at_boundaries(cu_docs: Tensor, init_at: Tensor | None, final_at: Tens
     return None
 
 
+def _per_document(values: Tensor, init_at: Tensor, cu_docs: Tensor, dtype) -> Tensor:
+    """``values [m, ...]`` entering the documents that start at ``init_at [m]`` (-1: none) as one
+    slot per document ``[n_docs, ...]``, zeros where nothing enters."""
+    documents = cu_docs.shape[0] - 1
+    at = init_at.long()
+    doc = torch.where(at >= 0, torch.searchsorted(cu_docs.long(), at, right=True) - 1, documents)  # -1: dropped
+    slots = values.new_zeros(documents + 1, *values.shape[1:], dtype=dtype)
+    return slots.index_copy(0, doc, values.to(dtype))[:documents]
+
+
+def _conv_silu(xBC, conv_weight, conv_bias, conv_history, cu_docs, init_at, fp, fla_conv) -> Tensor:
+    """``silu(conv(xBC))`` ``[T, C]`` in xBC's dtype: FLA's ``causal_conv1d`` (with FLA's scan; its
+    initial state ``[n_docs, C, K]`` holds the ``K-1`` earlier inputs in its last columns, oldest
+    first) or ours (``conv.py``), both accumulating in float32 or wider."""
+    total, width = xBC.shape[0] * xBC.shape[1], xBC.shape[2]
+    if fla_conv is None:
+        cast = lambda t: None if t is None else t.to(fp)  # noqa: E731
+        pre = conv_forward(cast(xBC.reshape(total, width)), cast(conv_weight), cast(conv_bias), cu_docs, init_at,
+                           cast(conv_history))
+        return F.silu(pre).to(xBC.dtype)
+    initial = None
+    if conv_history is not None:
+        initial = _per_document(F.pad(conv_history.transpose(1, 2), (1, 0)), init_at, cu_docs, conv_history.dtype)
+    out, _ = fla_conv(xBC.reshape(1, total, width), conv_weight, conv_bias, initial_state=initial, activation="silu",
+                      cu_seqlens=cu_docs.long())
+    return out[0].to(xBC.dtype)
+
+
 def _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs, init_at,
-          want_final, head_dim, state_size, dt_min, dt_max, scan):
+          want_final, head_dim, state_size, dt_min, dt_max, scan, fla_conv):
     """``(y [B, L, H*P] in xBC's dtype, final states [n_docs, H, P, N] in fp32 or wider, or None)``."""
     batch, seqlen, width = xBC.shape
     heads = dt.shape[-1]
     d_inner = heads * head_dim
     groups = (width - d_inner) // (2 * state_size)
     total = batch * seqlen
-    fp = torch.promote_types(xBC.dtype, torch.float32)  # conv, decays, dt and the D skip: fp32 or wider
+    fp = torch.promote_types(xBC.dtype, torch.float32)  # decays, dt and the D skip: fp32 or wider
     cast = lambda t: None if t is None else t.to(fp)  # noqa: E731
-    pre = conv_forward(cast(xBC.reshape(total, width)), cast(conv_weight), cast(conv_bias), cu_docs, init_at,
-                       cast(conv_history))
-    post = F.silu(pre).to(xBC.dtype)  # q, k, v in the activations' dtype (bf16 under mixed precision)
+    post = _conv_silu(xBC, conv_weight, conv_bias, conv_history, cu_docs, init_at, fp, fla_conv)  # q, k, v dtype
     x, B, C = post.split([d_inner, groups * state_size, groups * state_size], dim=-1)  # [T, .]
     dt_used = F.softplus(cast(dt.reshape(total, heads)) + cast(dt_bias))  # [T, H]
     if (dt_min, dt_max) != (0.0, float("inf")):
@@ -123,13 +154,7 @@ def _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_
     q = C.view(1, total, groups, 1, state_size).expand(-1, -1, -1, per_head, -1).reshape(1, total, heads, state_size)
     v = (x.to(fp) * dt_used[None, :, :, None]).to(x.dtype)
     g = (dt_used * -torch.exp(cast(A_log)))[None]  # [1, T, H] log decays
-    documents = cu_docs.shape[0] - 1
-    initial = None
-    if init_states is not None:
-        at = init_at.long()
-        doc = torch.where(at >= 0, torch.searchsorted(cu_docs.long(), at, right=True) - 1, documents)  # -1: dropped
-        slots = init_states.new_zeros(documents + 1, *init_states.shape[1:], dtype=fp)
-        initial = slots.index_copy(0, doc, cast(init_states))[:documents]  # [n_docs, H, P, N]
+    initial = None if init_states is None else _per_document(init_states, init_at, cu_docs, fp)  # [n_docs, H, P, N]
     o, final = scan(q, k, v, g, scale=1.0, initial_state=initial, output_final_state=want_final,
                     cu_seqlens=cu_docs.long(), state_v_first=True)
     y = o.to(fp) + cast(D)[:, None] * x.to(fp)  # [1, T, H, P]
@@ -163,7 +188,7 @@ def _fused_op(
     _check_states(cu_docs, init_at, final_at)
     with torch.no_grad(), autocast_off():
         y, final = _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs,
-                         init_at, final_at is not None, head_dim, state_size, dt_min, dt_max, _scan(scan))
+                         init_at, final_at is not None, head_dim, state_size, dt_min, dt_max, *_kernels(scan))
     fp = torch.promote_types(xBC.dtype, torch.float32)
     return (y if want_y else xBC.new_empty(0)), (final if final is not None else xBC.new_empty(0, dtype=fp))
 
@@ -193,7 +218,7 @@ def _fused_backward_op(
     with _autograd_on(), autocast_off():
         leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
         y, final = _math(*leaves, cu_docs, init_at, final_at is not None, head_dim, state_size, dt_min, dt_max,
-                         _scan(scan))
+                         *_kernels(scan))
         outputs, grads_out = [], []
         for out, grad in ((y, grad_y), (final, grad_final)):
             if out is not None and grad is not None and grad.numel():
