@@ -12,9 +12,13 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # pyproject.toml declares the torch range hybridpar is tested on; constraints.txt pins the exact
-# versions the suite and CI run (torch==2.13.0), so `make` stays reproducible.
+# versions the suite and CI run (torch==2.13.0), so `make` stays reproducible. FLA's kernels (the
+# fla-interpret extra) go to their own folder, on the path of the one test that runs them.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,hf,data,peft]"
+	rm -rf $(VENV)/fla-interpret
+	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['fla-interpret'], sep='\n')" > $(VENV)/fla-interpret.txt
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt --target $(VENV)/fla-interpret -r $(VENV)/fla-interpret.txt
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -25,7 +25,7 @@ the mean number of keys a token sees in its document, and chunk size ``Q``:
     + per Mamba2 layer      3 * (2 * Q * (G * N + H * P) + 4 * H * P * N)
       (SSD: intra-chunk C B^T over groups and its product with x, chunk states, state outputs)
 
-    python benchmarks/gpu_throughput.py [--budget-s 450] [--out benchmarks/results]
+    python benchmarks/gpu_throughput.py [--budget-s 450] [--out benchmarks/results] [--mamba-kernel pure]
     python benchmarks/gpu_throughput.py --dry-run     # CPU, tiny shapes: exercises every path
 
 Writes ``gpu_throughput.json`` (``{"device", "torch", "date", "command", "rows": [{"model",
@@ -171,7 +171,8 @@ def _plain_transformers_step(model: nn.Module, ids: torch.Tensor, packed: Packed
     return step
 
 
-def measure(name: str, tokens: int, variant: str, device, compile_backend, peak, quick: bool = False) -> tuple[dict, str]:
+def measure(name: str, tokens: int, variant: str, device, compile_backend, peak, quick: bool = False,
+            mamba_kernel: str = "auto") -> tuple[dict, str]:
     """One row (the issue's schema) and a note for the Markdown."""
     from torch._dynamo.utils import counters
 
@@ -183,7 +184,7 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
     counters.clear()
     note = ""
     try:
-        with use_mamba_kernel("pure" if variant == "fp32-eager" else "auto"):
+        with use_mamba_kernel("pure" if variant == "fp32-eager" else mamba_kernel):
             step, model, flops = build_case(name, variant, lengths, device, compile_backend)
             slow = variant == "fp32-eager" and tokens >= 65536
             warmup, timed = (2, 3) if variant.endswith("compiled") else (1, 1 if slow else 3)
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--budget-s", type=float, default=450.0, help="skip the rows left after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (compile backend 'eager')")
+    parser.add_argument("--mamba-kernel", choices=("auto", "pure"), default="auto",
+                        help="the bf16 rows' Mamba core: auto (FLA's when it imports) or the pure-PyTorch one")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_throughput: no CUDA device here; run it on a GPU machine (or pass --dry-run on CPU).", file=sys.stderr)
@@ -263,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": device_name, "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python benchmarks/gpu_throughput.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
-    kernels = kernels_line(device)
+    with use_mamba_kernel(args.mamba_kernel):
+        kernels = kernels_line(device)
     print(kernels, flush=True)
     rows, notes, started = [], [], time.perf_counter()
     for name, tokens in plan:
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                              "mfu": None, "peak_gib": None, "graph_breaks": None}, f"skipped: past --budget-s {args.budget_s:g}"
             else:
                 row, note = measure(name, tokens, variant, device, compile_backend, peak_flops(device_name),
-                                    quick=args.dry_run)
+                                    quick=args.dry_run, mamba_kernel=args.mamba_kernel)
             rows.append(row)
             notes.append(note)
             print(json.dumps(row), note, flush=True)

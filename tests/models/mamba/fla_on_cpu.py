@@ -6,7 +6,9 @@ Run as a script in a fresh process (``python -m tests.models.mamba.fla_on_cpu``)
 variable must be set before triton and FLA import, and the patches change triton's interpreter
 for the whole process. It prints one JSON object: per case, the relative error (max-normalized)
 of FLA in float32 and of the pure core in float32, each against the pure core in float64, for the
-outputs, the final states and every input's gradient (FLA's backward kernels included).
+outputs, the final states and every input's gradient (FLA's backward kernels included); and for
+the tiny hybrid compiled with its Mamba layers on FLA's kernels, the graph breaks and the loss's
+and every parameter gradient's errors.
 
 Why the patches (triton 3.6, fla-core 0.6.0):
 
@@ -22,6 +24,7 @@ None of them changes what a kernel computes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -118,12 +121,49 @@ def run_case(groups: int, with_states: bool, seed: int) -> dict:
                    _relative(results["pure", torch.float32][name], want)] for name, want in reference.items()}
 
 
+def run_model() -> dict:
+    """The tiny hybrid in float32 on packed rows, blocks compiled (aot_eager), its Mamba layers on
+    FLA's kernels: graph breaks, and the loss's and every gradient's error against the eager pure
+    model in float64 (``[FLA fp32, pure fp32]`` as in ``run_case``)."""
+    import copy
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.models.mamba.fused import use_stand_in
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+
+    torch.manual_seed(0)
+    base = HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float64))
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 30, 35, 64], dtype=torch.int32))
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(1, 64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for name, dtype, fused in (("reference", torch.float64, False), ("pure", torch.float32, False),
+                               ("fla", torch.float32, True)):
+        model = parallelize(copy.deepcopy(base).to(dtype), ParallelDims(), compile="aot_eager" if fused else False)
+        counters.clear()
+        with use_stand_in("fla") if fused else contextlib.nullcontext():
+            loss = (model(ids, packed=packed) * weight.to(dtype)).sum()
+            loss.backward()
+        runs[name] = {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+        if fused:
+            breaks = sum(counters["graph_break"].values())
+    errors = {name: [_relative(runs["fla"][name], want), _relative(runs["pure"][name], want)]
+              for name, want in runs["reference"].items()}
+    return {"graph_breaks": breaks, "errors": errors}
+
+
 def main() -> None:
     _patch_triton()
     import fla
 
     cases = {"1 group, no states": (1, False, 0), "2 groups, CP states": (2, True, 1)}
-    report = {"fla": fla.__version__, "cases": {name: run_case(*args) for name, args in cases.items()}}
+    report = {"fla": fla.__version__, "cases": {name: run_case(*args) for name, args in cases.items()},
+              "model": run_model()}
     print(json.dumps(report))
 
 
