@@ -1,4 +1,4 @@
-"""Mamba2's conv + scan through FLA's ``chunk_simple_gla``, as two registered custom ops.
+"""Mamba2's conv + scan through FLA's ``causal_conv1d`` and ``chunk_simple_gla``, as two registered custom ops.
 
 Mamba2's SSD with a scalar decay per head is FLA's simple GLA. Per document and head, with
 ``x`` the conv output (after SiLU), ``dt`` processed (``softplus(dt + dt_bias)``, clamped) and
