@@ -183,14 +183,14 @@ def _ssd_chunk_scan_backward(
     grads.update(x=dx, A=dA, B=dB, C=dC)
     inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, conv_weight=conv_weight, conv_bias=conv_bias,
                   init_states=init_states, conv_history=conv_history)
-    return tuple(_as_grad(grads.get(name), tensor) for name, tensor in inputs.items())
+    return tuple(_as_grad(grads.get(name), tensor, x) for name, tensor in inputs.items())
 
 
-def _as_grad(grad: Tensor | None, like: Tensor | None) -> Tensor:
-    """The gradient in the input's dtype (zeros if nothing depends on it), or an empty tensor
-    for an absent input."""
+def _as_grad(grad: Tensor | None, like: Tensor | None, anchor: Tensor) -> Tensor:
+    """The gradient in the input's dtype (zeros if nothing depends on it), or an empty tensor on
+    ``anchor``'s device for an absent input (the fake kernel's, so compiled graphs agree)."""
     if like is None:
-        return torch.empty(0)
+        return anchor.new_empty(0)
     return torch.zeros_like(like) if grad is None else grad.to(like.dtype)
 
 
@@ -198,7 +198,7 @@ def _as_grad(grad: Tensor | None, like: Tensor | None) -> Tensor:
 def _(grad_y, grad_final, x, dt, A, B, C, D, dt_bias, conv_weight, conv_bias, cu_docs, init_at, init_states,
       conv_history, final_at, chunk_size, dt_softplus, dt_min, dt_max):
     like = (x, dt, A, B, C, D, dt_bias, conv_weight, conv_bias, init_states, conv_history)
-    return tuple(torch.empty(0) if t is None else torch.empty_like(t) for t in like)
+    return tuple(x.new_empty(0) if t is None else torch.empty_like(t) for t in like)
 
 
 def _setup_context(ctx, inputs, output):

@@ -228,7 +228,7 @@ def _fused_backward_op(
         found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True) if outputs else
                      [None] * len(wanted))
     grads = [None if leaf is None else next(found) for leaf in leaves]
-    return tuple(torch.empty(0) if t is None else (torch.zeros_like(t) if g is None else g)
+    return tuple(xBC.new_empty(0) if t is None else (torch.zeros_like(t) if g is None else g)
                  for g, t in zip(grads, inputs))
 
 
@@ -236,7 +236,7 @@ def _fused_backward_op(
 def _(grad_y, grad_final, xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs,
       init_at, final_at, head_dim, state_size, dt_min, dt_max, scan):
     like = (xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history)
-    return tuple(torch.empty(0) if t is None else torch.empty_like(t) for t in like)
+    return tuple(xBC.new_empty(0) if t is None else torch.empty_like(t) for t in like)
 
 
 def _setup_context(ctx, inputs, output):
