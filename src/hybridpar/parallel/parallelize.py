@@ -45,7 +45,8 @@ from hybridpar.parallel.tensor.hybrid import split_mamba_mixers, validate_hybrid
 from hybridpar.parallel.tensor.plans_moe import split_hf_mixers
 
 __all__ = [
-    "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile", "needs_fsdp",
+    "parallelize", "validate_parallelize", "check_compile_policy", "apply_cp", "apply_activation_checkpointing",
+    "apply_compile", "needs_fsdp",
 ]
 
 
@@ -111,16 +112,21 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if compile:
         _compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
-        if checkpointing_policy(activation_checkpointing) == "selective":
-            raise ValueError("compile with activation_checkpointing='selective' cannot run: torch.compile cannot trace "
-                             "the selective policy (it learns from each block's previous forward which matmuls to "
-                             "keep); use 'full' or 'none' with compile, or 'selective' without it.")
+        check_compile_policy(compile, activation_checkpointing)
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
         get_tp_plan(model, tp_plan)  # unknown names raise here
     if dims.tp > 1:
         validate_hybrid_tp(model, dims.tp)  # hybridpar mixers inside any model, whatever plan was given
+
+
+def check_compile_policy(compile, activation_checkpointing) -> None:
+    """``ValueError`` for compile with selective checkpointing (``plan --fit`` asks per policy)."""
+    if compile and checkpointing_policy(activation_checkpointing) == "selective":
+        raise ValueError("compile with activation_checkpointing='selective' cannot run: torch.compile cannot trace "
+                         "the selective policy (it learns from each block's previous forward which matmuls to "
+                         "keep); use 'full' or 'none' with compile, or 'selective' without it.")
 
 
 def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", mamba_strategy: str = "a2a") -> nn.Module:
