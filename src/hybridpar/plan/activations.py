@@ -26,9 +26,9 @@ Statistics (rstd, lse) are in the compute dtype ``e_c``.
 
 Under autocast (``mixed_precision=bf16`` without FSDP) the residual stream and norm inputs stay in
 the model dtype (``e_s``); norm outputs (cast once, ``blocks.matmul_input``) and what matmuls
-produce are bf16 (``e = 2``), and
-every linear saves the bf16 copy of its weight that autocast made: ``2 * (linear weights of the
-block)`` more per block that is not checkpointed (``full`` and ``selective`` recompute the casts).
+produce are bf16 (``e = 2``), and every linear saves the bf16 copy of its weight that autocast
+made: ``2 * (linear weights of the block)`` more per block that is not checkpointed (``full`` and
+``selective`` recompute the casts).
 """
 
 from __future__ import annotations
@@ -61,8 +61,6 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     w, e, ec = _widths(layout), layout.act_bytes, layout.compute_bytes
     tc, ts, seq = layout.tokens, layout.stream_tokens, layout.pack_size
     block_input = ts * w["d"] * layout.stream_bytes
-    if policy == "none" and layout.autocast:
-        block_input += 2 * _linear_weights(layout, kind)
     if policy == "full":
         return block_input
     if policy == "selective":
@@ -70,7 +68,8 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
                 "*": tc * (w["q"] + 2 * w["kv"]) * e + tc * w["q"] * e + tc * w["hq"] * ec,
                 "-": 0}[kind]
         return block_input + kept
-    common = block_input + ts * ec + tc * w["d"] * e  # input, rstd, projections' input
+    weight_copies = 2 * _linear_weights(layout, kind) if layout.autocast else 0  # autocast's bf16 weights
+    common = block_input + weight_copies + ts * ec + tc * w["d"] * e  # input, rstd, projections' input
     if kind == "M":
         out = tc * (w["w_in"] + 2 * w["d_inner"]) * e + tc * w["groups"] * ec
         if layout.cp > 1 and layout.cp_mamba == "a2a":
