@@ -11,8 +11,8 @@
     (Mamba2 ``in_proj``; attention ``q/k/v``) -- and the outputs of attention kernels (torch's
     fused SDPA kernels and varlen flash attention, hybridpar's ``hybridpar::*`` attention ops);
   * recomputed: norms, activations, RoPE, the Mamba conv + scan (``hybridpar::ssd_chunk_scan``
-    or, on CUDA, ``hybridpar::fused_conv_scan``: their backward recomputes their internals anyway), and every matmul after the last mixing
-    kernel: ``out_proj``/``o_proj`` (their output only enters the residual sum, which backward
+    or, on CUDA, ``hybridpar::fused_conv_scan``: their backward recomputes their internals
+    anyway), and every matmul after the last mixing kernel: ``out_proj``/``o_proj`` (their output only enters the residual sum, which backward
     never reads: the recomputation stops (checkpoint early stop) before they run) and a whole
     MLP block's ``up``/``gate`` (an MLP block has no mixing kernel, so it keeps only its input).
 
