@@ -12,9 +12,10 @@
     fused SDPA kernels and varlen flash attention, hybridpar's ``hybridpar::*`` attention ops);
   * recomputed: norms, activations, RoPE, the Mamba conv + scan (``hybridpar::ssd_chunk_scan``
     or, on CUDA, ``hybridpar::fused_conv_scan``: their backward recomputes their internals
-    anyway), and every matmul after the last mixing kernel: ``out_proj``/``o_proj`` (their output only enters the residual sum, which backward
-    never reads: the recomputation stops (checkpoint early stop) before they run) and a whole
-    MLP block's ``up``/``gate`` (an MLP block has no mixing kernel, so it keeps only its input).
+    anyway), and every matmul after the last mixing kernel: ``out_proj``/``o_proj`` (their
+    output only enters the residual sum, which backward never reads: the recomputation stops
+    (checkpoint early stop) before they run) and a whole MLP block's ``up``/``gate`` (an MLP
+    block has no mixing kernel, so it keeps only its input).
 
   Why the MLP's projection goes: every projection from the hidden size costs ``2 D`` flops per
   output element to recompute, so what matters is the bytes it frees. At ``nemotronh-8b``
