@@ -90,7 +90,8 @@ def run_case(groups: int, with_states: bool, seed: int) -> dict:
     width = heads * head_dim + 2 * groups * state
     cu = torch.tensor([0, 70, 75, 160])  # three documents, one of 5 tokens
     base = dict(xBC=torch.randn(1, tokens, width, generator=gen), dt=torch.randn(1, tokens, heads, generator=gen) - 1,
-                conv_weight=0.5 * torch.randn(width, kernel, generator=gen), conv_bias=0.1 * torch.randn(width, generator=gen),
+                conv_weight=0.5 * torch.randn(width, kernel, generator=gen),
+                conv_bias=0.1 * torch.randn(width, generator=gen),
                 dt_bias=0.5 * torch.randn(heads, generator=gen), A_log=torch.rand(heads, generator=gen).log(),
                 D=torch.randn(heads, generator=gen))
     if with_states:

@@ -151,7 +151,8 @@ def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, globa
     ``loss_fn(hidden [B, S, D], weight [V, D], labels [B, S])`` returns the summed token loss
     from the final hidden states and ``lm_head.weight`` (e.g. a chunked, vocab-parallel
     ``lm_head_loss``), and the model builds no logits: a pre-hook hands ``lm_head`` one position
-    of one row (an empty sequence fails under TP: DTensor cannot view ``[B, 0, V]`` with B > 1). Refused for heads with a bias or logit scaling/soft-capping.
+    of one row (an empty sequence fails under TP: DTensor cannot view ``[B, 0, V]`` with B > 1).
+    Refused for heads with a bias or logit scaling/soft-capping.
     """
     model_inputs.setdefault("use_cache", False)
     count = torch.as_tensor(global_count)
