@@ -23,7 +23,7 @@ fi
 if compgen -G ".whl/fla_core-*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps .whl/fla_core-*.whl || echo "run_on_gpu: fla-core did not install"
 fi
-"$PY" -c "from hybridpar.models.mamba.fused import fla_scan; print('fused scan:', fla_scan()[1])"
+"$PY" -c "from hybridpar.models.mamba.fused_op import fla_status; print('fused Mamba kernels:', fla_status())"
 
 status=0
 kernel=auto

@@ -21,7 +21,7 @@ import logging
 import torch
 from torch import Tensor
 
-from hybridpar.models.mamba.fused_op import fla_scan, states_at_boundaries
+from hybridpar.models.mamba.fused_op import fla_status, states_at_boundaries
 
 __all__ = ["MODES", "choose_kernel", "kernel_for", "use_mamba_kernel", "use_stand_in", "mamba_kernel_mode"]
 
@@ -82,8 +82,8 @@ def choose_kernel(xBC: Tensor, cu_docs: Tensor, init_at: Tensor | None, final_at
     if _stand_in is not None and _mode != "pure":
         kernel, reason = _stand_in, f"stand-in scan {_stand_in!r} for FLA's kernel"
     else:
-        fla_op, note = fla_scan() if xBC.device.type == "cuda" and _mode != "pure" else (None, "")
-        kernel, reason = kernel_for(xBC.device.type, xBC.dtype, fla_op is not None, note, _mode)
+        available, note = fla_status() if xBC.device.type == "cuda" and _mode != "pure" else (False, "")
+        kernel, reason = kernel_for(xBC.device.type, xBC.dtype, available, note, _mode)
     if kernel != "pure" and not torch.compiler.is_compiling():  # compiled: the op checks (fused_op.py)
         problem = states_at_boundaries(cu_docs, init_at, final_at)
         if problem:

@@ -45,20 +45,25 @@ from torch import Tensor
 from hybridpar.models.mamba.conv import conv_forward
 from hybridpar.models.precision import autocast_off
 
-__all__ = ["fla_scan", "register_scan", "fused_conv_scan", "states_at_boundaries"]
+__all__ = ["fla_scan", "fla_status", "register_scan", "fused_conv_scan", "states_at_boundaries"]
 
 _SCANS: dict[str, Callable] = {}
 _FLA: tuple[Callable | None, str] | None = None
 
 
 def fla_scan() -> tuple[Callable | None, str]:
-    """``(chunk_simple_gla or None, why not)``: FLA's op if ``fla-core`` imports here. Resolved once,
-    into a module global that ``torch.compile`` reads as a constant (``apply_compile`` resolves it
-    before tracing on CUDA)."""
+    """``(chunk_simple_gla or None, why not)``: FLA's op if ``fla-core`` imports here, resolved once."""
     global _FLA
     if _FLA is None:
         _FLA = _import_fla()
     return _FLA
+
+
+def fla_status() -> tuple[bool, str]:
+    """``(FLA's kernels import here, why or why not)``: plain values, which ``torch.compile`` reads as
+    constants from the global ``fla_scan`` filled (``apply_compile`` resolves it before tracing)."""
+    op, note = fla_scan()
+    return op is not None, note
 
 
 def _import_fla() -> tuple[Callable | None, str]:

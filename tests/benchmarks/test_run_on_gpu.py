@@ -1,0 +1,34 @@
+"""``benchmarks/run_on_gpu.sh`` is run once, on a borrowed GPU with minutes to spare: what it calls must
+exist. Its Python one-liners that import hybridpar run here, and every flag it passes to a
+benchmark script is one that script's ``--help`` lists."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = (ROOT / "benchmarks" / "run_on_gpu.sh").read_text()
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def test_its_hybridpar_one_liners_run():
+    snippets = [s for s in re.findall(r'"\$PY" -c "([^"]+)"', SCRIPT) if "hybridpar" in s]
+    assert snippets
+    for snippet in snippets:
+        done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, env=ENV)
+        assert done.returncode == 0, (snippet, done.stderr[-1500:])
+
+
+def test_every_flag_it_passes_is_one_the_benchmark_takes():
+    calls = re.findall(r'"\$PY" (benchmarks/\w+\.py)([^|\n;]*)', SCRIPT)
+    assert {script for script, _ in calls} == {"benchmarks/gpu_parity.py", "benchmarks/gpu_throughput.py"}
+    for script, arguments in calls:
+        usage = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
+                               timeout=120, env=ENV, cwd=ROOT)
+        assert usage.returncode == 0, usage.stderr[-1500:]
+        for flag in re.findall(r"(--[a-z-]+)", arguments):
+            assert flag in usage.stdout, (script, flag)
