@@ -1,4 +1,5 @@
 """``parallel.compile``: each block compiled, no graph break, float64 results equal to eager.
+Under selective checkpointing a block compiles after the forward that teaches its policy.
 
 The tests use the ``aot_eager`` backend: dynamo traces each block exactly as for inductor (the
 graph breaks are dynamo's) and AOT autograd traces its backward, without inductor's C++
@@ -91,6 +92,51 @@ def test_blocks_stay_compiled_through_shape_and_grad_mode_changes():
                 layer(torch.randn(length, 4))
     assert counters["stats"]["unique_graphs"] == 12
     assert counters["frames"]["ok"] == counters["frames"]["total"] == 12, dict(counters["frames"])
+
+
+def test_selective_checkpointing_compiles_after_the_forward_that_teaches_it():
+    """Selective checkpointing learns from a block's first forward which matmuls to keep; dynamo
+    traces those decisions into the graph, so a block compiles after that forward (eager until
+    then). Over three steps the float64 loss and every gradient equal eager selective
+    checkpointing; the compiled steps have no graph break, one graph per block kind; and what a
+    forward keeps for backward is selective's, not ``none``'s (allocator count; the compiled
+    attention core keeps its output and log-sum-exp, which the eager CPU core recomputes)."""
+    from torch._dynamo.utils import counters
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.parallel.checkpointing import apply_activation_checkpointing, selective_policy
+    from hybridpar.parallel.parallelize import apply_compile
+    from hybridpar.train.tensor_peak import TensorPeak
+
+    torch.manual_seed(0)
+    base = HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float64))
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 300, 700, 1024], dtype=torch.int32))
+    ids = torch.randint(0, 256, (1, 1024), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, 1)
+    models = {"eager": apply_activation_checkpointing(copy.deepcopy(base), "selective"),
+              "compiled": apply_compile(apply_activation_checkpointing(copy.deepcopy(base), "selective"),
+                                        backend="aot_eager"),
+              "none": apply_compile(copy.deepcopy(base), backend="aot_eager")}
+    torch._dynamo.reset()
+    counters.clear()
+    for step in range(3):
+        runs = {}
+        for name, model in models.items():
+            with TensorPeak() as peak:
+                loss, _ = model(ids, packed=packed, labels=labels)
+            loss.backward()
+            runs[name] = (loss.item(), {n: p.grad for n, p in model.named_parameters()}, peak.net_bytes)
+            model.zero_grad(set_to_none=True)
+        assert abs(runs["compiled"][0] - runs["eager"][0]) < TOL * abs(runs["eager"][0])
+        assert _max_error(runs["compiled"][1], runs["eager"][1]) < TOL
+        if step == 0:
+            assert all(selective_policy(block).learned for block in models["compiled"].backbone.layers)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 6  # Mamba2, attention, MLP: selective and none
+    kept = {name: run[2] for name, run in runs.items()}
+    assert kept["compiled"] < 0.6 * kept["none"], kept
+    assert abs(kept["compiled"] / kept["eager"] - 1) < 0.1, kept
 
 
 def _two_steps(overrides: list) -> dict:

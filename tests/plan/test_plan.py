@@ -117,18 +117,6 @@ def test_fit_lists_fitting_layouts_fastest_first_and_says_why_others_fail():
     assert too_big and all(c.needs_gib > 0.1 for c in too_big)
 
 
-def test_fit_with_compile_refuses_selective_checkpointing_as_train_does():
-    config = load_config(None, ["data.pack_size=4096", "data.packs_per_step=1", "parallel.compile=aot_eager"])
-    candidates = search_layouts(config, 2, 80.0, baseline_gib=0.0)
-    selective = [c for c in candidates if c.parallel["activation_checkpointing"] == "selective"]
-    config.parallel.activation_checkpointing = "selective"
-    with pytest.raises(ValueError) as train_error:
-        validate_layout(config, 1)
-    assert str(train_error.value).startswith("parallel.compile='aot_eager': compile with activation_checkpointing")
-    assert selective and {c.refused for c in selective} == {str(train_error.value)}
-    assert any(c.plan is not None for c in candidates if c.parallel["activation_checkpointing"] != "selective")
-
-
 def test_fit_cli_prints_the_recommendation():
     result = plan_cli("data.pack_size=16384", "data.packs_per_step=1", "--fit", "1.1", "--world-size", "4")
     assert result.returncode == 0, result.stderr

@@ -32,8 +32,6 @@ NO_ROPE = "model.overrides={rotary_fraction: 0.0}"  # NemotronH attention has no
         ([], 4, r"the world size is 4"),
         # parallelize's own rules name the config key they are about
         (["parallel.compile=banana"], None, r"parallel.compile='banana' is invalid: .*'aot_eager'"),
-        (["parallel.compile=aot_eager", "parallel.activation_checkpointing=selective"], None,
-         r"^parallel.compile='aot_eager': compile with activation_checkpointing='selective' cannot run"),
         (["parallel.dp_shard=2", "parallel.tp=1", "parallel.reshard_after_forward=3"], None,
          r"^parallel.reshard_after_forward=3: .*one of \[1, 2, 4\]"),
         (["parallel.tp=3", "parallel.cp=1"], None, r"^parallel.tp=3: .*mamba_num_heads=8 is not divisible by tp=3"),

@@ -89,9 +89,11 @@ def _kept_kernel_output(op) -> bool:
 
 
 class _SelectivePolicy:
-    """``context_fn`` of one checkpointed block: a fresh pair of selective-checkpoint contexts per
+    """The selective policy of one kind of block: a fresh pair of selective-checkpoint contexts per
     forward, keeping the matmul outputs before the block's last mixing kernel and the attention
-    kernels' outputs."""
+    kernels' outputs. Blocks of a kind share it (the same ops in the same order); ``learned`` says
+    whether a forward has taught it the count, which ``torch.compile`` needs before it traces
+    (``apply_compile`` compiles such a block after its first forward)."""
 
     def __init__(self):
         self.kept_matmuls: int | None = None  # matmuls before the last mixing kernel (None: keep all)
@@ -118,6 +120,10 @@ class _SelectivePolicy:
 
         return create_selective_checkpoint_contexts(policy)
 
+    @property
+    def learned(self) -> bool:
+        return self._seen is not None
+
 
 def apply_activation_checkpointing(model: nn.Module, policy: str | bool = "full") -> nn.Module:
     """Wrap every block (``model.layers`` / ``backbone.layers`` / ``layers``) in a non-reentrant
@@ -126,10 +132,31 @@ def apply_activation_checkpointing(model: nn.Module, policy: str | bool = "full"
     if policy == "none":
         return model
     layers = model_blocks(model, "activation checkpointing", "Set activation_checkpointing='none'.")
+    context_fns: dict[tuple, object] = {}
     for index, block in enumerate(layers):
-        options = {} if policy == "full" else {"context_fn": _SelectivePolicy()}
+        options = {}
+        if policy == "selective":
+            kind = tuple(type(m) for m in block.modules())
+            options["context_fn"] = context_fns.setdefault(kind, _context_fn(_SelectivePolicy()))
         layers[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options)
     return model
+
+
+def _context_fn(policy: _SelectivePolicy):
+    """A plain function for ``checkpoint(context_fn=...)`` (dynamo takes functions, not callable
+    objects), one per kind of block: blocks of a kind share it, and with it their compiled graph."""
+    def context_fn():
+        return policy()
+
+    context_fn.policy = policy
+    return context_fn
+
+
+def selective_policy(block: nn.Module) -> _SelectivePolicy | None:
+    """The selective policy a checkpointed block runs under, or None."""
+    fn = getattr(block, "checkpoint_fn", None)
+    context_fn = getattr(fn, "keywords", {}).get("context_fn")
+    return getattr(context_fn, "policy", None)
 
 
 def model_blocks(model: nn.Module, what: str, fix: str) -> nn.ModuleList | nn.Sequential:

@@ -36,7 +36,12 @@ from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context import mamba as mamba_cp
-from hybridpar.parallel.checkpointing import apply_activation_checkpointing, checkpointing_policy, model_blocks
+from hybridpar.parallel.checkpointing import (
+    apply_activation_checkpointing,
+    checkpointing_policy,
+    model_blocks,
+    selective_policy,
+)
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
 from hybridpar.parallel.data.fsdp import apply_fsdp, check_reshard_after_forward
 from hybridpar.parallel.precision import apply_autocast, check_autocast_model
@@ -45,8 +50,8 @@ from hybridpar.parallel.tensor.hybrid import split_mamba_mixers, validate_hybrid
 from hybridpar.parallel.tensor.plans_moe import split_hf_mixers
 
 __all__ = [
-    "parallelize", "validate_parallelize", "check_compile_policy", "apply_cp", "apply_activation_checkpointing",
-    "apply_compile", "needs_fsdp",
+    "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile",
+    "needs_fsdp",
 ]
 
 
@@ -112,21 +117,12 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if compile:
         _compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
-        check_compile_policy(compile, activation_checkpointing)
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
         get_tp_plan(model, tp_plan)  # unknown names raise here
     if dims.tp > 1:
         validate_hybrid_tp(model, dims.tp)  # hybridpar mixers inside any model, whatever plan was given
-
-
-def check_compile_policy(compile, activation_checkpointing) -> None:
-    """``ValueError`` for compile with selective checkpointing (``plan --fit`` asks per policy)."""
-    if compile and checkpointing_policy(activation_checkpointing) == "selective":
-        raise ValueError("compile with activation_checkpointing='selective' cannot run: torch.compile cannot trace "
-                         "the selective policy (it learns from each block's previous forward which matmuls to "
-                         "keep); use 'full' or 'none' with compile, or 'selective' without it.")
 
 
 def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", mamba_strategy: str = "a2a") -> nn.Module:
@@ -158,8 +154,9 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
     Blocks of a kind share their graphs (forward and, through AOT autograd, backward); a kind
     is compiled for training and for evaluation (grad mode), each first for the first batch's
     sizes and again as sizes turn dynamic, so dynamo's recompile limit (per code object, shared
-    by all blocks) is raised to 8 per kind. Apply after TP, CP and activation checkpointing,
-    before FSDP.
+    by all blocks) is raised to 8 per kind. A block under selective checkpointing compiles after
+    the training forward that teaches its policy what to keep. Apply after TP, CP and activation
+    checkpointing, before FSDP.
     """
     blocks = model_blocks(model, "compile", "Set compile=False.")
     if torch.cuda.is_available():
@@ -167,8 +164,24 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
     kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
     for block in blocks:
-        block.compile(**options)
+        policy = selective_policy(block)
+        if policy is None or policy.learned:
+            block.compile(**options)
+        else:
+            _compile_once_learned(block, policy, options)
     return model
+
+
+def _compile_once_learned(block: nn.Module, policy, options: dict) -> None:
+    """Compile ``block`` after the forward that teaches its selective policy which matmuls to keep
+    (dynamo traces the policy's decisions into the graph, so they must be known by then); until
+    then it runs eagerly."""
+    def compile_when_learned(module, args, output):
+        if policy.learned:
+            handle.remove()
+            module.compile(**options)
+
+    handle = block.register_forward_hook(compile_when_learned)
 
 
 def parallelize(

@@ -87,19 +87,6 @@ def _verdict(candidate: RunConfig, world: int, model, shape, verdicts: dict) -> 
     return None
 
 
-def _policy_refusal(candidate: RunConfig) -> str | None:
-    """``train``'s refusal of the candidate's checkpointing policy with its compile setting, or None
-    (the one rule that depends on the policy, which the layout verdicts share)."""
-    from hybridpar.parallel.parallelize import check_compile_policy
-    from hybridpar.train.preflight import _named_parallel_key
-
-    try:
-        check_compile_policy(candidate.parallel.compile, candidate.parallel.activation_checkpointing)
-    except ValueError as error:
-        return f"{_named_parallel_key(candidate, str(error))}: {error}"
-    return None
-
-
 def search_layouts(run: RunConfig, world: int, budget_gib: float, device: DeviceFigures = H100,
                    baseline_gib: float = GPU_BASELINE_GIB, docs_per_pack: int = 1) -> list[Candidate]:
     """Every candidate, planned or refused; fitting ones first, fastest estimate first."""
@@ -119,9 +106,8 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
         layout_key = tuple(v for k, v in keys.items() if k != "activation_checkpointing")  # policies share a verdict
         if layout_key not in verdicts:
             verdicts[layout_key] = _verdict(candidate, world, model, shape, verdicts)
-        refused = verdicts[layout_key] or _policy_refusal(candidate)
-        if refused is not None:
-            out.append(Candidate(keys, refused=refused))
+        if verdicts[layout_key] is not None:
+            out.append(Candidate(keys, refused=verdicts[layout_key]))
             continue
         plan = plan_layout(Layout.from_run(candidate, shape), device, docs_per_pack)
         out.append(Candidate(keys, plan, needs_gib=plan.memory.peak_bytes / 2**30 + baseline_gib))
