@@ -122,3 +122,29 @@ def test_mamba_heads_that_do_not_split_over_cp_are_refused_before_collectives():
     core.cp_size = 3  # the rule as a 3-rank group would apply it (no group needed: no communication)
     with pytest.raises(ValueError, match=r"Mamba2 mixer 'model.layers.0.mamba' at tp=1, cp=3: .*not divisible by cp=3"):
         validate_hf_cp(model, ATTENTION["allgather"](None), 1, core)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_the_fused_path_inside_transformers_mixers_equals_the_pure_core(name):
+    """Each hybrid's mixers with the fused Mamba path (FLA's contract standing in for the kernel, as
+    on a GPU with fla-core) against the pure core: a packed row's loss and every gradient (1e-9);
+    every mixer ran through the stand-in (its dt limits, groups and conv bias as the mixer has them)."""
+    from hybridpar.models.mamba.fused import use_stand_in
+    from hybridpar.models.mamba.fused_op import register_scan
+    from tests.models.mamba.test_fused import simple_gla_contract
+
+    calls = []
+    register_scan("counted-hf", lambda *args, **kwargs: calls.append(1) or simple_gla_contract(*args, **kwargs))
+    model = build_hybrid(name)
+    install_mamba_core(model)
+    use_hybridpar_attention(model)
+    ids, labels = _rows()
+    piece = [(ids, labels, [0, *torch.tensor(DOCS).cumsum(0).tolist()])]
+    pure_loss, pure_grads = _loss_and_grads(model, piece)
+    with use_stand_in("counted-hf"):
+        fused_loss, fused_grads = _loss_and_grads(model, piece)
+    assert len(calls) == 2 * MIXERS[name]  # each mixer's forward and its backward's recompute
+    assert _relative(fused_loss, pure_loss) < 1e-9
+    assert sorted(fused_grads) == sorted(pure_grads)
+    worst = max((_relative(fused_grads[n], g), n) for n, g in pure_grads.items())
+    assert worst[0] < 1e-9, worst
