@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hybrid import HybridConfig, build_block
-from hybridpar.parallel.checkpointing import apply_activation_checkpointing
+from hybridpar.parallel.checkpointing import apply_activation_checkpointing, selective_policy
 
 KEPT_MATMULS = {"M": 1, "*": 3, "-": 0}
 
@@ -63,7 +63,7 @@ def test_selective_learns_the_matmuls_before_the_mixing_kernel_and_keeps_gradien
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 24, 64], dtype=torch.int32))
     x = torch.randn(1, 64, config.hidden_size, dtype=torch.float64, requires_grad=True)
     plain, selective = _holder(kind, "none"), _holder(kind, "selective")
-    policy = selective.layers[0].checkpoint_fn.keywords["context_fn"]
+    policy = selective_policy(selective.layers[0])
     grads = []
     for holder in (plain, selective, selective):  # the policy learns in its first forward
         x.grad = None
