@@ -36,9 +36,11 @@ LAYOUTS_2 = {  # name -> (ParallelDims kwargs, parallelize kwargs)
     "dp_shard2-compiled": (dict(dp_shard=2), dict(compile="aot_eager")),  # HybridLM only (time)
 }
 LAYOUTS_4 = {"cp2-tp2": (dict(cp=2, tp=2), {})}
+LAYOUTS_DROPOUT = {"tp2": LAYOUTS_2["tp2"], "tp2-sp": LAYOUTS_2["tp2-sp"]}
+MASK_SEED = 123
 
 
-def lora_model(name: str):
+def lora_model(name: str, dropout: float = 0.0):
     """A float64 model with adapters whose B is perturbed (seeded: every process builds the same)."""
     if name == "hybrid":
         model = build_hybrid()
@@ -50,7 +52,7 @@ def lora_model(name: str):
         model = build_model(name)
         install_mamba_core(model)  # what parallelize does: the reference runs the same Mamba core
         keep_float64(model)  # as the trainer does: transformers' float32 casts stay float64
-    add_lora(model, r=RANK, alpha=8.0, seed=1)
+    add_lora(model, r=RANK, alpha=8.0, seed=1, dropout=dropout)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for pname, param in model.named_parameters():
@@ -70,16 +72,17 @@ def _logits(name: str, model, ids, packed):
     return model(input_ids=ids, use_cache=False).logits
 
 
-def reference(name: str, dp: int) -> dict:
-    model = lora_model(name)
+def reference(name: str, dp: int, dropout: float = 0.0) -> dict:
+    model = lora_model(name, dropout)
     batches = batches_for(name, dp)
     count = sum(valid_token_count(labels) for _, labels, _ in batches)
+    torch.manual_seed(MASK_SEED)  # LoRA dropout masks: the same generator state as every rank's
     loss = sum(token_loss_sum(_logits(name, model, ids, packed), labels) for ids, labels, packed in batches) / count
     loss.backward()
     return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh) -> dict:
+def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh, dropout: float = 0.0) -> dict:
     from hybridpar.parallel.comm.stats import CommStats
     from hybridpar.parallel.context.hf import hf_cp_inputs
     from hybridpar.parallel.context.inputs import shard_inputs
@@ -88,13 +91,14 @@ def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh) -> dict:
     from hybridpar.parallel.state import canonical_state_dict
 
     dims = ParallelDims(**dims_kwargs)
-    model = parallelize(lora_model(name), dims, mesh=mesh, **options)
+    model = parallelize(lora_model(name, dropout), dims, mesh=mesh, **options)
     dp = dims.dp_replicate * dims.dp_shard
     ids, labels, packed = batches_for(name, dp)[ParallelDims.mesh(mesh, "dp").get_local_rank()]
     dp_cp = ParallelDims.group(mesh, "dp_cp")
     local = shard_inputs(ids, labels=labels, packed=packed, cp_group=mesh["cp"].get_group(),
                          tp_group=mesh["tp"].get_group(), sequence_parallel=options.get("sequence_parallel", False))
     count = global_sum(valid_token_count(local.labels), dp_cp)
+    torch.manual_seed(MASK_SEED)
     with CommStats(mesh) as stats:
         if name == "hybrid":
             logits = model(local.input_ids, packed=local.packed)
@@ -114,7 +118,7 @@ def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh) -> dict:
             "reduce_scatter": (stats.bytes_sent.get("reduce_scatter", 0), trainable if dims.tp == 1 else None)}
 
 
-def lora_worker(rank: int, world_size: int, layouts: dict) -> dict:
+def lora_worker(rank: int, world_size: int, layouts: dict, dropout: float = 0.0) -> dict:
     from hybridpar.parallel.dims import ParallelDims
 
     results = {}
@@ -123,16 +127,16 @@ def lora_worker(rank: int, world_size: int, layouts: dict) -> dict:
         for name in MODELS:
             if "compile" in options and name != "hybrid":
                 continue
-            results[(layout, name)] = _parallel_case(name, dims_kwargs, options, mesh)
+            results[(layout, name)] = _parallel_case(name, dims_kwargs, options, mesh, dropout)
     return results
 
 
-def _check(results: list[dict], layouts: dict) -> None:
+def _check(results: list[dict], layouts: dict, dropout: float = 0.0) -> None:
     references = {}
     failures = []
     for (layout, name), got in results[0].items():
         dp = layouts[layout][0].get("dp_shard", 1)
-        want = references.setdefault((name, dp), reference(name, dp))
+        want = references.setdefault((name, dp), reference(name, dp, dropout))
         where = f"{layout} {name}"
         assert set(want["grads"]) and all(is_lora_parameter(n) for n in want["grads"]), where
         if abs(got["loss"] - want["loss"]) > TOL * max(1.0, abs(want["loss"])):
@@ -159,6 +163,13 @@ def _check(results: list[dict], layouts: dict) -> None:
 @pytest.mark.timeout(600)
 def test_lora_tp_sp_cp_fsdp_match_one_process():
     _check(run_ranks(2, lora_worker, LAYOUTS_2, timeout_s=500), LAYOUTS_2)
+
+
+def test_lora_dropout_under_tp_draws_the_single_process_masks():
+    """peft.dropout=0.3 at tp=2 and tp=2 + SP: with one generator state every rank draws the mask of
+    the whole input and keeps its slice (``ShardedLoRADropout``), so the loss and every adapter
+    gradient equal one process's (column-, row- and per-component adapters alike)."""
+    _check(run_ranks(2, lora_worker, LAYOUTS_DROPOUT, 0.3, timeout_s=500), LAYOUTS_DROPOUT, 0.3)
 
 
 @pytest.mark.timeout(600)
