@@ -22,16 +22,13 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
+from tests.distributed.tensor.hf_models import gradient_errors, relative_error
 
 TOL = 1e-9
 BATCH, SEQ = 2, 32
 DOCS = [0, 12, 32]
 MODELS = ("llama", "qwen3", "mistral", "gemma3")
 VARIANTS = ("dense", "packed")
-
-
-def _relative(got, want) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
 
 
 def _batch(vocab: int, variant: str):
@@ -53,7 +50,6 @@ def _loss_sum(logits, labels):
 
 def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False, sequence_parallel=False) -> dict:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     from hybridpar.parallel.context.hf import hf_cp_inputs
     from hybridpar.parallel.dims import ParallelDims
@@ -78,14 +74,10 @@ def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False, seq
     total = loss.detach().clone()
     dist.all_reduce(total, group=cp_group)  # [] -> the global loss
 
-    ref_params = dict(reference.named_parameters())
-    errors = {}
-    for pname, param in model.named_parameters():
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        errors[pname] = _relative(grad, ref_params[pname].grad)
+    errors = gradient_errors(model, reference)
     worst = max(errors, key=errors.get)
     return {"loss_error": abs(total.item() - ref_loss.item()), "grad_error": errors[worst], "worst": worst,
-            "params": len(errors), "expected_params": len(ref_params),
+            "params": len(errors), "expected_params": len(dict(reference.named_parameters())),
             "attn": model.config._attn_implementation}
 
 
@@ -212,4 +204,4 @@ def test_packed_from_position_ids_and_single_process_attention_match_sdpa():
         want = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
         by_positions = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         by_packed = model(**hf_cp_inputs(shard_inputs(input_ids=ids, packed=packed))).logits
-        assert _relative(by_positions, want) < 1e-12 and _relative(by_packed, want) < 1e-12, name
+        assert relative_error(by_positions, want) < 1e-12 and relative_error(by_packed, want) < 1e-12, name

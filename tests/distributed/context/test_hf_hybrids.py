@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed.harness import run_ranks
+from tests.distributed.tensor.hf_models import gradient_errors
 
 TOL = 1e-9
 DOCS = [0, 12, 32]
@@ -30,13 +31,8 @@ CASES = [("granite_moe", "a2a", "allgather"), ("granite_moe", "state", "ulysses"
          ("nemotron_h_moe", "state", "ring"), ("bamba", "a2a", "ring"), ("zamba2", "state", "ring")]
 
 
-def _relative(got, want) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
-
-
 def _case(name, mamba, attention, mesh) -> dict:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
@@ -70,14 +66,10 @@ def _case(name, mamba, attention, mesh) -> dict:
     total = loss.detach().clone()
     dist.all_reduce(total, group=cp_group)
 
-    ref_params = dict(reference.named_parameters())
-    errors = {}
-    for pname, param in model.named_parameters():
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        errors[pname] = _relative(grad, ref_params[pname].grad)
+    errors = gradient_errors(model, reference)
     worst = max(errors, key=errors.get)
     return {"loss_error": abs(total.item() - ref_loss.item()), "grad_error": errors[worst], "worst": worst,
-            "params": len(errors), "expected": len(ref_params), "cores": cores}
+            "params": len(errors), "expected": len(dict(reference.named_parameters())), "cores": cores}
 
 
 def _run(rank, world_size) -> dict:

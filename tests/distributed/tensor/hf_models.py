@@ -161,6 +161,16 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
 
 
+def gradient_errors(model, reference) -> dict[str, float]:
+    """``{name: relative_error}`` of every parameter gradient of a parallelized ``model`` (DTensor
+    gradients gathered with ``full_tensor``) against the single-process ``reference``'s."""
+    from torch.distributed.tensor import DTensor
+
+    want = dict(reference.named_parameters())
+    return {name: relative_error(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad, want[name].grad)
+            for name, p in model.named_parameters()}
+
+
 def model_inputs(variant: str = "dense") -> dict:
     """Dense ids, plus a left-padded attention mask or two packed documents' position ids."""
     torch.manual_seed(1)
@@ -175,7 +185,6 @@ def model_inputs(variant: str = "dense") -> dict:
 
 def parity(name: str, sequence_parallel: bool, tp_mesh, variant: str = "dense", plan=None) -> dict:
     """Reference vs ``apply_tp`` on one batch: logits and every gradient (see module docstring)."""
-    from torch.distributed.tensor import DTensor
 
     from hybridpar.parallel.tensor.apply import apply_tp
 
@@ -193,17 +202,13 @@ def parity(name: str, sequence_parallel: bool, tp_mesh, variant: str = "dense", 
     logits = model(**inputs).logits
     (logits * weights).sum().backward()
 
-    ref_params = dict(reference.named_parameters())
-    grad_errors = {}
-    for pname, param in model.named_parameters():
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        grad_errors[pname] = relative_error(grad, ref_params[pname].grad)
+    grad_errors = gradient_errors(model, reference)
     return {
         "source": model._tp_plan_applied.source.split(":")[0],
         "logits_shape": tuple(logits.shape),
         "logits_error": relative_error(logits, ref_logits),
         "grad_errors": grad_errors,
-        "same_names": sorted(ref_params) == sorted(dict(model.named_parameters())),
+        "same_names": sorted(dict(reference.named_parameters())) == sorted(dict(model.named_parameters())),
         "placements": {n: placement_code(p) for n, p in model.named_parameters()},
         "fraction": model._tp_shard_report.fraction,
         "warnings": [str(w.message) for w in caught],
