@@ -152,7 +152,7 @@ def test_fused_op_passes_torch_library_opcheck():
         history = torch.randn(cu.shape[0] - 1, weight.shape[1] - 1, xBC.shape[-1], dtype=F64)
         h0 = torch.randn(cu.shape[0] - 1, dt.shape[-1], sizes["head_dim"], sizes["state_size"], dtype=F64)
         op_args = (*args[:7], h0.requires_grad_(), history.requires_grad_(), cu, cu[:-1], cu[1:] - 1,
-                   sizes["head_dim"], sizes["state_size"], 0.0, float("inf"), True, "contract")
+                   sizes["head_dim"], sizes["state_size"], 0.0, float("inf"), True, True, "contract")
         torch.library.opcheck(torch.ops.hybridpar.fused_conv_scan.default, op_args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                           "test_aot_dispatch_dynamic"))

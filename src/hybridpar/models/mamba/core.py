@@ -58,7 +58,7 @@ def mamba_conv_scan(
         return fused_conv_scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, head_dim=head_dim,
                                state_size=state_size, cu_docs=cu_docs, dt_limit=dt_limit, init_at=init_at,
                                init_states=init_states, conv_history=conv_history, final_at=final_at, want_y=want_y,
-                               scan=kernel)
+                               scan=kernel, check_states=torch.compiler.is_compiling())  # eager: choose_kernel did
     y, final = torch.ops.hybridpar.ssd_chunk_scan(
         x.unflatten(-1, (heads, head_dim)), dt, -torch.exp(A_log), B.unflatten(-1, (groups, state_size)),
         C.unflatten(-1, (groups, state_size)), D, dt_bias, conv_weight, conv_bias, cu_docs, init_at, init_states,

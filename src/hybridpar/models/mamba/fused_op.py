@@ -179,7 +179,7 @@ def _autograd_on():
 
 def _check_states(cu_docs, init_at, final_at):
     problem = states_at_boundaries(cu_docs, init_at, final_at)
-    if problem:  # choose_kernel keeps these calls on the pure core outside torch.compile
+    if problem:
         raise ValueError(f"the fused Mamba scan cannot take these states: {problem}; run this call with "
                          "use_mamba_kernel('pure').")
 
@@ -188,9 +188,11 @@ def _check_states(cu_docs, init_at, final_at):
 def _fused_op(
     xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, dt_bias: Tensor, A_log: Tensor, D: Tensor,
     init_states: Tensor | None, conv_history: Tensor | None, cu_docs: Tensor, init_at: Tensor | None,
-    final_at: Tensor | None, head_dim: int, state_size: int, dt_min: float, dt_max: float, want_y: bool, scan: str,
+    final_at: Tensor | None, head_dim: int, state_size: int, dt_min: float, dt_max: float, want_y: bool,
+    check_states: bool, scan: str,
 ) -> tuple[Tensor, Tensor]:
-    _check_states(cu_docs, init_at, final_at)
+    if check_states:  # a host sync: skipped where choose_kernel has checked these states (eager)
+        _check_states(cu_docs, init_at, final_at)
     with torch.no_grad(), autocast_off():
         y, final = _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs,
                          init_at, final_at is not None, head_dim, state_size, dt_min, dt_max, *_kernels(scan))
@@ -200,7 +202,7 @@ def _fused_op(
 
 @_fused_op.register_fake
 def _(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs, init_at, final_at,
-      head_dim, state_size, dt_min, dt_max, want_y, scan):
+      head_dim, state_size, dt_min, dt_max, want_y, check_states, scan):
     fp = torch.promote_types(xBC.dtype, torch.float32)
     heads = dt.shape[-1]
     y = xBC.new_empty(*xBC.shape[:2], heads * head_dim) if want_y else xBC.new_empty(0)
@@ -245,7 +247,7 @@ def _(grad_y, grad_final, xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, in
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, head_dim, state_size, dt_min, dt_max, want_y, scan = inputs
+    *tensors, head_dim, state_size, dt_min, dt_max, want_y, _, scan = inputs
     ctx.save_for_backward(*tensors)
     ctx.options = (head_dim, state_size, dt_min, dt_max, scan)
     ctx.want_y = want_y
@@ -257,7 +259,7 @@ def _backward(ctx, grad_y, grad_final):
     grads = torch.ops.hybridpar.fused_conv_scan_backward(
         grad_y if ctx.want_y else None, grad_final if final_at is not None else None, *saved, *ctx.options)
     grads = [None if t is None else g for g, t in zip(grads, saved[:_DIFFERENTIABLE])]
-    return (*grads, None, None, None, None, None, None, None, None, None)
+    return (*grads, *[None] * 10)  # cu_docs, init_at, final_at and the 7 options
 
 
 _fused_op.register_autograd(_backward, setup_context=_setup_context)
@@ -267,9 +269,10 @@ def fused_conv_scan(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Ten
                     A_log: Tensor, D: Tensor, *, head_dim: int, state_size: int, cu_docs: Tensor,
                     dt_limit=(0.0, float("inf")), init_at: Tensor | None = None, init_states: Tensor | None = None,
                     conv_history: Tensor | None = None, final_at: Tensor | None = None, want_y: bool = True,
-                    scan: str = "fla"):
-    """``mamba_conv_scan``'s contract through the named scan (default: FLA's ``chunk_simple_gla``)."""
+                    scan: str = "fla", check_states: bool = True):
+    """``mamba_conv_scan``'s contract through the named scan (default: FLA's ``chunk_simple_gla``).
+    ``check_states=False``: the caller has checked that states sit on document boundaries."""
     y, final = torch.ops.hybridpar.fused_conv_scan(
         xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs, init_at, final_at,
-        head_dim, state_size, float(dt_limit[0]), float(dt_limit[1]), want_y, scan)
+        head_dim, state_size, float(dt_limit[0]), float(dt_limit[1]), want_y, check_states, scan)
     return y if final_at is None else (y, final)
