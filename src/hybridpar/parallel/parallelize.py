@@ -210,10 +210,12 @@ def parallelize(
     (``fsdp.check_reshard_after_forward``). The mesh is kept on ``model._parallel_mesh`` and the
     dims on ``model._parallel_dims``. A transformers model's Mamba2 mixers are switched to
     hybridpar's Mamba core first (``models/hf/mamba_mixers.install_mamba_core``), the seam of
-    the Mamba CP strategies.
+    the Mamba CP strategies, and it refuses packed documents its attention would not separate
+    (``context/hf.refuse_unread_documents``).
     """
     if hf_cp.is_hf_model(model):
         install_mamba_core(model)
+        hf_cp.refuse_unread_documents(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
                          sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,
                          activation_checkpointing=activation_checkpointing,

@@ -205,3 +205,36 @@ def test_packed_from_position_ids_and_single_process_attention_match_sdpa():
         by_positions = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         by_packed = model(**hf_cp_inputs(shard_inputs(input_ids=ids, packed=packed))).logits
         assert relative_error(by_positions, want) < 1e-12 and relative_error(by_packed, want) < 1e-12, name
+
+
+def test_parallelize_refuses_packed_documents_that_transformers_attention_would_leak():
+    """At any layout (here one process), a transformers model whose attention ignores
+    ``packed_seq_params`` (SDPA) is refused several documents per row, naming the fix; after
+    ``use_hybridpar_attention`` the packed row equals each document run alone. A token mixer
+    outside our cores (LFM2's short convolution) is refused them whatever the attention."""
+    import transformers as hf
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.parallel.context.hf import use_hybridpar_attention
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+    from tests.models.hf.hybrid_models import VOCAB, build_hybrid
+
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 7, 16], dtype=torch.int32))
+    model = parallelize(build_hybrid("granite"), ParallelDims())
+    with pytest.raises(ValueError, match="2 documents per row.*'sdpa'.*use_hybridpar_attention"):
+        model(input_ids=ids, position_ids=packed.position_ids, packed_seq_params=packed)
+    one = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 16], dtype=torch.int32))
+    model(input_ids=ids, position_ids=one.position_ids, packed_seq_params=one)  # one document: nothing to leak
+    use_hybridpar_attention(model)
+    logits = model(input_ids=ids, position_ids=packed.position_ids, packed_seq_params=packed).logits
+    alone = [model(input_ids=ids[:, a:b], position_ids=torch.arange(b - a)[None]).logits for a, b in ((0, 7), (7, 16))]
+    assert relative_error(logits, torch.cat(alone, dim=1)) < 1e-12
+
+    lfm2 = hf.Lfm2ForCausalLM(hf.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"], hidden_size=64,
+                                            intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                            vocab_size=VOCAB, use_cache=False))
+    parallelize(lfm2, ParallelDims())
+    with pytest.raises(ValueError, match="Conv1d.*one document per row"):
+        lfm2(input_ids=ids, position_ids=packed.position_ids, packed_seq_params=packed)

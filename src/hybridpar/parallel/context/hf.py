@@ -55,6 +55,7 @@ __all__ = [
     "register_hf_attention",
     "runs_hybridpar_attention",
     "unreached_token_mixers",
+    "refuse_unread_documents",
     "use_hybridpar_attention",
     "validate_hf_cp",
 ]
@@ -248,6 +249,38 @@ def use_hybridpar_attention(model: nn.Module) -> nn.Module:
     no ``[S, S]`` mask; one process without a CP core) and refuse ``attention_mask`` from now on."""
     model.set_attn_implementation(register_hf_attention())
     model.register_forward_pre_hook(_refuse_attention_mask, with_kwargs=True)
+    return model
+
+
+def refuse_unread_documents(model: nn.Module) -> nn.Module:
+    """Refuse, at forward, a ``packed_seq_params`` of several documents that some token mixer of
+    ``model`` would not read: transformers' own attention (``sdpa``, ``eager``, ...) ignores it and
+    lets the documents attend to each other, and so does every mixer ``unreached_token_mixers``
+    names. One document per row always passes. ``parallelize`` installs it on transformers models."""
+    if getattr(model, "_hybridpar_documents_guard", False):
+        return model
+    unreached = unreached_token_mixers(model)
+    has_attention = bool(hf_attention_modules(model))
+
+    def refuse(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        packed = kwargs.get("packed_seq_params")
+        if packed is None or packed.cu_seqlens.numel() <= 2:  # [0, T]: one document per row
+            return
+        docs = packed.cu_seqlens.numel() - 1
+        if unreached:
+            raise ValueError(f"packed_seq_params describes {docs} documents per row, but {type(module).__name__}'s "
+                             f"{unreached[0]} mixes tokens outside hybridpar's cores and would leak between them; "
+                             "pass one document per row.")
+        if has_attention and not runs_hybridpar_attention(module):
+            fix = attention_problem(module)
+            fix = ("call hybridpar.parallel.context.hf.use_hybridpar_attention(model) first (the trainer does)"
+                   if fix is None else "pass one document per row")
+            raise ValueError(f"packed_seq_params describes {docs} documents per row, but {type(module).__name__} runs "
+                             f"transformers' {module.config._attn_implementation!r} attention, which ignores it and "
+                             f"lets the documents attend to each other; {fix}.")
+
+    model.register_forward_pre_hook(refuse, with_kwargs=True)
+    model._hybridpar_documents_guard = True
     return model
 
 
