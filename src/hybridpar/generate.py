@@ -61,15 +61,17 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from hybridpar.config import config_from_dict
     from hybridpar.config_rules import shorten
     from hybridpar.models.hf.weights import check_finite
     from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
     from hybridpar.parallel.tensor.hybrid import split_mamba_mixers
+    from hybridpar.parallel.tensor.plans_moe import split_hf_mixers
     from hybridpar.train.peft import apply_peft
     from hybridpar.train.run.adapters import base_reference, check_same_base
-    from hybridpar.train.run.checkpoint import read_run_info
+    from hybridpar.train.run.checkpoint import load_failure, read_run_info
     from hybridpar.train.trainer import build_model
 
     recorded = read_run_info(path).get("config")
@@ -80,7 +82,8 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=str(dtype).removeprefix("torch.")))
     stored = apply_peft(config, build_model(config))  # a LoRA run: the frozen base is rebuilt, adapters loaded
     check_same_base(path, base_reference(config))
-    split_mamba_mixers(stored)  # the parameter names training saves (layout-free)
+    split_mamba_mixers(stored)  # the parameter names training saves (layout-free), ours
+    split_hf_mixers(stored)  # and transformers' Mamba2 mixers
     lora = config.peft.method != "none"
     state = {"model": {n: p for n, p in stored.named_parameters() if p.requires_grad} if lora else stored.state_dict()}
     try:
@@ -88,9 +91,8 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         stored.load_state_dict(state["model"], strict=not lora)
-    except Exception as error:  # noqa: BLE001 - DCP raises many kinds; the message names the folder
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ValueError(f"--checkpoint {path} could not be loaded ({type(error).__name__}: {shorten(first, 200)}); it "
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP raises many kinds; the message names the folder
+        raise ValueError(f"--checkpoint {path} could not be loaded ({shorten(load_failure(error), 240)}); it "
                          "may be corrupt or from another model: pass another step_* folder.") from None
     model = apply_peft(config, build_model(config))
     load_canonical_state_dict(model, canonical_state_dict(stored))  # fused names again; every parameter set

@@ -79,3 +79,16 @@ def test_generate_from_a_training_checkpoint_equals_its_export(tmp_path):
     assert code == 2 and "needs --max-new-tokens" in output
     code, output = generate("--checkpoint", str(tmp_path), "--prompt", "x", "--max-new-tokens", "2")
     assert code == 2 and "holds no complete training checkpoint" in output
+    # A checkpoint whose names or shapes are not its recorded model's (as an older hybridpar's
+    # layout-dependent names would be): one line naming DCP's own reason, no traceback.
+    from hybridpar.train.run.checkpoint import _write_manifest
+
+    step = next((tmp_path / "run" / "checkpoints").glob("step_*"))
+    info = json.loads((step / "run.json").read_text())
+    info["config"]["model"]["overrides"]["intermediate_size"] = 40
+    (step / "run.json").write_text(json.dumps(info))
+    _write_manifest(step)
+    code, output = generate("--checkpoint", str(step), "--prompt", "x", "--max-new-tokens", "2")
+    errors = [line for line in output.splitlines() if line.startswith("hybridpar: error")]
+    assert code == 2 and "Traceback" not in output and len(errors) == 1, output[-3000:]
+    assert "could not be loaded (ValueError: Size mismatch" in errors[0] and len(errors[0]) < 600, errors

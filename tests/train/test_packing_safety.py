@@ -143,3 +143,32 @@ def test_the_leak_probe_sees_a_leak_and_passes_our_cores():
     use_hybridpar_attention(model)
     assert packing_problem(model) is None
     assert leak_probe(model, VOCAB) < 1e-12
+
+
+def _steps(rank, world_size, path, directory, layout, stop_after=None, every=2):
+    """Train (or resume) the float64 Granite MoE in ``directory``; rank 0 returns the step losses."""
+    from hybridpar.config import load_config
+    from hybridpar.train.trainer import Trainer
+
+    overrides = [f"model.hf_path={path}", "model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2",
+                 "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}", "train.steps=4",
+                 "train.log_every=1", "train.eval_every=0", f"checkpoint.every={every}", f"output_dir={directory}",
+                 "tensorboard=false", "plot=false", *layout]
+    with contextlib.redirect_stdout(io.StringIO()):
+        history = Trainer(load_config(None, overrides), torch.device("cpu")).fit(stop_after=stop_after)
+    return [r["loss"] for r in history] if rank == 0 else None
+
+
+def test_a_transformers_hybrid_resumes_at_another_tensor_parallel_degree(checkpoints, tmp_path):
+    """Its Mamba mixers are stored per component at every layout, so a DCP checkpoint written at
+    tp=2 resumes on one process and one written on one process resumes at tp=2: steps 3-4 equal
+    4 uninterrupted steps at tp=2 (float64)."""
+    path, tp2 = checkpoints["granite_moe"], ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    reference = run_ranks(2, _steps, path, str(tmp_path / "straight"), tp2, None, -1, timeout_s=300)[0]
+    from_tp2 = run_ranks(2, _steps, path, str(tmp_path / "tp2_then_one"), tp2, 2, timeout_s=300)[0]
+    from_tp2 += run_ranks(1, _steps, path, str(tmp_path / "tp2_then_one"), [], timeout_s=300)[0]
+    from_one = run_ranks(1, _steps, path, str(tmp_path / "one_then_tp2"), [], 2, timeout_s=300)[0]
+    from_one += run_ranks(2, _steps, path, str(tmp_path / "one_then_tp2"), tp2, timeout_s=300)[0]
+    assert len(reference) == 4
+    torch.testing.assert_close(torch.tensor(from_tp2), torch.tensor(reference), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.tensor(from_one), torch.tensor(reference), rtol=1e-10, atol=1e-10)

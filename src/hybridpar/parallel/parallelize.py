@@ -226,9 +226,9 @@ def parallelize(
     if dims.cp > 1:
         _cp_checks(model, dims, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)
 
-    split_mamba_mixers(model)
+    split_mamba_mixers(model)  # Mamba2 in_proj/conv1d per component at every layout: the checkpoint's names
+    split_hf_mixers(model)  # (DCP) do not depend on tp, so a run resumes at another; LoRA adapters kept
     if dims.tp > 1:
-        split_hf_mixers(model)  # transformers' Mamba2 mixers on our core: per component, adapters kept
         apply_tp(model, mesh["tp"], plan=tp_plan, sequence_parallel=sequence_parallel)
     if dims.cp > 1:
         apply_cp(model, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)

@@ -19,7 +19,8 @@ finite, or it is refused naming the tensor. Rank 0 renames the
 previous checkpoint loadable. Retention keeps the newest ``keep`` checkpoints of the
 current run (same ``run_id`` in run.json), ordered by step number; other runs' checkpoints
 are never pruned. State dicts come from ``get_state_dict`` with layout-free names, so a
-checkpoint written under one world size or mesh loads under another (DCP reshards on load).
+checkpoint written under one world size or mesh loads under another (DCP reshards on load);
+packed tensor-parallel weights are saved as one process holds them (``parallel/packed_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hybridpar.config_rules import bounded_message
+from hybridpar.parallel.packed_checkpoint import packed_shards
 
 TRAINER_STATE = "trainer.pt"
 RUN_INFO = "run.json"
@@ -202,6 +204,16 @@ def prune(directory: str | Path, run_id: str, keep: int) -> list[Path]:
     return doomed
 
 
+def load_failure(error: BaseException) -> str:
+    """``"Type: first line"`` of what went wrong in a DCP load: a ``CheckpointException`` (not an
+    ``Exception``: catch both) names its first failing rank's own error, not its traceback."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and failures:
+        error = next(iter(failures.values()))[0]
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:300]}"
+
+
 def _options(model, setting: bool = False) -> StateDictOptions:
     """Frozen parameters (a LoRA run's base weights) are neither saved nor loaded (``adapters.py``);
     ``dcp.load`` still requires every trainable key, so setting the loaded subset is not strict."""
@@ -224,7 +236,8 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, extra: di
         staging.mkdir(parents=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    with packed_shards({"model": model_state, "optim": optim_state}) as state:
+        dcp.save(state, checkpoint_id=str(staging))
     hashed = [_hash_own_shards(staging, rank)]  # every rank hashes its own shards, in parallel
     if dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -298,12 +311,13 @@ def load_checkpoint(path, model, optimizer, scheduler) -> dict:
         trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
         model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
+        with packed_shards(state):
+            dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options(model, setting=True))
     except (Exception, CheckpointException) as error:  # DCP gathers every rank's failure: all ranks get here
         raise CheckpointError(
-            f"checkpoint {str(path)!r} could not be loaded ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}); "
+            f"checkpoint {str(path)!r} could not be loaded ({load_failure(error)}); "
             "it may be corrupt or from a different model: resume from another step_* folder or start fresh "
             "with checkpoint.resume=null."
         ) from error
