@@ -138,8 +138,13 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused(bpe, tmp_path):
     source = save_checkpoint("llama", tmp_path / "source", bpe)
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
-    with pytest.raises(ValueError, match=r"does not match its LlamaForCausalLM config: missing keys \['model.layers.2"):
+    with pytest.raises(ValueError, match=r"does not match its LlamaForCausalLM config: \d+ missing keys: model.layers.2"):
         load_causal_lm(source)
+    # Shapes that disagree (transformers itself raises a RuntimeError with a traceback): one ValueError
+    (source / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    with pytest.raises(ValueError, match=r"\d+ mismatched keys: model.layers.0.mlp.down_proj.weight \(checkpoint \[") as error:
+        load_causal_lm(source)
+    assert len(str(error.value)) < 600
 
 
 def test_loss_helper_equals_transformers_mean_loss_in_one_process_and_its_hidden_state_seam(bpe, tmp_path):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import quoted, shorten
 from hybridpar.models.generation import GREEDY_BELOW, check_sampling
 from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, config_from_hf, read_hf_config
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
@@ -96,10 +96,14 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
     model, info = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True,
         use_safetensors=True, trust_remote_code=False, output_loading_info=True,
+        ignore_mismatched_sizes=True,  # reported below as one line (transformers raises with a traceback)
     )
     problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems["mismatched_keys"] = [f"{name} (checkpoint {list(stored)}, config {list(wanted)})"
+                                   for name, stored, wanted in problems["mismatched_keys"]]
     if any(problems.values()):
-        details = "; ".join(f"{k.replace('_', ' ')} {v[:6]}" for k, v in problems.items() if v)
+        details = "; ".join(f"{len(v)} {k.replace('_', ' ')}: {shorten(', '.join(v[:3]), 300)}"
+                            for k, v in problems.items() if v)
         raise ValueError(f"checkpoint {path} does not match its {type(model).__name__} config: {details}; "
                          "check config.json against the weights.")
     check_finite(model.named_parameters(), f"checkpoint {path}")
