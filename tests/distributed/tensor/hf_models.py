@@ -162,13 +162,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def gradient_errors(model, reference) -> dict[str, float]:
-    """``{name: relative_error}`` of every parameter gradient of a parallelized ``model`` (DTensor
-    gradients gathered with ``full_tensor``) against the single-process ``reference``'s."""
-    from torch.distributed.tensor import DTensor
+    """``{name: relative_error}`` of every parameter gradient of a parallelized ``model`` against the
+    single-process ``reference``'s, under the reference's names (``canonical_state_dict``: DTensor
+    gradients gathered, Mamba2 components fused back; a collective). Every name must be there."""
+    from hybridpar.parallel.state import canonical_state_dict
 
-    want = dict(reference.named_parameters())
-    return {name: relative_error(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad, want[name].grad)
-            for name, p in model.named_parameters()}
+    got, want = canonical_state_dict(model, grads=True), dict(reference.named_parameters())
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:6]
+    return {name: relative_error(grad, want[name].grad) for name, grad in got.items()}
 
 
 def model_inputs(variant: str = "dense") -> dict:
