@@ -28,7 +28,9 @@ CASES = [("granite_moe", "a2a", "allgather"), ("granite_moe", "state", "ulysses"
          # ring attention on every architecture's attention layers (Granite NoPE and RoPE with multipliers,
          # Falcon-H1's key multiplier, Zamba2's shared block)
          ("granite", "a2a", "ring"), ("granite_moe", "state", "ring"), ("falcon_h1", "a2a", "ring"),
-         ("nemotron_h_moe", "state", "ring"), ("bamba", "a2a", "ring"), ("zamba2", "state", "ring")]
+         ("nemotron_h_moe", "state", "ring"), ("bamba", "a2a", "ring"), ("zamba2", "state", "ring"),
+         # two hybrid layers reusing one shared block (tied parameters: one FSDP unit), adapters, RoPE
+         ("zamba2_shared", "state", "ulysses")]
 
 
 def _case(name, mamba, attention, mesh) -> dict:

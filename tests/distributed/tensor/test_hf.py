@@ -13,8 +13,10 @@ the tensor's scale, and chosen parameters have the expected TP placement. The mo
   replicated);
 - Arcee through its own Hugging Face plan, Mixtral through its Hugging Face plan
   (``moe_tp_experts`` / ``packed_colwise`` translated);
-- a Llama subclass nothing is registered for (the generic default plan), and Zamba2, which
-  the default plan leaves almost whole: exact, with a warning naming what stays replicated.
+- a Llama subclass nothing is registered for (the generic default plan), and Zamba2 (its shared
+  attention block by heads; its Mamba mixers, not on hybridpar's core here, replicated); Zamba2
+  under the generic default plan, which leaves it almost whole, gives the warning naming what
+  stays replicated.
 
 A few SP runs add a padding mask or packed position ids. The same group checks the
 ``ValueError``s that must come before any collective, the shard-fraction report (exact
@@ -78,7 +80,9 @@ CASES = {
     "qwen2_moe": ("registry", T, {f"{L0}.mlp.shared_expert.gate_proj.weight": "S0",
                                   f"{L0}.mlp.shared_expert.down_proj.weight": "S1",
                                   f"{L0}.mlp.shared_expert_gate.weight": "R", f"{L0}.mlp.experts.down_proj": "S2"}),
-    "zamba2": ("registry", F, {"model.layers.0.mamba.in_proj.weight": "R", "model.embed_tokens.weight": "S0"}),
+    "zamba2": ("registry", F, {"model.layers.0.mamba.in_proj.weight": "R", "model.embed_tokens.weight": "S0",
+                               "model.layers.1.shared_transformer.self_attn.q_proj.weight": "S0",
+                               "model.layers.1.shared_transformer.feed_forward.down_proj.weight": "S1"}),
 }
 # Mixtral through its own Hugging Face plan (experts and packed gate_up from the plan strings)
 HF_PLAN_RUNS = {"mixtral_hf_plan": ("mixtral", {f"{L0}.mlp.experts.gate_up_proj": "SS1/2",
@@ -164,8 +168,8 @@ def _expected_local_elements(model, sharded: dict[str, int], rank: int, tp: int)
 
 
 def _shard_report(tp_mesh) -> dict:
-    """The report for Llama (everything but the norms sharded) and Zamba2 (the default plan
-    shards only the tied embedding / LM head) against counts computed from parameter names."""
+    """The report for Llama (everything but the norms sharded) and Zamba2 under the generic default
+    plan (it shards only the tied embedding / LM head) against counts computed from parameter names."""
     rank, tp = tp_mesh.get_local_rank(), tp_mesh.size()
     out = {}
     llama = build_model("llama")
@@ -179,7 +183,7 @@ def _shard_report(tp_mesh) -> dict:
     expected = _expected_local_elements(zamba2, {"model.embed_tokens.weight": 0}, rank, tp)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        apply_tp(zamba2, tp_mesh)
+        apply_tp(zamba2, tp_mesh, plan="default")
     report = zamba2._tp_shard_report
     out["zamba2"] = ((report.total, report.local), expected, report.fraction, report.replicated,
                      [str(w.message) for w in caught])

@@ -7,7 +7,8 @@ like its channels), attention and MLPs as their plans say, MoE experts on their 
 One row of two packed documents (12 and 20 tokens; the trainer packs rows of one: a transformers
 head under TP fails in DTensor on an empty [B > 1, 0, D] input). One 4-rank group runs tp=2 with
 FSDP over dp=2 (the same tokens on both dp ranks), tp=2 with sequence parallelism, and cp=2 x tp=2
-(FSDP over cp), for Granite 4.0-H MoE, Falcon-H1, NemotronH MoE, Bamba and Zamba2 (no SP plan: its uncovered modules are named), and Granite MoE and
+(FSDP over cp), for Granite 4.0-H MoE, Falcon-H1, NemotronH MoE, Bamba and Zamba2 (its shared attention block
+sharded by heads; also two hybrid layers reusing one block with per-layer attention adapters and RoPE), and Granite MoE and
 Falcon-H1 with one B/C group (as their released checkpoints: B/C replicated, the gated norm's sum
 of squares all-reduced): the loss and every parameter gradient (fused back to transformers' names,
 ``canonical_state_dict``) equal the one-process model's to 1e-9. The same group checks the
@@ -22,8 +23,8 @@ from tests.distributed.harness import run_ranks
 
 TOL = 1e-9
 DOCS = [0, 12, 32]
-MODELS = ("falcon_h1", "nemotron_h_moe", "granite_moe", "granite_moe_g1", "falcon_h1_g1", "bamba", "zamba2")
-NO_SP = {"zamba2"}  # no sequence-parallel plan: refused with a ValueError (checked below)
+MODELS = ("falcon_h1", "nemotron_h_moe", "granite_moe", "granite_moe_g1", "falcon_h1_g1", "bamba", "zamba2",
+          "zamba2_shared")
 LAYOUTS = (("tp2_sp", dict(dp_shard=2, tp=2), True), ("tp2", dict(dp_shard=2, tp=2), False),
            ("cp2_tp2", dict(cp=2, tp=2), False))
 
@@ -73,6 +74,7 @@ def _case(name, dims, sequence_parallel, mesh, reference) -> dict:
     parallelize(model, dims, mesh=mesh, cp_mamba="state", cp_attention="allgather", sequence_parallel=sequence_parallel)
     sharded_mixers = sum(bool(getattr(m, "_hybridpar_head_sharded", False)) for m in model.modules())
     dt_bias = next(p for n, p in model.named_parameters() if n.endswith("dt_bias"))
+    attention = [p for n, p in model.named_parameters() if n.endswith(("q_proj.weight", "down_proj.weight"))]
     cp_group, tp_group = ParallelDims.group(mesh, "cp"), ParallelDims.group(mesh, "tp")
     sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group, tp_group=tp_group,
                            sequence_parallel=sequence_parallel)
@@ -88,7 +90,8 @@ def _case(name, dims, sequence_parallel, mesh, reference) -> dict:
     worst = max(errors, key=errors.get)
     return {"loss_error": abs(total.item() - ref_loss), "grad_error": errors[worst], "worst": worst,
             "grads": len(errors), "expected": len(ref_grads), "sharded_mixers": sharded_mixers,
-            "dt_bias_tp": repr(dt_bias.placements[-1]) if isinstance(dt_bias, DTensor) else "plain"}
+            "dt_bias_tp": repr(dt_bias.placements[-1]) if isinstance(dt_bias, DTensor) else "plain",
+            "attention_mlp_tp": sorted({repr(p.placements[-1]) if isinstance(p, DTensor) else "plain" for p in attention})}
 
 
 def _errors(mesh) -> dict:
@@ -101,17 +104,11 @@ def _errors(mesh) -> dict:
     config = hf.NemotronHConfig(layers_block_type=["mamba", "attention", "mlp"],
                                 **{**_NEMOTRON, "mamba_num_heads": 3, "n_groups": 1})
     model = hf.NemotronHForCausalLM(config).to(torch.float64)
-    out = {"heads": None, "zamba2_sp": None}
+    out = {"heads": None}
     try:
         parallelize(model, ParallelDims(dp_shard=2, tp=2), mesh=mesh)
     except ValueError as error:
         out["heads"] = str(error)
-    from tests.models.hf.hybrid_models import build_hybrid
-
-    try:
-        parallelize(build_hybrid("zamba2"), ParallelDims(dp_shard=2, tp=2), mesh=mesh, sequence_parallel=True)
-    except ValueError as error:
-        out["zamba2_sp"] = str(error)
     return out
 
 
@@ -124,8 +121,6 @@ def _run(rank, world_size) -> dict:
         dims = ParallelDims(**sizes)
         mesh = dims.build_mesh()
         for name in MODELS:
-            if sp and name in NO_SP:
-                continue
             out[(label, name)] = _case(name, dims, sp, mesh, references[name])
     out["errors"] = _errors(ParallelDims(dp_shard=2, tp=2).build_mesh())
     return out
@@ -137,9 +132,9 @@ def test_tp_and_cp_tp_of_transformers_hybrids_match_one_process():
     for rank_results in run_ranks(4, _run, timeout_s=600):
         errors = rank_results.pop("errors")
         heads = errors["heads"]
-        assert errors["zamba2_sp"] is not None and "Set sequence_parallel=False" in errors["zamba2_sp"], errors
         assert heads is not None and "num_heads=3" in heads and "tp=2" in heads and "one of [1, 3]" in heads, heads
         for (label, name), r in rank_results.items():
             assert r["grads"] == r["expected"], (label, name, r)
             assert r["sharded_mixers"] == MIXERS[name] and r["dt_bias_tp"] == "Shard(dim=0)", (label, name, r)
+            assert "plain" not in r["attention_mlp_tp"] and "Replicate()" not in r["attention_mlp_tp"], (label, name, r)
             assert r["loss_error"] < TOL and r["grad_error"] < TOL, (label, name, r)

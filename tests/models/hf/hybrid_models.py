@@ -54,12 +54,17 @@ def _builders(hf) -> dict:
         "zamba2": lambda: hf.Zamba2ForCausalLM(hf.Zamba2Config(
             num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8, n_mamba_heads=8,
             mamba_ngroups=2, chunk_size=8, **_C)),
+        # two hybrid layers reusing one shared block, its per-layer attention adapters, RoPE
+        "zamba2_shared": lambda: hf.Zamba2ForCausalLM(hf.Zamba2Config(
+            num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8,
+            n_mamba_heads=8, mamba_ngroups=2, chunk_size=8, num_mem_blocks=1, use_shared_attention_adapter=True,
+            adapter_rank=8, use_mem_rope=True, **{**_C, "num_key_value_heads": 4})),  # adapters need kv = heads
     }
 
 
 HYBRIDS = ("granite", "granite_moe", "falcon_h1", "falcon_h1_gate", "nemotron_h", "nemotron_h_moe", "bamba", "zamba2")
 MIXERS = {"granite": 2, "granite_moe": 2, "falcon_h1": 2, "falcon_h1_gate": 2, "nemotron_h": 1, "nemotron_h_moe": 1,
-          "bamba": 1, "zamba2": 3, "granite_moe_g1": 2, "falcon_h1_g1": 2}  # Mamba2 mixers per tiny model
+          "bamba": 1, "zamba2": 3, "zamba2_shared": 4, "granite_moe_g1": 2, "falcon_h1_g1": 2}  # Mamba2 mixers per tiny model
 
 
 def build_hybrid(name: str, seed: int = 0):

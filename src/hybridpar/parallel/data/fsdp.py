@@ -1,7 +1,8 @@
 """FSDP2 over the data-parallel mesh, and the TP layout of every parameter.
 
-``apply_fsdp`` makes every block (decoder layer / hybrid block) and the root an FSDP2 unit,
-sharded over ``dp_shard_cp`` (1-D) or HSDP ``(dp_replicate, dp_shard_cp)`` (2-D). FSDP's own
+``apply_fsdp`` makes every block (decoder layer / hybrid block) and the root an FSDP2 unit
+(submodules whose parameters several blocks share, Zamba2's shared attention block, one unit of
+their own first: ``shared_submodules``), sharded over ``dp_shard_cp`` (1-D) or HSDP ``(dp_replicate, dp_shard_cp)`` (2-D). FSDP's own
 gradient division is off (divide factor 1, SUM reductions): the loss already divides by the
 global token count, and ``ReduceOp.AVG`` on gloo is silently wrong (pytorch#162338).
 
@@ -33,6 +34,7 @@ from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.data.param_layouts import MODULE_TP_DIMS, Layout, parameter_layouts
 
 __all__ = [
+    "register_first_pre_hook",
     "apply_fsdp", "set_micro_batch", "check_reshard_after_forward", "fsdp_units", "Layout", "parameter_layouts",
     "MODULE_TP_DIMS",
 ]
@@ -57,6 +59,53 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):
             return list(layers)
     return []
+
+
+FIRST_PRE_HOOKS = "_hybridpar_first_pre_hooks"
+
+
+def register_first_pre_hook(module: nn.Module, hook) -> None:
+    """Register ``hook(module, args, kwargs)`` as ``module``'s first forward pre-hook, ahead of FSDP2's
+    too: ``fully_shard`` prepends its own, so ``apply_fsdp`` moves these to the front again."""
+    handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+    setattr(module, FIRST_PRE_HOOKS, [*getattr(module, FIRST_PRE_HOOKS, []), (hook, handle)])
+
+
+def _keep_first_pre_hooks(model: nn.Module) -> None:
+    for module in model.modules():
+        hooks = getattr(module, FIRST_PRE_HOOKS, [])
+        for hook, handle in hooks:
+            handle.remove()
+        setattr(module, FIRST_PRE_HOOKS, [])
+        for hook, _ in reversed(hooks):
+            register_first_pre_hook(module, hook)
+
+
+def shared_submodules(units: list[nn.Module]) -> list[list[nn.Module]]:
+    """Groups of the outermost submodules of different units that hold the same parameters
+    (Zamba2's shared attention block: every hybrid layer has its own copy of the module, with the
+    parameters tied). FSDP2 refuses a parameter in two groups, so each group becomes one FSDP
+    unit of its own (``fully_shard([copy_a, copy_b])``), sharded before the units that hold it;
+    its gradient sums over the calls."""
+    units_of: dict[int, set[int]] = {}
+    for index, unit in enumerate(units):
+        for param in unit.parameters():
+            units_of.setdefault(id(param), set()).add(index)
+    groups: dict[frozenset, list[nn.Module]] = {}
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            params = frozenset(id(p) for p in child.parameters())
+            if params and all(len(units_of[p]) > 1 for p in params):
+                group = groups.setdefault(params, [])
+                if not any(m is child for m in group):
+                    group.append(child)
+            else:
+                walk(child)
+
+    for unit in units:
+        walk(unit)
+    return list(groups.values())
 
 
 def _mixed_precision(mixed_precision) -> MixedPrecisionPolicy:
@@ -110,9 +159,10 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, mixed_precision=None,
     if not units:
         warnings.warn(f"{type(model).__name__} has no model.layers / backbone.layers / layers / _fsdp_units; "
                       "sharding the root as one FSDP unit", Notice, stacklevel=2)
-    for unit in units:
+    for unit in [group if len(group) > 1 else group[0] for group in shared_submodules(units)] + units:
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    _keep_first_pre_hooks(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

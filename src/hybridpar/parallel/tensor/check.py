@@ -154,14 +154,18 @@ def _check_row_inputs(name: str, parent: nn.Module, parent_name: str, styles_by_
 
 def _stream_parents(model: nn.Module) -> set[str]:
     """Modules whose children read or write the residual stream: the root, the base model,
-    and every element of a module list (a decoder layer)."""
+    and every element of a module list (a decoder layer) that is not itself inside a decoder
+    layer (Zamba2's per-layer adapter lists are not layers)."""
     names = {""}
     base = getattr(model, "base_model", None)
+    layers: tuple[str, ...] = ()
     for name, module in model.named_modules():
         if module is base:
             names.add(name)
-        if isinstance(module, nn.ModuleList):
-            names.update(f"{name}.{child}" if name else child for child, _ in module.named_children())
+        if isinstance(module, nn.ModuleList) and not name.startswith(layers):
+            elements = [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+            names.update(elements)
+            layers += tuple(f"{element}." for element in elements)
     return names
 
 

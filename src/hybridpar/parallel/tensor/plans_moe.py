@@ -46,13 +46,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hybridpar.models.hf.mamba_mixers import MARK
 from hybridpar.parallel.comm.collectives import all_reduce
+from hybridpar.parallel.data.fsdp import register_first_pre_hook
 from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
 from hybridpar.parallel.tensor.hybrid import MambaHeadParallel, SplitConv1d, SplitInProj
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
 from hybridpar.parallel.tensor.plans_hf import register_hf_plan
-from hybridpar.parallel.tensor.registry import lookup_tp_plan
-from hybridpar.parallel.tensor.styles import AllReduceGrad, LocalReplicateParallel, SequenceParallelAllGatherActivation
+from hybridpar.parallel.tensor.styles import (AllReduceGrad, LocalReplicateParallel, RotaryEmbedParallel,
+                                             SequenceParallelAllGatherActivation, TokenwiseParallel)
 
 __all__ = ["mamba_tp_problem", "split_hf_mixer", "split_hf_mixers", "HFMambaHeadParallel", "hf_mamba_style", "moe_block_plan",
            "moe_decoder_plan", "mixtral_plan", "qwen3_moe_plan", "falcon_h1_plan", "bamba_plan", "nemotron_h_plan",
@@ -294,19 +295,80 @@ def granite_moe_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[s
     return plan
 
 
+class _WithoutEmbeddings(ParallelStyle):
+    """A Zamba2 Mamba layer is called with the embeddings it never reads (``original_hidden_states``);
+    under SP they are a DTensor, and FSDP2 hands an unused DTensor input a plain zero gradient in
+    backward, which then meets the hybrid layers' DTensor gradient ("mixed torch.Tensor and
+    DTensor"). Pass None instead, ahead of FSDP's pre-hook (``register_first_pre_hook``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def drop(mod, args, kwargs):
+            if len(args) > 1:
+                return (args[0], None, *args[2:]), kwargs
+            return args, {**kwargs, "original_hidden_states": None} if "original_hidden_states" in kwargs else kwargs
+
+        register_first_pre_hook(module, drop)
+        return module
+
+
+def _zamba2_block_plan(prefix: str, block: nn.Module, sp: bool, in_norm) -> dict[str, ParallelStyle]:
+    """Zamba2's shared attention block at ``prefix``: ``concat([h, embeddings]) -> norm -> attention
+    (q/k/v column-parallel, each plus its per-layer adapter ``Linear(2D, r) -> Linear(r, 2D)``: the
+    first replicated, the second column-parallel like q) -> o_proj row-parallel -> norm -> MLP``, whose
+    fused ``[gate | up]`` (plus its adapter, replicated) is gathered before the chunk (a plain weight
+    shard composes with FSDP) and ``down_proj`` reads its slice of it."""
+    reduce_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    attn, mlp = f"{prefix}.self_attn", f"{prefix}.feed_forward"
+    plan: dict[str, ParallelStyle] = {f"{prefix}.input_layernorm": in_norm(), f"{prefix}.pre_ff_layernorm": in_norm()}
+    plan.update({f"{attn}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
+    plan[f"{attn}.o_proj"] = RowwiseParallel(**reduce_out)
+    for name in ("linear_q_adapter_list", "linear_k_adapter_list", "linear_v_adapter_list"):
+        for index, adapter in enumerate(getattr(block.self_attn, name, None) or ()):
+            if isinstance(adapter, nn.Sequential):
+                plan[f"{attn}.{name}.{index}.0"] = LocalReplicateParallel()
+                plan[f"{attn}.{name}.{index}.1"] = ColwiseParallel()
+    plan[f"{mlp}.gate_up_proj"] = ColwiseParallel(output_layouts=Replicate())
+    for index, adapter in enumerate(block.feed_forward.gate_up_proj_adapter_list):
+        if isinstance(adapter, nn.Sequential):
+            plan[f"{mlp}.gate_up_proj_adapter_list.{index}"] = LocalReplicateParallel()
+    plan[f"{mlp}.down_proj"] = RowwiseParallel(input_layouts=Replicate(), **reduce_out)
+    return plan
+
+
 @register_hf_plan("zamba2", "Zamba2ForCausalLM")
 def zamba2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Zamba2: the generic plan (embeddings and head vocab-parallel; the shared attention block,
-    one set of weights every hybrid layer reuses, as that plan finds it), plus every Mamba2 mixer
-    on hybridpar's core by heads (its Mamba layers' and each hybrid layer's). Under SP the generic
-    plan's checks name what it cannot cover, as before."""
-    plan = dict(lookup_tp_plan("default").resolve()(model, sequence_parallel))
-    if sequence_parallel:
-        return plan
-    replicated = LocalReplicateParallel()
+    """Zamba2: embeddings and head vocab-parallel; every Mamba2 mixer (a Mamba layer's and each hybrid
+    layer's) by heads; the shared attention block by heads (``_zamba2_block_plan``; each hybrid layer
+    holds its own copy of the module with the parameters tied, which ``apply_tp`` re-ties after
+    sharding, and FSDP2 shards as one unit: ``data/fsdp.shared_submodules``); each hybrid layer's own
+    ``linear`` replicated. Under SP the residual stream (and the embeddings the blocks concatenate
+    to it) stays sequence-sharded: every norm before a TP region all-gathers, row-parallel outputs
+    reduce-scatter, and ``linear`` runs on the local tokens (its gradient summed over TP)."""
+    sp = sequence_parallel
+
+    def in_norm() -> ParallelStyle:
+        return SequenceParallelAllGatherActivation(use_local_output=False) if sp else LocalReplicateParallel()
+
+    plan: dict[str, ParallelStyle] = {"model.embed_tokens": embedding_style(sp), "lm_head": lm_head_style(sp),
+                                      "model.final_layernorm": SequenceParallel() if sp else LocalReplicateParallel()}
+    if sp and getattr(model.model, "rotary_emb", None) is not None:
+        plan["model.rotary_emb"] = RotaryEmbedParallel()
+    mamba_out = LocalReplicateParallel(output_layouts=Shard(1) if sp else None)
+    planned = set()
     for index, layer in enumerate(model.model.layers):
-        inner = getattr(layer, "mamba_decoder", layer)
-        if getattr(inner, "mamba", None) is not None and getattr(inner.mamba, MARK, False):
-            prefix = f"model.layers.{index}" + (".mamba_decoder" if inner is not layer else "")
-            plan[f"{prefix}.mamba"] = hf_mamba_style(inner.mamba, False, replicated)
+        path = f"model.layers.{index}"
+        decoder = getattr(layer, "mamba_decoder", layer)
+        decoder_path = path + (".mamba_decoder" if decoder is not layer else "")
+        plan[f"{decoder_path}.input_layernorm"] = in_norm()
+        if getattr(decoder.mamba, MARK, False):
+            plan[f"{decoder_path}.mamba"] = hf_mamba_style(decoder.mamba, sp, mamba_out)
+        block = getattr(layer, "shared_transformer", None)
+        if block is None:
+            if sp:
+                plan[path] = _WithoutEmbeddings()
+            continue
+        plan[f"{path}.linear"] = TokenwiseParallel() if sp else LocalReplicateParallel()
+        if id(block) not in planned:
+            planned.add(id(block))
+            plan.update(_zamba2_block_plan(f"{path}.shared_transformer", block, sp, in_norm))
     return plan

@@ -40,6 +40,7 @@ __all__ = [
     "RotaryEmbedParallel",
     "VocabParallelEmbedding",
     "LocalReplicateParallel",
+    "TokenwiseParallel",
     "repair_mask_partial",
     "replicated_local",
     "reduce_partial",
@@ -263,6 +264,40 @@ class LocalReplicateParallel(ParallelStyle):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(grad_allreduce={self.grad_allreduce}, "
                 f"output_layouts={self.output_layouts})")
+
+
+class TokenwiseParallel(LocalReplicateParallel):
+    """A per-token module (an ``nn.Linear``) on this rank's tokens of a sequence-sharded input:
+    ``[B, S/tp, D_in]`` (DTensor ``Shard(1)``) -> local compute with replicated parameters ->
+    ``[B, S/tp, D_out]`` as ``Shard(1)``. Each rank's parameter gradient covers its own tokens, so
+    it is summed over TP in backward. No all-gather, no repeated work (Zamba2's ``linear`` under SP).
+    """
+
+    def __init__(self):
+        super().__init__(grad_allreduce=True, output_layouts=Shard(1))
+
+    def _swap_in_local(self, mesh: DeviceMesh, mod, args, kwargs):
+        swap_in_local_params(mod, lambda local: AllReduceGrad.apply(local, mesh.get_group())
+                             if local.requires_grad else local)
+
+        def local(value):
+            if not isinstance(value, DTensor):
+                return value
+            if value.placements != (Shard(1),):
+                raise ValueError(f"{type(mod).__name__} under TokenwiseParallel needs a sequence-sharded input "
+                                 f"(Shard(1)), got {value.placements}")
+            return value.to_local()
+
+        return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
+
+    def _restore(self, mesh: DeviceMesh, mod, args, outputs):
+        restore_params(mod)
+        if isinstance(outputs, torch.Tensor):
+            return DTensor.from_local(outputs, mesh, [Shard(1)], run_check=False)
+        return outputs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
 def replicated_local(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
