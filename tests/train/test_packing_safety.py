@@ -8,6 +8,7 @@ model) pack several documents, say why that is safe, and take a float64 step (ea
 the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
 (and at tp=2, where its Mamba mixers are sharded by heads, the one B/C group replicated).
+A Zamba2 whose two hybrid layers reuse one attention block checks exact at tp=2 + SP and cp=2.
 The leak probe tells a leaking model from an exact one.
 """
 
@@ -38,6 +39,10 @@ def _models(hf) -> dict:
         "granite_moe": lambda: hf.GraniteMoeHybridForCausalLM(hf.GraniteMoeHybridConfig(
             num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_expand=1,
             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, **_M, **_C)),
+        "zamba2_shared": lambda: hf.Zamba2ForCausalLM(hf.Zamba2Config(
+            num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8,
+            n_mamba_heads=8, mamba_ngroups=2, chunk_size=8, num_mem_blocks=1, use_shared_attention_adapter=True,
+            adapter_rank=8, use_mem_rope=True, **{**_C, "num_key_value_heads": 4})),
         "nemotron_h_moe": lambda: hf.NemotronHForCausalLM(hf.NemotronHConfig(
             layers_block_type=["mamba", "attention", "moe"], head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
             ssm_state_size=8, n_groups=1, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
@@ -46,6 +51,7 @@ def _models(hf) -> dict:
 
 
 ONE_PER_ROW = ("qwen3_next", "lfm2", "falcon_mamba")
+PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +82,7 @@ def _trainers(rank, world_size, checkpoints, root):
         docs = [len(p["seq_lens"]) for p in trainer.train_data.pool]
         results[name] = {"one_per_row": trainer.one_per_row, "docs": docs, "out": out.getvalue(),
                          "type": type(trainer.model).__name__}
-        if name in ("granite_moe", "nemotron_h_moe"):
+        if name in PACKED:
             results[name]["loss"] = float(trainer.step_gradients(0))
     return results
 
@@ -90,7 +96,7 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         assert len(lines) == 1 and "one document per row" in lines[0] and "% of the token slots" in lines[0], lines
     assert "Qwen3NextGatedDeltaNet" in results["qwen3_next"]["out"]
     assert "Conv1d" in results["lfm2"]["out"] and "FalconMambaMixer" in results["falcon_mamba"]["out"]
-    for name in ("granite_moe", "nemotron_h_moe"):
+    for name in PACKED:
         result = results[name]
         assert not result["one_per_row"] and max(result["docs"]) > 1, (name, result["docs"])
         assert "packing: several documents per row; every token mixer resets" in result["out"], result["out"]
@@ -128,6 +134,19 @@ def test_granite_moe_at_cp2_trains_exports_reloads_and_checks_exact(checkpoints,
 
     _, info = AutoModelForCausalLM.from_pretrained(f"{tmp_path}/export", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+def test_zamba2_with_a_shared_block_checks_exact_at_tp2_with_sp_and_at_cp2(checkpoints, tmp_path):
+    """Two hybrid layers reusing one attention block (tied parameters: one FSDP unit, re-tied after
+    TP), per-layer adapters, RoPE: ``hybridpar check`` in float64 at tp=2 + SP and at cp=2."""
+    common = ["check", f"model.hf_path={checkpoints['zamba2_shared']}", "model.dtype=float64", "data.pack_size=128",
+              "data.packs_per_step=2", "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}",
+              "tensorboard=false", "plot=false"]
+    runs = [common + ["parallel.tp=2", "parallel.sequence_parallel=true", f"output_dir={tmp_path}/tp"],
+            common + ["parallel.cp=2", "parallel.cp_mamba=state", f"output_dir={tmp_path}/cp"]]
+    results = run_ranks(2, _cli_runs, runs, timeout_s=300)
+    for code, report in results[0]:
+        assert code == 0 and "check exact" in report and "several documents per row" in report, report[-3000:]
 
 
 def test_the_leak_probe_sees_a_leak_and_passes_our_cores():
