@@ -390,3 +390,13 @@ def test_smaller_cases_say_what_is_wrong_precisely(tmp_path):
     (tmp_path / "records.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match=r"has no string field 'text' \(keys: \['body'\]\)"):
         jsonl_documents(tmp_path / "records.jsonl")
+
+
+def test_resuming_a_run_already_at_train_steps_says_nothing_is_left(tmp_path):
+    """A checkpoint at step 2 and train.steps=1: no step runs, and a notice says why (it was silent)."""
+    run = ["train", "--config", DEFAULT, *TINY, "data.task_options={}", f"output_dir={tmp_path}"]
+    first = hybridpar(*run, "train.steps=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = hybridpar(*run, "train.steps=1")
+    assert again.returncode == 0 and "step     1 |" not in again.stdout, again.stdout[-2000:]
+    assert "the checkpoint is at step 2, and train.steps=1: nothing is left to train" in again.stderr, again.stderr[-2000:]

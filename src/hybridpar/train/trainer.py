@@ -371,6 +371,9 @@ class Trainer:
         if self.start_step < end:
             self.say(f"first step: training steps {self.start_step + 1}-{end} of {cfg.train.steps} "
                      "(the first one also warms up)")
+        elif self.start_step >= cfg.train.steps and self.rank == 0:
+            notice(f"the checkpoint is at step {self.start_step}, and train.steps={cfg.train.steps}: nothing is left "
+                   f"to train; raise train.steps to continue this run, or start fresh (checkpoint.resume=null)")
         for step in range(self.start_step, end):
             started = time.perf_counter()
             # CPU: live-tensor peak of one steady-state step (the second, or the only one)
