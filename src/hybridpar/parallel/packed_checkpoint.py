@@ -8,8 +8,8 @@ rank ``r`` of ``tp`` its slice of every part, ``_StridedShard(d, split_factor=k)
     local dim d (k m rows, m = N / (k tp)):  local rows [j m, (j+1) m) = global rows j N/k + r m + [0, m)
 
 DCP describes a rank's share of a DTensor as one box (offset and size per dim), which a strided
-shard is not: the save fails ("overlapping chunks"). ``packed_shards(state)`` replaces every
-such DTensor of a (nested) state dict by a ``PackedShards``: the same name and global shape, and
+shard is not: the save fails ("overlapping chunks"). Within ``with packed_shards(state):`` every
+such DTensor of a (nested) state dict is a ``PackedShards``: the same name and global shape, and
 this rank's ``k`` boxes, each a view of the local tensor. Saving writes them where one process
 would have its rows; loading copies into the views, so into the weights. A checkpoint of a packed
 weight is therefore the same at every tp, and resumes at any other. No communication, no copy.
@@ -21,9 +21,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard

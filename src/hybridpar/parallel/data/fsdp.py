@@ -2,7 +2,8 @@
 
 ``apply_fsdp`` makes every block (decoder layer / hybrid block) and the root an FSDP2 unit
 (submodules whose parameters several blocks share, Zamba2's shared attention block, one unit of
-their own first: ``shared_submodules``), sharded over ``dp_shard_cp`` (1-D) or HSDP ``(dp_replicate, dp_shard_cp)`` (2-D). FSDP's own
+their own first: ``shared_submodules``), sharded over ``dp_shard_cp`` (1-D) or HSDP
+``(dp_replicate, dp_shard_cp)`` (2-D). FSDP's own
 gradient division is off (divide factor 1, SUM reductions): the loss already divides by the
 global token count, and ``ReduceOp.AVG`` on gloo is silently wrong (pytorch#162338).
 
