@@ -8,7 +8,8 @@ One row of two packed documents (12 and 20 tokens; the trainer packs rows of one
 head under TP fails in DTensor on an empty [B > 1, 0, D] input). One 4-rank group runs tp=2 with
 FSDP over dp=2 (the same tokens on both dp ranks), tp=2 with sequence parallelism, and cp=2 x tp=2
 (FSDP over cp), for Granite 4.0-H MoE, Falcon-H1, NemotronH MoE, Bamba and Zamba2 (its shared attention block
-sharded by heads; also two hybrid layers reusing one block with per-layer attention adapters and RoPE), and Granite MoE and
+sharded by heads; also two hybrid layers reusing one block with per-layer attention adapters and RoPE), Granite
+dense (NoPE), Falcon-H1 with the plain ``y * silu(z)`` gate and dense NemotronH as transformers models, and Granite MoE and
 Falcon-H1 with one B/C group (as their released checkpoints: B/C replicated, the gated norm's sum
 of squares all-reduced): the loss and every parameter gradient (fused back to transformers' names,
 ``canonical_state_dict``) equal the one-process model's to 1e-9. The same group checks the
@@ -24,7 +25,7 @@ from tests.distributed.harness import run_ranks
 TOL = 1e-9
 DOCS = [0, 12, 32]
 MODELS = ("falcon_h1", "nemotron_h_moe", "granite_moe", "granite_moe_g1", "falcon_h1_g1", "bamba", "zamba2",
-          "zamba2_shared")
+          "zamba2_shared", "granite", "falcon_h1_gate", "nemotron_h")  # the last three: dense, the plain gate
 LAYOUTS = (("tp2_sp", dict(dp_shard=2, tp=2), True), ("tp2", dict(dp_shard=2, tp=2), False),
            ("cp2_tp2", dict(cp=2, tp=2), False))
 
