@@ -9,6 +9,8 @@ the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
 (and at tp=2, where its Mamba mixers are sharded by heads, the one B/C group replicated).
 A Zamba2 whose two hybrid layers reuse one attention block checks exact at tp=2 + SP and cp=2.
+Training checkpoints resume at another layout (Granite MoE tp=2 <-> one process; the Zamba2
+cp=2 -> tp=2 + SP and one process) with the losses of an uninterrupted run.
 The leak probe tells a leaking model from an exact one.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 
 import pytest
 import torch
@@ -178,16 +181,28 @@ def _steps(rank, world_size, path, directory, layout, stop_after=None, every=2):
     return [r["loss"] for r in history] if rank == 0 else None
 
 
-def test_a_transformers_hybrid_resumes_at_another_tensor_parallel_degree(checkpoints, tmp_path):
-    """Its Mamba mixers are stored per component at every layout, so a DCP checkpoint written at
-    tp=2 resumes on one process and one written on one process resumes at tp=2: steps 3-4 equal
-    4 uninterrupted steps at tp=2 (float64)."""
-    path, tp2 = checkpoints["granite_moe"], ["parallel.tp=2", "parallel.sequence_parallel=true"]
-    reference = run_ranks(2, _steps, path, str(tmp_path / "straight"), tp2, None, -1, timeout_s=300)[0]
-    from_tp2 = run_ranks(2, _steps, path, str(tmp_path / "tp2_then_one"), tp2, 2, timeout_s=300)[0]
-    from_tp2 += run_ranks(1, _steps, path, str(tmp_path / "tp2_then_one"), [], timeout_s=300)[0]
-    from_one = run_ranks(1, _steps, path, str(tmp_path / "one_then_tp2"), [], 2, timeout_s=300)[0]
-    from_one += run_ranks(2, _steps, path, str(tmp_path / "one_then_tp2"), tp2, timeout_s=300)[0]
-    assert len(reference) == 4
-    torch.testing.assert_close(torch.tensor(from_tp2), torch.tensor(reference), rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(torch.tensor(from_one), torch.tensor(reference), rtol=1e-10, atol=1e-10)
+TP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+CP2 = ["parallel.cp=2", "parallel.cp_mamba=state"]
+
+
+def _ranks(layout: list[str]) -> int:
+    return 2 if layout else 1  # every layout here is one degree of 2, or one process
+
+
+@pytest.mark.parametrize("name, first, then", [("granite_moe", TP2, ([],)), ("granite_moe", [], (TP2,)),
+                                               ("zamba2_shared", CP2, (TP2, []))])
+def test_a_transformers_hybrid_resumes_at_another_layout(checkpoints, tmp_path, name, first, then):
+    """Mamba mixers are stored per component at every layout and packed expert weights as one
+    process holds them, so a DCP checkpoint resumes at another layout: Granite MoE written at tp=2
+    resumes on one process and the other way; a Zamba2 with a shared block (one FSDP unit at cp=2)
+    written at cp=2 resumes at tp=2 + SP and on one process. Steps 3-4 equal an uninterrupted run
+    (float64)."""
+    path = checkpoints[name]
+    reference = run_ranks(_ranks(first), _steps, path, str(tmp_path / "straight"), first, None, -1, timeout_s=300)[0]
+    head = run_ranks(_ranks(first), _steps, path, str(tmp_path / "first"), first, 2, timeout_s=300)[0]
+    for index, layout in enumerate(then):
+        directory = tmp_path / f"resumed{index}"
+        shutil.copytree(tmp_path / "first", directory)
+        resumed = head + run_ranks(_ranks(layout), _steps, path, str(directory), layout, timeout_s=300)[0]
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference), rtol=1e-10, atol=1e-10,
+                                   msg=f"{name}: {first} -> {layout}")
