@@ -44,6 +44,12 @@ def lora_model(name: str, dropout: float = 0.0):
     """A float64 model with adapters whose B is perturbed (seeded: every process builds the same)."""
     if name == "hybrid":
         model = build_hybrid()
+    elif name == "zamba2_shared":  # two hybrid layers on one shared block: tied copies, one FSDP unit
+        from hybridpar.models.hf.mamba_mixers import install_mamba_core
+        from tests.models.hf.hybrid_models import build_hybrid as build_hf_hybrid
+
+        model = build_hf_hybrid(name)
+        install_mamba_core(model)
     else:
         from hybridpar.models.hf.float64 import keep_float64
         from hybridpar.models.hf.mamba_mixers import install_mamba_core
@@ -62,7 +68,7 @@ def lora_model(name: str, dropout: float = 0.0):
 
 
 def batches_for(name: str, dp: int) -> list:
-    vocab = 64 if name == "hybrid" else 127
+    vocab = {"hybrid": 64, "zamba2_shared": 97}.get(name, 127)
     return [make_batch("packed" if name == "hybrid" else "dense", seed=30 + d, vocab=vocab) for d in range(dp)]
 
 
@@ -118,13 +124,13 @@ def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh, dropout: f
             "reduce_scatter": (stats.bytes_sent.get("reduce_scatter", 0), trainable if dims.tp == 1 else None)}
 
 
-def lora_worker(rank: int, world_size: int, layouts: dict, dropout: float = 0.0) -> dict:
+def lora_worker(rank: int, world_size: int, layouts: dict, dropout: float = 0.0, models=MODELS) -> dict:
     from hybridpar.parallel.dims import ParallelDims
 
     results = {}
     for layout, (dims_kwargs, options) in layouts.items():
         mesh = ParallelDims(**dims_kwargs).build_mesh()
-        for name in MODELS:
+        for name in models:
             if "compile" in options and name != "hybrid":
                 continue
             results[(layout, name)] = _parallel_case(name, dims_kwargs, options, mesh, dropout)
@@ -175,6 +181,14 @@ def test_lora_dropout_under_tp_draws_the_single_process_masks():
 @pytest.mark.timeout(600)
 def test_lora_cp2_tp2_matches_one_process():
     _check(run_ranks(4, lora_worker, LAYOUTS_4, timeout_s=500), LAYOUTS_4)
+
+
+def test_lora_on_zamba2_with_a_shared_block_matches_one_process():
+    """Adapters on each hybrid layer's copy of the shared block are its own; the copies' tied base
+    weights form one FSDP unit with them (cp=2), and under tp=2 + SP the copies are sharded and
+    re-tied: the loss and every adapter gradient equal one process's."""
+    layouts = {"cp2-ac": LAYOUTS_2["cp2-ac"], "tp2-sp": LAYOUTS_2["tp2-sp"]}
+    _check(run_ranks(2, lora_worker, layouts, 0.0, ("zamba2_shared",), timeout_s=300), layouts)
 
 
 def test_bad_lora_input_is_refused_before_parallelizing():

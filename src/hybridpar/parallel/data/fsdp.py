@@ -83,30 +83,28 @@ def _keep_first_pre_hooks(model: nn.Module) -> None:
 
 
 def shared_submodules(units: list[nn.Module]) -> list[list[nn.Module]]:
-    """Groups of the outermost submodules of different units that hold the same parameters
-    (Zamba2's shared attention block: every hybrid layer has its own copy of the module, with the
-    parameters tied). FSDP2 refuses a parameter in two groups, so each group becomes one FSDP
-    unit of its own (``fully_shard([copy_a, copy_b])``), sharded before the units that hold it;
-    its gradient sums over the calls."""
+    """Groups of the outermost submodules of different units that hold the same shared parameters
+    (Zamba2's shared attention block: every hybrid layer has its own copy of the module with the
+    parameters tied; LoRA adapters on a copy are its own). FSDP2 refuses a parameter in two groups,
+    so each group becomes one FSDP unit of its own (``fully_shard([copy_a, copy_b])``), sharded
+    before the units that hold it; a shared parameter's gradient sums over the copies."""
     units_of: dict[int, set[int]] = {}
     for index, unit in enumerate(units):
         for param in unit.parameters():
             units_of.setdefault(id(param), set()).add(index)
-    groups: dict[frozenset, list[nn.Module]] = {}
 
-    def walk(module: nn.Module) -> None:
-        for child in module.children():
-            params = frozenset(id(p) for p in child.parameters())
-            if params and all(len(units_of[p]) > 1 for p in params):
-                group = groups.setdefault(params, [])
-                if not any(m is child for m in group):
-                    group.append(child)
-            else:
-                walk(child)
+    def collect(modules: list[nn.Module]) -> list[list[nn.Module]]:
+        groups: dict[frozenset, list[nn.Module]] = {}
+        for module in modules:
+            for child in module.children():
+                shared = frozenset(id(p) for p in child.parameters() if len(units_of[id(p)]) > 1)
+                if shared and not any(m is child for m in groups.get(shared, ())):
+                    groups.setdefault(shared, []).append(child)
+        found = [group for group in groups.values() if len(group) > 1]
+        cut_differently = [group[0] for group in groups.values() if len(group) == 1]  # pair them a level down
+        return found + (collect(cut_differently) if cut_differently else [])
 
-    for unit in units:
-        walk(unit)
-    return list(groups.values())
+    return collect(units)
 
 
 def _mixed_precision(mixed_precision) -> MixedPrecisionPolicy:
