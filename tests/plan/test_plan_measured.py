@@ -2,7 +2,7 @@
 
 The issue's must-hold cases: cp=2, tp=2 and cp=2 x tp=2 at 4096 and 16384 tokens per pack,
 tp=2 with sequence parallelism at 4096 under full and selective checkpointing, and bf16 mixed
-precision with and without FSDP (the other layouts,
+precision with and without FSDP, and tp=2 + SP with one Mamba B/C group (the other layouts,
 the mid-size model and the policies under CP run in ``benchmarks/planner.py``). ``Trainer.fit`` trains two steps and reports the live-tensor peak of
 the second in ``metrics.jsonl``; a third step runs under ``CommStats``; one pack's forward is
 measured for what it keeps for backward (``plan/validate.py``). Held: parameters per rank exact,
@@ -30,6 +30,8 @@ CASES = {  # name -> (world size, overrides, pack sizes)
     # copies), and FSDP's policy (bf16 gathers, float32 gradient reductions)
     "tp2_bf16": (2, ["parallel.cp=1", "parallel.tp=2", "parallel.mixed_precision=bf16"], (4096,)),
     "cp2_tp2_sp_bf16": (4, SP + ["parallel.mixed_precision=bf16"], (4096,)),
+    # one B/C group (Mamba2, Bamba): B/C replicated, their gradients and the gated norm's sums all-reduced
+    "tp2_sp_one_group": (2, TP_SP + ["model.overrides={mamba_n_groups: 1}"], (4096,)),
 }
 ALL = [(name, length) for name, (_, _, lengths) in CASES.items() for length in lengths]
 

@@ -8,7 +8,8 @@ model) pack several documents, say why that is safe, and take a float64 step (ea
 the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
 (and at tp=2, where its Mamba mixers are sharded by heads, the one B/C group replicated).
-A Zamba2 whose two hybrid layers reuse one attention block checks exact at tp=2 + SP and cp=2.
+``hybridpar check`` is exact in float64 for a Zamba2 whose two hybrid layers reuse one attention block
+(tp=2 + SP, cp=2), Falcon-H1 (cp=2) and Bamba (tp=2 + SP).
 Training checkpoints resume at another layout (Granite MoE tp=2 <-> one process; the Zamba2
 cp=2 -> tp=2 + SP and one process) with the losses of an uninterrupted run.
 The leak probe tells a leaking model from an exact one.
@@ -42,6 +43,11 @@ def _models(hf) -> dict:
         "granite_moe": lambda: hf.GraniteMoeHybridForCausalLM(hf.GraniteMoeHybridConfig(
             num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_expand=1,
             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, **_M, **_C)),
+        "falcon_h1": lambda: hf.FalconH1ForCausalLM(hf.FalconH1Config(
+            num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_rms_norm=True,
+            mamba_norm_before_gate=True, key_multiplier=0.5, **_M, **_C)),
+        "bamba": lambda: hf.BambaForCausalLM(hf.BambaConfig(
+            num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, **_M, **_C)),
         "zamba2_shared": lambda: hf.Zamba2ForCausalLM(hf.Zamba2Config(
             num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8,
             n_mamba_heads=8, mamba_ngroups=2, chunk_size=8, num_mem_blocks=1, use_shared_attention_adapter=True,
@@ -139,14 +145,22 @@ def test_granite_moe_at_cp2_trains_exports_reloads_and_checks_exact(checkpoints,
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
-def test_zamba2_with_a_shared_block_checks_exact_at_tp2_with_sp_and_at_cp2(checkpoints, tmp_path):
-    """Two hybrid layers reusing one attention block (tied parameters: one FSDP unit, re-tied after
-    TP), per-layer adapters, RoPE: ``hybridpar check`` in float64 at tp=2 + SP and at cp=2."""
-    common = ["check", f"model.hf_path={checkpoints['zamba2_shared']}", "model.dtype=float64", "data.pack_size=128",
+CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here (Granite MoE: above)
+    # two hybrid layers reusing one attention block (tied parameters: one FSDP unit, re-tied after TP),
+    # per-layer adapters, RoPE
+    "zamba2_shared": (["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2", "parallel.cp_mamba=state"]),
+    "falcon_h1": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],),
+    "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKED))
+def test_transformers_hybrids_check_exact_in_float64(checkpoints, tmp_path, name):
+    """``hybridpar check`` in float64 on packed rows: exact at each layout of ``CHECKED``."""
+    common = ["check", f"model.hf_path={checkpoints[name]}", "model.dtype=float64", "data.pack_size=128",
               "data.packs_per_step=2", "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}",
               "tensorboard=false", "plot=false"]
-    runs = [common + ["parallel.tp=2", "parallel.sequence_parallel=true", f"output_dir={tmp_path}/tp"],
-            common + ["parallel.cp=2", "parallel.cp_mamba=state", f"output_dir={tmp_path}/cp"]]
+    runs = [common + layout + [f"output_dir={tmp_path}/{index}"] for index, layout in enumerate(CHECKED[name])]
     results = run_ranks(2, _cli_runs, runs, timeout_s=300)
     for code, report in results[0]:
         assert code == 0 and "check exact" in report and "several documents per row" in report, report[-3000:]

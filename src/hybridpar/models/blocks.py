@@ -38,8 +38,9 @@ class GatedRMSNorm(nn.Module):
     """Mamba2's norm: ``rmsnorm(y * silu(z))`` over groups of ``group_size`` channels.
 
     Grouping by ``d_inner / n_groups`` keeps each group inside one tensor-parallel shard,
-    so sharding the mixer by heads needs no extra all-reduce. Same math and parameter
-    name as transformers' ``MambaRMSNormGated``.
+    so sharding the mixer by heads needs no extra all-reduce, unless a single group spans the
+    shards (``gated_rms_norm``'s ``span``, set up by ``parallel/tensor/hybrid.spanning_group_norm``).
+    Same math and parameter name as transformers' ``MambaRMSNormGated``.
     """
 
     def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-5):
@@ -49,7 +50,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states: Tensor, gate: Tensor) -> Tensor:
-        return _RMSNormFunction.apply(hidden_states, gate, self.weight, self.group_size, self.eps)
+        return gated_rms_norm(hidden_states, gate, self.weight, self.group_size, self.eps)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -60,15 +61,23 @@ class _RMSNormFunction(torch.autograd.Function):
     output) and ``rstd`` ``[..., groups]``; the backward recomputes ``u``. Gradients, with
     ``g = weight * dy`` and ``n = u * rstd``: ``du = rstd (g - n mean_group(g n))``,
     ``dx = du * silu(gate)``, ``dgate = du * x * silu'(gate)``, ``dweight = sum(dy * n)``.
+
+    ``span = (sum_over_ranks, width)``: one group of ``width`` channels of which this process holds
+    ``group_size`` (a tensor-parallel shard); both group means sum their ``[..., 1]`` partial sums
+    with ``sum_over_ranks`` (an all-reduce the caller supplies) and divide by ``width``.
     """
 
     @staticmethod
-    def forward(ctx, x, gate, weight, group_size, eps):
+    def forward(ctx, x, gate, weight, group_size, eps, span=None):
         u, _ = _gated(x, gate)
-        rstd = torch.rsqrt(u.unflatten(-1, (-1, group_size)).pow(2).mean(-1) + eps)  # [..., groups]
+        grouped = u.unflatten(-1, (-1, group_size))
+        if span is None:
+            rstd = torch.rsqrt(grouped.pow(2).mean(-1) + eps)  # [..., groups]
+        else:
+            rstd = torch.rsqrt(span[0](grouped.pow(2).sum(-1)) / span[1] + eps)  # [..., 1], summed over ranks
         ctx.save_for_backward(x, gate, weight, rstd)
-        ctx.group_size = group_size
-        normed = (u.unflatten(-1, (-1, group_size)) * rstd[..., None]).flatten(-2)
+        ctx.group_size, ctx.span = group_size, span
+        normed = (grouped * rstd[..., None]).flatten(-2)
         return weight * normed.to(x.dtype)
 
     @staticmethod
@@ -79,12 +88,21 @@ class _RMSNormFunction(torch.autograd.Function):
         normed = u.unflatten(-1, grouped) * rstd[..., None]  # [..., groups, group_size]
         grad_weight = (grad_out * normed.flatten(-2).to(x.dtype)).sum(tuple(range(grad_out.dim() - 1)))
         g = (grad_out * weight).to(u.dtype).unflatten(-1, grouped)
-        du = (rstd[..., None] * (g - normed * (g * normed).mean(-1, keepdim=True))).flatten(-2)
+        if ctx.span is None:
+            mean_gn = (g * normed).mean(-1, keepdim=True)
+        else:
+            mean_gn = ctx.span[0]((g * normed).sum(-1, keepdim=True)) / ctx.span[1]
+        du = (rstd[..., None] * (g - normed * mean_gn)).flatten(-2)
         if gate is None:
-            return du.to(x.dtype), None, grad_weight, None, None
+            return du.to(x.dtype), None, grad_weight, None, None, None
         sig = torch.sigmoid(gate.to(u.dtype))
         grad_gate = du * x.to(u.dtype) * sig * (1 + gate.to(u.dtype) * (1 - sig))
-        return (du * silu_gate).to(x.dtype), grad_gate.to(gate.dtype), grad_weight, None, None
+        return (du * silu_gate).to(x.dtype), grad_gate.to(gate.dtype), grad_weight, None, None, None
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, group_size: int, eps: float, span=None) -> Tensor:
+    """``_RMSNormFunction`` (saves only its inputs and ``rstd``); ``span``: see there."""
+    return _RMSNormFunction.apply(x, gate, weight, group_size, eps, span)
 
 
 def _gated(x: Tensor, gate: Tensor | None) -> tuple[Tensor, Tensor | None]:

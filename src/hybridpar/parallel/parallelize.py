@@ -32,7 +32,7 @@ from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba.fused_op import fla_scan
-from hybridpar.models.mamba.mixer import Mamba2Mixer
+from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context import mamba as mamba_cp
@@ -80,7 +80,7 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
     for name, module in model.named_modules():
         try:
             if isinstance(module, Mamba2Mixer):
-                mamba_core.validate(module.num_heads // tp, module.n_groups // tp)
+                mamba_core.validate(module.num_heads // tp, tp_groups(module.n_groups, tp))
             elif isinstance(module, Attention):
                 attention_core.validate_heads(module.num_heads // tp, module.num_kv_heads // tp)
         except ValueError as error:

@@ -33,6 +33,7 @@ made: ``2 * (linear weights of the block)`` more per block that is not checkpoin
 
 from __future__ import annotations
 
+from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.plan.layout import Layout
 
 __all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "lora_saved_bytes"]
@@ -43,7 +44,7 @@ BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp"}
 def _widths(layout: Layout) -> dict:
     c, tp = layout.model, layout.tp
     d_inner = c.mamba_num_heads * c.mamba_head_dim // tp
-    groups, heads = c.mamba_n_groups // tp, c.mamba_num_heads // tp
+    groups, heads = tp_groups(c.mamba_n_groups, tp), c.mamba_num_heads // tp
     groups_sent = groups * max(1, layout.cp // groups) if layout.cp > 1 else groups
     return dict(
         d=c.hidden_size, d_inner=d_inner, groups=groups, heads=heads,

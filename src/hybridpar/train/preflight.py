@@ -144,7 +144,7 @@ def meta_model(shape):
 def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> None:
     """The CP strategies' own head/group rules, for the heads each TP rank will hold at ``dims.cp``."""
     from hybridpar.models.attention.mixer import Attention
-    from hybridpar.models.mamba.mixer import Mamba2Mixer
+    from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
     from hybridpar.parallel.context import attention as cp_attention, mamba as cp_mamba
 
     attention_core, mamba_core = cp_attention.STRATEGIES[attention](None), cp_mamba.STRATEGIES[mamba](None)
@@ -152,7 +152,7 @@ def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> No
     for name, module in model.named_modules():
         try:
             if isinstance(module, Mamba2Mixer):
-                mamba_core.validate(module.num_heads // dims.tp, module.n_groups // dims.tp)
+                mamba_core.validate(module.num_heads // dims.tp, tp_groups(module.n_groups, dims.tp))
             elif isinstance(module, Attention):
                 attention_core.validate_heads(module.num_heads // dims.tp, module.num_kv_heads // dims.tp)
         except ValueError as error:
@@ -242,7 +242,7 @@ def export_target_problem(target: str | Path, source: str | None) -> str | None:
     """Why ``target`` cannot receive an export without destroying something, or None."""
     target = Path(target)
     if source and target.resolve() == Path(source).resolve():
-        return f"it is model.hf_path, the checkpoint being fine-tuned; exporting there would overwrite the original"
+        return "it is model.hf_path, the checkpoint being fine-tuned; exporting there would overwrite the original"
     if target.is_file():
         return "it is a file"
     if target.is_dir() and any(target.iterdir()):

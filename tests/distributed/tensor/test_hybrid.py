@@ -13,6 +13,8 @@ One 2-rank group checks:
 - ``parameter_layouts`` classifies every Mamba mixer parameter under TP with the right dim
   (in_proj components, conv1d components, A_log, dt_bias, D and the gated norm weight on dim
   0, out_proj on dim 1, its bias replicated) and the block norms and ``norm_f`` as replicated;
+- one B/C group (``mamba_n_groups=1``, as Mamba2 and Bamba checkpoints): B and C replicated, the
+  gated norm's sum of squares all-reduced; the same parity with and without SP;
 - ``ValueError``s, raised before anything is changed: Mamba heads or groups, attention heads
   not divisible by tp, degrees that do not multiply to the world size, a mesh that does not
   match the dims, an unknown plan name or strategy, context parallelism on a non-HybridLM,
@@ -38,6 +40,8 @@ TIED = dict(vocab_size=61, tie_word_embeddings=True)
 # name -> (build_model overrides, batch kind, sequence parallel)
 CASES = {f"tp2 {kind}{' sp' if sp else ''}": ({}, kind, sp) for kind in KINDS for sp in (False, True)}
 CASES["tp2 tied odd-vocab sp packed"] = (TIED, "packed", True)
+# one B/C group (Mamba2 and Bamba checkpoints): B/C replicated, the gated norm's sum of squares all-reduced
+CASES.update({f"tp2 one-group{' sp' if sp else ''} packed": (dict(mamba_n_groups=1), "packed", sp) for sp in (False, True)})
 
 
 def batches_for(overrides: dict, kind: str) -> list:
@@ -94,7 +98,7 @@ def error_checks(mesh) -> dict:
     out = {}
     cases = {
         "mamba heads": (dict(mamba_num_heads=3, mamba_n_groups=1), tp2, {}),
-        "mamba groups": (dict(mamba_num_heads=4, mamba_n_groups=1), tp2, {}),
+        "mamba groups": (dict(mamba_num_heads=6, mamba_n_groups=3), tp2, {}),
         "attention heads": (dict(num_attention_heads=3, num_key_value_heads=1), tp2, {}),
         "world size": ({}, ParallelDims(tp=4), {}),
         "mesh mismatch": ({}, ParallelDims(cp=2), {"mesh": mesh}),
@@ -221,7 +225,7 @@ def test_parameter_layouts_shard_every_mamba_parameter(tp_results, key):
 
 EXPECTED_ERRORS = {
     "mamba heads": ["mamba_num_heads=3", "tp=2"],
-    "mamba groups": ["mamba_n_groups=1", "tp=2"],
+    "mamba groups": ["mamba_n_groups=3", "tp=2", "a single group is replicated"],
     "attention heads": ["num_attention_heads=3", "tp=2"],
     "world size": ["world size is 2"],
     "mesh mismatch": ["mesh has dims", "build_mesh"],

@@ -70,5 +70,18 @@ def test_heads_not_divisible_by_groups_is_rejected():
 
 def test_projection_width_that_is_not_a_shard_is_rejected():
     mixer = tiny_mixer()
-    with pytest.raises(ValueError, match="not a whole shard"):
+    with pytest.raises(ValueError, match="not the mixer's or one TP rank's share"):
         mixer.split_sizes(mixer.in_proj.out_features - 1)
+
+
+def test_split_sizes_of_a_tp_shard_with_split_or_replicated_groups():
+    """A TP rank holds H/tp heads and G/tp groups, or the single group whole (tp_groups)."""
+    from hybridpar.models.mamba.mixer import tp_groups
+
+    assert (tp_groups(4, 2), tp_groups(1, 4), tp_groups(3, 2)) == (2, 1, 0)
+    for groups in (2, 1):
+        mixer = Mamba2Mixer(hidden_size=32, num_heads=8, head_dim=8, n_groups=groups, state_size=16)
+        d_half, state = mixer.intermediate_size // 2, mixer.ssm_state_size
+        local_groups = tp_groups(groups, 2)
+        width = 2 * d_half + 2 * local_groups * state + 4
+        assert mixer.split_sizes(width) == (d_half, d_half + 2 * local_groups * state, 4), groups

@@ -33,6 +33,14 @@ def local_conv_scan(mixer: "Mamba2Mixer", xBC: Tensor, dt: Tensor, packed=None) 
     )
 
 
+def tp_groups(n_groups: int, tp: int) -> int:
+    """B/C groups one of ``tp`` ranks holds when the mixer is sharded by heads: ``n_groups / tp``,
+    or the single group whole on every rank (0: this ``tp`` cannot shard the groups)."""
+    if n_groups % tp == 0:
+        return n_groups // tp
+    return n_groups if n_groups == 1 else 0
+
+
 class Mamba2Mixer(nn.Module):
     """Mamba2 token mixer (SSD), parameter-compatible with transformers' ``Mamba2Mixer``."""
 
@@ -94,17 +102,19 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def split_sizes(self, projection_width: int) -> tuple[int, int, int]:
-        """Widths of ``(z, xBC, dt)`` in an ``in_proj`` output of this width (full or a TP shard)."""
-        full_width = 2 * self.intermediate_size + 2 * self.n_groups * self.ssm_state_size + self.num_heads
-        shards, remainder = divmod(full_width, projection_width)
-        if remainder or self.num_heads % shards or self.n_groups % shards:
-            raise ValueError(
-                f"in_proj output width {projection_width} is not a whole shard of {full_width} "
-                f"(heads {self.num_heads}, groups {self.n_groups}); shard the mixer by heads and groups."
-            )
-        heads, groups = self.num_heads // shards, self.n_groups // shards
-        d_inner = heads * self.head_dim
-        return d_inner, d_inner + 2 * groups * self.ssm_state_size, heads
+        """Widths of ``(z, xBC, dt)`` in an ``in_proj`` output of this width: the full mixer or one
+        TP rank's heads, with its share of the B/C groups (``tp_groups``: a single group whole)."""
+        for shards in range(1, self.num_heads + 1):
+            if self.num_heads % shards:
+                continue
+            heads, groups = self.num_heads // shards, tp_groups(self.n_groups, shards)
+            d_inner = heads * self.head_dim
+            if groups and 2 * d_inner + 2 * groups * self.ssm_state_size + heads == projection_width:
+                return d_inner, d_inner + 2 * groups * self.ssm_state_size, heads
+        raise ValueError(
+            f"in_proj output width {projection_width} is not the mixer's or one TP rank's share of it (heads "
+            f"{self.num_heads}, groups {self.n_groups}); shard the mixer by heads and groups."
+        )
 
     def forward(self, hidden_states: Tensor, packed=None) -> Tensor:
         projected = self.in_proj(hidden_states)  # [B, L, 2*d_inner + 2*G*N + H]

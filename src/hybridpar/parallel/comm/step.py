@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.context.attention import attention_cp_bytes_per_layer, ulysses_kv_heads
+from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.parallel.context.mamba import a2a_bytes_per_layer
 from hybridpar.parallel.context.mamba_state import state_bytes_per_layer
 from hybridpar.parallel.dims import ParallelDims
@@ -157,14 +158,19 @@ def _unit_parameters(kind: type, shape: tuple, tp: int, sp: bool) -> dict[str, l
             d_inner, heads = config.mamba_intermediate_size, config.mamba_num_heads
             gn = config.mamba_n_groups * config.ssm_state_size
             parts = dict(z=d_inner, x=d_inner, B=gn, C=gn, dt=heads)
-            params += [ParamShape(f"{m}.in_proj.weight_{c}", (n // tp, d), tp > 1) for c, n in parts.items()]
+            shared = _shared_groups(config.mamba_n_groups, tp)  # one group: B/C rows whole on every rank
+
+            def split(c):  # (divisor, sharded) of component c
+                return (1, False) if shared and c in "BC" else (tp, tp > 1)
+
+            params += [ParamShape(f"{m}.in_proj.weight_{c}", (n // split(c)[0], d), split(c)[1]) for c, n in parts.items()]
             if config.mamba_proj_bias:
-                params += [ParamShape(f"{m}.in_proj.bias_{c}", (n // tp,), tp > 1) for c, n in parts.items()]
+                params += [ParamShape(f"{m}.in_proj.bias_{c}", (n // split(c)[0],), split(c)[1]) for c, n in parts.items()]
             conv = dict(x=d_inner, B=gn, C=gn)
-            params += [ParamShape(f"{m}.conv1d.weight_{c}", (n // tp, 1, config.conv_kernel), tp > 1)
+            params += [ParamShape(f"{m}.conv1d.weight_{c}", (n // split(c)[0], 1, config.conv_kernel), split(c)[1])
                        for c, n in conv.items()]
             if config.use_conv_bias:
-                params += [ParamShape(f"{m}.conv1d.bias_{c}", (n // tp,), tp > 1) for c, n in conv.items()]
+                params += [ParamShape(f"{m}.conv1d.bias_{c}", (n // split(c)[0],), split(c)[1]) for c, n in conv.items()]
             params += [ParamShape(f"{m}.{p}", (heads // tp,), tp > 1) for p in ("dt_bias", "A_log", "D")]
             params += [ParamShape(f"{m}.norm.weight", (d_inner // tp,), tp > 1)]
             params += row(f"{m}.out_proj", d, d_inner, config.mamba_proj_bias)
@@ -242,6 +248,29 @@ def tp_head(s: StepShape) -> Tally:
     return out
 
 
+def _shared_groups(n_groups: int, tp: int) -> bool:
+    """One B/C group under tp > 1: replicated on every rank (``tensor/hybrid.replicate_shared_groups``)."""
+    return tp > 1 and n_groups % tp != 0
+
+
+def tp_shared_groups(s: StepShape) -> Tally:
+    """One B/C group under TP: per Mamba layer and pack, the gated norm all-reduces its sum of
+    squares [Tc, 1] (forward, and its gradient in backward; at least float32), and each replicated
+    B/C parameter's gradient is all-reduced (backward)."""
+    out, cfg, tp = Tally(), s.model, s.dims.tp
+    if not _shared_groups(cfg.mamba_n_groups, tp):
+        return out
+    label, tokens, layers = dim_label(s.dims, ("tp",)), s.pack_size // s.dims.cp, cfg.pattern.count("M")
+    out.add("all_reduce", label, _ring("all_reduce", tp, tokens * max(s.element_size, 4)), 2 * layers * s.packs_per_rank)
+    unit = unit_parameters(cfg, tp, s.sequence_parallel)
+    for prefix, params in unit.items():
+        for p in params:
+            if p.name.endswith(("_B", "_C")) and not p.tp_sharded:
+                out.add("all_reduce", label, _ring("all_reduce", tp, math.prod(p.shape) * s.element_size),
+                        s.packs_per_rank)
+    return out
+
+
 def tp_norm_grads(s: StepShape) -> Tally:
     out = Tally()
     if s.sp:
@@ -277,7 +306,7 @@ def cp_mamba(s: StepShape) -> Tally:
     if cp == 1:
         return out
     layers, label = s.model.pattern.count("M"), dim_label(s.dims, ("cp",))
-    d_inner, heads, groups = cfg.mamba_intermediate_size // tp, cfg.mamba_num_heads // tp, cfg.mamba_n_groups // tp
+    d_inner, heads, groups = cfg.mamba_intermediate_size // tp, cfg.mamba_num_heads // tp, tp_groups(cfg.mamba_n_groups, tp)
     state = cfg.ssm_state_size
     if s.cp_mamba == "a2a":  # [x | B | C | dt] in, y back; the same two transposed in backward
         tokens, groups_sent = s.pack_size // cp, groups * max(1, cp // groups)
@@ -344,7 +373,7 @@ def clip(s: StepShape) -> Tally:
 
 SOURCES = {
     "trainer": trainer, "tp_embedding": tp_embedding, "tp_blocks": tp_blocks, "tp_head": tp_head,
-    "tp_norm_grads": tp_norm_grads, "cp_attention": cp_attention, "cp_mamba": cp_mamba, "fsdp": fsdp, "clip": clip,
+    "tp_norm_grads": tp_norm_grads, "tp_shared_groups": tp_shared_groups, "cp_attention": cp_attention, "cp_mamba": cp_mamba, "fsdp": fsdp, "clip": clip,
 }
 
 

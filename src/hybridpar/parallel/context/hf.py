@@ -39,6 +39,7 @@ from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
+from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.parallel.context.inputs import ShardedInputs
 
 __all__ = [
@@ -208,8 +209,8 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=Non
             raise ValueError(f"context parallelism (cp > 1) for {cls}: Mamba2 mixer {name!r} needs a Mamba CP strategy "
                              "(cp_mamba 'a2a' or 'state'); pass one to validate_hf_cp.")
         heads, groups = mixer.num_heads, mixer.n_groups
-        if heads % tp == 0 and groups % tp == 0:  # sharded by heads under TP (tensor/plans_moe.py); else the
-            heads, groups = heads // tp, groups // tp  # TP plan check refuses it, or the mixer stays whole
+        if heads % tp == 0 and tp_groups(groups, tp):  # sharded by heads under TP (tensor/plans_moe.py; one
+            heads, groups = heads // tp, tp_groups(groups, tp)  # group whole); else the TP check refuses it
         try:
             mamba_core.validate(heads, groups)
         except ValueError as error:

@@ -9,7 +9,9 @@ of ``x``. So the mixer's projections are first stored per component (``split_mam
 (``MambaHeadParallel``) each component is ``Shard(0)``: rank ``r`` of ``tp`` holds heads
 ``[r H/tp, (r+1) H/tp)`` of ``z, x, dt`` (and of conv, ``dt_bias``, ``A_log``, ``D``, the gated
 norm weight) and groups ``[r G/tp, (r+1) G/tp)`` of ``B, C`` -- exactly the groups its heads
-read, and whole norm groups (group size ``d_inner/G``), so no extra collective is needed:
+read, and whole norm groups (group size ``d_inner/G``), so no extra collective is needed (with a
+single group, ``G = 1 < tp``, B and C are replicated, their gradient summed over TP, and the norm's
+sum of squares ``[B, S, 1]`` is all-reduced: ``replicate_shared_groups``, ``spanning_group_norm``):
 
     u [B, S, D] (replicated; with SP all-gathered from [B, S/tp, D])
       -> in_proj (local cat of components)  [B, S, d/tp | d/tp | G/tp*N | G/tp*N | H/tp]
@@ -36,11 +38,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from hybridpar.models.attention.mixer import Attention
-from hybridpar.models.blocks import MLP
-from hybridpar.models.mamba.mixer import Mamba2Mixer
+from hybridpar.models.blocks import MLP, gated_rms_norm
+from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
+from hybridpar.parallel.comm.collectives import all_reduce
 from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.registry import register_tp_plan
 from hybridpar.parallel.tensor.styles import (
+    AllReduceGrad,
     LocalReplicateParallel,
     SequenceParallelAllGatherActivation,
     VocabParallelEmbedding,
@@ -208,6 +212,47 @@ class SequenceShardedInputsEmbeds(ParallelStyle):
         return module
 
 
+SHARED_GROUPS = "_hybridpar_shared_groups"
+
+
+def replicate_shared_groups(mixer: nn.Module, mesh: DeviceMesh) -> list[tuple[nn.Module, str]]:
+    """With one B/C group and tp > 1 every rank's heads read the whole group: its ``in_proj`` and
+    ``conv1d`` rows (``*_B``, ``*_C``) are replicated (``Replicate`` DTensors, gradient summed over
+    TP at each forward, ``SHARED_GROUPS``); returns those ``(module, name)`` slots."""
+    if mixer.n_groups % mesh.size() == 0:
+        return []
+    shared = [(sub, name) for sub in (mixer.in_proj, mixer.conv1d) for name in sub._parameters
+              if name.endswith(("_B", "_C")) and sub._parameters[name] is not None]
+    for sub, name in shared:
+        param = sub._parameters[name]
+        replicated = distribute_tensor(param.data, mesh, [Replicate()])
+        sub.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+    setattr(mixer, SHARED_GROUPS, shared)
+    return shared
+
+
+def spanning_group_norm(norm: nn.Module, group, full_width: int):
+    """The forward of a gated RMSNorm whose one group spans every TP rank (``n_groups == 1``): each
+    rank holds ``d/tp`` channels, and the group's two means (forward ``mean(u^2)``, backward
+    ``mean(g n)``) all-reduce ``[B, S, 1]`` partial sums over TP (``blocks.gated_rms_norm`` with
+    ``span``: it saves only its inputs and ``rstd``). Ours (``eps``) and transformers' norms
+    (``variance_epsilon``) alike; Falcon-H1's ``norm_before_gate`` (norm, weight, then the gate)
+    runs on autograd with the same all-reduce."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    span = (lambda partial_sum: all_reduce(partial_sum, group), full_width)
+
+    def forward(hidden_states, gate=None):
+        if not getattr(norm, "norm_before_gate", False):
+            return gated_rms_norm(hidden_states, gate, norm.weight, hidden_states.shape[-1], eps, span)
+        dtype, compute = hidden_states.dtype, torch.promote_types(hidden_states.dtype, torch.float32)
+        hidden = hidden_states.to(compute)
+        squares = AllReduceGrad.apply(all_reduce(hidden.pow(2).sum(-1, keepdim=True), group), group)  # [B, S, 1]
+        hidden = norm.weight * (hidden * torch.rsqrt(squares / full_width + eps))
+        return (hidden * F.silu(gate.to(compute)) if gate is not None else hidden).to(dtype)
+
+    return forward
+
+
 class MambaHeadParallel(ParallelStyle):
     """Shard a ``Mamba2Mixer`` by heads (see the module docstring); splits it first if needed.
 
@@ -231,9 +276,13 @@ class MambaHeadParallel(ParallelStyle):
             raise ValueError(f"MambaHeadParallel shards Mamba2Mixer modules, got {type(module).__name__}.")
         _check_mamba_divisible(module, device_mesh.size(), type(module).__name__)
         split_mamba_mixers(module)
+        shared = replicate_shared_groups(module, device_mesh)
         for sub in (module, module.in_proj, module.conv1d, module.norm):
             for name in list(sub._parameters):
-                self._shard(sub, name, device_mesh, Shard(0))  # heads (z, x, dt, conv x, per-head) or groups (B, C)
+                if (sub, name) not in shared:  # heads (z, x, dt, conv x, per-head) or groups (B, C)
+                    self._shard(sub, name, device_mesh, Shard(0))
+        if shared:
+            module.norm.forward = spanning_group_norm(module.norm, device_mesh.get_group(), module.intermediate_size)
         output = Shard(1) if self.sequence_parallel else Replicate()
         # y_local [B, S, d/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
         RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
@@ -243,7 +292,7 @@ class MambaHeadParallel(ParallelStyle):
         return module
 
     @staticmethod
-    def _enter(mesh: DeviceMesh, mixer: Mamba2Mixer, args, kwargs):
+    def _enter(mesh: DeviceMesh, mixer: nn.Module, args, kwargs):
         # [B, S, D] (or [B, S/tp, D] under SP) -> plain [B, S, D]; its grad is a partial sum over TP
         args, kwargs = _map_first_input(
             args, kwargs, "hidden_states", lambda x: _replicated_input(x, mesh).to_local(grad_placements=[Partial()]))
@@ -253,6 +302,8 @@ class MambaHeadParallel(ParallelStyle):
                 if isinstance(param, DTensor):
                     saved.append((sub, name, param))
                     sub._parameters[name] = param.to_local()  # local shard for this forward
+        for sub, name in getattr(mixer, SHARED_GROUPS, ()):  # every rank's heads give part of their gradient
+            sub._parameters[name] = AllReduceGrad.apply(sub._parameters[name], mesh.get_group())
         mixer.__dict__.setdefault("_tp_saved_parameters", []).append(saved)
         return args, kwargs
 
@@ -277,10 +328,12 @@ def _require(value: int, tp: int, what: str, fix: str) -> None:
 
 
 def _check_mamba_divisible(mixer: Mamba2Mixer, tp: int, where: str) -> None:
-    valid_tp = [t for t in range(1, mixer.n_groups + 1) if mixer.num_heads % t == 0 and mixer.n_groups % t == 0]
-    fix = f"use a tp dividing both mamba_num_heads and mamba_n_groups (one of {valid_tp}) or change the config"
+    valid_tp = [t for t in range(1, mixer.num_heads + 1) if mixer.num_heads % t == 0 and tp_groups(mixer.n_groups, t)]
+    fix = f"use a tp dividing mamba_num_heads and mamba_n_groups (one of {valid_tp}) or change the config"
     _require(mixer.num_heads, tp, f"{where}: mamba_num_heads", fix)
-    _require(mixer.n_groups, tp, f"{where}: mamba_n_groups", fix + " (groups are split, never repeated, over TP)")
+    if not tp_groups(mixer.n_groups, tp):
+        _require(mixer.n_groups, tp, f"{where}: mamba_n_groups",
+                 fix + " (groups are split over TP; a single group is replicated)")
 
 
 def validate_hybrid_tp(model: nn.Module, tp: int) -> None:

@@ -45,14 +45,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from hybridpar.models.hf.mamba_mixers import MARK
-from hybridpar.parallel.comm.collectives import all_reduce
 from hybridpar.parallel.data.fsdp import register_first_pre_hook
 from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
-from hybridpar.parallel.tensor.hybrid import MambaHeadParallel, SplitConv1d, SplitInProj
+from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, SplitInProj, replicate_shared_groups,
+                                              spanning_group_norm)
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
 from hybridpar.parallel.tensor.plans_hf import register_hf_plan
-from hybridpar.parallel.tensor.styles import (AllReduceGrad, LocalReplicateParallel, RotaryEmbedParallel,
+from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, RotaryEmbedParallel,
                                              SequenceParallelAllGatherActivation, TokenwiseParallel)
 
 __all__ = ["mamba_tp_problem", "split_hf_mixer", "split_hf_mixers", "HFMambaHeadParallel", "hf_mamba_style", "moe_block_plan",
@@ -70,28 +70,6 @@ def mamba_tp_problem(name: str, mixer: nn.Module, tp: int) -> str | None:
     return (f"Mamba2 mixer {name!r} ({type(mixer).__name__}) has {value}, not divisible by tp={tp}: tensor "
             "parallelism splits its heads and its B/C groups over the TP ranks (one group is replicated); use a tp "
             f"dividing both (one of {valid})")
-
-
-def _spanning_norm(norm: nn.Module, group, full_width: int):
-    """The gated RMSNorm of one group spanning every TP rank (``n_groups == 1``): the sum of
-    squares of the local ``[B, S, d/tp]`` is all-reduced over TP (differentiable), the rest is local."""
-    before_gate = getattr(norm, "norm_before_gate", False)  # Falcon-H1: norm, weight, then the gate
-
-    def forward(hidden_states, gate=None):
-        dtype = hidden_states.dtype
-        compute = torch.promote_types(dtype, torch.float32)
-        hidden = hidden_states.to(compute)
-        if gate is not None and not before_gate:
-            hidden = hidden * nn.functional.silu(gate.to(compute))
-        # [B, S, 1] summed over TP; backward sums too (each rank's channels give part of the gradient)
-        squares = AllReduceGrad.apply(all_reduce(hidden.pow(2).sum(-1, keepdim=True), group), group)
-        hidden = hidden * torch.rsqrt(squares / full_width + norm.variance_epsilon)
-        if before_gate:
-            hidden = norm.weight * hidden
-            return (hidden * nn.functional.silu(gate.to(compute)) if gate is not None else hidden).to(dtype)
-        return norm.weight * hidden.to(dtype)
-
-    return forward
 
 
 def _component_sizes(mixer: nn.Module) -> dict[str, int]:
@@ -147,14 +125,13 @@ class HFMambaHeadParallel(MambaHeadParallel):
         split_hf_mixer(module)
         norm = module.norm
         subs = (module, module.in_proj, module.conv1d) + (() if isinstance(norm, nn.Identity) else (norm,))
-        shared = module.n_groups < tp  # one B/C group read by every rank's heads: replicated
-        self._shared_groups = [(s, n) for s in (module.in_proj, module.conv1d) for n in s._parameters
-                               if n.endswith(("_B", "_C"))] if shared else []
+        shared = replicate_shared_groups(module, device_mesh)  # one B/C group read by every rank's heads
         for sub in subs:
             for name in list(sub._parameters):  # heads (z, x, dt, conv x, per head, norm) or groups (B, C)
-                self._shard(sub, name, device_mesh, Replicate() if (sub, name) in self._shared_groups else Shard(0))
+                if (sub, name) not in shared:
+                    self._shard(sub, name, device_mesh, Shard(0))
         if shared and not isinstance(norm, nn.Identity):
-            norm.forward = _spanning_norm(norm, device_mesh.get_group(), module.intermediate_size)
+            norm.forward = spanning_group_norm(norm, device_mesh.get_group(), module.intermediate_size)
         mup = getattr(module, "mup_vector", None)
         if isinstance(mup, torch.Tensor):  # Falcon-H1: [1, 1, W] -> [1, 1, W/tp], a non-persistent buffer
             module.mup_vector = _local_rows(mup, sizes, tp, rank, shared)
@@ -164,16 +141,10 @@ class HFMambaHeadParallel(MambaHeadParallel):
         # y_local [B, S, d/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
         RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
             module.out_proj, device_mesh)
-        module.register_forward_pre_hook(partial(self._enter_shared, device_mesh), with_kwargs=True)
+        module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._exit, always_call=True)
         module._hybridpar_head_sharded = True
         return module
-
-    def _enter_shared(self, mesh: DeviceMesh, mixer: nn.Module, args, kwargs):
-        args, kwargs = self._enter(mesh, mixer, args, kwargs)
-        for sub, name in self._shared_groups:  # each rank's heads give part of a shared group's gradient
-            sub._parameters[name] = AllReduceGrad.apply(sub._parameters[name], mesh.get_group())
-        return args, kwargs
 
 
 def hf_mamba_style(mixer: nn.Module, sequence_parallel: bool, replicated: ParallelStyle) -> ParallelStyle:
