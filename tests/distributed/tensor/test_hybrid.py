@@ -14,7 +14,8 @@ One 2-rank group checks:
   (in_proj components, conv1d components, A_log, dt_bias, D and the gated norm weight on dim
   0, out_proj on dim 1, its bias replicated) and the block norms and ``norm_f`` as replicated;
 - one B/C group (``mamba_n_groups=1``, as Mamba2 and Bamba checkpoints): B and C replicated, the
-  gated norm's sum of squares all-reduced; the same parity with and without SP;
+  gated norm's sum of squares all-reduced; the same parity with and without SP, and at cp=2 x tp=2
+  under both Mamba CP strategies (a 4-rank group);
 - ``ValueError``s, raised before anything is changed: Mamba heads or groups, attention heads
   not divisible by tp, degrees that do not multiply to the world size, a mesh that does not
   match the dims, an unknown plan name or strategy, context parallelism on a non-HybridLM,
@@ -267,3 +268,29 @@ def test_one_process_parallelize_splits_mamba_with_same_values_and_gradients(che
     load_canonical_state_dict(model, state)
     back = canonical_state_dict(model)
     assert set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
+
+
+def _one_group_cp_tp(rank, world_size):
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+    from tests.distributed.context.test_model import distributed_run
+
+    out = {}
+    for name, options in {"a2a sp": dict(cp_attention="allgather", cp_mamba="a2a", sequence_parallel=True),
+                          "state": dict(cp_attention="ulysses", cp_mamba="state")}.items():
+        dims = ParallelDims(cp=2, tp=2)
+        mesh = dims.build_mesh()
+        model = parallelize(build_model(mamba_n_groups=1), dims, mesh=mesh, **options)
+        out[name] = distributed_run(model, mesh, [make_batch("packed", seed=20)], steps=2, lr=LR,
+                                    sequence_parallel=options.get("sequence_parallel", False))
+    return out if rank == 0 else None
+
+
+def test_one_group_at_cp2_tp2_matches_single_process():
+    """One B/C group (replicated over TP) under both Mamba CP strategies: 2 AdamW steps exact."""
+    from tests.distributed.context.test_model import reference_run
+
+    results = run_ranks(4, _one_group_cp_tp, timeout_s=300)[0]
+    reference = reference_run(build_model(mamba_n_groups=1), [make_batch("packed", seed=20)], steps=2, lr=LR)
+    failures = [f for name, got in results.items() for f in compare(f"cp2 tp2 {name}", got, reference)]
+    assert not failures, "\n".join(failures[:20])
