@@ -150,7 +150,7 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     # per-layer adapters, RoPE
     "zamba2_shared": (["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2", "parallel.cp_mamba=state"]),
     "falcon_h1": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],),
-    "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),
+    "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),  # a HybridLM (backend=auto): one B/C group
 }
 
 
@@ -182,7 +182,7 @@ def test_the_leak_probe_sees_a_leak_and_passes_our_cores():
 
 
 def _steps(rank, world_size, path, directory, layout, stop_after=None, every=2):
-    """Train (or resume) the float64 Granite MoE in ``directory``; rank 0 returns the step losses."""
+    """Train (or resume) the float64 checkpoint at ``path`` in ``directory``; rank 0 returns the step losses."""
     from hybridpar.config import load_config
     from hybridpar.train.trainer import Trainer
 
