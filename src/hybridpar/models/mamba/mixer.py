@@ -103,14 +103,21 @@ class Mamba2Mixer(nn.Module):
 
     def split_sizes(self, projection_width: int) -> tuple[int, int, int]:
         """Widths of ``(z, xBC, dt)`` in an ``in_proj`` output of this width: the full mixer or one
-        TP rank's heads, with its share of the B/C groups (``tp_groups``: a single group whole)."""
-        for shards in range(1, self.num_heads + 1):
-            if self.num_heads % shards:
-                continue
-            heads, groups = self.num_heads // shards, tp_groups(self.n_groups, shards)
-            d_inner = heads * self.head_dim
-            if groups and 2 * d_inner + 2 * groups * self.ssm_state_size + heads == projection_width:
-                return d_inner, d_inner + 2 * groups * self.ssm_state_size, heads
+        TP rank's heads, with its share of the B/C groups (``tp_groups``: a single group whole).
+
+        Per rank the width is ``(2 d + H) / s + 2 g N`` with ``g = G / s``, or ``g = G = 1``: solved
+        for the shard count ``s`` in O(1) (it runs on every forward)."""
+        heads_part, bc = 2 * self.intermediate_size + self.num_heads, 2 * self.ssm_state_size
+        candidates = [divmod(heads_part + self.n_groups * bc, projection_width)]  # groups split with heads
+        if self.n_groups == 1 and projection_width > bc:
+            candidates.append(divmod(heads_part, projection_width - bc))  # the single group whole
+        for shards, remainder in candidates:
+            groups = tp_groups(self.n_groups, shards) if shards else 0
+            if not remainder and groups and self.num_heads % shards == 0:
+                heads = self.num_heads // shards
+                d_inner = heads * self.head_dim
+                if 2 * d_inner + groups * bc + heads == projection_width:
+                    return d_inner, d_inner + groups * bc, heads
         raise ValueError(
             f"in_proj output width {projection_width} is not the mixer's or one TP rank's share of it (heads "
             f"{self.num_heads}, groups {self.n_groups}); shard the mixer by heads and groups."

@@ -325,7 +325,6 @@ def zamba2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
     if sp and getattr(model.model, "rotary_emb", None) is not None:
         plan["model.rotary_emb"] = RotaryEmbedParallel()
     mamba_out = LocalReplicateParallel(output_layouts=Shard(1) if sp else None)
-    planned = set()
     for index, layer in enumerate(model.model.layers):
         path = f"model.layers.{index}"
         decoder = getattr(layer, "mamba_decoder", layer)
@@ -339,7 +338,5 @@ def zamba2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
                 plan[path] = _WithoutEmbeddings()
             continue
         plan[f"{path}.linear"] = TokenwiseParallel() if sp else LocalReplicateParallel()
-        if id(block) not in planned:
-            planned.add(id(block))
-            plan.update(_zamba2_block_plan(f"{path}.shared_transformer", block, sp, in_norm))
+        plan.update(_zamba2_block_plan(f"{path}.shared_transformer", block, sp, in_norm))
     return plan
