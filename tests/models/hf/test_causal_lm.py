@@ -21,7 +21,7 @@ from hybridpar.data.tokenizers import resolve_tokenizer
 from hybridpar.models.hf.causal_lm import causal_lm_backend, export_causal_lm, hf_causal_lm_loss, load_causal_lm
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hf.files import copy_tokenizer_files
-from hybridpar.models.hybrid import HybridLM
+from hybridpar.models.hybrid import HybridConfig, HybridLM
 from tests.data.bpe import train_tiny_bpe
 
 VOCAB = 320  # the tiny BPE's size
@@ -147,6 +147,30 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused(bpe, tmp_path):
     assert len(str(error.value)) < 600
 
 
+
+@pytest.mark.parametrize("backend", ["transformers", "hybrid"])
+def test_quantized_or_integer_weights_are_refused_naming_them(bpe, tmp_path, backend):
+    """transformers casts a weight stored as integers to float without a word (an int32 copy of a
+    float weight loads as zeros), and a quantized checkpoint fails in its quantizer with a
+    traceback: both are one ValueError, before any value is used."""
+    from safetensors.torch import load_file, save_file
+
+    if backend == "transformers":
+        source, name = save_checkpoint("llama", tmp_path / "source", bpe), "model.layers.0.mlp.up_proj.weight"
+    else:
+        source, name = tmp_path / "source", "backbone.layers.0.mixer.in_proj.weight"
+        save_hf(HybridLM(HybridConfig.from_preset("tiny", rotary_fraction=0.0)), source, architecture="NemotronHForCausalLM")
+    tensors = load_file(source / "model.safetensors")
+    for dtype in (torch.int32, torch.bool, torch.float8_e4m3fn):
+        save_file({**tensors, name: tensors[name].to(dtype)}, source / "model.safetensors", metadata={"format": "pt"})
+        short = str(dtype).removeprefix("torch.")
+        with pytest.raises(ValueError, match=rf"stores weights that are not floating point: {name} \((I32|BOOL|F8_E4M3|{short})\)"):
+            load_causal_lm(source, backend)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    with pytest.raises(ValueError, match=r"is a quantized checkpoint \(quantization_config with quant_method 'gptq'\)"):
+        load_causal_lm(source, backend)
+
 def test_loss_helper_equals_transformers_mean_loss_in_one_process_and_its_hidden_state_seam(bpe, tmp_path):
     model = load_causal_lm(save_checkpoint("llama", tmp_path / "source", bpe), dtype=torch.float64)
     ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
@@ -181,7 +205,6 @@ def test_packed_documents_do_not_see_each_other(bpe, tmp_path):
 
 def test_generation_dispatches_to_hybrid_or_transformers(bpe, tmp_path):
     from hybridpar.models.hf.causal_lm import generate_causal_lm
-    from hybridpar.models.hybrid import HybridConfig
 
     llama = load_causal_lm(save_checkpoint("llama", tmp_path / "source", bpe), dtype=torch.float64)
     prompt = torch.tensor([bpe.encode("hello there")])

@@ -41,7 +41,7 @@ from hybridpar.models.generation import GREEDY_BELOW, check_sampling
 from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, config_from_hf, read_hf_config
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hf.files import copy_tokenizer_files
-from hybridpar.models.hf.weights import check_finite, weight_files
+from hybridpar.models.hf.weights import check_finite, check_floating, stored_dtypes, weight_files
 from hybridpar.models.hybrid import HybridLM
 
 __all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "hf_causal_lm_loss", "generate_causal_lm",
@@ -88,7 +88,7 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
     if not (path / WEIGHTS_FILE).is_file() and not (path / INDEX_FILE).is_file():
         raise ValueError(f"{path} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); hybridpar loads safetensors weights only: "
                          "re-save the checkpoint with save_pretrained(safe_serialization=True).")
-    weight_files(path, WEIGHTS_FILE, INDEX_FILE)  # a truncated or damaged file: one line naming it
+    files = weight_files(path, WEIGHTS_FILE, INDEX_FILE)  # a truncated or damaged file: one line naming it
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as error:
@@ -106,6 +106,7 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
                             for k, v in problems.items() if v)
         raise ValueError(f"checkpoint {path} does not match its {type(model).__name__} config: {details}; "
                          "check config.json against the weights.")
+    check_floating(stored_dtypes(files), dict(model.named_parameters()), f"checkpoint {path}")
     check_finite(model.named_parameters(), f"checkpoint {path}")
     return model
 

@@ -32,7 +32,7 @@ from hybridpar.models.hf.config import (  # noqa: F401  (the config API is also 
     _encode_floats, architecture_of, config_differences, config_from_hf, config_to_hf, read_hf_config,
 )
 from hybridpar.models.hf.files import copy_tokenizer_files
-from hybridpar.models.hf.weights import check_finite, load_weight_file, weight_files
+from hybridpar.models.hf.weights import check_finite, check_floating, load_weight_file, weight_files
 from hybridpar.models.hybrid import HybridLM
 
 
@@ -74,6 +74,7 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
     hf = read_hf_config(path)
     architecture, config = architecture_of(hf), config_from_hf(hf)  # fail before reading any weights
     tensors = read_hf_tensors(path)
+    check_floating({name: tensor.dtype for name, tensor in tensors.items()}, tensors, f"checkpoint {path}")
     check_finite(tensors.items(), f"checkpoint {path}")  # before step 1, naming the tensor
     if "backbone.embedding.weight" in tensors:  # early mamba2 checkpoints
         tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")

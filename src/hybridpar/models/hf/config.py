@@ -65,7 +65,8 @@ def _encode_floats(obj):
 
 
 def read_hf_config(path: str | Path) -> dict:
-    """The config.json of a checkpoint directory as a dict (special floats decoded)."""
+    """The config.json of a checkpoint directory as a dict (special floats decoded); ValueError for
+    a quantized checkpoint, whose weights hybridpar can neither train nor generate from."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found; a Hugging Face checkpoint directory needs {CONFIG_FILE}.")
@@ -78,6 +79,12 @@ def read_hf_config(path: str | Path) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{file} holds a JSON {type(hf).__name__}, not an object of config fields; restore the "
                          "checkpoint's config.json (it starts with '{').")
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{Path(path)} is a quantized checkpoint (quantization_config with quant_method "
+                         f"{quoted(method)}); hybridpar trains and generates from full-precision weights (no QLoRA): "
+                         "use the unquantized checkpoint.")
     return _decode_floats(hf)
 
 

@@ -9,7 +9,9 @@ names the file or tensor:
   safetensors read it;
 - **the index** of a sharded checkpoint: valid JSON with a ``weight_map``, every shard present;
 - **values** (``check_finite``): every loaded tensor finite, or the tensor is named (a NaN
-  or inf in a weight would otherwise surface steps later as a "non-finite loss").
+  or inf in a weight would otherwise surface steps later as a "non-finite loss");
+- **kinds** (``check_floating``): a parameter stored as integers, booleans or float8 (a quantized
+  or damaged file) is refused, naming it; loading would cast it to float without a word.
 
 A byte flipped inside the data that leaves a finite value is not detected: safetensors has
 no checksum for it (hybridpar's own training checkpoints do: ``train/run/checkpoint.py``).
@@ -26,9 +28,10 @@ import torch
 
 from hybridpar.config_rules import quoted, shorten
 
-__all__ = ["safetensors_problem", "weight_files", "load_weight_file", "check_finite"]
+__all__ = ["safetensors_problem", "weight_files", "load_weight_file", "check_finite", "stored_dtypes", "check_floating"]
 
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
+FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what a trained weight may be stored in
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
@@ -130,3 +133,29 @@ def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> No
         raise ValueError(f"{source} holds non-finite weights: {', '.join(bad[:3])}{more}; training or generating from "
                          "them would only produce NaN. The file is damaged or was saved after a divergence: use an "
                          "earlier checkpoint or export it again.")
+
+
+def stored_dtypes(files: Iterable[Path]) -> dict[str, str]:
+    """Tensor name -> safetensors dtype (``"F32"``, ``"I32"``, ...) from the headers of ``files``,
+    which ``weight_files`` has checked."""
+    dtypes = {}
+    for file in files:
+        with open(file, "rb") as handle:
+            (header_bytes,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_bytes))
+        dtypes.update({name: entry["dtype"] for name, entry in header.items() if name != "__metadata__"})
+    return dtypes
+
+
+def check_floating(dtypes: dict[str, str | torch.dtype], parameters: Iterable[str], source: str) -> None:
+    """ValueError naming the ``parameters`` that ``dtypes`` (torch dtypes, or safetensors' names from
+    ``stored_dtypes``) holds in a kind a float parameter cannot take without losing its values:
+    integers, booleans, float8 (a quantized or damaged file; loading would cast it without a word)."""
+    floating = {*FLOATING, "F16", "BF16", "F32", "F64"}
+    bad = [f"{name} ({str(dtypes[name]).removeprefix('torch.')})" for name in parameters
+           if name in dtypes and dtypes[name] not in floating]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(f"{source} stores weights that are not floating point: {', '.join(bad[:3])}{more}; "
+                         "hybridpar trains weights stored as float16, bfloat16, float32 or float64. A quantized or "
+                         "damaged file: use the unquantized checkpoint, or export it again.")
