@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import quoted, shorten
 from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
                                         read_run_info, remove_checkpoint)
 from hybridpar.train.run.fingerprints import data_sources, source_changes
@@ -309,6 +309,9 @@ def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
         plan.notes += changes
     earlier = []
     for path in list_checkpoints(directory):
+        if path in skipped and chosen is None:  # damaged, of a run nothing resumes: overwrite deletes it too
+            earlier.append(path)
+            continue
         if path == chosen or path in skipped or incomplete_reason(path, verify=False) is not None:
             continue
         step = checkpoint_step(path)
@@ -322,6 +325,12 @@ def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
         return plan
     names = ", ".join(p.name for p in earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
     policy = config.checkpoint.if_exists
+    if policy == "refuse" and chosen is None and skipped:  # resume=auto found checkpoints, none usable
+        newest = shorten(plan.notes[0].removeprefix("skipping checkpoint "), 300)
+        raise CheckpointError(f"output_dir {str(out)!r} holds an earlier run, but none of its {len(skipped)} checkpoint(s) "
+                              f"can be resumed (newest: {newest}); restore them from a copy, or start afresh with "
+                              "checkpoint.if_exists=overwrite (deletes them) or checkpoint.if_exists=new_subdir, or "
+                              "choose another output_dir.")
     if policy == "refuse":
         start = "a fresh run" if chosen is None else f"a run resumed from step {plan.start_step}"
         raise ConfigError(f"output_dir {str(out)!r} holds outputs of an earlier run ({names}) that {start} would "
