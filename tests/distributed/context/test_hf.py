@@ -134,11 +134,13 @@ def _check(results: list[dict]) -> None:
 
 
 def test_cp2_matches_one_process_compiles_and_refuses_before_collectives():
-    """cp=2: every model with allgather and ulysses, dense and packed; ring, Qwen2 and Phi once each;
+    """cp=2: every model with allgather and ulysses, dense and packed; ring, Qwen2, Phi, OLMo2, Mixtral
+    and Granite once each (``test_hf_model_types.py`` proves the other listed types at cp=1);
     Mistral compiled per block without graph breaks; the refusals that need a CP group."""
     cases = [(m, s, v) for m in MODELS for s in ("allgather", "ulysses") for v in VARIANTS]
     cases += [("mistral", "ring", "packed"), ("gemma3", "ring", "dense"), ("qwen2", "allgather", "packed"),
-              ("phi", "ulysses", "packed")]
+              ("phi", "ulysses", "packed"), ("olmo2", "allgather", "packed"), ("mixtral", "ulysses", "packed"),
+              ("granite", "ring", "packed")]
     results = run_ranks(2, _run_cases, 1, cases, True, (("mistral", "allgather", "packed"),), timeout_s=600)
     _check(results)
     for rank_results in results:

@@ -43,6 +43,7 @@ from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.parallel.context.inputs import ShardedInputs
 
 __all__ = [
+    "ATTENTION_MODEL_TYPES",
     "ATTENTION_NAME",
     "HYBRID_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
@@ -65,7 +66,16 @@ ATTENTION_NAME = "hybridpar"
 CORE_ATTRIBUTE = "hybridpar_cp_core"
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi") + HYBRID_MODEL_TYPES
+# Attention models whose attention modules hand the attention interface q/k/v after every step of
+# their own (projections, q/k norms, partial or no RoPE, multipliers) and nothing else it must apply
+# but ``scaling`` and ``sliding_window``: each proven equal to SDPA on every document alone, loss and
+# every gradient in float64 (tests/distributed/context/test_hf_model_types.py). Not here: soft-capped
+# (Gemma2) or sink (gpt-oss) attention, ALiBi in the mask (Bloom, MPT), MLA (DeepSeek), linear attention.
+ATTENTION_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi", "gemma", "phi3", "olmo", "olmo2", "olmo3", "granite",
+    "granitemoe", "starcoder2", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "arcee", "smollm3", "glm", "glm4",
+    "exaone4", "ernie4_5", "helium", "cohere", "cohere2", "hunyuan_v1_dense", "apertus")
+SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies from max(position_ids): differs per rank
 
 
@@ -180,8 +190,9 @@ def attention_problem(model: nn.Module) -> str | None:
                 "Mamba2 mixers reach our core through models.hf.mamba_mixers.install_mamba_core(model) (the trainer "
                 "calls it), or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"hybridpar's attention takes transformers models of type {list(SUPPORTED_MODEL_TYPES)} (and HybridLM), "
-                f"and the model is a {cls} (model_type {model_type!r}).")
+        return (f"hybridpar's attention takes HybridLM and {len(SUPPORTED_MODEL_TYPES)} transformers model types, each "
+                f"proven exact (ATTENTION_MODEL_TYPES and HYBRID_MODEL_TYPES in hybridpar.parallel.context.hf; "
+                f"docs/hf-models.md lists them), and the model is a {cls} (model_type {model_type!r}).")
     if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
         return (f"the attention of {cls} is bidirectional (use_bidirectional_attention/is_causal=False); hybridpar's "
                 "attention core is causal.")
