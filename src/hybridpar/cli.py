@@ -263,6 +263,7 @@ def worker_main(args: argparse.Namespace) -> int:
     """One rank of a torchrun job: run, and report a failure once (see ``hybridpar.launch``)."""
     from hybridpar.launch import WorkerChannel
     from hybridpar.train.nonfinite import NonFiniteError
+    from hybridpar.train.run.checkpoint import OutputWriteError
 
     channel = WorkerChannel.from_env()
     rank = int(os.environ.get("RANK", "0"))
@@ -287,7 +288,7 @@ def worker_main(args: argparse.Namespace) -> int:
         return 0
     except INPUT_ERRORS as error:
         return fail(_message(error), 2)
-    except NonFiniteError as error:
+    except (NonFiniteError, OutputWriteError) as error:  # the run stopped for the reason it names
         return fail(str(error), 1)
     except Exception as error:  # noqa: BLE001 - a peer's death or a bug
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if launched_by_torchrun() and not getattr(args, "dry_run", False):
         return worker_main(args)
     from hybridpar.train.nonfinite import NonFiniteError
+    from hybridpar.train.run.checkpoint import OutputWriteError
 
     prefix = "hybridpar: error"
     try:
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     except (*INPUT_ERRORS, OSError) as error:  # any other OSError (a path too long, ...): one line, not a traceback
         print(f"{prefix}: {_message(error)}", file=sys.stderr, flush=True)
         return 2
-    except NonFiniteError as error:
+    except (NonFiniteError, OutputWriteError) as error:
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:

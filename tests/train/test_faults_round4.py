@@ -31,3 +31,48 @@ def test_an_earlier_run_whose_every_checkpoint_is_damaged_says_so(tmp_path, dama
     assert "resume it with checkpoint.resume=auto" not in message
     fresh = plan_resume(load_config(DEFAULT, [*TINY, f"output_dir={tmp_path}", "checkpoint.if_exists=overwrite"]))
     assert fresh.checkpoint is None and str(step) in " ".join(fresh.remove)
+
+
+def _limited_file_size(limit_bytes: int):
+    """A child whose writes past ``limit_bytes`` fail with EFBIG (OSError), as on a full disk."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process at the limit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return limit
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "export"])
+def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_saying_what_is_intact(tmp_path, what):
+    """A checkpoint or export that fails to write (here: a file-size limit, as a full disk fails it)
+    was a DCP or safetensors traceback ("unexpected pos 704 vs 598"), and a failed export lost the
+    trained weights without a word; at two ranks the launcher named the rank it had stopped. Now:
+    exit 1, one line naming the step or path, the cause and the free space, and what is intact; no
+    staging folder is left behind."""
+    import subprocess
+    import sys
+
+    from tests.train.test_faults_round3 import ROOT
+
+    run = ["train", "--config", DEFAULT, *TINY, "data.task_options={}", f"output_dir={tmp_path / 'run'}",
+           "train.steps=2", "model.overrides={rotary_fraction: 0.0}"]
+    if what == "checkpoint":  # two ranks: one reports, the launcher stops the other (that SIGTERM was named instead)
+        run = ["train", "--nproc-per-node", "2", *run[1:], "parallel.cp=2"]
+    if what == "export":
+        run += ["checkpoint.every=-1", f"model.export_hf={tmp_path / 'export'}",
+                "model.export_architecture=NemotronHForCausalLM"]
+    result = subprocess.run([sys.executable, "-m", "hybridpar", *run], capture_output=True, text=True, timeout=240,
+                            cwd=ROOT, preexec_fn=_limited_file_size(200_000))
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hybridpar: error")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr and len(errors[0]) < 800, result.stderr[-3000:]
+    assert "MiB free there" in errors[0], errors[0]  # the cause: EFBIG, or torch.save's "unexpected pos"
+    if what == "checkpoint":
+        assert "saving the checkpoint of step 2 in" in errors[0] and "(none) is intact" in errors[0], errors[0]
+        assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+    else:
+        assert f"model.export_hf='{tmp_path / 'export'}' could not be written" in errors[0], errors[0]
+        assert "no checkpoint holds the trained weights (checkpoint.every=-1)" in errors[0], errors[0]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left

@@ -20,9 +20,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_
 from hybridpar.train.baseline import unigram_loss
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
+from hybridpar.train.run.export import write_export
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
 from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend, use_blockwise_attention
 from hybridpar.train.loss import global_sum, valid_token_count
@@ -277,7 +278,7 @@ class Trainer:
         """Gather the full weights and write them (rank 0) in the Hugging Face format with the
         tokenizer files, chat template and generation config of the tokenizer trained with
         (``models/hf_causal.export_causal_lm``): into a temporary directory renamed to ``path``,
-        so nothing there is ever overwritten."""
+        so nothing there is ever overwritten (``run/export.py``)."""
         state = canonical_state_dict(self.model)
         if self.rank == 0:
             target = Path(path)
@@ -285,18 +286,14 @@ class Trainer:
             if problem:  # appeared during training: keep the trained weights next to it
                 target = target.with_name(f"{target.name}-{time.strftime('%Y%m%d-%H%M%S')}")
                 notice(f"model.export_hf={path!r} cannot be written now ({problem}); exporting to {target} instead.")
-            staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            shutil.rmtree(staging, ignore_errors=True)
-            tokenizer_dir = self.export_tokenizer_dir()
+            tokenizer_dir, architecture = self.export_tokenizer_dir(), self.config.model.export_architecture
             if self.config.peft.method == "lora":  # the adapter in the PEFT format, or merged weights
-                export_lora(self.model, staging, state, merge=self.config.peft.merge, base_path=self.config.model.hf_path,
-                            tokenizer_dir=tokenizer_dir, architecture=self.config.model.export_architecture)
+                write = partial(export_lora, self.model, state=state, merge=self.config.peft.merge, tokenizer_dir=tokenizer_dir,
+                                base_path=self.config.model.hf_path, architecture=architecture)
             else:
-                export_causal_lm(self.model, staging, tokenizer_dir=tokenizer_dir, state_dict=state,
-                                 architecture=self.config.model.export_architecture)
-            if target.is_dir():
-                target.rmdir()  # empty (checked above)
-            staging.rename(target)
+                write = partial(export_causal_lm, self.model, tokenizer_dir=tokenizer_dir, state_dict=state,
+                                architecture=architecture)
+            write_export(target, write, self.last_checkpoint)
             print(f"exported Hugging Face checkpoint: {target}", flush=True)
         dist.barrier()
 

@@ -58,6 +58,23 @@ class CheckpointError(ValueError):
         super().__init__(bounded_message(message), *args)
 
 
+class OutputWriteError(RuntimeError):
+    """An output of the run (a checkpoint, the export) that could not be written (disk full, a
+    directory removed, ...): the run stops with one line naming the cause, the free space and
+    what is still intact."""
+
+    def __init__(self, message="", *args):
+        super().__init__(bounded_message(message), *args)
+
+
+def free_space(directory: str | Path) -> str:
+    """``"12.3 MiB free there"`` for a failure message."""
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:,.1f} MiB free there"
+    except OSError:
+        return "the directory is gone"
+
+
 def checkpoint_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"{PREFIX}{step:08d}"
 
@@ -228,6 +245,20 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, extra: di
     ``run_info`` (JSON: ``run_id``, model config, data stream) goes to run.json; retention
     only touches checkpoints with the same ``run_id``.
     """
+    try:
+        return _save(directory, step, model, optimizer, scheduler, extra, keep, run_info)
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        if dist.get_rank() == 0:
+            shutil.rmtree(checkpoint_path(directory, step).with_name(f"{PREFIX}{step:08d}.tmp"), ignore_errors=True)
+        intact = latest_checkpoint(directory)
+        raise OutputWriteError(
+            f"saving the checkpoint of step {step} in {directory} failed ({load_failure(error)}; {free_space(directory)}); the run "
+            f"stopped. The newest complete checkpoint ({intact.name if intact else 'none'}) is intact: free space or "
+            "fix the directory, then run again with checkpoint.resume=auto.") from None
+
+
+def _save(directory, step: int, model, optimizer, scheduler, extra: dict | None, keep: int,
+          run_info: dict | None) -> Path:
     final = checkpoint_path(directory, step)
     staging = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()

@@ -1,0 +1,41 @@
+"""The export of a finished run (``model.export_hf``), written into a staging folder and renamed
+into place, so a failed export leaves nothing half-written where the user looks. A failure to
+write (a full disk, a directory removed) is one line saying where the trained weights still are.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from hybridpar.train.run.checkpoint import OutputWriteError, free_space
+
+__all__ = ["write_export"]
+
+
+def _write_failure(error: Exception) -> bool:
+    """An OSError, or safetensors' ``SafetensorError`` wrapping one ("I/O error: No space left ...")."""
+    return isinstance(error, OSError) or "I/O error" in str(error)
+
+
+def write_export(target: Path, write: Callable[[Path], None], last_checkpoint: str | None) -> None:
+    """``write(staging)`` the export, then rename the staging folder to ``target`` (empty or absent)."""
+    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write(staging)
+        if target.is_dir():
+            target.rmdir()  # empty (checked before training)
+        staging.rename(target)
+    except Exception as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not _write_failure(error):
+            raise
+        kept = (f"the trained weights are in {last_checkpoint}: free space and run the same command again to export "
+                "them (nothing is left to train)" if last_checkpoint else
+                "no checkpoint holds the trained weights (checkpoint.every=-1)")
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        raise OutputWriteError(f"model.export_hf={str(target)!r} could not be written ({type(error).__name__}: {first}; "
+                               f"{free_space(target.parent)}); {kept}.") from None
