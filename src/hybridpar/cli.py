@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import logging
 import math
 import os
@@ -249,6 +250,14 @@ def _message(error: BaseException) -> str:
         f"{error.strerror}: {error.filename}"
 
 
+def _write_failure(error: BaseException) -> str | None:
+    """The one line for a write the system refused (disk full, quota, file too large, read-only), or None."""
+    if not isinstance(error, OSError) or error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return None
+    where = f": {error.filename}" if error.filename else ""
+    return f"writing failed ({error.strerror}{where}); the run stopped. Free space, then resume with checkpoint.resume=auto."
+
+
 def _collective_failure(error: BaseException) -> bool:
     """A collective that failed because a peer died, stalled or timed out."""
     import torch.distributed as dist
@@ -290,7 +299,9 @@ def worker_main(args: argparse.Namespace) -> int:
         return fail(_message(error), 2)
     except (NonFiniteError, OutputWriteError) as error:  # the run stopped for the reason it names
         return fail(str(error), 1)
-    except Exception as error:  # noqa: BLE001 - a peer's death or a bug
+    except Exception as error:  # noqa: BLE001 - a peer's death, a full disk or a bug
+        if _write_failure(error):
+            return fail(f"rank {rank}: {_write_failure(error)}", 1)
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         if _collective_failure(error):
             return fail(f"rank {rank}: a collective failed ({first_line}); a peer rank died, stalled or timed out "
@@ -340,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             return launch(args.nproc_per_node, worker_args, config.train.collective_timeout_s)
         return run(args, config)
     except (*INPUT_ERRORS, OSError) as error:  # any other OSError (a path too long, ...): one line, not a traceback
-        print(f"{prefix}: {_message(error)}", file=sys.stderr, flush=True)
-        return 2
+        print(f"{prefix}: {_write_failure(error) or _message(error)}", file=sys.stderr, flush=True)
+        return 1 if _write_failure(error) else 2
     except (NonFiniteError, OutputWriteError) as error:
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
         return 1

@@ -76,3 +76,19 @@ def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_saying_what_
         assert f"model.export_hf='{tmp_path / 'export'}' could not be written" in errors[0], errors[0]
         assert "no checkpoint holds the trained weights (checkpoint.every=-1)" in errors[0], errors[0]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left
+
+
+def test_any_other_refused_write_is_one_line_and_exit_1(tmp_path):
+    """metrics.jsonl (here) or any other file the system refuses to grow: one line, no traceback."""
+    import subprocess
+    import sys
+
+    from tests.train.test_faults_round3 import ROOT
+
+    run = ["train", "--config", DEFAULT, *TINY, "data.task_options={}", f"output_dir={tmp_path / 'run'}",
+           "train.steps=3", "train.log_every=1", "checkpoint.every=-1"]
+    result = subprocess.run([sys.executable, "-m", "hybridpar", *run], capture_output=True, text=True, timeout=240,
+                            cwd=ROOT, preexec_fn=_limited_file_size(300))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == ("hybridpar: error: writing failed (File too large); the run "
+                                                      "stopped. Free space, then resume with checkpoint.resume=auto.")
