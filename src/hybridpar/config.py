@@ -374,7 +374,11 @@ def _type_names(options) -> str:
     for option in options:
         origin = typing.get_origin(option) or option
         if origin is tuple:
-            out.append(f"a list of {len(typing.get_args(option))} numbers")
+            items = typing.get_args(option)
+            if Ellipsis in items:  # tuple[str, ...]: any length
+                out.append({str: "a list of strings", int: "a list of integers"}.get(items[0], "a list of numbers"))
+            else:
+                out.append(f"a list of {len(items)} numbers")
         elif option is not type(None):
             out.append(names.get(origin, getattr(origin, "__name__", str(origin))))
     return " or ".join(out)

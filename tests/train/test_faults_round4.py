@@ -92,3 +92,44 @@ def test_any_other_refused_write_is_one_line_and_exit_1(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == ("hybridpar: error: writing failed (File too large); the run "
                                                       "stopped. Free space, then resume with checkpoint.resume=auto.")
+
+
+def _leaf_keys(cls, prefix=""):
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[field.name]):
+            yield from _leaf_keys(hints[field.name], f"{prefix}{field.name}.")
+        else:
+            yield prefix + field.name, hints[field.name]
+
+
+def test_a_value_of_the_wrong_type_is_told_the_type_its_key_takes():
+    """``peft.target_modules=lm_head`` said "it must be a list of 2 numbers": the text of
+    ``train.betas``' type. Every key given a value of a type it does not take names its own."""
+    import types
+    import typing
+
+    from hybridpar.config import ConfigError, RunConfig
+
+    checked = 0
+    for key, hint in _leaf_keys(RunConfig):
+        union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        options = typing.get_args(hint) if union else (hint,)
+        if any((typing.get_origin(o) or o) in (dict, str) for o in options):
+            continue  # a mapping or a string takes the probe value below
+        with pytest.raises(ConfigError) as error:
+            load_config(DEFAULT, [f"{key}=somename"])
+        message = str(error.value)
+        assert message.startswith(f"{key}='somename' is invalid: it must be ") and "(got str)" in message, message
+        lists = [typing.get_args(o) for o in options if typing.get_origin(o) is tuple]
+        if lists and Ellipsis in lists[0]:
+            assert "a list of strings" in message, message
+        elif lists:
+            assert f"a list of {len(lists[0])} numbers" in message, message
+        else:
+            assert "list" not in message.split("(got")[0], message
+        checked += 1
+    assert checked > 30
