@@ -133,3 +133,37 @@ def test_a_value_of_the_wrong_type_is_told_the_type_its_key_takes():
             assert "list" not in message.split("(got")[0], message
         checked += 1
     assert checked > 30
+
+
+def test_positions_past_a_learned_position_table_are_refused_before_step_1(tmp_path):
+    """GPT-2 and OPT learn one embedding per position; a pack longer than the table (a row's
+    positions reach pack_size - 1) or a prompt plus new tokens past it was an IndexError traceback
+    in the first step or in generate. RoPE models have no table and no such limit."""
+    import torch
+    import transformers as hf
+
+    from hybridpar.config import ConfigError
+    from hybridpar.models.hf.causal_lm import generate_causal_lm, learned_positions
+    from hybridpar.train.hf_model import build_hf_model
+
+    models = {"gpt2": hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=260, n_positions=64)),
+              "opt": hf.OPTForCausalLM(hf.OPTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                    ffn_dim=64, vocab_size=260, max_position_embeddings=64,
+                                                    word_embed_proj_dim=32)),
+              "llama": hf.LlamaForCausalLM(hf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                          num_attention_heads=4, vocab_size=260,
+                                                          max_position_embeddings=64))}
+    tables = {"gpt2": ("transformer.wpe", 64), "opt": ("model.decoder.embed_positions", 64), "llama": None}
+    for name, model in models.items():
+        assert learned_positions(model) == tables[name], name
+        model.save_pretrained(tmp_path / name)
+        config = load_config(DEFAULT, [*TINY, f"model.hf_path={tmp_path / name}", "data.pack_size=128"])
+        if tables[name] is None:
+            build_hf_model(config, torch.float32)
+            continue
+        with pytest.raises(ConfigError, match=rf"data.pack_size=128 is longer than the 64 positions .* learned "
+                                              rf"\({tables[name][0]}\).*Use data.pack_size <= 64"):
+            build_hf_model(config, torch.float32)
+        with pytest.raises(ValueError, match=r"the prompt \(60 tokens\) plus --max-new-tokens 5 needs 65 positions"):
+            generate_causal_lm(model, torch.zeros(1, 60, dtype=torch.long), 5)
+        assert generate_causal_lm(model, torch.zeros(1, 60, dtype=torch.long), 4).shape[-1] <= 64

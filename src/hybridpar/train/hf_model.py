@@ -37,7 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.models.hf.causal_lm import _plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm
+from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_causal_lm_loss, learned_positions,
+                                             load_causal_lm)
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
@@ -104,6 +105,11 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     """The transformers model of ``model.hf_path`` in ``dtype`` (weights from local safetensors), its
     Mamba2 mixers on hybridpar's core (``models/hf/mamba_mixers.install_mamba_core``)."""
     model = load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
+    table = learned_positions(model)
+    if table and config.data.pack_size > table[1]:  # a row's position ids reach pack_size - 1
+        raise ConfigError(f"data.pack_size={config.data.pack_size} is longer than the {table[1]} positions "
+                          f"{type(model).__name__} learned ({table[0]}): position ids past {table[1] - 1} have no "
+                          f"embedding. Use data.pack_size <= {table[1]}.")
     if dtype == torch.float64 and type(model)._can_set_experts_implementation():
         model.set_experts_implementation("eager")  # torch._grouped_mm (transformers' default) has no float64
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast

@@ -44,8 +44,8 @@ from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.weights import check_finite, check_floating, stored_dtypes, weight_files
 from hybridpar.models.hybrid import HybridLM
 
-__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "hf_causal_lm_loss", "generate_causal_lm",
-           "export_causal_lm"]
+__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "learned_positions", "hf_causal_lm_loss",
+           "generate_causal_lm", "export_causal_lm"]
 
 BACKENDS = ("auto", "hybrid", "transformers")
 IGNORE_INDEX = -100
@@ -109,6 +109,19 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
     check_floating(stored_dtypes(files), dict(model.named_parameters()), f"checkpoint {path}")
     check_finite(model.named_parameters(), f"checkpoint {path}")
     return model
+
+
+def learned_positions(model: nn.Module) -> tuple[str, int] | None:
+    """``(module name, positions)`` of a learned absolute position table (GPT-2's ``wpe``, OPT's
+    ``embed_positions``): position ids at or beyond ``positions`` index past it. None when positions
+    are computed (RoPE, ALiBi, none), which have no such limit."""
+    config, inputs = getattr(model, "config", None), model.get_input_embeddings()
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    for name, module in model.named_modules():  # a table with one row per position the config allows
+        rows = getattr(module, "num_embeddings", 0) - int(getattr(module, "offset", 0))
+        if isinstance(module, nn.Embedding) and module is not inputs and limit and rows == limit:
+            return name, rows
+    return None
 
 
 # ----------------------------------------------------------------------------- loss
@@ -197,6 +210,11 @@ def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int,
     that finished first (default: the end token).
     """
     check_sampling(max_new_tokens, temperature, top_p, seed)
+    table = None if isinstance(model, HybridLM) else learned_positions(model)
+    if table and input_ids.shape[-1] + max_new_tokens > table[1]:
+        raise ValueError(f"the prompt ({input_ids.shape[-1]} tokens) plus --max-new-tokens {max_new_tokens} needs "
+                         f"{input_ids.shape[-1] + max_new_tokens} positions, but {type(model).__name__} learned "
+                         f"{table[1]} ({table[0]}); shorten the prompt or ask for fewer tokens.")
     if isinstance(model, HybridLM):
         return model.generate(input_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               eos_token_id=eos_token_id)
