@@ -1,6 +1,7 @@
 """Faults, round 4: cases found by probing bad inputs after round 3, one test per class."""
 
 import json
+import re
 
 import pytest
 
@@ -167,3 +168,29 @@ def test_positions_past_a_learned_position_table_are_refused_before_step_1(tmp_p
         with pytest.raises(ValueError, match=r"the prompt \(60 tokens\) plus --max-new-tokens 5 needs 65 positions"):
             generate_causal_lm(model, torch.zeros(1, 60, dtype=torch.long), 5)
         assert generate_causal_lm(model, torch.zeros(1, 60, dtype=torch.long), 4).shape[-1] <= 64
+
+
+def test_a_lora_resume_with_other_adapters_is_refused_naming_both(tmp_path):
+    """A LoRA checkpoint loads non-strictly (the frozen base is not in it), so resuming with other
+    peft.target_modules dropped the adapters of the other modules without a word, and another
+    peft.alpha changed the model's function: both resumed silently. Now refused, naming both."""
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.models.lora import add_lora
+    from hybridpar.train.run.adapters import adapter_layout, check_same_base
+
+    def layout(**settings):
+        model = HybridLM(HybridConfig.from_preset("tiny"))
+        add_lora(model, **settings)
+        return adapter_layout(model)
+
+    base = {"path": "preset tiny (seed 0)", "sha256": "0" * 64}
+    saved = layout(r=8, alpha=16.0)
+    (tmp_path / "run.json").write_text(json.dumps({"step": 2, "lora_base": {**base, "adapters": saved}}))
+    check_same_base(tmp_path, {**base, "adapters": layout(r=8, alpha=16.0)})
+    assert adapter_layout(HybridLM(HybridConfig.from_preset("tiny"))) is None
+    for changed, shown in ((dict(r=4, alpha=16.0), "r=4, alpha=16 on 12 modules"),
+                           (dict(r=8, alpha=32.0), "r=8, alpha=32 on 12 modules"),
+                           (dict(r=8, alpha=16.0, targets=("q_proj",)), "r=8, alpha=16 on 1 modules (q_proj)")):
+        with pytest.raises(CheckpointError, match=rf"holds adapters with r=8, alpha=16 on 12 modules \(down_proj, .*\), "
+                                                  rf"but this run builds {re.escape(shown)}"):
+            check_same_base(tmp_path, {**base, "adapters": layout(**changed)})

@@ -54,7 +54,7 @@ from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
 from hybridpar.train.peft import apply_peft, export_lora
-from hybridpar.train.run.adapters import base_reference, check_same_base
+from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import (
     check_pack_memory, export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
@@ -135,6 +135,7 @@ class Trainer:
                  f"cp={p.cp} tp={p.tp}")
         # Everything that can be wrong with the input is found before the first collective.
         model = apply_peft(config, build_model(config))  # peft.method=lora: frozen base + adapters
+        adapters = adapter_layout(model)  # names before parallelize: the same at every layout
         self.vocab_size = model.config.vocab_size
         shape = model_config(config)
         validate_layout(config, dist.get_world_size(), model=model, shape=shape)
@@ -168,7 +169,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.train)
         lora_base = [base_reference(config) if self.rank == 0 else None]  # peft.method=lora: the base's path and hash
         dist.broadcast_object_list(lora_base, src=0)  # hashed once; every rank refuses a foreign base alike
-        self.lora_base = lora_base[0]
+        self.lora_base = lora_base[0] and {**lora_base[0], "adapters": adapters}
         self.scheduler = build_scheduler(self.optimizer, config.train)
         self.guard = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
         self.start_step = 0

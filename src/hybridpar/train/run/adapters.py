@@ -4,8 +4,9 @@ The frozen base weights are not written (``checkpoint.py`` passes DCP's ``ignore
 when the model has frozen parameters, for saving and loading alike): a resumed run rebuilds them from ``model.hf_path`` (or the preset
 and seed) and loads only the adapters. So that a resume never puts adapters on other weights,
 run.json records ``base_reference`` (the path and a sha256 of its weight files, or the preset,
-dtype and seed that generate it) and ``check_same_base`` refuses a resume whose base differs,
-naming both.
+dtype and seed that generate it) and the adapters' layout (``adapter_layout``: rank, alpha and the
+adapted modules), and ``check_same_base`` refuses a resume whose base or adapters differ, naming
+both (loading is not strict for a LoRA run, so adapters of other modules would be dropped silently).
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ import hashlib
 import json
 from pathlib import Path
 
+from torch import nn
+
 from hybridpar.config import RunConfig
+from hybridpar.config_rules import shorten
+from hybridpar.models.lora import lora_modules
 from hybridpar.train.run.checkpoint import CheckpointError, read_run_info
 
-__all__ = ["base_reference", "check_same_base"]
+__all__ = ["adapter_layout", "base_reference", "check_same_base"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -47,6 +52,20 @@ def base_reference(config: RunConfig) -> dict | None:
             "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
+def adapter_layout(model: nn.Module) -> dict | None:
+    """``{"r", "alpha", "modules"}`` of a model's adapters (names before ``parallelize``), or None."""
+    modules = lora_modules(model)
+    if not modules:
+        return None
+    first = next(iter(modules.values()))
+    return {"r": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "modules": sorted(modules)}
+
+
+def _describe(layout: dict) -> str:
+    names = sorted({name.rsplit(".", 1)[-1] for name in layout["modules"]})
+    return f"r={layout['r']}, alpha={layout['alpha']:g} on {len(layout['modules'])} modules ({', '.join(names)})"
+
+
 def check_same_base(checkpoint: str | Path, current: dict | None) -> None:
     """Refuse to resume adapters from ``checkpoint`` on a base other than the one they trained on."""
     saved = read_run_info(checkpoint).get("lora_base")
@@ -62,3 +81,8 @@ def check_same_base(checkpoint: str | Path, current: dict | None) -> None:
                               f"(sha256 {saved['sha256'][:12]}), but this run's base is {current['path']} (sha256 "
                               f"{current['sha256'][:12]}); resume on the same base weights or start fresh with "
                               "checkpoint.resume=null.")
+    saved_adapters, adapters = saved.get("adapters"), current.get("adapters")
+    if saved_adapters is not None and adapters is not None and saved_adapters != adapters:
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} holds adapters with {shorten(_describe(saved_adapters), 200)}, "
+                              f"but this run builds {shorten(_describe(adapters), 200)}; resume with the checkpoint's "
+                              "peft.r, peft.alpha and peft.target_modules, or start fresh with checkpoint.resume=null.")
