@@ -194,3 +194,22 @@ def test_a_lora_resume_with_other_adapters_is_refused_naming_both(tmp_path):
         with pytest.raises(CheckpointError, match=rf"holds adapters with r=8, alpha=16 on 12 modules \(down_proj, .*\), "
                                                   rf"but this run builds {re.escape(shown)}"):
             check_same_base(tmp_path, {**base, "adapters": layout(**changed)})
+
+
+@pytest.mark.parametrize("template, error", [("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
+                                             ('{{ raise_exception("only user turns") }}', "TemplateError: only user turns")])
+def test_a_chat_template_that_fails_is_one_line_naming_the_record(tmp_path, template, error):
+    """A chat template with a syntax error, or one that raises on the conversation, was a jinja2 traceback."""
+    from hybridpar.data.chat import chat_documents
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+    from tests.data.bpe import train_tiny_bpe
+
+    train_tiny_bpe(tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").write_text(template)
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                  {"role": "assistant", "content": "hello"}]}) + "\n")
+    with pytest.raises(ValueError) as raised:
+        chat_documents([tmp_path / "chat.jsonl"], load_pretrained_tokenizer(tmp_path / "tok"))
+    message = str(raised.value)
+    assert message.startswith(f"{tmp_path / 'chat.jsonl'}:1: the chat template of tokenizer ") and error in message
+    assert "\n" not in message and len(message) < 600

@@ -173,10 +173,16 @@ class PretrainedTokenizer(Tokenizer):
     def apply_chat_template(self, messages, add_generation_prompt: bool = False, return_assistant_mask: bool = False):
         if self.chat_template is None:
             return super().apply_chat_template(messages, add_generation_prompt)
-        rendered = self.hf.apply_chat_template(
-            list(messages), tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
-            chat_template=self.chat_template, return_assistant_tokens_mask=return_assistant_mask,
-        )
+        try:
+            rendered = self.hf.apply_chat_template(
+                list(messages), tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template, return_assistant_tokens_mask=return_assistant_mask,
+            )
+        except Exception as error:  # jinja2's syntax or template errors, raise_exception(...) in the template
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            raise ValueError(f"the chat template of tokenizer {self.name} failed ({type(error).__name__}: {first}); "
+                             "fix the template (chat_template.jinja or tokenizer_config.json) or the "
+                             "conversation.") from None
         ids = list(rendered["input_ids"])
         return (ids, [bool(m) for m in rendered["assistant_masks"]]) if return_assistant_mask else ids
 
