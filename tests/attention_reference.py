@@ -54,12 +54,15 @@ def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor, packed=None) -> Tens
     return attend(q, k, v, mask=document_causal_mask(pos, doc, pos, doc))
 
 
-def naive_attention(q, k, v, q_pos, q_doc, k_pos, k_doc, scale=None, sliding_window=None) -> Tensor:
-    """Softmax written out with explicit scores (no SDPA): a second, independent reference."""
+def naive_attention(q, k, v, q_pos, q_doc, k_pos, k_doc, scale=None, sliding_window=None, softcap=None) -> Tensor:
+    """Softmax written out with explicit scores (no SDPA): a second, independent reference;
+    ``softcap`` caps the scores at ``softcap * tanh(scores / softcap)`` (Gemma2)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     repeat = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     mask = document_causal_mask(q_pos, q_doc, k_pos, k_doc, sliding_window)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)

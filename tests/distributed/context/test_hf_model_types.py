@@ -1,8 +1,8 @@
 """Every transformers model type hybridpar's attention takes (``ATTENTION_MODEL_TYPES``) is
 proven here, one tiny float64 model per type: a packed row of three documents through
 hybridpar's attention (documents from ``packed_seq_params``, as the trainer and CP feed it)
-gives the loss and every parameter gradient of the same model with transformers' SDPA run on
-each document alone (1e-12). Sliding windows (5 tokens) are shorter than the documents, so the
+gives the loss and every parameter gradient of the same model with transformers' SDPA (eager for
+Gemma2's soft-capped scores) run on each document alone (1e-12). Sliding windows (5 tokens) are shorter than the documents, so the
 window rule is exercised. As the trainer runs a float64 model: transformers' float32 casts (norms,
 routers) kept in float64 (``keep_float64``), MoE experts eager (grouped_mm has no float64).
 
@@ -36,6 +36,8 @@ def _configs(hf) -> dict:
         "gemma3_text": lambda: hf.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=24, **_WINDOWED, **_C),
         "phi": lambda: hf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **_C),
         "gemma": lambda: hf.GemmaConfig(head_dim=16, **_C),
+        "gemma2": lambda: hf.Gemma2Config(head_dim=16, attn_logit_softcapping=2.0, query_pre_attn_scalar=24,
+                                          **_WINDOWED, **_C),  # a cap the scores reach
         "phi3": lambda: hf.Phi3Config(**_C),
         "olmo": lambda: hf.OlmoConfig(clip_qkv=3.0, **_C),
         "olmo2": lambda: hf.Olmo2Config(**_C),
@@ -105,7 +107,8 @@ def test_every_listed_type_on_packed_rows_equals_sdpa_on_each_document_alone():
     ids, labels = (torch.randint(0, VOCAB, (1, DOCS[-1]), generator=gen) for _ in range(2))
     errors = {}
     for name, make in _configs(hf).items():
-        ours, reference = _model(hf, make, register_hf_attention()), _model(hf, make, "sdpa")
+        own = "eager" if name == "gemma2" else "sdpa"  # transformers' SDPA path does not soft-cap
+        ours, reference = _model(hf, make, register_hf_attention()), _model(hf, make, own)
         assert attention_problem(ours) is None, (name, attention_problem(ours))
         loss = _loss_sum(ours(**hf_cp_inputs(shard_inputs(input_ids=ids, packed=packed))).logits, labels)
         loss.backward()

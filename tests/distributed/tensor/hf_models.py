@@ -68,7 +68,8 @@ def _builders(hf) -> dict:
         "olmo2": lambda: hf.Olmo2ForCausalLM(hf.Olmo2Config(**c)),
         "unregistered_llama": lambda: _unregistered_llama(hf),
         "arcee": lambda: hf.ArceeForCausalLM(hf.ArceeConfig(**c)),  # its own Hugging Face plan, up/down MLP
-        "gemma2": lambda: hf.Gemma2ForCausalLM(hf.Gemma2Config(head_dim=16, sliding_window=5, **{**c, "attn_implementation": "eager"})),
+        "gemma2": lambda: hf.Gemma2ForCausalLM(hf.Gemma2Config(head_dim=16, sliding_window=5, attn_logit_softcapping=2.0,
+                                                                **{**c, "attn_implementation": "eager"})),
         "phi3": lambda: hf.Phi3ForCausalLM(hf.Phi3Config(**{**c, "num_key_value_heads": 4}, pad_token_id=0)),
         "granite": lambda: hf.GraniteForCausalLM(hf.GraniteConfig(
             embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0, **c)),

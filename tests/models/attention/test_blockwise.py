@@ -88,6 +88,26 @@ def test_any_token_order_window_and_scale(sliding_window, scale):
     assert_close(second, want, what="the two references")
 
 
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_soft_capped_scores_match_the_written_out_softmax(sliding_window):
+    """Gemma2's logit soft-capping ``c * tanh(S / c)`` with ``c`` small enough to bend the scores:
+    output and every input gradient, any token order, queries without keys included."""
+    cu = [0, 11, 12, 35, 47]
+    pos, doc = documents(cu)
+    gen = torch.Generator().manual_seed(4)
+    q_perm, k_perm = torch.randperm(47, generator=gen)[:29], torch.randperm(47, generator=gen)
+    q, k, v = qkv(1, 29, 47, 6, 2, 16)
+    q = (3 * q).detach().requires_grad_()  # scores well past the cap
+    args = (pos[q_perm], doc[q_perm], pos[k_perm], doc[k_perm])
+    got = out_and_grads(lambda *t: blockwise_attention(*t, *args, block_size=6, keys_per_step=12, softcap=1.5,
+                                                       sliding_window=sliding_window, scale=0.7), q, k, v)
+    want = out_and_grads(lambda *t: naive_attention(*t, *args, softcap=1.5, sliding_window=sliding_window, scale=0.7),
+                         q, k, v)
+    uncapped = out_and_grads(lambda *t: naive_attention(*t, *args, sliding_window=sliding_window, scale=0.7), q, k, v)
+    assert_close(got, want, what=f"softcap, window {sliding_window}")
+    assert (want[0] - uncapped[0]).abs().max() > 1e-2  # the cap changes the result
+
+
 def test_queries_without_visible_keys_get_zero_output_and_gradient():
     """Keys of one document only: queries of the other document see nothing (out 0, grads 0, no NaN)."""
     pos, doc = documents([0, 10, 24])
@@ -236,6 +256,7 @@ def test_custom_ops_pass_opcheck():
     pos, doc = documents([0, 5, 12])
     q, k, v = qkv(1, 12, 12, 2, 1, 8)
     plan = block_plan(pos, doc, pos, doc, 4, 8)
-    args = (q, k, v, pos, doc, pos, doc, plan, 1 / math.sqrt(8), None, 4, 8)
-    torch.library.opcheck(torch.ops.hybridpar.blockwise_attention_fwd.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    for softcap in (None, 3.0):
+        args = (q, k, v, pos, doc, pos, doc, plan, 1 / math.sqrt(8), None, 4, 8, softcap)
+        torch.library.opcheck(torch.ops.hybridpar.blockwise_attention_fwd.default, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

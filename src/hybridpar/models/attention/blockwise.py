@@ -18,6 +18,9 @@ Backward, recomputing ``P = exp(S - lse)`` per step, with ``D = rowsum(dout * ou
     dV_t += P^T dout     dP = dout V_t^T     dS = P * (dP - D)
     dQ   += s * dS K_t    dK_t += s * dS^T Q
 
+Logit soft-capping (Gemma2, ``softcap = c``) replaces the scores before the mask and softmax,
+``S <- c * tanh(S / c)``; backward multiplies ``dS`` by its derivative ``1 - tanh(S / c)^2``.
+
 The forward saves only q, k, v, out, lse and the (small, integer) positions, document ids
 and plan. Working memory per step is ``B * Hq * block_size * keys_per_step`` scores, so
 memory is linear in sequence length. Low-precision inputs are computed in float32.
@@ -64,6 +67,7 @@ __all__ = [
     "blockwise_backward",
     "blockwise_forward",
     "check_qkv",
+    "check_softcap",
 ]
 
 BLOCK_SIZE = 256
@@ -113,8 +117,18 @@ def _prepare(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, window, block_size, keys
     return dtype, plan, k.transpose(1, 2).to(dtype).contiguous(), v.transpose(1, 2).to(dtype).contiguous()
 
 
+def _cap(scores: Tensor, softcap: float | None) -> Tensor | None:
+    """Soft-cap ``scores`` in place (``c * tanh(S / c)``); returns ``tanh(S / c)`` for backward (None: no cap)."""
+    if softcap is None:
+        return None
+    tanh = torch.tanh(scores / softcap)
+    scores.copy_(tanh).mul_(softcap)
+    return tanh
+
+
 @full_precision
-def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
+def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step,
+                      softcap=None):
     """``(out [B, S_q, Hq, Dh], lse [B, Hq, S_q])`` over these keys, no autograd (the ops' forward).
 
     ``lse`` is in the compute dtype, ``-inf`` (and ``out`` 0) where a query sees no key here, so
@@ -131,6 +145,7 @@ def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, 
         q_b = _heads_major(q, start, end, num_kv_heads, dtype).mul_(scale)  # [B, Hkv, n*G, Dh]
         for step, (k_start, k_end, all_visible) in enumerate(steps):
             scores = torch.matmul(q_b, k_t[:, :, k_start:k_end].transpose(-1, -2))  # [B, Hkv, n*G, K]
+            _cap(scores, softcap)
             if not all_visible:
                 _hide(scores, q_pos[start:end], q_doc[start:end], k_pos[k_start:k_end], k_doc[k_start:k_end], window)
             m_new = scores.amax(-1) if step == 0 else torch.maximum(m, scores.amax(-1))
@@ -152,7 +167,7 @@ def blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, 
 
 @full_precision
 def blockwise_backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size,
-                       keys_per_step):
+                       keys_per_step, softcap=None):
     """``(dq, dk, dv)`` of these keys' share, given the final ``out`` and ``lse`` (no autograd).
 
     FlashAttention-2's backward needs only the final ``out`` and ``lse``, so it splits over
@@ -174,11 +189,14 @@ def blockwise_backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan
         for k_start, k_end, all_visible in steps:
             k_s, v_s = k_t[:, :, k_start:k_end], v_t[:, :, k_start:k_end]  # [B, Hkv, K, Dh]
             scores = torch.matmul(q_b, k_s.transpose(-1, -2))  # [B, Hkv, n*G, K]
+            tanh = _cap(scores, softcap)
             if not all_visible:
                 _hide(scores, q_pos[start:end], q_doc[start:end], k_pos[k_start:k_end], k_doc[k_start:k_end], window)
             p = scores.sub_(lse_b[..., None]).exp_()
             dv_t[:, :, k_start:k_end] += torch.matmul(p.transpose(-1, -2), do_b)
             ds = torch.matmul(do_b, v_s.transpose(-1, -2)).sub_(delta[..., None]).mul_(p)  # dS
+            if tanh is not None:  # through the cap: d(c tanh(S/c))/dS = 1 - tanh^2
+                ds.mul_(tanh.square_().neg_().add_(1.0))
             dq_b += torch.matmul(ds, k_s)
             dk_t[:, :, k_start:k_end] += torch.matmul(ds.transpose(-1, -2), q_b)  # q_b carries the scale
         dq[:, start:end] = _tokens_major(dq_b.mul_(scale), end - start)
@@ -192,13 +210,14 @@ def blockwise_backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan
 @torch.library.custom_op("hybridpar::blockwise_attention_fwd", mutates_args=())
 def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, q_doc: Tensor, k_pos: Tensor, k_doc: Tensor,
-    plan: Tensor | None, scale: float, window: int | None, block_size: int, keys_per_step: int,
+    plan: Tensor | None, scale: float, window: int | None, block_size: int, keys_per_step: int, softcap: float | None,
 ) -> tuple[Tensor, Tensor]:
-    return blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step)
+    return blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step,
+                             softcap)
 
 
 @_forward_op.register_fake
-def _(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
+def _(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step, softcap):
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_compute_dtype(q.dtype))
 
 
@@ -206,29 +225,29 @@ def _(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys
 def _backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_pos: Tensor, q_doc: Tensor,
     k_pos: Tensor, k_doc: Tensor, plan: Tensor | None, scale: float, window: int | None, block_size: int,
-    keys_per_step: int,
+    keys_per_step: int, softcap: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return blockwise_backward(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size,
-                              keys_per_step)
+                              keys_per_step, softcap)
 
 
 @_backward_op.register_fake
-def _(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
+def _(dout, q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step, softcap):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step = inputs
+    q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan)
-    ctx.options = (scale, window, block_size, keys_per_step)
+    ctx.options = (scale, window, block_size, keys_per_step, softcap)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_rule(ctx, dout, _dlse):
     q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan = ctx.saved_tensors
     dq, dk, dv = _backward_op(dout.contiguous(), q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * 10
 
 
 _forward_op.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -242,12 +261,13 @@ class _BlockwiseAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step):
+    def forward(ctx, q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step, softcap):
         if plan is None:
             plan = block_plan(q_pos, q_doc, k_pos, k_doc, block_size, keys_per_step, window)
-        out, lse = blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step)
+        out, lse = blockwise_forward(q, k, v, q_pos, q_doc, k_pos, k_doc, plan, scale, window, block_size, keys_per_step,
+                                     softcap)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan)
-        ctx.options = (scale, window, block_size, keys_per_step)
+        ctx.options = (scale, window, block_size, keys_per_step, softcap)
         return out
 
     @staticmethod
@@ -255,10 +275,17 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan = ctx.saved_tensors
         dq, dk, dv = blockwise_backward(dout.contiguous(), q, k, v, out, lse, q_pos, q_doc, k_pos, k_doc, plan,
                                         *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, *(None,) * 10
 
 
 # ---------------------------------------------------------------- public entry
+
+
+def check_softcap(softcap: float | None) -> None:
+    """Raise ``ValueError`` unless ``softcap`` is None or a finite number > 0."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"attention logit soft-capping {softcap!r} must be None or a finite number > 0 (the scores "
+                         "become softcap * tanh(scores / softcap)).")
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, where: str = "attention") -> None:
@@ -279,7 +306,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, where: str = "attention") -> None
 def blockwise_attention(
     q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, q_doc: Tensor, k_pos: Tensor, k_doc: Tensor,
     plan: Tensor | None = None, *, scale: float | None = None, sliding_window: int | None = None,
-    block_size: int = BLOCK_SIZE, keys_per_step: int = KEYS_PER_STEP,
+    block_size: int = BLOCK_SIZE, keys_per_step: int = KEYS_PER_STEP, softcap: float | None = None,
 ) -> Tensor:
     """Document-causal attention ``[B, S_q, Hq, Dh]`` of ``q`` over ``k, v``, never ``[S_q, S_k]``.
 
@@ -287,7 +314,7 @@ def blockwise_attention(
     (any token order). ``plan`` is ``attention_layout.block_plan(...)`` for the same
     arguments, built once per batch; without it the op builds its own (one host sync).
     ``scale`` defaults to ``1/sqrt(Dh)``; ``sliding_window`` ``W`` also hides keys ``W`` or
-    more positions back.
+    more positions back; ``softcap`` ``c`` caps the scores at ``c * tanh(S / c)``.
     """
     check_qkv(q, k, v, "blockwise_attention")
     check_block_sizes(block_size, keys_per_step)
@@ -298,9 +325,10 @@ def blockwise_attention(
             f"for {k.shape[1]} keys; pass one row of ids (they are shared by the batch)."
         )
     check_sliding_window(sliding_window)
+    check_softcap(softcap)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = (q.contiguous(), k.contiguous(), v.contiguous(), q_pos, q_doc, k_pos, k_doc, plan, scale, sliding_window,
-            block_size, keys_per_step)
+            block_size, keys_per_step, None if softcap is None else float(softcap))
     if torch.compiler.is_compiling():
         return _forward_op(*args)[0]
     return _BlockwiseAttention.apply(*args)

@@ -41,7 +41,7 @@ from hybridpar.models.attention.layout import (
     cu_seqlens_of_rows,
     invisible,
 )
-from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP, blockwise_attention, check_qkv
+from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP, blockwise_attention, check_qkv, check_softcap
 
 __all__ = [
     "FLEX_BLOCK_SIZE",
@@ -175,13 +175,19 @@ def _run_varlen(q, k, v, layout, scale, sliding_window):
 def attention_core(
     q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout, *, scale: float | None = None,
     sliding_window: int | None = None, block_size: int = BLOCK_SIZE, keys_per_step: int = KEYS_PER_STEP,
-    kernel: str | None = None,
+    kernel: str | None = None, softcap: float | None = None,
 ) -> Tensor:
-    """Document-causal attention ``[B, S_q, Hq, Dh]`` on the best kernel (or the one named)."""
+    """Document-causal attention ``[B, S_q, Hq, Dh]`` on the best kernel (or the one named);
+    ``softcap`` (Gemma2's logit soft-capping) runs on the blockwise core, which applies it."""
     check_qkv(q, k, v, "attention_core")
     check_block_sizes(block_size, keys_per_step)
     check_sliding_window(sliding_window)
-    if kernel is None:
+    check_softcap(softcap)
+    if softcap is not None and kernel not in (None, "blockwise"):
+        raise ValueError(f"attention kernel {kernel!r} does not soft-cap scores; pass kernel=None or 'blockwise'.")
+    if softcap is not None:
+        kernel, reason = "blockwise", "soft-capped scores"
+    elif kernel is None:
         kernel, reason = choose_kernel(q, layout)
     elif kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {list(KERNELS)} or None (automatic).")
@@ -200,4 +206,5 @@ def attention_core(
         return _run_flex(q, k, v, layout, scale, sliding_window)
     plan = plan_for(layout, block_size, keys_per_step, sliding_window)
     return blockwise_attention(q, k, v, layout.q_pos, layout.q_doc, layout.k_pos, layout.k_doc, plan, scale=scale,
-                               sliding_window=sliding_window, block_size=block_size, keys_per_step=keys_per_step)
+                               sliding_window=sliding_window, block_size=block_size, keys_per_step=keys_per_step,
+                               softcap=softcap)

@@ -110,8 +110,8 @@ class AllGatherAttention(AttentionStrategy):
     name = "allgather"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
-                 scale: float | None = None, sliding_window: int | None = None) -> Tensor:
-        options = self.call_options(scale, sliding_window)
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window, softcap)
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
             return self._single_process(q, k, v, packed, options)
@@ -146,8 +146,8 @@ class UlyssesAttention(AttentionStrategy):
             )
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
-                 scale: float | None = None, sliding_window: int | None = None) -> Tensor:
-        options = self.call_options(scale, sliding_window)
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window, softcap)
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
             return self._single_process(q, k, v, packed, options)

@@ -1,10 +1,10 @@
 """What the attention CP strategies share: input checks, block sizes, the group-of-one path.
 
 A strategy (``context/attention.py``: "allgather", "ulysses"; ``context/ring.py``: "ring") is called as
-``core(q, k, v, packed, scale=None, sliding_window=None)`` with this rank's
+``core(q, k, v, packed, scale=None, sliding_window=None, softcap=None)`` with this rank's
 ``q [B, S/P, Hq, Dh]``, ``k, v [B, S/P, Hkv, Dh]`` and localized ``PackedSeqParams``; ``scale``
-(default ``1/sqrt(Dh)``) and ``sliding_window`` (keys fewer than ``W`` global positions back)
-are the core's own options, which Hugging Face attention modules pass (``context/hf.py``).
+(default ``1/sqrt(Dh)``), ``sliding_window`` (keys fewer than ``W`` global positions back) and
+``softcap`` (scores ``c * tanh(S / c)``) are the core's own options, which Hugging Face attention modules pass (``context/hf.py``).
 Everything here is checked without communication, so bad input raises the same
 ``ValueError`` on every rank before any collective.
 """
@@ -18,7 +18,7 @@ from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
 from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout, cached, check_block_sizes, check_sliding_window
-from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP
+from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP, check_softcap
 from hybridpar.parallel.context.core import ContextParallelCore
 
 __all__ = ["AttentionStrategy", "global_sequence_layout"]
@@ -57,10 +57,12 @@ class AttentionStrategy(ContextParallelCore):
             self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
         return None
 
-    def call_options(self, scale: float | None, sliding_window: int | None) -> dict:
-        """The core's keyword arguments for one call: block sizes, ``scale`` (None: ``1/sqrt(Dh)``), window."""
+    def call_options(self, scale: float | None, sliding_window: int | None, softcap: float | None = None) -> dict:
+        """The core's keyword arguments for one call: block sizes, ``scale`` (None: ``1/sqrt(Dh)``), window,
+        logit soft-capping."""
         check_sliding_window(sliding_window)
-        return dict(self.core_options, scale=scale, sliding_window=sliding_window)
+        check_softcap(softcap)
+        return dict(self.core_options, scale=scale, sliding_window=sliding_window, softcap=softcap)
 
     def _single_process(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None,
                         options: dict | None = None) -> Tensor:

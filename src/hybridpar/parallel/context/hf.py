@@ -12,7 +12,8 @@ for query ``i`` and key ``j`` at global positions ``p`` in documents ``d``::
     out_i = sum_j softmax_j(s q_i . k_j | M_ij) v_j,   M_ij = [d_j = d_i] [p_j <= p_i] [p_i - p_j < W]
 
 (the window term only on sliding layers: Mistral with ``sliding_window``, Gemma3's local
-layers, Qwen2/3 with ``use_sliding_window``). No ``[S, S]`` mask exists: the
+layers, Qwen2/3 with ``use_sliding_window``; Gemma2's ``softcap`` ``c`` replaces ``s q_i . k_j``
+by ``c tanh(s q_i . k_j / c)``). No ``[S, S]`` mask exists: the
 strategies run the blockwise core. transformers builds no mask for an implementation
 without a registered mask function (``attention_mask`` arrives as None).
 
@@ -68,11 +69,12 @@ CORE_ATTRIBUTE = "hybridpar_cp_core"
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
 # Attention models whose attention modules hand the attention interface q/k/v after every step of
 # their own (projections, q/k norms, partial or no RoPE, multipliers) and nothing else it must apply
-# but ``scaling`` and ``sliding_window``: each proven equal to SDPA on every document alone, loss and
-# every gradient in float64 (tests/distributed/context/test_hf_model_types.py). Not here: soft-capped
-# (Gemma2) or sink (gpt-oss) attention, ALiBi in the mask (Bloom, MPT), MLA (DeepSeek), linear attention.
+# but ``scaling``, ``sliding_window`` and ``softcap``: each proven equal to SDPA (eager for Gemma2's
+# soft-capping) on every document alone, loss and every gradient in float64
+# (tests/distributed/context/test_hf_model_types.py). Not here: sink attention (gpt-oss), ALiBi in the
+# mask (Bloom, MPT), MLA (DeepSeek), linear attention.
 ATTENTION_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi", "gemma", "phi3", "olmo", "olmo2", "olmo3", "granite",
+    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi", "gemma", "gemma2", "phi3", "olmo", "olmo2", "olmo3", "granite",
     "granitemoe", "starcoder2", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "arcee", "smollm3", "glm", "glm4",
     "exaone4", "ernie4_5", "helium", "cohere", "cohere2", "hunyuan_v1_dense", "apertus")
 SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES
@@ -105,16 +107,16 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     if attention_mask is not None:
         raise ValueError(f"{where} got an attention mask; it takes documents and padding from packed_seq_params "
                          "(hf_cp_inputs) instead: drop attention_mask.")
-    if dropout or softcap is not None or kwargs.get("s_aux") is not None:
-        raise ValueError(f"{where}: attention dropout ({dropout}), logit soft-capping ({softcap}) and attention "
-                         "sinks are not supported; set attention_dropout=0 and use a model without them.")
+    if dropout or kwargs.get("s_aux") is not None:
+        raise ValueError(f"{where}: attention dropout ({dropout}) and attention sinks are not supported; set "
+                         "attention_dropout=0 and use a model without sinks.")
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, H, S, Dh] -> [B, S, H, Dh]
     core = getattr(module, CORE_ATTRIBUTE, None)
     if core is not None:
         if packed_seq_params is None:
             raise ValueError(f"{where} runs context parallel but got no packed_seq_params; call the model with "
                              "**hf_cp_inputs(shard_inputs(..., cp_group=...)).")
-        return core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window), None
+        return core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window, softcap=softcap), None
     if packed_seq_params is not None or position_ids is None:
         layout = sequence_layout(packed_seq_params, q.shape[1], q.device)
     else:
@@ -122,7 +124,7 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
             raise ValueError(f"{where}: rows have different position ids; every row of a batch shares one document "
                              "layout, so pass packed_seq_params=packed_from_position_ids(row) per row.")
         layout = _position_layout(position_ids, q.device)
-    return attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window), None
+    return attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap), None
 
 
 def register_hf_attention() -> str:

@@ -56,12 +56,12 @@ def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Te
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, strategy, q_pos, q_doc, steps, scale, window):
+    def forward(ctx, q, k, v, strategy, q_pos, q_doc, steps, scale, window, softcap):
         group, num_kv_heads = strategy.cp_group, k.shape[2]
         dtype = torch.promote_types(q.dtype, torch.float32)
         blocks = strategy.core_options
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        options = (scale, window, blocks["block_size"], blocks["keys_per_step"])
+        options = (scale, window, blocks["block_size"], blocks["keys_per_step"], softcap)
         kv = torch.cat([k, v], dim=2)  # [B, S/P, 2*Hkv, Dh]
         out = lse = None
         for t, (k_pos, k_doc, plan) in enumerate(steps):
@@ -95,7 +95,7 @@ class _Ring(torch.autograd.Function):
             dkv = ring_shift(dkv, group, _GRAD_TAG).wait()  # with the block to rank r+1; home after the last step
             kv = shift.wait() if shift is not None else kv
         dk, dv = dkv.split(num_kv_heads, dim=2)
-        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), *(None,) * 6
+        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), *(None,) * 7
 
 
 class RingAttention(AttentionStrategy):
@@ -121,11 +121,11 @@ class RingAttention(AttentionStrategy):
         return cached(packed.cache, ("attention.ring", str(device), *self.core_options.values(), window), build)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
-                 scale: float | None = None, sliding_window: int | None = None) -> Tensor:
-        options = self.call_options(scale, sliding_window)
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window, softcap)
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
             return self._single_process(q, k, v, packed, options)
         q_pos, q_doc, steps = self._steps(packed, layout, q.device, sliding_window)
         return _Ring.apply(q.contiguous(), k.contiguous(), v.contiguous(), self, q_pos, q_doc, steps, scale,
-                           sliding_window)  # [B, S/P, Hq, Dh]
+                           sliding_window, softcap)  # [B, S/P, Hq, Dh]
