@@ -213,3 +213,16 @@ def test_a_chat_template_that_fails_is_one_line_naming_the_record(tmp_path, temp
     message = str(raised.value)
     assert message.startswith(f"{tmp_path / 'chat.jsonl'}:1: the chat template of tokenizer ") and error in message
     assert "\n" not in message and len(message) < 600
+
+
+def test_a_warmup_longer_than_the_run_is_said(tmp_path, capsys):
+    """train.warmup_steps > train.steps ran without a word, its learning rate never reaching train.lr."""
+    from hybridpar.train.preflight import validate_run
+
+    validate_run(load_config(DEFAULT, [*TINY, f"output_dir={tmp_path}", "train.steps=2", "train.warmup_steps=10",
+                                       "train.lr=0.003"]), "train")
+    assert ("train.warmup_steps=10 is more than train.steps=2: the learning rate rises for the whole run and ends at "
+            "0.0006, below train.lr=0.003") in capsys.readouterr().err
+    validate_run(load_config(DEFAULT, [*TINY, f"output_dir={tmp_path}", "train.steps=20", "train.warmup_steps=10"]),
+                 "train")
+    assert "warmup_steps" not in capsys.readouterr().err
