@@ -2,13 +2,15 @@
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 from hybridpar.config import load_config
 from hybridpar.train.run.checkpoint import CheckpointError
 from hybridpar.train.run.directory import plan_resume
-from tests.train.test_faults_round3 import DEFAULT, TINY
+from tests.train.test_faults_round3 import DEFAULT, ROOT, TINY
 
 
 @pytest.mark.parametrize("damage", ["shard_missing", "manifest_not_json", "manifest_a_list"])
@@ -52,11 +54,6 @@ def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_saying_what_
     trained weights without a word; at two ranks the launcher named the rank it had stopped. Now:
     exit 1, one line naming the step or path, the cause and the free space, and what is intact; no
     staging folder is left behind."""
-    import subprocess
-    import sys
-
-    from tests.train.test_faults_round3 import ROOT
-
     run = ["train", "--config", DEFAULT, *TINY, "data.task_options={}", f"output_dir={tmp_path / 'run'}",
            "train.steps=2", "model.overrides={rotary_fraction: 0.0}"]
     if what == "checkpoint":  # two ranks: one reports, the launcher stops the other (that SIGTERM was named instead)
@@ -81,11 +78,6 @@ def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_saying_what_
 
 def test_any_other_refused_write_is_one_line_and_exit_1(tmp_path):
     """metrics.jsonl (here) or any other file the system refuses to grow: one line, no traceback."""
-    import subprocess
-    import sys
-
-    from tests.train.test_faults_round3 import ROOT
-
     run = ["train", "--config", DEFAULT, *TINY, "data.task_options={}", f"output_dir={tmp_path / 'run'}",
            "train.steps=3", "train.log_every=1", "checkpoint.every=-1"]
     result = subprocess.run([sys.executable, "-m", "hybridpar", *run], capture_output=True, text=True, timeout=240,

@@ -369,12 +369,6 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     if command == "train":
         from hybridpar.train.run.directory import check_lock_free, check_run_paths, model_signature, plan_resume
 
-        train = config.train
-        if train.warmup_steps > train.steps:  # allowed (a run extended later warms up as the first did), but said
-            notice(f"train.warmup_steps={train.warmup_steps} is more than train.steps={train.steps}: the learning rate "
-                   f"rises for the whole run and ends at {train.lr * train.steps / train.warmup_steps:.3g}, below "
-                   f"train.lr={train.lr:g}")
-
         validate_export(config, shape)
         check_run_paths(config)
         check_lock_free(config.output_dir)
@@ -387,4 +381,9 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     else:
         data = prepare_data(config, shape.vocab_size)
     validate_data(data, shape.vocab_size, config.model.hf_path)
+    train = config.train
+    if command == "train" and train.warmup_steps > train.steps:  # allowed (an extended run warms up alike); said last
+        notice(f"train.warmup_steps={train.warmup_steps} is more than train.steps={train.steps}: the learning rate "
+               f"rises for the whole run and ends at {train.lr * train.steps / train.warmup_steps:.3g}, below "
+               f"train.lr={train.lr:g}")
     return shape
