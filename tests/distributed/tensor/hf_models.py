@@ -66,6 +66,9 @@ def _builders(hf) -> dict:
             mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1,
             mamba_chunk_size=8, **c)),
         "olmo2": lambda: hf.Olmo2ForCausalLM(hf.Olmo2Config(**c)),
+        "gemma": lambda: hf.GemmaForCausalLM(hf.GemmaConfig(head_dim=16, **c)),  # scaled embedding, (1 + w) norms
+        "smollm3": lambda: hf.SmolLM3ForCausalLM(hf.SmolLM3Config(no_rope_layers=[1, 0], pad_token_id=0, **c)),
+        "helium": lambda: hf.HeliumForCausalLM(hf.HeliumConfig(head_dim=16, pad_token_id=0, **c)),
         "unregistered_llama": lambda: _unregistered_llama(hf),
         "arcee": lambda: hf.ArceeForCausalLM(hf.ArceeConfig(**c)),  # its own Hugging Face plan, up/down MLP
         "gemma2": lambda: hf.Gemma2ForCausalLM(hf.Gemma2Config(head_dim=16, sliding_window=5, attn_logit_softcapping=2.0,

@@ -56,8 +56,12 @@ def _config_flag_refused(flag: str, why: str):
 @register_hf_plan("mistral", "MistralForCausalLM")
 @register_hf_plan("qwen2", "Qwen2ForCausalLM")
 @register_hf_plan("granite", "GraniteForCausalLM")
+@register_hf_plan("gemma", "GemmaForCausalLM")
+@register_hf_plan("smollm3", "SmolLM3ForCausalLM")
+@register_hf_plan("helium", "HeliumForCausalLM")
 def llama_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Llama, Mistral, Qwen2, Granite: q/k/v, gate/up column-parallel; o/down row-parallel."""
+    """Llama, Mistral, Qwen2, Granite, Gemma, SmolLM3, Helium: q/k/v, gate/up column-parallel; o/down
+    row-parallel."""
     return decoder_plan(sequence_parallel)
 
 
