@@ -69,6 +69,11 @@ def _builders(hf) -> dict:
         "gemma": lambda: hf.GemmaForCausalLM(hf.GemmaConfig(head_dim=16, **c)),  # scaled embedding, (1 + w) norms
         "smollm3": lambda: hf.SmolLM3ForCausalLM(hf.SmolLM3Config(no_rope_layers=[1, 0], pad_token_id=0, **c)),
         "helium": lambda: hf.HeliumForCausalLM(hf.HeliumConfig(head_dim=16, pad_token_id=0, **c)),
+        "olmo3": lambda: hf.Olmo3ForCausalLM(hf.Olmo3Config(sliding_window=5, pad_token_id=0,
+                                                            layer_types=["sliding_attention", "full_attention"], **c)),
+        "ernie4_5": lambda: hf.Ernie4_5ForCausalLM(hf.Ernie4_5Config(head_dim=16, **c)),
+        "exaone4": lambda: hf.Exaone4ForCausalLM(hf.Exaone4Config(
+            sliding_window=5, layer_types=["sliding_attention", "full_attention"], **c)),
         "unregistered_llama": lambda: _unregistered_llama(hf),
         "arcee": lambda: hf.ArceeForCausalLM(hf.ArceeConfig(**c)),  # its own Hugging Face plan, up/down MLP
         "gemma2": lambda: hf.Gemma2ForCausalLM(hf.Gemma2Config(head_dim=16, sliding_window=5, attn_logit_softcapping=2.0,

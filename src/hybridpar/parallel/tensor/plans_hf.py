@@ -59,9 +59,10 @@ def _config_flag_refused(flag: str, why: str):
 @register_hf_plan("gemma", "GemmaForCausalLM")
 @register_hf_plan("smollm3", "SmolLM3ForCausalLM")
 @register_hf_plan("helium", "HeliumForCausalLM")
+@register_hf_plan("ernie4_5", "Ernie4_5ForCausalLM")
 def llama_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Llama, Mistral, Qwen2, Granite, Gemma, SmolLM3, Helium: q/k/v, gate/up column-parallel; o/down
-    row-parallel."""
+    """Llama, Mistral, Qwen2, Granite, Gemma, SmolLM3, Helium, Ernie 4.5: q/k/v, gate/up column-parallel;
+    o/down row-parallel."""
     return decoder_plan(sequence_parallel)
 
 
@@ -109,10 +110,18 @@ def phi3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
 
 
 @register_hf_plan("olmo2", "Olmo2ForCausalLM")
+@register_hf_plan("olmo3", "Olmo3ForCausalLM")
 def olmo2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """OLMo2: q/k RMSNorms over all heads (gathered attention); only post-block norms, so the
+    """OLMo2, OLMo3: q/k RMSNorms over all heads (gathered attention); only post-block norms, so the
     blocks read the residual stream directly."""
     return decoder_plan(sequence_parallel, gather_attention=True, head_norms=("q_norm", "k_norm"), in_norms=(),
+                        post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), residual_inputs=True)
+
+
+@register_hf_plan("exaone4", "Exaone4ForCausalLM")
+def exaone4_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Exaone4: per-head q/k RMSNorms (replicated) and OLMo2's post-block norms only."""
+    return decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"), in_norms=(),
                         post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), residual_inputs=True)
 
 
