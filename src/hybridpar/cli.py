@@ -300,8 +300,9 @@ def worker_main(args: argparse.Namespace) -> int:
     except (NonFiniteError, OutputWriteError) as error:  # the run stopped for the reason it names
         return fail(str(error), 1)
     except Exception as error:  # noqa: BLE001 - a peer's death, a full disk or a bug
-        if _write_failure(error):
-            return fail(f"rank {rank}: {_write_failure(error)}", 1)
+        refused_write = _write_failure(error)
+        if refused_write:
+            return fail(f"rank {rank}: {refused_write}", 1)
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         if _collective_failure(error):
             return fail(f"rank {rank}: a collective failed ({first_line}); a peer rank died, stalled or timed out "
@@ -351,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             return launch(args.nproc_per_node, worker_args, config.train.collective_timeout_s)
         return run(args, config)
     except (*INPUT_ERRORS, OSError) as error:  # any other OSError (a path too long, ...): one line, not a traceback
-        print(f"{prefix}: {_write_failure(error) or _message(error)}", file=sys.stderr, flush=True)
-        return 1 if _write_failure(error) else 2
+        refused_write = _write_failure(error)
+        print(f"{prefix}: {refused_write or _message(error)}", file=sys.stderr, flush=True)
+        return 1 if refused_write else 2
     except (NonFiniteError, OutputWriteError) as error:
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
         return 1

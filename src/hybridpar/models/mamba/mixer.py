@@ -33,6 +33,11 @@ def local_conv_scan(mixer: "Mamba2Mixer", xBC: Tensor, dt: Tensor, packed=None) 
     )
 
 
+def replicated_groups(n_groups: int, tp: int) -> bool:
+    """Whether the single B/C group is held whole by every one of ``tp > 1`` ranks (``tp_groups``)."""
+    return tp > 1 and n_groups == 1
+
+
 def tp_groups(n_groups: int, tp: int) -> int:
     """B/C groups one of ``tp`` ranks holds when the mixer is sharded by heads: ``n_groups / tp``,
     or the single group whole on every rank (0: this ``tp`` cannot shard the groups)."""

@@ -40,8 +40,8 @@ import math
 from dataclasses import dataclass
 
 from hybridpar.models.hybrid import HybridConfig
+from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
 from hybridpar.parallel.context.attention import attention_cp_bytes_per_layer, ulysses_kv_heads
-from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.parallel.context.mamba import a2a_bytes_per_layer
 from hybridpar.parallel.context.mamba_state import state_bytes_per_layer
 from hybridpar.parallel.dims import ParallelDims
@@ -158,19 +158,16 @@ def _unit_parameters(kind: type, shape: tuple, tp: int, sp: bool) -> dict[str, l
             d_inner, heads = config.mamba_intermediate_size, config.mamba_num_heads
             gn = config.mamba_n_groups * config.ssm_state_size
             parts = dict(z=d_inner, x=d_inner, B=gn, C=gn, dt=heads)
-            shared = _shared_groups(config.mamba_n_groups, tp)  # one group: B/C rows whole on every rank
-
-            def split(c):  # (divisor, sharded) of component c
-                return (1, False) if shared and c in "BC" else (tp, tp > 1)
-
-            params += [ParamShape(f"{m}.in_proj.weight_{c}", (n // split(c)[0], d), split(c)[1]) for c, n in parts.items()]
+            shared = replicated_groups(config.mamba_n_groups, tp)  # one group: B/C rows whole on every rank
+            div = {c: 1 if shared and c in "BC" else tp for c in parts}  # ranks a component is split over
+            params += [ParamShape(f"{m}.in_proj.weight_{c}", (n // div[c], d), div[c] > 1) for c, n in parts.items()]
             if config.mamba_proj_bias:
-                params += [ParamShape(f"{m}.in_proj.bias_{c}", (n // split(c)[0],), split(c)[1]) for c, n in parts.items()]
+                params += [ParamShape(f"{m}.in_proj.bias_{c}", (n // div[c],), div[c] > 1) for c, n in parts.items()]
             conv = dict(x=d_inner, B=gn, C=gn)
-            params += [ParamShape(f"{m}.conv1d.weight_{c}", (n // split(c)[0], 1, config.conv_kernel), split(c)[1])
+            params += [ParamShape(f"{m}.conv1d.weight_{c}", (n // div[c], 1, config.conv_kernel), div[c] > 1)
                        for c, n in conv.items()]
             if config.use_conv_bias:
-                params += [ParamShape(f"{m}.conv1d.bias_{c}", (n // split(c)[0],), split(c)[1]) for c, n in conv.items()]
+                params += [ParamShape(f"{m}.conv1d.bias_{c}", (n // div[c],), div[c] > 1) for c, n in conv.items()]
             params += [ParamShape(f"{m}.{p}", (heads // tp,), tp > 1) for p in ("dt_bias", "A_log", "D")]
             params += [ParamShape(f"{m}.norm.weight", (d_inner // tp,), tp > 1)]
             params += row(f"{m}.out_proj", d, d_inner, config.mamba_proj_bias)
@@ -248,17 +245,12 @@ def tp_head(s: StepShape) -> Tally:
     return out
 
 
-def _shared_groups(n_groups: int, tp: int) -> bool:
-    """One B/C group under tp > 1: replicated on every rank (``tensor/hybrid.replicate_shared_groups``)."""
-    return tp > 1 and n_groups % tp != 0
-
-
 def tp_shared_groups(s: StepShape) -> Tally:
     """One B/C group under TP: per Mamba layer and pack, the gated norm all-reduces its sum of
     squares [Tc, 1] (forward, and its gradient in backward; at least float32), and each replicated
     B/C parameter's gradient is all-reduced (backward)."""
     out, cfg, tp = Tally(), s.model, s.dims.tp
-    if not _shared_groups(cfg.mamba_n_groups, tp):
+    if not replicated_groups(cfg.mamba_n_groups, tp):
         return out
     label, tokens, layers = dim_label(s.dims, ("tp",)), s.pack_size // s.dims.cp, cfg.pattern.count("M")
     out.add("all_reduce", label, _ring("all_reduce", tp, tokens * max(s.element_size, 4)), 2 * layers * s.packs_per_rank)

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP, gated_rms_norm
-from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
+from hybridpar.models.mamba.mixer import Mamba2Mixer, replicated_groups, tp_groups
 from hybridpar.parallel.comm.collectives import all_reduce
 from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.registry import register_tp_plan
@@ -219,7 +219,7 @@ def replicate_shared_groups(mixer: nn.Module, mesh: DeviceMesh) -> list[tuple[nn
     """With one B/C group and tp > 1 every rank's heads read the whole group: its ``in_proj`` and
     ``conv1d`` rows (``*_B``, ``*_C``) are replicated (``Replicate`` DTensors, gradient summed over
     TP at each forward, ``SHARED_GROUPS``); returns those ``(module, name)`` slots."""
-    if mixer.n_groups % mesh.size() == 0:
+    if not replicated_groups(mixer.n_groups, mesh.size()):
         return []
     shared = [(sub, name) for sub in (mixer.in_proj, mixer.conv1d) for name in sub._parameters
               if name.endswith(("_B", "_C")) and sub._parameters[name] is not None]
