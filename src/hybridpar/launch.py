@@ -251,7 +251,8 @@ def _outcome(nproc: int, failures: dict | None, stopped_by: int | None, watchdog
         say(f"error: {report['message']}")
         return 2
     killed = {rank: failure for rank, failure in failures.items() if failure.exitcode < 0}
-    stopped_after_report = report is not None and report.get("rank") not in killed and all(
+    exited = any(f.exitcode > 0 for f in failures.values())  # a rank ended itself (it reports first, then exits)
+    stopped_after_report = report is not None and (exited or report.get("rank") not in killed) and all(
         f.exitcode == -signal.SIGTERM for f in killed.values())  # a rank failed and said why; the agent stopped the rest
     if killed and not stopped_after_report:  # the agent SIGTERMs the others after the first death: name the first
         first = [r for r, f in killed.items() if f.exitcode != -signal.SIGTERM] or \

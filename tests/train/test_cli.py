@@ -225,3 +225,22 @@ def test_dry_run_checks_what_train_checks_and_writes_nothing(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(out), "--prompt", "k", "--max-new-tokens", "2", "--top-p", "0",
                  "--dry-run"]) == 2
     assert "--top-p 0.0 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_rank_that_reported_and_was_then_stopped_is_not_blamed_on_the_stop(capsys):
+    """Every rank of a failed `check` reports and exits 1. When rank 0 wrote the report first but rank 1
+    exited first, the agent SIGTERMs rank 0 while it ends: the launcher said "rank 0 was killed by
+    SIGTERM ... resume from the last checkpoint" instead of the report."""
+    from types import SimpleNamespace
+
+    from hybridpar.launch import Watchdog, _outcome
+
+    failures = {0: SimpleNamespace(exitcode=-signal.SIGTERM, pid=11), 1: SimpleNamespace(exitcode=1, pid=12)}
+    report = {"rank": 0, "code": 1, "message": "check failed (see its output above)."}
+    watchdog = Watchdog(Path("."), 60)
+    assert _outcome(2, failures, None, watchdog, report) == 1
+    assert capsys.readouterr().err == "hybridpar: error: check failed (see its output above).\n"
+    # a rank killed from outside (SIGKILL) is still named, whatever the others reported
+    failures[1] = SimpleNamespace(exitcode=-signal.SIGKILL, pid=12)
+    assert _outcome(2, failures, None, watchdog, report) == 1
+    assert "rank 1 (pid 12) was killed by SIGKILL" in capsys.readouterr().err
