@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from hybridpar.models.lora import add_lora, is_lora_parameter
+from hybridpar.models.lora_dropout import set_dropout_tokens, token_keys
 from hybridpar.train.loss import global_sum, token_loss_sum, valid_token_count
 from tests.distributed.context.test_model import TOL, build_model as build_hybrid, make_batch
 from tests.distributed.harness import run_ranks
@@ -36,8 +37,7 @@ LAYOUTS_2 = {  # name -> (ParallelDims kwargs, parallelize kwargs)
     "dp_shard2-compiled": (dict(dp_shard=2), dict(compile="aot_eager")),  # HybridLM only (time)
 }
 LAYOUTS_4 = {"cp2-tp2": (dict(cp=2, tp=2), {})}
-LAYOUTS_DROPOUT = {"tp2": LAYOUTS_2["tp2"], "tp2-sp": LAYOUTS_2["tp2-sp"]}
-MASK_SEED = 123
+LAYOUTS_DROPOUT = {name: LAYOUTS_2[name] for name in ("tp2", "tp2-sp", "cp2-ac", "dp_shard2", "dp_shard2-compiled")}
 
 
 def lora_model(name: str, dropout: float = 0.0):
@@ -78,12 +78,21 @@ def _logits(name: str, model, ids, packed):
     return model(input_ids=ids, use_cache=False).logits
 
 
+def key_masks(model, rank: int, ids, positions) -> None:
+    """LoRA dropout masks keyed by each token's global row (data-parallel rank ``rank``'s rows) and position."""
+    rows = rank * ids.shape[0] + torch.arange(ids.shape[0])
+    set_dropout_tokens(model, 0, token_keys(rows, positions))
+
+
 def reference(name: str, dp: int, dropout: float = 0.0) -> dict:
     model = lora_model(name, dropout)
     batches = batches_for(name, dp)
     count = sum(valid_token_count(labels) for _, labels, _ in batches)
-    torch.manual_seed(MASK_SEED)  # LoRA dropout masks: the same generator state as every rank's
-    loss = sum(token_loss_sum(_logits(name, model, ids, packed), labels) for ids, labels, packed in batches) / count
+    loss = 0.0
+    for rank, (ids, labels, packed) in enumerate(batches):
+        key_masks(model, rank, ids, torch.arange(ids.shape[1]))
+        loss = loss + token_loss_sum(_logits(name, model, ids, packed), labels)
+    loss = loss / count
     loss.backward()
     return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
@@ -99,12 +108,13 @@ def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh, dropout: f
     dims = ParallelDims(**dims_kwargs)
     model = parallelize(lora_model(name, dropout), dims, mesh=mesh, **options)
     dp = dims.dp_replicate * dims.dp_shard
-    ids, labels, packed = batches_for(name, dp)[ParallelDims.mesh(mesh, "dp").get_local_rank()]
+    dp_rank = ParallelDims.mesh(mesh, "dp").get_local_rank()
+    ids, labels, packed = batches_for(name, dp)[dp_rank]
     dp_cp = ParallelDims.group(mesh, "dp_cp")
     local = shard_inputs(ids, labels=labels, packed=packed, cp_group=mesh["cp"].get_group(),
                          tp_group=mesh["tp"].get_group(), sequence_parallel=options.get("sequence_parallel", False))
     count = global_sum(valid_token_count(local.labels), dp_cp)
-    torch.manual_seed(MASK_SEED)
+    key_masks(model, dp_rank, ids, local.global_positions())
     with CommStats(mesh) as stats:
         if name == "hybrid":
             logits = model(local.input_ids, packed=local.packed)
@@ -171,10 +181,12 @@ def test_lora_tp_sp_cp_fsdp_match_one_process():
     _check(run_ranks(2, lora_worker, LAYOUTS_2, timeout_s=500), LAYOUTS_2)
 
 
-def test_lora_dropout_under_tp_draws_the_single_process_masks():
-    """peft.dropout=0.3 at tp=2 and tp=2 + SP: with one generator state every rank draws the mask of
-    the whole input and keeps its slice (``ShardedLoRADropout``), so the loss and every adapter
-    gradient equal one process's (column-, row- and per-component adapters alike)."""
+@pytest.mark.timeout(600)
+def test_lora_dropout_draws_the_single_process_masks_at_every_layout():
+    """peft.dropout=0.3 at tp=2, tp=2 + SP, cp=2 (activation checkpointing: recomputed masks) and
+    dp_shard=2 (and compiled blocks): masks keyed by each token's global row and position (``models/lora_dropout.py``;
+    a row-parallel adapter's feature shard by its global features, ``ShardedLoRADropout``), so the
+    loss and every adapter gradient equal one process's (column-, row- and per-component adapters)."""
     _check(run_ranks(2, lora_worker, LAYOUTS_DROPOUT, 0.3, timeout_s=500), LAYOUTS_DROPOUT, 0.3)
 
 

@@ -124,7 +124,7 @@ def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints_and_refuses_an
         run_ranks(2, _steps, tmp_path / "b", ["train.seed=1", "train.steps=6"], timeout_s=300)
 
 
-def _check_lora(rank, world_size):
+def _check_lora(rank, world_size, layout):
     import contextlib
     import io
 
@@ -132,11 +132,18 @@ def _check_lora(rank, world_size):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = run_check(load_config(DEFAULT, LORA[:3] + ["peft.method=lora", "peft.r=4", "parallel.cp=1",
-                                                          "parallel.tp=2", "output_dir=unused"]), torch.device("cpu"))
+        code = run_check(load_config(DEFAULT, LORA[:3] + ["peft.method=lora", "peft.r=4", "output_dir=unused", *layout]),
+                         torch.device("cpu"))
     return code, out.getvalue()
 
 
-def test_hybridpar_check_of_a_lora_layout_is_exact():
-    code, text = run_ranks(2, _check_lora, timeout_s=300)[0]
+@pytest.mark.parametrize("layout", [
+    ["parallel.cp=1", "parallel.tp=2"],
+    # LoRA dropout: masks keyed by each token's pack and position, so a CP rank's zigzag shard and a
+    # data-parallel rank's packs get one process's masks (before: 9e-2 on a gradient at cp=2)
+    ["parallel.cp=2", "parallel.tp=1", "peft.dropout=0.3", "parallel.cp_attention=ring"],
+    ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2", "data.packs_per_step=4", "peft.dropout=0.3"],
+], ids=["tp2", "cp2-dropout", "dp2-dropout"])
+def test_hybridpar_check_of_a_lora_layout_is_exact(layout):
+    code, text = run_ranks(2, _check_lora, layout, timeout_s=300)[0]
     assert code == 0 and "exact" in text and "(frozen)" in text, text[-2000:]

@@ -28,7 +28,9 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "LoRADropout", "add_lora", "lora_modules", "is_lora_parameter",
+from hybridpar.models.lora_dropout import DropoutTokens, LoRADropout
+
+__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "lora_modules", "is_lora_parameter",
            "target_matches", "lora_update", "lora_forward_hook"]
 
 # attention q/k/v/o, the (gated) MLP, the Mamba mixer's projections; transformers models use the
@@ -50,33 +52,6 @@ def is_lora_parameter(name: str) -> bool:
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: base module}`` of every module carrying an adapter."""
     return {name: m for name, m in model.named_modules() if getattr(m, "lora_scaling", None) is not None}
-
-
-class LoRADropout(nn.Module):
-    """Dropout on the adapter's input, its mask drawn from the default generator over the whole
-    tensor: ``mask = bernoulli(1 - p) / (1 - p)`` of ``full_shape(x)`` (here ``x``'s shape), then
-    ``x * keep(mask)`` (here all of it). Under tensor parallelism ``parallel/lora.py`` draws the same
-    full mask on every rank and keeps each rank's slice, so a sharded input gets the single-device
-    mask (with the same generator state)."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def full_shape(self, x: torch.Tensor) -> tuple[int, ...]:
-        return tuple(x.shape)
-
-    def keep(self, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return mask
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        mask = torch.empty(self.full_shape(x), dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
-        return x * self.keep(mask.div_(1 - self.p), x)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
 
 
 def lora_update(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -134,6 +109,10 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     for param in model.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    tokens = DropoutTokens(seed=seed or 0)  # what the masks are keyed by (models/lora_dropout.py)
+    if dropout > 0:
+        model.lora_dropout_tokens = tokens
+    layers = {name: index for index, name in enumerate(sorted(chosen))}  # each adapter's own masks
     for name, linear in chosen.items():
         weight = linear.weight
         a = nn.Linear(linear.in_features, r, bias=False, device=weight.device, dtype=weight.dtype)
@@ -143,7 +122,7 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
             a.weight.copy_(torch.empty(a.weight.shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator))
             b.weight.zero_()
         linear.lora_A, linear.lora_B = a, b
-        linear.lora_dropout = LoRADropout(dropout) if dropout > 0 else nn.Identity()
+        linear.lora_dropout = LoRADropout(dropout, layers[name], tokens, name) if dropout > 0 else nn.Identity()
         linear.lora_scaling = float(alpha) / r
         linear.lora_rank = r
         linear.register_forward_hook(lora_forward_hook)

@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from hybridpar.models.lora import LORA_PARAMETERS, LoRADropout, lora_forward_hook, lora_modules
+from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
+from hybridpar.models.lora_dropout import LoRADropout
 from hybridpar.models.hf.mamba_mixers import MARK as MAMBA_CORE_MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.tensor.check import matches
@@ -215,19 +216,18 @@ def _replicate_partial_grad(param: nn.Parameter) -> None:
 
 
 class ShardedLoRADropout(LoRADropout):
-    """``LoRADropout`` on a DTensor input: every rank draws the mask of the global shape from the
-    default generator and keeps the block its local tensor holds (all of it when replicated), so a
-    row-parallel adapter's sharded input gets the single-device mask. (DTensor's own dropout draws
+    """``LoRADropout`` on a DTensor input: each rank masks the block its local tensor holds with the
+    masks of the global token and feature indices (``compute_local_shape_and_global_offset``), so a
+    row-parallel adapter's feature shard gets the single-device mask. (DTensor's own dropout draws
     from its RNG tracker instead: masks unlike one process's.)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, DTensor) or not self.training or self.p == 0.0:
             return super().forward(x)
         local = x.to_local()
-        shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
-        mask = torch.empty(tuple(x.shape), dtype=local.dtype, device=local.device).bernoulli_(1 - self.p)
-        block = mask.div_(1 - self.p)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]  # [local shape]
-        return DTensor.from_local(local * block, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
+        _, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+        masked = self.masked(local, tuple(x.shape), tuple(offset))  # [local shape]
+        return DTensor.from_local(masked, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
 
 
 def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> dict[str, str]:
@@ -237,7 +237,8 @@ def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelS
     for name, kind in kinds.items():
         module = modules[name]
         if isinstance(module.lora_dropout, LoRADropout):
-            module.lora_dropout = ShardedLoRADropout(module.lora_dropout.p)
+            old = module.lora_dropout
+            module.lora_dropout = ShardedLoRADropout(old.p, old.layer, old.tokens, old.where)
         a, b = module.lora_A, module.lora_B
         a_place, b_place = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate()),
                             "components": (Replicate(), Shard(0)), "replicated": (Replicate(), Replicate())}[kind]

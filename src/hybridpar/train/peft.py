@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.lora import add_lora, lora_modules
+from hybridpar.models.lora_dropout import set_dropout_tokens, token_keys
+from hybridpar.parallel.context.inputs import ShardedInputs
 
-__all__ = ["apply_peft", "trainable_parameter_count", "export_lora"]
+__all__ = ["apply_peft", "key_dropout", "trainable_parameter_count", "export_lora"]
 
 
 def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
@@ -38,6 +41,14 @@ def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
                               f"a Mamba mixer's out_proj ({refused[0]!r}); set peft.merge=true or peft.target_modules "
                               "without out_proj.")
     return model
+
+
+def key_dropout(model: nn.Module, step: int, pack: int, sharded: ShardedInputs) -> None:
+    """Key ``model``'s LoRA dropout masks by each token's place in the step (``pack``: the pack's
+    index among the step's global packs; positions in the full row), so every layout draws one
+    process's masks. No-op without LoRA dropout."""
+    if getattr(model, "lora_dropout_tokens", None) is not None:
+        set_dropout_tokens(model, step, token_keys(torch.tensor([pack]), sharded.global_positions()))
 
 
 def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:

@@ -53,7 +53,7 @@ from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
-from hybridpar.train.peft import apply_peft, export_lora
+from hybridpar.train.peft import apply_peft, export_lora, key_dropout
 from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import (
@@ -207,13 +207,16 @@ class Trainer:
         return self._eval_data
 
     # -- one step ---------------------------------------------------------------------------
-    def forward_loss_sum(self, pack: dict, predictions: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``(loss_sum, argmax ids or None, labels)`` of this rank's share of one pack."""
+    def forward_loss_sum(self, pack: dict, predictions: bool = False, at=None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """``(loss_sum, argmax ids or None, labels)`` of this rank's share of one pack; ``at``: (step, the
+        pack's index among the step's global packs), which keys LoRA dropout masks (``key_dropout``)."""
         input_ids, labels, packed = pack_tensors(pack, self.device)
         sharded = shard_inputs(
             input_ids=input_ids, labels=labels, packed=packed, cp_group=self.layout.cp_group,
             tp_group=self.layout.tp_group, sequence_parallel=self.config.parallel.sequence_parallel,
         )
+        if at is not None:
+            key_dropout(self.model, *at, sharded)
         loss_sum, predicted = pack_loss_sum(self.model, sharded, predictions)
         return loss_sum, predicted, sharded.labels
 
@@ -226,7 +229,7 @@ class Trainer:
         loss_total = torch.zeros((), dtype=torch.float64)
         for index, pack in enumerate(packs):
             set_micro_batch(self.model, index, len(packs))  # FSDP reduces gradients once, after the last pack
-            loss_sum, _, _ = self.forward_loss_sum(pack)
+            loss_sum, _, _ = self.forward_loss_sum(pack, at=(step, self.layout.dp_rank * len(packs) + index))
             (loss_sum / count).backward()
             loss_total += loss_sum.detach().double()
         return global_sum(loss_total, self.layout.dp_cp_group) / count

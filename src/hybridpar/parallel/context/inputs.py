@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -45,6 +46,15 @@ class ShardedInputs:
     position_ids: Tensor | None
     packed: PackedSeqParams | None
     attention_mask: Tensor | None = None
+
+    def global_positions(self) -> Tensor | None:
+        """``[S_local]``: the position in the full row of each token this rank holds (CP: zigzag)."""
+        if self.packed is not None and self.packed.cp is not None:
+            return self.packed.cp.local_indices
+        for x in (self.labels, self.loss_mask, self.position_ids):  # batch-first [B, S] whatever seq_dim was
+            if x is not None:
+                return torch.arange(x.shape[1], dtype=torch.int64)
+        return None
 
 
 def group_size_and_rank(group: dist.ProcessGroup | None, name: str) -> tuple[int, int]:

@@ -25,7 +25,7 @@ from hybridpar.parallel.state import canonical_state_dict
 from hybridpar.train.loss import valid_token_count
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.train.hf_model import use_blockwise_attention
-from hybridpar.train.peft import apply_peft
+from hybridpar.train.peft import apply_peft, key_dropout
 from hybridpar.train.trainer import Trainer, build_model, pack_loss_sum, pack_tensors
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -45,12 +45,14 @@ def within(difference: float, scale: float, tolerance: float) -> bool:
 
 
 def reference_step(model, packs, device) -> torch.Tensor:
-    """Loss of one step on one process (gradients left in ``model``)."""
+    """Loss of step 0 on one process (gradients left in ``model``)."""
     count = sum(valid_token_count(p["labels"]) for p in packs)
     total = torch.zeros((), dtype=torch.float64)
-    for pack in packs:
+    for index, pack in enumerate(packs):
         input_ids, labels, packed = pack_tensors(pack, device)
-        loss_sum, _ = pack_loss_sum(model, shard_inputs(input_ids=input_ids, labels=labels, packed=packed))
+        sharded = shard_inputs(input_ids=input_ids, labels=labels, packed=packed)
+        key_dropout(model, 0, index, sharded)  # LoRA dropout: the masks the parallel step drew
+        loss_sum, _ = pack_loss_sum(model, sharded)
         (loss_sum / count).backward()
         total += loss_sum.detach().double()
     return total / count

@@ -1,0 +1,97 @@
+"""LoRA dropout masks keyed by the token (``models/lora_dropout.py``): the hash, the keep rate, and
+the property layouts rely on: a token's mask does not depend on which tensor, chunk or feature
+shard holds it. (Layout parity itself: ``tests/distributed/test_lora.py`` and ``test_check.py``.)"""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import hybridpar.models.lora_dropout as lora_dropout
+from hybridpar.models.lora import add_lora
+from hybridpar.models.lora_dropout import DropoutTokens, LoRADropout, keep_mask, mix32, set_dropout_tokens, token_keys
+
+
+SALTS = (torch.tensor(12345), torch.tensor(678))
+
+
+def fmix32(h: int) -> int:
+    """MurmurHash3's finalizer in Python's unbounded integers (the reference)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_mix32_is_murmur3s_finalizer_without_overflow():
+    values = [0, 1, 2**31 - 1, 2**31, 2**32 - 1] + [random.Random(0).getrandbits(32) for _ in range(200)]
+    got = mix32(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert got == [fmix32(v) for v in values]
+
+
+def test_keep_rate_and_scale():
+    keys = token_keys(torch.tensor([0, 1]), torch.arange(1000))  # [2, 1000]
+    mask = keep_mask(keys, 64, 0, 0.25, SALTS, torch.float64)  # [2, 1000, 64]
+    kept = (mask > 0).double().mean().item()
+    assert abs(kept - 0.75) < 4 * (0.25 * 0.75 / mask.numel()) ** 0.5  # 4 sigma of 128K draws
+    assert set(mask.unique().tolist()) == {0.0, 1 / 0.75}
+
+
+def test_a_tokens_mask_does_not_depend_on_what_holds_it(monkeypatch):
+    """Shuffled tokens (a zigzag shard), a feature block (a row-parallel shard) and another chunk size
+    give the same masks as the whole: the mask is a function of (token key, feature) alone."""
+    keys = token_keys(torch.tensor([3]), torch.arange(257))  # [1, 257]
+    whole = keep_mask(keys, 40, 0, 0.5, SALTS, torch.float64)  # [1, 257, 40]
+    order = torch.randperm(257, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(keep_mask(keys[:, order], 40, 0, 0.5, SALTS, torch.float64), whole[:, order])
+    assert torch.equal(keep_mask(keys, 15, 20, 0.5, SALTS, torch.float64), whole[..., 20:35])
+    monkeypatch.setattr(lora_dropout, "CHUNK_ELEMENTS", 100)  # chunks of 2 tokens
+    assert torch.equal(keep_mask(keys, 40, 0, 0.5, SALTS, torch.float64), whole)
+    other = [keep_mask(keys, 40, 0, 0.5, salts, torch.float64) for salts in (SALTS[::-1], (SALTS[0] + 1, SALTS[1]))]
+    assert all((m != whole).float().mean() > 0.3 for m in other)  # another step, adapter or seed: new masks
+
+
+def test_the_mask_compiles_into_one_graph_with_the_same_bits():
+    """On CUDA the hash runs compiled (one fused kernel); here aot_eager proves it traces whole
+    (no graph break) and gives the eager bits."""
+    keys = token_keys(torch.tensor([1]), torch.arange(100))
+    compiled = torch.compile(keep_mask, backend="aot_eager", fullgraph=True, dynamic=True)
+    got = compiled(keys, 24, 8, 0.3, SALTS, torch.float32, chunked=False)
+    assert torch.equal(got, keep_mask(keys, 24, 8, 0.3, SALTS, torch.float32))
+
+
+def test_masks_follow_the_keys_the_trainer_sets():
+    tokens = DropoutTokens(seed=7)
+    dropout = LoRADropout(0.5, 0, tokens, "q_proj").train()
+    x = torch.ones(1, 33, 8, dtype=torch.float64)
+    set_dropout_tokens(nn.Module(), 0, None)  # a model without LoRA dropout: no-op
+    holder = nn.Module()
+    holder.lora_dropout_tokens = tokens
+    set_dropout_tokens(holder, 4, token_keys(torch.tensor([0]), torch.arange(33)))
+    first = dropout(x)
+    assert torch.equal(dropout(x), first)  # keyed: a recompute draws the same masks
+    set_dropout_tokens(holder, 5, tokens.keys)
+    assert not torch.equal(dropout(x), first)  # the next step: new masks
+    assert not torch.equal(LoRADropout(0.5, 1, tokens).train()(x), dropout(x))  # another adapter: its own masks
+    tokens.keys = token_keys(torch.tensor([0]), torch.arange(32))
+    with pytest.raises(ValueError, match=r"adapter on q_proj sees an input of \(1, 33\) tokens.*peft\.dropout=0"):
+        dropout(x)
+    tokens.keys = None  # outside the trainer: a salt from the default generator, fresh every call
+    torch.manual_seed(0)
+    a = dropout(x)
+    torch.manual_seed(0)
+    assert torch.equal(dropout(x), a) and not torch.equal(dropout(x), a)
+    assert torch.equal(dropout.eval()(x), x)
+
+
+def test_add_lora_keys_every_adapter_of_a_model_by_one_holder():
+    model = nn.Sequential()
+    model.q_proj, model.v_proj = nn.Linear(4, 4), nn.Linear(4, 4)
+    add_lora(model, r=2, dropout=0.1, seed=5)
+    layers = [model.q_proj.lora_dropout, model.v_proj.lora_dropout]
+    assert [d.layer for d in layers] == [0, 1] and all(d.tokens is model.lora_dropout_tokens for d in layers)
+    assert model.lora_dropout_tokens.seed == 5
+    set_dropout_tokens(model, 3, token_keys(torch.tensor([1]), torch.arange(2)))
+    assert layers[0].tokens.step == 3 and layers[1].tokens.keys.shape == (1, 2)
