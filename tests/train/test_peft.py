@@ -84,7 +84,7 @@ def test_an_unloadable_adapter_export_is_refused_in_preflight():
                                           "model.export_architecture=Mamba2ForCausalLM"]))
 
 
-RESUME = [o for o in LORA if not o.startswith(("train.steps", "checkpoint.every"))] + ["train.steps=4"]
+RESUME = [o for o in LORA if not o.startswith(("train.steps", "checkpoint.every"))] + ["train.steps=4", "peft.dropout=0.2"]
 
 
 def _steps(rank, world_size, directory, extra, stop_after=None):
