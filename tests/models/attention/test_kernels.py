@@ -39,6 +39,34 @@ def test_kernel_choice(device, dtype, head_dim, ordered, capability, kernel):
     assert kernel_for(device, dtype, head_dim, ordered, capability)[0] == kernel
 
 
+@pytest.mark.parametrize("dtype, head_dim, ordered, kernel", [
+    (BF16, 256, True, "flex"),  # Gemma2: varlen cannot cap, flex can
+    (F32, 64, False, "flex"),
+    (BF16, 80, True, "blockwise"),
+    (F64, 64, True, "blockwise"),
+])
+def test_soft_capped_scores_take_flex_on_cuda_never_varlen(dtype, head_dim, ordered, kernel):
+    assert kernel_for("cuda", dtype, head_dim, ordered, (9, 0), softcap=True)[0] == kernel
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"'varlen' does not soft-cap"):
+        attention_core(q, q, q, AttentionLayout.sequence(torch.zeros(8)), kernel="varlen", softcap=5.0)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("sliding_window", [None, 9])
+def test_flex_soft_capping_equals_the_blockwise_core(sliding_window):
+    """Gemma2's ``c * tanh(s / c)`` as flex's ``score_mod``, eager forward on CPU in float64 (flex has
+    no CPU backward; it differentiates ``score_mod`` itself), against the blockwise core's cap."""
+    layout = allgather_like_layout()
+    gen = torch.Generator().manual_seed(1)
+    q = 3 * torch.randn(1, 43, 4, 16, generator=gen, dtype=F64)
+    k, v = (3 * torch.randn(1, 83, 2, 16, generator=gen, dtype=F64) for _ in range(2))
+    got = attention_kernels._run_flex(q, k, v, layout, 0.3, sliding_window, softcap=2.0, compiled=False)
+    want = attention_core(q, k, v, layout, scale=0.3, sliding_window=sliding_window, softcap=2.0, kernel="blockwise")
+    uncapped = attention_core(q, k, v, layout, scale=0.3, sliding_window=sliding_window, kernel="blockwise")
+    assert (got - want).abs().max() < 1e-12 and (uncapped - want).abs().max() > 1e-2
+
+
 def test_varlen_cu_seqlens_are_the_documents():
     """Packed: the padded document boundaries; rows laid end to end shift them by S per row."""
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 5, 9, 16]), torch.tensor([0, 6, 10, 20]))

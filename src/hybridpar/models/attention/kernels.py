@@ -9,7 +9,8 @@ over ``k, v [B, S_k, Hkv, Dh]`` for the positions and documents of an ``Attentio
   ``B`` rows are laid end to end, ``[B, S, H, Dh] -> [B*S, H, Dh]`` with
   ``cu_seqlens_of_rows``; causal and the sliding window are ``window_size = (W-1 or -1, 0)``.
 - ``"flex"``: FlexAttention on CUDA for any token order (the all-gather layout), fp16, bf16
-  or fp32, head_dim a power of two in [16, 256]. Its ``BlockMask`` comes from the same
+  or fp32, head_dim a power of two in [16, 256]; also for soft-capped scores (Gemma2), as
+  ``score_mod`` ``c * tanh(s / c)``, which varlen cannot apply. Its ``BlockMask`` comes from the same
   block ranges as the pure core at 128-token blocks (``block_visibility``: "all visible"
   blocks are full blocks, the rest of "maybe" get ``mask_mod``), and ``mask_mod`` is the
   token rule on the layout's index tensors.
@@ -81,24 +82,27 @@ def _flex_attention():
 
 
 def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, sequence_ordered: bool,
-               capability: tuple[int, int] | None = None) -> tuple[str, str]:
-    """``(kernel, reason)``: the rules above, as a pure function (``capability``: the CUDA device's)."""
+               capability: tuple[int, int] | None = None, softcap: bool = False) -> tuple[str, str]:
+    """``(kernel, reason)``: the rules above, as a pure function (``capability``: the CUDA device's;
+    ``softcap``: soft-capped scores, which varlen cannot apply)."""
     if device_type != "cuda":
         return "blockwise", f"device {device_type}"
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return "blockwise", f"dtype {dtype} has no fused CUDA kernel"
-    if (sequence_ordered and dtype != torch.float32 and head_dim % 8 == 0 and head_dim <= 256
+    if (sequence_ordered and not softcap and dtype != torch.float32 and head_dim % 8 == 0 and head_dim <= 256
             and capability is not None and capability >= (8, 0) and _varlen_attn() is not None):
         return "varlen", "sequence-ordered rows"
     if 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and _flex_attention() is not None:
-        return "flex", "sequence-ordered float32 rows" if sequence_ordered else "out-of-order tokens"
+        why = "soft-capped scores" if softcap else "sequence-ordered float32 rows" if sequence_ordered else \
+            "out-of-order tokens"
+        return "flex", why
     return "blockwise", f"no fused kernel for head_dim {head_dim} in torch {torch.__version__}"
 
 
-def choose_kernel(q: Tensor, layout: AttentionLayout) -> tuple[str, str]:
-    """``(kernel, reason)`` for these inputs (device, dtype, head_dim, token order)."""
+def choose_kernel(q: Tensor, layout: AttentionLayout, softcap: bool = False) -> tuple[str, str]:
+    """``(kernel, reason)`` for these inputs (device, dtype, head_dim, token order, soft-capping)."""
     capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-    return kernel_for(q.device.type, q.dtype, q.shape[-1], layout.sequence_ordered, capability)
+    return kernel_for(q.device.type, q.dtype, q.shape[-1], layout.sequence_ordered, capability, softcap)
 
 
 def _log_once(kernel: str, reason: str, q: Tensor) -> None:
@@ -148,14 +152,27 @@ def flex_block_mask(layout: AttentionLayout, sliding_window: int | None = None, 
     )
 
 
-def _run_flex(q, k, v, layout, scale, sliding_window):
+def flex_score_mod(softcap: float | None):
+    """FlexAttention ``score_mod`` of logit soft-capping, ``c * tanh(s / c)`` (None without a cap);
+    flex differentiates it, so backward gets the same ``1 - tanh^2`` the blockwise core applies."""
+    if softcap is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
+
+
+def _run_flex(q, k, v, layout, scale, sliding_window, softcap=None, compiled=True):
     global _COMPILED_FLEX
     flex = _flex_attention()
-    if not torch.compiler.is_compiling():  # eager flex_attention is a slow dense reference: compile it once
+    if compiled and not torch.compiler.is_compiling():  # eager flex_attention is a slow dense reference
         _COMPILED_FLEX = _COMPILED_FLEX or torch.compile(flex)
         flex = _COMPILED_FLEX
     mask = cached(layout.cache, ("flex", sliding_window, q.device), lambda: flex_block_mask(layout, sliding_window))
-    out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale, enable_gqa=True)
+    out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=flex_score_mod(softcap),
+               block_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)  # [B, Hq, S_q, Dh] -> [B, S_q, Hq, Dh]
 
 
@@ -178,17 +195,15 @@ def attention_core(
     kernel: str | None = None, softcap: float | None = None,
 ) -> Tensor:
     """Document-causal attention ``[B, S_q, Hq, Dh]`` on the best kernel (or the one named);
-    ``softcap`` (Gemma2's logit soft-capping) runs on the blockwise core, which applies it."""
+    ``softcap`` (Gemma2's logit soft-capping) runs on flex or the blockwise core (varlen cannot cap)."""
     check_qkv(q, k, v, "attention_core")
     check_block_sizes(block_size, keys_per_step)
     check_sliding_window(sliding_window)
     check_softcap(softcap)
-    if softcap is not None and kernel not in (None, "blockwise"):
-        raise ValueError(f"attention kernel {kernel!r} does not soft-cap scores; pass kernel=None or 'blockwise'.")
-    if softcap is not None:
-        kernel, reason = "blockwise", "soft-capped scores"
-    elif kernel is None:
-        kernel, reason = choose_kernel(q, layout)
+    if softcap is not None and kernel == "varlen":
+        raise ValueError("attention kernel 'varlen' does not soft-cap scores; pass kernel=None, 'flex' or 'blockwise'.")
+    if kernel is None:
+        kernel, reason = choose_kernel(q, layout, softcap is not None)
     elif kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {list(KERNELS)} or None (automatic).")
     else:
@@ -203,7 +218,7 @@ def attention_core(
     if kernel == "varlen":
         return _run_varlen(q, k, v, layout, scale, sliding_window)
     if kernel == "flex":
-        return _run_flex(q, k, v, layout, scale, sliding_window)
+        return _run_flex(q, k, v, layout, scale, sliding_window, softcap)
     plan = plan_for(layout, block_size, keys_per_step, sliding_window)
     return blockwise_attention(q, k, v, layout.q_pos, layout.q_doc, layout.k_pos, layout.k_doc, plan, scale=scale,
                                sliding_window=sliding_window, block_size=block_size, keys_per_step=keys_per_step,
