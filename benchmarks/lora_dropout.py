@@ -1,8 +1,8 @@
-"""What layout-exact LoRA dropout costs: token-keyed masks (``models/lora_dropout.py``) against
+"""What layout-exact LoRA dropout costs: token-keyed masks (``models/token_dropout.py``) against
 ``torch.nn.functional.dropout`` on the same input, forward only (the mask is what differs).
 
 For each ``tokens x features`` input (float32, p = 0.1): the median seconds of
-``LoRADropout`` with keys set, as the trainer runs it, and of ``F.dropout``, interleaved in one
+``TokenDropout`` with keys set, as the trainer runs it, and of ``F.dropout``, interleaved in one
 process, and their ratio. On CUDA the keyed masks run compiled (one kernel); elsewhere eager.
 
     python benchmarks/lora_dropout.py [--shapes 2048x1024 8192x1024 8192x4096] [--threads 1]
@@ -26,7 +26,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from hybridpar.models.lora_dropout import DropoutTokens, LoRADropout, set_dropout_tokens, token_keys
+    from hybridpar.models.token_dropout import DropoutTokens, TokenDropout, set_dropout_tokens, token_keys
 
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,9 +36,9 @@ def main() -> None:
         tokens, features = (int(n) for n in shape.split("x"))
         x = torch.randn(1, tokens, features, device=device)
         holder = torch.nn.Module()
-        holder.lora_dropout_tokens = DropoutTokens(seed=0)
+        holder.dropout_tokens = DropoutTokens(seed=0)
         set_dropout_tokens(holder, 1, token_keys(torch.tensor([0]), torch.arange(tokens)))
-        keyed = LoRADropout(0.1, 0, holder.lora_dropout_tokens).train()
+        keyed = TokenDropout(0.1, 0, holder.dropout_tokens).train()
 
         def sync(value):
             if device.type == "cuda":

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hybridpar.models.lora import add_lora, is_lora_parameter
-from hybridpar.models.lora_dropout import set_dropout_tokens, token_keys
+from hybridpar.models.token_dropout import set_dropout_tokens, token_keys
 from hybridpar.train.loss import global_sum, token_loss_sum, valid_token_count
 from tests.distributed.context.test_model import TOL, build_model as build_hybrid, make_batch
 from tests.distributed.harness import run_ranks
@@ -184,8 +184,8 @@ def test_lora_tp_sp_cp_fsdp_match_one_process():
 @pytest.mark.timeout(600)
 def test_lora_dropout_draws_the_single_process_masks_at_every_layout():
     """peft.dropout=0.3 at tp=2, tp=2 + SP, cp=2 (activation checkpointing: recomputed masks) and
-    dp_shard=2 (and compiled blocks): masks keyed by each token's global row and position (``models/lora_dropout.py``;
-    a row-parallel adapter's feature shard by its global features, ``ShardedLoRADropout``), so the
+    dp_shard=2 (and compiled blocks): masks keyed by each token's global row and position (``models/token_dropout.py``;
+    a row-parallel adapter's feature shard by its global features, ``ShardedTokenDropout``), so the
     loss and every adapter gradient equal one process's (column-, row- and per-component adapters)."""
     _check(run_ranks(2, lora_worker, LAYOUTS_DROPOUT, 0.3, timeout_s=500), LAYOUTS_DROPOUT, 0.3)
 

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import nn
 
-from hybridpar.models.lora_dropout import DropoutTokens, LoRADropout
+from hybridpar.models.token_dropout import TokenDropout, dropout_tokens
 
 __all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "lora_modules", "is_lora_parameter",
            "target_matches", "lora_update", "lora_forward_hook"]
@@ -109,10 +109,6 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     for param in model.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    tokens = DropoutTokens(seed=seed or 0)  # what the masks are keyed by (models/lora_dropout.py)
-    if dropout > 0:
-        model.lora_dropout_tokens = tokens
-    layers = {name: index for index, name in enumerate(sorted(chosen))}  # each adapter's own masks
     for name, linear in chosen.items():
         weight = linear.weight
         a = nn.Linear(linear.in_features, r, bias=False, device=weight.device, dtype=weight.dtype)
@@ -122,7 +118,9 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
             a.weight.copy_(torch.empty(a.weight.shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator))
             b.weight.zero_()
         linear.lora_A, linear.lora_B = a, b
-        linear.lora_dropout = LoRADropout(dropout, layers[name], tokens, name) if dropout > 0 else nn.Identity()
+        linear.lora_dropout = nn.Identity() if dropout == 0 else TokenDropout(  # keyed by token (token_dropout.py)
+            dropout, f"{name}.lora_dropout", dropout_tokens(model, seed or 0),
+            fix="set peft.dropout=0 or leave this module out of peft.target_modules")
         linear.lora_scaling = float(alpha) / r
         linear.lora_rank = r
         linear.register_forward_hook(lora_forward_hook)

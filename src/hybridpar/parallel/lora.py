@@ -40,18 +40,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
-from hybridpar.models.lora_dropout import LoRADropout
 from hybridpar.models.hf.mamba_mixers import MARK as MAMBA_CORE_MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.tensor.check import matches
 from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
 from hybridpar.parallel.tensor.styles import AllReduceGrad, LocalReplicateParallel, VocabParallelEmbedding
 
-__all__ = ["LoRAComponentsB", "ShardedLoRADropout", "split_lora_components", "lora_pairings", "check_lora_pairing",
+__all__ = ["LoRAComponentsB", "split_lora_components", "lora_pairings", "check_lora_pairing",
            "detached_adapters", "pair_lora"]
 
 
@@ -215,30 +213,12 @@ def _replicate_partial_grad(param: nn.Parameter) -> None:
         param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
-class ShardedLoRADropout(LoRADropout):
-    """``LoRADropout`` on a DTensor input: each rank masks the block its local tensor holds with the
-    masks of the global token and feature indices (``compute_local_shape_and_global_offset``), so a
-    row-parallel adapter's feature shard gets the single-device mask. (DTensor's own dropout draws
-    from its RNG tracker instead: masks unlike one process's.)"""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, DTensor) or not self.training or self.p == 0.0:
-            return super().forward(x)
-        local = x.to_local()
-        _, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
-        masked = self.masked(local, tuple(x.shape), tuple(offset))  # [local shape]
-        return DTensor.from_local(masked, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
-
-
 def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> dict[str, str]:
     """Distribute every adapter over ``tp_mesh`` to match its base layer (see the module docstring)."""
     kinds = lora_pairings(model, styles)
     modules = lora_modules(model)
     for name, kind in kinds.items():
         module = modules[name]
-        if isinstance(module.lora_dropout, LoRADropout):
-            old = module.lora_dropout
-            module.lora_dropout = ShardedLoRADropout(old.p, old.layer, old.tokens, old.where)
         a, b = module.lora_A, module.lora_B
         a_place, b_place = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate()),
                             "components": (Replicate(), Shard(0)), "replicated": (Replicate(), Replicate())}[kind]

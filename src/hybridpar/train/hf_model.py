@@ -27,6 +27,9 @@ grows linearly with ``data.pack_size``; its Mamba2 mixers run hybridpar's Mamba 
 document per row (``train/packing_rule.py``). RoPE reads the position ids (zigzag-sharded under CP).
 A float64 model with MoE experts runs transformers' eager experts (``grouped_mm`` has no float64),
 and every float32 cast inside transformers stays float64 (``models/hf/float64.keep_float64``).
+The checkpoint's hidden-state dropouts (embedding, residual: ``nn.Dropout`` on one row per token)
+draw token-keyed masks (``models/token_dropout.key_model_dropout``), so every layout draws one
+process's; its attention-probability dropout cannot be keyed (``preflight`` says so).
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_ca
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
+from hybridpar.models.token_dropout import key_model_dropout, unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
-__all__ = ["model_backend", "hf_shape", "hf_meta_model", "build_hf_model", "use_blockwise_attention",
+__all__ = ["model_backend", "attention_dropout_problem", "hf_shape", "hf_meta_model", "build_hf_model", "use_blockwise_attention",
            "hf_forward_inputs", "hf_loss_sum"]
 
 
@@ -115,7 +119,21 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
         keep_float64(model.to(torch.float64))
     install_mamba_core(model)
+    key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     return model
+
+
+def attention_dropout_problem(config: RunConfig, shape, processes: int) -> str | None:
+    """A transformers checkpoint's attention-probability dropout on more than one process: its masks
+    are drawn per rank (``models/token_dropout.unkeyed_dropout``), so the step is not one process's."""
+    fields = unkeyed_dropout(shape) if config.model.hf_path and model_backend(config) == "transformers" else {}
+    if not fields or processes == 1:
+        return None
+    field, p = next(iter(fields.items()))
+    return (f"{type(shape).__name__.removesuffix('Config')} applies attention dropout ({field}={p:g}), whose masks each "
+            "rank draws for its own (query, key) pairs, so at this layout a step is not one process's (its hidden-state "
+            f"dropout is keyed by token and is); set \"{field}\": 0.0 in {config.model.hf_path}/config.json for an exact "
+            "layout.")
 
 
 def use_blockwise_attention(model: nn.Module) -> str:

@@ -15,7 +15,7 @@ from torch import nn
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.lora import add_lora, lora_modules
-from hybridpar.models.lora_dropout import set_dropout_tokens, token_keys
+from hybridpar.models.token_dropout import set_dropout_tokens, token_keys
 from hybridpar.parallel.context.inputs import ShardedInputs
 
 __all__ = ["apply_peft", "key_dropout", "trainable_parameter_count", "export_lora"]
@@ -44,10 +44,10 @@ def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
 
 
 def key_dropout(model: nn.Module, step: int, pack: int, sharded: ShardedInputs) -> None:
-    """Key ``model``'s LoRA dropout masks by each token's place in the step (``pack``: the pack's
-    index among the step's global packs; positions in the full row), so every layout draws one
-    process's masks. No-op without LoRA dropout."""
-    if getattr(model, "lora_dropout_tokens", None) is not None:
+    """Key ``model``'s dropout masks (LoRA's, the checkpoint's hidden-state dropout) by each token's
+    place in the step (``pack``: the pack's index among the step's global packs; positions in the
+    full row), so every layout draws one process's masks. No-op without keyed dropout."""
+    if getattr(model, "dropout_tokens", None) is not None:
         set_dropout_tokens(model, step, token_keys(torch.tensor([pack]), sharded.global_positions()))
 
 

@@ -35,7 +35,7 @@ from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer
 from hybridpar.config_rules import quoted
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import pad_multiple, validate_data
-from hybridpar.train.hf_model import hf_meta_model, hf_shape, model_backend
+from hybridpar.train.hf_model import attention_dropout_problem, hf_meta_model, hf_shape, model_backend
 from hybridpar.train.peft import apply_peft
 
 
@@ -381,6 +381,12 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     else:
         data = prepare_data(config, shape.vocab_size)
     validate_data(data, shape.vocab_size, config.model.hf_path)
+    dims = parallel_dims(config)
+    attention_dropout = attention_dropout_problem(config, shape, dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp)
+    if attention_dropout and command == "check":
+        raise ConfigError(f"check cannot prove this layout: {attention_dropout}")
+    if attention_dropout:
+        notice(attention_dropout)
     train = config.train
     if command == "train" and train.warmup_steps > train.steps:  # allowed (an extended run warms up alike); said last
         notice(f"train.warmup_steps={train.warmup_steps} is more than train.steps={train.steps}: the learning rate "

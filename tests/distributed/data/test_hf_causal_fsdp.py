@@ -108,3 +108,56 @@ def test_hf_loss_helper_is_exact_under_fsdp_and_transformers_loss_is_2x(tmp_path
             assert result["errors"][route]["loss"] < TOL and result["errors"][route]["grads"] < TOL, route
         assert result["load_problems"] == 0 and result["architecture"] == ["LlamaForCausalLM"]
         assert result["logits_error"] < 1e-12
+
+
+def _neox(seed: int = 0):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    return GPTNeoXForCausalLM(config).to(torch.float64).eval()
+
+
+def _blocks_elsewhere(rank: int, world_size: int, root_only: bool) -> dict:
+    """GPT-NeoX keeps its blocks in ``gpt_neox.layers``: the units are its ``_no_split_modules`` blocks
+    (or, ``root_only``, the root alone), and the hidden-state loss seam is exact either way."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from hybridpar.models.hf.causal_lm import hf_causal_lm_loss
+    from hybridpar.parallel.data.fsdp import apply_fsdp, fsdp_units
+    from hybridpar.parallel.dims import ParallelDims
+
+    reference, model = _neox(), _neox()
+    if root_only:
+        model._fsdp_units = []
+    units = [type(u).__name__ for u in fsdp_units(model)]
+    dims = ParallelDims(dp_shard=2)
+    apply_fsdp(model, dims.build_mesh(), dims)
+    ids = torch.randint(0, 61, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+
+    def head_loss(hidden, weight, target):
+        return F.cross_entropy((hidden @ weight.T).flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+
+    count = (labels != -100).sum()
+    hf_causal_lm_loss(reference, ids, labels, count, loss_fn=head_loss).backward()
+    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    hf_causal_lm_loss(model, ids[rows], labels[rows], count, loss_fn=head_loss).backward()
+    got = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+    dist.barrier()
+    return {"units": units, "grads": max(_relative(got[n], p.grad) for n, p in reference.named_parameters())}
+
+
+def test_a_model_whose_blocks_are_not_model_layers_is_sharded_by_block_and_exact():
+    """GPT-2, GPT-NeoX, OPT, Falcon keep their blocks elsewhere than ``model.layers``: they were one
+    root FSDP unit, and the hidden-state loss seam left its output (one position's logits) out of the
+    loss, so FSDP's pre-backward hook never ran and no gradient was reduced (each rank kept its own:
+    0.47 on a gradient at dp_shard=2). Now the blocks come from ``_no_split_modules`` and the output
+    joins the loss (times 0): both alone are exact."""
+    for root_only in (False, True):
+        result = run_ranks(2, _blocks_elsewhere, root_only, timeout_s=240)[0]
+        assert result["units"] == ([] if root_only else ["GPTNeoXLayer", "GPTNeoXLayer"]), result["units"]
+        assert result["grads"] < TOL, (root_only, result["grads"])

@@ -189,11 +189,14 @@ def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, globa
 
     handle = head.register_forward_pre_hook(capture_and_skip)
     try:
-        model(input_ids=input_ids, **model_inputs)
+        logits = model(input_ids=input_ids, **model_inputs).logits  # [1, 1, V] (or its vocab shard)
     finally:
         handle.remove()
     hidden = captured["hidden"]
-    return loss_fn(hidden, head.weight, labels) / count.to(hidden.device)
+    # 0 * the model's output joins the loss: a hook on the output (FSDP2's pre-backward, which
+    # queues the gradient reduction of a root-only unit) must see backward reach it
+    tied = (logits.to_local() if hasattr(logits, "to_local") else logits).sum() * 0
+    return loss_fn(hidden, head.weight, labels) / count.to(hidden.device) + tied
 
 
 # ----------------------------------------------------------------------------- generation

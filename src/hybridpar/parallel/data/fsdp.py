@@ -47,7 +47,9 @@ _KEPT_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The blocks to shard one by one: ``model._fsdp_units`` (modules or names, or a method
     returning them) if the model gives it, else the first of ``model.model.layers``,
-    ``model.backbone.layers``, ``model.layers``."""
+    ``model.backbone.layers``, ``model.layers``, else the outermost modules of the classes a
+    transformers model names in ``_no_split_modules`` (its decoder blocks: GPT-2's
+    ``transformer.h.N``, GPT-NeoX's ``gpt_neox.layers.N``, OPT's ``model.decoder.layers.N``)."""
     hint = getattr(model, "_fsdp_units", None)
     if hint is not None:
         units = hint() if callable(hint) else hint
@@ -59,7 +61,13 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
             continue
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):
             return list(layers)
-    return []
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    units, inside = [], ()
+    for name, module in model.named_modules():
+        if name and type(module).__name__ in blocks and not name.startswith(inside):
+            units.append(module)
+            inside = tuple(n + "." for n in (*[n[:-1] for n in inside], name))
+    return units
 
 
 FIRST_PRE_HOOKS = "_hybridpar_first_pre_hooks"

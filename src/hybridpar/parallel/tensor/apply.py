@@ -42,6 +42,7 @@ from hybridpar.parallel.tensor.check import (
     validate_tp_sizes,
 )
 from hybridpar.parallel.lora import check_lora_pairing, detached_adapters, pair_lora
+from hybridpar.parallel.dropout import shard_token_dropouts
 from hybridpar.parallel.tensor.plans import hf_style, hf_tp_plan
 from hybridpar.parallel.tensor.registry import (
     PlanEntry,
@@ -261,6 +262,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: PlanLike = None,
         if name in frozen:
             param.requires_grad_(False)
     pair_lora(model, tp_mesh, checked.styles)
+    shard_token_dropouts(model)  # LoRA's and the checkpoint's keyed dropouts mask DTensor blocks by global index
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_divisible(tp), with_kwargs=True, prepend=True)
     model._tp_plan_applied = checked

@@ -80,6 +80,8 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     if not isinstance(reference, HybridLM):
         use_blockwise_attention(reference)  # the attention the trainer runs (documents from packed_seq_params)
     trainer = Trainer(config, device)
+    for model in (trainer.model, reference):  # as training runs (from_pretrained returns eval mode): dropout on
+        model.train()
     tolerance = tolerance if tolerance is not None else default_tolerance(config)
     parallel_loss = trainer.step_gradients(0)
     parallel_grads = canonical_state_dict(trainer.model, grads=True)

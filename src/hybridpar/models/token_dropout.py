@@ -1,9 +1,10 @@
-"""LoRA dropout whose mask is a function of the token, not of the process that holds it.
+"""Dropout whose mask is a function of the token, not of the process that holds it (LoRA's, and
+the hidden-state dropout of a transformers checkpoint).
 
 A layout-exact dropout must give the token at global row ``b``, position ``t`` the same mask on
 one process as on the context-parallel rank, data-parallel rank or micro-batch that holds it.
 A generator cannot: its stream follows the local tensor. So the keep decision of feature ``f``
-of that token, in adapter ``l`` at step ``s``, is a hash (counter-based, like Philox)::
+of that token, in dropout module ``l`` at step ``s``, is a hash (counter-based, like Philox)::
 
     key    = b * 2**32 + t                     (``DropoutTokens.keys``, [B, S] int64)
     salt_t, salt_f = mix(mix(seed, s), l)      (int64 scalar tensors: no recompile per step)
@@ -24,13 +25,15 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DropoutTokens", "LoRADropout", "keep_mask", "set_dropout_tokens", "token_keys"]
+__all__ = ["DropoutTokens", "TokenDropout", "dropout_tokens", "keep_mask", "key_model_dropout", "set_dropout_tokens",
+           "token_keys", "unkeyed_dropout"]
 
 M32 = 0xFFFFFFFF
 UNIT = 1 << 24  # the keep test's resolution
@@ -104,7 +107,7 @@ def _fused_keep_mask(*args) -> Tensor:
     except Exception as error:  # noqa: BLE001 - an inductor/triton failure: the same bits, eager
         if _compiled is keep_mask:
             raise
-        warnings.warn(f"LoRA dropout masks run eager: compiling them failed ({type(error).__name__}: "
+        warnings.warn(f"dropout masks run eager: compiling them failed ({type(error).__name__}: "
                       f"{str(error)[:200]})", stacklevel=2)
         _compiled = keep_mask
         return keep_mask(*args)
@@ -123,7 +126,7 @@ def token_keys(rows: Tensor, positions: Tensor) -> Tensor:
 
 @dataclass
 class DropoutTokens:
-    """What the current micro-batch's masks are keyed by; one object shared by a model's adapters."""
+    """What the current micro-batch's masks are keyed by; one object shared by a model's dropouts."""
 
     seed: int = 0
     step: int = 0
@@ -131,14 +134,25 @@ class DropoutTokens:
     salt: Tensor | None = None  # step_salt(seed, step), set with the keys
 
 
-class LoRADropout(nn.Module):
-    """Dropout on adapter ``layer``'s input ``x [..., in]`` with token-keyed masks (module docstring)."""
+def dropout_tokens(model: nn.Module, seed: int = 0) -> DropoutTokens:
+    """``model``'s ``DropoutTokens``, created (with ``seed``) on first use."""
+    tokens = getattr(model, "dropout_tokens", None)
+    if tokens is None:
+        tokens = model.dropout_tokens = DropoutTokens(seed=seed)
+    return tokens
 
-    def __init__(self, p: float, layer: int, tokens: DropoutTokens, where: str = "a module"):
+
+class TokenDropout(nn.Module):
+    """Dropout of ``x [..., F]`` with token-keyed masks (module docstring). ``name``: the module's
+    name in its model, whose CRC-32 makes its masks its own on every layout; ``fix``: what the user
+    can do when its input does not hold one row per token."""
+
+    def __init__(self, p: float, name: str, tokens: DropoutTokens, fix: str = "set its probability to 0"):
         super().__init__()
-        self.p, self.layer, self.tokens, self.where = p, layer, tokens, where
+        self.p, self.name, self.tokens, self.fix = p, name, tokens, fix
+        self.layer = zlib.crc32(name.encode())
 
-    def _keys_for(self, leading: tuple[int, ...]) -> tuple[Tensor, tuple[int, int]]:
+    def _keys_for(self, leading: tuple[int, ...]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The keys of an input whose global leading shape is ``leading``, and the salts."""
         tokens = self.tokens
         if tokens.keys is None:  # outside the trainer: row-major token index, a salt from the default generator
@@ -146,10 +160,9 @@ class LoRADropout(nn.Module):
             return keys, _salts(torch.randint(0, 2**32, (), dtype=torch.int64), self.layer)
         keys = tokens.keys
         if keys.numel() != math.prod(leading):
-            raise ValueError(f"peft.dropout: the adapter on {self.where} sees an input of {tuple(leading)} tokens, not the "
+            raise ValueError(f"dropout {self.name} (p={self.p}) sees an input of {tuple(leading)} tokens, not the "
                              f"{tuple(keys.shape)} tokens of the batch its masks are keyed by (a module fed a subset of "
-                             "the tokens, e.g. an expert); set peft.dropout=0 or leave this module out of "
-                             "peft.target_modules.")
+                             f"the tokens, e.g. an expert, or attention probabilities); {self.fix}.")
         return keys.reshape(leading), _salts(tokens.salt, self.layer)
 
     def masked(self, x: Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...]) -> Tensor:
@@ -164,12 +177,43 @@ class LoRADropout(nn.Module):
         return self.masked(x, tuple(x.shape), (0,) * x.dim())
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, layer={self.layer}"
+        return f"p={self.p}"
+
+
+ATTENTION_WORDS = ("attn", "attention")  # nn.Dropout modules of these names drop attention probabilities
+
+
+def key_model_dropout(model: nn.Module, seed: int = 0) -> list[str]:
+    """Replace every ``nn.Dropout`` (p > 0) of ``model`` that drops hidden states (embedding, residual,
+    MLP outputs: one row per token) by a ``TokenDropout``; returns their names. Attention-probability
+    dropouts (``[B, H, S, S]``, or a probability handed to SDPA) stay: ``unkeyed_dropout`` names them."""
+    names = [name for name, m in model.named_modules() if type(m) is nn.Dropout and m.p > 0
+             and not any(word in name.rsplit(".", 1)[-1] for word in ATTENTION_WORDS)]
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, TokenDropout(owner.get_submodule(leaf).p, name, dropout_tokens(model, seed),
+                                          fix="set its dropout to 0.0 in the checkpoint's config.json"))
+    return names
+
+
+ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+def unkeyed_dropout(config) -> dict[str, float]:
+    """The attention-probability dropout of a transformers ``config``: ``{field: p}`` for p > 0. Its
+    masks cover (query, key) pairs inside the attention kernel, so no token key reaches them."""
+    found = {}
+    for field in ATTENTION_DROPOUT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found[field] = float(value)
+    return found
 
 
 def set_dropout_tokens(model: nn.Module, step: int, keys: Tensor | None) -> None:
-    """Key the masks of ``model``'s adapters by ``keys`` ([B, S] global tokens of the next input) at
-    ``step``; no-op for a model without LoRA dropout. ``None`` returns to generator-drawn salts."""
-    tokens = getattr(model, "lora_dropout_tokens", None)
+    """Key the masks of ``model``'s dropouts by ``keys`` ([B, S] global tokens of the next input) at
+    ``step``; no-op for a model without keyed dropout. ``None`` returns to generator-drawn salts."""
+    tokens = getattr(model, "dropout_tokens", None)
     if tokens is not None:
         tokens.step, tokens.keys, tokens.salt = int(step), keys, step_salt(tokens.seed, int(step))

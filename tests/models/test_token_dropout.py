@@ -1,4 +1,4 @@
-"""LoRA dropout masks keyed by the token (``models/lora_dropout.py``): the hash, the keep rate, and
+"""LoRA dropout masks keyed by the token (``models/token_dropout.py``): the hash, the keep rate, and
 the property layouts rely on: a token's mask does not depend on which tensor, chunk or feature
 shard holds it. (Layout parity itself: ``tests/distributed/test_lora.py`` and ``test_check.py``.)"""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import hybridpar.models.lora_dropout as lora_dropout
+import hybridpar.models.token_dropout as token_dropout
 from hybridpar.models.lora import add_lora
-from hybridpar.models.lora_dropout import DropoutTokens, LoRADropout, keep_mask, mix32, set_dropout_tokens, token_keys
+from hybridpar.models.token_dropout import (DropoutTokens, TokenDropout, keep_mask, key_model_dropout, mix32,
+                                           set_dropout_tokens, token_keys, unkeyed_dropout)
 
 
 SALTS = (torch.tensor(12345), torch.tensor(678))
@@ -47,7 +48,7 @@ def test_a_tokens_mask_does_not_depend_on_what_holds_it(monkeypatch):
     order = torch.randperm(257, generator=torch.Generator().manual_seed(0))
     assert torch.equal(keep_mask(keys[:, order], 40, 0, 0.5, SALTS, torch.float64), whole[:, order])
     assert torch.equal(keep_mask(keys, 15, 20, 0.5, SALTS, torch.float64), whole[..., 20:35])
-    monkeypatch.setattr(lora_dropout, "CHUNK_ELEMENTS", 100)  # chunks of 2 tokens
+    monkeypatch.setattr(token_dropout, "CHUNK_ELEMENTS", 100)  # chunks of 2 tokens
     assert torch.equal(keep_mask(keys, 40, 0, 0.5, SALTS, torch.float64), whole)
     other = [keep_mask(keys, 40, 0, 0.5, salts, torch.float64) for salts in (SALTS[::-1], (SALTS[0] + 1, SALTS[1]))]
     assert all((m != whole).float().mean() > 0.3 for m in other)  # another step, adapter or seed: new masks
@@ -64,19 +65,19 @@ def test_the_mask_compiles_into_one_graph_with_the_same_bits():
 
 def test_masks_follow_the_keys_the_trainer_sets():
     tokens = DropoutTokens(seed=7)
-    dropout = LoRADropout(0.5, 0, tokens, "q_proj").train()
+    dropout = TokenDropout(0.5, "q_proj.lora_dropout", tokens, fix="set peft.dropout=0").train()
     x = torch.ones(1, 33, 8, dtype=torch.float64)
-    set_dropout_tokens(nn.Module(), 0, None)  # a model without LoRA dropout: no-op
+    set_dropout_tokens(nn.Module(), 0, None)  # a model without keyed dropout: no-op
     holder = nn.Module()
-    holder.lora_dropout_tokens = tokens
+    holder.dropout_tokens = tokens
     set_dropout_tokens(holder, 4, token_keys(torch.tensor([0]), torch.arange(33)))
     first = dropout(x)
     assert torch.equal(dropout(x), first)  # keyed: a recompute draws the same masks
     set_dropout_tokens(holder, 5, tokens.keys)
     assert not torch.equal(dropout(x), first)  # the next step: new masks
-    assert not torch.equal(LoRADropout(0.5, 1, tokens).train()(x), dropout(x))  # another adapter: its own masks
+    assert not torch.equal(TokenDropout(0.5, "k_proj.lora_dropout", tokens).train()(x), dropout(x))  # its own masks
     tokens.keys = token_keys(torch.tensor([0]), torch.arange(32))
-    with pytest.raises(ValueError, match=r"adapter on q_proj sees an input of \(1, 33\) tokens.*peft\.dropout=0"):
+    with pytest.raises(ValueError, match=r"dropout q_proj\.lora_dropout \(p=0\.5\) sees an input of \(1, 33\) tokens.*set peft\.dropout=0\."):
         dropout(x)
     tokens.keys = None  # outside the trainer: a salt from the default generator, fresh every call
     torch.manual_seed(0)
@@ -91,7 +92,30 @@ def test_add_lora_keys_every_adapter_of_a_model_by_one_holder():
     model.q_proj, model.v_proj = nn.Linear(4, 4), nn.Linear(4, 4)
     add_lora(model, r=2, dropout=0.1, seed=5)
     layers = [model.q_proj.lora_dropout, model.v_proj.lora_dropout]
-    assert [d.layer for d in layers] == [0, 1] and all(d.tokens is model.lora_dropout_tokens for d in layers)
-    assert model.lora_dropout_tokens.seed == 5
+    assert [d.name for d in layers] == ["q_proj.lora_dropout", "v_proj.lora_dropout"]
+    assert layers[0].layer != layers[1].layer and all(d.tokens is model.dropout_tokens for d in layers)
+    assert model.dropout_tokens.seed == 5
     set_dropout_tokens(model, 3, token_keys(torch.tensor([1]), torch.arange(2)))
     assert layers[0].tokens.step == 3 and layers[1].tokens.keys.shape == (1, 2)
+
+
+def test_a_checkpoints_hidden_dropout_is_keyed_and_its_attention_dropout_named():
+    """GPT-2's embedding, residual and MLP dropouts (one row per token) become ``TokenDropout``s
+    sharing the model's keys; its attention-probability dropout stays and is named by its field."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=16, n_head=2, n_layer=1, vocab_size=31, n_positions=32)  # every pdrop 0.1
+    model = GPT2LMHeadModel(config)
+    keyed = key_model_dropout(model, seed=3)
+    assert keyed == ["transformer.drop", "transformer.h.0.attn.resid_dropout", "transformer.h.0.mlp.dropout"]
+    assert type(model.transformer.h[0].attn.attn_dropout) is nn.Dropout
+    assert all(model.get_submodule(n).tokens is model.dropout_tokens for n in keyed)
+    assert unkeyed_dropout(config) == {"attn_pdrop": 0.1}
+    ids = torch.randint(0, 31, (1, 12))
+    model.train()
+    set_dropout_tokens(model, 0, token_keys(torch.tensor([0]), torch.arange(12)))
+    config.attn_pdrop = 0.0
+    model.transformer.h[0].attn.attn_dropout.p = 0.0
+    first = model(ids).logits
+    assert torch.equal(model(ids).logits, first)  # every remaining dropout is keyed: the same masks again
+    assert not torch.equal(model.eval()(ids).logits, first)

@@ -1,0 +1,78 @@
+"""The dropout of a transformers checkpoint at every layout (float64, real gloo ranks).
+
+Phi with ``resid_pdrop = embd_pdrop = 0.1``: its hidden-state dropouts are keyed by token
+(``models/token_dropout.py``), so ``hybridpar check`` (which runs both sides in train mode, as
+training does) is exact at cp=2, tp=2 + SP and dp_shard=2; before, check ran transformers models
+in eval mode (dropout off) and training drew each rank's masks from its own generator. GPT-2's
+attention-probability dropout (``attn_pdrop``) cannot be keyed: ``check`` on more than one process
+refuses it and ``train`` says so, naming the field to zero.
+"""
+
+import contextlib
+import io
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from hybridpar.config import ConfigError, load_config
+from tests.distributed.harness import run_ranks
+
+DEFAULT = "configs/tiny-hybrid.yaml"
+JOB = ["model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2", "train.eval_every=0", "plot=false",
+       "tensorboard=false", "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}", "output_dir=unused"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import transformers as hf
+
+    root = tmp_path_factory.mktemp("hf_dropout")
+    shapes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=256, num_hidden_layers=2)
+    torch.manual_seed(0)
+    hf.PhiForCausalLM(hf.PhiConfig(**shapes, resid_pdrop=0.1, embd_pdrop=0.1)).save_pretrained(root / "phi")
+    hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=256, n_positions=256)).save_pretrained(
+        root / "gpt2")  # resid, embd and attn pdrop 0.1
+    return {name: str(root / name) for name in ("phi", "gpt2")}
+
+
+def _check(rank, world_size, overrides):
+    import hybridpar.models.token_dropout as token_dropout
+    from hybridpar.train.proof.layout import run_check
+
+    masks, keep_mask = [], token_dropout.keep_mask
+    token_dropout.keep_mask = lambda *args, **kwargs: masks.append(1) or keep_mask(*args, **kwargs)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = run_check(load_config(DEFAULT, JOB + overrides), torch.device("cpu"))
+    return code, out.getvalue(), len(masks)
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.cp=2", "parallel.tp=1", "parallel.cp_attention=ring"],
+    ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2"],
+], ids=["cp2", "tp2-sp", "dp2"])
+def test_a_checkpoints_hidden_dropout_is_one_process_s_at_every_layout(checkpoints, layout):
+    code, text, masks = run_ranks(2, _check, [f"model.hf_path={checkpoints['phi']}", *layout], timeout_s=300)[0]
+    assert code == 0 and "check exact" in text, text[-1500:]
+    assert masks >= 2 * 5, masks  # dropout ran (train mode) on both sides: embedding + 2 per layer, each
+
+
+def test_attention_dropout_is_refused_by_check_and_named_by_train(checkpoints, capsys, tmp_path):
+    from hybridpar.train.preflight import validate_run
+
+    config = load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints['gpt2']}", "parallel.cp=1", "parallel.tp=1",
+                                         "parallel.dp_shard=2"])
+    with pytest.raises(ConfigError, match=r"check cannot prove this layout: GPT2 applies attention dropout "
+                                          r"\(attn_pdrop=0\.1\).*set \"attn_pdrop\": 0\.0 in .*config\.json"):
+        validate_run(config, "check", world_size=2, dry_run=True)
+    one = load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints['gpt2']}", "parallel.cp=1", "parallel.tp=1"])
+    validate_run(one, "check", world_size=1, dry_run=True)  # one process: its own masks are the reference's
+    assert "attention dropout" not in capsys.readouterr().err
+    train = load_config(DEFAULT, JOB[:-1] + [f"model.hf_path={checkpoints['gpt2']}", "parallel.cp=1", "parallel.tp=1",
+                                             "parallel.dp_shard=2", f"output_dir={tmp_path}"])
+    validate_run(train, "train", world_size=2, dry_run=True)
+    assert "warning: GPT2 applies attention dropout (attn_pdrop=0.1)" in capsys.readouterr().err
