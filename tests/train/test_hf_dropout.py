@@ -5,7 +5,8 @@ Phi with ``resid_pdrop = embd_pdrop = 0.1``: its hidden-state dropouts are keyed
 training does) is exact at cp=2, tp=2 + SP and dp_shard=2; before, check ran transformers models
 in eval mode (dropout off) and training drew each rank's masks from its own generator. GPT-2's
 attention-probability dropout (``attn_pdrop``) cannot be keyed: ``check`` on more than one process
-refuses it and ``train`` says so, naming the field to zero.
+refuses it and ``train`` says so, naming the field to zero. OPT's dropout is functional (no module
+to key): a probe (two train-mode forwards, one set of keys, two generator seeds) finds it.
 """
 
 import contextlib
@@ -35,7 +36,10 @@ def checkpoints(tmp_path_factory):
     hf.PhiForCausalLM(hf.PhiConfig(**shapes, resid_pdrop=0.1, embd_pdrop=0.1)).save_pretrained(root / "phi")
     hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=256, n_positions=256)).save_pretrained(
         root / "gpt2")  # resid, embd and attn pdrop 0.1
-    return {name: str(root / name) for name in ("phi", "gpt2")}
+    hf.OPTForCausalLM(hf.OPTConfig(hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=256, num_hidden_layers=2,
+                                   word_embed_proj_dim=32, max_position_embeddings=256, dropout=0.1)).save_pretrained(
+        root / "opt")  # functional dropout (F.dropout(p=config.dropout)): no module to key
+    return {name: str(root / name) for name in ("phi", "gpt2", "opt")}
 
 
 def _check(rank, world_size, overrides):
@@ -76,3 +80,19 @@ def test_attention_dropout_is_refused_by_check_and_named_by_train(checkpoints, c
                                              "parallel.dp_shard=2", f"output_dir={tmp_path}"])
     validate_run(train, "train", world_size=2, dry_run=True)
     assert "warning: GPT2 applies attention dropout (attn_pdrop=0.1)" in capsys.readouterr().err
+
+
+def test_random_numbers_no_key_reaches_are_found_by_the_probe(checkpoints):
+    """OPT draws ``F.dropout(p=config.dropout)`` from the generator: check at dp_shard=2 refuses with the
+    field named (before any step), where it would have failed as if the layout were wrong."""
+    from tests.distributed.harness import RankFailure
+
+    with pytest.raises(RankFailure, match=r"check cannot prove this layout: OPTForCausalLM draws random numbers "
+                                          r"in training that no token key reaches \(dropout=0\.1"):
+        run_ranks(2, _check, [f"model.hf_path={checkpoints['opt']}", "parallel.cp=1", "parallel.tp=1",
+                              "parallel.dp_shard=2"], timeout_s=300)
+    from hybridpar.train.hf_model import unkeyed_randomness
+    from hybridpar.train.trainer import build_model
+
+    phi = build_model(load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints['phi']}"]))
+    assert not unkeyed_randomness(phi, 256)  # every dropout of Phi is keyed

@@ -45,13 +45,13 @@ from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_ca
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
-from hybridpar.models.token_dropout import key_model_dropout, unkeyed_dropout
+from hybridpar.models.token_dropout import key_model_dropout, set_dropout_tokens, token_keys, unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
-__all__ = ["model_backend", "attention_dropout_problem", "hf_shape", "hf_meta_model", "build_hf_model", "use_blockwise_attention",
+__all__ = ["model_backend", "attention_dropout_problem", "randomness_problem", "unkeyed_randomness", "hf_shape", "hf_meta_model", "build_hf_model", "use_blockwise_attention",
            "hf_forward_inputs", "hf_loss_sum"]
 
 
@@ -134,6 +134,45 @@ def attention_dropout_problem(config: RunConfig, shape, processes: int) -> str |
             "rank draws for its own (query, key) pairs, so at this layout a step is not one process's (its hidden-state "
             f"dropout is keyed by token and is); set \"{field}\": 0.0 in {config.model.hf_path}/config.json for an exact "
             "layout.")
+
+
+PROBE_TOKENS = 8
+
+
+def unkeyed_randomness(model: nn.Module, vocab_size: int) -> bool:
+    """Whether a train-mode forward of ``model`` still draws from the generator after its dropouts
+    were keyed (functional dropout such as OPT's ``dropout``, attention dropout, router jitter): two
+    forwards of ``PROBE_TOKENS`` tokens with the same keys and different generator seeds differ."""
+    ids = torch.arange(PROBE_TOKENS, device=next(model.parameters()).device)[None] % vocab_size
+    set_dropout_tokens(model, 0, token_keys(torch.tensor([0]), torch.arange(PROBE_TOKENS)))
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            logits = []
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                logits.append(model(input_ids=ids, use_cache=False).logits)
+    finally:
+        model.train(was_training)
+        set_dropout_tokens(model, 0, None)
+    return not torch.equal(*logits)
+
+
+def randomness_problem(config: RunConfig, model: nn.Module, vocab_size: int, processes: int) -> str | None:
+    """On more than one process: why a transformers model's training step is not one process's, when
+    its forward draws random numbers no token key reaches (``unkeyed_randomness``) and the preflight's
+    attention-dropout line (``attention_dropout_problem``) has not said so already."""
+    if processes == 1 or attention_dropout_problem(config, model.config, processes):
+        return None
+    if not unkeyed_randomness(model, vocab_size):
+        return None
+    fields = {k: v for k, v in vars(model.config).items() if any(w in k for w in ("dropout", "pdrop", "jitter"))
+              and k != "classifier_dropout" and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    named = ", ".join(f"{k}={v:g}" for k, v in fields.items()) or "no config field names it"
+    return (f"{type(model).__name__} draws random numbers in training that no token key reaches ({named}: functional "
+            "dropout, attention dropout or router jitter), so each rank draws its own and at this layout a step is not "
+            f"one process's; set them to 0.0 in {config.model.hf_path}/config.json for an exact layout.")
 
 
 def use_blockwise_attention(model: nn.Module) -> str:

@@ -49,7 +49,8 @@ from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.run.export import write_export
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
-from hybridpar.train.hf_model import build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend, use_blockwise_attention
+from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend, randomness_problem,
+                                      use_blockwise_attention)
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
@@ -150,12 +151,12 @@ class Trainer:
         self.data_sources = data_sources(config)  # the content this run reads, recorded in its checkpoints
         if not isinstance(model, HybridLM) and p.cp == 1:  # at cp > 1 parallelize installs it with the CP core
             self.say(use_blockwise_attention(model))
+        self.unkeyed = None if isinstance(model, HybridLM) else randomness_problem(config, model, self.vocab_size, world)
         problem = self._packing_problem(model)
         self.one_per_row = problem is not None
         self.train_data = self._stream(self.data)
         self.say(packing_line(model, problem, padding_fraction(self.train_data.pool), self.data.pack_size))
-        self._eval_data = None
-        self._unigram = None
+        self._eval_data = self._unigram = None
         self.layout = Layout.build(config, device.type)
         set_tf32(config.parallel.tf32 and config.model.dtype == "float32")  # CUDA float32 matmuls only
         self.model = parallelize(
@@ -174,9 +175,7 @@ class Trainer:
         self.guard = NonFiniteGuard(config.train.on_nonfinite, config.train.max_nonfinite_skips)
         self.start_step = 0
         self.output_dir = config.output_dir
-        self.run_id = None
-        self.last_checkpoint = None
-        self._lock = None
+        self.run_id = self.last_checkpoint = self._lock = None
 
     def say(self, text: str) -> None:
         """A progress line from rank 0."""
@@ -208,8 +207,7 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------
     def forward_loss_sum(self, pack: dict, predictions: bool = False, at=None) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``(loss_sum, argmax ids or None, labels)`` of this rank's share of one pack; ``at``: (step, the
-        pack's index among the step's global packs), which keys LoRA dropout masks (``key_dropout``)."""
+        """``(loss_sum, argmax ids or None, labels)`` of this rank's share of a pack; ``at``: (step, pack index) keys dropout."""
         input_ids, labels, packed = pack_tensors(pack, self.device)
         sharded = shard_inputs(
             input_ids=input_ids, labels=labels, packed=packed, cp_group=self.layout.cp_group,
@@ -348,6 +346,8 @@ class Trainer:
         """Train to ``train.steps`` (or stop after step ``stop_after``, as an interruption
         would); returns the metrics history (rank 0)."""
         cfg = self.config
+        if self.unkeyed and self.rank == 0:  # check refuses it (proof/layout.py)
+            notice(self.unkeyed)
         self.resume()
         logger = MetricsLogger(self.output_dir, self.rank, cfg.tensorboard, cfg.plot, resume_step=self.start_step)
         try:

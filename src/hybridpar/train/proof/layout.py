@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hybridpar.config import RunConfig
+from hybridpar.config import ConfigError, RunConfig
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.parallel.state import canonical_state_dict
 from hybridpar.train.loss import valid_token_count
@@ -80,6 +80,8 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     if not isinstance(reference, HybridLM):
         use_blockwise_attention(reference)  # the attention the trainer runs (documents from packed_seq_params)
     trainer = Trainer(config, device)
+    if trainer.unkeyed:  # random numbers each rank draws for itself: no layout can equal one process
+        raise ConfigError(f"check cannot prove this layout: {trainer.unkeyed}")
     for model in (trainer.model, reference):  # as training runs (from_pretrained returns eval mode): dropout on
         model.train()
     tolerance = tolerance if tolerance is not None else default_tolerance(config)
