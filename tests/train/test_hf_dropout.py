@@ -36,10 +36,12 @@ def checkpoints(tmp_path_factory):
     hf.PhiForCausalLM(hf.PhiConfig(**shapes, resid_pdrop=0.1, embd_pdrop=0.1)).save_pretrained(root / "phi")
     hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=256, n_positions=256)).save_pretrained(
         root / "gpt2")  # resid, embd and attn pdrop 0.1
+    hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=256, n_positions=256, attn_pdrop=0.0)
+                       ).save_pretrained(root / "gpt2_hidden")  # resid and embd pdrop 0.1 only
     hf.OPTForCausalLM(hf.OPTConfig(hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=256, num_hidden_layers=2,
                                    word_embed_proj_dim=32, max_position_embeddings=256, dropout=0.1)).save_pretrained(
         root / "opt")  # functional dropout (F.dropout(p=config.dropout)): no module to key
-    return {name: str(root / name) for name in ("phi", "gpt2", "opt")}
+    return {name: str(root / name) for name in ("phi", "gpt2", "gpt2_hidden", "opt")}
 
 
 def _check(rank, world_size, overrides):
@@ -63,6 +65,16 @@ def test_a_checkpoints_hidden_dropout_is_one_process_s_at_every_layout(checkpoin
     code, text, masks = run_ranks(2, _check, [f"model.hf_path={checkpoints['phi']}", *layout], timeout_s=300)[0]
     assert code == 0 and "check exact" in text, text[-1500:]
     assert masks >= 2 * 5, masks  # dropout ran (train mode) on both sides: embedding + 2 per layer, each
+
+
+def test_gpt2_blocks_shard_and_checkpoint_by_no_split_modules_with_keyed_dropout(checkpoints):
+    """GPT-2 keeps its blocks in ``transformer.h``: FSDP shards them one by one and activation
+    checkpointing wraps them (``find_blocks``: ``_no_split_modules``; before, one root unit whose
+    gradients were never reduced, and checkpointing refused), and the recompute draws the same masks."""
+    code, text, masks = run_ranks(2, _check, [f"model.hf_path={checkpoints['gpt2_hidden']}", "parallel.cp=1",
+                                              "parallel.tp=1", "parallel.dp_shard=2",
+                                              "parallel.activation_checkpointing=full"], timeout_s=300)[0]
+    assert code == 0 and "check exact" in text and masks > 0, text[-1500:]
 
 
 def test_attention_dropout_is_refused_by_check_and_named_by_train(checkpoints, capsys, tmp_path):

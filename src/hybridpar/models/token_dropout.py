@@ -100,6 +100,8 @@ _compiled = None
 def _fused_keep_mask(*args) -> Tensor:
     """``keep_mask`` compiled into one kernel; eager (chunked) if compiling fails, said once."""
     global _compiled
+    if torch.compiler.is_compiling():  # inside a compiled block: its compile fuses the hash
+        return keep_mask(*args, chunked=False)
     if _compiled is None:
         _compiled = torch.compile(partial(keep_mask, chunked=False), dynamic=True)
     try:

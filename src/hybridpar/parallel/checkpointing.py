@@ -126,7 +126,7 @@ class _SelectivePolicy:
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: str | bool = "full") -> nn.Module:
-    """Wrap every block (``model.layers`` / ``backbone.layers`` / ``layers``) in a non-reentrant
+    """Wrap every block (``model.layers`` / ``backbone.layers`` / ``layers`` / ``find_blocks``) in a non-reentrant
     checkpoint of the given policy (``none`` leaves the model as it is); returns ``model``."""
     policy = checkpointing_policy(policy)
     if policy == "none":
@@ -159,9 +159,10 @@ def selective_policy(block: nn.Module) -> _SelectivePolicy | None:
     return getattr(context_fn, "policy", None)
 
 
-def model_blocks(model: nn.Module, what: str, fix: str) -> nn.ModuleList | nn.Sequential:
-    """The module list of blocks (``model.layers`` / ``backbone.layers`` / ``layers``) that ``what``
-    works on; a ``ValueError`` ending in ``fix`` when the model has none."""
+def find_blocks(model: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+    """The module list of blocks: ``model.layers`` / ``backbone.layers`` / ``layers``, else the list
+    whose modules are all of the classes a transformers model names in ``_no_split_modules`` (its
+    decoder blocks: GPT-2's ``transformer.h``, GPT-NeoX's ``gpt_neox.layers``); None if neither."""
     for path in BLOCK_CONTAINERS:
         try:
             layers = model.get_submodule(path)
@@ -169,5 +170,19 @@ def model_blocks(model: nn.Module, what: str, fix: str) -> nn.ModuleList | nn.Se
             continue
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):
             return layers
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) and \
+                all(type(block).__name__ in names for block in module):
+            return module
+    return None
+
+
+def model_blocks(model: nn.Module, what: str, fix: str) -> nn.ModuleList | nn.Sequential:
+    """The module list of blocks (``find_blocks``) that ``what`` works on; a ``ValueError`` ending in
+    ``fix`` when the model has none."""
+    layers = find_blocks(model)
+    if layers is not None:
+        return layers
     raise ValueError(f"{type(model).__name__} has none of {list(BLOCK_CONTAINERS)} as a module list of blocks; "
                      f"{what} works on those. {fix}")

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hybridpar.config_rules import Notice
+from hybridpar.parallel.checkpointing import find_blocks
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.data.param_layouts import MODULE_TP_DIMS, Layout, parameter_layouts
 
@@ -46,28 +47,14 @@ _KEPT_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The blocks to shard one by one: ``model._fsdp_units`` (modules or names, or a method
-    returning them) if the model gives it, else the first of ``model.model.layers``,
-    ``model.backbone.layers``, ``model.layers``, else the outermost modules of the classes a
-    transformers model names in ``_no_split_modules`` (its decoder blocks: GPT-2's
-    ``transformer.h.N``, GPT-NeoX's ``gpt_neox.layers.N``, OPT's ``model.decoder.layers.N``)."""
+    returning them) if the model gives it, else the blocks of ``checkpointing.find_blocks``
+    (``model.layers`` and the like, or a transformers model's ``_no_split_modules`` blocks)."""
     hint = getattr(model, "_fsdp_units", None)
     if hint is not None:
         units = hint() if callable(hint) else hint
         return [model.get_submodule(u) if isinstance(u, str) else u for u in units]
-    for path in ("model.layers", "backbone.layers", "layers"):
-        try:
-            layers = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            return list(layers)
-    blocks = set(getattr(model, "_no_split_modules", None) or ())
-    units, inside = [], ()
-    for name, module in model.named_modules():
-        if name and type(module).__name__ in blocks and not name.startswith(inside):
-            units.append(module)
-            inside = tuple(n + "." for n in (*[n[:-1] for n in inside], name))
-    return units
+    blocks = find_blocks(model)
+    return [] if blocks is None else list(blocks)
 
 
 FIRST_PRE_HOOKS = "_hybridpar_first_pre_hooks"
