@@ -29,7 +29,7 @@ A float64 model with MoE experts runs transformers' eager experts (``grouped_mm`
 and every float32 cast inside transformers stays float64 (``models/hf/float64.keep_float64``).
 The checkpoint's hidden-state dropouts (embedding, residual: ``nn.Dropout`` on one row per token)
 draw token-keyed masks (``models/token_dropout.key_model_dropout``), so every layout draws one
-process's; its attention-probability dropout cannot be keyed (``preflight`` says so).
+process's; what no key reaches (attention dropout, functional dropout) is said by ``randomness_problem``.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
-__all__ = ["model_backend", "attention_dropout_problem", "randomness_problem", "unkeyed_randomness", "hf_shape", "hf_meta_model", "build_hf_model", "use_blockwise_attention",
-           "hf_forward_inputs", "hf_loss_sum"]
+__all__ = ["model_backend", "attention_dropout_problem", "randomness_problem", "unkeyed_randomness", "hf_shape",
+           "hf_meta_model", "build_hf_model", "use_blockwise_attention", "hf_forward_inputs", "hf_loss_sum"]
 
 
 def model_backend(config: RunConfig) -> str:
@@ -160,13 +160,14 @@ def unkeyed_randomness(model: nn.Module, vocab_size: int) -> bool:
 
 
 def randomness_problem(config: RunConfig, model: nn.Module, vocab_size: int, processes: int) -> str | None:
-    """On more than one process: why a transformers model's training step is not one process's, when
-    its forward draws random numbers no token key reaches (``unkeyed_randomness``) and the preflight's
-    attention-dropout line (``attention_dropout_problem``) has not said so already."""
-    if processes == 1 or attention_dropout_problem(config, model.config, processes):
+    """On more than one process: why a transformers model's training step is not one process's: its
+    attention dropout (``attention_dropout_problem``), or random numbers no token key reaches that
+    the probe finds (``unkeyed_randomness``). The trainer says it; ``check`` refuses."""
+    if processes == 1:
         return None
-    if not unkeyed_randomness(model, vocab_size):
-        return None
+    attention = attention_dropout_problem(config, model.config, processes)
+    if attention or not unkeyed_randomness(model, vocab_size):
+        return attention
     fields = {k: v for k, v in vars(model.config).items() if any(w in k for w in ("dropout", "pdrop", "jitter"))
               and k != "classifier_dropout" and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
     named = ", ".join(f"{k}={v:g}" for k, v in fields.items()) or "no config field names it"
