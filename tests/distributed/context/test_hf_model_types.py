@@ -12,7 +12,9 @@ document per row (``tests/train/test_packing_safety.py``) and is refused context
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -80,6 +82,7 @@ def _configs(hf) -> dict:
         "minicpm3": lambda: hf.MiniCPM3Config(**{**_MLA, "q_lora_rank": None, "v_head_dim": 24}),  # v wider than q/k
         "youtu": lambda: hf.YoutuConfig(**_MLA),
         "sarvam_mla": lambda: hf.SarvamMLAConfig(**_DEEPSEEK, **_MLA),
+        "axk1": lambda: hf.AXK1Config(**_DEEPSEEK, **_MLA),
         # Llama-like layouts
         "exaone": lambda: hf.ExaoneConfig(head_dim=16, **_C),
         "internlm3": lambda: hf.InternLM3Config(head_dim=16, **_C),
@@ -97,11 +100,17 @@ def _configs(hf) -> dict:
         "cwm": lambda: hf.CwmConfig(head_dim=16, sliding_window=5, **_C),
         "ministral": lambda: hf.MinistralConfig(head_dim=16, **_WINDOWED, **_C),
         "ministral3": lambda: hf.Ministral3Config(head_dim=16, **_C),
+        "gemma4_text": lambda: hf.Gemma4TextConfig(  # per-layer inputs, k = v on full layers, a layer reusing K/V, MoE
+            head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, per_layer_config={},
+            attention_k_eq_v=True, num_kv_shared_layers=1, enable_moe_block=True, num_experts=4, top_k_experts=2,
+            moe_intermediate_size=32, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
+            **{**_C, "num_hidden_layers": 4}),
         "vaultgemma": lambda: hf.VaultGemmaConfig(head_dim=16, sliding_window=5, attn_logit_softcapping=2.0,
                                                   query_pre_attn_scalar=24, **_C),
         "gemma4_unified_text": lambda: hf.Gemma4UnifiedTextConfig(head_dim=16, sliding_window=5, **_C),
         "modernbert-decoder": lambda: hf.ModernBertDecoderConfig(sliding_window=5, **_NO_KV),
         "persimmon": lambda: hf.PersimmonConfig(**_NO_KV),
+        "hrm_text": lambda: hf.HrmTextConfig(head_dim=16, **_NO_KV),  # hierarchical modules, each a causal stack
         "moshi": lambda: hf.MoshiConfig(head_dim=16, sliding_window=5, ffn_dim=64,
                                         **{k: v for k, v in _C.items() if k != "intermediate_size"}),
         # GPT-2 and GPT-J lineages: fused or separate projections, partial rotary (rotary_dim), multi-query
@@ -110,6 +119,8 @@ def _configs(hf) -> dict:
         "gptj": lambda: hf.GPTJConfig(rotary_dim=8, **_GPT2),
         "codegen": lambda: hf.CodeGenConfig(rotary_dim=8, **_GPT2),
         "gpt_neox": lambda: hf.GPTNeoXConfig(**_NO_KV),
+        "ctrl": lambda: hf.CTRLConfig(n_embd=64, n_layer=2, n_head=4, dff=64, vocab_size=VOCAB, use_cache=False,
+                                      resid_pdrop=0.0, embd_pdrop=0.0),  # sinusoidal positions from position_ids
         # MoE
         "olmoe": lambda: hf.OlmoeConfig(num_experts=4, **_MOE, **_C),
         "flex_olmo": lambda: hf.FlexOlmoConfig(num_experts=4, **_MOE, **_C),
@@ -135,6 +146,9 @@ def _configs(hf) -> dict:
                                               shared_expert_intermediate_size=32, **_MOE, **_C),
         "laguna": lambda: hf.LagunaConfig(head_dim=16, num_experts=4, **_WINDOWED, shared_expert_intermediate_size=32,
                                           **_MOE, **_C),
+        "dbrx": lambda: hf.DbrxConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=VOCAB, use_cache=False,
+                                      attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                      ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
         "mellum": lambda: hf.MellumConfig(head_dim=16, num_local_experts=4, **_WINDOWED, **_MOE, **_C),
     }
 
@@ -167,6 +181,10 @@ def test_the_list_is_the_proven_types():
     configs = _configs(hf)
     assert set(configs) == set(ATTENTION_MODEL_TYPES)
     assert {name: make().model_type for name, make in configs.items()} == {name: name for name in configs}
+    doc = (Path(__file__).parents[3] / "docs" / "hf-models.md").read_text()
+    table = doc.split("## Context parallelism for Hugging Face models")[1].split("Not taken")[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    assert sorted(re.findall(r"`([^`]+)`", "".join(rows))) == sorted(ATTENTION_MODEL_TYPES)  # the docs' table
 
 
 def _proof_error(hf, name: str, make, ids, labels) -> float:

@@ -12,8 +12,12 @@ for query ``i`` and key ``j`` at global positions ``p`` in documents ``d``::
     out_i = sum_j softmax_j(s q_i . k_j | M_ij) v_j,   M_ij = [d_j = d_i] [p_j <= p_i] [p_i - p_j < W]
 
 (the window term only on sliding layers: Mistral with ``sliding_window``, Gemma3's local
-layers, Qwen2/3 with ``use_sliding_window``; Gemma2's ``softcap`` ``c`` replaces ``s q_i . k_j``
-by ``c tanh(s q_i . k_j / c)``). No ``[S, S]`` mask exists: the
+layers, Qwen2/3 with ``use_sliding_window``; a module that keeps ``sliding_window`` but does not
+pass it has it read from the module; Gemma2's ``softcap`` ``c`` replaces ``s q_i . k_j``
+by ``c tanh(s q_i . k_j / c)``). Multi-head latent attention hands over ``v [B, H, S, Dv]`` with
+``Dv`` other than q/k's ``Dh``: the narrower side is zero-padded to one head dim (zero q/k
+columns add nothing to ``q . k``; zero v columns give output columns that are dropped), so the
+cores keep one head dim. No ``[S, S]`` mask exists: the
 strategies run the blockwise core. transformers builds no mask for an implementation
 without a registered mask function (``attention_mask`` arrives as None).
 
@@ -94,7 +98,7 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
                  dropout: float = 0.0, sliding_window=_NOT_PASSED, softcap=None,
                  packed_seq_params: PackedSeqParams | None = None, position_ids: Tensor | None = None,
                  **kwargs) -> tuple[Tensor, None]:
-    """transformers attention: ``q [B, Hq, S, Dh]``, ``k, v [B, Hkv, S, Dh]`` -> ``([B, S, Hq, Dh], None)``."""
+    """transformers attention: ``q, k [B, Hq|Hkv, S, Dh]``, ``v [B, Hkv, S, Dv]`` -> ``([B, S, Hq, Dv], None)``."""
     where = f"hybridpar attention in {type(module).__name__}"
     if attention_mask is not None:
         raise ValueError(f"{where} got an attention mask; it takes documents and padding from packed_seq_params "
