@@ -83,6 +83,10 @@ def _configs(hf) -> dict:
         "youtu": lambda: hf.YoutuConfig(**_MLA),
         "sarvam_mla": lambda: hf.SarvamMLAConfig(**_DEEPSEEK, **_MLA),
         "axk1": lambda: hf.AXK1Config(**_DEEPSEEK, **_MLA),
+        "longcat_flash": lambda: hf.LongcatFlashConfig(  # two MLA modules per layer, zero-computation experts
+            hidden_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB, ffn_hidden_size=64,
+            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8, v_head_dim=12, moe_topk=2,
+            n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=32, use_cache=False, pad_token_id=0),
         # Llama-like layouts
         "exaone": lambda: hf.ExaoneConfig(head_dim=16, **_C),
         "internlm3": lambda: hf.InternLM3Config(head_dim=16, **_C),
@@ -105,9 +109,17 @@ def _configs(hf) -> dict:
             attention_k_eq_v=True, num_kv_shared_layers=1, enable_moe_block=True, num_experts=4, top_k_experts=2,
             moe_intermediate_size=32, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
             **{**_C, "num_hidden_layers": 4}),
+        "gemma3n_text": lambda: hf.Gemma3nTextConfig(  # per-layer inputs, AltUp, LAuReL, sparse activations, shared K/V
+            head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2,
+            laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            **{**_C, "num_hidden_layers": 4, "intermediate_size": [64] * 4}),
         "vaultgemma": lambda: hf.VaultGemmaConfig(head_dim=16, sliding_window=5, attn_logit_softcapping=2.0,
                                                   query_pre_attn_scalar=24, **_C),
         "gemma4_unified_text": lambda: hf.Gemma4UnifiedTextConfig(head_dim=16, sliding_window=5, **_C),
+        "cohere_compass_text": lambda: hf.CohereCompassTextConfig(head_dim=16, rope_parameters=dict.fromkeys(  # M-RoPE
+            ("full_attention", "sliding_attention"), {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}),
+            **_WINDOWED, **_C),
         "modernbert-decoder": lambda: hf.ModernBertDecoderConfig(sliding_window=5, **_NO_KV),
         "persimmon": lambda: hf.PersimmonConfig(**_NO_KV),
         "hrm_text": lambda: hf.HrmTextConfig(head_dim=16, **_NO_KV),  # hierarchical modules, each a causal stack

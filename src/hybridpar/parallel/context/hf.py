@@ -154,9 +154,11 @@ def register_hf_attention() -> str:
 
 
 def hf_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every transformers self-attention module (``*Attention`` with a config)."""
-    return [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("Attention")
-            and hasattr(m, "config") and any(hasattr(m, dim) for dim in ("head_dim", "qk_head_dim", "head_size"))]  # MLA; GPT-NeoX
+    """``(name, module)`` of every transformers self-attention module: a class named ``*Attention``
+    (LongCat-Flash: ``*MLA``) with a config and a head dim (``head_dim``; MLA: ``qk_head_dim``;
+    GPT-NeoX: ``head_size``)."""
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith(("Attention", "MLA"))
+            and hasattr(m, "config") and any(hasattr(m, dim) for dim in ("head_dim", "qk_head_dim", "head_size"))]
 
 
 def _attention_heads(module: nn.Module) -> tuple[int, int]:
@@ -227,7 +229,7 @@ def attention_problem(model: nn.Module) -> str | None:
             return (f"{cls} has {key}={getattr(config, key)}, which hybridpar's attention core does not apply; set "
                     f"config.{key} = 0.0.")
     if not hf_attention_modules(model):
-        return (f"no attention modules found in {cls} (classes named *Attention with config and head_dim); this model "
+        return (f"no attention modules found in {cls} (classes named *Attention with a config and a head dim); this model "
                 "cannot take hybridpar's attention.")
     return None
 

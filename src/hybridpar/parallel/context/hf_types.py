@@ -23,7 +23,7 @@ ATTENTION_MODEL_TYPES = (
     "granite", "granitemoe", "granitemoeshared",
     # sliding-window layers, soft-capped scores
     "qwen2", "qwen3", "mistral", "ministral", "ministral3", "starcoder2", "exaone4", "olmo3", "cohere2", "gemma3_text",
-    "gemma2", "vaultgemma", "gemma4_text", "gemma4_unified_text", "cwm", "dory", "modernbert-decoder", "moshi",
+    "gemma2", "vaultgemma", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "cwm", "dory", "cohere_compass_text", "modernbert-decoder", "moshi",
     # partial RoPE, NoPE layers, q/k norms, qkv clipping, fused projections, absolute positions
     "gemma", "phi", "phi3", "stablelm", "smollm3", "olmo", "olmo2", "cohere", "persimmon", "gpt2", "gpt_bigcode", "gptj",
     "codegen", "gpt_neox", "ctrl", "hrm_text",
@@ -32,6 +32,6 @@ ATTENTION_MODEL_TYPES = (
     "hunyuan_v1_moe", "hy_v3", "aria_text", "ernie4_5_moe", "dots1", "sarvam_moe", "solar_open", "exaone_moe", "afmoe",
     "beam", "cohere2_moe", "kolibri1", "laguna", "mellum", "dbrx",
     # multi-head latent attention (v's head dim is not q/k's: hf_attention pads them to one)
-    "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla", "axk1",
+    "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla", "axk1", "longcat_flash",
 )
 SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES
