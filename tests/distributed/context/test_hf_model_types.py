@@ -1,13 +1,18 @@
 """Every transformers model type hybridpar's attention takes (``ATTENTION_MODEL_TYPES``) is
 proven here, one tiny float64 model per type: a packed row of three documents through
-hybridpar's attention (documents from ``packed_seq_params``, as the trainer and CP feed it)
-gives the loss and every parameter gradient of the same model with transformers' SDPA (eager for
-Gemma2's soft-capped scores) run on each document alone (1e-12). Sliding windows (5 tokens) are shorter than the documents, so the
-window rule is exercised. As the trainer runs a float64 model: transformers' float32 casts (norms,
-routers) kept in float64 (``keep_float64``), MoE experts eager (grouped_mm has no float64).
+hybridpar's attention, entered as context parallelism enters it (``apply_hf_cp`` with a CP core
+on a group of one; documents from ``packed_seq_params``), gives the loss and every parameter
+gradient of the same model with transformers' SDPA (eager where scores are soft-capped) run on
+each document alone (1e-12), and every module that calls the attention holds the core (at cp > 1
+one without it would attend to its rank's tokens only). Sliding windows (5 tokens) are shorter
+than the documents, so the window rule is exercised; MLA configs have v's head dim (12) other
+than q/k's (16; MiniCPM3 24 against 16). As the trainer runs a float64 model: transformers'
+float32 casts (norms, routers) kept in float64 (``keep_float64``), MoE experts eager (grouped_mm
+has no float64). One thread: the tensors are tiny.
 
-A type joins the list only with a builder here; a model type that is not on it trains one
-document per row (``tests/train/test_packing_safety.py``) and is refused context parallelism.
+A type joins the list only with a builder here, and docs/hf-models.md's table lists exactly the
+list; a model type that is not on it trains one document per row
+(``tests/train/test_packing_safety.py``) and is refused context parallelism.
 """
 
 from __future__ import annotations
@@ -123,7 +128,7 @@ def _configs(hf) -> dict:
         "modernbert-decoder": lambda: hf.ModernBertDecoderConfig(sliding_window=5, **_NO_KV),
         "persimmon": lambda: hf.PersimmonConfig(**_NO_KV),
         "hrm_text": lambda: hf.HrmTextConfig(head_dim=16, **_NO_KV),  # hierarchical modules, each a causal stack
-        "moshi": lambda: hf.MoshiConfig(head_dim=16, sliding_window=5, ffn_dim=64,
+        "moshi": lambda: hf.MoshiConfig(head_dim=16, sliding_window=5, ffn_dim=64,  # a window its mask never applies
                                         **{k: v for k, v in _C.items() if k != "intermediate_size"}),
         # GPT-2 and GPT-J lineages: fused or separate projections, partial rotary (rotary_dim), multi-query
         "gpt2": lambda: hf.GPT2Config(**_GPT2),

@@ -17,16 +17,17 @@ __all__ = ["ATTENTION_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SUPPORTED_MODEL_TYPES
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
 ATTENTION_MODEL_TYPES = (
-    # Llama's layout and its relatives
+    # Llama's layout and its relatives; attention and residual multipliers (Granite)
     "llama", "arcee", "helium", "apertus", "apertus1p5_text", "hunyuan_v1_dense", "ernie4_5", "glm", "glm4", "exaone",
     "internlm3", "iquestcoder", "hyperclovax", "jais2", "seed_oss", "bitnet", "nanochat", "nemotron", "diffllama",
-    "granite", "granitemoe", "granitemoeshared",
+    "moshi", "granite", "granitemoe", "granitemoeshared",
     # sliding-window layers, soft-capped scores
     "qwen2", "qwen3", "mistral", "ministral", "ministral3", "starcoder2", "exaone4", "olmo3", "cohere2", "gemma3_text",
-    "gemma2", "vaultgemma", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "cwm", "dory", "cohere_compass_text", "modernbert-decoder", "moshi",
+    "gemma2", "vaultgemma", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "cwm", "dory", "modernbert-decoder",
+    "cohere_compass_text",
     # partial RoPE, NoPE layers, q/k norms, qkv clipping, fused projections, absolute positions
-    "gemma", "phi", "phi3", "stablelm", "smollm3", "olmo", "olmo2", "cohere", "persimmon", "gpt2", "gpt_bigcode", "gptj",
-    "codegen", "gpt_neox", "ctrl", "hrm_text",
+    "gemma", "phi", "phi3", "stablelm", "smollm3", "olmo", "olmo2", "cohere", "persimmon", "hrm_text",
+    "gpt2", "gpt_bigcode", "gptj", "codegen", "gpt_neox", "ctrl",
     # mixture of experts
     "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "flex_olmo", "jetmoe", "minimax_m2", "minimax_m3_vl_text",
     "hunyuan_v1_moe", "hy_v3", "aria_text", "ernie4_5_moe", "dots1", "sarvam_moe", "solar_open", "exaone_moe", "afmoe",
