@@ -192,6 +192,7 @@ def test_cp2_tp2_matches_one_process():
     ({"name": "bloom"}, "use cp=1"),
     ({"name": "bamba"}, "load the checkpoint as a HybridLM"),
     ({"name": "llama", "attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"name": "gpt2", "attn_pdrop": 0.1}, "attn_pdrop=0.1"),
     ({"name": "llama", "rope": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic'"),
     ({"name": "gemma3", "use_bidirectional_attention": True}, "bidirectional"),
 ])

@@ -224,7 +224,7 @@ def attention_problem(model: nn.Module) -> str | None:
     if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False) in (True, "all"):
         return (f"the attention of {cls} is bidirectional (use_bidirectional_attention/is_causal=False); hybridpar's "
                 "attention core is causal.")
-    for key in ("attention_dropout", "attn_pdrop"):  # attn_pdrop: GPT-2's name
+    for key in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout"):  # GPT-2, BERT, ...
         if float(getattr(config, key, 0.0) or 0.0) > 0:
             return (f"{cls} has {key}={getattr(config, key)}, which hybridpar's attention core does not apply; set "
                     f"config.{key} = 0.0.")
