@@ -38,6 +38,10 @@ _MLA = dict(_C, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_
 _GPT2 = dict(n_embd=64, n_layer=2, n_head=4, n_inner=64, vocab_size=VOCAB, use_cache=False, resid_pdrop=0.0,
              embd_pdrop=0.0, attn_pdrop=0.0)  # GPT-2's names; absolute position embeddings read position_ids
 _NO_KV = {k: v for k, v in _C.items() if k != "num_key_value_heads"}  # configs without grouped-query attention
+# a chunked RoPE layer and a NoPE layer with temperature tuning, exact for documents up to the chunk (24) and
+# rows shorter than floor_scale (41): the 23-token document and the 40-token row just fit
+_LLAMA4 = dict(_C, head_dim=16, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1,
+               no_rope_layers=[1, 0], attention_chunk_size=24, floor_scale=41)
 _DEEPSEEK = dict(n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, **_MOE)
 
 
@@ -104,6 +108,7 @@ def _configs(hf) -> dict:
         "nemotron": lambda: hf.NemotronConfig(head_dim=16, **_C),
         "apertus1p5_text": lambda: hf.Apertus1p5TextConfig(**_C),
         "hy_v3": lambda: hf.HYV3Config(head_dim=16, num_experts=4, num_shared_experts=1, **_MOE, **_C),
+        "llama4_text": lambda: hf.Llama4TextConfig(**_LLAMA4),
         "diffllama": lambda: hf.DiffLlamaConfig(head_dim=16, **_C),  # differential attention: two calls' difference
         "dory": lambda: hf.DoryConfig(head_dim=16, **_WINDOWED, **_C),  # unit-norm q/k, per-channel q scale
         "cwm": lambda: hf.CwmConfig(head_dim=16, sliding_window=5, **_C),
@@ -248,3 +253,19 @@ def test_every_listed_type_on_packed_rows_equals_sdpa_on_each_document_alone():
     finally:
         torch.set_num_threads(threads)
     assert max(errors.values()) < TOL, " ".join(f"{k}={v:.1e}" for k, v in errors.items())
+
+
+def test_llama4_past_its_chunk_or_temperature_floor_is_refused_naming_the_pack_size():
+    import pytest
+    import transformers as hf
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.parallel.context.hf import use_hybridpar_attention
+
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
+    ids = torch.zeros(1, DOCS[-1], dtype=torch.long)
+    for change, fragment in (({"attention_chunk_size": 16}, "layer 0.*23-token document.*pack_size <= 16"),
+                             ({"floor_scale": 40}, "layer 1.*rows of at most 39.*rows of 40")):
+        model = use_hybridpar_attention(hf.AutoModelForCausalLM.from_config(hf.Llama4TextConfig(**{**_LLAMA4, **change})))
+        with pytest.raises(ValueError, match=fragment):
+            model(input_ids=ids, position_ids=packed.position_ids, packed_seq_params=packed)

@@ -17,7 +17,9 @@ pass it has it read from the module; Gemma2's ``softcap`` ``c`` replaces ``s q_i
 by ``c tanh(s q_i . k_j / c)``). Multi-head latent attention hands over ``v [B, H, S, Dv]`` with
 ``Dv`` other than q/k's ``Dh``: the narrower side is zero-padded to one head dim (zero q/k
 columns add nothing to ``q . k``; zero v columns give output columns that are dropped), so the
-cores keep one head dim. No ``[S, S]`` mask exists: the
+cores keep one head dim. Llama 4's chunked layers and temperature tuning equal transformers'
+for documents and rows of bounded length (``_document_limit``); longer ones raise. No ``[S, S]``
+mask exists: the
 strategies run the blockwise core. transformers builds no mask for an implementation
 without a registered mask function (``attention_mask`` arrives as None).
 
@@ -46,7 +48,7 @@ from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.parallel.context.hf_types import ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES, SUPPORTED_MODEL_TYPES
-from hybridpar.parallel.context.inputs import ShardedInputs
+from hybridpar.parallel.context.hf_inputs import hf_cp_inputs, packed_from_position_ids
 
 __all__ = [
     "ATTENTION_MODEL_TYPES",
@@ -106,6 +108,8 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     if dropout or kwargs.get("s_aux") is not None:
         raise ValueError(f"{where}: attention dropout ({dropout}) and attention sinks are not supported; set "
                          "attention_dropout=0 and use a model without sinks.")
+    if not torch.compiler.is_compiling():
+        _check_document_limit(module, where, query.shape[2], packed_seq_params, position_ids)
     if sliding_window is _NOT_PASSED:  # a module that keeps its window but leaves it to the mask (Qwen2-MoE)
         sliding_window = getattr(module, "sliding_window", None) or None
     value_dim = value.shape[-1]
@@ -131,6 +135,41 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
         layout = _position_layout(position_ids, q.device)
     out = attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap)
     return out[..., :value_dim], None
+
+
+def _document_limit(module: nn.Module) -> tuple[int | None, int | None]:
+    """``(longest document, longest row)`` in tokens for which this module's attention is hybridpar's
+    (None: any). Llama 4: a chunked layer attends within ``attention_chunk_size``-token chunks of its
+    positions, which only transformers' mask draws (no chunk boundary inside a document: the same);
+    a NoPE layer's temperature tuning scales queries by the token's index in the row, which is 1 below
+    ``floor_scale - 1`` tokens (rows and documents that short: the same)."""
+    config, documents, rows = module.config, None, None
+    layer_types = getattr(config, "layer_types", None) or ()
+    layer = getattr(module, "layer_idx", None)
+    if getattr(config, "attention_chunk_size", None) and layer is not None and layer < len(layer_types) \
+            and layer_types[layer] == "chunked_attention":
+        documents = config.attention_chunk_size
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        rows = module.floor_scale - 1
+        documents = rows if documents is None else min(documents, rows)
+    return documents, rows
+
+
+def _check_document_limit(module: nn.Module, where: str, local_tokens: int, packed: PackedSeqParams | None,
+                          position_ids: Tensor | None) -> None:
+    """Raise ``ValueError`` where ``_document_limit`` does not hold (every rank alike: global documents)."""
+    documents, rows = _document_limit(module)
+    if documents is None:
+        return
+    if packed is not None:
+        longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
+    else:
+        longest = int(position_ids.max()) + 1 if position_ids is not None else local_tokens
+    if longest > documents or (rows is not None and local_tokens > rows):
+        raise ValueError(f"{where} (layer {module.layer_idx}) equals transformers' chunked attention and temperature "
+                         f"tuning for documents of at most {documents} tokens and rows of at most {rows or 'any'} "
+                         f"tokens per rank, got a {longest}-token document in rows of {local_tokens}; use "
+                         f"data.pack_size <= {documents}.")
 
 
 def _same_head_dim(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -338,59 +377,3 @@ def refuse_unread_documents(model: nn.Module) -> nn.Module:
 def runs_hybridpar_attention(model: nn.Module) -> bool:
     """Whether ``model`` runs ``"hybridpar"`` attention (it then reads ``packed_seq_params``)."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def packed_from_position_ids(position_ids: Tensor) -> PackedSeqParams:
-    """The ``PackedSeqParams`` of rows whose position ids restart at 0 at every document start.
-
-    ``position_ids`` ``[S]`` or ``[B, S]`` (every row the same layout: one ``PackedSeqParams`` is
-    shared by the batch); each document must count ``0, 1, 2, ...``. Build it from the global
-    batch and pass it to ``shard_inputs(..., packed=...)`` (one host sync).
-    """
-    pos = position_ids.reshape(-1, position_ids.shape[-1]).long().cpu()
-    if pos.shape[-1] == 0 or not bool((pos == pos[:1]).all()):
-        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} must be non-empty and equal on every "
-                         "row (one document layout per batch); pack rows with one layout or use one row.")
-    row = pos[0]
-    starts = torch.nonzero(row == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError(f"position_ids must start at 0 (a document start), got {row[:8].tolist()}...; build them per "
-                         "document, restarting at 0.")
-    cu = torch.cat([starts, torch.tensor([row.numel()])]).to(torch.int32)
-    packed = PackedSeqParams.from_cu_seqlens(cu)
-    if not torch.equal(packed.position_ids[0], row):
-        bad = int(torch.nonzero(packed.position_ids[0] != row)[0])
-        raise ValueError(f"position_ids must count 0, 1, 2, ... inside every document; token {bad} has "
-                         f"{int(row[bad])}, expected {int(packed.position_ids[0, bad])}.")
-    return packed
-
-
-def hf_cp_inputs(sharded: ShardedInputs) -> dict:
-    """The forward kwargs of a transformers model for this rank's ``shard_inputs`` result.
-
-    Returns ``input_ids`` (or ``inputs_embeds``) ``[B, S/cp]``, ``position_ids [B, S/cp]`` (this
-    rank's tokens' positions in their documents: ``sharded.position_ids`` if given, else
-    ``packed.position_ids``; these drive RoPE), ``packed_seq_params`` (the localized layout the
-    attention reads; omitted when there is none), ``attention_mask`` only when given (cp=1), and
-    ``use_cache=False``. Labels are not included: compute the loss from the logits or with
-    ``hf_causal_lm_loss(model, labels=sharded.labels, **hf_cp_inputs(sharded), ...)``.
-    """
-    tokens = sharded.input_ids if sharded.input_ids is not None else sharded.inputs_embeds
-    if tokens is None:
-        raise ValueError("hf_cp_inputs needs sharded input_ids or inputs_embeds; pass them to shard_inputs.")
-    inputs = {"input_ids": sharded.input_ids} if sharded.input_ids is not None else {
-        "inputs_embeds": sharded.inputs_embeds}
-    positions = sharded.position_ids
-    if positions is None and sharded.packed is not None:
-        positions = sharded.packed.position_ids.to(tokens.device).expand(tokens.shape[0], -1)  # [B, S/cp]
-    if positions is not None:
-        inputs["position_ids"] = positions
-    if sharded.packed is not None:
-        inputs["packed_seq_params"] = sharded.packed
-    if sharded.attention_mask is not None:
-        inputs["attention_mask"] = sharded.attention_mask
-    inputs["use_cache"] = False
-    return inputs

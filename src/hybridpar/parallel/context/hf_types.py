@@ -21,6 +21,8 @@ ATTENTION_MODEL_TYPES = (
     "llama", "arcee", "helium", "apertus", "apertus1p5_text", "hunyuan_v1_dense", "ernie4_5", "glm", "glm4", "exaone",
     "internlm3", "iquestcoder", "hyperclovax", "jais2", "seed_oss", "bitnet", "nanochat", "nemotron", "diffllama",
     "moshi", "granite", "granitemoe", "granitemoeshared",
+    # chunked attention and temperature tuning: exact up to a document and row length (hf._document_limit)
+    "llama4_text",
     # sliding-window layers, soft-capped scores
     "qwen2", "qwen3", "mistral", "ministral", "ministral3", "starcoder2", "exaone4", "olmo3", "cohere2", "gemma3_text",
     "gemma2", "vaultgemma", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "cwm", "dory", "modernbert-decoder",
