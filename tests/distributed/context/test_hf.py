@@ -48,6 +48,27 @@ def _loss_sum(logits, labels):
                                              ignore_index=-100, reduction="sum")
 
 
+def _build(name: str):
+    """``build_model``'s tiny float64 models, and two more: Bloom (ALiBi: refused) and DeepSeek-V3
+    (multi-head latent attention: q/k head dim 8 + 8, v head dim 12, dense MLPs)."""
+    import transformers as hf
+
+    from tests.distributed.tensor.hf_models import COMMON, build_model
+
+    if name not in ("bloom", "deepseek_v3"):
+        return build_model(name)
+    torch.manual_seed(0)
+    if name == "bloom":
+        return hf.BloomForCausalLM(hf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=COMMON["vocab_size"]))
+    config = hf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=24,
+                                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2)
+    model = hf.DeepseekV3ForCausalLM(config).to(torch.float64)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return model
+
+
 def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False, sequence_parallel=False) -> dict:
     import torch.distributed as dist
 
@@ -55,21 +76,19 @@ def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False, seq
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.parallel.parallelize import parallelize
-    from tests.distributed.tensor.hf_models import build_model
-
     from hybridpar.models.hf.float64 import keep_float64
 
-    # Gemma2's reference is eager attention (SDPA does not soft-cap), whose softmax casts to float32:
-    # both models keep float64 there, as the trainer runs a float64 model
-    exact = keep_float64 if name == "gemma2" else (lambda model: model)
-    reference = exact(build_model(name))
+    # Gemma2's reference is eager attention (SDPA does not soft-cap), whose softmax casts to float32, and
+    # DeepSeek-V3's RMSNorms cast to float32: both models keep float64 there, as the trainer runs a float64 model
+    exact = keep_float64 if name in ("gemma2", "deepseek_v3") else (lambda model: model)
+    reference = exact(_build(name))
     ids, labels, packed = _batch(reference.config.vocab_size, variant)
     count = int((labels != -100).sum())
     positions = None if packed is None else packed.position_ids.expand(BATCH, -1)
     ref_loss = _loss_sum(reference(input_ids=ids, position_ids=positions, use_cache=False).logits, labels) / count
     ref_loss.backward()
 
-    model = exact(build_model(name))
+    model = exact(_build(name))
     parallelize(model, dims, mesh=mesh, cp_attention=strategy, compile=compile, sequence_parallel=sequence_parallel)
     cp_group, tp_group = ParallelDims.group(mesh, "cp"), ParallelDims.group(mesh, "tp")
     sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group, tp_group=tp_group,
@@ -145,7 +164,8 @@ def test_cp2_matches_one_process_compiles_and_refuses_before_collectives():
     cases = [(m, s, v) for m in MODELS for s in ("allgather", "ulysses") for v in VARIANTS]
     cases += [("mistral", "ring", "packed"), ("gemma3", "ring", "dense"), ("qwen2", "allgather", "packed"),
               ("phi", "ulysses", "packed"), ("olmo2", "allgather", "packed"), ("mixtral", "ulysses", "packed"),
-              ("granite", "ring", "packed"), ("gemma2", "ring", "packed"), ("gemma2", "ulysses", "dense")]
+              ("granite", "ring", "packed"), ("gemma2", "ring", "packed"), ("gemma2", "ulysses", "dense"),
+              ("deepseek_v3", "ulysses", "packed")]
     results = run_ranks(2, _run_cases, 1, cases, True, (("mistral", "allgather", "packed"),), timeout_s=600)
     _check(results)
     for rank_results in results:
@@ -169,9 +189,10 @@ def test_cp2_tp2_matches_one_process():
 
 
 @pytest.mark.parametrize("model_kwargs, fragment", [
-    ({"name": "gpt2"}, "use cp=1"),
+    ({"name": "bloom"}, "use cp=1"),
     ({"name": "bamba"}, "load the checkpoint as a HybridLM"),
     ({"name": "llama", "attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"name": "gpt2", "attn_pdrop": 0.1}, "attn_pdrop=0.1"),
     ({"name": "llama", "rope": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "'dynamic'"),
     ({"name": "gemma3", "use_bidirectional_attention": True}, "bidirectional"),
 ])
@@ -181,7 +202,7 @@ def test_unsupported_models_are_refused_before_any_collective(model_kwargs, frag
     from tests.distributed.tensor.hf_models import build_model
 
     kwargs = dict(model_kwargs)
-    model = build_model(kwargs.pop("name"))
+    model = _build(kwargs.pop("name"))
     if "rope" in kwargs:
         model.config.rope_parameters = kwargs.pop("rope")
     for key, value in kwargs.items():

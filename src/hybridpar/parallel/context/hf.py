@@ -12,8 +12,14 @@ for query ``i`` and key ``j`` at global positions ``p`` in documents ``d``::
     out_i = sum_j softmax_j(s q_i . k_j | M_ij) v_j,   M_ij = [d_j = d_i] [p_j <= p_i] [p_i - p_j < W]
 
 (the window term only on sliding layers: Mistral with ``sliding_window``, Gemma3's local
-layers, Qwen2/3 with ``use_sliding_window``; Gemma2's ``softcap`` ``c`` replaces ``s q_i . k_j``
-by ``c tanh(s q_i . k_j / c)``). No ``[S, S]`` mask exists: the
+layers, Qwen2/3 with ``use_sliding_window``; a module that keeps ``sliding_window`` but does not
+pass it has it read from the module; Gemma2's ``softcap`` ``c`` replaces ``s q_i . k_j``
+by ``c tanh(s q_i . k_j / c)``). Multi-head latent attention hands over ``v [B, H, S, Dv]`` with
+``Dv`` other than q/k's ``Dh``: the narrower side is zero-padded to one head dim (zero q/k
+columns add nothing to ``q . k``; zero v columns give output columns that are dropped), so the
+cores keep one head dim. Llama 4's chunked layers and temperature tuning equal transformers'
+for documents and rows of bounded length (``_document_limit``); longer ones raise. No ``[S, S]``
+mask exists: the
 strategies run the blockwise core. transformers builds no mask for an implementation
 without a registered mask function (``attention_mask`` arrives as None).
 
@@ -41,7 +47,8 @@ from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.mamba.mixer import tp_groups
-from hybridpar.parallel.context.inputs import ShardedInputs
+from hybridpar.parallel.context.hf_types import ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+from hybridpar.parallel.context.hf_inputs import hf_cp_inputs, packed_from_position_ids
 
 __all__ = [
     "ATTENTION_MODEL_TYPES",
@@ -65,19 +72,7 @@ __all__ = [
 
 ATTENTION_NAME = "hybridpar"
 CORE_ATTRIBUTE = "hybridpar_cp_core"
-# Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
-HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
-# Attention models whose attention modules hand the attention interface q/k/v after every step of
-# their own (projections, q/k norms, partial or no RoPE, multipliers) and nothing else it must apply
-# but ``scaling``, ``sliding_window`` and ``softcap``: each proven equal to SDPA (eager for Gemma2's
-# soft-capping) on every document alone, loss and every gradient in float64
-# (tests/distributed/context/test_hf_model_types.py). Not here: sink attention (gpt-oss), ALiBi in the
-# mask (Bloom, MPT), MLA (DeepSeek), linear attention.
-ATTENTION_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi", "gemma", "gemma2", "phi3", "olmo", "olmo2", "olmo3", "granite",
-    "granitemoe", "starcoder2", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "arcee", "smollm3", "glm", "glm4",
-    "exaone4", "ernie4_5", "helium", "cohere", "cohere2", "hunyuan_v1_dense", "apertus")
-SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES
+PACKED_ATTRIBUTE = "hybridpar_packed_seq_params"  # the model's last packed_seq_params (apply_hf_cp)
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies from max(position_ids): differs per rank
 
 
@@ -98,11 +93,14 @@ def _position_layout(position_ids: Tensor, device) -> AttentionLayout:
     return AttentionLayout.sequence(torch.cumsum(new_doc.to(torch.int32), 0) - 1)  # on-device, no host sync
 
 
+_NOT_PASSED = object()  # sliding_window not handed over at all (a None handed over means "no window")
+
+
 def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
-                 dropout: float = 0.0, sliding_window: int | None = None, softcap=None,
+                 dropout: float = 0.0, sliding_window=_NOT_PASSED, softcap=None,
                  packed_seq_params: PackedSeqParams | None = None, position_ids: Tensor | None = None,
                  **kwargs) -> tuple[Tensor, None]:
-    """transformers attention: ``q [B, Hq, S, Dh]``, ``k, v [B, Hkv, S, Dh]`` -> ``([B, S, Hq, Dh], None)``."""
+    """transformers attention: ``q, k [B, Hq|Hkv, S, Dh]``, ``v [B, Hkv, S, Dv]`` -> ``([B, S, Hq, Dv], None)``."""
     where = f"hybridpar attention in {type(module).__name__}"
     if attention_mask is not None:
         raise ValueError(f"{where} got an attention mask; it takes documents and padding from packed_seq_params "
@@ -110,13 +108,24 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     if dropout or kwargs.get("s_aux") is not None:
         raise ValueError(f"{where}: attention dropout ({dropout}) and attention sinks are not supported; set "
                          "attention_dropout=0 and use a model without sinks.")
+    if not torch.compiler.is_compiling():
+        _check_document_limit(module, where, query.shape[2], packed_seq_params, position_ids)
+    if sliding_window is _NOT_PASSED:  # a module that keeps its window but leaves it to the mask (Qwen2-MoE)
+        sliding_window = getattr(module, "sliding_window", None) or None
+    value_dim = value.shape[-1]
+    if value_dim != query.shape[-1]:  # MLA: v's head dim is not q/k's; the cores take one head dim
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        query, key, value = _same_head_dim(query, key, value)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, H, S, Dh] -> [B, S, H, Dh]
     core = getattr(module, CORE_ATTRIBUTE, None)
     if core is not None:
+        if packed_seq_params is None:  # a decoder layer that keeps the model's kwargs from its attention
+            packed_seq_params = getattr(module, PACKED_ATTRIBUTE, None)
         if packed_seq_params is None:
             raise ValueError(f"{where} runs context parallel but got no packed_seq_params; call the model with "
                              "**hf_cp_inputs(shard_inputs(..., cp_group=...)).")
-        return core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window, softcap=softcap), None
+        out = core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window, softcap=softcap)
+        return out[..., :value_dim], None
     if packed_seq_params is not None or position_ids is None:
         layout = sequence_layout(packed_seq_params, q.shape[1], q.device)
     else:
@@ -124,7 +133,52 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
             raise ValueError(f"{where}: rows have different position ids; every row of a batch shares one document "
                              "layout, so pass packed_seq_params=packed_from_position_ids(row) per row.")
         layout = _position_layout(position_ids, q.device)
-    return attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap), None
+    out = attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap)
+    return out[..., :value_dim], None
+
+
+def _document_limit(module: nn.Module) -> tuple[int | None, int | None]:
+    """``(longest document, longest row)`` in tokens for which this module's attention is hybridpar's
+    (None: any). Llama 4: a chunked layer attends within ``attention_chunk_size``-token chunks of its
+    positions, which only transformers' mask draws (no chunk boundary inside a document: the same);
+    a NoPE layer's temperature tuning scales queries by the token's index in the row, which is 1 below
+    ``floor_scale - 1`` tokens (rows and documents that short: the same)."""
+    config, documents, rows = module.config, None, None
+    layer_types = getattr(config, "layer_types", None) or ()
+    layer = getattr(module, "layer_idx", None)
+    if getattr(config, "attention_chunk_size", None) and layer is not None and layer < len(layer_types) \
+            and layer_types[layer] == "chunked_attention":
+        documents = config.attention_chunk_size
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        rows = module.floor_scale - 1
+        documents = rows if documents is None else min(documents, rows)
+    return documents, rows
+
+
+def _check_document_limit(module: nn.Module, where: str, local_tokens: int, packed: PackedSeqParams | None,
+                          position_ids: Tensor | None) -> None:
+    """Raise ``ValueError`` where ``_document_limit`` does not hold (every rank alike: global documents)."""
+    documents, rows = _document_limit(module)
+    if documents is None:
+        return
+    if packed is not None:
+        longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
+    else:
+        longest = int(position_ids.max()) + 1 if position_ids is not None else local_tokens
+    if longest > documents or (rows is not None and local_tokens > rows):
+        raise ValueError(f"{where} (layer {module.layer_idx}) equals transformers' chunked attention and temperature "
+                         f"tuning for documents of at most {documents} tokens and rows of at most {rows or 'any'} "
+                         f"tokens per rank, got a {longest}-token document in rows of {local_tokens}; use "
+                         f"data.pack_size <= {documents}.")
+
+
+def _same_head_dim(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k [B, H, S, Dqk]``, ``v [B, Hkv, S, Dv]`` zero-padded to ``max(Dqk, Dv)``: zero columns of
+    q and k add nothing to ``q . k``, zero columns of v give output columns ``Dv:``, which the caller
+    drops (their gradient never reaches v's real columns)."""
+    width = max(query.shape[-1], value.shape[-1])
+    return tuple(x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+                 for x in (query, key, value))
 
 
 def register_hf_attention() -> str:
@@ -139,9 +193,20 @@ def register_hf_attention() -> str:
 
 
 def hf_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every transformers self-attention module (``*Attention`` with a config)."""
-    return [(name, m) for name, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and hasattr(m, "config") and hasattr(m, "head_dim")]
+    """``(name, module)`` of every transformers self-attention module: a class named ``*Attention``
+    (LongCat-Flash: ``*MLA``) with a config and a head dim (``head_dim``; MLA: ``qk_head_dim``;
+    GPT-NeoX: ``head_size``)."""
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith(("Attention", "MLA"))
+            and hasattr(m, "config") and any(hasattr(m, dim) for dim in ("head_dim", "qk_head_dim", "head_size"))]
+
+
+def _attention_heads(module: nn.Module) -> tuple[int, int]:
+    """Query and key/value heads an attention module hands the attention function (whole model, no TP).
+    MLA (``kv_lora_rank``) expands its latent to one key and value per query head."""
+    heads = module.config.num_attention_heads
+    if hasattr(module, "kv_lora_rank"):
+        return heads, heads
+    return heads, getattr(module.config, "num_key_value_heads", None) or heads
 
 
 def _rope_types(config) -> set[str]:
@@ -195,14 +260,15 @@ def attention_problem(model: nn.Module) -> str | None:
         return (f"hybridpar's attention takes HybridLM and {len(SUPPORTED_MODEL_TYPES)} transformers model types, each "
                 f"proven exact (ATTENTION_MODEL_TYPES and HYBRID_MODEL_TYPES in hybridpar.parallel.context.hf; "
                 f"docs/hf-models.md lists them), and the model is a {cls} (model_type {model_type!r}).")
-    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False) in (True, "all"):
         return (f"the attention of {cls} is bidirectional (use_bidirectional_attention/is_causal=False); hybridpar's "
                 "attention core is causal.")
-    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
-        return (f"{cls} has attention_dropout={config.attention_dropout}, which hybridpar's attention core does not "
-                "apply; set config.attention_dropout = 0.0.")
+    for key in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout"):  # GPT-2, BERT, ...
+        if float(getattr(config, key, 0.0) or 0.0) > 0:
+            return (f"{cls} has {key}={getattr(config, key)}, which hybridpar's attention core does not apply; set "
+                    f"config.{key} = 0.0.")
     if not hf_attention_modules(model):
-        return (f"no attention modules found in {cls} (classes named *Attention with config and head_dim); this model "
+        return (f"no attention modules found in {cls} (classes named *Attention with a config and a head dim); this model "
                 "cannot take hybridpar's attention.")
     return None
 
@@ -234,8 +300,7 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=Non
                          "largest position id a rank holds, which differs between context-parallel ranks; use a "
                          "static rope (default, linear, yarn, llama3) or cp=1.")
     for name, module in hf_attention_modules(model):
-        heads = module.config.num_attention_heads
-        kv_heads = getattr(module.config, "num_key_value_heads", None) or heads
+        heads, kv_heads = _attention_heads(module)
         try:
             attention_core.validate_heads(heads // tp, kv_heads // tp)
         except ValueError as error:
@@ -252,9 +317,20 @@ def _refuse_attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> None
 
 def apply_hf_cp(model: nn.Module, attention_core) -> nn.Module:
     """Install ``attention_core`` (a CP strategy) on every attention module and switch the model to
-    ``"hybridpar"`` attention; run after ``validate_hf_cp`` and tensor parallelism."""
-    for _, module in hf_attention_modules(model):
+    ``"hybridpar"`` attention; run after ``validate_hf_cp`` and tensor parallelism.
+
+    Each forward also leaves its ``packed_seq_params`` on every attention module: a decoder layer
+    that does not pass the model's keyword arguments on to its attention (StableLM's) still gets
+    them there, in forward and in an activation-checkpointed recompute of the same step."""
+    modules = [module for _, module in hf_attention_modules(model)]
+    for module in modules:
         setattr(module, CORE_ATTRIBUTE, attention_core)
+
+    def keep_packed(_, args: tuple, kwargs: dict) -> None:
+        for module in modules:
+            setattr(module, PACKED_ATTRIBUTE, kwargs.get("packed_seq_params"))
+
+    model.register_forward_pre_hook(keep_packed, with_kwargs=True)
     return use_hybridpar_attention(model)
 
 
@@ -301,59 +377,3 @@ def refuse_unread_documents(model: nn.Module) -> nn.Module:
 def runs_hybridpar_attention(model: nn.Module) -> bool:
     """Whether ``model`` runs ``"hybridpar"`` attention (it then reads ``packed_seq_params``)."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def packed_from_position_ids(position_ids: Tensor) -> PackedSeqParams:
-    """The ``PackedSeqParams`` of rows whose position ids restart at 0 at every document start.
-
-    ``position_ids`` ``[S]`` or ``[B, S]`` (every row the same layout: one ``PackedSeqParams`` is
-    shared by the batch); each document must count ``0, 1, 2, ...``. Build it from the global
-    batch and pass it to ``shard_inputs(..., packed=...)`` (one host sync).
-    """
-    pos = position_ids.reshape(-1, position_ids.shape[-1]).long().cpu()
-    if pos.shape[-1] == 0 or not bool((pos == pos[:1]).all()):
-        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} must be non-empty and equal on every "
-                         "row (one document layout per batch); pack rows with one layout or use one row.")
-    row = pos[0]
-    starts = torch.nonzero(row == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError(f"position_ids must start at 0 (a document start), got {row[:8].tolist()}...; build them per "
-                         "document, restarting at 0.")
-    cu = torch.cat([starts, torch.tensor([row.numel()])]).to(torch.int32)
-    packed = PackedSeqParams.from_cu_seqlens(cu)
-    if not torch.equal(packed.position_ids[0], row):
-        bad = int(torch.nonzero(packed.position_ids[0] != row)[0])
-        raise ValueError(f"position_ids must count 0, 1, 2, ... inside every document; token {bad} has "
-                         f"{int(row[bad])}, expected {int(packed.position_ids[0, bad])}.")
-    return packed
-
-
-def hf_cp_inputs(sharded: ShardedInputs) -> dict:
-    """The forward kwargs of a transformers model for this rank's ``shard_inputs`` result.
-
-    Returns ``input_ids`` (or ``inputs_embeds``) ``[B, S/cp]``, ``position_ids [B, S/cp]`` (this
-    rank's tokens' positions in their documents: ``sharded.position_ids`` if given, else
-    ``packed.position_ids``; these drive RoPE), ``packed_seq_params`` (the localized layout the
-    attention reads; omitted when there is none), ``attention_mask`` only when given (cp=1), and
-    ``use_cache=False``. Labels are not included: compute the loss from the logits or with
-    ``hf_causal_lm_loss(model, labels=sharded.labels, **hf_cp_inputs(sharded), ...)``.
-    """
-    tokens = sharded.input_ids if sharded.input_ids is not None else sharded.inputs_embeds
-    if tokens is None:
-        raise ValueError("hf_cp_inputs needs sharded input_ids or inputs_embeds; pass them to shard_inputs.")
-    inputs = {"input_ids": sharded.input_ids} if sharded.input_ids is not None else {
-        "inputs_embeds": sharded.inputs_embeds}
-    positions = sharded.position_ids
-    if positions is None and sharded.packed is not None:
-        positions = sharded.packed.position_ids.to(tokens.device).expand(tokens.shape[0], -1)  # [B, S/cp]
-    if positions is not None:
-        inputs["position_ids"] = positions
-    if sharded.packed is not None:
-        inputs["packed_seq_params"] = sharded.packed
-    if sharded.attention_mask is not None:
-        inputs["attention_mask"] = sharded.attention_mask
-    inputs["use_cache"] = False
-    return inputs

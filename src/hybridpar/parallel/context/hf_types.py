@@ -1,0 +1,40 @@
+"""The transformers model types whose documents hybridpar's attention keeps apart, each proven.
+
+An attention type is listed when its attention modules hand transformers' attention interface
+q/k/v after every step of their own (projections, q/k norms, partial or no RoPE, multipliers,
+latent projections) and nothing else it must apply but ``scaling``, ``sliding_window`` and
+``softcap``: each is proven equal to SDPA (eager where scores are soft-capped) on every document
+alone, loss and every gradient in float64 (tests/distributed/context/test_hf_model_types.py).
+docs/hf-models.md lists the types left off and why (attention sinks, ALiBi, masks only
+transformers' mask builds: chunked or sparse attention, a window the module does not pass on;
+linear attention, attention outside the interface).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ATTENTION_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SUPPORTED_MODEL_TYPES"]
+
+# Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
+HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
+ATTENTION_MODEL_TYPES = (
+    # Llama's layout and its relatives; attention and residual multipliers (Granite)
+    "llama", "arcee", "helium", "apertus", "apertus1p5_text", "hunyuan_v1_dense", "ernie4_5", "glm", "glm4", "exaone",
+    "internlm3", "iquestcoder", "hyperclovax", "jais2", "seed_oss", "bitnet", "nanochat", "nemotron", "diffllama",
+    "moshi", "granite", "granitemoe", "granitemoeshared",
+    # chunked attention and temperature tuning: exact up to a document and row length (hf._document_limit)
+    "llama4_text",
+    # sliding-window layers, soft-capped scores
+    "qwen2", "qwen3", "mistral", "ministral", "ministral3", "starcoder2", "exaone4", "olmo3", "cohere2", "gemma3_text",
+    "gemma2", "vaultgemma", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "cwm", "dory", "modernbert-decoder",
+    "cohere_compass_text",
+    # partial RoPE, NoPE layers, q/k norms, qkv clipping, fused projections, absolute positions
+    "gemma", "phi", "phi3", "stablelm", "smollm3", "olmo", "olmo2", "cohere", "persimmon", "hrm_text",
+    "gpt2", "gpt_bigcode", "gptj", "codegen", "gpt_neox", "ctrl",
+    # mixture of experts
+    "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "flex_olmo", "jetmoe", "minimax_m2", "minimax_m3_vl_text",
+    "hunyuan_v1_moe", "hy_v3", "aria_text", "ernie4_5_moe", "dots1", "sarvam_moe", "solar_open", "exaone_moe", "afmoe",
+    "beam", "cohere2_moe", "kolibri1", "laguna", "mellum", "dbrx",
+    # multi-head latent attention (v's head dim is not q/k's: hf_attention pads them to one)
+    "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla", "axk1", "longcat_flash",
+)
+SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES
