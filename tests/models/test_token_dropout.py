@@ -93,7 +93,7 @@ def test_add_lora_keys_every_adapter_of_a_model_by_one_holder():
     add_lora(model, r=2, dropout=0.1, seed=5)
     layers = [model.q_proj.lora_dropout, model.v_proj.lora_dropout]
     assert [d.name for d in layers] == ["q_proj.lora_dropout", "v_proj.lora_dropout"]
-    assert layers[0].layer != layers[1].layer and all(d.tokens is model.dropout_tokens for d in layers)
+    assert layers[0].module_hash != layers[1].module_hash and all(d.tokens is model.dropout_tokens for d in layers)
     assert model.dropout_tokens.seed == 5
     set_dropout_tokens(model, 3, token_keys(torch.tensor([1]), torch.arange(2)))
     assert layers[0].tokens.step == 3 and layers[1].tokens.keys.shape == (1, 2)
@@ -119,3 +119,33 @@ def test_a_checkpoints_hidden_dropout_is_keyed_and_its_attention_dropout_named()
     first = model(ids).logits
     assert torch.equal(model(ids).logits, first)  # every remaining dropout is keyed: the same masks again
     assert not torch.equal(model.eval()(ids).logits, first)
+
+
+def test_blocks_of_one_kind_share_a_compiled_graph_across_steps():
+    """The module's own hash is a buffer and the step's salt a tensor: four blocks over three steps
+    compile once (an int attribute per module, or ``int()`` on a tensor, gave a graph per block)."""
+    import torch._dynamo
+
+    tokens = DropoutTokens(seed=1)
+    holder = nn.Module()
+    holder.dropout_tokens = tokens
+
+    class Block(nn.Module):
+        def __init__(self, index):
+            super().__init__()
+            self.linear, self.drop = nn.Linear(8, 8), TokenDropout(0.2, f"blocks.{index}.drop", tokens)
+
+        def forward(self, x):
+            return self.drop(self.linear(x))
+
+    blocks = [Block(i) for i in range(4)]
+    for block in blocks:
+        block.compile(backend="eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for step in range(3):
+        set_dropout_tokens(holder, step, token_keys(torch.tensor([0]), torch.arange(16)))
+        y = torch.randn(1, 16, 8)
+        for block in blocks:
+            y = block(y)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2

@@ -71,9 +71,9 @@ def step_salt(seed: int, step: int) -> Tensor:
     return torch.tensor(_mix_int(h ^ _mix_int(step & M32)), dtype=torch.int64)
 
 
-def _salts(salt: Tensor, layer: int) -> tuple[Tensor, Tensor]:
-    """Two 32-bit salts of (seed, step, adapter): one for the tokens, one for the features."""
-    h = mix32(salt ^ _mix_int((layer ^ 0x9E3779B9) & M32))
+def _salts(salt: Tensor, module_hash: Tensor) -> tuple[Tensor, Tensor]:
+    """Two 32-bit salts of (seed, step, module): one for the tokens, one for the features."""
+    h = mix32(salt ^ module_hash.to(salt.device))
     return h, mix32(h ^ 0x7F4A7C15)
 
 
@@ -152,20 +152,22 @@ class TokenDropout(nn.Module):
     def __init__(self, p: float, name: str, tokens: DropoutTokens, fix: str = "set its probability to 0"):
         super().__init__()
         self.p, self.name, self.tokens, self.fix = p, name, tokens, fix
-        self.layer = zlib.crc32(name.encode())
+        # a tensor, not an int attribute: blocks of one kind share a compiled graph instead of one each
+        self.register_buffer("module_hash", torch.tensor(_mix_int(zlib.crc32(name.encode()) ^ 0x9E3779B9)),
+                             persistent=False)
 
     def _keys_for(self, leading: tuple[int, ...]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The keys of an input whose global leading shape is ``leading``, and the salts."""
         tokens = self.tokens
         if tokens.keys is None:  # outside the trainer: row-major token index, a salt from the default generator
             keys = torch.arange(math.prod(leading), dtype=torch.int64).reshape(leading)
-            return keys, _salts(torch.randint(0, 2**32, (), dtype=torch.int64), self.layer)
+            return keys, _salts(torch.randint(0, 2**32, (), dtype=torch.int64), self.module_hash)
         keys = tokens.keys
         if keys.numel() != math.prod(leading):
             raise ValueError(f"dropout {self.name} (p={self.p}) sees an input of {tuple(leading)} tokens, not the "
                              f"{tuple(keys.shape)} tokens of the batch its masks are keyed by (a module fed a subset of "
                              f"the tokens, e.g. an expert, or attention probabilities); {self.fix}.")
-        return keys.reshape(leading), _salts(tokens.salt, self.layer)
+        return keys.reshape(leading), _salts(tokens.salt, self.module_hash)
 
     def masked(self, x: Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...]) -> Tensor:
         """``x`` (the block of a ``global_shape`` input starting at ``offset``) times its mask."""
