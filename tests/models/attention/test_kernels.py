@@ -32,8 +32,9 @@ BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float6
     ("cuda", F32, 64, True, (9, 0), "flex"),  # flash has no float32
     ("cuda", BF16, 64, True, (7, 5), "flex"),  # flash needs sm80
     ("cuda", F64, 64, True, (9, 0), "blockwise"),
-    ("cuda", BF16, 80, False, (9, 0), "blockwise"),  # flex: power-of-two head dims only
-    ("cuda", BF16, 8, False, (9, 0), "blockwise"),
+    ("cuda", BF16, 80, False, (9, 0), "flex"),  # flex: zero-padded to 128
+    ("cuda", BF16, 8, False, (9, 0), "flex"),  # padded to 16
+    ("cuda", BF16, 320, False, (9, 0), "blockwise"),  # past flex's 256
 ])
 def test_kernel_choice(device, dtype, head_dim, ordered, capability, kernel):
     assert kernel_for(device, dtype, head_dim, ordered, capability)[0] == kernel
@@ -42,7 +43,8 @@ def test_kernel_choice(device, dtype, head_dim, ordered, capability, kernel):
 @pytest.mark.parametrize("dtype, head_dim, ordered, kernel", [
     (BF16, 256, True, "flex"),  # Gemma2: varlen cannot cap, flex can
     (F32, 64, False, "flex"),
-    (BF16, 80, True, "blockwise"),
+    (BF16, 80, True, "flex"),  # padded to 128
+    (BF16, 512, True, "blockwise"),
     (F64, 64, True, "blockwise"),
 ])
 def test_soft_capped_scores_take_flex_on_cuda_never_varlen(dtype, head_dim, ordered, kernel):
@@ -143,6 +145,21 @@ def test_flex_attention_forward_on_cpu_with_our_block_mask():
                          scale=0.3, enable_gqa=True).transpose(1, 2)
     want = reference_attention(q, k, v, layout.q_pos, layout.q_doc, layout.k_pos, layout.k_doc, scale=0.3)
     assert (out - want).abs().max() < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("head_dim", [24, 80])
+def test_flex_pads_a_head_dim_that_is_not_a_power_of_two(head_dim):
+    """DeepSeek's 192 or Phi-2's 80 on flex: zero-padded to the next power of two (q . k unchanged,
+    the extra output columns dropped), forward equal to the blockwise core in float64."""
+    layout = allgather_like_layout(9)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 43, 4, head_dim, generator=gen, dtype=F64)
+    k, v = (torch.randn(1, 83, 2, head_dim, generator=gen, dtype=F64) for _ in range(2))
+    got = attention_kernels._run_flex(q, k, v, layout, 0.2, 9, compiled=False)
+    want = attention_core(q, k, v, layout, scale=0.2, sliding_window=9, kernel="blockwise")
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-12
+    assert attention_kernels.flex_head_dim(head_dim) == {24: 32, 80: 128}[head_dim]
 
 
 def test_kernel_choice_is_logged_once(caplog, monkeypatch):

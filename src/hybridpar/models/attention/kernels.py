@@ -9,7 +9,8 @@ over ``k, v [B, S_k, Hkv, Dh]`` for the positions and documents of an ``Attentio
   ``B`` rows are laid end to end, ``[B, S, H, Dh] -> [B*S, H, Dh]`` with
   ``cu_seqlens_of_rows``; causal and the sliding window are ``window_size = (W-1 or -1, 0)``.
 - ``"flex"``: FlexAttention on CUDA for any token order (the all-gather layout), fp16, bf16
-  or fp32, head_dim a power of two in [16, 256]; also for soft-capped scores (Gemma2), as
+  or fp32, head_dim up to 256 (zero-padded to a power of two of at least 16: ``q . k`` and the
+  kept output columns are unchanged; DeepSeek's 192, Phi-2's 80); also for soft-capped scores (Gemma2), as
   ``score_mod`` ``c * tanh(s / c)``, which varlen cannot apply. Its ``BlockMask`` comes from the same
   block ranges as the pure core at 128-token blocks (``block_visibility``: "all visible"
   blocks are full blocks, the rest of "maybe" get ``mask_mod``), and ``mask_mod`` is the
@@ -29,6 +30,7 @@ import logging
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from hybridpar.models.attention.layout import (
@@ -92,7 +94,7 @@ def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, sequence_ord
     if (sequence_ordered and not softcap and dtype != torch.float32 and head_dim % 8 == 0 and head_dim <= 256
             and capability is not None and capability >= (8, 0) and _varlen_attn() is not None):
         return "varlen", "sequence-ordered rows"
-    if 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and _flex_attention() is not None:
+    if head_dim <= 256 and _flex_attention() is not None:
         why = "soft-capped scores" if softcap else "sequence-ordered float32 rows" if sequence_ordered else \
             "out-of-order tokens"
         return "flex", why
@@ -164,8 +166,17 @@ def flex_score_mod(softcap: float | None):
     return score_mod
 
 
+def flex_head_dim(head_dim: int) -> int:
+    """The power of two (at least 16) flex's kernels take a ``head_dim`` up to 256 in."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def _run_flex(q, k, v, layout, scale, sliding_window, softcap=None, compiled=True):
     global _COMPILED_FLEX
+    head_dim = q.shape[-1]
+    padded = flex_head_dim(head_dim)
+    if padded != head_dim:  # zeros: q . k unchanged, the padded output columns are dropped
+        q, k, v = (F.pad(t, (0, padded - head_dim)) for t in (q, k, v))
     flex = _flex_attention()
     if compiled and not torch.compiler.is_compiling():  # eager flex_attention is a slow dense reference
         _COMPILED_FLEX = _COMPILED_FLEX or torch.compile(flex)
@@ -173,7 +184,7 @@ def _run_flex(q, k, v, layout, scale, sliding_window, softcap=None, compiled=Tru
     mask = cached(layout.cache, ("flex", sliding_window, q.device), lambda: flex_block_mask(layout, sliding_window))
     out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=flex_score_mod(softcap),
                block_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)  # [B, Hq, S_q, Dh] -> [B, S_q, Hq, Dh]
+    return out.transpose(1, 2)[..., :head_dim]  # [B, Hq, S_q, Dh'] -> [B, S_q, Hq, Dh]
 
 
 def _run_varlen(q, k, v, layout, scale, sliding_window):
