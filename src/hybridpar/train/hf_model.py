@@ -142,7 +142,8 @@ PROBE_TOKENS = 8
 def unkeyed_randomness(model: nn.Module, vocab_size: int) -> bool:
     """Whether a train-mode forward of ``model`` still draws from the generator after its dropouts
     were keyed (functional dropout such as OPT's ``dropout``, attention dropout, router jitter): two
-    forwards of ``PROBE_TOKENS`` tokens with the same keys and different generator seeds differ."""
+    forwards of ``PROBE_TOKENS`` tokens with the same keys and different generator seeds differ
+    (beyond rounding)."""
     ids = torch.arange(PROBE_TOKENS, device=next(model.parameters()).device)[None] % vocab_size
     set_dropout_tokens(model, 0, token_keys(torch.tensor([0]), torch.arange(PROBE_TOKENS)))
     was_training = model.training
@@ -156,7 +157,10 @@ def unkeyed_randomness(model: nn.Module, vocab_size: int) -> bool:
     finally:
         model.train(was_training)
         set_dropout_tokens(model, 0, None)
-    return not torch.equal(*logits)
+    if ids.device.type == "cpu":  # deterministic kernels: any difference is a random draw
+        return not torch.equal(*logits)
+    first, second = (x.double() for x in logits)  # a nondeterministic CUDA kernel moves logits by rounding only
+    return bool((first - second).abs().max() > 1e-3 * first.abs().max().clamp_min(1.0))
 
 
 def randomness_problem(config: RunConfig, model: nn.Module, vocab_size: int, processes: int) -> str | None:
