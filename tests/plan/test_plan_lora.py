@@ -45,3 +45,28 @@ def test_fsdp_reduces_only_adapter_gradients_and_fit_searches_lora_layouts():
     budget = (lora.memory.peak_bytes + full.memory.peak_bytes) / 2 / 2**30 + 1.0  # between the two peaks
     fits = [c for c in search_layouts(load_config(None, big + ["peft.method=lora"]), 2, budget) if c.fits(budget)]
     assert fits and all(c.plan.layout.lora_rank == 8 for c in fits)
+
+
+def test_a_transformers_model_gets_its_weights_gradients_and_adamw_per_rank(tmp_path):
+    """``hybridpar plan`` of a transformers checkpoint (config.json only): the trainable elements are
+    the real model's after ``apply_peft`` (LoRA: the adapters), bytes follow ``model.dtype`` (fp32
+    masters under mixed precision), and everything is split over tp x dp_shard x cp. Before, it said
+    "fp32 params + grads + AdamW" (16 bytes per parameter) whatever the dtype or LoRA."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=256)
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["LlamaForCausalLM"]}))
+    model = LlamaForCausalLM(config)
+    add_lora(model, r=4)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base = ["model.backend=transformers", f"model.hf_path={tmp_path}", "parallel.tp=1", "parallel.cp=2"]
+    lora = make_plan(load_config(None, base + ["peft.method=lora", "peft.r=4", "model.dtype=bfloat16"]))
+    assert (lora.parameters, lora.trainable) == (sum(p.numel() for p in model.parameters()), adapters)
+    assert lora.bytes_per_rank == {"weights": -(-lora.parameters // 2) * 2, "gradients": -(-adapters // 2) * 2,
+                                   "adamw": 2 * -(-adapters // 2) * 2}
+    full = make_plan(load_config(None, base + ["parallel.mixed_precision=bf16", "model.dtype=bfloat16"]))
+    assert full.trainable == full.parameters and full.element_bytes == 4  # fp32 masters
+    assert "weights" in full.text() and "AdamW" in full.text()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import RunConfig
 from hybridpar.plan.estimate import H100, DeviceFigures, TimeEstimate, estimate_time
-from hybridpar.plan.layout import Layout
+from hybridpar.plan.layout import DTYPE_BYTES, Layout
 from hybridpar.plan.memory import MemoryPlan, memory_plan
 from hybridpar.plan.params import parameter_count
 from hybridpar.plan.traffic import by_kind, by_kind_and_dim, step_traffic
@@ -65,33 +65,56 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
 
 @dataclass
 class TransformersPlan:
-    """What the planner says about a transformers model: its size and each rank's share of it
-    (the memory and traffic model covers ``HybridLM``'s blocks only)."""
+    """What the planner says about a transformers model: its size, what trains, and each rank's
+    parameters, gradients and AdamW state (elements split evenly over ``tp x dp_shard x cp``; the
+    activation and traffic model covers ``HybridLM``'s blocks only)::
+
+        weights  = N / (tp * dp_shard * cp) * e_p      e_p: model.dtype's bytes (fp32 masters under
+        grads    = T / (tp * dp_shard * cp) * e_p           mixed_precision=bf16); T: trainable
+        AdamW    = 2 * grads                                elements (LoRA: the adapters only)
+    """
 
     name: str
     parameters: int
-    parameters_per_rank: int
+    trainable: int
+    element_bytes: int
     layout: str
+    split: int  # tp * dp_shard * cp
 
     @classmethod
     def build(cls, run: RunConfig, shape) -> "TransformersPlan":
+        from hybridpar.train.peft import apply_peft
         from hybridpar.train.preflight import meta_model
 
-        meta = meta_model(shape)
+        meta = apply_peft(run, meta_model(shape))  # peft.method=lora: the base frozen, adapters trainable
         p = run.parallel
         params = sum(t.numel() for t in meta.parameters())
-        return cls(type(meta).__name__, params, -(-params // (p.tp * p.dp_shard * p.cp)),
+        trainable = sum(t.numel() for t in meta.parameters() if t.requires_grad)
+        element = 4 if p.mixed_precision == "bf16" else DTYPE_BYTES[run.model.dtype]
+        return cls(type(meta).__name__, params, trainable, element,
                    f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
-                   f"sequence_parallel={p.sequence_parallel}")
+                   f"sequence_parallel={p.sequence_parallel}", p.tp * p.dp_shard * p.cp)
+
+    @property
+    def parameters_per_rank(self) -> int:
+        return -(-self.parameters // self.split)
+
+    @property
+    def bytes_per_rank(self) -> dict[str, int]:
+        grads = -(-self.trainable // self.split) * self.element_bytes
+        return {"weights": self.parameters_per_rank * self.element_bytes, "gradients": grads, "adamw": 2 * grads}
 
     def as_dict(self) -> dict:
-        return {"model": {"class": self.name, "parameters": self.parameters}, "layout": self.layout,
-                "parameters_per_rank": self.parameters_per_rank,
-                "note": "memory and traffic are modelled for HybridLM configs only"}
+        return {"model": {"class": self.name, "parameters": self.parameters, "trainable": self.trainable},
+                "layout": self.layout, "parameters_per_rank": self.parameters_per_rank,
+                "bytes_per_rank": self.bytes_per_rank, "element_bytes": self.element_bytes,
+                "note": "activations and traffic are modelled for HybridLM configs only"}
 
     def text(self) -> str:
-        per_rank = self.parameters_per_rank
-        return (f"model: {self.name} (transformers), {self.parameters / 1e6:,.1f}M parameters\n"
+        b = {k: v / 2**30 for k, v in self.bytes_per_rank.items()}
+        trains = "all" if self.trainable == self.parameters else f"{self.trainable / 1e6:,.2f}M (LoRA adapters)"
+        return (f"model: {self.name} (transformers), {self.parameters / 1e6:,.1f}M parameters, {trains} trainable\n"
                 f"layout: {self.layout}\n"
-                f"per rank: {per_rank / 1e6:,.1f}M parameters; fp32 params + grads + AdamW = "
-                f"{per_rank * 16 / 2**30:,.2f} GiB (memory and traffic are modelled for HybridLM configs only)")
+                f"per rank: {self.parameters_per_rank / 1e6:,.1f}M parameters at {self.element_bytes} bytes: weights "
+                f"{b['weights']:,.2f} GiB + gradients {b['gradients']:,.2f} GiB + AdamW {b['adamw']:,.2f} GiB = "
+                f"{sum(b.values()):,.2f} GiB, activations not included (they are modelled for HybridLM configs only)")
