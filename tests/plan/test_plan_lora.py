@@ -9,7 +9,6 @@ adapter gradients; ``--fit`` searches LoRA layouts and finds one where full fine
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hybridpar.config import load_config
 from hybridpar.models.hybrid import HybridConfig, HybridLM

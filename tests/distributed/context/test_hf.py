@@ -199,7 +199,6 @@ def test_cp2_tp2_matches_one_process():
 def test_unsupported_models_are_refused_before_any_collective(model_kwargs, fragment):
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import validate_parallelize
-    from tests.distributed.tensor.hf_models import build_model
 
     kwargs = dict(model_kwargs)
     model = _build(kwargs.pop("name"))
