@@ -30,6 +30,7 @@ import traceback
 import warnings
 
 from hybridpar.config import ConfigError, RunConfig, load_config
+from hybridpar.config_rules import shorten
 
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
@@ -94,6 +95,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = subs[argv[0]].parse_intermixed_args(argv[1:])
     args.command = argv[0]
     return args
+
+
+def repeated_arguments(argv: list[str]) -> list[str]:
+    """A notice for each flag given again with another value (argparse keeps the last one; two
+    ``--config`` files are not merged). Overrides apply in order, so a key's last value wins, silently."""
+    parser = build_parser()[1].get(argv[0]) if argv else None
+    options, seen, notes = getattr(parser, "_option_string_actions", {}), {}, []
+    items = iter(argv[1:])
+    for item in items:
+        flag, _, value = item.partition("=")
+        match = [o for o in options if o.startswith(flag)] if flag not in options else [flag]
+        if not item.startswith("--") or len(match) != 1 or options[match[0]].nargs == 0:
+            continue
+        name, item = match[0], f"{match[0]} {value if '=' in item else next(items, '')}"
+        if seen.get(name, item) != item:
+            notes.append(f"{name} is given twice ({shorten(seen[name])}, then {shorten(item)}); the last one is used"
+                         + (": config files are not merged" if name == "--config" else ""))
+        seen[name] = item
+    return notes
 
 
 def launched_by_torchrun() -> bool:
@@ -322,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     from hybridpar.train.run.checkpoint import OutputWriteError
 
     prefix = "hybridpar: error"
+    for note in repeated_arguments(sys.argv[1:] if argv is None else list(argv)):
+        print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
     try:
         check_arguments(args)
         if getattr(args, "dry_run", False):

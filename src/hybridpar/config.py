@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, path_problem, quoted, sample_problem, shorten
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, path_problem, quoted, sample_problem, shorten
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
@@ -196,7 +196,7 @@ RULES: dict[str, Rule] = {
     "train.log_every": integer(1),
     "train.eval_every": integer(0),
     "train.eval_packs": integer(1),
-    "train.collective_timeout_s": number(0, low_open=True),
+    "train.collective_timeout_s": number(1, 1e9),  # seconds; datetime.timedelta and the launcher hold them
     "train.on_nonfinite": one_of("stop", "skip"),
     "train.max_nonfinite_skips": integer(0),
     "train.sample": Rule(SAMPLE_RULE_TEXT, lambda v: v is None or sample_problem(v) is None),
@@ -324,8 +324,9 @@ def _build(cls, raw, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise ConfigError(f"unknown config key(s) {quoted([prefix + str(k) for k in unknown])}; valid keys here: "
-                          f"{[prefix + n for n in names]}.")
+        known = leaf_keys(RunConfig) + [f.name for f in dataclasses.fields(RunConfig)]
+        raise ConfigError(f"unknown config key(s) {quoted([prefix + str(k) for k in unknown])}"
+                          f"{did_you_mean(prefix + str(unknown[0]), known)}; valid keys here: {[prefix + n for n in names]}.")
     values = {}
     for name in names:
         if name not in raw:
@@ -337,8 +338,9 @@ def _build(cls, raw, prefix: str):
             key = prefix + name
             value = coerce_value(raw[name], hint, key)
             rule = RULES.get(key, ANY)
-            if not rule.holds(value):
-                raise invalid(key, value, str(rule.text))
+            if not rule.holds(value):  # a path the system cannot look up says why (a symlink loop, ...)
+                problem = path_problem(value) if isinstance(value, str) else None
+                raise invalid(key, value, str(rule.text) + (f"; this one: {problem}" if problem else ""))
             values[name] = value
     return cls(**values)
 
@@ -357,8 +359,9 @@ def coerce_value(value, hint, key: str):
         if origin is tuple and isinstance(value, (list, tuple)):
             items = typing.get_args(option)
             if items and all(i is float for i in items):
-                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-                    break
+                bad = [v for v in value if not isinstance(v, (int, float)) or isinstance(v, bool)]
+                if bad:  # 'nan' is text in YAML (.nan is the number)
+                    raise invalid(key, value, f"{_type_names(options)} (got a {type(bad[0]).__name__} in it: {quoted(bad[0])})")
                 return tuple(float(v) for v in value)
             return tuple(value)
         if origin is bool and isinstance(value, bool):

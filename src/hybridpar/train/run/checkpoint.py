@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hybridpar.config_rules import bounded_message
+from hybridpar.models.hf.files import directory_kind
 from hybridpar.parallel.packed_checkpoint import packed_shards
 
 TRAINER_STATE = "trainer.pt"
@@ -111,13 +112,13 @@ def _read_manifest(path: Path) -> tuple[dict, dict, str | None]:
     """``(files -> size, files -> sha256, problem)`` of a checkpoint folder's manifest."""
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        return {}, {}, f"{manifest_file} is missing (the save did not finish)"
+        return {}, {}, directory_kind(path, "run") or f"{manifest_file} is missing (the save did not finish)"
     try:
         manifest = json.loads(manifest_file.read_text())
         files, hashes = dict(manifest["files"]), dict(manifest.get("sha256", {}))
         if manifest.get("format", 1) >= 2 and set(files) - set(hashes):
             return {}, {}, f"{manifest_file} records no sha256 for {sorted(set(files) - set(hashes))[:3]}"
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
         return {}, {}, f"{manifest_file} is unreadable ({str(error)[:200]})"
     return files, hashes, None
 

@@ -98,7 +98,7 @@ class OutputDirLock:
 def _read_holder(fd: int) -> dict:
     try:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (ValueError, OSError):
+    except (ValueError, OSError, RecursionError):
         return {}
 
 

@@ -1,0 +1,234 @@
+"""Faults, round 5: variants of the earlier classes found by probing as a careful user, one test per
+class, on real files (in-process where the fault allows, so the file stays fast)."""
+
+import datetime
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hybridpar.config import ConfigError, load_config
+from tests.train.test_faults_round3 import DEFAULT, SHORT, TINY, tiny_hf
+
+FILE_TASK = [*TINY, "data.task=text", "data.task_options={}"]
+
+
+def _one_line(error) -> str:
+    message = str(error.value)
+    assert "\n" not in message and len(message) < SHORT, message
+    return message
+
+
+# -- config: a misspelt or misplaced key names the one meant; a path or list element says what is wrong --
+
+
+@pytest.mark.parametrize("override, meant", [
+    ("train.tp=2", "parallel.tp"), ("train.stpes=2", "train.steps"), ("trian.steps=2", "train"),
+    ("data.packsize=64", "data.pack_size"), ("lr=0.1", "train.lr"), ("output=runs/x", "output_dir")])
+def test_an_unknown_key_names_the_key_it_most_likely_is(override, meant):
+    """``train.tp=2`` listed the keys of train:, none of which it is; the right key is parallel.tp."""
+    with pytest.raises(ConfigError) as error:
+        load_config(DEFAULT, [override])
+    assert f"; did you mean {meant}?" in _one_line(error)
+
+
+def test_a_mapping_written_without_the_space_after_the_colon_says_so(tmp_path):
+    """``{rotary_fraction:0.0}`` is one YAML key (``'rotary_fraction:0.0'``) with no value."""
+    from hybridpar.train.batches import DataError, validate_data
+    from hybridpar.train.preflight import model_config
+
+    with pytest.raises(ConfigError) as error:
+        model_config(load_config(DEFAULT, [*TINY, "model.overrides={rotary_fraction:0.0}"]))
+    assert "YAML needs a space after the colon: write 'rotary_fraction: 0.0'" in _one_line(error)
+    (tmp_path / "docs.txt").write_text("text\n")
+    config = load_config(DEFAULT, [*TINY, "data.task=text", f"data.path={tmp_path}/docs.txt", "data.task_options={splt: line}"])
+    with pytest.raises(DataError, match="did you mean split?"):
+        validate_data(config.data, 256)
+
+
+def test_a_path_that_cannot_be_looked_up_says_why_and_a_bad_list_element_is_named(tmp_path):
+    """A symlink loop was "must be a path the system can look up (no NUL, every name at most 255 bytes)",
+    neither of which it broke; ``train.betas=[0.9,nan]`` said "a list of 2 numbers (got list)"."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ConfigError) as error:
+        load_config(DEFAULT, [f"data.path={tmp_path}/a"])
+    assert "this one: the system cannot look it up (Too many levels of symbolic links)" in _one_line(error)
+    with pytest.raises(ConfigError) as error:
+        load_config(DEFAULT, ["train.betas=[0.9,nan]"])
+    assert "(got a str in it: 'nan')" in _one_line(error)
+
+
+def test_a_collective_timeout_is_a_duration_the_process_group_can_hold():
+    """``train.collective_timeout_s=1e300`` passed the config and was an OverflowError traceback in
+    ``datetime.timedelta`` when the process group started (after the launcher's checks)."""
+    for value in ("1e300", "0.5", "0"):
+        with pytest.raises(ConfigError, match=r"it must be a number in \[1, 1e\+09\]"):
+            load_config(DEFAULT, [f"train.collective_timeout_s={value}"])
+    longest = load_config(DEFAULT, ["train.collective_timeout_s=1e9"]).train.collective_timeout_s
+    assert datetime.timedelta(seconds=longest).days > 10_000
+
+
+def test_a_flag_given_twice_is_said(tmp_path, capsys):
+    """argparse keeps the last ``--config`` (two files are not merged) or ``--nproc-per-node`` silently."""
+    from hybridpar.cli import main, repeated_arguments
+
+    notes = repeated_arguments(["train", "--config", "a.yaml", "--conf=b.yaml", "--dry-run", "--nproc-per-node", "2",
+                                "--nproc-per-node", "2", "train.steps=3"])
+    assert notes == ["--config is given twice (--config a.yaml, then --config b.yaml); the last one is used: config "
+                     "files are not merged"]
+    assert main(["train", "--config", DEFAULT, "--nproc-per-node", "2", "--nproc-per-node", "1", *TINY,
+                 f"output_dir={tmp_path}", "--dry-run"]) == 0
+    assert ("hybridpar: warning: --nproc-per-node is given twice (--nproc-per-node 2, then --nproc-per-node 1); the last "
+            "one is used") in capsys.readouterr().err
+
+
+# -- keys the run would not read ------------------------------------------------------------------------
+
+
+def test_a_key_the_run_would_not_read_is_refused_or_said():
+    """``data.path`` with a synthetic task trained on MQAR without a word (the file was never read);
+    an export architecture without an export, adapter settings without adapters, and a skip limit
+    that never skips changed nothing, silently."""
+    from hybridpar.train.batches import DataError, validate_data
+    from hybridpar.train.unused_keys import unused_key_notices
+
+    with pytest.raises(DataError) as error:
+        validate_data(load_config(DEFAULT, [*TINY, "data.path=/etc/hostname"]).data, 256)
+    assert _one_line(error).startswith("data.path='/etc/hostname' is not read by data.task='mqar'")
+    notes = unused_key_notices(load_config(DEFAULT, [*TINY, "model.export_architecture=BambaForCausalLM", "peft.r=4",
+                                                     "peft.merge=true", "train.max_nonfinite_skips=3"]))
+    assert [n.split(" is not used")[0].split(" are not used")[0] for n in notes] == [
+        "model.export_architecture='BambaForCausalLM'", "peft.r, peft.merge", "train.max_nonfinite_skips=3"]
+    assert unused_key_notices(load_config(DEFAULT, TINY)) == []
+    assert unused_key_notices(load_config(DEFAULT, [*TINY, "peft.method=lora", "peft.r=4"])) == []
+
+
+@pytest.mark.parametrize("export, output_dir, problem", [
+    ("run", "run", "it is or holds output_dir="), ("top", "top/run", "it is or holds output_dir="),
+    ("run/checkpoints/hf", "run", "it lies in output_dir's checkpoints/")])
+def test_an_export_the_run_itself_would_fill_is_refused_at_start(tmp_path, export, output_dir, problem):
+    """An export target that is output_dir (or holds it, or lies in its checkpoints/) passed the
+    preflight, was full when training ended, and the export went elsewhere with a warning."""
+    from hybridpar.train.preflight import model_config, validate_export
+
+    config = load_config(DEFAULT, [*TINY, f"model.export_hf={tmp_path / export}", f"output_dir={tmp_path / output_dir}",
+                                   "model.export_architecture=NemotronHForCausalLM", "model.overrides={rotary_fraction: 0.0}"])
+    with pytest.raises(ConfigError) as error:
+        validate_export(config, model_config(config))
+    assert f"model.export_hf='{tmp_path / export}' cannot be written: {problem}" in _one_line(error)
+    fine = load_config(DEFAULT, [*TINY, f"model.export_hf={tmp_path}/run/export", f"output_dir={tmp_path}/run",
+                                 "model.export_architecture=NemotronHForCausalLM", "model.overrides={rotary_fraction: 0.0}"])
+    validate_export(fine, model_config(fine))
+
+
+# -- files: JSON nested too deep, config.json values transformers refuses, directories of another kind ---
+
+
+def test_json_nested_too_deep_is_one_line_naming_the_file(tmp_path):
+    """A JSON file of 100,000 nested brackets (a JSONL line, config.json, the shard index, a checkpoint
+    manifest) was a RecursionError traceback: not a ValueError, so no handler saw it."""
+    from hybridpar.data.sources import read_jsonl
+    from hybridpar.models.hf.causal_lm import load_causal_lm
+    from hybridpar.train.run.checkpoint import incomplete_reason
+
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + deep + "\n")
+    with pytest.raises(ValueError) as error:
+        list(read_jsonl(tmp_path / "deep.jsonl"))
+    assert _one_line(error).startswith(f"{tmp_path}/deep.jsonl:2: not valid JSON (nested too deeply to read")
+    config_json = tiny_hf(tmp_path / "config")
+    (config_json / "config.json").write_text(deep)
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(config_json)
+    assert f"{config_json}/config.json is not valid JSON" in _one_line(error)
+    index = tiny_hf(tmp_path / "index")
+    (index / "model.safetensors").rename(index / "model-00001-of-00001.safetensors")
+    (index / "model.safetensors.index.json").write_text(deep)
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(index, "transformers")
+    assert "model.safetensors.index.json is not a valid safetensors index" in _one_line(error)
+    (tmp_path / "step_00000001").mkdir()
+    (tmp_path / "step_00000001" / "manifest.json").write_text(deep)
+    assert "manifest.json is unreadable (maximum recursion depth" in incomplete_reason(tmp_path / "step_00000001")
+
+
+@pytest.mark.parametrize("field, value, error", [("hidden_size", "32", "expected int, got str"),
+                                                 ("num_attention_heads", 0, "ZeroDivisionError")])
+def test_a_config_json_value_transformers_refuses_is_one_line(tmp_path, field, value, error):
+    """transformers' config classes refuse such values with exceptions that are not ValueError
+    (a hub validation error, ZeroDivisionError): a traceback from train, plan and generate."""
+    import transformers as hf
+
+    from hybridpar.models.hf.causal_lm import load_causal_lm
+    from hybridpar.train.hf_model import hf_shape
+
+    hf.LlamaForCausalLM(hf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       vocab_size=260)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ConfigError) as raised:
+        hf_shape(tmp_path)  # train, check and plan
+    assert f"model.hf_path='{tmp_path}': {tmp_path}/config.json cannot be read by transformers (" in _one_line(raised)
+    assert error in str(raised.value)
+    with pytest.raises(ValueError) as raised:
+        load_causal_lm(tmp_path, "transformers")  # generate --hf-path
+    assert error in _one_line(raised)
+
+
+def test_a_directory_of_another_kind_is_named_for_what_it_is(tmp_path):
+    """model.hf_path at a LoRA adapter, a training run or a tokenizer said "config.json not found; a
+    Hugging Face checkpoint directory needs config.json"; checkpoint.resume at a Hugging Face model
+    said its "manifest.json is missing (the save did not finish)"."""
+    from hybridpar.models.hf.config import read_hf_config
+    from hybridpar.train.run.checkpoint import incomplete_reason
+    from tests.data.bpe import train_tiny_bpe
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base"}))
+    (tmp_path / "run" / "checkpoints" / "step_00000002").mkdir(parents=True)
+    train_tiny_bpe(tmp_path / "tok")
+    cases = {"adapter": "is a LoRA adapter (adapter_config.json) of the base model '/models/base', not a whole model",
+             "run": "is a hybridpar training run or checkpoint, not a Hugging Face model",
+             "run/checkpoints/step_00000002": "is a hybridpar training run or checkpoint",
+             "tok": "holds a tokenizer only, no model (no config.json)"}
+    for name, kind in cases.items():
+        with pytest.raises(FileNotFoundError, match=re.escape(kind)):
+            read_hf_config(tmp_path / name)
+    model = tiny_hf(tmp_path / "hf")
+    assert "is a Hugging Face model (config.json), not a hybridpar training checkpoint" in incomplete_reason(model)
+    assert "not a hybridpar training checkpoint: start a run from that base model" in incomplete_reason(tmp_path / "adapter")
+    assert incomplete_reason(tmp_path / "run/checkpoints/step_00000002").endswith("manifest.json is missing (the save did "
+                                                                                  "not finish)")
+
+
+# -- data: a UTF-16 file, a conversation that opens with the assistant -------------------------------------
+
+
+def test_a_utf16_file_is_named_as_utf16_not_binary(tmp_path):
+    """A file saved as "Unicode" (UTF-16, with its byte-order mark) was called binary, with a latin1 fix."""
+    from hybridpar.data.sources import read_text_file
+
+    for encoding, name in (("utf-16", "UTF-16"), ("utf-32", "UTF-32")):
+        (tmp_path / "docs.txt").write_text("first document\n\nsecond\n", encoding=encoding)
+        with pytest.raises(ValueError) as error:
+            read_text_file(tmp_path / "docs.txt")
+        assert _one_line(error).startswith(f"{tmp_path}/docs.txt: the file is {name} text (it starts with the {name} "
+                                           f"byte-order mark), not UTF-8; convert it (e.g. iconv -f {name} -t utf-8")
+
+
+def test_a_conversation_opening_with_the_assistant_is_named_as_such(tmp_path):
+    """It was "Cannot apply chat template to an empty conversation": the conversation was not empty."""
+    from hybridpar.data.chat import chat_documents
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+    from tests.data.bpe import train_tiny_bpe
+
+    train_tiny_bpe(tmp_path / "tok")
+    record = {"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "how can I help?"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError) as error:
+        chat_documents([tmp_path / "chat.jsonl"], load_pretrained_tokenizer(tmp_path / "tok"))
+    assert _one_line(error).startswith(f"{tmp_path}/chat.jsonl:1: message 0 has role 'assistant', and the chat template "
+                                       "cannot render the empty conversation before it")
