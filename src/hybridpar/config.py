@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, path_problem, quoted, sample_problem, shorten
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, quoted, sample_problem, shorten
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
@@ -284,6 +284,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {quoted(item)} is not key=value; write e.g. train.steps=100.")
+        if not_utf8(item):
+            raise ConfigError(f"override {quoted(item)} cannot be read: {not_utf8(item)}; write it in UTF-8 (a path "
+                              "whose name is not UTF-8: rename it, or link it under a UTF-8 name).")
         try:
             parsed = yaml.load(value, Loader=Yaml12Loader)
         except yaml.YAMLError as error:

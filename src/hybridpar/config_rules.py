@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Rule", "LazyText", "integer", "number", "one_of", "each", "or_null", "PATH", "ANY", "quoted", "shorten",
-           "Notice", "INT64_MAX", "SEED_MAX", "did_you_mean", "leaf_keys"]
+           "Notice", "INT64_MAX", "SEED_MAX", "did_you_mean", "leaf_keys", "not_utf8"]
 
 INT64_MAX = 2**63 - 1  # every integer key's ceiling: torch and numpy hold counts in int64
 SEED_MAX = 2**64 - 1  # torch.manual_seed and torch.Generator.manual_seed take [0, 2**64 - 1]
@@ -137,6 +137,15 @@ def path_problem(value) -> str | None:
     except OSError as error:
         return f"the system cannot look it up ({error.strerror})"
     return None
+
+
+def not_utf8(text: str) -> str | None:
+    """Why command-line ``text`` is not text, or None: a byte that is not UTF-8 reaches Python as a
+    surrogate escape (``\\udcff``), which no YAML value, tokenizer or message can hold."""
+    at = next((i for i, c in enumerate(str(text)) if "\udc80" <= c <= "\udcff"), None)
+    if at is None:
+        return None
+    return f"it holds a byte that is not UTF-8 (0x{ord(text[at]) - 0xDC00:02x} at character {at})"
 
 
 def leaf_keys(cls, prefix: str = "") -> list[str]:

@@ -167,12 +167,14 @@ def check_generate_arguments(args) -> None:
     except ValueError as error:
         message = re.sub(r"^(\w+)=(\S+) ", lambda m: f"{_FLAGS.get(m[1], m[1])} {m[2]} ", str(error))
         raise ValueError(shorten(message.replace("; change it in the generate call.", "."), 400)) from None
-    from hybridpar.config_rules import path_problem, quoted
+    from hybridpar.config_rules import not_utf8, path_problem, quoted
 
-    for name in ("hf_path", "checkpoint", "tokenizer"):
+    for name in ("hf_path", "checkpoint", "tokenizer", "prompt"):
         value = getattr(args, name, None)
-        if value is not None and path_problem(value):
-            raise ValueError(f"--{name.replace('_', '-')} {quoted(value)} is not a usable path: {path_problem(value)}.")
+        problem = value is not None and (not_utf8(value) if name == "prompt" else path_problem(value))
+        if problem:
+            raise ValueError(f"--{name.replace('_', '-')} {quoted(value)} is not usable: {problem}"
+                             + ("; pass UTF-8 text." if name == "prompt" else "."))
     if not isinstance(args.backend, str) or args.backend not in ("auto", "hybrid", "transformers"):
         raise ValueError(f"--backend {quoted(args.backend)} is unknown; choose one of auto, hybrid, transformers.")
     if args.dtype is not None and args.dtype not in GENERATE_DTYPES:

@@ -3,6 +3,7 @@ class, on real files (in-process where the fault allows, so the file stays fast)
 
 import datetime
 import json
+import os
 import re
 from pathlib import Path
 
@@ -232,3 +233,82 @@ def test_a_conversation_opening_with_the_assistant_is_named_as_such(tmp_path):
         chat_documents([tmp_path / "chat.jsonl"], load_pretrained_tokenizer(tmp_path / "tok"))
     assert _one_line(error).startswith(f"{tmp_path}/chat.jsonl:1: message 0 has role 'assistant', and the chat template "
                                        "cannot render the empty conversation before it")
+
+
+# -- checkpoints and runs: run.json not what hybridpar writes; advice that fits what is there ---------------
+
+
+@pytest.mark.parametrize("edit, said", [(lambda info: [1, 2], "it holds a JSON list, not an object"),
+                                        (lambda info: {**info, "step": "two"}, "its step is 'two', not an integer >= 0"),
+                                        (lambda info: {**info, "config": [1]}, "its config is a list, not an object")])
+def test_a_run_json_that_is_not_what_hybridpar_writes_is_one_line(tmp_path, edit, said):
+    """run.json edited (its manifest re-signed) was an AttributeError traceback or "invalid literal for
+    int()", naming no file, from train and generate --checkpoint alike."""
+    from hybridpar.train.run.checkpoint import CheckpointError, _write_manifest, read_run_info
+
+    step = tmp_path / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "run.json").write_text(json.dumps(edit({"step": 2, "run_id": "x", "config": {}})))
+    _write_manifest(step)
+    with pytest.raises(CheckpointError) as error:
+        read_run_info(step)
+    assert _one_line(error).startswith(f"{step}/run.json cannot be read ({said}): it was edited or written by another")
+
+
+def test_a_fresh_run_into_a_run_without_checkpoints_is_not_told_to_resume_it(tmp_path):
+    """An earlier run that saved no checkpoint (checkpoint.every=-1) left metrics.jsonl; the refusal said
+    "resume it with checkpoint.resume=auto", which had just found nothing to resume."""
+    from hybridpar.train.run.directory import plan_resume
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError) as error:
+        plan_resume(load_config(DEFAULT, [*TINY, f"output_dir={tmp_path}"]))
+    message = _one_line(error)
+    assert "it saved no checkpoint to resume (checkpoint.resume=auto found none): set checkpoint.if_exists" in message
+    assert "resume it with" not in message
+
+
+def test_a_shard_index_pointing_outside_its_checkpoint_is_refused(tmp_path):
+    """An index whose shard is '../other/model.safetensors' loaded weights from another checkpoint."""
+    from hybridpar.models.hf.causal_lm import load_causal_lm
+
+    tiny_hf(tmp_path / "other")
+    path = tiny_hf(tmp_path / "hf")
+    names = json.loads((path / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (path / "model.safetensors").read_bytes()[:8], "little")])
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "../other/model.safetensors" for name in names if name != "__metadata__"}}))
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(path, "transformers")
+    assert "lists the shard '../other/model.safetensors', outside" in _one_line(error)
+
+
+# -- the command line: bytes that are not UTF-8, a world size the layout cannot divide -----------------------
+
+
+def test_command_line_bytes_that_are_not_utf8_are_named_not_called_malformed(tmp_path):
+    """A file name that is not UTF-8 (valid on Linux) reaches Python as surrogate escapes: an override
+    holding one was "a malformed value ... write it as a YAML value", a --prompt one an encoder error."""
+    from argparse import Namespace
+
+    from hybridpar.generate import check_generate_arguments
+
+    path = os.fsdecode(bytes(tmp_path) + b"/\xff.txt")
+    with pytest.raises(ConfigError) as error:
+        load_config(DEFAULT, [f"data.path={path}"])
+    assert "it holds a byte that is not UTF-8 (0xff at character" in _one_line(error) and "rename it" in str(error.value)
+    args = Namespace(max_new_tokens=2, temperature=0.0, top_p=1.0, seed=None, hf_path=None, checkpoint=str(tmp_path),
+                     tokenizer="auto", backend="auto", dtype=None, prompt="a\udcffb")
+    with pytest.raises(ValueError, match=r"--prompt 'a\\udcffb' is not usable: it holds a byte that is not UTF-8 \(0xff "
+                                         r"at character 1\); pass UTF-8 text."):
+        check_generate_arguments(args)
+
+
+def test_a_world_size_the_layout_cannot_divide_gets_a_layout_that_fits():
+    """``plan --world-size 3`` with cp=2 suggested "dp_shard=?"."""
+    from hybridpar.parallel.dims import ParallelDims
+
+    with pytest.raises(ValueError, match=r"\(e.g. dp_shard=3 with dp_replicate=cp=tp=1, as 3 is not divisible by "
+                                         r"dp_replicate\*cp\*tp=2\)"):
+        ParallelDims(cp=2).validate(3)

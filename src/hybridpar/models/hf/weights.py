@@ -93,6 +93,9 @@ def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[P
                              f"shard file; {shorten(str(error), 80)}); restore it from the checkpoint.") from None
         files = []
         for shard in shards:
+            if isinstance(shard, str) and (Path(shard).is_absolute() or ".." in Path(shard).parts):
+                raise ValueError(f"{index} lists the shard {quoted(shard)}, outside {path}; a checkpoint's shards are "
+                                 "files in its own directory: restore the index from the checkpoint.")
             if not isinstance(shard, str) or not (path / shard).is_file():
                 raise FileNotFoundError(f"{path / str(shard)} not found; {index_file} lists it as a shard.")
             files.append(path / shard)

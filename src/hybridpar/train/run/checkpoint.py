@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hybridpar.config_rules import bounded_message
+from hybridpar.config_rules import bounded_message, quoted, shorten
 from hybridpar.models.hf.files import directory_kind
 from hybridpar.parallel.packed_checkpoint import packed_shards
 
@@ -161,8 +161,24 @@ def is_complete(path: str | Path) -> bool:
 
 
 def read_run_info(path: str | Path) -> dict:
-    """The run.json of a complete checkpoint (run id, step, model config, data stream)."""
-    return json.loads((Path(path) / RUN_INFO).read_text())
+    """The run.json of a complete checkpoint (run id, step, model config, data stream); CheckpointError
+    naming the file when it is not what hybridpar writes (edited, or of another version)."""
+    file = Path(path) / RUN_INFO
+    try:
+        info = json.loads(file.read_text())
+        if not isinstance(info, dict):
+            raise ValueError(f"it holds a JSON {type(info).__name__}, not an object")
+        step = info.get("step", 0)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"its step is {quoted(step)}, not an integer >= 0")
+        wrong = [key for key in ("config", "data", "model", "lora_base") if not isinstance(info.get(key) or {}, dict)]
+        if wrong:
+            raise ValueError(f"its {wrong[0]} is a {type(info[wrong[0]]).__name__}, not an object")
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{file} cannot be read ({shorten(str(error), 200)}): it was edited or written by another "
+                              "hybridpar; resume another checkpoint (checkpoint.resume=PATH) or start fresh "
+                              "(checkpoint.resume=null).") from None
+    return info
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

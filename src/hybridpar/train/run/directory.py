@@ -333,8 +333,11 @@ def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
                               "choose another output_dir.")
     if policy == "refuse":
         start = "a fresh run" if chosen is None else f"a run resumed from step {plan.start_step}"
+        resumable = any(p.name.startswith("step_") for p in earlier) and config.checkpoint.resume != "auto"
+        advice = "resume it with checkpoint.resume=auto, or " if resumable else \
+            "it saved no checkpoint to resume (checkpoint.resume=auto found none): " if chosen is None else ""
         raise ConfigError(f"output_dir {str(out)!r} holds outputs of an earlier run ({names}) that {start} would "
-                          "overwrite or mix with; resume it with checkpoint.resume=auto, or set "
+                          f"overwrite or mix with; {advice}set "
                           "checkpoint.if_exists=overwrite to delete them, or checkpoint.if_exists=new_subdir to write "
                           f"this run to a fresh {out}/run-NNN, or choose another output_dir.")
     if policy == "overwrite":
