@@ -312,3 +312,38 @@ def test_a_world_size_the_layout_cannot_divide_gets_a_layout_that_fits():
     with pytest.raises(ValueError, match=r"\(e.g. dp_shard=3 with dp_replicate=cp=tp=1, as 3 is not divisible by "
                                          r"dp_replicate\*cp\*tp=2\)"):
         ParallelDims(cp=2).validate(3)
+
+
+def test_a_resume_in_another_precision_is_said(tmp_path):
+    """model.dtype (or parallel.mixed_precision) changed on resume cast the checkpoint without a word:
+    the run went on, but its losses were no longer those of the uninterrupted run."""
+    from hybridpar.train.run.numerics import numeric_changes
+
+    info = {"config": {"model": {"dtype": "float32"}, "parallel": {"mixed_precision": None}}}
+    notes = numeric_changes(tmp_path, info, load_config(DEFAULT, [*TINY, "model.dtype=float64",
+                                                                  "parallel.mixed_precision=bf16"]))
+    assert [n.split(";")[0] for n in notes] == [
+        f'warning: checkpoint {tmp_path} was trained with model.dtype="float32"',
+        f"warning: checkpoint {tmp_path} was trained with parallel.mixed_precision=null"]
+    assert numeric_changes(tmp_path, info, load_config(DEFAULT, TINY)) == []
+    assert numeric_changes(tmp_path, {}, load_config(DEFAULT, [*TINY, "model.dtype=float64"])) == []
+
+
+@pytest.mark.parametrize("task, options, said", [
+    ("jsonl", "{text_field: [a]}", "data.task_options.text_field=['a'] is invalid: it must be a non-empty string"),
+    ("prompt_completion", "{prompt_field: ''}", "data.task_options.prompt_field='' is invalid"),
+    ("hf_dataset", "{field: 5}", "data.task_options.field=5 is invalid: it must be a non-empty string (a field or "
+                                 "column name) or null"),
+    ("hf_dataset", "{kind: prose}", "data.task_options.kind='prose' is invalid: it must be one of ['messages', "
+                                    "'prompt_completion', 'text']")])
+def test_a_file_task_option_of_the_wrong_type_is_refused_before_any_process(tmp_path, task, options, said):
+    """``text_field: [a]`` was a TypeError traceback on the ranks; ``kind: prose`` and ``field: 5`` were
+    found on the ranks after the model was built, naming neither data.task_options key."""
+    from hybridpar.train.batches import DataError, validate_data
+
+    (tmp_path / "data.jsonl").write_text('{"text": "hi", "prompt": "a", "completion": "b"}\n')
+    config = load_config(DEFAULT, [*TINY, f"data.task={task}", f"data.path={tmp_path}/data.jsonl",
+                                   f"data.task_options={options}"])
+    with pytest.raises(DataError) as error:
+        validate_data(config.data, 256)
+    assert _one_line(error).startswith(said)

@@ -38,6 +38,7 @@ from hybridpar.config_rules import quoted, shorten
 from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
                                         read_run_info, remove_checkpoint)
 from hybridpar.train.run.fingerprints import data_sources, source_changes
+from hybridpar.train.run.numerics import numeric_changes
 
 LOCK_FILE = ".hybridpar.lock"
 METRICS_FILE = "metrics.jsonl"
@@ -272,7 +273,7 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
                               f"parallel.cp={cp} every document must pad to a multiple of 2*cp={2 * cp}, so the batches "
                               "would change. Resume at a cp whose 2*cp divides "
                               f"{pad}, or start fresh (checkpoint.resume=null).")
-    notes = []
+    notes = numeric_changes(path, info, config)
     if recorded:
         recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
         current = data_stream(config, pad)
