@@ -41,6 +41,15 @@ VERBS = {"train": "train a model (the config's layout, on --nproc-per-node proce
 COMMANDS = tuple(VERBS)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A flag argparse cannot read is one bounded ``hybridpar: error:`` line and exit 2, like any bad
+    input (argparse printed its whole usage, then ``hybridpar VERB: error:``)."""
+
+    def error(self, message):
+        sys.stderr.write(f"hybridpar: error: {shorten(message, 400)} ('{self.prog} --help' lists the flags).\n")
+        sys.exit(2)
+
+
 def _run_config_arguments(parser: argparse.ArgumentParser, launches: bool) -> None:
     parser.add_argument("--config", help="YAML run config (default: built-in defaults)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -55,7 +64,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     """``hybridpar`` and one subparser per verb, each with only its own flags."""
     from hybridpar.plan.command import add_plan_arguments
 
-    parser = argparse.ArgumentParser(prog="hybridpar", description="Exact context, tensor and data parallel training "
+    parser = _Parser(prog="hybridpar", description="Exact context, tensor and data parallel training "
                                      "of hybrid Mamba2/attention LMs and transformers models.",
                                      epilog="hybridpar VERB --help lists the flags of VERB.")
     verbs = parser.add_subparsers(dest="command", metavar="VERB", required=True)

@@ -347,3 +347,19 @@ def test_a_file_task_option_of_the_wrong_type_is_refused_before_any_process(tmp_
     with pytest.raises(DataError) as error:
         validate_data(config.data, 256)
     assert _one_line(error).startswith(said)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["check", "--tolerance", "abc"], "argument --tolerance: invalid float value: 'abc' ('hybridpar check --help'"),
+    (["plan", "--dry-run"], "unrecognized arguments: --dry-run ('hybridpar plan --help' lists the flags)."),
+    (["train", "--nproc-per-node", "x" * 5000], "argument --nproc-per-node: invalid int value: 'xxx"),
+    ([], "the following arguments are required: VERB ('hybridpar --help' lists the flags).")])
+def test_a_flag_argparse_cannot_read_is_one_bounded_line(capsys, argv, said):
+    """argparse printed its usage (several lines), then ``hybridpar VERB: error:`` with the value whole."""
+    from hybridpar.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(f"hybridpar: error: {said}"), err
+    assert len(err) < 600

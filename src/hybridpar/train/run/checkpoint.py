@@ -68,6 +68,11 @@ class OutputWriteError(RuntimeError):
         super().__init__(bounded_message(message), *args)
 
 
+def read_only_note(path: Path) -> str:
+    """`` (it is on a read-only file system)`` when ``path`` is, else ``""``."""
+    return " (it is on a read-only file system)" if os.statvfs(path).f_flag & os.ST_RDONLY else ""
+
+
 def free_space(directory: str | Path) -> str:
     """``"12.3 MiB free there"`` for a failure message."""
     try:

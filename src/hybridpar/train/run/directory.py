@@ -8,7 +8,7 @@
   write (output_dir, its checkpoints/, metrics.jsonl, tensorboard/, loss_curve.png, the
   trained tokenizer, model.export_hf and the sibling it is staged in) before any process
   starts, naming the key: a path under a regular file, a directory where a file goes, or
-  a directory this user cannot write.
+  a directory this user cannot write (or on a read-only file system).
 - **Resume or refuse.** ``plan_resume`` picks the checkpoint to load (``auto``: the newest
   complete one whose every file matches its sha256, printing every newer one it skips and
   why), checks that it was written by the same model shape, the same data stream (naming
@@ -36,7 +36,7 @@ from pathlib import Path
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.config_rules import quoted, shorten
 from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
-                                        read_run_info, remove_checkpoint)
+                                        read_only_note, read_run_info, remove_checkpoint)
 from hybridpar.train.run.fingerprints import data_sources, source_changes
 from hybridpar.train.run.numerics import numeric_changes
 
@@ -119,12 +119,12 @@ def _write_problem(path: Path, kind: str) -> str | None:
             return "it is a directory, not a file"
         target = path if kind == "dir" else path.parent
         return None if os.access(path, os.W_OK) and os.access(target, os.W_OK | os.X_OK) else \
-            "it is not writable by this user"
+            f"it is not writable by this user{read_only_note(target)}"
     existing = next(p for p in path.absolute().parents if p.exists())
     if not existing.is_dir():
         return f"{existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable by this user"
+        return f"{existing} is not writable by this user{read_only_note(existing)}"
     return None
 
 
