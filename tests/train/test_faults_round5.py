@@ -363,3 +363,28 @@ def test_a_flag_argparse_cannot_read_is_one_bounded_line(capsys, argv, said):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(f"hybridpar: error: {said}"), err
     assert len(err) < 600
+
+
+def test_a_tokenizer_that_encodes_text_to_nothing_is_refused(tmp_path):
+    """A tokenizer.json whose vocabulary is empty encoded every document as [BOS, EOS] (or a WordLevel
+    one as all unknown tokens): the run trained on nothing, without a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+    from tests.data.bpe import train_tiny_bpe
+
+    train_tiny_bpe(tmp_path / "empty")
+    saved = json.loads((tmp_path / "empty" / "tokenizer.json").read_text())
+    saved["model"].update(vocab={}, merges=[])
+    (tmp_path / "empty" / "tokenizer.json").write_text(json.dumps(saved))
+    unknown = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "</s>": 2}, unk_token="[UNK]"))
+    unknown.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=unknown, unk_token="[UNK]", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(tmp_path / "unknown")
+    for name, said in (("empty", "encodes text to no tokens"), ("unknown", "encodes text to its unknown token only")):
+        with pytest.raises(ValueError) as error:
+            load_pretrained_tokenizer(tmp_path / name)
+        assert _one_line(error).startswith(f"the tokenizer in '{tmp_path / name}' {said}")
+    train_tiny_bpe(tmp_path / "fine")
+    assert load_pretrained_tokenizer(tmp_path / "fine").encode("fox", add_special_tokens=False)
