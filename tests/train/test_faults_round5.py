@@ -388,3 +388,14 @@ def test_a_tokenizer_that_encodes_text_to_nothing_is_refused(tmp_path):
         assert _one_line(error).startswith(f"the tokenizer in '{tmp_path / name}' {said}")
     train_tiny_bpe(tmp_path / "fine")
     assert load_pretrained_tokenizer(tmp_path / "fine").encode("fox", add_special_tokens=False)
+
+
+def test_a_yaml_key_that_is_a_list_or_mapping_is_one_line(tmp_path):
+    """``? [a, b]`` (a complex key) in a config file or an override was a TypeError traceback."""
+    (tmp_path / "run.yaml").write_text("train:\n  ? [a, b]\n  : 3\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "run.yaml")
+    assert _one_line(error).startswith(f"config file '{tmp_path}/run.yaml' is not valid YAML at line 2, column 5: the "
+                                       "key ['a', 'b'] is a list; a key is a name")
+    with pytest.raises(ConfigError, match=r"the key \{'a': 1\} is a dict; a key is a name"):
+        load_config(DEFAULT, ["data.task_options={{a: 1}: 1}"])
