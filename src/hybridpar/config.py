@@ -291,8 +291,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             parsed = yaml.load(value, Loader=Yaml12Loader)
         except yaml.YAMLError as error:
             problem = getattr(error, "problem", None) or "cannot be parsed"
+            split = any(value.count(o) > value.count(c) for o, c in ("{}", "[]"))  # the shell split it at a space
             raise ConfigError(f"override {quoted(item)} has a malformed value {quoted(value)} ({problem}); write it as a YAML "
-                              "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}.") from None
+                              "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}" + (
+                                  ", in quotes: the shell splits an unquoted override at its spaces, so quote it whole "
+                                  f"(\"{shorten(item, 60)} ...\")" if split else "") + ".") from None
         _set_dotted(raw, key.strip().split("."), parsed)
     return _build(RunConfig, raw, "")
 

@@ -399,3 +399,24 @@ def test_a_yaml_key_that_is_a_list_or_mapping_is_one_line(tmp_path):
                                        "key ['a', 'b'] is a list; a key is a name")
     with pytest.raises(ConfigError, match=r"the key \{'a': 1\} is a dict; a key is a name"):
         load_config(DEFAULT, ["data.task_options={{a: 1}: 1}"])
+
+
+def test_an_override_the_shell_split_at_a_space_says_to_quote_it():
+    """``data.task_options={vocab_size: 16}`` unquoted reaches hybridpar as two words; the first was "a
+    malformed value ... write it as a YAML value", which it was, in the user's shell."""
+    with pytest.raises(ConfigError) as error:
+        load_config(DEFAULT, ["data.task_options={vocab_size:", "16}"])
+    assert _one_line(error).endswith('in quotes: the shell splits an unquoted override at its spaces, so quote it whole '
+                                     '("data.task_options={vocab_size: ...").')
+    with pytest.raises(ConfigError) as error:
+        load_config(DEFAULT, ["train.betas=[0.9,]]"])
+    assert "quote" not in _one_line(error)
+
+
+def test_model_overrides_dtype_points_at_model_dtype():
+    """``model.overrides={dtype: float64}`` listed the HybridConfig fields, dtype among them in spirit."""
+    from hybridpar.train.preflight import model_config
+
+    with pytest.raises(ConfigError) as error:
+        model_config(load_config(DEFAULT, [*TINY, "model.overrides={dtype: float64}"]))
+    assert "unknown field(s) ['dtype']; the dtype is model.dtype;" in _one_line(error)

@@ -89,7 +89,8 @@ def model_config(config: RunConfig):
     fields = {f.name for f in dataclasses.fields(HybridConfig)} - {"dtype"}
     unknown = sorted(set(config.model.overrides) - fields)
     if unknown:
-        raise ConfigError(f"model.overrides has unknown field(s) {quoted(unknown)}{did_you_mean(unknown[0], fields)}; "
+        meant = "; the dtype is model.dtype" if "dtype" in unknown else did_you_mean(unknown[0], fields)
+        raise ConfigError(f"model.overrides has unknown field(s) {quoted(unknown)}{meant}; "
                           f"HybridConfig fields are {sorted(fields)}.")
     overrides = {}
     for name, value in config.model.overrides.items():
