@@ -420,3 +420,17 @@ def test_model_overrides_dtype_points_at_model_dtype():
     with pytest.raises(ConfigError) as error:
         model_config(load_config(DEFAULT, [*TINY, "model.overrides={dtype: float64}"]))
     assert "unknown field(s) ['dtype']; the dtype is model.dtype;" in _one_line(error)
+
+
+def test_an_output_folder_that_is_a_dangling_or_looping_link_is_named_as_one(tmp_path):
+    """output_dir/checkpoints as a symlink to itself was "it is a file, not a directory"."""
+    from hybridpar.train.run.directory import check_run_paths
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").symlink_to(tmp_path / "run" / "checkpoints")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for output_dir, key in (("run", "output_dir (its checkpoints/)"), ("gone", "output_dir=")):
+        with pytest.raises(ConfigError) as error:
+            check_run_paths(load_config(DEFAULT, [*TINY, f"output_dir={tmp_path / output_dir}"]))
+        assert key in _one_line(error) and "it is a symbolic link to nothing that exists (" in str(error.value)
+        assert "a file, not a directory" not in str(error.value)

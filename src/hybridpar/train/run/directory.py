@@ -112,6 +112,8 @@ def _in_use_message(directory: Path, holder: dict) -> str:
 
 def _write_problem(path: Path, kind: str) -> str | None:
     """Why this user cannot create or write ``path`` (``kind``: "dir" or "file"), or None."""
+    if kind == "dir" and path.is_symlink() and not path.exists():  # a file link is created through
+        return f"it is a symbolic link to nothing that exists ({os.readlink(path)}: dangling, or a loop)"
     if path.exists() or path.is_symlink():
         if kind == "dir" and not path.is_dir():
             return "it is a file, not a directory"
