@@ -18,6 +18,7 @@ key has one); rules that relate keys to each other or to the model live in
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -218,6 +219,9 @@ RULES: dict[str, Rule] = {
 }
 
 
+HOME_PATHS = {"model.hf_path", "model.export_hf", "data.path", "data.tokenizer", "checkpoint.resume", "output_dir"}
+
+
 def invalid(key: str, value, must: str, fix: str | None = None) -> ConfigError:
     """The one message of a bad value: key, value, rule and fix."""
     fix = fix or _example(key)
@@ -259,7 +263,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Read a YAML file (optional) and apply ``key.sub=value`` overrides; every value checked."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
+        path = Path(path).expanduser()
         if path_problem(path):
             raise ConfigError(f"config file {quoted(str(path))} cannot be read: {path_problem(path)}; pass an existing "
                               "YAML file, e.g. configs/tiny-hybrid.yaml.")
@@ -344,6 +348,8 @@ def _build(cls, raw, prefix: str):
             key = prefix + name
             value = coerce_value(raw[name], hint, key)
             rule = RULES.get(key, ANY)
+            if key in HOME_PATHS and isinstance(value, str) and value.startswith("~"):
+                value = os.path.expanduser(value)  # as a shell would: a YAML file or a quoted override skip the shell
             if not rule.holds(value):  # a path the system cannot look up says why (a symlink loop, ...)
                 problem = path_problem(value) if isinstance(value, str) else None
                 raise invalid(key, value, str(rule.text) + (f"; this one: {problem}" if problem else ""))

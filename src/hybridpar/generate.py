@@ -26,6 +26,7 @@ stops at the tokenizer's end token (a transformers model: its generation config'
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -126,6 +127,10 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         raise ValueError("pass exactly one of --hf-path DIR (a Hugging Face checkpoint) or --checkpoint DIR (a "
                          "hybridpar training checkpoint).")
     from hybridpar.config_rules import quoted
+
+    home = os.path.expanduser  # '~/...' quoted, or from a script, reaches us unexpanded
+    hf_path, checkpoint = hf_path and home(hf_path), checkpoint and home(checkpoint)
+    tokenizer = home(tokenizer) if tokenizer.startswith("~") else tokenizer
 
     if dtype is not None and dtype not in GENERATE_DTYPES:
         raise ValueError(f"--dtype {quoted(dtype)} is unknown; choose one of {list(GENERATE_DTYPES)} (default: as "

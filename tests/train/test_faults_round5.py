@@ -434,3 +434,15 @@ def test_an_output_folder_that_is_a_dangling_or_looping_link_is_named_as_one(tmp
             check_run_paths(load_config(DEFAULT, [*TINY, f"output_dir={tmp_path / output_dir}"]))
         assert key in _one_line(error) and "it is a symbolic link to nothing that exists (" in str(error.value)
         assert "a file, not a directory" not in str(error.value)
+
+
+def test_a_path_starting_with_a_tilde_is_the_home_directory(tmp_path, monkeypatch):
+    """``~/data.txt`` in a YAML file or a quoted override reaches hybridpar unexpanded (only a shell
+    expands it): data.path "is not a file", and output_dir wrote to a folder named '~' in the
+    working directory without a word."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run.yaml").write_text("data:\n  path: ~/docs.txt\noutput_dir: ~/runs/x\n")
+    config = load_config("~/run.yaml", ["model.hf_path=~/model", "checkpoint.resume=auto", "data.tokenizer=bytes"])
+    assert (config.data.path, config.output_dir, config.model.hf_path) == (
+        f"{tmp_path}/docs.txt", f"{tmp_path}/runs/x", f"{tmp_path}/model")
+    assert (config.checkpoint.resume, config.data.tokenizer) == ("auto", "bytes")
