@@ -146,6 +146,12 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         model = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval()
     else:
         path = checkpoint_to_load(checkpoint)
+        from hybridpar.train.run.checkpoint import read_run_info
+
+        recorded = ((read_run_info(path).get("config") or {}).get("data") or {}).get("tokenizer", "auto")
+        if tokenizer == "auto" and recorded not in ("auto", "bytes", "bpe") and not Path(str(recorded)).is_dir():
+            raise ValueError(f"the run's data.tokenizer {quoted(recorded)} (recorded in {path}/run.json) is gone (moved "
+                             "or deleted); pass --tokenizer DIR where it is now.")
         model, config = _model_from_checkpoint(path, torch_dtype)
         model_path = config.model.hf_path
         tokenizer = config.data.tokenizer if tokenizer == "auto" else tokenizer

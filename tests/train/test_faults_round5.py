@@ -446,3 +446,36 @@ def test_a_path_starting_with_a_tilde_is_the_home_directory(tmp_path, monkeypatc
     assert (config.data.path, config.output_dir, config.model.hf_path) == (
         f"{tmp_path}/docs.txt", f"{tmp_path}/runs/x", f"{tmp_path}/model")
     assert (config.checkpoint.resume, config.data.tokenizer) == ("auto", "bytes")
+
+
+def test_a_data_file_moved_with_its_content_unchanged_resumes_and_generate_names_a_moved_tokenizer(tmp_path):
+    """A data file moved to another path (same bytes) was refused as "would change the training batches
+    ... set those keys back to the recorded values", a path that no longer existed; its content
+    fingerprint shows the batches are the same. generate --checkpoint on a run whose tokenizer
+    directory moved said "tokenizer=... is neither 'auto', 'bytes' nor an existing directory"."""
+    from hybridpar.config import to_dict
+    from hybridpar.generate import load_for_generation
+    from hybridpar.train.run.checkpoint import CheckpointError, _write_manifest
+    from hybridpar.train.run.directory import data_stream, plan_resume
+
+    (tmp_path / "a.txt").write_text("one\n\ntwo\n")
+    old = load_config(DEFAULT, [*FILE_TASK, f"data.path={tmp_path}/a.txt", f"output_dir={tmp_path}/run",
+                                f"data.tokenizer={tmp_path}/tok"])
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "run.json").write_text(json.dumps({"step": 1, "run_id": "r", "config": to_dict(old),
+                                               "data": data_stream(old, 2)}))
+    _write_manifest(step)
+    (tmp_path / "a.txt").rename(tmp_path / "b.txt")
+    new = load_config(DEFAULT, [*FILE_TASK, f"data.path={tmp_path}/b.txt", f"output_dir={tmp_path}/run",
+                                f"data.tokenizer={tmp_path}/tok"])
+    plan = plan_resume(new)
+    assert plan.checkpoint == str(step)
+    assert [n for n in plan.notes if n.startswith(f"data.path moved from '{tmp_path}/a.txt' to '{tmp_path}/b.txt' with "
+                                                  "the same content (sha256 ")]
+    (tmp_path / "b.txt").write_text("one\n\nthree\n")
+    with pytest.raises(CheckpointError, match="would change the training batches"):
+        plan_resume(new)
+    with pytest.raises(ValueError) as error:
+        load_for_generation(checkpoint=str(step))
+    assert _one_line(error).startswith(f"the run's data.tokenizer '{tmp_path}/tok' (recorded in {step}/run.json) is gone")

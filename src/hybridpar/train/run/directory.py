@@ -37,7 +37,7 @@ from hybridpar.config import ConfigError, RunConfig
 from hybridpar.config_rules import quoted, shorten
 from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
                                         read_only_note, read_run_info, remove_checkpoint)
-from hybridpar.train.run.fingerprints import data_sources, source_changes
+from hybridpar.train.run.fingerprints import data_sources, moved_sources, source_changes
 from hybridpar.train.run.numerics import numeric_changes
 
 LOCK_FILE = ".hybridpar.lock"
@@ -280,7 +280,8 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
         recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
         current = data_stream(config, pad)
         legacy_bytes, recorded_sources = recorded.pop("file_bytes", None), recorded.pop("sources", None)
-        changed = _differences(recorded, current, "data.", skip=("pad_to_multiple_of", "sources"))
+        moved = moved_sources(recorded, current, recorded_sources, notes)  # same content elsewhere: the same batches
+        changed = _differences(recorded, current, "data.", skip=("pad_to_multiple_of", "sources", *moved))
         if changed:
             raise CheckpointError(f"resuming from {str(path)!r} would change the training batches ({'; '.join(changed)}; "
                                   "recorded -> now); set those keys back to the recorded values, or start a fresh run "
