@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -191,6 +192,23 @@ def check_generate_arguments(args) -> None:
     if args.dtype is not None and args.dtype not in GENERATE_DTYPES:
         raise ValueError(f"--dtype {quoted(args.dtype)} is unknown; choose one of {list(GENERATE_DTYPES)} (default: as "
                          "stored).")
+    for note in unused_flags(args):
+        print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
+
+
+def unused_flags(args) -> list[str]:
+    """A note for each flag given that this generate call does not read (so it changes nothing)."""
+    from hybridpar.models.generation import GREEDY_BELOW
+
+    notes, greedy = [], args.temperature < GREEDY_BELOW
+    given = [flag for flag, unset in (("--seed", args.seed is None), ("--top-p", args.top_p == 1.0)) if not unset]
+    if greedy and given:
+        notes.append(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} not used: --temperature "
+                     f"{args.temperature:g} is greedy (the most likely token each step); set --temperature > 0 to sample")
+    if args.checkpoint is not None and args.backend != "auto":
+        notes.append(f"--backend {args.backend} is not used: it chooses how --hf-path loads; a --checkpoint model is "
+                     "built as it was trained")
+    return notes
 
 
 def run_generate(args) -> int:

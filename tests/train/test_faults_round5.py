@@ -479,3 +479,26 @@ def test_a_data_file_moved_with_its_content_unchanged_resumes_and_generate_names
     with pytest.raises(ValueError) as error:
         load_for_generation(checkpoint=str(step))
     assert _one_line(error).startswith(f"the run's data.tokenizer '{tmp_path}/tok' (recorded in {step}/run.json) is gone")
+
+
+def test_sampling_settings_that_greedy_decoding_ignores_are_said(capsys):
+    """--seed and --top-p at --temperature 0 (and train.sample's), or --backend with --checkpoint,
+    changed nothing, silently."""
+    from argparse import Namespace
+
+    from hybridpar.generate import check_generate_arguments
+    from hybridpar.train.unused_keys import unused_key_notices
+
+    args = dict(max_new_tokens=2, temperature=0.0, top_p=0.5, seed=5, hf_path=None, checkpoint="runs/x", tokenizer="auto",
+                backend="transformers", dtype=None, prompt="hi")
+    check_generate_arguments(Namespace(**args))
+    assert capsys.readouterr().err.splitlines() == [
+        "hybridpar: warning: --seed and --top-p are not used: --temperature 0 is greedy (the most likely token each "
+        "step); set --temperature > 0 to sample",
+        "hybridpar: warning: --backend transformers is not used: it chooses how --hf-path loads; a --checkpoint model "
+        "is built as it was trained"]
+    check_generate_arguments(Namespace(**{**args, "temperature": 0.8, "backend": "auto"}))
+    assert capsys.readouterr().err == ""
+    config = load_config(DEFAULT, [*TINY, "train.sample={prompt: hi, seed: 3}"])
+    assert unused_key_notices(config) == ["train.sample's seed is not used: its temperature 0 is greedy (set "
+                                          "train.sample.temperature > 0 to sample)"]

@@ -25,4 +25,9 @@ def unused_key_notices(config: RunConfig) -> list[str]:
     if config.train.on_nonfinite == "stop" and config.train.max_nonfinite_skips != TrainConfig().max_nonfinite_skips:
         notes.append(f"train.max_nonfinite_skips={config.train.max_nonfinite_skips} is not used: train.on_nonfinite=stop "
                      "stops at the first non-finite step (set train.on_nonfinite=skip to skip up to that many)")
+    sample = config.train.sample or {}
+    unused = [key for key in ("seed", "top_p") if key in sample and not sample.get("temperature")]
+    if unused:
+        notes.append(f"train.sample's {' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used: its "
+                     "temperature 0 is greedy (set train.sample.temperature > 0 to sample)")
     return notes
