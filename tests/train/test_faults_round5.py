@@ -502,3 +502,15 @@ def test_sampling_settings_that_greedy_decoding_ignores_are_said(capsys):
     config = load_config(DEFAULT, [*TINY, "train.sample={prompt: hi, seed: 3}"])
     assert unused_key_notices(config) == ["train.sample's seed is not used: its temperature 0 is greedy (set "
                                           "train.sample.temperature > 0 to sample)"]
+
+
+def test_a_jsonl_lone_surrogate_escape_is_named_with_its_line(tmp_path):
+    """``{"text": "\\ud800"}`` is valid JSON but not text: an encoder error naming no file or line."""
+    from hybridpar.data.sources import jsonl_documents
+    from hybridpar.data.tokenizers import ByteTokenizer
+
+    (tmp_path / "data.jsonl").write_text('{"text": "\\ud83d\\ude80 a pair is fine"}\n{"text": "x\\ud800"}\n')
+    with pytest.raises(ValueError) as error:
+        jsonl_documents([tmp_path / "data.jsonl"], tokenizer=ByteTokenizer())
+    assert _one_line(error) == (f"{tmp_path}/data.jsonl:2: holds a lone surrogate escape (\\ud800), half of a UTF-16 "
+                                "pair and not a character; fix or remove that record.")

@@ -332,6 +332,15 @@ def jsonl_documents(
     return docs
 
 
+def _lone_surrogate(record: dict) -> str | None:
+    """The first lone surrogate in ``record``'s text (as ``\\udxxx``), or None."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"\\u{ord(error.object[error.start]):04x}"
+    return None
+
+
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-empty line; ValueError naming the line otherwise."""
     for path in _paths(paths):
@@ -349,4 +358,7 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object; write one JSON "
                                  "object per line.")
+            if "\\ud" in line.lower() and _lone_surrogate(record):  # JSON escapes any code unit, text holds none alone
+                raise ValueError(f"{path}:{number}: holds a lone surrogate escape ({_lone_surrogate(record)}), half of "
+                                 "a UTF-16 pair and not a character; fix or remove that record.")
             yield f"{path}:{number}", record
