@@ -30,6 +30,7 @@ import traceback
 import warnings
 
 from hybridpar.config import ConfigError, RunConfig, load_config
+from hybridpar.config_rules import shorten
 
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
@@ -38,6 +39,15 @@ VERBS = {"train": "train a model (the config's layout, on --nproc-per-node proce
          "plan": "memory, traffic and a step-time estimate per rank, before anything runs; --fit: layouts that fit",
          "generate": "continue a prompt with a trained model, in this process"}
 COMMANDS = tuple(VERBS)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A flag argparse cannot read is one bounded ``hybridpar: error:`` line and exit 2, like any bad
+    input (argparse printed its whole usage, then ``hybridpar VERB: error:``)."""
+
+    def error(self, message):
+        sys.stderr.write(f"hybridpar: error: {shorten(message, 400)} ('{self.prog} --help' lists the flags).\n")
+        sys.exit(2)
 
 
 def _run_config_arguments(parser: argparse.ArgumentParser, launches: bool) -> None:
@@ -54,7 +64,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     """``hybridpar`` and one subparser per verb, each with only its own flags."""
     from hybridpar.plan.command import add_plan_arguments
 
-    parser = argparse.ArgumentParser(prog="hybridpar", description="Exact context, tensor and data parallel training "
+    parser = _Parser(prog="hybridpar", description="Exact context, tensor and data parallel training "
                                      "of hybrid Mamba2/attention LMs and transformers models.",
                                      epilog="hybridpar VERB --help lists the flags of VERB.")
     verbs = parser.add_subparsers(dest="command", metavar="VERB", required=True)
@@ -94,6 +104,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = subs[argv[0]].parse_intermixed_args(argv[1:])
     args.command = argv[0]
     return args
+
+
+def repeated_arguments(argv: list[str]) -> list[str]:
+    """A notice for each flag given again with another value (argparse keeps the last one; two
+    ``--config`` files are not merged). Overrides apply in order, so a key's last value wins, silently."""
+    parser = build_parser()[1].get(argv[0]) if argv else None
+    options, seen, notes = getattr(parser, "_option_string_actions", {}), {}, []
+    items = iter(argv[1:])
+    for item in items:
+        flag, _, value = item.partition("=")
+        match = [o for o in options if o.startswith(flag)] if flag not in options else [flag]
+        if not item.startswith("--") or len(match) != 1 or options[match[0]].nargs == 0:
+            continue
+        name, item = match[0], f"{match[0]} {value if '=' in item else next(items, '')}"
+        if seen.get(name, item) != item:
+            notes.append(f"{name} is given twice ({shorten(seen[name])}, then {shorten(item)}); the last one is used"
+                         + (": config files are not merged" if name == "--config" else ""))
+        seen[name] = item
+    return notes
 
 
 def launched_by_torchrun() -> bool:
@@ -322,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     from hybridpar.train.run.checkpoint import OutputWriteError
 
     prefix = "hybridpar: error"
+    for note in repeated_arguments(sys.argv[1:] if argv is None else list(argv)):
+        print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
     try:
         check_arguments(args)
         if getattr(args, "dry_run", False):

@@ -18,6 +18,7 @@ key has one); rules that relate keys to each other or to the model live in
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, path_problem, quoted, sample_problem, shorten
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, quoted, sample_problem, shorten
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
@@ -196,7 +197,7 @@ RULES: dict[str, Rule] = {
     "train.log_every": integer(1),
     "train.eval_every": integer(0),
     "train.eval_packs": integer(1),
-    "train.collective_timeout_s": number(0, low_open=True),
+    "train.collective_timeout_s": number(1, 1e9),  # seconds; datetime.timedelta and the launcher hold them
     "train.on_nonfinite": one_of("stop", "skip"),
     "train.max_nonfinite_skips": integer(0),
     "train.sample": Rule(SAMPLE_RULE_TEXT, lambda v: v is None or sample_problem(v) is None),
@@ -216,6 +217,9 @@ RULES: dict[str, Rule] = {
     "tensorboard": ANY,
     "plot": ANY,
 }
+
+
+HOME_PATHS = {"model.hf_path", "model.export_hf", "data.path", "data.tokenizer", "checkpoint.resume", "output_dir"}
 
 
 def invalid(key: str, value, must: str, fix: str | None = None) -> ConfigError:
@@ -259,7 +263,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Read a YAML file (optional) and apply ``key.sub=value`` overrides; every value checked."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
+        path = Path(path).expanduser()
         if path_problem(path):
             raise ConfigError(f"config file {quoted(str(path))} cannot be read: {path_problem(path)}; pass an existing "
                               "YAML file, e.g. configs/tiny-hybrid.yaml.")
@@ -284,12 +288,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {quoted(item)} is not key=value; write e.g. train.steps=100.")
+        if not_utf8(item):
+            raise ConfigError(f"override {quoted(item)} cannot be read: {not_utf8(item)}; write it in UTF-8 (a path "
+                              "whose name is not UTF-8: rename it, or link it under a UTF-8 name).")
         try:
             parsed = yaml.load(value, Loader=Yaml12Loader)
         except yaml.YAMLError as error:
             problem = getattr(error, "problem", None) or "cannot be parsed"
+            split = any(value.count(o) > value.count(c) for o, c in ("{}", "[]"))  # the shell split it at a space
             raise ConfigError(f"override {quoted(item)} has a malformed value {quoted(value)} ({problem}); write it as a YAML "
-                              "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}.") from None
+                              "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}" + (
+                                  ", in quotes: the shell splits an unquoted override at its spaces, so quote it whole "
+                                  f"(\"{shorten(item, 60)} ...\")" if split else "") + ".") from None
         _set_dotted(raw, key.strip().split("."), parsed)
     return _build(RunConfig, raw, "")
 
@@ -324,8 +334,9 @@ def _build(cls, raw, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise ConfigError(f"unknown config key(s) {quoted([prefix + str(k) for k in unknown])}; valid keys here: "
-                          f"{[prefix + n for n in names]}.")
+        known = leaf_keys(RunConfig) + [f.name for f in dataclasses.fields(RunConfig)]
+        raise ConfigError(f"unknown config key(s) {quoted([prefix + str(k) for k in unknown])}"
+                          f"{did_you_mean(prefix + str(unknown[0]), known)}; valid keys here: {[prefix + n for n in names]}.")
     values = {}
     for name in names:
         if name not in raw:
@@ -337,8 +348,11 @@ def _build(cls, raw, prefix: str):
             key = prefix + name
             value = coerce_value(raw[name], hint, key)
             rule = RULES.get(key, ANY)
-            if not rule.holds(value):
-                raise invalid(key, value, str(rule.text))
+            if key in HOME_PATHS and isinstance(value, str) and value.startswith("~"):
+                value = os.path.expanduser(value)  # as a shell would: a YAML file or a quoted override skip the shell
+            if not rule.holds(value):  # a path the system cannot look up says why (a symlink loop, ...)
+                problem = path_problem(value) if isinstance(value, str) else None
+                raise invalid(key, value, str(rule.text) + (f"; this one: {problem}" if problem else ""))
             values[name] = value
     return cls(**values)
 
@@ -357,8 +371,9 @@ def coerce_value(value, hint, key: str):
         if origin is tuple and isinstance(value, (list, tuple)):
             items = typing.get_args(option)
             if items and all(i is float for i in items):
-                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-                    break
+                bad = [v for v in value if not isinstance(v, (int, float)) or isinstance(v, bool)]
+                if bad:  # 'nan' is text in YAML (.nan is the number)
+                    raise invalid(key, value, f"{_type_names(options)} (got a {type(bad[0]).__name__} in it: {quoted(bad[0])})")
                 return tuple(float(v) for v in value)
             return tuple(value)
         if origin is bool and isinstance(value, bool):

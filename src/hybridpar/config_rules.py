@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Rule", "LazyText", "integer", "number", "one_of", "each", "or_null", "PATH", "ANY", "quoted", "shorten",
-           "Notice", "INT64_MAX", "SEED_MAX"]
+           "Notice", "INT64_MAX", "SEED_MAX", "did_you_mean", "leaf_keys", "not_utf8"]
 
 INT64_MAX = 2**63 - 1  # every integer key's ceiling: torch and numpy hold counts in int64
 SEED_MAX = 2**64 - 1  # torch.manual_seed and torch.Generator.manual_seed take [0, 2**64 - 1]
@@ -137,6 +137,43 @@ def path_problem(value) -> str | None:
     except OSError as error:
         return f"the system cannot look it up ({error.strerror})"
     return None
+
+
+def not_utf8(text: str) -> str | None:
+    """Why command-line ``text`` is not text, or None: a byte that is not UTF-8 reaches Python as a
+    surrogate escape (``\\udcff``), which no YAML value, tokenizer or message can hold."""
+    at = next((i for i, c in enumerate(str(text)) if "\udc80" <= c <= "\udcff"), None)
+    if at is None:
+        return None
+    return f"it holds a byte that is not UTF-8 (0x{ord(text[at]) - 0xDC00:02x} at character {at})"
+
+
+def leaf_keys(cls, prefix: str = "") -> list[str]:
+    """Every dotted key of a nest of dataclasses (``train.steps``, ...)."""
+    import dataclasses
+
+    hints = typing.get_type_hints(cls)
+    return [key for f in dataclasses.fields(cls) for key in
+            (leaf_keys(hints[f.name], f"{prefix}{f.name}.") if dataclasses.is_dataclass(hints[f.name])
+             else [prefix + f.name])]
+
+
+def did_you_mean(name, known) -> str:
+    """``"; did you mean X?"`` for a misspelt or misplaced key among ``known`` (the same name in
+    another section first, then the closest spelling), a YAML ``key:value`` written without the
+    space after the colon, or ``""``."""
+    import difflib
+
+    name, known = str(name), [str(k) for k in known]
+    if ":" in name and not name.endswith(":"):
+        key, _, value = name.partition(":")
+        return f"; YAML needs a space after the colon: write '{shorten(key.strip(), 60)}: {shorten(value.strip(), 60)}'"
+    leaf = name.rsplit(".", 1)[-1]
+    same = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != name]
+    close = same or difflib.get_close_matches(name, known, n=1, cutoff=0.75) or [
+        k for k in known if k.rsplit(".", 1)[-1] in difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known],
+                                                                             n=1, cutoff=0.75)]
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 PATH = Rule("a non-empty path the system can look up (no NUL, every name at most 255 bytes)",

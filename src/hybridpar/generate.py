@@ -26,6 +26,8 @@ stops at the tokenizer's end token (a transformers model: its generation config'
 from __future__ import annotations
 
 import json
+import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -127,6 +129,10 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
                          "hybridpar training checkpoint).")
     from hybridpar.config_rules import quoted
 
+    home = os.path.expanduser  # '~/...' quoted, or from a script, reaches us unexpanded
+    hf_path, checkpoint = hf_path and home(hf_path), checkpoint and home(checkpoint)
+    tokenizer = home(tokenizer) if tokenizer.startswith("~") else tokenizer
+
     if dtype is not None and dtype not in GENERATE_DTYPES:
         raise ValueError(f"--dtype {quoted(dtype)} is unknown; choose one of {list(GENERATE_DTYPES)} (default: as "
                          "stored).")
@@ -141,6 +147,12 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         model = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval()
     else:
         path = checkpoint_to_load(checkpoint)
+        from hybridpar.train.run.checkpoint import read_run_info
+
+        recorded = ((read_run_info(path).get("config") or {}).get("data") or {}).get("tokenizer", "auto")
+        if tokenizer == "auto" and recorded not in ("auto", "bytes", "bpe") and not Path(str(recorded)).is_dir():
+            raise ValueError(f"the run's data.tokenizer {quoted(recorded)} (recorded in {path}/run.json) is gone (moved "
+                             "or deleted); pass --tokenizer DIR where it is now.")
         model, config = _model_from_checkpoint(path, torch_dtype)
         model_path = config.model.hf_path
         tokenizer = config.data.tokenizer if tokenizer == "auto" else tokenizer
@@ -167,17 +179,36 @@ def check_generate_arguments(args) -> None:
     except ValueError as error:
         message = re.sub(r"^(\w+)=(\S+) ", lambda m: f"{_FLAGS.get(m[1], m[1])} {m[2]} ", str(error))
         raise ValueError(shorten(message.replace("; change it in the generate call.", "."), 400)) from None
-    from hybridpar.config_rules import path_problem, quoted
+    from hybridpar.config_rules import not_utf8, path_problem, quoted
 
-    for name in ("hf_path", "checkpoint", "tokenizer"):
+    for name in ("hf_path", "checkpoint", "tokenizer", "prompt"):
         value = getattr(args, name, None)
-        if value is not None and path_problem(value):
-            raise ValueError(f"--{name.replace('_', '-')} {quoted(value)} is not a usable path: {path_problem(value)}.")
+        problem = value is not None and (not_utf8(value) if name == "prompt" else path_problem(value))
+        if problem:
+            raise ValueError(f"--{name.replace('_', '-')} {quoted(value)} is not usable: {problem}"
+                             + ("; pass UTF-8 text." if name == "prompt" else "."))
     if not isinstance(args.backend, str) or args.backend not in ("auto", "hybrid", "transformers"):
         raise ValueError(f"--backend {quoted(args.backend)} is unknown; choose one of auto, hybrid, transformers.")
     if args.dtype is not None and args.dtype not in GENERATE_DTYPES:
         raise ValueError(f"--dtype {quoted(args.dtype)} is unknown; choose one of {list(GENERATE_DTYPES)} (default: as "
                          "stored).")
+    for note in unused_flags(args):
+        print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
+
+
+def unused_flags(args) -> list[str]:
+    """A note for each flag given that this generate call does not read (so it changes nothing)."""
+    from hybridpar.models.generation import GREEDY_BELOW
+
+    notes, greedy = [], args.temperature < GREEDY_BELOW
+    given = [flag for flag, unset in (("--seed", args.seed is None), ("--top-p", args.top_p == 1.0)) if not unset]
+    if greedy and given:
+        notes.append(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} not used: --temperature "
+                     f"{args.temperature:g} is greedy (the most likely token each step); set --temperature > 0 to sample")
+    if args.checkpoint is not None and args.backend != "auto":
+        notes.append(f"--backend {args.backend} is not used: it chooses how --hf-path loads; a --checkpoint model is "
+                     "built as it was trained")
+    return notes
 
 
 def run_generate(args) -> int:

@@ -108,6 +108,10 @@ def _construct_unique_mapping(loader, node, deep=False) -> dict:
     seen = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, (str, int, float, bool, type(None))):  # ``? [a, b]``: a list or mapping as a key
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark,
+                f"the key {quoted(key)} is a {type(key).__name__}; a key is a name (e.g. steps)", key_node.start_mark)
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 "while constructing a mapping", node.start_mark,

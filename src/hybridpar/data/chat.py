@@ -84,7 +84,14 @@ def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) 
         if message["role"] != "assistant":
             continue
         end = tokenizer.apply_chat_template(messages[:i + 1])
-        starts = [tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False)]
+        try:
+            starts = [tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False)]
+        except ValueError:
+            if i:
+                raise
+            raise ValueError("message 0 has role 'assistant', and the chat template cannot render the empty conversation "
+                             "before it (to find where the reply starts); open each conversation with a system or user "
+                             "message") from None
         start = next((s for s in starts if _is_prefix(s, end)), None)
         if start is None or not _is_prefix(end, ids):
             raise ValueError(

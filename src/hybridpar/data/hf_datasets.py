@@ -49,7 +49,7 @@ def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None 
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ValueError(f"{path} has splits {sorted(loaded)}, not {quoted(split)}; pass one of them as the split.")
+                raise ValueError(f"{path} has splits {sorted(loaded)}, not {quoted(split)}; pass one of them as data.task_options.split.")
             return loaded[split]
         return loaded
     if path.is_dir():
@@ -75,7 +75,7 @@ def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", f
     absent = [c for c in columns if c not in dataset.column_names]
     if absent:
         raise ValueError(f"dataset {path} (split {quoted(split)}) has columns {dataset.column_names}, not {absent}; "
-                         "pass the field option naming the right column.")
+                         "pass the field option (data.task_options.field) naming the right column.")
     docs = []
     for row, record in enumerate(dataset.select_columns(columns)):
         try:

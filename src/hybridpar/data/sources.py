@@ -20,6 +20,7 @@ there is none). Nothing is downloaded.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -226,6 +227,10 @@ TEXT_SPLITS = ("paragraph", "line", "file")
 _JSON_KINDS = {int: "number", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+              (codecs.BOM_UTF16_BE, "UTF-16"))  # UTF-32 first: its little-endian mark starts with UTF-16's
+
+
 def read_text_file(path: Path) -> str:
     """A file's text as UTF-8 (``\\r\\n`` read as ``\\n``, a leading BOM dropped); a ValueError names the
     file, line and byte."""
@@ -233,6 +238,10 @@ def read_text_file(path: Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
+        wide = next((name for bom, name in _WIDE_BOMS if data.startswith(bom)), None)
+        if wide:  # not binary: text in another Unicode encoding (Windows editors save "Unicode" as UTF-16)
+            raise ValueError(f"{path}: the file is {wide} text (it starts with the {wide} byte-order mark), not UTF-8; "
+                             f"convert it (e.g. iconv -f {wide} -t utf-8 in > out) and point data.path at the copy.") from None
         line = data.count(b"\n", 0, error.start) + 1
         looks = "looks binary" if b"\0" in data[:8192] else "is not UTF-8 text"
         raise ValueError(
@@ -323,6 +332,15 @@ def jsonl_documents(
     return docs
 
 
+def _lone_surrogate(record: dict) -> str | None:
+    """The first lone surrogate in ``record``'s text (as ``\\udxxx``), or None."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"\\u{ord(error.object[error.start]):04x}"
+    return None
+
+
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-empty line; ValueError naming the line otherwise."""
     for path in _paths(paths):
@@ -331,12 +349,16 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as error:
+            except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested too deep
                 raise ValueError(
-                    f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); every line must be one "
-                    "JSON object: fix or remove that line."
+                    f"{path}:{number}: not valid JSON ("
+                    f"{getattr(error, 'msg', 'nested too deeply to read')} at column {getattr(error, 'colno', 1)}); "
+                    "every line must be one JSON object: fix or remove that line."
                 ) from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object; write one JSON "
                                  "object per line.")
+            if "\\ud" in line.lower() and _lone_surrogate(record):  # JSON escapes any code unit, text holds none alone
+                raise ValueError(f"{path}:{number}: holds a lone surrogate escape ({_lone_surrogate(record)}), half of "
+                                 "a UTF-16 pair and not a character; fix or remove that record.")
             yield f"{path}:{number}", record

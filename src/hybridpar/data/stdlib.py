@@ -28,7 +28,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.sources import read_text_file
 
 __all__ = ["STDLIB_OPTIONS", "SourceFile", "StdlibCorpus", "stdlib_root", "check_stdlib_options", "stdlib_corpus"]
@@ -74,8 +74,9 @@ def check_stdlib_options(options: dict) -> dict:
     """``options`` over the defaults; ValueError naming the option, the rule and the fix."""
     unknown = sorted(set(options) - set(STDLIB_OPTIONS))
     if unknown:
-        raise ValueError(f"data.task_options {unknown} do not apply to data.task='python_stdlib'; its options are "
-                         f"{STDLIB_OPTIONS} (shown with their defaults); remove the others.")
+        raise ValueError(f"data.task_options {unknown} do not apply to data.task='python_stdlib'"
+                         f"; its options are {STDLIB_OPTIONS} (shown with their defaults); remove the others"
+                         f"{did_you_mean(unknown[0], STDLIB_OPTIONS)}.")
     merged = {**STDLIB_OPTIONS, **options}
     for key in ("max_bytes", "max_file_bytes"):
         if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 1:

@@ -214,7 +214,16 @@ def load_pretrained_tokenizer(path: str | Path) -> PretrainedTokenizer:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ValueError(f"the tokenizer in {quoted(str(path))} cannot be loaded ({shorten(first, 200)}); its "
                          "tokenizer files are damaged or incomplete: copy them again from the source checkpoint.") from None
-    return PretrainedTokenizer(loaded, source_dir=path)
+    tokenizer = PretrainedTokenizer(loaded, source_dir=path)
+    ids = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    if not ids or set(ids) == {getattr(loaded, "unk_token_id", None)}:  # every document: special tokens, or unknown
+        raise ValueError(f"the tokenizer in {quoted(str(path))} encodes text to {'its unknown token only' if ids else 'no tokens'} "
+                         f"({PROBE_TEXT!r} -> {shorten(str(ids), 40)}): its vocabulary is empty or damaged (tokenizer.json's "
+                         "model.vocab); copy the tokenizer files again from the source checkpoint.")
+    return tokenizer
+
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog."
 
 
 def as_tokenizer(tokenizer) -> Tokenizer:

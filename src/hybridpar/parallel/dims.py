@@ -92,7 +92,7 @@ class ParallelDims:
         rest = self.dp_replicate * self.cp * self.tp
         if world_size % rest == 0:
             return str(world_size // rest)
-        return f"? ({world_size} is not divisible by dp_replicate*cp*tp={rest})"
+        return f"{world_size} with dp_replicate=cp=tp=1, as {world_size} is not divisible by dp_replicate*cp*tp={rest}"
 
     def build_mesh(self, device_type: str = "cpu"):
         """The 4-D ``DeviceMesh`` (all dims named, size-1 dims kept) with the flattened dims created.

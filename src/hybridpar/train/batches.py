@@ -29,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridpar.config_rules import Notice, bounded_message, quoted
+from hybridpar.config_rules import Notice, bounded_message, did_you_mean, quoted
 from hybridpar.config import DataConfig
 from hybridpar.data.documents import FILE_TASKS, file_documents
+from hybridpar.data.hf_datasets import HF_KINDS
 from hybridpar.data.packing import pack_documents
 from hybridpar.data.sources import TASKS, TEXT_SPLITS, _document_at
 from hybridpar.data.stdlib import check_stdlib_options, stdlib_corpus, stdlib_root
@@ -61,8 +62,9 @@ def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
     unknown = sorted(set(config.task_options) - set(allowed))
     if unknown:
         seed = " (the seed is data.seed)" if "seed" in unknown else ""
-        raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}{seed}; its options are "
-                        f"{allowed} (shown with their defaults); remove the others.")
+        raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}{seed}"
+                        f"; its options are {allowed} (shown with their defaults); remove the others"
+                        f"{did_you_mean(unknown[0], allowed)}.")
     for name, value in config.task_options.items():
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_TASK_INT for v in values):
@@ -122,6 +124,10 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
         if config.tokenizer != "auto":
             raise DataError(f"data.tokenizer={quoted(config.tokenizer)} has no effect on data.task={quoted(config.task)}, which "
                             "makes its own token ids; leave data.tokenizer=auto (or use a file task).")
+        if config.path is not None:  # the file would be silently ignored: the run would train on synthetic data
+            raise DataError(f"data.path={quoted(config.path)} is not read by data.task={quoted(config.task)}, which makes "
+                            f"its own documents; set data.task to the file's task ({', '.join(FILE_TASKS)}) or "
+                            "data.path=null.")
         make_task(config, vocab_size)
         return None
     if config.task not in FILE_TASKS:
@@ -129,8 +135,20 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
     allowed = FILE_TASKS[config.task]
     unknown = sorted(set(config.task_options) - set(allowed))
     if unknown:
-        raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}; its options are "
-                        f"{allowed} (shown with their defaults); clear the others with data.task_options={{}}.")
+        raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}"
+                        f"; its options are {allowed} (shown with their defaults); clear the others with "
+                        f"data.task_options={{}}{did_you_mean(unknown[0], allowed)}.")
+    names = [] if config.task in ("text", "python_stdlib") else list(allowed)  # options that name a field or column
+    for name in names:
+        value = config.task_options.get(name, allowed[name])
+        if not (isinstance(value, str) and value.strip()) and not (value is None and allowed[name] is None):
+            raise DataError(f"data.task_options.{name}={quoted(value)} is invalid: it must be a non-empty string (a "
+                            f"{'name' if name in ('kind', 'split', 'builder') else 'field or column name'})"
+                            f"{' or null' if allowed[name] is None else ''}; e.g. data.task_options.{name}="
+                            f"{quoted(allowed[name] or {'builder': 'csv'}.get(name, 'text'))}.")
+    if config.task == "hf_dataset" and config.task_options.get("kind", "text") not in HF_KINDS:
+        raise DataError(f"data.task_options.kind={quoted(config.task_options['kind'])} is invalid: it must be one of "
+                        f"{sorted(HF_KINDS)} (what each row holds); e.g. data.task_options.kind='text' (the default).")
     split = config.task_options.get("split", "paragraph")
     if config.task == "text" and split not in TEXT_SPLITS:
         raise DataError(f"data.task_options.split={quoted(split)} is invalid: it must be one of {list(TEXT_SPLITS)} "

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_causal_lm_loss, learned_positions,
-                                             load_causal_lm)
+                                             load_causal_lm, transformers_config)
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
@@ -80,14 +80,13 @@ def model_backend(config: RunConfig) -> str:
 def hf_shape(path: str | Path):
     """The transformers ``PretrainedConfig`` of checkpoint ``path`` (config.json only, no weights)."""
     try:
-        from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     except ImportError as error:
         raise ConfigError("a transformers model needs transformers: pip install 'hybridpar[hf]'.") from error
     try:
-        shape = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    except (ValueError, OSError, KeyError) as error:
-        raise ConfigError(f"model.hf_path={str(path)!r}: config.json cannot be read by transformers: {error}") from None
+        shape = transformers_config(path)
+    except ValueError as error:
+        raise ConfigError(f"model.hf_path={str(path)!r}: {error}") from None
     if type(shape) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ConfigError(f"model.hf_path={str(path)!r} holds a {type(shape).__name__}, which has no causal-LM class in "
                           "transformers; hybridpar trains causal language models (AutoModelForCausalLM).")

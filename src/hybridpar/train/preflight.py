@@ -32,7 +32,7 @@ import typing
 from pathlib import Path
 
 from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import pad_multiple, validate_data
 from hybridpar.train.hf_model import attention_dropout_problem, hf_meta_model, hf_shape, model_backend
@@ -89,7 +89,9 @@ def model_config(config: RunConfig):
     fields = {f.name for f in dataclasses.fields(HybridConfig)} - {"dtype"}
     unknown = sorted(set(config.model.overrides) - fields)
     if unknown:
-        raise ConfigError(f"model.overrides has unknown field(s) {quoted(unknown)}; HybridConfig fields are {sorted(fields)}.")
+        meant = "; the dtype is model.dtype" if "dtype" in unknown else did_you_mean(unknown[0], fields)
+        raise ConfigError(f"model.overrides has unknown field(s) {quoted(unknown)}{meant}; "
+                          f"HybridConfig fields are {sorted(fields)}.")
     overrides = {}
     for name, value in config.model.overrides.items():
         key = f"model.overrides.{name}"
@@ -267,7 +269,10 @@ def validate_export(config: RunConfig, shape) -> None:
             config_to_hf(shape, architecture)
         except ValueError as error:
             raise ConfigError(f"model.export_architecture={architecture!r} cannot hold this model: {error}") from None
-    problem = export_target_problem(config.model.export_hf, config.model.hf_path)
+    from hybridpar.train.run.export import overlap_problem
+
+    problem = export_target_problem(config.model.export_hf, config.model.hf_path) or \
+        overlap_problem(config.model.export_hf, config.output_dir)
     if problem:
         raise ConfigError(f"model.export_hf={config.model.export_hf!r} cannot be written: {problem}; choose a new or "
                           "empty directory.")
@@ -358,8 +363,11 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     from hybridpar.train.run.metrics import notice
     from hybridpar.train.run.tokenizer import BPE, _refuse_bpe, bpe_dir, prepare_data
     from hybridpar.train.sample import check_sample
+    from hybridpar.train.unused_keys import unused_key_notices
 
     shape = validate_layout(config, world_size)
+    for note in unused_key_notices(config):
+        notice(note)
     check_pack_memory(config, shape, world_size or 1)
     check_sample(config)
     if (world_size or 1) == 1:

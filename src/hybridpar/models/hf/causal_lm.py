@@ -74,6 +74,19 @@ def causal_lm_backend(path: str | Path, backend: str = "auto") -> str:
     return "hybrid" if backend in ("auto", "hybrid") and supported else "transformers"
 
 
+def transformers_config(path: str | Path):
+    """transformers' config of checkpoint ``path`` (config.json only); ValueError naming the file for a
+    value its config class refuses (a string where a number goes, zero heads: any exception type)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - config classes raise TypeError, ZeroDivisionError, hub errors, ...
+        text = shorten(" ".join(str(error).split()) or type(error).__name__, 300)
+        raise ValueError(f"{Path(path) / 'config.json'} cannot be read by transformers ({type(error).__name__}: "
+                         f"{text}); fix that field, or restore the checkpoint's config.json.") from None
+
+
 def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype | None = None,
                    attn_implementation: str | None = None) -> nn.Module:
     """The causal LM in checkpoint directory ``path`` (see the module docstring).
@@ -94,7 +107,7 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
     except ImportError as error:
         raise ImportError("loading a transformers model needs transformers: pip install 'hybridpar[hf]'.") from error
     model, info = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True,
+        str(path), config=transformers_config(path), dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True,
         use_safetensors=True, trust_remote_code=False, output_loading_info=True,
         ignore_mismatched_sizes=True,  # reported below as one line (transformers raises with a traceback)
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from hybridpar.config_rules import quoted
+from hybridpar.models.hf.files import directory_kind
 from hybridpar.models.hybrid import HybridConfig
 
 MAMBA2, BAMBA, NEMOTRON_H = "Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"
@@ -69,10 +70,12 @@ def read_hf_config(path: str | Path) -> dict:
     a quantized checkpoint, whose weights hybridpar can neither train nor generate from."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"{file} not found; a Hugging Face checkpoint directory needs {CONFIG_FILE}.")
+        kind = directory_kind(path, "hf")
+        raise FileNotFoundError(f"{file} not found; {kind}." if kind else
+                                f"{file} not found; a Hugging Face checkpoint directory needs {CONFIG_FILE}.")
     try:
         hf = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested too deep
         where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
         raise ValueError(f"{file} is not valid JSON{where} ({getattr(error, 'msg', error)}); restore the "
                          "checkpoint's config.json.") from None

@@ -7,10 +7,13 @@ tokenizer directory): the files below that exist there, and nothing else.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files"]
+from hybridpar.config_rules import quoted
+
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "directory_kind"]
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -37,3 +40,28 @@ def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
         shutil.copytree(src / TEMPLATE_DIR, dst / TEMPLATE_DIR, dirs_exist_ok=True)
         present.append(TEMPLATE_DIR)
     return present
+
+
+def directory_kind(path: str | Path, wanted: str) -> str | None:
+    """What ``path`` holds when it is not the ``wanted`` kind ("hf": a Hugging Face model, "run": a
+    hybridpar run or checkpoint), as a clause for its message (a LoRA adapter, a hybridpar run, a
+    Hugging Face model, a tokenizer alone), or None."""
+    path = Path(path)
+    if (path / "adapter_config.json").is_file():
+        try:
+            base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            base = None
+        return (f"{path} is a LoRA adapter (adapter_config.json) of the base model {quoted(base)}, not a "
+                + ("hybridpar training checkpoint: start a run from that base model with model.hf_path" if wanted == "run"
+                   else "whole model: use that base model here (generate --hf-path takes the adapter itself)"))
+    run = (path / "manifest.json").is_file() or (path / "checkpoints").is_dir() or path.name.startswith("step_")
+    if run and wanted != "run":
+        return (f"{path} is a hybridpar training run or checkpoint, not a Hugging Face model: resume it with "
+                "checkpoint.resume, generate from it with --checkpoint, or write a Hugging Face copy with model.export_hf")
+    if (path / "config.json").is_file() and wanted != "hf":
+        return (f"{path} is a Hugging Face model (config.json), not a hybridpar training checkpoint: start a run "
+                "from it with model.hf_path, or generate from it with --hf-path")
+    if not run and any((path / name).is_file() for name in TOKENIZER_FILES[:2]):
+        return f"{path} holds a tokenizer only, no model (no config.json): use it as data.tokenizer or --tokenizer"
+    return None

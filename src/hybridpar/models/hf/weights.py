@@ -50,7 +50,7 @@ def safetensors_problem(file: str | Path) -> str | None:
                     "safetensors file)")
         try:
             header = json.loads(handle.read(header_bytes))
-        except (ValueError, UnicodeDecodeError) as error:
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
             return f"its header is not valid JSON ({shorten(str(error), 80)}; not a safetensors file?)"
     if not isinstance(header, dict):
         return "its header is not a JSON object (not a safetensors file?)"
@@ -88,11 +88,14 @@ def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[P
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             shards = sorted(set(weight_map.values()))
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as error:
             raise ValueError(f"{index} is not a valid safetensors index (a JSON object with a weight_map of tensor -> "
                              f"shard file; {shorten(str(error), 80)}); restore it from the checkpoint.") from None
         files = []
         for shard in shards:
+            if isinstance(shard, str) and (Path(shard).is_absolute() or ".." in Path(shard).parts):
+                raise ValueError(f"{index} lists the shard {quoted(shard)}, outside {path}; a checkpoint's shards are "
+                                 "files in its own directory: restore the index from the checkpoint.")
             if not isinstance(shard, str) or not (path / shard).is_file():
                 raise FileNotFoundError(f"{path / str(shard)} not found; {index_file} lists it as a shard.")
             files.append(path / shard)

@@ -39,7 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hybridpar.config_rules import bounded_message
+from hybridpar.config_rules import bounded_message, quoted, shorten
+from hybridpar.models.hf.files import directory_kind
 from hybridpar.parallel.packed_checkpoint import packed_shards
 
 TRAINER_STATE = "trainer.pt"
@@ -65,6 +66,11 @@ class OutputWriteError(RuntimeError):
 
     def __init__(self, message="", *args):
         super().__init__(bounded_message(message), *args)
+
+
+def read_only_note(path: Path) -> str:
+    """`` (it is on a read-only file system)`` when ``path`` is, else ``""``."""
+    return " (it is on a read-only file system)" if os.statvfs(path).f_flag & os.ST_RDONLY else ""
 
 
 def free_space(directory: str | Path) -> str:
@@ -111,13 +117,13 @@ def _read_manifest(path: Path) -> tuple[dict, dict, str | None]:
     """``(files -> size, files -> sha256, problem)`` of a checkpoint folder's manifest."""
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        return {}, {}, f"{manifest_file} is missing (the save did not finish)"
+        return {}, {}, directory_kind(path, "run") or f"{manifest_file} is missing (the save did not finish)"
     try:
         manifest = json.loads(manifest_file.read_text())
         files, hashes = dict(manifest["files"]), dict(manifest.get("sha256", {}))
         if manifest.get("format", 1) >= 2 and set(files) - set(hashes):
             return {}, {}, f"{manifest_file} records no sha256 for {sorted(set(files) - set(hashes))[:3]}"
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
         return {}, {}, f"{manifest_file} is unreadable ({str(error)[:200]})"
     return files, hashes, None
 
@@ -160,8 +166,24 @@ def is_complete(path: str | Path) -> bool:
 
 
 def read_run_info(path: str | Path) -> dict:
-    """The run.json of a complete checkpoint (run id, step, model config, data stream)."""
-    return json.loads((Path(path) / RUN_INFO).read_text())
+    """The run.json of a complete checkpoint (run id, step, model config, data stream); CheckpointError
+    naming the file when it is not what hybridpar writes (edited, or of another version)."""
+    file = Path(path) / RUN_INFO
+    try:
+        info = json.loads(file.read_text())
+        if not isinstance(info, dict):
+            raise ValueError(f"it holds a JSON {type(info).__name__}, not an object")
+        step = info.get("step", 0)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"its step is {quoted(step)}, not an integer >= 0")
+        wrong = [key for key in ("config", "data", "model", "lora_base") if not isinstance(info.get(key) or {}, dict)]
+        if wrong:
+            raise ValueError(f"its {wrong[0]} is a {type(info[wrong[0]]).__name__}, not an object")
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{file} cannot be read ({shorten(str(error), 200)}): it was edited or written by another "
+                              "hybridpar; resume another checkpoint (checkpoint.resume=PATH) or start fresh "
+                              "(checkpoint.resume=null).") from None
+    return info
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

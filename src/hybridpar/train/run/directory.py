@@ -8,7 +8,7 @@
   write (output_dir, its checkpoints/, metrics.jsonl, tensorboard/, loss_curve.png, the
   trained tokenizer, model.export_hf and the sibling it is staged in) before any process
   starts, naming the key: a path under a regular file, a directory where a file goes, or
-  a directory this user cannot write.
+  a directory this user cannot write (or on a read-only file system).
 - **Resume or refuse.** ``plan_resume`` picks the checkpoint to load (``auto``: the newest
   complete one whose every file matches its sha256, printing every newer one it skips and
   why), checks that it was written by the same model shape, the same data stream (naming
@@ -36,8 +36,9 @@ from pathlib import Path
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.config_rules import quoted, shorten
 from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
-                                        read_run_info, remove_checkpoint)
-from hybridpar.train.run.fingerprints import data_sources, source_changes
+                                        read_only_note, read_run_info, remove_checkpoint)
+from hybridpar.train.run.fingerprints import data_sources, moved_sources, source_changes
+from hybridpar.train.run.numerics import numeric_changes
 
 LOCK_FILE = ".hybridpar.lock"
 METRICS_FILE = "metrics.jsonl"
@@ -98,7 +99,7 @@ class OutputDirLock:
 def _read_holder(fd: int) -> dict:
     try:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (ValueError, OSError):
+    except (ValueError, OSError, RecursionError):
         return {}
 
 
@@ -111,6 +112,8 @@ def _in_use_message(directory: Path, holder: dict) -> str:
 
 def _write_problem(path: Path, kind: str) -> str | None:
     """Why this user cannot create or write ``path`` (``kind``: "dir" or "file"), or None."""
+    if kind == "dir" and path.is_symlink() and not path.exists():  # a file link is created through
+        return f"it is a symbolic link to nothing that exists ({os.readlink(path)}: dangling, or a loop)"
     if path.exists() or path.is_symlink():
         if kind == "dir" and not path.is_dir():
             return "it is a file, not a directory"
@@ -118,12 +121,12 @@ def _write_problem(path: Path, kind: str) -> str | None:
             return "it is a directory, not a file"
         target = path if kind == "dir" else path.parent
         return None if os.access(path, os.W_OK) and os.access(target, os.W_OK | os.X_OK) else \
-            "it is not writable by this user"
+            f"it is not writable by this user{read_only_note(target)}"
     existing = next(p for p in path.absolute().parents if p.exists())
     if not existing.is_dir():
         return f"{existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable by this user"
+        return f"{existing} is not writable by this user{read_only_note(existing)}"
     return None
 
 
@@ -272,12 +275,13 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
                               f"parallel.cp={cp} every document must pad to a multiple of 2*cp={2 * cp}, so the batches "
                               "would change. Resume at a cp whose 2*cp divides "
                               f"{pad}, or start fresh (checkpoint.resume=null).")
-    notes = []
+    notes = numeric_changes(path, info, config)
     if recorded:
         recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
         current = data_stream(config, pad)
         legacy_bytes, recorded_sources = recorded.pop("file_bytes", None), recorded.pop("sources", None)
-        changed = _differences(recorded, current, "data.", skip=("pad_to_multiple_of", "sources"))
+        moved = moved_sources(recorded, current, recorded_sources, notes)  # same content elsewhere: the same batches
+        changed = _differences(recorded, current, "data.", skip=("pad_to_multiple_of", "sources", *moved))
         if changed:
             raise CheckpointError(f"resuming from {str(path)!r} would change the training batches ({'; '.join(changed)}; "
                                   "recorded -> now); set those keys back to the recorded values, or start a fresh run "
@@ -333,8 +337,11 @@ def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
                               "choose another output_dir.")
     if policy == "refuse":
         start = "a fresh run" if chosen is None else f"a run resumed from step {plan.start_step}"
+        resumable = any(p.name.startswith("step_") for p in earlier) and config.checkpoint.resume != "auto"
+        advice = "resume it with checkpoint.resume=auto, or " if resumable else \
+            "it saved no checkpoint to resume (checkpoint.resume=auto found none): " if chosen is None else ""
         raise ConfigError(f"output_dir {str(out)!r} holds outputs of an earlier run ({names}) that {start} would "
-                          "overwrite or mix with; resume it with checkpoint.resume=auto, or set "
+                          f"overwrite or mix with; {advice}set "
                           "checkpoint.if_exists=overwrite to delete them, or checkpoint.if_exists=new_subdir to write "
                           f"this run to a fresh {out}/run-NNN, or choose another output_dir.")
     if policy == "overwrite":

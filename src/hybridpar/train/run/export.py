@@ -12,12 +12,24 @@ from pathlib import Path
 
 from hybridpar.train.run.checkpoint import OutputWriteError, free_space
 
-__all__ = ["write_export"]
+__all__ = ["write_export", "overlap_problem"]
+
+RUN_FOLDERS = ("checkpoints", "tensorboard", "tokenizer")  # what a run writes under output_dir
 
 
 def _write_failure(error: Exception) -> bool:
     """An OSError, or safetensors' ``SafetensorError`` wrapping one ("I/O error: No space left ...")."""
     return isinstance(error, OSError) or "I/O error" in str(error)
+
+
+def overlap_problem(target: str | Path, output_dir: str | Path) -> str | None:
+    """Why export ``target`` would collide with the run's own ``output_dir`` (it is output_dir, holds it,
+    or lies in a folder the run fills): found at start, not after training when it is no longer empty."""
+    target, out = Path(target).resolve(), Path(output_dir).resolve()
+    if target == out or out.is_relative_to(target):
+        return f"it is or holds output_dir={str(output_dir)!r}, which the run fills before the export is written"
+    inside = next((name for name in RUN_FOLDERS if target.is_relative_to(out / name)), None)
+    return f"it lies in output_dir's {inside}/, which the run writes" if inside else None
 
 
 def write_export(target: Path, write: Callable[[Path], None], last_checkpoint: str | None) -> None:

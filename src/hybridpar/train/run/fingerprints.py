@@ -25,7 +25,7 @@ from hybridpar.data.tokenizers import ships_tokenizer
 from hybridpar.models.hf.files import TOKENIZER_FILES
 from hybridpar.train.run.checkpoint import file_sha256
 
-__all__ = ["data_sources", "source_changes"]
+__all__ = ["data_sources", "source_changes", "moved_sources"]
 
 
 def _directory_fingerprint(root: Path, files: list[Path]) -> dict:
@@ -97,3 +97,16 @@ def source_changes(recorded: dict | None, current: dict, legacy_file_bytes: int 
             where = quoted((after or before)["path"])
             changes.append(f"{key}={where} changed ({_describe(before)} when saved -> {_describe(after)} now)")
     return changes
+
+
+def moved_sources(recorded: dict, current: dict, recorded_sources: dict | None, notes: list[str]) -> tuple[str, ...]:
+    """The data keys (``path``, ``tokenizer``) whose source moved to another path with the same content
+    (sha256): the batches are the same, so resuming is exact; one note each is appended to ``notes``."""
+    moved = []
+    for key in ("path", "tokenizer"):
+        before, after = (recorded_sources or {}).get(f"data.{key}"), current.get("sources", {}).get(f"data.{key}")
+        if recorded.get(key) != current.get(key) and before and after and before["sha256"] == after["sha256"]:
+            moved.append(key)
+            notes.append(f"data.{key} moved from {quoted(recorded.get(key))} to {quoted(current.get(key))} with the "
+                         f"same content ({_describe(after)}); resuming on it")
+    return tuple(moved)

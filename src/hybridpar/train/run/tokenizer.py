@@ -86,7 +86,7 @@ def prepare_data(config: RunConfig, vocab_size: int, say=print) -> DataConfig:
     if directory.exists():
         try:
             recorded = json.loads((directory / STAMP).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             recorded = {}
         changed = [f"{key} {json.dumps(recorded.get(key))} -> {json.dumps(stamp[key])}"
                    for key in stamp if key != "train_sha256" and recorded.get(key) != stamp[key]]

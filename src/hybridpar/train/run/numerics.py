@@ -1,0 +1,28 @@
+"""What a resumed run changes in the numerics of its checkpoint without changing its shape.
+
+``model.dtype`` and ``parallel.mixed_precision`` may change on resume (the weights and the
+optimizer state are cast on load), but then the run is no longer the uninterrupted one: its
+losses differ from those it would have had. That is said, once, as a warning.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybridpar.config import RunConfig
+
+KEYS = (("model", "dtype"), ("parallel", "mixed_precision"))
+
+
+def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str]:
+    """One warning per numeric setting that differs from the one checkpoint ``path`` recorded."""
+    recorded, notes = info.get("config") or {}, []
+    for section, key in KEYS:
+        now = getattr(getattr(config, section), key)
+        before = (recorded.get(section) or {}).get(key, now)  # not recorded: nothing to compare
+        if before != now:
+            notes.append(f"warning: checkpoint {path} was trained with {section}.{key}={json.dumps(before)}; resuming "
+                         f"with {json.dumps(now)} casts its weights and optimizer state, so the losses will not be those "
+                         "of the uninterrupted run")
+    return notes

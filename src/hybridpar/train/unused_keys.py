@@ -1,0 +1,33 @@
+"""Keys set to a value that the rest of the config makes unused: one notice each, at start.
+
+A key that changes nothing is a mistake the user cannot see (an export that never happens, an
+adapter rank with no adapters). ``data.path`` and ``data.tokenizer`` of a synthetic task are
+refused instead (``train/batches.validate_data``): the run would train on other data than named.
+"""
+
+from __future__ import annotations
+
+from hybridpar.config import PeftConfig, RunConfig, TrainConfig, show_value
+
+
+def unused_key_notices(config: RunConfig) -> list[str]:
+    """One line per key set away from its default that this config never reads."""
+    notes = []
+    if config.model.export_architecture and not config.model.export_hf:
+        notes.append(f"model.export_architecture={show_value(config.model.export_architecture)} is not used: nothing is "
+                     "exported without model.export_hf (set it to a new directory to export the trained model)")
+    if config.peft.method == "none":
+        changed = [name for name in ("r", "alpha", "dropout", "target_modules", "merge")
+                   if getattr(config.peft, name) != getattr(PeftConfig(), name)]
+        if changed:
+            notes.append(f"{', '.join('peft.' + n for n in changed)} {'is' if len(changed) == 1 else 'are'} not used: "
+                         "peft.method=none trains every weight (set peft.method=lora to train adapters)")
+    if config.train.on_nonfinite == "stop" and config.train.max_nonfinite_skips != TrainConfig().max_nonfinite_skips:
+        notes.append(f"train.max_nonfinite_skips={config.train.max_nonfinite_skips} is not used: train.on_nonfinite=stop "
+                     "stops at the first non-finite step (set train.on_nonfinite=skip to skip up to that many)")
+    sample = config.train.sample or {}
+    unused = [key for key in ("seed", "top_p") if key in sample and not sample.get("temperature")]
+    if unused:
+        notes.append(f"train.sample's {' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used: its "
+                     "temperature 0 is greedy (set train.sample.temperature > 0 to sample)")
+    return notes
