@@ -389,10 +389,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     else:
         data = prepare_data(config, shape.vocab_size)
     validate_data(data, shape.vocab_size, config.model.hf_path)
-    dims = parallel_dims(config)  # check refuses at once what the trainer would find (train says it at start)
-    attention_dropout = attention_dropout_problem(config, shape, dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp)
-    if attention_dropout and command == "check":
-        raise ConfigError(f"check cannot prove this layout: {attention_dropout}")
+    if command == "check" and (why := attention_dropout_problem(config, shape, parallel_dims(config).world_size)):
+        raise ConfigError(f"check cannot prove this layout: {why}")  # at once (train says it at start)
     train = config.train
     if command == "train" and train.warmup_steps > train.steps:  # allowed (an extended run warms up alike); said last
         notice(f"train.warmup_steps={train.warmup_steps} is more than train.steps={train.steps}: the learning rate "
