@@ -24,7 +24,6 @@ import errno
 import logging
 import math
 import os
-import socket
 import sys
 import traceback
 import warnings
@@ -218,7 +217,9 @@ def init_distributed(timeout_s: float = 600.0) -> tuple:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            from hybridpar.launch import free_port
+
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=timeout)
     if dist.get_rank() != 0:
         warnings.simplefilter("ignore")  # every rank runs the same code: rank 0 warns once for the job
@@ -230,12 +231,6 @@ def init_distributed(timeout_s: float = 600.0) -> tuple:
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
                               else max(1, (os.cpu_count() or 1) // local_world))
     return torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"), owns_group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def quiet_known_warnings() -> None:
@@ -259,14 +254,18 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
             from hybridpar.train.trainer import Trainer
 
             Trainer(config, device).fit()
-            return 0
-        if getattr(args, "packing", False):
+            code = 0
+        elif getattr(args, "packing", False):
             from hybridpar.train.proof.packing import run_packing_check
 
-            return run_packing_check(config, device, args.tolerance)
-        from hybridpar.train.proof.layout import run_check
+            code = run_packing_check(config, device, args.tolerance)
+        else:
+            from hybridpar.train.proof.layout import run_check
 
-        return run_check(config, device, args.tolerance)
+            code = run_check(config, device, args.tolerance)
+        if owns_group:
+            dist.barrier()  # no rank tears its connections down while another still works (rank 0's sample)
+        return code
     finally:
         if owns_group:
             dist.destroy_process_group()

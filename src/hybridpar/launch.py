@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -42,6 +43,13 @@ SHUTDOWN_S = 5  # torchrun's grace between its forwarded signal and SIGKILL
 
 
 # ----------------------------------------------------------------------------- worker side
+
+
+def free_port() -> int:
+    """A TCP port nothing on this machine listens on now (a one-process run's rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
