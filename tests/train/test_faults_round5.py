@@ -5,7 +5,6 @@ import datetime
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 
