@@ -513,3 +513,22 @@ def test_a_jsonl_lone_surrogate_escape_is_named_with_its_line(tmp_path):
         jsonl_documents([tmp_path / "data.jsonl"], tokenizer=ByteTokenizer())
     assert _one_line(error) == (f"{tmp_path}/data.jsonl:2: holds a lone surrogate escape (\\ud800), half of a UTF-16 "
                                 "pair and not a character; fix or remove that record.")
+
+
+def test_an_export_killed_mid_write_leaves_no_staging_folder_after_the_next_export(tmp_path):
+    """SIGKILL during an export left ``.<name>.tmp-<pid>`` beside the target for good; the next export
+    removes the staging folders of processes that are gone, and leaves a live one's alone."""
+    import subprocess
+    import sys
+
+    from hybridpar.train.run.export import write_export
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    target = tmp_path / "export"
+    stale = tmp_path / f".export.tmp-{int(gone.stdout)}"
+    live = tmp_path / f".export.tmp-{os.getppid()}"  # this test's parent process: alive
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    write_export(target, lambda staging: (staging.mkdir(), (staging / "config.json").write_text("{}")), None)
+    assert (target / "config.json").is_file() and not stale.exists() and live.exists()

@@ -5,6 +5,7 @@ write (a full disk, a directory removed) is one line saying where the trained we
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from hybridpar.train.run.checkpoint import OutputWriteError, free_space
 
-__all__ = ["write_export", "overlap_problem"]
+__all__ = ["write_export", "overlap_problem", "remove_stale_staging"]
 
 RUN_FOLDERS = ("checkpoints", "tensorboard", "tokenizer")  # what a run writes under output_dir
 
@@ -32,10 +33,30 @@ def overlap_problem(target: str | Path, output_dir: str | Path) -> str | None:
     return f"it lies in output_dir's {inside}/, which the run writes" if inside else None
 
 
+def remove_stale_staging(target: Path) -> list[Path]:
+    """Remove the staging folders of ``target`` whose process is gone (an export killed with SIGKILL
+    leaves ``.<name>.tmp-<pid>`` behind); a live process's folder is left alone. Returns the removed."""
+    removed = []
+    for folder in target.parent.glob(f".{glob.escape(target.name)}.tmp-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (another export at work)
+        except PermissionError:
+            continue  # alive, another user's
+        except (ProcessLookupError, OverflowError):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def write_export(target: Path, write: Callable[[Path], None], last_checkpoint: str | None) -> None:
     """``write(staging)`` the export, then rename the staging folder to ``target`` (empty or absent)."""
     staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
+    remove_stale_staging(target)
     try:
         write(staging)
         if target.is_dir():
