@@ -288,8 +288,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {quoted(item)} is not key=value; write e.g. train.steps=100.")
-        if not_utf8(item):
-            raise ConfigError(f"override {quoted(item)} cannot be read: {not_utf8(item)}; write it in UTF-8 (a path "
+        if bad_bytes := not_utf8(item):
+            raise ConfigError(f"override {quoted(item)} cannot be read: {bad_bytes}; write it in UTF-8 (a path "
                               "whose name is not UTF-8: rename it, or link it under a UTF-8 name).")
         try:
             parsed = yaml.load(value, Loader=Yaml12Loader)

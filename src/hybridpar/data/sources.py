@@ -358,7 +358,7 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object; write one JSON "
                                  "object per line.")
-            if "\\ud" in line.lower() and _lone_surrogate(record):  # JSON escapes any code unit, text holds none alone
-                raise ValueError(f"{path}:{number}: holds a lone surrogate escape ({_lone_surrogate(record)}), half of "
+            if "\\ud" in line.lower() and (surrogate := _lone_surrogate(record)):  # JSON escapes any code unit
+                raise ValueError(f"{path}:{number}: holds a lone surrogate escape ({surrogate}), half of "
                                  "a UTF-16 pair and not a character; fix or remove that record.")
             yield f"{path}:{number}", record

@@ -220,4 +220,5 @@ def set_dropout_tokens(model: nn.Module, step: int, keys: Tensor | None) -> None
     ``step``; no-op for a model without keyed dropout. ``None`` returns to generator-drawn salts."""
     tokens = getattr(model, "dropout_tokens", None)
     if tokens is not None:
-        tokens.step, tokens.keys, tokens.salt = int(step), keys, step_salt(tokens.seed, int(step))
+        salt = step_salt(tokens.seed, int(step))
+        tokens.step, tokens.keys, tokens.salt = int(step), keys, salt if keys is None else salt.to(keys.device)

@@ -48,7 +48,8 @@ def key_dropout(model: nn.Module, step: int, pack: int, sharded: ShardedInputs) 
     place in the step (``pack``: the pack's index among the step's global packs; positions in the
     full row), so every layout draws one process's masks. No-op without keyed dropout."""
     if getattr(model, "dropout_tokens", None) is not None:
-        set_dropout_tokens(model, step, token_keys(torch.tensor([pack]), sharded.global_positions()))
+        keys = token_keys(torch.tensor([pack]), sharded.global_positions())  # [1, S/cp]
+        set_dropout_tokens(model, step, keys.to(sharded.labels.device))  # once per pack, not per module
 
 
 def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:

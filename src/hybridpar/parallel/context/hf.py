@@ -47,6 +47,7 @@ from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.mamba.mixer import tp_groups
+from hybridpar.models.token_dropout import unkeyed_dropout
 from hybridpar.parallel.context.hf_types import ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 from hybridpar.parallel.context.hf_inputs import hf_cp_inputs, packed_from_position_ids
 
@@ -263,10 +264,8 @@ def attention_problem(model: nn.Module) -> str | None:
     if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False) in (True, "all"):
         return (f"the attention of {cls} is bidirectional (use_bidirectional_attention/is_causal=False); hybridpar's "
                 "attention core is causal.")
-    for key in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout"):  # GPT-2, BERT, ...
-        if float(getattr(config, key, 0.0) or 0.0) > 0:
-            return (f"{cls} has {key}={getattr(config, key)}, which hybridpar's attention core does not apply; set "
-                    f"config.{key} = 0.0.")
+    for key, p in unkeyed_dropout(config).items():  # attention_dropout, GPT-2's attn_pdrop, BERT's, ...
+        return f"{cls} has {key}={p:g}, which hybridpar's attention core does not apply; set config.{key} = 0.0."
     if not hf_attention_modules(model):
         return (f"no attention modules found in {cls} (classes named *Attention with a config and a head dim); this model "
                 "cannot take hybridpar's attention.")
