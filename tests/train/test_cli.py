@@ -240,7 +240,11 @@ def test_a_rank_that_reported_and_was_then_stopped_is_not_blamed_on_the_stop(cap
     watchdog = Watchdog(Path("."), 60)
     assert _outcome(2, failures, None, watchdog, report) == 1
     assert capsys.readouterr().err == "hybridpar: error: check failed (see its output above).\n"
+    # a rank that aborted in teardown after its peer exited (SIGABRT): the report is still the cause
+    failures[0] = SimpleNamespace(exitcode=-signal.SIGABRT, pid=11)
+    assert _outcome(2, failures, None, watchdog, report) == 1
+    assert capsys.readouterr().err == "hybridpar: error: check failed (see its output above).\n"
     # a rank killed from outside (SIGKILL) is still named, whatever the others reported
-    failures[1] = SimpleNamespace(exitcode=-signal.SIGKILL, pid=12)
+    failures = {0: SimpleNamespace(exitcode=-signal.SIGTERM, pid=11), 1: SimpleNamespace(exitcode=-signal.SIGKILL, pid=12)}
     assert _outcome(2, failures, None, watchdog, report) == 1
     assert "rank 1 (pid 12) was killed by SIGKILL" in capsys.readouterr().err
