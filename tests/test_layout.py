@@ -21,7 +21,7 @@ FLOORS = [  # lowest first; a module may import its own floor and those below
     {"hybridpar.train"},
     {"hybridpar.plan"},
     {"hybridpar.api", "hybridpar.generate", "hybridpar.launch"},
-    {"hybridpar.cli", "hybridpar.__main__"},
+    {"hybridpar.cli", "hybridpar.worker", "hybridpar.__main__"},
 ]
 MAX_LINES = 400
 MAX_MODULES_PER_FOLDER = 13  # "about a dozen"

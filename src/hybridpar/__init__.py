@@ -13,7 +13,7 @@ Packages, lowest floor first; a module imports only from its own floor or the on
 - ``config``: the run configuration;
 - ``train/``: the trainer, loss, checkpoints and the run directory;
 - ``plan/``: the planner;
-- ``api``, ``generate``, ``launch``, ``cli``: the public API and the command line.
+- ``api``, ``generate``, ``launch``, ``cli``, ``worker``: the public API and the command line (``worker``: one rank of a job).
 """
 
 from __future__ import annotations

@@ -19,20 +19,14 @@ before any process starts where it can be known then; 128+N stopped by signal N.
 from __future__ import annotations
 
 import argparse
-import datetime
-import errno
-import logging
 import math
 import os
 import sys
-import traceback
-import warnings
 
 from hybridpar.config import ConfigError, RunConfig, load_config
 from hybridpar.config_rules import shorten
+from hybridpar.worker import INPUT_ERRORS, error_message, launched_by_torchrun, run, worker_main, write_failure
 
-# Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
-INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 VERBS = {"train": "train a model (the config's layout, on --nproc-per-node processes)",
          "check": "run one step under the layout and in one process; compare loss and every gradient",
          "plan": "memory, traffic and a step-time estimate per rank, before anything runs; --fit: layouts that fit",
@@ -124,10 +118,6 @@ def repeated_arguments(argv: list[str]) -> list[str]:
     return notes
 
 
-def launched_by_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def check_arguments(args: argparse.Namespace) -> None:
     """What argparse cannot say: required pairs and value ranges (ConfigError: one line, exit 2)."""
     if args.command == "generate":
@@ -196,152 +186,6 @@ def check_devices(nproc: int | None) -> None:
                           "(CUDA_VISIBLE_DEVICES=) to run every process on the CPU with gloo.")
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple:
-    """Join the torchrun world, or make a one-process world; collectives time out after ``timeout_s``.
-
-    Returns ``(device, owns_group)``; a caller that already set up a group keeps it.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    cuda = torch.cuda.is_available()
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # The device mesh creates its groups with torch's default timeout (30 min on gloo); make it ours.
-        distributed_c10d.default_pg_timeout = timeout
-        if launched_by_torchrun():
-            if cuda:
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-        else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            from hybridpar.launch import free_port
-
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=timeout)
-    if dist.get_rank() != 0:
-        warnings.simplefilter("ignore")  # every rank runs the same code: rank 0 warns once for the job
-    if not cuda:
-        # The cores shared among this machine's ranks, unless OMP_NUM_THREADS says otherwise: two
-        # processes that each spin two OpenMP threads on two cores run many times slower.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                              else max(1, (os.cpu_count() or 1) // local_world))
-    return torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"), owns_group
-
-
-def quiet_known_warnings() -> None:
-    """Silence two torch notices that do not apply: the trainer never edits the logits in
-    place (FSDP's view warning), and the 2-D gradient-norm reduction is deliberate."""
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-
-def run(args: argparse.Namespace, config: RunConfig) -> int:
-    quiet_known_warnings()
-    if args.command == "plan":
-        from hybridpar.plan.command import run_plan
-
-        return run_plan(args, config)
-    device, owns_group = init_distributed(config.train.collective_timeout_s)
-    import torch.distributed as dist
-
-    try:
-        if args.command == "train":
-            from hybridpar.train.trainer import Trainer
-
-            Trainer(config, device).fit()
-            code = 0
-        elif getattr(args, "packing", False):
-            from hybridpar.train.proof.packing import run_packing_check
-
-            code = run_packing_check(config, device, args.tolerance)
-        else:
-            from hybridpar.train.proof.layout import run_check
-
-            code = run_check(config, device, args.tolerance)
-        if owns_group:
-            dist.barrier()  # no rank tears its connections down while another still works (rank 0's sample)
-        return code
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
-
-
-def _message(error: BaseException) -> str:
-    if os.environ.get("HYBRIDPAR_TRACEBACK"):
-        traceback.print_exception(error)
-    return str(error) if not isinstance(error, (FileNotFoundError, PermissionError)) or not error.filename else \
-        f"{error.strerror}: {error.filename}"
-
-
-def _write_failure(error: BaseException) -> str | None:
-    """The one line for a write the system refused (disk full, quota, file too large, read-only), or None."""
-    if not isinstance(error, OSError) or error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
-        return None
-    where = f": {error.filename}" if error.filename else ""
-    return f"writing failed ({error.strerror}{where}); the run stopped. Free space, then resume with checkpoint.resume=auto."
-
-
-def _collective_failure(error: BaseException) -> bool:
-    """A collective that failed because a peer died, stalled or timed out."""
-    import torch.distributed as dist
-
-    text = str(error)
-    return isinstance(error, dist.DistError) or any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
-                                      "timed out", "Broken pipe", "gloo"))
-
-
-def worker_main(args: argparse.Namespace) -> int:
-    """One rank of a torchrun job: run, and report a failure once (see ``hybridpar.launch``)."""
-    from hybridpar.launch import WorkerChannel
-    from hybridpar.train.nonfinite import NonFiniteError
-    from hybridpar.train.run.checkpoint import OutputWriteError
-
-    channel = WorkerChannel.from_env()
-    rank = int(os.environ.get("RANK", "0"))
-    if channel is not None:
-        channel.start()
-        import hybridpar.train.trainer  # noqa: F401  (the heavy imports, before the heartbeat starts)
-
-        channel.start_heartbeat()
-
-    def fail(message: str, code: int) -> int:
-        if channel is None:  # a torchrun the user started: each rank says what it saw
-            print(f"hybridpar: error (rank {rank}): {message}", file=sys.stderr, flush=True)
-        else:
-            channel.report(message, code)  # the launcher prints the first report, once
-        return code
-
-    try:
-        config = load_config(args.config, args.overrides)
-        code = run(args, config)
-        if code:  # check out of tolerance: its table says which quantities
-            return fail(f"{args.command} failed (see its output above).", code)
-        return 0
-    except INPUT_ERRORS as error:
-        return fail(_message(error), 2)
-    except (NonFiniteError, OutputWriteError) as error:  # the run stopped for the reason it names
-        return fail(str(error), 1)
-    except Exception as error:  # noqa: BLE001 - a peer's death, a full disk or a bug
-        refused_write = _write_failure(error)
-        if refused_write:
-            return fail(f"rank {rank}: {refused_write}", 1)
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        if _collective_failure(error):
-            return fail(f"rank {rank}: a collective failed ({first_line}); a peer rank died, stalled or timed out "
-                        f"(train.collective_timeout_s).", 1)
-        traceback.print_exc()
-        return fail(f"rank {rank} failed with {type(error).__name__}: {first_line} (traceback above).", 1)
-    finally:
-        if channel is not None:
-            channel.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if launched_by_torchrun() and not getattr(args, "dry_run", False):
@@ -382,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             return launch(args.nproc_per_node, worker_args, config.train.collective_timeout_s)
         return run(args, config)
     except (*INPUT_ERRORS, OSError) as error:  # any other OSError (a path too long, ...): one line, not a traceback
-        refused_write = _write_failure(error)
-        print(f"{prefix}: {refused_write or _message(error)}", file=sys.stderr, flush=True)
+        refused_write = write_failure(error)
+        print(f"{prefix}: {refused_write or error_message(error)}", file=sys.stderr, flush=True)
         return 1 if refused_write else 2
     except (NonFiniteError, OutputWriteError) as error:
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
