@@ -27,7 +27,7 @@ from hybridpar.parallel.parallelize import parallelize
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.plan import make_plan
 from hybridpar.train.loss import lm_head_loss
-from hybridpar.train.peft import export_lora
+from hybridpar.models.hf.lora_export import export_lora
 
 __all__ = [
     # models

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, quoted, sample_problem, shorten
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, quoted, sample_problem, shorten, show_value, type_names
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
@@ -245,17 +245,6 @@ def _default_of(key: str):
     return node
 
 
-def show_value(value) -> str:
-    """A config value as it would be written, cut to a readable length (``quoted``)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return shorten("[" + ",".join(show_value(v) for v in value[:9]) + (",..." if len(value) > 9 else "") + "]")
-    return quoted(value)
-
-
 # ----------------------------------------------------------------------------- loading
 
 
@@ -363,7 +352,7 @@ def coerce_value(value, hint, key: str):
     if value is None:
         if type(None) in options:
             return None
-        raise invalid(key, value, f"{_type_names(options)}, not null")
+        raise invalid(key, value, f"{type_names(options)}, not null")
     for option in options:
         origin = typing.get_origin(option) or option
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -373,27 +362,11 @@ def coerce_value(value, hint, key: str):
             if items and all(i is float for i in items):
                 bad = [v for v in value if not isinstance(v, (int, float)) or isinstance(v, bool)]
                 if bad:  # 'nan' is text in YAML (.nan is the number)
-                    raise invalid(key, value, f"{_type_names(options)} (got a {type(bad[0]).__name__} in it: {quoted(bad[0])})")
+                    raise invalid(key, value, f"{type_names(options)} (got a {type(bad[0]).__name__} in it: {quoted(bad[0])})")
                 return tuple(float(v) for v in value)
             return tuple(value)
         if origin is bool and isinstance(value, bool):
             return value
         if origin in (int, str, dict) and isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
             return value
-    raise invalid(key, value, f"{_type_names(options)} (got {type(value).__name__})")
-
-
-def _type_names(options) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
-    out = []
-    for option in options:
-        origin = typing.get_origin(option) or option
-        if origin is tuple:
-            items = typing.get_args(option)
-            if Ellipsis in items:  # tuple[str, ...]: any length
-                out.append({str: "a list of strings", int: "a list of integers"}.get(items[0], "a list of numbers"))
-            else:
-                out.append(f"a list of {len(items)} numbers")
-        elif option is not type(None):
-            out.append(names.get(origin, getattr(origin, "__name__", str(origin))))
-    return " or ".join(out)
+    raise invalid(key, value, f"{type_names(options)} (got {type(value).__name__})")

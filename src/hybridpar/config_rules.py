@@ -212,3 +212,31 @@ def sample_problem(raw) -> str | None:
          "seed must be an integer in [0, 2**64-1]"),
     ]
     return next((message for holds, message in rules if not holds), None)
+
+
+def show_value(value) -> str:
+    """A config value as it would be written, cut to a readable length (``quoted``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return shorten("[" + ",".join(show_value(v) for v in value[:9]) + (",..." if len(value) > 9 else "") + "]")
+    return quoted(value)
+
+
+def type_names(options) -> str:
+    """The type hints of a config field in words ('an integer or a number')."""
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
+    out = []
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if origin is tuple:
+            items = typing.get_args(option)
+            if Ellipsis in items:  # tuple[str, ...]: any length
+                out.append({str: "a list of strings", int: "a list of integers"}.get(items[0], "a list of numbers"))
+            else:
+                out.append(f"a list of {len(items)} numbers")
+        elif option is not type(None):
+            out.append(names.get(origin, getattr(origin, "__name__", str(origin))))
+    return " or ".join(out)

@@ -9,7 +9,7 @@ import pytest
 
 from hybridpar.config import load_config
 from hybridpar.train.run.checkpoint import CheckpointError
-from hybridpar.train.run.directory import plan_resume
+from hybridpar.train.run.resume import plan_resume
 from tests.train.test_faults_round3 import DEFAULT, ROOT, TINY
 
 

@@ -111,7 +111,8 @@ def test_a_key_the_run_would_not_read_is_refused_or_said():
 def test_an_export_the_run_itself_would_fill_is_refused_at_start(tmp_path, export, output_dir, problem):
     """An export target that is output_dir (or holds it, or lies in its checkpoints/) passed the
     preflight, was full when training ended, and the export went elsewhere with a warning."""
-    from hybridpar.train.preflight import model_config, validate_export
+    from hybridpar.train.preflight import model_config
+    from hybridpar.train.run.export import validate_export
 
     config = load_config(DEFAULT, [*TINY, f"model.export_hf={tmp_path / export}", f"output_dir={tmp_path / output_dir}",
                                    "model.export_architecture=NemotronHForCausalLM", "model.overrides={rotary_fraction: 0.0}"])
@@ -257,7 +258,7 @@ def test_a_run_json_that_is_not_what_hybridpar_writes_is_one_line(tmp_path, edit
 def test_a_fresh_run_into_a_run_without_checkpoints_is_not_told_to_resume_it(tmp_path):
     """An earlier run that saved no checkpoint (checkpoint.every=-1) left metrics.jsonl; the refusal said
     "resume it with checkpoint.resume=auto", which had just found nothing to resume."""
-    from hybridpar.train.run.directory import plan_resume
+    from hybridpar.train.run.resume import plan_resume
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError) as error:
@@ -455,7 +456,7 @@ def test_a_data_file_moved_with_its_content_unchanged_resumes_and_generate_names
     from hybridpar.config import to_dict
     from hybridpar.generate import load_for_generation
     from hybridpar.train.run.checkpoint import CheckpointError, _write_manifest
-    from hybridpar.train.run.directory import data_stream, plan_resume
+    from hybridpar.train.run.resume import data_stream, plan_resume
 
     (tmp_path / "a.txt").write_text("one\n\ntwo\n")
     old = load_config(DEFAULT, [*FILE_TASK, f"data.path={tmp_path}/a.txt", f"output_dir={tmp_path}/run",

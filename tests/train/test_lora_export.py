@@ -20,7 +20,7 @@ import torch
 
 from hybridpar.models.lora import add_lora
 from hybridpar.parallel.state import canonical_state_dict
-from hybridpar.train.peft import export_lora
+from hybridpar.models.hf.lora_export import export_lora
 
 TOL = 1e-10
 

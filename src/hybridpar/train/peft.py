@@ -8,7 +8,6 @@ before torchrun starts; a target whose TP style has no LoRA pairing is refused b
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from hybridpar.models.lora import add_lora, lora_modules
 from hybridpar.models.token_dropout import set_dropout_tokens, token_keys
 from hybridpar.parallel.context.inputs import ShardedInputs
 
-__all__ = ["apply_peft", "key_dropout", "trainable_parameter_count", "export_lora"]
+__all__ = ["apply_peft", "key_dropout", "trainable_parameter_count"]
 
 
 def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
@@ -56,27 +55,3 @@ def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter elements of a single-device model."""
     total = sum(p.numel() for p in model.parameters())
     return sum(p.numel() for p in model.parameters() if p.requires_grad), total
-
-
-def export_lora(model: nn.Module, out_dir: str | Path, state: dict, *, merge: bool = False,
-                base_path: str | Path | None = None, tokenizer_dir: str | Path | None = None,
-                architecture: str | None = None) -> None:
-    """Write a LoRA model's export into ``out_dir`` (single process; ``state``: its canonical state).
-
-    ``merge=False``: the adapter in the PEFT format (``adapter_config.json`` naming ``base_path``,
-    ``adapter_model.safetensors``) plus the tokenizer files; ``merge=True``: full weights with the
-    adapters merged, exported like a fully trained model (``models/hf/lora_export.py``).
-    """
-    from hybridpar.models.hf.causal_lm import export_causal_lm
-    from hybridpar.models.hf.files import copy_tokenizer_files
-    from hybridpar.models.hf.lora_export import lora_settings, merged_state, save_peft_adapter, split_lora_state
-
-    base, adapters = split_lora_state(state)
-    out_dir = Path(out_dir)
-    if merge:  # W + (alpha/r) B A, then the usual export
-        export_causal_lm(model, out_dir, tokenizer_dir=tokenizer_dir, architecture=architecture,
-                         state_dict=merged_state(state, lora_settings(model)["alpha"] / lora_settings(model)["r"]))
-        return
-    save_peft_adapter(model, adapters, out_dir, base_path=base_path, architecture=architecture)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, out_dir)

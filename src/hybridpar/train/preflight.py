@@ -224,60 +224,6 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
     return shape
 
 
-def export_architecture(config: RunConfig) -> str | None:
-    """The architecture ``model.export_hf`` is written as (ConfigError if there is none)."""
-    if config.model.export_architecture or not config.model.export_hf:
-        return config.model.export_architecture
-    if model_backend(config) == "transformers":
-        return None  # exported as its own class
-    if config.model.hf_path:
-        from hybridpar.models.hf.config import architecture_of, read_hf_config
-
-        return architecture_of(read_hf_config(config.model.hf_path))
-    from hybridpar.models.hf.config import ARCHITECTURES
-
-    raise ConfigError(f"model.export_hf={config.model.export_hf!r} needs model.export_architecture (one of "
-                      f"{list(ARCHITECTURES)}) for a model not loaded from model.hf_path.")
-
-
-def export_target_problem(target: str | Path, source: str | None) -> str | None:
-    """Why ``target`` cannot receive an export without destroying something, or None."""
-    target = Path(target)
-    if source and target.resolve() == Path(source).resolve():
-        return "it is model.hf_path, the checkpoint being fine-tuned; exporting there would overwrite the original"
-    if target.is_file():
-        return "it is a file"
-    if target.is_dir() and any(target.iterdir()):
-        return "it is a directory that is not empty; hybridpar never writes into one"
-    return None
-
-
-def validate_export(config: RunConfig, shape) -> None:
-    """``model.export_hf``: a representable architecture and a target that nothing would be lost in."""
-    if not config.model.export_hf:
-        return
-    from hybridpar.models.hybrid import HybridConfig
-
-    if not isinstance(shape, HybridConfig) and config.model.export_architecture:
-        raise ConfigError(f"model.export_architecture={config.model.export_architecture!r} applies to HybridLM models; "
-                          f"a transformers model ({type(shape).__name__}) is exported as its own class: leave it null.")
-    architecture = export_architecture(config)
-    from hybridpar.models.hf.config import config_to_hf
-
-    if isinstance(shape, HybridConfig) and (not config.model.hf_path or config.model.export_architecture):
-        try:
-            config_to_hf(shape, architecture)
-        except ValueError as error:
-            raise ConfigError(f"model.export_architecture={architecture!r} cannot hold this model: {error}") from None
-    from hybridpar.train.run.export import overlap_problem
-
-    problem = export_target_problem(config.model.export_hf, config.model.hf_path) or \
-        overlap_problem(config.model.export_hf, config.output_dir)
-    if problem:
-        raise ConfigError(f"model.export_hf={config.model.export_hf!r} cannot be written: {problem}; choose a new or "
-                          "empty directory.")
-
-
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
 
 
@@ -375,7 +321,9 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
         if replaced:
             notice(replaced)
     if command == "train":
-        from hybridpar.train.run.directory import check_lock_free, check_run_paths, model_signature, plan_resume
+        from hybridpar.train.run.directory import check_lock_free, check_run_paths
+        from hybridpar.train.run.resume import model_signature, plan_resume
+        from hybridpar.train.run.export import validate_export
 
         validate_export(config, shape)
         check_run_paths(config)

@@ -12,7 +12,7 @@
     after the last step: export (model.export_hf), a printed sample (train.sample)
 
 A run resumes exactly or not at all: the checkpoint records the model shape and the data
-stream, and ``resume`` refuses a different one (see ``train/run/directory.py``).
+stream, and ``resume`` refuses a different one (see ``train/run/resume.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,9 +31,7 @@ from hybridpar.config import RunConfig, to_dict
 from hybridpar.data.documents import FILE_TASKS
 from hybridpar.data.packing import collate_thd, padding_fraction
 from hybridpar.data.sources import prediction_counts
-from hybridpar.data.tokenizers import ships_tokenizer
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.hf.causal_lm import export_causal_lm
 from hybridpar.models.hf.checkpoint import load_hf
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.dims import ParallelDims
@@ -47,20 +43,18 @@ from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_
 from hybridpar.train.baseline import unigram_loss
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
-from hybridpar.train.run.export import write_export
+from hybridpar.train.run.export import export_trained, validate_export
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
 from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend, randomness_problem,
                                       use_blockwise_attention)
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
-from hybridpar.train.peft import apply_peft, export_lora, key_dropout
+from hybridpar.train.peft import apply_peft, key_dropout
 from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from hybridpar.train.preflight import (
-    check_pack_memory, export_target_problem, model_config, parallel_dims, validate_export, validate_layout,
-)
-from hybridpar.train.run.directory import data_stream, model_signature, prepare_output_dir
+from hybridpar.train.preflight import check_pack_memory, model_config, parallel_dims, validate_layout
+from hybridpar.train.run.resume import data_stream, model_signature, prepare_output_dir
 from hybridpar.train.run.fingerprints import data_sources
 from hybridpar.train.run.tokenizer import shared_data
 from hybridpar.train.sample import check_sample, print_sample, sample_settings
@@ -277,34 +271,8 @@ class Trainer:
             print_sample(model, self.tokenizer, self.sample)
 
     def export_hf(self, path: str) -> None:
-        """Gather the full weights and write them (rank 0) in the Hugging Face format with the
-        tokenizer files, chat template and generation config of the tokenizer trained with
-        (``models/hf_causal.export_causal_lm``): into a temporary directory renamed to ``path``,
-        so nothing there is ever overwritten (``run/export.py``)."""
-        state = canonical_state_dict(self.model)
-        if self.rank == 0:
-            target = Path(path)
-            problem = export_target_problem(target, self.config.model.hf_path)
-            if problem:  # appeared during training: keep the trained weights next to it
-                target = target.with_name(f"{target.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-                notice(f"model.export_hf={path!r} cannot be written now ({problem}); exporting to {target} instead.")
-            tokenizer_dir, architecture = self.export_tokenizer_dir(), self.config.model.export_architecture
-            if self.config.peft.method == "lora":  # the adapter in the PEFT format, or merged weights
-                write = partial(export_lora, self.model, state=state, merge=self.config.peft.merge, tokenizer_dir=tokenizer_dir,
-                                base_path=self.config.model.hf_path, architecture=architecture)
-            else:
-                write = partial(export_causal_lm, self.model, tokenizer_dir=tokenizer_dir, state_dict=state,
-                                architecture=architecture)
-            write_export(target, write, self.last_checkpoint)
-            print(f"exported Hugging Face checkpoint: {target}", flush=True)
-        dist.barrier()
-
-    def export_tokenizer_dir(self) -> str | Path | None:
-        """Where the export's tokenizer files come from: the file task's tokenizer (none for bytes);
-        for a synthetic task, the tokenizer ``model.hf_path`` ships (its vocabulary is the model's)."""
-        if self.tokenizer is not None:
-            return self.tokenizer.source_dir
-        return self.config.model.hf_path if ships_tokenizer(self.config.model.hf_path) else None
+        """``model.export_hf``: gather the full weights and write them on rank 0 (``run/export.py``)."""
+        export_trained(self.model, self.config, path, self.tokenizer, self.last_checkpoint, self.rank)
 
     # -- the loop -----------------------------------------------------------------------------
     def resume(self) -> None:

@@ -15,7 +15,8 @@ from hybridpar.config import ConfigError, load_config
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.train.run.checkpoint import (RUN_INFO, CheckpointError, _write_json, _write_manifest, checkpoint_path,
                                         incomplete_reason, list_checkpoints, prune)
-from hybridpar.train.run.directory import LOCK_FILE, OutputDirLock, check_lock_free, model_signature, plan_resume
+from hybridpar.train.run.directory import LOCK_FILE, OutputDirLock, check_lock_free
+from hybridpar.train.run.resume import model_signature, plan_resume
 
 DEFAULT = "configs/tiny-hybrid.yaml"
 SHAPE = model_signature(HybridConfig())

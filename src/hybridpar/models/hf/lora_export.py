@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -29,7 +28,7 @@ from hybridpar.models.hf.checkpoint import NEMOTRON_H, architecture_of, hf_tenso
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.lora import is_lora_parameter, lora_modules
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "split_lora_state", "save_peft_adapter", "merge_peft_adapter",
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_lora", "split_lora_state", "save_peft_adapter",
            "read_peft_adapter", "lora_settings", "merged_state", "mamba_out_proj_targets",
            "merge_adapter_checkpoint"]
 
@@ -169,3 +168,26 @@ def merge_adapter_checkpoint(adapter_dir: str | Path, out_dir: str | Path, base_
             (out_dir / extra.name).write_bytes(extra.read_bytes())
     save_file({k: t.contiguous() for k, t in tensors.items()}, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     return out_dir
+
+
+def export_lora(model: nn.Module, out_dir: str | Path, state: dict, *, merge: bool = False,
+                base_path: str | Path | None = None, tokenizer_dir: str | Path | None = None,
+                architecture: str | None = None) -> None:
+    """Write a LoRA model's export into ``out_dir`` (single process; ``state``: its canonical state).
+
+    ``merge=False``: the adapter in the PEFT format (``adapter_config.json`` naming ``base_path``,
+    ``adapter_model.safetensors``) plus the tokenizer files; ``merge=True``: full weights with the
+    adapters merged, exported like a fully trained model.
+    """
+    from hybridpar.models.hf.causal_lm import export_causal_lm
+    from hybridpar.models.hf.files import copy_tokenizer_files
+
+    _, adapters = split_lora_state(state)
+    out_dir = Path(out_dir)
+    if merge:  # W + (alpha/r) B A, then the usual export
+        export_causal_lm(model, out_dir, tokenizer_dir=tokenizer_dir, architecture=architecture,
+                         state_dict=merged_state(state, lora_settings(model)["alpha"] / lora_settings(model)["r"]))
+        return
+    save_peft_adapter(model, adapters, out_dir, base_path=base_path, architecture=architecture)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, out_dir)

@@ -6,7 +6,7 @@
     data.tokenizer     a tokenizer directory (given, or model.hf_path's own under ``auto``):
                        the same directory fingerprint over its tokenizer files
 
-A resumed run compares them with the checkpoint's (``directory.plan_resume``): an edited
+A resumed run compares them with the checkpoint's (``resume.plan_resume``): an edited
 file changes the batches even when its size does not. ``data.on_change`` decides:
 ``refuse`` (default) stops naming the file and the fix, ``warn`` prints one notice and
 continues (the next checkpoint records the new content). Hashes are remembered per file
