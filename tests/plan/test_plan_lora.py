@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.config import load_config
+from hybridpar.config import ConfigError, load_config
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.models.lora import add_lora
 from hybridpar.plan import make_plan
@@ -64,8 +64,11 @@ def test_a_transformers_model_gets_its_weights_gradients_and_adamw_per_rank(tmp_
     base = ["model.backend=transformers", f"model.hf_path={tmp_path}", "parallel.tp=1", "parallel.cp=2"]
     lora = make_plan(load_config(None, base + ["peft.method=lora", "peft.r=4", "model.dtype=bfloat16"]))
     assert (lora.parameters, lora.trainable) == (sum(p.numel() for p in model.parameters()), adapters)
-    assert lora.bytes_per_rank == {"weights": -(-lora.parameters // 2) * 2, "gradients": -(-adapters // 2) * 2,
-                                   "adamw": 2 * -(-adapters // 2) * 2}
-    full = make_plan(load_config(None, base + ["parallel.mixed_precision=bf16", "model.dtype=bfloat16"]))
+    # a bfloat16 base, float32 adapters (models.lora.adapter_dtype): their gradients and AdamW at 4 bytes
+    assert lora.bytes_per_rank == {"weights": -(-lora.parameters // 2) * 2, "gradients": -(-adapters // 2) * 4,
+                                   "adamw": 2 * -(-adapters // 2) * 4}
+    full = make_plan(load_config(None, base + ["parallel.mixed_precision=bf16", "model.dtype=float32"]))
     assert full.trainable == full.parameters and full.element_bytes == 4  # fp32 masters
     assert "weights" in full.text() and "AdamW" in full.text()
+    with pytest.raises(ConfigError, match="trainable parameters are torch.bfloat16"):  # bf16 masters: refused
+        make_plan(load_config(None, base + ["parallel.mixed_precision=bf16", "model.dtype=bfloat16"]))

@@ -2,6 +2,10 @@
 
     y = base(x) + (alpha / r) * B(A(dropout(x)))      A: [r, in] (Kaiming uniform), B: [out, r] (zeros)
 
+On a bfloat16 (or float16) base the adapters are float32, as peft makes them: the frozen base
+costs 2 bytes per parameter, and what trains keeps float32 weights and AdamW state; the adapters'
+matmuls run in the input's bf16 (fp32 masters, bf16 compute: ``lora_update``).
+
 The adapter lives *inside* the base module as children ``lora_A`` / ``lora_B`` (peft's names
 once its adapter name is dropped: ``...q_proj.lora_A.weight``) and runs from a forward hook, so
 the base module keeps its class, its parameter names and its forward. A tensor-parallel style
@@ -30,7 +34,7 @@ from torch import nn
 
 from hybridpar.models.token_dropout import TokenDropout, dropout_tokens
 
-__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "lora_modules", "is_lora_parameter",
+__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "adapter_dtype", "lora_modules", "is_lora_parameter",
            "target_matches", "lora_update", "lora_forward_hook"]
 
 # attention q/k/v/o, the (gated) MLP, the Mamba mixer's projections; transformers models use the
@@ -54,13 +58,30 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if getattr(m, "lora_scaling", None) is not None}
 
 
+def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
+    """The adapters' dtype on a base of ``base_dtype``: float32 on a 16-bit base (peft's
+    ``autocast_adapter_dtype``), else the base's."""
+    return torch.float32 if base_dtype in (torch.bfloat16, torch.float16) else base_dtype
+
+
 def lora_update(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``(alpha / r) * B(A(dropout(x)))``: [..., in] -> [..., r] -> [..., out]."""
-    return module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scaling
+    """``(alpha / r) * B(A(dropout(x)))``: [..., in] -> [..., r] -> [..., out].
+
+    A bf16 input of float32 adapters runs their matmuls in bf16 under autocast (fp32 masters, as
+    FSDP's bf16 policy gives them): the saved input is the base layer's own, not a float32 copy
+    of ``[tokens, in]`` per adapter."""
+    x = module.lora_dropout(x)
+    weight_dtype = module.lora_A.weight.dtype  # under FSDP's bf16 policy: the gathered bf16 copy
+    if x.dtype == weight_dtype:
+        return module.lora_B(module.lora_A(x)) * module.lora_scaling
+    if x.dtype.itemsize > weight_dtype.itemsize:
+        return module.lora_B(module.lora_A(x.to(weight_dtype))) * module.lora_scaling
+    with torch.autocast(x.device.type, dtype=x.dtype):
+        return module.lora_B(module.lora_A(x)) * module.lora_scaling
 
 
 def lora_forward_hook(module: nn.Module, args, output):
-    return output + lora_update(module, args[0])
+    return output + lora_update(module, args[0]).to(output.dtype)
 
 
 def _linear_targets(model: nn.Module, targets: tuple[str, ...] | None) -> dict[str, nn.Linear]:
@@ -111,8 +132,9 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     for name, linear in chosen.items():
         weight = linear.weight
-        a = nn.Linear(linear.in_features, r, bias=False, device=weight.device, dtype=weight.dtype)
-        b = nn.Linear(r, linear.out_features, bias=False, device=weight.device, dtype=weight.dtype)
+        dtype = adapter_dtype(weight.dtype)
+        a = nn.Linear(linear.in_features, r, bias=False, device=weight.device, dtype=dtype)
+        b = nn.Linear(r, linear.out_features, bias=False, device=weight.device, dtype=dtype)
         with torch.no_grad():
             bound = 1.0 / math.sqrt(linear.in_features)  # kaiming_uniform_(a=sqrt(5)), as peft and nn.Linear
             a.weight.copy_(torch.empty(a.weight.shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator))

@@ -104,12 +104,11 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
         hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp,
                              mamba_cp.STRATEGIES[cp_mamba_strategy](None))
-    if mixed_precision is not None:
-        if not needs_fsdp(dims):
-            check_autocast_model(model, mixed_precision)  # one process, TP/CP alone: torch.autocast
-        elif not (mixed_precision == "bf16" or isinstance(mixed_precision, MixedPrecisionPolicy)):
+    if mixed_precision is not None and not (needs_fsdp(dims) and isinstance(mixed_precision, MixedPrecisionPolicy)):
+        if needs_fsdp(dims) and mixed_precision != "bf16":
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
                              "torch MixedPrecisionPolicy.")
+        check_autocast_model(model, mixed_precision)  # 'bf16': float32 masters of what trains, at every layout
     if not isinstance(reshard_after_forward, bool) and not needs_fsdp(dims):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} sets FSDP's resharding group, but {dims} "
                          "does not use FSDP; leave it true or false.")

@@ -28,15 +28,17 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
 
 
 def check_autocast_model(model: nn.Module, mixed_precision) -> None:
-    """``ValueError`` unless ``mixed_precision`` is a name autocast applies to a float32 model."""
+    """``ValueError`` unless ``mixed_precision`` is a name autocast applies to and what trains is
+    float32 (the master weights; a frozen LoRA base may be bfloat16). FSDP's bf16 policy needs the same."""
     if mixed_precision not in AUTOCAST_DTYPES:
         raise ValueError(f"mixed_precision={mixed_precision!r} without FSDP runs through torch.autocast, which "
                          f"takes one of {sorted(AUTOCAST_DTYPES)}; pass 'bf16' (a MixedPrecisionPolicy needs FSDP).")
-    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
+    # what trains needs float32 masters; a frozen base (LoRA) may stay in bfloat16
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.requires_grad})
     if dtypes and dtypes != ["torch.float32"]:
         raise ValueError(f"mixed_precision={mixed_precision!r} keeps float32 master weights, but the model's "
-                         f"parameters are {', '.join(dtypes)}; build the model in float32 (model.dtype=float32) "
-                         "or set mixed_precision=None.")
+                         f"trainable parameters are {', '.join(dtypes)}; build the model in float32 (model.dtype="
+                         "float32) or set mixed_precision=None.")
 
 
 def _device_type(args, kwargs, model: nn.Module) -> str:

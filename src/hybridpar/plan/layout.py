@@ -8,6 +8,7 @@ Symbols used by every ``plan`` module (per rank, per packed row of ``T`` tokens)
     e_s residual-stream bytes: e, but the model dtype under autocast (bf16 without FSDP keeps
         the stream and norms in float32; only matmuls run in bf16)
     e_p parameter / gradient / optimizer-state bytes (model dtype)
+    e_a LoRA adapter parameter / gradient / optimizer-state bytes (4 on a bfloat16 base, else e_p)
     e_c = max(e, 4)        bytes of the kernels' compute dtype (float32 or wider)
     m = packs_per_step / dp  packed rows each rank runs per step (gradient accumulation)
 """
@@ -20,9 +21,14 @@ from hybridpar.config import RunConfig
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.dims import ParallelDims
 
-__all__ = ["Layout", "DTYPE_BYTES"]
+__all__ = ["Layout", "DTYPE_BYTES", "adapter_bytes"]
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+
+
+def adapter_bytes(dtype: str) -> int:
+    """Bytes per LoRA adapter element on a base of ``dtype``: float32 on bfloat16 (``models.lora.adapter_dtype``)."""
+    return max(4, DTYPE_BYTES[dtype])
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,10 @@ class Layout:
     @property
     def param_bytes(self) -> int:  # e_p
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def adapter_bytes(self) -> int:  # e_a
+        return adapter_bytes(self.dtype)
 
     @property
     def autocast(self) -> bool:

@@ -12,9 +12,10 @@ every parameter over ``P_f = dp_shard * cp`` ranks; rank 0 holds the largest sha
 LoRA (``peft.method=lora``, rank r): the base keeps ``N_rank * e_p`` of frozen parameters and no
 gradient or AdamW state; the adapters (``adapter_units``: per adapted linear ``A [r, in]`` and
 ``B [out, r]``, the TP-sharded factor split like its base) add their own parameters, gradients
-and AdamW state (``A_rank``, sharded by FSDP like the rest)::
+and AdamW state (``A_rank``, sharded by FSDP like the rest) at ``e_a`` bytes (4 on a bfloat16
+base, whose adapters are float32: ``models.lora.adapter_dtype``; else ``e_p``)::
 
-    persistent = N_rank * e_p + A_rank * e_p * (1 + 1 + 2)
+    persistent = N_rank * e_p + A_rank * e_a * (1 + 1 + 2)
 
 HSDP replicates the shards over ``dp_replicate`` (no change per rank). With several packs per
 rank FSDP accumulates *unsharded* gradients until the last pack (one reduction per step), so
@@ -48,12 +49,14 @@ class ParameterMemory:
     grad_bytes: int  # sharded (reduced) gradients
     optimizer_bytes: int  # AdamW exp_avg + exp_avg_sq
     gather_bytes_per_element: int  # e_fsdp
-    element_bytes: int  # e_p
+    element_bytes: int  # bytes per element of what trains: e_p, or the adapters' e_a under LoRA
     grad_unit_numel: dict | None = None  # trainable elements per unit (LoRA: the adapters'); None: unit_numel
     adapters: int = 0  # adapter parameters of the model (LoRA)
+    adapter_gather_bytes: int = 0  # e_fsdp of the adapters (LoRA): 2 under bf16, else e_a
 
     def gathered(self, unit: str) -> int:
-        return self.unit_numel[unit] * self.gather_bytes_per_element
+        adapters = self.grad_unit_numel[unit] if self.grad_unit_numel is not None else 0
+        return (self.unit_numel[unit] - adapters) * self.gather_bytes_per_element + adapters * self.adapter_gather_bytes
 
     @property
     def trainable_unit_numel(self) -> dict:
@@ -111,7 +114,9 @@ def parameter_memory(layout: Layout) -> ParameterMemory:
     adapter_rank = sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for u in adapters.values() for s in u)
     adapter_numel = {name: sum(math.prod(s) for s in adapters.get(name, ())) for name in unit_numel}
     full = adapter_units(dataclasses.replace(layout, dims=dataclasses.replace(layout.dims, tp=1)))
+    e_a = layout.adapter_bytes
     return ParameterMemory(parameter_count(layout.model), per_rank + adapter_rank,
-                           {n: unit_numel[n] + adapter_numel[n] for n in unit_numel}, (per_rank + adapter_rank) * e_p,
-                           adapter_rank * e_p, 2 * adapter_rank * e_p, gather, e_p, adapter_numel,
-                           sum(math.prod(s) for u in full.values() for s in u))
+                           {n: unit_numel[n] + adapter_numel[n] for n in unit_numel}, per_rank * e_p + adapter_rank * e_a,
+                           adapter_rank * e_a, 2 * adapter_rank * e_a, gather, e_a, adapter_numel,
+                           sum(math.prod(s) for u in full.values() for s in u),
+                           2 if layout.mixed_precision == "bf16" else e_a)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import RunConfig
 from hybridpar.plan.estimate import H100, DeviceFigures, TimeEstimate, estimate_time
-from hybridpar.plan.layout import DTYPE_BYTES, Layout
+from hybridpar.plan.layout import DTYPE_BYTES, Layout, adapter_bytes
 from hybridpar.plan.memory import MemoryPlan, memory_plan
 from hybridpar.plan.params import parameter_count
 from hybridpar.plan.traffic import by_kind, by_kind_and_dim, step_traffic
@@ -70,8 +70,9 @@ class TransformersPlan:
     activation and traffic model covers ``HybridLM``'s blocks only)::
 
         weights  = N / (tp * dp_shard * cp) * e_p      e_p: model.dtype's bytes (fp32 masters under
-        grads    = T / (tp * dp_shard * cp) * e_p           mixed_precision=bf16); T: trainable
-        AdamW    = 2 * grads                                elements (LoRA: the adapters only)
+        grads    = T / (tp * dp_shard * cp) * e_t           mixed_precision=bf16); T: trainable
+        AdamW    = 2 * grads                                elements (LoRA: the adapters only, at
+                                                            e_t = 4 on a bf16 base, else e_t = e_p)
     """
 
     name: str
@@ -80,6 +81,7 @@ class TransformersPlan:
     element_bytes: int
     layout: str
     split: int  # tp * dp_shard * cp
+    trainable_bytes: int = 0  # e_t; 0: element_bytes
 
     @classmethod
     def build(cls, run: RunConfig, shape) -> "TransformersPlan":
@@ -90,10 +92,11 @@ class TransformersPlan:
         p = run.parallel
         params = sum(t.numel() for t in meta.parameters())
         trainable = sum(t.numel() for t in meta.parameters() if t.requires_grad)
-        element = 4 if p.mixed_precision == "bf16" else DTYPE_BYTES[run.model.dtype]
+        element = DTYPE_BYTES[run.model.dtype]  # the stored weights (mixed precision: float32 masters)
         return cls(type(meta).__name__, params, trainable, element,
                    f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
-                   f"sequence_parallel={p.sequence_parallel}", p.tp * p.dp_shard * p.cp)
+                   f"sequence_parallel={p.sequence_parallel}", p.tp * p.dp_shard * p.cp,
+                   adapter_bytes(run.model.dtype) if run.peft.method == "lora" else element)
 
     @property
     def parameters_per_rank(self) -> int:
@@ -101,7 +104,7 @@ class TransformersPlan:
 
     @property
     def bytes_per_rank(self) -> dict[str, int]:
-        grads = -(-self.trainable // self.split) * self.element_bytes
+        grads = -(-self.trainable // self.split) * (self.trainable_bytes or self.element_bytes)
         return {"weights": self.parameters_per_rank * self.element_bytes, "gradients": grads, "adamw": 2 * grads}
 
     def as_dict(self) -> dict:
