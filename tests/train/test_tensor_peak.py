@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hybridpar.train.tensor_peak import TensorPeak, walk_allocations
@@ -39,3 +41,17 @@ def test_tensors_made_in_the_block_are_measured_exactly():
         del dropped
     assert peak.net_bytes == kept.untyped_storage().nbytes() == 4 * MIB
     assert peak.bytes == 5 + 6 * MIB
+
+
+def test_the_profilers_notice_is_dropped_and_other_stderr_lines_pass(capfd):
+    """Every measured step printed "Memory block of unknown size was allocated before the profiling
+    started ..." from C++ on every rank (a tensor made before the step freed in it); the step's
+    other stderr lines reach the user, in order."""
+    before = torch.ones(1024)  # allocated before the block, freed in it: the profiler's notice
+    with TensorPeak():
+        os.write(2, b"first line\n")
+        del before
+        os.write(2, b"[W] CPUAllocator.cpp: Memory block of unknown size was allocated before the profiling started\n")
+        os.write(2, b"second line\n")
+    err = capfd.readouterr().err
+    assert "first line\nsecond line\n" in err and "profiling started" not in err
