@@ -147,3 +147,26 @@ def _check_lora(rank, world_size, layout):
 def test_hybridpar_check_of_a_lora_layout_is_exact(layout):
     code, text = run_ranks(2, _check_lora, layout, timeout_s=300)[0]
     assert code == 0 and "exact" in text and "(frozen)" in text, text[-2000:]
+
+
+def test_the_first_lines_say_what_lora_adapts_and_which_expert_weights_it_does_not():
+    """transformers' MoE experts are stacked 3-D parameters, not nn.Linear layers: the default targets
+    adapt the attention only, and the run says so (it was silent: the experts hold most weights)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.models.lora import add_lora
+    from hybridpar.train.peft import lora_line
+
+    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             num_experts=4, num_experts_per_tok=2, vocab_size=64)).to(torch.bfloat16)
+    assert lora_line(moe) is None
+    add_lora(moe, r=4)
+    line = lora_line(moe)
+    assert line.startswith("LoRA r=4: adapters on 8 linear layers (k_proj, o_proj, q_proj, v_proj)")
+    assert "adapters float32, base bfloat16" in line
+    assert "not adapted: 4 stacked weights (experts.down_proj, experts.gate_up_proj; 50% of the parameters)" in line
+    hybrid = HybridLM(HybridConfig.from_preset("tiny"))
+    add_lora(hybrid, r=8)
+    assert "not adapted" not in lora_line(hybrid)  # the Mamba conv's [C, 1, K] weight is not a linear layer

@@ -17,7 +17,7 @@ from hybridpar.models.lora import add_lora, lora_modules
 from hybridpar.models.token_dropout import set_dropout_tokens, token_keys
 from hybridpar.parallel.context.inputs import ShardedInputs
 
-__all__ = ["apply_peft", "key_dropout", "trainable_parameter_count"]
+__all__ = ["apply_peft", "key_dropout", "lora_line", "trainable_parameter_count"]
 
 
 def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
@@ -55,3 +55,27 @@ def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter elements of a single-device model."""
     total = sum(p.numel() for p in model.parameters())
     return sum(p.numel() for p in model.parameters() if p.requires_grad), total
+
+
+def lora_line(model: nn.Module) -> str | None:
+    """The first-lines statement of what LoRA adapts: the adapted layer names, trainable elements and
+    dtype, and the weights no adapter reaches (parameters of more than two dimensions, such as
+    transformers' fused MoE experts ``[E, out, in]``: LoRA here adapts ``nn.Linear`` layers only)."""
+    modules = lora_modules(model)
+    if not modules:
+        return None
+    trainable, total = trainable_parameter_count(model)
+    first = next(iter(modules.values()))
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in modules})
+    base = next(p.dtype for n, p in model.named_parameters() if not p.requires_grad)
+    line = (f"LoRA r={first.lora_rank}: adapters on {len(modules)} linear layers ({', '.join(kinds)}), "
+            f"{trainable:,} of {total:,} parameters train ({100 * trainable / total:.2f}%; adapters "
+            f"{str(first.lora_A.weight.dtype).removeprefix('torch.')}, base {str(base).removeprefix('torch.')})")
+    stacked = {f"{m}.{n}": p.numel() for m, module in model.named_modules() if not isinstance(module, nn.Conv1d)
+               for n, p in module.named_parameters(recurse=False) if p.dim() > 2}
+    if stacked:
+        names = sorted({".".join(n.split(".")[-2:]) for n in stacked})
+        line += (f"; not adapted: {len(stacked)} stacked weights ({', '.join(names[:4])}"
+                 f"{', ...' if len(names) > 4 else ''}; {100 * sum(stacked.values()) / total:.0f}% of the parameters), "
+                 "as LoRA here adapts nn.Linear layers only")
+    return line

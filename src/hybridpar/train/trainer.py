@@ -50,7 +50,7 @@ from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
-from hybridpar.train.peft import apply_peft, key_dropout
+from hybridpar.train.peft import apply_peft, key_dropout, lora_line
 from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import check_pack_memory, model_config, parallel_dims, validate_layout
@@ -130,6 +130,8 @@ class Trainer:
                  f"cp={p.cp} tp={p.tp}")
         # Everything that can be wrong with the input is found before the first collective.
         model = apply_peft(config, build_model(config))  # peft.method=lora: frozen base + adapters
+        if lora_line(model):
+            self.say(lora_line(model))
         adapters = adapter_layout(model)  # names before parallelize: the same at every layout
         self.vocab_size = model.config.vocab_size
         shape = model_config(config)
