@@ -143,7 +143,7 @@ def short_conv_training_forward(module: nn.Module, hidden_states: Tensor, cache=
     """The short conv's forward through ``module.core`` (module docstring); ``hidden_states [B, L, D]``."""
     padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
     if cache is not None or padded or kwargs.get("past_key_values") is not None:
-        if getattr(module, "_hybridpar_channel_sharded", False):
+        if hasattr(module.conv.weight, "to_local"):  # a DTensor: sharded by channels (tensor parallel)
             raise ValueError(f"{type(module).__name__} is sharded by channels (tensor parallel), where only "
                              "hybridpar's core runs: pass no cache and no padding attention_mask (describe padding "
                              "and documents with packed_seq_params), or generate with the unsharded model.")

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
 
 from hybridpar.parallel.tensor.check import validate_tp_sizes
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
 from hybridpar.parallel.tensor.linear_styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
+    ConvChannelParallel,
+    HeadGateParallel,
     LocalHeadCounts,
     PackedColwiseParallel,
 )
@@ -28,7 +30,7 @@ from hybridpar.parallel.tensor.styles import LocalReplicateParallel, RotaryEmbed
 
 __all__ = [
     "hf_key", "register_hf_plan", "llama_plan", "qwen3_plan", "gemma2_plan", "gemma3_plan", "phi_plan", "phi3_plan", "olmo2_plan", "cohere_plan",
-    "starcoder2_plan", "gpt_neox_plan", "stablelm_plan", "gpt2_plan",
+    "starcoder2_plan", "gpt_neox_plan", "stablelm_plan", "gpt2_plan", "lfm2_plan", "lfm3_plan",
 ]
 
 
@@ -179,4 +181,46 @@ def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
     for norm in ("ln_1", "ln_2"):
         plan[f"{block}.{norm}"] = SequenceParallelAllGatherActivation(use_local_output=False) if sp else LocalReplicateParallel()
     plan["transformer.ln_f"] = SequenceParallel() if sp else LocalReplicateParallel()
+    return plan
+
+
+# LFM2 / LFM3: a gated short conv (models/hf/short_conv.py, switched by install_short_conv, which
+# parallelize runs) is per channel after its projection, so it shards by channels with no collective
+# of its own; rank r holds channels [r C/tp, (r+1) C/tp) of b, c and x:
+#   u [B, S, D] (SP: all-gathered) -> in_proj, PackedColwiseParallel(3) -> [B, S, b_r | c_r | x_r]
+#   -> conv (weight [C/tp, 1, K], bias [C/tp]) -> y [B, S, C/tp] -> out_proj rowwise: partial [B, S, D]
+#   -> all-reduce (SP: reduce-scatter -> [B, S/tp, D])
+# The CP halo (context/short_conv.py) runs on the local channels unchanged. in_proj packs three parts
+# on dim 0, which FSDP's dim-0 shard cannot compose with: TP with FSDP (data or context parallelism)
+# is refused by the plan check in one line. Under TP only hybridpar's conv runs (no cache, no padding mask).
+
+
+def _short_conv_entries(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    reduce_out = dict(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else {}
+    return {"model.layers.*.conv.in_proj": PackedColwiseParallel(split_factor=3),  # [b | c | x] by channels
+            "model.layers.*.conv.conv": ConvChannelParallel(),
+            "model.layers.*.conv.out_proj": RowwiseParallel(**reduce_out)}
+
+
+_LFM = dict(mlp="feed_forward", mlp_in=("w1", "w3"), mlp_out="w2", in_norms=("operator_norm", "ffn_norm"),
+            final_norm="embedding_norm")
+
+
+@register_hf_plan("lfm2", "Lfm2ForCausalLM")
+def lfm2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """LFM2: short convs by channels; attention (``out_proj``, q/k layernorms per head) and MLP."""
+    plan = decoder_plan(sequence_parallel, attn_out="out_proj", head_norms=("q_layernorm", "k_layernorm"), **_LFM)
+    plan.update(_short_conv_entries(sequence_parallel))
+    return plan
+
+
+@register_hf_plan("lfm3", "Lfm3ForCausalLM")
+def lfm3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """LFM3: short convs by channels; Qwen3-style attention with its per-head gate ``g_proj``
+    (column-parallel: the gate of the local heads); sandwich norms on the block outputs."""
+    sandwich = getattr(model.config, "use_sandwich_norm", False)
+    plan = decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"),
+                        post_norms=("post_operator_norm", "post_ffn_norm") if sandwich else (), **_LFM)
+    plan["model.layers.*.self_attn.g_proj"] = HeadGateParallel()
+    plan.update(_short_conv_entries(sequence_parallel))
     return plan
