@@ -105,7 +105,7 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         assert len(lines) == 1 and "one document per row" in lines[0] and "% of the token slots" in lines[0], lines
     assert "Qwen3NextGatedDeltaNet" in results["qwen3_next"]["out"]
     assert "FalconMambaMixer" in results["falcon_mamba"]["out"]
-    assert "short conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2: its short convs reset too
+    assert "document-resetting conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2: its short convs reset too
     for name in PACKED:
         result = results[name]
         assert not result["one_per_row"] and max(result["docs"]) > 1, (name, result["docs"])
@@ -152,6 +152,8 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     "zamba2_shared": (["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2", "parallel.cp_mamba=state"]),
     "falcon_h1": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],),
     "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),  # a HybridLM (backend=auto): one B/C group
+    # short convs: the halo exchange at cp=2, by channels at tp=2 + SP
+    "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
 
 

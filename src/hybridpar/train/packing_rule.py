@@ -79,7 +79,8 @@ def packing_line(model: nn.Module, problem: str | None, padding: float, pack_siz
         return ("packing: several documents per row; HybridLM's attention and Mamba cores reset at every document "
                 f"(padding {100 * padding:.1f}% of the token slots)")
     mixers, convs = len(bridged_mixers(model)), len(short_convs(model))
+    cores = f"hybridpar's Mamba core on {mixers} Mamba2 mixers" if mixers or not convs else ""
+    cores += f"{', ' if cores else ''}its document-resetting conv on {convs} short convolutions" if convs else ""
     return (f"packing: several documents per row; every token mixer resets at document boundaries (hybridpar's "
-            f"attention core on {len(hf_attention_modules(model))} attention modules, hybridpar's Mamba core on "
-            f"{mixers} Mamba2 mixers{f', its short conv on {convs} short convolutions' if convs else ''}; padding "
+            f"attention core on {len(hf_attention_modules(model))} attention modules, {cores}; padding "
             f"{100 * padding:.1f}% of the token slots)")

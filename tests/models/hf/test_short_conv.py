@@ -103,7 +103,8 @@ def test_packing_rule_takes_the_switched_model_and_refuses_a_non_causal_conv():
     assert packing_problem(model) is None and len(short_convs(model)) == 2
     assert leak_probe(model, VOCAB) < 1e-12
     line = packing_line(model, None, 0.1, 64)
-    assert line.startswith("packing: several documents per row") and "short conv on 2 short convolutions" in line
+    assert line.startswith("packing: several documents per row") and "Mamba" not in line
+    assert "document-resetting conv on 2 short convolutions" in line
     odd = build_lfm("lfm2")
     odd.model.layers[2].conv.conv.padding = (2,)  # not kernel - 1: the conv would read future tokens
     with pytest.raises(ValueError, match=r"model.layers.2.conv.*padding \(2,\) with kernel 5"):
