@@ -82,14 +82,15 @@ class _GatedShortConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, bcx, weight, bias, cu_docs, init_at, history):
-        _, c, _, _, s = _conv(bcx, weight, bias, cu_docs, init_at, history)
+        _, s = _conv(bcx, weight, bias, cu_docs, init_at, history)
         ctx.save_for_backward(bcx, weight, bias, cu_docs, init_at, history)
-        return (c * s).to(bcx.dtype)
+        return (bcx.chunk(3, dim=-1)[1].to(s.dtype) * s).to(bcx.dtype)  # c * s
 
     @staticmethod
     def backward(ctx, grad_y):
         bcx, weight, bias, cu_docs, init_at, history = ctx.saved_tensors
-        b, c, x, v, s = _conv(bcx, weight, bias, cu_docs, init_at, history)  # recomputed: K multiply-adds
+        v, s = _conv(bcx, weight, bias, cu_docs, init_at, history)  # recomputed: K multiply-adds
+        b, c, x = (part.to(s.dtype) for part in bcx.chunk(3, dim=-1))
         grad = grad_y.to(s.dtype)
         dv, dweight, dbias, dhistory = conv_backward(v, weight.to(s.dtype), bias is not None, cu_docs, init_at,
                                                      None if history is None else history.to(s.dtype), grad * c)
@@ -99,16 +100,15 @@ class _GatedShortConv(torch.autograd.Function):
 
 
 def _conv(bcx, weight, bias, cu_docs, init_at, history):
-    """``(b, c, x, v, s)`` in the compute dtype (float32 for low-precision activations); ``v`` and ``s``
-    rounded to the activations' dtype as transformers computes them (``b * x`` in the activation dtype,
-    the conv in the weight's, its output cast back)."""
+    """``(v, s)`` in the compute dtype (float32 for low-precision activations), rounded to the
+    activations' dtype as transformers computes them (``b * x`` in the activation dtype, the conv in
+    the weight's, its output cast back)."""
     dtype = torch.promote_types(bcx.dtype, torch.float32)
-    b, c, x = bcx.chunk(3, dim=-1)  # [T, C] views
+    b, _, x = bcx.chunk(3, dim=-1)  # [T, C] views
     v = (b * x).to(dtype)
     s = conv_forward(v, weight.to(dtype), None if bias is None else bias.to(dtype), cu_docs, init_at,
                      None if history is None else history.to(dtype))
-    s = s.to(bcx.dtype).to(dtype)
-    return b.to(dtype), c.to(dtype), x.to(dtype), v, s
+    return v, s.to(bcx.dtype).to(dtype)
 
 
 def gated_short_conv(bcx: Tensor, weight: Tensor, bias: Tensor | None, cu_docs: Tensor, init_at: Tensor | None = None,
