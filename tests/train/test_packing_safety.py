@@ -105,7 +105,7 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         assert len(lines) == 1 and "one document per row" in lines[0] and "% of the token slots" in lines[0], lines
     assert "Qwen3NextGatedDeltaNet" in results["qwen3_next"]["out"]
     assert "FalconMambaMixer" in results["falcon_mamba"]["out"]
-    assert "document-resetting conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2: its short convs reset too
+    assert "document-resetting conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2's short convs reset
     for name in PACKED:
         result = results[name]
         assert not result["one_per_row"] and max(result["docs"]) > 1, (name, result["docs"])

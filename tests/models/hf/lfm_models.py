@@ -24,8 +24,8 @@ def lfm_config(name: str):
     import transformers as hf
 
     return {
-        "lfm2": lambda: hf.Lfm2Config(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=5,
-                                      conv_bias=True, block_auto_adjust_ff_dim=False, **_C),
+        "lfm2": lambda: hf.Lfm2Config(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                                      conv_L_cache=5, conv_bias=True, block_auto_adjust_ff_dim=False, **_C),
         "lfm2_moe": lambda: hf.Lfm2MoeConfig(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                                              num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=16, conv_L_cache=3, **_C),

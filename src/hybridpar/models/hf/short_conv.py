@@ -163,7 +163,8 @@ def install_short_conv(model: nn.Module) -> list[str]:
             continue
         problem = short_conv_problem(name, module)
         if problem:
-            raise ValueError(f"{problem}; train this model with a causal depthwise short conv, or file it as a new mixer.")
+            raise ValueError(f"{problem}; train this model with a causal depthwise short conv, or file it as a new "
+                             "mixer.")
         if not getattr(module, SHORT_CONV_MARK, False):
             module._hybridpar_transformers_forward = module.forward
             module.forward = types.MethodType(short_conv_training_forward, module)

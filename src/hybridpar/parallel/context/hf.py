@@ -234,7 +234,8 @@ def unreached_token_mixers(model: nn.Module) -> list[str]:
     inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + short_convs(model))
     found = []
     for name, module in model.named_modules():
-        if getattr(module, MARK, False) or getattr(module, SHORT_CONV_MARK, False) or (inside and name.startswith(inside)):
+        switched = getattr(module, MARK, False) or getattr(module, SHORT_CONV_MARK, False)
+        if switched or (inside and name.startswith(inside)):
             continue
         if isinstance(module, nn.Conv1d) or "A_log" in dict(module.named_parameters(recurse=False)):
             found.append(f"{name} ({type(module).__name__})")

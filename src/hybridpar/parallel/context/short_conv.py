@@ -53,7 +53,8 @@ class HaloShortConv(ContextParallelCore):
         self._plan_key: tuple | None = None  # (layout, batch, K, device): shared by every layer of a step
         self._plan: SegmentPlan | None = None
 
-    def plan(self, layout: ContextParallelLayout, packed: PackedSeqParams, batch: int, kernel: int, device) -> SegmentPlan:
+    def plan(self, layout: ContextParallelLayout, packed: PackedSeqParams, batch: int, kernel: int,
+             device) -> SegmentPlan:
         """The segment plan of this batch (built once per batch, reused by every short-conv layer)."""
         key = (batch, kernel, str(device))
         if self._plan_key is None or self._plan_key[0] is not layout or self._plan_key[1:] != key:
