@@ -152,8 +152,7 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     "zamba2_shared": (["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2", "parallel.cp_mamba=state"]),
     "falcon_h1": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],),
     "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),  # a HybridLM (backend=auto): one B/C group
-    # short convs: the halo exchange at cp=2, by channels at tp=2 + SP
-    "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"],),  # short convs: the halo exchange at cp=2
 }
 
 
@@ -207,12 +206,13 @@ def _ranks(layout: list[str]) -> int:
 
 
 @pytest.mark.parametrize("name, first, then", [("granite_moe", TP2, ([],)), ("granite_moe", [], (TP2,)),
-                                               ("zamba2_shared", CP2, (TP2, []))])
+                                               ("zamba2_shared", CP2, (TP2, [])), ("lfm2", CP2, (TP2,))])
 def test_a_transformers_hybrid_resumes_at_another_layout(checkpoints, tmp_path, name, first, then):
     """Mamba mixers are stored per component at every layout and packed expert weights as one
     process holds them, so a DCP checkpoint resumes at another layout: Granite MoE written at tp=2
     resumes on one process and the other way; a Zamba2 with a shared block (one FSDP unit at cp=2)
-    written at cp=2 resumes at tp=2 + SP and on one process. Steps 3-4 equal an uninterrupted run
+    written at cp=2 resumes at tp=2 + SP and on one process; LFM2 (``in_proj`` of its short convs per
+    component at every layout) written at cp=2 resumes at tp=2 + SP. Steps 3-4 equal an uninterrupted run
     (float64)."""
     path = checkpoints[name]
     reference = run_ranks(_ranks(first), _steps, path, str(tmp_path / "straight"), first, None, -1, timeout_s=300)[0]

@@ -25,7 +25,8 @@ A document starting at ``init_at`` reads its ``K-1`` earlier ``v`` from ``histor
 (the context-parallel halo, ``parallel/context/short_conv.py``), whose gradient flows back.
 ``module.core`` is the seam CP strategies replace. Low-precision inputs run the conv in float32
 and round ``v`` and ``s`` as transformers does. The batch's ``PackedSeqParams`` arrive as
-``packed_seq_params`` through the decoder layer's ``**kwargs``. Parameter names do not change.
+``packed_seq_params`` through the decoder layer's ``**kwargs``. Parameter names do not change
+(``parallelize`` later stores ``in_proj`` per component ``b, c, x``: ``parallel/tensor/plans_hf.py``).
 With a cache (generation) or a padding ``attention_mask`` the module's own forward runs.
 
 Single-device code (no process group).
@@ -159,18 +160,20 @@ def install_short_conv(model: nn.Module) -> list[str]:
     (idempotent); returns their names. Raises ``ValueError`` for a variant it cannot run exactly."""
     names = []
     for name, module in model.named_modules():
+        if getattr(module, SHORT_CONV_MARK, False):  # switched already (its in_proj may be split: parallelize)
+            names.append(name)
+            continue
         if not is_short_conv(module):
             continue
         problem = short_conv_problem(name, module)
         if problem:
             raise ValueError(f"{problem}; train this model with a causal depthwise short conv, or file it as a new "
                              "mixer.")
-        if not getattr(module, SHORT_CONV_MARK, False):
-            module._hybridpar_transformers_forward = module.forward
-            module.forward = types.MethodType(short_conv_training_forward, module)
-            if getattr(module, "core", None) is None:
-                module.core = local_short_conv
-            setattr(module, SHORT_CONV_MARK, True)
+        module._hybridpar_transformers_forward = module.forward
+        module.forward = types.MethodType(short_conv_training_forward, module)
+        if getattr(module, "core", None) is None:
+            module.core = local_short_conv
+        setattr(module, SHORT_CONV_MARK, True)
         names.append(name)
     return names
 

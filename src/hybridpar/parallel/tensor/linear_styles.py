@@ -18,9 +18,8 @@
   on those rows only, is all-reduced). FSDP shards dim 0, so an ``nn.Linear`` weight packed
   on dim 0 cannot also be FSDP-sharded (``tp_check`` refuses that); ``Conv1D`` packs dim 1.
 
-- ``ConvChannelParallel``: a depthwise ``nn.Conv1d`` (LFM2's short conv) sharded by channel; its
-  owner reads the weights. ``HeadGateParallel``: column-parallel gate with one output per head
-  (LFM3's ``g_proj``), outside the head-size rule.
+- ``HeadGateParallel``: column-parallel gate with one output per head (LFM3's ``g_proj``), outside
+  the head-size rule.
 - ``LocalHeadCounts(names)``: attention modules that reshape with their own head-count
   attributes (``view(b, s, self.num_heads, d)``: StableLM, GPT-2's ``split_size``) get those
   attributes divided by ``tp``; the projections are sharded by the plan's other entries.
@@ -42,7 +41,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hybridpar.parallel.tensor.styles import AllReduceGrad, replicated_local, restore_params, swap_in_local_params
 
 __all__ = ["is_conv1d", "Conv1DColwiseParallel", "Conv1DRowwiseParallel", "PackedColwiseParallel", "LocalHeadCounts",
-           "ConvChannelParallel", "HeadGateParallel"]
+           "HeadGateParallel"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -181,24 +180,6 @@ class LocalHeadCounts(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.names})"
-
-
-class ConvChannelParallel(ParallelStyle):
-    """A depthwise ``nn.Conv1d`` whose weight ``[C, 1, K]`` and bias ``[C]`` are sharded by channel
-    (``Shard(0)``); its owner reads them (``to_local()``), the module itself is never called."""
-
-    def check(self, name: str, module: nn.Module, tp: int) -> None:
-        if not isinstance(module, nn.Conv1d) or module.groups != module.in_channels:
-            raise ValueError(f"TP plan entry for {name!r}: ConvChannelParallel needs a depthwise nn.Conv1d, got "
-                             f"{type(module).__name__}")
-        if module.in_channels % tp:
-            raise ValueError(f"TP plan entry for {name!r}: {module.in_channels} short-conv channels are not divisible "
-                             f"by tp={tp}; choose a tp that divides {module.in_channels}")
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.check(type(module).__name__, module, device_mesh.size())
-        _distribute(module, {"weight": Shard(0), "bias": Shard(0)}, device_mesh, self.src_data_rank)
-        return module
 
 
 class HeadGateParallel(ParallelStyle):
