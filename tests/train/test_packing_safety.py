@@ -1,10 +1,10 @@
 """No model is packed silently across documents (``train/packing_rule.py``).
 
 The trainer (as ``hybridpar train``, ``check`` and evaluation build it) of tiny float64
-checkpoints saved by transformers: Qwen3-Next (gated DeltaNet), LFM2 (short convolutions) and
-FalconMamba (Mamba1) train one document per row and say so with the padding it costs; a
-Granite 4.0-H MoE and a NemotronH with MoE layers (``model.backend=auto``: the transformers
-model) pack several documents, say why that is safe, and take a float64 step (eager experts);
+checkpoints saved by transformers: Qwen3-Next (gated DeltaNet) and FalconMamba (Mamba1) train one
+document per row and say so with the padding it costs; a Granite 4.0-H MoE, a NemotronH with MoE
+layers (``model.backend=auto``: the transformers model) and LFM2 (short convolutions on hybridpar's
+document-resetting conv) pack several documents, say why that is safe, and take a float64 step (eager experts);
 the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
 (and at tp=2, where its Mamba mixers are sharded by heads, the one B/C group replicated).
@@ -59,8 +59,8 @@ def _models(hf) -> dict:
     }
 
 
-ONE_PER_ROW = ("qwen3_next", "lfm2", "falcon_mamba")
-PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared")
+ONE_PER_ROW = ("qwen3_next", "falcon_mamba")
+PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,8 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         assert result["one_per_row"] and set(result["docs"]) == {1}, (name, result["docs"])
         assert len(lines) == 1 and "one document per row" in lines[0] and "% of the token slots" in lines[0], lines
     assert "Qwen3NextGatedDeltaNet" in results["qwen3_next"]["out"]
-    assert "Conv1d" in results["lfm2"]["out"] and "FalconMambaMixer" in results["falcon_mamba"]["out"]
+    assert "FalconMambaMixer" in results["falcon_mamba"]["out"]
+    assert "document-resetting conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2's short convs reset
     for name in PACKED:
         result = results[name]
         assert not result["one_per_row"] and max(result["docs"]) > 1, (name, result["docs"])
@@ -151,6 +152,7 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     "zamba2_shared": (["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2", "parallel.cp_mamba=state"]),
     "falcon_h1": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],),
     "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),  # a HybridLM (backend=auto): one B/C group
+    "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"],),  # short convs: the halo exchange at cp=2
 }
 
 
@@ -204,12 +206,13 @@ def _ranks(layout: list[str]) -> int:
 
 
 @pytest.mark.parametrize("name, first, then", [("granite_moe", TP2, ([],)), ("granite_moe", [], (TP2,)),
-                                               ("zamba2_shared", CP2, (TP2, []))])
+                                               ("zamba2_shared", CP2, (TP2, [])), ("lfm2", CP2, (TP2,))])
 def test_a_transformers_hybrid_resumes_at_another_layout(checkpoints, tmp_path, name, first, then):
     """Mamba mixers are stored per component at every layout and packed expert weights as one
     process holds them, so a DCP checkpoint resumes at another layout: Granite MoE written at tp=2
     resumes on one process and the other way; a Zamba2 with a shared block (one FSDP unit at cp=2)
-    written at cp=2 resumes at tp=2 + SP and on one process. Steps 3-4 equal an uninterrupted run
+    written at cp=2 resumes at tp=2 + SP and on one process; LFM2 (``in_proj`` of its short convs per
+    component at every layout) written at cp=2 resumes at tp=2 + SP. Steps 3-4 equal an uninterrupted run
     (float64)."""
     path = checkpoints[name]
     reference = run_ranks(_ranks(first), _steps, path, str(tmp_path / "straight"), first, None, -1, timeout_s=300)[0]

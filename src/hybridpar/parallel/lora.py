@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
 from hybridpar.models.hf.mamba_mixers import MARK as MAMBA_CORE_MARK
+from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.tensor.check import matches
 from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
@@ -115,9 +116,10 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
         above = [s for p, s in styles.items() if (matches(prefix, p) if p else cut == 0)]
         for style in above:
             mixer = modules.get(prefix)
-            if (isinstance(mixer, Mamba2Mixer) or getattr(mixer, MAMBA_CORE_MARK, False)) \
-                    and not isinstance(style, LocalReplicateParallel):
-                # our mixer's style (MambaHeadParallel): in_proj per component, out_proj rowwise
+            ours = isinstance(mixer, Mamba2Mixer) or getattr(mixer, MAMBA_CORE_MARK, False)
+            if (ours or getattr(mixer, SHORT_CONV_MARK, False)) and not isinstance(style, LocalReplicateParallel):
+                # our mixers' styles (MambaHeadParallel, ShortConvChannelParallel): in_proj per component,
+                # out_proj rowwise
                 leaf = atoms[-1]
                 kind = {"in_proj": "components", "out_proj": "rowwise"}.get(leaf) if cut == len(atoms) - 1 else None
                 return kind, repr(style)

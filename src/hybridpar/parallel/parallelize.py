@@ -30,12 +30,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.mamba_mixers import install_mamba_core
+from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba.fused_op import fla_scan
 from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context import mamba as mamba_cp
+from hybridpar.parallel.context.short_conv import apply_short_conv_cp
 from hybridpar.parallel.checkpointing import (
     apply_activation_checkpointing,
     checkpointing_policy,
@@ -128,6 +130,7 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     """Install the context-parallel cores on every attention and Mamba2 mixer (transformers models: ``cp_hf``)."""
     if not isinstance(model, HybridLM):  # transformers' Mamba2 mixers on hybridpar's core share mixer.core
         mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
+        apply_short_conv_cp(model, cp_group)  # LFM2's short convs: a halo exchange at the seams
         return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
     mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
@@ -214,6 +217,7 @@ def parallelize(
     """
     if hf_cp.is_hf_model(model):
         install_mamba_core(model)
+        install_short_conv(model)
         hf_cp.refuse_unread_documents(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
                          sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,

@@ -6,8 +6,9 @@ resets at document boundaries:
 - a ``HybridLM``: its attention and Mamba cores take the pack's ``PackedSeqParams``;
 - a transformers model that ``parallel/context/hf.attention_problem`` accepts: its attention
   runs hybridpar's document-causal core, its Mamba2 mixers hybridpar's Mamba core
-  (``models/hf/mamba_mixers.install_mamba_core``), and no other token mixer exists
-  (``unreached_token_mixers``: Mamba1, gated DeltaNet, short convolutions, unknown recurrences).
+  (``models/hf/mamba_mixers.install_mamba_core``), its gated short convolutions (LFM2) the
+  document-resetting conv (``models/hf/short_conv.install_short_conv``), and no other token mixer
+  exists (``unreached_token_mixers``: Mamba1, gated DeltaNet, unknown recurrences).
 
 Any other model trains **one document per row** (``pack_documents(one_per_row=True)``) and the
 trainer says so in one line with the padding it costs. The same holds for ``hybridpar check``
@@ -23,6 +24,7 @@ from torch import nn
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.mamba_mixers import bridged_mixers
+from hybridpar.models.hf.short_conv import short_convs
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules
 
@@ -77,7 +79,9 @@ def packing_line(model: nn.Module, problem: str | None, padding: float, pack_siz
     if isinstance(model, HybridLM):
         return ("packing: several documents per row; HybridLM's attention and Mamba cores reset at every document "
                 f"(padding {100 * padding:.1f}% of the token slots)")
-    mixers = len(bridged_mixers(model))
+    mixers, convs = len(bridged_mixers(model)), len(short_convs(model))
+    cores = f"hybridpar's Mamba core on {mixers} Mamba2 mixers" if mixers or not convs else ""
+    cores += f"{', ' if cores else ''}its document-resetting conv on {convs} short convolutions" if convs else ""
     return (f"packing: several documents per row; every token mixer resets at document boundaries (hybridpar's "
-            f"attention core on {len(hf_attention_modules(model))} attention modules, hybridpar's Mamba core on "
-            f"{mixers} Mamba2 mixers; padding {100 * padding:.1f}% of the token slots)")
+            f"attention core on {len(hf_attention_modules(model))} attention modules, {cores}; padding "
+            f"{100 * padding:.1f}% of the token slots)")

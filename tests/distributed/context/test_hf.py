@@ -238,11 +238,12 @@ def test_parallelize_refuses_packed_documents_that_transformers_attention_would_
     """At any layout (here one process), a transformers model whose attention ignores
     ``packed_seq_params`` (SDPA) is refused several documents per row, naming the fix; after
     ``use_hybridpar_attention`` the packed row equals each document run alone. A token mixer
-    outside our cores (LFM2's short convolution) is refused them whatever the attention."""
+    outside our cores (LFM2's short convolution before ``install_short_conv``) is refused them whatever the
+    attention."""
     import transformers as hf
 
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.parallel.context.hf import use_hybridpar_attention
+    from hybridpar.parallel.context.hf import refuse_unread_documents, use_hybridpar_attention
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import parallelize
     from tests.models.hf.hybrid_models import VOCAB, build_hybrid
@@ -262,6 +263,6 @@ def test_parallelize_refuses_packed_documents_that_transformers_attention_would_
     lfm2 = hf.Lfm2ForCausalLM(hf.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"], hidden_size=64,
                                             intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                             vocab_size=VOCAB, use_cache=False))
-    parallelize(lfm2, ParallelDims())
+    refuse_unread_documents(lfm2)  # its short convs still transformers' own (parallelize would switch them)
     with pytest.raises(ValueError, match="Conv1d.*one document per row"):
         lfm2(input_ids=ids, position_ids=packed.position_ids, packed_seq_params=packed)

@@ -46,6 +46,7 @@ from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
+from hybridpar.models.hf.short_conv import SHORT_CONV_MARK, short_convs
 from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.models.token_dropout import unkeyed_dropout
 from hybridpar.parallel.context.hf_types import ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES, SUPPORTED_MODEL_TYPES
@@ -228,11 +229,13 @@ def _rope_types(config) -> set[str]:
 def unreached_token_mixers(model: nn.Module) -> list[str]:
     """Names of modules that mix tokens outside hybridpar's cores: a direct ``A_log`` parameter
     (Mamba1, gated DeltaNet, a Mamba2 mixer not switched by ``install_mamba_core``) or an
-    ``nn.Conv1d`` over the sequence (short convolutions), outside a switched Mamba2 mixer."""
-    inside = tuple(f"{name}." for name, _ in bridged_mixers(model))
+    ``nn.Conv1d`` over the sequence (short convolutions), outside a switched Mamba2 mixer or short
+    conv (``models/hf/short_conv.install_short_conv``)."""
+    inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + short_convs(model))
     found = []
     for name, module in model.named_modules():
-        if getattr(module, MARK, False) or (inside and name.startswith(inside)):
+        switched = getattr(module, MARK, False) or getattr(module, SHORT_CONV_MARK, False)
+        if switched or (inside and name.startswith(inside)):
             continue
         if isinstance(module, nn.Conv1d) or "A_log" in dict(module.named_parameters(recurse=False)):
             found.append(f"{name} ({type(module).__name__})")

@@ -12,7 +12,7 @@ linear attention, attention outside the interface).
 
 from __future__ import annotations
 
-__all__ = ["ATTENTION_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["ATTENTION_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SHORT_CONV_MODEL_TYPES", "SUPPORTED_MODEL_TYPES"]
 
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
@@ -37,4 +37,6 @@ ATTENTION_MODEL_TYPES = (
     # multi-head latent attention (v's head dim is not q/k's: hf_attention pads them to one)
     "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla", "axk1", "longcat_flash",
 )
-SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES
+# gated short convolutions on hybridpar's document-resetting conv (tests/models/hf/test_short_conv.py)
+SHORT_CONV_MODEL_TYPES = ("lfm2", "lfm2_moe", "lfm3")
+SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES + SHORT_CONV_MODEL_TYPES

@@ -18,6 +18,8 @@
   on those rows only, is all-reduced). FSDP shards dim 0, so an ``nn.Linear`` weight packed
   on dim 0 cannot also be FSDP-sharded (``tp_check`` refuses that); ``Conv1D`` packs dim 1.
 
+- ``HeadGateParallel``: column-parallel gate with one output per head (LFM3's ``g_proj``), outside
+  the head-size rule.
 - ``LocalHeadCounts(names)``: attention modules that reshape with their own head-count
   attributes (``view(b, s, self.num_heads, d)``: StableLM, GPT-2's ``split_size``) get those
   attributes divided by ``tp``; the projections are sharded by the plan's other entries.
@@ -38,7 +40,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.parallel.tensor.styles import AllReduceGrad, replicated_local, restore_params, swap_in_local_params
 
-__all__ = ["is_conv1d", "Conv1DColwiseParallel", "Conv1DRowwiseParallel", "PackedColwiseParallel", "LocalHeadCounts"]
+__all__ = ["is_conv1d", "Conv1DColwiseParallel", "Conv1DRowwiseParallel", "PackedColwiseParallel", "LocalHeadCounts",
+           "HeadGateParallel"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -177,3 +180,18 @@ class LocalHeadCounts(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.names})"
+
+
+class HeadGateParallel(ParallelStyle):
+    """``ColwiseParallel`` for a gate with one output per attention head (LFM3's ``g_proj``
+    ``[H, D]``): rank ``r`` computes the gates of its heads ``[B, S, H/tp]``. Not a head-dim
+    projection, so the plan check's head-size rule does not apply; ``H % tp`` is checked."""
+
+    def check(self, name: str, module: nn.Module, tp: int) -> None:
+        if not isinstance(module, nn.Linear) or module.out_features % tp:
+            raise ValueError(f"TP plan entry for {name!r}: a per-head gate needs an nn.Linear whose "
+                             f"{getattr(module, 'out_features', '?')} heads are divisible by tp={tp}")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.check(type(module).__name__, module, device_mesh.size())
+        return ColwiseParallel()._apply(module, device_mesh)

@@ -11,15 +11,23 @@ normalizes q and k across all heads).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch.nn as nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
+
+from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
+from hybridpar.parallel.lora import split_lora_components
 
 from hybridpar.parallel.tensor.check import validate_tp_sizes
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
+from hybridpar.parallel.tensor.hybrid import MambaHeadParallel, SplitInProj, _map_first_input, _replicated_input
 from hybridpar.parallel.tensor.linear_styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
+    HeadGateParallel,
     LocalHeadCounts,
     PackedColwiseParallel,
 )
@@ -28,7 +36,8 @@ from hybridpar.parallel.tensor.styles import LocalReplicateParallel, RotaryEmbed
 
 __all__ = [
     "hf_key", "register_hf_plan", "llama_plan", "qwen3_plan", "gemma2_plan", "gemma3_plan", "phi_plan", "phi3_plan", "olmo2_plan", "cohere_plan",
-    "starcoder2_plan", "gpt_neox_plan", "stablelm_plan", "gpt2_plan",
+    "starcoder2_plan", "gpt_neox_plan", "stablelm_plan", "gpt2_plan", "lfm2_plan", "lfm3_plan",
+    "split_short_conv", "ShortConvChannelParallel",
 ]
 
 
@@ -179,4 +188,87 @@ def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
     for norm in ("ln_1", "ln_2"):
         plan[f"{block}.{norm}"] = SequenceParallelAllGatherActivation(use_local_output=False) if sp else LocalReplicateParallel()
     plan["transformer.ln_f"] = SequenceParallel() if sp else LocalReplicateParallel()
+    return plan
+
+
+# LFM2 / LFM3: a gated short conv (models/hf/short_conv.py, switched by install_short_conv, which
+# parallelize runs) is per channel after its projection, so it shards by channels with no collective
+# of its own (ShortConvChannelParallel). Its in_proj is stored per component (in_proj.weight_b,
+# weight_c, weight_x: split_short_conv, at every layout, so DCP names do not depend on tp; exports and
+# check fuse them back), and rank r holds channels [r C/tp, (r+1) C/tp) of b, c and x:
+#   u [B, S, D] (SP: all-gathered from [B, S/tp, D]) -> in_proj components -> [B, S, b_r | c_r | x_r]
+#   -> conv (weight [C/tp, 1, K], bias [C/tp]) -> y [B, S, C/tp] -> out_proj rowwise: partial [B, S, D]
+#   -> all-reduce (SP: reduce-scatter -> [B, S/tp, D])
+# Every parameter is a plain Shard(0), so FSDP composes (dp x tp, cp x tp); the CP halo
+# (context/short_conv.py) runs on the local channels. Under TP only hybridpar's conv runs.
+
+
+def split_short_conv(module: nn.Module) -> None:
+    """Store a switched short conv's ``in_proj`` per component ``b, c, x`` (idempotent; a LoRA adapter follows)."""
+    if isinstance(module.in_proj, SplitInProj):
+        return
+    channels = module.in_proj.out_features // 3
+    sizes = dict(b=channels, c=channels, x=channels)
+    fused, module.in_proj = module.in_proj, SplitInProj(module.in_proj, sizes)
+    split_lora_components(fused, module.in_proj, sizes)
+
+
+class ShortConvChannelParallel(MambaHeadParallel):
+    """Shard a switched short conv by channels (comment above); ``sequence_parallel``: the output is
+    reduce-scattered to a ``Shard(1)`` DTensor ``[B, S/tp, D]``."""
+
+    def __init__(self, *, sequence_parallel: bool = False):
+        super().__init__(sequence_parallel=sequence_parallel)
+        self.use_local_output = not sequence_parallel  # read by tp_check's SP rules
+
+    def check(self, name: str, module: nn.Module, tp: int) -> None:
+        if not getattr(module, SHORT_CONV_MARK, False):
+            raise ValueError(f"TP plan entry for {name!r}: ShortConvChannelParallel shards a short conv switched by "
+                             f"install_short_conv(model) (parallelize calls it), got {type(module).__name__}")
+        if module.conv.in_channels % tp:
+            raise ValueError(f"TP plan entry for {name!r}: {module.conv.in_channels} short-conv channels are not "
+                             f"divisible by tp={tp}; choose a tp that divides {module.conv.in_channels}")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.check(type(module).__name__, module, device_mesh.size())
+        split_short_conv(module)
+        for sub in (module.in_proj, module.conv):  # b, c, x rows and conv channels: [C, ...] -> [C/tp, ...]
+            for name in list(sub._parameters):
+                self._shard(sub, name, device_mesh, Shard(0))
+        output = Shard(1) if self.sequence_parallel else Replicate()
+        # y_local [B, S, C/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
+        RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
+            module.out_proj, device_mesh)
+        module.register_forward_pre_hook(partial(self._enter_conv, device_mesh), with_kwargs=True)
+        return module
+
+    @staticmethod
+    def _enter_conv(mesh: DeviceMesh, module: nn.Module, args, kwargs):
+        # [B, S, D] (or [B, S/tp, D] under SP) -> plain [B, S, D]; its grad is a partial sum over TP.
+        # in_proj (SplitInProj) and the conv read their local shards themselves.
+        return _map_first_input(args, kwargs, "hidden_states",
+                                lambda x: _replicated_input(x, mesh).to_local(grad_placements=[Partial()]))
+
+
+_LFM = dict(mlp="feed_forward", mlp_in=("w1", "w3"), mlp_out="w2", in_norms=("operator_norm", "ffn_norm"),
+            final_norm="embedding_norm")
+
+
+@register_hf_plan("lfm2", "Lfm2ForCausalLM")
+def lfm2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """LFM2: short convs by channels; attention (``out_proj``, q/k layernorms per head) and MLP."""
+    plan = decoder_plan(sequence_parallel, attn_out="out_proj", head_norms=("q_layernorm", "k_layernorm"), **_LFM)
+    plan["model.layers.*.conv"] = ShortConvChannelParallel(sequence_parallel=sequence_parallel)
+    return plan
+
+
+@register_hf_plan("lfm3", "Lfm3ForCausalLM")
+def lfm3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """LFM3: short convs by channels; Qwen3-style attention with its per-head gate ``g_proj``
+    (column-parallel: the gate of the local heads); sandwich norms on the block outputs."""
+    sandwich = getattr(model.config, "use_sandwich_norm", False)
+    plan = decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"),
+                        post_norms=("post_operator_norm", "post_ffn_norm") if sandwich else (), **_LFM)
+    plan["model.layers.*.self_attn.g_proj"] = HeadGateParallel()
+    plan["model.layers.*.conv"] = ShortConvChannelParallel(sequence_parallel=sequence_parallel)
     return plan

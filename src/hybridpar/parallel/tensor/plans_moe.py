@@ -45,13 +45,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from hybridpar.models.hf.mamba_mixers import MARK
+from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
 from hybridpar.parallel.data.fsdp import register_first_pre_hook
 from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
 from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, SplitInProj, replicate_shared_groups,
                                               spanning_group_norm)
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
-from hybridpar.parallel.tensor.plans_hf import register_hf_plan
+from hybridpar.parallel.tensor.plans_hf import lfm2_plan, register_hf_plan, split_short_conv
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, RotaryEmbedParallel,
                                              SequenceParallelAllGatherActivation, TokenwiseParallel)
 
@@ -93,6 +94,8 @@ def split_hf_mixers(model: nn.Module) -> None:
     for module in model.modules():
         if getattr(module, MARK, False):
             split_hf_mixer(module)
+        elif getattr(module, SHORT_CONV_MARK, False):  # LFM2's short convs: in_proj per b, c, x
+            split_short_conv(module)
 
 
 def _local_rows(vector: torch.Tensor, sizes: dict[str, int], tp: int, rank: int, shared: bool) -> torch.Tensor:
@@ -339,4 +342,14 @@ def zamba2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
             continue
         plan[f"{path}.linear"] = TokenwiseParallel() if sp else LocalReplicateParallel()
         plan.update(_zamba2_block_plan(f"{path}.shared_transformer", block, sp, in_norm))
+    return plan
+
+
+@register_hf_plan("lfm2_moe", "Lfm2MoeForCausalLM")
+def lfm2_moe_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """LFM2-MoE: LFM2's plan; its MoE blocks (``feed_forward``) with experts on their intermediate dim."""
+    plan = lfm2_plan(model, sequence_parallel)
+    for index, layer in enumerate(model.model.layers):
+        if is_moe_block(layer.feed_forward):
+            plan.update(moe_block_plan(f"model.layers.{index}.feed_forward", layer.feed_forward, sequence_parallel))
     return plan
