@@ -44,6 +44,7 @@ from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_ca
                                              load_causal_lm, transformers_config)
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
+from hybridpar.models.hf.gdn_mixers import install_gdn_core
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
 from hybridpar.models.token_dropout import key_model_dropout, set_dropout_tokens, token_keys, unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
@@ -101,6 +102,7 @@ def hf_meta_model(shape) -> nn.Module:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape)
     install_mamba_core(model)
+    install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
     return model
 
 
@@ -118,6 +120,7 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
         keep_float64(model.to(torch.float64))
     install_mamba_core(model)
+    install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     return model
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.hf.gdn_mixers import gdn_layers
 from hybridpar.models.hf.mamba_mixers import bridged_mixers
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules
@@ -77,7 +78,8 @@ def packing_line(model: nn.Module, problem: str | None, padding: float, pack_siz
     if isinstance(model, HybridLM):
         return ("packing: several documents per row; HybridLM's attention and Mamba cores reset at every document "
                 f"(padding {100 * padding:.1f}% of the token slots)")
-    mixers = len(bridged_mixers(model))
+    mixers, gdn = len(bridged_mixers(model)), len(gdn_layers(model))
+    gdn = f", hybridpar's gated DeltaNet core on {gdn} gated DeltaNet layers" if gdn else ""
     return (f"packing: several documents per row; every token mixer resets at document boundaries (hybridpar's "
             f"attention core on {len(hf_attention_modules(model))} attention modules, hybridpar's Mamba core on "
-            f"{mixers} Mamba2 mixers; padding {100 * padding:.1f}% of the token slots)")
+            f"{mixers} Mamba2 mixers{gdn}; padding {100 * padding:.1f}% of the token slots)")
