@@ -1,6 +1,6 @@
 """Context parallelism (cp=2) of transformers' gated DeltaNet models against one process, float64.
 
-Tiny Qwen3-Next and Qwen3.5 models (``tests/models/hf/gdn_models.py``: 2 key heads, 4 value heads,
+Tiny Qwen3-Next, Qwen3.5 and OLMo-Hybrid models (``tests/models/hf/gdn_models.py``: 2 key heads, 4 value heads,
 chunks of 8) with hybridpar's gated DeltaNet core (``install_gdn_core``); ``parallelize(cp=2)``
 installs the all-to-all core (``parallel/context/gdn.py``) and an attention strategy. Two rows of
 three packed documents (4, 12 and 16 tokens: cut across the ranks in zigzag order); the one-process
@@ -20,7 +20,7 @@ from tests.distributed.tensor.hf_models import gradient_errors
 
 TOL = 1e-9
 DOCS = [0, 4, 16, 32]
-CASES = [("qwen3_next", "allgather", 2), ("qwen3_5", "ulysses", 2), ("qwen3_next", "ulysses", 1)]
+CASES = [("qwen3_next", "allgather", 2), ("qwen3_5", "ulysses", 2), ("qwen3_next", "ulysses", 1), ("olmo_hybrid", "ring", 2)]
 
 
 def _build(name: str, k_heads: int):

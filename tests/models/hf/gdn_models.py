@@ -29,10 +29,13 @@ def _builders(hf, k_heads: int, v_heads: int) -> dict:
         "qwen3_next_moe": lambda: hf.Qwen3NextForCausalLM(hf.Qwen3NextConfig(**_MOE, **_C)),
         "qwen3_5": lambda: hf.Qwen3_5ForCausalLM(hf.Qwen3_5TextConfig(**_C)),
         "qwen3_5_moe": lambda: hf.Qwen3_5MoeForCausalLM(hf.Qwen3_5MoeTextConfig(**_MOE, **_C)),
+        # separate q/k/v/a/b/g projections, beta in [0, 2] (allow_neg_eigval); NoPE attention, q/k norms
+        "olmo_hybrid": lambda: hf.OlmoHybridForCausalLM(hf.OlmoHybridConfig(
+            pad_token_id=0, eos_token_id=1, **{k: v for k, v in _C.items() if k != "head_dim"})),
     }
 
 
-GDN_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+GDN_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 LAYERS = 2  # gated DeltaNets per tiny model
 
 
@@ -54,6 +57,6 @@ def build_gdn(name: str, seed: int = 0, chunk: int | None = CHUNK, k_heads: int 
             param.add_(0.05 * torch.randn_like(param))
     if chunk is not None:
         for module in model.modules():
-            if hasattr(module, "in_proj_ba") or hasattr(module, "in_proj_qkv"):
+            if hasattr(module, "A_log"):
                 module.hybridpar_chunk_size = chunk
     return keep_float64(model).train()

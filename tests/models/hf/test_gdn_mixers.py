@@ -2,8 +2,8 @@
 
 Tiny float64 Qwen3-Next and Qwen3.5 models (``gdn_models.py``, chunks of 8 tokens): with the core
 installed and hybridpar's attention, a row packing three documents (one shorter than a chunk, two
-crossing chunks) gives the loss and every parameter gradient of the three documents run one per row
-(1e-9); our forward equals transformers' own torch forward on unpacked rows (1e-10); the model is
+crossing chunks) gives the loss and every parameter gradient of transformers' own model (its torch gated
+delta rule, SDPA) run on the three documents one per row (1e-9); our forward equals transformers' own torch forward on unpacked rows (1e-10); the model is
 refused for packing until the core is installed; parameter names do not change; a variant the core
 cannot run is refused in one line.
 """
@@ -58,8 +58,10 @@ def test_packed_row_equals_one_document_per_row(name):
     ids, labels = _rows()
     cu = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
     packed_loss, packed_grads = _loss_and_grads(model, [(ids, labels, cu)])
+    reference = build_gdn(name)  # transformers' own model: its torch gated delta rule and SDPA, one document per row
     alone_loss, alone_grads = _loss_and_grads(
-        model, [(ids[:, a:b], labels[:, a:b], [0, b - a]) for a, b in zip(cu[:-1], cu[1:])])
+        reference, [(ids[:, a:b], labels[:, a:b], [0, b - a]) for a, b in zip(cu[:-1], cu[1:])])
+    assert reference.config._attn_implementation == "sdpa"
     assert _relative(packed_loss, alone_loss) < 1e-9
     assert set(packed_grads) == {n for n, _ in model.named_parameters()}
     for n, grad in packed_grads.items():

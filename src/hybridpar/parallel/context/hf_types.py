@@ -17,7 +17,7 @@ __all__ = ["ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SU
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
 # gated DeltaNet hybrids, their layers on hybridpar's core (models/hf/gdn_mixers.py; tests/models/hf/test_gdn_mixers.py)
-GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
 ATTENTION_MODEL_TYPES = (
     # Llama's layout and its relatives; attention and residual multipliers (Granite)
     "llama", "arcee", "helium", "apertus", "apertus1p5_text", "hunyuan_v1_dense", "ernie4_5", "glm", "glm4", "exaone",
