@@ -2,7 +2,7 @@
 
     mixed_qkv [B, L, 2*Hk*dk + Hv*dv] (pre-conv, channels q | k | v), a, b [B, L, Hv]
       -> depthwise causal conv over the sequence, documents reset   (models/mamba/conv.py) -> SiLU
-      -> q, k l2-normed per head (x / sqrt(|x|^2 + 1e-6))
+      -> q, k l2-normed per head (x / sqrt(|x|^2 + 1e-6)), from here in float32 or wider
       -> beta = beta_scale * sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias)
       -> chunked gated delta rule, documents reset                (gated_delta.py)
       -> o [B, L, Hv*dv]
@@ -73,10 +73,10 @@ def gated_delta_core(
     if cu_docs is None:
         cu_docs = row_documents(None, batch, seqlen, mixed_qkv.device)
     mixed = F.silu(document_conv1d(mixed_qkv, conv_weight, conv_bias, cu_docs))
-    q, k, v = mixed.split([key_width, key_width, v_heads * head_v_dim], dim=-1)
+    dtype = torch.promote_types(torch.float32, mixed.dtype)  # norms, gates and the rule in float32 or wider
+    q, k, v = mixed.to(dtype).split([key_width, key_width, v_heads * head_v_dim], dim=-1)
     q, k = (l2norm(x.unflatten(-1, (-1, head_k_dim))) for x in (q, k))  # [B, L, Hk, dk]
     v = v.unflatten(-1, (v_heads, head_v_dim))
-    dtype = mixed.dtype
     beta = b.to(dtype).sigmoid() * beta_scale
     g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype))
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta, doc_ids=document_ids(cu_docs, batch, seqlen),
