@@ -99,3 +99,12 @@ def test_unsupported_variant_is_refused():
     with pytest.raises(ValueError, match="activation 'gelu'.*SiLU only") as error:
         install_gdn_core(model)
     assert "\n" not in str(error.value)
+
+
+def test_projection_of_another_width_is_refused():
+    model = build_gdn("qwen3_5")
+    layer = model.model.layers[2].linear_attn
+    layer.in_proj_z = torch.nn.Linear(32, 16, bias=False, dtype=torch.float64)  # not Hv * dv = 32
+    with pytest.raises(ValueError, match=r"'model.layers.2.linear_attn'.*expects widths \(64, 32, 4, 4\)") as error:
+        install_gdn_core(model)
+    assert "\n" not in str(error.value)

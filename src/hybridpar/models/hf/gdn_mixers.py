@@ -82,6 +82,16 @@ def gdn_problem(name: str, module: nn.Module) -> str | None:
     conv = module.conv1d
     if conv.padding != (conv.kernel_size[0] - 1,) or conv.stride != (1,) or conv.dilation != (1,):
         return f"{where} has a conv that is not causal with stride 1 (padding {conv.padding}, stride {conv.stride})"
+    layout, key, value, heads = _layout(module), 2 * module.num_k_heads * module.head_k_dim, \
+        module.num_v_heads * module.head_v_dim, module.num_v_heads
+    widths = {"qkvz_ba": (key + 2 * value, 2 * heads), "qkv_z_b_a": (key + value, value, heads, heads),
+              "q_k_v_g_a_b": (key // 2, key // 2, value, value, heads, heads)}[layout]
+    got = tuple(getattr(module, part).out_features for part in _LAYOUTS[layout])
+    if got != widths or _out(module).in_features != value:
+        return (f"{where} has projections {dict(zip(_LAYOUTS[layout], got))} and an output projection of "
+                f"{_out(module).in_features} inputs; hybridpar's core expects widths {widths} and {value}")
+    if layout == "qkvz_ba" and not callable(getattr(module, "fix_query_key_value_ordering", None)):
+        return f"{where} has in_proj_qkvz/in_proj_ba but no fix_query_key_value_ordering to unpack them"
     norm = _norm(module)
     weight = getattr(norm, "weight", None)
     if weight is None or tuple(weight.shape) != (module.head_v_dim,) or getattr(norm, "activation", "silu") != "silu":
