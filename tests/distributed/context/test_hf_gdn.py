@@ -7,7 +7,8 @@ three packed documents (4, 12 and 16 tokens: cut across the ranks in zigzag orde
 reference runs the same cores at cp=1 (``tests/models/hf/test_gdn_mixers.py`` proves it equals one
 document per row). The loss and every parameter gradient agree to 1e-9. A Qwen3-Next with one key
 head runs at cp=2 with the key head repeated. Bad layouts are refused in one line before any collective:
-``cp_mamba=state``, tp=2, value heads cp does not divide.
+``cp_mamba=state``, tp=2, value heads cp does not divide. The bytes the all-to-all core sends
+(``comm.CommStats``) are the formula of ``parallel/context/gdn.py``, forward and backward.
 """
 
 from __future__ import annotations
@@ -89,18 +90,47 @@ def _refusals(mesh) -> dict:
     return found
 
 
+def _traffic(mesh) -> dict:
+    """Bytes one rank sends through the all-to-all core of one layer (forward, backward) and the formula's."""
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hf.gdn_mixers import install_gdn_core
+    from hybridpar.parallel.comm.collectives import CommStats
+    from hybridpar.parallel.context.gdn import HiddenParallelGDN, gdn_a2a_bytes_per_layer
+    from hybridpar.parallel.context.inputs import shard_inputs
+    from hybridpar.parallel.dims import ParallelDims
+    from tests.models.hf.gdn_models import build_gdn
+
+    model = build_gdn("qwen3_next", k_heads=1)  # the key head travels twice (Hk_eff = cp)
+    install_gdn_core(model)
+    layer, group = model.model.layers[0].linear_attn, ParallelDims.group(mesh, "cp")
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
+    local = shard_inputs(inputs_embeds=torch.zeros(2, DOCS[-1], 1), packed=packed, cp_group=group).packed
+    width = 2 * layer.head_k_dim + layer.num_v_heads * layer.head_v_dim
+    mixed = torch.randn(2, DOCS[-1] // 2, width, dtype=torch.float64, requires_grad=True)
+    a, b = (torch.randn(2, DOCS[-1] // 2, layer.num_v_heads, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    with CommStats() as forward:
+        out = HiddenParallelGDN(group)(layer, mixed, a, b, local)
+    with CommStats() as backward:
+        out.sum().backward()
+    formula = gdn_a2a_bytes_per_layer(2, DOCS[-1], 2, 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, 8)
+    return {"forward": sum(forward.bytes_sent.values()), "backward": sum(backward.bytes_sent.values()),
+            "formula": formula}
+
+
 def _run(rank, world_size) -> dict:
     from hybridpar.parallel.dims import ParallelDims
 
     mesh = ParallelDims(cp=2).build_mesh()
     results = {case: _case(*case, mesh) for case in CASES}
     results["refused"] = _refusals(mesh)
+    results["traffic"] = _traffic(mesh)
     return results
 
 
 def test_cp2_of_gated_deltanet_models_matches_one_process():
     for rank_results in run_ranks(2, _run, timeout_s=300):
-        refused = rank_results.pop("refused")
+        refused, traffic = rank_results.pop("refused"), rank_results.pop("traffic")
+        assert traffic["forward"] == traffic["backward"] == traffic["formula"] > 0, traffic  # gdn.py's formula
         assert "set parallel.cp_mamba=a2a" in refused["state"], refused
         assert "tensor parallelism is not supported for gated DeltaNet" in refused["tp"], refused
         assert "splits the 3 value heads" in refused["heads"], refused
