@@ -100,10 +100,15 @@ def chunk_gated_delta_rule(
 
     state = (torch.zeros(batch, v_heads, dk, dv, dtype=dtype, device=q.device) if initial_state is None
              else initial_state.to(dtype))
-    outputs = []
-    for i in range(chunks):
-        u = U[:, :, i] - W[:, :, i] @ state  # [B, H, C, dv]
-        outputs.append(q_read[:, :, i] @ state + intra[:, :, i] @ u)
-        state = state * state_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ u
-    o = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :seqlen]  # [B, H, T, dv]
+    # The sequential part carries the state only; outputs are batched after it. unbind, not [:, :, i]:
+    # the backward of one unbind stacks the chunk gradients, where N selects would each fill a full-size zero.
+    entering, corrections = [], []
+    for U_i, W_i, write_i, decay_i in zip(U.unbind(2), W.unbind(2), k_write.transpose(-1, -2).unbind(2),
+                                          state_decay.unbind(2)):
+        entering.append(state)
+        u = U_i - W_i @ state  # [B, H, C, dv]
+        corrections.append(u)
+        state = state * decay_i + write_i @ u
+    o = q_read @ torch.stack(entering, dim=2) + intra @ torch.stack(corrections, dim=2)  # [B, H, N, C, dv]
+    o = o.flatten(2, 3)[:, :, :seqlen]  # [B, H, T, dv]
     return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
