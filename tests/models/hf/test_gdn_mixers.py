@@ -1,11 +1,12 @@
 """hybridpar's gated DeltaNet core inside transformers' gated DeltaNet layers (``models/hf/gdn_mixers.py``).
 
-Tiny float64 Qwen3-Next and Qwen3.5 models (``gdn_models.py``, chunks of 8 tokens): with the core
-installed and hybridpar's attention, a row packing three documents (one shorter than a chunk, two
-crossing chunks) gives the loss and every parameter gradient of transformers' own model (its torch gated
-delta rule, SDPA) run on the three documents one per row (1e-9); our forward equals transformers' own torch forward on unpacked rows (1e-10); the model is
-refused for packing until the core is installed; parameter names do not change; a variant the core
-cannot run is refused in one line.
+Tiny float64 Qwen3-Next, Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid models (``gdn_models.py``, chunks of 8
+tokens): with the core installed and hybridpar's attention, a row packing three documents (one
+shorter than a chunk, two crossing chunks) gives the loss and every parameter gradient of
+transformers' own model (its torch gated delta rule, SDPA) run on the three documents one per row
+(1e-9); our forward and gradients equal transformers' on unpacked rows (1e-10); the model is refused
+for packing until the core is installed, and leaks without it; parameter names do not change; a
+variant the core cannot run is refused in one line.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
-from hybridpar.models.hf.gdn_mixers import gdn_layers
+from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK, gdn_layers
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.models.token_dropout import unkeyed_dropout
@@ -230,11 +230,10 @@ def unreached_token_mixers(model: nn.Module) -> list[str]:
     """Names of modules that mix tokens outside hybridpar's cores: a direct ``A_log`` parameter
     (Mamba1, a gated DeltaNet or Mamba2 mixer not switched by ``install_gdn_core`` / ``install_mamba_core``)
     or an ``nn.Conv1d`` over the sequence (short convolutions), outside a switched mixer."""
-    switched = bridged_mixers(model) + gdn_layers(model)
-    inside = tuple(f"{name}." for name, _ in switched)
+    inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + gdn_layers(model))
     found = []
     for name, module in model.named_modules():
-        if any(m is module for _, m in switched) or (inside and name.startswith(inside)):
+        if getattr(module, MARK, False) or getattr(module, GDN_MARK, False) or (inside and name.startswith(inside)):
             continue
         if isinstance(module, nn.Conv1d) or "A_log" in dict(module.named_parameters(recurse=False)):
             found.append(f"{name} ({type(module).__name__})")
@@ -257,8 +256,9 @@ def attention_problem(model: nn.Module) -> str | None:
         return (f"{cls} ({model_type}) has token mixers that hybridpar's attention and Mamba cores do not reach "
                 f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: Mamba1, gated "
                 "DeltaNet, short convolutions or other recurrent code), so they cannot reset at document boundaries; "
-                "Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mamba_mixers.install_mamba_core(model) "
-                "and models.hf.gdn_mixers.install_gdn_core(model) (the trainer calls both), or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
+                "Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mamba_mixers."
+                "install_mamba_core(model) and models.hf.gdn_mixers.install_gdn_core(model) (the trainer calls both), "
+                "or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
         return (f"hybridpar's attention takes HybridLM and {len(SUPPORTED_MODEL_TYPES)} transformers model types, each "
                 f"proven exact (ATTENTION_MODEL_TYPES and HYBRID_MODEL_TYPES in hybridpar.parallel.context.hf; "
