@@ -103,7 +103,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         raise ValueError(f"unknown cp_attention={cp_attention_strategy!r}; choose one of {sorted(attention_cp.STRATEGIES)}.")
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
-    gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: "a2a", no TP
+    gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads, no TP
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
         hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp,
                              mamba_cp.STRATEGIES[cp_mamba_strategy](None))
@@ -132,7 +132,7 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     """Install the context-parallel cores on every attention and Mamba2 mixer (transformers models: ``cp_hf``)."""
     if not isinstance(model, HybridLM):  # transformers' Mamba2 mixers on hybridpar's core share mixer.core
         mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
-        gdn_cp.apply_gdn_cp(model, cp_group)
+        gdn_cp.apply_gdn_cp(model, cp_group, mamba_strategy)
         return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
     mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)

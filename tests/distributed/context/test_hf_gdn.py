@@ -2,13 +2,15 @@
 
 Tiny Qwen3-Next, Qwen3.5 and OLMo-Hybrid models (``tests/models/hf/gdn_models.py``: 2 key heads, 4 value heads,
 chunks of 8) with hybridpar's gated DeltaNet core (``install_gdn_core``); ``parallelize(cp=2)``
-installs the all-to-all core (``parallel/context/gdn.py``) and an attention strategy. Two rows of
+installs the all-to-all core (``parallel/context/gdn.py``) or the state-passing one
+(``cp_mamba=state``) and an attention strategy. Two rows of
 three packed documents (4, 12 and 16 tokens: cut across the ranks in zigzag order); the one-process
 reference runs the same cores at cp=1 (``tests/models/hf/test_gdn_mixers.py`` proves it equals one
 document per row). The loss and every parameter gradient agree to 1e-9. A Qwen3-Next with one key
 head runs at cp=2 with the key head repeated. Bad layouts are refused in one line before any collective:
-``cp_mamba=state``, tp=2, value heads cp does not divide. The bytes the all-to-all core sends
-(``comm.CommStats``) are the formula of ``parallel/context/gdn.py``, forward and backward.
+tp=2, value heads "a2a" cannot split over cp. The bytes the all-to-all core sends
+(``comm.CommStats``) are the formula of ``parallel/context/gdn.py``, forward and backward, and the
+state-passing core's its own formula.
 """
 
 from __future__ import annotations
@@ -21,16 +23,20 @@ from tests.distributed.tensor.hf_models import gradient_errors
 
 TOL = 1e-9
 DOCS = [0, 4, 16, 32]
-CASES = [("qwen3_next", "allgather", 2), ("qwen3_5", "ulysses", 2), ("qwen3_next", "ulysses", 1), ("olmo_hybrid", "ring", 2)]
+# (model, attention, key heads, gated DeltaNet strategy, chunk of the rule): chunks of 2 put segments
+# (1 to 4 tokens here) across several chunks of the rule
+CASES = [("qwen3_next", "allgather", 2, "a2a", 8), ("qwen3_5", "ulysses", 2, "a2a", 8), ("qwen3_next", "ulysses", 1, "a2a", 8),
+         ("olmo_hybrid", "ring", 2, "a2a", 8), ("qwen3_next", "allgather", 2, "state", 8), ("qwen3_5", "ring", 1, "state", 2),
+         ("olmo_hybrid", "ulysses", 2, "state", 2)]
 
 
-def _build(name: str, k_heads: int):
+def _build(name: str, k_heads: int, chunk: int):
     from tests.models.hf.gdn_models import build_gdn
 
-    return build_gdn(name, k_heads=k_heads)
+    return build_gdn(name, k_heads=k_heads, chunk=chunk)
 
 
-def _case(name, attention, k_heads, mesh) -> dict:
+def _case(name, attention, k_heads, strategy, chunk, mesh) -> dict:
     import torch.distributed as dist
 
     from hybridpar.data.thd import PackedSeqParams
@@ -49,14 +55,14 @@ def _case(name, attention, k_heads, mesh) -> dict:
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
     count = int((labels != -100).sum())
 
-    reference = _build(name, k_heads)
+    reference = _build(name, k_heads, chunk)
     install_gdn_core(reference)
     use_hybridpar_attention(reference)
     ref_loss = pack_loss_sum(reference, shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / count
     ref_loss.backward()
 
-    model = _build(name, k_heads)  # parallelize switches its gated DeltaNets to hybridpar's core
-    parallelize(model, ParallelDims(cp=2), mesh=mesh, cp_attention=attention, cp_mamba="a2a")
+    model = _build(name, k_heads, chunk)  # parallelize switches its gated DeltaNets to hybridpar's core
+    parallelize(model, ParallelDims(cp=2), mesh=mesh, cp_attention=attention, cp_mamba=strategy)
     cores = {type(m.core).__name__ for _, m in gdn_layers(model)}
     cp_group = ParallelDims.group(mesh, "cp")
     sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group)
@@ -78,7 +84,6 @@ def _refusals(mesh) -> dict:
 
     found = {}
     for label, dims, kwargs, model in [
-        ("state", ParallelDims(cp=2), {"cp_mamba": "state"}, build_gdn("qwen3_next")),
         ("tp", ParallelDims(tp=2), {}, build_gdn("qwen3_next")),
         ("heads", ParallelDims(cp=2), {}, build_gdn("qwen3_next", v_heads=3, k_heads=1)),
     ]:
@@ -96,6 +101,7 @@ def _traffic(mesh) -> dict:
     from hybridpar.models.hf.gdn_mixers import install_gdn_core
     from hybridpar.parallel.comm.collectives import CommStats
     from hybridpar.parallel.context.gdn import HiddenParallelGDN, gdn_a2a_bytes_per_layer
+    from hybridpar.parallel.context.gdn import StatePassingGDN, gdn_state_bytes_per_layer
     from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.parallel.dims import ParallelDims
     from tests.models.hf.gdn_models import build_gdn
@@ -113,8 +119,12 @@ def _traffic(mesh) -> dict:
     with CommStats() as backward:
         out.sum().backward()
     formula = gdn_a2a_bytes_per_layer(2, DOCS[-1], 2, 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, 8)
+    with CommStats() as state_forward:
+        StatePassingGDN(group)(layer, mixed, a, b, local)
+    state_formula = gdn_state_bytes_per_layer(2, len(DOCS) - 1, 2, 1, layer.num_v_heads, layer.head_k_dim,
+                                              layer.head_v_dim, layer.conv_kernel_size, 8, 8)
     return {"forward": sum(forward.bytes_sent.values()), "backward": sum(backward.bytes_sent.values()),
-            "formula": formula}
+            "formula": formula, "state": sum(state_forward.bytes_sent.values()), "state_formula": state_formula}
 
 
 def _run(rank, world_size) -> dict:
@@ -131,11 +141,11 @@ def test_cp2_of_gated_deltanet_models_matches_one_process():
     for rank_results in run_ranks(2, _run, timeout_s=300):
         refused, traffic = rank_results.pop("refused"), rank_results.pop("traffic")
         assert traffic["forward"] == traffic["backward"] == traffic["formula"] > 0, traffic  # gdn.py's formula
-        assert "set parallel.cp_mamba=a2a" in refused["state"], refused
+        assert traffic["state"] == traffic["state_formula"] > 0, traffic  # gdn_state_bytes_per_layer
         assert "tensor parallelism is not supported for gated DeltaNet" in refused["tp"], refused
         assert "splits the 3 value heads" in refused["heads"], refused
         assert all(message and "\n" not in message for message in refused.values())
-        for (name, _, _), r in rank_results.items():
+        for (name, _, _, strategy, _), r in rank_results.items():
             assert r["params"] == r["expected"], name
-            assert r["cores"] == {"HiddenParallelGDN"}, (name, r["cores"])
+            assert r["cores"] == {"HiddenParallelGDN" if strategy == "a2a" else "StatePassingGDN"}, (name, r["cores"])
             assert r["loss_error"] < TOL and r["grad_error"] < TOL, (name, r)

@@ -47,13 +47,18 @@ def document_ids(cu_docs: Tensor, batch: int, seqlen: int) -> Tensor:
 def chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, doc_ids: Tensor | None = None, chunk_size: int = 64,
     scale: float | None = None, initial_state: Tensor | None = None, output_final_state: bool = False,
+    states_at: list[int] | None = None, states_in: Tensor | None = None, finals_at: list[int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``q, k [B, T, Hk, dk]``, ``v [B, T, Hv, dv]``, ``g, beta [B, T, Hv]`` (``Hv`` a multiple of
     ``Hk``: value head ``h`` reads key head ``h // (Hv/Hk)``), ``doc_ids [B, T]`` (non-decreasing per
     row; None: one document per row) -> ``(o [B, T, Hv, dv], S [B, Hv, dk, dv] or None)``.
 
     ``initial_state [B, Hv, dk, dv]`` enters the first document of each row; the final state is the
-    state after each row's last token (its last document). Computed in float32 or wider."""
+    state after each row's last token (its last document). Computed in float32 or wider.
+
+    Chunk-aligned documents (one row; context-parallel state passing): ``states_in [m, Hv, dk, dv']``
+    enter the documents that start exactly at the first token of chunks ``states_at`` (m chunk indices),
+    and the states after chunks ``finals_at`` are returned instead, ``[f, Hv, dk, dv']``."""
     batch, seqlen, k_heads, dk = k.shape
     v_heads, dv = v.shape[-2:]
     if v_heads % k_heads or q.shape != k.shape or g.shape != (batch, seqlen, v_heads) or beta.shape != g.shape:
@@ -81,7 +86,12 @@ def chunk_gated_delta_rule(
     # c_i: token i's document began before its chunk (chunk 0: the row's first document, fed initial_state)
     first = doc[..., :1]  # [B, 1, N, 1]
     before = torch.cat([first[:, :, :1], doc[:, :, :-1, -1:]], dim=2)  # doc of the token before each chunk
-    carried = ((doc == first) & (before == first)).to(dtype)  # [B, 1, N, C]
+    carried = (doc == first) & (before == first)  # [B, 1, N, C]
+    if states_at is not None:  # a document fed a state at its chunk start continues it
+        fed = torch.zeros(chunks, dtype=torch.bool, device=q.device)
+        fed[states_at] = True
+        carried = carried | (fed[:, None] & (doc == first))
+    carried = carried.to(dtype)
     same = doc.unsqueeze(-1) == doc.unsqueeze(-2)  # [B, 1, N, C, C]
     visible = same & torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
 
@@ -102,13 +112,19 @@ def chunk_gated_delta_rule(
              else initial_state.to(dtype))
     # The sequential part carries the state only; outputs are batched after it. unbind, not [:, :, i]:
     # the backward of one unbind stacks the chunk gradients, where N selects would each fill a full-size zero.
-    entering, corrections = [], []
-    for U_i, W_i, write_i, decay_i in zip(U.unbind(2), W.unbind(2), k_write.transpose(-1, -2).unbind(2),
-                                          state_decay.unbind(2)):
+    entering, corrections, finals = [], [], []
+    fed = {} if states_at is None else dict(zip(states_at, states_in.to(dtype).unbind(0)))
+    for i, (U_i, W_i, write_i, decay_i) in enumerate(zip(U.unbind(2), W.unbind(2), k_write.transpose(-1, -2).unbind(2),
+                                                         state_decay.unbind(2))):
+        if i in fed:
+            state = fed[i].expand_as(state)
         entering.append(state)
         u = U_i - W_i @ state  # [B, H, C, dv]
         corrections.append(u)
         state = state * decay_i + write_i @ u
+        finals.append(state)
     o = q_read @ torch.stack(entering, dim=2) + intra @ torch.stack(corrections, dim=2)  # [B, H, N, C, dv]
     o = o.flatten(2, 3)[:, :, :seqlen]  # [B, H, T, dv]
+    if finals_at is not None:
+        return o.transpose(1, 2).to(out_dtype), torch.stack([finals[i][0] for i in finals_at])
     return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None)

@@ -23,33 +23,52 @@ from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule, document
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 
-__all__ = ["document_conv1d", "gated_delta_core", "l2norm"]
+__all__ = ["document_conv1d", "gated_delta_core", "gdn_inputs", "l2norm"]
 
 
 class _DocumentConv(torch.autograd.Function):
-    """``conv_forward`` / ``conv_backward`` (no history) as an autograd function on ``[T, C]``."""
+    """``conv_forward`` / ``conv_backward`` as an autograd function on ``[T, C]`` (history optional)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, cu_docs: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight, cu_docs)
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, cu_docs: Tensor, init_at: Tensor | None,
+                history: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight, cu_docs, init_at, history)
         ctx.has_bias = bias is not None
-        return conv_forward(x, weight, bias, cu_docs)
+        return conv_forward(x, weight, bias, cu_docs, init_at, history)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, weight, cu_docs = ctx.saved_tensors
-        dx, dweight, dbias, _ = conv_backward(x, weight, ctx.has_bias, cu_docs, None, None, grad.contiguous())
-        return dx, dweight, dbias, None
+        x, weight, cu_docs, init_at, history = ctx.saved_tensors
+        dx, dweight, dbias, dhistory = conv_backward(x, weight, ctx.has_bias, cu_docs, init_at, history,
+                                                     grad.contiguous())
+        return dx, dweight, dbias, None, None, dhistory
 
 
-def document_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, cu_docs: Tensor) -> Tensor:
+def document_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, cu_docs: Tensor, init_at: Tensor | None = None,
+                    history: Tensor | None = None) -> Tensor:
     """Causal depthwise conv (pre-activation) of ``x [B, L, C]`` with ``weight [C, K]``; no tap reads
-    across a boundary of ``cu_docs`` (every row start among them)."""
+    across a boundary of ``cu_docs`` (every row start among them); the documents starting at stream
+    positions ``init_at [m]`` read their ``K-1`` earlier inputs from ``history [m, K-1, C]``."""
     batch, seqlen, width = x.shape
     dtype = torch.promote_types(x.dtype, weight.dtype)
     bias = None if bias is None else bias.to(dtype)
+    history = None if history is None else history.to(dtype)
     flat = x.reshape(batch * seqlen, width).to(dtype)
-    return _DocumentConv.apply(flat, weight.to(dtype), bias, cu_docs).view(batch, seqlen, width)
+    return _DocumentConv.apply(flat, weight.to(dtype), bias, cu_docs, init_at, history).view(batch, seqlen, width)
+
+
+def gdn_inputs(mixed: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, *, head_k_dim: int,
+               head_v_dim: int, beta_scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, k [.., Hk, dk] l2-normed, v [.., Hv, dv], g, beta [.., Hv])`` of the conv output ``mixed``
+    (after SiLU), in float32 or wider."""
+    v_heads = a.shape[-1]
+    key_width = (mixed.shape[-1] - v_heads * head_v_dim) // 2
+    dtype = torch.promote_types(torch.float32, mixed.dtype)  # norms, gates and the rule in float32 or wider
+    q, k, v = mixed.to(dtype).split([key_width, key_width, v_heads * head_v_dim], dim=-1)
+    q, k = (l2norm(x.unflatten(-1, (-1, head_k_dim))) for x in (q, k))  # [.., Hk, dk]
+    beta = b.to(dtype).sigmoid() * beta_scale
+    g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype))
+    return q, k, v.unflatten(-1, (v_heads, head_v_dim)), g, beta
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -73,12 +92,8 @@ def gated_delta_core(
     if cu_docs is None:
         cu_docs = row_documents(None, batch, seqlen, mixed_qkv.device)
     mixed = F.silu(document_conv1d(mixed_qkv, conv_weight, conv_bias, cu_docs))
-    dtype = torch.promote_types(torch.float32, mixed.dtype)  # norms, gates and the rule in float32 or wider
-    q, k, v = mixed.to(dtype).split([key_width, key_width, v_heads * head_v_dim], dim=-1)
-    q, k = (l2norm(x.unflatten(-1, (-1, head_k_dim))) for x in (q, k))  # [B, L, Hk, dk]
-    v = v.unflatten(-1, (v_heads, head_v_dim))
-    beta = b.to(dtype).sigmoid() * beta_scale
-    g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype))
+    q, k, v, g, beta = gdn_inputs(mixed, a, b, A_log, dt_bias, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                                  beta_scale=beta_scale)
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta, doc_ids=document_ids(cu_docs, batch, seqlen),
                                   chunk_size=chunk_size)
     return o.flatten(-2).to(mixed_qkv.dtype)
