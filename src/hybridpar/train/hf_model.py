@@ -23,7 +23,7 @@ which is what makes FSDP's summed gradients exact. Heads that are more than ``hi
 cp (``parallelize`` installs it for cp > 1, the trainer at cp = 1): blockwise and
 document-causal over the pack's ``PackedSeqParams``, so no ``[S, S]`` mask exists and memory
 grows linearly with ``data.pack_size``; its Mamba2 mixers run hybridpar's Mamba core
-(``models/hf/mamba_mixers``). Any other model keeps transformers' attention and trains one
+(``models/hf/mamba_mixers``), its gated DeltaNets hybridpar's gated delta rule (``models/hf/gdn_mixers``). Any other model keeps transformers' attention and trains one
 document per row (``train/packing_rule.py``). RoPE reads the position ids (zigzag-sharded under CP).
 A float64 model with MoE experts runs transformers' eager experts (``grouped_mm`` has no float64),
 and every float32 cast inside transformers stays float64 (``models/hf/float64.keep_float64``).

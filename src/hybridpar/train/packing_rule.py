@@ -6,8 +6,9 @@ resets at document boundaries:
 - a ``HybridLM``: its attention and Mamba cores take the pack's ``PackedSeqParams``;
 - a transformers model that ``parallel/context/hf.attention_problem`` accepts: its attention
   runs hybridpar's document-causal core, its Mamba2 mixers hybridpar's Mamba core
-  (``models/hf/mamba_mixers.install_mamba_core``), and no other token mixer exists
-  (``unreached_token_mixers``: Mamba1, gated DeltaNet, short convolutions, unknown recurrences).
+  (``models/hf/mamba_mixers.install_mamba_core``), its gated DeltaNets hybridpar's gated delta
+  rule (``models/hf/gdn_mixers.install_gdn_core``), and no other token mixer exists
+  (``unreached_token_mixers``: Mamba1, short convolutions, unknown recurrences).
 
 Any other model trains **one document per row** (``pack_documents(one_per_row=True)``) and the
 trainer says so in one line with the padding it costs. The same holds for ``hybridpar check``
