@@ -1,6 +1,6 @@
 """Context parallelism (cp=2) of transformers' gated DeltaNet models against one process, float64.
 
-Tiny Qwen3-Next, Qwen3.5 and OLMo-Hybrid models (``tests/models/hf/gdn_models.py``: 2 key heads, 4 value heads,
+Tiny Qwen3-Next, Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid models (``tests/models/hf/gdn_models.py``: 2 key heads, 4 value heads,
 chunks of 8) with hybridpar's gated DeltaNet core (``install_gdn_core``); ``parallelize(cp=2)``
 installs the all-to-all core (``parallel/context/gdn.py``) or the state-passing one
 (``cp_mamba=state``) and an attention strategy. Two rows of
@@ -27,7 +27,7 @@ DOCS = [0, 4, 16, 32]
 # (1 to 4 tokens here) across several chunks of the rule
 CASES = [("qwen3_next", "allgather", 2, "a2a", 8), ("qwen3_5", "ulysses", 2, "a2a", 8), ("qwen3_next", "ulysses", 1, "a2a", 8),
          ("olmo_hybrid", "ring", 2, "a2a", 8), ("qwen3_next", "allgather", 2, "state", 8), ("qwen3_5", "ring", 1, "state", 2),
-         ("olmo_hybrid", "ulysses", 2, "state", 2)]
+         ("olmo_hybrid", "ulysses", 2, "state", 2), ("qwen3_5_moe", "allgather", 2, "state", 8)]
 
 
 def _build(name: str, k_heads: int, chunk: int):
