@@ -12,6 +12,10 @@ documents; forward + backward of the summed logits:
   models trained as before: correct, and here without padding), transformers' torch path
   (``torch_chunk_gated_delta_rule``, chunk 64, SDPA).
 
+- ``rule`` rows: the gated delta rule alone (8 value heads over 4 key heads, head dims 64, chunk 64),
+  ours on the packed row with its 4 documents against transformers' ``torch_chunk_gated_delta_rule``
+  on the 4 rows.
+
 Wall time: median of ``--repeats`` runs after one warm-up, one torch thread (the machine is shared).
 Peak memory: one forward+backward in a fresh process per (architecture, path, T)
 (``harness.run_fresh`` + ``harness.measure_peak``), in MiB.
@@ -72,6 +76,31 @@ def step_fn(name: str, path: str, tokens: int):
     return step
 
 
+def rule_fn(path: str, tokens: int):
+    """A closure running forward + backward of the gated delta rule alone (module docstring)."""
+    from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    heads, dim = _C["linear_num_value_heads"], _C["linear_key_head_dim"]
+    q = torch.randn(1, tokens, heads // 2, dim, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, tokens, heads // 2, dim, generator=gen), dim=-1)
+    v = torch.randn(1, tokens, heads, dim, generator=gen)
+    g, beta = -0.1 * torch.rand(1, tokens, heads, generator=gen), torch.rand(1, tokens, heads, generator=gen)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    docs = (torch.arange(tokens) // (tokens // DOCS))[None]
+
+    def step():
+        if path == "ours":
+            out = chunk_gated_delta_rule(*inputs, doc_ids=docs, chunk_size=64)[0]
+        else:
+            rows = [x.view(DOCS, tokens // DOCS, *x.shape[2:]) for x in inputs]
+            out = torch_chunk_gated_delta_rule(*rows, chunk_size=64)[0]
+        out.sum().backward()
+
+    return step
+
+
 def peak_case(name: str, path: str, tokens: int, threads: int) -> dict:
     """(in a fresh process) the peak RSS one step adds, MiB: imports and the model build do not count."""
     torch.set_num_threads(threads)
@@ -80,6 +109,9 @@ def peak_case(name: str, path: str, tokens: int, threads: int) -> dict:
 
 
 def measure(name: str, path: str, tokens: int, repeats: int, threads: int) -> dict:
+    if name == "rule":
+        seconds = harness.timed(rule_fn(path, tokens), repeats=repeats, warmup=1)["median_s"]
+        return {"arch": name, "path": path, "tokens": tokens, "seconds": seconds, "peak_mib": None, "error": None}
     seconds = harness.timed(step_fn(name, path, tokens), repeats=repeats, warmup=1)["median_s"]
     try:
         peak, error = harness.run_fresh(peak_case, name, path, tokens, threads, threads=threads)["peak_mib"], None
@@ -101,14 +133,14 @@ def report(meta: dict, rows: list[dict], lengths, archs) -> str:
                          f"{fmt(theirs.get('seconds'), '{:.2f}')} | {fmt(ours.get('peak_mib'))} | {fmt(theirs.get('peak_mib'))} |")
     lines += ["", "4 equal documents, small random float32 models (module docstring), forward + backward of the summed",
               "logits: ours packs them in one row, transformers runs them one per row (no padding here; real data",
-              "pays the padding of one document per row on top)."]
+              "pays the padding of one document per row on top). 'rule': the gated delta rule alone (peak not measured)."]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--archs", nargs="+", default=list(ARCHS))
+    parser.add_argument("--archs", nargs="+", default=[*ARCHS, "rule"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--paths", nargs="+", default=["ours", "transformers"])
