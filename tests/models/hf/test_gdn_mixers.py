@@ -109,3 +109,15 @@ def test_projection_of_another_width_is_refused():
     with pytest.raises(ValueError, match=r"'model.layers.2.linear_attn'.*expects widths \(64, 32, 4, 4\)") as error:
         install_gdn_core(model)
     assert "\n" not in str(error.value)
+
+
+def test_several_documents_with_a_cache_are_refused():
+    """With a cache transformers' own forward runs, which would not reset: refused, not silently leaked."""
+    model = build_gdn("qwen3_next")
+    install_gdn_core(model)
+    use_hybridpar_attention(model)
+    ids, _ = _rows()
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32))
+    with pytest.raises(ValueError, match="several documents together with a cache") as error:
+        model(input_ids=ids, position_ids=packed.position_ids[None], packed_seq_params=packed, use_cache=True)
+    assert "\n" not in str(error.value)
