@@ -5,7 +5,7 @@ is checked (output and illustrations go in ```text blocks):
 
 - ``hybridpar train|check`` runs with ``--dry-run`` (config, overrides, layout, data, output
   directory: every check the launcher makes; no process starts, nothing is written), in a scratch
-  directory holding the files the commands name (``configs/``, ``ckpt/llama``, ``ckpt/nemotronh``,
+  directory holding the files the commands name (``configs/``, ``ckpt/llama``, ``ckpt/nemotronh``, ``ckpt/qwen3next``,
   ``chat.jsonl``);
 - ``hybridpar plan`` runs as written; ``hybridpar generate`` with ``--dry-run`` (arguments only);
 - ``make TARGET`` names a target of the Makefile.
@@ -102,6 +102,9 @@ def scratch(tmp_path_factory):
     save_hf(HybridLM(HybridConfig.from_preset("tiny", vocab_size=VOCAB, rotary_fraction=0.0)), root / "ckpt" / "nemotronh",
             architecture="NemotronHForCausalLM")
     copy_tokenizer_files(bpe.source_dir, root / "ckpt" / "nemotronh")
+    from tests.models.hf.gdn_models import build_gdn  # a gated DeltaNet hybrid (docs/hybrids.md)
+
+    build_gdn("qwen3_next", chunk=None).save_pretrained(root / "ckpt" / "qwen3next")
     with (root / "chat.jsonl").open("w") as handle:
         for i in range(8):
             handle.write(json.dumps({"messages": [{"role": "user", "content": f"say {i}"},

@@ -1,15 +1,16 @@
 """No model is packed silently across documents (``train/packing_rule.py``).
 
 The trainer (as ``hybridpar train``, ``check`` and evaluation build it) of tiny float64
-checkpoints saved by transformers: Qwen3-Next (gated DeltaNet) and FalconMamba (Mamba1) train one
-document per row and say so with the padding it costs; a Granite 4.0-H MoE, a NemotronH with MoE
-layers (``model.backend=auto``: the transformers model) and LFM2 (short convolutions on hybridpar's
-document-resetting conv) pack several documents, say why that is safe, and take a float64 step (eager experts);
+checkpoints saved by transformers: FalconMamba (Mamba1) trains one document per row and says so
+with the padding it costs; a Granite 4.0-H MoE, a NemotronH with MoE layers (``model.backend=auto``:
+the transformers model), LFM2 (short convolutions on hybridpar's document-resetting conv) and a
+Qwen3-Next (gated DeltaNet on hybridpar's core) pack several documents, say why that is safe, and
+take a float64 step (eager experts);
 the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
 (and at tp=2, where its Mamba mixers are sharded by heads, the one B/C group replicated).
 ``hybridpar check`` is exact in float64 for a Zamba2 whose two hybrid layers reuse one attention block
-(tp=2 + SP, cp=2), Falcon-H1 (cp=2) and Bamba (tp=2 + SP).
+(tp=2 + SP, cp=2), Falcon-H1 (cp=2), Bamba (tp=2 + SP) and Qwen3-Next (cp=2, gated DeltaNet all-to-all and state passing).
 Training checkpoints resume at another layout (Granite MoE tp=2 <-> one process; the Zamba2
 cp=2 -> tp=2 + SP and one process) with the losses of an uninterrupted run.
 The leak probe tells a leaking model from an exact one.
@@ -59,8 +60,8 @@ def _models(hf) -> dict:
     }
 
 
-ONE_PER_ROW = ("qwen3_next", "falcon_mamba")
-PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2")
+ONE_PER_ROW = ("falcon_mamba",)
+PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2", "qwen3_next")
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +104,9 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         lines = [line for line in result["out"].splitlines() if line.startswith("packing:")]
         assert result["one_per_row"] and set(result["docs"]) == {1}, (name, result["docs"])
         assert len(lines) == 1 and "one document per row" in lines[0] and "% of the token slots" in lines[0], lines
-    assert "Qwen3NextGatedDeltaNet" in results["qwen3_next"]["out"]
     assert "FalconMambaMixer" in results["falcon_mamba"]["out"]
     assert "document-resetting conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2's short convs reset
+    assert "gated DeltaNet core on 1 gated DeltaNet layers" in results["qwen3_next"]["out"]  # models/hf/gdn_mixers.py
     for name in PACKED:
         result = results[name]
         assert not result["one_per_row"] and max(result["docs"]) > 1, (name, result["docs"])
@@ -153,6 +154,9 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     "falcon_h1": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],),
     "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),  # a HybridLM (backend=auto): one B/C group
     "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"],),  # short convs: the halo exchange at cp=2
+    # gated DeltaNets on hybridpar's core, all-to-all over heads (parallel/context/gdn.py); MoE layers
+    "qwen3_next": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],
+                   ["parallel.cp=2", "parallel.cp_mamba=state"]),
 }
 
 

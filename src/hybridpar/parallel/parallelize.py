@@ -29,12 +29,14 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
+from hybridpar.models.hf.gdn_mixers import install_gdn_core
 from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba.fused_op import fla_scan
 from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
+from hybridpar.parallel.context import gdn as gdn_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context import mamba as mamba_cp
 from hybridpar.parallel.context.short_conv import apply_short_conv_cp
@@ -103,6 +105,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         raise ValueError(f"unknown cp_attention={cp_attention_strategy!r}; choose one of {sorted(attention_cp.STRATEGIES)}.")
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
+    gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads, no TP
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
         hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp,
                              mamba_cp.STRATEGIES[cp_mamba_strategy](None))
@@ -131,6 +134,7 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     if not isinstance(model, HybridLM):  # transformers' Mamba2 mixers on hybridpar's core share mixer.core
         mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
         apply_short_conv_cp(model, cp_group)  # LFM2's short convs: a halo exchange at the seams
+        gdn_cp.apply_gdn_cp(model, cp_group, mamba_strategy)
         return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
     mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
@@ -218,6 +222,7 @@ def parallelize(
     if hf_cp.is_hf_model(model):
         install_mamba_core(model)
         install_short_conv(model)
+        install_gdn_core(model)  # gated DeltaNets on hybridpar's core (models/hf/gdn_mixers.py)
         hf_cp.refuse_unread_documents(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
                          sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,

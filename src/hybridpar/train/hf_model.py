@@ -23,7 +23,7 @@ which is what makes FSDP's summed gradients exact. Heads that are more than ``hi
 cp (``parallelize`` installs it for cp > 1, the trainer at cp = 1): blockwise and
 document-causal over the pack's ``PackedSeqParams``, so no ``[S, S]`` mask exists and memory
 grows linearly with ``data.pack_size``; its Mamba2 mixers run hybridpar's Mamba core
-(``models/hf/mamba_mixers``). Any other model keeps transformers' attention and trains one
+(``models/hf/mamba_mixers``), its gated DeltaNets hybridpar's gated delta rule (``models/hf/gdn_mixers``). Any other model keeps transformers' attention and trains one
 document per row (``train/packing_rule.py``). RoPE reads the position ids (zigzag-sharded under CP).
 A float64 model with MoE experts runs transformers' eager experts (``grouped_mm`` has no float64),
 and every float32 cast inside transformers stays float64 (``models/hf/float64.keep_float64``).
@@ -44,6 +44,7 @@ from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_ca
                                              load_causal_lm, transformers_config)
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
+from hybridpar.models.hf.gdn_mixers import install_gdn_core
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
 from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.token_dropout import key_model_dropout, set_dropout_tokens, token_keys, unkeyed_dropout
@@ -103,6 +104,7 @@ def hf_meta_model(shape) -> nn.Module:
         model = AutoModelForCausalLM.from_config(shape)
     install_mamba_core(model)
     install_short_conv(model)
+    install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
     return model
 
 
@@ -121,6 +123,7 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
         keep_float64(model.to(torch.float64))
     install_mamba_core(model)
     install_short_conv(model)
+    install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     return model
 

@@ -45,6 +45,7 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
+from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK, gdn_layers
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK, short_convs
 from hybridpar.models.mamba.mixer import tp_groups
@@ -228,13 +229,13 @@ def _rope_types(config) -> set[str]:
 
 def unreached_token_mixers(model: nn.Module) -> list[str]:
     """Names of modules that mix tokens outside hybridpar's cores: a direct ``A_log`` parameter
-    (Mamba1, gated DeltaNet, a Mamba2 mixer not switched by ``install_mamba_core``) or an
-    ``nn.Conv1d`` over the sequence (short convolutions), outside a switched Mamba2 mixer or short
-    conv (``models/hf/short_conv.install_short_conv``)."""
-    inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + short_convs(model))
+    (Mamba1, a gated DeltaNet or Mamba2 mixer not switched by ``install_gdn_core`` / ``install_mamba_core``)
+    or an ``nn.Conv1d`` over the sequence (short convolutions), outside a switched mixer or short conv
+    (``models/hf/short_conv.install_short_conv``)."""
+    inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + gdn_layers(model) + short_convs(model))
     found = []
     for name, module in model.named_modules():
-        switched = getattr(module, MARK, False) or getattr(module, SHORT_CONV_MARK, False)
+        switched = any(getattr(module, mark, False) for mark in (MARK, GDN_MARK, SHORT_CONV_MARK))
         if switched or (inside and name.startswith(inside)):
             continue
         if isinstance(module, nn.Conv1d) or "A_log" in dict(module.named_parameters(recurse=False)):
@@ -258,8 +259,9 @@ def attention_problem(model: nn.Module) -> str | None:
         return (f"{cls} ({model_type}) has token mixers that hybridpar's attention and Mamba cores do not reach "
                 f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: Mamba1, gated "
                 "DeltaNet, short convolutions or other recurrent code), so they cannot reset at document boundaries; "
-                "Mamba2 mixers reach our core through models.hf.mamba_mixers.install_mamba_core(model) (the trainer "
-                "calls it), or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
+                "Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mamba_mixers."
+                "install_mamba_core(model) and models.hf.gdn_mixers.install_gdn_core(model) (the trainer calls both), "
+                "or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
         return (f"hybridpar's attention takes HybridLM and {len(SUPPORTED_MODEL_TYPES)} transformers model types, each "
                 f"proven exact (ATTENTION_MODEL_TYPES and HYBRID_MODEL_TYPES in hybridpar.parallel.context.hf; "

@@ -1,0 +1,163 @@
+"""Gated DeltaNet hybrids on CPU at cp=1: a packed row through hybridpar's core against transformers' torch
+path on one document per row.
+
+Qwen3-Next and Qwen3.5, each a small random float32 model built from transformers' config classes:
+hidden 256, one gated DeltaNet layer (4 key heads, 8 value heads, head dims 64, conv 4) and one
+attention layer (4 heads, 2 KV heads, head dim 64), dense MLP 512, vocab 1024. ``T`` tokens as 4 equal
+documents; forward + backward of the summed logits:
+
+- ``ours``: one packed row of ``T`` tokens, ``install_gdn_core`` + hybridpar's blockwise attention,
+  documents from ``packed_seq_params`` (exact per document);
+- ``transformers``: the same 4 documents as 4 rows of ``T/4`` (one document per row, what these
+  models trained as before: correct, and here without padding), transformers' torch path
+  (``torch_chunk_gated_delta_rule``, chunk 64, SDPA).
+
+- ``rule`` rows: the gated delta rule alone (8 value heads over 4 key heads, head dims 64, chunk 64),
+  ours on the packed row with its 4 documents against transformers' ``torch_chunk_gated_delta_rule``
+  on the 4 rows.
+
+Wall time: median of ``--repeats`` runs after one warm-up, one torch thread (the machine is shared).
+Peak memory: one forward+backward in a fresh process per (architecture, path, T)
+(``harness.run_fresh`` + ``harness.measure_peak``), in MiB.
+
+    python benchmarks/gdn.py [--lengths 2048 8192] [--repeats 3]
+
+Prints a table and writes benchmarks/results/gdn.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import harness
+import torch
+
+ARCHS = ("qwen3_next", "qwen3_5")
+DOCS = 4
+_C = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+          vocab_size=1024, use_cache=False, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+          linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+def build(name: str):
+    import transformers as hf
+
+    builders = {
+        "qwen3_next": lambda: hf.Qwen3NextForCausalLM(hf.Qwen3NextConfig(mlp_only_layers=[0, 1], **_C)),
+        "qwen3_5": lambda: hf.Qwen3_5ForCausalLM(hf.Qwen3_5TextConfig(**_C)),
+    }
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return builders[name]().train()
+
+
+def step_fn(name: str, path: str, tokens: int):
+    """A closure running one forward + backward of ``name`` on ``tokens`` tokens (4 documents)."""
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hf.gdn_mixers import install_gdn_core
+    from hybridpar.parallel.context.hf import use_hybridpar_attention
+
+    model = build(name)
+    ids = torch.randint(0, _C["vocab_size"], (1, tokens))
+    if path == "ours":
+        packed = PackedSeqParams.from_cu_seqlens(torch.arange(0, tokens + 1, tokens // DOCS, dtype=torch.int32))
+        install_gdn_core(model)
+        use_hybridpar_attention(model)
+        inputs = {"input_ids": ids, "position_ids": packed.position_ids, "packed_seq_params": packed, "use_cache": False}
+    else:
+        inputs = {"input_ids": ids.view(DOCS, tokens // DOCS), "use_cache": False}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**inputs).logits.sum().backward()
+
+    return step
+
+
+def rule_fn(path: str, tokens: int):
+    """A closure running forward + backward of the gated delta rule alone (module docstring)."""
+    from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    heads, dim = _C["linear_num_value_heads"], _C["linear_key_head_dim"]
+    q = torch.randn(1, tokens, heads // 2, dim, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, tokens, heads // 2, dim, generator=gen), dim=-1)
+    v = torch.randn(1, tokens, heads, dim, generator=gen)
+    g, beta = -0.1 * torch.rand(1, tokens, heads, generator=gen), torch.rand(1, tokens, heads, generator=gen)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    docs = (torch.arange(tokens) // (tokens // DOCS))[None]
+
+    def step():
+        if path == "ours":
+            out = chunk_gated_delta_rule(*inputs, doc_ids=docs, chunk_size=64)[0]
+        else:
+            rows = [x.view(DOCS, tokens // DOCS, *x.shape[2:]) for x in inputs]
+            out = torch_chunk_gated_delta_rule(*rows, chunk_size=64)[0]
+        out.sum().backward()
+
+    return step
+
+
+def peak_case(name: str, path: str, tokens: int, threads: int) -> dict:
+    """(in a fresh process) the peak RSS one step adds, MiB: imports and the model build do not count."""
+    torch.set_num_threads(threads)
+    step = step_fn(name, path, tokens)
+    return {"peak_mib": harness.measure_peak(step)["peak_bytes"] / 2**20}
+
+
+def measure(name: str, path: str, tokens: int, repeats: int, threads: int) -> dict:
+    if name == "rule":
+        seconds = harness.timed(rule_fn(path, tokens), repeats=repeats, warmup=1)["median_s"]
+        return {"arch": name, "path": path, "tokens": tokens, "seconds": seconds, "peak_mib": None, "error": None}
+    seconds = harness.timed(step_fn(name, path, tokens), repeats=repeats, warmup=1)["median_s"]
+    try:
+        peak, error = harness.run_fresh(peak_case, name, path, tokens, threads, threads=threads)["peak_mib"], None
+    except harness.CaseError as failure:
+        peak, error = None, str(failure)[:200]
+    return {"arch": name, "path": path, "tokens": tokens, "seconds": seconds, "peak_mib": peak, "error": error}
+
+
+def report(meta: dict, rows: list[dict], lengths, archs) -> str:
+    fmt = lambda v, f="{:.0f}": "not run" if v is None else f.format(v)  # noqa: E731
+    lines = harness.header(__doc__.splitlines()[0], meta) + [
+        "", "| arch | T | ours s (1 packed row) | transformers s (4 rows) | ours peak MiB | transformers peak MiB |",
+        "| --- | --- | --- | --- | --- | --- |"]
+    for tokens in lengths:
+        for name in archs:
+            found = {r["path"]: r for r in rows if (r["arch"], r["tokens"]) == (name, tokens)}
+            ours, theirs = found.get("ours", {}), found.get("transformers", {})
+            lines.append(f"| {name} | {tokens} | {fmt(ours.get('seconds'), '{:.2f}')} | "
+                         f"{fmt(theirs.get('seconds'), '{:.2f}')} | {fmt(ours.get('peak_mib'))} | {fmt(theirs.get('peak_mib'))} |")
+    lines += ["", "4 equal documents, small random float32 models (module docstring), forward + backward of the summed",
+              "logits: ours packs them in one row, transformers runs them one per row (no padding here; real data",
+              "pays the padding of one document per row on top). 'rule': the gated delta rule alone (peak not measured)."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--archs", nargs="+", default=[*ARCHS, "rule"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--paths", nargs="+", default=["ours", "transformers"])
+    parser.add_argument("--out", default="gdn")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for tokens in args.lengths:
+        for name in args.archs:
+            for path in args.paths:
+                row = measure(name, path, tokens, args.repeats, args.threads)
+                rows.append(row)
+                print(f"{name:<12} {path:<13} T={tokens:>6}  {row['seconds']:8.2f} s  peak {row['peak_mib']} MiB",
+                      flush=True)
+    meta = {**harness.environment(__file__), "threads": args.threads}
+    harness.write_results(args.out, {"meta": meta, "rows": rows}, report(meta, rows, args.lengths, args.archs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""Linear-attention token mixers with document resets: the gated delta rule (Qwen3-Next, Qwen3.5 and
+OLMo-Hybrid's gated DeltaNet) as single-device, pure-PyTorch code.
+
+``gated_delta.py`` holds the chunked gated delta rule whose state resets at every document boundary;
+``gdn_core.py`` the whole token-mixing core of a gated DeltaNet layer (short causal conv with document
+resets, SiLU, l2-normed q/k, beta, decay, the rule), the seam a context-parallel strategy replaces.
+Floor ``models``: imports ``models/`` and ``data/`` only, never a process group; ``models/hf`` and
+``parallel/`` import it.
+"""
