@@ -57,7 +57,7 @@ def init_distributed(timeout_s: float = 600.0) -> tuple:
     if not cuda:
         # The cores shared among this machine's ranks, unless OMP_NUM_THREADS says otherwise: two
         # processes that each spin two OpenMP threads on two cores run many times slower.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched_by_torchrun() else 1
         threads = os.environ.get("OMP_NUM_THREADS", "")
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
                               else max(1, (os.cpu_count() or 1) // local_world))

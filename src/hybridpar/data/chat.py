@@ -31,10 +31,11 @@ Errors name the file and line (JSONL) or the dataset row.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.sources import read_jsonl
 from hybridpar.data.tokenizers import Tokenizer, as_tokenizer
@@ -49,6 +50,25 @@ __all__ = [
 ]
 
 Document = dict[str, list[int]]
+ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")  # what chat templates render
+
+
+def template_roles(template: str | None) -> list[str]:
+    """``ROLES`` and every other role the chat template compares a message's role with."""
+    named = re.findall(r"role['\"]?\]?\s*(?:==|!=)\s*['\"]([^'\"]{1,40})['\"]", template or "")
+    return list(dict.fromkeys([*ROLES, *named]))
+
+
+def _check_role(index: int, role: str, roles: list[str]) -> None:
+    """A role outside ``roles``: a misspelling would be rendered as a header of its own (or dropped) and
+    never trained on, silently."""
+    if role in roles:
+        return
+    meant = next((r for r in roles if r.lower() == role.strip().lower()), None)
+    meant = f"did you mean {quoted(meant)}? " if meant else did_you_mean(role, roles).removeprefix("; ")
+    raise ValueError(f"message {index} has role {quoted(role)}, not a chat role (it would not be trained on, or be "
+                     f"dropped by the template): roles are {roles}, with those the chat template names; "
+                     f"{meant + ' ' if meant.endswith('?') else meant}fix the role.")
 
 
 def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
@@ -56,13 +76,15 @@ def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
     return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX] * bool(ids)
 
 
-def _check_messages(messages: Any) -> list[dict[str, str]]:
+def _check_messages(messages: Any, template: str | None = None) -> list[dict[str, str]]:
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {messages!r:.80}")
+    roles = template_roles(template)
     for index, message in enumerate(messages):
         if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise ValueError(f"message {index} is {message!r:.80}; every message needs string 'role' and 'content'")
+        _check_role(index, message["role"], roles)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"no message has role 'assistant' (roles: {[m['role'] for m in messages]}), so nothing "
                          "would be trained on; drop the conversation or add the assistant's reply")
@@ -75,7 +97,7 @@ def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
 
 def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     """``(ids, mask)`` of a conversation: its rendered tokens and which are assistant tokens."""
-    messages = _check_messages(messages)
+    messages = _check_messages(messages, tokenizer.chat_template)
     if tokenizer.has_generation_tags:
         return tokenizer.apply_chat_template(messages, return_assistant_mask=True)
     ids = tokenizer.apply_chat_template(messages)

@@ -33,6 +33,7 @@ from torch import Tensor
 from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.tokenizers import ByteTokenizer, as_tokenizer
+from hybridpar.strict_json import loads as strict_loads
 
 __all__ = [
     "ByteTokenizer",
@@ -348,7 +349,7 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = strict_loads(line, str(path), number)  # a key written twice: refused
             except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested too deep
                 raise ValueError(
                     f"{path}:{number}: not valid JSON ("
