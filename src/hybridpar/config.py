@@ -260,7 +260,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {quoted(str(path))} is a directory, not a YAML file; pass the YAML file in "
                               "it, e.g. --config configs/tiny-hybrid.yaml.")
         if not path.is_file():
-            raise ConfigError(f"config file {quoted(str(path))} does not exist; pass an existing YAML file, e.g. "
+            what = "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
+            raise ConfigError(f"config file {quoted(str(path))} {what}; pass an existing YAML file, e.g. "
                               "configs/tiny-hybrid.yaml.")
         try:
             text = path.read_text(encoding="utf-8")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hybridpar.config_rules import quoted
 
-__all__ = ["DuplicateKeyError", "loads", "load_file", "pairs_hook", "check_no_duplicate_keys"]
+__all__ = ["DuplicateKeyError", "loads", "load_file", "pairs_hook", "check_no_duplicate_keys", "check_json_data_file"]
 
 
 class DuplicateKeyError(ValueError):
@@ -76,4 +76,24 @@ def check_no_duplicate_keys(directory: str | Path, names) -> None:
         except DuplicateKeyError:
             raise
         except (OSError, ValueError, RecursionError):
+            continue
+
+
+def check_json_data_file(file: str | Path) -> None:
+    """DuplicateKeyError for a JSON data file (one JSON value, or JSON lines) that writes a key twice,
+    naming the line; other errors are left to the reader (``datasets`` keeps the last value)."""
+    text = Path(file).read_text(encoding="utf-8", errors="replace")
+    try:
+        loads(text, str(file))
+        return
+    except DuplicateKeyError:
+        raise
+    except (ValueError, RecursionError):
+        pass  # JSON lines, or not JSON: line by line
+    for number, line in enumerate(text.split("\n"), start=1):
+        try:
+            loads(line, str(file), number)
+        except DuplicateKeyError:
+            raise
+        except (ValueError, RecursionError):
             continue

@@ -28,6 +28,7 @@ def test_a_json_key_written_twice_is_refused_by_every_reader(tmp_path):
     transformers reads (config.json, the shard index, a safetensors header, the tokenizer's files, a
     checkpoint's run.json and manifest): the last of two values won."""
     from hybridpar.data.chat import chat_documents
+    from hybridpar.data.hf_datasets import load_hf_dataset
     from hybridpar.data.sources import read_jsonl
     from hybridpar.data.tokenizers import load_pretrained_tokenizer
     from hybridpar.models.hf.config import read_hf_config
@@ -39,6 +40,9 @@ def test_a_json_key_written_twice_is_refused_by_every_reader(tmp_path):
     with pytest.raises(ValueError) as error:
         list(read_jsonl(tmp_path / "data.jsonl"))
     assert _one_line(error).startswith(f"{tmp_path}/data.jsonl:2: the key 'text' {TWICE}")
+    (tmp_path / "rows.json").write_text('[\n {"text": "a",\n  "text": "b"}]')  # datasets: the last won
+    with pytest.raises(ValueError, match=f"rows.json:3: the key 'text' {TWICE}"):
+        load_hf_dataset(tmp_path / "rows.json")
     train_tiny_bpe(tmp_path / "tok")
     (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi", "role": "assistant"}]}\n')
     with pytest.raises(ValueError, match=f"chat.jsonl:1: the key 'role' {TWICE}"):
@@ -169,3 +173,24 @@ def test_an_environment_variable_that_cannot_be_used_or_is_not_used_is_said(tmp_
     assert f"hybridpar: {said}" in err and len(err.splitlines()) == 1, err
     assert code == (2 if said.startswith("error") else 0)
     assert os.environ.get("OMP_NUM_THREADS") == env.get("OMP_NUM_THREADS")
+
+
+# -- transformers' own output: a progress bar and a load report on stderr, besides our one line ----------
+
+
+def test_loading_a_transformers_model_prints_nothing_of_transformers_own(tmp_path, capfd):
+    """A checkpoint with an extra tensor printed transformers' progress bar and a "LOAD REPORT" table
+    (9 lines) before hybridpar's one-line error; a good one printed the progress bar on every load."""
+    from safetensors.torch import load_file, save_file
+
+    from hybridpar.models.hf.causal_lm import load_causal_lm
+
+    model = tiny_hf(tmp_path / "hf")
+    load_causal_lm(model, "transformers")
+    assert capfd.readouterr().err == ""
+    tensors = load_file(model / "model.safetensors")
+    save_file({**tensors, "model.bogus.weight": tensors[sorted(tensors)[0]][:1].clone()}, model / "model.safetensors")
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(model, "transformers")
+    assert "1 unexpected keys: model.bogus.weight" in _one_line(error)
+    assert capfd.readouterr().err == ""

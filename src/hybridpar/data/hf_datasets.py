@@ -20,6 +20,7 @@ from pathlib import Path
 from hybridpar.config_rules import quoted
 from hybridpar.data.chat import chat_document, prompt_completion_document
 from hybridpar.data.tokenizers import as_tokenizer
+from hybridpar.strict_json import check_json_data_file
 
 __all__ = ["HF_KINDS", "load_hf_dataset", "hf_dataset_documents"]
 
@@ -53,11 +54,16 @@ def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None 
             return loaded[split]
         return loaded
     if path.is_dir():
+        for file in sorted(path.rglob("*.json*")):  # datasets' JSON reader keeps the last of two equal keys
+            if file.suffix in (".json", ".jsonl"):
+                check_json_data_file(file)
         return datasets.load_dataset(str(path), split=split)
     builder = builder or HF_BUILDERS.get(path.suffix)
     if builder is None:
         raise ValueError(f"cannot infer the datasets builder of {path}; pass builder= one of "
                          f"{sorted(set(HF_BUILDERS.values()))}.")
+    if builder == "json":
+        check_json_data_file(path)
     return datasets.load_dataset(builder, data_files=[str(path)], split=split)
 
 
