@@ -290,6 +290,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                               "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}" + (
                                   ", in quotes: the shell splits an unquoted override at its spaces, so quote it whole "
                                   f"(\"{shorten(item, 60)} ...\")" if split else "") + ".") from None
+        if any(not part or part != part.strip() for part in key.strip().split(".")):  # train..steps, train. steps
+            raise ConfigError(f"override {quoted(item)} has an empty or spaced name in its key {quoted(key.strip())}; "
+                              "write the key as section.name, e.g. train.steps=100.")
         _set_dotted(raw, key.strip().split("."), parsed)
     return _build(RunConfig, raw, "")
 

@@ -194,3 +194,20 @@ def test_loading_a_transformers_model_prints_nothing_of_transformers_own(tmp_pat
         load_causal_lm(model, "transformers")
     assert "1 unexpected keys: model.bogus.weight" in _one_line(error)
     assert capfd.readouterr().err == ""
+
+
+# -- config: an override key with an empty name, a config path that is not a regular file ----------------
+
+
+def test_an_override_key_with_an_empty_name_and_a_config_that_is_a_device_say_so():
+    """``train..steps=3`` was "unknown config key(s) ['train.']; did you mean train?"; ``--config
+    /dev/null`` was "does not exist"."""
+    from hybridpar.config import load_config
+
+    for override in ("train..steps=3", ".train.steps=3", "train. steps=3"):
+        with pytest.raises(ConfigError) as error:
+            load_config(DEFAULT, [override])
+        assert f"override {override!r} has an empty or spaced name in its key" in _one_line(error)
+    with pytest.raises(ConfigError) as error:
+        load_config("/dev/null", [])
+    assert "config file '/dev/null' is not a regular file (a device, pipe or socket)" in _one_line(error)
