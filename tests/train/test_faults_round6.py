@@ -211,3 +211,17 @@ def test_an_override_key_with_an_empty_name_and_a_config_that_is_a_device_say_so
     with pytest.raises(ConfigError) as error:
         load_config("/dev/null", [])
     assert "config file '/dev/null' is not a regular file (a device, pipe or socket)" in _one_line(error)
+
+
+def test_torch_cpp_warnings_are_not_raw_lines_on_stderr(tmp_path):
+    """Every run that saved a checkpoint printed torch's raw ``[W... CPUAllocator.cpp:245] Memory block
+    of unknown size was allocated before the profiling started`` line (the CPU step's tensor peak)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hybridpar.environment import check_environment; check_environment(); import torch; "
+            "from hybridpar.train.tensor_peak import TensorPeak; x = torch.ones(100_000); peak = TensorPeak(); "
+            "peak.__enter__(); del x; peak.__exit__(None, None, None)")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
