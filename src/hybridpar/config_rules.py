@@ -165,6 +165,10 @@ def did_you_mean(name, known) -> str:
     import difflib
 
     name, known = str(name), [str(k) for k in known]
+    if "." in name and name in known:  # ``train.steps: 3`` in a YAML file: one key with a dot in it
+        section, _, key = name.rpartition(".")
+        return (f"; a dotted key is for command-line overrides: in a YAML file write it nested, '{shorten(section, 60)}:' "
+                f"then '  {shorten(key, 60)}: ...' on the next line")
     if ":" in name and not name.endswith(":"):
         key, _, value = name.partition(":")
         return f"; YAML needs a space after the colon: write '{shorten(key.strip(), 60)}: {shorten(value.strip(), 60)}'"

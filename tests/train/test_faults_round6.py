@@ -225,3 +225,19 @@ def test_torch_cpp_warnings_are_not_raw_lines_on_stderr(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_a_dotted_key_and_a_merge_key_in_a_yaml_file_say_what_to_write(tmp_path):
+    """``train.steps: 3`` in a file was "unknown config key(s) ['train.steps']; did you mean
+    train.steps?"; ``<<: *base`` was "could not determine a constructor for the tag ...merge"."""
+    from hybridpar.config import load_config
+
+    (tmp_path / "dotted.yaml").write_text("train.steps: 3\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "dotted.yaml", [])
+    assert "a dotted key is for command-line overrides: in a YAML file write it nested, 'train:' then '  steps: ...'" \
+        in _one_line(error) and "did you mean" not in str(error.value)
+    (tmp_path / "merge.yaml").write_text("base: &b\n  steps: 3\ntrain:\n  <<: *b\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "merge.yaml", [])
+    assert "at line 4, column 3: a merge key ('<<') is YAML 1.1 and is not read here" in _one_line(error)
