@@ -241,3 +241,23 @@ def test_a_dotted_key_and_a_merge_key_in_a_yaml_file_say_what_to_write(tmp_path)
     with pytest.raises(ConfigError) as error:
         load_config(tmp_path / "merge.yaml", [])
     assert "at line 4, column 3: a merge key ('<<') is YAML 1.1 and is not read here" in _one_line(error)
+
+
+@pytest.mark.parametrize("record, said", [
+    ({"prompt": 5, "completion": "x"}, "prompt must be a string, got a int (5); write it as a JSON string"),
+    ({"messages": {"role": "user", "content": "hi"}}, "'role': 'user'}; write it as [{\"role\""),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "x"}]},
+     "hybridpar trains on text: join the text of the content parts into one string")])
+def test_a_sft_record_of_the_wrong_shape_says_the_fix(tmp_path, record, said):
+    """"prompt must be a string, got int" named neither the value nor what to do; a multimodal
+    content list was "every message needs string 'role' and 'content'"."""
+    from hybridpar.data.chat import chat_documents, prompt_completion_documents
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+    from tests.data.bpe import train_tiny_bpe
+
+    tokenizer = load_pretrained_tokenizer(train_tiny_bpe(tmp_path / "tok").source_dir)
+    (tmp_path / "r.jsonl").write_text(json.dumps(record) + "\n")
+    read = prompt_completion_documents if "prompt" in record else chat_documents
+    with pytest.raises(ValueError) as error:
+        read(tmp_path / "r.jsonl", tokenizer)
+    assert said in _one_line(error)

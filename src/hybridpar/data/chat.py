@@ -78,12 +78,17 @@ def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
 
 def _check_messages(messages: Any, template: str | None = None) -> list[dict[str, str]]:
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {messages!r:.80}")
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {quoted(messages, 80)}; "
+                         'write it as [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}], '
+                         "or remove the record.")
     roles = template_roles(template)
     for index, message in enumerate(messages):
         if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
-            raise ValueError(f"message {index} is {message!r:.80}; every message needs string 'role' and 'content'")
+            parts = isinstance(message, Mapping) and isinstance(message.get("content"), list)
+            raise ValueError(f"message {index} is {quoted(message, 80)}; every message needs string 'role' and "
+                             "'content'" + ("; hybridpar trains on text: join the text of the content parts into one "
+                                            "string" if parts else ": fix or remove the message") + ".")
         _check_role(index, message["role"], roles)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"no message has role 'assistant' (roles: {[m['role'] for m in messages]}), so nothing "
@@ -137,7 +142,8 @@ def prompt_completion_document(prompt: str, completion: str, tokenizer) -> Docum
     tokenizer = as_tokenizer(tokenizer)
     for name, value in (("prompt", prompt), ("completion", completion)):
         if not isinstance(value, str):
-            raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+            raise ValueError(f"{name} must be a string, got a {type(value).__name__} ({quoted(value, 60)}); write it as "
+                             "a JSON string, or fix or remove the record.")
     if tokenizer.eos_id is None:
         raise ValueError(f"tokenizer {tokenizer.name} has no EOS token to end the completion; use one that defines it")
     prompt_ids = tokenizer.document(prompt, add_eos=False)
