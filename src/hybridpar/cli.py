@@ -201,12 +201,12 @@ def check_devices(nproc: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
-        notes = check_environment()  # before torch reads OMP_NUM_THREADS, or a worker joins a world
+        notes = check_environment()  # before torch is imported (parse_args does) and reads OMP_NUM_THREADS
     except ConfigError as error:
         print(f"hybridpar: error: {error}", file=sys.stderr, flush=True)
         return 2
+    args = parse_args(argv)
     if launched_by_torchrun() and not getattr(args, "dry_run", False):
         return worker_main(args)
     from hybridpar.train.nonfinite import NonFiniteError

@@ -219,12 +219,13 @@ def test_torch_cpp_warnings_are_not_raw_lines_on_stderr(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from hybridpar.environment import check_environment; check_environment(); import torch; "
+    argv = ["train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}", "--dry-run"]
+    code = (f"from hybridpar.cli import main; assert main({argv!r}) == 0; import torch; "  # the CLI sets it up
             "from hybridpar.train.tensor_peak import TensorPeak; x = torch.ones(100_000); peak = TensorPeak(); "
             "peak.__enter__(); del x; peak.__exit__(None, None, None)")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.returncode == 0 and "CPUAllocator" not in result.stderr, result.stderr
 
 
 def test_a_dotted_key_and_a_merge_key_in_a_yaml_file_say_what_to_write(tmp_path):
