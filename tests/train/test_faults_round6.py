@@ -262,3 +262,42 @@ def test_a_sft_record_of_the_wrong_shape_says_the_fix(tmp_path, record, said):
     with pytest.raises(ValueError) as error:
         read(tmp_path / "r.jsonl", tokenizer)
     assert said in _one_line(error)
+
+
+# -- hf_dataset: a file datasets cannot read is one line, without its progress bars ----------------------
+
+
+@pytest.mark.parametrize("name, content, cause", [("bad.csv", 'text\n"unterminated\n', "ParserError: Error tokenizing data"),
+                                                  ("bad.parquet", "PAR1garbage", "ArrowInvalid: Parquet magic bytes")])
+def test_a_dataset_file_datasets_cannot_read_is_one_line(tmp_path, capfd, name, content, cause):
+    """A CSV with an open quote was an 80-line DatasetGenerationError traceback (exit 1); a damaged
+    parquet file printed datasets' own error line and then one without the file's name."""
+    from hybridpar.data.hf_datasets import load_hf_dataset
+
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError) as error:
+        load_hf_dataset(tmp_path / name)
+    assert _one_line(error).startswith(f"dataset {tmp_path / name} cannot be read ({cause}")
+    assert capfd.readouterr().err == ""
+
+
+# -- resume: a checkpoint folder renamed to another step is refused --------------------------------------
+
+
+def test_a_checkpoint_renamed_to_another_step_is_refused(tmp_path):
+    """``step_00000002`` renamed ``step_00000009`` was resumed (its run.json says step 2), and from then on
+    resume=auto and retention, both by the name's step, took it for the newest: a later run went back
+    to step 2 and retention could delete the true newest checkpoint."""
+    from hybridpar.config import load_config
+    from hybridpar.train.run.checkpoint import _write_manifest
+    from hybridpar.train.run.resume import plan_resume
+
+    folder = tmp_path / "checkpoints" / "step_00000009"
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps({"step": 2, "run_id": "r"}))
+    _write_manifest(folder)
+    with pytest.raises(ValueError) as error:
+        plan_resume(load_config(DEFAULT, [*TINY, f"output_dir={tmp_path}"]))
+    assert _one_line(error).startswith(f"checkpoint '{folder}' is named for step 9 but holds step 2 (its run.json): it "
+                                       "was renamed")
+    assert "rename it back to step_00000002" in str(error.value)
