@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, quoted, sample_problem, shorten, show_value, type_names
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
@@ -266,7 +266,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as error:
-            raise ConfigError(f"config file {quoted(str(path))} is not UTF-8 text (byte {error.start}); save it as UTF-8 YAML.") from None
+            wide = wide_encoding(error.object)
+            what = f"{wide} text (its byte-order mark), not UTF-8" if wide else f"not UTF-8 text (byte {error.start})"
+            raise ConfigError(f"config file {quoted(str(path))} is {what}; save it as UTF-8 YAML"
+                              + (f" (e.g. iconv -f {wide} -t utf-8 in > out)." if wide else ".")) from None
         try:
             raw = parse_yaml(text, f"config file {quoted(str(path))}") or {}
         except YamlSyntaxError as error:

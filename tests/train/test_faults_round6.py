@@ -213,6 +213,17 @@ def test_an_override_key_with_an_empty_name_and_a_config_that_is_a_device_say_so
     assert "config file '/dev/null' is not a regular file (a device, pipe or socket)" in _one_line(error)
 
 
+def test_a_utf16_config_file_is_named_as_such(tmp_path):
+    """A config saved as "Unicode" by a Windows editor was "not UTF-8 text (byte 0)"; a data file of the same
+    kind was already named UTF-16 with the iconv line."""
+    from hybridpar.config import load_config
+
+    (tmp_path / "c.yaml").write_bytes("train:\n  steps: 3\n".encode("utf-16"))
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "c.yaml", [])
+    assert "is UTF-16 text (its byte-order mark), not UTF-8; save it as UTF-8 YAML (e.g. iconv -f UTF-16" in _one_line(error)
+
+
 def test_torch_cpp_warnings_are_not_raw_lines_on_stderr(tmp_path):
     """Every run that saved a checkpoint printed torch's raw ``[W... CPUAllocator.cpp:245] Memory block
     of unknown size was allocated before the profiling started`` line (the CPU step's tensor peak)."""
