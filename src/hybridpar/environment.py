@@ -8,11 +8,6 @@
   ``WORLD_SIZE``, ``LOCAL_RANK`` or ``LOCAL_WORLD_SIZE`` set then is said to be unused (the run
   was one process without a word).
 
-- ``TORCH_CPP_LOG_LEVEL`` defaults to ``ERROR``: torch's C++ warnings are raw lines
-  (``[W1126 ...] Memory block of unknown size was allocated before the profiling started``, from
-  the CPU step's memory measurement, after every checkpoint) a user cannot act on; set
-  ``TORCH_CPP_LOG_LEVEL=WARNING`` to see them.
-
 ``check_environment`` raises ConfigError (one line, exit 2) or returns the notices. Imported by
 ``cli`` only.
 """
@@ -41,8 +36,7 @@ def _integer(key: str, low: int) -> int:
 
 def check_environment() -> list[str]:
     """ConfigError for a variable that cannot be used; the notices of variables that are not used.
-    Call it before torch is imported (it reads ``TORCH_CPP_LOG_LEVEL`` once, when it loads)."""
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    Call it before torch is imported (OpenMP reads ``OMP_NUM_THREADS`` when torch loads)."""
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads is not None and not THREADS.fullmatch(threads):
         raise ConfigError(f"OMP_NUM_THREADS={quoted(threads, 60)} is not a thread count: it must be an integer >= 1 "
