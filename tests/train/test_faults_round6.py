@@ -114,7 +114,7 @@ def test_a_tensor_stored_in_two_shards_is_refused(tmp_path):
 # -- chat: a role that is not one is refused with the role it most likely is ------------------------------
 
 
-@pytest.mark.parametrize("role, meant", [("asistant", "did you mean assistant?"), ("User", "did you mean 'user'?"),
+@pytest.mark.parametrize("role, meant", [("asistant", "did you mean 'assistant'?"), ("User", "did you mean 'user'?"),
                                          ("", "fix the role")])
 def test_a_chat_role_that_is_not_one_is_refused(tmp_path, role, meant):
     """``{"role": "asistant"}`` was rendered as a header of its own by ChatML (and dropped by other

@@ -31,11 +31,12 @@ Errors name the file and line (JSONL) or the dataset row.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hybridpar.config_rules import did_you_mean, quoted
+from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.sources import read_jsonl
 from hybridpar.data.tokenizers import Tokenizer, as_tokenizer
@@ -64,11 +65,10 @@ def _check_role(index: int, role: str, roles: list[str]) -> None:
     never trained on, silently."""
     if role in roles:
         return
-    meant = next((r for r in roles if r.lower() == role.strip().lower()), None)
-    meant = f"did you mean {quoted(meant)}? " if meant else did_you_mean(role, roles).removeprefix("; ")
+    close = difflib.get_close_matches(role.strip().lower(), roles, n=1, cutoff=0.6)  # asistant, User, ' assistant'
     raise ValueError(f"message {index} has role {quoted(role)}, not a chat role (it would not be trained on, or be "
-                     f"dropped by the template): roles are {roles}, with those the chat template names; "
-                     f"{meant + ' ' if meant.endswith('?') else meant}fix the role.")
+                     f"dropped by the template): roles are {quoted(roles, 300)}, with those the chat template names; "
+                     f"{f'did you mean {quoted(close[0])}? ' if close else ''}fix the role.")
 
 
 def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
