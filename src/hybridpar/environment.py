@@ -59,4 +59,4 @@ def check_environment() -> list[str]:
         return []
     return [f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} not used: without both LOCAL_RANK and WORLD_SIZE "
             "this is not a torchrun worker, so the run is one process (or --nproc-per-node N of them); start it with "
-            "torchrun to join a job, or unset them."]
+            f"torchrun to join a job, or unset {'it' if len(given) == 1 else 'them'}."]
