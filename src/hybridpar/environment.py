@@ -8,6 +8,9 @@
   ``WORLD_SIZE``, ``LOCAL_RANK`` or ``LOCAL_WORLD_SIZE`` set then is said to be unused (the run
   was one process without a word).
 
+- ``HYBRIDPAR_TRACEBACK`` is a switch: 1/true/yes/on or 0/false/no/off (``=0`` showed the traceback:
+  any non-empty value did).
+
 ``check_environment`` raises ConfigError (one line, exit 2) or returns the notices. Imported by
 ``cli`` only.
 """
@@ -20,9 +23,10 @@ import re
 from hybridpar.config import ConfigError
 from hybridpar.config_rules import quoted
 
-__all__ = ["check_environment"]
+__all__ = ["check_environment", "traceback_wanted"]
 
 WORKER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
 THREADS = re.compile(r"\s*[1-9]\d*\s*(,\s*[1-9]\d*\s*)*")
 
 
@@ -34,6 +38,11 @@ def _integer(key: str, low: int) -> int:
     return int(text)
 
 
+def traceback_wanted() -> bool:
+    """``HYBRIDPAR_TRACEBACK`` is on: print the traceback behind a one-line message."""
+    return SWITCH.get(os.environ.get("HYBRIDPAR_TRACEBACK", "").strip().lower(), False)
+
+
 def check_environment() -> list[str]:
     """ConfigError for a variable that cannot be used; the notices of variables that are not used.
     Call it before torch is imported (OpenMP reads ``OMP_NUM_THREADS`` when torch loads)."""
@@ -42,6 +51,10 @@ def check_environment() -> list[str]:
         raise ConfigError(f"OMP_NUM_THREADS={quoted(threads, 60)} is not a thread count: it must be an integer >= 1 "
                           "(e.g. OMP_NUM_THREADS=4); fix it, or unset it (hybridpar then shares this machine's cores "
                           "among its processes).")
+    switch = os.environ.get("HYBRIDPAR_TRACEBACK", "")
+    if switch.strip().lower() not in SWITCH:
+        raise ConfigError(f"HYBRIDPAR_TRACEBACK={quoted(switch, 60)} is invalid: it must be 1 (print the traceback behind "
+                          "an error message) or 0 (true/false, yes/no, on/off also do); fix it, or unset it.")
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: every variable it needs
         missing = [key for key in ("RANK", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
         if missing:

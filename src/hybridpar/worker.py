@@ -18,6 +18,7 @@ import traceback
 import warnings
 
 from hybridpar.config import RunConfig, load_config
+from hybridpar.environment import traceback_wanted
 
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
 
 
 def error_message(error: BaseException) -> str:
-    if os.environ.get("HYBRIDPAR_TRACEBACK"):
+    if traceback_wanted():
         traceback.print_exception(error)
     return str(error) if not isinstance(error, (FileNotFoundError, PermissionError)) or not error.filename else \
         f"{error.strerror}: {error.filename}"

@@ -156,6 +156,7 @@ def test_master_addr_and_port_with_nproc_per_node_are_said_to_be_unused(tmp_path
     ({"OMP_NUM_THREADS": "0"}, "error: OMP_NUM_THREADS='0' is not a thread count"),
     ({"LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "error: LOCAL_RANK and WORLD_SIZE are set, so this process takes itself for "
                                              "a torchrun worker, but RANK and MASTER_ADDR and MASTER_PORT are not"),
+    ({"HYBRIDPAR_TRACEBACK": "maybe"}, "error: HYBRIDPAR_TRACEBACK='maybe' is invalid: it must be 1 (print the traceback"),
     ({"WORLD_SIZE": "4", "RANK": "2"}, "warning: RANK='2', WORLD_SIZE='4' are not used: without both LOCAL_RANK and "
                                        "WORLD_SIZE this is not a torchrun worker")])
 def test_an_environment_variable_that_cannot_be_used_or_is_not_used_is_said(tmp_path, monkeypatch, capsys, env, said):
@@ -164,7 +165,8 @@ def test_an_environment_variable_that_cannot_be_used_or_is_not_used_is_said(tmp_
     torch's "environment variable RANK expected" with no fix."""
     from hybridpar.cli import main
 
-    for key in ("OMP_NUM_THREADS", "LOCAL_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+    for key in ("OMP_NUM_THREADS", "LOCAL_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+                "HYBRIDPAR_TRACEBACK"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -298,3 +300,16 @@ def test_a_checkpoint_renamed_to_another_step_is_refused(tmp_path):
     assert _one_line(error).startswith(f"checkpoint '{folder}' is named for step 9 but holds step 2 (its run.json): it "
                                        "was renamed")
     assert "rename it back to step_00000002" in str(error.value)
+
+
+def test_hybridpar_traceback_0_shows_no_traceback(monkeypatch, capsys):
+    """Any non-empty ``HYBRIDPAR_TRACEBACK`` turned tracebacks on, ``=0`` and ``=false`` included."""
+    from hybridpar.worker import error_message
+
+    for value, shown in (("0", False), ("false", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("HYBRIDPAR_TRACEBACK", value)
+        try:
+            raise ValueError("bad input")
+        except ValueError as error:
+            assert error_message(error) == "bad input"
+        assert ("Traceback" in capsys.readouterr().err) == shown, value
