@@ -115,7 +115,7 @@ def test_a_tensor_stored_in_two_shards_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("role, meant", [("asistant", "did you mean 'assistant'?"), ("User", "did you mean 'user'?"),
-                                         ("", "fix the role")])
+                                         ("", "fix the role"), ("gpt", "did you mean 'assistant'?")])
 def test_a_chat_role_that_is_not_one_is_refused(tmp_path, role, meant):
     """``{"role": "asistant"}`` was rendered as a header of its own by ChatML (and dropped by other
     templates): its reply was never trained on, and nothing said so."""
@@ -247,7 +247,8 @@ def test_a_dotted_key_and_a_merge_key_in_a_yaml_file_say_what_to_write(tmp_path)
     ({"prompt": 5, "completion": "x"}, "prompt must be a string, got a int (5); write it as a JSON string"),
     ({"messages": {"role": "user", "content": "hi"}}, "'role': 'user'}; write it as [{\"role\""),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "x"}]},
-     "hybridpar trains on text: join the text of the content parts into one string")])
+     "hybridpar trains on text: join the text of the content parts into one string"),
+    ({"messages": [{"from": "human", "value": "hi"}]}, "this is ShareGPT's {'from', 'value'}: convert each message")])
 def test_a_sft_record_of_the_wrong_shape_says_the_fix(tmp_path, record, said):
     """"prompt must be a string, got int" named neither the value nor what to do; a multimodal
     content list was "every message needs string 'role' and 'content'"."""

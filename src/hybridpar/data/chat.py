@@ -52,6 +52,7 @@ __all__ = [
 
 Document = dict[str, list[int]]
 ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")  # what chat templates render
+SYNONYMS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}  # ShareGPT, Gemma
 
 
 def template_roles(template: str | None) -> list[str]:
@@ -65,7 +66,8 @@ def _check_role(index: int, role: str, roles: list[str]) -> None:
     never trained on, silently."""
     if role in roles:
         return
-    close = difflib.get_close_matches(role.strip().lower(), roles, n=1, cutoff=0.6)  # asistant, User, ' assistant'
+    close = [SYNONYMS[role.strip().lower()]] if role.strip().lower() in SYNONYMS else \
+        difflib.get_close_matches(role.strip().lower(), roles, n=1, cutoff=0.6)  # asistant, User, ' assistant'
     raise ValueError(f"message {index} has role {quoted(role)}, not a chat role (it would not be trained on, or be "
                      f"dropped by the template): roles are {quoted(roles, 300)}, with those the chat template names; "
                      f"{f'did you mean {quoted(close[0])}? ' if close else ''}fix the role.")
@@ -86,9 +88,12 @@ def _check_messages(messages: Any, template: str | None = None) -> list[dict[str
         if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             parts = isinstance(message, Mapping) and isinstance(message.get("content"), list)
+            sharegpt = isinstance(message, Mapping) and {"from", "value"} <= set(message)
             raise ValueError(f"message {index} is {quoted(message, 80)}; every message needs string 'role' and "
                              "'content'" + ("; hybridpar trains on text: join the text of the content parts into one "
-                                            "string" if parts else ": fix or remove the message") + ".")
+                                            "string" if parts else "; this is ShareGPT's {'from', 'value'}: convert each "
+                                            "message to {'role', 'content'} (human -> user, gpt -> assistant)" if sharegpt
+                                            else ": fix or remove the message") + ".")
         _check_role(index, message["role"], roles)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"no message has role 'assistant' (roles: {[m['role'] for m in messages]}), so nothing "
