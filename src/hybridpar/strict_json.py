@@ -80,20 +80,25 @@ def check_no_duplicate_keys(directory: str | Path, names) -> None:
 
 
 def check_json_data_file(file: str | Path) -> None:
-    """DuplicateKeyError for a JSON data file (one JSON value, or JSON lines) that writes a key twice,
-    naming the line; other errors are left to the reader (``datasets`` keeps the last value)."""
-    text = Path(file).read_text(encoding="utf-8", errors="replace")
-    try:
-        loads(text, str(file))
-        return
-    except DuplicateKeyError:
-        raise
-    except (ValueError, RecursionError):
-        pass  # JSON lines, or not JSON: line by line
-    for number, line in enumerate(text.split("\n"), start=1):
+    """DuplicateKeyError for a JSON data file (one JSON value, or JSON lines: read line by line, so a
+    large file is not held twice) that writes a key twice, naming the line; other errors are left to
+    the reader (``datasets`` keeps the last value of a JSON value's keys)."""
+    file = Path(file)
+    if file.suffix != ".jsonl":
+        text = file.read_text(encoding="utf-8", errors="replace")
         try:
-            loads(line, str(file), number)
+            loads(text, str(file))
+            return
         except DuplicateKeyError:
             raise
         except (ValueError, RecursionError):
-            continue
+            pass  # JSON lines in a .json file, or not JSON: line by line
+        del text
+    with open(file, encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, start=1):
+            try:
+                loads(line, str(file), number)
+            except DuplicateKeyError:
+                raise
+            except (ValueError, RecursionError):
+                continue
