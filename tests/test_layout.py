@@ -14,13 +14,13 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 FLOORS = [  # lowest first; a module may import its own floor and those below
-    {"hybridpar.yaml12", "hybridpar.config_rules"},
+    {"hybridpar.yaml12", "hybridpar.config_rules", "hybridpar.strict_json"},
     {"hybridpar.models", "hybridpar.data"},
     {"hybridpar.parallel"},
     {"hybridpar.config"},
     {"hybridpar.train"},
     {"hybridpar.plan"},
-    {"hybridpar.api", "hybridpar.generate", "hybridpar.launch"},
+    {"hybridpar.api", "hybridpar.generate", "hybridpar.launch", "hybridpar.environment"},
     {"hybridpar.cli", "hybridpar.worker", "hybridpar.__main__"},
 ]
 MAX_LINES = 400

@@ -7,13 +7,15 @@ below imports this package's namespace.
 Packages, lowest floor first; a module imports only from its own floor or the ones below it
 (``tests/test_layout.py`` holds this):
 
-- ``yaml12``, ``config_rules``: YAML reading and the value rules of config keys;
+- ``yaml12``, ``config_rules``, ``strict_json``: YAML reading, the value rules of config keys, JSON
+  read strictly (a key written twice is refused);
 - ``models/`` and ``data/``: single-device model code and packed batches (no process group);
 - ``parallel/``: TP/SP, CP, FSDP2, applied from outside the model;
 - ``config``: the run configuration;
 - ``train/``: the trainer, loss, checkpoints and the run directory;
 - ``plan/``: the planner;
-- ``api``, ``generate``, ``launch``, ``cli``, ``worker``: the public API and the command line (``worker``: one rank of a job).
+- ``api``, ``generate``, ``launch``, ``environment``, ``cli``, ``worker``: the public API and the command line
+  (``worker``: one rank of a job; ``environment``: the variables it reads, checked first).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import sys
 
 from hybridpar.config import ConfigError, RunConfig, load_config
 from hybridpar.config_rules import shorten
+from hybridpar.environment import check_environment
 from hybridpar.worker import INPUT_ERRORS, error_message, launched_by_torchrun, run, worker_main, write_failure
 
 VERBS = {"train": "train a model (the config's layout, on --nproc-per-node processes)",
@@ -153,12 +154,25 @@ def dry_run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     nproc = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nproc_per_node
+    if nproc and not launched_by_torchrun():
+        _say_ignored_rendezvous()
     check_world(config, nproc)
     check_devices(nproc)
     validate_run(config, args.command, nproc or 1, dry_run=True)
     world = parallel_dims(config).world_size
     print(f"dry run: config and layout valid for {world} process{'es' if world > 1 else ''}", flush=True)
     return 0
+
+
+def _say_ignored_rendezvous() -> None:
+    """``--nproc-per-node``: a ``MASTER_ADDR``/``MASTER_PORT`` of the environment is said to be unused
+    (and dropped here, so no check of a one-process rendezvous reads it)."""
+    from hybridpar.launch import ignored_rendezvous
+
+    if note := ignored_rendezvous():
+        print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
 
 
 def check_world(config: RunConfig, nproc: int | None) -> None:
@@ -187,6 +201,11 @@ def check_devices(nproc: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        notes = check_environment()  # before torch is imported (parse_args does) and reads OMP_NUM_THREADS
+    except ConfigError as error:
+        print(f"hybridpar: error: {error}", file=sys.stderr, flush=True)
+        return 2
     args = parse_args(argv)
     if launched_by_torchrun() and not getattr(args, "dry_run", False):
         return worker_main(args)
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridpar.train.run.checkpoint import OutputWriteError
 
     prefix = "hybridpar: error"
-    for note in repeated_arguments(sys.argv[1:] if argv is None else list(argv)):
+    for note in repeated_arguments(sys.argv[1:] if argv is None else list(argv)) + notes:
         print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
     try:
         check_arguments(args)
@@ -212,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():  # a caller's group (tests): the trainer checks on every rank
             prefix += f" (rank {dist.get_rank()})"
         else:
+            if args.nproc_per_node:
+                _say_ignored_rendezvous()
             check_world(config, args.nproc_per_node)
             check_devices(args.nproc_per_node)
             from hybridpar.train.preflight import validate_run

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, quoted, sample_problem, shorten, show_value, type_names
+from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
 
@@ -260,12 +260,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {quoted(str(path))} is a directory, not a YAML file; pass the YAML file in "
                               "it, e.g. --config configs/tiny-hybrid.yaml.")
         if not path.is_file():
-            raise ConfigError(f"config file {quoted(str(path))} does not exist; pass an existing YAML file, e.g. "
+            what = "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
+            raise ConfigError(f"config file {quoted(str(path))} {what}; pass an existing YAML file, e.g. "
                               "configs/tiny-hybrid.yaml.")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as error:
-            raise ConfigError(f"config file {quoted(str(path))} is not UTF-8 text (byte {error.start}); save it as UTF-8 YAML.") from None
+            wide = wide_encoding(error.object)
+            what = f"{wide} text (its byte-order mark), not UTF-8" if wide else f"not UTF-8 text (byte {error.start})"
+            raise ConfigError(f"config file {quoted(str(path))} is {what}; save it as UTF-8 YAML"
+                              + (f" (e.g. iconv -f {wide} -t utf-8 in > out)." if wide else ".")) from None
         try:
             raw = parse_yaml(text, f"config file {quoted(str(path))}") or {}
         except YamlSyntaxError as error:
@@ -289,6 +293,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                               "value, e.g. train.betas=[0.9,0.95] or model.overrides={pattern: M-}" + (
                                   ", in quotes: the shell splits an unquoted override at its spaces, so quote it whole "
                                   f"(\"{shorten(item, 60)} ...\")" if split else "") + ".") from None
+        if any(not part or part != part.strip() for part in key.strip().split(".")):  # train..steps, train. steps
+            raise ConfigError(f"override {quoted(item)} has an empty or spaced name in its key {quoted(key.strip())}; "
+                              "write the key as section.name, e.g. train.steps=100.")
         _set_dotted(raw, key.strip().split("."), parsed)
     return _build(RunConfig, raw, "")
 

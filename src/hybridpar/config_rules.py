@@ -10,6 +10,7 @@ category printed as one ``hybridpar: warning: ...`` line, never as a raw ``UserW
 
 from __future__ import annotations
 
+import codecs
 import math
 import reprlib
 import typing
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Rule", "LazyText", "integer", "number", "one_of", "each", "or_null", "PATH", "ANY", "quoted", "shorten",
-           "Notice", "INT64_MAX", "SEED_MAX", "did_you_mean", "leaf_keys", "not_utf8"]
+           "Notice", "INT64_MAX", "SEED_MAX", "did_you_mean", "leaf_keys", "not_utf8", "wide_encoding"]
 
 INT64_MAX = 2**63 - 1  # every integer key's ceiling: torch and numpy hold counts in int64
 SEED_MAX = 2**64 - 1  # torch.manual_seed and torch.Generator.manual_seed take [0, 2**64 - 1]
@@ -139,6 +140,15 @@ def path_problem(value) -> str | None:
     return None
 
 
+WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+             (codecs.BOM_UTF16_BE, "UTF-16"))  # UTF-32 first: its little-endian mark starts with UTF-16's
+
+
+def wide_encoding(data: bytes) -> str | None:
+    """``"UTF-16"`` or ``"UTF-32"`` for bytes that start with that encoding's byte-order mark, else None."""
+    return next((name for bom, name in WIDE_BOMS if data.startswith(bom)), None)
+
+
 def not_utf8(text: str) -> str | None:
     """Why command-line ``text`` is not text, or None: a byte that is not UTF-8 reaches Python as a
     surrogate escape (``\\udcff``), which no YAML value, tokenizer or message can hold."""
@@ -165,6 +175,10 @@ def did_you_mean(name, known) -> str:
     import difflib
 
     name, known = str(name), [str(k) for k in known]
+    if "." in name and name in known:  # ``train.steps: 3`` in a YAML file: one key with a dot in it
+        section, _, key = name.rpartition(".")
+        return (f"; a dotted key is for command-line overrides: in a YAML file write it nested, '{shorten(section, 60)}:' "
+                f"then '  {shorten(key, 60)}: ...' on the next line")
     if ":" in name and not name.endswith(":"):
         key, _, value = name.partition(":")
         return f"; YAML needs a space after the colon: write '{shorten(key.strip(), 60)}: {shorten(value.strip(), 60)}'"

@@ -35,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+from hybridpar.config_rules import quoted
+
 CONTROL_ENV = "HYBRIDPAR_CONTROL_DIR"
 PARENT_ENV = "HYBRIDPAR_LAUNCHER_PID"
 TIMEOUT_ENV = "HYBRIDPAR_HEARTBEAT_TIMEOUT_S"
@@ -50,6 +52,18 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def ignored_rendezvous() -> str | None:
+    """A notice when the environment sets ``MASTER_ADDR``/``MASTER_PORT``, which a ``--nproc-per-node``
+    job does not use (torchrun's standalone rendezvous picks a free local port), or None."""
+    given = [f"{key}={quoted(os.environ[key], 60)}" for key in ("MASTER_ADDR", "MASTER_PORT") if key in os.environ]
+    if not given:
+        return None
+    return (f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} not used: --nproc-per-node starts its "
+            "processes on this machine, meeting at a free 127.0.0.1 port that torchrun picks; unset "
+            f"{'it' if len(given) == 1 else 'them'}, or run torchrun yourself (torchrun --master-addr ... --master-port ... "
+            "-m hybridpar ...) to choose the rendezvous.")
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

@@ -18,6 +18,7 @@ import traceback
 import warnings
 
 from hybridpar.config import RunConfig, load_config
+from hybridpar.environment import traceback_wanted
 
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
@@ -57,7 +58,7 @@ def init_distributed(timeout_s: float = 600.0) -> tuple:
     if not cuda:
         # The cores shared among this machine's ranks, unless OMP_NUM_THREADS says otherwise: two
         # processes that each spin two OpenMP threads on two cores run many times slower.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched_by_torchrun() else 1
         threads = os.environ.get("OMP_NUM_THREADS", "")
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
                               else max(1, (os.cpu_count() or 1) // local_world))
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
 
 
 def error_message(error: BaseException) -> str:
-    if os.environ.get("HYBRIDPAR_TRACEBACK"):
+    if traceback_wanted():
         traceback.print_exception(error)
     return str(error) if not isinstance(error, (FileNotFoundError, PermissionError)) or not error.filename else \
         f"{error.strerror}: {error.filename}"

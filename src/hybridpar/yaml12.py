@@ -131,4 +131,6 @@ def parse_yaml(text: str, source: str):
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = shorten(getattr(error, "problem", None) or str(error).splitlines()[0], 300)
+        if "tag:yaml.org,2002:merge" in problem:  # ``<<: *base``: YAML 1.1 only
+            problem = "a merge key ('<<') is YAML 1.1 and is not read here; write the keys out in full"
         raise YamlSyntaxError(f"{source} is not valid YAML{where}: {problem}; fix the YAML syntax there.") from None

@@ -31,6 +31,8 @@ Errors name the file and line (JSONL) or the dataset row.
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +51,26 @@ __all__ = [
 ]
 
 Document = dict[str, list[int]]
+ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")  # what chat templates render
+SYNONYMS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}  # ShareGPT, Gemma
+
+
+def template_roles(template: str | None) -> list[str]:
+    """``ROLES`` and every other role the chat template compares a message's role with."""
+    named = re.findall(r"role['\"]?\]?\s*(?:==|!=)\s*['\"]([^'\"]{1,40})['\"]", template or "")
+    return list(dict.fromkeys([*ROLES, *named]))
+
+
+def _check_role(index: int, role: str, roles: list[str]) -> None:
+    """A role outside ``roles``: a misspelling would be rendered as a header of its own (or dropped) and
+    never trained on, silently."""
+    if role in roles:
+        return
+    close = [SYNONYMS[role.strip().lower()]] if role.strip().lower() in SYNONYMS else \
+        difflib.get_close_matches(role.strip().lower(), roles, n=1, cutoff=0.6)  # asistant, User, ' assistant'
+    raise ValueError(f"message {index} has role {quoted(role)}, not a chat role (it would not be trained on, or be "
+                     f"dropped by the template): roles are {quoted(roles, 300)}, with those the chat template names; "
+                     f"{f'did you mean {quoted(close[0])}? ' if close else ''}fix the role.")
 
 
 def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
@@ -56,13 +78,23 @@ def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
     return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX] * bool(ids)
 
 
-def _check_messages(messages: Any) -> list[dict[str, str]]:
+def _check_messages(messages: Any, template: str | None = None) -> list[dict[str, str]]:
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {messages!r:.80}")
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {quoted(messages, 80)}; "
+                         'write it as [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}], '
+                         "or remove the record.")
+    roles = template_roles(template)
     for index, message in enumerate(messages):
         if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
-            raise ValueError(f"message {index} is {message!r:.80}; every message needs string 'role' and 'content'")
+            parts = isinstance(message, Mapping) and isinstance(message.get("content"), list)
+            sharegpt = isinstance(message, Mapping) and {"from", "value"} <= set(message)
+            raise ValueError(f"message {index} is {quoted(message, 80)}; every message needs string 'role' and "
+                             "'content'" + ("; hybridpar trains on text: join the text of the content parts into one "
+                                            "string" if parts else "; this is ShareGPT's {'from', 'value'}: convert each "
+                                            "message to {'role', 'content'} (human -> user, gpt -> assistant)" if sharegpt
+                                            else ": fix or remove the message") + ".")
+        _check_role(index, message["role"], roles)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"no message has role 'assistant' (roles: {[m['role'] for m in messages]}), so nothing "
                          "would be trained on; drop the conversation or add the assistant's reply")
@@ -75,7 +107,7 @@ def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
 
 def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     """``(ids, mask)`` of a conversation: its rendered tokens and which are assistant tokens."""
-    messages = _check_messages(messages)
+    messages = _check_messages(messages, tokenizer.chat_template)
     if tokenizer.has_generation_tags:
         return tokenizer.apply_chat_template(messages, return_assistant_mask=True)
     ids = tokenizer.apply_chat_template(messages)
@@ -115,7 +147,8 @@ def prompt_completion_document(prompt: str, completion: str, tokenizer) -> Docum
     tokenizer = as_tokenizer(tokenizer)
     for name, value in (("prompt", prompt), ("completion", completion)):
         if not isinstance(value, str):
-            raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+            raise ValueError(f"{name} must be a string, got a {type(value).__name__} ({quoted(value, 60)}); write it as "
+                             "a JSON string, or fix or remove the record.")
     if tokenizer.eos_id is None:
         raise ValueError(f"tokenizer {tokenizer.name} has no EOS token to end the completion; use one that defines it")
     prompt_ids = tokenizer.document(prompt, add_eos=False)

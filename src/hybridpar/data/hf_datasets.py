@@ -15,11 +15,13 @@ per row, see ``Tokenizer.document``), ``"messages"`` (a chat column, default ``"
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import quoted, shorten
 from hybridpar.data.chat import chat_document, prompt_completion_document
 from hybridpar.data.tokenizers import as_tokenizer
+from hybridpar.strict_json import check_json_data_file
 
 __all__ = ["HF_KINDS", "load_hf_dataset", "hf_dataset_documents"]
 
@@ -39,6 +41,28 @@ def _datasets():
     return datasets
 
 
+@contextlib.contextmanager
+def _reading(datasets, path: Path):
+    """datasets' progress bars and log lines held back; what it cannot read (a CSV quote left open, a
+    file that is not parquet) one ValueError naming ``path`` and the root cause, not a traceback."""
+    bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors: said below, in one line
+    try:
+        yield
+    except (ValueError, OSError, KeyError, TypeError, datasets.exceptions.DatasetGenerationError) as error:
+        root = error
+        while root.__cause__ is not None:  # DatasetGenerationError wraps the parser's own error
+            root = root.__cause__
+        first = (str(root).strip().splitlines() or [type(root).__name__])[0]
+        raise ValueError(f"dataset {path} cannot be read ({type(root).__name__}: {shorten(first, 200)}); fix the file "
+                         "(or convert it to JSON lines for data.task=jsonl, chat or prompt_completion).") from None
+    finally:
+        datasets.logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
 def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None = None):
     """The ``datasets.Dataset`` of ``split`` at local ``path`` (see the module docstring)."""
     datasets = _datasets()
@@ -46,19 +70,27 @@ def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None 
     if not path.exists():
         raise ValueError(f"dataset path {path} does not exist; pass a local data file or a save_to_disk directory.")
     if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
-        loaded = datasets.load_from_disk(str(path))
+        with _reading(datasets, path):
+            loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
                 raise ValueError(f"{path} has splits {sorted(loaded)}, not {quoted(split)}; pass one of them as data.task_options.split.")
             return loaded[split]
         return loaded
     if path.is_dir():
-        return datasets.load_dataset(str(path), split=split)
+        for file in sorted(path.rglob("*.json*")):  # datasets' JSON reader keeps the last of two equal keys
+            if file.suffix in (".json", ".jsonl"):
+                check_json_data_file(file)
+        with _reading(datasets, path):
+            return datasets.load_dataset(str(path), split=split)
     builder = builder or HF_BUILDERS.get(path.suffix)
     if builder is None:
         raise ValueError(f"cannot infer the datasets builder of {path}; pass builder= one of "
                          f"{sorted(set(HF_BUILDERS.values()))}.")
-    return datasets.load_dataset(builder, data_files=[str(path)], split=split)
+    if builder == "json":
+        check_json_data_file(path)
+    with _reading(datasets, path):
+        return datasets.load_dataset(builder, data_files=[str(path)], split=split)
 
 
 def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", field: str | None = None,

@@ -20,7 +20,6 @@ there is none). Nothing is downloaded.
 
 from __future__ import annotations
 
-import codecs
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -30,9 +29,10 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import quoted, wide_encoding
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.tokenizers import ByteTokenizer, as_tokenizer
+from hybridpar.strict_json import loads as strict_loads
 
 __all__ = [
     "ByteTokenizer",
@@ -227,10 +227,6 @@ TEXT_SPLITS = ("paragraph", "line", "file")
 _JSON_KINDS = {int: "number", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
-_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
-              (codecs.BOM_UTF16_BE, "UTF-16"))  # UTF-32 first: its little-endian mark starts with UTF-16's
-
-
 def read_text_file(path: Path) -> str:
     """A file's text as UTF-8 (``\\r\\n`` read as ``\\n``, a leading BOM dropped); a ValueError names the
     file, line and byte."""
@@ -238,7 +234,7 @@ def read_text_file(path: Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        wide = next((name for bom, name in _WIDE_BOMS if data.startswith(bom)), None)
+        wide = wide_encoding(data)
         if wide:  # not binary: text in another Unicode encoding (Windows editors save "Unicode" as UTF-16)
             raise ValueError(f"{path}: the file is {wide} text (it starts with the {wide} byte-order mark), not UTF-8; "
                              f"convert it (e.g. iconv -f {wide} -t utf-8 in > out) and point data.path at the copy.") from None
@@ -348,7 +344,7 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = strict_loads(line, str(path), number)  # a key written twice: refused
             except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested too deep
                 raise ValueError(
                     f"{path}:{number}: not valid JSON ("

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.config_rules import Notice, quoted, shorten
+from hybridpar.strict_json import check_no_duplicate_keys
 
 __all__ = [
     "ByteTokenizer",
@@ -49,6 +50,7 @@ __all__ = [
 
 TOKENIZER_SPECS = ("auto", "bytes")  # or a directory path
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_JSON = (*TOKENIZER_MARKERS, "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -201,6 +203,7 @@ def load_pretrained_tokenizer(path: str | Path) -> PretrainedTokenizer:
         from transformers import AutoTokenizer
     except ImportError as error:
         raise ImportError("loading a tokenizer directory needs transformers: pip install 'hybridpar[hf]'.") from error
+    check_no_duplicate_keys(path, TOKENIZER_JSON)  # transformers would keep the last of two values silently
     try:
         loaded = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as error:  # also json's and tokenizers' errors

@@ -29,6 +29,7 @@ tokenizer files, chat template and ``generation_config.json``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -106,11 +107,12 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
         from transformers import AutoModelForCausalLM
     except ImportError as error:
         raise ImportError("loading a transformers model needs transformers: pip install 'hybridpar[hf]'.") from error
-    model, info = AutoModelForCausalLM.from_pretrained(
-        str(path), config=transformers_config(path), dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True,
-        use_safetensors=True, trust_remote_code=False, output_loading_info=True,
-        ignore_mismatched_sizes=True,  # reported below as one line (transformers raises with a traceback)
-    )
+    with quiet_transformers():  # its progress bar and load report: what is wrong is said below, in one line
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), config=transformers_config(path), dtype=dtype or "auto", attn_implementation=attn_implementation,
+            local_files_only=True, use_safetensors=True, trust_remote_code=False, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below as one line (transformers raises with a traceback)
+        )
     problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     problems["mismatched_keys"] = [f"{name} (checkpoint {list(stored)}, config {list(wanted)})"
                                    for name, stored, wanted in problems["mismatched_keys"]]
@@ -122,6 +124,22 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
     check_floating(stored_dtypes(files), dict(model.named_parameters()), f"checkpoint {path}")
     check_finite(model.named_parameters(), f"checkpoint {path}")
     return model
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' loading output (a progress bar, a table of missing and unexpected keys) held back."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def learned_positions(model: nn.Module) -> tuple[str, int] | None:

@@ -18,6 +18,7 @@ import torch
 from hybridpar.config_rules import quoted
 from hybridpar.models.hf.files import directory_kind
 from hybridpar.models.hybrid import HybridConfig
+from hybridpar.strict_json import DuplicateKeyError, check_no_duplicate_keys, load_file
 
 MAMBA2, BAMBA, NEMOTRON_H = "Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"
 ARCHITECTURES = (MAMBA2, BAMBA, NEMOTRON_H)
@@ -74,7 +75,9 @@ def read_hf_config(path: str | Path) -> dict:
         raise FileNotFoundError(f"{file} not found; {kind}." if kind else
                                 f"{file} not found; a Hugging Face checkpoint directory needs {CONFIG_FILE}.")
     try:
-        hf = json.loads(file.read_text(encoding="utf-8"))
+        hf = load_file(file)
+    except DuplicateKeyError:
+        raise
     except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested too deep
         where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
         raise ValueError(f"{file} is not valid JSON{where} ({getattr(error, 'msg', error)}); restore the "
@@ -82,6 +85,7 @@ def read_hf_config(path: str | Path) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{file} holds a JSON {type(hf).__name__}, not an object of config fields; restore the "
                          "checkpoint's config.json (it starts with '{').")
+    check_no_duplicate_keys(path, ["generation_config.json"])  # transformers reads it: eos and pad ids
     quantization = hf.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization

@@ -7,11 +7,11 @@ tokenizer directory): the files below that exist there, and nothing else.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from hybridpar.config_rules import quoted
+from hybridpar.strict_json import load_file as load_json
 
 __all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "directory_kind"]
 
@@ -49,7 +49,7 @@ def directory_kind(path: str | Path, wanted: str) -> str | None:
     path = Path(path)
     if (path / "adapter_config.json").is_file():
         try:
-            base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            base = load_json(path / "adapter_config.json").get("base_model_name_or_path")
         except (OSError, ValueError, AttributeError, RecursionError):
             base = None
         return (f"{path} is a LoRA adapter (adapter_config.json) of the base model {quoted(base)}, not a "

@@ -18,7 +18,6 @@ Mamba ``in_proj``'s per-component ``B`` already fused back), so any layout expor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 from hybridpar.models.hf.checkpoint import NEMOTRON_H, architecture_of, hf_tensor_name
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.lora import is_lora_parameter, lora_modules
+from hybridpar.strict_json import load_file as load_json
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_lora", "split_lora_state", "save_peft_adapter",
            "read_peft_adapter", "lora_settings", "merged_state", "mamba_out_proj_targets",
@@ -103,7 +103,7 @@ def save_peft_adapter(model: nn.Module, adapters: dict[str, Tensor], out_dir: st
 def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, Tensor]]:
     """``(adapter_config.json, {module name without peft's prefix: tensor})``."""
     adapter_dir = Path(adapter_dir)
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    config = load_json(adapter_dir / ADAPTER_CONFIG)  # a key written twice: refused, naming the file
     tensors = {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(str(adapter_dir / ADAPTER_WEIGHTS)).items()}
     return config, tensors
 

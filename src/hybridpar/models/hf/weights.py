@@ -19,7 +19,6 @@ no checksum for it (hybridpar's own training checkpoints do: ``train/run/checkpo
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from hybridpar.config_rules import quoted, shorten
+from hybridpar.strict_json import DuplicateKeyError, loads as strict_loads
 
 __all__ = ["safetensors_problem", "weight_files", "load_weight_file", "check_finite", "stored_dtypes", "check_floating"]
 
@@ -49,7 +49,9 @@ def safetensors_problem(file: str | Path) -> str | None:
             return (f"its header claims {header_bytes:,} bytes but the file has {size:,} (truncated, or not a "
                     "safetensors file)")
         try:
-            header = json.loads(handle.read(header_bytes))
+            header = strict_loads(handle.read(header_bytes))
+        except DuplicateKeyError as error:  # safetensors keeps one of the two without a word
+            return f"its header describes the tensor {quoted(error.key)} twice (only one of them would be loaded)"
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
             return f"its header is not valid JSON ({shorten(str(error), 80)}; not a safetensors file?)"
     if not isinstance(header, dict):
@@ -86,8 +88,10 @@ def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[P
     elif (path / index_file).is_file():
         index = path / index_file
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = strict_loads(index.read_text(encoding="utf-8"), str(index))["weight_map"]
             shards = sorted(set(weight_map.values()))
+        except DuplicateKeyError:
+            raise
         except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as error:
             raise ValueError(f"{index} is not a valid safetensors index (a JSON object with a weight_map of tensor -> "
                              f"shard file; {shorten(str(error), 80)}); restore it from the checkpoint.") from None
@@ -106,7 +110,21 @@ def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[P
         problem = safetensors_problem(file)
         if problem:
             raise ValueError(f"{file} cannot be read: {problem}; copy or export the checkpoint again.")
+    holder: dict[str, Path] = {}
+    for file in files if len(files) > 1 else ():  # a tensor in two shards: a loader keeps one of them silently
+        for name in _header(file):
+            if name != "__metadata__" and holder.setdefault(name, file) != file:
+                raise ValueError(f"the tensor {quoted(name)} is stored in two shards, {holder[name].name} and "
+                                 f"{file.name} (in {path}); only one of them would be loaded: restore the checkpoint "
+                                 "(each tensor in exactly one shard).")
     return files
+
+
+def _header(file: Path) -> dict:
+    """The JSON header of safetensors ``file``, which ``safetensors_problem`` has checked."""
+    with open(file, "rb") as handle:
+        (header_bytes,) = struct.unpack("<Q", handle.read(8))
+        return strict_loads(handle.read(header_bytes))
 
 
 def load_weight_file(file: Path) -> dict[str, torch.Tensor]:
@@ -143,9 +161,7 @@ def stored_dtypes(files: Iterable[Path]) -> dict[str, str]:
     which ``weight_files`` has checked."""
     dtypes = {}
     for file in files:
-        with open(file, "rb") as handle:
-            (header_bytes,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(header_bytes))
+        header = _header(file)
         dtypes.update({name: entry["dtype"] for name, entry in header.items() if name != "__metadata__"})
     return dtypes
 

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from hybridpar.config_rules import bounded_message, quoted, shorten
 from hybridpar.models.hf.files import directory_kind
 from hybridpar.parallel.packed_checkpoint import packed_shards
+from hybridpar.strict_json import loads as strict_loads
 
 TRAINER_STATE = "trainer.pt"
 RUN_INFO = "run.json"
@@ -119,7 +120,7 @@ def _read_manifest(path: Path) -> tuple[dict, dict, str | None]:
     if not manifest_file.is_file():
         return {}, {}, directory_kind(path, "run") or f"{manifest_file} is missing (the save did not finish)"
     try:
-        manifest = json.loads(manifest_file.read_text())
+        manifest = strict_loads(manifest_file.read_text())  # a key written twice: edited, refused
         files, hashes = dict(manifest["files"]), dict(manifest.get("sha256", {}))
         if manifest.get("format", 1) >= 2 and set(files) - set(hashes):
             return {}, {}, f"{manifest_file} records no sha256 for {sorted(set(files) - set(hashes))[:3]}"
@@ -170,7 +171,7 @@ def read_run_info(path: str | Path) -> dict:
     naming the file when it is not what hybridpar writes (edited, or of another version)."""
     file = Path(path) / RUN_INFO
     try:
-        info = json.loads(file.read_text())
+        info = strict_loads(file.read_text())
         if not isinstance(info, dict):
             raise ValueError(f"it holds a JSON {type(info).__name__}, not an object")
         step = info.get("step", 0)

@@ -154,6 +154,11 @@ def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
     plan = ResumePlan(output_dir=str(out), notes=notes)
     if chosen is not None:
         info = read_run_info(chosen)
+        named = checkpoint_step(chosen)
+        if named is not None and "step" in info and named != info["step"]:  # renamed: newest by name, not by step
+            raise CheckpointError(f"checkpoint {str(chosen)!r} is named for step {named} but holds step {info['step']} "
+                                  "(its run.json): it was renamed, so resume=auto and retention (both by the name's "
+                                  f"step) would take it for another; rename it back to step_{info['step']:08d}.")
         plan.checkpoint, plan.start_step, plan.run_id = str(chosen), int(info.get("step", checkpoint_step(chosen) or 0)), info.get("run_id")
         plan.pad_to_multiple_of, changes = _check_compatible(chosen, info, config, model, config.parallel.cp)
         plan.notes += changes

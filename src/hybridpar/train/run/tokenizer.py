@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from hybridpar.config import ConfigError, DataConfig, RunConfig
+from hybridpar.strict_json import load_file as load_json
 
 __all__ = ["BPE", "STAMP", "MIN_BPE_VOCAB", "bpe_dir", "find_run_tokenizer", "prepare_data", "shared_data"]
 
@@ -85,7 +86,7 @@ def prepare_data(config: RunConfig, vocab_size: int, say=print) -> DataConfig:
     resolved = dataclasses.replace(data, tokenizer=str(directory))
     if directory.exists():
         try:
-            recorded = json.loads((directory / STAMP).read_text())
+            recorded = load_json(directory / STAMP)  # unreadable or a key twice: counted as changed
         except (OSError, ValueError, RecursionError):
             recorded = {}
         changed = [f"{key} {json.dumps(recorded.get(key))} -> {json.dumps(stamp[key])}"
