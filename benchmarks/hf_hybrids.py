@@ -3,7 +3,8 @@
 Five architectures (Granite 4.0-H MoE, Falcon-H1, Nemotron-H, Bamba, Zamba2), each a small
 random float32 model built from transformers' config classes: hidden 256, one Mamba2 layer
 (8 heads x 64, 1 group, state 64, chunk 256) and one attention layer (4 heads, 2 KV heads),
-vocab 1024. One packed row of ``T`` tokens holding 4 equal documents; forward + backward of
+vocab 1024. ``--archs lfm2``: LFM2 at the same width, one gated short-convolution layer (kernel 3)
+and one attention layer, ours through hybridpar's document-resetting conv (``install_short_conv``). One packed row of ``T`` tokens holding 4 equal documents; forward + backward of
 the summed logits:
 
 - ``ours``: ``install_mamba_core`` + hybridpar's blockwise attention, documents from
@@ -52,6 +53,8 @@ def build(name: str):
         "zamba2": lambda: hf.Zamba2ForCausalLM(hf.Zamba2Config(
             num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=64, n_mamba_heads=8,
             mamba_ngroups=1, chunk_size=256, **_C)),
+        "lfm2": lambda: hf.Lfm2ForCausalLM(hf.Lfm2Config(
+            num_hidden_layers=2, layer_types=["conv", "full_attention"], block_ff_dim=512, conv_L_cache=3, **_C)),
     }
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -63,6 +66,7 @@ def step_fn(name: str, path: str, tokens: int):
     """A closure running one forward + backward of ``name`` on a packed row of ``tokens``."""
     from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.mamba_mixers import install_mamba_core
+    from hybridpar.models.hf.short_conv import install_short_conv
     from hybridpar.parallel.context.hf import use_hybridpar_attention
 
     model = build(name)
@@ -72,6 +76,7 @@ def step_fn(name: str, path: str, tokens: int):
     inputs = {"input_ids": ids, "position_ids": packed.position_ids, "use_cache": False}
     if path == "ours":
         install_mamba_core(model)
+        install_short_conv(model)
         use_hybridpar_attention(model)
         inputs["packed_seq_params"] = packed
 
@@ -109,7 +114,7 @@ def report(meta: dict, rows: list[dict], lengths, archs) -> str:
             lines.append(f"| {name} | {tokens} | {fmt(ours.get('seconds'), '{:.2f}')} | "
                          f"{fmt(theirs.get('seconds'), '{:.2f}')} | {fmt(ours.get('peak_mib'))} | {fmt(theirs.get('peak_mib'))} |")
     lines += ["", "One packed row of 4 equal documents, small random float32 models (module docstring), forward +",
-              "backward of the summed logits. transformers' path does not reset its Mamba state at document starts:",
+              "backward of the summed logits. transformers' path does not reset its Mamba state (or short conv) at document starts:",
               "the same amount of work, not a correct packed step. 'not run': the path was not asked for at that length."]
     return "\n".join(lines)
 
@@ -117,7 +122,7 @@ def report(meta: dict, rows: list[dict], lengths, archs) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--archs", nargs="+", default=list(ARCHS))
+    parser.add_argument("--archs", nargs="+", default=list(ARCHS), help=f"of {ARCHS} and lfm2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--paths", nargs="+", default=["ours", "transformers"])
