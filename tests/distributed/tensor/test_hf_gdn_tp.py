@@ -6,7 +6,8 @@ q, k, v and shards them by heads (``parallel/tensor/plans_hf.py``: ``GDNHeadPara
 row-parallel), the gated attention by heads, MLPs and MoE experts on their intermediate dim. One row of
 two packed documents (12 and 20 tokens). The loss and every parameter gradient (fused back to
 transformers' names, ``canonical_state_dict``) equal the one-process model's to 1e-9: on 2 ranks at
-tp=2 and tp=2 + SP; on 4 ranks with cp=2 x tp=2 (FSDP over cp). Key heads not divisible by tp, and
+tp=2 and tp=2 + SP (there also with a LoRA adapter on every projection: B sharded by rows like its base,
+Qwen3.5's in_proj_qkv per component); on 4 ranks with cp=2 x tp=2 (FSDP over cp). Key heads not divisible by tp, and
 OLMo-Hybrid (no head-sharding plan yet), are refused in one line before any collective.
 """
 
@@ -21,14 +22,26 @@ TOL = 1e-9
 DOCS = [0, 12, 32]
 
 
+LORA = {"qwen3_next": ["in_proj_qkvz", "in_proj_ba"], "qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"]}
+
+
 def _model(name: str):
+    """``name``, or ``name+lora``: a LoRA adapter on every gated DeltaNet projection, out_proj and q_proj."""
     from hybridpar.models.hf.gdn_mixers import install_gdn_core
+    from hybridpar.models.lora import add_lora
     from hybridpar.parallel.context.hf import use_hybridpar_attention
     from tests.models.hf.gdn_models import build_gdn
 
+    name, _, lora = name.partition("+")
     model = build_gdn(name)
     install_gdn_core(model)
     use_hybridpar_attention(model)
+    if lora:
+        add_lora(model, r=4, seed=0, targets=[*LORA[name], "out_proj", "q_proj"])
+        with torch.no_grad():  # nonzero B: every adapter's A gets a gradient too
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:
+                    param.copy_(0.01 * torch.arange(param.numel(), dtype=param.dtype).view_as(param).sin())
     return model
 
 
@@ -94,7 +107,8 @@ def _assert_exact(results):
 
 
 def test_tp2_and_sp_of_gated_deltanet_models_match_one_process():
-    layouts = [(dict(tp=2), False, ["qwen3_next", "qwen3_5"]), (dict(tp=2), True, ["qwen3_next_moe", "qwen3_5_moe"])]
+    layouts = [(dict(tp=2), False, ["qwen3_next", "qwen3_5", "qwen3_next+lora"]),
+               (dict(tp=2), True, ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5+lora"])]
     _assert_exact(run_ranks(2, _run, layouts, timeout_s=300))
 
 
