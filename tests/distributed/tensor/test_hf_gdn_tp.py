@@ -1,4 +1,4 @@
-"""Tensor (+sequence) parallelism of gated DeltaNet hybrids (Qwen3-Next, Qwen3.5) against one process, float64.
+"""Tensor (+sequence) parallelism of gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid) against one process, float64.
 
 Tiny models of ``tests/models/hf/gdn_models.py`` (2 key heads, 4 value heads); ``parallelize`` switches
 their gated DeltaNets to hybridpar's core, stores ``conv1d`` (Qwen3.5: ``in_proj_qkv``) per component
@@ -6,9 +6,10 @@ q, k, v and shards them by heads (``parallel/tensor/plans_hf.py``: ``GDNHeadPara
 row-parallel), the gated attention by heads, MLPs and MoE experts on their intermediate dim. One row of
 two packed documents (12 and 20 tokens). The loss and every parameter gradient (fused back to
 transformers' names, ``canonical_state_dict``) equal the one-process model's to 1e-9: on 2 ranks at
-tp=2 and tp=2 + SP (there also with a LoRA adapter on every projection: B sharded by rows like its base,
-Qwen3.5's in_proj_qkv per component); on 4 ranks with cp=2 x tp=2 (FSDP over cp). Key heads not divisible by tp, and
-OLMo-Hybrid (no head-sharding plan yet), are refused in one line before any collective.
+tp=2 and tp=2 + SP for Qwen3-Next, Qwen3.5 (dense, MoE) and OLMo-Hybrid, and with a LoRA adapter on
+every projection (B sharded by rows like its base, Qwen3.5's in_proj_qkv per component); on 4 ranks with
+cp=2 x tp=2 (FSDP over cp). Key heads not divisible by tp, and a gated DeltaNet model type without a
+head-sharding plan, are refused in one line before any collective.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def _assert_exact(results):
 
 
 def test_tp2_and_sp_of_gated_deltanet_models_match_one_process():
-    layouts = [(dict(tp=2), False, ["qwen3_next", "qwen3_5", "qwen3_next+lora"]),
-               (dict(tp=2), True, ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5+lora"])]
+    layouts = [(dict(tp=2), False, ["qwen3_next", "qwen3_5", "olmo_hybrid", "qwen3_next+lora"]),
+               (dict(tp=2), True, ["qwen3_next_moe", "qwen3_5_moe", "olmo_hybrid", "qwen3_5+lora"])]
     _assert_exact(run_ranks(2, _run, layouts, timeout_s=300))
 
 
@@ -116,7 +117,7 @@ def test_cp2_tp2_of_qwen3_next_matches_one_process():
     _assert_exact(run_ranks(4, _run, [(dict(cp=2, tp=2), False, ["qwen3_next"])], timeout_s=300))
 
 
-def test_key_heads_not_divisible_by_tp_and_olmo_hybrid_are_refused():
+def test_key_heads_not_divisible_by_tp_and_model_types_without_a_plan_are_refused():
     from hybridpar.models.hf.gdn_mixers import install_gdn_core
     from hybridpar.parallel.context.gdn import validate_gdn_parallel
     from hybridpar.parallel.tensor.plans_hf import GDNHeadParallel
@@ -132,7 +133,9 @@ def test_key_heads_not_divisible_by_tp_and_olmo_hybrid_are_refused():
     with pytest.raises(ValueError, match=r"^[^\n]*2 key heads \(4 value heads\) are not divisible by tp=4[^\n]*$"):
         GDNHeadParallel().check("model.layers.0.linear_attn", layer, 4)
     validate_gdn_parallel(model, 1, 2, "a2a")  # 1 key head and 2 value heads a rank
-    olmo = build_gdn("olmo_hybrid")
-    install_gdn_core(olmo)
-    with pytest.raises(ValueError, match=r"^[^\n]*not 'olmo_hybrid'; use parallel.tp=1[^\n]*$"):
-        validate_gdn_parallel(olmo, 1, 2, "a2a")
+    validate_gdn_parallel(model, 2, 2, "a2a")  # cp=2 on the local heads: the key head repeated
+    with pytest.raises(ValueError, match=r"^[^\n]* at tp=2: [^\n]*$"):
+        validate_gdn_parallel(model, 4, 2, "a2a")  # 2 local value heads over cp=4
+    model.config.model_type = "a_new_gdn_model"  # a gated DeltaNet model type without a head-sharding plan
+    with pytest.raises(ValueError, match=r"^[^\n]*not 'a_new_gdn_model'; use parallel.tp=1[^\n]*$"):
+        validate_gdn_parallel(model, 1, 2, "a2a")

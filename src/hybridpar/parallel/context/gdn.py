@@ -243,7 +243,7 @@ class StatePassingGDN(ContextParallelCore):
 GDN_STRATEGIES = {"a2a": HiddenParallelGDN, "state": StatePassingGDN}
 
 
-GDN_TP_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # plans: tensor/plans_moe.qwen3_next_plan
+GDN_TP_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")  # plans: tensor/plans_moe
 
 
 def validate_gdn_parallel(model: nn.Module, cp: int, tp: int, mamba_strategy: str) -> None:

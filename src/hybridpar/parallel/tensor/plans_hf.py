@@ -278,8 +278,8 @@ def lfm3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
     return plan
 
 
-# Gated DeltaNets of transformers hybrids by heads (GDNHeadParallel; plans_moe.qwen3_next_plan for Qwen3-Next
-# and Qwen3.5; OLMo-Hybrid's layout would shard as stored but has no plan yet: context/gdn refuses its tp > 1).
+# Gated DeltaNets of transformers hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid) by heads: GDNHeadParallel, in the
+# plans plans_moe.qwen3_next_plan and plans_moe.olmo_hybrid_plan.
 #
 # Rank ``r`` of ``tp`` holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the value heads that read them,
 # ``[r Hv/tp, (r+1) Hv/tp)`` (value head ``j`` reads key head ``j // (Hv/Hk)``), so the whole layer up
@@ -297,6 +297,7 @@ def lfm3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
 #   ``in_proj_ba`` (``[b_h | a_h]`` per key head) are grouped by key head already: dim-0 shards as stored.
 # - Qwen3.5's ``in_proj_qkv`` (``[q | k | v]``) is stored per component ``weight_q, weight_k, weight_v``
 #   (``SplitInProj``); ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (value heads in order) as stored.
+# - OLMo-Hybrid's ``q_proj ... b_proj`` as stored.
 # - ``conv1d`` over ``[q | k | v]`` is stored per component (``SplitConv1d``: ``weight_q/k/v``).
 #
 # ``split_gdn`` stores those components at every layout (``parallelize`` calls it through

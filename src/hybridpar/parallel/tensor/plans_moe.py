@@ -53,13 +53,14 @@ from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_
 from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, SplitInProj, replicate_shared_groups,
                                               spanning_group_norm)
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
-from hybridpar.parallel.tensor.plans_hf import GDNHeadParallel, lfm2_plan, register_hf_plan, split_gdn, split_short_conv
+from hybridpar.parallel.tensor.plans_hf import (GDNHeadParallel, lfm2_plan, olmo2_plan, register_hf_plan, split_gdn,
+                                               split_short_conv)
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, RotaryEmbedParallel,
                                              SequenceParallelAllGatherActivation, TokenwiseParallel)
 
 __all__ = ["mamba_tp_problem", "split_hf_mixer", "split_hf_mixers", "HFMambaHeadParallel", "hf_mamba_style", "moe_block_plan",
            "moe_decoder_plan", "mixtral_plan", "qwen3_moe_plan", "falcon_h1_plan", "bamba_plan", "nemotron_h_plan",
-           "granite_moe_hybrid_plan", "qwen3_next_plan"]
+           "granite_moe_hybrid_plan", "qwen3_next_plan", "olmo_hybrid_plan"]
 
 
 def mamba_tp_problem(name: str, mixer: nn.Module, tp: int) -> str | None:
@@ -367,4 +368,23 @@ def qwen3_next_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Para
     a plain column split) with per-head q/k norms; MoE blocks or dense MLPs."""
     plan = moe_decoder_plan(model, sequence_parallel, head_norms=("q_norm", "k_norm"))
     plan["model.layers.*.linear_attn"] = GDNHeadParallel(sequence_parallel=sequence_parallel)
+    return plan
+
+
+@register_hf_plan("olmo_hybrid", "OlmoHybridForCausalLM")
+def olmo_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """OLMo-Hybrid: attention layers as OLMo3 (q/k norms over all heads: gathered attention, post-block
+    norms); gated DeltaNet layers (pre-block norms) by heads; per layer index."""
+    attention = olmo2_plan(model, sequence_parallel)
+    linear = decoder_plan(sequence_parallel, rotary=None, in_norms=("input_layernorm", "post_attention_layernorm"))
+    every = "model.layers.*."
+    plan = {k: v for k, v in attention.items() if not k.startswith(every)}  # embeddings, rotary, final norm
+    for index, layer in enumerate(model.model.layers):
+        gdn = hasattr(layer, "linear_attn")
+        own = {k[len(every):]: v for k, v in (linear if gdn else attention).items() if k.startswith(every)}
+        plan.update({f"model.layers.{index}.{k}": v for k, v in own.items() if not (gdn and k.startswith("self_attn."))})
+        if gdn:
+            plan[f"model.layers.{index}.linear_attn"] = GDNHeadParallel(sequence_parallel=sequence_parallel)
+    if getattr(model.model, "rotary_emb", None) is None:
+        plan.pop("model.rotary_emb", None)
     return plan
