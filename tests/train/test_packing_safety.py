@@ -156,7 +156,8 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"],),  # short convs: the halo exchange at cp=2
     # gated DeltaNets on hybridpar's core, all-to-all over heads (parallel/context/gdn.py); MoE layers
     "qwen3_next": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],
-                   ["parallel.cp=2", "parallel.cp_mamba=state"]),
+                   ["parallel.cp=2", "parallel.cp_mamba=state"],
+                   ["parallel.tp=2"]),  # gated DeltaNets by heads (parallel/tensor/plans_hf.py: GDNHeadParallel)
 }
 
 
@@ -210,13 +211,15 @@ def _ranks(layout: list[str]) -> int:
 
 
 @pytest.mark.parametrize("name, first, then", [("granite_moe", TP2, ([],)), ("granite_moe", [], (TP2,)),
-                                               ("zamba2_shared", CP2, (TP2, [])), ("lfm2", CP2, (TP2,))])
+                                               ("zamba2_shared", CP2, (TP2, [])), ("lfm2", CP2, (TP2,)),
+                                               ("qwen3_next", TP2, ([],))])
 def test_a_transformers_hybrid_resumes_at_another_layout(checkpoints, tmp_path, name, first, then):
     """Mamba mixers are stored per component at every layout and packed expert weights as one
     process holds them, so a DCP checkpoint resumes at another layout: Granite MoE written at tp=2
     resumes on one process and the other way; a Zamba2 with a shared block (one FSDP unit at cp=2)
     written at cp=2 resumes at tp=2 + SP and on one process; LFM2 (``in_proj`` of its short convs per
-    component at every layout) written at cp=2 resumes at tp=2 + SP. Steps 3-4 equal an uninterrupted run
+    component at every layout) written at cp=2 resumes at tp=2 + SP; Qwen3-Next (gated DeltaNets: ``conv1d``
+    per q, k, v at every layout) written at tp=2 + SP resumes on one process. Steps 3-4 equal an uninterrupted run
     (float64)."""
     path = checkpoints[name]
     reference = run_ranks(_ranks(first), _steps, path, str(tmp_path / "straight"), first, None, -1, timeout_s=300)[0]

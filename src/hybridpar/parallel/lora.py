@@ -25,6 +25,9 @@ backward ([r, in] or [out, r] elements, like a replicated norm weight's under SP
 (``PackedColwiseParallel``), ``Conv1D``, embedding and MoE styles are refused with a
 ``ValueError`` by ``check_lora_pairing`` before any collective.
 
+A gated DeltaNet sharded by heads (``GDNHeadParallel``) pairs its projections as components (``B``
+sharded by rows, as stored or per component; ``A`` replicated) and ``out_proj`` row-wise.
+
 ``split_lora_components`` moves an adapter onto the per-component Mamba ``in_proj``
 (``parallel/tensor/hybrid.py``); ``LoRAComponentsB`` fuses back to ``in_proj.lora_B.weight`` in
 ``canonical_state_dict``.
@@ -42,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
 from hybridpar.models.hf.mamba_mixers import MARK as MAMBA_CORE_MARK
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
@@ -117,6 +121,11 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
         for style in above:
             mixer = modules.get(prefix)
             ours = isinstance(mixer, Mamba2Mixer) or getattr(mixer, MAMBA_CORE_MARK, False)
+            if getattr(mixer, GDN_MARK, False) and not isinstance(style, LocalReplicateParallel):
+                # GDNHeadParallel: every projection sharded by rows (per component or as stored), out_proj rowwise
+                kind = ("rowwise" if atoms[-1] in ("out_proj", "o_proj") else "components") \
+                    if cut == len(atoms) - 1 else None
+                return kind, repr(style)
             if (ours or getattr(mixer, SHORT_CONV_MARK, False)) and not isinstance(style, LocalReplicateParallel):
                 # our mixers' styles (MambaHeadParallel, ShortConvChannelParallel): in_proj per component,
                 # out_proj rowwise
@@ -239,7 +248,7 @@ def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelS
             group = tp_mesh.get_group() if kind == "components" else None
             a.register_forward_pre_hook(partial(_local_params_pre, group))
             a.register_forward_hook(_local_params_post, always_call=True)
-            if kind == "replicated":
+            if kind == "replicated" or not isinstance(b, LoRAComponentsB):  # B as a plain Linear: rows local
                 b.register_forward_pre_hook(partial(_local_params_pre, None))
                 b.register_forward_hook(_local_params_post, always_call=True)
     return kinds

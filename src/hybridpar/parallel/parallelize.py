@@ -105,7 +105,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         raise ValueError(f"unknown cp_attention={cp_attention_strategy!r}; choose one of {sorted(attention_cp.STRATEGIES)}.")
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
-    gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads, no TP
+    gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads over tp, cp
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
         hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp,
                              mamba_cp.STRATEGIES[cp_mamba_strategy](None))

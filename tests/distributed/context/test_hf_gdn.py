@@ -8,7 +8,7 @@ three packed documents (4, 12 and 16 tokens: cut across the ranks in zigzag orde
 reference runs the same cores at cp=1 (``tests/models/hf/test_gdn_mixers.py`` proves it equals one
 document per row). The loss and every parameter gradient agree to 1e-9. A Qwen3-Next with one key
 head runs at cp=2 with the key head repeated. Bad layouts are refused in one line before any collective:
-tp=2, value heads "a2a" cannot split over cp. The bytes the all-to-all core sends
+one key head at tp=2, value heads "a2a" cannot split over cp. The bytes the all-to-all core sends
 (``comm.CommStats``) are the formula of ``parallel/context/gdn.py``, forward and backward, and the
 state-passing core's its own formula.
 """
@@ -84,7 +84,7 @@ def _refusals(mesh) -> dict:
 
     found = {}
     for label, dims, kwargs, model in [
-        ("tp", ParallelDims(tp=2), {}, build_gdn("qwen3_next")),
+        ("tp", ParallelDims(tp=2), {}, build_gdn("qwen3_next", k_heads=1, v_heads=2)),  # TP: tensor/test_hf_gdn_tp.py
         ("heads", ParallelDims(cp=2), {}, build_gdn("qwen3_next", v_heads=3, k_heads=1)),
     ]:
         try:
@@ -142,7 +142,7 @@ def test_cp2_of_gated_deltanet_models_matches_one_process():
         refused, traffic = rank_results.pop("refused"), rank_results.pop("traffic")
         assert traffic["forward"] == traffic["backward"] == traffic["formula"] > 0, traffic  # gdn.py's formula
         assert traffic["state"] == traffic["state_formula"] > 0, traffic  # gdn_state_bytes_per_layer
-        assert "tensor parallelism is not supported for gated DeltaNet" in refused["tp"], refused
+        assert "1 key heads (2 value heads) are not divisible by tp=2" in refused["tp"], refused
         assert "splits the 3 value heads" in refused["heads"], refused
         assert all(message and "\n" not in message for message in refused.values())
         for (name, _, _, strategy, _), r in rank_results.items():

@@ -48,8 +48,10 @@ _LAYOUTS = {"qkvz_ba": ("in_proj_qkvz", "in_proj_ba"), "qkv_z_b_a": ("in_proj_qk
 
 
 def _layout(module: nn.Module) -> str | None:
+    # nn.Linear, or one stored per component by tensor parallelism (parallel/tensor/plans_hf.py: in_features kept)
     return next((name for name, parts in _LAYOUTS.items()
-                 if all(isinstance(getattr(module, p, None), nn.Linear) for p in parts)), None)
+                 if all(isinstance(getattr(module, p, None), nn.Module) and hasattr(getattr(module, p), "in_features")
+                        for p in parts)), None)
 
 
 def _norm(module: nn.Module):

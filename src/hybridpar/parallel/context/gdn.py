@@ -69,7 +69,7 @@ from hybridpar.parallel.context.core import ContextParallelCore
 from hybridpar.parallel.context.mamba import local_tensor
 from hybridpar.parallel.context.mamba_state import SegmentPlan, _conv_halo, build_segment_plan
 
-__all__ = ["HiddenParallelGDN", "StatePassingGDN", "GDN_STRATEGIES", "apply_gdn_cp", "validate_gdn_parallel",
+__all__ = ["HiddenParallelGDN", "StatePassingGDN", "GDN_STRATEGIES", "apply_gdn_cp", "validate_gdn_parallel", "GDN_TP_MODEL_TYPES",
            "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer"]
 
 
@@ -243,23 +243,32 @@ class StatePassingGDN(ContextParallelCore):
 GDN_STRATEGIES = {"a2a": HiddenParallelGDN, "state": StatePassingGDN}
 
 
+GDN_TP_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")  # plans: tensor/plans_moe
+
+
 def validate_gdn_parallel(model: nn.Module, cp: int, tp: int, mamba_strategy: str) -> None:
     """Raise ``ValueError`` (no communication) unless every switched gated DeltaNet of ``model`` can run
-    at this ``cp`` and ``tp``: a known strategy, heads divisible for "a2a", and no tensor parallelism (its
-    heads are not sharded; transformers' own plan would split its fused projections)."""
+    at this ``cp`` and ``tp``: under TP a model type with a head-sharding plan (``GDN_TP_MODEL_TYPES``)
+    and key heads divisible by tp; under CP a known strategy and, for "a2a", the local heads divisible."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     for name, layer in gdn_layers(model):
         where = f"gated DeltaNet {name!r} ({type(layer).__name__})"
-        if tp > 1:
-            raise ValueError(f"{where}: tensor parallelism is not supported for gated DeltaNet layers (their heads are "
-                             f"not sharded); use parallel.tp=1 with cp or FSDP, got tp={tp}.")
+        if tp > 1 and model_type not in GDN_TP_MODEL_TYPES:
+            raise ValueError(f"{where}: tensor parallelism of gated DeltaNets is implemented for model types "
+                             f"{list(GDN_TP_MODEL_TYPES)}, not {model_type!r}; use parallel.tp=1 with cp or FSDP.")
+        if tp > 1 and layer.num_k_heads % tp:
+            raise ValueError(f"{where}: {layer.num_k_heads} key heads ({layer.num_v_heads} value heads) are not "
+                             f"divisible by tp={tp}; tensor parallelism splits them, choose a tp that divides "
+                             f"{layer.num_k_heads}.")
         if cp == 1:
             continue
         if mamba_strategy not in GDN_STRATEGIES:
             raise ValueError(f"{where}: unknown context-parallel strategy cp_mamba={mamba_strategy!r}; set "
                              f"parallel.cp_mamba to one of {sorted(GDN_STRATEGIES)}.")
-        problem = heads_problem(layer.num_v_heads, layer.num_k_heads, cp) if mamba_strategy == "a2a" else None
+        heads = (layer.num_v_heads // tp, layer.num_k_heads // tp)  # the local heads under TP
+        problem = heads_problem(*heads, cp) if mamba_strategy == "a2a" else None
         if problem:
-            raise ValueError(f"{where}: {problem}.")
+            raise ValueError(f"{where}{f' at tp={tp}' if tp > 1 else ''}: {problem}.")
 
 
 def apply_gdn_cp(model: nn.Module, cp_group: dist.ProcessGroup | None, strategy: str = "a2a") -> nn.Module:

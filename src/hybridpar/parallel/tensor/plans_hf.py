@@ -15,15 +15,18 @@ from functools import partial
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
 
+from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
+from hybridpar.models.hf.gdn_mixers import _LAYOUTS, _layout, _norm, _out
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
 from hybridpar.parallel.lora import split_lora_components
 
 from hybridpar.parallel.tensor.check import validate_tp_sizes
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
-from hybridpar.parallel.tensor.hybrid import MambaHeadParallel, SplitInProj, _map_first_input, _replicated_input
+from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, SplitInProj, _map_first_input,
+                                              _replicated_input)
 from hybridpar.parallel.tensor.linear_styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
@@ -32,12 +35,13 @@ from hybridpar.parallel.tensor.linear_styles import (
     PackedColwiseParallel,
 )
 from hybridpar.parallel.tensor.registry import register_tp_plan
-from hybridpar.parallel.tensor.styles import LocalReplicateParallel, RotaryEmbedParallel, SequenceParallelAllGatherActivation
+from hybridpar.parallel.tensor.styles import (AllReduceGrad, LocalReplicateParallel, RotaryEmbedParallel,
+                                             SequenceParallelAllGatherActivation)
 
 __all__ = [
     "hf_key", "register_hf_plan", "llama_plan", "qwen3_plan", "gemma2_plan", "gemma3_plan", "phi_plan", "phi3_plan", "olmo2_plan", "cohere_plan",
     "starcoder2_plan", "gpt_neox_plan", "stablelm_plan", "gpt2_plan", "lfm2_plan", "lfm3_plan",
-    "split_short_conv", "ShortConvChannelParallel",
+    "split_short_conv", "ShortConvChannelParallel", "split_gdn", "gdn_tp_problem", "GDNHeadParallel",
 ]
 
 
@@ -272,3 +276,114 @@ def lfm3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
     plan["model.layers.*.self_attn.g_proj"] = HeadGateParallel()
     plan["model.layers.*.conv"] = ShortConvChannelParallel(sequence_parallel=sequence_parallel)
     return plan
+
+
+# Gated DeltaNets of transformers hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid) by heads: GDNHeadParallel, in the
+# plans plans_moe.qwen3_next_plan and plans_moe.olmo_hybrid_plan.
+#
+# Rank ``r`` of ``tp`` holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the value heads that read them,
+# ``[r Hv/tp, (r+1) Hv/tp)`` (value head ``j`` reads key head ``j // (Hv/Hk)``), so the whole layer up
+# to ``out_proj`` runs on local heads with no collective::
+#
+#     u [B, S, D] (SP: all-gathered from [B, S/tp, D])
+#       -> projections (local rows)  mixed_qkv [B, S, 2 Hk/tp dk + Hv/tp dv], z [B, S, Hv/tp dv], a, b [B, S, Hv/tp]
+#       -> core (conv on the local q|k|v channels, A_log, dt_bias on local heads; a CP strategy alike)
+#       -> o [B, S, Hv/tp dv] -> per-head gated norm (weight [dv] replicated, gradient summed over TP)
+#       -> out_proj rowwise: partial [B, S, D] -> all-reduce [B, S, D] (SP: reduce-scatter [B, S/tp, D])
+#
+# Every sharded parameter is a plain ``Shard(0)`` of a stored tensor, so FSDP composes:
+#
+# - Qwen3-Next's ``in_proj_qkvz`` (rows ``[q_h | k_h | v_h | z_h]`` per key head ``h``) and
+#   ``in_proj_ba`` (``[b_h | a_h]`` per key head) are grouped by key head already: dim-0 shards as stored.
+# - Qwen3.5's ``in_proj_qkv`` (``[q | k | v]``) is stored per component ``weight_q, weight_k, weight_v``
+#   (``SplitInProj``); ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (value heads in order) as stored.
+# - OLMo-Hybrid's ``q_proj ... b_proj`` as stored.
+# - ``conv1d`` over ``[q | k | v]`` is stored per component (``SplitConv1d``: ``weight_q/k/v``).
+#
+# ``split_gdn`` stores those components at every layout (``parallelize`` calls it through
+# ``split_hf_mixers``), so checkpoint names do not depend on tp; ``canonical_state_dict`` and exports fuse
+# them back to transformers' names. During the layer's forward its DTensor parameters are swapped for
+# their local shards, so ``gdn_mixers.gdn_training_forward`` and the CP cores run unchanged on a shard.
+
+
+_HEAD_COUNTS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+
+
+def split_gdn(layer: nn.Module) -> None:
+    """Store a switched gated DeltaNet's ``conv1d`` (and Qwen3.5's ``in_proj_qkv``) per component q, k, v
+    (idempotent; a LoRA adapter on ``in_proj_qkv`` follows)."""
+    if isinstance(layer.conv1d, SplitConv1d):
+        return
+    key, value = layer.num_k_heads * layer.head_k_dim, layer.num_v_heads * layer.head_v_dim
+    sizes = dict(q=key, k=key, v=value)
+    layer.conv1d = SplitConv1d(layer.conv1d, sizes)
+    if _layout(layer) == "qkv_z_b_a" and not isinstance(layer.in_proj_qkv, SplitInProj):
+        fused, layer.in_proj_qkv = layer.in_proj_qkv, SplitInProj(layer.in_proj_qkv, sizes)
+        split_lora_components(fused, layer.in_proj_qkv, sizes)
+
+
+def _projections(layer: nn.Module) -> list[nn.Module]:
+    layout = next(name for name, parts in _LAYOUTS.items() if all(hasattr(layer, p) for p in parts))
+    return [getattr(layer, p) for p in _LAYOUTS[layout]]
+
+
+def gdn_tp_problem(name: str, layer: nn.Module, tp: int) -> str | None:
+    """Why ``layer`` cannot be sharded by heads over ``tp`` ranks (None: it can)."""
+    if not getattr(layer, GDN_MARK, False):
+        return (f"TP plan entry for {name!r}: GDNHeadParallel shards a gated DeltaNet switched by install_gdn_core(model) "
+                f"(parallelize calls it), got {type(layer).__name__}")
+    if layer.num_k_heads % tp:
+        return (f"gated DeltaNet {name!r}: {layer.num_k_heads} key heads ({layer.num_v_heads} value heads) are not "
+                f"divisible by tp={tp}; choose a tp that divides {layer.num_k_heads}")
+    return None
+
+
+class GDNHeadParallel(MambaHeadParallel):
+    """Shard a switched gated DeltaNet by heads (comment above); ``sequence_parallel``: the output is
+    reduce-scattered to a ``Shard(1)`` DTensor ``[B, S/tp, D]``; ``_exit`` restores the DTensors."""
+
+    def __init__(self, *, sequence_parallel: bool = False):
+        super().__init__(sequence_parallel=sequence_parallel)
+        self.use_local_output = not sequence_parallel  # read by tp_check's SP rules
+
+    def check(self, name: str, module: nn.Module, tp: int) -> None:
+        problem = gdn_tp_problem(name, module, tp)
+        if problem:
+            raise ValueError(problem + ".")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        self.check(type(module).__name__, module, tp)
+        split_gdn(module)
+        for sub in (module, module.conv1d, *_projections(module)):  # A_log, dt_bias; conv q|k|v; projection rows
+            for name in list(sub._parameters):
+                self._shard(sub, name, device_mesh, Shard(0))
+        norm = _norm(module)
+        for name in list(norm._parameters):  # [dv], shared by every head: replicated
+            self._shard(norm, name, device_mesh, Replicate())
+        for attr in _HEAD_COUNTS:
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, getattr(module, attr) // tp)
+        output = Shard(1) if self.sequence_parallel else Replicate()
+        # o_local [B, S, Hv/tp dv] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
+        RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
+            _out(module), device_mesh)
+        module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
+        module.register_forward_hook(self._exit, always_call=True)  # restore even if forward raises
+        return module
+
+    @staticmethod
+    def _enter(mesh: DeviceMesh, layer: nn.Module, args, kwargs):
+        # [B, S, D] (or [B, S/tp, D] under SP) -> plain [B, S, D]; its grad is a partial sum over TP
+        args, kwargs = _map_first_input(
+            args, kwargs, "hidden_states", lambda x: _replicated_input(x, mesh).to_local(grad_placements=[Partial()]))
+        saved, norm = [], _norm(layer)
+        for sub in (layer, layer.conv1d, norm, *_projections(layer)):
+            for name, param in list(sub._parameters.items()):
+                if isinstance(param, DTensor):
+                    saved.append((sub, name, param))
+                    local = param.to_local()  # local shard (or the whole replicated norm weight)
+                    # the norm weight: every rank's heads give part of its gradient
+                    sub._parameters[name] = AllReduceGrad.apply(local, mesh.get_group()) if sub is norm else local
+        layer.__dict__.setdefault("_tp_saved_parameters", []).append(saved)
+        return args, kwargs

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
 from hybridpar.models.hf.mamba_mixers import MARK
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
 from hybridpar.parallel.data.fsdp import register_first_pre_hook
@@ -52,13 +53,14 @@ from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_
 from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, SplitInProj, replicate_shared_groups,
                                               spanning_group_norm)
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
-from hybridpar.parallel.tensor.plans_hf import lfm2_plan, register_hf_plan, split_short_conv
+from hybridpar.parallel.tensor.plans_hf import (GDNHeadParallel, lfm2_plan, olmo2_plan, register_hf_plan, split_gdn,
+                                               split_short_conv)
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, RotaryEmbedParallel,
                                              SequenceParallelAllGatherActivation, TokenwiseParallel)
 
 __all__ = ["mamba_tp_problem", "split_hf_mixer", "split_hf_mixers", "HFMambaHeadParallel", "hf_mamba_style", "moe_block_plan",
            "moe_decoder_plan", "mixtral_plan", "qwen3_moe_plan", "falcon_h1_plan", "bamba_plan", "nemotron_h_plan",
-           "granite_moe_hybrid_plan"]
+           "granite_moe_hybrid_plan", "qwen3_next_plan", "olmo_hybrid_plan"]
 
 
 def mamba_tp_problem(name: str, mixer: nn.Module, tp: int) -> str | None:
@@ -96,6 +98,8 @@ def split_hf_mixers(model: nn.Module) -> None:
             split_hf_mixer(module)
         elif getattr(module, SHORT_CONV_MARK, False):  # LFM2's short convs: in_proj per b, c, x
             split_short_conv(module)
+        elif getattr(module, GDN_MARK, False):  # gated DeltaNets: conv1d (Qwen3.5: in_proj_qkv) per q, k, v
+            split_gdn(module)
 
 
 def _local_rows(vector: torch.Tensor, sizes: dict[str, int], tp: int, rank: int, shared: bool) -> torch.Tensor:
@@ -352,4 +356,35 @@ def lfm2_moe_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
     for index, layer in enumerate(model.model.layers):
         if is_moe_block(layer.feed_forward):
             plan.update(moe_block_plan(f"model.layers.{index}.feed_forward", layer.feed_forward, sequence_parallel))
+    return plan
+
+
+@register_hf_plan("qwen3_next", "Qwen3NextForCausalLM")
+@register_hf_plan("qwen3_5_text", "Qwen3_5ForCausalLM")
+@register_hf_plan("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")
+def qwen3_next_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Qwen3-Next, Qwen3.5 (dense and MoE): gated DeltaNets (``linear_attn``) by heads
+    (``tensor/gdn.py``); gated attention by heads (``q_proj`` rows are ``[q_h | gate_h]`` per head,
+    a plain column split) with per-head q/k norms; MoE blocks or dense MLPs."""
+    plan = moe_decoder_plan(model, sequence_parallel, head_norms=("q_norm", "k_norm"))
+    plan["model.layers.*.linear_attn"] = GDNHeadParallel(sequence_parallel=sequence_parallel)
+    return plan
+
+
+@register_hf_plan("olmo_hybrid", "OlmoHybridForCausalLM")
+def olmo_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """OLMo-Hybrid: attention layers as OLMo3 (q/k norms over all heads: gathered attention, post-block
+    norms); gated DeltaNet layers (pre-block norms) by heads; per layer index."""
+    attention = olmo2_plan(model, sequence_parallel)
+    linear = decoder_plan(sequence_parallel, rotary=None, in_norms=("input_layernorm", "post_attention_layernorm"))
+    every = "model.layers.*."
+    plan = {k: v for k, v in attention.items() if not k.startswith(every)}  # embeddings, rotary, final norm
+    for index, layer in enumerate(model.model.layers):
+        gdn = hasattr(layer, "linear_attn")
+        own = {k[len(every):]: v for k, v in (linear if gdn else attention).items() if k.startswith(every)}
+        plan.update({f"model.layers.{index}.{k}": v for k, v in own.items() if not (gdn and k.startswith("self_attn."))})
+        if gdn:
+            plan[f"model.layers.{index}.linear_attn"] = GDNHeadParallel(sequence_parallel=sequence_parallel)
+    if getattr(model.model, "rotary_emb", None) is None:
+        plan.pop("model.rotary_emb", None)
     return plan
