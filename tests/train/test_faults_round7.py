@@ -120,3 +120,24 @@ def test_plan_shows_a_small_model_in_microseconds_and_gigaflops_not_zero():
 
     assert duration(2.7375) == "2,737.5 ms" and duration(3e-8) == "30.0 ns" and duration(0.0) == "0.0 ms"
     assert time_and_flops(1.0, 1.0197e15)[1] == "1,019.7 TFLOP" and time_and_flops(1.0, 5e3)[1] == "5.0 kFLOP"
+
+
+def test_a_synthetic_task_option_of_the_wrong_kind_is_refused_naming_it():
+    """min_len=16.5 trained silently (a float length), num_kv_pairs=[1, 2, 3] read its first two
+    values, vocab_size=true was read as 1 ("leaves -1 distinct keys") and num_kv_pairs='x' was
+    Python's "invalid literal for int()"."""
+    from hybridpar.config import DataConfig
+    from hybridpar.train.batches import DataError, make_task
+
+    cases = {"mqar": [("min_len", 16.5, "an integer;"), ("vocab_size", True, "an integer;"),
+                      ("num_kv_pairs", [1, 2, 3], "a range [low, high] of two integers"),
+                      ("num_kv_pairs", "x", "a range"), ("num_queries", 1.0, "an integer or null"),
+                      ("filler", 1, "a string")],
+             "selective_copy": [("max_len", 99.9, "an integer;"), ("num_tokens", [2.0, 4], "a range")]}
+    for task, options in cases.items():
+        for name, value, rule in options:
+            with pytest.raises(DataError) as error:
+                make_task(DataConfig(task=task, task_options={name: value}), 256)
+            assert _one_line(error).startswith(f"data.task_options.{name}=") and rule in str(error.value), error.value
+    make_task(DataConfig(task="mqar", task_options={"num_kv_pairs": [2, 3], "num_queries": None, "min_len": 16,
+                                                    "max_len": 48, "vocab_size": 16}), 256)
