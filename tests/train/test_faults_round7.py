@@ -141,3 +141,21 @@ def test_a_synthetic_task_option_of_the_wrong_kind_is_refused_naming_it():
             assert _one_line(error).startswith(f"data.task_options.{name}=") and rule in str(error.value), error.value
     make_task(DataConfig(task="mqar", task_options={"num_kv_pairs": [2, 3], "num_queries": None, "min_len": 16,
                                                     "max_len": 48, "vocab_size": 16}), 256)
+
+
+def test_a_lora_rank_above_a_target_layers_smaller_side_is_refused_before_any_allocation():
+    """peft.r=65 on a layer 32 wide trained silently at rank 32 for the memory of 65, and
+    peft.r=100000000 was an out-of-memory traceback from the adapter's allocation."""
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.models.lora import add_lora, lora_modules
+
+    for r in (33, 10**8):
+        model = HybridLM(HybridConfig.from_preset("tiny"))
+        with pytest.raises(ValueError) as error:
+            add_lora(model, r=r)
+        assert _one_line(error).startswith(f"peft.r={r} is larger than the smaller side of the target layer ")
+        assert "use peft.r <= 32" in str(error.value) and not lora_modules(model)
+    assert add_lora(HybridLM(HybridConfig.from_preset("tiny")), r=32)
+    code, output = _cli("train", "--dry-run", "--config", CONFIG, "model.preset=tiny", "parallel.cp=1",
+                        "peft.method=lora", "peft.r=1000", "output_dir=/nonexistent/never-written")
+    assert code == 2 and "peft.r=1000 is larger" in output, output
