@@ -159,3 +159,26 @@ def test_a_lora_rank_above_a_target_layers_smaller_side_is_refused_before_any_al
     code, output = _cli("train", "--dry-run", "--config", CONFIG, "model.preset=tiny", "parallel.cp=1",
                         "peft.method=lora", "peft.r=1000", "output_dir=/nonexistent/never-written")
     assert code == 2 and "peft.r=1000 is larger" in output, output
+
+
+def test_a_sample_prompt_the_tokenizer_refuses_is_found_before_training(tmp_path):
+    """train.sample={prompt: "a\\x02b"} (a reserved byte) trained the whole run, saved it, and only then
+    failed at the sample."""
+    (tmp_path / "t.txt").write_text("hello world\n\nsecond paragraph\n")
+    (tmp_path / "s.yaml").write_text('train:\n  sample: {prompt: "a\\x02b", max_new_tokens: 3}\n')
+    code, output = _cli("train", "--dry-run", "--config", str(tmp_path / "s.yaml"), "model.preset=tiny", "parallel.cp=1",
+                        "data.pack_size=128", "data.task=text", f"data.path={tmp_path / 't.txt'}", "data.task_options={}",
+                        f"output_dir={tmp_path / 'run'}")
+    assert code == 2 and "train.sample's prompt 'a\\x02b' cannot be encoded" in output, output
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_preset_beside_model_hf_path_is_said_to_be_unused():
+    """model.preset=small with model.hf_path trained the checkpoint's model without a word."""
+    from hybridpar.config import load_config
+    from hybridpar.train.unused_keys import unused_key_notices
+
+    notes = unused_key_notices(load_config(None, ["model.hf_path=/some/model", "model.preset=small"]))
+    assert notes == ["model.preset='small' is not used: model.hf_path loads the checkpoint's own config (drop "
+                     "model.preset, or model.hf_path to train the preset)"]
+    assert unused_key_notices(load_config(None, ["model.hf_path=/some/model"])) == []
