@@ -36,7 +36,7 @@ def test_a_generation_config_that_is_not_json_or_names_an_id_outside_the_vocabul
     vocabulary never stops generation: both ran to --max-new-tokens without a word. ``generate``
     refuses both; ``train`` refuses the damaged file and says the id in one notice."""
     from hybridpar.models.hf.config import read_hf_config
-    from hybridpar.models.hf.generation_config import check_generation_config
+    from hybridpar.models.hf.generation_config import check_generation_config, generation_id_problem
 
     model = tiny_hf(tmp_path / "hf")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -55,15 +55,16 @@ def test_a_generation_config_that_is_not_json_or_names_an_id_outside_the_vocabul
         with pytest.raises(ValueError) as error:
             check_generation_config(model, vocab)
         assert expected in _one_line(error)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            read_hf_config(model)  # training: one notice (the ids are not used until generation)
-        assert len(caught) == 1 and expected in str(caught[0].message)
+        read_hf_config(model)  # training reads the model: the ids are said once, by the preflight
+        assert expected in generation_id_problem(model)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2], "pad_token_id": None}))
     check_generation_config(model, vocab)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab}))
     code, output = _cli("generate", "--hf-path", str(model), "--prompt", "hi", "--max-new-tokens", "2")
-    assert code == 2 and "eos_token_id" in output and output.count("hybridpar: error:") == 1, output
+    assert code == 2 and "eos_token_id" in output and output.count("\n") == 1, output
+    code, output = _cli("train", "--dry-run", "--config", CONFIG, "model.preset=tiny", "parallel.cp=1",
+                        f"model.hf_path={model}", f"output_dir={tmp_path / 'run'}")
+    assert code == 0 and output.count(f"warning: {model}/generation_config.json: eos_token_id=") == 1, output
 
 
 def test_generate_with_max_new_tokens_0_is_refused():

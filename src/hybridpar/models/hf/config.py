@@ -86,7 +86,7 @@ def read_hf_config(path: str | Path) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{file} holds a JSON {type(hf).__name__}, not an object of config fields; restore the "
                          "checkpoint's config.json (it starts with '{').")
-    check_generation_config(path, vocab_of(hf), refuse_ids=False)  # generate refuses its ids (generate.py)
+    check_generation_config(path, vocab_of(hf), check_ids=False)  # its ids: generate refuses, train notices
     quantization = hf.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization

@@ -11,13 +11,13 @@ the file; an id outside the vocabulary is refused by ``generate`` and said in on
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
-from hybridpar.config_rules import Notice, quoted, shorten
+from hybridpar.config_rules import quoted, shorten
 from hybridpar.strict_json import DuplicateKeyError, load_file
 
-__all__ = ["GENERATION_FILE", "TOKEN_ID_FIELDS", "vocab_of", "check_generation_config", "check_generation_ids"]
+__all__ = ["GENERATION_FILE", "TOKEN_ID_FIELDS", "vocab_of", "check_generation_config", "generation_id_problem",
+           "check_generation_ids"]
 
 GENERATION_FILE = "generation_config.json"
 TOKEN_ID_FIELDS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
@@ -30,14 +30,38 @@ def vocab_of(hf: dict) -> int | None:
     return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
-def check_generation_ids(directory: str | Path) -> None:
-    """``check_generation_config`` for ``generate``, before the model loads: every id refused (a
-    ``config.json`` that cannot be read is left to the loader, whose error names it)."""
+def _vocab_in(directory: str | Path) -> int | None | bool:
+    """``config.json``'s vocabulary size (None: not given), or False when it cannot be read (its
+    loader's error names it)."""
     try:
         hf = load_file(Path(directory) / "config.json")
     except (OSError, ValueError, RecursionError):
-        return
-    check_generation_config(directory, vocab_of(hf) if isinstance(hf, dict) else None)
+        return False
+    return vocab_of(hf) if isinstance(hf, dict) else False
+
+
+def generation_id_problem(directory: str | Path) -> str | None:
+    """The one-line problem of ``directory``'s generation token ids, or None (also when the file
+    itself cannot be read: ``read_hf_config`` refuses that)."""
+    vocab = _vocab_in(directory)
+    if vocab is False:
+        return None
+    try:
+        check_generation_config(directory, vocab, check_ids=False)
+    except ValueError:
+        return None
+    try:
+        check_generation_config(directory, vocab)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def check_generation_ids(directory: str | Path) -> None:
+    """``generate``, before the model loads: the file and its token ids (``check_generation_config``)."""
+    vocab = _vocab_in(directory)
+    if vocab is not False:
+        check_generation_config(directory, vocab)
 
 
 def _bad_id(value, vocab_size: int | None) -> bool:
@@ -46,12 +70,12 @@ def _bad_id(value, vocab_size: int | None) -> bool:
     return value < 0 or (vocab_size is not None and value >= vocab_size)
 
 
-def check_generation_config(directory: str | Path, vocab_size: int | None, refuse_ids: bool = True) -> None:
+def check_generation_config(directory: str | Path, vocab_size: int | None, check_ids: bool = True) -> None:
     """ValueError (one line) when ``directory/generation_config.json`` exists but is not a JSON
     object, or names a token id (``TOKEN_ID_FIELDS``; ``eos_token_id`` may be a list) that is not
-    an integer in ``[0, vocab_size)``; ``refuse_ids=False`` (training: the ids are not used, and
-    small test models often keep a default id outside their vocabulary) says the latter in one
-    notice instead. A missing file is fine (transformers' defaults)."""
+    an integer in ``[0, vocab_size)`` (``check_ids=False``: the JSON alone; training says the ids
+    in one notice, ``train/preflight``: small test models often keep a default id outside their
+    vocabulary). A missing file is fine (transformers' defaults)."""
     file = Path(directory) / GENERATION_FILE
     if not file.is_file():
         return
@@ -66,7 +90,7 @@ def check_generation_config(directory: str | Path, vocab_size: int | None, refus
                                  f"would ignore it and generation would not stop at its end token; {fix}", 500)) from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object of generation fields; {fix}")
-    for field in TOKEN_ID_FIELDS:
+    for field in TOKEN_ID_FIELDS if check_ids else ():
         value = config.get(field)
         if value is None:
             continue
@@ -74,11 +98,7 @@ def check_generation_config(directory: str | Path, vocab_size: int | None, refus
         bad = [i for i in ids if _bad_id(i, vocab_size)]
         if bad or not ids:
             rule = f"an integer in [0, {vocab_size})" if vocab_size is not None else "an integer >= 0"
-            message = shorten(
+            raise ValueError(shorten(
                 f"{file}: {field}={quoted(value)} must be {rule}{' (or a list of them)' if field == 'eos_token_id' else ''}"
                 f"{f', the vocabulary of config.json' if vocab_size is not None else ''}: a token the model never "
-                f"produces, so generation would not stop or pad with it; {fix}", 500)
-            if refuse_ids:
-                raise ValueError(message)
-            warnings.warn(message, Notice, stacklevel=2)
-            return
+                f"produces, so generation would not stop or pad with it; {fix}", 500))
