@@ -144,6 +144,9 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         model_path = hf_path
         if (Path(hf_path) / "adapter_config.json").is_file():  # a LoRA adapter: its base with the adapter merged
             hf_path, model_path = _merged_adapter(hf_path)
+        from hybridpar.models.hf.generation_config import check_generation_ids
+
+        check_generation_ids(hf_path)  # an end token the model can make (train only warns)
         model = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval()
     else:
         path = checkpoint_to_load(checkpoint)
@@ -174,10 +177,14 @@ def check_generate_arguments(args) -> None:
     from hybridpar.config_rules import shorten
     from hybridpar.models.generation import check_sampling
 
+    if args.max_new_tokens == 0:  # the prompt alone would be printed as if it were the model's answer
+        raise ValueError("--max-new-tokens 0 generates nothing (the prompt would be printed alone); pass "
+                         "--max-new-tokens >= 1.")
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     except ValueError as error:
         message = re.sub(r"^(\w+)=(\S+) ", lambda m: f"{_FLAGS.get(m[1], m[1])} {m[2]} ", str(error))
+        message = message.replace("in [0, 2**31-1]", "in [1, 2**31-1]")  # generate makes at least one token
         raise ValueError(shorten(message.replace("; change it in the generate call.", "."), 400)) from None
     from hybridpar.config_rules import not_utf8, path_problem, quoted
 

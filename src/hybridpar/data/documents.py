@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hybridpar.config_rules import quoted
 from hybridpar.data.chat import chat_documents, prompt_completion_documents
+from hybridpar.data.empty_documents import drop_empty
 from hybridpar.data.hf_datasets import hf_dataset_documents
 from hybridpar.data.sources import jsonl_documents, text_documents
 from hybridpar.data.stdlib import STDLIB_OPTIONS, stdlib_corpus
@@ -55,11 +56,13 @@ def file_documents(task: str, path: str | Path | None, tokenizer, options: dict 
                          f"{' or dataset directory' if task == 'hf_dataset' else ''}.")
     options = {**FILE_TASKS[task], **options}
     if task == "text":
-        return text_documents(path, split=options["split"], tokenizer=tokenizer)
-    if task == "jsonl":
-        return jsonl_documents(path, text_field=options["text_field"], tokenizer=tokenizer)
-    if task == "chat":
-        return chat_documents(path, tokenizer, **options)
-    if task == "prompt_completion":
-        return prompt_completion_documents(path, tokenizer, **options)
-    return hf_dataset_documents(path, tokenizer, **options)
+        documents = text_documents(path, split=options["split"], tokenizer=tokenizer)
+    elif task == "jsonl":
+        documents = jsonl_documents(path, text_field=options["text_field"], tokenizer=tokenizer)
+    elif task == "chat":
+        documents = chat_documents(path, tokenizer, **options)
+    elif task == "prompt_completion":
+        documents = prompt_completion_documents(path, tokenizer, **options)
+    else:
+        documents = hf_dataset_documents(path, tokenizer, **options)
+    return drop_empty(documents, as_tokenizer(tokenizer), task, path) if documents else documents

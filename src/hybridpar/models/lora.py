@@ -114,7 +114,8 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
 
     ``targets``: module names (peft's rule), each of which must match an ``nn.Linear``; None: those
     of ``DEFAULT_TARGETS`` the model has. Run before ``parallelize`` (adapters are laid out with
-    their base layer there). A target matching no ``nn.Linear`` or ``r < 1`` is a ``ValueError``.
+    their base layer there). A target matching no ``nn.Linear``, ``r < 1`` or ``r`` above a target's smaller side is a
+    ``ValueError``.
     """
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise ValueError(f"peft.r={r!r} is invalid: the LoRA rank must be an integer >= 1; e.g. peft.r=8.")
@@ -127,6 +128,11 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     if getattr(model, "_parallel_dims", None) is not None or getattr(model, "_tp_mesh", None) is not None:
         raise ValueError("add_lora runs on the single-device model, before parallelize(); call it first.")
     chosen = _linear_targets(model, None if targets is None else tuple(targets))
+    narrow, layer = min((min(m.in_features, m.out_features), n) for n, m in chosen.items())
+    if r > narrow:  # B @ A has rank <= the layer's smaller side: the rest only costs memory (r=1e8: out of memory)
+        raise ValueError(f"peft.r={r} is larger than the smaller side of the target layer {layer} ({narrow}): an "
+                         f"adapter's update has rank at most {narrow}, so the rest trains nothing and costs memory; "
+                         f"use peft.r <= {narrow} (8-64 is usual) or leave that layer out of peft.target_modules.")
     for param in model.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -8,7 +8,7 @@ import math
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.plan.planner import GPU_BASELINE_GIB, H100, DeviceFigures, TransformersPlan, cpu_baseline_gib, make_plan
-from hybridpar.plan.report import plan_dict, plan_text
+from hybridpar.plan.report import duration, plan_dict, plan_text
 
 __all__ = ["add_plan_arguments", "run_plan", "check_device_figures"]
 
@@ -96,7 +96,7 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
           f"(peak + baseline {baseline:.2f} GiB); time is an ESTIMATE ({device.name})")
     print(f"fits ({len(fitting)}), fastest first:" if fitting else "no layout fits.")
     for c in fitting:
-        print(f"  {c.needs_gib:8.2f} GiB  {c.plan.time.step_s * 1e3:10.1f} ms/step  {c.label()}")
+        print(f"  {c.needs_gib:8.2f} GiB  {duration(c.plan.time.step_s):>13}/step  {c.label()}")
     print("does not fit:")
     for c in candidates:
         if not c.fits(args.fit):

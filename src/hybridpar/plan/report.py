@@ -67,11 +67,44 @@ def plan_text(plan: Plan, target: str = "gpu") -> str:
         f"baseline (not in the peak): {d['baseline_gib']:.2f} GiB, {d['baseline_is']}",
         "traffic per step per rank: " + (", ".join(f"{k} {_bytes(v)}" for k, v in d["traffic_bytes_per_step_by_dim"].items())
                                          or "none"),
-        f"time (ESTIMATE, {plan.device.name}): {plan.time.step_s * 1e3:,.1f} ms per step = compute "
-        f"{plan.time.compute_s * 1e3:,.1f} + memory {plan.time.memory_s * 1e3:,.1f} + communication "
-        f"{plan.time.comm_s * 1e3:,.1f} ms ({plan.time.flops / 1e12:,.1f} TFLOP per rank)",
+        _time_line(plan),
     ]
     return "\n".join(lines)
+
+
+def _scaled(value: float, units: tuple[tuple[float, str], ...]) -> tuple[float, str]:
+    """``(scale, unit)``: the largest unit ``value`` reaches (the smallest for a smaller value; the
+    largest for 0)."""
+    if value == 0:
+        return units[0]
+    return next(((scale, unit) for scale, unit in units if abs(value) >= scale), units[-1])
+
+
+def _number(value: float) -> str:
+    """One decimal, or two significant digits for a value that one decimal would show as 0.0."""
+    return f"{value:,.1f}" if value == 0 or abs(value) >= 0.05 else f"{value:.2g}"
+
+
+def time_and_flops(step_s: float, flops: float) -> tuple[tuple[float, str], str]:
+    """The time unit for ``step_s`` (``(seconds per unit, name)``: ms, µs or ns) and ``flops`` written
+    in TFLOP, GFLOP, MFLOP or kFLOP: a small model's estimate is never printed as 0.0."""
+    time_unit = _scaled(step_s, ((1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")))
+    scale, unit = _scaled(flops, ((1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "kFLOP")))
+    return time_unit, f"{_number(flops / scale)} {unit}"
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in ms, µs or ns (``time_and_flops``' unit for it)."""
+    (scale, unit), _ = time_and_flops(seconds, 0.0)
+    return f"{_number(seconds / scale)} {unit}"
+
+
+def _time_line(plan: Plan) -> str:
+    t = plan.time
+    (scale, unit), flops = time_and_flops(t.step_s, t.flops)
+    return (f"time (ESTIMATE, {plan.device.name}): {_number(t.step_s / scale)} {unit} per step = compute "
+            f"{_number(t.compute_s / scale)} + memory {_number(t.memory_s / scale)} + communication "
+            f"{_number(t.comm_s / scale)} {unit} ({flops} per rank)")
 
 
 def plan_json(plan: Plan, target: str = "gpu") -> str:

@@ -56,6 +56,27 @@ def pad_multiple(config: DataConfig, cp_size: int) -> int:
     return config.pad_to_multiple_of or 2 * cp_size
 
 
+def _check_option_type(name: str, value, default) -> None:
+    """DataError unless a synthetic task option has its default's kind: an integer (not a float or
+    a boolean, which were truncated or read as 0/1), an integer or ``[low, high]`` for a range, an
+    integer or null for an optional count, a string for a string."""
+    def integer(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if isinstance(default, str):
+        holds, rule = isinstance(value, str), "a string"
+    elif isinstance(default, tuple):
+        holds = integer(value) or (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(integer, value)))
+        rule = "an integer or a range [low, high] of two integers"
+    else:
+        holds = integer(value) or (default is None and value is None)
+        rule = "an integer" + (" or null" if default is None else "")
+    if not holds:
+        raise DataError(f"data.task_options.{name}={quoted(value)} is invalid: it must be {rule}; e.g. "
+                        f"data.task_options.{name}={quoted(list(default) if isinstance(default, tuple) else default)} "
+                        "(the default).")
+
+
 def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
     """The synthetic task of ``data.task`` with ``data.task_options``; DataError names the option."""
     allowed = {f.name: f.default for f in dataclasses.fields(TASKS[config.task]) if f.name != "seed"}
@@ -66,6 +87,7 @@ def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
                         f"; its options are {allowed} (shown with their defaults); remove the others"
                         f"{did_you_mean(unknown[0], allowed)}.")
     for name, value in config.task_options.items():
+        _check_option_type(name, value, allowed[name])
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_TASK_INT for v in values):
             raise DataError(f"data.task_options.{name}={quoted(value)} is invalid: its integers must be in [0, 2**31-1] "

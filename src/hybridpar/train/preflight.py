@@ -308,7 +308,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     not trained yet is checked for what training it needs, and the data with bytes instead."""
     from hybridpar.train.run.metrics import notice
     from hybridpar.train.run.tokenizer import BPE, _refuse_bpe, bpe_dir, prepare_data
-    from hybridpar.train.sample import check_sample
+    from hybridpar.models.hf.generation_config import generation_id_problem
+    from hybridpar.train.sample import check_sample, check_sample_prompt
     from hybridpar.train.unused_keys import unused_key_notices
 
     shape = validate_layout(config, world_size)
@@ -337,6 +338,9 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     else:
         data = prepare_data(config, shape.vocab_size)
     validate_data(data, shape.vocab_size, config.model.hf_path)
+    check_sample_prompt(config, data, shape.vocab_size)
+    if config.model.hf_path and (problem := generation_id_problem(config.model.hf_path)):
+        notice(problem)  # not used in training; the export would carry it (generate refuses it)
     if command == "check" and (why := attention_dropout_problem(config, shape, parallel_dims(config).world_size)):
         raise ConfigError(f"check cannot prove this layout: {why}")  # at once (train says it at start)
     train = config.train

@@ -16,7 +16,7 @@ import torch
 
 from hybridpar.config_rules import SAMPLE_KEYS, SAMPLE_RULE_TEXT, sample_problem
 
-__all__ = ["sample_settings", "check_sample", "continue_prompt", "print_sample"]
+__all__ = ["sample_settings", "check_sample", "check_sample_prompt", "continue_prompt", "print_sample"]
 
 
 def sample_settings(raw: dict | None) -> dict | None:
@@ -37,6 +37,27 @@ def check_sample(config) -> None:
         raise ValueError(f"train.sample continues a text prompt, but data.task={config.data.task!r} makes synthetic "
                          "token ids with no tokenizer to encode it; use a file task (text, python_stdlib, ...) or set "
                          "train.sample=null.")
+
+
+def check_sample_prompt(config, data, vocab_size: int) -> None:
+    """ValueError (one line) for a ``train.sample`` prompt the run's tokenizer refuses (a reserved
+    control byte, no token at all): found before step 1, not after training. ``data``: the data
+    config whose tokenizer the run uses (``prepare_data``'s)."""
+    settings = sample_settings(config.train.sample)
+    if settings is None:
+        return
+    from hybridpar.config_rules import quoted, shorten
+    from hybridpar.train.batches import data_tokenizer
+
+    tokenizer = data_tokenizer(data, vocab_size, config.model.hf_path)
+    try:
+        ids = tokenizer.document(settings["prompt"], add_eos=False)
+    except ValueError as error:
+        raise ValueError(shorten(f"train.sample's prompt {quoted(settings['prompt'], 60)} cannot be encoded by the run's "
+                                 f"tokenizer ({str(error).rstrip('.')}); change the prompt (checked now, not after training).", 500)) from None
+    if not ids:
+        raise ValueError(f"train.sample's prompt {quoted(settings['prompt'], 60)} is no token for the run's tokenizer "
+                         "(empty, and it adds no BOS); give a prompt with at least one character.")
 
 
 def print_sample(model, tokenizer, settings: dict) -> str:

@@ -7,7 +7,7 @@ refused instead (``train/batches.validate_data``): the run would train on other 
 
 from __future__ import annotations
 
-from hybridpar.config import PeftConfig, RunConfig, TrainConfig, show_value
+from hybridpar.config import ModelConfig, PeftConfig, RunConfig, TrainConfig, show_value
 
 
 def unused_key_notices(config: RunConfig) -> list[str]:
@@ -16,6 +16,9 @@ def unused_key_notices(config: RunConfig) -> list[str]:
     if config.model.export_architecture and not config.model.export_hf:
         notes.append(f"model.export_architecture={show_value(config.model.export_architecture)} is not used: nothing is "
                      "exported without model.export_hf (set it to a new directory to export the trained model)")
+    if config.model.hf_path and config.model.preset != ModelConfig().preset:
+        notes.append(f"model.preset={show_value(config.model.preset)} is not used: model.hf_path loads the checkpoint's "
+                     "own config (drop model.preset, or model.hf_path to train the preset)")
     if config.peft.method == "none":
         changed = [name for name in ("r", "alpha", "dropout", "target_modules", "merge")
                    if getattr(config.peft, name) != getattr(PeftConfig(), name)]

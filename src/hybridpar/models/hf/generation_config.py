@@ -1,0 +1,104 @@
+"""A checkpoint's ``generation_config.json`` read strictly.
+
+transformers reads ``generation_config.json`` for the end, padding and start token ids that
+``generate`` stops on and pads with, and ignores a file it cannot parse (with a log line held
+back), so a damaged file, or an ``eos_token_id`` outside the vocabulary, made generation run to
+``--max-new-tokens`` without a word. Here a file that is not JSON is refused in one line naming
+the file; an id outside the vocabulary is refused by ``generate`` and said in one notice by
+``train`` (whose export would carry it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybridpar.config_rules import quoted, shorten
+from hybridpar.strict_json import DuplicateKeyError, load_file
+
+__all__ = ["GENERATION_FILE", "TOKEN_ID_FIELDS", "vocab_of", "check_generation_config", "generation_id_problem",
+           "check_generation_ids"]
+
+GENERATION_FILE = "generation_config.json"
+TOKEN_ID_FIELDS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
+
+
+def vocab_of(hf: dict) -> int | None:
+    """``config.json``'s vocabulary size (its ``text_config``'s for a multimodal config), or None."""
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    vocab = hf.get("vocab_size", text.get("vocab_size"))
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def _vocab_in(directory: str | Path) -> int | None | bool:
+    """``config.json``'s vocabulary size (None: not given), or False when it cannot be read (its
+    loader's error names it)."""
+    try:
+        hf = load_file(Path(directory) / "config.json")
+    except (OSError, ValueError, RecursionError):
+        return False
+    return vocab_of(hf) if isinstance(hf, dict) else False
+
+
+def generation_id_problem(directory: str | Path) -> str | None:
+    """The one-line problem of ``directory``'s generation token ids, or None (also when the file
+    itself cannot be read: ``read_hf_config`` refuses that)."""
+    vocab = _vocab_in(directory)
+    if vocab is False:
+        return None
+    try:
+        check_generation_config(directory, vocab, check_ids=False)
+    except ValueError:
+        return None
+    try:
+        check_generation_config(directory, vocab)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def check_generation_ids(directory: str | Path) -> None:
+    """``generate``, before the model loads: the file and its token ids (``check_generation_config``)."""
+    vocab = _vocab_in(directory)
+    if vocab is not False:
+        check_generation_config(directory, vocab)
+
+
+def _bad_id(value, vocab_size: int | None) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return True
+    return value < 0 or (vocab_size is not None and value >= vocab_size)
+
+
+def check_generation_config(directory: str | Path, vocab_size: int | None, check_ids: bool = True) -> None:
+    """ValueError (one line) when ``directory/generation_config.json`` exists but is not a JSON
+    object, or names a token id (``TOKEN_ID_FIELDS``; ``eos_token_id`` may be a list) that is not
+    an integer in ``[0, vocab_size)`` (``check_ids=False``: the JSON alone; training says the ids
+    in one notice, ``train/preflight``: small test models often keep a default id outside their
+    vocabulary). A missing file is fine (transformers' defaults)."""
+    file = Path(directory) / GENERATION_FILE
+    if not file.is_file():
+        return
+    fix = f"fix or delete {file} (transformers then uses the model config's ids)."
+    try:
+        config = load_file(file)
+    except DuplicateKeyError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
+        raise ValueError(shorten(f"{file} is not valid JSON{where} ({getattr(error, 'msg', error)}): transformers "
+                                 f"would ignore it and generation would not stop at its end token; {fix}", 500)) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object of generation fields; {fix}")
+    for field in TOKEN_ID_FIELDS if check_ids else ():
+        value = config.get(field)
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) and field == "eos_token_id" else [value]
+        bad = [i for i in ids if _bad_id(i, vocab_size)]
+        if bad or not ids:
+            rule = f"an integer in [0, {vocab_size})" if vocab_size is not None else "an integer >= 0"
+            raise ValueError(shorten(
+                f"{file}: {field}={quoted(value)} must be {rule}{' (or a list of them)' if field == 'eos_token_id' else ''}"
+                f"{f', the vocabulary of config.json' if vocab_size is not None else ''}: a token the model never "
+                f"produces, so generation would not stop or pad with it; {fix}", 500))
