@@ -29,11 +29,11 @@ Single-device code (no process group).
 
 from __future__ import annotations
 
-import types
 
 import torch
 from torch import Tensor, nn
 
+from hybridpar.models.hf.mamba_mixers import switch_forward
 from hybridpar.models.linear.gdn_core import gated_delta_core
 from hybridpar.models.mamba.core import row_documents
 
@@ -159,12 +159,7 @@ def install_gdn_core(model: nn.Module) -> list[str]:
         problem = gdn_problem(name, module)
         if problem:
             raise ValueError(f"{problem}; train this model with a supported gated DeltaNet, or file it as a new mixer.")
-        if not getattr(module, MARK, False):
-            module._hybridpar_transformers_forward = module.forward
-            module.forward = types.MethodType(gdn_training_forward, module)
-            if getattr(module, "core", None) is None:
-                module.core = local_gdn_core
-            setattr(module, MARK, True)
+        switch_forward(module, MARK, gdn_training_forward, local_gdn_core)
         names.append(name)
     return names
 

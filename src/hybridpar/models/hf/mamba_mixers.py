@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from hybridpar.models.mamba.mixer import local_conv_scan
 
-__all__ = ["MARK", "is_mamba2_mixer", "mamba_mixer_problem", "install_mamba_core", "bridged_mixers",
+__all__ = ["MARK", "is_mamba2_mixer", "mamba_mixer_problem", "install_mamba_core", "switch_forward", "bridged_mixers",
            "local_split_sizes", "mamba_training_forward"]
 
 MARK = "hybridpar_mamba_core"  # set on a mixer whose forward runs hybridpar's core
@@ -123,14 +123,22 @@ def install_mamba_core(model: nn.Module) -> list[str]:
         problem = mamba_mixer_problem(name, module)
         if problem:
             raise ValueError(f"{problem}; train this model with a supported Mamba2 variant, or file it as a new mixer.")
-        if not getattr(module, MARK, False):
-            module._hybridpar_transformers_forward = module.forward
-            module.forward = types.MethodType(mamba_training_forward, module)
-            if getattr(module, "core", None) is None:
-                module.core = local_conv_scan
-            setattr(module, MARK, True)
+        switch_forward(module, MARK, mamba_training_forward, local_conv_scan)
         names.append(name)
     return names
+
+
+def switch_forward(module: nn.Module, mark: str, forward, default_core) -> None:
+    """Run ``forward`` (through ``module.core``, ``default_core`` unless one is installed) as the
+    module's forward and set ``mark``; transformers' own stays as ``_hybridpar_transformers_forward``
+    for calls with a cache or a padding mask. Idempotent. Shared by every switched token mixer."""
+    if getattr(module, mark, False):
+        return
+    module._hybridpar_transformers_forward = module.forward
+    module.forward = types.MethodType(forward, module)
+    if getattr(module, "core", None) is None:
+        module.core = default_core
+    setattr(module, mark, True)
 
 
 def bridged_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -34,11 +34,11 @@ Single-device code (no process group).
 
 from __future__ import annotations
 
-import types
 
 import torch
 from torch import Tensor, nn
 
+from hybridpar.models.hf.mamba_mixers import switch_forward
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 
@@ -169,11 +169,7 @@ def install_short_conv(model: nn.Module) -> list[str]:
         if problem:
             raise ValueError(f"{problem}; train this model with a causal depthwise short conv, or file it as a new "
                              "mixer.")
-        module._hybridpar_transformers_forward = module.forward
-        module.forward = types.MethodType(short_conv_training_forward, module)
-        if getattr(module, "core", None) is None:
-            module.core = local_short_conv
-        setattr(module, SHORT_CONV_MARK, True)
+        switch_forward(module, SHORT_CONV_MARK, short_conv_training_forward, local_short_conv)
         names.append(name)
     return names
 
