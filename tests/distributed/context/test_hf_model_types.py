@@ -269,3 +269,21 @@ def test_llama4_past_its_chunk_or_temperature_floor_is_refused_naming_the_pack_s
         model = use_hybridpar_attention(hf.AutoModelForCausalLM.from_config(hf.Llama4TextConfig(**{**_LLAMA4, **change})))
         with pytest.raises(ValueError, match=fragment):
             model(input_ids=ids, position_ids=packed.position_ids, packed_seq_params=packed)
+
+
+def test_llama4_reads_the_longest_document_once_per_batch_not_once_per_layer():
+    import pytest
+    import transformers as hf
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.parallel.context.hf import use_hybridpar_attention
+
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
+    ids = torch.zeros(1, DOCS[-1], dtype=torch.long)
+    model = use_hybridpar_attention(hf.AutoModelForCausalLM.from_config(
+        hf.Llama4TextConfig(**{**_LLAMA4, "attention_chunk_size": 64})))
+    model(input_ids=ids, position_ids=packed.position_ids, packed_seq_params=packed)
+    assert packed.cache["hf.longest_document"] == max(b - a for a, b in zip(DOCS, DOCS[1:]))
+    packed.cache["hf.longest_document"] = 65  # every layer reads the batch's one cached value
+    with pytest.raises(ValueError, match="65-token document"):
+        model(input_ids=ids, position_ids=packed.position_ids, packed_seq_params=packed)

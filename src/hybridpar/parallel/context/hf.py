@@ -18,7 +18,7 @@ by ``c tanh(s q_i . k_j / c)``). Multi-head latent attention hands over ``v [B, 
 ``Dv`` other than q/k's ``Dh``: the narrower side is zero-padded to one head dim (zero q/k
 columns add nothing to ``q . k``; zero v columns give output columns that are dropped), so the
 cores keep one head dim. Llama 4's chunked layers and temperature tuning equal transformers'
-for documents and rows of bounded length (``_document_limit``); longer ones raise. No ``[S, S]``
+for documents and rows of bounded length (``hf_types.check_document_limit``); longer ones raise. No ``[S, S]``
 mask exists: the
 strategies run the blockwise core. transformers builds no mask for an implementation
 without a registered mask function (``attention_mask`` arrives as None).
@@ -50,7 +50,8 @@ from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK, short_convs
 from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.models.token_dropout import unkeyed_dropout
-from hybridpar.parallel.context.hf_types import ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+from hybridpar.parallel.context.hf_types import (ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES, SUPPORTED_MODEL_TYPES,
+                                                 check_document_limit)
 from hybridpar.parallel.context.hf_inputs import hf_cp_inputs, packed_from_position_ids
 
 __all__ = [
@@ -75,7 +76,7 @@ __all__ = [
 
 ATTENTION_NAME = "hybridpar"
 CORE_ATTRIBUTE = "hybridpar_cp_core"
-PACKED_ATTRIBUTE = "hybridpar_packed_seq_params"  # the model's last packed_seq_params (apply_hf_cp)
+PACKED_ATTRIBUTE = "hybridpar_packed_seq_params"  # {"packed_seq_params": the model's last} (apply_hf_cp)
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies from max(position_ids): differs per rank
 
 
@@ -112,7 +113,7 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
         raise ValueError(f"{where}: attention dropout ({dropout}) and attention sinks are not supported; set "
                          "attention_dropout=0 and use a model without sinks.")
     if not torch.compiler.is_compiling():
-        _check_document_limit(module, where, query.shape[2], packed_seq_params, position_ids)
+        check_document_limit(module, where, query.shape[2], packed_seq_params, position_ids)
     if sliding_window is _NOT_PASSED:  # a module that keeps its window but leaves it to the mask (Qwen2-MoE)
         sliding_window = getattr(module, "sliding_window", None) or None
     value_dim = value.shape[-1]
@@ -123,7 +124,7 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     core = getattr(module, CORE_ATTRIBUTE, None)
     if core is not None:
         if packed_seq_params is None:  # a decoder layer that keeps the model's kwargs from its attention
-            packed_seq_params = getattr(module, PACKED_ATTRIBUTE, None)
+            packed_seq_params = getattr(module, PACKED_ATTRIBUTE, {}).get("packed_seq_params")
         if packed_seq_params is None:
             raise ValueError(f"{where} runs context parallel but got no packed_seq_params; call the model with "
                              "**hf_cp_inputs(shard_inputs(..., cp_group=...)).")
@@ -138,41 +139,6 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
         layout = _position_layout(position_ids, q.device)
     out = attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap)
     return out[..., :value_dim], None
-
-
-def _document_limit(module: nn.Module) -> tuple[int | None, int | None]:
-    """``(longest document, longest row)`` in tokens for which this module's attention is hybridpar's
-    (None: any). Llama 4: a chunked layer attends within ``attention_chunk_size``-token chunks of its
-    positions, which only transformers' mask draws (no chunk boundary inside a document: the same);
-    a NoPE layer's temperature tuning scales queries by the token's index in the row, which is 1 below
-    ``floor_scale - 1`` tokens (rows and documents that short: the same)."""
-    config, documents, rows = module.config, None, None
-    layer_types = getattr(config, "layer_types", None) or ()
-    layer = getattr(module, "layer_idx", None)
-    if getattr(config, "attention_chunk_size", None) and layer is not None and layer < len(layer_types) \
-            and layer_types[layer] == "chunked_attention":
-        documents = config.attention_chunk_size
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-        rows = module.floor_scale - 1
-        documents = rows if documents is None else min(documents, rows)
-    return documents, rows
-
-
-def _check_document_limit(module: nn.Module, where: str, local_tokens: int, packed: PackedSeqParams | None,
-                          position_ids: Tensor | None) -> None:
-    """Raise ``ValueError`` where ``_document_limit`` does not hold (every rank alike: global documents)."""
-    documents, rows = _document_limit(module)
-    if documents is None:
-        return
-    if packed is not None:
-        longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
-    else:
-        longest = int(position_ids.max()) + 1 if position_ids is not None else local_tokens
-    if longest > documents or (rows is not None and local_tokens > rows):
-        raise ValueError(f"{where} (layer {module.layer_idx}) equals transformers' chunked attention and temperature "
-                         f"tuning for documents of at most {documents} tokens and rows of at most {rows or 'any'} "
-                         f"tokens per rank, got a {longest}-token document in rows of {local_tokens}; use "
-                         f"data.pack_size <= {documents}.")
 
 
 def _same_head_dim(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -326,13 +292,13 @@ def apply_hf_cp(model: nn.Module, attention_core) -> nn.Module:
     Each forward also leaves its ``packed_seq_params`` on every attention module: a decoder layer
     that does not pass the model's keyword arguments on to its attention (StableLM's) still gets
     them there, in forward and in an activation-checkpointed recompute of the same step."""
-    modules = [module for _, module in hf_attention_modules(model)]
-    for module in modules:
+    slot = {}  # one slot shared by every attention module: the hook writes it once per forward
+    for _, module in hf_attention_modules(model):
         setattr(module, CORE_ATTRIBUTE, attention_core)
+        setattr(module, PACKED_ATTRIBUTE, slot)
 
     def keep_packed(_, args: tuple, kwargs: dict) -> None:
-        for module in modules:
-            setattr(module, PACKED_ATTRIBUTE, kwargs.get("packed_seq_params"))
+        slot["packed_seq_params"] = kwargs.get("packed_seq_params")
 
     model.register_forward_pre_hook(keep_packed, with_kwargs=True)
     return use_hybridpar_attention(model)

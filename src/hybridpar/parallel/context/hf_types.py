@@ -8,11 +8,24 @@ alone, loss and every gradient in float64 (tests/distributed/context/test_hf_mod
 docs/hf-models.md lists the types left off and why (attention sinks, ALiBi, masks only
 transformers' mask builds: chunked or sparse attention, a window the module does not pass on;
 linear attention, attention outside the interface).
+
+Llama 4 is exact up to a length: a chunked layer attends within ``attention_chunk_size``-token
+chunks of its positions, a mask only transformers draws, and no chunk boundary falls inside a
+document that short; a NoPE layer's temperature tuning scales queries by the token's index in the
+row, which is 1 below ``floor_scale - 1`` tokens. ``check_document_limit`` refuses what lies
+beyond, with one host sync per batch (cached on its ``PackedSeqParams``), not one per layer.
 """
 
 from __future__ import annotations
 
-__all__ = ["ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SHORT_CONV_MODEL_TYPES",
+import weakref
+
+from torch import Tensor, nn
+
+from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.attention.layout import cached
+
+__all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SHORT_CONV_MODEL_TYPES",
            "SUPPORTED_MODEL_TYPES"]
 
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
@@ -24,7 +37,7 @@ ATTENTION_MODEL_TYPES = (
     "llama", "arcee", "helium", "apertus", "apertus1p5_text", "hunyuan_v1_dense", "ernie4_5", "glm", "glm4", "exaone",
     "internlm3", "iquestcoder", "hyperclovax", "jais2", "seed_oss", "bitnet", "nanochat", "nemotron", "diffllama",
     "moshi", "granite", "granitemoe", "granitemoeshared",
-    # chunked attention and temperature tuning: exact up to a document and row length (hf._document_limit)
+    # chunked attention and temperature tuning: exact up to a document and row length (check_document_limit)
     "llama4_text",
     # sliding-window layers, soft-capped scores
     "qwen2", "qwen3", "mistral", "ministral", "ministral3", "starcoder2", "exaone4", "olmo3", "cohere2", "gemma3_text",
@@ -43,3 +56,47 @@ ATTENTION_MODEL_TYPES = (
 # gated short convolutions on hybridpar's document-resetting conv (tests/models/hf/test_short_conv.py)
 SHORT_CONV_MODEL_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES + GDN_MODEL_TYPES + SHORT_CONV_MODEL_TYPES
+
+
+def _document_limit(module: nn.Module) -> tuple[int | None, int | None]:
+    """``(longest document, longest row)`` in tokens for which this module's attention is hybridpar's
+    (None: any); Llama 4, see the module docstring."""
+    config, documents, rows = module.config, None, None
+    layer_types = getattr(config, "layer_types", None) or ()
+    layer = getattr(module, "layer_idx", None)
+    if getattr(config, "attention_chunk_size", None) and layer is not None and layer < len(layer_types) \
+            and layer_types[layer] == "chunked_attention":
+        documents = config.attention_chunk_size
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        rows = module.floor_scale - 1
+        documents = rows if documents is None else min(documents, rows)
+    return documents, rows
+
+
+def check_document_limit(module: nn.Module, where: str, local_tokens: int, packed: PackedSeqParams | None,
+                          position_ids: Tensor | None) -> None:
+    """Raise ``ValueError`` where ``_document_limit`` does not hold (every rank alike: global documents)."""
+    documents, rows = _document_limit(module)
+    if documents is None:
+        return
+    if packed is not None:  # one host sync per batch, not per layer: cached on the batch's layout
+        longest = cached(packed.cache, "hf.longest_document",
+                         lambda: int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max()))
+    else:
+        longest = _longest_position(position_ids) if position_ids is not None else local_tokens
+    if longest > documents or (rows is not None and local_tokens > rows):
+        raise ValueError(f"{where} (layer {module.layer_idx}) equals transformers' chunked attention and temperature "
+                         f"tuning for documents of at most {documents} tokens and rows of at most {rows or 'any'} "
+                         f"tokens per rank, got a {longest}-token document in rows of {local_tokens}; use "
+                         f"data.pack_size <= {documents}.")
+
+
+_LAST_POSITIONS: list = [None, 0]  # (weak reference to the position_ids tensor, its max + 1)
+
+
+def _longest_position(position_ids: Tensor) -> int:
+    """``max(position_ids) + 1``, one host sync per forward: every layer gets the model's one tensor."""
+    ref = _LAST_POSITIONS[0]
+    if ref is None or ref() is not position_ids:
+        _LAST_POSITIONS[:] = [weakref.ref(position_ids), int(position_ids.max()) + 1]
+    return _LAST_POSITIONS[1]
