@@ -18,7 +18,7 @@ documents; forward + backward of the summed logits:
 
 Wall time: median of ``--repeats`` runs after one warm-up, one torch thread (the machine is shared).
 Peak memory: one forward+backward in a fresh process per (architecture, path, T)
-(``harness.run_fresh`` + ``harness.measure_peak``), in MiB.
+(``paths.time_and_peak``), in MiB.
 
     python benchmarks/gdn.py [--lengths 2048 8192] [--repeats 3]
 
@@ -31,6 +31,7 @@ import argparse
 import warnings
 
 import harness
+import paths
 import torch
 
 ARCHS = ("qwen3_next", "qwen3_5")
@@ -55,6 +56,8 @@ def build(name: str):
 
 def step_fn(name: str, path: str, tokens: int):
     """A closure running one forward + backward of ``name`` on ``tokens`` tokens (4 documents)."""
+    if name == "rule":
+        return rule_fn(path, tokens)
     from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.gdn_mixers import install_gdn_core
     from hybridpar.parallel.context.hf import use_hybridpar_attention
@@ -101,36 +104,9 @@ def rule_fn(path: str, tokens: int):
     return step
 
 
-def peak_case(name: str, path: str, tokens: int, threads: int) -> dict:
-    """(in a fresh process) the peak RSS one step adds, MiB: imports and the model build do not count."""
-    torch.set_num_threads(threads)
-    step = step_fn(name, path, tokens)
-    return {"peak_mib": harness.measure_peak(step)["peak_bytes"] / 2**20}
-
-
-def measure(name: str, path: str, tokens: int, repeats: int, threads: int) -> dict:
-    if name == "rule":
-        seconds = harness.timed(rule_fn(path, tokens), repeats=repeats, warmup=1)["median_s"]
-        return {"arch": name, "path": path, "tokens": tokens, "seconds": seconds, "peak_mib": None, "error": None}
-    seconds = harness.timed(step_fn(name, path, tokens), repeats=repeats, warmup=1)["median_s"]
-    try:
-        peak, error = harness.run_fresh(peak_case, name, path, tokens, threads, threads=threads)["peak_mib"], None
-    except harness.CaseError as failure:
-        peak, error = None, str(failure)[:200]
-    return {"arch": name, "path": path, "tokens": tokens, "seconds": seconds, "peak_mib": peak, "error": error}
-
-
 def report(meta: dict, rows: list[dict], lengths, archs) -> str:
-    fmt = lambda v, f="{:.0f}": "not run" if v is None else f.format(v)  # noqa: E731
-    lines = harness.header(__doc__.splitlines()[0], meta) + [
-        "", "| arch | T | ours s (1 packed row) | transformers s (4 rows) | ours peak MiB | transformers peak MiB |",
-        "| --- | --- | --- | --- | --- | --- |"]
-    for tokens in lengths:
-        for name in archs:
-            found = {r["path"]: r for r in rows if (r["arch"], r["tokens"]) == (name, tokens)}
-            ours, theirs = found.get("ours", {}), found.get("transformers", {})
-            lines.append(f"| {name} | {tokens} | {fmt(ours.get('seconds'), '{:.2f}')} | "
-                         f"{fmt(theirs.get('seconds'), '{:.2f}')} | {fmt(ours.get('peak_mib'))} | {fmt(theirs.get('peak_mib'))} |")
+    lines = harness.header(__doc__.splitlines()[0], meta) + [""] + paths.paths_table(
+        rows, lengths, archs, "ours (1 packed row)", "transformers (4 rows)")
     lines += ["", "4 equal documents, small random float32 models (module docstring), forward + backward of the summed",
               "logits: ours packs them in one row, transformers runs them one per row (no padding here; real data",
               "pays the padding of one document per row on top). 'rule': the gated delta rule alone (peak not measured)."]
@@ -139,22 +115,11 @@ def report(meta: dict, rows: list[dict], lengths, archs) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--archs", nargs="+", default=[*ARCHS, "rule"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--paths", nargs="+", default=["ours", "transformers"])
-    parser.add_argument("--out", default="gdn")
+    paths.add_grid_arguments(parser, lengths=[2048, 8192], archs=[*ARCHS, "rule"], out="gdn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = []
-    for tokens in args.lengths:
-        for name in args.archs:
-            for path in args.paths:
-                row = measure(name, path, tokens, args.repeats, args.threads)
-                rows.append(row)
-                print(f"{name:<12} {path:<13} T={tokens:>6}  {row['seconds']:8.2f} s  peak {row['peak_mib']} MiB",
-                      flush=True)
+    rows = paths.run_grid(args, lambda arch, path, tokens: paths.time_and_peak(
+        step_fn, arch, path, tokens, args.repeats, args.threads, peak=arch != "rule"))
     meta = {**harness.environment(__file__), "threads": args.threads}
     harness.write_results(args.out, {"meta": meta, "rows": rows}, report(meta, rows, args.lengths, args.archs))
 

@@ -15,7 +15,7 @@ the summed logits:
 
 Wall time: median of ``--repeats`` runs after one warm-up, one torch thread (the machine is
 shared). Peak memory: one forward+backward in a fresh process per (architecture, path, T)
-(``harness.run_fresh`` + ``harness.measure_peak``: peak RSS over the RSS just before the call), in MiB.
+(``paths.time_and_peak``: peak RSS over the RSS just before the call), in MiB.
 
     python benchmarks/hf_hybrids.py [--lengths 4096 16384] [--repeats 3] [--long-paths ours]
 
@@ -28,6 +28,7 @@ import argparse
 import warnings
 
 import harness
+import paths
 import torch
 
 ARCHS = ("granite_moe", "falcon_h1", "nemotron_h", "bamba", "zamba2")
@@ -87,32 +88,9 @@ def step_fn(name: str, path: str, tokens: int):
     return step
 
 
-def peak_case(name: str, path: str, tokens: int, threads: int) -> dict:
-    """(in a fresh process) the peak RSS one step adds, MiB: imports and the model build do not count."""
-    torch.set_num_threads(threads)
-    step = step_fn(name, path, tokens)
-    return {"peak_mib": harness.measure_peak(step)["peak_bytes"] / 2**20}
-
-
-def measure(name: str, path: str, tokens: int, repeats: int, threads: int) -> dict:
-    seconds = harness.timed(step_fn(name, path, tokens), repeats=repeats, warmup=1)["median_s"]
-    try:
-        peak, error = harness.run_fresh(peak_case, name, path, tokens, threads, threads=threads)["peak_mib"], None
-    except harness.CaseError as failure:
-        peak, error = None, str(failure)[:200]
-    return {"arch": name, "path": path, "tokens": tokens, "seconds": seconds, "peak_mib": peak, "error": error}
-
-
 def report(meta: dict, rows: list[dict], lengths, archs) -> str:
-    fmt = lambda v, f="{:.0f}": "not run" if v is None else f.format(v)  # noqa: E731
-    lines = harness.header(__doc__.splitlines()[0], meta) + [
-        "", "| arch | T | ours s | transformers s | ours peak MiB | transformers peak MiB |", "| --- | --- | --- | --- | --- | --- |"]
-    for tokens in lengths:
-        for name in archs:
-            found = {r["path"]: r for r in rows if (r["arch"], r["tokens"]) == (name, tokens)}
-            ours, theirs = found.get("ours", {}), found.get("transformers", {})
-            lines.append(f"| {name} | {tokens} | {fmt(ours.get('seconds'), '{:.2f}')} | "
-                         f"{fmt(theirs.get('seconds'), '{:.2f}')} | {fmt(ours.get('peak_mib'))} | {fmt(theirs.get('peak_mib'))} |")
+    lines = harness.header(__doc__.splitlines()[0], meta) + [""] + paths.paths_table(
+        rows, lengths, archs, "ours", "transformers")
     lines += ["", "One packed row of 4 equal documents, small random float32 models (module docstring), forward +",
               "backward of the summed logits. transformers' path does not reset its Mamba state (or short conv) at document starts:",
               "the same amount of work, not a correct packed step. 'not run': the path was not asked for at that length."]
@@ -121,24 +99,15 @@ def report(meta: dict, rows: list[dict], lengths, archs) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--archs", nargs="+", default=list(ARCHS), help=f"of {ARCHS} and lfm2")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--paths", nargs="+", default=["ours", "transformers"])
+    paths.add_grid_arguments(parser, lengths=[4096, 16384], archs=list(ARCHS), out="hf_hybrids",
+                             archs_help=f"of {ARCHS} and lfm2")
     parser.add_argument("--long-paths", nargs="+", default=None,
                         help="paths run at lengths above 4096 (default: --paths)")
-    parser.add_argument("--out", default="hf_hybrids")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = []
-    for tokens in args.lengths:
-        for name in args.archs:
-            for path in (args.paths if tokens <= 4096 or args.long_paths is None else args.long_paths):
-                row = measure(name, path, tokens, args.repeats, args.threads)
-                rows.append(row)
-                print(f"{name:<12} {path:<13} T={tokens:>6}  {row['seconds']:8.2f} s  peak {row['peak_mib']} MiB",
-                      flush=True)
+    rows = paths.run_grid(args, lambda arch, path, tokens: paths.time_and_peak(
+        step_fn, arch, path, tokens, args.repeats, args.threads),
+        paths_at=lambda tokens: args.paths if tokens <= 4096 or args.long_paths is None else args.long_paths)
     meta = {**harness.environment(__file__), "threads": args.threads}
     harness.write_results(args.out, {"meta": meta, "rows": rows}, report(meta, rows, args.lengths, args.archs))
 

@@ -1,4 +1,5 @@
-"""``benchmarks/harness.py``: the fresh-process round trip, its failures, the log-log fit, the writer."""
+"""``benchmarks/harness.py``: the fresh-process round trip, its failures, the log-log fit, the writer;
+``benchmarks/paths.py``: a step timed here and its peak measured in a fresh process, the table."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import harness  # noqa: E402
+import paths  # noqa: E402
 
 
 def child_case(n: int, label: str) -> dict:
@@ -27,6 +29,20 @@ def test_run_fresh_returns_the_json_of_a_new_process():
     got = harness.run_fresh(child_case, 21, "x", threads=1)
     assert got["n"] == 42 and got["label"] == "x" and got["threads"] == "1"
     assert got["pid"] != os.getpid()
+
+
+def step_fn(arch: str, path: str, tokens: int):
+    """A step that holds ``tokens`` MiB while it runs (``paths.time_and_peak`` measures it in a child)."""
+    import torch
+
+    return lambda: torch.ones(tokens * 2**18).sum()
+
+
+def test_paths_time_a_step_and_measure_its_peak_in_a_fresh_process():
+    row = paths.time_and_peak(step_fn, "toy", "ours", 64, repeats=1, threads=1)
+    assert row["error"] is None and row["seconds"] > 0 and 60 <= row["peak_mib"] < 200, row
+    lines = paths.paths_table([row], [64], ["toy"], "ours", "transformers")
+    assert lines[-1].startswith("| toy | 64 |") and "not run" in lines[-1]
 
 
 def test_run_fresh_names_the_childs_error():
