@@ -8,7 +8,7 @@ two packed documents (12 and 20 tokens). The loss and every parameter gradient (
 transformers' names, ``canonical_state_dict``) equal the one-process model's to 1e-9: on 2 ranks at
 tp=2 and tp=2 + SP for Qwen3-Next, Qwen3.5 (dense, MoE) and OLMo-Hybrid, and with a LoRA adapter on
 every projection (B sharded by rows like its base, Qwen3.5's in_proj_qkv per component); on 4 ranks with
-cp=2 x tp=2 (FSDP over cp). Key heads not divisible by tp, and a gated DeltaNet model type without a
+cp=2 x tp=2 (FSDP over cp) for Qwen3-Next, Qwen3.5-MoE and OLMo-Hybrid. Key heads not divisible by tp, and a gated DeltaNet model type without a
 head-sharding plan, are refused in one line before any collective.
 """
 
@@ -113,8 +113,9 @@ def test_tp2_and_sp_of_gated_deltanet_models_match_one_process():
     _assert_exact(run_ranks(2, _run, layouts, timeout_s=300))
 
 
-def test_cp2_tp2_of_qwen3_next_matches_one_process():
-    _assert_exact(run_ranks(4, _run, [(dict(cp=2, tp=2), False, ["qwen3_next"])], timeout_s=300))
+def test_cp2_tp2_of_gated_deltanet_models_matches_one_process():
+    cases = ["qwen3_next", "qwen3_5_moe", "olmo_hybrid"]
+    _assert_exact(run_ranks(4, _run, [(dict(cp=2, tp=2), False, cases)], timeout_s=300))
 
 
 def test_key_heads_not_divisible_by_tp_and_model_types_without_a_plan_are_refused():
