@@ -199,8 +199,8 @@ def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, globa
     ``loss_fn=None`` computes logits with the model's forward (any head). Otherwise
     ``loss_fn(hidden [B, S, D], weight [V, D], labels [B, S])`` returns the summed token loss
     from the final hidden states and ``lm_head.weight`` (e.g. a chunked, vocab-parallel
-    ``lm_head_loss``), and the model builds no logits: a pre-hook hands ``lm_head`` one position
-    of one row (an empty sequence fails under TP: DTensor cannot view ``[B, 0, V]`` with B > 1).
+    ``lm_head_loss``), and the model builds no logits: a pre-hook hands ``lm_head`` no position of
+    one row, detached (``[1, 0, D]``; under TP, DTensor cannot view ``[B, 0, V]`` with B > 1).
     Refused for heads with a bias or logit scaling/soft-capping.
     """
     model_inputs.setdefault("use_cache", False)
@@ -216,16 +216,20 @@ def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, globa
 
     def capture_and_skip(module, args):
         captured["hidden"] = args[0]  # [B, S, D]
-        return (args[0][:1, :1],)  # lm_head computes logits for one position (an empty input breaks DTensor views)
+        # lm_head computes logits for no position of one row ([1, 0, D]: B > 1 breaks DTensor's view of
+        # [B, 0, V]), detached: under TP no logits are gathered and no partial zero [B, S, D] gradient joins
+        # the loss's (one all-reduce of it whole)
+        return (args[0][:1, :0].detach(),)
 
     handle = head.register_forward_pre_hook(capture_and_skip)
     try:
-        logits = model(input_ids=input_ids, **model_inputs).logits  # [1, 1, V] (or its vocab shard)
+        logits = model(input_ids=input_ids, **model_inputs).logits  # [1, 0, V] (or its vocab shard)
     finally:
         handle.remove()
     hidden = captured["hidden"]
     # 0 * the model's output joins the loss: a hook on the output (FSDP2's pre-backward, which
-    # queues the gradient reduction of a root-only unit) must see backward reach it
+    # queues the gradient reduction of a root-only unit) must see backward reach it (the output
+    # needs a gradient when lm_head.weight trains; a frozen head has none to reduce)
     tied = (logits.to_local() if hasattr(logits, "to_local") else logits).sum() * 0
     return loss_fn(hidden, head.weight, labels) / count.to(hidden.device) + tied
 

@@ -76,13 +76,13 @@ def _config_flag_refused(flag: str, why: str):
 def llama_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Llama, Mistral, Qwen2, Granite, Gemma, SmolLM3, Helium, Ernie 4.5: q/k/v, gate/up column-parallel;
     o/down row-parallel."""
-    return decoder_plan(sequence_parallel)
+    return decoder_plan(sequence_parallel, shared_norm_output=True)
 
 
 @register_hf_plan("qwen3", "Qwen3ForCausalLM")
 def qwen3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Qwen3: Llama plus per-head q_norm/k_norm on local heads (gradients summed over TP)."""
-    return decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"))
+    return decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"), shared_norm_output=True)
 
 
 _GEMMA_NORMS = dict(in_norms=("input_layernorm", "pre_feedforward_layernorm"),

@@ -172,8 +172,11 @@ def _local_hidden(hidden: Tensor, group) -> tuple[Tensor, bool]:
         return hidden, True
     if not _same_group(_group_of(hidden.device_mesh, "hidden", hidden.placements), group):
         raise ValueError("hidden is a DTensor on another mesh than the weight's; pass both on the TP mesh.")
-    # sequence parallel: [B, S/tp, D] -> [B, S, D]; backward: Partial -> reduce-scatter to [B, S/tp, D]
-    gathered = hidden.redistribute(hidden.device_mesh, [Replicate()])
+    # sequence parallel: [B, S/tp, D] -> [B, S, D]; backward: Partial -> reduce-scatter to [B, S/tp, D].
+    # Already replicated (a transformers LM head's input, gathered by its style): no redistribution,
+    # whose backward would all-reduce the partial gradient before the style's own reduction
+    replicated = all(p.is_replicate() for p in hidden.placements)
+    gathered = hidden if replicated else hidden.redistribute(hidden.device_mesh, [Replicate()])
     return gathered.to_local(grad_placements=[Partial()]), False
 
 
