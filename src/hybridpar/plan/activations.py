@@ -24,6 +24,12 @@ MLP block (no mixing kernel) its input only. (On CPU the eager blockwise attenti
 lse are recomputed instead, so there the plan is high by ``Tc (Hq Dh e + Hq e_c)`` per attention block.)
 Statistics (rstd, lse) are in the compute dtype ``e_c``.
 
+A transformers decoder planned through its twin (``plan/hf_twin.py``, ``layout.hf_decoder``): each
+norm (the final one too) keeps ``x * rstd`` in float32, ``[Ts, D] e_c`` (from a 16-bit stream x's
+float32 copy and the product cast back instead, ``[Ts, D] (e_c + e)``); under autocast more
+(``_hf_block_bytes``); under ``full``/``selective`` a decoder layer is one checkpoint, so the MLP
+block keeps nothing of its own.
+
 Under autocast (``mixed_precision=bf16`` without FSDP) the residual stream and norm inputs stay in
 the model dtype (``e_s``); norm outputs (cast once, ``blocks.matmul_input``) and what matmuls
 produce are bf16 (``e = 2``), and every linear saves the bf16 copy of its weight that autocast
@@ -62,6 +68,8 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     w, e, ec = _widths(layout), layout.act_bytes, layout.compute_bytes
     tc, ts, seq = layout.tokens, layout.stream_tokens, layout.pack_size
     block_input = ts * w["d"] * layout.stream_bytes
+    if layout.hf_decoder and policy in ("full", "selective") and kind == "-":
+        return 0  # one checkpoint per decoder layer: the attention block's input is the layer's
     if policy == "full":
         return block_input
     if policy == "selective":
@@ -71,6 +79,8 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
         return block_input + kept
     weight_copies = 2 * _linear_weights(layout, kind) if layout.autocast else 0  # autocast's bf16 weights
     common = block_input + weight_copies + ts * ec + tc * w["d"] * e  # input, rstd, projections' input
+    if layout.hf_decoder:
+        common += _hf_block_bytes(layout, kind, w)
     if kind == "M":
         out = tc * (w["w_in"] + 2 * w["d_inner"]) * e + tc * w["groups"] * ec
         if layout.cp > 1 and layout.cp_mamba == "a2a":
@@ -87,6 +97,28 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     return common + tc * w["inter"] * e * (4 if layout.model.mlp_gated else 2)
 
 
+def _hf_norm_bytes(layout: Layout) -> int:
+    """What a transformers RMSNorm keeps beyond ours: ``x * rstd`` in float32 for the weight's
+    gradient; from a 16-bit stream instead x's float32 copy and the product cast back to 16 bits."""
+    e, ec = layout.act_bytes, layout.compute_bytes
+    per_element = ec if layout.stream_bytes >= ec else ec + e
+    return layout.stream_tokens * layout.model.hidden_size * per_element
+
+
+def _hf_block_bytes(layout: Layout, kind: str, w: dict) -> int:
+    """What a transformers decoder keeps beyond the twin's block ``kind`` (policy none): its norm's
+    product; under autocast each projection's own bf16 cast of the norm output (ours casts once: q, k,
+    v two more, gate, up one more) and, with RoPE, bf16 q, k times float32 cos/sin: float32 q, k into
+    the attention core, its float32 output and o_proj's bf16 cast of it."""
+    e, ec, tc = layout.act_bytes, layout.compute_bytes, layout.tokens
+    extra = _hf_norm_bytes(layout)
+    if layout.autocast:
+        extra += tc * w["d"] * e * (2 if kind == "*" else 1)
+        if kind == "*" and w["rot"]:
+            extra += tc * (w["q"] + w["kv"]) * (ec - e) + tc * w["q"] * ec
+    return extra
+
+
 def _linear_weights(layout: Layout, kind: str) -> int:
     """TP-local elements of the linear weights (the 2-D parameters) of one block of ``kind``."""
     from hybridpar.parallel.comm.step import unit_parameters
@@ -100,7 +132,8 @@ def head_saved_bytes(layout: Layout) -> int:
     """Final norm, loss and embedding: kept under every policy (they are not checkpointed)."""
     e, es, ec = layout.act_bytes, layout.stream_bytes, layout.compute_bytes
     tc, ts, d = layout.tokens, layout.stream_tokens, layout.model.hidden_size
-    return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8
+    final_norm = _hf_norm_bytes(layout) if layout.hf_decoder else 0  # a transformers RMSNorm's own
+    return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8 + final_norm
 
 
 def saved_bytes(layout: Layout, policy: str | None = None) -> dict:

@@ -48,16 +48,18 @@ class Layout:
     reshard_after_forward: bool | int = True
     lora_rank: int = 0  # peft.method=lora: the adapters' rank (0: full fine-tuning)
     lora_targets: tuple[str, ...] = ()  # the adapted linear layers by name (peft.target_modules or the defaults)
+    hf_decoder: bool = False  # a transformers decoder planned through its HybridLM twin (plan/hf_twin.py)
 
     @classmethod
-    def from_run(cls, run: RunConfig, model: HybridConfig) -> "Layout":
+    def from_run(cls, run: RunConfig, model: HybridConfig, hf_decoder: bool = False) -> "Layout":
         from hybridpar.models.lora import DEFAULT_TARGETS
 
         p, lora = run.parallel, run.peft.method == "lora"
         return cls(model, ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp), run.data.pack_size,
                    run.data.packs_per_step, run.model.dtype, p.sequence_parallel, p.cp_attention, p.cp_mamba,
                    p.activation_checkpointing, p.mixed_precision, p.reshard_after_forward,
-                   run.peft.r if lora else 0, tuple(run.peft.target_modules or DEFAULT_TARGETS) if lora else ())
+                   run.peft.r if lora else 0, tuple(run.peft.target_modules or DEFAULT_TARGETS) if lora else (),
+                   hf_decoder)
 
     @property
     def tp(self) -> int:

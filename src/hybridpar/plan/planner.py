@@ -1,5 +1,6 @@
-"""Make a plan: validate a run as ``train`` does, then price its layout (``Plan``), or give a
-transformers model its parameter share (``TransformersPlan``)."""
+"""Make a plan: validate a run as ``train`` does, then price its layout (``Plan``; a transformers
+decoder through its HybridLM twin, ``plan/hf_twin.py``), or give any other transformers model its
+parameter share (``TransformersPlan``)."""
 
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ import resource
 from dataclasses import dataclass
 
 from hybridpar.config import RunConfig
+from hybridpar.models.hybrid import HybridConfig
 from hybridpar.plan.estimate import H100, DeviceFigures, TimeEstimate, estimate_time
 from hybridpar.plan.layout import DTYPE_BYTES, Layout, adapter_bytes
 from hybridpar.plan.memory import MemoryPlan, memory_plan
 from hybridpar.plan.params import parameter_count
 from hybridpar.plan.traffic import by_kind, by_kind_and_dim, step_traffic
 
-__all__ = ["Plan", "TransformersPlan", "make_plan", "plan_layout", "parameter_count", "DeviceFigures", "H100", "GPU_BASELINE_GIB"]
+__all__ = ["Plan", "TransformersPlan", "make_plan", "plan_layout", "planned_shape", "parameter_count", "DeviceFigures", "H100", "GPU_BASELINE_GIB"]
 
 GPU_BASELINE_GIB = 1.0  # CUDA context + NCCL buffers per rank: an estimate, not measured here
 
@@ -26,6 +28,7 @@ class Plan:
     traffic: dict  # source -> Tally
     time: TimeEstimate
     device: DeviceFigures
+    model_name: str = ""  # a transformers model planned through its twin: its class and twin ("": HybridLM)
 
     @property
     def traffic_by_kind(self) -> dict[str, int]:
@@ -54,20 +57,36 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
               docs_per_pack: int = 1) -> Plan | TransformersPlan:
     """Validate ``run`` as ``train`` does (``ValueError`` with train's message) and plan it; a
     transformers model gets its parameter share only (``TransformersPlan``)."""
-    from hybridpar.models.hybrid import HybridConfig
     from hybridpar.train.preflight import validate_layout
 
     model = validate_layout(run, world_size)
-    if not isinstance(model, HybridConfig):
-        return TransformersPlan.build(run, model)
-    return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
+    if isinstance(model, HybridConfig):
+        return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
+    twin, why, name = planned_shape(model)
+    if twin is None:
+        return TransformersPlan.build(run, model, why)
+    plan = plan_layout(Layout.from_run(run, twin, hf_decoder=True), device, docs_per_pack)
+    plan.model_name = name
+    return plan
+
+
+def planned_shape(shape) -> tuple[HybridConfig | None, str, str]:
+    """``(twin, why not, name)`` of a transformers config: the HybridLM twin the planner prices it
+    as (``plan/hf_twin.py``), or None and the reason."""
+    from hybridpar.plan.hf_twin import hybrid_twin
+    from hybridpar.train.preflight import meta_model
+
+    meta = meta_model(shape)
+    twin, why = hybrid_twin(shape, sum(p.numel() for p in meta.parameters()))
+    layers = getattr(shape, "num_hidden_layers", 0)
+    return twin, why, f"{type(meta).__name__} (transformers; planned as its HybridLM twin, pattern '*-' x {layers})"
 
 
 @dataclass
 class TransformersPlan:
     """What the planner says about a transformers model: its size, what trains, and each rank's
-    parameters, gradients and AdamW state (elements split evenly over ``tp x dp_shard x cp``; the
-    activation and traffic model covers ``HybridLM``'s blocks only)::
+    parameters, gradients and AdamW state (elements split evenly over ``tp x dp_shard x cp``;
+    activations and traffic are modelled for ``HybridLM`` and the decoders with a twin only)::
 
         weights  = N / (tp * dp_shard * cp) * e_p      e_p: model.dtype's bytes (fp32 masters under
         grads    = T / (tp * dp_shard * cp) * e_t           mixed_precision=bf16); T: trainable
@@ -82,9 +101,10 @@ class TransformersPlan:
     layout: str
     split: int  # tp * dp_shard * cp
     trainable_bytes: int = 0  # e_t; 0: element_bytes
+    unmodelled: str = "activations and traffic are modelled for HybridLM configs only"
 
     @classmethod
-    def build(cls, run: RunConfig, shape) -> "TransformersPlan":
+    def build(cls, run: RunConfig, shape, unmodelled: str = "") -> "TransformersPlan":
         from hybridpar.train.peft import apply_peft
         from hybridpar.train.preflight import meta_model
 
@@ -96,7 +116,8 @@ class TransformersPlan:
         return cls(type(meta).__name__, params, trainable, element,
                    f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
                    f"sequence_parallel={p.sequence_parallel}", p.tp * p.dp_shard * p.cp,
-                   adapter_bytes(run.model.dtype) if run.peft.method == "lora" else element)
+                   adapter_bytes(run.model.dtype) if run.peft.method == "lora" else element,
+                   *([unmodelled] if unmodelled else []))
 
     @property
     def parameters_per_rank(self) -> int:
@@ -111,7 +132,7 @@ class TransformersPlan:
         return {"model": {"class": self.name, "parameters": self.parameters, "trainable": self.trainable},
                 "layout": self.layout, "parameters_per_rank": self.parameters_per_rank,
                 "bytes_per_rank": self.bytes_per_rank, "element_bytes": self.element_bytes,
-                "note": "activations and traffic are modelled for HybridLM configs only"}
+                "note": f"activations and traffic not included: {self.unmodelled}"}
 
     def text(self) -> str:
         b = {k: v / 2**30 for k, v in self.bytes_per_rank.items()}
@@ -120,4 +141,4 @@ class TransformersPlan:
                 f"layout: {self.layout}\n"
                 f"per rank: {self.parameters_per_rank / 1e6:,.1f}M parameters at {self.element_bytes} bytes: weights "
                 f"{b['weights']:,.2f} GiB + gradients {b['gradients']:,.2f} GiB + AdamW {b['adamw']:,.2f} GiB = "
-                f"{sum(b.values()):,.2f} GiB, activations not included (they are modelled for HybridLM configs only)")
+                f"{sum(b.values()):,.2f} GiB, activations not included ({self.unmodelled})")

@@ -18,7 +18,8 @@ def plan_dict(plan: Plan, target: str = "gpu") -> dict:
     m, layout = plan.memory, plan.layout
     baseline = cpu_baseline_gib() if target == "cpu" else GPU_BASELINE_GIB
     return {
-        "model": {"pattern": layout.model.pattern, "parameters": m.params.total},
+        "model": {"pattern": layout.model.pattern, "parameters": m.params.total,
+                  **({"transformers": plan.model_name} if plan.model_name else {})},
         "layout": {"dp_replicate": layout.dims.dp_replicate, "dp_shard": layout.dims.dp_shard, "cp": layout.cp,
                    "tp": layout.tp, "sequence_parallel": layout.sp, "cp_attention": layout.cp_attention,
                    "cp_mamba": layout.cp_mamba, "activation_checkpointing": layout.checkpointing,
@@ -52,7 +53,8 @@ def plan_text(plan: Plan, target: str = "gpu") -> str:
     d = plan_dict(plan, target)
     m, layout = plan.memory, plan.layout
     lines = [
-        f"model: pattern {layout.model.pattern} ({len(layout.model.pattern)} blocks), {m.params.total:,} parameters",
+        (f"model: {plan.model_name}, " if plan.model_name else "model: ")
+        + f"pattern {layout.model.pattern} ({len(layout.model.pattern)} blocks), {m.params.total:,} parameters",
         f"layout: {layout.describe()} -> {layout.dims.world_size} ranks; {layout.pack_size:,} tokens per pack, "
         f"{layout.packs_per_rank} pack(s) per rank per step, {layout.dtype}"
         + (f", mixed precision {layout.mixed_precision}" if layout.mixed_precision else ""),

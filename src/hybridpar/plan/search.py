@@ -14,8 +14,9 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-from hybridpar.config import RunConfig
-from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, plan_layout
+from hybridpar.config import ConfigError, RunConfig
+from hybridpar.models.hybrid import HybridConfig
+from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, plan_layout, planned_shape
 from hybridpar.plan.estimate import H100, DeviceFigures
 from hybridpar.plan.layout import Layout
 
@@ -56,9 +57,11 @@ def divisor_layouts(world: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _candidates(world: int):
+def _candidates(world: int, has_mamba: bool = True):
+    """Every layout of ``world`` ranks, CP strategy pair and policy (one Mamba strategy without Mamba blocks)."""
     for rep, shard, cp, tp in divisor_layouts(world):
-        strategies = [(a, m) for a in CP_ATTENTION for m in CP_MAMBA] if cp > 1 else [("allgather", "a2a")]
+        pairs = [(a, m) for a in CP_ATTENTION for m in (CP_MAMBA if has_mamba else CP_MAMBA[:1])]
+        strategies = pairs if cp > 1 else [("allgather", "a2a")]
         for attention, mamba in strategies:
             for policy in POLICIES:
                 yield dict(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, sequence_parallel=tp > 1,
@@ -94,8 +97,15 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
 
     shape = model_config(run)
     model = meta_model(shape)  # one shape-only model validates every candidate
+    planned, hf_decoder = shape, False
+    if not isinstance(shape, HybridConfig):  # a transformers decoder: priced through its twin, or refused
+        planned, why, _ = planned_shape(shape)
+        if planned is None:
+            raise ConfigError(f"plan --fit needs every layout's activations, and for {type(model).__name__} {why}; "
+                              "drop --fit to see its parameters, gradients and AdamW state per rank.")
+        hf_decoder = True
     out, verdicts = [], {}
-    for keys in _candidates(world):
+    for keys in _candidates(world, has_mamba="M" in planned.pattern):
         candidate = copy.deepcopy(run)
         candidate.parallel = dataclasses.replace(run.parallel, **keys)
         dp = keys["dp_replicate"] * keys["dp_shard"]
@@ -109,7 +119,7 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
         if verdicts[layout_key] is not None:
             out.append(Candidate(keys, refused=verdicts[layout_key]))
             continue
-        plan = plan_layout(Layout.from_run(candidate, shape), device, docs_per_pack)
+        plan = plan_layout(Layout.from_run(candidate, planned, hf_decoder), device, docs_per_pack)
         out.append(Candidate(keys, plan, needs_gib=plan.memory.peak_bytes / 2**30 + baseline_gib))
     fitting = sorted((c for c in out if c.fits(budget_gib)), key=lambda c: c.plan.time.step_s)
     others = sorted((c for c in out if not c.fits(budget_gib)),

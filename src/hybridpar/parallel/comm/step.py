@@ -295,9 +295,9 @@ def cp_attention(s: StepShape) -> Tally:
 
 def cp_mamba(s: StepShape) -> Tally:
     out, cfg, cp, tp, e = Tally(), s.model, s.dims.cp, s.dims.tp, s.element_size
-    if cp == 1:
-        return out
     layers, label = s.model.pattern.count("M"), dim_label(s.dims, ("cp",))
+    if cp == 1 or layers == 0:  # no Mamba block (a pattern of attention and MLPs): nothing to send
+        return out
     d_inner, heads, groups = cfg.mamba_intermediate_size // tp, cfg.mamba_num_heads // tp, tp_groups(cfg.mamba_n_groups, tp)
     state = cfg.ssm_state_size
     if s.cp_mamba == "a2a":  # [x | B | C | dt] in, y back; the same two transposed in backward

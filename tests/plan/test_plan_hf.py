@@ -1,0 +1,99 @@
+"""``hybridpar plan`` of a transformers decoder through its HybridLM twin (``plan/hf_twin.py``).
+
+A Llama checkpoint is priced as pattern ``*-`` per layer with transformers' extra norm products;
+its plan is held to one measured training step as the HybridLM's is (``test_plan_measured.py``):
+parameters and traffic exact, saved activations within 10%, peak within 15%, on one process, at
+cp=2, tp=2 and tp=2 + SP. Exact TP traffic also holds two fixes: without SP, q, k, v (gate, up)
+read one replicated norm output and all-reduce their input gradient once, not once each; the loss
+seam hands lm_head no position, detached, so no logits are gathered and no zero gradient of the
+whole hidden state is all-reduced. A model without a
+twin keeps its parameter share and says why; ``--fit`` refuses it in one line. Before, every
+transformers model was planned without activations, and ``plan --fit`` of one (or of a HybridLM
+without Mamba blocks at cp > 1) ended in a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridpar.config import ConfigError, load_config
+from hybridpar.plan import make_plan
+from hybridpar.plan.planner import Plan, TransformersPlan
+from hybridpar.plan.report import plan_dict, plan_text
+from hybridpar.plan.search import search_layouts
+from hybridpar.plan.validate import measure_step, predict
+from tests.distributed.harness import run_ranks
+
+WIDTHS = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              num_hidden_layers=4, vocab_size=256)
+
+
+def _checkpoint(path, name: str = "llama", weights: bool = False) -> str:
+    import transformers as hf
+
+    config_class, model_class = {"llama": (hf.LlamaConfig, hf.LlamaForCausalLM),
+                                 "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM)}[name]
+    config = config_class(**WIDTHS)
+    if weights:
+        torch.manual_seed(0)
+        model_class(config).save_pretrained(path)
+    else:  # config.json only: what the planner reads
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": [model_class.__name__]}))
+    return str(path)
+
+
+def test_a_llama_is_planned_through_its_twin_with_exact_parameters(tmp_path):
+    import transformers as hf
+
+    path = _checkpoint(tmp_path / "llama")
+    plan = make_plan(load_config(None, [f"model.hf_path={path}", "data.pack_size=4096"]))
+    assert isinstance(plan, Plan) and plan.layout.hf_decoder and plan.layout.model.pattern == "*-" * 4
+    assert plan.memory.params.total == sum(p.numel() for p in hf.LlamaForCausalLM(hf.LlamaConfig(**WIDTHS)).parameters())
+    assert plan_text(plan).startswith("model: LlamaForCausalLM (transformers; planned as its HybridLM twin")
+    assert plan_dict(plan)["model"]["transformers"].startswith("LlamaForCausalLM")
+    twin = make_plan(load_config(None, ["data.pack_size=4096", "model.overrides={pattern: '*-*-*-*-', hidden_size: 128, "
+                                        "intermediate_size: 384, num_attention_heads: 4, num_key_value_heads: 2, "
+                                        "head_dim: 32, vocab_size: 256, mlp_gated: true, mlp_activation: silu}"]))
+    assert plan.memory.saved_bytes > twin.memory.saved_bytes  # transformers' norms keep their float32 products
+
+
+def test_a_model_without_a_twin_keeps_its_parameter_share_and_fit_refuses_it_in_one_line(tmp_path):
+    path = _checkpoint(tmp_path / "qwen3", "qwen3")
+    config = load_config(None, [f"model.hf_path={path}", "data.pack_size=4096"])
+    plan = make_plan(config)
+    assert isinstance(plan, TransformersPlan) and "llama, mistral" in plan.text()
+    with pytest.raises(ConfigError, match=r"^plan --fit needs every layout's activations, and for Qwen3ForCausalLM "
+                                          r"activations and traffic are modelled for HybridLM and llama, mistral[^\n]*$"):
+        search_layouts(config, 2, 80.0)
+
+
+def test_fit_searches_a_llama_and_an_attention_only_hybridlm_with_one_mamba_strategy(tmp_path):
+    path = _checkpoint(tmp_path / "llama")
+    for overrides in ([f"model.hf_path={path}"], ["model.overrides={pattern: '*-*-'}"]):
+        candidates = search_layouts(load_config(None, overrides + ["data.pack_size=4096"]), 2, 80.0)
+        planned = [c for c in candidates if c.plan is not None]
+        assert any(c.parallel["cp"] == 2 for c in planned)  # cp=2 priced: no Mamba traffic to count
+        assert all(c.parallel["cp_mamba"] == "a2a" for c in candidates)
+
+
+CASES = {"1 process": (1, []), "cp=2": (2, ["parallel.cp=2"]), "tp=2": (2, ["parallel.tp=2"]),
+         "tp=2 + SP": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"])}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_plan_of_a_llama_matches_one_measured_step(tmp_path, name):
+    world, layout = CASES[name]
+    overrides = [f"model.hf_path={_checkpoint(tmp_path / 'llama', weights=True)}", "data.pack_size=2048",
+                 "data.packs_per_step=1", *layout]
+    got = run_ranks(world, measure_step, overrides, str(tmp_path / "run"), timeout_s=600)[0]
+    plan = predict(overrides)
+    assert plan["parameters_per_rank"] == got["parameters_per_rank"]
+    assert plan["traffic_bytes_per_step_by_dim"] == got["traffic_by_dim"]
+    saved = plan["saved_activation_bytes_per_pack"]["total"]
+    assert abs(saved / got["saved_hook_bytes"] - 1) <= 0.10, (saved, got["saved_hook_bytes"])
+    peak = plan["peak_memory_gib_per_rank"]
+    assert abs(peak / got["tensor_peak_gib"] - 1) <= 0.15, (peak, got["tensor_peak_gib"], plan["peak_breakdown_gib"])
