@@ -7,6 +7,10 @@ only at document starts and final states only at document ends; otherwise the pu
 process); ``"fla"`` where it cannot run is a ``ValueError``. ``use_stand_in(name)`` runs the fused
 path on any device with a registered stand-in for FLA's kernel (tests: FLA's contract on CPU).
 
+``select_kernel`` is the same choice for every fused core (``"mamba"`` here, ``"gdn"``: the gated
+delta rule, ``models/linear/gdn_fused.py``): one ``use_mamba_kernel`` switch, a stand-in per family,
+one log line per family, kernel and reason (``gdn kernel: fla (fla-core 0.6.0 ...)``).
+
 Under ``torch.compile`` the state-boundary check (a host sync) moves into the fused op, which
 refuses states it cannot take; the choice itself reads only devices, dtypes and module state.
 mamba_ssm's ``mamba_chunk_scan_combined`` is not wired: its package imports compiled CUDA

@@ -50,6 +50,12 @@ Bytes each rank sends per layer (all-gathers counted ``(P-1)`` x the shard)::
 
 independent of ``L``; the backward reduce-scatters the same. The price is compute: the rule runs
 on ``dk + dv`` value columns instead of ``dv``, and each segment is padded to whole chunks.
+
+**Kernels.** Both strategies run the rule through FLA's ``chunk_gated_delta_rule`` where
+``models/linear/gdn_fused.py`` chooses it (CUDA, fla-core, float32/bf16): "a2a" through
+``gated_delta_core``; "state" with each padded segment as one of FLA's ``cu_seqlens`` sequences, its
+initial state ``[I | 0]`` and its final state read (the padding, ``k = v = beta = g = 0``, leaves
+the state as it is), which is the pure rule's ``states_in`` / ``finals_at`` call exactly.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.gdn_mixers import CHUNK_SIZE, beta_scale, gdn_layers, local_gdn_core
 from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
 from hybridpar.models.linear.gdn_core import document_conv1d, gated_delta_core, gdn_inputs
+from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fused_gated_delta_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore
@@ -228,10 +235,20 @@ class StatePassingGDN(ContextParallelCore):
             return t.new_zeros(1, padded_len, *t.shape[2:]).index_copy(1, position, t)
 
         identity = torch.eye(dk, dk + dv, dtype=v.dtype, device=v.device).expand(len(starts), heads, dk, dk + dv)
-        o, finals = chunk_gated_delta_rule(
-            *(spread(t) for t in (q, k, v, g, beta)), doc_ids=chunk_segment.repeat_interleave(chunk)[None],
-            chunk_size=chunk, states_in=identity, states_at=starts, finals_at=ends,
-        )  # o [1, padded, H, dk + dv] = [P_t | o_t|0]; finals [S, H, dk, dk + dv] = [M | S_end|0]
+        kernel = choose_gdn_kernel(mixed_qkv)[0]
+        if kernel != "pure":  # FLA's rule (gdn_fused.py): each padded segment one sequence, fed [I | 0], final read
+            act = mixed_qkv.dtype
+            cu_padded = torch.tensor([*starts, ends[-1] + 1], device=v.device) * chunk  # [S+1]
+            o, finals = fused_gated_delta_rule(
+                *(spread(t).to(act) for t in (q, k, v)), spread(g), spread(beta), cu_seqlens=cu_padded,
+                initial_state=identity.contiguous(), output_final_state=True, rule=kernel)
+        else:
+            o, finals = chunk_gated_delta_rule(
+                *(spread(t) for t in (q, k, v, g, beta)), doc_ids=chunk_segment.repeat_interleave(chunk)[None],
+                chunk_size=chunk, states_in=identity, states_at=starts, finals_at=ends,
+            )
+        # o [1, padded, H, dk + dv] = [P_t | o_t|0]; finals [S, H, dk, dk + dv] = [M | S_end|0]
+        o, finals = o.to(v.dtype), finals.to(v.dtype)
         gathered = all_gather(finals.flatten(1), self.cp_group, 0)  # [S, H*dk*(dk+dv)] -> [P*S, ...], rank-major
         entering = _entering(gathered.view(self.cp_size, plan.num_docs, 2, heads, dk, dk + dv), plan, dk)
         sensitivity, o = o.view(1, -1, chunk, heads, dk + dv).split([dk, dv], dim=-1)  # [1, N, C, H, dk | dv]
