@@ -12,7 +12,10 @@ patches it applies: none changes what a kernel computes). Prints one JSON object
   (grouped values: 1 key head, 2 value heads) with FLA's rule (``use_stand_in("fla", "gdn")``),
   output and every input's gradient; ``states`` is ``fused_gated_delta_rule`` with an initial state
   entering and a final state leaving every document (the ``state`` CP strategy's call), against
-  the pure rule per document, outputs, final states and every input's gradient.
+  the pure rule per document, outputs, final states and every input's gradient; ``segments`` is
+  that call exactly (``parallel/context/gdn.segment_rule``: padded segments, values ``[0 | v]``
+  twice as wide as the keys, ``[I | 0]`` entering), against the pure rule's ``states_at`` /
+  ``finals_at``.
 """
 
 from __future__ import annotations
@@ -113,6 +116,39 @@ def states_case() -> dict:
             for q, want in results["reference"].items()}
 
 
+def segments_case() -> dict:
+    """``parallel/context/gdn.segment_rule`` as the ``state`` strategy calls it: three chunk-padded
+    segments (zeros after each), values ``[0 | v]`` (``dk + dv`` columns), ``[I | 0]`` entering each."""
+    import torch
+
+    from hybridpar.parallel.context.gdn import segment_rule
+
+    chunk, lengths = 16, [20, 1, 16]  # chunks 0-1, 2, 3
+    starts, ends, padded = [0, 2, 3], [1, 2, 3], 64
+    chunk_segment = torch.tensor([0, 0, 1, 2])
+    real = torch.zeros(padded, dtype=torch.bool)
+    for start, length in zip(starts, lengths):
+        real[start * chunk:start * chunk + length] = True
+    gen = torch.Generator().manual_seed(4)
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=gen), dim=-1)  # noqa: E731
+    base = dict(q=unit(1, padded, HEADS_K, DK), k=unit(1, padded, HEADS_K, DK), v=torch.randn(1, padded, HEADS_V, DV, generator=gen),
+                g=-torch.rand(1, padded, HEADS_V, generator=gen), beta=torch.rand(1, padded, HEADS_V, generator=gen))
+    base = {n: t * real.view(1, -1, *[1] * (t.dim() - 2)) for n, t in base.items()}
+    results = {}
+    for name, dtype, kernel in (("reference", torch.float64, "pure"), ("pure", torch.float32, "pure"),
+                                ("fla", torch.float32, "fla")):
+        leaves = {n: t.to(dtype).requires_grad_() for n, t in base.items()}
+        v = torch.cat([torch.zeros_like(leaves["v"]), leaves["v"]], dim=-1)
+        identity = torch.eye(DK, DK + DV, dtype=dtype).expand(len(starts), HEADS_V, DK, DK + DV)
+        o, final = segment_rule(leaves["q"], leaves["k"], v, leaves["g"], leaves["beta"], identity, chunk_segment,
+                                starts, ends, chunk, kernel, dtype)
+        loss = (o * _probe(o.shape, dtype)).sum() + (final * _probe(final.shape, dtype)).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        results[name] = {"o": o, "final_states": final, **{f"grad {n}": d for n, d in zip(leaves, grads)}}
+    return {q: [_relative(results["fla"][q], want), _relative(results["pure"][q], want)]
+            for q, want in results["reference"].items()}
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -126,7 +162,7 @@ def main() -> None:
     import fla
 
     report = {"fla": fla.__version__, "contract": contract_against_fla_naive(),
-              "cases": {"core": core_case(), "states": states_case()}}
+              "cases": {"core": core_case(), "states": states_case(), "segments": segments_case()}}
     print(json.dumps(report))
 
 

@@ -196,7 +196,7 @@ def test_fla_kernels_under_the_triton_interpreter_match_the_pure_core():
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["fla"] == "0.6.0"
     assert max(report["contract"].values()) <= 1e-6, report["contract"]  # ours = FLA's naive reference (fp32)
-    assert set(report["cases"]) == {"core", "states"}
+    assert set(report["cases"]) == {"core", "states", "segments"}
     assert len(report["cases"]["core"]) == 8 and {"final_states", "grad initial_state"} <= set(report["cases"]["states"])
     for case, errors in report["cases"].items():
         for quantity, (fla_error, pure_error) in errors.items():
