@@ -3,8 +3,10 @@
 # triton, transformers and einops, and no internet. Finishes in about 9 minutes:
 #   1. install hybridpar over the machine's torch (no dependency is touched);
 #   2. fla-core from a wheel that travels with the tree (.whl/, see docs/gpu.md), if present;
-#   3. parity: the fused Mamba path vs the pure-PyTorch core, float32, 1e-4 (gpu_parity.py);
-#   4. throughput: every row of gpu_throughput.py, within --budget-s (bf16 rows on the pure core if 3 failed).
+#   3. parity: the fused Mamba path vs the pure-PyTorch core, float32, 1e-4 (gpu_parity.py, at most 90 s);
+#   4. parity: the fused gated delta rule vs the pure core, float32, 1e-4 (gdn_parity.py, at most 60 s; not yet timed on a GPU);
+#   5. throughput: every row of gpu_throughput.py, within --budget-s (bf16 rows on the pure core if 3 failed).
+# The timeouts add up to 510 s (90 + 60 + 360), as before the gated DeltaNet check took 60 s of the throughput's.
 # Usage: bash benchmarks/run_on_gpu.sh [results directory, default benchmarks/results]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,7 @@ if compgen -G ".whl/fla_core-*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps .whl/fla_core-*.whl || echo "run_on_gpu: fla-core did not install"
 fi
 "$PY" -c "from hybridpar.models.mamba.fused_op import fla_status; print('fused Mamba kernels:', fla_status())"
+"$PY" -c "from hybridpar.models.linear.gdn_fused import fla_rule_status; print('fused gated delta rule:', fla_rule_status())"
 
 status=0
 kernel=auto
@@ -32,5 +35,6 @@ if ! timeout 90 "$PY" benchmarks/gpu_parity.py --out "$RESULTS"; then
     kernel=pure  # the fused path failed its parity check: time the bf16 rows on the pure-PyTorch core
     echo "run_on_gpu: gpu_parity failed; the bf16 throughput rows run with --mamba-kernel pure"
 fi
-timeout 420 "$PY" benchmarks/gpu_throughput.py --budget-s 330 --out "$RESULTS" --mamba-kernel "$kernel" || status=1
+timeout 60 "$PY" benchmarks/gdn_parity.py --out "$RESULTS" || status=1  # no GDN row in the throughput table
+timeout 360 "$PY" benchmarks/gpu_throughput.py --budget-s 300 --out "$RESULTS" --mamba-kernel "$kernel" || status=1
 exit $status

@@ -4,6 +4,7 @@ benchmark script is one that script's ``--help`` lists."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -25,10 +26,28 @@ def test_its_hybridpar_one_liners_run():
 
 def test_every_flag_it_passes_is_one_the_benchmark_takes():
     calls = re.findall(r'"\$PY" (benchmarks/\w+\.py)([^|\n;]*)', SCRIPT)
-    assert {script for script, _ in calls} == {"benchmarks/gpu_parity.py", "benchmarks/gpu_throughput.py"}
+    assert {script for script, _ in calls} == {"benchmarks/gpu_parity.py", "benchmarks/gdn_parity.py",
+                                               "benchmarks/gpu_throughput.py"}
     for script, arguments in calls:
         usage = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
                                timeout=120, env=ENV, cwd=ROOT)
         assert usage.returncode == 0, usage.stderr[-1500:]
         for flag in re.findall(r"(--[a-z-]+)", arguments):
             assert flag in usage.stdout, (script, flag)
+
+
+def test_its_timeouts_stay_inside_the_budget():
+    """The commands it bounds add up to at most 510 s, leaving the install and a 10-minute call's margin."""
+    timeouts = [int(t) for t in re.findall(r"^\s*(?:if ! )?timeout (\d+) ", SCRIPT, flags=re.M)]
+    assert len(timeouts) == 3 and sum(timeouts) <= 510, timeouts
+
+
+def test_gdn_parity_dry_run_passes(tmp_path):
+    """``gdn_parity.py --dry-run``: both sections on CPU with FLA's contract standing in for the kernel."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gdn_parity.py"), "--dry-run", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
+    record = json.loads((tmp_path / "gdn_parity.json").read_text())
+    assert set(record["sections"]) == {"model", "states"}
+    rows = [row for rows in record["sections"].values() for row in rows]
+    assert len(record["sections"]["model"]) > 20 and all(row["ok"] for row in rows), rows

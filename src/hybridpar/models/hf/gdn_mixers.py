@@ -96,7 +96,9 @@ def gdn_problem(name: str, module: nn.Module) -> str | None:
         return f"{where} has in_proj_qkvz/in_proj_ba but no fix_query_key_value_ordering to unpack them"
     norm = _norm(module)
     weight = getattr(norm, "weight", None)
-    if weight is None or tuple(weight.shape) != (module.head_v_dim,) or getattr(norm, "activation", "silu") != "silu":
+    # "swish" is SiLU: FLA's FusedRMSNormGated (which some transformers releases use where fla imports) names it so
+    if weight is None or tuple(weight.shape) != (module.head_v_dim,) or \
+            getattr(norm, "activation", "silu") not in ("silu", "swish"):
         return f"{where} has a norm {type(norm).__name__} that is not a SiLU-gated RMSNorm over one head ({module.head_v_dim})"
     return None
 

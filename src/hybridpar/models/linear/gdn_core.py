@@ -4,7 +4,8 @@
       -> depthwise causal conv over the sequence, documents reset   (models/mamba/conv.py) -> SiLU
       -> q, k l2-normed per head (x / sqrt(|x|^2 + 1e-6)), from here in float32 or wider
       -> beta = beta_scale * sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias)
-      -> chunked gated delta rule, documents reset                (gated_delta.py)
+      -> chunked gated delta rule, documents reset                (gated_delta.py; on CUDA with
+         fla-core, FLA's chunk_gated_delta_rule: gdn_fused.py)
       -> o [B, L, Hv*dv]
 
 the steps of transformers' ``*GatedDeltaNet.forward`` between its projections and its gated norm.
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule, document_ids
+from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fused_gated_delta_rule
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 
@@ -94,6 +96,16 @@ def gated_delta_core(
     mixed = F.silu(document_conv1d(mixed_qkv, conv_weight, conv_bias, cu_docs))
     q, k, v, g, beta = gdn_inputs(mixed, a, b, A_log, dt_bias, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
                                   beta_scale=beta_scale)
+    kernel = choose_gdn_kernel(mixed_qkv)[0]
+    if kernel != "pure":  # CUDA + fla-core (gdn_fused.py): FLA's rule on the row-major stream, or a test's stand-in
+        act = mixed_qkv.dtype  # q, k, v in the activations' dtype; g, beta in float32 or wider
+
+        def stream(t: Tensor, dtype) -> Tensor:  # [B, L, ...] -> [1, B*L, ...]
+            return t.reshape(1, batch * seqlen, *t.shape[2:]).to(dtype)
+
+        o, _ = fused_gated_delta_rule(stream(q, act), stream(k, act), stream(v, act), stream(g, g.dtype),
+                                      stream(beta, beta.dtype), cu_seqlens=cu_docs, rule=kernel)
+        return o.reshape(batch, seqlen, -1).to(mixed_qkv.dtype)
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta, doc_ids=document_ids(cu_docs, batch, seqlen),
                                   chunk_size=chunk_size)
     return o.flatten(-2).to(mixed_qkv.dtype)

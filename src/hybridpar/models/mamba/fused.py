@@ -7,6 +7,10 @@ only at document starts and final states only at document ends; otherwise the pu
 process); ``"fla"`` where it cannot run is a ``ValueError``. ``use_stand_in(name)`` runs the fused
 path on any device with a registered stand-in for FLA's kernel (tests: FLA's contract on CPU).
 
+``select_kernel`` is the same choice for every fused core (``"mamba"`` here, ``"gdn"``: the gated
+delta rule, ``models/linear/gdn_fused.py``): one ``use_mamba_kernel`` switch, a stand-in per family,
+one log line per family, kernel and reason (``gdn kernel: fla (fla-core 0.6.0 ...)``).
+
 Under ``torch.compile`` the state-boundary check (a host sync) moves into the fused op, which
 refuses states it cannot take; the choice itself reads only devices, dtypes and module state.
 mamba_ssm's ``mamba_chunk_scan_combined`` is not wired: its package imports compiled CUDA
@@ -17,20 +21,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from hybridpar.models.mamba.fused_op import fla_status, states_at_boundaries
 
-__all__ = ["MODES", "choose_kernel", "kernel_for", "use_mamba_kernel", "use_stand_in", "mamba_kernel_mode"]
+__all__ = ["MODES", "choose_kernel", "kernel_for", "select_kernel", "use_mamba_kernel", "use_stand_in",
+           "mamba_kernel_mode"]
 
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "pure", "fla")
 _mode = "auto"
-_stand_in: str | None = None
-_LOGGED: set[tuple[str, str]] = set()
+_stand_ins: dict[str, str | None] = {}
+_LOGGED: set[tuple[str, str, str]] = set()
 
 
 def mamba_kernel_mode() -> str:
@@ -51,15 +57,16 @@ def use_mamba_kernel(mode: str):
 
 
 @contextlib.contextmanager
-def use_stand_in(name: str):
-    """Within the block, the fused path runs on any device with the scan registered as ``name``
-    (``fused_op.register_scan``) in place of FLA's kernel: how tests compile and check it on CPU."""
-    global _stand_in
-    previous, _stand_in = _stand_in, name
+def use_stand_in(name: str, family: str = "mamba"):
+    """Within the block, the fused path of ``family`` (``"mamba"``, ``"gdn"``) runs on any device with
+    the kernel registered as ``name`` (``fused_op.register_scan``, ``linear/gdn_fused.register_rule``)
+    in place of FLA's: how tests compile and check it on CPU (``"fla"``: FLA's own, interpreted)."""
+    previous = _stand_ins.get(family)
+    _stand_ins[family] = name
     try:
         yield
     finally:
-        _stand_in = previous
+        _stand_ins[family] = previous
 
 
 def kernel_for(device_type: str, dtype: torch.dtype, fla_available: bool, fla_note: str = "",
@@ -76,22 +83,32 @@ def kernel_for(device_type: str, dtype: torch.dtype, fla_available: bool, fla_no
     return "fla", fla_note or "fla-core chunk_simple_gla + causal_conv1d"
 
 
-def choose_kernel(xBC: Tensor, cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None) -> tuple[str, str]:
-    """``(kernel, reason)`` for these inputs, logged once per kernel and reason. ``kernel`` is
-    ``"pure"`` or the name of the scan ``fused_conv_scan`` runs (``"fla"``, or a stand-in)."""
-    if _stand_in is not None and _mode != "pure":
-        kernel, reason = _stand_in, f"stand-in scan {_stand_in!r} for FLA's kernel"
+def select_kernel(family: str, x: Tensor, status: Callable[[], tuple[bool, str]], log: logging.Logger,
+                  problem: Callable[[], str | None] | None = None) -> tuple[str, str]:
+    """``(kernel, reason)`` for a core of ``family`` (``"mamba"``, ``"gdn"``) on activations ``x``, by
+    the rules of ``kernel_for`` under the mode of ``use_mamba_kernel`` (one switch for every fused
+    core), the family's stand-in, and ``problem()`` (eager only: why these inputs cannot take the
+    fused op); logged once per family, kernel and reason on ``log``."""
+    stand_in = _stand_ins.get(family)
+    if stand_in is not None and _mode != "pure":
+        kernel, reason = stand_in, f"stand-in {stand_in!r} for FLA's kernel"
     else:
-        available, note = fla_status() if xBC.device.type == "cuda" and _mode != "pure" else (False, "")
-        kernel, reason = kernel_for(xBC.device.type, xBC.dtype, available, note, _mode)
-    if kernel != "pure" and not torch.compiler.is_compiling():  # compiled: the op checks (fused_op.py)
-        problem = states_at_boundaries(cu_docs, init_at, final_at)
-        if problem:
-            kernel, reason = "pure", problem
+        available, note = status() if x.device.type == "cuda" and _mode != "pure" else (False, "")
+        kernel, reason = kernel_for(x.device.type, x.dtype, available, note, _mode)
+    if kernel != "pure" and problem is not None and not torch.compiler.is_compiling():  # compiled: the op checks
+        found = problem()
+        if found:
+            kernel, reason = "pure", found
     if _mode == "fla" and kernel == "pure":
         raise ValueError(f"use_mamba_kernel('fla') cannot run here: {reason}; use 'auto' to fall back to the "
                          "pure-PyTorch core.")
-    if (kernel, reason) not in _LOGGED and not torch.compiler.is_compiling():
-        _LOGGED.add((kernel, reason))
-        logger.info("mamba kernel: %s (%s; %s on %s)", kernel, reason, xBC.dtype, xBC.device)
+    if (family, kernel, reason) not in _LOGGED and not torch.compiler.is_compiling():
+        _LOGGED.add((family, kernel, reason))
+        log.info("%s kernel: %s (%s; %s on %s)", family, kernel, reason, x.dtype, x.device)
     return kernel, reason
+
+
+def choose_kernel(xBC: Tensor, cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None) -> tuple[str, str]:
+    """``(kernel, reason)`` for these inputs, logged once per kernel and reason. ``kernel`` is
+    ``"pure"`` or the name of the scan ``fused_conv_scan`` runs (``"fla"``, or a stand-in)."""
+    return select_kernel("mamba", xBC, fla_status, logger, lambda: states_at_boundaries(cu_docs, init_at, final_at))

@@ -25,7 +25,7 @@ initial states); with a stand-in scan, ours (``conv.py``). Both accumulate in fl
 (host syncs, autotuning) stay out of the trace.
 
 A custom op's implementation runs below the Autograd dispatch keys, so ops there record no
-graph even under ``enable_grad``; ``_autograd_on`` lifts that exclusion for the recompute
+graph even under ``enable_grad``; ``autograd_on`` lifts that exclusion for the recompute
 (``torch._C._ForceDispatchKeyGuard``, the thread's dispatch-key state with autograd put back;
 ``tests/models/mamba/test_fused.py`` fails if a torch release changes this).
 
@@ -45,7 +45,8 @@ from torch import Tensor
 from hybridpar.models.mamba.conv import conv_forward
 from hybridpar.models.precision import autocast_off
 
-__all__ = ["fla_scan", "fla_status", "register_scan", "fused_conv_scan", "states_at_boundaries"]
+__all__ = ["fla_scan", "fla_status", "import_fla", "register_scan", "fused_conv_scan", "states_at_boundaries",
+           "autograd_on"]
 
 _SCANS: dict[str, Callable] = {}
 _FLA: tuple[Callable | None, str] | None = None
@@ -67,12 +68,20 @@ def fla_status() -> tuple[bool, str]:
 
 
 def _import_fla() -> tuple[Callable | None, str]:
+    return import_fla("fla.ops.simple_gla", "chunk_simple_gla", "chunk_simple_gla + causal_conv1d")
+
+
+def import_fla(module: str, name: str, label: str) -> tuple[Callable | None, str]:
+    """``(fla-core's op module.name or None, why not / "fla-core <version> <label>")``."""
     try:
+        import importlib
+
         import fla
-        from fla.ops.simple_gla import chunk_simple_gla
+
+        op = getattr(importlib.import_module(module), name)
     except Exception as error:  # ImportError, or triton failing to find a driver
         return None, f"fla-core does not import ({type(error).__name__}: {str(error)[:80]}); pip install 'hybridpar[gpu]'"
-    return chunk_simple_gla, f"fla-core {getattr(fla, '__version__', '?')} chunk_simple_gla + causal_conv1d"
+    return op, f"fla-core {getattr(fla, '__version__', '?')} {label}"
 
 
 def register_scan(name: str, scan: Callable) -> None:
@@ -167,7 +176,7 @@ def _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_
 
 
 @contextlib.contextmanager
-def _autograd_on():
+def autograd_on():
     """Autograd records inside a custom op's implementation (see the module docstring)."""
     keys = torch._C.DispatchKey
     exclude = torch._C._dispatch_tls_local_exclude_set()
@@ -222,7 +231,7 @@ def _fused_backward_op(
     state_size: int, dt_min: float, dt_max: float, scan: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     inputs = (xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history)
-    with _autograd_on(), autocast_off():
+    with autograd_on(), autocast_off():
         leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
         y, final = _math(*leaves, cu_docs, init_at, final_at is not None, head_dim, state_size, dt_min, dt_max,
                          *_kernels(scan))

@@ -50,6 +50,12 @@ Bytes each rank sends per layer (all-gathers counted ``(P-1)`` x the shard)::
 
 independent of ``L``; the backward reduce-scatters the same. The price is compute: the rule runs
 on ``dk + dv`` value columns instead of ``dv``, and each segment is padded to whole chunks.
+
+**Kernels.** Both strategies run the rule through FLA's ``chunk_gated_delta_rule`` where
+``models/linear/gdn_fused.py`` chooses it (CUDA, fla-core, float32/bf16): "a2a" through
+``gated_delta_core``; "state" with each padded segment as one of FLA's ``cu_seqlens`` sequences, its
+initial state ``[I | 0]`` and its final state read (the padding, ``k = v = beta = g = 0``, leaves
+the state as it is), which is the pure rule's ``states_in`` / ``finals_at`` call exactly.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.gdn_mixers import CHUNK_SIZE, beta_scale, gdn_layers, local_gdn_core
 from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
 from hybridpar.models.linear.gdn_core import document_conv1d, gated_delta_core, gdn_inputs
+from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fused_gated_delta_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore
@@ -70,7 +77,7 @@ from hybridpar.parallel.context.mamba import local_tensor
 from hybridpar.parallel.context.mamba_state import SegmentPlan, _conv_halo, build_segment_plan
 
 __all__ = ["HiddenParallelGDN", "StatePassingGDN", "GDN_STRATEGIES", "apply_gdn_cp", "validate_gdn_parallel", "GDN_TP_MODEL_TYPES",
-           "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer"]
+           "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer", "segment_rule"]
 
 
 def gdn_a2a_bytes_per_layer(batch: int, seq_len: int, cp: int, k_heads: int, v_heads: int, head_k_dim: int,
@@ -186,6 +193,24 @@ def _entering(ends: Tensor, plan: SegmentPlan, dk: int) -> Tensor:
     return torch.stack([entering[wanted[0]], entering[wanted[1]]], dim=1).flatten(0, 1)
 
 
+def segment_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states_in: Tensor, chunk_segment: Tensor,
+                 starts: list[int], ends: list[int], chunk: int, kernel: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The rule on one stream of chunk-padded segments (``[1, N*chunk, ...]``, segment ``j`` the chunks
+    ``starts[j]..ends[j]``, ``chunk_segment [N]``), ``states_in [S, H, dk, dv']`` entering each:
+    ``(o [1, N*chunk, H, dv'], final states [S, H, dk, dv'])`` in v's dtype. ``kernel`` ``"pure"``:
+    ``chunk_gated_delta_rule``'s ``states_at`` / ``finals_at``; otherwise the fused rule of that name
+    with each segment one ``cu_seqlens`` sequence, q, k, v in ``dtype`` (the padding,
+    ``k = v = beta = g = 0``, leaves a state as it is)."""
+    if kernel == "pure":
+        o, finals = chunk_gated_delta_rule(q, k, v, g, beta, doc_ids=chunk_segment.repeat_interleave(chunk)[None],
+                                           chunk_size=chunk, states_in=states_in, states_at=starts, finals_at=ends)
+    else:
+        cu_padded = torch.tensor([*starts, ends[-1] + 1], device=v.device) * chunk  # [S+1]
+        o, finals = fused_gated_delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), g, beta, cu_seqlens=cu_padded,
+                                           initial_state=states_in.contiguous(), output_final_state=True, rule=kernel)
+    return o.to(v.dtype), finals.to(v.dtype)
+
+
 class StatePassingGDN(ContextParallelCore):
     """The gated DeltaNet core of this rank's zigzag tokens, exact across ranks by passing states."""
 
@@ -228,10 +253,9 @@ class StatePassingGDN(ContextParallelCore):
             return t.new_zeros(1, padded_len, *t.shape[2:]).index_copy(1, position, t)
 
         identity = torch.eye(dk, dk + dv, dtype=v.dtype, device=v.device).expand(len(starts), heads, dk, dk + dv)
-        o, finals = chunk_gated_delta_rule(
-            *(spread(t) for t in (q, k, v, g, beta)), doc_ids=chunk_segment.repeat_interleave(chunk)[None],
-            chunk_size=chunk, states_in=identity, states_at=starts, finals_at=ends,
-        )  # o [1, padded, H, dk + dv] = [P_t | o_t|0]; finals [S, H, dk, dk + dv] = [M | S_end|0]
+        o, finals = segment_rule(*(spread(t) for t in (q, k, v, g, beta)), identity, chunk_segment, starts, ends, chunk,
+                                 choose_gdn_kernel(mixed_qkv)[0], mixed_qkv.dtype)
+        # o [1, padded, H, dk + dv] = [P_t | o_t|0]; finals [S, H, dk, dk + dv] = [M | S_end|0]
         gathered = all_gather(finals.flatten(1), self.cp_group, 0)  # [S, H*dk*(dk+dv)] -> [P*S, ...], rank-major
         entering = _entering(gathered.view(self.cp_size, plan.num_docs, 2, heads, dk, dk + dv), plan, dk)
         sensitivity, o = o.view(1, -1, chunk, heads, dk + dv).split([dk, dv], dim=-1)  # [1, N, C, H, dk | dv]
