@@ -18,7 +18,9 @@ the tensor's scale, and chosen parameters have the expected TP placement. The mo
   under the generic default plan, which leaves it almost whole, gives the warning naming what
   stays replicated.
 
-A few SP runs add a padding mask or packed position ids. The same group checks the
+Without SP, the Llama-family, Qwen3, Gemma2/3, Phi, Phi3, Cohere, Starcoder2, GPT-NeoX and StableLM plans
+hand q, k, v (and the MLP's input projections) one replicated norm output (``shared_norm_output``);
+the non-SP runs of those listed here hold it exact. A few SP runs add a padding mask or packed position ids. The same group checks the
 ``ValueError``s that must come before any collective, the shard-fraction report (exact
 element counts for a plan that shards everything and one that shards almost nothing), and
 the ``MaskPartial`` mask-buffer repair of ``VocabParallelEmbedding``.
@@ -57,7 +59,7 @@ CASES = {
     "arcee": ("hf", F, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.mlp.up_proj.weight": "S0"}),
     "olmo2": ("registry", FT, {f"{L0}.self_attn.q_proj.weight": "S0", f"{L0}.self_attn.q_norm.weight": "R",
                                f"{L0}.post_feedforward_layernorm.weight": "R"}),
-    "gemma2": ("registry", T, {f"{L0}.post_attention_layernorm.weight": "R", f"{L0}.mlp.up_proj.weight": "S0"}),
+    "gemma2": ("registry", FT, {f"{L0}.post_attention_layernorm.weight": "R", f"{L0}.mlp.up_proj.weight": "S0"}),
     "phi3": ("registry", FT, {f"{L0}.self_attn.qkv_proj.weight": "S0", f"{L0}.mlp.gate_up_proj.weight": "S0",
                               f"{L0}.mlp.down_proj.weight": "S1"}),
     "granite": ("registry", T, {f"{L0}.self_attn.o_proj.weight": "S1"}),
@@ -67,9 +69,9 @@ CASES = {
     "olmo3": ("registry", T, {f"{L0}.self_attn.q_norm.weight": "R", f"{L0}.post_feedforward_layernorm.weight": "R"}),
     "ernie4_5": ("registry", T, {f"{L0}.self_attn.k_proj.weight": "S0", f"{L0}.mlp.down_proj.weight": "S1"}),
     "exaone4": ("registry", T, {f"{L0}.self_attn.q_norm.weight": "R", f"{L0}.self_attn.o_proj.weight": "S1"}),
-    "cohere": ("registry", T, {f"{L0}.mlp.gate_proj.weight": "S0", f"{L0}.input_layernorm.weight": "R"}),
-    "starcoder2": ("registry", T, {f"{L0}.mlp.c_fc.bias": "S0", f"{L0}.mlp.c_proj.bias": "R"}),
-    "gpt_neox": ("registry", T, {"gpt_neox.layers.0.attention.query_key_value.weight": "S0",
+    "cohere": ("registry", FT, {f"{L0}.mlp.gate_proj.weight": "S0", f"{L0}.input_layernorm.weight": "R"}),
+    "starcoder2": ("registry", FT, {f"{L0}.mlp.c_fc.bias": "S0", f"{L0}.mlp.c_proj.bias": "R"}),
+    "gpt_neox": ("registry", FT, {"gpt_neox.layers.0.attention.query_key_value.weight": "S0",
                                  "gpt_neox.layers.0.attention.dense.weight": "S1", "gpt_neox.embed_in.weight": "S0"}),
     "gpt2": ("registry", FT, {"transformer.h.0.attn.c_attn.weight": "SS1/3", "transformer.h.0.attn.c_attn.bias": "R",
                               "transformer.h.0.attn.c_proj.weight": "S0", "transformer.h.0.mlp.c_fc.weight": "S1",

@@ -92,13 +92,13 @@ _GEMMA_NORMS = dict(in_norms=("input_layernorm", "pre_feedforward_layernorm"),
 @register_hf_plan("gemma2", "Gemma2ForCausalLM")
 def gemma2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Gemma2: scaled embedding, four norms per layer (two on the block outputs)."""
-    return decoder_plan(sequence_parallel, **_GEMMA_NORMS)
+    return decoder_plan(sequence_parallel, shared_norm_output=True, **_GEMMA_NORMS)
 
 
 @register_hf_plan("gemma3", "Gemma3ForCausalLM")
 def gemma3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Gemma3: Gemma2's layout plus per-head q/k norms."""
-    plan = decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"), **_GEMMA_NORMS)
+    plan = decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"), shared_norm_output=True, **_GEMMA_NORMS)
     if sequence_parallel:
         plan["model.rotary_emb_local"] = RotaryEmbedParallel()  # older Gemma3 versions
     return plan
@@ -110,7 +110,7 @@ def phi_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSty
     shared by the parallel attention and MLP branches, optional per-head q/k LayerNorms."""
     return decoder_plan(sequence_parallel, attn_out="dense", mlp_in=("fc1",), mlp_out="fc2",
                         in_norms=("input_layernorm",), head_norms=("q_layernorm", "k_layernorm"),
-                        final_norm="final_layernorm")
+                        final_norm="final_layernorm", shared_norm_output=True)
 
 
 @register_hf_plan("phi3", "Phi3ForCausalLM")
@@ -119,7 +119,7 @@ def phi3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
     into gate and up: both outputs gathered (weights sharded ``Shard(0)``, so FSDP composes;
     a packed ``_StridedShard(0)`` weight would collide with FSDP's dim-0 shard)."""
     return decoder_plan(sequence_parallel, qkv=("qkv_proj",), gather_attention=True, mlp_in=("gate_up_proj",),
-                        gather_mlp=True)
+                        gather_mlp=True, shared_norm_output=True)
 
 
 @register_hf_plan("olmo2", "Olmo2ForCausalLM")
@@ -142,13 +142,13 @@ def exaone4_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paralle
            validate=_config_flag_refused("use_qk_norm", "its q/k LayerNorms hold one weight row per head"))
 def cohere_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Cohere: one input LayerNorm feeding parallel attention and MLP branches."""
-    return decoder_plan(sequence_parallel, in_norms=("input_layernorm",))
+    return decoder_plan(sequence_parallel, in_norms=("input_layernorm",), shared_norm_output=True)
 
 
 @register_hf_plan("starcoder2", "Starcoder2ForCausalLM")
 def starcoder2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Starcoder2: LayerNorms with bias, MLP ``c_fc``/``c_proj`` (nn.Linear, with bias)."""
-    return decoder_plan(sequence_parallel, mlp_in=("c_fc",), mlp_out="c_proj")
+    return decoder_plan(sequence_parallel, mlp_in=("c_fc",), mlp_out="c_proj", shared_norm_output=True)
 
 
 @register_hf_plan("gpt_neox", "GPTNeoXForCausalLM")
@@ -157,7 +157,7 @@ def gpt_neox_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
     column split keeps whole heads), parallel or sequential residual."""
     return decoder_plan(sequence_parallel, prefix="gpt_neox", embed="embed_in", attn="attention",
                         qkv=("query_key_value",), attn_out="dense", mlp_in=("dense_h_to_4h",),
-                        mlp_out="dense_4h_to_h", final_norm="final_layer_norm")
+                        mlp_out="dense_4h_to_h", final_norm="final_layer_norm", shared_norm_output=True)
 
 
 @register_hf_plan("stablelm", "StableLmForCausalLM",
@@ -165,7 +165,7 @@ def gpt_neox_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
 def stablelm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """StableLM: Llama-shaped, but attention reshapes with ``self.num_heads`` /
     ``self.num_key_value_heads``, which become the per-rank head counts."""
-    plan = decoder_plan(sequence_parallel)
+    plan = decoder_plan(sequence_parallel, shared_norm_output=True)
     plan["model.layers.*.self_attn"] = LocalHeadCounts(("num_heads", "num_key_value_heads"))
     return plan
 
