@@ -6,7 +6,9 @@ block, the embedding and the vocab-parallel loss, CP attention and CP Mamba, FSD
 reduce-scatters and HSDP all-reduces, and gradient clipping. They count one step without
 activation checkpointing. With ``full`` or ``selective`` the recomputation of each block repeats
 its forward collectives (TP/SP entry and exit, CP exchanges) once more per pack; that share is
-listed as source ``recompute`` (the forward half of ``tp_blocks``, ``cp_attention``, ``cp_mamba``).
+listed as source ``recompute`` (the forward half of ``tp_blocks``, ``cp_attention``, ``cp_mamba``; a
+transformers decoder planned through its twin also repeats each attention's exit reduction, which
+sits mid-layer in its one checkpoint per layer).
 ``cp_attention=ring`` sends point to point (kind ``send``; ``context/ring.py``'s
 count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``docs_per_pack`` documents are assumed in every pack.
 Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not yet measured).
@@ -59,6 +61,12 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
             for (k, dim), (calls, nbytes) in sources[name].items():
                 if k == kind and calls:
                     extra.add(kind, dim, nbytes // calls, round(calls * share))
+        if layout.hf_decoder:  # one checkpoint per decoder layer: its attention's exit runs again, mid-layer
+            exit_kind = "reduce_scatter" if layout.sp else "all_reduce"
+            layers = layout.model.pattern.count("*") * layout.packs_per_rank
+            for (k, dim), (calls, nbytes) in sources["tp_blocks"].items():
+                if k == exit_kind and calls:
+                    extra.add(exit_kind, dim, nbytes // calls, layers)
         sources["recompute"] = extra
     return sources
 
