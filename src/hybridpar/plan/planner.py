@@ -56,7 +56,8 @@ def plan_layout(layout: Layout, device: DeviceFigures = H100, docs_per_pack: int
 def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigures = H100,
               docs_per_pack: int = 1) -> Plan | TransformersPlan:
     """Validate ``run`` as ``train`` does (``ValueError`` with train's message) and plan it; a
-    transformers model gets its parameter share only (``TransformersPlan``)."""
+    transformers model through its HybridLM twin, or, without one, its parameter share only
+    (``TransformersPlan``)."""
     from hybridpar.train.preflight import validate_layout
 
     model = validate_layout(run, world_size)
