@@ -118,7 +118,7 @@ class TransformersPlan:
                    f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
                    f"sequence_parallel={p.sequence_parallel}", p.tp * p.dp_shard * p.cp,
                    adapter_bytes(run.model.dtype) if run.peft.method == "lora" else element,
-                   *([unmodelled] if unmodelled else []))
+                   unmodelled or cls.unmodelled)
 
     @property
     def parameters_per_rank(self) -> int:
