@@ -38,7 +38,7 @@ def main() -> None:
         holder = torch.nn.Module()
         holder.dropout_tokens = DropoutTokens(seed=0)
         set_dropout_tokens(holder, 1, token_keys(torch.tensor([0]), torch.arange(tokens)))
-        keyed = TokenDropout(0.1, 0, holder.dropout_tokens).train()
+        keyed = TokenDropout(0.1, "benchmark.lora_dropout", holder.dropout_tokens).train()
 
         def sync(value):
             if device.type == "cuda":

@@ -11,7 +11,7 @@ from torch import nn
 import hybridpar.models.token_dropout as token_dropout
 from hybridpar.models.lora import add_lora
 from hybridpar.models.token_dropout import (DropoutTokens, TokenDropout, keep_mask, key_model_dropout, mix32,
-                                           set_dropout_tokens, token_keys, unkeyed_dropout)
+                                           mix32_int32_, set_dropout_tokens, token_keys, unkeyed_dropout)
 
 
 SALTS = (torch.tensor(12345), torch.tensor(678))
@@ -30,6 +30,21 @@ def test_mix32_is_murmur3s_finalizer_without_overflow():
     values = [0, 1, 2**31 - 1, 2**31, 2**32 - 1] + [random.Random(0).getrandbits(32) for _ in range(200)]
     got = mix32(torch.tensor(values, dtype=torch.int64)).tolist()
     assert got == [fmix32(v) for v in values]
+
+
+def test_the_int32_form_gives_the_same_bits_and_the_mask_the_int64_hashs():
+    """Per (token, feature) the finalizer runs in int32 (its multiply wraps mod 2**32): the same 32 bits
+    as the reference, and the same mask as the int64 hash compared unsigned, at every keep threshold."""
+    values = [0, 1, 2**31 - 1, 2**31, 2**32 - 1] + [random.Random(1).getrandbits(32) for _ in range(2000)]
+    bits = torch.tensor([v - 2**32 if v >= 2**31 else v for v in values], dtype=torch.int32)
+    assert [v % 2**32 for v in mix32_int32_(bits).tolist()] == [fmix32(v) for v in values]
+    keys = token_keys(torch.tensor([0, 7, 2**20]), torch.arange(0, 900, 7))  # [3, 129]
+    for p in (0.0, 0.05, 0.5, 0.999):
+        f = mix32(torch.arange(5, 5 + 33) ^ SALTS[1])
+        flat = keys.reshape(-1)
+        t = mix32(mix32(flat & 0xFFFFFFFF) ^ (flat >> 32)) ^ SALTS[0]
+        want = (mix32(t[:, None] ^ f[None, :]) >= (round(p * 2**24) << 8)).double() / (1 - p)
+        assert torch.equal(keep_mask(keys, 33, 5, p, SALTS, torch.float64), want.view(3, 129, 33))
 
 
 def test_keep_rate_and_scale():

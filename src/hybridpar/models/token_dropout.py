@@ -12,9 +12,9 @@ of that token, in dropout module ``l`` at step ``s``, is a hash (counter-based, 
     h_f    = mix32(f ^ salt_f)                                         [F] per feature
     keep   = mix32(h_t ^ h_f) >= round(p * 2**24) * 2**8;   dropout(x) = x * keep / (1 - p)
 
-``mix32`` is MurmurHash3's 32-bit finalizer, computed in place in int64 without overflow (every
-product below 2**49): 3-6x the time of ``F.dropout`` on one CPU thread; on CUDA it is compiled
-into one kernel. Masks are drawn in token chunks, so the int64 temporaries stay bounded at any
+``mix32`` is MurmurHash3's 32-bit finalizer: per token and per feature in int64 without overflow
+(every product below 2**49), per (token, feature) in int32, whose multiply wraps mod 2**32 itself
+(the same bits); on CUDA the mask is compiled into one kernel. Masks are drawn in token chunks, so the int64 temporaries stay bounded at any
 sequence length. The trainer sets the keys of every micro-batch (``set_dropout_tokens``);
 activation checkpointing recomputes the same masks (no generator state to restore). Without
 keys (a model used outside the trainer) the salt comes from the default generator and the
@@ -37,7 +37,7 @@ __all__ = ["DropoutTokens", "TokenDropout", "dropout_tokens", "keep_mask", "key_
 
 M32 = 0xFFFFFFFF
 UNIT = 1 << 24  # the keep test's resolution
-CHUNK_ELEMENTS = 1 << 22  # int64 temporaries per chunk: 32 MiB each
+CHUNK_ELEMENTS = 1 << 22  # int32 temporaries per chunk: 16 MiB each
 
 
 def _mul32_(h: Tensor, c: int) -> Tensor:
@@ -59,6 +59,22 @@ def mix32_(h: Tensor) -> Tensor:
 def mix32(h: Tensor) -> Tensor:
     """``mix32_`` on a copy."""
     return mix32_(h.clone())
+
+
+def _signed32(value: int) -> int:
+    """The int32 holding the 32 bits of ``value`` in [0, 2**32)."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def mix32_int32_(h: Tensor) -> Tensor:
+    """``mix32_`` on an int32 tensor holding the 32 bits (two's complement): a multiply wraps mod 2**32
+    by itself, and a logical right shift is the arithmetic one masked; half the bytes and a third of
+    the passes of the int64 form (equal bits: ``tests/models/test_token_dropout.py``)."""
+    h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
+    h.mul_(_signed32(0x85EBCA6B))
+    h.bitwise_xor_((h >> 13).bitwise_and_(0x7FFFF))
+    h.mul_(_signed32(0xC2B2AE35))
+    return h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
 
 
 def _mix_int(value: int) -> int:
@@ -83,15 +99,23 @@ def keep_mask(keys: Tensor, features: int, feature_offset: int, p: float, salts:
     ``chunked=False`` (compiled: one fused kernel, no temporaries) hashes all tokens at once."""
     token_salt, feature_salt = (salt.to(keys.device) for salt in salts)
     f = torch.arange(feature_offset, feature_offset + features, dtype=torch.int64, device=keys.device)
-    f = mix32_(f ^ feature_salt)  # [F]
+    f = _as_int32(mix32_(f ^ feature_salt))  # [F]
     flat = keys.reshape(-1).to(torch.int64)
-    t = mix32_(mix32(flat & M32) ^ ((flat >> 32) & M32)) ^ token_salt  # [N]
-    threshold = round(p * UNIT) << 8  # keep when the top 24 bits of the 32-bit hash are >= p * 2**24
+    t = _as_int32(mix32_(mix32(flat & M32) ^ ((flat >> 32) & M32)) ^ token_salt)  # [N]
+    # keep when the top 24 bits of the 32-bit hash are >= p * 2**24: an unsigned compare, done signed
+    # on the bits with the top one flipped
+    threshold = _signed32((round(p * UNIT) << 8) ^ (1 << 31))
     out = torch.empty(flat.numel(), features, dtype=dtype, device=keys.device)
     rows = max(1, CHUNK_ELEMENTS // max(1, features)) if chunked else max(1, flat.numel())
     for start in range(0, flat.numel(), rows):
-        out[start:start + rows] = mix32_(t[start:start + rows, None] ^ f[None, :]) >= threshold  # [n, F]
+        h = mix32_int32_(t[start:start + rows, None] ^ f[None, :])  # [n, F] int32
+        out[start:start + rows] = h.bitwise_xor_(-(1 << 31)) >= threshold
     return out.mul_(1 / (1 - p)).reshape(*keys.shape, features)
+
+
+def _as_int32(h: Tensor) -> Tensor:
+    """An int64 tensor of values in [0, 2**32) as the int32 tensor of the same bits."""
+    return (h - ((h >> 31) << 32)).to(torch.int32)
 
 
 _compiled = None
