@@ -1,0 +1,111 @@
+"""LoRA on stacked MoE experts under tp=2, dp_shard=2 and cp=2 against one process (float64, gloo).
+
+A tiny transformers Qwen3-MoE (eager experts) with adapters on ``q_proj`` and on
+``experts.gate_up_proj`` / ``experts.down_proj`` (``A`` and ``B`` random: every factor has a
+gradient). Under tp=2 the experts are sharded on their intermediate dim (``GroupedExpertsParallel``)
+and the factors with them (``parallel/lora.py``: gate_up's B by rows, down_proj's A by columns, the
+other factor replicated with its gradient all-reduced). The loss and every adapter gradient
+(``canonical_state_dict(grads=True)``) equal one process's to 1e-9; no base parameter has one.
+A TP style that cannot carry the factors is refused before any collective.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybridpar.models.lora import add_lora, is_lora_parameter
+from hybridpar.train.loss import global_sum, token_loss_sum, valid_token_count
+from tests.distributed.context.test_model import TOL, make_batch
+from tests.distributed.harness import run_ranks
+
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+LAYOUTS = {"tp2": dict(tp=2), "dp_shard2": dict(dp_shard=2), "cp2": dict(cp=2)}
+
+
+def expert_lora_model():
+    from tests.distributed.tensor.hf_models import build_model
+
+    model = build_model("qwen3_moe")
+    add_lora(model, r=2, alpha=6.0, targets=["q_proj"], target_parameters=EXPERTS, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_lora_parameter(name):
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return model
+
+
+def _batches(dp: int) -> list:
+    return [make_batch("dense", seed=40 + d, vocab=127) for d in range(dp)]
+
+
+def reference(dp: int) -> dict:
+    model = expert_lora_model()
+    batches = _batches(dp)
+    count = sum(valid_token_count(labels) for _, labels, _ in batches)
+    loss = sum(token_loss_sum(model(input_ids=ids, use_cache=False).logits, labels) for ids, labels, _ in batches)
+    (loss / count).backward()
+    return {"loss": (loss / count).item(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def worker(rank: int, world_size: int) -> dict:
+    from hybridpar.parallel.context.hf import hf_cp_inputs
+    from hybridpar.parallel.context.inputs import shard_inputs
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+    from hybridpar.parallel.state import canonical_state_dict
+
+    results = {}
+    for layout, kwargs in LAYOUTS.items():
+        dims = ParallelDims(**kwargs)
+        mesh = dims.build_mesh()
+        model = parallelize(expert_lora_model(), dims, mesh=mesh)
+        dp = dims.dp_replicate * dims.dp_shard
+        ids, labels, packed = _batches(dp)[ParallelDims.mesh(mesh, "dp").get_local_rank()]
+        dp_cp = ParallelDims.group(mesh, "dp_cp")
+        local = shard_inputs(ids, labels=labels, packed=packed, cp_group=mesh["cp"].get_group(),
+                             tp_group=mesh["tp"].get_group())
+        count = global_sum(valid_token_count(local.labels), dp_cp)
+        loss_sum = token_loss_sum(model(**hf_cp_inputs(local)).logits, local.labels)
+        (loss_sum / count).backward()
+        results[layout] = {"loss": (global_sum(loss_sum, dp_cp) / count).item(),
+                           "grads": canonical_state_dict(model, grads=True),
+                           "base_grads": [n for n, p in model.named_parameters()
+                                          if not is_lora_parameter(n) and p.grad is not None]}
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_expert_lora_tp_fsdp_cp_match_one_process():
+    results = run_ranks(2, worker, timeout_s=240)
+    failures, references = [], {}
+    for layout, got in results[0].items():
+        want = references.setdefault(LAYOUTS[layout].get("dp_shard", 1), reference(LAYOUTS[layout].get("dp_shard", 1)))
+        assert any("lora_gate_up_proj" in n for n in want["grads"]) and any("lora_down_proj" in n for n in want["grads"])
+        if abs(got["loss"] - want["loss"]) > TOL * max(1.0, abs(want["loss"])):
+            failures.append(f"{layout}: loss {got['loss']!r} != {want['loss']!r}")
+        if set(got["grads"]) != set(want["grads"]):
+            failures.append(f"{layout}: gradient names differ: {sorted(set(got['grads']) ^ set(want['grads']))[:6]}")
+            continue
+        for name, expected in want["grads"].items():
+            err = (got["grads"][name] - expected).abs().max().item()
+            if err > TOL * max(1.0, expected.abs().max().item()):
+                failures.append(f"{layout}: {name} gradient error {err:.3e}")
+    failures += [f"rank {r} {layout}: base gradients {got['base_grads'][:3]}" for r, rank_results in enumerate(results)
+                 for layout, got in rank_results.items() if got["base_grads"]]
+    assert not failures, "\n".join(failures[:30])
+
+
+def test_expert_adapters_on_experts_tp_leaves_whole_are_refused_before_any_collective():
+    from hybridpar.parallel.tensor.apply import check_tp_plan
+    from hybridpar.parallel.tensor.styles import LocalReplicateParallel
+
+    model = expert_lora_model()
+    plan = {"model.layers.*.mlp.experts": LocalReplicateParallel()}
+    with pytest.raises(ValueError, match=r"LoRA expert adapters on 'model\.layers\.0\.mlp\.experts' need .*"
+                                         r"GroupedExpertsParallel.*peft\.target_parameters or use parallel\.tp=1"):
+        check_tp_plan(copy.deepcopy(model), 2, plan)
