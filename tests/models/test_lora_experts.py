@@ -44,6 +44,15 @@ def _adapted(base):
     return model
 
 
+def _exact_norms(model) -> None:
+    """RMSNorms in float64 (transformers' compute in float32), as ``build_model`` makes them."""
+    from tests.distributed.tensor.hf_models import exact_norm
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            exact_norm(module)
+
+
 def _loss(model, ids):
     logits = model(input_ids=ids, use_cache=False).logits
     return logits, torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
@@ -106,3 +115,41 @@ def test_bad_expert_targets_are_refused():
         add_lora(copy.deepcopy(base), dropout=0.1, target_parameters=EXPERTS)
     with pytest.raises(ValueError, match=r"peft\.r=40 is larger than the smaller side of the expert weight"):
         add_lora(copy.deepcopy(base), r=40, targets=["q_proj"], target_parameters=EXPERTS)
+
+
+def test_the_export_loads_in_peft_with_the_same_logits_and_merges(tmp_path):
+    import json
+    import warnings
+
+    import transformers as hf
+    from peft import PeftModel
+
+    from hybridpar.models.hf.lora_export import export_lora
+    from hybridpar.parallel.state import canonical_state_dict
+
+    base = _base()
+    base.save_pretrained(tmp_path / "base")
+    ours = _adapted(base)
+    ids = torch.randint(0, 127, (2, 10), generator=torch.Generator().manual_seed(5))
+    want = ours(input_ids=ids, use_cache=False).logits.detach()
+    state = canonical_state_dict(ours)
+    export_lora(ours, tmp_path / "adapter", state, base_path=tmp_path / "base")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == sorted(EXPERTS) and config["target_modules"] == ["q_proj"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(hf.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "base", dtype=torch.float64, experts_implementation="eager"), tmp_path / "adapter")
+    _exact_norms(loaded)
+    placed = {n.replace(".default", "") for n, _ in loaded.named_parameters() if "lora_" in n}
+    assert placed == {"base_model.model." + n for n in peft_names(ours).values()} | {
+        "base_model.model." + n for n in state if "q_proj.lora_" in n}
+    got = loaded(input_ids=ids, use_cache=False).logits
+    assert (got - want).abs().max().item() < 1e-10 * want.abs().max().item()
+    assert (base(input_ids=ids, use_cache=False).logits - want).abs().max().item() > 1e-4  # the adapters matter
+
+    export_lora(ours, tmp_path / "merged", state, merge=True)
+    merged = hf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64,
+                                                     experts_implementation="eager")
+    _exact_norms(merged)
+    assert (merged(input_ids=ids, use_cache=False).logits - want).abs().max().item() < 1e-10 * want.abs().max().item()
