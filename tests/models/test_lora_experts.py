@@ -153,3 +153,40 @@ def test_the_export_loads_in_peft_with_the_same_logits_and_merges(tmp_path):
                                                      experts_implementation="eager")
     _exact_norms(merged)
     assert (merged(input_ids=ids, use_cache=False).logits - want).abs().max().item() < 1e-10 * want.abs().max().item()
+
+
+def _trained(rank, world_size, overrides):
+    from hybridpar.config import load_config
+    from hybridpar.train.trainer import Trainer
+
+    config = load_config("configs/tiny-hybrid.yaml", overrides)
+    Trainer(config, torch.device("cpu")).fit()
+
+
+def test_a_tp2_lora_run_exports_expert_adapters_that_peft_loads(tmp_path):
+    """The trainer at tp=2 (experts sharded, factors paired) writes an adapter peft loads on the base;
+    its experts' factors moved (they trained) and the merged-by-peft logits differ from the base's."""
+    import warnings
+
+    import transformers as hf
+    from peft import PeftModel
+
+    from tests.distributed.harness import run_ranks
+
+    base = _base()
+    base.save_pretrained(tmp_path / "base")
+    overrides = [f"model.hf_path={tmp_path / 'base'}", "model.dtype=float64", "parallel.cp=1", "parallel.tp=2",
+                 "data.pack_size=32", "train.steps=2", "train.eval_every=0", "checkpoint.every=-1", "plot=false",
+                 "tensorboard=false", "peft.method=lora", "peft.r=2", "peft.target_modules=[q_proj]",
+                 "peft.target_parameters=[experts.gate_up_proj,experts.down_proj]", "train.lr=1e-2",
+                 f"model.export_hf={tmp_path / 'adapter'}", f"output_dir={tmp_path / 'run'}"]
+    run_ranks(2, _trained, overrides, timeout_s=240)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(hf.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "base", dtype=torch.float64, experts_implementation="eager"), tmp_path / "adapter")
+    factors = {n: p for n, p in loaded.named_parameters() if "experts" in n and "lora_" in n}
+    assert len(factors) == 2 * 2 * 2  # 2 layers x (gate_up, down) x (A, B)
+    assert all(p.abs().max() > 0 for n, p in factors.items() if "lora_B" in n)  # B starts at zero: trained
+    ids = torch.randint(0, 16, (1, 10), generator=torch.Generator().manual_seed(2))
+    assert (loaded(input_ids=ids).logits - base(input_ids=ids, use_cache=False).logits).abs().max() > 1e-6
