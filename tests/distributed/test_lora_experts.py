@@ -1,4 +1,5 @@
-"""LoRA on stacked MoE experts under tp=2, dp_shard=2 and cp=2 against one process (float64, gloo).
+"""LoRA on stacked MoE experts under tp=2 (and + SP), dp_shard=2 and cp=2 (with activation
+checkpointing) against one process (float64, gloo; tp=2 x dp_shard=2 and cp=2 x tp=2 on 4 ranks).
 
 A tiny transformers Qwen3-MoE (eager experts) with adapters on ``q_proj`` and on
 ``experts.gate_up_proj`` / ``experts.down_proj`` (``A`` and ``B`` random: every factor has a
@@ -22,7 +23,9 @@ from tests.distributed.context.test_model import TOL, make_batch
 from tests.distributed.harness import run_ranks
 
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
-LAYOUTS = {"tp2": dict(tp=2), "dp_shard2": dict(dp_shard=2), "cp2": dict(cp=2)}
+LAYOUTS = {"tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True), "dp_shard2": dict(dp_shard=2),
+           "cp2-ac": dict(cp=2, activation_checkpointing="full")}
+OPTIONS = ("sequence_parallel", "activation_checkpointing")
 
 
 def expert_lora_model():
@@ -48,11 +51,12 @@ def reference(dp: int) -> dict:
     count = sum(valid_token_count(labels) for _, labels, _ in batches)
     loss = sum(token_loss_sum(model(input_ids=ids, use_cache=False).logits, labels) for ids, labels, _ in batches)
     (loss / count).backward()
-    return {"loss": (loss / count).item(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+    from hybridpar.parallel.state import canonical_state_dict
+
+    return {"loss": (loss / count).item(), "grads": canonical_state_dict(model, grads=True)}
 
 
-def worker(rank: int, world_size: int) -> dict:
+def worker(rank: int, world_size: int, layouts: dict = LAYOUTS) -> dict:
     from hybridpar.parallel.context.hf import hf_cp_inputs
     from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.parallel.dims import ParallelDims
@@ -60,15 +64,16 @@ def worker(rank: int, world_size: int) -> dict:
     from hybridpar.parallel.state import canonical_state_dict
 
     results = {}
-    for layout, kwargs in LAYOUTS.items():
-        dims = ParallelDims(**kwargs)
+    for layout, kwargs in layouts.items():
+        options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+        dims = ParallelDims(**{k: v for k, v in kwargs.items() if k not in OPTIONS})
         mesh = dims.build_mesh()
-        model = parallelize(expert_lora_model(), dims, mesh=mesh)
+        model = parallelize(expert_lora_model(), dims, mesh=mesh, **options)
         dp = dims.dp_replicate * dims.dp_shard
         ids, labels, packed = _batches(dp)[ParallelDims.mesh(mesh, "dp").get_local_rank()]
         dp_cp = ParallelDims.group(mesh, "dp_cp")
         local = shard_inputs(ids, labels=labels, packed=packed, cp_group=mesh["cp"].get_group(),
-                             tp_group=mesh["tp"].get_group())
+                             tp_group=mesh["tp"].get_group(), sequence_parallel=options.get("sequence_parallel", False))
         count = global_sum(valid_token_count(local.labels), dp_cp)
         loss_sum = token_loss_sum(model(**hf_cp_inputs(local)).logits, local.labels)
         (loss_sum / count).backward()
@@ -79,12 +84,10 @@ def worker(rank: int, world_size: int) -> dict:
     return results
 
 
-@pytest.mark.timeout(300)
-def test_expert_lora_tp_fsdp_cp_match_one_process():
-    results = run_ranks(2, worker, timeout_s=240)
+def _check(results: list[dict], layouts: dict) -> None:
     failures, references = [], {}
     for layout, got in results[0].items():
-        want = references.setdefault(LAYOUTS[layout].get("dp_shard", 1), reference(LAYOUTS[layout].get("dp_shard", 1)))
+        want = references.setdefault(layouts[layout].get("dp_shard", 1), reference(layouts[layout].get("dp_shard", 1)))
         assert any("lora_gate_up_proj" in n for n in want["grads"]) and any("lora_down_proj" in n for n in want["grads"])
         if abs(got["loss"] - want["loss"]) > TOL * max(1.0, abs(want["loss"])):
             failures.append(f"{layout}: loss {got['loss']!r} != {want['loss']!r}")
@@ -98,6 +101,18 @@ def test_expert_lora_tp_fsdp_cp_match_one_process():
     failures += [f"rank {r} {layout}: base gradients {got['base_grads'][:3]}" for r, rank_results in enumerate(results)
                  for layout, got in rank_results.items() if got["base_grads"]]
     assert not failures, "\n".join(failures[:30])
+
+
+@pytest.mark.timeout(300)
+def test_expert_lora_tp_sp_fsdp_cp_match_one_process():
+    _check(run_ranks(2, worker, timeout_s=240), LAYOUTS)
+
+
+@pytest.mark.timeout(300)
+def test_expert_lora_tp_with_fsdp_on_4_ranks_matches_one_process():
+    """FSDP's row shards of the factors compose with TP's (gate and up rows of B apart: ``GateUpB``)."""
+    layouts = {"tp2-dp_shard2": dict(tp=2, dp_shard=2), "cp2-tp2": dict(cp=2, tp=2)}
+    _check(run_ranks(4, worker, layouts, timeout_s=240), layouts)
 
 
 def test_expert_adapters_on_experts_tp_leaves_whole_are_refused_before_any_collective():

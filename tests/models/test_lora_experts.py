@@ -16,6 +16,7 @@ import torch
 
 from hybridpar.models.lora import add_lora, is_lora_parameter
 from hybridpar.models.lora_experts import peft_names, peft_target_parameters
+from hybridpar.parallel.state import canonical_state_dict
 
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 R, ALPHA = 2, 6.0
@@ -67,7 +68,7 @@ def test_expert_adapters_match_peft_target_parameters():
     config = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj"], target_parameters=EXPERTS)
     theirs = get_peft_model(copy.deepcopy(base), config).double()
     names = peft_names(ours)
-    state = {n: p for n, p in ours.named_parameters() if is_lora_parameter(n)}
+    state = {n: t for n, t in canonical_state_dict(ours).items() if is_lora_parameter(n)}  # gate/up B fused
     peft_params = dict(theirs.named_parameters())
     mapped = {}
     for name in state:
@@ -86,8 +87,9 @@ def test_expert_adapters_match_peft_target_parameters():
     peft_loss.backward()
     assert (logits - peft_logits).abs().max().item() < 1e-12
     assert abs(loss.item() - peft_loss.item()) < 1e-12
+    grads = canonical_state_dict(ours, grads=True)
     for name, peft_name in mapped.items():
-        grad, peft_grad = state[name].grad, peft_params[peft_name].grad
+        grad, peft_grad = grads[name], peft_params[peft_name].grad
         assert grad.abs().max() > 0, name
         assert (grad - peft_grad).abs().max().item() < 1e-12, name
     assert all(p.grad is None for n, p in ours.named_parameters() if not is_lora_parameter(n))
@@ -125,7 +127,6 @@ def test_the_export_loads_in_peft_with_the_same_logits_and_merges(tmp_path):
     from peft import PeftModel
 
     from hybridpar.models.hf.lora_export import export_lora
-    from hybridpar.parallel.state import canonical_state_dict
 
     base = _base()
     base.save_pretrained(tmp_path / "base")

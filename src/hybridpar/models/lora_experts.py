@@ -9,7 +9,8 @@ adapted parameter gets peft's ``ParamWrapper`` factors, per expert ``e`` a rank-
     W_e + (alpha / r) * B_e @ A_e                              ([out, in]; transposed: its transpose)
 
 The factors live in a child ``lora_<parameter>`` of the experts module (``experts.lora_gate_up_proj
-.lora_A.weight``; peft's file nests them as ``experts[.base_layer].lora_A.weight``,
+.lora_A.weight``; a concatenated gate_up's B as ``lora_B.weight_gate`` / ``weight_up``, fused back
+by ``canonical_state_dict``: ``GateUpB``; peft's file nests them as ``experts[.base_layer].lora_A.weight``,
 ``models/hf/lora_export.py``), float32 on a 16-bit base, with peft's init (A Kaiming-uniform, B zero).
 
 The experts' forward is switched (``adapt_experts``) to one that puts the effective weight
@@ -32,7 +33,7 @@ import types
 import torch
 from torch import nn
 
-__all__ = ["ExpertLoRA", "stacked_parameters", "expert_targets", "adapt_experts", "expert_lora_modules",
+__all__ = ["ExpertLoRA", "GateUpB", "stacked_parameters", "expert_targets", "adapt_experts", "expert_lora_modules",
            "expert_delta", "adapter_child", "peft_names", "peft_target_parameters"]
 
 MARK = "_hybridpar_expert_lora"
@@ -53,21 +54,45 @@ def expert_delta(a: torch.Tensor, b: torch.Tensor, num_experts: int, scaling: fl
     return delta.transpose(1, 2) if transposed else delta
 
 
+class GateUpB(nn.Module):
+    """``lora_B`` of a concatenated ``gate_up_proj`` ([2I, r*E] = [gate | up] rows) stored as two
+    parameters ``weight_gate``, ``weight_up`` [I, r*E], so tensor parallelism shards each by rows
+    (``Shard(0)``, composing with FSDP's) where the fused rows would need a strided shard;
+    ``canonical_state_dict`` fuses them back to ``lora_B.weight`` (``fused_parameters``)."""
+
+    def __init__(self, out_features: int, columns: int, device, dtype):
+        super().__init__()
+        half = out_features // 2
+        self.component_sizes = {"gate": half, "up": half}
+        self.weight_gate = nn.Parameter(torch.zeros(half, columns, device=device, dtype=dtype))
+        self.weight_up = nn.Parameter(torch.zeros(half, columns, device=device, dtype=dtype))
+
+    def fused_parameters(self) -> dict[str, list[str]]:
+        return {"weight": ["weight_gate", "weight_up"]}
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[gate | up] rows (under TP: this rank's of each, as the weight's local shard)."""
+        return torch.cat([self.weight_gate, self.weight_up], dim=0)
+
+
 class ExpertLoRA(nn.Module):
     """The factors of one stacked parameter ``[E, d1, d2]`` (peft's ``ParamWrapper`` layout)."""
 
     def __init__(self, weight: torch.Tensor, r: int, alpha: float, transposed: bool, dtype: torch.dtype,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, gate_up: bool = False):
         super().__init__()
         experts, d1, d2 = weight.shape
         in_features, out_features = (d1, d2) if transposed else (d2, d1)
         self.lora_A = nn.Linear(in_features, r * experts, bias=False, device=weight.device, dtype=dtype)
-        self.lora_B = nn.Linear(r * experts, out_features, bias=False, device=weight.device, dtype=dtype)
+        self.lora_B = GateUpB(out_features, r * experts, weight.device, dtype) if gate_up else \
+            nn.Linear(r * experts, out_features, bias=False, device=weight.device, dtype=dtype)
         with torch.no_grad():
             bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)), as peft's nn.Linear
             self.lora_A.weight.copy_(torch.empty(self.lora_A.weight.shape, dtype=torch.float64)
                                      .uniform_(-bound, bound, generator=generator))
-            self.lora_B.weight.zero_()
+            for param in self.lora_B.parameters():
+                param.zero_()
         self.num_experts, self.rank, self.scaling, self.transposed = experts, r, float(alpha) / r, transposed
         self.factor_hooks: dict = {}  # {"lora_A"|"lora_B": callable on the (local) weight}: set by TP pairing
 
@@ -130,8 +155,9 @@ def adapt_experts(model: nn.Module, targets, *, r: int, alpha: float, dtype_of, 
     for name, (module, parameter) in chosen.items():
         weight = module._parameters[parameter]
         transposed = bool(getattr(module, "is_transposed", False))
+        gate_up = parameter == "gate_up_proj" and getattr(module, "is_concatenated", True)
         module.add_module(adapter_child(parameter), ExpertLoRA(weight, r, alpha, transposed, dtype_of(weight.dtype),
-                                                               generator))
+                                                               generator, gate_up))
     for module in {id(m): m for m, _ in chosen.values()}.values():
         order = [n for n, p in module._parameters.items() if p is not None]  # peft nests wrappers in this order
         module.lora_parameters = tuple(n for n in order if hasattr(module, adapter_child(n)))

@@ -29,8 +29,8 @@ Stacked MoE experts (``models/lora_experts.py``; ``GroupedExpertsParallel`` shar
 its intermediate dim ``I``): the factor on ``I`` is sharded like the weight, the other replicated
 with its gradient summed over TP in backward (``AllReduceGrad``; [r*E, D] or [D, r*E] elements)::
 
-    gate_up_proj / up_proj (I = out): B [2I, r*E] rows like the weight (``_StridedShard(0, 2)``:
-        [gate_r | up_r]), A [r*E, D] replicated -> delta_e [2I/tp, D] = B_e^r A_e
+    gate_up_proj / up_proj (I = out): B [2I, r*E] rows like the weight (gate and up rows each
+        ``Shard(0)``, ``GateUpB``: [gate_r | up_r]), A [r*E, D] replicated -> delta_e [2I/tp, D] = B_e^r A_e
     down_proj (I = in):               A [r*E, I] ``Shard(1)``, B [D, r*E] replicated
         -> delta_e [D, I/tp] = B_e A_e^r
 
@@ -61,7 +61,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
-from hybridpar.models.lora_experts import adapter_child, expert_lora_modules
+from hybridpar.models.lora_experts import GateUpB, adapter_child, expert_lora_modules
 from hybridpar.models.hf.mamba_mixers import MARK as MAMBA_CORE_MARK
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer
@@ -292,9 +292,10 @@ def pair_expert_lora(experts: nn.Module, tp_mesh: DeviceMesh) -> None:
         placement = experts._parameters[parameter].placements[0]  # the weight's, on its I dim
         out_dim = 2 if adapter.transposed else 1  # [E, out, in]; transposed [E, in, out]
         if placement.dim == out_dim:  # I = out: B's rows like the weight's, A replicated
-            rows = _StridedShard(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard) \
-                else Shard(0)
-            sharded, replicated, shard_placement = "lora_B", "lora_A", rows
+            if isinstance(placement, _StridedShard) and not isinstance(adapter.lora_B, GateUpB):
+                raise ValueError(f"{type(experts).__name__}.{parameter}: a strided TP shard needs the gate/up "
+                                 "rows of LoRA's B stored apart (GateUpB); use parallel.tp=1 for this model.")
+            sharded, replicated, shard_placement = "lora_B", "lora_A", Shard(0)  # GateUpB: gate and up each by rows
         else:  # I = in: A's columns, B replicated
             sharded, replicated, shard_placement = "lora_A", "lora_B", Shard(1)
         _distribute(getattr(adapter, sharded), shard_placement, tp_mesh)
