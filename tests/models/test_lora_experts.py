@@ -1,6 +1,6 @@
 """LoRA on stacked MoE experts (``models/lora_experts.py``), one process, float64.
 
-A tiny transformers Qwen3-MoE with adapters on ``q_proj`` and on ``experts.gate_up_proj`` /
+A tiny transformers Qwen3-MoE (and a NemotronH with an ungated MoE layer) with adapters on ``q_proj`` and on ``experts.gate_up_proj`` /
 ``experts.down_proj`` (``A`` and ``B`` random, so every factor has a gradient) against peft's own
 ``target_parameters`` model carrying the same factors (loaded through our export's names): the same
 logits, loss and every adapter gradient. The experts implementations (eager, batched mm) agree, the
@@ -22,10 +22,17 @@ EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 R, ALPHA = 2, 6.0
 
 
-def _base(implementation: str = "eager"):
+NEMOTRON = ["experts.up_proj", "experts.down_proj"]  # NemotronH's experts: no gate
+
+
+def _base(implementation: str = "eager", name: str = "qwen3_moe"):
+    if name == "nemotron_h_moe":  # Mamba, attention and MoE layers; its own (eager) experts loop
+        from tests.models.hf.hybrid_models import build_hybrid
+
+        return build_hybrid(name)
     from tests.distributed.tensor.hf_models import build_model
 
-    model = build_model("qwen3_moe")
+    model = build_model(name)
     model.set_experts_implementation(implementation)
     return model
 
@@ -38,9 +45,9 @@ def _randomize(model, seed: int = 3) -> None:
                 param.copy_(0.2 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
 
 
-def _adapted(base):
+def _adapted(base, experts=EXPERTS):
     model = copy.deepcopy(base)
-    add_lora(model, r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=EXPERTS, seed=1)
+    add_lora(model, r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=experts, seed=1)
     _randomize(model)
     return model
 
@@ -59,13 +66,14 @@ def _loss(model, ids):
     return logits, torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
 
 
-def test_expert_adapters_match_peft_target_parameters():
+@pytest.mark.parametrize("name, experts", [("qwen3_moe", EXPERTS), ("nemotron_h_moe", NEMOTRON)])
+def test_expert_adapters_match_peft_target_parameters(name, experts):
     from peft import LoraConfig, get_peft_model
 
-    base = _base()
-    ours = _adapted(base)
-    assert peft_target_parameters(ours) == sorted(EXPERTS)
-    config = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj"], target_parameters=EXPERTS)
+    base = _base(name=name)
+    ours = _adapted(base, experts)
+    assert peft_target_parameters(ours) == sorted(experts)
+    config = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj"], target_parameters=experts)
     theirs = get_peft_model(copy.deepcopy(base), config).double()
     names = peft_names(ours)
     state = {n: t for n, t in canonical_state_dict(ours).items() if is_lora_parameter(n)}  # gate/up B fused
