@@ -115,6 +115,17 @@ def test_every_experts_implementation_sees_the_adapted_weights():
     assert (logits - other_logits).abs().max().item() < 1e-12
     assert set(grads) == set(other_grads) and any("lora_gate_up_proj" in n for n in grads)
     assert all((grads[n] - other_grads[n]).abs().max().item() < 1e-12 for n in grads)
+    # grouped mm (transformers' default) has no float64 kernel: against eager in float32
+    for implementation in ("eager", "grouped_mm"):
+        model = _adapted(_base(implementation).float())
+        logits, loss = _loss(model, ids)
+        loss.backward()
+        results[implementation] = (logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (logits, grads), (other_logits, other_grads) = results["eager"], results["grouped_mm"]
+    assert (logits - other_logits).abs().max().item() < 1e-5
+    assert set(grads) == set(other_grads)
+    assert all((grads[n] - other_grads[n]).abs().max().item() < 1e-5 * max(1.0, grads[n].abs().max().item())
+               for n in grads)
 
 
 def test_bad_expert_targets_are_refused():
