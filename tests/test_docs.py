@@ -5,7 +5,7 @@ is checked (output and illustrations go in ```text blocks):
 
 - ``hybridpar train|check`` runs with ``--dry-run`` (config, overrides, layout, data, output
   directory: every check the launcher makes; no process starts, nothing is written), in a scratch
-  directory holding the files the commands name (``configs/``, ``ckpt/llama``, ``ckpt/nemotronh``, ``ckpt/qwen3next``,
+  directory holding the files the commands name (``configs/``, ``ckpt/llama``, ``ckpt/nemotronh``, ``ckpt/qwen3next``, ``ckpt/qwen3moe``,
   ``chat.jsonl``);
 - ``hybridpar plan`` runs as written; ``hybridpar generate`` with ``--dry-run`` (arguments only);
 - ``make TARGET`` names a target of the Makefile.
@@ -105,6 +105,9 @@ def scratch(tmp_path_factory):
     from tests.models.hf.gdn_models import build_gdn  # a gated DeltaNet hybrid (docs/hybrids.md)
 
     build_gdn("qwen3_next", chunk=None).save_pretrained(root / "ckpt" / "qwen3next")
+    from tests.distributed.tensor.hf_models import build_model  # a Qwen3-MoE with stacked experts (docs/lora.md)
+
+    build_model("qwen3_moe").save_pretrained(root / "ckpt" / "qwen3moe")
     with (root / "chat.jsonl").open("w") as handle:
         for i in range(8):
             handle.write(json.dumps({"messages": [{"role": "user", "content": f"say {i}"},

@@ -122,6 +122,7 @@ class PeftConfig:
     alpha: float = 16.0  # the update is scaled by alpha / r
     dropout: float = 0.0  # dropout on the adapter's input
     target_modules: tuple[str, ...] | None = None  # linear layers by name (peft's rule); null: q/k/v/o, MLP, Mamba in/out_proj
+    target_parameters: tuple[str, ...] | None = None  # stacked MoE expert weights, e.g. [experts.gate_up_proj, experts.down_proj]
     merge: bool = False  # model.export_hf writes merged full weights instead of the adapter
 
 
@@ -212,6 +213,10 @@ RULES: dict[str, Rule] = {
     "peft.target_modules": or_null(Rule("a non-empty list of module names such as [q_proj, v_proj]",
                                         lambda v: len(v) > 0 and all(isinstance(t, str) and t.strip() for t in v)),
                                    " (null: q/k/v/o_proj, gate/up/down_proj, in/out_proj where present)"),
+    "peft.target_parameters": or_null(Rule("a non-empty list of stacked expert weights such as [experts.gate_up_proj, "
+                                           "experts.down_proj]",
+                                           lambda v: len(v) > 0 and all(isinstance(t, str) and t.strip() for t in v)),
+                                      " (null: experts are not adapted)"),
     "peft.merge": ANY,
     "output_dir": PATH,
     "tensorboard": ANY,

@@ -73,3 +73,26 @@ def test_a_transformers_model_gets_its_weights_gradients_and_adamw_per_rank(tmp_
     assert "weights" in full.text() and "AdamW" in full.text()
     with pytest.raises(ConfigError, match="trainable parameters are torch.bfloat16"):  # bf16 masters: refused
         make_plan(load_config(None, base + ["parallel.mixed_precision=bf16", "model.dtype=bfloat16"]))
+
+
+def test_expert_adapters_count_in_the_plan_of_a_transformers_moe(tmp_path):
+    """``peft.target_parameters`` on a Qwen3-MoE checkpoint: the plan's trainable elements are the
+    real model's adapters, expert factors included (per stacked weight ``A [r*E, in]``, ``B [out, r*E]``)."""
+    import json
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                            vocab_size=64)
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}))
+    base = ["model.backend=transformers", f"model.hf_path={tmp_path}", "parallel.tp=1", "parallel.cp=2",
+            "peft.method=lora", "peft.r=4", "model.dtype=bfloat16"]
+    linear = make_plan(load_config(None, base)).trainable
+    plan = make_plan(load_config(None, base + ["peft.target_parameters=[experts.gate_up_proj,experts.down_proj]"]))
+    experts = 2 * (4 * 4 * (32 + 2 * 16) + 4 * 4 * (16 + 32))  # layers x (gate_up + down): r*E*(in + out)
+    assert plan.trainable == linear + experts
+    model = Qwen3MoeForCausalLM(config)
+    add_lora(model, r=4, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan.bytes_per_rank["gradients"] == -(-plan.trainable // 2) * 4  # float32 adapters on bfloat16

@@ -26,6 +26,7 @@ LORA = ["model.preset=tiny", "data.pack_size=64", "model.dtype=float64", "train.
     ("peft.method=qlora", "peft.method='qlora' is invalid"),
     ("peft.target_modules=[]", "peft.target_modules=[] is invalid"),
     ("peft.dropout=1.0", "peft.dropout=1.0 is invalid"),
+    ("peft.target_parameters=[]", "peft.target_parameters=[] is invalid"),
 ])
 def test_peft_keys_have_rules(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
@@ -166,7 +167,13 @@ def test_the_first_lines_say_what_lora_adapts_and_which_expert_weights_it_does_n
     line = lora_line(moe)
     assert line.startswith("LoRA r=4: adapters on 8 linear layers (k_proj, o_proj, q_proj, v_proj)")
     assert "adapters float32, base bfloat16" in line
-    assert "not adapted: 4 stacked weights (experts.down_proj, experts.gate_up_proj; 50% of the parameters)" in line
+    assert "not adapted: 4 stacked weights (experts.down_proj, experts.gate_up_proj; 50% of the parameters); " \
+           "adapt them with peft.target_parameters=[experts.down_proj,experts.gate_up_proj]" in line
+    experts = Qwen3MoeForCausalLM(moe.config).to(torch.bfloat16)
+    add_lora(experts, r=4, target_parameters=["experts.gate_up_proj"])  # down_proj left out: still listed
+    line = lora_line(experts)
+    assert "; expert adapters (rank 4 per expert) on 2 stacked weights (experts.gate_up_proj)" in line
+    assert "not adapted: 2 stacked weights (experts.down_proj; 15% of the parameters)" in line
     hybrid = HybridLM(HybridConfig.from_preset("tiny"))
     add_lora(hybrid, r=8)
     assert "not adapted" not in lora_line(hybrid)  # the Mamba conv's [C, 1, K] weight is not a linear layer

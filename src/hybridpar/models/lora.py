@@ -32,6 +32,7 @@ import math
 import torch
 from torch import nn
 
+from hybridpar.models.lora_experts import adapt_experts, expert_targets
 from hybridpar.models.token_dropout import TokenDropout, dropout_tokens
 
 __all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "adapter_dtype", "lora_modules", "is_lora_parameter",
@@ -109,13 +110,16 @@ def _linear_targets(model: nn.Module, targets: tuple[str, ...] | None) -> dict[s
 
 
 def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
-             targets: tuple[str, ...] | list[str] | None = None, seed: int | None = None) -> list[str]:
-    """Freeze ``model`` and add a LoRA adapter to every target ``nn.Linear``; returns their names.
+             targets: tuple[str, ...] | list[str] | None = None, seed: int | None = None,
+             target_parameters: tuple[str, ...] | list[str] | None = None) -> list[str]:
+    """Freeze ``model`` and add a LoRA adapter to every target ``nn.Linear``; returns their names
+    (then the adapted stacked parameters' ``<module>.<parameter>`` names).
 
     ``targets``: module names (peft's rule), each of which must match an ``nn.Linear``; None: those
     of ``DEFAULT_TARGETS`` the model has. Run before ``parallelize`` (adapters are laid out with
     their base layer there). A target matching no ``nn.Linear``, ``r < 1`` or ``r`` above a target's smaller side is a
-    ``ValueError``.
+    ``ValueError``. ``target_parameters``: stacked MoE expert weights by ``<module>.<parameter>``
+    (peft's ``target_parameters``, e.g. ``experts.gate_up_proj``), adapted per expert (``lora_experts.py``).
     """
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise ValueError(f"peft.r={r!r} is invalid: the LoRA rank must be an integer >= 1; e.g. peft.r=8.")
@@ -127,7 +131,12 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
         raise ValueError(f"{type(model).__name__} already has LoRA adapters; add_lora runs once per model.")
     if getattr(model, "_parallel_dims", None) is not None or getattr(model, "_tp_mesh", None) is not None:
         raise ValueError("add_lora runs on the single-device model, before parallelize(); call it first.")
+    if target_parameters and dropout:
+        raise ValueError(f"peft.dropout={dropout!r} with peft.target_parameters: an expert adapter is folded into the "
+                         "weight, so its input cannot be dropped (peft refuses it too); set peft.dropout=0.")
     chosen = _linear_targets(model, None if targets is None else tuple(targets))
+    if target_parameters:
+        expert_targets(model, tuple(target_parameters))  # a bad name fails before anything changes
     narrow, layer = min((min(m.in_features, m.out_features), n) for n, m in chosen.items())
     if r > narrow:  # B @ A has rank <= the layer's smaller side: the rest only costs memory (r=1e8: out of memory)
         raise ValueError(f"peft.r={r} is larger than the smaller side of the target layer {layer} ({narrow}): an "
@@ -152,4 +161,6 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
         linear.lora_scaling = float(alpha) / r
         linear.lora_rank = r
         linear.register_forward_hook(lora_forward_hook)
-    return sorted(chosen)
+    experts = adapt_experts(model, tuple(target_parameters), r=r, alpha=alpha, dtype_of=adapter_dtype,
+                            generator=generator) if target_parameters else []
+    return sorted(chosen) + experts

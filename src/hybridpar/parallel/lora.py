@@ -25,6 +25,19 @@ backward ([r, in] or [out, r] elements, like a replicated norm weight's under SP
 (``PackedColwiseParallel``), ``Conv1D``, embedding and MoE styles are refused with a
 ``ValueError`` by ``check_lora_pairing`` before any collective.
 
+Stacked MoE experts (``models/lora_experts.py``; ``GroupedExpertsParallel`` shards every expert on
+its intermediate dim ``I``): the factor on ``I`` is sharded like the weight, the other replicated
+with its gradient summed over TP in backward (``AllReduceGrad``; [r*E, D] or [D, r*E] elements)::
+
+    gate_up_proj / up_proj (I = out): B [2I, r*E] rows like the weight (gate and up rows each
+        ``Shard(0)``, ``GateUpB``: [gate_r | up_r]), A [r*E, D] replicated -> delta_e [2I/tp, D] = B_e^r A_e
+    down_proj (I = in):               A [r*E, I] ``Shard(1)``, B [D, r*E] replicated
+        -> delta_e [D, I/tp] = B_e A_e^r
+
+so each rank adds its shard of the update to its shard of the weight inside the experts' call;
+the experts' own all-reduce of the output is the only forward collective. Other styles on adapted
+experts are refused by ``check_lora_pairing``.
+
 A gated DeltaNet sharded by heads (``GDNHeadParallel``) pairs its projections as components (``B``
 sharded by rows, as stored or per component; ``A`` replicated) and ``out_proj`` row-wise.
 
@@ -44,14 +57,17 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
+from hybridpar.models.lora_experts import GateUpB, adapter_child, expert_lora_modules
 from hybridpar.models.hf.mamba_mixers import MARK as MAMBA_CORE_MARK
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.tensor.check import matches
 from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
+from hybridpar.parallel.tensor.moe import GroupedExpertsParallel
 from hybridpar.parallel.tensor.styles import AllReduceGrad, LocalReplicateParallel, VocabParallelEmbedding
 
 __all__ = ["LoRAComponentsB", "split_lora_components", "lora_pairings", "check_lora_pairing",
@@ -149,6 +165,13 @@ def lora_pairings(model: nn.Module, styles: dict[str, ParallelStyle]) -> dict[st
                              "which LoRA cannot pair (packed, Conv1D, embedding or per-head styles); drop it from "
                              "peft.target_modules or use parallel.tp=1.")
         out[name] = kind
+    for name in expert_lora_modules(model):
+        own = [s for p, s in styles.items() if p and matches(name, p)]
+        if not own or not isinstance(own[-1], GroupedExpertsParallel):
+            style = repr(own[-1]) if own else "no plan entry (replicated as a left-over module)"
+            raise ValueError(f"LoRA expert adapters on {name!r} need its experts sharded by GroupedExpertsParallel "
+                             f"under TP, but it has {style}; drop them from peft.target_parameters or use parallel.tp=1.")
+        out[name] = "experts"
     return out
 
 
@@ -165,6 +188,8 @@ def detached_adapters(model: nn.Module):
     for module in lora_modules(model).values():
         children = {n: module._modules.pop(n) for n in (*LORA_PARAMETERS, "lora_dropout")}
         taken.append((module, children))
+    for module in expert_lora_modules(model).values():
+        taken.append((module, {n: module._modules.pop(n) for n in map(adapter_child, module.lora_parameters)}))
     try:
         yield
     finally:
@@ -228,7 +253,11 @@ def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelS
     """Distribute every adapter over ``tp_mesh`` to match its base layer (see the module docstring)."""
     kinds = lora_pairings(model, styles)
     modules = lora_modules(model)
+    for name, module in expert_lora_modules(model).items():
+        pair_expert_lora(module, tp_mesh)
     for name, kind in kinds.items():
+        if kind == "experts":
+            continue
         module = modules[name]
         a, b = module.lora_A, module.lora_B
         a_place, b_place = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate()),
@@ -252,3 +281,28 @@ def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelS
                 b.register_forward_pre_hook(partial(_local_params_pre, None))
                 b.register_forward_hook(_local_params_post, always_call=True)
     return kinds
+
+
+def pair_expert_lora(experts: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Lay out the factors of each adapted stacked weight of ``experts`` (sharded by
+    ``GroupedExpertsParallel``) as the module docstring says."""
+    group = tp_mesh.get_group()
+    for parameter in experts.lora_parameters:
+        adapter = getattr(experts, adapter_child(parameter))
+        placement = experts._parameters[parameter].placements[0]  # the weight's, on its I dim
+        out_dim = 2 if adapter.transposed else 1  # [E, out, in]; transposed [E, in, out]
+        if placement.dim == out_dim:  # I = out: B's rows like the weight's, A replicated
+            if isinstance(placement, _StridedShard) and not isinstance(adapter.lora_B, GateUpB):
+                raise ValueError(f"{type(experts).__name__}.{parameter}: a strided TP shard needs the gate/up "
+                                 "rows of LoRA's B stored apart (GateUpB); use parallel.tp=1 for this model.")
+            sharded, replicated, shard_placement = "lora_B", "lora_A", Shard(0)  # GateUpB: gate and up each by rows
+        else:  # I = in: A's columns, B replicated
+            sharded, replicated, shard_placement = "lora_A", "lora_B", Shard(1)
+        _distribute(getattr(adapter, sharded), shard_placement, tp_mesh)
+        _distribute(getattr(adapter, replicated), Replicate(), tp_mesh)
+        # the replicated factor's gradient is a partial sum over TP: [r*E, D] or [D, r*E] all-reduced in backward
+        adapter.factor_hooks = {replicated: partial(_all_reduce_grad, group=group)}
+
+
+def _all_reduce_grad(tensor: torch.Tensor, group) -> torch.Tensor:
+    return AllReduceGrad.apply(tensor, group) if tensor.requires_grad else tensor

@@ -14,6 +14,7 @@ from torch import nn
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.lora import add_lora, lora_modules
+from hybridpar.models.lora_experts import expert_lora_modules
 from hybridpar.models.token_dropout import set_dropout_tokens, token_keys
 from hybridpar.parallel.context.inputs import ShardedInputs
 
@@ -28,7 +29,7 @@ def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
         return model
     try:
         add_lora(model, r=peft.r, alpha=peft.alpha, dropout=peft.dropout, targets=peft.target_modules,
-                 seed=config.train.seed)
+                 seed=config.train.seed, target_parameters=peft.target_parameters)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if config.model.export_hf and not peft.merge:
@@ -58,9 +59,10 @@ def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
 
 
 def lora_line(model: nn.Module) -> str | None:
-    """The first-lines statement of what LoRA adapts: the adapted layer names, trainable elements and
-    dtype, and the weights no adapter reaches (parameters of more than two dimensions, such as
-    transformers' fused MoE experts ``[E, out, in]``: LoRA here adapts ``nn.Linear`` layers only)."""
+    """The first-lines statement of what LoRA adapts: the adapted layer names, the adapted stacked
+    expert weights (``peft.target_parameters``), trainable elements and dtype, and the stacked weights
+    no adapter reaches (transformers' fused MoE experts ``[E, out, in]`` left out of
+    ``peft.target_parameters``)."""
     modules = lora_modules(model)
     if not modules:
         return None
@@ -71,11 +73,15 @@ def lora_line(model: nn.Module) -> str | None:
     line = (f"LoRA r={first.lora_rank}: adapters on {len(modules)} linear layers ({', '.join(kinds)}), "
             f"{trainable:,} of {total:,} parameters train ({100 * trainable / total:.2f}%; adapters "
             f"{str(first.lora_A.weight.dtype).removeprefix('torch.')}, base {str(base).removeprefix('torch.')})")
+    adapted = {f"{m}.{p}" for m, module in expert_lora_modules(model).items() for p in module.lora_parameters}
+    if adapted:
+        names = sorted({".".join(n.split(".")[-2:]) for n in adapted})
+        line += f"; expert adapters (rank {first.lora_rank} per expert) on {len(adapted)} stacked weights ({', '.join(names)})"
     stacked = {f"{m}.{n}": p.numel() for m, module in model.named_modules() if not isinstance(module, nn.Conv1d)
-               for n, p in module.named_parameters(recurse=False) if p.dim() > 2}
+               for n, p in module.named_parameters(recurse=False) if p.dim() > 2 and f"{m}.{n}" not in adapted}
     if stacked:
         names = sorted({".".join(n.split(".")[-2:]) for n in stacked})
         line += (f"; not adapted: {len(stacked)} stacked weights ({', '.join(names[:4])}"
-                 f"{', ...' if len(names) > 4 else ''}; {100 * sum(stacked.values()) / total:.0f}% of the parameters), "
-                 "as LoRA here adapts nn.Linear layers only")
+                 f"{', ...' if len(names) > 4 else ''}; {100 * sum(stacked.values()) / total:.0f}% of the parameters); "
+                 f"adapt them with peft.target_parameters=[{','.join(names[:4])}]")
     return line

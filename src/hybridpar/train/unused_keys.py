@@ -20,7 +20,7 @@ def unused_key_notices(config: RunConfig) -> list[str]:
         notes.append(f"model.preset={show_value(config.model.preset)} is not used: model.hf_path loads the checkpoint's "
                      "own config (drop model.preset, or model.hf_path to train the preset)")
     if config.peft.method == "none":
-        changed = [name for name in ("r", "alpha", "dropout", "target_modules", "merge")
+        changed = [name for name in ("r", "alpha", "dropout", "target_modules", "target_parameters", "merge")
                    if getattr(config.peft, name) != getattr(PeftConfig(), name)]
         if changed:
             notes.append(f"{', '.join('peft.' + n for n in changed)} {'is' if len(changed) == 1 else 'are'} not used: "

@@ -12,6 +12,11 @@ merging through peft would fail for the default targets; the tests hold our merg
 ``merge_and_unload`` where peft accepts the adapter. For the same reason an unmerged adapter on
 a Mamba ``out_proj`` is refused (``mamba_out_proj_targets``): export it with ``peft.merge=true``.
 
+Adapters on stacked MoE experts (``peft.target_parameters``, ``models/lora_experts.py``) are written
+under peft's nested ``ParamWrapper`` names (``experts[.base_layer].lora_A.weight``) with
+``target_parameters`` in the config; the merge adds each expert's ``(alpha/r) B_e A_e`` to the
+stacked weight. ``merge_adapter_checkpoint`` refuses such an adapter (peft's ``merge_and_unload`` merges it).
+
 Tensors come from ``parallel.state.canonical_state_dict`` (full, single-device names; the
 Mamba ``in_proj``'s per-component ``B`` already fused back), so any layout exports alike.
 """
@@ -26,10 +31,12 @@ from torch import Tensor, nn
 from hybridpar.models.hf.checkpoint import NEMOTRON_H, architecture_of, hf_tensor_name
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.lora import is_lora_parameter, lora_modules
+from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_lora_modules, peft_names,
+                                           peft_target_parameters)
 from hybridpar.strict_json import load_file as load_json
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_lora", "split_lora_state", "save_peft_adapter",
-           "read_peft_adapter", "lora_settings", "merged_state", "mamba_out_proj_targets",
+           "read_peft_adapter", "lora_settings", "merged_state", "expert_layouts", "mamba_out_proj_targets",
            "merge_adapter_checkpoint"]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -51,7 +58,8 @@ def lora_settings(model: nn.Module) -> dict:
     first = next(iter(modules.values()))
     dropout = getattr(first.lora_dropout, "p", 0.0)
     return {"r": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "dropout": float(dropout),
-            "targets": sorted({name.split(".")[-1] for name in modules})}
+            "targets": sorted({name.split(".")[-1] for name in modules}),
+            "target_parameters": peft_target_parameters(model)}
 
 
 def _hf_name(model: nn.Module, architecture: str | None):
@@ -92,10 +100,12 @@ def save_peft_adapter(model: nn.Module, adapters: dict[str, Tensor], out_dir: st
     out_dir.mkdir(parents=True, exist_ok=True)
     config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
                         target_modules=settings["targets"], bias="none", task_type="CAUSAL_LM",
+                        target_parameters=settings["target_parameters"] or None,
                         base_model_name_or_path=None if base_path is None else str(base_path))
     config.save_pretrained(str(out_dir))
-    name_of = _hf_name(model, architecture)
-    tensors = {PEFT_PREFIX + name_of(n): t.detach().cpu().contiguous() for n, t in adapters.items()}
+    name_of, experts = _hf_name(model, architecture), peft_names(model)
+    tensors = {PEFT_PREFIX + (experts[n] if n in experts else name_of(n)): t.detach().cpu().contiguous()
+               for n, t in adapters.items()}
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out_dir
 
@@ -108,8 +118,16 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, Tensor]]
     return config, tensors
 
 
-def merged_state(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
-    """Base tensors with every adapter merged: ``W + scaling * B @ A`` ([out, r] @ [r, in])."""
+def expert_layouts(model: nn.Module) -> dict[str, tuple[int, bool]]:
+    """``{"<experts>.lora_<parameter>": (experts, is_transposed)}`` of a model's expert adapters."""
+    return {f"{path}.{adapter_child(p)}": (m._parameters[p].shape[0], bool(getattr(m, "is_transposed", False)))
+            for path, m in expert_lora_modules(model).items() for p in m.lora_parameters}
+
+
+def merged_state(state: dict[str, Tensor], scaling: float,
+                 experts: dict[str, tuple[int, bool]] | None = None) -> dict[str, Tensor]:
+    """Base tensors with every adapter merged: ``W + scaling * B @ A`` ([out, r] @ [r, in]); an expert
+    adapter (``experts``: ``expert_layouts``) adds ``scaling * B_e @ A_e`` to each expert's slice."""
     base, adapters = split_lora_state(state)
     merged = dict(base)
     for name, a in adapters.items():
@@ -117,6 +135,11 @@ def merged_state(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
             continue
         module = name.rpartition(".lora_A.")[0]
         b = adapters[f"{module}.lora_B.weight"]
+        if experts and module in experts:  # "<experts>.lora_<parameter>": the stacked weight [E, d1, d2]
+            path, _, child = module.rpartition(".")
+            key = f"{path}.{child.removeprefix('lora_')}"
+            merged[key] = base[key] + expert_delta(a, b, experts[module][0], scaling, experts[module][1]).to(base[key].dtype)
+            continue
         merged[f"{module}.weight"] = base[f"{module}.weight"] + scaling * (b @ a)
     return merged
 
@@ -145,6 +168,9 @@ def merge_adapter_checkpoint(adapter_dir: str | Path, out_dir: str | Path, base_
     if not (base_dir / CONFIG_FILE).is_file():
         raise ValueError(f"adapter {str(adapter_dir)!r} names base {str(base_dir)!r}, which holds no {CONFIG_FILE}; "
                          "put the base checkpoint there or edit base_model_name_or_path in adapter_config.json.")
+    if config.get("target_parameters"):
+        raise ValueError(f"adapter {str(adapter_dir)!r} adapts stacked expert weights (target_parameters), which "
+                         "hybridpar merges only at export (peft.merge=true); merge it with peft's merge_and_unload.")
     if config.get("use_rslora") or config.get("use_dora"):
         raise ValueError(f"adapter {str(adapter_dir)!r} uses rsLoRA/DoRA, which hybridpar does not merge; export a "
                          "plain LoRA adapter.")
@@ -186,7 +212,8 @@ def export_lora(model: nn.Module, out_dir: str | Path, state: dict, *, merge: bo
     out_dir = Path(out_dir)
     if merge:  # W + (alpha/r) B A, then the usual export
         export_causal_lm(model, out_dir, tokenizer_dir=tokenizer_dir, architecture=architecture,
-                         state_dict=merged_state(state, lora_settings(model)["alpha"] / lora_settings(model)["r"]))
+                         state_dict=merged_state(state, lora_settings(model)["alpha"] / lora_settings(model)["r"],
+                                                 expert_layouts(model)))
         return
     save_peft_adapter(model, adapters, out_dir, base_path=base_path, architecture=architecture)
     if tokenizer_dir is not None:

@@ -90,12 +90,13 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     reference_loss = reference_step(reference, trainer.train_data.step_packs(0), device)
 
     rows = [("loss", float((parallel_loss - reference_loss).abs()), float(reference_loss.abs()))]
+    reference_grads = canonical_state_dict(reference, grads=True)  # parts stored apart fused (LoRA's GateUpB)
     for name, param in reference.named_parameters():
         if param.grad is None:  # a frozen base weight: the parallel run must not have a gradient either
             rows.append((f"grad {name} (frozen)", float(name in parallel_grads), 0.0))
-            continue
-        difference = (parallel_grads[name].to(param.grad.dtype) - param.grad).abs().max()
-        rows.append((f"grad {name}", float(difference), float(param.grad.abs().max())))
+    for name, grad in reference_grads.items():
+        difference = (parallel_grads[name].to(grad.dtype) - grad).abs().max()
+        rows.append((f"grad {name}", float(difference), float(grad.abs().max())))
     failures = [name for name, difference, scale in rows if not within(difference, scale, tolerance)]
     exact = (config.model.dtype == "float64" and config.parallel.mixed_precision is None
              and all(difference <= EXACT * max(1.0, scale) for _, difference, scale in rows))

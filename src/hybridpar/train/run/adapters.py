@@ -5,7 +5,7 @@ when the model has frozen parameters, for saving and loading alike): a resumed r
 and seed) and loads only the adapters. So that a resume never puts adapters on other weights,
 run.json records ``base_reference`` (the path and a sha256 of its weight files, or the preset,
 dtype and seed that generate it) and the adapters' layout (``adapter_layout``: rank, alpha and the
-adapted modules), and ``check_same_base`` refuses a resume whose base or adapters differ, naming
+adapted modules, then the adapted stacked expert weights), and ``check_same_base`` refuses a resume whose base or adapters differ, naming
 both (loading is not strict for a LoRA run, so adapters of other modules would be dropped silently).
 """
 
@@ -20,6 +20,7 @@ from torch import nn
 from hybridpar.config import RunConfig
 from hybridpar.config_rules import shorten
 from hybridpar.models.lora import lora_modules
+from hybridpar.models.lora_experts import expert_lora_modules
 from hybridpar.train.run.checkpoint import CheckpointError, read_run_info
 
 __all__ = ["adapter_layout", "base_reference", "check_same_base"]
@@ -58,7 +59,8 @@ def adapter_layout(model: nn.Module) -> dict | None:
     if not modules:
         return None
     first = next(iter(modules.values()))
-    return {"r": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "modules": sorted(modules)}
+    experts = [f"{path}.{p}" for path, m in expert_lora_modules(model).items() for p in m.lora_parameters]
+    return {"r": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "modules": sorted(modules) + experts}
 
 
 def _describe(layout: dict) -> str:
