@@ -9,6 +9,10 @@
   trained tokenizer, model.export_hf and the sibling it is staged in) before any process
   starts, naming the key: a path under a regular file, a directory where a file goes, or
   a directory this user cannot write (or on a read-only file system).
+- **A run directory, not someone else's.** An ``output_dir`` that exists, is not empty and
+  holds no hybridpar run (no lock file, ``checkpoints/``, ``metrics.jsonl`` or ``run-NNN``),
+  or that is ``/``, the home directory or a source tree (it holds ``.git``), is refused: a
+  run would scatter its files among (and ``if_exists=overwrite`` delete from) files it does not own.
 - **Resume or refuse**: ``resume.py``.
 
 The launcher calls ``check_lock_free`` before torchrun starts (so the error exits 2 at once);
@@ -20,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -117,12 +122,38 @@ def _write_problem(path: Path, kind: str) -> str | None:
     return None
 
 
+RUN_MARKERS = (LOCK_FILE, "checkpoints", METRICS_FILE)
+
+
+def _not_a_run_dir(path: Path) -> str | None:
+    """Why ``path`` (an existing directory) is not a place for a run's files, or None."""
+    try:
+        resolved = path.resolve()
+        if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
+            return "it is " + ("the root directory" if resolved == Path(resolved.anchor) else "your home directory")
+        if (path / ".git").exists():
+            return "it is a source tree (it holds .git)"
+        entries = sorted(entry.name for entry in os.scandir(path))
+    except (OSError, RuntimeError):
+        return None  # unreadable: _write_problem says so
+    if not entries or any(name in RUN_MARKERS or re.fullmatch(r"run-\d{3,}", name) for name in entries):
+        return None
+    shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    return (f"it already holds files of something else ({shown}) and no hybridpar run (no {LOCK_FILE}, "
+            "checkpoints/ or metrics.jsonl)")
+
+
 def check_output_dir(directory: str | Path) -> None:
-    """ConfigError unless ``directory`` is a directory this process can write, or can be created."""
-    problem = _write_problem(Path(directory), "dir")
+    """ConfigError unless ``directory`` is a directory this process can write, or can be created,
+    and is new, empty or a run directory (module docstring)."""
+    path = Path(directory)
+    problem = _write_problem(path, "dir")
+    fix = "choose a directory you can write"
+    if problem is None and path.is_dir():
+        problem, fix = _not_a_run_dir(path), "choose a new or empty directory (or a subfolder of this one)"
     if problem:
-        raise ConfigError(f"output_dir={quoted(str(directory))} cannot hold the run: {problem}; choose a directory "
-                          "you can write, e.g. output_dir=runs/my-run.")
+        raise ConfigError(f"output_dir={quoted(str(directory))} cannot hold the run: {problem}; {fix}, e.g. "
+                          "output_dir=runs/my-run.")
 
 
 def run_paths(config: RunConfig) -> list[tuple[str, Path, str]]:

@@ -1,0 +1,69 @@
+"""Faults, round 8: an output_dir that is someone else's directory, an empty assistant turn that
+still trained a token, what --dry-run reads, and the probes of a hostile user; one test per
+class, in-process on real files."""
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.train.test_faults_round3 import SHORT, TINY
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _one_line(error) -> str:
+    message = str(error.value)
+    assert "\n" not in message and len(message) < SHORT, message
+    return message
+
+
+def _cli(*argv) -> tuple[int, str]:
+    from hybridpar.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue() + err.getvalue()
+
+
+def test_an_output_dir_that_is_someone_elses_directory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """``output_dir=/``, ``~``, ``.`` in a source tree, or any non-empty folder with no run in it
+    took the lock and wrote checkpoints/ among the user's files (and ``if_exists=overwrite``
+    deletes a metrics.jsonl there). Refused; new, empty and run directories still work."""
+    from hybridpar.train.run.directory import check_output_dir
+
+    home = tmp_path / "home"
+    (home / "notes").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    foreign = tmp_path / "data"
+    foreign.mkdir()
+    (foreign / "train.txt").write_text("text\n")
+    cases = [("/", "it is the root directory"), (str(home), "it is your home directory"),
+             (str(repo), "it is a source tree (it holds .git)"),
+             (str(foreign), "it already holds files of something else (train.txt) and no hybridpar run")]
+    for directory, expected in cases:
+        with pytest.raises(ValueError) as error:
+            check_output_dir(directory)
+        assert expected in _one_line(error) and "choose a new or empty directory" in str(error.value)
+    before = sorted(os.listdir(foreign))
+    code, said = _cli("train", "--config", CONFIG, *TINY, f"output_dir={foreign}", "--dry-run")
+    assert code == 2 and "holds files of something else" in said and sorted(os.listdir(foreign)) == before
+    monkeypatch.chdir(repo)
+    code, said = _cli("train", "--config", CONFIG, *TINY, "output_dir=.", "--dry-run")
+    assert code == 2 and "source tree" in said and sorted(os.listdir(repo)) == [".git"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for fine in (tmp_path / "new" / "run", empty, repo / "runs" / "a"):
+        check_output_dir(fine)
+    for marker in (".hybridpar.lock", "checkpoints", "metrics.jsonl", "run-001"):
+        run = tmp_path / f"run-of-{marker.strip('.')}"
+        run.mkdir()
+        (run / "config.yaml").write_text("x: 1\n")
+        (run / marker).mkdir() if marker in ("checkpoints", "run-001") else (run / marker).write_text("")
+        check_output_dir(run)
