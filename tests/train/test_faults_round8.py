@@ -67,3 +67,27 @@ def test_an_output_dir_that_is_someone_elses_directory_is_refused_before_anythin
         (run / "config.yaml").write_text("x: 1\n")
         (run / marker).mkdir() if marker in ("checkpoints", "run-001") else (run / marker).write_text("")
         check_output_dir(run)
+
+
+def test_an_empty_assistant_turn_beside_replies_with_text_trains_no_token(tmp_path):
+    """[user, assistant "", user, assistant "jumps over"] trained the empty turn's end of turn
+    (the model learns to answer with nothing); now only the reply with text is trained, with or
+    without {% generation %} tags, and a conversation of empty replies is still skipped."""
+    from hybridpar.data.chat import chat_document
+    from hybridpar.data.documents import file_documents
+    from hybridpar.data.packing import IGNORE_INDEX
+    from tests.data.bpe import train_tiny_bpe
+    from tests.data.test_chat import TAGGED_TEMPLATE, with_template
+
+    bpe = train_tiny_bpe(tmp_path / "tok")
+    for blank in ("", " \n "):
+        turns = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": blank},
+                 {"role": "user", "content": "the fox"}, {"role": "assistant", "content": "jumps over"}]
+        for tokenizer in (bpe, with_template(bpe, TAGGED_TEMPLATE)):
+            labels = chat_document(turns, tokenizer)["labels"]
+            trained = bpe.decode([t for t in labels if t != IGNORE_INDEX], skip_special_tokens=False)
+            assert trained == "jumps over<|eos|>\n", (blank, trained)
+    record = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}\n'
+    (tmp_path / "chat.jsonl").write_text(record + record.replace('"content": ""}', '"content": "yes"}'))
+    with pytest.warns(UserWarning, match="1 of 2 documents .* have no assistant text"):
+        assert len(file_documents("chat", tmp_path / "chat.jsonl", bpe)) == 1
