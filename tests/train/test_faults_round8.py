@@ -91,3 +91,28 @@ def test_an_empty_assistant_turn_beside_replies_with_text_trains_no_token(tmp_pa
     (tmp_path / "chat.jsonl").write_text(record + record.replace('"content": ""}', '"content": "yes"}'))
     with pytest.warns(UserWarning, match="1 of 2 documents .* have no assistant text"):
         assert len(file_documents("chat", tmp_path / "chat.jsonl", bpe)) == 1
+
+
+def test_dry_run_reads_small_data_as_training_will_and_says_when_it_does_not(tmp_path, monkeypatch):
+    """--dry-run passed a file of empty documents (and a malformed line) that training refused at
+    start: it read no record. It reads data up to READ_BYTES as training does (same errors, same
+    notices) and says in one line when it reads none."""
+    import hybridpar.train.dry_run_data as dry
+
+    run = ["train", "--dry-run", "--config", CONFIG, *TINY, "data.task=jsonl", "data.task_options={}"]
+    files = {"empty": '{"text": ""}\n' * 3, "some": '{"text": "hi"}\n{"text": ""}\n{"text": "there"}\n',
+             "bad": '{"text": "hi"}\n{"text": oops\n'}
+    for name, text in files.items():
+        (tmp_path / f"{name}.jsonl").write_text(text)
+    code, said = _cli(*run, f"data.path={tmp_path / 'empty.jsonl'}", f"output_dir={tmp_path / 'a'}")
+    assert code == 2 and "every one of the 3 documents" in said and len(said.strip().splitlines()) == 1, said
+    code, said = _cli(*run, f"data.path={tmp_path / 'bad.jsonl'}", f"output_dir={tmp_path / 'a'}")
+    assert code == 2 and "bad.jsonl:2: not valid JSON" in said, said
+    with pytest.warns(UserWarning) as caught:
+        code, said = _cli(*run, f"data.path={tmp_path / 'some.jsonl'}", f"output_dir={tmp_path / 'a'}")
+    notes = [str(w.message) for w in caught]
+    assert code == 0 and len(notes) == 1 and "1 of 3 documents (task 'jsonl') have empty text" in notes[0], notes
+    monkeypatch.setattr(dry, "READ_BYTES", 8)
+    code, said = _cli(*run, f"data.path={tmp_path / 'empty.jsonl'}", f"output_dir={tmp_path / 'a'}")
+    assert code == 0 and "were not read (it is 0.0 MiB, above the 0 MiB a dry run reads)" in said, said
+    assert not (tmp_path / "a").exists()

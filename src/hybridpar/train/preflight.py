@@ -331,13 +331,18 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
         check_lock_free(config.output_dir)
         plan_resume(config, model_signature(shape))
     # data.tokenizer=bpe: trained here, once, before any worker starts (into output_dir, checked above)
-    data = config.data
+    data, bpe_pending = config.data, False
     if dry_run and data.tokenizer == BPE and not bpe_dir(config.output_dir).exists():
         _refuse_bpe(config, shape.vocab_size)
-        data = dataclasses.replace(data, tokenizer="bytes")
+        data, bpe_pending = dataclasses.replace(data, tokenizer="bytes"), True
     else:
         data = prepare_data(config, shape.vocab_size)
-    validate_data(data, shape.vocab_size, config.model.hf_path)
+    tokenizer = validate_data(data, shape.vocab_size, config.model.hf_path)
+    if dry_run:  # the records, as training reads them at start, when that is cheap (dry_run_data.py)
+        from hybridpar.train.dry_run_data import read_like_training
+
+        if unread := read_like_training(config, data, shape.vocab_size, tokenizer, bpe_pending):
+            notice(unread)
     check_sample_prompt(config, data, shape.vocab_size)
     if config.model.hf_path and (problem := generation_id_problem(config.model.hf_path)):
         notice(problem)  # not used in training; the export would carry it (generate refuses it)
