@@ -338,8 +338,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     else:
         data = prepare_data(config, shape.vocab_size)
     tokenizer = validate_data(data, shape.vocab_size, config.model.hf_path)
-    if dry_run:  # the records, as training reads them at start, when that is cheap (dry_run_data.py)
-        from hybridpar.train.dry_run_data import read_like_training
+    if dry_run:  # the records, as training reads them at start, when that is cheap (batches.py)
+        from hybridpar.train.batches import read_like_training
 
         if unread := read_like_training(config, data, shape.vocab_size, tokenizer, bpe_pending):
             notice(unread)
