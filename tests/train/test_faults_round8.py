@@ -116,3 +116,41 @@ def test_dry_run_reads_small_data_as_training_will_and_says_when_it_does_not(tmp
     code, said = _cli(*run, f"data.path={tmp_path / 'empty.jsonl'}", f"output_dir={tmp_path / 'a'}")
     assert code == 0 and "were not read (it is 0.0 MiB, above the 0 MiB a dry run reads)" in said, said
     assert not (tmp_path / "a").exists()
+
+
+def test_optimizer_settings_changed_at_resume_are_applied_and_said():
+    """Resuming with train.lr=0.01 (trained with 0.003) ran on at the recorded lr: loading the
+    optimizer state restores its param groups (lr, betas, weight_decay) and the scheduler's
+    base_lrs, while the preflight said the new lr. Now the config's values are applied after
+    loading, with one warning per changed key; unchanged ones give the recorded lr exactly."""
+    import torch
+
+    from hybridpar.config import load_config
+    from hybridpar.train.optim import apply_settings, build_optimizer, build_scheduler
+    from hybridpar.train.run.numerics import numeric_changes
+
+    old = load_config(CONFIG, ["train.lr=0.003", "train.warmup_steps=4"])
+    model = torch.nn.Linear(3, 3)
+    optimizer = build_optimizer(model, old.train)
+    scheduler = build_scheduler(optimizer, old.train)
+    for _ in range(2):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    saved, saved_schedule, recorded_lr = optimizer.state_dict(), scheduler.state_dict(), optimizer.param_groups[0]["lr"]
+    for overrides, lr, betas, decay in [([], recorded_lr, (0.9, 0.95), 0.01),
+                                        (["train.lr=0.01", "train.betas=[0.8,0.9]", "train.weight_decay=0.5"],
+                                         0.01 * 3 / 4, (0.8, 0.9), 0.5)]:
+        new = load_config(CONFIG, ["train.warmup_steps=4", *overrides])
+        fresh = build_scheduler(build_optimizer(model, new.train), new.train)
+        fresh.optimizer.load_state_dict(saved)
+        fresh.load_state_dict(saved_schedule)
+        apply_settings(fresh.optimizer, fresh, new.train)
+        groups = fresh.optimizer.param_groups
+        assert groups[0]["lr"] == lr and groups[1]["lr"] == lr and fresh.get_last_lr() == [lr, lr]
+        assert groups[0]["betas"] == betas and groups[0]["weight_decay"] == decay and groups[1]["weight_decay"] == 0.0
+    info = {"config": {"train": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.01, "warmup_steps": 4}}}
+    notes = numeric_changes("ck", info, load_config(CONFIG, ["train.lr=0.01", "train.warmup_steps=4"]))
+    assert notes == ["warning: checkpoint ck was trained with train.lr=0.003; resuming with 0.01 applies 0.01 from the "
+                     "next step on, so the losses will not be those of the uninterrupted run"]
+    assert numeric_changes("ck", info, load_config(CONFIG, ["train.lr=0.003", "train.warmup_steps=4"])) == []
