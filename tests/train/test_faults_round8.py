@@ -154,3 +154,24 @@ def test_optimizer_settings_changed_at_resume_are_applied_and_said():
     assert notes == ["warning: checkpoint ck was trained with train.lr=0.003; resuming with 0.01 applies 0.01 from the "
                      "next step on, so the losses will not be those of the uninterrupted run"]
     assert numeric_changes("ck", info, load_config(CONFIG, ["train.lr=0.003", "train.warmup_steps=4"])) == []
+
+
+def test_dry_run_checks_the_weight_files_of_model_hf_path(tmp_path):
+    """--dry-run with model.hf_path passed when model.safetensors was missing or truncated: the
+    launcher read config.json only, and training failed after starting its processes. The
+    headers are checked before (cheap: no tensor is read)."""
+    from tests.train.test_faults_round3 import tiny_hf
+
+    model = tiny_hf(tmp_path / "hf")
+    run = ["train", "--dry-run", "--config", CONFIG, *TINY, f"model.hf_path={model}", f"output_dir={tmp_path / 'o'}"]
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    code, said = _cli(*run)
+    assert code == 2 and f"model.hf_path='{model}': {weights} cannot be read: tensor" in said and "(truncated)" in said
+    weights.unlink()
+    code, said = _cli(*run)
+    assert code == 2 and "model.safetensors not found (nor a sharded model.safetensors.index.json)" in said, said
+    assert len(said.strip().splitlines()) == 1
+    weights.write_bytes(data)
+    assert _cli(*run)[0] == 0

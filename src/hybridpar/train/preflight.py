@@ -301,6 +301,18 @@ def one_process_rendezvous() -> str | None:
             "as --nproc-per-node does.")
 
 
+def check_hf_weights(path: str) -> None:
+    """ConfigError if ``model.hf_path`` has no safetensors weights or a file of them is damaged
+    (headers only: cheap; the loader checks the values)."""
+    from hybridpar.models.hf.config import INDEX_FILE, WEIGHTS_FILE
+    from hybridpar.models.hf.weights import weight_files
+
+    try:
+        weight_files(path, WEIGHTS_FILE, INDEX_FILE)
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"model.hf_path={str(path)!r}: {error}") from None
+
+
 def validate_run(config: RunConfig, command: str, world_size: int | None = None, dry_run: bool = False):
     """Every check that needs no process group (the launcher's preflight); returns the model shape.
 
@@ -313,6 +325,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     from hybridpar.train.unused_keys import unused_key_notices
 
     shape = validate_layout(config, world_size)
+    if config.model.hf_path:
+        check_hf_weights(config.model.hf_path)
     for note in unused_key_notices(config):
         notice(note)
     check_pack_memory(config, shape, world_size or 1)
