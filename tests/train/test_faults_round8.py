@@ -175,3 +175,23 @@ def test_dry_run_checks_the_weight_files_of_model_hf_path(tmp_path):
     assert len(said.strip().splitlines()) == 1
     weights.write_bytes(data)
     assert _cli(*run)[0] == 0
+
+
+def test_a_tokenizer_without_an_eos_token_is_said_for_text_tasks(tmp_path):
+    """A tokenizer directory missing tokenizer_config.json loads with no BOS/EOS: every text
+    document was trained without an end token (the model never learns to stop), silently."""
+    import shutil
+
+    from tests.data.bpe import train_tiny_bpe
+
+    full = train_tiny_bpe(tmp_path / "tok").source_dir
+    bare = tmp_path / "bare"
+    shutil.copytree(full, bare)
+    (bare / "tokenizer_config.json").unlink()
+    (tmp_path / "t.txt").write_text("hello world\n\nsecond one\n\nthird\n")
+    run = ["train", "--dry-run", "--config", CONFIG, *TINY, "data.task=text", "data.task_options={}",
+           f"data.path={tmp_path / 't.txt'}", "model.overrides.vocab_size=512", f"output_dir={tmp_path / 'o'}"]
+    code, said = _cli(*run, f"data.tokenizer={bare}")
+    assert code == 0 and f"tokenizer {bare} defines no EOS token (is its tokenizer_config.json missing" in said, said
+    code, said = _cli(*run, f"data.tokenizer={full}")
+    assert code == 0 and "EOS" not in said, said

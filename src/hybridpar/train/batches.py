@@ -311,6 +311,18 @@ class PackStream:
         return packs[dp_rank * share:(dp_rank + 1) * share]
 
 
+def missing_eos(config: DataConfig, tokenizer: Tokenizer | None) -> str | None:
+    """A notice when a text task's tokenizer defines no EOS (e.g. its tokenizer_config.json is missing):
+    every document then ends without an end token, and the model never learns to stop."""
+    text_task = config.task in ("text", "jsonl", "python_stdlib") or \
+        (config.task == "hf_dataset" and config.task_options.get("kind", "text") == "text")
+    if not text_task or tokenizer is None or tokenizer.eos_id is not None:
+        return None
+    return (f"data.tokenizer: tokenizer {tokenizer.name} defines no EOS token (is its tokenizer_config.json missing, "
+            "or does it name no eos_token?): documents are trained without an end token, so the model will not learn "
+            "to stop; restore the tokenizer's files, or use one that defines an EOS token")
+
+
 # -- what a dry run reads ----------------------------------------------------------------------
 # Training reads and tokenizes every document at start; faults in the records (a line that is not
 # JSON, a wrong role, non-UTF-8 bytes, documents with nothing to learn, too few documents to hold

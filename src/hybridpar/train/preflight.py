@@ -34,7 +34,7 @@ from pathlib import Path
 from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.parallel.dims import ParallelDims
-from hybridpar.train.batches import pad_multiple, validate_data
+from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
 from hybridpar.train.hf_model import attention_dropout_problem, hf_meta_model, hf_shape, model_backend
 from hybridpar.train.peft import apply_peft
 
@@ -352,6 +352,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     else:
         data = prepare_data(config, shape.vocab_size)
     tokenizer = validate_data(data, shape.vocab_size, config.model.hf_path)
+    if no_eos := missing_eos(data, tokenizer):
+        notice(no_eos)
     if dry_run:  # the records, as training reads them at start, when that is cheap (batches.py)
         from hybridpar.train.batches import read_like_training
 
