@@ -195,3 +195,21 @@ def test_a_tokenizer_without_an_eos_token_is_said_for_text_tasks(tmp_path):
     assert code == 0 and f"tokenizer {bare} defines no EOS token (is its tokenizer_config.json missing" in said, said
     code, said = _cli(*run, f"data.tokenizer={full}")
     assert code == 0 and "EOS" not in said, said
+
+
+@pytest.mark.parametrize("variable, said", [("TORCH_LOGS=bogus", "Invalid log settings: bogus"),
+                                            ("LOGLEVEL=debug", "Unknown level: 'debug'")])
+def test_a_variable_torch_refuses_as_it_loads_is_one_line(variable, said):
+    """TORCH_LOGS=bogus, LOGLEVEL=debug (logging wants DEBUG) or TORCH_DISTRIBUTED_DEBUG= were a
+    traceback from inside ``import torch`` (torch is already imported here: a subprocess)."""
+    import subprocess
+    import sys
+
+    key, value = variable.split("=")
+    env = {**os.environ, key: value, "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run([sys.executable, "-m", "hybridpar", "plan", "--config", CONFIG], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr.startswith("hybridpar: error: importing torch failed (ValueError: ") and said in result.stderr
+    assert f"torch reads {key}='{value}' as it loads: fix or unset it." in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
