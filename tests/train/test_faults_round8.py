@@ -213,3 +213,23 @@ def test_a_variable_torch_refuses_as_it_loads_is_one_line(variable, said):
     assert result.stderr.startswith("hybridpar: error: importing torch failed (ValueError: ") and said in result.stderr
     assert f"torch reads {key}='{value}' as it loads: fix or unset it." in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_path_where_nothing_can_be_created_is_refused_though_access_allows_it(tmp_path):
+    """As root, access() calls every directory writable: output_dir=/sys/x or model.export_hf=/proc/x
+    passed the preflight and failed at rank 0 (the export: after training) with a raw errno line.
+    A folder is now made (and removed) where the run will create one."""
+    from hybridpar.train.run.directory import _write_problem, check_output_dir
+
+    for root in ("/proc", "/sys"):
+        if Path(root).is_dir():
+            with pytest.raises(ValueError) as error:
+                check_output_dir(f"{root}/hybridpar-x")
+            assert f"{root} does not let a folder be created in it (" in _one_line(error)
+    assert _write_problem(tmp_path / "new" / "run", "dir") is None and sorted(os.listdir(tmp_path)) == []
+    export = ["train", "--dry-run", "--config", CONFIG, *TINY, "model.export_architecture=NemotronHForCausalLM",
+              "model.overrides.rotary_fraction=0.0", f"output_dir={tmp_path / 'o'}"]
+    if Path("/proc").is_dir():
+        code, said = _cli(*export, "model.export_hf=/proc/hybridpar-export")
+        assert code == 2 and "model.export_hf: '/proc/hybridpar-export' cannot be written: /proc does not" in said
+    assert _cli(*export, f"model.export_hf={tmp_path / 'export'}")[0] == 0 and sorted(os.listdir(tmp_path)) == []

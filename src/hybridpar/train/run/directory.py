@@ -112,13 +112,31 @@ def _write_problem(path: Path, kind: str) -> str | None:
         if kind == "file" and path.is_dir():
             return "it is a directory, not a file"
         target = path if kind == "dir" else path.parent
-        return None if os.access(path, os.W_OK) and os.access(target, os.W_OK | os.X_OK) else \
-            f"it is not writable by this user{read_only_note(target)}"
+        if not (os.access(path, os.W_OK) and os.access(target, os.W_OK | os.X_OK)):
+            return f"it is not writable by this user{read_only_note(target)}"
+        return _create_problem(target)
     existing = next(p for p in path.absolute().parents if p.exists())
     if not existing.is_dir():
         return f"{existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable by this user{read_only_note(existing)}"
+    return _create_problem(existing)
+
+
+def _create_problem(directory: Path) -> str | None:
+    """Why nothing can be created in ``directory`` though access() allows it, or None: root is
+    allowed everywhere by access(), and /proc or /sys still refuse. An empty folder made and removed."""
+    probe = directory / f".hybridpar-write-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except FileExistsError:
+        return None
+    except OSError as error:
+        return f"{directory} does not let a folder be created in it ({error.strerror or error}; a system file system?)"
+    try:
+        probe.rmdir()
+    except OSError:
+        pass
     return None
 
 
