@@ -233,3 +233,20 @@ def test_a_path_where_nothing_can_be_created_is_refused_though_access_allows_it(
         code, said = _cli(*export, "model.export_hf=/proc/hybridpar-export")
         assert code == 2 and "model.export_hf: '/proc/hybridpar-export' cannot be written: /proc does not" in said
     assert _cli(*export, f"model.export_hf={tmp_path / 'export'}")[0] == 0 and sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_pack_past_a_learned_position_table_is_refused_by_the_preflight(tmp_path):
+    """data.pack_size=128 on a GPT-2 of 64 positions passed --dry-run (and the launcher): the
+    check ran only on the loaded model, inside the worker. The meta model is checked too."""
+    import transformers as hf
+
+    from hybridpar.config import load_config
+    from hybridpar.train.preflight import validate_layout
+
+    hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=260, n_positions=64, bos_token_id=1,
+                                     eos_token_id=2)).save_pretrained(tmp_path / "gpt2")
+    config = load_config(CONFIG, [*TINY, f"model.hf_path={tmp_path / 'gpt2'}", "data.pack_size=128"])
+    with pytest.raises(ValueError) as error:
+        validate_layout(config, 1)
+    assert _one_line(error).startswith("data.pack_size=128 is longer than the 64 positions GPT2LMHeadModel learned")
+    validate_layout(load_config(CONFIG, [*TINY, f"model.hf_path={tmp_path / 'gpt2'}", "data.pack_size=64"]), 1)

@@ -35,7 +35,8 @@ from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
-from hybridpar.train.hf_model import attention_dropout_problem, hf_meta_model, hf_shape, model_backend
+from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
+                                      model_backend)
 from hybridpar.train.peft import apply_peft
 
 
@@ -198,6 +199,7 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
     shape = shape if shape is not None else (model.config if model is not None else model_config(config))
     model = apply_peft(config, model if model is not None else meta_model(shape))  # peft.*: adapters first
     _check_compile_backend(p.compile)
+    check_learned_positions(model, data.pack_size)  # a transformers model with a position table (GPT-2's wpe)
     try:
         validate_parallelize(model, dims, cp_attention_strategy=p.cp_attention, cp_mamba_strategy=p.cp_mamba,
                              sequence_parallel=p.sequence_parallel, mixed_precision=p.mixed_precision,
