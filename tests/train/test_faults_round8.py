@@ -250,3 +250,18 @@ def test_a_pack_past_a_learned_position_table_is_refused_by_the_preflight(tmp_pa
         validate_layout(config, 1)
     assert _one_line(error).startswith("data.pack_size=128 is longer than the 64 positions GPT2LMHeadModel learned")
     validate_layout(load_config(CONFIG, [*TINY, f"model.hf_path={tmp_path / 'gpt2'}", "data.pack_size=64"]), 1)
+
+
+def test_yaml_nested_too_deep_is_one_line_not_a_recursion_error(tmp_path):
+    """model.overrides=[[[...]]] 2000 deep (on the command line or in a config file) was PyYAML's
+    RecursionError traceback; JSON had this bound already (round 5)."""
+    from hybridpar.config import load_config
+
+    deep = "[" * 2000 + "]" * 2000
+    (tmp_path / "deep.yaml").write_text(f"model:\n  overrides: {deep}\n")
+    for config, overrides in [(str(tmp_path / "deep.yaml"), []), (None, [f"model.overrides={deep}"]),
+                              (None, ["model.overrides=" + "{a: " * 500 + "1" + "}" * 500])]:
+        with pytest.raises(ValueError) as error:
+            load_config(config, overrides)
+        assert "values nested more than 64 levels deep" in _one_line(error)
+    assert load_config(None, ["model.overrides={}", "train.betas=[0.9,0.95]"]).train.betas in ([0.9, 0.95], (0.9, 0.95))
