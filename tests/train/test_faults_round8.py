@@ -265,3 +265,23 @@ def test_yaml_nested_too_deep_is_one_line_not_a_recursion_error(tmp_path):
             load_config(config, overrides)
         assert "values nested more than 64 levels deep" in _one_line(error)
     assert load_config(None, ["model.overrides={}", "train.betas=[0.9,0.95]"]).train.betas in ([0.9, 0.95], (0.9, 0.95))
+
+
+def test_blank_rows_of_a_dataset_are_counted_like_every_other_empty_document(tmp_path):
+    """hf_dataset dropped blank text rows without a word (jsonl, chat and prompt_completion say
+    how many they skip), so a dataset of blank rows said "holds no document"; and an empty CSV
+    cell was "holds NoneType, not a string" with no fix."""
+    datasets = pytest.importorskip("datasets")
+    from hybridpar.data.documents import file_documents
+
+    datasets.Dataset.from_dict({"text": ["hello world", "  ", "", "more text"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.warns(UserWarning, match=r"2 of 4 documents \(task 'hf_dataset'\) have no text .* document 2\)"):
+        assert len(file_documents("hf_dataset", tmp_path / "ds", None)) == 2
+    datasets.Dataset.from_dict({"text": ["", " "]}).save_to_disk(str(tmp_path / "blank"))
+    with pytest.raises(ValueError) as error:
+        file_documents("hf_dataset", tmp_path / "blank", None)
+    assert _one_line(error).startswith("every one of the 2 documents of data.path=")
+    (tmp_path / "rows.csv").write_text('text\nhello\n""\n')
+    with pytest.raises(ValueError) as error:
+        file_documents("hf_dataset", tmp_path / "rows.csv", None)
+    assert "row 1: column 'text' holds nothing (null: an empty cell?), not a string; fill it or remove" in _one_line(error)
