@@ -285,3 +285,15 @@ def test_blank_rows_of_a_dataset_are_counted_like_every_other_empty_document(tmp
     with pytest.raises(ValueError) as error:
         file_documents("hf_dataset", tmp_path / "rows.csv", None)
     assert "row 1: column 'text' holds nothing (null: an empty cell?), not a string; fill it or remove" in _one_line(error)
+
+
+def test_an_export_target_that_is_a_link_to_an_empty_folder_receives_the_export(tmp_path):
+    """model.export_hf=<a symbolic link to an empty folder> passed every check, trained, then failed
+    at the rename ("Not a directory") and advised freeing space. The link is followed."""
+    from hybridpar.train.run.export import write_export
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    write_export(tmp_path / "link", lambda staging: (staging.mkdir(), (staging / "config.json").write_text("{}")), None)
+    assert (tmp_path / "link").is_symlink() and sorted(os.listdir(tmp_path / "real")) == ["config.json"]
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]  # no staging folder left behind
