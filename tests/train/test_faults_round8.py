@@ -297,3 +297,31 @@ def test_an_export_target_that_is_a_link_to_an_empty_folder_receives_the_export(
     write_export(tmp_path / "link", lambda staging: (staging.mkdir(), (staging / "config.json").write_text("{}")), None)
     assert (tmp_path / "link").is_symlink() and sorted(os.listdir(tmp_path / "real")) == ["config.json"]
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]  # no staging folder left behind
+
+
+def test_a_lock_file_or_run_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
+    """output_dir/.hybridpar.lock as a symbolic link to a user's file: the lock truncated that file
+    and wrote a pid into it (a directory there was "[Errno 21] Is a directory"); metrics.jsonl or
+    loss_curve.png as a link would be written through the same way. Refused before any write."""
+    from hybridpar.config import load_config
+    from hybridpar.train.run.directory import OutputDirLock, check_run_paths
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious\n")
+    cases = [(".hybridpar.lock", "symlink", "which is a symbolic link (to "),
+             (".hybridpar.lock", "dir", "which is not a regular file (a directory, pipe or device)"),
+             ("metrics.jsonl", "symlink", "it is a symbolic link (to "),
+             ("loss_curve.png", "symlink", "it is a symbolic link (to ")]
+    for index, (name, kind, expected) in enumerate(cases):
+        out = tmp_path / f"run{index}"
+        out.mkdir()
+        (out / name).symlink_to(precious) if kind == "symlink" else (out / name).mkdir()
+        if name == "loss_curve.png":
+            (out / ".hybridpar.lock").write_text("")  # an earlier run's directory
+        with pytest.raises(ValueError) as error:
+            check_run_paths(load_config(CONFIG, [*TINY, f"output_dir={out}", "plot=true"]))
+        assert expected in _one_line(error), name
+        if name == ".hybridpar.lock":
+            with pytest.raises(ValueError):
+                OutputDirLock(out).acquire()
+    assert precious.read_text() == "precious\n"

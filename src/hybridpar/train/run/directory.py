@@ -57,7 +57,9 @@ class OutputDirLock:
             self.acquired = True
             return None
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        if problem := lock_file_problem(self.directory):
+            raise ConfigError(problem)
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -95,6 +97,20 @@ def _read_holder(fd: int) -> dict:
         return {}
 
 
+def lock_file_problem(directory: Path) -> str | None:
+    """Why ``<directory>/.hybridpar.lock`` is not a lock file hybridpar may take (it truncates and
+    writes it): a symbolic link (its target would be overwritten), a directory, a pipe; or None."""
+    lock = Path(directory) / LOCK_FILE
+    if lock.is_symlink():
+        what = f"a symbolic link (to {os.readlink(lock)}), whose target the lock would overwrite"
+    elif lock.exists() and not lock.is_file():
+        what = "not a regular file (a directory, pipe or device)"
+    else:
+        return None
+    return (f"output_dir {str(directory)!r} holds {LOCK_FILE}, which is {what}; hybridpar keeps its lock there as a "
+            f"plain file: remove {lock}, or choose another output_dir.")
+
+
 def _in_use_message(directory: Path, holder: dict) -> str:
     who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}" if holder else "another process"
     return (f"output_dir {str(directory)!r} is in use by {who} (it holds {directory / LOCK_FILE}); two runs in one "
@@ -106,6 +122,8 @@ def _write_problem(path: Path, kind: str) -> str | None:
     """Why this user cannot create or write ``path`` (``kind``: "dir" or "file"), or None."""
     if kind == "dir" and path.is_symlink() and not path.exists():  # a file link is created through
         return f"it is a symbolic link to nothing that exists ({os.readlink(path)}: dangling, or a loop)"
+    if kind == "file" and path.is_symlink():  # written through: the file it points to would be overwritten
+        return f"it is a symbolic link (to {os.readlink(path)}), and the run would overwrite the file it points to"
     if path.exists() or path.is_symlink():
         if kind == "dir" and not path.is_dir():
             return "it is a file, not a directory"
@@ -195,6 +213,8 @@ def run_paths(config: RunConfig) -> list[tuple[str, Path, str]]:
 def check_run_paths(config: RunConfig) -> None:
     """ConfigError naming the key of the first path the run will write that it cannot (module docstring)."""
     check_output_dir(config.output_dir)
+    if problem := lock_file_problem(Path(config.output_dir)):
+        raise ConfigError(problem)
     for key, path, kind in run_paths(config):
         problem = _write_problem(path, kind)
         if problem:
