@@ -325,3 +325,20 @@ def test_a_lock_file_or_run_file_that_is_a_link_is_refused_and_its_target_kept(t
             with pytest.raises(ValueError):
                 OutputDirLock(out).acquire()
     assert precious.read_text() == "precious\n"
+
+
+def test_retention_removes_a_linked_checkpoint_s_link_not_what_it_points_to(tmp_path):
+    """checkpoints/step_00000001 as a symbolic link to a checkpoint kept elsewhere: retention
+    deleted the manifest and files through the link, leaving a damaged checkpoint outside the
+    run's folder (and the dangling link). Only the link goes."""
+    from hybridpar.train.run.checkpoint import prune
+    from tests.train.run.test_directory import fake_checkpoint
+
+    kept = fake_checkpoint(tmp_path / "elsewhere", 1)
+    directory = tmp_path / "run" / "checkpoints"
+    directory.mkdir(parents=True)
+    (directory / kept.name).symlink_to(kept)
+    fake_checkpoint(directory, 2)
+    assert [p.name for p in prune(directory, "run-a", keep=1)] == ["step_00000001"]
+    assert sorted(os.listdir(directory)) == ["step_00000002"]
+    assert sorted(os.listdir(kept)) == sorted(os.listdir(directory / "step_00000002"))  # intact, manifest included
