@@ -4,6 +4,7 @@ class, in-process on real files."""
 
 import contextlib
 import io
+import json
 import os
 from pathlib import Path
 
@@ -157,9 +158,9 @@ def test_optimizer_settings_changed_at_resume_are_applied_and_said():
 
 
 def test_dry_run_checks_the_weight_files_of_model_hf_path(tmp_path):
-    """--dry-run with model.hf_path passed when model.safetensors was missing or truncated: the
-    launcher read config.json only, and training failed after starting its processes. The
-    headers are checked before (cheap: no tensor is read)."""
+    """--dry-run with model.hf_path passed when model.safetensors was missing or truncated, or its
+    shapes disagreed with config.json: the launcher read config.json only, and training failed
+    after starting its processes. The headers are checked before (cheap: no tensor is read)."""
     from tests.train.test_faults_round3 import tiny_hf
 
     model = tiny_hf(tmp_path / "hf")
@@ -175,6 +176,10 @@ def test_dry_run_checks_the_weight_files_of_model_hf_path(tmp_path):
     assert len(said.strip().splitlines()) == 1
     weights.write_bytes(data)
     assert _cli(*run)[0] == 0
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    code, said = _cli(*run)  # the stored shapes against config.json, from the headers (hybrid backend)
+    assert code == 2 and "has shape (256, 64) but config.json implies (256, 128); the config and weights" in said, said
 
 
 def test_a_tokenizer_without_an_eos_token_is_said_for_text_tasks(tmp_path):

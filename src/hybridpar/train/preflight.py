@@ -303,16 +303,19 @@ def one_process_rendezvous() -> str | None:
             "as --nproc-per-node does.")
 
 
-def check_hf_weights(path: str) -> None:
-    """ConfigError if ``model.hf_path`` has no safetensors weights or a file of them is damaged
-    (headers only: cheap; the loader checks the values)."""
+def check_hf_weights(path: str, backend: str) -> None:
+    """ConfigError if ``model.hf_path`` has no safetensors weights, a file of them is damaged or (the
+    hybrid backend) a tensor's shape disagrees with config.json: headers only, no tensor is read."""
+    from hybridpar.models.hf.checkpoint import shape_problem
     from hybridpar.models.hf.config import INDEX_FILE, WEIGHTS_FILE
     from hybridpar.models.hf.weights import weight_files
 
     try:
-        weight_files(path, WEIGHTS_FILE, INDEX_FILE)
+        problem = shape_problem(path) if backend == "hybrid" else weight_files(path, WEIGHTS_FILE, INDEX_FILE) and None
     except (ValueError, OSError) as error:
         raise ConfigError(f"model.hf_path={str(path)!r}: {error}") from None
+    if problem:
+        raise ConfigError(f"model.hf_path={str(path)!r}: {problem}")
 
 
 def validate_run(config: RunConfig, command: str, world_size: int | None = None, dry_run: bool = False):
@@ -328,7 +331,7 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
 
     shape = validate_layout(config, world_size)
     if config.model.hf_path:
-        check_hf_weights(config.model.hf_path)
+        check_hf_weights(config.model.hf_path, model_backend(config))
     for note in unused_key_notices(config):
         notice(note)
     check_pack_memory(config, shape, world_size or 1)
