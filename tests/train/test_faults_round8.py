@@ -242,7 +242,8 @@ def test_a_path_where_nothing_can_be_created_is_refused_though_access_allows_it(
 
 def test_a_pack_past_a_learned_position_table_is_refused_by_the_preflight(tmp_path):
     """data.pack_size=128 on a GPT-2 of 64 positions passed --dry-run (and the launcher): the
-    check ran only on the loaded model, inside the worker. The meta model is checked too."""
+    check ran only on the loaded model, inside the worker. The meta model is checked too, and
+    so is train.sample's prompt plus max_new_tokens."""
     import transformers as hf
 
     from hybridpar.config import load_config
@@ -255,6 +256,18 @@ def test_a_pack_past_a_learned_position_table_is_refused_by_the_preflight(tmp_pa
         validate_layout(config, 1)
     assert _one_line(error).startswith("data.pack_size=128 is longer than the 64 positions GPT2LMHeadModel learned")
     validate_layout(load_config(CONFIG, [*TINY, f"model.hf_path={tmp_path / 'gpt2'}", "data.pack_size=64"]), 1)
+    # train.sample past the table trained the whole run, then failed at the sample
+    from hybridpar.train.sample import check_sample_prompt
+
+    (tmp_path / "t.txt").write_text("hello world\n\nmore\n")
+    text = [*TINY, f"model.hf_path={tmp_path / 'gpt2'}", "data.pack_size=64", "data.task=text", "data.task_options={}",
+            f"data.path={tmp_path / 't.txt'}", "data.tokenizer=bytes"]
+    config = load_config(CONFIG, [*text, "train.sample={prompt: hello, max_new_tokens: 100}"])
+    with pytest.raises(ValueError) as error:
+        check_sample_prompt(config, config.data, 260)
+    assert "needs 105 positions, but the model learned 64 (transformer.wpe); ask for at most 59 new" in _one_line(error)
+    config = load_config(CONFIG, [*text, "train.sample={prompt: hello, max_new_tokens: 59}"])
+    check_sample_prompt(config, config.data, 260)
 
 
 def test_yaml_nested_too_deep_is_one_line_not_a_recursion_error(tmp_path):

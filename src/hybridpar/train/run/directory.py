@@ -10,7 +10,8 @@
   starts, naming the key: a path under a regular file, a directory where a file goes, or
   a directory this user cannot write (or on a read-only file system).
 - **A run directory, not someone else's.** An ``output_dir`` that exists, is not empty and
-  holds no hybridpar run (no lock file, ``checkpoints/``, ``metrics.jsonl`` or ``run-NNN``),
+  holds nothing a run writes (its lock file, ``checkpoints/``, ``metrics.jsonl``, ``tokenizer/``
+  (trained by the launcher first), ``tensorboard/``, ``loss_curve.png`` or ``run-NNN``),
   or that is ``/``, the home directory or a source tree (it holds ``.git``), is refused: a
   run would scatter its files among (and ``if_exists=overwrite`` delete from) files it does not own.
 - **Resume or refuse**: ``resume.py``.
@@ -158,7 +159,7 @@ def _create_problem(directory: Path) -> str | None:
     return None
 
 
-RUN_MARKERS = (LOCK_FILE, "checkpoints", METRICS_FILE)
+RUN_MARKERS = (LOCK_FILE, "checkpoints", METRICS_FILE, "tokenizer", "tensorboard", "loss_curve.png")  # what a run writes
 
 
 def _not_a_run_dir(path: Path) -> str | None:
