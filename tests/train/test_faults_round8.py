@@ -360,3 +360,16 @@ def test_retention_removes_a_linked_checkpoint_s_link_not_what_it_points_to(tmp_
     assert [p.name for p in prune(directory, "run-a", keep=1)] == ["step_00000001"]
     assert sorted(os.listdir(directory)) == ["step_00000002"]
     assert sorted(os.listdir(kept)) == sorted(os.listdir(directory / "step_00000002"))  # intact, manifest included
+
+
+def test_a_config_file_of_megabytes_is_refused_before_it_is_parsed(tmp_path):
+    """--config pointed at a data file of gigabytes was read whole and parsed by PyYAML for minutes
+    (it looked like a hang) before its error; a config is a few KB."""
+    from hybridpar.config import MAX_CONFIG_BYTES, load_config
+
+    big = tmp_path / "data.jsonl"
+    with open(big, "w") as handle:
+        handle.truncate(MAX_CONFIG_BYTES + 1)
+    with pytest.raises(ValueError) as error:
+        load_config(str(big), [])
+    assert f"has {MAX_CONFIG_BYTES + 1:,} bytes, more than the" in _one_line(error) and "is it a data file?" in str(error.value)
