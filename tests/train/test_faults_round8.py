@@ -373,3 +373,16 @@ def test_a_config_file_of_megabytes_is_refused_before_it_is_parsed(tmp_path):
     with pytest.raises(ValueError) as error:
         load_config(str(big), [])
     assert f"has {MAX_CONFIG_BYTES + 1:,} bytes, more than the" in _one_line(error) and "is it a data file?" in str(error.value)
+
+
+def test_generate_checkpoint_that_does_not_exist_or_is_a_file_says_so(tmp_path):
+    """--checkpoint /nonexistent (or a file) said it "holds no complete training checkpoint"."""
+    from hybridpar.generate import checkpoint_to_load
+
+    (tmp_path / "file.txt").write_text("x")
+    for path, said in [(tmp_path / "missing", "does not exist"), (tmp_path / "file.txt", "is a file")]:
+        with pytest.raises(ValueError) as error:
+            checkpoint_to_load(path)
+        assert _one_line(error).startswith(f"--checkpoint {path} {said}; pass a training checkpoint")
+    with pytest.raises(ValueError, match="holds no complete training checkpoint"):
+        checkpoint_to_load(tmp_path)
