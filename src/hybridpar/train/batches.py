@@ -332,6 +332,7 @@ def missing_eos(config: DataConfig, tokenizer: Tokenizer | None) -> str | None:
 
 READ_BYTES = 8 * 2**20  # data a dry run reads in full (a few seconds of tokenizing)
 
+
 def data_bytes(path: str | os.PathLike | None) -> int:
     """Bytes of a data file, or of the files under a data directory (symbolic links not followed)."""
     path = Path(path)
