@@ -25,7 +25,7 @@ import sys
 
 from hybridpar.config import ConfigError, RunConfig, load_config
 from hybridpar.config_rules import shorten
-from hybridpar.environment import check_environment
+from hybridpar.environment import check_environment, import_torch
 from hybridpar.worker import INPUT_ERRORS, error_message, launched_by_torchrun, run, worker_main, write_failure
 
 VERBS = {"train": "train a model (the config's layout, on --nproc-per-node processes)",
@@ -203,6 +203,7 @@ def check_devices(nproc: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         notes = check_environment()  # before torch is imported (parse_args does) and reads OMP_NUM_THREADS
+        import_torch()  # a variable torch refuses as it loads: one line, not its traceback
     except ConfigError as error:
         print(f"hybridpar: error: {error}", file=sys.stderr, flush=True)
         return 2

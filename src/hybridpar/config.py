@@ -239,6 +239,7 @@ def _example(key: str) -> str:
 
 
 _MISSING = object()
+MAX_CONFIG_BYTES = 4 * 2**20  # a run config is a few KB; a larger file is most likely data passed by mistake
 
 
 def _default_of(key: str):
@@ -268,6 +269,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             what = "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
             raise ConfigError(f"config file {quoted(str(path))} {what}; pass an existing YAML file, e.g. "
                               "configs/tiny-hybrid.yaml.")
+        if (size := path.stat().st_size) > MAX_CONFIG_BYTES:  # read whole and parsed by PyYAML: minutes for a data file
+            raise ConfigError(f"config file {quoted(str(path))} has {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a "
+                              "run config can have (a few KB of YAML); is it a data file? Pass the YAML config "
+                              "(the data goes in data.path).")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as error:

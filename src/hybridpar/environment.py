@@ -8,6 +8,9 @@
   ``WORLD_SIZE``, ``LOCAL_RANK`` or ``LOCAL_WORLD_SIZE`` set then is said to be unused (the run
   was one process without a word).
 
+- Variables torch reads when it is imported (``TORCH_LOGS``, ``TORCH_DISTRIBUTED_DEBUG``,
+  ``LOGLEVEL``, ...): a value torch refuses was a traceback from inside ``import torch``;
+  ``import_torch`` makes it one line naming the variables of torch that are set.
 - ``HYBRIDPAR_TRACEBACK`` is a switch: 1/true/yes/on or 0/false/no/off (``=0`` showed the traceback:
   any non-empty value did).
 
@@ -21,9 +24,9 @@ import os
 import re
 
 from hybridpar.config import ConfigError
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import quoted, shorten
 
-__all__ = ["check_environment", "traceback_wanted"]
+__all__ = ["check_environment", "import_torch", "traceback_wanted"]
 
 WORKER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
@@ -36,6 +39,26 @@ def _integer(key: str, low: int) -> int:
         raise ConfigError(f"{key}={quoted(text, 60)} is invalid: it must be an integer >= {low} (torchrun sets it for "
                           "each worker); start the job with torchrun or --nproc-per-node N, or unset it.")
     return int(text)
+
+
+TORCH_READS = ("TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT", "TORCH_DISTRIBUTED_DEBUG", "LOGLEVEL",
+               "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+
+
+def import_torch() -> None:
+    """Import torch and the distributed parts hybridpar uses; ConfigError (one line) if that fails,
+    naming the variables torch reads at import that are set (the usual cause)."""
+    try:
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+        import torch.distributed.checkpoint  # noqa: F401
+    except Exception as error:  # torch raises ValueError, RuntimeError, ... from its own module code
+        text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        why = f"{type(error).__name__}: {text}" if text else type(error).__name__
+        given = [f"{key}={quoted(os.environ[key], 40)}" for key in TORCH_READS if key in os.environ]
+        cause = (f"torch reads {', '.join(given)} as it loads: fix or unset {'it' if len(given) == 1 else 'them'}"
+                 if given else "check the torch installation (pip install torch)")
+        raise ConfigError(f"importing torch failed ({shorten(why, 200)}); {cause}.") from None
 
 
 def traceback_wanted() -> bool:

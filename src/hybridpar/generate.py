@@ -43,6 +43,10 @@ def checkpoint_to_load(path: str | Path) -> Path:
     from hybridpar.train.run.checkpoint import incomplete_reason, is_complete, list_checkpoints
 
     path = Path(path)
+    if not path.is_dir():
+        what = "is a file" if path.exists() else "does not exist"
+        raise ValueError(f"--checkpoint {path} {what}; pass a training checkpoint (a step_* folder) or the output_dir "
+                         "of a run that saved one (for a Hugging Face directory use --hf-path).")
     if (path / "run.json").is_file() or path.name.startswith("step_"):
         reason = incomplete_reason(path)
         if reason:

@@ -11,7 +11,8 @@ its bool, int and float rules for YAML 1.2's (and drops 1.1's timestamps):
 A key written twice in one mapping is an error (YAML requires unique keys; PyYAML would
 silently keep the last one). Aliases are bounded: a document whose values, with every alias
 expanded, number more than ``MAX_EXPANDED_NODES`` (an "alias bomb": 300 bytes can stand for
-millions of values) or that refers to itself is refused before anything is built.
+millions of values) or that refers to itself is refused before anything is built, and so is
+one nested more than ``MAX_DEPTH`` levels (PyYAML recursed per level: a RecursionError traceback).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class YamlSyntaxError(ValueError):
 
 
 MAX_EXPANDED_NODES = 100_000  # a run config has a few hundred values
+MAX_DEPTH = 64  # levels of nesting; a run config has three or four
 
 
 class Yaml12Loader(yaml.SafeLoader):
@@ -36,6 +38,16 @@ class Yaml12Loader(yaml.SafeLoader):
     def construct_document(self, node):
         _check_expansion(node)
         return super().construct_document(node)
+
+    def compose_node(self, parent, index):
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"values nested more than {MAX_DEPTH} levels deep (a run "
+                                                  "config needs a few); flatten them", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _check_expansion(root) -> None:

@@ -31,7 +31,8 @@ def test_text_rows_from_a_jsonl_file_and_a_saved_dataset(bpe, tmp_path):
     import datasets  # the data extra (make installs it)
     file = tmp_path / "rows.jsonl"
     file.write_text("\n".join(json.dumps({"body": t}) for t in ("abc", "", "hello there")) + "\n")
-    assert hf_dataset_documents(file, field="body") == [ByteTokenizer().document("abc"), ByteTokenizer().document("hello there")]
+    # a blank row stays a document here; file_documents skips it with the other empty ones, counted
+    assert hf_dataset_documents(file, field="body") == [ByteTokenizer().document(t) for t in ("abc", "", "hello there")]
     saved = tmp_path / "saved"
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b"]}),
                           "test": datasets.Dataset.from_dict({"text": ["hello"]})}).save_to_disk(str(saved))

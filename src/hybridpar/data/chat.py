@@ -105,32 +105,49 @@ def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
     return len(prefix) <= len(ids) and ids[:len(prefix)] == prefix
 
 
+def _turn_span(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, ids: list[int]) -> tuple[int, int]:
+    """``(start, end)`` in ``ids`` of assistant message ``i``: after its header, through its end of turn."""
+    end = tokenizer.apply_chat_template(messages[:i + 1])
+    try:
+        starts = [tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False)]
+    except ValueError:
+        if i:
+            raise
+        raise ValueError("message 0 has role 'assistant', and the chat template cannot render the empty conversation "
+                         "before it (to find where the reply starts); open each conversation with a system or user "
+                         "message") from None
+    start = next((s for s in starts if _is_prefix(s, end)), None)
+    if start is None or not _is_prefix(end, ids):
+        raise ValueError(
+            f"the chat template does not render message {i} as a continuation of the messages before it, so the "
+            "assistant tokens cannot be found by prefix; use a template with {% generation %} tags"
+        )
+    return len(start), len(end)
+
+
 def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
-    """``(ids, mask)`` of a conversation: its rendered tokens and which are assistant tokens."""
+    """``(ids, mask)`` of a conversation: its rendered tokens and which are assistant tokens.
+
+    An assistant message with empty (or whitespace) content beside replies with text trains no
+    token, not even its end of turn (that would teach the model to answer with nothing); a
+    conversation whose every reply is empty is left to ``empty_documents`` (skipped, counted)."""
     messages = _check_messages(messages, tokenizer.chat_template)
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    blank = [i for i in replies if not messages[i]["content"].strip()]
+    if len(blank) == len(replies):
+        blank = []
     if tokenizer.has_generation_tags:
-        return tokenizer.apply_chat_template(messages, return_assistant_mask=True)
+        ids, mask = tokenizer.apply_chat_template(messages, return_assistant_mask=True)
+        for i in blank:
+            start, end = _turn_span(messages, i, tokenizer, ids)
+            mask[start:end] = [False] * (end - start)
+        return ids, mask
     ids = tokenizer.apply_chat_template(messages)
     mask = [False] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        end = tokenizer.apply_chat_template(messages[:i + 1])
-        try:
-            starts = [tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False)]
-        except ValueError:
-            if i:
-                raise
-            raise ValueError("message 0 has role 'assistant', and the chat template cannot render the empty conversation "
-                             "before it (to find where the reply starts); open each conversation with a system or user "
-                             "message") from None
-        start = next((s for s in starts if _is_prefix(s, end)), None)
-        if start is None or not _is_prefix(end, ids):
-            raise ValueError(
-                f"the chat template does not render message {i} as a continuation of the messages before it, so the "
-                "assistant tokens cannot be found by prefix; use a template with {% generation %} tags"
-            )
-        mask[len(start):len(end)] = [True] * (len(end) - len(start))
+    for i in replies:
+        if i not in blank:
+            start, end = _turn_span(messages, i, tokenizer, ids)
+            mask[start:end] = [True] * (end - start)
     return ids, mask
 
 

@@ -112,10 +112,11 @@ def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", f
     for row, record in enumerate(dataset.select_columns(columns)):
         try:
             if kind == "text":
-                if not isinstance(record[columns[0]], str):
-                    raise ValueError(f"column {quoted(columns[0])} holds {type(record[columns[0]]).__name__}, not a string")
-                if record[columns[0]].strip():
-                    docs.append(tokenizer.document(record[columns[0]]))
+                value = record[columns[0]]
+                if not isinstance(value, str):
+                    what = "nothing (null: an empty cell?)" if value is None else type(value).__name__
+                    raise ValueError(f"column {quoted(columns[0])} holds {what}, not a string; fill it or remove the row")
+                docs.append(tokenizer.document(value))  # a blank one is counted and skipped (empty_documents.py)
             elif kind == "messages":
                 docs.append(chat_document(record[columns[0]], tokenizer))
             else:

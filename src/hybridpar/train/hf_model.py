@@ -108,15 +108,21 @@ def hf_meta_model(shape) -> nn.Module:
     return model
 
 
+def check_learned_positions(model: nn.Module, pack_size: int) -> None:
+    """ConfigError if a row's position ids (up to ``pack_size - 1``) index past a learned position
+    table (the preflight checks the meta model, the worker the loaded one)."""
+    table = learned_positions(model) if hasattr(model, "get_input_embeddings") else None  # HybridLM: RoPE
+    if table and pack_size > table[1]:
+        raise ConfigError(f"data.pack_size={pack_size} is longer than the {table[1]} positions "
+                          f"{type(model).__name__} learned ({table[0]}): position ids past {table[1] - 1} have no "
+                          f"embedding. Use data.pack_size <= {table[1]}.")
+
+
 def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     """The transformers model of ``model.hf_path`` in ``dtype`` (weights from local safetensors), its
     Mamba2 mixers on hybridpar's core (``models/hf/mamba_mixers.install_mamba_core``)."""
     model = load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
-    table = learned_positions(model)
-    if table and config.data.pack_size > table[1]:  # a row's position ids reach pack_size - 1
-        raise ConfigError(f"data.pack_size={config.data.pack_size} is longer than the {table[1]} positions "
-                          f"{type(model).__name__} learned ({table[0]}): position ids past {table[1] - 1} have no "
-                          f"embedding. Use data.pack_size <= {table[1]}.")
+    check_learned_positions(model, config.data.pack_size)
     if dtype == torch.float64 and type(model)._can_set_experts_implementation():
         model.set_experts_implementation("eager")  # torch._grouped_mm (transformers' default) has no float64
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast

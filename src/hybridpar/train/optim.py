@@ -34,6 +34,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> to
     )
 
 
+def apply_settings(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                   config: TrainConfig) -> None:
+    """Put ``config``'s lr, betas and weight decay back after a checkpoint's optimizer state was loaded
+    (loading restores the recorded ones; resume.py says when they differ); the schedule then
+    continues from the loaded step with this config's lambda."""
+    scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
+    for index, group in enumerate(optimizer.param_groups):
+        group["betas"] = tuple(config.betas)
+        group["initial_lr"] = config.lr
+        group["weight_decay"] = config.weight_decay if index == 0 else 0.0
+        group["lr"] = config.lr * scheduler.lr_lambdas[index](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """Clip the total gradient norm ``sqrt(sum_g |g|^2)`` and return it as a plain scalar.
 

@@ -34,8 +34,9 @@ from pathlib import Path
 from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.parallel.dims import ParallelDims
-from hybridpar.train.batches import pad_multiple, validate_data
-from hybridpar.train.hf_model import attention_dropout_problem, hf_meta_model, hf_shape, model_backend
+from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
+from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
+                                      model_backend)
 from hybridpar.train.peft import apply_peft
 
 
@@ -198,6 +199,7 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
     shape = shape if shape is not None else (model.config if model is not None else model_config(config))
     model = apply_peft(config, model if model is not None else meta_model(shape))  # peft.*: adapters first
     _check_compile_backend(p.compile)
+    check_learned_positions(model, data.pack_size)  # a transformers model with a position table (GPT-2's wpe)
     try:
         validate_parallelize(model, dims, cp_attention_strategy=p.cp_attention, cp_mamba_strategy=p.cp_mamba,
                              sequence_parallel=p.sequence_parallel, mixed_precision=p.mixed_precision,
@@ -301,6 +303,21 @@ def one_process_rendezvous() -> str | None:
             "as --nproc-per-node does.")
 
 
+def check_hf_weights(path: str, backend: str) -> None:
+    """ConfigError if ``model.hf_path`` has no safetensors weights, a file of them is damaged or (the
+    hybrid backend) a tensor's shape disagrees with config.json: headers only, no tensor is read."""
+    from hybridpar.models.hf.checkpoint import shape_problem
+    from hybridpar.models.hf.config import INDEX_FILE, WEIGHTS_FILE
+    from hybridpar.models.hf.weights import weight_files
+
+    try:
+        problem = shape_problem(path) if backend == "hybrid" else weight_files(path, WEIGHTS_FILE, INDEX_FILE) and None
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"model.hf_path={str(path)!r}: {error}") from None
+    if problem:
+        raise ConfigError(f"model.hf_path={str(path)!r}: {problem}")
+
+
 def validate_run(config: RunConfig, command: str, world_size: int | None = None, dry_run: bool = False):
     """Every check that needs no process group (the launcher's preflight); returns the model shape.
 
@@ -313,6 +330,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     from hybridpar.train.unused_keys import unused_key_notices
 
     shape = validate_layout(config, world_size)
+    if config.model.hf_path:
+        check_hf_weights(config.model.hf_path, model_backend(config))
     for note in unused_key_notices(config):
         notice(note)
     check_pack_memory(config, shape, world_size or 1)
@@ -331,13 +350,20 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
         check_lock_free(config.output_dir)
         plan_resume(config, model_signature(shape))
     # data.tokenizer=bpe: trained here, once, before any worker starts (into output_dir, checked above)
-    data = config.data
+    data, bpe_pending = config.data, False
     if dry_run and data.tokenizer == BPE and not bpe_dir(config.output_dir).exists():
         _refuse_bpe(config, shape.vocab_size)
-        data = dataclasses.replace(data, tokenizer="bytes")
+        data, bpe_pending = dataclasses.replace(data, tokenizer="bytes"), True
     else:
         data = prepare_data(config, shape.vocab_size)
-    validate_data(data, shape.vocab_size, config.model.hf_path)
+    tokenizer = validate_data(data, shape.vocab_size, config.model.hf_path)
+    if no_eos := missing_eos(data, tokenizer):
+        notice(no_eos)
+    if dry_run:  # the records, as training reads them at start, when that is cheap (batches.py)
+        from hybridpar.train.batches import read_like_training
+
+        if unread := read_like_training(config, data, shape.vocab_size, tokenizer, bpe_pending):
+            notice(unread)
     check_sample_prompt(config, data, shape.vocab_size)
     if config.model.hf_path and (problem := generation_id_problem(config.model.hf_path)):
         notice(problem)  # not used in training; the export would carry it (generate refuses it)

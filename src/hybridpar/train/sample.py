@@ -58,6 +58,23 @@ def check_sample_prompt(config, data, vocab_size: int) -> None:
     if not ids:
         raise ValueError(f"train.sample's prompt {quoted(settings['prompt'], 60)} is no token for the run's tokenizer "
                          "(empty, and it adds no BOS); give a prompt with at least one character.")
+    table = _learned_positions(config)
+    if table and len(ids) + settings["max_new_tokens"] > table[1]:
+        raise ValueError(f"train.sample's prompt ({len(ids)} tokens) plus max_new_tokens={settings['max_new_tokens']} "
+                         f"needs {len(ids) + settings['max_new_tokens']} positions, but the model learned {table[1]} "
+                         f"({table[0]}); ask for at most {max(0, table[1] - len(ids))} new tokens (checked now, not "
+                         "after training).")
+
+
+def _learned_positions(config) -> tuple[str, int] | None:
+    """``(module, positions)`` of the learned position table of a transformers ``model.hf_path`` (GPT-2's
+    ``wpe``), from its meta model; None for HybridLM and computed positions (RoPE)."""
+    from hybridpar.models.hf.causal_lm import learned_positions
+    from hybridpar.train.hf_model import hf_meta_model, hf_shape, model_backend
+
+    if not config.model.hf_path or model_backend(config) != "transformers":
+        return None
+    return learned_positions(hf_meta_model(hf_shape(config.model.hf_path)))
 
 
 def print_sample(model, tokenizer, settings: dict) -> str:

@@ -52,7 +52,7 @@ from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
 from hybridpar.train.peft import apply_peft, key_dropout, lora_line
 from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
-from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from hybridpar.train.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import check_pack_memory, model_config, parallel_dims, validate_layout
 from hybridpar.train.run.resume import data_stream, model_signature, prepare_output_dir
 from hybridpar.train.run.fingerprints import data_sources
@@ -293,6 +293,7 @@ class Trainer:
             self.train_data = self._stream(self.data)
         check_same_base(plan.checkpoint, self.lora_base)  # adapters resume only on their own base
         state = load_checkpoint(plan.checkpoint, self.model, self.optimizer, self.scheduler)
+        apply_settings(self.optimizer, self.scheduler, self.config.train)  # changed ones were said (numerics.py)
         self.start_step = state["step"]
         self.guard.skipped = state.get("nonfinite_skips", 0)
         self.last_checkpoint = plan.checkpoint

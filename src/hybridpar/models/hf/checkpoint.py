@@ -32,7 +32,7 @@ from hybridpar.models.hf.config import (  # noqa: F401  (the config API is also 
     _encode_floats, architecture_of, config_differences, config_from_hf, config_to_hf, read_hf_config,
 )
 from hybridpar.models.hf.files import copy_tokenizer_files
-from hybridpar.models.hf.weights import check_finite, check_floating, load_weight_file, weight_files
+from hybridpar.models.hf.weights import _header, check_finite, check_floating, load_weight_file, weight_files
 from hybridpar.models.hybrid import HybridLM
 
 
@@ -63,6 +63,28 @@ def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     for file in weight_files(path, WEIGHTS_FILE, INDEX_FILE):
         tensors.update(load_weight_file(file))
     return tensors
+
+
+def shape_problem(path: str | Path) -> str | None:
+    """A tensor whose stored shape (from the safetensors headers: no tensor is read) differs from the
+    one config.json implies, as ``load_hf`` would find it; None if none does (missing or extra
+    tensors are left to ``load_hf``)."""
+    hf = read_hf_config(path)
+    architecture, config = architecture_of(hf), config_from_hf(hf)
+    shapes = {}
+    for file in weight_files(path, WEIGHTS_FILE, INDEX_FILE):
+        shapes.update({name: entry["shape"] for name, entry in _header(file).items() if name != "__metadata__"})
+    if "backbone.embedding.weight" in shapes:  # early mamba2 checkpoints
+        shapes["backbone.embeddings.weight"] = shapes.pop("backbone.embedding.weight")
+    prefix = "model." if architecture == NEMOTRON_H and "model.embeddings.weight" in shapes else "backbone."
+    with torch.device("meta"):
+        model = HybridLM(config)
+    for ours, param in model.named_parameters():
+        name = hf_tensor_name(ours, architecture, config.pattern, prefix)
+        if name in shapes and list(shapes[name]) != list(param.shape):
+            return (f"tensor {name} has shape {tuple(shapes[name])} but config.json implies {tuple(param.shape)}; the "
+                    "config and weights disagree.")
+    return None
 
 
 def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:

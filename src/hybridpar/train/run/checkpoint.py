@@ -224,7 +224,11 @@ def _hash_own_shards(folder: Path, rank: int) -> dict[str, str]:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Delete a checkpoint so that a half-finished deletion is never mistaken for a checkpoint."""
+    """Delete a checkpoint so that a half-finished deletion is never mistaken for a checkpoint; a
+    symbolic link to one (kept on another disk) loses the link only, never what it points to."""
+    if path.is_symlink():
+        path.unlink()
+        return
     (path / MANIFEST).unlink(missing_ok=True)
     shutil.rmtree(path, ignore_errors=True)
 

@@ -9,6 +9,11 @@
   trained tokenizer, model.export_hf and the sibling it is staged in) before any process
   starts, naming the key: a path under a regular file, a directory where a file goes, or
   a directory this user cannot write (or on a read-only file system).
+- **A run directory, not someone else's.** An ``output_dir`` that exists, is not empty and
+  holds nothing a run writes (its lock file, ``checkpoints/``, ``metrics.jsonl``, ``tokenizer/``
+  (trained by the launcher first), ``tensorboard/``, ``loss_curve.png`` or ``run-NNN``),
+  or that is ``/``, the home directory or a source tree (it holds ``.git``), is refused: a
+  run would scatter its files among (and ``if_exists=overwrite`` delete from) files it does not own.
 - **Resume or refuse**: ``resume.py``.
 
 The launcher calls ``check_lock_free`` before torchrun starts (so the error exits 2 at once);
@@ -20,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -52,7 +58,9 @@ class OutputDirLock:
             self.acquired = True
             return None
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        if problem := lock_file_problem(self.directory):
+            raise ConfigError(problem)
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -90,6 +98,20 @@ def _read_holder(fd: int) -> dict:
         return {}
 
 
+def lock_file_problem(directory: Path) -> str | None:
+    """Why ``<directory>/.hybridpar.lock`` is not a lock file hybridpar may take (it truncates and
+    writes it): a symbolic link (its target would be overwritten), a directory, a pipe; or None."""
+    lock = Path(directory) / LOCK_FILE
+    if lock.is_symlink():
+        what = f"a symbolic link (to {os.readlink(lock)}), whose target the lock would overwrite"
+    elif lock.exists() and not lock.is_file():
+        what = "not a regular file (a directory, pipe or device)"
+    else:
+        return None
+    return (f"output_dir {str(directory)!r} holds {LOCK_FILE}, which is {what}; hybridpar keeps its lock there as a "
+            f"plain file: remove {lock}, or choose another output_dir.")
+
+
 def _in_use_message(directory: Path, holder: dict) -> str:
     who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}" if holder else "another process"
     return (f"output_dir {str(directory)!r} is in use by {who} (it holds {directory / LOCK_FILE}); two runs in one "
@@ -101,28 +123,74 @@ def _write_problem(path: Path, kind: str) -> str | None:
     """Why this user cannot create or write ``path`` (``kind``: "dir" or "file"), or None."""
     if kind == "dir" and path.is_symlink() and not path.exists():  # a file link is created through
         return f"it is a symbolic link to nothing that exists ({os.readlink(path)}: dangling, or a loop)"
+    if kind == "file" and path.is_symlink():  # written through: the file it points to would be overwritten
+        return f"it is a symbolic link (to {os.readlink(path)}), and the run would overwrite the file it points to"
     if path.exists() or path.is_symlink():
         if kind == "dir" and not path.is_dir():
             return "it is a file, not a directory"
         if kind == "file" and path.is_dir():
             return "it is a directory, not a file"
         target = path if kind == "dir" else path.parent
-        return None if os.access(path, os.W_OK) and os.access(target, os.W_OK | os.X_OK) else \
-            f"it is not writable by this user{read_only_note(target)}"
+        if not (os.access(path, os.W_OK) and os.access(target, os.W_OK | os.X_OK)):
+            return f"it is not writable by this user{read_only_note(target)}"
+        return _create_problem(target)
     existing = next(p for p in path.absolute().parents if p.exists())
     if not existing.is_dir():
         return f"{existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable by this user{read_only_note(existing)}"
+    return _create_problem(existing)
+
+
+def _create_problem(directory: Path) -> str | None:
+    """Why nothing can be created in ``directory`` though access() allows it, or None: root is
+    allowed everywhere by access(), and /proc or /sys still refuse. An empty folder made and removed."""
+    probe = directory / f".hybridpar-write-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except FileExistsError:
+        return None
+    except OSError as error:
+        return f"{directory} does not let a folder be created in it ({error.strerror or error}; a system file system?)"
+    try:
+        probe.rmdir()
+    except OSError:
+        pass
     return None
 
 
+RUN_MARKERS = (LOCK_FILE, "checkpoints", METRICS_FILE, "tokenizer", "tensorboard", "loss_curve.png")  # what a run writes
+
+
+def _not_a_run_dir(path: Path) -> str | None:
+    """Why ``path`` (an existing directory) is not a place for a run's files, or None."""
+    try:
+        resolved = path.resolve()
+        if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
+            return "it is " + ("the root directory" if resolved == Path(resolved.anchor) else "your home directory")
+        if (path / ".git").exists():
+            return "it is a source tree (it holds .git)"
+        entries = sorted(entry.name for entry in os.scandir(path))
+    except (OSError, RuntimeError):
+        return None  # unreadable: _write_problem says so
+    if not entries or any(name in RUN_MARKERS or re.fullmatch(r"run-\d{3,}", name) for name in entries):
+        return None
+    shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    return (f"it already holds files of something else ({shown}) and no hybridpar run (no {LOCK_FILE}, "
+            "checkpoints/ or metrics.jsonl)")
+
+
 def check_output_dir(directory: str | Path) -> None:
-    """ConfigError unless ``directory`` is a directory this process can write, or can be created."""
-    problem = _write_problem(Path(directory), "dir")
+    """ConfigError unless ``directory`` is a directory this process can write, or can be created,
+    and is new, empty or a run directory (module docstring)."""
+    path = Path(directory)
+    problem = _write_problem(path, "dir")
+    fix = "choose a directory you can write"
+    if problem is None and path.is_dir():
+        problem, fix = _not_a_run_dir(path), "choose a new or empty directory (or a subfolder of this one)"
     if problem:
-        raise ConfigError(f"output_dir={quoted(str(directory))} cannot hold the run: {problem}; choose a directory "
-                          "you can write, e.g. output_dir=runs/my-run.")
+        raise ConfigError(f"output_dir={quoted(str(directory))} cannot hold the run: {problem}; {fix}, e.g. "
+                          "output_dir=runs/my-run.")
 
 
 def run_paths(config: RunConfig) -> list[tuple[str, Path, str]]:
@@ -146,6 +214,8 @@ def run_paths(config: RunConfig) -> list[tuple[str, Path, str]]:
 def check_run_paths(config: RunConfig) -> None:
     """ConfigError naming the key of the first path the run will write that it cannot (module docstring)."""
     check_output_dir(config.output_dir)
+    if problem := lock_file_problem(Path(config.output_dir)):
+        raise ConfigError(problem)
     for key, path, kind in run_paths(config):
         problem = _write_problem(path, kind)
         if problem:

@@ -121,7 +121,10 @@ def remove_stale_staging(target: Path) -> list[Path]:
 
 
 def write_export(target: Path, write: Callable[[Path], None], last_checkpoint: str | None) -> None:
-    """``write(staging)`` the export, then rename the staging folder to ``target`` (empty or absent)."""
+    """``write(staging)`` the export, then rename the staging folder to ``target`` (empty or absent; a
+    symbolic link to an empty folder is followed: a folder cannot be renamed onto the link itself)."""
+    if target.is_symlink() and target.is_dir():
+        target = target.resolve()
     staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     remove_stale_staging(target)
@@ -165,5 +168,6 @@ def export_trained(model: nn.Module, config: RunConfig, path: str, tokenizer, la
         else:
             write = partial(export_causal_lm, model, tokenizer_dir=tokenizer_dir, state_dict=state, architecture=architecture)
         write_export(target, write, last_checkpoint)
-        print(f"exported Hugging Face checkpoint: {target}", flush=True)
+        shown = f"{target} (-> {target.resolve()})" if target.is_symlink() else str(target)
+        print(f"exported Hugging Face checkpoint: {shown}", flush=True)
     dist.barrier()

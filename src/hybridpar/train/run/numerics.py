@@ -2,7 +2,10 @@
 
 ``model.dtype`` and ``parallel.mixed_precision`` may change on resume (the weights and the
 optimizer state are cast on load), but then the run is no longer the uninterrupted one: its
-losses differ from those it would have had. That is said, once, as a warning.
+losses differ from those it would have had. That is said, once, as a warning. So are the
+optimizer settings (``train.lr``, ``betas``, ``weight_decay``, ``warmup_steps``,
+``min_lr_ratio``): a checkpoint's optimizer state holds the old ones, and loading it used to keep
+them silently; the run applies the new ones after loading (``optim.apply_settings``) and says so.
 """
 
 from __future__ import annotations
@@ -13,16 +16,19 @@ from pathlib import Path
 from hybridpar.config import RunConfig
 
 KEYS = (("model", "dtype"), ("parallel", "mixed_precision"))
+OPTIMIZER_KEYS = (("train", "lr"), ("train", "betas"), ("train", "weight_decay"), ("train", "warmup_steps"),
+                  ("train", "min_lr_ratio"))
 
 
 def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str]:
     """One warning per numeric setting that differs from the one checkpoint ``path`` recorded."""
     recorded, notes = info.get("config") or {}, []
-    for section, key in KEYS:
-        now = getattr(getattr(config, section), key)
+    for section, key in KEYS + OPTIMIZER_KEYS:
+        now = json.loads(json.dumps(getattr(getattr(config, section), key)))
         before = (recorded.get(section) or {}).get(key, now)  # not recorded: nothing to compare
         if before != now:
+            what = "casts its weights and optimizer state" if (section, key) in KEYS else \
+                f"applies {json.dumps(now)} from the next step on"
             notes.append(f"warning: checkpoint {path} was trained with {section}.{key}={json.dumps(before)}; resuming "
-                         f"with {json.dumps(now)} casts its weights and optimizer state, so the losses will not be those "
-                         "of the uninterrupted run")
+                         f"with {json.dumps(now)} {what}, so the losses will not be those of the uninterrupted run")
     return notes
