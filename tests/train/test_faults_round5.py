@@ -9,15 +9,10 @@ import re
 import pytest
 
 from hybridpar.config import ConfigError, load_config
-from tests.train.test_faults_round3 import DEFAULT, SHORT, TINY, tiny_hf
+from tests.train.test_faults_round3 import DEFAULT, TINY, tiny_hf
+from tests.train.fault_probes import one_line as _one_line
 
 FILE_TASK = [*TINY, "data.task=text", "data.task_options={}"]
-
-
-def _one_line(error) -> str:
-    message = str(error.value)
-    assert "\n" not in message and len(message) < SHORT, message
-    return message
 
 
 # -- config: a misspelt or misplaced key names the one meant; a path or list element says what is wrong --

@@ -8,13 +8,8 @@ import struct
 import pytest
 
 from hybridpar.config import ConfigError
-from tests.train.test_faults_round3 import DEFAULT, SHORT, TINY, tiny_hf
-
-
-def _one_line(error) -> str:
-    message = str(error.value)
-    assert "\n" not in message and len(message) < SHORT, message
-    return message
+from tests.train.test_faults_round3 import DEFAULT, TINY, tiny_hf
+from tests.train.fault_probes import one_line as _one_line
 
 
 TWICE = "is written twice in one JSON object"

@@ -2,8 +2,6 @@
 generate call asked for no tokens, documents with nothing to learn, a plan printed as zero), one
 test per class, in-process on real files."""
 
-import contextlib
-import io
 import json
 import warnings
 
@@ -11,24 +9,10 @@ import pytest
 
 from pathlib import Path
 
-from tests.train.test_faults_round3 import SHORT, tiny_hf
+from tests.train.test_faults_round3 import tiny_hf
+from tests.train.fault_probes import cli as _cli, one_line as _one_line
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
-
-
-def _one_line(error) -> str:
-    message = str(error.value)
-    assert "\n" not in message and len(message) < SHORT, message
-    return message
-
-
-def _cli(*argv) -> tuple[int, str]:
-    from hybridpar.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue() + err.getvalue()
 
 
 def test_a_generation_config_that_is_not_json_or_names_an_id_outside_the_vocabulary_is_refused(tmp_path):

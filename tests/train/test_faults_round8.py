@@ -2,33 +2,17 @@
 still trained a token, what --dry-run reads, and the probes of a hostile user; one test per
 class, in-process on real files."""
 
-import contextlib
-import io
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.train.test_faults_round3 import SHORT, TINY
+from tests.train.test_faults_round3 import TINY
+from tests.train.fault_probes import cli as _cli, one_line as _one_line
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _one_line(error) -> str:
-    message = str(error.value)
-    assert "\n" not in message and len(message) < SHORT, message
-    return message
-
-
-def _cli(*argv) -> tuple[int, str]:
-    from hybridpar.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue() + err.getvalue()
 
 
 def test_an_output_dir_that_is_someone_elses_directory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
