@@ -31,7 +31,6 @@ import contextlib
 import datetime
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -179,26 +178,10 @@ def main() -> int:
     meta = {"device": name, "torch": torch.__version__, "tolerance": TOLERANCE,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python benchmarks/gdn_parity.py" + (" --dry-run" if args.dry_run else "")}
-    sections = {}
-    for section, run in (("model", model_parity), ("states", state_parity)):
-        try:
-            sections[section] = [{"quantity": q, "rel": r, "ok": r <= TOLERANCE} for q, r in run(device, sizes,
-                                                                                                   args.dry_run)]
-        except Exception as error:  # noqa: BLE001 - e.g. use_mamba_kernel('fla') cannot run here: the reason
-            traceback.print_exc()
-            sections[section] = [{"quantity": "fused kernel", "rel": None, "ok": False,
-                                  "error": f"{type(error).__name__}: {error}"[:300]}]
-    failures = [(s, row["quantity"]) for s, rows in sections.items() for row in rows if not row["ok"]]
-    lines = ["# Fused gated delta rule vs the pure-PyTorch core (float32, TF32 off)", "",
-             f"Device: {meta['device']}, torch {meta['torch']}, {meta['date']}; pass: relative max difference "
-             f"<= {TOLERANCE:g}", ""]
-    for section, rows in sections.items():
-        worst = max(rows, key=lambda r: -1 if r["rel"] is None else r["rel"])
-        lines.append(f"- {section}: {len(rows)} quantities, worst {worst['quantity']} "
-                     f"{worst.get('error') or format(worst['rel'], '.2e')}, {'ok' if all(r['ok'] for r in rows) else 'FAIL'}")
-    lines += ["", f"verdict: {'FAILED ' + str(failures) if failures else 'passed'}", ""]
-    harness.write_results("gdn_parity", {**meta, "sections": sections}, "\n".join(lines), out=args.out)
-    return 1 if failures else 0
+    sections = harness.parity_sections({"model": lambda: model_parity(device, sizes, args.dry_run),
+                                        "states": lambda: state_parity(device, sizes, args.dry_run)}, TOLERANCE)
+    return harness.write_parity("gdn_parity", "Fused gated delta rule vs the pure-PyTorch core (float32, TF32 off)",
+                                meta, sections, out=args.out)
 
 
 if __name__ == "__main__":

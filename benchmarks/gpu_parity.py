@@ -24,7 +24,6 @@ import copy
 import datetime
 import os
 import sys
-import traceback
 from pathlib import Path
 
 # FLA's kernels use triton's default dot precision, TF32 for float32 inputs: IEEE for parity.
@@ -115,25 +114,10 @@ def main() -> int:
     meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python benchmarks/gpu_parity.py", "tolerance": TOLERANCE}
-    sections = {}
-    for name, run in (("model", model_parity), ("states", state_parity)):
-        try:
-            sections[name] = [{"quantity": q, "rel": r, "ok": r <= TOLERANCE} for q, r in run(device)]
-        except Exception as error:  # noqa: BLE001 - e.g. use_mamba_kernel('fla') cannot run here: the reason
-            traceback.print_exc()
-            sections[name] = [{"quantity": "fused kernel", "rel": None, "ok": False,
-                               "error": f"{type(error).__name__}: {error}"[:300]}]
-    failures = [(s, row["quantity"]) for s, rows in sections.items() for row in rows if not row["ok"]]
-    lines = ["# Fused Mamba path vs the pure-PyTorch core on CUDA (float32, TF32 off)", "",
-             f"Device: {meta['device']}, torch {meta['torch']}, {meta['date']}; pass: relative max difference "
-             f"<= {TOLERANCE:g}", ""]
-    for name, rows in sections.items():
-        worst = max(rows, key=lambda r: -1 if r["rel"] is None else r["rel"])
-        lines.append(f"- {name}: {len(rows)} quantities, worst {worst['quantity']} "
-                     f"{worst.get('error') or format(worst['rel'], '.2e')}, {'ok' if all(r['ok'] for r in rows) else 'FAIL'}")
-    lines += ["", f"verdict: {'FAILED ' + str(failures) if failures else 'passed'}", ""]
-    harness.write_results("gpu_parity", {**meta, "sections": sections}, "\n".join(lines), out=args.out)
-    return 1 if failures else 0
+    sections = harness.parity_sections({"model": lambda: model_parity(device), "states": lambda: state_parity(device)},
+                                       TOLERANCE)
+    return harness.write_parity("gpu_parity", "Fused Mamba path vs the pure-PyTorch core on CUDA (float32, TF32 off)",
+                                meta, sections, out=args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 - ``log_slope(points)``: the exponent ``a`` of ``y ~ x^a`` (least squares on log-log).
 - ``environment(script, argv)``: the command, date, device, torch and Python versions, CPU count
   and load average; ``header(title, meta)`` opens a Markdown report with them.
-- ``write_results(name, record, markdown)``: ``benchmarks/results/<name>.json`` and ``.md``.
+- ``write_results(name, record, markdown)``: ``benchmarks/results/<name>.json`` and ``.md``;
+  ``parity_sections`` / ``write_parity``: the GPU parity scripts' rows, report and verdict.
 
 Importing this module puts this checkout's ``src/`` and root first on ``sys.path`` (its
 ``hybridpar`` and ``tests`` helpers). A script on the harness::
@@ -171,6 +172,36 @@ def header(title: str, meta: dict) -> list[str]:
     return [f"# {title}", "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
             f"Device: {meta.get('device', meta.get('machine'))}, Python {meta.get('python', platform.python_version())}, "
             f"torch {meta['torch']}  "]
+
+
+def parity_sections(runs: dict[str, Callable[[], list]], tolerance: float) -> dict[str, list[dict]]:
+    """Each section's rows ``{"quantity", "rel", "ok"}`` from ``runs[name]()`` (``(quantity, relative
+    difference)`` pairs), ok at ``rel <= tolerance``; a section that raises gets one failing row naming it."""
+    import traceback
+
+    sections = {}
+    for name, run in runs.items():
+        try:
+            sections[name] = [{"quantity": q, "rel": r, "ok": r <= tolerance} for q, r in run()]
+        except Exception as error:  # noqa: BLE001 - e.g. a fused kernel that cannot run here: the reason
+            traceback.print_exc()
+            sections[name] = [{"quantity": "fused kernel", "rel": None, "ok": False,
+                               "error": f"{type(error).__name__}: {error}"[:300]}]
+    return sections
+
+
+def write_parity(name: str, title: str, meta: dict, sections: dict[str, list[dict]], out: Path | str = RESULTS) -> int:
+    """``<out>/<name>.{json,md}``: each section's worst quantity and a verdict; returns 1 if any row failed."""
+    failures = [(s, row["quantity"]) for s, rows in sections.items() for row in rows if not row["ok"]]
+    lines = [f"# {title}", "", f"Device: {meta['device']}, torch {meta['torch']}, {meta['date']}; pass: relative "
+             f"max difference <= {meta['tolerance']:g}", ""]
+    for section, rows in sections.items():
+        worst = max(rows, key=lambda r: -1 if r["rel"] is None else r["rel"])
+        lines.append(f"- {section}: {len(rows)} quantities, worst {worst['quantity']} "
+                     f"{worst.get('error') or format(worst['rel'], '.2e')}, {'ok' if all(r['ok'] for r in rows) else 'FAIL'}")
+    lines += ["", f"verdict: {'FAILED ' + str(failures) if failures else 'passed'}", ""]
+    write_results(name, {**meta, "sections": sections}, "\n".join(lines), out=out)
+    return 1 if failures else 0
 
 
 def write_results(name: str, record: dict, markdown: str, out: Path | str = RESULTS, echo: bool = True) -> None:
