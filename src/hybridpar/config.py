@@ -210,8 +210,8 @@ RULES: dict[str, Rule] = {
     "peft.r": integer(1),
     "peft.alpha": number(0, low_open=True),
     "peft.dropout": number(0, 1, high_open=True),
-    "peft.target_modules": or_null(Rule("a non-empty list of module names such as [q_proj, v_proj]",
-                                        lambda v: len(v) > 0 and all(isinstance(t, str) and t.strip() for t in v)),
+    "peft.target_modules": or_null(Rule("a list of module names such as [q_proj, v_proj] ([]: experts only)",
+                                        lambda v: all(isinstance(t, str) and t.strip() for t in v)),
                                    " (null: q/k/v/o_proj, gate/up/down_proj, in/out_proj where present)"),
     "peft.target_parameters": or_null(Rule("a non-empty list of stacked expert weights such as [experts.gate_up_proj, "
                                            "experts.down_proj]",

@@ -185,8 +185,9 @@ def _trained(rank, world_size, overrides):
 
 
 def test_a_tp2_lora_run_exports_expert_adapters_that_peft_loads(tmp_path):
-    """The trainer at tp=2 (experts sharded, factors paired) writes an adapter peft loads on the base;
-    its experts' factors moved (they trained) and the merged-by-peft logits differ from the base's."""
+    """The trainer at tp=2 (experts sharded, factors paired), adapting the experts only
+    (``peft.target_modules=[]``), writes an adapter peft loads on the base; its experts' factors moved
+    (they trained) and the merged-by-peft logits differ from the base's."""
     import warnings
 
     import transformers as hf
@@ -198,7 +199,7 @@ def test_a_tp2_lora_run_exports_expert_adapters_that_peft_loads(tmp_path):
     base.save_pretrained(tmp_path / "base")
     overrides = [f"model.hf_path={tmp_path / 'base'}", "model.dtype=float64", "parallel.cp=1", "parallel.tp=2",
                  "data.pack_size=32", "train.steps=2", "train.eval_every=0", "checkpoint.every=-1", "plot=false",
-                 "tensorboard=false", "peft.method=lora", "peft.r=2", "peft.target_modules=[q_proj]",
+                 "tensorboard=false", "peft.method=lora", "peft.r=2", "peft.target_modules=[]",
                  "peft.target_parameters=[experts.gate_up_proj,experts.down_proj]", "train.lr=1e-2",
                  f"model.export_hf={tmp_path / 'adapter'}", f"output_dir={tmp_path / 'run'}"]
     run_ranks(2, _trained, overrides, timeout_s=240)

@@ -24,13 +24,21 @@ LORA = ["model.preset=tiny", "data.pack_size=64", "model.dtype=float64", "train.
 @pytest.mark.parametrize("override, fragment", [
     ("peft.r=0", "peft.r=0 is invalid: it must be an integer >= 1"),
     ("peft.method=qlora", "peft.method='qlora' is invalid"),
-    ("peft.target_modules=[]", "peft.target_modules=[] is invalid"),
     ("peft.dropout=1.0", "peft.dropout=1.0 is invalid"),
     ("peft.target_parameters=[]", "peft.target_parameters=[] is invalid"),
 ])
 def test_peft_keys_have_rules(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         load_config(DEFAULT, [override])
+
+
+def test_no_linear_target_and_no_expert_target_is_refused_in_preflight():
+    from hybridpar.train.preflight import validate_layout
+
+    config = load_config(DEFAULT, ["peft.method=lora", "peft.target_modules=[]"])
+    with pytest.raises(ConfigError, match=r"^peft.target_modules is empty and peft.target_parameters is not set: "
+                                          r"nothing would train;[^\n]*$"):
+        validate_layout(config)
 
 
 def test_a_target_that_matches_nothing_is_refused_in_preflight():

@@ -32,10 +32,10 @@ import math
 import torch
 from torch import nn
 
-from hybridpar.models.lora_experts import adapt_experts, expert_targets
+from hybridpar.models.lora_experts import adapt_experts, adapter_child, expert_lora_modules, expert_targets
 from hybridpar.models.token_dropout import TokenDropout, dropout_tokens
 
-__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "adapter_dtype", "lora_modules", "is_lora_parameter",
+__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "adapter_dtype", "adapter_settings", "lora_modules", "is_lora_parameter",
            "target_matches", "lora_update", "lora_forward_hook"]
 
 # attention q/k/v/o, the (gated) MLP, the Mamba mixer's projections; transformers models use the
@@ -57,6 +57,21 @@ def is_lora_parameter(name: str) -> bool:
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: base module}`` of every module carrying an adapter."""
     return {name: m for name, m in model.named_modules() if getattr(m, "lora_scaling", None) is not None}
+
+
+def adapter_settings(model: nn.Module) -> dict | None:
+    """``{"r", "alpha", "dtype", "dropout"}`` of ``model``'s adapters (one set for all: ``add_lora``),
+    read from a linear adapter or, with experts only, an expert adapter; None without adapters."""
+    linear = next(iter(lora_modules(model).values()), None)
+    if linear is not None:
+        return {"r": linear.lora_rank, "alpha": linear.lora_scaling * linear.lora_rank,
+                "dtype": linear.lora_A.weight.dtype, "dropout": float(getattr(linear.lora_dropout, "p", 0.0))}
+    experts = next(iter(expert_lora_modules(model).values()), None)
+    if experts is None:
+        return None
+    factors = getattr(experts, adapter_child(experts.lora_parameters[0]))
+    return {"r": factors.rank, "alpha": factors.scaling * factors.rank, "dtype": factors.lora_A.weight.dtype,
+            "dropout": 0.0}
 
 
 def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
@@ -116,7 +131,7 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     (then the adapted stacked parameters' ``<module>.<parameter>`` names).
 
     ``targets``: module names (peft's rule), each of which must match an ``nn.Linear``; None: those
-    of ``DEFAULT_TARGETS`` the model has. Run before ``parallelize`` (adapters are laid out with
+    of ``DEFAULT_TARGETS`` the model has; empty: none (with ``target_parameters``: experts only). Run before ``parallelize`` (adapters are laid out with
     their base layer there). A target matching no ``nn.Linear``, ``r < 1`` or ``r`` above a target's smaller side is a
     ``ValueError``. ``target_parameters``: stacked MoE expert weights by ``<module>.<parameter>``
     (peft's ``target_parameters``, e.g. ``experts.gate_up_proj``), adapted per expert (``lora_experts.py``).
@@ -125,9 +140,10 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
         raise ValueError(f"peft.r={r!r} is invalid: the LoRA rank must be an integer >= 1; e.g. peft.r=8.")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"peft.dropout={dropout!r} is invalid: it must be in [0, 1); e.g. peft.dropout=0.0.")
-    if targets is not None and not targets:
-        raise ValueError("peft.target_modules is empty; name at least one linear layer, e.g. [q_proj, v_proj].")
-    if lora_modules(model):
+    if targets is not None and not targets and not target_parameters:
+        raise ValueError("peft.target_modules is empty and peft.target_parameters is not set: nothing would train; name "
+                         "at least one linear layer, e.g. [q_proj, v_proj], or expert weights in peft.target_parameters.")
+    if adapter_settings(model):
         raise ValueError(f"{type(model).__name__} already has LoRA adapters; add_lora runs once per model.")
     if getattr(model, "_parallel_dims", None) is not None or getattr(model, "_tp_mesh", None) is not None:
         raise ValueError("add_lora runs on the single-device model, before parallelize(); call it first.")
@@ -137,7 +153,7 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     chosen = _linear_targets(model, None if targets is None else tuple(targets))
     if target_parameters:
         expert_targets(model, tuple(target_parameters))  # a bad name fails before anything changes
-    narrow, layer = min((min(m.in_features, m.out_features), n) for n, m in chosen.items())
+    narrow, layer = min(((min(m.in_features, m.out_features), n) for n, m in chosen.items()), default=(r, None))
     if r > narrow:  # B @ A has rank <= the layer's smaller side: the rest only costs memory (r=1e8: out of memory)
         raise ValueError(f"peft.r={r} is larger than the smaller side of the target layer {layer} ({narrow}): an "
                          f"adapter's update has rank at most {narrow}, so the rest trains nothing and costs memory; "

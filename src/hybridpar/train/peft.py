@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.models.lora import add_lora, lora_modules
+from hybridpar.models.lora import adapter_settings, add_lora, lora_modules
 from hybridpar.models.lora_experts import expert_lora_modules
 from hybridpar.models.token_dropout import set_dropout_tokens, token_keys
 from hybridpar.parallel.context.inputs import ShardedInputs
@@ -25,7 +25,7 @@ def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
     """Add ``config.peft``'s adapters to ``model`` (frozen otherwise); no-op for ``peft.method=none``
     or a model that already has them."""
     peft = config.peft
-    if peft.method == "none" or lora_modules(model):
+    if peft.method == "none" or adapter_settings(model):
         return model
     try:
         add_lora(model, r=peft.r, alpha=peft.alpha, dropout=peft.dropout, targets=peft.target_modules,
@@ -63,20 +63,20 @@ def lora_line(model: nn.Module) -> str | None:
     expert weights (``peft.target_parameters``), trainable elements and dtype, and the stacked weights
     no adapter reaches (transformers' fused MoE experts ``[E, out, in]`` left out of
     ``peft.target_parameters``)."""
-    modules = lora_modules(model)
-    if not modules:
+    settings = adapter_settings(model)
+    if settings is None:
         return None
+    modules = lora_modules(model)
     trainable, total = trainable_parameter_count(model)
-    first = next(iter(modules.values()))
     kinds = sorted({name.rsplit(".", 1)[-1] for name in modules})
     base = next(p.dtype for n, p in model.named_parameters() if not p.requires_grad)
-    line = (f"LoRA r={first.lora_rank}: adapters on {len(modules)} linear layers ({', '.join(kinds)}), "
+    line = (f"LoRA r={settings['r']}: adapters on {len(modules)} linear layers ({', '.join(kinds) or 'none'}), "
             f"{trainable:,} of {total:,} parameters train ({100 * trainable / total:.2f}%; adapters "
-            f"{str(first.lora_A.weight.dtype).removeprefix('torch.')}, base {str(base).removeprefix('torch.')})")
+            f"{str(settings['dtype']).removeprefix('torch.')}, base {str(base).removeprefix('torch.')})")
     adapted = {f"{m}.{p}" for m, module in expert_lora_modules(model).items() for p in module.lora_parameters}
     if adapted:
         names = sorted({".".join(n.split(".")[-2:]) for n in adapted})
-        line += f"; expert adapters (rank {first.lora_rank} per expert) on {len(adapted)} stacked weights ({', '.join(names)})"
+        line += f"; expert adapters (rank {settings['r']} per expert) on {len(adapted)} stacked weights ({', '.join(names)})"
     stacked = {f"{m}.{n}": p.numel() for m, module in model.named_modules() if not isinstance(module, nn.Conv1d)
                for n, p in module.named_parameters(recurse=False) if p.dim() > 2 and f"{m}.{n}" not in adapted}
     if stacked:

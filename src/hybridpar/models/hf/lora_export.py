@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from hybridpar.models.hf.checkpoint import NEMOTRON_H, architecture_of, hf_tensor_name
 from hybridpar.models.hybrid import HybridLM
-from hybridpar.models.lora import is_lora_parameter, lora_modules
+from hybridpar.models.lora import adapter_settings, is_lora_parameter, lora_modules
 from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_lora_modules, peft_names,
                                            peft_target_parameters)
 from hybridpar.strict_json import load_file as load_json
@@ -52,13 +52,11 @@ def split_lora_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[
 
 def lora_settings(model: nn.Module) -> dict:
     """``r``, ``alpha``, ``dropout`` and the adapted leaf names of a model with adapters."""
-    modules = lora_modules(model)
-    if not modules:
+    settings = adapter_settings(model)
+    if settings is None:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters; set peft.method=lora to train some.")
-    first = next(iter(modules.values()))
-    dropout = getattr(first.lora_dropout, "p", 0.0)
-    return {"r": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "dropout": float(dropout),
-            "targets": sorted({name.split(".")[-1] for name in modules}),
+    return {"r": settings["r"], "alpha": settings["alpha"], "dropout": settings["dropout"],
+            "targets": sorted({name.split(".")[-1] for name in lora_modules(model)}),
             "target_parameters": peft_target_parameters(model)}
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from hybridpar.config import RunConfig
 from hybridpar.config_rules import shorten
-from hybridpar.models.lora import lora_modules
+from hybridpar.models.lora import adapter_settings, lora_modules
 from hybridpar.models.lora_experts import expert_lora_modules
 from hybridpar.train.run.checkpoint import CheckpointError, read_run_info
 
@@ -55,12 +55,11 @@ def base_reference(config: RunConfig) -> dict | None:
 
 def adapter_layout(model: nn.Module) -> dict | None:
     """``{"r", "alpha", "modules"}`` of a model's adapters (names before ``parallelize``), or None."""
-    modules = lora_modules(model)
-    if not modules:
+    settings = adapter_settings(model)
+    if settings is None:
         return None
-    first = next(iter(modules.values()))
     experts = [f"{path}.{p}" for path, m in expert_lora_modules(model).items() for p in m.lora_parameters]
-    return {"r": first.lora_rank, "alpha": first.lora_scaling * first.lora_rank, "modules": sorted(modules) + experts}
+    return {"r": settings["r"], "alpha": settings["alpha"], "modules": sorted(lora_modules(model)) + experts}
 
 
 def _describe(layout: dict) -> str:
