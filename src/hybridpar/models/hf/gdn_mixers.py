@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hybridpar.models.hf.mamba_mixers import switch_forward
+from hybridpar.models.hf.mamba_mixers import switch_mixers
 from hybridpar.models.linear.gdn_core import gated_delta_core
 from hybridpar.models.mamba.core import row_documents
 
@@ -154,16 +154,8 @@ def gdn_training_forward(layer: nn.Module, hidden_states: Tensor, cache=None, at
 def install_gdn_core(model: nn.Module) -> list[str]:
     """Give every gated DeltaNet of ``model`` the training forward through ``layer.core`` (idempotent);
     returns their names. Raises ``ValueError`` for a variant the core cannot run exactly."""
-    names = []
-    for name, module in model.named_modules():
-        if not is_gated_deltanet(module):
-            continue
-        problem = gdn_problem(name, module)
-        if problem:
-            raise ValueError(f"{problem}; train this model with a supported gated DeltaNet, or file it as a new mixer.")
-        switch_forward(module, MARK, gdn_training_forward, local_gdn_core)
-        names.append(name)
-    return names
+    return switch_mixers(model, is_gated_deltanet, gdn_problem, MARK, gdn_training_forward, local_gdn_core,
+                         "a supported gated DeltaNet")
 
 
 def gdn_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

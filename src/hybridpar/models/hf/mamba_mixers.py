@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from hybridpar.models.mamba.mixer import local_conv_scan
 
-__all__ = ["MARK", "is_mamba2_mixer", "mamba_mixer_problem", "install_mamba_core", "switch_forward", "bridged_mixers",
+__all__ = ["MARK", "is_mamba2_mixer", "mamba_mixer_problem", "install_mamba_core", "switch_forward", "switch_mixers", "bridged_mixers",
            "local_split_sizes", "mamba_training_forward"]
 
 MARK = "hybridpar_mamba_core"  # set on a mixer whose forward runs hybridpar's core
@@ -116,14 +116,24 @@ def mamba_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, 
 def install_mamba_core(model: nn.Module) -> list[str]:
     """Give every Mamba2 mixer of ``model`` the training forward through ``mixer.core`` (idempotent);
     returns their names. Raises ``ValueError`` for a variant the core cannot run exactly."""
+    return switch_mixers(model, is_mamba2_mixer, mamba_mixer_problem, MARK, mamba_training_forward, local_conv_scan,
+                         "a supported Mamba2 variant")
+
+
+def switch_mixers(model: nn.Module, is_mixer, problem_of, mark: str, forward, default_core, supported: str) -> list[str]:
+    """``switch_forward`` on every module ``is_mixer`` names (or ``mark`` marks already: a switched
+    module may no longer look like one, e.g. its projection split by ``parallelize``); returns their
+    names. ``problem_of(name, module)``: why the core cannot run it exactly, raised as ``ValueError``
+    ending with the fix (train with ``supported``)."""
     names = []
     for name, module in model.named_modules():
-        if not is_mamba2_mixer(module):
-            continue
-        problem = mamba_mixer_problem(name, module)
-        if problem:
-            raise ValueError(f"{problem}; train this model with a supported Mamba2 variant, or file it as a new mixer.")
-        switch_forward(module, MARK, mamba_training_forward, local_conv_scan)
+        if not getattr(module, mark, False):
+            if not is_mixer(module):
+                continue
+            problem = problem_of(name, module)
+            if problem:
+                raise ValueError(f"{problem}; train this model with {supported}, or file it as a new mixer.")
+            switch_forward(module, mark, forward, default_core)
         names.append(name)
     return names
 

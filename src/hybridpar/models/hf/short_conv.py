@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hybridpar.models.hf.mamba_mixers import switch_forward
+from hybridpar.models.hf.mamba_mixers import switch_mixers
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 
@@ -158,20 +158,8 @@ def short_conv_training_forward(module: nn.Module, hidden_states: Tensor, cache=
 def install_short_conv(model: nn.Module) -> list[str]:
     """Give every short conv of ``model`` the document-resetting forward through ``module.core``
     (idempotent); returns their names. Raises ``ValueError`` for a variant it cannot run exactly."""
-    names = []
-    for name, module in model.named_modules():
-        if getattr(module, SHORT_CONV_MARK, False):  # switched already (its in_proj may be split: parallelize)
-            names.append(name)
-            continue
-        if not is_short_conv(module):
-            continue
-        problem = short_conv_problem(name, module)
-        if problem:
-            raise ValueError(f"{problem}; train this model with a causal depthwise short conv, or file it as a new "
-                             "mixer.")
-        switch_forward(module, SHORT_CONV_MARK, short_conv_training_forward, local_short_conv)
-        names.append(name)
-    return names
+    return switch_mixers(model, is_short_conv, short_conv_problem, SHORT_CONV_MARK, short_conv_training_forward,
+                         local_short_conv, "a causal depthwise short conv")
 
 
 def short_convs(model: nn.Module) -> list[tuple[str, nn.Module]]:
