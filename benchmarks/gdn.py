@@ -30,8 +30,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-import harness
-import paths
+import paths  # puts this checkout's src/ first on sys.path (through harness)
 import torch
 
 ARCHS = ("qwen3_next", "qwen3_5")
@@ -104,13 +103,9 @@ def rule_fn(path: str, tokens: int):
     return step
 
 
-def report(meta: dict, rows: list[dict], lengths, archs) -> str:
-    lines = harness.header(__doc__.splitlines()[0], meta) + [""] + paths.paths_table(
-        rows, lengths, archs, "ours (1 packed row)", "transformers (4 rows)")
-    lines += ["", "4 equal documents, small random float32 models (module docstring), forward + backward of the summed",
-              "logits: ours packs them in one row, transformers runs them one per row (no padding here; real data",
-              "pays the padding of one document per row on top). 'rule': the gated delta rule alone (peak not measured)."]
-    return "\n".join(lines)
+NOTES = ["4 equal documents, small random float32 models (module docstring), forward + backward of the summed",
+         "logits: ours packs them in one row, transformers runs them one per row (no padding here; real data",
+         "pays the padding of one document per row on top). 'rule': the gated delta rule alone (peak not measured)."]
 
 
 def main() -> None:
@@ -120,8 +115,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = paths.run_grid(args, lambda arch, path, tokens: paths.time_and_peak(
         step_fn, arch, path, tokens, args.repeats, args.threads, peak=arch != "rule"))
-    meta = {**harness.environment(__file__), "threads": args.threads}
-    harness.write_results(args.out, {"meta": meta, "rows": rows}, report(meta, rows, args.lengths, args.archs))
+    paths.write_report(__file__, __doc__.splitlines()[0], args, rows, "ours (1 packed row)", "transformers (4 rows)", NOTES)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-import harness
-import paths
+import paths  # puts this checkout's src/ first on sys.path (through harness)
 import torch
 
 ARCHS = ("granite_moe", "falcon_h1", "nemotron_h", "bamba", "zamba2")
@@ -88,13 +87,9 @@ def step_fn(name: str, path: str, tokens: int):
     return step
 
 
-def report(meta: dict, rows: list[dict], lengths, archs) -> str:
-    lines = harness.header(__doc__.splitlines()[0], meta) + [""] + paths.paths_table(
-        rows, lengths, archs, "ours", "transformers")
-    lines += ["", "One packed row of 4 equal documents, small random float32 models (module docstring), forward +",
-              "backward of the summed logits. transformers' path does not reset its Mamba state (or short conv) at document starts:",
-              "the same amount of work, not a correct packed step. 'not run': the path was not asked for at that length."]
-    return "\n".join(lines)
+NOTES = ["One packed row of 4 equal documents, small random float32 models (module docstring), forward +",
+         "backward of the summed logits. transformers' path does not reset its Mamba state (or short conv) at document starts:",
+         "the same amount of work, not a correct packed step. 'not run': the path was not asked for at that length."]
 
 
 def main() -> None:
@@ -108,8 +103,7 @@ def main() -> None:
     rows = paths.run_grid(args, lambda arch, path, tokens: paths.time_and_peak(
         step_fn, arch, path, tokens, args.repeats, args.threads),
         paths_at=lambda tokens: args.paths if tokens <= 4096 or args.long_paths is None else args.long_paths)
-    meta = {**harness.environment(__file__), "threads": args.threads}
-    harness.write_results(args.out, {"meta": meta, "rows": rows}, report(meta, rows, args.lengths, args.archs))
+    paths.write_report(__file__, __doc__.splitlines()[0], args, rows, "ours", "transformers", NOTES)
 
 
 if __name__ == "__main__":

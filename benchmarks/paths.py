@@ -7,7 +7,8 @@
   closure (``harness.timed``, one warm-up) and the peak RSS one call adds, measured in a fresh
   process (``harness.run_fresh`` + ``harness.measure_peak``: imports and the model build do not count);
 - ``run_grid(args, measure)``: every (length, arch, path) of the command line, one printed line each;
-- ``paths_table(rows, lengths, archs, ours, theirs)``: the Markdown rows, one line per (arch, T).
+- ``paths_table(rows, lengths, archs, ours, theirs)``: the Markdown rows, one line per (arch, T);
+  ``write_report``: the environment, the rows and their table with the script's notes, saved.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 import harness
 
-__all__ = ["add_grid_arguments", "paths_table", "run_grid", "time_and_peak"]
+__all__ = ["add_grid_arguments", "paths_table", "run_grid", "time_and_peak", "write_report"]
 
 
 def peak_in_child(script: str, fn_name: str, args: list, threads: int) -> dict:
@@ -87,3 +88,11 @@ def paths_table(rows: list[dict], lengths, archs, ours: str, theirs: str) -> lis
             lines.append(f"| {arch} | {tokens} | {fmt(a.get('seconds'), '{:.2f}')} | {fmt(b.get('seconds'), '{:.2f}')} | "
                          f"{fmt(a.get('peak_mib'))} | {fmt(b.get('peak_mib'))} |")
     return lines
+
+
+def write_report(script: str, title: str, args: argparse.Namespace, rows: list[dict], ours: str, theirs: str,
+                 notes: list[str]) -> None:
+    """``benchmarks/results/<args.out>.{json,md}``: the environment, ``rows`` and their table, then ``notes``."""
+    meta = {**harness.environment(script), "threads": args.threads}
+    lines = harness.header(title, meta) + [""] + paths_table(rows, args.lengths, args.archs, ours, theirs) + [""] + notes
+    harness.write_results(args.out, {"meta": meta, "rows": rows}, "\n".join(lines))
