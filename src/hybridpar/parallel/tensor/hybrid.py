@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from hybridpar.models.attention.mixer import Attention
@@ -48,6 +48,10 @@ from hybridpar.parallel.tensor.styles import (
     LocalReplicateParallel,
     SequenceParallelAllGatherActivation,
     VocabParallelEmbedding,
+    local_mixer_input,
+    map_first_input,
+    replicated_input,
+    row_parallel_exit,
 )
 from hybridpar.parallel.tensor.vocab_parallel_loss import VocabParallelLoss
 
@@ -162,31 +166,13 @@ def split_mamba_mixers(model: nn.Module) -> list[str]:
     return done
 
 
-def _replicated_input(x, mesh: DeviceMesh):
-    """A mixer input as a ``Replicate`` DTensor: plain tensors are wrapped (backward all-reduces
-    the partial input gradient), sequence shards are all-gathered ``[B, S/tp, D] -> [B, S, D]``
-    (backward reduce-scatters)."""
-    if isinstance(x, DTensor):
-        return x.redistribute(mesh, [Replicate()]) if x.placements != (Replicate(),) else x
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-
-
-def _map_first_input(args: tuple, kwargs: dict, name: str, fn) -> tuple[tuple, dict]:
-    """Apply ``fn`` to the first positional argument, or to keyword ``name`` when given so."""
-    if args:
-        return (fn(args[0]), *args[1:]), kwargs
-    if kwargs.get(name) is not None:
-        return args, {**kwargs, name: fn(kwargs[name])}
-    return args, kwargs
-
-
 class ReplicatedMixerInput(ParallelStyle):
     """The mixer's first input becomes a ``Replicate`` DTensor that its column-parallel
     projections share, so its gradient is reduced over TP once, not once per projection."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def hook(mod, args, kwargs):
-            return _map_first_input(args, kwargs, "hidden_states", partial(_replicated_input, mesh=device_mesh))
+            return map_first_input(args, kwargs, "hidden_states", partial(replicated_input, mesh=device_mesh))
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
@@ -283,19 +269,14 @@ class MambaHeadParallel(ParallelStyle):
                     self._shard(sub, name, device_mesh, Shard(0))
         if shared:
             module.norm.forward = spanning_group_norm(module.norm, device_mesh.get_group(), module.intermediate_size)
-        output = Shard(1) if self.sequence_parallel else Replicate()
-        # y_local [B, S, d/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
-        RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
-            module.out_proj, device_mesh)
+        row_parallel_exit(module.out_proj, device_mesh, self.sequence_parallel)  # y_local [B, S, d/tp]
         module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._exit, always_call=True)  # restore even if forward raises
         return module
 
     @staticmethod
     def _enter(mesh: DeviceMesh, mixer: nn.Module, args, kwargs):
-        # [B, S, D] (or [B, S/tp, D] under SP) -> plain [B, S, D]; its grad is a partial sum over TP
-        args, kwargs = _map_first_input(
-            args, kwargs, "hidden_states", lambda x: _replicated_input(x, mesh).to_local(grad_placements=[Partial()]))
+        args, kwargs = local_mixer_input(mesh, args, kwargs)
         saved = []
         for sub in (mixer, mixer.in_proj, mixer.conv1d, mixer.norm):
             for name, param in list(sub._parameters.items()):

@@ -15,8 +15,8 @@ from functools import partial
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
 from hybridpar.models.hf.gdn_mixers import _LAYOUTS, _layout, _norm, _out
@@ -25,8 +25,7 @@ from hybridpar.parallel.lora import split_lora_components
 
 from hybridpar.parallel.tensor.check import validate_tp_sizes
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
-from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, SplitInProj, _map_first_input,
-                                              _replicated_input)
+from hybridpar.parallel.tensor.hybrid import MambaHeadParallel, SplitConv1d, SplitInProj
 from hybridpar.parallel.tensor.linear_styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
@@ -36,7 +35,7 @@ from hybridpar.parallel.tensor.linear_styles import (
 )
 from hybridpar.parallel.tensor.registry import register_tp_plan
 from hybridpar.parallel.tensor.styles import (AllReduceGrad, LocalReplicateParallel, RotaryEmbedParallel,
-                                             SequenceParallelAllGatherActivation)
+                                             SequenceParallelAllGatherActivation, local_mixer_input, row_parallel_exit)
 
 __all__ = [
     "hf_key", "register_hf_plan", "llama_plan", "qwen3_plan", "gemma2_plan", "gemma3_plan", "phi_plan", "phi3_plan", "olmo2_plan", "cohere_plan",
@@ -239,19 +238,13 @@ class ShortConvChannelParallel(MambaHeadParallel):
         for sub in (module.in_proj, module.conv):  # b, c, x rows and conv channels: [C, ...] -> [C/tp, ...]
             for name in list(sub._parameters):
                 self._shard(sub, name, device_mesh, Shard(0))
-        output = Shard(1) if self.sequence_parallel else Replicate()
-        # y_local [B, S, C/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
-        RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
-            module.out_proj, device_mesh)
+        row_parallel_exit(module.out_proj, device_mesh, self.sequence_parallel)  # y_local [B, S, C/tp]
         module.register_forward_pre_hook(partial(self._enter_conv, device_mesh), with_kwargs=True)
         return module
 
     @staticmethod
     def _enter_conv(mesh: DeviceMesh, module: nn.Module, args, kwargs):
-        # [B, S, D] (or [B, S/tp, D] under SP) -> plain [B, S, D]; its grad is a partial sum over TP.
-        # in_proj (SplitInProj) and the conv read their local shards themselves.
-        return _map_first_input(args, kwargs, "hidden_states",
-                                lambda x: _replicated_input(x, mesh).to_local(grad_placements=[Partial()]))
+        return local_mixer_input(mesh, args, kwargs)  # in_proj (SplitInProj) and the conv read their shards
 
 
 _LFM = dict(mlp="feed_forward", mlp_in=("w1", "w3"), mlp_out="w2", in_norms=("operator_norm", "ffn_norm"),
@@ -364,19 +357,14 @@ class GDNHeadParallel(MambaHeadParallel):
         for attr in _HEAD_COUNTS:
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, getattr(module, attr) // tp)
-        output = Shard(1) if self.sequence_parallel else Replicate()
-        # o_local [B, S, Hv/tp dv] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
-        RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
-            _out(module), device_mesh)
+        row_parallel_exit(_out(module), device_mesh, self.sequence_parallel)  # o_local [B, S, Hv/tp dv]
         module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._exit, always_call=True)  # restore even if forward raises
         return module
 
     @staticmethod
     def _enter(mesh: DeviceMesh, layer: nn.Module, args, kwargs):
-        # [B, S, D] (or [B, S/tp, D] under SP) -> plain [B, S, D]; its grad is a partial sum over TP
-        args, kwargs = _map_first_input(
-            args, kwargs, "hidden_states", lambda x: _replicated_input(x, mesh).to_local(grad_placements=[Partial()]))
+        args, kwargs = local_mixer_input(mesh, args, kwargs)
         saved, norm = [], _norm(layer)
         for sub in (layer, layer.conv1d, norm, *_projections(layer)):
             for name, param in list(sub._parameters.items()):

@@ -176,13 +176,18 @@ def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict
     return plan
 
 
+def moe_blocks_plan(model: nn.Module, sequence_parallel: bool, block: str = "mlp") -> dict[str, ParallelStyle]:
+    """``moe_block_plan`` of every layer whose ``block`` (``model.layers.i.<block>``) is a MoE block."""
+    plan: dict[str, ParallelStyle] = {}
+    for index, layer in enumerate(model.model.layers):
+        if is_moe_block(getattr(layer, block)):
+            plan.update(moe_block_plan(f"model.layers.{index}.{block}", getattr(layer, block), sequence_parallel))
+    return plan
+
+
 def moe_decoder_plan(model: nn.Module, sequence_parallel: bool, **decoder) -> dict[str, ParallelStyle]:
     """``decoder_plan`` (attention, dense MLP layers, norms) plus every MoE block ``model.layers.i.mlp``."""
-    plan = decoder_plan(sequence_parallel, **decoder)
-    for index, layer in enumerate(model.model.layers):
-        if is_moe_block(layer.mlp):
-            plan.update(moe_block_plan(f"model.layers.{index}.mlp", layer.mlp, sequence_parallel))
-    return plan
+    return {**decoder_plan(sequence_parallel, **decoder), **moe_blocks_plan(model, sequence_parallel)}
 
 
 @register_hf_plan("mixtral", "MixtralForCausalLM")
@@ -352,11 +357,7 @@ def zamba2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
 @register_hf_plan("lfm2_moe", "Lfm2MoeForCausalLM")
 def lfm2_moe_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """LFM2-MoE: LFM2's plan; its MoE blocks (``feed_forward``) with experts on their intermediate dim."""
-    plan = lfm2_plan(model, sequence_parallel)
-    for index, layer in enumerate(model.model.layers):
-        if is_moe_block(layer.feed_forward):
-            plan.update(moe_block_plan(f"model.layers.{index}.feed_forward", layer.feed_forward, sequence_parallel))
-    return plan
+    return {**lfm2_plan(model, sequence_parallel), **moe_blocks_plan(model, sequence_parallel, "feed_forward")}
 
 
 @register_hf_plan("qwen3_next", "Qwen3NextForCausalLM")

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, Se
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
+    "local_mixer_input", "map_first_input", "replicated_input", "row_parallel_exit",
     "SequenceParallelAllGatherActivation",
     "RotaryEmbedParallel",
     "VocabParallelEmbedding",
@@ -307,14 +308,44 @@ def replicated_local(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     gradient covers only its columns (a partial sum). A plain ``x`` is taken as replicated;
     a sequence-sharded DTensor is all-gathered first ([B, S/tp, D] -> [B, S, D]).
     """
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    elif x.placements != (Replicate(),):
-        x = x.redistribute(mesh, [Replicate()])
-    return x.to_local(grad_placements=[Partial()])
+    return replicated_input(x, mesh).to_local(grad_placements=[Partial()])
 
 
 def reduce_partial(y: torch.Tensor, mesh: DeviceMesh, placement: Placement = Replicate()) -> DTensor:
     """Sum the per-rank partial results ``y`` over TP into a DTensor in ``placement``
     (all-reduce for ``Replicate()``, reduce-scatter for ``Shard(d)``)."""
     return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [placement])
+
+
+# ----------------------------------------------------------------------------- seams of a head/channel-parallel mixer
+
+
+def replicated_input(x, mesh: DeviceMesh):
+    """A mixer input as a ``Replicate`` DTensor: plain tensors are wrapped (backward all-reduces
+    the partial input gradient), sequence shards are all-gathered ``[B, S/tp, D] -> [B, S, D]``
+    (backward reduce-scatters)."""
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, [Replicate()]) if x.placements != (Replicate(),) else x
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+
+def map_first_input(args: tuple, kwargs: dict, name: str, fn) -> tuple[tuple, dict]:
+    """Apply ``fn`` to the first positional argument, or to keyword ``name`` when given so."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if kwargs.get(name) is not None:
+        return args, {**kwargs, name: fn(kwargs[name])}
+    return args, kwargs
+
+
+def local_mixer_input(mesh: DeviceMesh, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A head/channel-parallel mixer's input ``[B, S, D]`` (``[B, S/tp, D]`` under SP) as a plain
+    ``[B, S, D]`` whose gradient is a partial sum over TP (``replicated_local``)."""
+    return map_first_input(args, kwargs, "hidden_states", lambda x: replicated_local(x, mesh))
+
+
+def row_parallel_exit(out_proj: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """The mixer's out projection, row-parallel: its one collective. ``y_local [B, S, W/tp]`` -> partial
+    ``[B, S, D]`` -> all-reduce ``[B, S, D]`` (SP: reduce-scatter ``[B, S/tp, D]``, left a DTensor)."""
+    output = Shard(1) if sequence_parallel else Replicate()
+    RowwiseParallel(output_layouts=output, use_local_output=not sequence_parallel)._apply(out_proj, mesh)
