@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.attention.layout import cached
 from hybridpar.models.hf.gdn_mixers import CHUNK_SIZE, beta_scale, gdn_layers, local_gdn_core
 from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
 from hybridpar.models.linear.gdn_core import document_conv1d, gated_delta_core, gdn_inputs
@@ -74,7 +75,7 @@ from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore
 from hybridpar.parallel.context.mamba import local_tensor
-from hybridpar.parallel.context.mamba_state import SegmentPlan, _conv_halo, build_segment_plan
+from hybridpar.parallel.context.mamba_state import SegmentPlan, _conv_halo, segment_plan
 
 __all__ = ["HiddenParallelGDN", "StatePassingGDN", "GDN_STRATEGIES", "apply_gdn_cp", "validate_gdn_parallel", "GDN_TP_MODEL_TYPES",
            "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer", "segment_rule"]
@@ -216,18 +217,11 @@ class StatePassingGDN(ContextParallelCore):
 
     name = "state"
 
-    def __init__(self, cp_group):
-        super().__init__(cp_group)
-        self._plan_key: tuple | None = None
-        self._plan = None
-
     def plan(self, packed: PackedSeqParams, batch: int, kernel: int, chunk: int, device):
-        """The segment plan and its chunk alignment (built once per batch layout, shared by every layer)."""
-        key = (packed.cp, batch, kernel, chunk, str(device))
-        if self._plan_key is None or self._plan_key[0] is not key[0] or self._plan_key[1:] != key[1:]:
-            segments = build_segment_plan(packed.cu_seqlens_padded, batch, self.cp_size, self.cp_rank, kernel, device)
-            self._plan, self._plan_key = (segments, _aligned(segments, chunk)), key
-        return self._plan
+        """The segment plan and its chunk alignment (built once per batch, cached on ``packed``, shared by every layer)."""
+        segments = segment_plan(packed, batch, self.cp_size, self.cp_rank, kernel, device)
+        return segments, cached(packed.cache, ("gdn.aligned", batch, self.cp_size, self.cp_rank, kernel, chunk,
+                                               str(device)), lambda: _aligned(segments, chunk))
 
     def __call__(self, layer: nn.Module, mixed_qkv: Tensor, a: Tensor, b: Tensor,
                  packed: PackedSeqParams | None = None) -> Tensor:

@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
+from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.mamba_mixers import MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer, local_conv_scan
 from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
 from hybridpar.parallel.comm.collectives import hidden_to_seq, seq_to_hidden
-from hybridpar.parallel.context.mamba_state import SegmentPlan, build_segment_plan, state_passing_conv_scan
+from hybridpar.parallel.context.mamba_state import SegmentPlan, segment_plan, state_passing_conv_scan
 from hybridpar.parallel.context.core import ContextParallelCore
 
 __all__ = [
@@ -201,27 +201,16 @@ class StatePassingMamba(MambaContextParallelCore):
 
     name = "state"
 
-    def __init__(self, cp_group: dist.ProcessGroup | None):
-        super().__init__(cp_group)
-        self._plan_key: tuple | None = None  # (layout, batch, K, device): shared by all layers of a step
-        self._plan: SegmentPlan | None = None
-
-    def plan(self, layout: ContextParallelLayout, packed: PackedSeqParams, batch: int, mixer: Mamba2Mixer, device) -> SegmentPlan:
+    def plan(self, packed: PackedSeqParams, batch: int, mixer: Mamba2Mixer, device) -> SegmentPlan:
         """The segment index plan of this batch (built once, reused by every Mamba layer)."""
-        key = (batch, mixer.conv_kernel_size, str(device))
-        if self._plan_key is None or self._plan_key[0] is not layout or self._plan_key[1:] != key:
-            self._plan = build_segment_plan(
-                packed.cu_seqlens_padded, batch, self.cp_size, self.cp_rank, mixer.conv_kernel_size, device,
-            )
-            self._plan_key = (layout, *key)
-        return self._plan
+        return segment_plan(packed, batch, self.cp_size, self.cp_rank, mixer.conv_kernel_size, device)
 
     def __call__(self, mixer: Mamba2Mixer, xBC: Tensor, dt: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
         self._sizes(mixer, xBC, dt)
         if self.cp_size == 1:
             return local_conv_scan(mixer, xBC, dt, packed)
-        layout = self.checked_layout(packed, xBC.shape[1])
-        plan = self.plan(layout, packed, xBC.shape[0], mixer, xBC.device)
+        self.checked_layout(packed, xBC.shape[1])
+        plan = self.plan(packed, xBC.shape[0], mixer, xBC.device)
         return state_passing_conv_scan(
             xBC, dt, local_tensor(mixer.conv1d.weight).squeeze(1), local_tensor(mixer.conv1d.bias),
             local_tensor(mixer.dt_bias), local_tensor(mixer.A_log), local_tensor(mixer.D),

@@ -54,10 +54,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridpar.models.attention.layout import cached
 from hybridpar.models.mamba.core import mamba_conv_scan
 from hybridpar.parallel.comm.collectives import all_gather
 
-__all__ = ["SegmentPlan", "build_segment_plan", "state_passing_conv_scan", "state_bytes_per_layer"]
+__all__ = ["SegmentPlan", "build_segment_plan", "segment_plan", "state_passing_conv_scan", "state_bytes_per_layer"]
 
 
 def state_bytes_per_layer(
@@ -89,6 +90,13 @@ class SegmentPlan:
     tail_valid: Tensor  # [S * K1] slot holds a token of the segment
     halo_index: Tensor  # [S * K1] index into the gathered tails [P * S * K1]
     halo_valid: Tensor  # [S * K1] halo slot lies inside the document
+
+
+def segment_plan(packed, batch: int, cp_size: int, cp_rank: int, conv_kernel: int, device) -> SegmentPlan:
+    """``build_segment_plan`` of ``packed``'s documents, built once per batch (cached on ``packed``) and
+    shared by every layer and strategy that asks with the same arguments (Mamba, short conv, GDN)."""
+    return cached(packed.cache, ("context.segment_plan", batch, cp_size, cp_rank, conv_kernel, str(device)),
+                  lambda: build_segment_plan(packed.cu_seqlens_padded, batch, cp_size, cp_rank, conv_kernel, device))
 
 
 def build_segment_plan(

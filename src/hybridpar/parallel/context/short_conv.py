@@ -29,11 +29,11 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
+from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.short_conv import conv_parameters, gated_short_conv, local_short_conv, short_convs
 from hybridpar.parallel.comm.collectives import all_gather
 from hybridpar.parallel.context.core import ContextParallelCore
-from hybridpar.parallel.context.mamba_state import SegmentPlan, build_segment_plan
+from hybridpar.parallel.context.mamba_state import segment_plan
 
 __all__ = ["HaloShortConv", "apply_short_conv_cp", "halo_bytes_per_layer"]
 
@@ -48,19 +48,6 @@ class HaloShortConv(ContextParallelCore):
 
     name = "halo"
 
-    def __init__(self, cp_group: dist.ProcessGroup | None):
-        super().__init__(cp_group)
-        self._plan_key: tuple | None = None  # (layout, batch, K, device): shared by every layer of a step
-        self._plan: SegmentPlan | None = None
-
-    def plan(self, layout: ContextParallelLayout, packed: PackedSeqParams, batch: int, kernel: int,
-             device) -> SegmentPlan:
-        """The segment plan of this batch (built once per batch, reused by every short-conv layer)."""
-        key = (batch, kernel, str(device))
-        if self._plan_key is None or self._plan_key[0] is not layout or self._plan_key[1:] != key:
-            self._plan = build_segment_plan(packed.cu_seqlens_padded, batch, self.cp_size, self.cp_rank, kernel, device)
-            self._plan_key = (layout, *key)
-        return self._plan
 
     def __call__(self, module: nn.Module, bcx: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
         if self.cp_size == 1:
@@ -71,8 +58,8 @@ class HaloShortConv(ContextParallelCore):
         if width != 3 * channels:
             raise ValueError(f"short conv input width {width} is not 3 x its {channels} conv channels; shard in_proj "
                              "and the conv alike.")
-        layout = self.checked_layout(packed, local_len)
-        plan = self.plan(layout, packed, batch, kernel, bcx.device)
+        self.checked_layout(packed, local_len)
+        plan = segment_plan(packed, batch, self.cp_size, self.cp_rank, kernel, bcx.device)  # once per batch
         stream = bcx.reshape(batch * local_len, width)  # rows back to back: [T, 3C]
         history = None
         if kernel > 1:
