@@ -109,9 +109,9 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     if attention_mask is not None:
         raise ValueError(f"{where} got an attention mask; it takes documents and padding from packed_seq_params "
                          "(hf_cp_inputs) instead: drop attention_mask.")
-    if dropout or kwargs.get("s_aux") is not None:
-        raise ValueError(f"{where}: attention dropout ({dropout}) and attention sinks are not supported; set "
-                         "attention_dropout=0 and use a model without sinks.")
+    if dropout:
+        raise ValueError(f"{where}: attention dropout ({dropout}) is not supported; set attention_dropout=0.")
+    sinks = kwargs.get("s_aux")  # GPT-OSS: one logit per (local) query head, models/attention/sinks.py
     if not torch.compiler.is_compiling():
         check_document_limit(module, where, query.shape[2], packed_seq_params, position_ids)
     if sliding_window is _NOT_PASSED:  # a module that keeps its window but leaves it to the mask (Qwen2-MoE)
@@ -128,7 +128,8 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
         if packed_seq_params is None:
             raise ValueError(f"{where} runs context parallel but got no packed_seq_params; call the model with "
                              "**hf_cp_inputs(shard_inputs(..., cp_group=...)).")
-        out = core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window, softcap=softcap)
+        out = core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window, softcap=softcap,
+                   **({} if sinks is None else {"sinks": sinks}))
         return out[..., :value_dim], None
     if packed_seq_params is not None or position_ids is None:
         layout = sequence_layout(packed_seq_params, q.shape[1], q.device)
@@ -137,7 +138,7 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
             raise ValueError(f"{where}: rows have different position ids; every row of a batch shares one document "
                              "layout, so pass packed_seq_params=packed_from_position_ids(row) per row.")
         layout = _position_layout(position_ids, q.device)
-    out = attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap)
+    out = attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     return out[..., :value_dim], None
 
 

@@ -50,6 +50,8 @@ ATTENTION_MODEL_TYPES = (
     "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "flex_olmo", "jetmoe", "minimax_m2", "minimax_m3_vl_text",
     "hunyuan_v1_moe", "hy_v3", "aria_text", "ernie4_5_moe", "dots1", "sarvam_moe", "solar_open", "exaone_moe", "afmoe",
     "beam", "cohere2_moe", "kolibri1", "laguna", "mellum", "dbrx",
+    # attention sinks: one logit per head in the softmax (models/attention/sinks.py)
+    "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint",
     # multi-head latent attention (v's head dim is not q/k's: hf_attention pads them to one)
     "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla", "axk1", "longcat_flash",
 )
