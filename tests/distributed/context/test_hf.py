@@ -187,9 +187,10 @@ def test_cp2_matches_one_process_compiles_and_refuses_before_collectives():
 
 
 def test_cp2_tp2_matches_one_process():
-    """cp=2 x tp=2 (world 4) with the registered TP plans; each model runs both strategies; sequence
-    parallelism once per strategy."""
+    """cp=2 x tp=2 (world 4) with the registered TP plans; each model runs both strategies, GPT-OSS
+    ring; sequence parallelism once per strategy."""
     cases = [(m, ("allgather", "ulysses")[(i + j) % 2], v) for i, m in enumerate(MODELS) for j, v in enumerate(VARIANTS)]
+    cases.append(("gpt_oss", "ring", "dense"))  # attention sinks sharded by head over TP, then ring over CP
     sp = (("gemma3", "allgather", "packed"), ("mistral", "ulysses", "dense"))
     results = run_ranks(4, _run_cases, 2, cases, False, (), sp, timeout_s=600)
     assert all(("sp", *case) in r for r in results for case in sp)
@@ -222,15 +223,19 @@ def test_unsupported_models_are_refused_before_any_collective(model_kwargs, frag
     assert fragment in str(error.value)
 
 
-def test_attention_sinks_are_refused_under_tensor_parallelism_in_one_line():
+def test_attention_sinks_without_a_plan_that_shards_them_are_refused_under_tp_in_one_line():
+    import transformers as hf
+
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import validate_parallelize
+    from hybridpar.parallel.tensor.apply import check_tp_plan
+    from tests.distributed.tensor.hf_models import COMMON
 
-    model = _build("gpt_oss")
-    validate_parallelize(model, ParallelDims(cp=2))  # context parallelism takes the sinks
-    with pytest.raises(ValueError, match=r"^tensor parallelism for GptOssForCausalLM: model.layers.0.self_attn has "
-                                         r"attention sinks .* use parallel.tp=1 \(FSDP and context parallelism apply\).$"):
-        validate_parallelize(model, ParallelDims(tp=2))
+    validate_parallelize(_build("gpt_oss"), ParallelDims(cp=2, tp=2))  # its plan shards the sinks by head
+    granite = hf.GraniteSWAForCausalLM(hf.GraniteSWAConfig(**{**COMMON, "attn_implementation": "eager"}))
+    with pytest.raises(ValueError, match=r"^tensor parallelism for GraniteSWAForCausalLM: model.layers.0.self_attn has "
+                                         r"attention sinks .* use parallel.tp=1 .* or a plan with HeadShardedSinks.$"):
+        check_tp_plan(granite, 2, plan="default")
 
 
 def test_packed_from_position_ids_and_single_process_attention_match_sdpa():

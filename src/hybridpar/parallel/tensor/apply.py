@@ -218,8 +218,8 @@ def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_par
     Returns the plan restricted to the entries that match a module; raises ValueError naming
     the module, the rule and the fix otherwise.
     """
-    refuse_attention_sinks(model, tp)
     resolved = get_tp_plan(model, plan, sequence_parallel)
+    refuse_attention_sinks(model, tp, resolved.styles)
     if resolved.entry is not None and resolved.entry.validate is not None:
         resolved.entry.validate(model, tp)
     else:

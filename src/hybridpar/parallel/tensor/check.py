@@ -63,15 +63,17 @@ def validate_tp_sizes(model: nn.Module, tp: int) -> None:
             )
 
 
-def refuse_attention_sinks(model: nn.Module, tp: int) -> None:
-    """``ValueError`` at ``tp > 1`` for a model whose attention has sinks (GPT-OSS: one logit per
-    query head, ``models/attention/sinks.py``): no plan here shards them with their heads yet."""
+def refuse_attention_sinks(model: nn.Module, tp: int, styles: dict[str, ParallelStyle]) -> None:
+    """``ValueError`` at ``tp > 1`` for an attention module with sinks (one logit per query head,
+    ``models/attention/sinks.py``) that no entry of ``styles`` shards with its heads
+    (``shards_sinks``: ``plans_gpt_oss.HeadShardedSinks``)."""
     if tp > 1:
         for name, module in model.named_modules():
-            if isinstance(getattr(module, "sinks", None), nn.Parameter):
+            if isinstance(getattr(module, "sinks", None), nn.Parameter) and not any(
+                    getattr(style, "shards_sinks", False) and matches(name, pattern) for pattern, style in styles.items()):
                 raise ValueError(f"tensor parallelism for {type(model).__name__}: {name} has attention sinks (one logit per "
-                                 "query head), which no TP plan here shards with its heads; use parallel.tp=1 (FSDP "
-                                 "and context parallelism apply).")
+                                 "query head), which its TP plan does not shard with its heads; use parallel.tp=1 (FSDP "
+                                 "and context parallelism apply) or a plan with HeadShardedSinks.")
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a check compares every module name with every entry: reused by --fit
