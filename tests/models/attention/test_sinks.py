@@ -63,3 +63,34 @@ def test_attention_core_runs_sinks_on_the_blockwise_core_only():
         attention_core(q, k, v, layout, sinks=sinks, kernel="flex")
     with pytest.raises(ValueError, match=r"one floating logit per query head, shape \(2,\), got \(3,\)"):
         attention_core(q, k, v, layout, sinks=torch.zeros(3))
+
+
+def test_sinks_compile_as_custom_ops_without_graph_breaks():
+    """dynamo sees one opaque op per direction (as the blockwise core); aot_eager runs them and equals eager."""
+    cu = [0, 9, 24]
+    pos, doc = documents(cu)
+    q, k, v = qkv(1, 24, 24, 4, 2, 8)
+    sinks = torch.tensor([0.3, -0.2, 1.0, 0.1], dtype=torch.float64, requires_grad=True)
+
+    def attend(q, k, v, sinks):
+        return sink_attention(q, k, v, sinks, pos, doc, pos, doc, None, scale=0.5, sliding_window=7, block_size=4,
+                              keys_per_step=8, softcap=None)
+
+    explanation = torch._dynamo.explain(attend)(q, k, v, sinks)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    got, want = outputs_and_grads(compiled, q, k, v, sinks), outputs_and_grads(attend, q, k, v, sinks)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        assert (a - b).abs().max() < 1e-12, name
+
+
+def test_sink_ops_pass_opcheck():
+    from hybridpar.models.attention import sinks as sinks_module  # noqa: F401 - registers the ops
+
+    pos, doc = documents([0, 5, 12])
+    q, k, v = qkv(1, 12, 12, 2, 1, 8)
+    sinks = torch.tensor([0.5, -0.5], dtype=torch.float64, requires_grad=True)
+    args = (q, k, v, sinks, pos, doc, pos, doc, None, 0.4, 3, 4, 8, None)
+    torch.library.opcheck(torch.ops.hybridpar.sink_attention_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
