@@ -45,6 +45,7 @@ from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_ca
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.gdn_mixers import install_gdn_core
+from hybridpar.models.hf.mamba1_mixers import install_mamba1_core
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
 from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.token_dropout import key_model_dropout, set_dropout_tokens, token_keys, unkeyed_dropout
@@ -102,9 +103,16 @@ def hf_meta_model(shape) -> nn.Module:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape)
+    return install_cores(model)
+
+
+def install_cores(model: nn.Module) -> nn.Module:
+    """Every token mixer hybridpar has a document-resetting core for, switched onto it: Mamba2 and
+    Mamba1 mixers, gated short convs, gated DeltaNets (Qwen3-Next, Qwen3.5); returns ``model``."""
     install_mamba_core(model)
+    install_mamba1_core(model)
     install_short_conv(model)
-    install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
+    install_gdn_core(model)
     return model
 
 
@@ -127,9 +135,7 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
         model.set_experts_implementation("eager")  # torch._grouped_mm (transformers' default) has no float64
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
         keep_float64(model.to(torch.float64))
-    install_mamba_core(model)
-    install_short_conv(model)
-    install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
+    install_cores(model)
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     return model
 

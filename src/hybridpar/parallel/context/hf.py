@@ -46,6 +46,7 @@ from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK, gdn_layers
+from hybridpar.models.hf.mamba1_mixers import MAMBA1_MARK, mamba1_mixers
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK, short_convs
 from hybridpar.models.mamba.mixer import tp_groups
@@ -196,13 +197,14 @@ def _rope_types(config) -> set[str]:
 
 def unreached_token_mixers(model: nn.Module) -> list[str]:
     """Names of modules that mix tokens outside hybridpar's cores: a direct ``A_log`` parameter
-    (Mamba1, a gated DeltaNet or Mamba2 mixer not switched by ``install_gdn_core`` / ``install_mamba_core``)
-    or an ``nn.Conv1d`` over the sequence (short convolutions), outside a switched mixer or short conv
-    (``models/hf/short_conv.install_short_conv``)."""
-    inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + gdn_layers(model) + short_convs(model))
+    (a Mamba1, gated DeltaNet or Mamba2 mixer not switched by ``install_mamba1_core`` /
+    ``install_gdn_core`` / ``install_mamba_core``) or an ``nn.Conv1d`` over the sequence (short
+    convolutions), outside a switched mixer or short conv (``models/hf/short_conv.install_short_conv``)."""
+    inside = tuple(f"{name}." for name, _ in
+                   bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model))
     found = []
     for name, module in model.named_modules():
-        switched = any(getattr(module, mark, False) for mark in (MARK, GDN_MARK, SHORT_CONV_MARK))
+        switched = any(getattr(module, mark, False) for mark in (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK))
         if switched or (inside and name.startswith(inside)):
             continue
         if isinstance(module, nn.Conv1d) or "A_log" in dict(module.named_parameters(recurse=False)):
@@ -224,10 +226,11 @@ def attention_problem(model: nn.Module) -> str | None:
     unreached = unreached_token_mixers(model)
     if unreached:
         return (f"{cls} ({model_type}) has token mixers that hybridpar's attention and Mamba cores do not reach "
-                f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: Mamba1, gated "
-                "DeltaNet, short convolutions or other recurrent code), so they cannot reset at document boundaries; "
-                "Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mamba_mixers."
-                "install_mamba_core(model) and models.hf.gdn_mixers.install_gdn_core(model) (the trainer calls both), "
+                f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: a recurrence, "
+                "convolution or mixer variant hybridpar has no core for), so they cannot reset at document boundaries; "
+                "Mamba1 and Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mamba1_mixers."
+                "install_mamba1_core(model), models.hf.mamba_mixers.install_mamba_core(model) and "
+                "models.hf.gdn_mixers.install_gdn_core(model) (the trainer calls them), "
                 "or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
         return (f"hybridpar's attention takes HybridLM and {len(SUPPORTED_MODEL_TYPES)} transformers model types, each "
@@ -238,7 +241,7 @@ def attention_problem(model: nn.Module) -> str | None:
                 "attention core is causal.")
     for key, p in unkeyed_dropout(config).items():  # attention_dropout, GPT-2's attn_pdrop, BERT's, ...
         return f"{cls} has {key}={p:g}, which hybridpar's attention core does not apply; set config.{key} = 0.0."
-    if not hf_attention_modules(model):
+    if not hf_attention_modules(model) and not mamba1_mixers(model):  # a pure Mamba1 model needs no attention
         return (f"no attention modules found in {cls} (classes named *Attention with a config and a head dim); this model "
                 "cannot take hybridpar's attention.")
     return None

@@ -1,0 +1,131 @@
+"""hybridpar's document-resetting selective scan inside transformers' Mamba1 mixers (Jamba,
+FalconMamba, Mamba), recognised by structure, never by class name.
+
+A transformers module is a *Mamba1 mixer* when it has ``in_proj`` (``[x | gate]``, ``2 Cd`` wide),
+a depthwise causal ``conv1d`` over ``Cd`` channels, ``x_proj`` (``[dt | B | C]``, ``R + 2N``),
+``dt_proj`` (``R -> Cd``), a 2-D ``A_log [Cd, N]`` and ``D [Cd]``. ``install_mamba1_core(model)``
+gives each one a training forward that is transformers' own, step for step, with the two token
+mixers reset at document boundaries::
+
+    [x | gate] = in_proj(u)                                   [R, T, Cd] each
+    x = act(conv1d(x))            the causal conv reads only its own document's tokens
+    [dt | B | C] = x_proj(x);  dt, B, C = their norms (Jamba: RMSNorms; FalconMamba: weightless)
+    dt = softplus(dt_proj(dt));  A = -exp(A_log)
+    y = selective_scan(x, dt, A, B, C) + D x                  models/linear/selective_scan.py
+    out = out_proj(y * silu(gate))
+
+Documents come from the batch's ``PackedSeqParams``: the decoder layers of these models do not
+hand their keyword arguments to the mixer, so the model's forward leaves them in one slot every
+mixer reads (as ``parallel/context/hf.apply_hf_cp`` does for attention). With a cache (generation)
+or a padding ``attention_mask`` the module's own forward runs. One process: context and tensor
+parallelism of these mixers are refused (``mamba1_layout_problem``).
+
+Single-device code (no process group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridpar.models.hf.mamba_mixers import switch_mixers
+from hybridpar.models.linear.selective_scan import document_resets, selective_scan
+
+__all__ = ["MAMBA1_MARK", "is_mamba1_mixer", "mamba1_problem", "install_mamba1_core", "mamba1_mixers",
+           "mamba1_layout_problem", "mamba1_training_forward"]
+
+MAMBA1_MARK = "hybridpar_mamba1"  # set on a Mamba1 mixer whose forward resets at document boundaries
+_SLOT = "_hybridpar_packed_slot"
+_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+
+def is_mamba1_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` has the structure of a Mamba1 mixer (module docstring)."""
+    if type(module).__module__.startswith("hybridpar"):
+        return False
+    parts = [getattr(module, a, None) for a in ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D")]
+    in_proj, conv, x_proj, dt_proj, a_log, d = parts
+    if not (all(isinstance(p, nn.Linear) for p in (in_proj, x_proj, dt_proj)) and isinstance(conv, nn.Conv1d)
+            and isinstance(a_log, Tensor) and a_log.dim() == 2 and isinstance(d, Tensor)):
+        return False
+    channels, state = a_log.shape
+    return (in_proj.out_features == 2 * channels and conv.in_channels == conv.out_channels == conv.groups == channels
+            and x_proj.in_features == channels and x_proj.out_features == dt_proj.in_features + 2 * state
+            and dt_proj.out_features == channels and d.shape == (channels,))
+
+
+def mamba1_problem(name: str, module: nn.Module) -> str | None:
+    """Why the training forward cannot run Mamba1 mixer ``module`` exactly (None: it can)."""
+    conv, where = module.conv1d, f"Mamba1 mixer {name!r} ({type(module).__name__})"
+    k = conv.kernel_size[0]
+    if conv.stride != (1,) or conv.dilation != (1,) or conv.padding != (k - 1,) or conv.padding_mode != "zeros":
+        return (f"{where} has conv stride {conv.stride}, dilation {conv.dilation}, padding {conv.padding}; the "
+                f"document-resetting conv takes a causal conv (stride 1, dilation 1, zero padding {k - 1})")
+    if not callable(getattr(module, "act", None)):
+        return f"{where} has no activation module 'act' after its conv"
+    return None
+
+
+def _document_conv(x: Tensor, conv: nn.Conv1d, reset: Tensor) -> Tensor:
+    """``x [R, T, Cd]`` through the depthwise causal ``conv``, each token reading its own document only:
+    ``out_t = bias + sum_lag w[:, K-1-lag] x_{t-lag} [t - lag >= start(t)]``."""
+    weight, length = conv.weight[:, 0], x.shape[1]  # [Cd, K]
+    index = torch.arange(length, device=x.device)
+    start = torch.cummax(torch.where(reset, index, 0), 0).values  # [T] first token of t's document
+    out = x * weight[:, -1]
+    for lag in range(1, min(weight.shape[1], length)):  # a lag past the row reads nothing
+        keep = (index[lag:] - lag >= start[lag:]).to(x.dtype)[None, :, None]  # [1, T-lag, 1]
+        out = out + F.pad(x[:, :-lag] * keep * weight[:, -1 - lag], (0, 0, lag, 0))
+    return out if conv.bias is None else out + conv.bias
+
+
+def mamba1_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
+                            **kwargs) -> Tensor:
+    """The switched forward (module docstring); ``hidden_states [R, T, D] -> [R, T, D]``."""
+    if cache is not None or attention_mask is not None:
+        return mixer._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    packed = kwargs.get("packed_seq_params") or mixer.__dict__.get(_SLOT, {}).get("packed_seq_params")
+    dtype, length = hidden_states.dtype, hidden_states.shape[1]
+    reset = document_resets(None if packed is None else packed.cu_seqlens, length, hidden_states.device)
+    x, gate = mixer.in_proj(hidden_states).chunk(2, dim=-1)  # [R, T, Cd] each
+    x = mixer.act(_document_conv(x, mixer.conv1d, reset))
+    state = mixer.A_log.shape[1]
+    dt, B, C = torch.split(mixer.x_proj(x), [mixer.dt_proj.in_features, state, state], dim=-1)
+    dt, B, C = (getattr(mixer, norm)(t) if hasattr(mixer, norm) else t for norm, t in zip(_NORMS, (dt, B, C)))
+    dt = F.softplus(mixer.dt_proj(dt))  # [R, T, Cd]; called as a module, so a LoRA adapter on it applies
+    y = selective_scan(x, dt, -torch.exp(mixer.A_log), B, C, reset) + x * mixer.D
+    return mixer.out_proj((y * F.silu(gate)).to(dtype))
+
+
+def install_mamba1_core(model: nn.Module) -> list[str]:
+    """Give every Mamba1 mixer of ``model`` the training forward (idempotent); returns their names.
+    Raises ``ValueError`` for a variant it cannot run exactly."""
+    names = switch_mixers(model, is_mamba1_mixer, mamba1_problem, MAMBA1_MARK, mamba1_training_forward, None,
+                          "one document per row (transformers' own forward)")
+    if names and not getattr(model, "_hybridpar_mamba1_slot", False):
+        slot: dict = {}
+        for _, mixer in mamba1_mixers(model):
+            mixer.__dict__[_SLOT] = slot
+
+        def keep_packed(_, args: tuple, kwargs: dict) -> None:
+            slot["packed_seq_params"] = kwargs.get("packed_seq_params")
+
+        model.register_forward_pre_hook(keep_packed, with_kwargs=True)
+        model._hybridpar_mamba1_slot = True
+    return names
+
+
+def mamba1_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the mixers ``install_mamba1_core`` switched."""
+    return [(n, m) for n, m in model.named_modules() if getattr(m, MAMBA1_MARK, False)]
+
+
+def mamba1_layout_problem(model: nn.Module, cp: int, tp: int) -> str | None:
+    """Why ``model``'s switched Mamba1 mixers cannot run at this ``cp`` / ``tp`` (None: they can)."""
+    found = mamba1_mixers(model)
+    if found and (cp > 1 or tp > 1):
+        return (f"{type(model).__name__}'s Mamba1 mixer {found[0][0]!r} (and {len(found) - 1} more) runs hybridpar's "
+                f"document-resetting scan in one process; context and tensor parallelism of Mamba1 mixers are not "
+                f"built (cp={cp}, tp={tp}): use parallel.cp=1 and parallel.tp=1 (FSDP applies)")
+    return None

@@ -1,0 +1,67 @@
+"""Mamba1's selective scan with document resets (pure PyTorch, autograd through plain ops).
+
+Per channel ``c`` and state ``n``, token by token (``x, dt [T, Cd]``, ``B, C [T, N]``, ``A [Cd, N] < 0``)::
+
+    h_t = exp(dt_t A) * h_{t-1} + (dt_t x_t) B_t          [Cd, N]
+    y_t = h_t C_t                                         [Cd]
+
+with ``h = 0`` before every document's first token. Within a chunk of ``L`` tokens the recurrence
+``h_t = a_t h_{t-1} + b_t`` (``a = exp(dt A)``, set to 0 at a document's first token, so nothing
+crosses it; ``b = dt x B``) is an associative scan, ``(a1, b1) then (a2, b2) = (a1 a2, a2 b1 + b2)``,
+run as ``log2 L`` doubling steps on ``[rows, L, Cd, N]``: only products of decays ``<= 1`` and
+sums, stable in any dtype (no exponent of a cumulative sum). The state carried into the chunk
+enters through its first token (``b_0 += a_0 h``). Each chunk runs under activation
+checkpointing, so autograd keeps the chunk inputs and the ``[rows, Cd, N]`` state between chunks:
+memory linear in ``T`` with one ``[rows, L, Cd, N]`` block alive at a time (transformers' own
+sequential path keeps ``exp(dt A)`` and ``dt x B`` for the whole row). Computed in float32 at least.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["selective_scan", "document_resets", "CHUNK"]
+
+CHUNK = 64  # tokens per scan chunk: log2(CHUNK) doubling steps on [rows, CHUNK, Cd, N]
+
+
+def document_resets(cu_seqlens: Tensor | None, seqlen: int, device) -> Tensor:
+    """``[T]`` bool, True at each document's first token (documents ``cu_seqlens``, shared by the rows;
+    None: one document per row)."""
+    reset = torch.zeros(seqlen, dtype=torch.bool, device=device)
+    starts = torch.zeros(1, dtype=torch.long, device=device) if cu_seqlens is None else cu_seqlens[:-1].to(device).long()
+    reset[starts[starts < seqlen]] = True
+    return reset
+
+
+def _scan_chunk(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: Tensor, h: Tensor):
+    """``(y [R, L, Cd], h_last [R, Cd, N])`` of one chunk, ``h [R, Cd, N]`` carried in."""
+    a = torch.exp(dt[..., None] * A).masked_fill(reset[None, :, None, None], 0.0)  # [R, L, Cd, N]
+    b = (dt * x)[..., None] * B[:, :, None, :]  # [R, L, Cd, N]
+    b = torch.cat([b[:, :1] + a[:, :1] * h[:, None], b[:, 1:]], dim=1)
+    step, length = 1, x.shape[1]
+    while step < length:  # inclusive prefix of (a, b) under the composition above
+        b = torch.cat([b[:, :step], a[:, step:] * b[:, :-step] + b[:, step:]], dim=1)
+        a = torch.cat([a[:, :step], a[:, step:] * a[:, :-step]], dim=1)
+        step *= 2
+    return torch.einsum("rlcn,rln->rlc", b, C), b[:, -1]
+
+
+def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: Tensor,
+                   chunk: int = CHUNK) -> Tensor:
+    """``y [R, T, Cd]`` (before the ``D`` skip and the gate) for ``x, dt [R, T, Cd]`` (``dt`` after
+    its softplus), ``A [Cd, N]``, ``B, C [R, T, N]`` and ``reset [T]`` (``document_resets``),
+    in ``x``'s dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x, dt, A, B, C = (t.to(dtype) for t in (x, dt, A, B, C))
+    rows, length, channels = x.shape
+    h = x.new_zeros(rows, channels, A.shape[1])
+    outputs = []
+    for start in range(0, length, chunk):
+        piece = slice(start, min(start + chunk, length))
+        args = (x[:, piece], dt[:, piece], A, B[:, piece], C[:, piece], reset[piece], h)
+        y, h = checkpoint(_scan_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _scan_chunk(*args)
+        outputs.append(y)
+    return torch.cat(outputs, dim=1)
