@@ -47,6 +47,7 @@ from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK, gdn_layers
 from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
+from hybridpar.models.hf.mamba1_mixers import MAMBA1_MARK, mamba1_mixers
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK, short_convs
 from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.models.token_dropout import unkeyed_dropout
@@ -198,10 +199,11 @@ def unreached_token_mixers(model: nn.Module) -> list[str]:
     (Mamba1, a gated DeltaNet or Mamba2 mixer not switched by ``install_gdn_core`` / ``install_mamba_core``)
     or an ``nn.Conv1d`` over the sequence (short convolutions), outside a switched mixer or short conv
     (``models/hf/short_conv.install_short_conv``)."""
-    inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + gdn_layers(model) + short_convs(model))
+    inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + gdn_layers(model) + short_convs(model)
+                   + mamba1_mixers(model))
     found = []
     for name, module in model.named_modules():
-        switched = any(getattr(module, mark, False) for mark in (MARK, GDN_MARK, SHORT_CONV_MARK))
+        switched = any(getattr(module, mark, False) for mark in (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK))
         if switched or (inside and name.startswith(inside)):
             continue
         if isinstance(module, nn.Conv1d) or "A_log" in dict(module.named_parameters(recurse=False)):
@@ -237,7 +239,7 @@ def attention_problem(model: nn.Module) -> str | None:
                 "attention core is causal.")
     for key, p in unkeyed_dropout(config).items():  # attention_dropout, GPT-2's attn_pdrop, BERT's, ...
         return f"{cls} has {key}={p:g}, which hybridpar's attention core does not apply; set config.{key} = 0.0."
-    if not hf_attention_modules(model):
+    if not hf_attention_modules(model) and not mamba1_mixers(model):  # Mamba and FalconMamba have no attention
         return (f"no attention modules found in {cls} (classes named *Attention with a config and a head dim); this model "
                 "cannot take hybridpar's attention.")
     return None

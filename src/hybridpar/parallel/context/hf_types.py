@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.layout import cached
 
-__all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SHORT_CONV_MODEL_TYPES",
+__all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "MAMBA1_MODEL_TYPES",
+           "SHORT_CONV_MODEL_TYPES",
            "SUPPORTED_MODEL_TYPES"]
 
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
@@ -55,7 +56,11 @@ ATTENTION_MODEL_TYPES = (
 )
 # gated short convolutions on hybridpar's document-resetting conv (tests/models/hf/test_short_conv.py)
 SHORT_CONV_MODEL_TYPES = ("lfm2", "lfm2_moe", "lfm3")
-SUPPORTED_MODEL_TYPES = ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES + GDN_MODEL_TYPES + SHORT_CONV_MODEL_TYPES
+# Mamba1 mixers (and Jamba's attention and experts) on hybridpar's selective scan (models/hf/mamba1_mixers.py;
+# tests/models/hf/test_mamba1_mixers.py)
+MAMBA1_MODEL_TYPES = ("jamba", "falcon_mamba", "mamba")
+SUPPORTED_MODEL_TYPES = (ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES + GDN_MODEL_TYPES + SHORT_CONV_MODEL_TYPES
+                         + MAMBA1_MODEL_TYPES)
 
 
 def _document_limit(module: nn.Module) -> tuple[int | None, int | None]:
