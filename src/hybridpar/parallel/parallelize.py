@@ -30,6 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.gdn_mixers import install_gdn_core
+from hybridpar.models.hf.mamba1_mixers import install_mamba1_core
 from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
@@ -224,6 +225,7 @@ def parallelize(
     if hf_cp.is_hf_model(model):
         install_mamba_core(model)
         install_short_conv(model)
+        install_mamba1_core(model)  # Mamba1 mixers (Mamba, FalconMamba, Jamba): models/hf/mamba1_mixers.py
         install_gdn_core(model)  # gated DeltaNets on hybridpar's core (models/hf/gdn_mixers.py)
         hf_cp.refuse_unread_documents(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,

@@ -45,6 +45,7 @@ from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_ca
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.gdn_mixers import install_gdn_core
+from hybridpar.models.hf.mamba1_mixers import install_mamba1_core
 from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
 from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.token_dropout import key_model_dropout, set_dropout_tokens, token_keys, unkeyed_dropout
@@ -104,6 +105,7 @@ def hf_meta_model(shape) -> nn.Module:
         model = AutoModelForCausalLM.from_config(shape)
     install_mamba_core(model)
     install_short_conv(model)
+    install_mamba1_core(model)  # Mamba1 mixers (Mamba, FalconMamba, Jamba): models/hf/mamba1_mixers.py
     install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
     return model
 
@@ -129,6 +131,7 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
         keep_float64(model.to(torch.float64))
     install_mamba_core(model)
     install_short_conv(model)
+    install_mamba1_core(model)  # Mamba1 mixers (Mamba, FalconMamba, Jamba): models/hf/mamba1_mixers.py
     install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     return model

@@ -8,7 +8,8 @@ resets at document boundaries:
   runs hybridpar's document-causal core, its Mamba2 mixers hybridpar's Mamba core
   (``models/hf/mamba_mixers.install_mamba_core``), its gated DeltaNets hybridpar's gated delta
   rule (``models/hf/gdn_mixers.install_gdn_core``), its gated short convolutions (LFM2) the
-  document-resetting conv (``models/hf/short_conv.install_short_conv``), and no other token mixer
+  document-resetting conv (``models/hf/short_conv.install_short_conv``), its Mamba1 mixers (Mamba,
+  FalconMamba, Jamba) hybridpar's selective scan (``models/hf/mamba1_mixers.install_mamba1_core``), and no other token mixer
   exists (``unreached_token_mixers``: Mamba1, unknown recurrences).
 
 Any other model trains **one document per row** (``pack_documents(one_per_row=True)``) and the
@@ -25,6 +26,7 @@ from torch import nn
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.gdn_mixers import gdn_layers
+from hybridpar.models.hf.mamba1_mixers import mamba1_mixers
 from hybridpar.models.hf.mamba_mixers import bridged_mixers
 from hybridpar.models.hf.short_conv import short_convs
 from hybridpar.models.hybrid import HybridLM
@@ -82,9 +84,12 @@ def packing_line(model: nn.Module, problem: str | None, padding: float, pack_siz
         return ("packing: several documents per row; HybridLM's attention and Mamba cores reset at every document "
                 f"(padding {100 * padding:.1f}% of the token slots)")
     mixers, gdn, convs = len(bridged_mixers(model)), len(gdn_layers(model)), len(short_convs(model))
-    cores = [f"hybridpar's Mamba core on {mixers} Mamba2 mixers"] if mixers or not (gdn or convs) else []
+    scans = len(mamba1_mixers(model))
+    cores = [f"hybridpar's Mamba core on {mixers} Mamba2 mixers"] if mixers or not (gdn or convs or scans) else []
+    cores += [f"hybridpar's selective scan on {scans} Mamba1 mixers"] if scans else []
     cores += [f"hybridpar's gated DeltaNet core on {gdn} gated DeltaNet layers"] if gdn else []
     cores += [f"its document-resetting conv on {convs} short convolutions"] if convs else []
-    return (f"packing: several documents per row; every token mixer resets at document boundaries (hybridpar's "
-            f"attention core on {len(hf_attention_modules(model))} attention modules, {', '.join(cores)}; padding "
-            f"{100 * padding:.1f}% of the token slots)")
+    attention = len(hf_attention_modules(model))
+    cores = ([f"hybridpar's attention core on {attention} attention modules"] if attention else []) + cores
+    return (f"packing: several documents per row; every token mixer resets at document boundaries "
+            f"({', '.join(cores)}; padding {100 * padding:.1f}% of the token slots)")
