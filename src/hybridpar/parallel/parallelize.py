@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.gdn_mixers import install_gdn_core
-from hybridpar.models.hf.mamba1_mixers import install_mamba1_core
+from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_mixers
 from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
@@ -41,6 +41,7 @@ from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context import gdn as gdn_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context import mamba as mamba_cp
+from hybridpar.parallel.context.mamba1 import apply_mamba1_cp
 from hybridpar.parallel.context.short_conv import apply_short_conv_cp
 from hybridpar.parallel.checkpointing import (
     apply_activation_checkpointing,
@@ -123,6 +124,10 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if compile:
         _compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
+    if dims.tp > 1 and mamba1_mixers(model):
+        raise ValueError(f"tensor parallelism (tp={dims.tp}) of {type(model).__name__}: its Mamba1 mixer "
+                         f"{mamba1_mixers(model)[0][0]!r} has no exact TP plan (x_proj reads every channel of the "
+                         "scan input); use tp=1 with cp and FSDP.")
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
@@ -136,6 +141,7 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     if not isinstance(model, HybridLM):  # transformers' Mamba2 mixers on hybridpar's core share mixer.core
         mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
         apply_short_conv_cp(model, cp_group)  # LFM2's short convs: a halo exchange at the seams
+        apply_mamba1_cp(model, cp_group)  # Mamba1 mixers (Jamba, FalconMamba, Mamba): state passing
         gdn_cp.apply_gdn_cp(model, cp_group, mamba_strategy)
         return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
