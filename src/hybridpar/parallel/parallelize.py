@@ -41,7 +41,7 @@ from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context import gdn as gdn_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context import mamba as mamba_cp
-from hybridpar.parallel.context.mamba1 import apply_mamba1_cp
+from hybridpar.parallel.context.mamba_state import apply_mamba1_cp
 from hybridpar.parallel.context.short_conv import apply_short_conv_cp
 from hybridpar.parallel.checkpointing import (
     apply_activation_checkpointing,

@@ -1,7 +1,7 @@
 """Context parallelism (cp=2) of Mamba, FalconMamba and Jamba (attention, experts) against one process, float64.
 
 Tiny models of ``tests/models/hf/mamba1_models.py``; ``parallelize(cp=2)`` switches their Mamba1 mixers
-to hybridpar's selective scan and installs state passing (``parallel/context/mamba1.py``) as their
+to hybridpar's selective scan and installs state passing (``parallel/context/mamba_state.py``) as their
 ``core``. Two rows of two packed documents (12 and 20 tokens, zigzag chunks of 3 and 5: the conv
 kernel of 4 reads a halo of 3, a whole chunk). The one-process reference runs the same model at cp=1
 (``tests/models/hf/test_mamba1_mixers.py`` proves it equals transformers on each document alone).
