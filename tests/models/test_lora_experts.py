@@ -26,6 +26,18 @@ NEMOTRON = ["experts.up_proj", "experts.down_proj"]  # NemotronH's experts: no g
 
 
 def _base(implementation: str = "eager", name: str = "qwen3_moe"):
+    if name == "gpt_oss":  # interleaved gate/up [E, D, 2I] with biases, its own experts loop, attention sinks
+        import transformers as hf
+
+        from tests.distributed.tensor.hf_models import COMMON
+
+        torch.manual_seed(0)
+        config = hf.GptOssConfig(**{**COMMON, "attn_implementation": "eager"}, head_dim=16, num_local_experts=4,
+                                 num_experts_per_tok=2, experts_implementation="eager")
+        model = hf.GptOssForCausalLM(config).double()
+        _randomize_all(model)
+        _exact_norms(model)
+        return model
     if name == "nemotron_h_moe":  # Mamba, attention and MoE layers; its own (eager) experts loop
         from tests.models.hf.hybrid_models import build_hybrid
 
@@ -43,6 +55,12 @@ def _randomize(model, seed: int = 3) -> None:
         for name, param in model.named_parameters():
             if is_lora_parameter(name):
                 param.copy_(0.2 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+
+
+def _randomize_all(model) -> None:
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
 
 
 def _adapted(base, experts=EXPERTS):
@@ -66,7 +84,7 @@ def _loss(model, ids):
     return logits, torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
 
 
-@pytest.mark.parametrize("name, experts", [("qwen3_moe", EXPERTS), ("nemotron_h_moe", NEMOTRON)])
+@pytest.mark.parametrize("name, experts", [("qwen3_moe", EXPERTS), ("nemotron_h_moe", NEMOTRON), ("gpt_oss", EXPERTS)])
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's call
 def test_expert_adapters_match_peft_target_parameters(name, experts):
     from peft import LoraConfig, get_peft_model

@@ -1,11 +1,10 @@
 """No model is packed silently across documents (``train/packing_rule.py``).
 
 The trainer (as ``hybridpar train``, ``check`` and evaluation build it) of tiny float64
-checkpoints saved by transformers: RWKV (a recurrence hybridpar does not reach) trains one document per
-row and says so with the padding it costs; a Granite 4.0-H MoE, a NemotronH with MoE layers
-(``model.backend=auto``: the transformers model), LFM2 (short convolutions on hybridpar's
-document-resetting conv), a Qwen3-Next (gated DeltaNet on hybridpar's core) and a Jamba with experts
-(Mamba1 on hybridpar's selective scan) pack several documents, say why that is safe, and
+checkpoints saved by transformers: RecurrentGemma (its RG-LRU has no core here) trains one document per
+row and says so with the padding it costs; FalconMamba (Mamba1 on hybridpar's selective scan), a Granite 4.0-H MoE, a NemotronH with MoE layers (``model.backend=auto``:
+the transformers model), LFM2 (short convolutions on hybridpar's document-resetting conv) and a
+Qwen3-Next (gated DeltaNet on hybridpar's core) pack several documents, say why that is safe, and
 take a float64 step (eager experts);
 the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports, reloads in
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
@@ -40,11 +39,11 @@ def _models(hf) -> dict:
             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, **_C)),
         "lfm2": lambda: hf.Lfm2ForCausalLM(hf.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"], **_C)),
-        "rwkv": lambda: hf.RwkvForCausalLM(hf.RwkvConfig(
-            num_hidden_layers=2, hidden_size=64, attention_hidden_size=64, intermediate_size=128, vocab_size=256)),
-        "jamba": lambda: hf.JambaForCausalLM(hf.JambaConfig(
-            num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-            num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, **_C)),
+        "falcon_mamba": lambda: hf.FalconMambaForCausalLM(hf.FalconMambaConfig(
+            num_hidden_layers=2, hidden_size=64, state_size=8, vocab_size=256)),
+        "recurrent_gemma": lambda: hf.RecurrentGemmaForCausalLM(hf.RecurrentGemmaConfig(
+            num_hidden_layers=3, hidden_size=64, lru_width=64, num_attention_heads=4, num_key_value_heads=1,
+            intermediate_size=96, vocab_size=256, attention_window_size=16)),
         "granite_moe": lambda: hf.GraniteMoeHybridForCausalLM(hf.GraniteMoeHybridConfig(
             num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_expand=1,
             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, **_M, **_C)),
@@ -64,8 +63,8 @@ def _models(hf) -> dict:
     }
 
 
-ONE_PER_ROW = ("rwkv",)
-PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2", "qwen3_next", "jamba")
+ONE_PER_ROW = ("recurrent_gemma",)
+PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2", "qwen3_next", "falcon_mamba")
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +107,8 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         lines = [line for line in result["out"].splitlines() if line.startswith("packing:")]
         assert result["one_per_row"] and set(result["docs"]) == {1}, (name, result["docs"])
         assert len(lines) == 1 and "one document per row" in lines[0] and "% of the token slots" in lines[0], lines
-    assert "RwkvForCausalLM (model_type 'rwkv')" in results["rwkv"]["out"]
-    assert "selective scan on 1 Mamba1 mixers" in results["jamba"]["out"]  # models/hf/mamba1_mixers.py
+    assert "temporal_block.conv_1d (Conv1d)" in results["recurrent_gemma"]["out"]  # the mixer no core reaches
+    assert "selective scan on 2 Mamba1 mixers" in results["falcon_mamba"]["out"]  # models/hf/mamba1_mixers.py
     assert "document-resetting conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2's short convs reset
     assert "gated DeltaNet core on 1 gated DeltaNet layers" in results["qwen3_next"]["out"]  # models/hf/gdn_mixers.py
     for name in PACKED:

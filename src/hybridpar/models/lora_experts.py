@@ -136,10 +136,10 @@ def expert_targets(model: nn.Module, targets) -> dict[str, tuple[nn.Module, str]
             raise ValueError(f"peft.target_parameters entry {target!r} matches no stacked (3-D) parameter of "
                              f"{type(model).__name__}; {hint}its stacked parameters are {known[:8] or 'none'}.")
         chosen.update(found)
-    for name, (module, _) in chosen.items():
-        if getattr(module, "has_bias", False) or getattr(module, "has_post_expert_norm", False):
-            raise ValueError(f"peft.target_parameters: {name.rpartition('.')[0]} has expert biases or a post-expert "
-                             "norm, which LoRA here does not adapt; leave it out of peft.target_parameters.")
+    for name, (module, _) in chosen.items():  # expert biases (GPT-OSS) stay as they are: only weights are adapted
+        if getattr(module, "has_post_expert_norm", False):
+            raise ValueError(f"peft.target_parameters: {name.rpartition('.')[0]} has a post-expert norm, which LoRA "
+                             "here does not adapt; leave it out of peft.target_parameters.")
     return chosen
 
 

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.gdn_mixers import install_gdn_core
-from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_mixers
+from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_layout_problem
 from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
@@ -109,6 +109,9 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
     gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads over tp, cp
+    problem = mamba1_layout_problem(model, dims.cp, dims.tp)  # Mamba1 mixers: one process
+    if problem:
+        raise ValueError(problem + ".")
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
         hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp,
                              mamba_cp.STRATEGIES[cp_mamba_strategy](None))
@@ -124,10 +127,6 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if compile:
         _compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
-    if dims.tp > 1 and mamba1_mixers(model):
-        raise ValueError(f"tensor parallelism (tp={dims.tp}) of {type(model).__name__}: its Mamba1 mixer "
-                         f"{mamba1_mixers(model)[0][0]!r} has no exact TP plan (x_proj reads every channel of the "
-                         "scan input); use tp=1 with cp and FSDP.")
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
@@ -230,8 +229,8 @@ def parallelize(
     """
     if hf_cp.is_hf_model(model):
         install_mamba_core(model)
+        install_mamba1_core(model)  # Jamba, FalconMamba, Mamba: the document-resetting selective scan
         install_short_conv(model)
-        install_mamba1_core(model)  # Mamba1 mixers (Mamba, FalconMamba, Jamba): models/hf/mamba1_mixers.py
         install_gdn_core(model)  # gated DeltaNets on hybridpar's core (models/hf/gdn_mixers.py)
         hf_cp.refuse_unread_documents(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,

@@ -103,10 +103,16 @@ def hf_meta_model(shape) -> nn.Module:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape)
+    return install_cores(model)
+
+
+def install_cores(model: nn.Module) -> nn.Module:
+    """Every token mixer hybridpar has a document-resetting core for, switched onto it: Mamba2 and
+    Mamba1 mixers, gated short convs, gated DeltaNets (Qwen3-Next, Qwen3.5); returns ``model``."""
     install_mamba_core(model)
+    install_mamba1_core(model)
     install_short_conv(model)
-    install_mamba1_core(model)  # Mamba1 mixers (Mamba, FalconMamba, Jamba): models/hf/mamba1_mixers.py
-    install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
+    install_gdn_core(model)
     return model
 
 
@@ -129,10 +135,7 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
         model.set_experts_implementation("eager")  # torch._grouped_mm (transformers' default) has no float64
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
         keep_float64(model.to(torch.float64))
-    install_mamba_core(model)
-    install_short_conv(model)
-    install_mamba1_core(model)  # Mamba1 mixers (Mamba, FalconMamba, Jamba): models/hf/mamba1_mixers.py
-    install_gdn_core(model)  # gated DeltaNets (Qwen3-Next, Qwen3.5) on hybridpar's core
+    install_cores(model)
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     return model
 

@@ -8,9 +8,9 @@ resets at document boundaries:
   runs hybridpar's document-causal core, its Mamba2 mixers hybridpar's Mamba core
   (``models/hf/mamba_mixers.install_mamba_core``), its gated DeltaNets hybridpar's gated delta
   rule (``models/hf/gdn_mixers.install_gdn_core``), its gated short convolutions (LFM2) the
-  document-resetting conv (``models/hf/short_conv.install_short_conv``), its Mamba1 mixers (Mamba,
-  FalconMamba, Jamba) hybridpar's selective scan (``models/hf/mamba1_mixers.install_mamba1_core``), and no other token mixer
-  exists (``unreached_token_mixers``: Mamba1, unknown recurrences).
+  document-resetting conv (``models/hf/short_conv.install_short_conv``), its Mamba1 mixers (Jamba)
+  hybridpar's selective scan (``models/hf/mamba1_mixers.install_mamba1_core``), and no other token
+  mixer exists (``unreached_token_mixers``: unknown recurrences).
 
 Any other model trains **one document per row** (``pack_documents(one_per_row=True)``) and the
 trainer says so in one line with the padding it costs. The same holds for ``hybridpar check``
@@ -84,12 +84,11 @@ def packing_line(model: nn.Module, problem: str | None, padding: float, pack_siz
         return ("packing: several documents per row; HybridLM's attention and Mamba cores reset at every document "
                 f"(padding {100 * padding:.1f}% of the token slots)")
     mixers, gdn, convs = len(bridged_mixers(model)), len(gdn_layers(model)), len(short_convs(model))
-    scans = len(mamba1_mixers(model))
-    cores = [f"hybridpar's Mamba core on {mixers} Mamba2 mixers"] if mixers or not (gdn or convs or scans) else []
-    cores += [f"hybridpar's selective scan on {scans} Mamba1 mixers"] if scans else []
+    mamba1 = len(mamba1_mixers(model))
+    cores = [f"hybridpar's Mamba core on {mixers} Mamba2 mixers"] if mixers or not (gdn or convs or mamba1) else []
+    cores += [f"its selective scan on {mamba1} Mamba1 mixers"] if mamba1 else []
     cores += [f"hybridpar's gated DeltaNet core on {gdn} gated DeltaNet layers"] if gdn else []
     cores += [f"its document-resetting conv on {convs} short convolutions"] if convs else []
-    attention = len(hf_attention_modules(model))
-    cores = ([f"hybridpar's attention core on {attention} attention modules"] if attention else []) + cores
-    return (f"packing: several documents per row; every token mixer resets at document boundaries "
-            f"({', '.join(cores)}; padding {100 * padding:.1f}% of the token slots)")
+    return (f"packing: several documents per row; every token mixer resets at document boundaries (hybridpar's "
+            f"attention core on {len(hf_attention_modules(model))} attention modules, {', '.join(cores)}; padding "
+            f"{100 * padding:.1f}% of the token slots)")

@@ -49,20 +49,30 @@ def _loss_sum(logits, labels):
 
 
 def _build(name: str):
-    """``build_model``'s tiny float64 models, and two more: Bloom (ALiBi: refused) and DeepSeek-V3
-    (multi-head latent attention: q/k head dim 8 + 8, v head dim 12, dense MLPs)."""
+    """``build_model``'s tiny float64 models, and three more: Bloom (ALiBi: refused), DeepSeek-V3
+    (multi-head latent attention: q/k head dim 8 + 8, v head dim 12, dense MLPs) and GPT-OSS
+    (attention sinks, a sliding layer, biased experts)."""
     import transformers as hf
 
     from tests.distributed.tensor.hf_models import COMMON, build_model
 
-    if name not in ("bloom", "deepseek_v3"):
+    if name not in ("bloom", "deepseek_v3", "gpt_oss"):
         return build_model(name)
     torch.manual_seed(0)
     if name == "bloom":
         return hf.BloomForCausalLM(hf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=COMMON["vocab_size"]))
-    config = hf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=24,
-                                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2)
-    model = hf.DeepseekV3ForCausalLM(config).to(torch.float64)
+    # attention sinks: eager reference, on dense rows only (transformers' GPT-OSS lets packed documents see each
+    # other through position ids: logits 1.39 apart; test_hf_model_types.py proves packed rows against each document
+    # alone); a window of 6, biased experts
+    if name == "gpt_oss":
+        config = hf.GptOssConfig(**{**COMMON, "attn_implementation": "eager"}, head_dim=16, num_local_experts=4,
+                                 num_experts_per_tok=2, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                 experts_implementation="eager")
+        model = hf.GptOssForCausalLM(config).to(torch.float64)
+    else:
+        config = hf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=24,
+                                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2)
+        model = hf.DeepseekV3ForCausalLM(config).to(torch.float64)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
@@ -80,7 +90,7 @@ def _case(name: str, strategy: str, variant: str, dims, mesh, compile=False, seq
 
     # Gemma2's reference is eager attention (SDPA does not soft-cap), whose softmax casts to float32, and
     # DeepSeek-V3's RMSNorms cast to float32: both models keep float64 there, as the trainer runs a float64 model
-    exact = keep_float64 if name in ("gemma2", "deepseek_v3") else (lambda model: model)
+    exact = keep_float64 if name in ("gemma2", "deepseek_v3", "gpt_oss") else (lambda model: model)
     reference = exact(_build(name))
     ids, labels, packed = _batch(reference.config.vocab_size, variant)
     count = int((labels != -100).sum())
@@ -159,13 +169,14 @@ def _check(results: list[dict]) -> None:
 
 def test_cp2_matches_one_process_compiles_and_refuses_before_collectives():
     """cp=2: every model with allgather and ulysses, dense and packed; ring, Qwen2, Phi, OLMo2, Mixtral,
-    Granite and Gemma2 (soft-capped scores) once each (``test_hf_model_types.py`` proves the other listed types at cp=1);
+    Granite, Gemma2 (soft-capped scores) and GPT-OSS (attention sinks, every strategy) once each
+    (``test_hf_model_types.py`` proves the other listed types at cp=1);
     Mistral compiled per block without graph breaks; the refusals that need a CP group."""
     cases = [(m, s, v) for m in MODELS for s in ("allgather", "ulysses") for v in VARIANTS]
     cases += [("mistral", "ring", "packed"), ("gemma3", "ring", "dense"), ("qwen2", "allgather", "packed"),
               ("phi", "ulysses", "packed"), ("olmo2", "allgather", "packed"), ("mixtral", "ulysses", "packed"),
               ("granite", "ring", "packed"), ("gemma2", "ring", "packed"), ("gemma2", "ulysses", "dense"),
-              ("deepseek_v3", "ulysses", "packed")]
+              ("deepseek_v3", "ulysses", "packed"), *(("gpt_oss", s, "dense") for s in ("ring", "ulysses", "allgather"))]
     results = run_ranks(2, _run_cases, 1, cases, True, (("mistral", "allgather", "packed"),), timeout_s=600)
     _check(results)
     for rank_results in results:
@@ -176,9 +187,10 @@ def test_cp2_matches_one_process_compiles_and_refuses_before_collectives():
 
 
 def test_cp2_tp2_matches_one_process():
-    """cp=2 x tp=2 (world 4) with the registered TP plans; each model runs both strategies; sequence
-    parallelism once per strategy."""
+    """cp=2 x tp=2 (world 4) with the registered TP plans; each model runs both strategies, GPT-OSS
+    ring; sequence parallelism once per strategy."""
     cases = [(m, ("allgather", "ulysses")[(i + j) % 2], v) for i, m in enumerate(MODELS) for j, v in enumerate(VARIANTS)]
+    cases.append(("gpt_oss", "ring", "dense"))  # attention sinks sharded by head over TP, then ring over CP
     sp = (("gemma3", "allgather", "packed"), ("mistral", "ulysses", "dense"))
     results = run_ranks(4, _run_cases, 2, cases, False, (), sp, timeout_s=600)
     assert all(("sp", *case) in r for r in results for case in sp)
@@ -209,6 +221,21 @@ def test_unsupported_models_are_refused_before_any_collective(model_kwargs, frag
     with pytest.raises(ValueError, match="context parallel") as error:
         validate_parallelize(model, ParallelDims(cp=2))
     assert fragment in str(error.value)
+
+
+def test_attention_sinks_without_a_plan_that_shards_them_are_refused_under_tp_in_one_line():
+    import transformers as hf
+
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import validate_parallelize
+    from hybridpar.parallel.tensor.apply import check_tp_plan
+    from tests.distributed.tensor.hf_models import COMMON
+
+    validate_parallelize(_build("gpt_oss"), ParallelDims(cp=2, tp=2))  # its plan shards the sinks by head
+    granite = hf.GraniteSWAForCausalLM(hf.GraniteSWAConfig(**{**COMMON, "attn_implementation": "eager"}))
+    with pytest.raises(ValueError, match=r"^tensor parallelism for GraniteSWAForCausalLM: model.layers.0.self_attn has "
+                                         r"attention sinks .* use parallel.tp=1 .* or a plan with HeadShardedSinks.$"):
+        check_tp_plan(granite, 2, plan="default")
 
 
 def test_packed_from_position_ids_and_single_process_attention_match_sdpa():

@@ -84,6 +84,6 @@ def test_tensor_parallel_mamba1_is_refused_before_any_mesh():
 
     model = build_mamba1("jamba")
     install_mamba1_core(model)
-    with pytest.raises(ValueError, match=r"tp=2.*Mamba1 mixer 'model.layers.0.mamba'.*use tp=1") as error:
+    with pytest.raises(ValueError, match=r"Mamba1 mixer 'model.layers.0.mamba'.*tp=2\): use parallel.tp=1") as error:
         validate_parallelize(model, ParallelDims(tp=2))
     assert "\n" not in str(error.value)

@@ -45,7 +45,8 @@ _LLAMA4 = dict(_C, head_dim=16, intermediate_size_mlp=64, num_local_experts=4, n
 _DEEPSEEK = dict(n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, **_MOE)
 
 
-_EAGER = ("gemma2", "vaultgemma")  # reference attention eager: transformers' SDPA path does not soft-cap
+# reference attention eager: transformers' SDPA path has no soft cap, and these models no SDPA path with sinks
+_EAGER = ("gemma2", "vaultgemma", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint")
 
 
 def _configs(hf) -> dict:
@@ -133,6 +134,14 @@ def _configs(hf) -> dict:
         "modernbert-decoder": lambda: hf.ModernBertDecoderConfig(sliding_window=5, **_NO_KV),
         "persimmon": lambda: hf.PersimmonConfig(**_NO_KV),
         "hrm_text": lambda: hf.HrmTextConfig(head_dim=16, **_NO_KV),  # hierarchical modules, each a causal stack
+        # attention sinks (one logit per head in the softmax), windowed layers, biased experts with a clamped SwiGLU
+        "gpt_oss": lambda: hf.GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **_WINDOWED, **_C),
+        "granite_swa": lambda: hf.GraniteSWAConfig(head_dim=16, **_WINDOWED, **_C),
+        "granitemoe_swa": lambda: hf.GraniteMoeSWAConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                                         **_WINDOWED, **_C),
+        "mimo_v2_flash": lambda: hf.MiMoV2FlashConfig(head_dim=16, v_head_dim=12, n_routed_experts=4,  # and v's own head dim
+                                                      **_MOE, **_WINDOWED, **_C),
+        "flint": lambda: hf.FlintConfig(head_dim=16, num_experts=4, **_MOE, **_WINDOWED, **_C),
         "moshi": lambda: hf.MoshiConfig(head_dim=16, sliding_window=5, ffn_dim=64,  # a window its mask never applies
                                         **{k: v for k, v in _C.items() if k != "intermediate_size"}),
         # GPT-2 and GPT-J lineages: fused or separate projections, partial rotary (rotary_dim), multi-query

@@ -103,6 +103,11 @@ def _builders(hf) -> dict:
         "qwen2_moe": lambda: hf.Qwen2MoeForCausalLM(hf.Qwen2MoeConfig(num_experts=4, shared_expert_intermediate_size=64,
                                                                      **_MOE, **c)),
         "qwen3_moe": lambda: hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(num_experts=4, head_dim=16, **_MOE, **c)),
+        # attention sinks (eager: no SDPA path), a sliding layer, biased experts with interleaved gate/up
+        "gpt_oss": lambda: hf.GptOssForCausalLM(hf.GptOssConfig(
+            num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"], experts_implementation="eager",
+            **{**c, "attn_implementation": "eager", "intermediate_size": 32})),
     }
 
 

@@ -10,7 +10,7 @@ the tensor's scale, and chosen parameters have the expected TP placement. The mo
   and gate_up gathered), OLMo2, Granite, Cohere, Starcoder2, GPT-NeoX; GPT-2
   (``Conv1D``, packed ``c_attn``), StableLM (per-rank head counts), Bamba and NemotronH
   (Mamba mixers replicated); Mixtral, Qwen2-MoE, Qwen3-MoE (experts sharded, router
-  replicated);
+  replicated); GPT-OSS (attention sinks by head, biased interleaved experts sharded);
 - Arcee through its own Hugging Face plan, Mixtral through its Hugging Face plan
   (``moe_tp_experts`` / ``packed_colwise`` translated);
 - a Llama subclass nothing is registered for (the generic default plan), and Zamba2 (its shared
@@ -88,6 +88,9 @@ CASES = {
     "qwen2_moe": ("registry", T, {f"{L0}.mlp.shared_expert.gate_proj.weight": "S0",
                                   f"{L0}.mlp.shared_expert.down_proj.weight": "S1",
                                   f"{L0}.mlp.shared_expert_gate.weight": "R", f"{L0}.mlp.experts.down_proj": "S2"}),
+    "gpt_oss": ("registry", FT, {f"{L0}.self_attn.sinks": "S0", f"{L0}.mlp.experts.gate_up_proj": "S2",
+                                 f"{L0}.mlp.experts.gate_up_proj_bias": "S1", f"{L0}.mlp.experts.down_proj": "S1",
+                                 f"{L0}.mlp.experts.down_proj_bias": "R", f"{L0}.mlp.router.weight": "R"}),
     "zamba2": ("registry", F, {"model.layers.0.mamba.in_proj.weight": "R", "model.embed_tokens.weight": "S0",
                                "model.layers.1.shared_transformer.self_attn.q_proj.weight": "S0",
                                "model.layers.1.shared_transformer.feed_forward.down_proj.weight": "S1"}),

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hybridpar.parallel.tensor.apply import check_tp_plan
 from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, LocalHeadCounts, PackedColwiseParallel
-from hybridpar.parallel.tensor.moe import GroupedExpertsParallel
+from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, expert_placements
 from hybridpar.parallel.tensor.plans import hf_tp_plan
 from hybridpar.parallel.tensor.plans_hf import llama_plan
 from hybridpar.parallel.tensor.styles import LocalReplicateParallel
@@ -150,9 +150,13 @@ def test_packed_and_expert_styles_check_their_sizes():
     GroupedExpertsParallel().check("experts", experts, 2)
     with pytest.raises(ValueError, match="expert intermediate size 32 is not divisible by tp=3"):
         GroupedExpertsParallel().check("experts", experts, 3)
-    experts.has_bias = True
-    with pytest.raises(ValueError, match="expert biases"):
+    experts.has_post_expert_norm = True
+    with pytest.raises(ValueError, match="has a post-expert norm"):
         GroupedExpertsParallel().check("experts", experts, 2)
+    # GPT-OSS: transposed, interleaved gate/up with biases; the down bias is added once (moe._once_over_tp)
+    biased = build_model("gpt_oss").model.layers[0].mlp.experts
+    assert {n: str(p) for n, p in expert_placements(biased).items()} == {
+        "gate_up_proj": "S(2)", "gate_up_proj_bias": "S(1)", "down_proj": "S(1)", "down_proj_bias": "R"}
 
 
 def test_hugging_face_moe_plan_translation():

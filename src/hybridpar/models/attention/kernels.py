@@ -45,6 +45,7 @@ from hybridpar.models.attention.layout import (
     invisible,
 )
 from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP, blockwise_attention, check_qkv, check_softcap
+from hybridpar.models.attention.sinks import check_sinks, sink_attention
 
 __all__ = [
     "FLEX_BLOCK_SIZE",
@@ -203,16 +204,22 @@ def _run_varlen(q, k, v, layout, scale, sliding_window):
 def attention_core(
     q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout, *, scale: float | None = None,
     sliding_window: int | None = None, block_size: int = BLOCK_SIZE, keys_per_step: int = KEYS_PER_STEP,
-    kernel: str | None = None, softcap: float | None = None,
+    kernel: str | None = None, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
     """Document-causal attention ``[B, S_q, Hq, Dh]`` on the best kernel (or the one named);
-    ``softcap`` (Gemma2's logit soft-capping) runs on flex or the blockwise core (varlen cannot cap)."""
+    ``softcap`` (Gemma2's logit soft-capping) runs on flex or the blockwise core (varlen cannot cap);
+    ``sinks [Hq]`` (GPT-OSS's attention sinks, ``models/attention/sinks.py``) on the blockwise core."""
     check_qkv(q, k, v, "attention_core")
     check_block_sizes(block_size, keys_per_step)
     check_sliding_window(sliding_window)
     check_softcap(softcap)
     if softcap is not None and kernel == "varlen":
         raise ValueError("attention kernel 'varlen' does not soft-cap scores; pass kernel=None, 'flex' or 'blockwise'.")
+    if sinks is not None:
+        check_sinks(sinks, q.shape[2], "attention_core")
+        if kernel not in (None, "blockwise"):
+            raise ValueError(f"attention kernel {kernel!r} has no attention sinks; pass kernel=None or 'blockwise'.")
+        kernel, reason = "blockwise", "attention sinks"
     if kernel is None:
         kernel, reason = choose_kernel(q, layout, softcap is not None)
     elif kernel not in KERNELS:
@@ -231,6 +238,10 @@ def attention_core(
     if kernel == "flex":
         return _run_flex(q, k, v, layout, scale, sliding_window, softcap)
     plan = plan_for(layout, block_size, keys_per_step, sliding_window)
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, layout.q_pos, layout.q_doc, layout.k_pos, layout.k_doc, plan, scale=scale,
+                              sliding_window=sliding_window, block_size=block_size, keys_per_step=keys_per_step,
+                              softcap=softcap)
     return blockwise_attention(q, k, v, layout.q_pos, layout.q_doc, layout.k_pos, layout.k_doc, plan, scale=scale,
                                sliding_window=sliding_window, block_size=block_size, keys_per_step=keys_per_step,
                                softcap=softcap)

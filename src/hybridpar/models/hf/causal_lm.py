@@ -43,6 +43,7 @@ from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, 
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.weights import check_finite, check_floating, stored_dtypes, weight_files
+from hybridpar.models.hf.versions import warn_if_old
 from hybridpar.models.hybrid import HybridLM
 
 __all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "learned_positions", "hf_causal_lm_loss",
@@ -107,6 +108,7 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
         from transformers import AutoModelForCausalLM
     except ImportError as error:
         raise ImportError("loading a transformers model needs transformers: pip install 'hybridpar[hf]'.") from error
+    warn_if_old()
     with quiet_transformers():  # its progress bar and load report: what is wrong is said below, in one line
         model, info = AutoModelForCausalLM.from_pretrained(
             str(path), config=transformers_config(path), dtype=dtype or "auto", attn_implementation=attn_implementation,

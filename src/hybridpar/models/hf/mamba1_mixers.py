@@ -1,24 +1,26 @@
-"""hybridpar's selective scan inside transformers' Mamba1 mixers (Mamba, FalconMamba, Jamba's Mamba
-layers), recognised by structure, never by class name.
+"""hybridpar's document-resetting selective scan inside transformers' Mamba1 mixers (Jamba,
+FalconMamba, Mamba), recognised by structure, never by class name.
 
-A transformers module is a *Mamba1 mixer* when it has ``in_proj`` (width ``2 * d_inner``:
-``[x | z]``), a depthwise ``conv1d`` over ``d_inner`` channels, ``x_proj`` (``d_inner -> rank + 2n``:
-``[dt | B | C]``), ``dt_proj`` (``rank -> d_inner``), a 2-D ``A_log [d_inner, n]``, ``D [d_inner]`` and
-``out_proj``. ``install_mamba1_core(model)`` gives each such mixer a training forward::
+A transformers module is a *Mamba1 mixer* when it has ``in_proj`` (``[x | gate]``, ``2 Cd`` wide),
+a depthwise causal ``conv1d`` over ``Cd`` channels, ``x_proj`` (``[dt | B | C]``, ``R + 2N``),
+``dt_proj`` (``R -> Cd``), a 2-D ``A_log [Cd, N]`` and ``D [Cd]``. ``install_mamba1_core(model)``
+gives each one a training forward that is transformers' own, step for step, with the two token
+mixers reset at document boundaries::
 
-    [x | z] = in_proj(u)
-    y = mixer.core(mixer, x, packed)           conv (documents reset) -> act -> x_proj -> [dt | B | C]
-                                                 -> dt/B/C norms (Jamba's RMSNorms, FalconMamba's
-                                                 weightless RMS) -> dt_proj -> softplus -> scan + D x
-    out = out_proj(y * silu(z))
+    [x | gate] = in_proj(u)                                   [R, T, Cd] each
+    x = act(conv1d(x))            the causal conv reads only its own document's tokens
+    [dt | B | C] = x_proj(x);  dt, B, C = their norms (Jamba: RMSNorms; FalconMamba: weightless)
+    dt = softplus(dt_proj(dt));  A = -exp(A_log)
+    y = selective_scan(x, dt, A, B, C) + D x                  models/linear/selective_scan.py
+    out = out_proj(y * silu(gate))
 
-``mixer.core`` (default ``local_selective_core``) is the seam context-parallel strategies replace.
-The per-architecture twists are read from the module: its ``act`` (``hidden_act``), its
-``dt_layernorm`` / ``b_layernorm`` / ``c_layernorm`` when present, its biases and time-step rank.
-Decoder layers of these models do not pass ``packed_seq_params`` to their mixer: the install
-registers one pre-hook on the model that leaves the batch's ``PackedSeqParams`` in a slot shared by
-every mixer (as ``parallel/context/hf.apply_hf_cp`` does for attention), read when the mixer gets
-none. With a cache (generation) or a padding ``attention_mask`` the module's own forward runs.
+Documents come from the batch's ``PackedSeqParams``: the decoder layers of these models do not
+hand their keyword arguments to the mixer, so the model's forward leaves them in one slot every
+mixer reads (as ``parallel/context/hf.apply_hf_cp`` does for attention). With a cache (generation)
+or a padding ``attention_mask`` the module's own forward runs. ``mixer.core`` (default
+``local_selective_core``: conv, activation, projections, scan, ``+ D x``) is the seam a context-parallel
+strategy replaces (``parallel/context/mamba_state.StatePassingMamba1``); tensor parallelism of these
+mixers is refused (``mamba1_layout_problem``).
 
 Single-device code (no process group).
 """
@@ -26,21 +28,25 @@ Single-device code (no process group).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from hybridpar.models.hf.mamba_mixers import switch_mixers
-from hybridpar.models.linear.selective_scan import reset_conv, selective_scan
+from hybridpar.models.linear.selective_scan import document_resets, selective_scan
+from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 
-__all__ = ["MAMBA1_MARK", "is_mamba1_mixer", "mamba1_mixer_problem", "install_mamba1_core", "mamba1_mixers",
-           "local_selective_core", "selective_inputs", "mamba1_training_forward"]
+__all__ = ["MAMBA1_MARK", "is_mamba1_mixer", "mamba1_problem", "install_mamba1_core", "mamba1_mixers",
+           "mamba1_layout_problem", "mamba1_training_forward", "local_selective_core", "selective_inputs",
+           "document_conv"]
 
-MAMBA1_MARK = "hybridpar_mamba1_core"  # set on a Mamba1 mixer whose forward runs hybridpar's selective scan
+MAMBA1_MARK = "hybridpar_mamba1"  # set on a Mamba1 mixer whose forward resets at document boundaries
 _SLOT = "_hybridpar_packed_slot"
+_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 
 def _local(t: Tensor | None) -> Tensor | None:
+    """The rank-local tensor of a (DTensor) parameter, differentiable."""
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
@@ -48,99 +54,117 @@ def is_mamba1_mixer(module: nn.Module) -> bool:
     """Whether ``module`` has the structure of a Mamba1 mixer (module docstring)."""
     if type(module).__module__.startswith("hybridpar"):
         return False
-    parts = [getattr(module, a, None) for a in ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj")]
-    a_log, d = (dict(module.named_parameters(recurse=False)).get(a) for a in ("A_log", "D"))
-    if not (isinstance(parts[1], nn.Conv1d) and all(isinstance(p, nn.Linear) for p in parts[:1] + parts[2:])):
+    parts = [getattr(module, a, None) for a in ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D")]
+    in_proj, conv, x_proj, dt_proj, a_log, d = parts
+    if not (all(isinstance(p, nn.Linear) for p in (in_proj, x_proj, dt_proj)) and isinstance(conv, nn.Conv1d)
+            and isinstance(a_log, Tensor) and a_log.dim() == 2 and isinstance(d, Tensor)):
         return False
-    if a_log is None or d is None or a_log.dim() != 2:
-        return False
-    in_proj, conv, x_proj, dt_proj, out_proj = parts
-    inner, state = a_log.shape
-    return (conv.in_channels == conv.out_channels == conv.groups == inner and in_proj.out_features == 2 * inner
-            and x_proj.in_features == inner and x_proj.out_features == dt_proj.in_features + 2 * state
-            and dt_proj.out_features == inner and out_proj.in_features == inner and d.shape == (inner,))
+    channels, state = a_log.shape
+    return (in_proj.out_features == 2 * channels and conv.in_channels == conv.out_channels == conv.groups == channels
+            and x_proj.in_features == channels and x_proj.out_features == dt_proj.in_features + 2 * state
+            and dt_proj.out_features == channels and d.shape == (channels,))
 
 
-def mamba1_mixer_problem(name: str, module: nn.Module) -> str | None:
-    """Why the selective scan cannot run Mamba1 mixer ``module`` exactly (None: it can)."""
+def mamba1_problem(name: str, module: nn.Module) -> str | None:
+    """Why the training forward cannot run Mamba1 mixer ``module`` exactly (None: it can)."""
     conv, where = module.conv1d, f"Mamba1 mixer {name!r} ({type(module).__name__})"
     k = conv.kernel_size[0]
     if conv.stride != (1,) or conv.dilation != (1,) or conv.padding != (k - 1,) or conv.padding_mode != "zeros":
-        return f"{where} has a conv that is not causal (stride 1, dilation 1, zero padding kernel - 1 = {k - 1})"
+        return (f"{where} has conv stride {conv.stride}, dilation {conv.dilation}, padding {conv.padding}; the "
+                f"document-resetting conv takes a causal conv (stride 1, dilation 1, zero padding {k - 1})")
     if not callable(getattr(module, "act", None)):
-        return f"{where} has no `act` (the activation after its conv)"
-    if hasattr(module.config, "_is_quantized"):
-        return f"{where} is quantized; hybridpar's selective scan runs unquantized dt_proj weights"
+        return f"{where} has no activation module 'act' after its conv"
     return None
 
 
-def selective_inputs(module: nn.Module, conv_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dt [.., d] after softplus, B, C [.., n])`` from the activated conv output ``[.., d]``: x_proj,
-    the module's dt/B/C norms if any, dt_proj with its bias, softplus (per token, no mixing)."""
-    state = module.A_log.shape[-1]
-    rank = module.x_proj.out_features - 2 * state
-    time_step, B, C = module.x_proj(conv_out).split([rank, state, state], dim=-1)
-    for norm, value in (("dt_layernorm", time_step), ("b_layernorm", B), ("c_layernorm", C)):
-        if getattr(module, norm, None) is not None:
-            if norm == "dt_layernorm":
-                time_step = module.dt_layernorm(value)
-            elif norm == "b_layernorm":
-                B = module.b_layernorm(value)
-            else:
-                C = module.c_layernorm(value)
-    dt = F.softplus(module.dt_proj(time_step))
-    return dt, B, C
+class _ResetConv(torch.autograd.Function):
+    """The Mamba2 conv of ``models/mamba/conv.py`` on a token stream ``[T, Cd]`` (documents ``cu_docs``,
+    ``history [m, K-1, Cd]`` entering the documents at ``init_at``); saves its inputs only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cu_docs, init_at, history):
+        ctx.save_for_backward(x, weight, cu_docs, init_at, history)
+        ctx.has_bias = bias is not None
+        return conv_forward(x, weight, bias, cu_docs, init_at, history)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, cu_docs, init_at, history = ctx.saved_tensors
+        dx, dweight, dbias, dhistory = conv_backward(x, weight, ctx.has_bias, cu_docs, init_at, history,
+                                                     grad.contiguous())
+        return dx, dweight, dbias, None, None, dhistory
 
 
-def local_selective_core(module: nn.Module, x: Tensor, packed=None) -> Tensor:
-    """The single-process core: ``x [B, L, d]`` (in_proj's x half) ``-> y [B, L, d]`` (scan + D x, before
-    the gate) over this process's tokens in sequence order; packed documents reset conv and scan."""
-    batch, seq_len, width = x.shape
+def document_conv(stream: Tensor, conv: nn.Conv1d, cu_docs: Tensor, init_at: Tensor | None = None,
+                  history: Tensor | None = None) -> Tensor:
+    """``stream [T, Cd]`` through the depthwise causal ``conv``, each token reading its own document only
+    (or the ``history`` entering it): ``out_t = bias + sum_lag w[:, K-1-lag] x_{t-lag}``."""
+    weight, bias = _local(conv.weight)[:, 0], _local(conv.bias)  # [Cd, K], [Cd]
+    return _ResetConv.apply(stream.to(weight.dtype), weight, bias, cu_docs, init_at, history).to(stream.dtype)
+
+
+def selective_inputs(mixer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dt after softplus [.., Cd], B, C [.., N])`` of the activated conv output ``x [.., Cd]``: per token."""
+    state = mixer.A_log.shape[1]
+    dt, B, C = torch.split(mixer.x_proj(x), [mixer.dt_proj.in_features, state, state], dim=-1)
+    dt, B, C = (getattr(mixer, norm)(t) if hasattr(mixer, norm) else t for norm, t in zip(_NORMS, (dt, B, C)))
+    return F.softplus(mixer.dt_proj(dt)), B, C  # dt_proj called as a module, so a LoRA adapter on it applies
+
+
+def local_selective_core(mixer: nn.Module, x: Tensor, packed=None) -> Tensor:
+    """The single-process core, ``mixer.core``'s default: in_proj's ``x [R, T, Cd] -> y [R, T, Cd]``
+    (conv, act, x_proj, norms, dt_proj, scan, ``+ D x``; before the gate), documents reset."""
+    rows, length, channels = x.shape
     cu_seqlens = None if packed is None else packed.cu_seqlens_padded
-    cu_docs = row_documents(cu_seqlens, batch, seq_len, x.device)
-    weight, bias = _local(module.conv1d.weight).squeeze(1), _local(module.conv1d.bias)
-    flat = x.reshape(batch * seq_len, width)
-    conv_out = module.act(reset_conv(flat.to(weight.dtype), weight, bias, cu_docs).to(x.dtype))
-    dt, B, C = selective_inputs(module, conv_out)
-    A = -torch.exp(_local(module.A_log).to(dt.dtype))
-    y = selective_scan(conv_out.to(dt.dtype), dt, A, B.to(dt.dtype), C.to(dt.dtype), _local(module.D).to(dt.dtype),
-                       cu_docs)
-    return y.view(batch, seq_len, width)
+    stream = document_conv(x.reshape(rows * length, channels), mixer.conv1d,
+                           row_documents(cu_seqlens, rows, length, x.device))
+    x = mixer.act(stream.view(rows, length, channels))
+    dt, B, C = selective_inputs(mixer, x)
+    reset = document_resets(cu_seqlens, length, x.device)
+    return selective_scan(x, dt, -torch.exp(_local(mixer.A_log)), B, C, reset) + x * _local(mixer.D)
 
 
-def mamba1_training_forward(module: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
-                            packed_seq_params=None, **kwargs) -> Tensor:
-    """The mixer's forward through ``module.core`` (module docstring); ``hidden_states [B, L, D]``."""
-    padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
-    if cache is not None or padded or kwargs.get("cache_params") is not None:
-        return module._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask,
-                                                      **kwargs)
-    if packed_seq_params is None:
-        packed_seq_params = getattr(module, _SLOT, {}).get("packed_seq_params")
-    x, gate = module.in_proj(hidden_states).chunk(2, dim=-1)  # [B, L, d] each
-    y = module.core(module, x, packed_seq_params)  # [B, L, d]
-    return module.out_proj((y * F.silu(gate.to(y.dtype))).to(hidden_states.dtype))
+def mamba1_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
+                            **kwargs) -> Tensor:
+    """The switched forward (module docstring); ``hidden_states [R, T, D] -> [R, T, D]``."""
+    if cache is not None or attention_mask is not None:
+        return mixer._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    packed = kwargs.get("packed_seq_params") or mixer.__dict__.get(_SLOT, {}).get("packed_seq_params")
+    x, gate = mixer.in_proj(hidden_states).chunk(2, dim=-1)  # [R, T, Cd] each
+    y = mixer.core(mixer, x, packed)  # [R, T, Cd]
+    return mixer.out_proj((y * F.silu(gate)).to(hidden_states.dtype))
 
 
 def install_mamba1_core(model: nn.Module) -> list[str]:
-    """Give every Mamba1 mixer of ``model`` the training forward through ``module.core`` and route the
-    batch's ``packed_seq_params`` to it (idempotent); returns their names. Raises ``ValueError`` for a
-    variant the scan cannot run exactly."""
-    names = switch_mixers(model, is_mamba1_mixer, mamba1_mixer_problem, MAMBA1_MARK, mamba1_training_forward,
-                          local_selective_core, "a Mamba1 mixer of Mamba, FalconMamba or Jamba's layout")
-    if names and not hasattr(model, _SLOT):
+    """Give every Mamba1 mixer of ``model`` the training forward (idempotent); returns their names.
+    Raises ``ValueError`` for a variant it cannot run exactly."""
+    names = switch_mixers(model, is_mamba1_mixer, mamba1_problem, MAMBA1_MARK, mamba1_training_forward,
+                          local_selective_core,
+                          "one document per row (transformers' own forward)")
+    if names and not getattr(model, "_hybridpar_mamba1_slot", False):
         slot: dict = {}
-        setattr(model, _SLOT, slot)
-        for _, module in mamba1_mixers(model):
-            setattr(module, _SLOT, slot)
+        for _, mixer in mamba1_mixers(model):
+            mixer.__dict__[_SLOT] = slot
 
         def keep_packed(_, args: tuple, kwargs: dict) -> None:
             slot["packed_seq_params"] = kwargs.get("packed_seq_params")
 
         model.register_forward_pre_hook(keep_packed, with_kwargs=True)
+        model._hybridpar_mamba1_slot = True
     return names
 
 
 def mamba1_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the Mamba1 mixers ``install_mamba1_core`` switched."""
+    """``(name, module)`` of the mixers ``install_mamba1_core`` switched."""
     return [(n, m) for n, m in model.named_modules() if getattr(m, MAMBA1_MARK, False)]
+
+
+def mamba1_layout_problem(model: nn.Module, cp: int, tp: int) -> str | None:
+    """Why ``model``'s switched Mamba1 mixers cannot run at this ``tp`` (None: they can; any ``cp``, by
+    state passing: ``parallel/context/mamba_state.StatePassingMamba1``)."""
+    found = mamba1_mixers(model)
+    if found and tp > 1:
+        return (f"{type(model).__name__}'s Mamba1 mixer {found[0][0]!r} (and {len(found) - 1} more) has no exact "
+                f"tensor-parallel plan (x_proj reads every channel of the scan input; tp={tp}): use parallel.tp=1 "
+                f"(context parallelism and FSDP apply)")
+    return None

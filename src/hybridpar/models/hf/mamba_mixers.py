@@ -32,6 +32,7 @@ import types
 
 from torch import Tensor, nn
 
+from hybridpar.models.hf.versions import require_for_mixers
 from hybridpar.models.mamba.mixer import local_conv_scan
 
 __all__ = ["MARK", "is_mamba2_mixer", "mamba_mixer_problem", "install_mamba_core", "switch_forward", "switch_mixers", "bridged_mixers",
@@ -130,6 +131,7 @@ def switch_mixers(model: nn.Module, is_mixer, problem_of, mark: str, forward, de
         if not getattr(module, mark, False):
             if not is_mixer(module):
                 continue
+            require_for_mixers(f"{type(module).__name__} {name!r}")
             problem = problem_of(name, module)
             if problem:
                 raise ValueError(f"{problem}; train this model with {supported}, or file it as a new mixer.")

@@ -110,8 +110,9 @@ class AllGatherAttention(AttentionStrategy):
     name = "allgather"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
-                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None) -> Tensor:
-        options = self.call_options(scale, sliding_window, softcap)
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window, softcap, sinks, q.shape[2])
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
             return self._single_process(q, k, v, packed, options)
@@ -146,8 +147,9 @@ class UlyssesAttention(AttentionStrategy):
             )
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
-                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None) -> Tensor:
-        options = self.call_options(scale, sliding_window, softcap)
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window, softcap, sinks, q.shape[2])
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
             return self._single_process(q, k, v, packed, options)
@@ -166,6 +168,8 @@ class UlyssesAttention(AttentionStrategy):
         q_h, k_h, v_h = (
             x.index_select(1, to_sequence).view(batch, seq_len, -1, head_dim) for x in (q_h, k_h, v_h)
         )  # [B, S, H/P, Dh], sequence order
+        if sinks is not None:  # this rank's heads after the exchange: query heads [r*Hq/P, (r+1)*Hq/P)
+            options["sinks"] = sinks.chunk(self.cp_size)[self.cp_rank]
         out = attention_core(q_h, k_h, v_h, global_sequence_layout(packed, layout, device), **options)
         out = out.reshape(batch, seq_len, -1).index_select(1, to_gathered)  # [B, S, Hq/P*Dh], gathered order
         (out,) = hidden_to_seq([out], self.cp_group, seq_dim=1, hidden_dim=-1)  # -> [B, S/P, Hq*Dh]

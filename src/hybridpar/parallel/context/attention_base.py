@@ -4,7 +4,7 @@ A strategy (``context/attention.py``: "allgather", "ulysses"; ``context/ring.py`
 ``core(q, k, v, packed, scale=None, sliding_window=None, softcap=None)`` with this rank's
 ``q [B, S/P, Hq, Dh]``, ``k, v [B, S/P, Hkv, Dh]`` and localized ``PackedSeqParams``; ``scale``
 (default ``1/sqrt(Dh)``), ``sliding_window`` (keys fewer than ``W`` global positions back) and
-``softcap`` (scores ``c * tanh(S / c)``) are the core's own options, which Hugging Face attention modules pass (``context/hf.py``).
+``softcap`` (scores ``c * tanh(S / c)``) and ``sinks`` (GPT-OSS's ``[Hq]`` logits) are the core's own options, which Hugging Face attention modules pass (``context/hf.py``).
 Everything here is checked without communication, so bad input raises the same
 ``ValueError`` on every rank before any collective.
 """
@@ -19,6 +19,7 @@ from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout, cached, check_block_sizes, check_sliding_window
 from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP, check_softcap
+from hybridpar.models.attention.sinks import check_sinks
 from hybridpar.parallel.context.core import ContextParallelCore
 
 __all__ = ["AttentionStrategy", "global_sequence_layout"]
@@ -57,12 +58,15 @@ class AttentionStrategy(ContextParallelCore):
             self.checked_layout(packed, q.shape[1], cp_size=1, cp_rank=0)
         return None
 
-    def call_options(self, scale: float | None, sliding_window: int | None, softcap: float | None = None) -> dict:
+    def call_options(self, scale: float | None, sliding_window: int | None, softcap: float | None = None,
+                     sinks: Tensor | None = None, num_heads: int = 0) -> dict:
         """The core's keyword arguments for one call: block sizes, ``scale`` (None: ``1/sqrt(Dh)``), window,
-        logit soft-capping."""
+        logit soft-capping, attention sinks ``[Hq]`` of the ``num_heads`` local query heads (None: none)."""
         check_sliding_window(sliding_window)
         check_softcap(softcap)
-        return dict(self.core_options, scale=scale, sliding_window=sliding_window, softcap=softcap)
+        if sinks is not None:
+            check_sinks(sinks, num_heads, f"{self.name} attention")
+        return dict(self.core_options, scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
 
     def _single_process(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None,
                         options: dict | None = None) -> Tensor:

@@ -46,8 +46,8 @@ from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK, gdn_layers
-from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.hf.mamba1_mixers import MAMBA1_MARK, mamba1_mixers
+from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
 from hybridpar.models.hf.short_conv import SHORT_CONV_MARK, short_convs
 from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.models.token_dropout import unkeyed_dropout
@@ -110,9 +110,9 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     if attention_mask is not None:
         raise ValueError(f"{where} got an attention mask; it takes documents and padding from packed_seq_params "
                          "(hf_cp_inputs) instead: drop attention_mask.")
-    if dropout or kwargs.get("s_aux") is not None:
-        raise ValueError(f"{where}: attention dropout ({dropout}) and attention sinks are not supported; set "
-                         "attention_dropout=0 and use a model without sinks.")
+    if dropout:
+        raise ValueError(f"{where}: attention dropout ({dropout}) is not supported; set attention_dropout=0.")
+    sinks = kwargs.get("s_aux")  # GPT-OSS: one logit per (local) query head, models/attention/sinks.py
     if not torch.compiler.is_compiling():
         check_document_limit(module, where, query.shape[2], packed_seq_params, position_ids)
     if sliding_window is _NOT_PASSED:  # a module that keeps its window but leaves it to the mask (Qwen2-MoE)
@@ -129,7 +129,8 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
         if packed_seq_params is None:
             raise ValueError(f"{where} runs context parallel but got no packed_seq_params; call the model with "
                              "**hf_cp_inputs(shard_inputs(..., cp_group=...)).")
-        out = core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window, softcap=softcap)
+        out = core(q, k, v, packed_seq_params, scale=scaling, sliding_window=sliding_window, softcap=softcap,
+                   **({} if sinks is None else {"sinks": sinks}))
         return out[..., :value_dim], None
     if packed_seq_params is not None or position_ids is None:
         layout = sequence_layout(packed_seq_params, q.shape[1], q.device)
@@ -138,7 +139,7 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
             raise ValueError(f"{where}: rows have different position ids; every row of a batch shares one document "
                              "layout, so pass packed_seq_params=packed_from_position_ids(row) per row.")
         layout = _position_layout(position_ids, q.device)
-    out = attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap)
+    out = attention_core(q, k, v, layout, scale=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     return out[..., :value_dim], None
 
 
@@ -196,11 +197,11 @@ def _rope_types(config) -> set[str]:
 
 def unreached_token_mixers(model: nn.Module) -> list[str]:
     """Names of modules that mix tokens outside hybridpar's cores: a direct ``A_log`` parameter
-    (Mamba1, a gated DeltaNet or Mamba2 mixer not switched by ``install_gdn_core`` / ``install_mamba_core``)
-    or an ``nn.Conv1d`` over the sequence (short convolutions), outside a switched mixer or short conv
-    (``models/hf/short_conv.install_short_conv``)."""
-    inside = tuple(f"{name}." for name, _ in bridged_mixers(model) + gdn_layers(model) + short_convs(model)
-                   + mamba1_mixers(model))
+    (a Mamba1, gated DeltaNet or Mamba2 mixer not switched by ``install_mamba1_core`` /
+    ``install_gdn_core`` / ``install_mamba_core``) or an ``nn.Conv1d`` over the sequence (short
+    convolutions), outside a switched mixer or short conv (``models/hf/short_conv.install_short_conv``)."""
+    inside = tuple(f"{name}." for name, _ in
+                   bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model))
     found = []
     for name, module in model.named_modules():
         switched = any(getattr(module, mark, False) for mark in (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK))
@@ -225,10 +226,11 @@ def attention_problem(model: nn.Module) -> str | None:
     unreached = unreached_token_mixers(model)
     if unreached:
         return (f"{cls} ({model_type}) has token mixers that hybridpar's attention and Mamba cores do not reach "
-                f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: Mamba1, gated "
-                "DeltaNet, short convolutions or other recurrent code), so they cannot reset at document boundaries; "
-                "Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mamba_mixers."
-                "install_mamba_core(model) and models.hf.gdn_mixers.install_gdn_core(model) (the trainer calls both), "
+                f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: a recurrence, "
+                "convolution or mixer variant hybridpar has no core for), so they cannot reset at document boundaries; "
+                "Mamba1 and Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mamba1_mixers."
+                "install_mamba1_core(model), models.hf.mamba_mixers.install_mamba_core(model) and "
+                "models.hf.gdn_mixers.install_gdn_core(model) (the trainer calls them), "
                 "or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
         return (f"hybridpar's attention takes HybridLM and {len(SUPPORTED_MODEL_TYPES)} transformers model types, each "
@@ -239,7 +241,7 @@ def attention_problem(model: nn.Module) -> str | None:
                 "attention core is causal.")
     for key, p in unkeyed_dropout(config).items():  # attention_dropout, GPT-2's attn_pdrop, BERT's, ...
         return f"{cls} has {key}={p:g}, which hybridpar's attention core does not apply; set config.{key} = 0.0."
-    if not hf_attention_modules(model) and not mamba1_mixers(model):  # Mamba and FalconMamba have no attention
+    if not hf_attention_modules(model) and not mamba1_mixers(model):  # a pure Mamba1 model needs no attention
         return (f"no attention modules found in {cls} (classes named *Attention with a config and a head dim); this model "
                 "cannot take hybridpar's attention.")
     return None

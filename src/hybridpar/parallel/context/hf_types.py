@@ -25,9 +25,8 @@ from torch import Tensor, nn
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.layout import cached
 
-__all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "MAMBA1_MODEL_TYPES",
-           "SHORT_CONV_MODEL_TYPES",
-           "SUPPORTED_MODEL_TYPES"]
+__all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SHORT_CONV_MODEL_TYPES",
+           "MAMBA1_MODEL_TYPES", "SUPPORTED_MODEL_TYPES"]
 
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
@@ -51,13 +50,14 @@ ATTENTION_MODEL_TYPES = (
     "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "flex_olmo", "jetmoe", "minimax_m2", "minimax_m3_vl_text",
     "hunyuan_v1_moe", "hy_v3", "aria_text", "ernie4_5_moe", "dots1", "sarvam_moe", "solar_open", "exaone_moe", "afmoe",
     "beam", "cohere2_moe", "kolibri1", "laguna", "mellum", "dbrx",
+    # attention sinks: one logit per head in the softmax (models/attention/sinks.py)
+    "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint",
     # multi-head latent attention (v's head dim is not q/k's: hf_attention pads them to one)
     "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "sarvam_mla", "axk1", "longcat_flash",
 )
 # gated short convolutions on hybridpar's document-resetting conv (tests/models/hf/test_short_conv.py)
 SHORT_CONV_MODEL_TYPES = ("lfm2", "lfm2_moe", "lfm3")
-# Mamba1 mixers (and Jamba's attention and experts) on hybridpar's selective scan (models/hf/mamba1_mixers.py;
-# tests/models/hf/test_mamba1_mixers.py)
+# Mamba1 hybrids on hybridpar's document-resetting selective scan, one process (models/hf/mamba1_mixers.py)
 MAMBA1_MODEL_TYPES = ("jamba", "falcon_mamba", "mamba")
 SUPPORTED_MODEL_TYPES = (ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES + GDN_MODEL_TYPES + SHORT_CONV_MODEL_TYPES
                          + MAMBA1_MODEL_TYPES)

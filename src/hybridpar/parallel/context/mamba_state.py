@@ -79,8 +79,8 @@ from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.layout import cached
-from hybridpar.models.hf.mamba1_mixers import local_selective_core, mamba1_mixers, selective_inputs
-from hybridpar.models.linear.selective_scan import reset_conv, selective_scan
+from hybridpar.models.hf.mamba1_mixers import document_conv, local_selective_core, mamba1_mixers, selective_inputs
+from hybridpar.models.linear.selective_scan import document_resets, selective_scan
 from hybridpar.models.mamba.core import mamba_conv_scan
 from hybridpar.parallel.comm.collectives import all_gather
 from hybridpar.parallel.context.core import ContextParallelCore
@@ -281,24 +281,25 @@ class StatePassingMamba1(ContextParallelCore):
             return local_selective_core(module, x, packed)
         batch, local_len, width = x.shape
         self.checked_layout(packed, local_len)
-        weight, bias = _local(module.conv1d.weight).squeeze(1), _local(module.conv1d.bias)  # [d, K], [d]
-        plan = segment_plan(packed, batch, self.cp_size, self.cp_rank, weight.shape[1], x.device)  # once per batch
-        stream = x.reshape(batch * local_len, width).to(weight.dtype)  # rows back to back: [T, d]
-        halo = _conv_halo(stream, plan, weight.shape[1], self.cp_group)  # [S, K-1, d]
+        kernel = module.conv1d.kernel_size[0]
+        plan = segment_plan(packed, batch, self.cp_size, self.cp_rank, kernel, x.device)  # once per batch
+        stream = x.reshape(batch * local_len, width)  # rows back to back: [T, d]
+        halo = _conv_halo(stream, plan, kernel, self.cp_group)  # [S, K-1, d]
         starts = plan.cu_segments[:-1]
-        conv_out = module.act(reset_conv(stream, weight, bias, plan.cu_segments, None if halo is None else starts,
-                                         halo).to(x.dtype))
-        dt, B, C = selective_inputs(module, conv_out)  # [T, d], [T, n], [T, n]
-        A = -torch.exp(_local(module.A_log).to(dt.dtype))  # [d, n]
-        u, B, C = conv_out.to(dt.dtype), B.to(dt.dtype), C.to(dt.dtype)
-        _, h_end = selective_scan(u, dt, A, B, C, None, plan.cu_segments, return_final_states=True)  # [S, d, n]
-        dt_sum = dt.new_zeros(plan.num_segments, width).index_add(0, plan.token_segment, dt)  # [S, d]
-        decay = torch.exp(dt_sum[:, :, None] * A)  # [S, d, n] a_seg
+        u = module.act(document_conv(stream, module.conv1d, plan.cu_segments, None if halo is None else starts, halo))
+        dt, B, C = selective_inputs(module, u)  # [T, d], [T, n], [T, n]
+        A = -torch.exp(_local(module.A_log))  # [d, n]
+        u, dt, B, C = (t[None] for t in (u, dt, B, C))  # one row: [1, T, ...]
+        reset = document_resets(plan.cu_segments, u.shape[1], u.device)
+        _, h_end = selective_scan(u, dt, A, B, C, reset, final_at=plan.cu_segments[1:] - 1)  # [S, d, n]
+        dtype = h_end.dtype  # the scan's compute dtype (fp32 for bf16 activations)
+        dt_sum = dt.new_zeros(plan.num_segments, width, dtype=dtype).index_add(0, plan.token_segment, dt[0].to(dtype))
+        decay = torch.exp(dt_sum[:, :, None] * A.to(dtype))  # [S, d, n] a_seg
         payload = torch.cat([h_end.flatten(1), decay.flatten(1)], dim=1)  # [S, 2*d*n]
         gathered = all_gather(payload, self.cp_group, 0)  # [S, 2dn] -> [P*S, 2dn], rank-major
         states, decays = gathered.reshape(self.cp_size, plan.num_docs, 2, 2, -1).unbind(3)  # [P, D, 2, d*n] each
         h0 = _entering_states(states[..., None], decays, plan).view(plan.num_segments, width, -1)  # [S, d, n]
-        y = selective_scan(u, dt, A, B, C, _local(module.D).to(dt.dtype), plan.cu_segments, h0, starts)  # [T, d]
+        y = selective_scan(u, dt, A, B, C, reset, init_states=h0, init_at=starts) + u * _local(module.D)  # [1, T, d]
         return y.view(batch, local_len, width)
 
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
 from hybridpar.models.attention.layout import block_plan, cached
 from hybridpar.models.attention.blockwise import blockwise_backward, blockwise_forward
+from hybridpar.models.attention.sinks import sink_gradient, with_sinks
 from hybridpar.parallel.comm.collectives import ring_shift
 from hybridpar.parallel.context.attention_base import AttentionStrategy
 
@@ -56,7 +57,7 @@ def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Te
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, strategy, q_pos, q_doc, steps, scale, window, softcap):
+    def forward(ctx, q, k, v, sinks, strategy, q_pos, q_doc, steps, scale, window, softcap):
         group, num_kv_heads = strategy.cp_group, k.shape[2]
         dtype = torch.promote_types(q.dtype, torch.float32)
         blocks = strategy.core_options
@@ -70,14 +71,16 @@ class _Ring(torch.autograd.Function):
             part, part_lse = blockwise_forward(q, k_s, v_s, q_pos, q_doc, k_pos, k_doc, plan, *options)
             out, lse = (part.to(dtype), part_lse) if out is None else _merge(out, lse, part.to(dtype), part_lse)
             kv = shift.wait() if shift is not None else kv  # KV of rank r-t-1
+        if sinks is not None:  # once, on the merged result: a zero-valued key every query sees
+            out, lse = with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, q_pos, q_doc)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, q_doc, sinks)
         ctx.strategy, ctx.steps, ctx.options = strategy, steps, options
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, q_pos, q_doc = ctx.saved_tensors
+        q, k, v, out, lse, q_pos, q_doc, sinks = ctx.saved_tensors
         group, num_kv_heads, steps = ctx.strategy.cp_group, k.shape[2], ctx.steps
         dtype = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
@@ -95,7 +98,8 @@ class _Ring(torch.autograd.Function):
             dkv = ring_shift(dkv, group, _GRAD_TAG).wait()  # with the block to rank r+1; home after the last step
             kv = shift.wait() if shift is not None else kv
         dk, dv = dkv.split(num_kv_heads, dim=2)
-        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), *(None,) * 7
+        dsinks = None if sinks is None else sink_gradient(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dsinks, *(None,) * 7
 
 
 class RingAttention(AttentionStrategy):
@@ -121,11 +125,12 @@ class RingAttention(AttentionStrategy):
         return cached(packed.cache, ("attention.ring", str(device), *self.core_options.values(), window), build)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSeqParams | None = None, *,
-                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None) -> Tensor:
-        options = self.call_options(scale, sliding_window, softcap)
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
+        options = self.call_options(scale, sliding_window, softcap, sinks, q.shape[2])
         layout = self._layout_or_none(q, k, v, packed)
         if layout is None:
             return self._single_process(q, k, v, packed, options)
         q_pos, q_doc, steps = self._steps(packed, layout, q.device, sliding_window)
-        return _Ring.apply(q.contiguous(), k.contiguous(), v.contiguous(), self, q_pos, q_doc, steps, scale,
+        return _Ring.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, self, q_pos, q_doc, steps, scale,
                            sliding_window, softcap)  # [B, S/P, Hq, Dh]

@@ -38,6 +38,7 @@ from hybridpar.parallel.tensor.check import (
     compress_names,
     matched_modules,
     matches,
+    refuse_attention_sinks,
     sp_uncovered,
     validate_tp_sizes,
 )
@@ -218,6 +219,7 @@ def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_par
     the module, the rule and the fix otherwise.
     """
     resolved = get_tp_plan(model, plan, sequence_parallel)
+    refuse_attention_sinks(model, tp, resolved.styles)
     if resolved.entry is not None and resolved.entry.validate is not None:
         resolved.entry.validate(model, tp)
     else:

@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from hybridpar.parallel.tensor.linear_styles import LocalHeadCounts, PackedColwiseParallel, is_conv1d
 from hybridpar.parallel.tensor.styles import LocalReplicateParallel
 
-__all__ = ["validate_tp_sizes", "matches", "matched_modules", "check_plan", "sp_uncovered", "compress_names"]
+__all__ = ["validate_tp_sizes", "refuse_attention_sinks", "matches", "matched_modules", "check_plan", "sp_uncovered", "compress_names"]
 
 _SIZE_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # experts: their own check
 _HEAD_ATTRIBUTE = re.compile(r"self\.(config\.)?(num_heads|num_attention_heads|num_key_value_heads|n_head|"
@@ -61,6 +61,19 @@ def validate_tp_sizes(model: nn.Module, tp: int) -> None:
                 f"config.{field}={value} is not divisible by tp={tp}; choose a tp that divides {value} "
                 f"(column-parallel projections split {field} evenly across TP ranks)"
             )
+
+
+def refuse_attention_sinks(model: nn.Module, tp: int, styles: dict[str, ParallelStyle]) -> None:
+    """``ValueError`` at ``tp > 1`` for an attention module with sinks (one logit per query head,
+    ``models/attention/sinks.py``) that no entry of ``styles`` shards with its heads
+    (``shards_sinks``: ``plans_gpt_oss.HeadShardedSinks``)."""
+    if tp > 1:
+        for name, module in model.named_modules():
+            if isinstance(getattr(module, "sinks", None), nn.Parameter) and not any(
+                    getattr(style, "shards_sinks", False) and matches(name, pattern) for pattern, style in styles.items()):
+                raise ValueError(f"tensor parallelism for {type(model).__name__}: {name} has attention sinks (one logit per "
+                                 "query head), which its TP plan does not shard with its heads; use parallel.tp=1 (FSDP "
+                                 "and context parallelism apply) or a plan with HeadShardedSinks.")
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a check compares every module name with every entry: reused by --fit

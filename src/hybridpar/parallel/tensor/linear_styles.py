@@ -34,14 +34,14 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.parallel.tensor.styles import AllReduceGrad, replicated_local, restore_params, swap_in_local_params
 
 __all__ = ["is_conv1d", "Conv1DColwiseParallel", "Conv1DRowwiseParallel", "PackedColwiseParallel", "LocalHeadCounts",
-           "HeadGateParallel"]
+           "HeadGateParallel", "HeadShardedSinks"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -195,3 +195,41 @@ class HeadGateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.check(type(module).__name__, module, device_mesh.size())
         return ColwiseParallel()._apply(module, device_mesh)
+
+
+class HeadShardedSinks(ParallelStyle):
+    """An attention module's ``sinks [Hq]`` (GPT-OSS: one logit per query head,
+    ``models/attention/sinks.py``) sharded with its query heads: column-parallel q/k/v give rank
+    ``r`` the heads ``[r Hq/tp, (r+1) Hq/tp)``, so ``sinks`` is ``Shard(0)``, and during the
+    module's forward it holds the local ``[Hq/tp]`` (differentiable ``to_local``), which
+    transformers hands its attention as ``s_aux``. A head's gradient comes from its rank alone."""
+
+    shards_sinks = True  # check.refuse_attention_sinks: this entry takes the module's sinks
+
+    def check(self, name: str, module: nn.Module, tp: int) -> None:
+        sinks = getattr(module, "sinks", None)
+        _require(isinstance(sinks, nn.Parameter) and sinks.dim() == 1, name,
+                 f"HeadShardedSinks needs an attention module with a 1-D sinks parameter, got {type(module).__name__}")
+        _require(sinks.numel() % tp == 0, name, f"{sinks.numel()} attention sinks (one per query head) are not "
+                 f"divisible by tp={tp}")
+
+    @staticmethod
+    def _local(module: nn.Module, args) -> None:
+        sinks = module._parameters["sinks"]
+        if isinstance(sinks, DTensor):
+            module.__dict__["_tp_sinks"] = sinks
+            module._parameters["sinks"] = sinks.to_local()  # [Hq] Shard(0) -> local [Hq/tp]
+
+    @staticmethod
+    def _restore(module: nn.Module, args, output):
+        saved = module.__dict__.pop("_tp_sinks", None)
+        if saved is not None:
+            module._parameters["sinks"] = saved
+        return output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.check(type(module).__name__, module, device_mesh.size())
+        _distribute(module, {"sinks": Shard(0)}, device_mesh, self.src_data_rank)
+        module.register_forward_pre_hook(self._local)
+        module.register_forward_hook(self._restore, always_call=True)
+        return module

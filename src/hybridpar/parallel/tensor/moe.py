@@ -16,7 +16,10 @@ and the matching columns of ``down_proj`` (``Shard(I dim)``). For the tokens rou
     out = sum_e w_e y_e  -> partial [T, D] on each rank -> all-reduce -> [T, D]
 
 so the experts' own forward runs unchanged on the local shards (any experts implementation:
-eager loop, batched or grouped mm). The router (``gate``) runs replicated on every rank and
+eager loop, batched or grouped mm). Expert biases (GPT-OSS, ``has_bias``) follow their rows:
+``gate_up_proj_bias [E, 2I]`` like gate_up's intermediate dim, and ``down_proj_bias [E, D]``,
+replicated, enters each rank's partial sum as ``b / tp`` (its gradient unchanged), so the
+all-reduce adds it once. The router (``gate``) runs replicated on every rank and
 picks the same experts everywhere. In backward, the gradients of the expert input ``x`` and
 of the routing weights ``w`` are partial sums over TP and are all-reduced
 (``replicated_local``), so everything before the experts sees full gradients.
@@ -29,16 +32,20 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInputOutput, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.parallel.tensor.linear_styles import _distribute, _require
-from hybridpar.parallel.tensor.styles import reduce_partial, replicated_local, restore_params, swap_in_local_params
+from hybridpar.parallel.tensor.decoder import decoder_plan
+from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, reduce_partial, replicated_local, restore_params,
+                                              swap_in_local_params)
 
-__all__ = ["is_grouped_experts", "is_moe_block", "expert_placements", "GroupedExpertsParallel", "moe_block_sp_style"]
+__all__ = ["is_grouped_experts", "is_moe_block", "expert_placements", "GroupedExpertsParallel", "moe_block_sp_style",
+           "moe_block_plan", "moe_blocks_plan", "moe_decoder_plan"]
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
@@ -53,18 +60,19 @@ def expert_placements(module: nn.Module) -> dict[str, object]:
     name = type(module).__name__
     if not is_grouped_experts(module):
         raise ValueError(f"{name} is not a grouped experts module (3-D down_proj and gate_up_proj/up_proj)")
-    if getattr(module, "has_bias", False) or getattr(module, "has_post_expert_norm", False):
-        raise ValueError(f"{name} has expert biases or a post-expert norm; GroupedExpertsParallel shards plain "
-                         "gated/ungated experts only. Leave the experts replicated (plan entry "
+    if getattr(module, "has_post_expert_norm", False):
+        raise ValueError(f"{name} has a post-expert norm; GroupedExpertsParallel shards gated/ungated experts "
+                         "(with or without biases) only. Leave the experts replicated (plan entry "
                          "LocalReplicateParallel()) or use tp=1")
     transposed = bool(getattr(module, "is_transposed", False))
     up_dim, down_dim = (2, 1) if transposed else (1, 2)
     placements: dict[str, object] = {"down_proj": Shard(down_dim)}
-    if "gate_up_proj" in module._parameters:
-        concatenated = getattr(module, "is_concatenated", True)
-        placements["gate_up_proj"] = _StridedShard(up_dim, split_factor=2) if concatenated else Shard(up_dim)
-    else:
-        placements["up_proj"] = Shard(up_dim)
+    up = "gate_up_proj" if "gate_up_proj" in module._parameters else "up_proj"
+    concatenated = up == "gate_up_proj" and getattr(module, "is_concatenated", True)
+    placements[up] = _StridedShard(up_dim, split_factor=2) if concatenated else Shard(up_dim)
+    if getattr(module, "has_bias", False):  # [E, 2I] / [E, I] with their rows; down's [E, D] once (_once_over_tp)
+        placements[f"{up}_bias"] = _StridedShard(1, split_factor=2) if concatenated else Shard(1)
+        placements["down_proj_bias"] = Replicate()
     extra = sorted(set(n for n, p in module._parameters.items() if p is not None) - set(placements))
     if extra:
         raise ValueError(f"{name} has parameters {extra} that GroupedExpertsParallel does not know how to shard")
@@ -77,6 +85,13 @@ def _intermediate_size(module: nn.Module) -> int:
 
 def _full(value):
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _once_over_tp(bias: torch.Tensor, tp: int) -> torch.Tensor:
+    """``bias / tp`` in the forward, gradient unchanged: each rank adds its share to its partial
+    ``[T, D]``, so the all-reduced output holds the bias once, and each rank's gradient (of the
+    replicated output) is already the full one, as a ``Replicate`` parameter's must be."""
+    return bias + (bias / tp - bias).detach()
 
 
 class GroupedExpertsParallel(ParallelStyle):
@@ -94,6 +109,8 @@ class GroupedExpertsParallel(ParallelStyle):
     def _forward_pre(self, mesh: DeviceMesh, module, args, kwargs):
         args, kwargs = list(args), dict(kwargs)
         swap_in_local_params(module)
+        if isinstance(module._parameters.get("down_proj_bias"), torch.Tensor):  # added once after the all-reduce
+            module._parameters["down_proj_bias"] = _once_over_tp(module._parameters["down_proj_bias"], mesh.size())
         # x [T, D] whole on every rank; its gradient (a partial sum over ranks) is all-reduced
         if args:
             args[0] = replicated_local(_full(args[0]), mesh)
@@ -123,13 +140,15 @@ class GroupedExpertsParallel(ParallelStyle):
         return module
 
 
-def moe_block_sp_style() -> ParallelStyle:
+def moe_block_sp_style(extra_outputs: int = 0) -> ParallelStyle:
     """A MoE block under sequence parallelism: reads the all-gathered norm output
     ([B, S, D] Replicate) as a plain tensor; its output [B, S, D] (replicated: the experts
-    all-reduce) is sliced to the sequence shard [B, S/tp, D] (backward: all-gather)."""
+    all-reduce) is sliced to the sequence shard [B, S/tp, D] (backward: all-gather);
+    ``extra_outputs`` more outputs (GPT-OSS's router scores) pass through as they are."""
+    keep = (None,) * extra_outputs
     return PrepareModuleInputOutput(
         input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False,
+        output_layouts=(Replicate(), *keep), desired_output_layouts=(Shard(1), *keep), use_local_output=False,
     )
 
 
@@ -138,3 +157,33 @@ def is_moe_block(module: nn.Module) -> bool:
     experts = getattr(module, "experts", None)
     return isinstance(experts, nn.Module) and is_grouped_experts(experts)
 
+
+def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Entries for one MoE block at ``path``: experts, router, shared experts and their gate."""
+    plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(), f"{path}.gate": LocalReplicateParallel()}
+    for shared in ("shared_expert", "shared_experts"):
+        mlp = getattr(block, shared, None)
+        if mlp is None:
+            continue
+        plan.update({f"{path}.{shared}.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj") if hasattr(mlp, p)})
+        plan[f"{path}.{shared}.down_proj"] = RowwiseParallel()  # partial [T, D] -> all-reduce inside the block
+    plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel()
+    for latent in ("fc1_latent_proj", "fc2_latent_proj"):  # NemotronH's optional latent projections
+        plan[f"{path}.{latent}"] = LocalReplicateParallel()
+    if sequence_parallel:
+        plan[path] = moe_block_sp_style()
+    return plan
+
+
+def moe_blocks_plan(model: nn.Module, sequence_parallel: bool, block: str = "mlp") -> dict[str, ParallelStyle]:
+    """``moe_block_plan`` of every layer whose ``block`` (``model.layers.i.<block>``) is a MoE block."""
+    plan: dict[str, ParallelStyle] = {}
+    for index, layer in enumerate(model.model.layers):
+        if is_moe_block(getattr(layer, block)):
+            plan.update(moe_block_plan(f"model.layers.{index}.{block}", getattr(layer, block), sequence_parallel))
+    return plan
+
+
+def moe_decoder_plan(model: nn.Module, sequence_parallel: bool, **decoder) -> dict[str, ParallelStyle]:
+    """``decoder_plan`` (attention, dense MLP layers, norms) plus every MoE block ``model.layers.i.mlp``."""
+    return {**decoder_plan(sequence_parallel, **decoder), **moe_blocks_plan(model, sequence_parallel)}

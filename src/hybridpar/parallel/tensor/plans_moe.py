@@ -1,9 +1,10 @@
 """Tensor/sequence-parallel plans for Hugging Face mixture-of-experts and Mamba2-hybrid models.
 
-- MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, NemotronH ``moe`` layers, Granite 4.0-H): experts
-  sharded on the intermediate dim (``GroupedExpertsParallel``), router replicated, shared experts
-  column/row parallel inside the block; under SP the block reads the all-gathered norm output
-  and returns the sequence shard (``moe_block_sp_style``).
+- MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, NemotronH ``moe`` layers, Granite 4.0-H, GPT-OSS):
+  experts sharded on the intermediate dim (``GroupedExpertsParallel``, biases included), router
+  replicated, shared experts column/row parallel inside the block (``moe.moe_block_plan``); under
+  SP the block reads the all-gathered norm output and returns the sequence shard
+  (``moe_block_sp_style``). GPT-OSS's attention sinks follow their heads (``HeadShardedSinks``).
 - Mamba2 mixers of transformers classes (Falcon-H1, Bamba, NemotronH, GraniteMoeHybrid) running
   hybridpar's core (``install_mamba_core``; ``parallelize`` installs it) are sharded by heads
   (``HFMambaHeadParallel``), as ``HybridLM``'s mixer (``tensor/hybrid.py``); a mixer on
@@ -52,15 +53,16 @@ from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
 from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, SplitInProj, replicate_shared_groups,
                                               spanning_group_norm)
-from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, is_moe_block, moe_block_sp_style
+from hybridpar.parallel.tensor.linear_styles import HeadShardedSinks
+from hybridpar.parallel.tensor.moe import is_moe_block, moe_block_plan, moe_block_sp_style, moe_blocks_plan, moe_decoder_plan
 from hybridpar.parallel.tensor.plans_hf import (GDNHeadParallel, lfm2_plan, olmo2_plan, register_hf_plan, split_gdn,
                                                split_short_conv)
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, RotaryEmbedParallel,
                                              SequenceParallelAllGatherActivation, TokenwiseParallel)
 
-__all__ = ["mamba_tp_problem", "split_hf_mixer", "split_hf_mixers", "HFMambaHeadParallel", "hf_mamba_style", "moe_block_plan",
-           "moe_decoder_plan", "mixtral_plan", "qwen3_moe_plan", "falcon_h1_plan", "bamba_plan", "nemotron_h_plan",
-           "granite_moe_hybrid_plan", "qwen3_next_plan", "olmo_hybrid_plan"]
+__all__ = ["mamba_tp_problem", "split_hf_mixer", "split_hf_mixers", "HFMambaHeadParallel", "hf_mamba_style",
+           "mixtral_plan", "qwen3_moe_plan", "falcon_h1_plan", "bamba_plan", "nemotron_h_plan",
+           "granite_moe_hybrid_plan", "qwen3_next_plan", "olmo_hybrid_plan", "gpt_oss_plan"]
 
 
 def mamba_tp_problem(name: str, mixer: nn.Module, tp: int) -> str | None:
@@ -157,37 +159,6 @@ class HFMambaHeadParallel(MambaHeadParallel):
 def hf_mamba_style(mixer: nn.Module, sequence_parallel: bool, replicated: ParallelStyle) -> ParallelStyle:
     """By heads for a mixer on hybridpar's core, else ``replicated`` (transformers' own forward)."""
     return HFMambaHeadParallel(sequence_parallel=sequence_parallel) if getattr(mixer, MARK, False) else replicated
-
-
-def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Entries for one MoE block at ``path``: experts, router, shared experts and their gate."""
-    plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(), f"{path}.gate": LocalReplicateParallel()}
-    for shared in ("shared_expert", "shared_experts"):
-        mlp = getattr(block, shared, None)
-        if mlp is None:
-            continue
-        plan.update({f"{path}.{shared}.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj") if hasattr(mlp, p)})
-        plan[f"{path}.{shared}.down_proj"] = RowwiseParallel()  # partial [T, D] -> all-reduce inside the block
-    plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel()
-    for latent in ("fc1_latent_proj", "fc2_latent_proj"):  # NemotronH's optional latent projections
-        plan[f"{path}.{latent}"] = LocalReplicateParallel()
-    if sequence_parallel:
-        plan[path] = moe_block_sp_style()
-    return plan
-
-
-def moe_blocks_plan(model: nn.Module, sequence_parallel: bool, block: str = "mlp") -> dict[str, ParallelStyle]:
-    """``moe_block_plan`` of every layer whose ``block`` (``model.layers.i.<block>``) is a MoE block."""
-    plan: dict[str, ParallelStyle] = {}
-    for index, layer in enumerate(model.model.layers):
-        if is_moe_block(getattr(layer, block)):
-            plan.update(moe_block_plan(f"model.layers.{index}.{block}", getattr(layer, block), sequence_parallel))
-    return plan
-
-
-def moe_decoder_plan(model: nn.Module, sequence_parallel: bool, **decoder) -> dict[str, ParallelStyle]:
-    """``decoder_plan`` (attention, dense MLP layers, norms) plus every MoE block ``model.layers.i.mlp``."""
-    return {**decoder_plan(sequence_parallel, **decoder), **moe_blocks_plan(model, sequence_parallel)}
 
 
 @register_hf_plan("mixtral", "MixtralForCausalLM")
@@ -388,4 +359,17 @@ def olmo_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Par
             plan[f"model.layers.{index}.linear_attn"] = GDNHeadParallel(sequence_parallel=sequence_parallel)
     if getattr(model.model, "rotary_emb", None) is None:
         plan.pop("model.rotary_emb", None)
+    return plan
+
+
+@register_hf_plan("gpt_oss", "GptOssForCausalLM")
+def gpt_oss_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """GPT-OSS: Llama attention (biased q/k/v/o) with its sinks by head (``HeadShardedSinks``), MoE
+    blocks (router ``router``, replicated; biased, interleaved experts split on the intermediate dim)."""
+    plan = moe_decoder_plan(model, sequence_parallel)
+    plan["model.layers.*.self_attn"] = HeadShardedSinks()
+    for i in range(len(model.model.layers)):
+        plan[f"model.layers.{i}.mlp.router"] = LocalReplicateParallel()
+        if sequence_parallel:  # the block returns (hidden states, router scores)
+            plan[f"model.layers.{i}.mlp"] = moe_block_sp_style(extra_outputs=1)
     return plan
