@@ -41,6 +41,7 @@ from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context import gdn as gdn_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context import mamba as mamba_cp
+from hybridpar.parallel.context.mamba_state import apply_mamba1_cp
 from hybridpar.parallel.context.short_conv import apply_short_conv_cp
 from hybridpar.parallel.checkpointing import (
     apply_activation_checkpointing,
@@ -139,6 +140,7 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     if not isinstance(model, HybridLM):  # transformers' Mamba2 mixers on hybridpar's core share mixer.core
         mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
         apply_short_conv_cp(model, cp_group)  # LFM2's short convs: a halo exchange at the seams
+        apply_mamba1_cp(model, cp_group)  # Mamba1 mixers (Jamba, FalconMamba, Mamba): state passing
         gdn_cp.apply_gdn_cp(model, cp_group, mamba_strategy)
         return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)

@@ -94,8 +94,8 @@ def test_a_packed_jamba_row_equals_each_document_alone_and_transformers_leaks():
     assert "Mamba1" in attention_problem(leaky)
     assert _relative(_loss_and_grads(leaky, ids, labels, cu)[0], alone) > 1e-3
     assert mamba1_layout_problem(model, 1, 1) is None
-    assert "context and tensor parallelism of Mamba1 mixers are not built (cp=2, tp=1)" in \
-        mamba1_layout_problem(model, 2, 1)
+    assert mamba1_layout_problem(model, 2, 1) is None  # context parallel: state passing
+    assert "no exact tensor-parallel plan" in mamba1_layout_problem(model, 1, 2)
     assert mamba1_mixers(model)
 
 
@@ -122,3 +122,14 @@ def test_the_chunked_scan_equals_the_recurrence_token_by_token_across_chunks_and
     assert (got - want).abs().max() < 1e-12
     for g, w in zip(torch.autograd.grad((got * weight).sum(), inputs), torch.autograd.grad((want * weight).sum(), inputs)):
         assert (g - w).abs().max() < 1e-12
+    # states at a token continue its document exactly when they enter the rest (context parallelism's use)
+    one = [t[:1].detach() for t in (x, dt, B, C)]
+    whole = selective_scan(one[0], one[1], A.detach(), one[2], one[3], reset, chunk=8)
+    cut = 20  # inside the document [11, 30)
+    first, states = selective_scan(*(t[:, :cut] for t in one[:2]), A.detach(), *(t[:, :cut] for t in one[2:]),
+                                   reset[:cut], chunk=8, final_at=torch.tensor([9, cut - 1]))
+    rest_reset = reset[cut:].clone()
+    rest_reset[0] = True
+    rest = selective_scan(*(t[:, cut:] for t in one[:2]), A.detach(), *(t[:, cut:] for t in one[2:]), rest_reset,
+                          chunk=8, init_states=states[1:], init_at=torch.tensor([0]))
+    assert (torch.cat([first, rest], 1) - whole).abs().max() < 1e-12

@@ -17,8 +17,10 @@ mixers reset at document boundaries::
 Documents come from the batch's ``PackedSeqParams``: the decoder layers of these models do not
 hand their keyword arguments to the mixer, so the model's forward leaves them in one slot every
 mixer reads (as ``parallel/context/hf.apply_hf_cp`` does for attention). With a cache (generation)
-or a padding ``attention_mask`` the module's own forward runs. One process: context and tensor
-parallelism of these mixers are refused (``mamba1_layout_problem``).
+or a padding ``attention_mask`` the module's own forward runs. ``mixer.core`` (default
+``local_selective_core``: conv, activation, projections, scan, ``+ D x``) is the seam a context-parallel
+strategy replaces (``parallel/context/mamba_state.StatePassingMamba1``); tensor parallelism of these
+mixers is refused (``mamba1_layout_problem``).
 
 Single-device code (no process group).
 """
@@ -31,13 +33,21 @@ from torch import Tensor, nn
 
 from hybridpar.models.hf.mamba_mixers import switch_mixers
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
+from hybridpar.models.mamba.conv import conv_backward, conv_forward
+from hybridpar.models.mamba.core import row_documents
 
 __all__ = ["MAMBA1_MARK", "is_mamba1_mixer", "mamba1_problem", "install_mamba1_core", "mamba1_mixers",
-           "mamba1_layout_problem", "mamba1_training_forward"]
+           "mamba1_layout_problem", "mamba1_training_forward", "local_selective_core", "selective_inputs",
+           "document_conv"]
 
 MAMBA1_MARK = "hybridpar_mamba1"  # set on a Mamba1 mixer whose forward resets at document boundaries
 _SLOT = "_hybridpar_packed_slot"
 _NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+
+def _local(t: Tensor | None) -> Tensor | None:
+    """The rank-local tensor of a (DTensor) parameter, differentiable."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
 def is_mamba1_mixer(module: nn.Module) -> bool:
@@ -67,17 +77,51 @@ def mamba1_problem(name: str, module: nn.Module) -> str | None:
     return None
 
 
-def _document_conv(x: Tensor, conv: nn.Conv1d, reset: Tensor) -> Tensor:
-    """``x [R, T, Cd]`` through the depthwise causal ``conv``, each token reading its own document only:
-    ``out_t = bias + sum_lag w[:, K-1-lag] x_{t-lag} [t - lag >= start(t)]``."""
-    weight, length = conv.weight[:, 0], x.shape[1]  # [Cd, K]
-    index = torch.arange(length, device=x.device)
-    start = torch.cummax(torch.where(reset, index, 0), 0).values  # [T] first token of t's document
-    out = x * weight[:, -1]
-    for lag in range(1, min(weight.shape[1], length)):  # a lag past the row reads nothing
-        keep = (index[lag:] - lag >= start[lag:]).to(x.dtype)[None, :, None]  # [1, T-lag, 1]
-        out = out + F.pad(x[:, :-lag] * keep * weight[:, -1 - lag], (0, 0, lag, 0))
-    return out if conv.bias is None else out + conv.bias
+class _ResetConv(torch.autograd.Function):
+    """The Mamba2 conv of ``models/mamba/conv.py`` on a token stream ``[T, Cd]`` (documents ``cu_docs``,
+    ``history [m, K-1, Cd]`` entering the documents at ``init_at``); saves its inputs only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cu_docs, init_at, history):
+        ctx.save_for_backward(x, weight, cu_docs, init_at, history)
+        ctx.has_bias = bias is not None
+        return conv_forward(x, weight, bias, cu_docs, init_at, history)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, cu_docs, init_at, history = ctx.saved_tensors
+        dx, dweight, dbias, dhistory = conv_backward(x, weight, ctx.has_bias, cu_docs, init_at, history,
+                                                     grad.contiguous())
+        return dx, dweight, dbias, None, None, dhistory
+
+
+def document_conv(stream: Tensor, conv: nn.Conv1d, cu_docs: Tensor, init_at: Tensor | None = None,
+                  history: Tensor | None = None) -> Tensor:
+    """``stream [T, Cd]`` through the depthwise causal ``conv``, each token reading its own document only
+    (or the ``history`` entering it): ``out_t = bias + sum_lag w[:, K-1-lag] x_{t-lag}``."""
+    weight, bias = _local(conv.weight)[:, 0], _local(conv.bias)  # [Cd, K], [Cd]
+    return _ResetConv.apply(stream.to(weight.dtype), weight, bias, cu_docs, init_at, history).to(stream.dtype)
+
+
+def selective_inputs(mixer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dt after softplus [.., Cd], B, C [.., N])`` of the activated conv output ``x [.., Cd]``: per token."""
+    state = mixer.A_log.shape[1]
+    dt, B, C = torch.split(mixer.x_proj(x), [mixer.dt_proj.in_features, state, state], dim=-1)
+    dt, B, C = (getattr(mixer, norm)(t) if hasattr(mixer, norm) else t for norm, t in zip(_NORMS, (dt, B, C)))
+    return F.softplus(mixer.dt_proj(dt)), B, C  # dt_proj called as a module, so a LoRA adapter on it applies
+
+
+def local_selective_core(mixer: nn.Module, x: Tensor, packed=None) -> Tensor:
+    """The single-process core, ``mixer.core``'s default: in_proj's ``x [R, T, Cd] -> y [R, T, Cd]``
+    (conv, act, x_proj, norms, dt_proj, scan, ``+ D x``; before the gate), documents reset."""
+    rows, length, channels = x.shape
+    cu_seqlens = None if packed is None else packed.cu_seqlens_padded
+    stream = document_conv(x.reshape(rows * length, channels), mixer.conv1d,
+                           row_documents(cu_seqlens, rows, length, x.device))
+    x = mixer.act(stream.view(rows, length, channels))
+    dt, B, C = selective_inputs(mixer, x)
+    reset = document_resets(cu_seqlens, length, x.device)
+    return selective_scan(x, dt, -torch.exp(_local(mixer.A_log)), B, C, reset) + x * _local(mixer.D)
 
 
 def mamba1_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
@@ -86,22 +130,16 @@ def mamba1_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None,
     if cache is not None or attention_mask is not None:
         return mixer._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     packed = kwargs.get("packed_seq_params") or mixer.__dict__.get(_SLOT, {}).get("packed_seq_params")
-    dtype, length = hidden_states.dtype, hidden_states.shape[1]
-    reset = document_resets(None if packed is None else packed.cu_seqlens, length, hidden_states.device)
     x, gate = mixer.in_proj(hidden_states).chunk(2, dim=-1)  # [R, T, Cd] each
-    x = mixer.act(_document_conv(x, mixer.conv1d, reset))
-    state = mixer.A_log.shape[1]
-    dt, B, C = torch.split(mixer.x_proj(x), [mixer.dt_proj.in_features, state, state], dim=-1)
-    dt, B, C = (getattr(mixer, norm)(t) if hasattr(mixer, norm) else t for norm, t in zip(_NORMS, (dt, B, C)))
-    dt = F.softplus(mixer.dt_proj(dt))  # [R, T, Cd]; called as a module, so a LoRA adapter on it applies
-    y = selective_scan(x, dt, -torch.exp(mixer.A_log), B, C, reset) + x * mixer.D
-    return mixer.out_proj((y * F.silu(gate)).to(dtype))
+    y = mixer.core(mixer, x, packed)  # [R, T, Cd]
+    return mixer.out_proj((y * F.silu(gate)).to(hidden_states.dtype))
 
 
 def install_mamba1_core(model: nn.Module) -> list[str]:
     """Give every Mamba1 mixer of ``model`` the training forward (idempotent); returns their names.
     Raises ``ValueError`` for a variant it cannot run exactly."""
-    names = switch_mixers(model, is_mamba1_mixer, mamba1_problem, MAMBA1_MARK, mamba1_training_forward, None,
+    names = switch_mixers(model, is_mamba1_mixer, mamba1_problem, MAMBA1_MARK, mamba1_training_forward,
+                          local_selective_core,
                           "one document per row (transformers' own forward)")
     if names and not getattr(model, "_hybridpar_mamba1_slot", False):
         slot: dict = {}
@@ -122,10 +160,11 @@ def mamba1_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def mamba1_layout_problem(model: nn.Module, cp: int, tp: int) -> str | None:
-    """Why ``model``'s switched Mamba1 mixers cannot run at this ``cp`` / ``tp`` (None: they can)."""
+    """Why ``model``'s switched Mamba1 mixers cannot run at this ``tp`` (None: they can; any ``cp``, by
+    state passing: ``parallel/context/mamba_state.StatePassingMamba1``)."""
     found = mamba1_mixers(model)
-    if found and (cp > 1 or tp > 1):
-        return (f"{type(model).__name__}'s Mamba1 mixer {found[0][0]!r} (and {len(found) - 1} more) runs hybridpar's "
-                f"document-resetting scan in one process; context and tensor parallelism of Mamba1 mixers are not "
-                f"built (cp={cp}, tp={tp}): use parallel.cp=1 and parallel.tp=1 (FSDP applies)")
+    if found and tp > 1:
+        return (f"{type(model).__name__}'s Mamba1 mixer {found[0][0]!r} (and {len(found) - 1} more) has no exact "
+                f"tensor-parallel plan (x_proj reads every channel of the scan input; tp={tp}): use parallel.tp=1 "
+                f"(context parallelism and FSDP apply)")
     return None

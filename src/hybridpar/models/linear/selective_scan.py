@@ -14,6 +14,11 @@ enters through its first token (``b_0 += a_0 h``). Each chunk runs under activat
 checkpointing, so autograd keeps the chunk inputs and the ``[rows, Cd, N]`` state between chunks:
 memory linear in ``T`` with one ``[rows, L, Cd, N]`` block alive at a time (transformers' own
 sequential path keeps ``exp(dt A)`` and ``dt x B`` for the whole row). Computed in float32 at least.
+
+For context parallelism (``parallel/context/mamba_state.StatePassingMamba1``) the scan also takes
+states entering given documents, ``init_states [m, Cd, N]`` at tokens ``init_at [m]`` (first tokens
+of documents: ``b_t += exp(dt_t A) h0``, the decay a reset masks), and returns the states at tokens
+``final_at [e]`` (each ``h_t`` of that token), one row only.
 """
 
 from __future__ import annotations
@@ -36,32 +41,53 @@ def document_resets(cu_seqlens: Tensor | None, seqlen: int, device) -> Tensor:
     return reset
 
 
-def _scan_chunk(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: Tensor, h: Tensor):
-    """``(y [R, L, Cd], h_last [R, Cd, N])`` of one chunk, ``h [R, Cd, N]`` carried in."""
-    a = torch.exp(dt[..., None] * A).masked_fill(reset[None, :, None, None], 0.0)  # [R, L, Cd, N]
+def _scan_chunk(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: Tensor, h: Tensor,
+                enter_at: Tensor | None = None, entering: Tensor | None = None, final_at: Tensor | None = None):
+    """``(y [R, L, Cd], h_last [R, Cd, N], h at final_at [e, Cd, N] or None)`` of one chunk, ``h [R, Cd, N]``
+    carried in; ``entering [m, Cd, N]`` enter row 0 at chunk tokens ``enter_at [m]``."""
+    decay = torch.exp(dt[..., None] * A)  # [R, L, Cd, N]
+    a = decay.masked_fill(reset[None, :, None, None], 0.0)
     b = (dt * x)[..., None] * B[:, :, None, :]  # [R, L, Cd, N]
+    if entering is not None and entering.shape[0]:
+        b = b.index_put((torch.zeros_like(enter_at), enter_at), decay[0, enter_at] * entering, accumulate=True)
     b = torch.cat([b[:, :1] + a[:, :1] * h[:, None], b[:, 1:]], dim=1)
     step, length = 1, x.shape[1]
     while step < length:  # inclusive prefix of (a, b) under the composition above
         b = torch.cat([b[:, :step], a[:, step:] * b[:, :-step] + b[:, step:]], dim=1)
         a = torch.cat([a[:, :step], a[:, step:] * a[:, :-step]], dim=1)
         step *= 2
-    return torch.einsum("rlcn,rln->rlc", b, C), b[:, -1]
+    finals = None if final_at is None else b[0, final_at]
+    return torch.einsum("rlcn,rln->rlc", b, C), b[:, -1], finals
 
 
 def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: Tensor,
-                   chunk: int = CHUNK) -> Tensor:
+                   chunk: int = CHUNK, init_states: Tensor | None = None, init_at: Tensor | None = None,
+                   final_at: Tensor | None = None):
     """``y [R, T, Cd]`` (before the ``D`` skip and the gate) for ``x, dt [R, T, Cd]`` (``dt`` after
     its softplus), ``A [Cd, N]``, ``B, C [R, T, N]`` and ``reset [T]`` (``document_resets``),
-    in ``x``'s dtype."""
+    in ``x``'s dtype. With ``final_at``: ``(y, states [e, Cd, N])`` (module docstring; one row)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     x, dt, A, B, C = (t.to(dtype) for t in (x, dt, A, B, C))
     rows, length, channels = x.shape
+    if (init_states is not None or final_at is not None) and rows != 1:
+        raise ValueError(f"selective_scan takes entering or final states on one row (rows back to back), got {rows} "
+                         "rows; reshape x, dt, B, C to [1, T, ...].")
     h = x.new_zeros(rows, channels, A.shape[1])
-    outputs = []
+    outputs, finals = [], []
     for start in range(0, length, chunk):
-        piece = slice(start, min(start + chunk, length))
-        args = (x[:, piece], dt[:, piece], A, B[:, piece], C[:, piece], reset[piece], h)
-        y, h = checkpoint(_scan_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _scan_chunk(*args)
+        stop = min(start + chunk, length)
+        piece = slice(start, stop)
+        enter_at = entering = local_final = None
+        if init_states is not None:
+            inside = (init_at >= start) & (init_at < stop)
+            enter_at, entering = init_at[inside] - start, init_states[inside].to(dtype)
+        if final_at is not None:
+            local_final = final_at[(final_at >= start) & (final_at < stop)] - start
+        args = (x[:, piece], dt[:, piece], A, B[:, piece], C[:, piece], reset[piece], h, enter_at, entering,
+                local_final)
+        y, h, ends = (checkpoint(_scan_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                      else _scan_chunk(*args))
         outputs.append(y)
-    return torch.cat(outputs, dim=1)
+        finals.append(ends)
+    y = torch.cat(outputs, dim=1)
+    return y if final_at is None else (y, torch.cat(finals))

@@ -43,6 +43,29 @@ segment (the scan is linear in it, so this equals ``y|zero`` plus the correction
 pass keeps only its inputs for backward (the stream is a view of ``in_proj``'s output); no
 ``[T, H, p, N]`` or per-piece state tensor is kept. The all-gathered states take
 ``P * S * H*p*N`` elements.
+
+**Mamba1** (``StatePassingMamba1``, the ``core`` of transformers' Mamba1 mixers: Mamba, FalconMamba,
+Jamba; ``models/hf/mamba1_mixers.py``): the same segments, halo and composition with a state per
+channel and state index. The selective scan (``models/linear/selective_scan.py``) is linear in the
+state entering a segment: per channel ``c`` and state ``n``, with ``a_t = exp(dt_t[c] A[c, n])``::
+
+    h_t = (prod_{s<=t} a_s) h0 + h_t|zero,     y_t = y_t|zero + C_t . (prod_{s<=t} a_s) h0
+
+so each rank (1) takes the ``K-1`` conv inputs before every segment from one all-gather of every
+segment's last ``K-1`` inputs ``[S, K-1, d_inner]`` (``_conv_halo``), runs the conv,
+the activation and the per-token ``x_proj`` / norms / ``dt_proj`` on its own tokens, (2) scans its
+segments from a zero state, keeping per segment ``h_end [d, n]`` and the total decay
+``a_seg = exp(A * sum dt) [d, n]``, (3) all-gathers ``[S, 2*d*n]`` of them and composes the
+entering states in global chunk order, ``h0_{j+1} = a_seg_j h0_j + h_end_j``
+(``_entering_states``), and (4) scans again with ``h0`` entering each segment.
+Backward is autograd through ``comm.all_gather`` (reduce-scatter).
+
+Bytes each rank sends per Mamba1 layer, forward (the backward the same)::
+
+    (P-1) * 2*B*n_docs * ((K-1) * d_inner * e + 2 * d_inner * d_state * e_s)
+
+independent of ``L``. Channels need no divisibility; document lengths are multiples of ``2P``
+(the packer pads them).
 """
 
 from __future__ import annotations
@@ -52,13 +75,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.layout import cached
+from hybridpar.models.hf.mamba1_mixers import document_conv, local_selective_core, mamba1_mixers, selective_inputs
+from hybridpar.models.linear.selective_scan import document_resets, selective_scan
 from hybridpar.models.mamba.core import mamba_conv_scan
 from hybridpar.parallel.comm.collectives import all_gather
+from hybridpar.parallel.context.core import ContextParallelCore
 
-__all__ = ["SegmentPlan", "build_segment_plan", "segment_plan", "state_passing_conv_scan", "state_bytes_per_layer"]
+__all__ = ["SegmentPlan", "build_segment_plan", "segment_plan", "state_passing_conv_scan", "state_bytes_per_layer",
+           "StatePassingMamba1", "apply_mamba1_cp", "mamba1_state_bytes_per_layer"]
 
 
 def state_bytes_per_layer(
@@ -230,3 +258,56 @@ def state_passing_conv_scan(
 
     y = mamba_conv_scan(stream, dt_stream, *params, init_states=h0, **options)  # [1, T, H*p]
     return y.reshape(batch, local_len, heads * head_dim)
+
+
+def mamba1_state_bytes_per_layer(batch: int, n_docs: int, cp: int, d_inner: int, d_state: int, conv_kernel: int,
+                                 element_size: int, state_element_size: int) -> int:
+    """Forward bytes one rank sends per Mamba1 layer (module docstring)."""
+    per_segment = (conv_kernel - 1) * d_inner * element_size + 2 * d_inner * d_state * state_element_size
+    return (cp - 1) * 2 * batch * n_docs * per_segment
+
+
+def _local(t: Tensor | None) -> Tensor | None:
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+class StatePassingMamba1(ContextParallelCore):
+    """The ``core`` of a switched Mamba1 mixer under CP: conv halo, scan, state passing, scan."""
+
+    name = "state"
+
+    def __call__(self, module: nn.Module, x: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
+        if self.cp_size == 1:
+            return local_selective_core(module, x, packed)
+        batch, local_len, width = x.shape
+        self.checked_layout(packed, local_len)
+        kernel = module.conv1d.kernel_size[0]
+        plan = segment_plan(packed, batch, self.cp_size, self.cp_rank, kernel, x.device)  # once per batch
+        stream = x.reshape(batch * local_len, width)  # rows back to back: [T, d]
+        halo = _conv_halo(stream, plan, kernel, self.cp_group)  # [S, K-1, d]
+        starts = plan.cu_segments[:-1]
+        u = module.act(document_conv(stream, module.conv1d, plan.cu_segments, None if halo is None else starts, halo))
+        dt, B, C = selective_inputs(module, u)  # [T, d], [T, n], [T, n]
+        A = -torch.exp(_local(module.A_log))  # [d, n]
+        u, dt, B, C = (t[None] for t in (u, dt, B, C))  # one row: [1, T, ...]
+        reset = document_resets(plan.cu_segments, u.shape[1], u.device)
+        _, h_end = selective_scan(u, dt, A, B, C, reset, final_at=plan.cu_segments[1:] - 1)  # [S, d, n]
+        dtype = h_end.dtype  # the scan's compute dtype (fp32 for bf16 activations)
+        dt_sum = dt.new_zeros(plan.num_segments, width, dtype=dtype).index_add(0, plan.token_segment, dt[0].to(dtype))
+        decay = torch.exp(dt_sum[:, :, None] * A.to(dtype))  # [S, d, n] a_seg
+        payload = torch.cat([h_end.flatten(1), decay.flatten(1)], dim=1)  # [S, 2*d*n]
+        gathered = all_gather(payload, self.cp_group, 0)  # [S, 2dn] -> [P*S, 2dn], rank-major
+        states, decays = gathered.reshape(self.cp_size, plan.num_docs, 2, 2, -1).unbind(3)  # [P, D, 2, d*n] each
+        h0 = _entering_states(states[..., None], decays, plan).view(plan.num_segments, width, -1)  # [S, d, n]
+        y = selective_scan(u, dt, A, B, C, reset, init_states=h0, init_at=starts) + u * _local(module.D)  # [1, T, d]
+        return y.view(batch, local_len, width)
+
+
+def apply_mamba1_cp(model: nn.Module, cp_group: dist.ProcessGroup | None) -> nn.Module:
+    """Install ``StatePassingMamba1`` as ``core`` of every Mamba1 mixer ``install_mamba1_core`` switched."""
+    mixers = mamba1_mixers(model)
+    if mixers:
+        core = StatePassingMamba1(cp_group)
+        for _, module in mixers:
+            module.core = core
+    return model
