@@ -1,0 +1,99 @@
+"""Round 9 of fault hunting (docs/reliability.md, "Round 9"): each test holds one class of fault."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.train.fault_probes import cli, one_line
+
+
+def _llama(path, **fields):
+    """A tiny Llama checkpoint saved by transformers (RoPE, 16 positions, vocab 300)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                         bos_token_id=1, eos_token_id=2, **fields)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _edit_config(path, **fields):
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    config.update(fields)
+    file.write_text(json.dumps(config))
+    (path / "generation_config.json").unlink(missing_ok=True)  # transformers then takes the ids from config.json
+
+
+def test_rope_past_max_positions_is_said_in_our_words_and_not_for_dynamic_scaling(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridpar.models.hf.causal_lm import position_note
+
+    code, output = cli("generate", "--hf-path", str(_llama(tmp_path / "m")), "--prompt", "hello world",
+                       "--max-new-tokens", "8", "--tokenizer", "bytes")
+    assert code == 0, output
+    assert "need 19 positions, past the model's max_position_embeddings=16" in output, output
+    assert "friendly reminder" not in output and "[transformers]" not in output, output
+    small = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                 max_position_embeddings=16)
+    with torch.device("meta"):
+        plain = LlamaForCausalLM(LlamaConfig(**small))
+        dynamic = LlamaForCausalLM(LlamaConfig(**small, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert position_note(plain, 16) is None and "past" in position_note(plain, 17)
+    assert position_note(dynamic, 64) is None  # dynamic NTK stretches RoPE by design
+
+
+def test_a_hybrid_generation_larger_than_memory_is_refused_before_it_starts():
+    from hybridpar.models.generation import check_generation_memory, generation_bytes
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+
+    model = HybridLM(HybridConfig.from_preset("tiny"))
+    assert generation_bytes(model, 1, 10_000, 10) > generation_bytes(model, 1, 100, 10)  # the prompt's logits
+    with pytest.raises(ValueError) as error:
+        check_generation_memory(model, 1, 5, 2**31 - 1, free=2**30)
+    message = one_line(error)
+    assert "generating 2147483647 tokens after a 5-token prompt needs about" in message and "ask for at most" in message
+    with pytest.raises(ValueError) as error:
+        check_generation_memory(model, 1, 10**7, 1, free=2**30)
+    assert "shorten the prompt" in one_line(error)
+    check_generation_memory(model, 1, 5, 64, free=2**30)  # a small request passes
+
+
+def test_config_vocab_size_below_one_is_one_line(tmp_path):
+    from hybridpar.models.hf.config import read_hf_config
+
+    path = _llama(tmp_path / "m")
+    for bad in (0, -5, "300", 2.5):
+        _edit_config(path, vocab_size=bad)
+        with pytest.raises(ValueError) as error:
+            read_hf_config(path)
+        assert f"vocab_size={json.dumps(bad) if isinstance(bad, str) else bad}".replace('"', "'") in one_line(error)
+
+
+def test_config_token_ids_outside_the_vocabulary_are_said_once_in_our_words(tmp_path):
+    from hybridpar.models.hf.generation_config import generation_id_problem
+
+    path = _llama(tmp_path / "m")
+    _edit_config(path, bos_token_id=5000, eos_token_id=-3)
+    assert "eos_token_id=-3 must be an integer in [0, 300)" in generation_id_problem(path)
+    code, output = cli("generate", "--hf-path", str(path), "--prompt", "hi", "--max-new-tokens", "2",
+                       "--tokenizer", "bytes")
+    assert code == 0 and "hybridpar: warning:" in output and "generation runs to --max-new-tokens" in output, output
+    assert "[transformers]" not in output and "positive integers" not in output, output
+    _edit_config(path, bos_token_id=1, eos_token_id=2)
+    assert generation_id_problem(path) is None
+
+
+def test_byte_ids_past_the_byte_range_decode_as_replacement_characters():
+    from hybridpar.data.tokenizers import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    assert tokenizer.decode([104, 105, 299, 33]) == "hi\ufffd!"
+    assert tokenizer.decode([0xC3, 0xA9, 256]) == "é\ufffd"
+    assert tokenizer.decode([3, 104]) == "h"  # specials still skipped
