@@ -97,3 +97,24 @@ def test_byte_ids_past_the_byte_range_decode_as_replacement_characters():
     assert tokenizer.decode([104, 105, 299, 33]) == "hi\ufffd!"
     assert tokenizer.decode([0xC3, 0xA9, 256]) == "é\ufffd"
     assert tokenizer.decode([3, 104]) == "h"  # specials still skipped
+
+
+def test_a_compound_rule_names_the_part_that_is_wrong():
+    from hybridpar.config import ConfigError, config_from_dict
+
+    for sample, part in (({"prompt": ""}, "prompt must be a non-empty string"), ({"prompt": "a", "top_p": 0},
+                                                                                  "top_p must be in (0, 1]")):
+        with pytest.raises(ConfigError) as error:
+            config_from_dict({"train": {"sample": sample}})
+        assert f"this one: {part}" in one_line(error)
+
+
+def test_a_generate_prompt_the_tokenizer_refuses_names_the_prompt_not_the_api():
+    from hybridpar.data.tokenizers import ByteTokenizer
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.train.sample import continue_prompt
+
+    with pytest.raises(ValueError) as error:
+        continue_prompt(HybridLM(HybridConfig.from_preset("tiny")), ByteTokenizer(), "a\x02b", 2)
+    message = one_line(error)
+    assert "the prompt 'a\\x02b' cannot be encoded by tokenizer bytes" in message and "errors='drop'" not in message

@@ -112,7 +112,14 @@ def continue_prompt(model, tokenizer, prompt: str, max_new_tokens: int, temperat
     from hybridpar.models.hf.causal_lm import generate_causal_lm, position_note
     from hybridpar.models.hybrid import HybridLM
 
-    prompt_ids = tokenizer.document(prompt, add_eos=False)
+    from hybridpar.config_rules import quoted, shorten
+
+    try:
+        prompt_ids = tokenizer.document(prompt, add_eos=False)
+    except ValueError as error:  # e.g. a reserved control byte: its API advice (errors='drop') is no CLI fix
+        why = str(error).split(";")[0].rstrip(".")
+        raise ValueError(shorten(f"the prompt {quoted(prompt, 60)} cannot be encoded by tokenizer {tokenizer.name} "
+                                 f"({why}); remove that character from the prompt.", 500)) from None
     if not prompt_ids:
         raise ValueError("the prompt is empty and the tokenizer adds no BOS: give the model at least one token.")
     if isinstance(model, HybridLM):  # before any allocation: a huge prompt or token count is refused in one line
