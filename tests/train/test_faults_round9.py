@@ -118,3 +118,19 @@ def test_a_generate_prompt_the_tokenizer_refuses_names_the_prompt_not_the_api():
         continue_prompt(HybridLM(HybridConfig.from_preset("tiny")), ByteTokenizer(), "a\x02b", 2)
     message = one_line(error)
     assert "the prompt 'a\\x02b' cannot be encoded by tokenizer bytes" in message and "errors='drop'" not in message
+
+
+def test_an_adapter_folder_with_a_bad_rank_or_no_weights_is_one_line(tmp_path):
+    from hybridpar.models.hf.lora_export import read_peft_adapter
+
+    fields = {"base_model_name_or_path": str(tmp_path), "peft_type": "LORA", "r": 4, "lora_alpha": 8}
+    for change, expected in (({"r": 0}, "r=0 must be an integer >= 1"), ({"lora_alpha": None}, "lora_alpha=None must"),
+                             ({}, "but no adapter_model.safetensors")):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**fields, **change}))
+        with pytest.raises(ValueError) as error:
+            read_peft_adapter(tmp_path)
+        assert expected in one_line(error)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError) as error:
+        read_peft_adapter(tmp_path)
+    assert "is damaged or truncated" in one_line(error)
