@@ -134,3 +134,22 @@ def test_an_adapter_folder_with_a_bad_rank_or_no_weights_is_one_line(tmp_path):
     with pytest.raises(ValueError) as error:
         read_peft_adapter(tmp_path)
     assert "is damaged or truncated" in one_line(error)
+
+
+RESTORE = {"num_hidden_layers": 1, "head_dim": 8, "max_position_embeddings": 16, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+
+
+def test_a_zero_size_or_rope_base_in_config_json_is_one_line_not_a_crash_or_nan(tmp_path):
+    from hybridpar.models.hf.config import read_hf_config
+
+    path = _llama(tmp_path / "m")
+    for field, value, rule in (("num_hidden_layers", 0, "an integer >= 1"), ("head_dim", 0, "an integer >= 1"),
+                               ("max_position_embeddings", -1, "an integer >= 1"), ("rope_theta", 0, "> 0"),
+                               ("rms_norm_eps", float("nan"), "> 0")):
+        _edit_config(path, **{field: value})
+        with pytest.raises(ValueError) as error:
+            read_hf_config(path)
+        message = one_line(error)
+        assert f"{field}=" in message and rule in message, message
+        _edit_config(path, **{field: RESTORE[field]})
+    read_hf_config(path)  # restored: fine

@@ -31,15 +31,32 @@ def vocab_of(hf: dict) -> int | None:
     return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "max_position_embeddings", "n_positions", "n_embd", "n_layer", "n_head")
+POSITIVE_FIELDS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+
+
 def config_vocab_problem(hf: dict, file) -> str | None:
-    """The problem of ``config.json``'s ``vocab_size`` (its own or its ``text_config``'s) when it is
-    given but not an integer >= 1 (transformers builds a model of zero rows and only logs), or None."""
+    """The problem of a size in ``config.json`` (its own or its ``text_config``'s): a count in
+    ``SIZE_FIELDS`` that is not an integer >= 1 (transformers builds zero rows, no layers, or divides
+    by it), or a ``POSITIVE_FIELDS`` value (RoPE base, norm epsilon) that is not a finite number > 0
+    (a RoPE base of 0 makes every frequency inf: NaN losses); None when all are (or are absent/null)."""
+    import math
+
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    for where, fields in (("", hf), ("text_config.", text)):
-        value = fields.get("vocab_size")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            return (f"{file}: {where}vocab_size={quoted(value)} must be an integer >= 1 (the rows of the embedding); "
-                    "restore the checkpoint's config.json.")
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    for where, fields in (("", hf), ("text_config.", text), ("rope_parameters.", rope)):
+        for name in SIZE_FIELDS:
+            value = fields.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                return (f"{file}: {where}{name}={quoted(value)} must be an integer >= 1; restore the checkpoint's "
+                        "config.json.")
+        for name in POSITIVE_FIELDS:
+            value = fields.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                return (f"{file}: {where}{name}={quoted(value)} must be a finite number > 0; restore the checkpoint's "
+                        "config.json.")
     return None
 
 
