@@ -153,3 +153,7 @@ def test_a_zero_size_or_rope_base_in_config_json_is_one_line_not_a_crash_or_nan(
         assert f"{field}=" in message and rule in message, message
         _edit_config(path, **{field: RESTORE[field]})
     read_hf_config(path)  # restored: fine
+    _edit_config(path, n_groups=0)  # a Mamba count (transformers' mixer divided by it)
+    with pytest.raises(ValueError) as error:
+        read_hf_config(path)
+    assert "n_groups=0 must be an integer >= 1" in one_line(error)

@@ -32,7 +32,11 @@ def vocab_of(hf: dict) -> int | None:
 
 
 SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "max_position_embeddings", "n_positions", "n_embd", "n_layer", "n_head")
+               "head_dim", "max_position_embeddings", "n_positions", "n_embd", "n_layer", "n_head", "intermediate_size",
+               # Mamba2 / Bamba / NemotronH mixers (a zero here divided by zero in transformers' mixer)
+               "num_heads", "n_groups", "chunk_size", "conv_kernel", "state_size", "ssm_state_size", "mamba_n_heads",
+               "mamba_d_head", "mamba_n_groups", "mamba_chunk_size", "mamba_d_conv", "mamba_d_state", "mamba_num_heads",
+               "mamba_head_dim")
 POSITIVE_FIELDS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
 
 
