@@ -157,3 +157,17 @@ def test_a_zero_size_or_rope_base_in_config_json_is_one_line_not_a_crash_or_nan(
     with pytest.raises(ValueError) as error:
         read_hf_config(path)
     assert "n_groups=0 must be an integer >= 1" in one_line(error)
+
+
+def test_a_transformers_generation_larger_than_memory_is_refused_too():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridpar.models.generation import check_generation_memory, transformers_generation_bytes
+
+    small = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_attention_heads=1)
+    with torch.device("meta"):
+        one, four = (LlamaForCausalLM(LlamaConfig(**small, num_hidden_layers=n)) for n in (1, 4))
+    assert transformers_generation_bytes(four, 1, 10, 10**6) > transformers_generation_bytes(one, 1, 10, 10**6)
+    with pytest.raises(ValueError) as error:
+        check_generation_memory(one, 1, 5, 2**31 - 1, free=2**30, estimate=transformers_generation_bytes)
+    assert "ask for at most" in one_line(error)

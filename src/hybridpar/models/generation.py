@@ -44,7 +44,8 @@ from hybridpar.models.attention.mixer import apply_rotary, rotary_cos_sin
 from hybridpar.models.mamba.core import mamba_conv_scan
 
 __all__ = ["GenerationCache", "prefill", "decode_step", "sample_next", "check_sampling", "generate",
-           "generation_bytes", "check_generation_memory"]
+           "generation_bytes", "transformers_generation_bytes",
+           "check_generation_memory"]
 
 
 @dataclass
@@ -299,6 +300,25 @@ def generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int)
     return logits + layer_peak + kv + repeated + 2 * batch * total * 8 + per_token
 
 
+def transformers_generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int) -> int:
+    """A lower estimate for a transformers model's ``generate``: every layer's K/V ``[B, S+n, Hkv, Dh]``
+    x2 for a plain decoder (a hybrid's layer kinds are not read: none counted), the last position's
+    logits and the token ids; plus a Python object per step."""
+    c = getattr(model, "config", None)
+    size = torch.finfo(model.dtype).bits // 8 if getattr(model, "dtype", torch.float32).is_floating_point else 4
+    total = prompt + new_tokens
+    heads = getattr(c, "num_attention_heads", None)
+    hybrid = any(getattr(c, f, None) for f in ("attn_layer_indices", "layers_block_type", "layer_types",
+                                                "hybrid_override_pattern", "layers_block_types"))
+    kv = 0
+    if isinstance(heads, int) and heads > 0 and not hybrid:
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        kv = c.num_hidden_layers * 2 * batch * total * kv_heads * head_dim * size
+    vocab = getattr(c, "vocab_size", 0) or 0
+    return kv + batch * vocab * 4 * 2 + 2 * batch * total * 8 + 512 * new_tokens
+
+
 def available_bytes(device: torch.device) -> int | None:
     """Free memory on ``device`` (CUDA: the driver's free bytes; CPU: ``MemAvailable``), or None if unknown."""
     if device.type == "cuda":
@@ -314,24 +334,24 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_generation_memory(model: nn.Module, batch: int, prompt: int, new_tokens: int,
-                            free: int | None = None) -> None:
+                            free: int | None = None, estimate=generation_bytes) -> None:
     """ValueError (one line) when ``generation_bytes`` is more than the device's free memory (``free``
     overrides what ``available_bytes`` reads): a prompt of a million tokens or ``max_new_tokens``
     of 2**31 fails at once, naming the sizes and what fits, instead of swapping or being killed."""
     device = next(model.parameters()).device
     free = available_bytes(device) if free is None else free
-    need = generation_bytes(model, batch, prompt, new_tokens)
+    need = estimate(model, batch, prompt, new_tokens)
     if free is None or need <= free:
         return
     fit = 0
     low, high = 0, max(0, new_tokens)
     while low <= high:  # the most new tokens whose estimate fits
         mid = (low + high) // 2
-        if generation_bytes(model, batch, prompt, mid) <= free:
+        if estimate(model, batch, prompt, mid) <= free:
             fit, low = mid, mid + 1
         else:
             high = mid - 1
-    advice = (f"ask for at most {fit} new tokens" if generation_bytes(model, batch, prompt, 1) <= free
+    advice = (f"ask for at most {fit} new tokens" if estimate(model, batch, prompt, 1) <= free
               else "shorten the prompt")
     raise ValueError(f"generating {new_tokens} tokens after a {prompt}-token prompt needs about {need / 2**30:.3g} GiB "
                      f"(the prompt's logits over {model.config.vocab_size} tokens, activations and the attention "

@@ -108,7 +108,7 @@ def continue_prompt(model, tokenizer, prompt: str, max_new_tokens: int, temperat
     generation config's."""
     import sys
 
-    from hybridpar.models.generation import check_generation_memory
+    from hybridpar.models.generation import check_generation_memory, generation_bytes, transformers_generation_bytes
     from hybridpar.models.hf.causal_lm import generate_causal_lm, position_note
     from hybridpar.models.hybrid import HybridLM
 
@@ -122,8 +122,9 @@ def continue_prompt(model, tokenizer, prompt: str, max_new_tokens: int, temperat
                                  f"({why}); remove that character from the prompt.", 500)) from None
     if not prompt_ids:
         raise ValueError("the prompt is empty and the tokenizer adds no BOS: give the model at least one token.")
-    if isinstance(model, HybridLM):  # before any allocation: a huge prompt or token count is refused in one line
-        check_generation_memory(model, 1, len(prompt_ids), max_new_tokens)
+    # before any allocation: a huge prompt or token count is refused in one line
+    check_generation_memory(model, 1, len(prompt_ids), max_new_tokens,
+                            estimate=generation_bytes if isinstance(model, HybridLM) else transformers_generation_bytes)
     if note := position_note(model, len(prompt_ids) + max_new_tokens):
         print(f"hybridpar: warning: {note}.", file=sys.stderr, flush=True)
     eos = tokenizer.eos_id if isinstance(model, HybridLM) else None  # a transformers model: its generation config
