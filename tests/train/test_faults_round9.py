@@ -171,3 +171,16 @@ def test_a_transformers_generation_larger_than_memory_is_refused_too():
     with pytest.raises(ValueError) as error:
         check_generation_memory(one, 1, 5, 2**31 - 1, free=2**30, estimate=transformers_generation_bytes)
     assert "ask for at most" in one_line(error)
+
+
+@pytest.mark.parametrize("value", ["loud", "ERROR", ""])
+def test_a_transformers_log_level_it_does_not_know_is_one_line(value, monkeypatch):
+    from hybridpar.config import ConfigError
+    from hybridpar.environment import check_environment
+
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", value)
+    with pytest.raises(ConfigError) as error:
+        check_environment()
+    assert f"TRANSFORMERS_VERBOSITY='{value}' is not a transformers log level" in one_line(error)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
+    check_environment()
