@@ -201,7 +201,7 @@ RULES: dict[str, Rule] = {
     "train.collective_timeout_s": number(1, 1e9),  # seconds; datetime.timedelta and the launcher hold them
     "train.on_nonfinite": one_of("stop", "skip"),
     "train.max_nonfinite_skips": integer(0),
-    "train.sample": Rule(SAMPLE_RULE_TEXT, lambda v: v is None or sample_problem(v) is None),
+    "train.sample": Rule(SAMPLE_RULE_TEXT, lambda v: v is None or sample_problem(v) is None, sample_problem),
     "checkpoint.every": integer(-1),
     "checkpoint.keep": integer(1),
     "checkpoint.resume": Rule("'auto', a checkpoint path or null", lambda v: v is None or PATH.holds(v)),
@@ -358,6 +358,7 @@ def _build(cls, raw, prefix: str):
                 value = os.path.expanduser(value)  # as a shell would: a YAML file or a quoted override skip the shell
             if not rule.holds(value):  # a path the system cannot look up says why (a symlink loop, ...)
                 problem = path_problem(value) if isinstance(value, str) else None
+                problem = problem or (rule.problem(value) if rule.problem else None)  # e.g. train.sample's prompt
                 raise invalid(key, value, str(rule.text) + (f"; this one: {problem}" if problem else ""))
             values[name] = value
     return cls(**values)

@@ -77,6 +77,7 @@ class Rule:
 
     text: str  # or an object whose str() is the text (choices known only after an import)
     holds: Callable[[typing.Any], bool]
+    problem: Callable[[typing.Any], str | None] | None = None  # a compound value: which part is wrong
 
 
 def integer(low: int, high: int = INT64_MAX, why: str = "") -> Rule:

@@ -11,6 +11,8 @@
 - Variables torch reads when it is imported (``TORCH_LOGS``, ``TORCH_DISTRIBUTED_DEBUG``,
   ``LOGLEVEL``, ...): a value torch refuses was a traceback from inside ``import torch``;
   ``import_torch`` makes it one line naming the variables of torch that are set.
+- ``TRANSFORMERS_VERBOSITY`` must be one of transformers' levels (it printed "Unknown option" and
+  went on at its default).
 - ``HYBRIDPAR_TRACEBACK`` is a switch: 1/true/yes/on or 0/false/no/off (``=0`` showed the traceback:
   any non-empty value did).
 
@@ -61,6 +63,9 @@ def import_torch() -> None:
         raise ConfigError(f"importing torch failed ({shorten(why, 200)}); {cause}.") from None
 
 
+TRANSFORMERS_LEVELS = ("detail", "debug", "info", "warning", "error", "critical")  # transformers.utils.logging's
+
+
 def traceback_wanted() -> bool:
     """``HYBRIDPAR_TRACEBACK`` is on: print the traceback behind a one-line message."""
     return SWITCH.get(os.environ.get("HYBRIDPAR_TRACEBACK", "").strip().lower(), False)
@@ -78,6 +83,11 @@ def check_environment() -> list[str]:
     if switch.strip().lower() not in SWITCH:
         raise ConfigError(f"HYBRIDPAR_TRACEBACK={quoted(switch, 60)} is invalid: it must be 1 (print the traceback behind "
                           "an error message) or 0 (true/false, yes/no, on/off also do); fix it, or unset it.")
+    verbosity = os.environ.get("TRANSFORMERS_VERBOSITY")
+    if verbosity is not None and verbosity not in TRANSFORMERS_LEVELS:  # transformers printed its own line (lower case only)
+        raise ConfigError(f"TRANSFORMERS_VERBOSITY={quoted(verbosity, 60)} is not a transformers log level: it must be "
+                          f"one of {', '.join(TRANSFORMERS_LEVELS)} (lower case); fix it, or unset it (hybridpar shows transformers' "
+                          "errors only).")
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: every variable it needs
         missing = [key for key in ("RANK", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
         if missing:

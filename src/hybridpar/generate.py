@@ -148,9 +148,11 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         model_path = hf_path
         if (Path(hf_path) / "adapter_config.json").is_file():  # a LoRA adapter: its base with the adapter merged
             hf_path, model_path = _merged_adapter(hf_path)
-        from hybridpar.models.hf.generation_config import check_generation_ids
+        from hybridpar.models.hf.generation_config import check_generation_ids, config_ids_problem
 
         check_generation_ids(hf_path)  # an end token the model can make (train only warns)
+        if problem := config_ids_problem(hf_path):  # tiny test models keep default ids: said, not refused
+            print(f"hybridpar: warning: {problem}; generation runs to --max-new-tokens.", file=sys.stderr, flush=True)
         model = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval()
     else:
         path = checkpoint_to_load(checkpoint)

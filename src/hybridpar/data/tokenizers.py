@@ -150,8 +150,19 @@ class ByteTokenizer(Tokenizer):
         return [self.bos_id] * add_bos + list(data) + [self.eos_id] * add_eos
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """UTF-8 text of byte ids; an id outside 0-255 (a model whose vocabulary is padded past the
+        bytes can sample one) is no byte: it reads as U+FFFD, as an invalid byte sequence does."""
         specials = {self.pad_id, self.bos_id, self.eos_id} if skip_special_tokens else set()
-        return bytes(int(i) for i in ids if int(i) not in specials).decode("utf-8", errors="replace")
+        pieces, run = [], bytearray()
+        for i in (int(i) for i in ids):
+            if i in specials:
+                continue
+            if 0 <= i < 256:
+                run.append(i)
+            else:
+                pieces += [run.decode("utf-8", errors="replace"), "\ufffd"]
+                run = bytearray()
+        return "".join(pieces) + run.decode("utf-8", errors="replace")
 
 
 class PretrainedTokenizer(Tokenizer):

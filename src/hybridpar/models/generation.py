@@ -43,7 +43,9 @@ from hybridpar.config_rules import quoted
 from hybridpar.models.attention.mixer import apply_rotary, rotary_cos_sin
 from hybridpar.models.mamba.core import mamba_conv_scan
 
-__all__ = ["GenerationCache", "prefill", "decode_step", "sample_next", "check_sampling", "generate"]
+__all__ = ["GenerationCache", "prefill", "decode_step", "sample_next", "check_sampling", "generate",
+           "generation_bytes", "transformers_generation_bytes",
+           "check_generation_memory"]
 
 
 @dataclass
@@ -269,3 +271,88 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temper
         if step + 1 < max_new_tokens:
             logits = decode_step(model, next_ids[:, None], cache)
     return torch.cat(tokens, dim=1)
+
+
+def generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int) -> int:
+    """A lower estimate of the bytes ``generate`` allocates beyond the weights, for ``batch`` rows of a
+    ``prompt``-token prompt and ``new_tokens`` more: the prompt's logits ``[B, S, V]`` (and their
+    float32 copy to sample), the largest layer's prefill activations (Mamba's in_proj output and
+    the scan's chunk states ``[B, S/Q, H, P, N]`` in float32; attention's q, k, v), every
+    attention layer's K/V cache at full length ``[B, S+n, Hkv, Dh]`` x2 (and the repeated keys
+    of one step), and the token ids ``[B, S+n]``."""
+    c = model.config
+    size = torch.finfo(c.dtype).bits // 8 if c.dtype.is_floating_point else 4
+    total = prompt + new_tokens
+    logits = batch * prompt * c.vocab_size * (size + 4)
+    kinds = [layer.kind for layer in model.backbone.layers]
+    layer_peak = 0
+    if "mamba" in kinds:
+        mixer = next(layer.mixer for layer in model.backbone.layers if layer.kind == "mamba")
+        chunks = -(-prompt // max(1, c.chunk_size))
+        states = batch * chunks * c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size * 4
+        layer_peak = max(layer_peak, batch * prompt * mixer.in_proj.out_features * size * 2 + states)
+    if "attention" in kinds:
+        qkv = batch * prompt * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * size
+        layer_peak = max(layer_peak, 2 * qkv)
+    kv = kinds.count("attention") * 2 * batch * total * c.num_key_value_heads * c.head_dim * size
+    repeated = (2 * batch * total * c.num_attention_heads * c.head_dim * size) if "attention" in kinds else 0
+    per_token = 512 * new_tokens  # a Python tensor object per generated step, kept until the final cat
+    return logits + layer_peak + kv + repeated + 2 * batch * total * 8 + per_token
+
+
+def transformers_generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int) -> int:
+    """A lower estimate for a transformers model's ``generate``: every layer's K/V ``[B, S+n, Hkv, Dh]``
+    x2 for a plain decoder (a hybrid's layer kinds are not read: none counted), the last position's
+    logits and the token ids; plus a Python object per step."""
+    c = getattr(model, "config", None)
+    size = torch.finfo(model.dtype).bits // 8 if getattr(model, "dtype", torch.float32).is_floating_point else 4
+    total = prompt + new_tokens
+    heads = getattr(c, "num_attention_heads", None)
+    hybrid = any(getattr(c, f, None) for f in ("attn_layer_indices", "layers_block_type", "layer_types",
+                                                "hybrid_override_pattern", "layers_block_types"))
+    kv = 0
+    if isinstance(heads, int) and heads > 0 and not hybrid:
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        kv = c.num_hidden_layers * 2 * batch * total * kv_heads * head_dim * size
+    vocab = getattr(c, "vocab_size", 0) or 0
+    return kv + batch * vocab * 4 * 2 + 2 * batch * total * 8 + 512 * new_tokens
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` (CUDA: the driver's free bytes; CPU: ``MemAvailable``), or None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_generation_memory(model: nn.Module, batch: int, prompt: int, new_tokens: int,
+                            free: int | None = None, estimate=generation_bytes) -> None:
+    """ValueError (one line) when ``generation_bytes`` is more than the device's free memory (``free``
+    overrides what ``available_bytes`` reads): a prompt of a million tokens or ``max_new_tokens``
+    of 2**31 fails at once, naming the sizes and what fits, instead of swapping or being killed."""
+    device = next(model.parameters()).device
+    free = available_bytes(device) if free is None else free
+    need = estimate(model, batch, prompt, new_tokens)
+    if free is None or need <= free:
+        return
+    fit = 0
+    low, high = 0, max(0, new_tokens)
+    while low <= high:  # the most new tokens whose estimate fits
+        mid = (low + high) // 2
+        if estimate(model, batch, prompt, mid) <= free:
+            fit, low = mid, mid + 1
+        else:
+            high = mid - 1
+    advice = (f"ask for at most {fit} new tokens" if estimate(model, batch, prompt, 1) <= free
+              else "shorten the prompt")
+    raise ValueError(f"generating {new_tokens} tokens after a {prompt}-token prompt needs about {need / 2**30:.3g} GiB "
+                     f"(the prompt's logits over {model.config.vocab_size} tokens, activations and the attention "
+                     f"cache), but {device} has {free / 2**30:.3g} GiB free; {advice}.")

@@ -48,6 +48,7 @@ def check_sample_prompt(config, data, vocab_size: int) -> None:
         return
     from hybridpar.config_rules import quoted, shorten
     from hybridpar.train.batches import data_tokenizer
+    from hybridpar.train.hf_model import model_backend
 
     tokenizer = data_tokenizer(data, vocab_size, config.model.hf_path)
     try:
@@ -59,6 +60,16 @@ def check_sample_prompt(config, data, vocab_size: int) -> None:
         raise ValueError(f"train.sample's prompt {quoted(settings['prompt'], 60)} is no token for the run's tokenizer "
                          "(empty, and it adds no BOS); give a prompt with at least one character.")
     table = _learned_positions(config)
+    if config.model.hf_path and model_backend(config) == "transformers":
+        from hybridpar.models.hf.causal_lm import position_note
+        from hybridpar.train.hf_model import hf_shape
+        from hybridpar.train.run.metrics import notice
+
+        from types import SimpleNamespace
+
+        shape = SimpleNamespace(config=hf_shape(config.model.hf_path))  # position_note reads model.config only
+        if note := position_note(shape, len(ids) + settings["max_new_tokens"]):
+            notice(f"train.sample: {note}")
     if table and len(ids) + settings["max_new_tokens"] > table[1]:
         raise ValueError(f"train.sample's prompt ({len(ids)} tokens) plus max_new_tokens={settings['max_new_tokens']} "
                          f"needs {len(ids) + settings['max_new_tokens']} positions, but the model learned {table[1]} "
@@ -95,12 +106,27 @@ def continue_prompt(model, tokenizer, prompt: str, max_new_tokens: int, temperat
     """``(prompt ids, new ids, decoded continuation)``: the prompt is a document without its end
     token; a ``HybridLM`` stops at the tokenizer's end token, a transformers model at its
     generation config's."""
-    from hybridpar.models.hf.causal_lm import generate_causal_lm
+    import sys
+
+    from hybridpar.models.generation import check_generation_memory, generation_bytes, transformers_generation_bytes
+    from hybridpar.models.hf.causal_lm import generate_causal_lm, position_note
     from hybridpar.models.hybrid import HybridLM
 
-    prompt_ids = tokenizer.document(prompt, add_eos=False)
+    from hybridpar.config_rules import quoted, shorten
+
+    try:
+        prompt_ids = tokenizer.document(prompt, add_eos=False)
+    except ValueError as error:  # e.g. a reserved control byte: its API advice (errors='drop') is no CLI fix
+        why = str(error).split(";")[0].rstrip(".")
+        raise ValueError(shorten(f"the prompt {quoted(prompt, 60)} cannot be encoded by tokenizer {tokenizer.name} "
+                                 f"({why}); remove that character from the prompt.", 500)) from None
     if not prompt_ids:
         raise ValueError("the prompt is empty and the tokenizer adds no BOS: give the model at least one token.")
+    # before any allocation: a huge prompt or token count is refused in one line
+    check_generation_memory(model, 1, len(prompt_ids), max_new_tokens,
+                            estimate=generation_bytes if isinstance(model, HybridLM) else transformers_generation_bytes)
+    if note := position_note(model, len(prompt_ids) + max_new_tokens):
+        print(f"hybridpar: warning: {note}.", file=sys.stderr, flush=True)
     eos = tokenizer.eos_id if isinstance(model, HybridLM) else None  # a transformers model: its generation config
     device = next(model.parameters()).device
     out = generate_causal_lm(model, torch.tensor([prompt_ids], device=device), max_new_tokens,

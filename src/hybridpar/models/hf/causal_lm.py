@@ -82,7 +82,8 @@ def transformers_config(path: str | Path):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        with quiet_transformers():  # its log lines on the ids: read_hf_config and the preflight say them in one line
+            return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - config classes raise TypeError, ZeroDivisionError, hub errors, ...
         text = shorten(" ".join(str(error).split()) or type(error).__name__, 300)
         raise ValueError(f"{Path(path) / 'config.json'} cannot be read by transformers ({type(error).__name__}: "
@@ -155,6 +156,30 @@ def learned_positions(model: nn.Module) -> tuple[str, int] | None:
         if isinstance(module, nn.Embedding) and module is not inputs and limit and rows == limit:
             return name, rows
     return None
+
+
+EXTENDING_ROPE = ("dynamic",)  # scalings that stretch RoPE past max_position_embeddings by design
+
+
+def position_note(model: nn.Module, positions: int) -> str | None:
+    """A warning when ``positions`` (prompt plus new tokens) pass the ``max_position_embeddings`` a
+    computed-position model (RoPE) was trained for: it runs (positions are computed, unlike a learned
+    table, which ``generate_causal_lm`` refuses) but what comes past them is extrapolation. None within
+    the limit, for a model that gives none, or for a RoPE scaling that extends it (dynamic NTK)."""
+    config = getattr(model, "config", None)
+    hf = getattr(model, "hf_config", None)  # a HybridLM loaded from a checkpoint: the config.json dict
+    fields = hf if isinstance(hf, dict) else {k: getattr(config, k, None) for k in ("max_position_embeddings",
+                                                                                     "rope_parameters", "rope_scaling")}
+    limit = fields.get("max_position_embeddings")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1 or positions <= limit:
+        return None
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    kind = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else "default"
+    if kind in EXTENDING_ROPE:
+        return None
+    return (f"the prompt plus the new tokens need {positions} positions, past the model's max_position_embeddings="
+            f"{limit} (RoPE '{kind}'): it computes them, but text past {limit} is extrapolation and often degrades; "
+            f"ask for fewer tokens (or use a checkpoint whose RoPE scaling covers {positions})")
 
 
 # ----------------------------------------------------------------------------- loss
@@ -268,8 +293,9 @@ def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int,
     with torch.random.fork_rng(devices=devices):  # a seed never disturbs the caller's generators
         if seed is not None:
             torch.manual_seed(seed)
-        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                              eos_token_id=eos, pad_token_id=pad, **sampling)
+        with quiet_transformers():  # its length reminder and id notes: position_note and the preflight say them
+            return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos, pad_token_id=pad, **sampling)
 
 
 # ----------------------------------------------------------------------------- export

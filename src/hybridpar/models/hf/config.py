@@ -18,7 +18,7 @@ import torch
 from hybridpar.config_rules import quoted
 from hybridpar.models.hf.files import directory_kind
 from hybridpar.models.hybrid import HybridConfig
-from hybridpar.models.hf.generation_config import check_generation_config, vocab_of
+from hybridpar.models.hf.generation_config import check_generation_config, config_vocab_problem, vocab_of
 from hybridpar.strict_json import DuplicateKeyError, load_file
 
 MAMBA2, BAMBA, NEMOTRON_H = "Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"
@@ -86,6 +86,8 @@ def read_hf_config(path: str | Path) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{file} holds a JSON {type(hf).__name__}, not an object of config fields; restore the "
                          "checkpoint's config.json (it starts with '{').")
+    if problem := config_vocab_problem(hf, file):
+        raise ValueError(problem)
     check_generation_config(path, vocab_of(hf), check_ids=False)  # its ids: generate refuses, train notices
     quantization = hf.get("quantization_config")
     if quantization:

@@ -17,7 +17,8 @@ from hybridpar.config_rules import quoted, shorten
 from hybridpar.strict_json import DuplicateKeyError, load_file
 
 __all__ = ["GENERATION_FILE", "TOKEN_ID_FIELDS", "vocab_of", "check_generation_config", "generation_id_problem",
-           "check_generation_ids"]
+           "check_generation_ids", "config_vocab_problem", "config_id_problem",
+           "config_ids_problem"]
 
 GENERATION_FILE = "generation_config.json"
 TOKEN_ID_FIELDS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
@@ -28,6 +29,57 @@ def vocab_of(hf: dict) -> int | None:
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
     vocab = hf.get("vocab_size", text.get("vocab_size"))
     return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "max_position_embeddings", "n_positions", "n_embd", "n_layer", "n_head", "intermediate_size",
+               # Mamba2 / Bamba / NemotronH mixers (a zero here divided by zero in transformers' mixer)
+               "num_heads", "n_groups", "chunk_size", "conv_kernel", "state_size", "ssm_state_size", "mamba_n_heads",
+               "mamba_d_head", "mamba_n_groups", "mamba_chunk_size", "mamba_d_conv", "mamba_d_state", "mamba_num_heads",
+               "mamba_head_dim")
+POSITIVE_FIELDS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+
+
+def config_vocab_problem(hf: dict, file) -> str | None:
+    """The problem of a size in ``config.json`` (its own or its ``text_config``'s): a count in
+    ``SIZE_FIELDS`` that is not an integer >= 1 (transformers builds zero rows, no layers, or divides
+    by it), or a ``POSITIVE_FIELDS`` value (RoPE base, norm epsilon) that is not a finite number > 0
+    (a RoPE base of 0 makes every frequency inf: NaN losses); None when all are (or are absent/null)."""
+    import math
+
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    for where, fields in (("", hf), ("text_config.", text), ("rope_parameters.", rope)):
+        for name in SIZE_FIELDS:
+            value = fields.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                return (f"{file}: {where}{name}={quoted(value)} must be an integer >= 1; restore the checkpoint's "
+                        "config.json.")
+        for name in POSITIVE_FIELDS:
+            value = fields.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                return (f"{file}: {where}{name}={quoted(value)} must be a finite number > 0; restore the checkpoint's "
+                        "config.json.")
+    return None
+
+
+def config_id_problem(hf: dict, file) -> str | None:
+    """The problem of a token id in ``config.json`` itself (``TOKEN_ID_FIELDS``) outside the
+    vocabulary, or None: transformers takes its generation ids from there when the checkpoint has no
+    ``generation_config.json`` (and otherwise only logs)."""
+    vocab = vocab_of(hf)
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    for where, fields in (("", hf), ("text_config.", text)):
+        for field in TOKEN_ID_FIELDS:
+            value = fields.get(field)
+            ids = value if isinstance(value, list) and field == "eos_token_id" else [value]
+            if value is not None and (not ids or any(_bad_id(i, vocab) for i in ids)):
+                rule = f"an integer in [0, {vocab})" if vocab is not None else "an integer >= 0"
+                return shorten(f"{file}: {where}{field}={quoted(value)} must be {rule}, the vocabulary: a token the model "
+                               "never produces (generation would not stop or pad with it); fix it in config.json or "
+                               f"set it in a {GENERATION_FILE}", 500)
+    return None
 
 
 def _vocab_in(directory: str | Path) -> int | None | bool:
@@ -54,7 +106,18 @@ def generation_id_problem(directory: str | Path) -> str | None:
         check_generation_config(directory, vocab)
     except ValueError as error:
         return str(error)
-    return None
+    return config_ids_problem(directory)
+
+
+def config_ids_problem(directory: str | Path) -> str | None:
+    """``config_id_problem`` of ``directory``'s config.json when it has no generation_config.json."""
+    if (Path(directory) / GENERATION_FILE).is_file():
+        return None  # transformers reads the ids there (checked above)
+    try:
+        hf = load_file(Path(directory) / "config.json")
+    except (OSError, ValueError, RecursionError):
+        return None
+    return config_id_problem(hf, Path(directory) / "config.json") if isinstance(hf, dict) else None
 
 
 def check_generation_ids(directory: str | Path) -> None:

@@ -112,8 +112,33 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, Tensor]]
     """``(adapter_config.json, {module name without peft's prefix: tensor})``."""
     adapter_dir = Path(adapter_dir)
     config = load_json(adapter_dir / ADAPTER_CONFIG)  # a key written twice: refused, naming the file
-    tensors = {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(str(adapter_dir / ADAPTER_WEIGHTS)).items()}
-    return config, tensors
+    if problem := _adapter_config_problem(config):
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: {problem}; restore the adapter's {ADAPTER_CONFIG} (peft "
+                         "writes it with save_pretrained).")
+    weights = adapter_dir / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise ValueError(f"adapter {str(adapter_dir)!r} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}; copy the whole "
+                         "adapter folder (hybridpar reads safetensors adapters only).")
+    try:
+        stored = load_file(str(weights))
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
+        raise ValueError(f"{weights} cannot be read ({type(error).__name__}: {str(error)[:160]}); it is damaged or "
+                         "truncated: copy the adapter again.") from None
+    return config, {n.removeprefix(PEFT_PREFIX): t for n, t in stored.items()}
+
+
+def _adapter_config_problem(config) -> str | None:
+    """What is wrong with an adapter config's fields the merge reads (``r``, ``lora_alpha``), or None."""
+    import math
+
+    if not isinstance(config, dict):
+        return f"a JSON {type(config).__name__}, not an object of adapter fields"
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        return f"r={rank!r} must be an integer >= 1 (the adapter's rank)"
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        return f"lora_alpha={alpha!r} must be a finite number (the merge scales by lora_alpha / r)"
+    return None
 
 
 def expert_layouts(model: nn.Module) -> dict[str, tuple[int, bool]]:
