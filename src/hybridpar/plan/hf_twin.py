@@ -15,11 +15,22 @@ decoder layer is one checkpoint that keeps one input, not one per block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hybridpar.models.hybrid import HybridConfig
 
-__all__ = ["TWIN_MODEL_TYPES", "hybrid_twin"]
+__all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
 
-TWIN_MODEL_TYPES = ("llama", "mistral")
+TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class TwinConfig(HybridConfig):
+    """A HybridLM shape with what a transformers attention holds beyond it, priced by the planner only
+    (never built): ``qkv_bias``, Qwen2's biases on q, k and v and none on o (column-parallel, so split
+    over TP like their weights; ``parallel.comm.step.unit_parameters``)."""
+
+    qkv_bias: bool = False
 
 
 def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
@@ -32,13 +43,13 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
         return None, f"{model_type} with hidden_act={config.hidden_act!r}/mlp_bias is not a gated SiLU MLP"
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
-    twin = HybridConfig(
+    twin = TwinConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, pattern="*-" * config.num_hidden_layers,
         num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         rotary_fraction=rope.get("partial_rotary_factor", 1.0), attention_bias=bool(getattr(config, "attention_bias", False)),
         intermediate_size=config.intermediate_size, mlp_activation="silu", mlp_gated=True,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=model_type == "qwen2")
     from hybridpar.plan.params import parameter_count
 
     if parameter_count(twin) != parameters:

@@ -173,8 +173,9 @@ def _unit_parameters(kind: type, shape: tuple, tp: int, sp: bool) -> dict[str, l
             params += row(f"{m}.out_proj", d, d_inner, config.mamba_proj_bias)
         elif kind == "*":
             q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+            qkv_bias = config.attention_bias or getattr(config, "qkv_bias", False)  # Qwen2 (plan/hf_twin.py)
             for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                params += col(f"{m}.{name}", rows, d, config.attention_bias)
+                params += col(f"{m}.{name}", rows, d, qkv_bias)
             params += row(f"{m}.o_proj", d, q, config.attention_bias)
         else:
             for name in (("gate_proj", "up_proj") if config.mlp_gated else ("up_proj",)):
