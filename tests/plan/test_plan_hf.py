@@ -35,7 +35,9 @@ def _checkpoint(path, name: str = "llama", weights: bool = False) -> str:
     import transformers as hf
 
     config_class, model_class = {"llama": (hf.LlamaConfig, hf.LlamaForCausalLM),
-                                 "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM)}[name]
+                                 "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM),
+                                 "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM),
+                                 "gemma": (hf.GemmaConfig, hf.GemmaForCausalLM)}[name]
     config = config_class(**WIDTHS)
     if weights:
         torch.manual_seed(0)
@@ -61,13 +63,27 @@ def test_a_llama_is_planned_through_its_twin_with_exact_parameters(tmp_path):
     assert plan.memory.saved_bytes > twin.memory.saved_bytes  # transformers' norms keep their float32 products
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_qwen2_biases_and_qwen3_head_norms_are_counted_on_the_twin(tmp_path, name):
+    import transformers as hf
+
+    plan = make_plan(load_config(None, [f"model.hf_path={_checkpoint(tmp_path / name, name)}", "data.pack_size=4096"]))
+    model = {"qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**WIDTHS)),
+             "qwen3": lambda: hf.Qwen3ForCausalLM(hf.Qwen3Config(**WIDTHS))}[name]()
+    assert isinstance(plan, Plan) and plan.memory.params.total == sum(p.numel() for p in model.parameters())
+    llama = make_plan(load_config(None, [f"model.hf_path={_checkpoint(tmp_path / 'llama')}", "data.pack_size=4096"]))
+    grows = plan.memory.saved_bytes > llama.memory.saved_bytes  # Qwen3's head norms keep their inputs and products
+    assert grows == (name == "qwen3")
+
+
 def test_a_model_without_a_twin_keeps_its_parameter_share_and_fit_refuses_it_in_one_line(tmp_path):
-    path = _checkpoint(tmp_path / "qwen3", "qwen3")
+    path = _checkpoint(tmp_path / "gemma", "gemma")
     config = load_config(None, [f"model.hf_path={path}", "data.pack_size=4096"])
     plan = make_plan(config)
-    assert isinstance(plan, TransformersPlan) and "llama, mistral" in plan.text()
-    with pytest.raises(ConfigError, match=r"^plan --fit needs every layout's activations, and for Qwen3ForCausalLM "
-                                          r"activations and traffic are modelled for HybridLM and llama, mistral[^\n]*$"):
+    assert isinstance(plan, TransformersPlan) and "llama, mistral, qwen2, qwen3" in plan.text()
+    with pytest.raises(ConfigError, match=r"^plan --fit needs every layout's activations, and for GemmaForCausalLM "
+                                          r"activations and traffic are modelled for HybridLM and llama, mistral, "
+                                          r"qwen2, qwen3[^\n]*$"):
         search_layouts(config, 2, 80.0)
 
 
@@ -84,10 +100,10 @@ CASES = {"1 process": (1, []), "cp=2": (2, ["parallel.cp=2"]), "tp=2": (2, ["par
          "tp=2 + SP": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"])}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_the_plan_of_a_llama_matches_one_measured_step(tmp_path, name):
+@pytest.mark.parametrize("model, name", [("llama", c) for c in sorted(CASES)] + [("qwen2", "tp=2"), ("qwen3", "tp=2 + SP")])
+def test_the_plan_of_a_llama_matches_one_measured_step(tmp_path, model, name):
     world, layout = CASES[name]
-    overrides = [f"model.hf_path={_checkpoint(tmp_path / 'llama', weights=True)}", "data.pack_size=2048",
+    overrides = [f"model.hf_path={_checkpoint(tmp_path / model, model, weights=True)}", "data.pack_size=2048",
                  "data.packs_per_step=1", *layout]
     got = run_ranks(world, measure_step, overrides, str(tmp_path / "run"), timeout_s=600)[0]
     plan = predict(overrides)

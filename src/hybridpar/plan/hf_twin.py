@@ -21,7 +21,7 @@ from hybridpar.models.hybrid import HybridConfig
 
 __all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
 
-TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class TwinConfig(HybridConfig):
     over TP like their weights; ``parallel.comm.step.unit_parameters``)."""
 
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm weights [head_dim] on q and k per head, replicated over TP
 
 
 def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
@@ -49,7 +50,8 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         rotary_fraction=rope.get("partial_rotary_factor", 1.0), attention_bias=bool(getattr(config, "attention_bias", False)),
         intermediate_size=config.intermediate_size, mlp_activation="silu", mlp_gated=True,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=model_type == "qwen2")
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3")
     from hybridpar.plan.params import parameter_count
 
     if parameter_count(twin) != parameters:
