@@ -21,7 +21,8 @@ from hybridpar.models.hybrid import HybridConfig
 
 __all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
 
-TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba")
+MAMBA_HYBRIDS = ("bamba",)  # mapped field by field as models/hf/config.py loads them (pattern M- / *- per layer)
 
 
 @dataclass
@@ -40,11 +41,40 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
     model_type = getattr(config, "model_type", None)
     if model_type not in TWIN_MODEL_TYPES:
         return None, f"activations and traffic are modelled for HybridLM and {', '.join(TWIN_MODEL_TYPES)} models"
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+    if model_type in MAMBA_HYBRIDS:
+        twin, why = _mamba_hybrid_twin(config)
+        if twin is None:
+            return None, why
+    elif getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
         return None, f"{model_type} with hidden_act={config.hidden_act!r}/mlp_bias is not a gated SiLU MLP"
+    else:
+        twin = _decoder_twin(config, model_type)
+    from hybridpar.plan.params import parameter_count
+
+    if parameter_count(twin) != parameters:
+        return None, (f"its {parameters:,} parameters are not the {parameter_count(twin):,} of a plain "
+                      f"{model_type} decoder of its widths")
+    return twin, ""
+
+
+def _mamba_hybrid_twin(config) -> tuple[TwinConfig | None, str]:
+    """A Bamba's twin: the ``HybridConfig`` its checkpoint loads as natively (``models/hf/config.py``)."""
+    import dataclasses
+
+    from hybridpar.models.hf.config import config_from_hf
+
+    try:
+        native = config_from_hf({**config.to_dict(), "architectures": ["BambaForCausalLM"]})
+    except ValueError as error:
+        return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
+    return TwinConfig(**{f.name: getattr(native, f.name) for f in dataclasses.fields(native)}), ""
+
+
+def _decoder_twin(config, model_type: str) -> TwinConfig:
+    """A Llama-family decoder's twin: pattern ``*-`` per layer."""
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
-    twin = TwinConfig(
+    return TwinConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, pattern="*-" * config.num_hidden_layers,
         num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
@@ -52,9 +82,3 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
         intermediate_size=config.intermediate_size, mlp_activation="silu", mlp_gated=True,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3")
-    from hybridpar.plan.params import parameter_count
-
-    if parameter_count(twin) != parameters:
-        return None, (f"its {parameters:,} parameters are not the {parameter_count(twin):,} of a plain "
-                      f"{model_type} decoder of its widths")
-    return twin, ""
