@@ -21,8 +21,8 @@ from hybridpar.models.hybrid import HybridConfig
 
 __all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
 
-TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba")
-MAMBA_HYBRIDS = ("bamba",)  # mapped field by field as models/hf/config.py loads them (pattern M- / *- per layer)
+TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba", "nemotron_h")
+MAMBA_HYBRIDS = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}  # mapped field by field as models/hf/config.py loads them (pattern M- / *- per layer)
 
 
 @dataclass
@@ -58,13 +58,14 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
 
 
 def _mamba_hybrid_twin(config) -> tuple[TwinConfig | None, str]:
-    """A Bamba's twin: the ``HybridConfig`` its checkpoint loads as natively (``models/hf/config.py``)."""
+    """A Bamba's or dense NemotronH's twin: the ``HybridConfig`` its checkpoint loads as natively
+    (``models/hf/config.py``; a NemotronH with MoE layers is refused there, with the reason)."""
     import dataclasses
 
     from hybridpar.models.hf.config import config_from_hf
 
     try:
-        native = config_from_hf({**config.to_dict(), "architectures": ["BambaForCausalLM"]})
+        native = config_from_hf({**config.to_dict(), "architectures": [MAMBA_HYBRIDS[config.model_type]]})
     except ValueError as error:
         return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
     return TwinConfig(**{f.name: getattr(native, f.name) for f in dataclasses.fields(native)}), ""
