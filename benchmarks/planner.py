@@ -3,7 +3,8 @@
 For each model (``tiny``; ``mid``: the ``small`` preset's widths on a 5-block pattern, an 8K
 vocabulary and 2 Mamba groups so that tp=2 applies; ``llama``: a small transformers Llama, planned
 through its HybridLM twin; ``qwen2``, ``qwen3``: the same widths with Qwen2's q/k/v biases and Qwen3's
-per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with dense MLPs), layout (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
+per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with dense MLPs), layout
+(1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
 checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
 ``plan/validate.measure_step``: two training steps through ``Trainer.fit`` (the trainer reports
 the live-tensor peak of the second, steady-state step: ``tensor_peak_gib`` in metrics.jsonl, from

@@ -10,7 +10,8 @@ whole hidden state is all-reduced. Qwen2 (q/k/v biases) and Qwen3 (per-head q/k 
 gradients all-reduced over TP, their float32 products kept) have twins too, as have transformers'
 Bamba and dense NemotronH (``model.backend=transformers``: the pattern their checkpoints load as
 natively, plus Bamba's float32 gated norm); Qwen3 and Bamba are held to a measured step at
-tp=2 + SP (``benchmarks/planner.py`` measures every layout). A model without a twin keeps its parameter share and says why; ``--fit`` refuses it in one line. Before, every
+tp=2 + SP (``benchmarks/planner.py`` measures every layout). A model without a twin keeps its
+parameter share and says why; ``--fit`` refuses it in one line. Before, every
 transformers model was planned without activations, and ``plan --fit`` of one (or of a HybridLM
 without Mamba blocks at cp > 1) ended in a traceback.
 """

@@ -68,7 +68,8 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     w, e, ec = _widths(layout), layout.act_bytes, layout.compute_bytes
     tc, ts, seq = layout.tokens, layout.stream_tokens, layout.pack_size
     block_input = ts * w["d"] * layout.stream_bytes
-    if layout.hf_decoder and policy in ("full", "selective") and kind == "-":
+    paired = layout.hf_decoder and getattr(layout.model, "paired_layers", True)
+    if paired and policy in ("full", "selective") and kind == "-":
         return 0  # one checkpoint per decoder layer: the attention block's input is the layer's
     if policy == "full":
         return block_input

@@ -22,7 +22,8 @@ from hybridpar.models.hybrid import HybridConfig
 __all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
 
 TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba", "nemotron_h")
-MAMBA_HYBRIDS = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}  # mapped field by field as models/hf/config.py loads them (pattern M- / *- per layer)
+# Mamba2 hybrids: mapped field by field as models/hf/config.py loads them (Bamba M- / *- per layer)
+MAMBA_HYBRIDS = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
 
 
 @dataclass
@@ -33,6 +34,7 @@ class TwinConfig(HybridConfig):
 
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm weights [head_dim] on q and k per head, replicated over TP
+    paired_layers: bool = True  # a decoder layer is a mixer block then an MLP block (NemotronH: one block)
 
 
 def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
@@ -68,7 +70,8 @@ def _mamba_hybrid_twin(config) -> tuple[TwinConfig | None, str]:
         native = config_from_hf({**config.to_dict(), "architectures": [MAMBA_HYBRIDS[config.model_type]]})
     except ValueError as error:
         return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
-    return TwinConfig(**{f.name: getattr(native, f.name) for f in dataclasses.fields(native)}), ""
+    fields = {f.name: getattr(native, f.name) for f in dataclasses.fields(native)}
+    return TwinConfig(**fields, paired_layers=config.model_type == "bamba"), ""
 
 
 def _decoder_twin(config, model_type: str) -> TwinConfig:
