@@ -2,7 +2,9 @@
 
 For each model (``tiny``; ``mid``: the ``small`` preset's widths on a 5-block pattern, an 8K
 vocabulary and 2 Mamba groups so that tp=2 applies; ``llama``: a small transformers Llama, planned
-through its HybridLM twin), layout (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
+through its HybridLM twin; ``qwen2``, ``qwen3``: the same widths with Qwen2's q/k/v biases and Qwen3's
+per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with dense MLPs), layout
+(1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
 checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
 ``plan/validate.measure_step``: two training steps through ``Trainer.fit`` (the trainer reports
 the live-tensor peak of the second, steady-state step: ``tensor_peak_gib`` in metrics.jsonl, from
@@ -21,6 +23,8 @@ so a change to the planner shows without measuring again (``--replan`` does only
     python benchmarks/planner.py --models tiny --lengths 4096 16384
     python benchmarks/planner.py --models mid                     # mid at 2048 and 4096
     python benchmarks/planner.py --models llama                   # the transformers Llama at 4096 and 16384
+    python benchmarks/planner.py --models qwen2 qwen3 --lengths 4096
+    python benchmarks/planner.py --models bamba nemotron_h --lengths 4096
     python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
         --checkpointing full selective
     python benchmarks/planner.py --replan
@@ -41,13 +45,17 @@ from pathlib import Path
 
 import harness
 
-# llama: a transformers LlamaForCausalLM (hidden 128, 4 layers, 4 heads / 2 KV heads of 32, MLP 384, vocab 256),
-# planned through its HybridLM twin (plan/hf_twin.py); its checkpoint is written once to LLAMA (seed 0)
-LLAMA = Path(tempfile.gettempdir()) / "hybridpar-planner-llama"
+# llama, qwen2, qwen3: transformers {Llama,Qwen2,Qwen3}ForCausalLM (hidden 128, 4 layers, 4 heads / 2 KV heads of 32,
+# MLP 384, vocab 256); bamba: the same widths, layers Mamba2 (8 heads of 32, 2 groups, state 16) except layer 1;
+# nemotron_h: layers mamba, mlp, attention, mlp, mamba, mlp. All run on transformers' classes (model.backend=transformers)
+# and are planned through their HybridLM twin (plan/hf_twin.py); each checkpoint is written once (seed 0)
+HF_MODELS = ("llama", "qwen2", "qwen3", "bamba", "nemotron_h")
+CHECKPOINTS = {name: Path(tempfile.gettempdir()) / f"hybridpar-planner-{name}" for name in HF_MODELS}
 MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"],
-          "llama": [f"model.hf_path={LLAMA}"]}
+          **{name: [f"model.hf_path={path}"] + (["model.backend=transformers"] if name in ("bamba", "nemotron_h") else [])
+             for name, path in CHECKPOINTS.items()}}
 # mid runs ~30x tiny's flops per token on 2 shared cores: 2048 and 4096 keep a case within minutes
-LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096], "llama": [4096, 16384]}
+LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096], **{name: [4096, 16384] for name in HF_MODELS}}
 LAYOUTS = {  # name -> (world size, overrides)
     "1 process": (1, ["parallel.cp=1", "parallel.tp=1"]),
     "cp=2": (2, ["parallel.cp=2", "parallel.tp=1"]),
@@ -65,17 +73,30 @@ def case_overrides(model: str, layout: str, length: int, policy: str = "none") -
                                                  f"parallel.activation_checkpointing={policy}"]
 
 
-def llama_checkpoint() -> None:
-    """The ``llama`` model's checkpoint at ``LLAMA`` (written once; the plan reads its config.json)."""
-    if (LLAMA / "config.json").exists():
-        return
+MAMBA_WIDTHS = {"bamba": dict(mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=64,
+                               attn_layer_indices=[1]),
+                "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16, chunk_size=64,
+                                   layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"])}
+
+
+def hf_checkpoints() -> None:
+    """The transformers models' checkpoints at ``CHECKPOINTS`` (written once; the plan reads their config.json)."""
     import torch
     import transformers as hf
 
-    torch.manual_seed(0)
-    hf.LlamaForCausalLM(hf.LlamaConfig(hidden_size=128, intermediate_size=384, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=32, num_hidden_layers=4,
-                                       vocab_size=256)).save_pretrained(LLAMA)
+    widths = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  num_hidden_layers=4, vocab_size=256)
+    for name, path in CHECKPOINTS.items():
+        if (path / "config.json").exists():
+            continue
+        config, model = {"llama": (hf.LlamaConfig, hf.LlamaForCausalLM), "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM),
+                         "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM), "bamba": (hf.BambaConfig, hf.BambaForCausalLM),
+                         "nemotron_h": (hf.NemotronHConfig, hf.NemotronHForCausalLM)}[name]
+        torch.manual_seed(0)
+        fields = {**widths, **MAMBA_WIDTHS.get(name, {})}
+        if name == "nemotron_h":  # its layer count is its layer list's
+            del fields["num_hidden_layers"]
+        model(config(**fields)).save_pretrained(path)
 
 
 def measure_case(model: str, layout: str, length: int, policy: str) -> dict:
@@ -195,7 +216,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", nargs="+", default=["none"], choices=POLICIES)
     parser.add_argument("--replan", action="store_true", help="only recompute the plan side of the stored cases")
     args = parser.parse_args()
-    llama_checkpoint()
+    hf_checkpoints()
     record = load()
     command = "python benchmarks/planner.py " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:])
     record["commands"] = [c for c in record["commands"] if c != command] + [command]

@@ -6,8 +6,12 @@ parameters and traffic exact, saved activations within 10%, peak within 15%, on 
 cp=2, tp=2 and tp=2 + SP. Exact TP traffic also holds two fixes: without SP, q, k, v (gate, up)
 read one replicated norm output and all-reduce their input gradient once, not once each; the loss
 seam hands lm_head no position, detached, so no logits are gathered and no zero gradient of the
-whole hidden state is all-reduced. A model without a
-twin keeps its parameter share and says why; ``--fit`` refuses it in one line. Before, every
+whole hidden state is all-reduced. Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms: their
+gradients all-reduced over TP, their float32 products kept) have twins too, as have transformers'
+Bamba and dense NemotronH (``model.backend=transformers``: the pattern their checkpoints load as
+natively, plus Bamba's float32 gated norm); Qwen3 and Bamba are held to a measured step at
+tp=2 + SP (``benchmarks/planner.py`` measures every layout). A model without a twin keeps its
+parameter share and says why; ``--fit`` refuses it in one line. Before, every
 transformers model was planned without activations, and ``plan --fit`` of one (or of a HybridLM
 without Mamba blocks at cp > 1) ended in a traceback.
 """
@@ -30,13 +34,23 @@ from tests.distributed.harness import run_ranks
 WIDTHS = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               num_hidden_layers=4, vocab_size=256)
 
+MAMBA = {"bamba": dict(mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=64,
+                       attn_layer_indices=[1]),
+         "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16, chunk_size=64,
+                            num_hidden_layers=4, layers_block_type=["mamba", "mlp", "attention", "mlp"])}
+BACKEND = {"bamba": ["model.backend=transformers"], "nemotron_h": ["model.backend=transformers"]}
+
 
 def _checkpoint(path, name: str = "llama", weights: bool = False) -> str:
     import transformers as hf
 
     config_class, model_class = {"llama": (hf.LlamaConfig, hf.LlamaForCausalLM),
-                                 "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM)}[name]
-    config = config_class(**WIDTHS)
+                                 "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM),
+                                 "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM),
+                                 "gemma": (hf.GemmaConfig, hf.GemmaForCausalLM),
+                                 "bamba": (hf.BambaConfig, hf.BambaForCausalLM),
+                                 "nemotron_h": (hf.NemotronHConfig, hf.NemotronHForCausalLM)}[name]
+    config = config_class(**{**WIDTHS, **MAMBA.get(name, {})})
     if weights:
         torch.manual_seed(0)
         model_class(config).save_pretrained(path)
@@ -61,13 +75,39 @@ def test_a_llama_is_planned_through_its_twin_with_exact_parameters(tmp_path):
     assert plan.memory.saved_bytes > twin.memory.saved_bytes  # transformers' norms keep their float32 products
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_qwen2_biases_and_qwen3_head_norms_are_counted_on_the_twin(tmp_path, name):
+    import transformers as hf
+
+    plan = make_plan(load_config(None, [f"model.hf_path={_checkpoint(tmp_path / name, name)}", "data.pack_size=4096"]))
+    model = {"qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**WIDTHS)),
+             "qwen3": lambda: hf.Qwen3ForCausalLM(hf.Qwen3Config(**WIDTHS))}[name]()
+    assert isinstance(plan, Plan) and plan.memory.params.total == sum(p.numel() for p in model.parameters())
+    llama = make_plan(load_config(None, [f"model.hf_path={_checkpoint(tmp_path / 'llama')}", "data.pack_size=4096"]))
+    grows = plan.memory.saved_bytes > llama.memory.saved_bytes  # Qwen3's head norms keep their inputs and products
+    assert grows == (name == "qwen3")
+
+
+@pytest.mark.parametrize("name, pattern", [("bamba", "M-*-M-M-"), ("nemotron_h", "M-*-")])
+def test_transformers_mamba2_hybrids_are_planned_on_their_layer_pattern(tmp_path, name, pattern):
+    import transformers as hf
+
+    path = _checkpoint(tmp_path / name, name)
+    plan = make_plan(load_config(None, [f"model.hf_path={path}", "data.pack_size=4096", *BACKEND[name]]))
+    model = hf.AutoModelForCausalLM.from_config(hf.AutoConfig.from_pretrained(path))
+    assert isinstance(plan, Plan) and plan.layout.model.pattern == pattern
+    assert plan.memory.params.total == sum(p.numel() for p in model.parameters())
+    assert f"planned as its HybridLM twin, pattern '{pattern}'" in plan_text(plan)
+
+
 def test_a_model_without_a_twin_keeps_its_parameter_share_and_fit_refuses_it_in_one_line(tmp_path):
-    path = _checkpoint(tmp_path / "qwen3", "qwen3")
+    path = _checkpoint(tmp_path / "gemma", "gemma")
     config = load_config(None, [f"model.hf_path={path}", "data.pack_size=4096"])
     plan = make_plan(config)
-    assert isinstance(plan, TransformersPlan) and "llama, mistral" in plan.text()
-    with pytest.raises(ConfigError, match=r"^plan --fit needs every layout's activations, and for Qwen3ForCausalLM "
-                                          r"activations and traffic are modelled for HybridLM and llama, mistral[^\n]*$"):
+    assert isinstance(plan, TransformersPlan) and "llama, mistral, qwen2, qwen3" in plan.text()
+    with pytest.raises(ConfigError, match=r"^plan --fit needs every layout's activations, and for GemmaForCausalLM "
+                                          r"activations and traffic are modelled for HybridLM and llama, mistral, "
+                                          r"qwen2, qwen3[^\n]*$"):
         search_layouts(config, 2, 80.0)
 
 
@@ -84,10 +124,11 @@ CASES = {"1 process": (1, []), "cp=2": (2, ["parallel.cp=2"]), "tp=2": (2, ["par
          "tp=2 + SP": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"])}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_the_plan_of_a_llama_matches_one_measured_step(tmp_path, name):
+@pytest.mark.parametrize("model, name", [("llama", c) for c in sorted(CASES)] + [("qwen3", "tp=2 + SP"), ("bamba", "tp=2 + SP")])
+def test_the_plan_of_a_transformers_decoder_matches_one_measured_step(tmp_path, model, name):
     world, layout = CASES[name]
-    overrides = [f"model.hf_path={_checkpoint(tmp_path / 'llama', weights=True)}", "data.pack_size=2048",
+    overrides = [f"model.hf_path={_checkpoint(tmp_path / model, model, weights=True)}", *BACKEND.get(model, []),
+                 "data.pack_size=2048",
                  "data.packs_per_step=1", *layout]
     got = run_ranks(world, measure_step, overrides, str(tmp_path / "run"), timeout_s=600)[0]
     plan = predict(overrides)

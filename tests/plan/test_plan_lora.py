@@ -53,13 +53,14 @@ def test_a_transformers_model_gets_its_weights_gradients_and_adamw_per_rank(tmp_
     "fp32 params + grads + AdamW" (16 bytes per parameter) whatever the dtype or LoRA."""
     import json
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import GemmaConfig, GemmaForCausalLM
 
-    # Qwen3 (q/k norms): no HybridLM twin (plan/hf_twin.py), so the planner gives its parameter share
-    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    # Gemma (norm offset, scaled embedding): no HybridLM twin (plan/hf_twin.py): the planner gives its
+    # parameter share
+    config = GemmaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=2, vocab_size=256, head_dim=16)
-    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["Qwen3ForCausalLM"]}))
-    model = Qwen3ForCausalLM(config)
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["GemmaForCausalLM"]}))
+    model = GemmaForCausalLM(config)
     add_lora(model, r=4)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     base = ["model.backend=transformers", f"model.hf_path={tmp_path}", "parallel.tp=1", "parallel.cp=2"]

@@ -68,7 +68,8 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     w, e, ec = _widths(layout), layout.act_bytes, layout.compute_bytes
     tc, ts, seq = layout.tokens, layout.stream_tokens, layout.pack_size
     block_input = ts * w["d"] * layout.stream_bytes
-    if layout.hf_decoder and policy in ("full", "selective") and kind == "-":
+    paired = layout.hf_decoder and getattr(layout.model, "paired_layers", True)
+    if paired and policy in ("full", "selective") and kind == "-":
         return 0  # one checkpoint per decoder layer: the attention block's input is the layer's
     if policy == "full":
         return block_input
@@ -107,11 +108,18 @@ def _hf_norm_bytes(layout: Layout) -> int:
 
 def _hf_block_bytes(layout: Layout, kind: str, w: dict) -> int:
     """What a transformers decoder keeps beyond the twin's block ``kind`` (policy none): its norm's
-    product; under autocast each projection's own bf16 cast of the norm output (ours casts once: q, k,
-    v two more, gate, up one more) and, with RoPE, bf16 q, k times float32 cos/sin: float32 q, k into
+    product; a Mamba2 mixer's (Bamba's) float32 gated norm, three ``[Tc, d_inner/tp]``;
+    Qwen3's q/k head norms (``[Tc, q + kv]`` input and product, ``[Tc, H + H_kv]`` rstd);
+    under autocast each projection's own bf16 cast of the norm output (ours casts once: q, k, v two
+    more, gate, up one more) and, with RoPE, bf16 q, k times float32 cos/sin: float32 q, k into
     the attention core, its float32 output and o_proj's bf16 cast of it."""
     e, ec, tc = layout.act_bytes, layout.compute_bytes, layout.tokens
     extra = _hf_norm_bytes(layout)
+    if kind == "*" and getattr(layout.model, "qk_norm", False):  # Qwen3's per-head q/k RMSNorms: their input
+        heads = (layout.model.num_attention_heads + layout.model.num_key_value_heads) // layout.tp  # (float32
+        extra += tc * (w["q"] + w["kv"]) * (e + ec) + tc * heads * ec  # copy), product (cast) and rstd
+    if kind == "M":  # Bamba's gated RMSNorm in float32: silu(z), y * silu(z) and its normalized product
+        extra += 3 * tc * w["d_inner"] * ec
     if layout.autocast:
         extra += tc * w["d"] * e * (2 if kind == "*" else 1)
         if kind == "*" and w["rot"]:

@@ -80,7 +80,8 @@ def planned_shape(shape) -> tuple[HybridConfig | None, str, str]:
     meta = meta_model(shape)
     twin, why = hybrid_twin(shape, sum(p.numel() for p in meta.parameters()))
     layers = getattr(shape, "num_hidden_layers", 0)
-    return twin, why, f"{type(meta).__name__} (transformers; planned as its HybridLM twin, pattern '*-' x {layers})"
+    pattern = f"'*-' x {layers}" if twin is None or twin.pattern == "*-" * layers else repr(twin.pattern)
+    return twin, why, f"{type(meta).__name__} (transformers; planned as its HybridLM twin, pattern {pattern})"
 
 
 @dataclass

@@ -61,9 +61,9 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
             for (k, dim), (calls, nbytes) in sources[name].items():
                 if k == kind and calls:
                     extra.add(kind, dim, nbytes // calls, round(calls * share))
-        if layout.hf_decoder:  # one checkpoint per decoder layer: its attention's exit runs again, mid-layer
-            exit_kind = "reduce_scatter" if layout.sp else "all_reduce"
-            layers = layout.model.pattern.count("*") * layout.packs_per_rank
+        if layout.hf_decoder and getattr(layout.model, "paired_layers", True):  # one checkpoint per decoder
+            exit_kind = "reduce_scatter" if layout.sp else "all_reduce"  # layer: its mixer's exit runs again
+            layers = (layout.model.pattern.count("*") + layout.model.pattern.count("M")) * layout.packs_per_rank
             for (k, dim), (calls, nbytes) in sources["tp_blocks"].items():
                 if k == exit_kind and calls:
                     extra.add(exit_kind, dim, nbytes // calls, layers)

@@ -173,8 +173,11 @@ def _unit_parameters(kind: type, shape: tuple, tp: int, sp: bool) -> dict[str, l
             params += row(f"{m}.out_proj", d, d_inner, config.mamba_proj_bias)
         elif kind == "*":
             q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+            qkv_bias = config.attention_bias or getattr(config, "qkv_bias", False)  # Qwen2 (plan/hf_twin.py)
             for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                params += col(f"{m}.{name}", rows, d, config.attention_bias)
+                params += col(f"{m}.{name}", rows, d, qkv_bias)
+            if getattr(config, "qk_norm", False):  # Qwen3's per-head norms, replicated (plan/hf_twin.py)
+                params += [ParamShape(f"{m}.{n}.weight", (config.head_dim,), False) for n in ("q_norm", "k_norm")]
             params += row(f"{m}.o_proj", d, q, config.attention_bias)
         else:
             for name in (("gate_proj", "up_proj") if config.mlp_gated else ("up_proj",)):
@@ -274,6 +277,17 @@ def tp_norm_grads(s: StepShape) -> Tally:
     return out
 
 
+def tp_head_norms(s: StepShape) -> Tally:
+    """Per-head q/k norms (Qwen3 twin) on this rank's heads: their weight gradient [head_dim] is a
+    partial sum, all-reduced over TP in backward once per call (two per attention layer and pack)."""
+    out = Tally()
+    if s.dims.tp > 1 and getattr(s.model, "qk_norm", False):
+        calls = 2 * s.model.pattern.count("*") * s.packs_per_rank
+        nbytes = s.model.head_dim * s.stream_bytes
+        out.add("all_reduce", dim_label(s.dims, ("tp",)), _ring("all_reduce", s.dims.tp, nbytes), calls)
+    return out
+
+
 def cp_attention(s: StepShape) -> Tally:
     out, cfg, cp, e = Tally(), s.model, s.dims.cp, s.element_size
     if cp == 1:
@@ -365,7 +379,7 @@ def clip(s: StepShape) -> Tally:
 
 SOURCES = {
     "trainer": trainer, "tp_embedding": tp_embedding, "tp_blocks": tp_blocks, "tp_head": tp_head,
-    "tp_norm_grads": tp_norm_grads, "tp_shared_groups": tp_shared_groups, "cp_attention": cp_attention, "cp_mamba": cp_mamba, "fsdp": fsdp, "clip": clip,
+    "tp_norm_grads": tp_norm_grads, "tp_head_norms": tp_head_norms, "tp_shared_groups": tp_shared_groups, "cp_attention": cp_attention, "cp_mamba": cp_mamba, "fsdp": fsdp, "clip": clip,
 }
 
 
