@@ -15,50 +15,17 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.tensor.hf_models import gradient_errors
+from tests.distributed.context.mixer_cp import cp_case
 
 TOL = 1e-9
-DOCS = [0, 12, 32]
 CASES = [("mamba", "allgather"), ("falcon_mamba", "allgather"), ("jamba", "ulysses")]
 
 
 def _case(name, attention, mesh) -> dict:
-    import torch.distributed as dist
-
-    from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_mixers
-    from hybridpar.parallel.context.hf import use_hybridpar_attention
-    from hybridpar.parallel.context.inputs import shard_inputs
-    from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.parallelize import parallelize
-    from hybridpar.train.trainer import pack_loss_sum
     from tests.models.hf.mamba1_models import VOCAB, build_mamba1
 
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, DOCS[-1]), generator=gen)
-    labels = torch.randint(0, VOCAB, (2, DOCS[-1]), generator=gen)
-    labels[:, ::5] = -100
-    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
-    count = int((labels != -100).sum())
-
-    reference = build_mamba1(name)
-    install_mamba1_core(reference)
-    use_hybridpar_attention(reference)
-    ref_loss = pack_loss_sum(reference, shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / count
-    ref_loss.backward()
-
-    model = build_mamba1(name)
-    parallelize(model, ParallelDims(cp=2), mesh=mesh, cp_attention=attention)
-    cores = {type(m.core).__name__ for _, m in mamba1_mixers(model)}
-    cp_group = ParallelDims.group(mesh, "cp")
-    loss = pack_loss_sum(model, shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group))[0] / count
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=cp_group)
-    errors = gradient_errors(model, reference)
-    worst = max(errors, key=errors.get)
-    return {"loss_error": abs(total.item() - ref_loss.item()), "grad_error": errors[worst], "worst": worst,
-            "params": len(errors), "expected": len(dict(reference.named_parameters())), "cores": cores}
+    return cp_case(build_mamba1, install_mamba1_core, mamba1_mixers, VOCAB, name, attention, mesh)
 
 
 def _run(rank, world_size) -> dict:

@@ -11,54 +11,20 @@ The loss and every parameter gradient agree to 1e-9; FSDP2 shards the model over
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.tensor.hf_models import gradient_errors
+from tests.distributed.context.mixer_cp import cp_case
 
 TOL = 1e-9
-DOCS = [0, 12, 32]
 CASES = [("lfm2", "allgather"), ("lfm2_moe", "ulysses"), ("lfm3", "ring")]
 
 
 def _case(name, attention, mesh) -> dict:
-    import torch.distributed as dist
-
-    from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.short_conv import install_short_conv, short_convs
-    from hybridpar.parallel.context.hf import use_hybridpar_attention
-    from hybridpar.parallel.context.inputs import shard_inputs
-    from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.parallelize import parallelize
-    from hybridpar.train.trainer import pack_loss_sum
     from tests.models.hf.lfm_models import VOCAB, build_lfm
 
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, DOCS[-1]), generator=gen)
-    labels = torch.randint(0, VOCAB, (2, DOCS[-1]), generator=gen)
-    labels[:, ::5] = -100
-    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
-    count = int((labels != -100).sum())
-
-    reference = build_lfm(name)
-    install_short_conv(reference)
-    use_hybridpar_attention(reference)
-    ref_loss = pack_loss_sum(reference, shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / count
-    ref_loss.backward()
-
-    model = build_lfm(name)
-    parallelize(model, ParallelDims(cp=2), mesh=mesh, cp_attention=attention)
-    cores = {type(m.core).__name__ for _, m in short_convs(model)}
-    cp_group = ParallelDims.group(mesh, "cp")
-    loss = pack_loss_sum(model, shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group))[0] / count
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=cp_group)
-    errors = gradient_errors(model, reference)
-    worst = max(errors, key=errors.get)
-    return {"loss_error": abs(total.item() - ref_loss.item()), "grad_error": errors[worst], "worst": worst,
-            "params": len(errors), "expected": len(dict(reference.named_parameters())), "cores": cores}
+    return cp_case(build_lfm, install_short_conv, short_convs, VOCAB, name, attention, mesh)
 
 
 def _run(rank, world_size) -> dict:
@@ -84,7 +50,7 @@ def _refused(rank, world_size) -> str:
     from tests.models.hf.lfm_models import VOCAB, build_lfm
 
     mesh = ParallelDims(cp=2).build_mesh()
-    model = parallelize(build_lfm("lfm2"), ParallelDims(cp=2), mesh=mesh)
+    parallelize(build_lfm("lfm2"), ParallelDims(cp=2), mesh=mesh)
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 6, 16], dtype=torch.int32))  # 6: not a multiple of 4
     try:
         shard_inputs(input_ids=torch.randint(0, VOCAB, (1, 16)), packed=packed, cp_group=ParallelDims.group(mesh, "cp"))
