@@ -169,8 +169,9 @@ def test_a_config_json_value_transformers_refuses_is_one_line(tmp_path, field, v
     assert f"model.hf_path='{tmp_path}': {tmp_path}/config.json cannot be read by transformers (" in _one_line(raised)
     assert error in str(raised.value)
     with pytest.raises(ValueError) as raised:
-        load_causal_lm(tmp_path, "transformers")  # generate --hf-path
-    assert error in _one_line(raised)
+        load_causal_lm(tmp_path, "transformers")  # generate --hf-path: read_hf_config's own rule (round 9)
+    assert f"config.json: {field}={value!r} must be an integer >= 1; restore the checkpoint's config.json." \
+        in _one_line(raised)
 
 
 def test_a_directory_of_another_kind_is_named_for_what_it_is(tmp_path):
