@@ -15,11 +15,10 @@ state-passing core's its own formula.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.tensor.hf_models import gradient_errors
+from tests.distributed.context.mixer_cp import cp_case
 
 TOL = 1e-9
 DOCS = [0, 4, 16, 32]
@@ -37,44 +36,11 @@ def _build(name: str, k_heads: int, chunk: int):
 
 
 def _case(name, attention, k_heads, strategy, chunk, mesh) -> dict:
-    import torch.distributed as dist
-
-    from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.gdn_mixers import gdn_layers, install_gdn_core
-    from hybridpar.parallel.context.hf import use_hybridpar_attention
-    from hybridpar.parallel.context.inputs import shard_inputs
-    from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.parallelize import parallelize
-    from hybridpar.train.trainer import pack_loss_sum
     from tests.models.hf.gdn_models import VOCAB
 
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, DOCS[-1]), generator=gen)
-    labels = torch.randint(0, VOCAB, (2, DOCS[-1]), generator=gen)
-    labels[:, ::5] = -100
-    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
-    count = int((labels != -100).sum())
-
-    reference = _build(name, k_heads, chunk)
-    install_gdn_core(reference)
-    use_hybridpar_attention(reference)
-    ref_loss = pack_loss_sum(reference, shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / count
-    ref_loss.backward()
-
-    model = _build(name, k_heads, chunk)  # parallelize switches its gated DeltaNets to hybridpar's core
-    parallelize(model, ParallelDims(cp=2), mesh=mesh, cp_attention=attention, cp_mamba=strategy)
-    cores = {type(m.core).__name__ for _, m in gdn_layers(model)}
-    cp_group = ParallelDims.group(mesh, "cp")
-    sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group)
-    loss = pack_loss_sum(model, sharded)[0] / count
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=cp_group)
-
-    errors = gradient_errors(model, reference)
-    worst = max(errors, key=errors.get)
-    return {"loss_error": abs(total.item() - ref_loss.item()), "grad_error": errors[worst], "worst": worst,
-            "params": len(errors), "expected": len(dict(reference.named_parameters())), "cores": cores}
+    return cp_case(lambda model: _build(model, k_heads, chunk), install_gdn_core, gdn_layers, VOCAB, name, attention,
+                   mesh, mamba=strategy, docs=DOCS)
 
 
 def _refusals(mesh) -> dict:

@@ -12,13 +12,10 @@ own logits are float32).
 
 from __future__ import annotations
 
-import torch
-
 from tests.distributed.harness import run_ranks
-from tests.distributed.tensor.hf_models import gradient_errors
+from tests.distributed.context.mixer_cp import cp_case
 
 TOL = 1e-9
-DOCS = [0, 12, 32]
 CASES = [("granite_moe", "a2a", "allgather"), ("granite_moe", "state", "ulysses"), ("falcon_h1", "state", "allgather"),
          ("nemotron_h_moe", "a2a", "ulysses"), ("bamba", "state", "allgather"), ("zamba2", "a2a", "allgather"),
          # the other attention strategy for each, and Granite dense and NemotronH dense as transformers models
@@ -34,44 +31,10 @@ CASES = [("granite_moe", "a2a", "allgather"), ("granite_moe", "state", "ulysses"
 
 
 def _case(name, mamba, attention, mesh) -> dict:
-    import torch.distributed as dist
-
-    from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
-    from hybridpar.parallel.context.hf import use_hybridpar_attention
-    from hybridpar.parallel.context.inputs import shard_inputs
-    from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.parallelize import parallelize
-    from hybridpar.train.trainer import pack_loss_sum
     from tests.models.hf.hybrid_models import VOCAB, build_hybrid
 
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, DOCS[-1]), generator=gen)
-    labels = torch.randint(0, VOCAB, (2, DOCS[-1]), generator=gen)
-    labels[:, ::5] = -100
-    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
-    count = int((labels != -100).sum())
-
-    reference = build_hybrid(name)
-    install_mamba_core(reference)
-    use_hybridpar_attention(reference)
-    ref_loss = pack_loss_sum(reference, shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / count
-    ref_loss.backward()
-
-    model = build_hybrid(name)  # parallelize switches its Mamba2 mixers to hybridpar's core
-    parallelize(model, ParallelDims(cp=2), mesh=mesh, cp_attention=attention, cp_mamba=mamba)
-    cores = {type(m.core).__name__ for _, m in bridged_mixers(model)}
-    cp_group = ParallelDims.group(mesh, "cp")
-    sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group)
-    loss = pack_loss_sum(model, sharded)[0] / count
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=cp_group)
-
-    errors = gradient_errors(model, reference)
-    worst = max(errors, key=errors.get)
-    return {"loss_error": abs(total.item() - ref_loss.item()), "grad_error": errors[worst], "worst": worst,
-            "params": len(errors), "expected": len(dict(reference.named_parameters())), "cores": cores}
+    return cp_case(build_hybrid, install_mamba_core, bridged_mixers, VOCAB, name, attention, mesh, mamba=mamba)
 
 
 def _run(rank, world_size) -> dict:
