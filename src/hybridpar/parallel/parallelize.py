@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.gdn_mixers import install_gdn_core
-from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_layout_problem
+from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_tp_problem
 from hybridpar.models.hf.mamba_mixers import install_mamba_core
 from hybridpar.models.hf.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
@@ -109,7 +109,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
     gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads over tp, cp
-    problem = mamba1_layout_problem(model, dims.cp, dims.tp)  # Mamba1 mixers: one process
+    problem = mamba1_tp_problem(model, dims.tp)  # Mamba1 mixers: no TP (CP by state passing)
     if problem:
         raise ValueError(problem + ".")
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused

@@ -20,7 +20,7 @@ mixer reads (as ``parallel/context/hf.apply_hf_cp`` does for attention). With a 
 or a padding ``attention_mask`` the module's own forward runs. ``mixer.core`` (default
 ``local_selective_core``: conv, activation, projections, scan, ``+ D x``) is the seam a context-parallel
 strategy replaces (``parallel/context/mamba_state.StatePassingMamba1``); tensor parallelism of these
-mixers is refused (``mamba1_layout_problem``).
+mixers is refused (``mamba1_tp_problem``).
 
 Single-device code (no process group).
 """
@@ -37,7 +37,7 @@ from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 
 __all__ = ["MAMBA1_MARK", "is_mamba1_mixer", "mamba1_problem", "install_mamba1_core", "mamba1_mixers",
-           "mamba1_layout_problem", "mamba1_training_forward", "local_selective_core", "selective_inputs",
+           "mamba1_tp_problem", "mamba1_training_forward", "local_selective_core", "selective_inputs",
            "document_conv"]
 
 MAMBA1_MARK = "hybridpar_mamba1"  # set on a Mamba1 mixer whose forward resets at document boundaries
@@ -159,7 +159,7 @@ def mamba1_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if getattr(m, MAMBA1_MARK, False)]
 
 
-def mamba1_layout_problem(model: nn.Module, cp: int, tp: int) -> str | None:
+def mamba1_tp_problem(model: nn.Module, tp: int) -> str | None:
     """Why ``model``'s switched Mamba1 mixers cannot run at this ``tp`` (None: they can; any ``cp``, by
     state passing: ``parallel/context/mamba_state.StatePassingMamba1``)."""
     found = mamba1_mixers(model)
