@@ -195,13 +195,18 @@ def _rope_types(config) -> set[str]:
     return found
 
 
+def _switched_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every token mixer switched onto a hybridpar core (Mamba2, gated DeltaNet,
+    short conv, Mamba1)."""
+    return bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model)
+
+
 def unreached_token_mixers(model: nn.Module) -> list[str]:
     """Names of modules that mix tokens outside hybridpar's cores: a direct ``A_log`` parameter
     (a Mamba1, gated DeltaNet or Mamba2 mixer not switched by ``install_mamba1_core`` /
     ``install_gdn_core`` / ``install_mamba_core``) or an ``nn.Conv1d`` over the sequence (short
     convolutions), outside a switched mixer or short conv (``models/hf/short_conv.install_short_conv``)."""
-    inside = tuple(f"{name}." for name, _ in
-                   bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model))
+    inside = tuple(f"{name}." for name, _ in _switched_mixers(model))
     found = []
     for name, module in model.named_modules():
         switched = any(getattr(module, mark, False) for mark in (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK))
@@ -241,7 +246,7 @@ def attention_problem(model: nn.Module) -> str | None:
                 "attention core is causal.")
     for key, p in unkeyed_dropout(config).items():  # attention_dropout, GPT-2's attn_pdrop, BERT's, ...
         return f"{cls} has {key}={p:g}, which hybridpar's attention core does not apply; set config.{key} = 0.0."
-    if not hf_attention_modules(model) and not mamba1_mixers(model):  # a pure Mamba1 model needs no attention
+    if not hf_attention_modules(model) and not _switched_mixers(model):  # an attention-free model of our cores
         return (f"no attention modules found in {cls} (classes named *Attention with a config and a head dim); this model "
                 "cannot take hybridpar's attention.")
     return None
