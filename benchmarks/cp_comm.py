@@ -36,8 +36,8 @@ from hybridpar.models.hybrid import HybridConfig
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.comm.collectives import CommStats
-from hybridpar.parallel.context.mamba import a2a_bytes_per_layer, apply_mamba_cp
-from hybridpar.parallel.context.mamba_state import state_bytes_per_layer
+from hybridpar.parallel.context.recurrent.mamba import a2a_bytes_per_layer, apply_mamba_cp
+from hybridpar.parallel.context.recurrent.mamba_state import state_bytes_per_layer
 from hybridpar.parallel.context.inputs import shard_inputs
 from tests.distributed.harness import run_ranks
 

@@ -58,7 +58,7 @@ def step_fn(name: str, path: str, tokens: int):
     if name == "rule":
         return rule_fn(path, tokens)
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models.hf.gdn_mixers import install_gdn_core
+    from hybridpar.models.hf.mixers.gdn import install_gdn_core
     from hybridpar.parallel.context.hf import use_hybridpar_attention
 
     model = build(name)

@@ -11,7 +11,7 @@ tuning them all would take most of this script's 20 s (the throughput runs tune 
   dense MLPs; no attention layer, whose kernels are not under test) on one packed row of 2,048
   tokens, 4 documents, through ``install_gdn_core``: the loss and every parameter gradient with
   ``use_mamba_kernel("fla")`` against ``use_mamba_kernel("pure")``;
-- ``states``: the rule as the CP ``state`` strategy calls it (``parallel/context/gdn.segment_rule``):
+- ``states``: the rule as the CP ``state`` strategy calls it (``parallel/context/recurrent/gdn.segment_rule``):
   6 chunk-padded segments, values ``[0 | v]`` (dk + dv = 256 columns), ``[I | 0]`` entering each,
   the final states read; outputs, final states and every input's gradient.
 
@@ -73,7 +73,7 @@ def model_parity(device, sizes: dict, dry: bool) -> list[tuple[str, float]]:
     import transformers as hf
 
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models.hf.gdn_mixers import install_gdn_core
+    from hybridpar.models.hf.mixers.gdn import install_gdn_core
 
     k_heads, v_heads = sizes["heads"]
     config = hf.Qwen3NextConfig(
@@ -115,7 +115,7 @@ def _copy(model):
 
 
 def state_parity(device, sizes: dict, dry: bool) -> list[tuple[str, float]]:
-    from hybridpar.parallel.context.gdn import segment_rule
+    from hybridpar.parallel.context.recurrent.gdn import segment_rule
 
     chunk, (k_heads, v_heads), d = 64, sizes["heads"], sizes["head_dim"]
     lengths = torch.tensor(sizes["segments"])

@@ -65,8 +65,8 @@ def build(name: str):
 def step_fn(name: str, path: str, tokens: int):
     """A closure running one forward + backward of ``name`` on a packed row of ``tokens``."""
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models.hf.mamba_mixers import install_mamba_core
-    from hybridpar.models.hf.short_conv import install_short_conv
+    from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
+    from hybridpar.models.hf.mixers.short_conv import install_short_conv
     from hybridpar.parallel.context.hf import use_hybridpar_attention
 
     model = build(name)

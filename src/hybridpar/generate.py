@@ -74,7 +74,7 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     from hybridpar.models.hf.weights import check_finite
     from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
     from hybridpar.parallel.tensor.hybrid import split_mamba_mixers
-    from hybridpar.parallel.tensor.plans_moe import split_hf_mixers
+    from hybridpar.parallel.tensor.hf_plans.moe_hybrid import split_hf_mixers
     from hybridpar.train.peft import apply_peft
     from hybridpar.train.run.adapters import base_reference, check_same_base
     from hybridpar.train.run.checkpoint import load_failure, read_run_info

@@ -45,14 +45,14 @@ def lora_model(name: str, dropout: float = 0.0):
     if name == "hybrid":
         model = build_hybrid()
     elif name == "zamba2_shared":  # two hybrid layers on one shared block: tied copies, one FSDP unit
-        from hybridpar.models.hf.mamba_mixers import install_mamba_core
+        from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
         from tests.models.hf.hybrid_models import build_hybrid as build_hf_hybrid
 
         model = build_hf_hybrid(name)
         install_mamba_core(model)
     else:
         from hybridpar.models.hf.float64 import keep_float64
-        from hybridpar.models.hf.mamba_mixers import install_mamba_core
+        from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
         from tests.distributed.tensor.hf_models import build_model
 
         model = build_model(name)

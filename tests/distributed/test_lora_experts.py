@@ -33,7 +33,7 @@ OPTIONS = ("sequence_parallel", "activation_checkpointing")
 def expert_lora_model(name: str = "qwen3_moe"):
     if name == "nemotron_h_moe":  # Mamba (on hybridpar's core, as parallelize installs it), attention, MoE
         from hybridpar.models.hf.float64 import keep_float64
-        from hybridpar.models.hf.mamba_mixers import install_mamba_core
+        from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
         from tests.models.hf.hybrid_models import build_hybrid
 
         model = build_hybrid(name)

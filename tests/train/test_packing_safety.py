@@ -108,9 +108,9 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         assert result["one_per_row"] and set(result["docs"]) == {1}, (name, result["docs"])
         assert len(lines) == 1 and "one document per row" in lines[0] and "% of the token slots" in lines[0], lines
     assert "temporal_block.conv_1d (Conv1d)" in results["recurrent_gemma"]["out"]  # the mixer no core reaches
-    assert "selective scan on 2 Mamba1 mixers" in results["falcon_mamba"]["out"]  # models/hf/mamba1_mixers.py
+    assert "selective scan on 2 Mamba1 mixers" in results["falcon_mamba"]["out"]  # models/hf/mixers/mamba1.py
     assert "document-resetting conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2's short convs reset
-    assert "gated DeltaNet core on 1 gated DeltaNet layers" in results["qwen3_next"]["out"]  # models/hf/gdn_mixers.py
+    assert "gated DeltaNet core on 1 gated DeltaNet layers" in results["qwen3_next"]["out"]  # models/hf/mixers/gdn.py
     for name in PACKED:
         result = results[name]
         assert not result["one_per_row"] and max(result["docs"]) > 1, (name, result["docs"])
@@ -159,10 +159,10 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),  # a HybridLM (backend=auto): one B/C group
     "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"],),  # short convs: the halo exchange at cp=2
     "falcon_mamba": (["parallel.cp=2", "parallel.cp_mamba=state"],),  # Mamba1: state passing (context/mamba_state.py)
-    # gated DeltaNets on hybridpar's core, all-to-all over heads (parallel/context/gdn.py); MoE layers
+    # gated DeltaNets on hybridpar's core, all-to-all over heads (parallel/context/recurrent/gdn.py); MoE layers
     "qwen3_next": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],
                    ["parallel.cp=2", "parallel.cp_mamba=state"],
-                   ["parallel.tp=2"]),  # gated DeltaNets by heads (parallel/tensor/plans_hf.py: GDNHeadParallel)
+                   ["parallel.tp=2"]),  # gated DeltaNets by heads (parallel/tensor/hf_plans/dense.py: GDNHeadParallel)
 }
 
 
@@ -179,7 +179,7 @@ def test_transformers_hybrids_check_exact_in_float64(checkpoints, tmp_path, name
 
 
 def test_the_leak_probe_sees_a_leak_and_passes_our_cores():
-    from hybridpar.models.hf.mamba_mixers import install_mamba_core
+    from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
     from hybridpar.parallel.context.hf import use_hybridpar_attention
     from hybridpar.train.packing_rule import leak_probe, packing_problem
     from tests.models.hf.hybrid_models import VOCAB, build_hybrid

@@ -59,11 +59,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
+from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
 from hybridpar.models.lora_experts import GateUpB, adapter_child, expert_lora_modules
-from hybridpar.models.hf.mamba_mixers import MARK as MAMBA_CORE_MARK
-from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
+from hybridpar.models.hf.mixers.mamba2 import MARK as MAMBA_CORE_MARK
+from hybridpar.models.hf.mixers.short_conv import SHORT_CONV_MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.tensor.check import matches
 from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel

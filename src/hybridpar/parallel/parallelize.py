@@ -29,20 +29,20 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
-from hybridpar.models.hf.gdn_mixers import install_gdn_core
-from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_tp_problem
-from hybridpar.models.hf.mamba_mixers import install_mamba_core
-from hybridpar.models.hf.short_conv import install_short_conv
+from hybridpar.models.hf.mixers.gdn import install_gdn_core
+from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_tp_problem
+from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
+from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.linear.gdn_fused import fla_rule
 from hybridpar.models.mamba.fused_op import fla_scan
 from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
-from hybridpar.parallel.context import gdn as gdn_cp
+from hybridpar.parallel.context.recurrent import gdn as gdn_cp
 from hybridpar.parallel.context import hf as hf_cp
-from hybridpar.parallel.context import mamba as mamba_cp
-from hybridpar.parallel.context.mamba_state import apply_mamba1_cp
-from hybridpar.parallel.context.short_conv import apply_short_conv_cp
+from hybridpar.parallel.context.recurrent import mamba as mamba_cp
+from hybridpar.parallel.context.recurrent.mamba_state import apply_mamba1_cp
+from hybridpar.parallel.context.recurrent.short_conv import apply_short_conv_cp
 from hybridpar.parallel.checkpointing import (
     apply_activation_checkpointing,
     checkpointing_policy,
@@ -54,7 +54,7 @@ from hybridpar.parallel.data.fsdp import apply_fsdp, check_reshard_after_forward
 from hybridpar.parallel.precision import apply_autocast, check_autocast_model
 from hybridpar.parallel.tensor.apply import apply_tp, check_tp_plan, get_tp_plan
 from hybridpar.parallel.tensor.hybrid import split_mamba_mixers, validate_hybrid_tp
-from hybridpar.parallel.tensor.plans_moe import split_hf_mixers
+from hybridpar.parallel.tensor.hf_plans.moe_hybrid import split_hf_mixers
 
 __all__ = [
     "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile",
@@ -223,7 +223,7 @@ def parallelize(
     options (``apply_compile``). ``reshard_after_forward``: FSDP's, for the blocks
     (``fsdp.check_reshard_after_forward``). The mesh is kept on ``model._parallel_mesh`` and the
     dims on ``model._parallel_dims``. A transformers model's Mamba2 mixers are switched to
-    hybridpar's Mamba core first (``models/hf/mamba_mixers.install_mamba_core``), the seam of
+    hybridpar's Mamba core first (``models/hf/mixers/mamba2.install_mamba_core``), the seam of
     the Mamba CP strategies, and it refuses packed documents its attention would not separate
     (``context/hf.refuse_unread_documents``).
     """
@@ -231,7 +231,7 @@ def parallelize(
         install_mamba_core(model)
         install_mamba1_core(model)  # Jamba, FalconMamba, Mamba: the document-resetting selective scan
         install_short_conv(model)
-        install_gdn_core(model)  # gated DeltaNets on hybridpar's core (models/hf/gdn_mixers.py)
+        install_gdn_core(model)  # gated DeltaNets on hybridpar's core (models/hf/mixers/gdn.py)
         hf_cp.refuse_unread_documents(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
                          sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,

@@ -23,7 +23,7 @@ which is what makes FSDP's summed gradients exact. Heads that are more than ``hi
 cp (``parallelize`` installs it for cp > 1, the trainer at cp = 1): blockwise and
 document-causal over the pack's ``PackedSeqParams``, so no ``[S, S]`` mask exists and memory
 grows linearly with ``data.pack_size``; its Mamba2 mixers run hybridpar's Mamba core
-(``models/hf/mamba_mixers``), its gated DeltaNets hybridpar's gated delta rule (``models/hf/gdn_mixers``). Any other model keeps transformers' attention and trains one
+(``models/hf/mixers/mamba2``), its gated DeltaNets hybridpar's gated delta rule (``models/hf/mixers/gdn``). Any other model keeps transformers' attention and trains one
 document per row (``train/packing_rule.py``). RoPE reads the position ids (zigzag-sharded under CP).
 A float64 model with MoE experts runs transformers' eager experts (``grouped_mm`` has no float64),
 and every float32 cast inside transformers stays float64 (``models/hf/float64.keep_float64``).
@@ -44,10 +44,10 @@ from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_ca
                                              load_causal_lm, transformers_config)
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
-from hybridpar.models.hf.gdn_mixers import install_gdn_core
-from hybridpar.models.hf.mamba1_mixers import install_mamba1_core
-from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
-from hybridpar.models.hf.short_conv import install_short_conv
+from hybridpar.models.hf.mixers.gdn import install_gdn_core
+from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
+from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
+from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.token_dropout import key_model_dropout, set_dropout_tokens, token_keys, unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import ShardedInputs
@@ -128,7 +128,7 @@ def check_learned_positions(model: nn.Module, pack_size: int) -> None:
 
 def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     """The transformers model of ``model.hf_path`` in ``dtype`` (weights from local safetensors), its
-    Mamba2 mixers on hybridpar's core (``models/hf/mamba_mixers.install_mamba_core``)."""
+    Mamba2 mixers on hybridpar's core (``models/hf/mixers/mamba2.install_mamba_core``)."""
     model = load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
     check_learned_positions(model, config.data.pack_size)
     if dtype == torch.float64 and type(model)._can_set_experts_implementation():

@@ -6,10 +6,10 @@ resets at document boundaries:
 - a ``HybridLM``: its attention and Mamba cores take the pack's ``PackedSeqParams``;
 - a transformers model that ``parallel/context/hf.attention_problem`` accepts: its attention
   runs hybridpar's document-causal core, its Mamba2 mixers hybridpar's Mamba core
-  (``models/hf/mamba_mixers.install_mamba_core``), its gated DeltaNets hybridpar's gated delta
-  rule (``models/hf/gdn_mixers.install_gdn_core``), its gated short convolutions (LFM2) the
-  document-resetting conv (``models/hf/short_conv.install_short_conv``), its Mamba1 mixers (Jamba)
-  hybridpar's selective scan (``models/hf/mamba1_mixers.install_mamba1_core``), and no other token
+  (``models/hf/mixers/mamba2.install_mamba_core``), its gated DeltaNets hybridpar's gated delta
+  rule (``models/hf/mixers/gdn.install_gdn_core``), its gated short convolutions (LFM2) the
+  document-resetting conv (``models/hf/mixers/short_conv.install_short_conv``), its Mamba1 mixers (Jamba)
+  hybridpar's selective scan (``models/hf/mixers/mamba1.install_mamba1_core``), and no other token
   mixer exists (``unreached_token_mixers``: unknown recurrences).
 
 Any other model trains **one document per row** (``pack_documents(one_per_row=True)``) and the
@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.hf.gdn_mixers import gdn_layers
-from hybridpar.models.hf.mamba1_mixers import mamba1_mixers
-from hybridpar.models.hf.mamba_mixers import bridged_mixers
-from hybridpar.models.hf.short_conv import short_convs
+from hybridpar.models.hf.mixers.gdn import gdn_layers
+from hybridpar.models.hf.mixers.mamba1 import mamba1_mixers
+from hybridpar.models.hf.mixers.mamba2 import bridged_mixers
+from hybridpar.models.hf.mixers.short_conv import short_convs
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules
 

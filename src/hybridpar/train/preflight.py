@@ -148,7 +148,8 @@ def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> No
     """The CP strategies' own head/group rules, for the heads each TP rank will hold at ``dims.cp``."""
     from hybridpar.models.attention.mixer import Attention
     from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
-    from hybridpar.parallel.context import attention as cp_attention, mamba as cp_mamba
+    from hybridpar.parallel.context import attention as cp_attention
+    from hybridpar.parallel.context.recurrent import mamba as cp_mamba
 
     attention_core, mamba_core = cp_attention.STRATEGIES[attention](None), cp_mamba.STRATEGIES[mamba](None)
     attention_core.cp_size = mamba_core.cp_size = dims.cp  # what the CP group will have

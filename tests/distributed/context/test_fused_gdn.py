@@ -34,7 +34,7 @@ def _case(name, attention, k_heads, strategy, chunk, mesh, calls) -> dict:
     import torch.distributed as dist
 
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models.hf.gdn_mixers import install_gdn_core
+    from hybridpar.models.hf.mixers.gdn import install_gdn_core
     from hybridpar.models.mamba.fused import use_stand_in
     from hybridpar.parallel.context.hf import use_hybridpar_attention
     from hybridpar.parallel.dims import ParallelDims

@@ -2,14 +2,14 @@
 
 Tiny Qwen3-Next, Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid models (``tests/models/hf/gdn_models.py``: 2 key heads, 4 value heads,
 chunks of 8) with hybridpar's gated DeltaNet core (``install_gdn_core``); ``parallelize(cp=2)``
-installs the all-to-all core (``parallel/context/gdn.py``) or the state-passing one
+installs the all-to-all core (``parallel/context/recurrent/gdn.py``) or the state-passing one
 (``cp_mamba=state``) and an attention strategy. Two rows of
 three packed documents (4, 12 and 16 tokens: cut across the ranks in zigzag order); the one-process
 reference runs the same cores at cp=1 (``tests/models/hf/test_gdn_mixers.py`` proves it equals one
 document per row). The loss and every parameter gradient agree to 1e-9. A Qwen3-Next with one key
 head runs at cp=2 with the key head repeated. Bad layouts are refused in one line before any collective:
 one key head at tp=2, value heads "a2a" cannot split over cp. The bytes the all-to-all core sends
-(``comm.CommStats``) are the formula of ``parallel/context/gdn.py``, forward and backward, and the
+(``comm.CommStats``) are the formula of ``parallel/context/recurrent/gdn.py``, forward and backward, and the
 state-passing core's its own formula.
 """
 
@@ -36,7 +36,7 @@ def _build(name: str, k_heads: int, chunk: int):
 
 
 def _case(name, attention, k_heads, strategy, chunk, mesh) -> dict:
-    from hybridpar.models.hf.gdn_mixers import gdn_layers, install_gdn_core
+    from hybridpar.models.hf.mixers.gdn import gdn_layers, install_gdn_core
     from tests.models.hf.gdn_models import VOCAB
 
     return cp_case(lambda model: _build(model, k_heads, chunk), install_gdn_core, gdn_layers, VOCAB, name, attention,
@@ -64,10 +64,10 @@ def _refusals(mesh) -> dict:
 def _traffic(mesh) -> dict:
     """Bytes one rank sends through the all-to-all core of one layer (forward, backward) and the formula's."""
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models.hf.gdn_mixers import install_gdn_core
+    from hybridpar.models.hf.mixers.gdn import install_gdn_core
     from hybridpar.parallel.comm.collectives import CommStats
-    from hybridpar.parallel.context.gdn import HiddenParallelGDN, gdn_a2a_bytes_per_layer
-    from hybridpar.parallel.context.gdn import StatePassingGDN, gdn_state_bytes_per_layer
+    from hybridpar.parallel.context.recurrent.gdn import HiddenParallelGDN, gdn_a2a_bytes_per_layer
+    from hybridpar.parallel.context.recurrent.gdn import StatePassingGDN, gdn_state_bytes_per_layer
     from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.parallel.dims import ParallelDims
     from tests.models.hf.gdn_models import build_gdn

@@ -31,7 +31,7 @@ CASES = [("granite_moe", "a2a", "allgather"), ("granite_moe", "state", "ulysses"
 
 
 def _case(name, mamba, attention, mesh) -> dict:
-    from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
+    from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
     from tests.models.hf.hybrid_models import VOCAB, build_hybrid
 
     return cp_case(build_hybrid, install_mamba_core, bridged_mixers, VOCAB, name, attention, mesh, mamba=mamba)

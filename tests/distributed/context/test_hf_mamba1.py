@@ -1,7 +1,7 @@
 """Context parallelism (cp=2) of Mamba, FalconMamba and Jamba (attention, experts) against one process, float64.
 
 Tiny models of ``tests/models/hf/mamba1_models.py``; ``parallelize(cp=2)`` switches their Mamba1 mixers
-to hybridpar's selective scan and installs state passing (``parallel/context/mamba_state.py``) as their
+to hybridpar's selective scan and installs state passing (``parallel/context/recurrent/mamba_state.py``) as their
 ``core``. Two rows of two packed documents (12 and 20 tokens, zigzag chunks of 3 and 5: the conv
 kernel of 4 reads a halo of 3, a whole chunk). The one-process reference runs the same model at cp=1
 (``tests/models/hf/test_mamba1_mixers.py`` proves it equals transformers on each document alone).
@@ -22,7 +22,7 @@ CASES = [("mamba", "allgather"), ("falcon_mamba", "allgather"), ("jamba", "ulyss
 
 
 def _case(name, attention, mesh) -> dict:
-    from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_mixers
+    from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_mixers
     from tests.models.hf.mamba1_models import VOCAB, build_mamba1
 
     return cp_case(build_mamba1, install_mamba1_core, mamba1_mixers, VOCAB, name, attention, mesh)
@@ -44,7 +44,7 @@ def test_cp2_of_mamba1_models_matches_one_process():
 
 
 def test_tensor_parallel_mamba1_is_refused_before_any_mesh():
-    from hybridpar.models.hf.mamba1_mixers import install_mamba1_core
+    from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import validate_parallelize
     from tests.models.hf.mamba1_models import build_mamba1

@@ -1,7 +1,7 @@
 """Context parallelism (cp=2) of LFM2, LFM2-MoE and LFM3 against one process, float64.
 
 Tiny models of ``tests/models/hf/lfm_models.py``; ``parallelize(cp=2)`` switches their short convs
-to hybridpar's document-resetting conv and installs the halo exchange (``parallel/context/short_conv.py``)
+to hybridpar's document-resetting conv and installs the halo exchange (``parallel/context/recurrent/short_conv.py``)
 as their ``core``, and the attention strategy on the attention modules. Two rows of two packed
 documents (12 and 20 tokens, zigzag chunks of 3 and 5: LFM2's kernel of 5 reads a halo of 4,
 longer than a chunk). The one-process reference runs the same model at cp=1
@@ -21,7 +21,7 @@ CASES = [("lfm2", "allgather"), ("lfm2_moe", "ulysses"), ("lfm3", "ring")]
 
 
 def _case(name, attention, mesh) -> dict:
-    from hybridpar.models.hf.short_conv import install_short_conv, short_convs
+    from hybridpar.models.hf.mixers.short_conv import install_short_conv, short_convs
     from tests.models.hf.lfm_models import VOCAB, build_lfm
 
     return cp_case(build_lfm, install_short_conv, short_convs, VOCAB, name, attention, mesh)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.comm.collectives import CommStats
-from hybridpar.parallel.context.mamba import HiddenParallelMamba, StatePassingMamba, apply_mamba_cp
+from hybridpar.parallel.context.recurrent.mamba import HiddenParallelMamba, StatePassingMamba, apply_mamba_cp
 from hybridpar.parallel.context.inputs import gather_outputs, shard_inputs
 from tests.distributed.context.reference import cu_seqlens as cu, expect_value_error, gather_by_reference, max_err, reference_zigzag, summed
 from tests.distributed.harness import run_ranks
@@ -204,7 +204,7 @@ def test_group_of_one_is_the_single_process_core(cls):
 
 def test_expected_bytes_formula_matches_the_worked_example():
     """peers-and-anchors B.2(a): a2a z local, 8B-like, L=131072, P=8, bf16 -> ~532 MB per rank."""
-    from hybridpar.parallel.context.mamba import a2a_bytes_per_layer
+    from hybridpar.parallel.context.recurrent.mamba import a2a_bytes_per_layer
 
     total = a2a_bytes_per_layer(1, 131072, 8, 8192, 128, 8, 128, 2)
     assert round(total / 1e6) == 532

@@ -2,7 +2,7 @@
 
 Tiny models of ``tests/models/hf/gdn_models.py`` (2 key heads, 4 value heads); ``parallelize`` switches
 their gated DeltaNets to hybridpar's core, stores ``conv1d`` (Qwen3.5: ``in_proj_qkv``) per component
-q, k, v and shards them by heads (``parallel/tensor/plans_hf.py``: ``GDNHeadParallel``; ``out_proj``
+q, k, v and shards them by heads (``parallel/tensor/hf_plans/dense.py``: ``GDNHeadParallel``; ``out_proj``
 row-parallel), the gated attention by heads, MLPs and MoE experts on their intermediate dim. One row of
 two packed documents (12 and 20 tokens). The loss and every parameter gradient (fused back to
 transformers' names, ``canonical_state_dict``) equal the one-process model's to 1e-9: on 2 ranks at
@@ -28,7 +28,7 @@ LORA = {"qwen3_next": ["in_proj_qkvz", "in_proj_ba"], "qwen3_5": ["in_proj_qkv",
 
 def _model(name: str):
     """``name``, or ``name+lora``: a LoRA adapter on every gated DeltaNet projection, out_proj and q_proj."""
-    from hybridpar.models.hf.gdn_mixers import install_gdn_core
+    from hybridpar.models.hf.mixers.gdn import install_gdn_core
     from hybridpar.models.lora import add_lora
     from hybridpar.parallel.context.hf import use_hybridpar_attention
     from tests.models.hf.gdn_models import build_gdn
@@ -119,9 +119,9 @@ def test_cp2_tp2_of_gated_deltanet_models_matches_one_process():
 
 
 def test_key_heads_not_divisible_by_tp_and_model_types_without_a_plan_are_refused():
-    from hybridpar.models.hf.gdn_mixers import install_gdn_core
-    from hybridpar.parallel.context.gdn import validate_gdn_parallel
-    from hybridpar.parallel.tensor.plans_hf import GDNHeadParallel
+    from hybridpar.models.hf.mixers.gdn import install_gdn_core
+    from hybridpar.parallel.context.recurrent.gdn import validate_gdn_parallel
+    from hybridpar.parallel.tensor.hf_plans.dense import GDNHeadParallel
     from tests.models.hf.gdn_models import build_gdn
 
     model = build_gdn("qwen3_next")

@@ -1,7 +1,7 @@
 """Tensor (+sequence) parallelism of transformers' Mamba2 hybrids by heads, against one process, float64.
 
 Tiny models of ``tests/models/hf/hybrid_models.py``; ``parallelize`` puts hybridpar's core in their
-Mamba2 mixers and shards them by heads (``parallel/tensor/plans_moe.py``: z/x/dt/conv/dt_bias/
+Mamba2 mixers and shards them by heads (``parallel/tensor/hf_plans/moe_hybrid.py``: z/x/dt/conv/dt_bias/
 A_log/D/norm by heads, B/C by groups, ``out_proj`` row-parallel; Falcon-H1's ``mup_vector`` cut
 like its channels), attention and MLPs as their plans say, MoE experts on their intermediate dim.
 One row of two packed documents (12 and 20 tokens; the trainer packs rows of one: a transformers
@@ -42,7 +42,7 @@ def _batch():
 
 def _reference(name) -> tuple[float, dict]:
     from hybridpar.models.hf.float64 import keep_float64
-    from hybridpar.models.hf.mamba_mixers import install_mamba_core
+    from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
     from hybridpar.parallel.context.hf import use_hybridpar_attention
     from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.train.trainer import pack_loss_sum

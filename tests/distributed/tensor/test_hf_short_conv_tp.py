@@ -2,7 +2,7 @@
 
 Tiny models of ``tests/models/hf/lfm_models.py``; ``parallelize`` switches their short convs to
 hybridpar's conv, stores ``in_proj`` per component ``b, c, x`` and shards the short conv by channels
-(``parallel/tensor/plans_hf.py``: ``ShortConvChannelParallel``; ``out_proj`` row-parallel), attention
+(``parallel/tensor/hf_plans/dense.py``: ``ShortConvChannelParallel``; ``out_proj`` row-parallel), attention
 by heads (LFM3's per-head gate with them), MLPs and MoE experts on their intermediate dim. One row of
 two packed documents (12 and 20 tokens). The loss and every parameter gradient (fused back to
 transformers' names, ``canonical_state_dict``) equal the one-process model's to 1e-9: on 2 ranks at
@@ -23,7 +23,7 @@ DOCS = [0, 12, 32]
 
 
 def _model(name: str, lora: bool):
-    from hybridpar.models.hf.short_conv import install_short_conv
+    from hybridpar.models.hf.mixers.short_conv import install_short_conv
     from hybridpar.models.lora import add_lora
     from hybridpar.parallel.context.hf import use_hybridpar_attention
     from tests.models.hf.lfm_models import build_lfm
@@ -111,8 +111,8 @@ def test_tp2_with_fsdp_over_dp_and_over_cp_matches_one_process():
 
 
 def test_channels_not_divisible_by_tp_are_refused():
-    from hybridpar.models.hf.short_conv import install_short_conv
-    from hybridpar.parallel.tensor.plans_hf import ShortConvChannelParallel
+    from hybridpar.models.hf.mixers.short_conv import install_short_conv
+    from hybridpar.parallel.tensor.hf_plans.dense import ShortConvChannelParallel
     from tests.models.hf.lfm_models import build_lfm
 
     model = build_lfm("lfm2")

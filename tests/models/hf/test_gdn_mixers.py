@@ -1,4 +1,4 @@
-"""hybridpar's gated DeltaNet core inside transformers' gated DeltaNet layers (``models/hf/gdn_mixers.py``).
+"""hybridpar's gated DeltaNet core inside transformers' gated DeltaNet layers (``models/hf/mixers/gdn.py``).
 
 Tiny float64 Qwen3-Next, Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid models (``gdn_models.py``, chunks of 8
 tokens): with the core installed and hybridpar's attention, a row packing three documents (one
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.hf.gdn_mixers import gdn_layers, install_gdn_core
+from hybridpar.models.hf.mixers.gdn import gdn_layers, install_gdn_core
 from hybridpar.parallel.context.hf import attention_problem, unreached_token_mixers, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.train.trainer import pack_loss_sum

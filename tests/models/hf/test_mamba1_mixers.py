@@ -1,5 +1,5 @@
 """Mamba1 mixers (Jamba, FalconMamba, Mamba) on hybridpar's document-resetting selective scan
-(``models/hf/mamba1_mixers.py``), float64, against transformers' own forward: one document, and a
+(``models/hf/mixers/mamba1.py``), float64, against transformers' own forward: one document, and a
 packed row against each of its documents alone (loss and every parameter gradient)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
-from hybridpar.models.hf.mamba1_mixers import install_mamba1_core, mamba1_tp_problem, mamba1_mixers
+from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_tp_problem, mamba1_mixers
 from hybridpar.parallel.context.hf import attention_problem, use_hybridpar_attention
 
 VOCAB = 97

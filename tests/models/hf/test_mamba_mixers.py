@@ -1,4 +1,4 @@
-"""hybridpar's Mamba core inside transformers' Mamba2-family mixers (``models/hf/mamba_mixers.py``).
+"""hybridpar's Mamba core inside transformers' Mamba2-family mixers (``models/hf/mixers/mamba2.py``).
 
 Tiny float64 models of every hybrid (``hybrid_models.py``): with the core installed and
 hybridpar's attention, a row packing two documents gives the loss and every parameter gradient
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
+from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
 from hybridpar.parallel.context.hf import attention_problem, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.train.trainer import pack_loss_sum
@@ -114,7 +114,7 @@ def test_an_unsupported_mixer_variant_is_refused():
 def test_mamba_heads_that_do_not_split_over_cp_are_refused_before_collectives():
     from hybridpar.parallel.context.attention import STRATEGIES as ATTENTION
     from hybridpar.parallel.context.hf import validate_hf_cp
-    from hybridpar.parallel.context.mamba import HiddenParallelMamba
+    from hybridpar.parallel.context.recurrent.mamba import HiddenParallelMamba
 
     model = build_hybrid("bamba")  # 8 Mamba heads, 2 groups
     install_mamba_core(model)

@@ -1,4 +1,4 @@
-"""LFM2's gated short convolutions on hybridpar's document-resetting conv (``models/hf/short_conv.py``).
+"""LFM2's gated short convolutions on hybridpar's document-resetting conv (``models/hf/mixers/short_conv.py``).
 
 Tiny float64 LFM2, LFM2-MoE and LFM3 (``lfm_models.py``): the switched forward equals transformers'
 own on one document (1e-12, loss and every gradient); a packed row of three documents through
@@ -47,7 +47,7 @@ def _one_thread():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_switched_forward_equals_transformers_on_one_document(name):
-    from hybridpar.models.hf.short_conv import install_short_conv
+    from hybridpar.models.hf.mixers.short_conv import install_short_conv
 
     ids, labels = _data(20)
     ours, reference = build_lfm(name), build_lfm(name)
@@ -65,7 +65,7 @@ def test_packed_row_equals_each_document_alone(name):
     """The proof of a model type: hybridpar's attention and short conv on a packed row against
     transformers' own model (SDPA, its conv) run on every document alone."""
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models.hf.short_conv import install_short_conv
+    from hybridpar.models.hf.mixers.short_conv import install_short_conv
     from hybridpar.parallel.context import hf as context_hf
     from hybridpar.parallel.context.attention import AllGatherAttention
     from hybridpar.parallel.context.inputs import shard_inputs
@@ -92,7 +92,7 @@ def test_packed_row_equals_each_document_alone(name):
 
 
 def test_packing_rule_takes_the_switched_model_and_refuses_a_non_causal_conv():
-    from hybridpar.models.hf.short_conv import install_short_conv, short_convs
+    from hybridpar.models.hf.mixers.short_conv import install_short_conv, short_convs
     from hybridpar.parallel.context.hf import use_hybridpar_attention
     from hybridpar.train.packing_rule import leak_probe, packing_line, packing_problem
 
@@ -112,7 +112,7 @@ def test_packing_rule_takes_the_switched_model_and_refuses_a_non_causal_conv():
 
 
 def test_a_cache_or_a_padding_mask_runs_transformers_forward():
-    from hybridpar.models.hf.short_conv import install_short_conv
+    from hybridpar.models.hf.mixers.short_conv import install_short_conv
 
     ids, _ = _data(9)
     mask = torch.ones_like(ids)

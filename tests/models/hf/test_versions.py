@@ -9,7 +9,7 @@ import pytest
 
 from hybridpar.config_rules import Notice
 from hybridpar.models.hf import versions
-from hybridpar.models.hf.mamba_mixers import bridged_mixers, install_mamba_core
+from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
 from tests.models.hf.hybrid_models import build_hybrid
 
 

@@ -13,7 +13,7 @@ patches it applies: none changes what a kernel computes). Prints one JSON object
   output and every input's gradient; ``states`` is ``fused_gated_delta_rule`` with an initial state
   entering and a final state leaving every document (the ``state`` CP strategy's call), against
   the pure rule per document, outputs, final states and every input's gradient; ``segments`` is
-  that call exactly (``parallel/context/gdn.segment_rule``: padded segments, values ``[0 | v]``
+  that call exactly (``parallel/context/recurrent/gdn.segment_rule``: padded segments, values ``[0 | v]``
   twice as wide as the keys, ``[I | 0]`` entering), against the pure rule's ``states_at`` /
   ``finals_at``.
 """
@@ -117,11 +117,11 @@ def states_case() -> dict:
 
 
 def segments_case() -> dict:
-    """``parallel/context/gdn.segment_rule`` as the ``state`` strategy calls it: three chunk-padded
+    """``parallel/context/recurrent/gdn.segment_rule`` as the ``state`` strategy calls it: three chunk-padded
     segments (zeros after each), values ``[0 | v]`` (``dk + dv`` columns), ``[I | 0]`` entering each."""
     import torch
 
-    from hybridpar.parallel.context.gdn import segment_rule
+    from hybridpar.parallel.context.recurrent.gdn import segment_rule
 
     chunk, lengths = 16, [20, 1, 16]  # chunks 0-1, 2, 3
     starts, ends, padded = [0, 2, 3], [1, 2, 3], 64

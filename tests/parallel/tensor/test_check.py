@@ -21,7 +21,7 @@ from hybridpar.parallel.tensor.apply import check_tp_plan
 from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, LocalHeadCounts, PackedColwiseParallel
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel, expert_placements
 from hybridpar.parallel.tensor.plans import hf_tp_plan
-from hybridpar.parallel.tensor.plans_hf import llama_plan
+from hybridpar.parallel.tensor.hf_plans.dense import llama_plan
 from hybridpar.parallel.tensor.styles import LocalReplicateParallel
 from tests.distributed.tensor.hf_models import build_model
 

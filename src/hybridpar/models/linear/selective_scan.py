@@ -15,7 +15,7 @@ checkpointing, so autograd keeps the chunk inputs and the ``[rows, Cd, N]`` stat
 memory linear in ``T`` with one ``[rows, L, Cd, N]`` block alive at a time (transformers' own
 sequential path keeps ``exp(dt A)`` and ``dt x B`` for the whole row). Computed in float32 at least.
 
-For context parallelism (``parallel/context/mamba_state.StatePassingMamba1``) the scan also takes
+For context parallelism (``parallel/context/recurrent/mamba_state.StatePassingMamba1``) the scan also takes
 states entering given documents, ``init_states [m, Cd, N]`` at tokens ``init_at [m]`` (first tokens
 of documents: ``b_t += exp(dt_t A) h0``, the decay a reset masks), and returns the states at tokens
 ``final_at [e]`` (each ``h_t`` of that token), one row only.

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
 from hybridpar.parallel.context.attention import attention_cp_bytes_per_layer, ulysses_kv_heads
-from hybridpar.parallel.context.mamba import a2a_bytes_per_layer
-from hybridpar.parallel.context.mamba_state import state_bytes_per_layer
+from hybridpar.parallel.context.recurrent.mamba import a2a_bytes_per_layer
+from hybridpar.parallel.context.recurrent.mamba_state import state_bytes_per_layer
 from hybridpar.parallel.dims import ParallelDims
 
 __all__ = ["StepShape", "Tally", "ParamShape", "unit_parameters", "step_collectives", "SOURCES", "dim_label"]

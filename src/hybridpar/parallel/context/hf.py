@@ -45,10 +45,10 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
-from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK, gdn_layers
-from hybridpar.models.hf.mamba1_mixers import MAMBA1_MARK, mamba1_mixers
-from hybridpar.models.hf.mamba_mixers import MARK, bridged_mixers
-from hybridpar.models.hf.short_conv import SHORT_CONV_MARK, short_convs
+from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK, gdn_layers
+from hybridpar.models.hf.mixers.mamba1 import MAMBA1_MARK, mamba1_mixers
+from hybridpar.models.hf.mixers.mamba2 import MARK, bridged_mixers
+from hybridpar.models.hf.mixers.short_conv import SHORT_CONV_MARK, short_convs
 from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.models.token_dropout import unkeyed_dropout
 from hybridpar.parallel.context.hf_types import (ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES, SUPPORTED_MODEL_TYPES,
@@ -205,7 +205,7 @@ def unreached_token_mixers(model: nn.Module) -> list[str]:
     """Names of modules that mix tokens outside hybridpar's cores: a direct ``A_log`` parameter
     (a Mamba1, gated DeltaNet or Mamba2 mixer not switched by ``install_mamba1_core`` /
     ``install_gdn_core`` / ``install_mamba_core``) or an ``nn.Conv1d`` over the sequence (short
-    convolutions), outside a switched mixer or short conv (``models/hf/short_conv.install_short_conv``)."""
+    convolutions), outside a switched mixer or short conv (``models/hf/mixers/short_conv.install_short_conv``)."""
     inside = tuple(f"{name}." for name, _ in _switched_mixers(model))
     found = []
     for name, module in model.named_modules():
@@ -223,7 +223,7 @@ def attention_problem(model: nn.Module) -> str | None:
     Rules: a transformers model of a supported type (``SUPPORTED_MODEL_TYPES``: attention models and
     the Mamba2 hybrids of ``HYBRID_MODEL_TYPES``), causal, without attention dropout, with attention
     modules to take it, and no token mixer outside hybridpar's cores (``unreached_token_mixers``;
-    Mamba2 mixers must have been switched by ``models.hf.mamba_mixers.install_mamba_core``).
+    Mamba2 mixers must have been switched by ``models.hf.mixers.mamba2.install_mamba_core``).
     """
     cls = type(model).__name__
     config = getattr(model, "config", None)
@@ -233,9 +233,9 @@ def attention_problem(model: nn.Module) -> str | None:
         return (f"{cls} ({model_type}) has token mixers that hybridpar's attention and Mamba cores do not reach "
                 f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: a recurrence, "
                 "convolution or mixer variant hybridpar has no core for), so they cannot reset at document boundaries; "
-                "Mamba1 and Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mamba1_mixers."
-                "install_mamba1_core(model), models.hf.mamba_mixers.install_mamba_core(model) and "
-                "models.hf.gdn_mixers.install_gdn_core(model) (the trainer calls them), "
+                "Mamba1 and Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mixers.mamba1."
+                "install_mamba1_core(model), models.hf.mixers.mamba2.install_mamba_core(model) and "
+                "models.hf.mixers.gdn.install_gdn_core(model) (the trainer calls them), "
                 "or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
         return (f"hybridpar's attention takes HybridLM and {len(SUPPORTED_MODEL_TYPES)} transformers model types, each "
@@ -267,7 +267,7 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=Non
             raise ValueError(f"context parallelism (cp > 1) for {cls}: Mamba2 mixer {name!r} needs a Mamba CP strategy "
                              "(cp_mamba 'a2a' or 'state'); pass one to validate_hf_cp.")
         heads, groups = mixer.num_heads, mixer.n_groups
-        if heads % tp == 0 and tp_groups(groups, tp):  # sharded by heads under TP (tensor/plans_moe.py; one
+        if heads % tp == 0 and tp_groups(groups, tp):  # sharded by heads under TP (tensor/hf_plans/moe_hybrid.py; one
             heads, groups = heads // tp, tp_groups(groups, tp)  # group whole); else the TP check refuses it
         try:
             mamba_core.validate(heads, groups)

@@ -30,7 +30,7 @@ __all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "
 
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
-# gated DeltaNet hybrids, their layers on hybridpar's core (models/hf/gdn_mixers.py; tests/models/hf/test_gdn_mixers.py)
+# gated DeltaNet hybrids, their layers on hybridpar's core (models/hf/mixers/gdn.py; tests/models/hf/test_gdn_mixers.py)
 GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
 ATTENTION_MODEL_TYPES = (
     # Llama's layout and its relatives; attention and residual multipliers (Granite)
@@ -57,7 +57,7 @@ ATTENTION_MODEL_TYPES = (
 )
 # gated short convolutions on hybridpar's document-resetting conv (tests/models/hf/test_short_conv.py)
 SHORT_CONV_MODEL_TYPES = ("lfm2", "lfm2_moe", "lfm3")
-# Mamba1 hybrids on hybridpar's document-resetting selective scan, one process (models/hf/mamba1_mixers.py)
+# Mamba1 hybrids on hybridpar's document-resetting selective scan, one process (models/hf/mixers/mamba1.py)
 MAMBA1_MODEL_TYPES = ("jamba", "falcon_mamba", "mamba")
 SUPPORTED_MODEL_TYPES = (ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES + GDN_MODEL_TYPES + SHORT_CONV_MODEL_TYPES
                          + MAMBA1_MODEL_TYPES)

@@ -4,10 +4,10 @@ The registry (``tp_registry``) maps a model class's ``module.qualname`` to a pla
 ``plan_fn(model, sequence_parallel) -> {module pattern: ParallelStyle}``. Importing this
 module registers:
 
-- ``tp_plans_hf``: dense Hugging Face decoders (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3,
+- ``hf_plans.dense``: dense Hugging Face decoders (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3,
   Granite, Cohere, Starcoder2, Phi, Phi3, OLMo2, GPT-NeoX, StableLM, GPT-2), with sequence
   parallelism;
-- ``tp_plans_moe``: mixture-of-experts and Mamba hybrids (Mixtral, Qwen2-MoE, Qwen3-MoE,
+- ``hf_plans.moe_hybrid``: mixture-of-experts and Mamba hybrids (Mixtral, Qwen2-MoE, Qwen3-MoE,
   NemotronH, Falcon-H1, Bamba);
 - ``HybridLM`` (lazily, ``tp_hybrid``) and ``"default"``, a Llama-shaped guess for unknown
   classes (``tp_check`` refuses it where it does not fit).
@@ -107,4 +107,4 @@ if lookup_tp_plan("hybridpar.models.hybrid.HybridLM") is None:  # tensor.hybrid 
                      aliases=("HybridLM",))
 
 # The Hugging Face plans register themselves on import.
-from hybridpar.parallel.tensor import plans_hf, plans_moe  # noqa: E402,F401
+from hybridpar.parallel.tensor.hf_plans import dense, moe_hybrid  # noqa: E402,F401

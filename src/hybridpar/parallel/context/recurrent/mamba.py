@@ -41,11 +41,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.hf.mamba_mixers import MARK
+from hybridpar.models.hf.mixers.mamba2 import MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer, local_conv_scan
 from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
 from hybridpar.parallel.comm.collectives import hidden_to_seq, seq_to_hidden
-from hybridpar.parallel.context.mamba_state import SegmentPlan, segment_plan, state_passing_conv_scan
+from hybridpar.parallel.context.recurrent.mamba_state import SegmentPlan, segment_plan, state_passing_conv_scan
 from hybridpar.parallel.context.core import ContextParallelCore
 
 __all__ = [
@@ -224,7 +224,7 @@ STRATEGIES = {"a2a": HiddenParallelMamba, "state": StatePassingMamba}
 
 def apply_mamba_cp(model: nn.Module, cp_group: dist.ProcessGroup | None, strategy: str = "a2a") -> nn.Module:
     """Install a CP strategy as ``core`` of every ``Mamba2Mixer`` in ``model`` (and of every transformers
-    Mamba2 mixer ``models/hf/mamba_mixers.install_mamba_core`` switched); returns ``model``.
+    Mamba2 mixer ``models/hf/mixers/mamba2.install_mamba_core`` switched); returns ``model``.
 
     Head and group counts are checked on every mixer before any is changed, so a bad layout
     raises ``ValueError`` here, long before a collective could hang.

@@ -1,7 +1,7 @@
 """Context-parallel gated DeltaNet: two strategies for the ``layer.core`` seam (all-to-all over heads, state passing).
 
 Each rank holds ``L/P`` tokens of every row (``P`` = CP size, zigzag order, ``zigzag.py``) and a
-switched transformers gated DeltaNet (``models/hf/gdn_mixers.py``) calls
+switched transformers gated DeltaNet (``models/hf/mixers/gdn.py``) calls
 ``core(layer, mixed_qkv, a, b, packed)`` with the pre-conv ``mixed_qkv [B, L/P, 2*Hk*dk + Hv*dv]``
 (channels ``q | k | v``), the raw ``a, b [B, L/P, Hv]`` and its localized ``PackedSeqParams``; the
 core returns ``o [B, L/P, Hv*dv]``. The gate ``z``, the gated norm and ``out_proj`` stay in the
@@ -67,15 +67,15 @@ from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.layout import cached
-from hybridpar.models.hf.gdn_mixers import CHUNK_SIZE, beta_scale, gdn_layers, local_gdn_core
+from hybridpar.models.hf.mixers.gdn import CHUNK_SIZE, beta_scale, gdn_layers, local_gdn_core
 from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
 from hybridpar.models.linear.gdn_core import document_conv1d, gated_delta_core, gdn_inputs
 from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fused_gated_delta_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore
-from hybridpar.parallel.context.mamba import local_tensor
-from hybridpar.parallel.context.mamba_state import SegmentPlan, _conv_halo, segment_plan
+from hybridpar.parallel.context.recurrent.mamba import local_tensor
+from hybridpar.parallel.context.recurrent.mamba_state import SegmentPlan, _conv_halo, segment_plan
 
 __all__ = ["HiddenParallelGDN", "StatePassingGDN", "GDN_STRATEGIES", "apply_gdn_cp", "validate_gdn_parallel", "GDN_TP_MODEL_TYPES",
            "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer", "segment_rule"]
@@ -261,7 +261,7 @@ class StatePassingGDN(ContextParallelCore):
 GDN_STRATEGIES = {"a2a": HiddenParallelGDN, "state": StatePassingGDN}
 
 
-GDN_TP_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")  # plans: tensor/plans_moe
+GDN_TP_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")  # plans: tensor/hf_plans/moe_hybrid
 
 
 def validate_gdn_parallel(model: nn.Module, cp: int, tp: int, mamba_strategy: str) -> None:

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
-from hybridpar.models.hf.gdn_mixers import _LAYOUTS, _layout, _norm, _out
-from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
+from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
+from hybridpar.models.hf.mixers.gdn import _LAYOUTS, _layout, _norm, _out
+from hybridpar.models.hf.mixers.short_conv import SHORT_CONV_MARK
 from hybridpar.parallel.lora import split_lora_components
 
 from hybridpar.parallel.tensor.check import validate_tp_sizes
@@ -194,7 +194,7 @@ def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
     return plan
 
 
-# LFM2 / LFM3: a gated short conv (models/hf/short_conv.py, switched by install_short_conv, which
+# LFM2 / LFM3: a gated short conv (models/hf/mixers/short_conv.py, switched by install_short_conv, which
 # parallelize runs) is per channel after its projection, so it shards by channels with no collective
 # of its own (ShortConvChannelParallel). Its in_proj is stored per component (in_proj.weight_b,
 # weight_c, weight_x: split_short_conv, at every layout, so DCP names do not depend on tp; exports and
@@ -203,7 +203,7 @@ def gpt2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
 #   -> conv (weight [C/tp, 1, K], bias [C/tp]) -> y [B, S, C/tp] -> out_proj rowwise: partial [B, S, D]
 #   -> all-reduce (SP: reduce-scatter -> [B, S/tp, D])
 # Every parameter is a plain Shard(0), so FSDP composes (dp x tp, cp x tp); the CP halo
-# (context/short_conv.py) runs on the local channels. Under TP only hybridpar's conv runs.
+# (context/recurrent/short_conv.py) runs on the local channels. Under TP only hybridpar's conv runs.
 
 
 def split_short_conv(module: nn.Module) -> None:
@@ -272,7 +272,7 @@ def lfm3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
 
 
 # Gated DeltaNets of transformers hybrids (Qwen3-Next, Qwen3.5, OLMo-Hybrid) by heads: GDNHeadParallel, in the
-# plans plans_moe.qwen3_next_plan and plans_moe.olmo_hybrid_plan.
+# plans moe_hybrid.qwen3_next_plan and moe_hybrid.olmo_hybrid_plan.
 #
 # Rank ``r`` of ``tp`` holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the value heads that read them,
 # ``[r Hv/tp, (r+1) Hv/tp)`` (value head ``j`` reads key head ``j // (Hv/Hk)``), so the whole layer up
@@ -296,7 +296,7 @@ def lfm3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
 # ``split_gdn`` stores those components at every layout (``parallelize`` calls it through
 # ``split_hf_mixers``), so checkpoint names do not depend on tp; ``canonical_state_dict`` and exports fuse
 # them back to transformers' names. During the layer's forward its DTensor parameters are swapped for
-# their local shards, so ``gdn_mixers.gdn_training_forward`` and the CP cores run unchanged on a shard.
+# their local shards, so ``mixers.gdn.gdn_training_forward`` and the CP cores run unchanged on a shard.
 
 
 _HEAD_COUNTS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")

@@ -2,7 +2,7 @@
 
 Each rank holds ``L/P`` tokens of every row in zigzag order (``zigzag.py``): every padded
 document is cut into ``2P`` chunks, rank ``r`` holds chunks ``r`` and ``2P-1-r``. The short conv
-``s_t = bias + sum_lag w[:, K-1-lag] * v_{t-lag}`` (``v = b * x``, ``models/hf/short_conv.py``)
+``s_t = bias + sum_lag w[:, K-1-lag] * v_{t-lag}`` (``v = b * x``, ``models/hf/mixers/short_conv.py``)
 reads, at the start of each chunk, the ``K-1`` values of ``v`` before it in the same document,
 which live on another rank. The Mamba ``state`` strategy has the same seams for its conv, so
 this reuses its segment plan (``context/mamba_state.build_segment_plan``): a *segment* is one
@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.hf.short_conv import conv_parameters, gated_short_conv, local_short_conv, short_convs
+from hybridpar.models.hf.mixers.short_conv import conv_parameters, gated_short_conv, local_short_conv, short_convs
 from hybridpar.parallel.comm.collectives import all_gather
 from hybridpar.parallel.context.core import ContextParallelCore
-from hybridpar.parallel.context.mamba_state import segment_plan
+from hybridpar.parallel.context.recurrent.mamba_state import segment_plan
 
 __all__ = ["HaloShortConv", "apply_short_conv_cp", "halo_bytes_per_layer"]
 

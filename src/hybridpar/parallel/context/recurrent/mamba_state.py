@@ -45,7 +45,7 @@ pass keeps only its inputs for backward (the stream is a view of ``in_proj``'s o
 ``P * S * H*p*N`` elements.
 
 **Mamba1** (``StatePassingMamba1``, the ``core`` of transformers' Mamba1 mixers: Mamba, FalconMamba,
-Jamba; ``models/hf/mamba1_mixers.py``): the same segments, halo and composition with a state per
+Jamba; ``models/hf/mixers/mamba1.py``): the same segments, halo and composition with a state per
 channel and state index. The selective scan (``models/linear/selective_scan.py``) is linear in the
 state entering a segment: per channel ``c`` and state ``n``, with ``a_t = exp(dt_t[c] A[c, n])``::
 
@@ -79,7 +79,7 @@ from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.layout import cached
-from hybridpar.models.hf.mamba1_mixers import document_conv, local_selective_core, mamba1_mixers, selective_inputs
+from hybridpar.models.hf.mixers.mamba1 import document_conv, local_selective_core, mamba1_mixers, selective_inputs
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
 from hybridpar.models.mamba.core import mamba_conv_scan
 from hybridpar.parallel.comm.collectives import all_gather

@@ -19,7 +19,7 @@ channels), 1-D ``A_log`` and ``dt_bias`` over ``Hv``, a gated RMSNorm over ``dv`
     o, z -> norm per head (norm before the SiLU gate) -> out_proj
 
 ``layer.core`` (default ``local_gdn_core``: ``models/linear/gdn_core.py`` on this process's tokens)
-is the seam a context-parallel strategy replaces (``parallel/context/gdn.py``). The batch's
+is the seam a context-parallel strategy replaces (``parallel/context/recurrent/gdn.py``). The batch's
 ``PackedSeqParams`` arrive as ``packed_seq_params`` through the decoder layer's ``**kwargs``.
 Parameter names do not change. With a cache (generation) or a padding ``attention_mask`` the
 module's own transformers forward runs.
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hybridpar.models.hf.mamba_mixers import switch_mixers
+from hybridpar.models.hf.mixers.mamba2 import switch_mixers
 from hybridpar.models.linear.gdn_core import gated_delta_core
 from hybridpar.models.mamba.core import row_documents
 
@@ -48,7 +48,7 @@ _LAYOUTS = {"qkvz_ba": ("in_proj_qkvz", "in_proj_ba"), "qkv_z_b_a": ("in_proj_qk
 
 
 def _layout(module: nn.Module) -> str | None:
-    # nn.Linear, or one stored per component by tensor parallelism (parallel/tensor/plans_hf.py: in_features kept)
+    # nn.Linear, or one stored per component by tensor parallelism (parallel/tensor/hf_plans/dense.py: in_features kept)
     return next((name for name, parts in _LAYOUTS.items()
                  if all(isinstance(getattr(module, p, None), nn.Module) and hasattr(getattr(module, p), "in_features")
                         for p in parts)), None)

@@ -19,7 +19,7 @@ hand their keyword arguments to the mixer, so the model's forward leaves them in
 mixer reads (as ``parallel/context/hf.apply_hf_cp`` does for attention). With a cache (generation)
 or a padding ``attention_mask`` the module's own forward runs. ``mixer.core`` (default
 ``local_selective_core``: conv, activation, projections, scan, ``+ D x``) is the seam a context-parallel
-strategy replaces (``parallel/context/mamba_state.StatePassingMamba1``); tensor parallelism of these
+strategy replaces (``parallel/context/recurrent/mamba_state.StatePassingMamba1``); tensor parallelism of these
 mixers is refused (``mamba1_tp_problem``).
 
 Single-device code (no process group).
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridpar.models.hf.mamba_mixers import switch_mixers
+from hybridpar.models.hf.mixers.mamba2 import switch_mixers
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
@@ -161,7 +161,7 @@ def mamba1_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def mamba1_tp_problem(model: nn.Module, tp: int) -> str | None:
     """Why ``model``'s switched Mamba1 mixers cannot run at this ``tp`` (None: they can; any ``cp``, by
-    state passing: ``parallel/context/mamba_state.StatePassingMamba1``)."""
+    state passing: ``parallel/context/recurrent/mamba_state.StatePassingMamba1``)."""
     found = mamba1_mixers(model)
     if found and tp > 1:
         return (f"{type(model).__name__}'s Mamba1 mixer {found[0][0]!r} (and {len(found) - 1} more) has no exact "

@@ -22,11 +22,11 @@ Function that keeps only ``in_proj``'s output ``[T, 3C]`` (transformers' autogra
     ds = c * g,  dc = s * g,  (dv, dw, dbias, dhistory) = conv_backward(v, ds),  db = dv * x,  dx = dv * b
 
 A document starting at ``init_at`` reads its ``K-1`` earlier ``v`` from ``history [m, K-1, C]``
-(the context-parallel halo, ``parallel/context/short_conv.py``), whose gradient flows back.
+(the context-parallel halo, ``parallel/context/recurrent/short_conv.py``), whose gradient flows back.
 ``module.core`` is the seam CP strategies replace. Low-precision inputs run the conv in float32
 and round ``v`` and ``s`` as transformers does. The batch's ``PackedSeqParams`` arrive as
 ``packed_seq_params`` through the decoder layer's ``**kwargs``. Parameter names do not change
-(``parallelize`` later stores ``in_proj`` per component ``b, c, x``: ``parallel/tensor/plans_hf.py``).
+(``parallelize`` later stores ``in_proj`` per component ``b, c, x``: ``parallel/tensor/hf_plans/dense.py``).
 With a cache (generation) or a padding ``attention_mask`` the module's own forward runs.
 
 Single-device code (no process group).
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hybridpar.models.hf.mamba_mixers import switch_mixers
+from hybridpar.models.hf.mixers.mamba2 import switch_mixers
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 

@@ -45,9 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from hybridpar.models.hf.gdn_mixers import MARK as GDN_MARK
-from hybridpar.models.hf.mamba_mixers import MARK
-from hybridpar.models.hf.short_conv import SHORT_CONV_MARK
+from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
+from hybridpar.models.hf.mixers.mamba2 import MARK
+from hybridpar.models.hf.mixers.short_conv import SHORT_CONV_MARK
 from hybridpar.parallel.data.fsdp import register_first_pre_hook
 from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.decoder import decoder_plan, embedding_style, lm_head_style
@@ -55,7 +55,7 @@ from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, Sp
                                               spanning_group_norm)
 from hybridpar.parallel.tensor.linear_styles import HeadShardedSinks
 from hybridpar.parallel.tensor.moe import is_moe_block, moe_block_plan, moe_block_sp_style, moe_blocks_plan, moe_decoder_plan
-from hybridpar.parallel.tensor.plans_hf import (GDNHeadParallel, lfm2_plan, olmo2_plan, register_hf_plan, split_gdn,
+from hybridpar.parallel.tensor.hf_plans.dense import (GDNHeadParallel, lfm2_plan, olmo2_plan, register_hf_plan, split_gdn,
                                                split_short_conv)
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, RotaryEmbedParallel,
                                              SequenceParallelAllGatherActivation, TokenwiseParallel)

@@ -77,7 +77,7 @@ def mamba_mixer_problem(name: str, module: nn.Module) -> str | None:
 def local_split_sizes(mixer: nn.Module, width: int) -> list[int]:
     """Widths of ``[z | xBC | dt]`` in an ``in_proj`` output of ``width``: the whole mixer, or a
     tensor-parallel shard of ``H/tp`` heads and ``G/tp`` groups (one group: kept whole on every
-    rank; ``parallel/tensor/plans_moe.py``)."""
+    rank; ``parallel/tensor/hf_plans/moe_hybrid.py``)."""
     heads, n_groups, state = mixer.num_heads, mixer.n_groups, mixer.ssm_state_size
     for shards in (s for s in range(1, heads + 1) if heads % s == 0 and (n_groups % s == 0 or n_groups == 1)):
         d_inner, groups = mixer.intermediate_size // shards, max(1, n_groups // shards)
