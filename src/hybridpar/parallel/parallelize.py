@@ -109,7 +109,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
     gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads over tp, cp
-    problem = mamba1_tp_problem(model, dims.tp)  # Mamba1 mixers: no TP (CP by state passing)
+    problem = mamba1_tp_problem(model, dims.tp)  # Mamba1 mixers: channels over tp (any cp: state passing)
     if problem:
         raise ValueError(problem + ".")
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused

@@ -6,12 +6,11 @@ to hybridpar's selective scan and installs state passing (``parallel/context/rec
 kernel of 4 reads a halo of 3, a whole chunk). The one-process reference runs the same model at cp=1
 (``tests/models/hf/test_mamba1_mixers.py`` proves it equals transformers on each document alone).
 The loss and every parameter gradient agree to 1e-9; FSDP2 shards the model over the CP ranks.
-Tensor parallelism of a Mamba1 mixer is refused in one line before any mesh.
+Tensor parallelism (and cp x tp): ``tests/distributed/tensor/test_hf_mamba1_tp.py``.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
@@ -41,16 +40,3 @@ def test_cp2_of_mamba1_models_matches_one_process():
         for (name, attention), r in rank_results.items():
             assert r["params"] == r["expected"] and r["cores"] == {"StatePassingMamba1"}, (name, r)
             assert r["loss_error"] < TOL and r["grad_error"] < TOL, (name, attention, r)
-
-
-def test_tensor_parallel_mamba1_is_refused_before_any_mesh():
-    from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
-    from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.parallelize import validate_parallelize
-    from tests.models.hf.mamba1_models import build_mamba1
-
-    model = build_mamba1("jamba")
-    install_mamba1_core(model)
-    with pytest.raises(ValueError, match=r"Mamba1 mixer 'model.layers.0.mamba'.*tp=2\): use parallel.tp=1") as error:
-        validate_parallelize(model, ParallelDims(tp=2))
-    assert "\n" not in str(error.value)

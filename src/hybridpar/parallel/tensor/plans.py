@@ -107,4 +107,4 @@ if lookup_tp_plan("hybridpar.models.hybrid.HybridLM") is None:  # tensor.hybrid 
                      aliases=("HybridLM",))
 
 # The Hugging Face plans register themselves on import.
-from hybridpar.parallel.tensor.hf_plans import dense, moe_hybrid  # noqa: E402,F401
+from hybridpar.parallel.tensor.hf_plans import dense, mamba1, moe_hybrid  # noqa: E402,F401

@@ -19,8 +19,8 @@ hand their keyword arguments to the mixer, so the model's forward leaves them in
 mixer reads (as ``parallel/context/hf.apply_hf_cp`` does for attention). With a cache (generation)
 or a padding ``attention_mask`` the module's own forward runs. ``mixer.core`` (default
 ``local_selective_core``: conv, activation, projections, scan, ``+ D x``) is the seam a context-parallel
-strategy replaces (``parallel/context/recurrent/mamba_state.StatePassingMamba1``); tensor parallelism of these
-mixers is refused (``mamba1_tp_problem``).
+strategy replaces (``parallel/context/recurrent/mamba_state.StatePassingMamba1``); tensor parallelism shards
+them by channel (``parallel/tensor/hf_plans/mamba1.py``; ``mamba1_tp_problem``: ``d_inner`` must divide by tp).
 
 Single-device code (no process group).
 """
@@ -37,7 +37,7 @@ from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 
 __all__ = ["MAMBA1_MARK", "is_mamba1_mixer", "mamba1_problem", "install_mamba1_core", "mamba1_mixers",
-           "mamba1_tp_problem", "mamba1_training_forward", "local_selective_core", "selective_inputs",
+           "mamba1_tp_problem", "mamba1_channel_problem", "mamba1_training_forward", "local_selective_core", "selective_inputs",
            "document_conv"]
 
 MAMBA1_MARK = "hybridpar_mamba1"  # set on a Mamba1 mixer whose forward resets at document boundaries
@@ -128,6 +128,10 @@ def mamba1_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None,
                             **kwargs) -> Tensor:
     """The switched forward (module docstring); ``hidden_states [R, T, D] -> [R, T, D]``."""
     if cache is not None or attention_mask is not None:
+        if getattr(mixer, "_hybridpar_channel_sharded", False):
+            raise ValueError(f"{type(mixer).__name__} is sharded by channel (tensor parallel), where only hybridpar's "
+                             "core runs: pass no cache and no attention_mask (describe padding and documents with "
+                             "packed_seq_params), or generate with the unsharded model.")
         return mixer._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     packed = kwargs.get("packed_seq_params") or mixer.__dict__.get(_SLOT, {}).get("packed_seq_params")
     x, gate = mixer.in_proj(hidden_states).chunk(2, dim=-1)  # [R, T, Cd] each
@@ -159,12 +163,22 @@ def mamba1_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if getattr(m, MAMBA1_MARK, False)]
 
 
+def mamba1_channel_problem(name: str, mixer: nn.Module, tp: int) -> str | None:
+    """Why Mamba1 mixer ``mixer`` cannot be sharded by channel over ``tp`` ranks (None: it can)."""
+    channels = mixer.A_log.shape[0]
+    if channels % tp == 0:
+        return None
+    valid = [t for t in range(1, channels + 1) if channels % t == 0][:12]
+    return (f"Mamba1 mixer {name!r} ({type(mixer).__name__}) has d_inner={channels} channels, not divisible by tp={tp}: "
+            f"tensor parallelism splits its channels over the TP ranks; use a tp dividing {channels} (one of {valid})")
+
+
 def mamba1_tp_problem(model: nn.Module, tp: int) -> str | None:
-    """Why ``model``'s switched Mamba1 mixers cannot run at this ``tp`` (None: they can; any ``cp``, by
-    state passing: ``parallel/context/recurrent/mamba_state.StatePassingMamba1``)."""
-    found = mamba1_mixers(model)
-    if found and tp > 1:
-        return (f"{type(model).__name__}'s Mamba1 mixer {found[0][0]!r} (and {len(found) - 1} more) has no exact "
-                f"tensor-parallel plan (x_proj reads every channel of the scan input; tp={tp}): use parallel.tp=1 "
-                f"(context parallelism and FSDP apply)")
+    """Why ``model``'s switched Mamba1 mixers cannot run at this ``tp`` (None: they can, by channel:
+    ``parallel/tensor/hf_plans/mamba1.py``; any ``cp``, by state passing:
+    ``parallel/context/recurrent/mamba_state.StatePassingMamba1``)."""
+    for name, mixer in mamba1_mixers(model) if tp > 1 else ():
+        problem = mamba1_channel_problem(name, mixer, tp)
+        if problem:
+            return problem
     return None

@@ -46,6 +46,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
+from hybridpar.models.hf.mixers.mamba1 import MAMBA1_MARK
 from hybridpar.models.hf.mixers.mamba2 import MARK
 from hybridpar.models.hf.mixers.short_conv import SHORT_CONV_MARK
 from hybridpar.parallel.data.fsdp import register_first_pre_hook
@@ -55,6 +56,7 @@ from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, Sp
                                               spanning_group_norm)
 from hybridpar.parallel.tensor.linear_styles import HeadShardedSinks
 from hybridpar.parallel.tensor.moe import is_moe_block, moe_block_plan, moe_block_sp_style, moe_blocks_plan, moe_decoder_plan
+from hybridpar.parallel.tensor.hf_plans.mamba1 import split_mamba1
 from hybridpar.parallel.tensor.hf_plans.dense import (GDNHeadParallel, lfm2_plan, olmo2_plan, register_hf_plan, split_gdn,
                                                split_short_conv)
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, RotaryEmbedParallel,
@@ -102,6 +104,8 @@ def split_hf_mixers(model: nn.Module) -> None:
             split_short_conv(module)
         elif getattr(module, GDN_MARK, False):  # gated DeltaNets: conv1d (Qwen3.5: in_proj_qkv) per q, k, v
             split_gdn(module)
+        elif getattr(module, MAMBA1_MARK, False):  # Jamba, FalconMamba, Mamba: in_proj per x, z
+            split_mamba1(module)
 
 
 def _local_rows(vector: torch.Tensor, sizes: dict[str, int], tp: int, rank: int, shared: bool) -> torch.Tensor:

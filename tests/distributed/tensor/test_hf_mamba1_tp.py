@@ -1,0 +1,127 @@
+"""Tensor (+sequence) parallelism of Mamba, FalconMamba and Jamba (attention, experts) against one process, float64.
+
+Tiny models of ``tests/models/hf/mamba1_models.py``; ``parallelize`` switches their Mamba1 mixers to
+hybridpar's selective scan, stores ``in_proj`` per component ``x, z`` and shards each mixer by channel
+(``parallel/tensor/hf_plans/mamba1.py``: ``in_proj`` rows, conv, ``dt_proj``, ``A_log``, ``D`` by
+channel, ``x_proj`` row-parallel with its output all-reduced, ``out_proj`` row-parallel), Jamba's
+attention by heads, its MLPs and experts on their intermediate dim. One row of two packed documents
+(12 and 20 tokens). The loss and every parameter gradient (fused back to transformers' names,
+``canonical_state_dict``) equal the one-process model's to 1e-9: on 2 ranks at tp=2 and tp=2 + SP, and
+on 4 ranks at cp=2 x tp=2 (state passing on the local channels, FSDP over cp). ``d_inner`` not
+divisible by tp is refused in one line before any collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+TOL = 1e-9
+DOCS = [0, 12, 32]
+NAMES = ("mamba", "falcon_mamba", "jamba")
+
+
+def _model(name: str):
+    from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
+    from hybridpar.parallel.context.hf import use_hybridpar_attention
+    from tests.models.hf.mamba1_models import build_mamba1
+
+    model = build_mamba1(name)
+    install_mamba1_core(model)
+    return use_hybridpar_attention(model)
+
+
+def _case(name: str, sizes: dict, sp: bool, mesh) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hf.mixers.mamba1 import mamba1_mixers
+    from hybridpar.parallel.context.inputs import shard_inputs
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+    from hybridpar.train.trainer import pack_loss_sum
+    from tests.distributed.tensor.hf_models import gradient_errors
+    from tests.models.hf.mamba1_models import VOCAB
+
+    gen = torch.Generator().manual_seed(3)
+    ids, labels = (torch.randint(0, VOCAB, (1, DOCS[-1]), generator=gen) for _ in range(2))
+    labels[:, ::5] = -100
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
+    count = int((labels != -100).sum())
+    reference = _model(name)
+    want = pack_loss_sum(reference, shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / count
+    want.backward()
+    model = _model(name)
+    parallelize(model, ParallelDims(**sizes), mesh=mesh, sequence_parallel=sp)
+    mixers = [m for _, m in mamba1_mixers(model)]
+    sharded = all(isinstance(m.in_proj.weight_x, DTensor) and m.in_proj.weight_x.placements[-1] == Shard(0)
+                  and m.x_proj.weight.placements[-1].is_shard(1) for m in mixers)
+    cp_group, tp_group = ParallelDims.group(mesh, "cp"), ParallelDims.group(mesh, "tp")
+    inputs = shard_inputs(input_ids=ids, labels=labels, packed=packed, cp_group=cp_group, tp_group=tp_group,
+                          sequence_parallel=sp)
+    loss = pack_loss_sum(model, inputs)[0] / count
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    errors = gradient_errors(model, reference)
+    refused = None
+    if not sp and name == "mamba":  # transformers' own forward (a cache, a mask) cannot run on a shard
+        try:
+            mixers[0](torch.zeros(1, 4, 16, dtype=torch.float64), attention_mask=torch.ones(1, 4))
+        except ValueError as error:
+            refused = str(error)
+        assert refused is not None and "sharded by channel" in refused, refused
+    worst = max(errors, key=errors.get)
+    return {"loss_error": abs(total.item() - want.item()), "grad_error": errors[worst], "worst": worst,
+            "sharded": sharded and len(mixers) > 0, "grads": len(errors),
+            "expected": sum(p.grad is not None for p in reference.parameters())}
+
+
+def _run(rank, world_size, layouts) -> dict:
+    from hybridpar.parallel.dims import ParallelDims
+
+    torch.set_num_threads(1)
+    out = {}
+    for sizes, sp, names in layouts:
+        mesh = ParallelDims(**sizes).build_mesh()
+        for name in names:
+            out[(str(sizes), sp, name)] = _case(name, sizes, sp, mesh)
+    return out
+
+
+def _assert_exact(results):
+    for rank_results in results:
+        for case, r in rank_results.items():
+            assert r["sharded"] and r["grads"] == r["expected"], (case, r)
+            assert r["loss_error"] < TOL and r["grad_error"] < TOL, (case, r)
+
+
+def test_tp2_and_sp_of_mamba1_models_match_one_process():
+    layouts = [(dict(tp=2), False, NAMES), (dict(tp=2), True, NAMES)]
+    _assert_exact(run_ranks(2, _run, layouts, timeout_s=300))
+
+
+def test_cp2_tp2_of_jamba_matches_one_process():
+    _assert_exact(run_ranks(4, _run, [(dict(cp=2, tp=2), False, ("jamba",))], timeout_s=300))
+
+
+def test_channels_not_divisible_by_tp_are_refused():
+    from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import validate_parallelize
+    from hybridpar.parallel.tensor.hf_plans.mamba1 import Mamba1ChannelParallel
+    from tests.models.hf.mamba1_models import build_mamba1
+
+    model = build_mamba1("jamba")
+    mixer = model.model.layers[0].mamba
+    with pytest.raises(ValueError, match=r"switched by install_mamba1_core"):
+        Mamba1ChannelParallel().check("model.layers.0.mamba", mixer, 2)
+    install_mamba1_core(model)
+    with pytest.raises(ValueError, match=r"^[^\n]*'model.layers.0.mamba'.*d_inner=32 channels, not divisible by "
+                                         r"tp=3.*one of \[1, 2, 4, 8, 16, 32\]\)\.$"):
+        validate_parallelize(model, ParallelDims(tp=3))
+    with pytest.raises(ValueError, match=r"d_inner=32 channels, not divisible by tp=3"):
+        Mamba1ChannelParallel().check("model.layers.0.mamba", mixer, 3)
