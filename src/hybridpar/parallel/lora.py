@@ -62,6 +62,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
 from hybridpar.models.lora_experts import GateUpB, adapter_child, expert_lora_modules
+from hybridpar.models.hf.mixers.mamba1 import MAMBA1_MARK
 from hybridpar.models.hf.mixers.mamba2 import MARK as MAMBA_CORE_MARK
 from hybridpar.models.hf.mixers.short_conv import SHORT_CONV_MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer
@@ -142,6 +143,11 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
                 kind = ("rowwise" if atoms[-1] in ("out_proj", "o_proj") else "components") \
                     if cut == len(atoms) - 1 else None
                 return kind, repr(style)
+            if getattr(mixer, MAMBA1_MARK, False) and not isinstance(style, LocalReplicateParallel):
+                # Mamba1ChannelParallel: in_proj per component, dt_proj by rows (on local tensors), out_proj
+                # rowwise; x_proj (row-parallel, its output all-reduced inside the mixer) has no pairing
+                kinds = {"in_proj": "components", "dt_proj": "components", "out_proj": "rowwise"}
+                return (kinds.get(atoms[-1]) if cut == len(atoms) - 1 else None), repr(style)
             if (ours or getattr(mixer, SHORT_CONV_MARK, False)) and not isinstance(style, LocalReplicateParallel):
                 # our mixers' styles (MambaHeadParallel, ShortConvChannelParallel): in_proj per component,
                 # out_proj rowwise

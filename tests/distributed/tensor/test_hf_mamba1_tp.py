@@ -21,19 +21,27 @@ from tests.distributed.harness import run_ranks
 TOL = 1e-9
 DOCS = [0, 12, 32]
 NAMES = ("mamba", "falcon_mamba", "jamba")
+LORA = ("in_proj", "dt_proj", "out_proj", "q_proj", "o_proj")
 
 
-def _model(name: str):
+def _model(name: str, lora: tuple[str, ...] = ()):
     from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
+    from hybridpar.models.lora import add_lora
     from hybridpar.parallel.context.hf import use_hybridpar_attention
     from tests.models.hf.mamba1_models import build_mamba1
 
     model = build_mamba1(name)
     install_mamba1_core(model)
+    if lora:
+        add_lora(model, r=2, seed=0, targets=lora)
+        with torch.no_grad():  # nonzero B: every adapter's A gets a gradient too
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:
+                    param.copy_(0.01 * torch.arange(param.numel(), dtype=param.dtype).view_as(param).sin())
     return use_hybridpar_attention(model)
 
 
-def _case(name: str, sizes: dict, sp: bool, mesh) -> dict:
+def _case(name: str, sizes: dict, sp: bool, mesh, lora: tuple[str, ...] = ()) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
@@ -43,7 +51,8 @@ def _case(name: str, sizes: dict, sp: bool, mesh) -> dict:
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import parallelize
     from hybridpar.train.trainer import pack_loss_sum
-    from tests.distributed.tensor.hf_models import gradient_errors
+    from hybridpar.parallel.state import canonical_state_dict
+    from tests.distributed.tensor.hf_models import relative_error
     from tests.models.hf.mamba1_models import VOCAB
 
     gen = torch.Generator().manual_seed(3)
@@ -51,10 +60,10 @@ def _case(name: str, sizes: dict, sp: bool, mesh) -> dict:
     labels[:, ::5] = -100
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
     count = int((labels != -100).sum())
-    reference = _model(name)
+    reference = _model(name, lora)
     want = pack_loss_sum(reference, shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / count
     want.backward()
-    model = _model(name)
+    model = _model(name, lora)
     parallelize(model, ParallelDims(**sizes), mesh=mesh, sequence_parallel=sp)
     mixers = [m for _, m in mamba1_mixers(model)]
     sharded = all(isinstance(m.in_proj.weight_x, DTensor) and m.in_proj.weight_x.placements[-1] == Shard(0)
@@ -66,7 +75,8 @@ def _case(name: str, sizes: dict, sp: bool, mesh) -> dict:
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=cp_group)
-    errors = gradient_errors(model, reference)
+    grads = canonical_state_dict(model, grads=True)  # DTensor gradients gathered, in_proj fused back
+    errors = {n: relative_error(grads[n], p.grad) for n, p in reference.named_parameters() if p.grad is not None}
     refused = None
     if not sp and name == "mamba":  # transformers' own forward (a cache, a mask) cannot run on a shard
         try:
@@ -77,7 +87,8 @@ def _case(name: str, sizes: dict, sp: bool, mesh) -> dict:
     worst = max(errors, key=errors.get)
     return {"loss_error": abs(total.item() - want.item()), "grad_error": errors[worst], "worst": worst,
             "sharded": sharded and len(mixers) > 0, "grads": len(errors),
-            "expected": sum(p.grad is not None for p in reference.parameters())}
+            "expected": len(list(reference.parameters())) if not lora else sum("lora_" in n for n, _ in
+                                                                               reference.named_parameters())}
 
 
 def _run(rank, world_size, layouts) -> dict:
@@ -88,7 +99,8 @@ def _run(rank, world_size, layouts) -> dict:
     for sizes, sp, names in layouts:
         mesh = ParallelDims(**sizes).build_mesh()
         for name in names:
-            out[(str(sizes), sp, name)] = _case(name, sizes, sp, mesh)
+            name, lora = (name, ()) if isinstance(name, str) else name
+            out[(str(sizes), sp, name, lora)] = _case(name, sizes, sp, mesh, lora)
     return out
 
 
@@ -100,7 +112,8 @@ def _assert_exact(results):
 
 
 def test_tp2_and_sp_of_mamba1_models_match_one_process():
-    layouts = [(dict(tp=2), False, NAMES), (dict(tp=2), True, NAMES)]
+    adapted = ("jamba", LORA)  # LoRA on in_proj (per component), dt_proj (by rows), out_proj (rowwise), attention
+    layouts = [(dict(tp=2), False, NAMES), (dict(tp=2), True, (*NAMES, adapted))]
     _assert_exact(run_ranks(2, _run, layouts, timeout_s=300))
 
 
@@ -125,3 +138,13 @@ def test_channels_not_divisible_by_tp_are_refused():
         validate_parallelize(model, ParallelDims(tp=3))
     with pytest.raises(ValueError, match=r"d_inner=32 channels, not divisible by tp=3"):
         Mamba1ChannelParallel().check("model.layers.0.mamba", mixer, 3)
+
+
+def test_lora_on_x_proj_is_refused_under_tp():
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import validate_parallelize
+
+    model = _model("mamba", ("x_proj",))
+    with pytest.raises(ValueError, match=r"^[^\n]*LoRA target 'backbone.layers.0.mixer.x_proj'.*parallel.tp=1\.$"):
+        validate_parallelize(model, ParallelDims(tp=2))
+    validate_parallelize(_model("mamba", ("in_proj", "dt_proj", "out_proj")), ParallelDims(tp=2))  # paired
