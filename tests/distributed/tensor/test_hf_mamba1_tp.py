@@ -7,8 +7,10 @@ channel, ``x_proj`` row-parallel with its output all-reduced, ``out_proj`` row-p
 attention by heads, its MLPs and experts on their intermediate dim. One row of two packed documents
 (12 and 20 tokens). The loss and every parameter gradient (fused back to transformers' names,
 ``canonical_state_dict``) equal the one-process model's to 1e-9: on 2 ranks at tp=2 and tp=2 + SP, and
-on 4 ranks at cp=2 x tp=2 (state passing on the local channels, FSDP over cp). ``d_inner`` not
-divisible by tp is refused in one line before any collective.
+on 4 ranks at cp=2 x tp=2 (state passing on the local channels, FSDP over cp); also Jamba at tp=2 + SP
+with LoRA on ``in_proj`` (per component), ``dt_proj`` (by rows), ``out_proj`` and attention (every adapter
+gradient). ``d_inner`` not divisible by tp and LoRA on ``x_proj`` are refused in one line before any
+collective; so is transformers' own forward (a mask) on a sharded mixer.
 """
 
 from __future__ import annotations

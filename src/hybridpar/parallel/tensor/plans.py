@@ -9,6 +9,7 @@ module registers:
   parallelism;
 - ``hf_plans.moe_hybrid``: mixture-of-experts and Mamba hybrids (Mixtral, Qwen2-MoE, Qwen3-MoE,
   NemotronH, Falcon-H1, Bamba);
+- ``hf_plans.mamba1``: Jamba, FalconMamba, Mamba (Mamba1 mixers by channel);
 - ``HybridLM`` (lazily, ``tp_hybrid``) and ``"default"``, a Llama-shaped guess for unknown
   classes (``tp_check`` refuses it where it does not fit).
 
