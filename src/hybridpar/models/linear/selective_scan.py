@@ -19,6 +19,10 @@ For context parallelism (``parallel/context/recurrent/mamba_state.StatePassingMa
 states entering given documents, ``init_states [m, Cd, N]`` at tokens ``init_at [m]`` (first tokens
 of documents: ``b_t += exp(dt_t A) h0``, the decay a reset masks), and returns the states at tokens
 ``final_at [e]`` (each ``h_t`` of that token), one row only.
+
+With ``scale_by_dt=False`` the input term is ``b = x B`` (no ``dt``): the RG-LRU of RecurrentGemma
+(``models/linear/rglru.py``) runs as this scan with ``N = 1``, ``dt`` its recurrence gate and ``x`` its
+normalised, gated input.
 """
 
 from __future__ import annotations
@@ -42,12 +46,13 @@ def document_resets(cu_seqlens: Tensor | None, seqlen: int, device) -> Tensor:
 
 
 def _scan_chunk(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: Tensor, h: Tensor,
-                enter_at: Tensor | None = None, entering: Tensor | None = None, final_at: Tensor | None = None):
+                enter_at: Tensor | None = None, entering: Tensor | None = None, final_at: Tensor | None = None,
+                scale_by_dt: bool = True):
     """``(y [R, L, Cd], h_last [R, Cd, N], h at final_at [e, Cd, N] or None)`` of one chunk, ``h [R, Cd, N]``
     carried in; ``entering [m, Cd, N]`` enter row 0 at chunk tokens ``enter_at [m]``."""
     decay = torch.exp(dt[..., None] * A)  # [R, L, Cd, N]
     a = decay.masked_fill(reset[None, :, None, None], 0.0)
-    b = (dt * x)[..., None] * B[:, :, None, :]  # [R, L, Cd, N]
+    b = (dt * x if scale_by_dt else x)[..., None] * B[:, :, None, :]  # [R, L, Cd, N]
     if entering is not None and entering.shape[0]:
         b = b.index_put((torch.zeros_like(enter_at), enter_at), decay[0, enter_at] * entering, accumulate=True)
     b = torch.cat([b[:, :1] + a[:, :1] * h[:, None], b[:, 1:]], dim=1)
@@ -62,10 +67,10 @@ def _scan_chunk(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: T
 
 def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: Tensor,
                    chunk: int = CHUNK, init_states: Tensor | None = None, init_at: Tensor | None = None,
-                   final_at: Tensor | None = None):
+                   final_at: Tensor | None = None, scale_by_dt: bool = True):
     """``y [R, T, Cd]`` (before the ``D`` skip and the gate) for ``x, dt [R, T, Cd]`` (``dt`` after
     its softplus), ``A [Cd, N]``, ``B, C [R, T, N]`` and ``reset [T]`` (``document_resets``),
-    in ``x``'s dtype. With ``final_at``: ``(y, states [e, Cd, N])`` (module docstring; one row)."""
+    in ``x``'s dtype (``scale_by_dt=False``: input term ``x B``). With ``final_at``: ``(y, states [e, Cd, N])`` (module docstring; one row)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     x, dt, A, B, C = (t.to(dtype) for t in (x, dt, A, B, C))
     rows, length, channels = x.shape
@@ -84,7 +89,7 @@ def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset
         if final_at is not None:
             local_final = final_at[(final_at >= start) & (final_at < stop)] - start
         args = (x[:, piece], dt[:, piece], A, B[:, piece], C[:, piece], reset[piece], h, enter_at, entering,
-                local_final)
+                local_final, scale_by_dt)
         y, h, ends = (checkpoint(_scan_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
                       else _scan_chunk(*args))
         outputs.append(y)
