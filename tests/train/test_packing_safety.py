@@ -1,8 +1,9 @@
 """No model is packed silently across documents (``train/packing_rule.py``).
 
 The trainer (as ``hybridpar train``, ``check`` and evaluation build it) of tiny float64
-checkpoints saved by transformers: RecurrentGemma (its RG-LRU has no core here) trains one document per
-row and says so with the padding it costs; FalconMamba (Mamba1 on hybridpar's selective scan), a Granite 4.0-H MoE, a NemotronH with MoE layers (``model.backend=auto``:
+checkpoints saved by transformers: Zamba (v1: its per-head Mamba1 layout has no core here) trains one document
+per row and says so with the padding it costs; FalconMamba (Mamba1 on hybridpar's selective scan), RecurrentGemma
+(its RG-LRU on the same scan), a Granite 4.0-H MoE, a NemotronH with MoE layers (``model.backend=auto``:
 the transformers model), LFM2 (short convolutions on hybridpar's document-resetting conv) and a
 Qwen3-Next (gated DeltaNet on hybridpar's core) pack several documents, say why that is safe, and
 take a float64 step (eager experts);
@@ -44,6 +45,10 @@ def _models(hf) -> dict:
         "recurrent_gemma": lambda: hf.RecurrentGemmaForCausalLM(hf.RecurrentGemmaConfig(
             num_hidden_layers=3, hidden_size=64, lru_width=64, num_attention_heads=4, num_key_value_heads=1,
             intermediate_size=96, vocab_size=256, attention_window_size=16)),
+        "zamba": lambda: hf.ZambaForCausalLM(hf.ZambaConfig(  # one shared attention block on layers 2 and 5
+            num_hidden_layers=6, attn_layer_period=3, attn_layer_offset=2, attention_hidden_size=128,
+            attention_head_dim=32, n_mamba_heads=2, mamba_d_state=8, mamba_dt_rank=8,
+            **{**_C, "num_key_value_heads": 4})),
         "granite_moe": lambda: hf.GraniteMoeHybridForCausalLM(hf.GraniteMoeHybridConfig(
             num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_expand=1,
             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, **_M, **_C)),
@@ -63,8 +68,8 @@ def _models(hf) -> dict:
     }
 
 
-ONE_PER_ROW = ("recurrent_gemma",)
-PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2", "qwen3_next", "falcon_mamba")
+ONE_PER_ROW = ("zamba",)
+PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2", "qwen3_next", "falcon_mamba", "recurrent_gemma")
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +112,9 @@ def test_models_we_cannot_reset_train_one_document_per_row_and_say_so(checkpoint
         lines = [line for line in result["out"].splitlines() if line.startswith("packing:")]
         assert result["one_per_row"] and set(result["docs"]) == {1}, (name, result["docs"])
         assert len(lines) == 1 and "one document per row" in lines[0] and "% of the token slots" in lines[0], lines
-    assert "temporal_block.conv_1d (Conv1d)" in results["recurrent_gemma"]["out"]  # the mixer no core reaches
+    assert "model.layers.0.mamba (ZambaMambaMixer)" in results["zamba"]["out"]  # the mixer no core reaches
     assert "selective scan on 2 Mamba1 mixers" in results["falcon_mamba"]["out"]  # models/hf/mixers/mamba1.py
+    assert "RG-LRU on 2 recurrent blocks" in results["recurrent_gemma"]["out"]  # models/hf/mixers/rglru.py
     assert "document-resetting conv on 1 short convolutions" in results["lfm2"]["out"]  # LFM2's short convs reset
     assert "gated DeltaNet core on 1 gated DeltaNet layers" in results["qwen3_next"]["out"]  # models/hf/mixers/gdn.py
     for name in PACKED:

@@ -32,6 +32,7 @@ from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
 from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_tp_problem
 from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
+from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_tp_problem
 from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.linear.gdn_fused import fla_rule
@@ -110,6 +111,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
     gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads over tp, cp
     problem = mamba1_tp_problem(model, dims.tp)  # Mamba1 mixers: channels over tp (any cp: state passing)
+    problem = problem or rglru_tp_problem(model, dims.tp)  # RG-LRU blocks: no TP (any cp: state passing)
     if problem:
         raise ValueError(problem + ".")
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
@@ -230,6 +232,7 @@ def parallelize(
     if hf_cp.is_hf_model(model):
         install_mamba_core(model)
         install_mamba1_core(model)  # Jamba, FalconMamba, Mamba: the document-resetting selective scan
+        install_rglru_core(model)  # RecurrentGemma: the RG-LRU on the same scan
         install_short_conv(model)
         install_gdn_core(model)  # gated DeltaNets on hybridpar's core (models/hf/mixers/gdn.py)
         hf_cp.refuse_unread_documents(model)

@@ -46,6 +46,7 @@ from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
 from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
+from hybridpar.models.hf.mixers.rglru import install_rglru_core
 from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
 from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.token_dropout import key_model_dropout, set_dropout_tokens, token_keys, unkeyed_dropout
@@ -108,9 +109,11 @@ def hf_meta_model(shape) -> nn.Module:
 
 def install_cores(model: nn.Module) -> nn.Module:
     """Every token mixer hybridpar has a document-resetting core for, switched onto it: Mamba2 and
-    Mamba1 mixers, gated short convs, gated DeltaNets (Qwen3-Next, Qwen3.5); returns ``model``."""
+    Mamba1 mixers, RG-LRU blocks (RecurrentGemma), gated short convs, gated DeltaNets (Qwen3-Next, Qwen3.5);
+    returns ``model``."""
     install_mamba_core(model)
     install_mamba1_core(model)
+    install_rglru_core(model)
     install_short_conv(model)
     install_gdn_core(model)
     return model

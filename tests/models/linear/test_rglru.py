@@ -17,7 +17,10 @@ CU = torch.tensor([0, 10, 11, 30, 37])  # a one-token document; boundaries off t
 
 def _inputs():
     gen = torch.Generator().manual_seed(0)
-    rand = lambda *shape, scale=1.0: (scale * torch.randn(*shape, dtype=torch.float64, generator=gen)).requires_grad_()  # noqa: E731
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, dtype=torch.float64, generator=gen)).requires_grad_()
+
     return (rand(ROWS, LENGTH, CHANNELS), rand(HEADS, WIDTH, WIDTH, scale=0.5), rand(HEADS, WIDTH, scale=0.5),
             rand(HEADS, WIDTH, WIDTH, scale=0.5), rand(HEADS, WIDTH, scale=0.5), rand(CHANNELS))
 
@@ -45,7 +48,8 @@ def test_rglru_equals_the_recurrence_token_by_token_with_every_input_gradient():
     want = _recurrence(*inputs, set(CU[:-1].tolist()))
     assert (got - want).abs().max() < 1e-12
     weight = torch.randn(got.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    for g, w in zip(torch.autograd.grad((got * weight).sum(), inputs), torch.autograd.grad((want * weight).sum(), inputs)):
+    grads = torch.autograd.grad((got * weight).sum(), inputs)
+    for g, w in zip(grads, torch.autograd.grad((want * weight).sum(), inputs)):
         assert (g - w).abs().max() < 1e-12 and w.abs().max() > 1e-3
     # the normaliser reset matters: without it the first tokens differ
     assert (rglru(*inputs, first=torch.zeros_like(reset), reset=reset, chunk=8) - want).abs().max() > 1e-3

@@ -48,6 +48,7 @@ from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK, gdn_layers
 from hybridpar.models.hf.mixers.mamba1 import MAMBA1_MARK, mamba1_mixers
 from hybridpar.models.hf.mixers.mamba2 import MARK, bridged_mixers
+from hybridpar.models.hf.mixers.rglru import RGLRU_MARK, rglru_blocks
 from hybridpar.models.hf.mixers.short_conv import SHORT_CONV_MARK, short_convs
 from hybridpar.models.mamba.mixer import tp_groups
 from hybridpar.models.token_dropout import unkeyed_dropout
@@ -197,8 +198,8 @@ def _rope_types(config) -> set[str]:
 
 def _switched_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every token mixer switched onto a hybridpar core (Mamba2, gated DeltaNet,
-    short conv, Mamba1)."""
-    return bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model)
+    short conv, Mamba1, RG-LRU)."""
+    return bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model) + rglru_blocks(model)
 
 
 def unreached_token_mixers(model: nn.Module) -> list[str]:
@@ -209,7 +210,8 @@ def unreached_token_mixers(model: nn.Module) -> list[str]:
     inside = tuple(f"{name}." for name, _ in _switched_mixers(model))
     found = []
     for name, module in model.named_modules():
-        switched = any(getattr(module, mark, False) for mark in (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK))
+        marks = (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK, RGLRU_MARK)
+        switched = any(getattr(module, mark, False) for mark in marks)
         if switched or (inside and name.startswith(inside)):
             continue
         if isinstance(module, nn.Conv1d) or "A_log" in dict(module.named_parameters(recurse=False)):
@@ -233,8 +235,9 @@ def attention_problem(model: nn.Module) -> str | None:
         return (f"{cls} ({model_type}) has token mixers that hybridpar's attention and Mamba cores do not reach "
                 f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: a recurrence, "
                 "convolution or mixer variant hybridpar has no core for), so they cannot reset at document boundaries; "
-                "Mamba1 and Mamba2 mixers and gated DeltaNets reach our cores through models.hf.mixers.mamba1."
-                "install_mamba1_core(model), models.hf.mixers.mamba2.install_mamba_core(model) and "
+                "Mamba1 and Mamba2 mixers, RG-LRU blocks and gated DeltaNets reach our cores through models.hf.mixers."
+                "mamba1.install_mamba1_core(model), models.hf.mixers.mamba2.install_mamba_core(model), "
+                "models.hf.mixers.rglru.install_rglru_core(model) and "
                 "models.hf.mixers.gdn.install_gdn_core(model) (the trainer calls them), "
                 "or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:

@@ -26,7 +26,7 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.layout import cached
 
 __all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SHORT_CONV_MODEL_TYPES",
-           "MAMBA1_MODEL_TYPES", "SUPPORTED_MODEL_TYPES"]
+           "MAMBA1_MODEL_TYPES", "RGLRU_MODEL_TYPES", "SUPPORTED_MODEL_TYPES"]
 
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
@@ -59,8 +59,11 @@ ATTENTION_MODEL_TYPES = (
 SHORT_CONV_MODEL_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Mamba1 hybrids on hybridpar's document-resetting selective scan, one process (models/hf/mixers/mamba1.py)
 MAMBA1_MODEL_TYPES = ("jamba", "falcon_mamba", "mamba")
+# RG-LRU blocks on the same scan, local sliding-window MQA with partial RoPE (models/hf/mixers/rglru.py;
+# tests/models/hf/test_rglru_blocks.py)
+RGLRU_MODEL_TYPES = ("recurrent_gemma",)
 SUPPORTED_MODEL_TYPES = (ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES + GDN_MODEL_TYPES + SHORT_CONV_MODEL_TYPES
-                         + MAMBA1_MODEL_TYPES)
+                         + MAMBA1_MODEL_TYPES + RGLRU_MODEL_TYPES)
 
 
 def _document_limit(module: nn.Module) -> tuple[int | None, int | None]:

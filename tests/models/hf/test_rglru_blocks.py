@@ -1,0 +1,77 @@
+"""RecurrentGemma's RG-LRU blocks on hybridpar's document-resetting conv and scan (``models/hf/mixers/rglru.py``),
+float64, against transformers' own forward: one document, and a packed row (its local sliding-window MQA
+on hybridpar's attention) against each of its documents alone, loss and every parameter gradient; transformers'
+own forward leaks across the documents (its conv), and tensor parallelism is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpar.data.thd import PackedSeqParams
+from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_blocks, rglru_tp_problem
+from hybridpar.parallel.context.hf import attention_problem, unreached_token_mixers, use_hybridpar_attention
+from tests.models.hf.rglru_models import VOCAB, WINDOW, build_recurrent_gemma
+
+
+def _loss_and_grads(model, ids, cu, labels=None):
+    """Summed loss (labels: ``ids`` rolled within the row unless given) and every parameter gradient."""
+    model.zero_grad()
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(cu, dtype=torch.int32))
+    logits = model(input_ids=ids, position_ids=packed.position_ids.view(1, -1), packed_seq_params=packed,
+                   use_cache=False).logits
+    labels = torch.roll(ids, -1, 1) if labels is None else labels
+    loss = torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="sum")
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _relative(got, want):
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1.0))
+
+
+def test_switched_blocks_equal_transformers_on_one_document():
+    reference, ours = build_recurrent_gemma(), build_recurrent_gemma()
+    assert install_rglru_core(ours) == ["model.layers.0.temporal_block", "model.layers.1.temporal_block"]
+    ids = torch.randint(3, VOCAB, (1, 19), generator=torch.Generator().manual_seed(1))
+    want, want_grads = _loss_and_grads(reference, ids, [0, 19])
+    got, grads = _loss_and_grads(ours, ids, [0, 19])
+    assert _relative(got, want) < 1e-12
+    assert sorted(grads) == sorted(want_grads) == sorted(n for n, _ in ours.named_parameters())
+    assert max(_relative(grads[n], g) for n, g in want_grads.items()) < 1e-12
+
+
+def test_a_packed_row_equals_each_document_alone_and_transformers_leaks():
+    model = build_recurrent_gemma()
+    leaky = build_recurrent_gemma()
+    assert "temporal_block.conv_1d" in attention_problem(leaky)  # not switched: refused
+    install_rglru_core(model)
+    assert unreached_token_mixers(model) == [] and attention_problem(model) is None
+    use_hybridpar_attention(model)  # the local MQA layer: document-causal, window WINDOW, partial RoPE
+    cu = [0, 11, 12, 30]  # a one-token document; the last is longer than the window
+    assert cu[-1] - cu[-2] > 2 * WINDOW
+    ids = torch.randint(3, VOCAB, (1, cu[-1]), generator=torch.Generator().manual_seed(2))
+    labels = torch.cat([torch.roll(ids[:, a:b], -1, 1) for a, b in zip(cu[:-1], cu[1:])], 1)
+    packed, packed_grads = _loss_and_grads(model, ids, cu, labels)
+    alone, alone_grads = torch.zeros((), dtype=torch.float64), {}
+    reference = build_recurrent_gemma()  # transformers' own forward (sdpa) on each document alone
+    for a, b in zip(cu[:-1], cu[1:]):
+        loss, grads = _loss_and_grads(reference, ids[:, a:b], [0, b - a])
+        alone = alone + loss
+        for n, g in grads.items():
+            alone_grads[n] = alone_grads.get(n, 0) + g
+    assert _relative(packed, alone) < 1e-12
+    assert sorted(packed_grads) == sorted(alone_grads)
+    assert max(_relative(packed_grads[n], g) for n, g in alone_grads.items()) < 1e-12
+    leaked, _ = _loss_and_grads(leaky, ids, cu, labels)  # its RG-LRU resets at position 0, its conv does not
+    assert _relative(leaked, alone) > 1e-6  # far above float64 rounding (the exact run: < 1e-12)
+    assert rglru_tp_problem(model, 1) is None and len(rglru_blocks(model)) == 2
+
+
+def test_several_documents_with_a_cache_are_refused():
+    model = build_recurrent_gemma()
+    install_rglru_core(model)
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 5, 12], dtype=torch.int32))
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, position_ids=packed.position_ids.view(1, -1), packed_seq_params=packed, use_cache=True)
