@@ -43,6 +43,7 @@ from hybridpar.parallel.context.recurrent import gdn as gdn_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context.recurrent import mamba as mamba_cp
 from hybridpar.parallel.context.recurrent.mamba_state import apply_mamba1_cp
+from hybridpar.parallel.context.recurrent.rglru import apply_rglru_cp
 from hybridpar.parallel.context.recurrent.short_conv import apply_short_conv_cp
 from hybridpar.parallel.checkpointing import (
     apply_activation_checkpointing,
@@ -143,6 +144,7 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
         mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
         apply_short_conv_cp(model, cp_group)  # LFM2's short convs: a halo exchange at the seams
         apply_mamba1_cp(model, cp_group)  # Mamba1 mixers (Jamba, FalconMamba, Mamba): state passing
+        apply_rglru_cp(model, cp_group)  # RecurrentGemma's RG-LRU blocks: state passing
         gdn_cp.apply_gdn_cp(model, cp_group, mamba_strategy)
         return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)

@@ -1,0 +1,54 @@
+"""Context parallelism (cp=2) of RecurrentGemma against one process, float64.
+
+The tiny model of ``tests/models/hf/rglru_models.py`` (two RG-LRU blocks, a sliding-window MQA layer
+with partial RoPE); ``parallelize(cp=2)`` switches its RG-LRU blocks to hybridpar's conv + scan and
+installs state passing (``parallel/context/recurrent/rglru.py``) as their ``core``. Two rows of two
+packed documents (12 and 20 tokens, zigzag chunks of 3 and 5: the conv kernel of 4 reads a halo of 3, a
+whole chunk; the window of 6 crosses the seams). The one-process reference runs the same model at cp=1
+(``tests/models/hf/test_rglru_blocks.py`` proves it equals transformers on each document alone). The
+loss and every parameter gradient agree to 1e-9; FSDP2 shards the model over the CP ranks. Tensor
+parallelism of an RG-LRU block is refused in one line before any mesh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+from tests.distributed.context.mixer_cp import cp_case
+
+TOL = 1e-9
+ATTENTION = ("allgather", "ring")
+
+
+def _run(rank, world_size) -> dict:
+    from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_blocks
+    from hybridpar.parallel.dims import ParallelDims
+    from tests.models.hf.rglru_models import VOCAB, build_recurrent_gemma
+
+    torch.set_num_threads(1)
+    mesh = ParallelDims(cp=2).build_mesh()
+    return {attention: cp_case(build_recurrent_gemma, install_rglru_core, rglru_blocks, VOCAB, "recurrent_gemma",
+                               attention, mesh) for attention in ATTENTION}
+
+
+def test_cp2_of_recurrent_gemma_matches_one_process():
+    for rank_results in run_ranks(2, _run, timeout_s=300):
+        for attention, r in rank_results.items():
+            assert r["params"] == r["expected"] and r["cores"] == {"StatePassingRglru"}, (attention, r)
+            assert r["loss_error"] < TOL and r["grad_error"] < TOL, (attention, r)
+
+
+def test_tensor_parallel_recurrent_gemma_is_refused_before_any_mesh():
+    from hybridpar.models.hf.mixers.rglru import install_rglru_core
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import validate_parallelize
+    from tests.models.hf.rglru_models import build_recurrent_gemma
+
+    model = build_recurrent_gemma()
+    install_rglru_core(model)
+    with pytest.raises(ValueError, match=r"RG-LRU block 'model.layers.0.temporal_block'.*tp=2\): use parallel.tp=1") \
+            as error:
+        validate_parallelize(model, ParallelDims(tp=2))
+    assert "\n" not in str(error.value)
