@@ -11,7 +11,8 @@ the Granite MoE at cp=2 (Mamba ``state``, attention ``ulysses``) trains, exports
 transformers with no missing or unexpected key, and ``hybridpar check`` is exact on its packed rows
 (and at tp=2, where its Mamba mixers are sharded by heads, the one B/C group replicated).
 ``hybridpar check`` is exact in float64 for a Zamba2 whose two hybrid layers reuse one attention block
-(tp=2 + SP, cp=2), Falcon-H1 (cp=2), FalconMamba (cp=2, Mamba1 state passing), Bamba (tp=2 + SP) and Qwen3-Next (cp=2, gated DeltaNet all-to-all and state passing).
+(tp=2 + SP, cp=2), Falcon-H1 (cp=2), FalconMamba (cp=2, Mamba1 state passing), RecurrentGemma (cp=2, RG-LRU
+state passing), Bamba (tp=2 + SP) and Qwen3-Next (cp=2, gated DeltaNet all-to-all and state passing).
 Training checkpoints resume at another layout (Granite MoE tp=2 <-> one process; the Zamba2
 cp=2 -> tp=2 + SP and one process) with the losses of an uninterrupted run.
 The leak probe tells a leaking model from an exact one.
@@ -165,6 +166,7 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),  # a HybridLM (backend=auto): one B/C group
     "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"],),  # short convs: the halo exchange at cp=2
     "falcon_mamba": (["parallel.cp=2", "parallel.cp_mamba=state"],),  # Mamba1: state passing (context/mamba_state.py)
+    "recurrent_gemma": (["parallel.cp=2"],),  # RG-LRU: state passing (context/recurrent/rglru.py), local MQA allgather
     # gated DeltaNets on hybridpar's core, all-to-all over heads (parallel/context/recurrent/gdn.py); MoE layers
     "qwen3_next": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],
                    ["parallel.cp=2", "parallel.cp_mamba=state"],
