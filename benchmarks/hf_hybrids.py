@@ -4,8 +4,10 @@ Five architectures (Granite 4.0-H MoE, Falcon-H1, Nemotron-H, Bamba, Zamba2), ea
 random float32 model built from transformers' config classes: hidden 256, one Mamba2 layer
 (8 heads x 64, 1 group, state 64, chunk 256) and one attention layer (4 heads, 2 KV heads),
 vocab 1024. ``--archs lfm2``: LFM2 at the same width, one gated short-convolution layer (kernel 3)
-and one attention layer, ours through hybridpar's document-resetting conv (``install_short_conv``). One packed row of ``T`` tokens holding 4 equal documents; forward + backward of
-the summed logits:
+and one attention layer, ours through hybridpar's document-resetting conv (``install_short_conv``).
+``--archs recurrent_gemma``: RecurrentGemma at the same width, one RG-LRU block (lru width 256, 4 heads)
+and one local MQA layer (window 512), ours through ``install_rglru_core``. One packed row of ``T`` tokens
+holding 4 equal documents; forward + backward of the summed logits:
 
 - ``ours``: ``install_mamba_core`` + hybridpar's blockwise attention, documents from
   ``packed_seq_params`` (exact per document);
@@ -55,6 +57,9 @@ def build(name: str):
             mamba_ngroups=1, chunk_size=256, **_C)),
         "lfm2": lambda: hf.Lfm2ForCausalLM(hf.Lfm2Config(
             num_hidden_layers=2, layer_types=["conv", "full_attention"], block_ff_dim=512, conv_L_cache=3, **_C)),
+        "recurrent_gemma": lambda: hf.RecurrentGemmaForCausalLM(hf.RecurrentGemmaConfig(
+            num_hidden_layers=2, block_types=["recurrent", "attention"], lru_width=256, attention_window_size=512,
+            **{**_C, "num_key_value_heads": 1})),
     }
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -66,6 +71,7 @@ def step_fn(name: str, path: str, tokens: int):
     """A closure running one forward + backward of ``name`` on a packed row of ``tokens``."""
     from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
+    from hybridpar.models.hf.mixers.rglru import install_rglru_core
     from hybridpar.models.hf.mixers.short_conv import install_short_conv
     from hybridpar.parallel.context.hf import use_hybridpar_attention
 
@@ -77,6 +83,7 @@ def step_fn(name: str, path: str, tokens: int):
     if path == "ours":
         install_mamba_core(model)
         install_short_conv(model)
+        install_rglru_core(model)
         use_hybridpar_attention(model)
         inputs["packed_seq_params"] = packed
 
@@ -95,7 +102,7 @@ NOTES = ["One packed row of 4 equal documents, small random float32 models (modu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     paths.add_grid_arguments(parser, lengths=[4096, 16384], archs=list(ARCHS), out="hf_hybrids",
-                             archs_help=f"of {ARCHS} and lfm2")
+                             archs_help=f"of {ARCHS}, lfm2 and recurrent_gemma")
     parser.add_argument("--long-paths", nargs="+", default=None,
                         help="paths run at lengths above 4096 (default: --paths)")
     args = parser.parse_args()
