@@ -68,6 +68,22 @@ def test_a_packed_row_equals_each_document_alone_and_transformers_leaks():
     assert rglru_tp_problem(model, 1) is None and len(rglru_blocks(model)) == 2
 
 
+def test_the_trainers_loss_keeps_the_soft_capped_logits():
+    """RecurrentGemma soft-caps its logits (``logits_soft_cap``): the trainer's loss goes through them, not
+    through the hidden-state head seam, and equals the model's own cross entropy."""
+    from hybridpar.train.hf_model import hf_loss_sum
+
+    model = build_recurrent_gemma()
+    install_rglru_core(model)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    labels = torch.roll(ids, -1, 1)
+    got, _ = hf_loss_sum(model, ids, labels, {})  # before the fix: the head seam, no soft cap (8e-4 off here)
+    logits = model(input_ids=ids, use_cache=False).logits
+    assert logits.abs().max() < model.config.logits_soft_cap
+    want = torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="sum")
+    assert abs(float(got.detach() - want.detach())) < 1e-12 * float(want.detach())
+
+
 def test_several_documents_with_a_cache_are_refused():
     model = build_recurrent_gemma()
     install_rglru_core(model)

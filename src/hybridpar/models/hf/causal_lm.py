@@ -53,7 +53,7 @@ BACKENDS = ("auto", "hybrid", "transformers")
 IGNORE_INDEX = -100
 # config fields that change logits after lm_head: the hidden-state loss seam cannot see them
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
-                    "output_multiplier_scale")
+                    "output_multiplier_scale", "logits_soft_cap")  # logits_soft_cap: RecurrentGemma's
 
 # ----------------------------------------------------------------------------- loading
 
