@@ -1,0 +1,80 @@
+"""hybridpar's KDA core inside transformers' Kimi Delta Attention layers (``models/hf/mixers/kda.py``).
+
+A tiny float64 Kimi Linear (``kda_models.py``: KDA, MLA with MoE, KDA with MoE; chunks of 8 tokens):
+with the core installed and hybridpar's attention on its MLA layer, a row packing three documents
+(one shorter than a chunk, two crossing chunks) gives the loss and every parameter gradient of
+transformers' own model (its torch KDA, SDPA) run on the three documents one per row (1e-9); our
+forward and gradients equal transformers' on unpacked rows (1e-10); the model is refused for packing
+until the core is installed, and its own KDA leaks without it; parameter names do not change; a
+variant the core cannot run and tensor parallelism are refused in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpar.models.hf.mixers.kda import install_kda_core, kda_layers, kda_tp_problem
+from hybridpar.parallel.context.hf import (attention_problem, hf_attention_modules, unreached_token_mixers,
+                                           use_hybridpar_attention)
+from tests.models.hf.kda_models import LAYERS, VOCAB, build_kda
+from tests.models.hf.test_gdn_mixers import DOCS, _loss_and_grads, _relative, _rows
+
+
+def test_packed_row_equals_one_document_per_row():
+    model = build_kda()
+    assert attention_problem(model) is not None and len(unreached_token_mixers(model)) == 2 * LAYERS  # conv1d, gate
+    names_before = [n for n, _ in model.named_parameters()]
+    assert len(install_kda_core(model)) == LAYERS and len(install_kda_core(model)) == LAYERS  # idempotent
+    assert [n for n, _ in model.named_parameters()] == names_before and len(kda_layers(model)) == LAYERS
+    assert attention_problem(model) is None and unreached_token_mixers(model) == []
+    assert [n for n, _ in hf_attention_modules(model)] == ["model.layers.1.self_attn"]  # the MLA layer only
+    use_hybridpar_attention(model)
+    ids, labels = _rows()
+    cu = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
+    packed_loss, packed_grads = _loss_and_grads(model, [(ids, labels, cu)])
+    reference = build_kda()  # transformers' own model: its torch KDA and SDPA, one document per row
+    alone_loss, alone_grads = _loss_and_grads(
+        reference, [(ids[:, a:b], labels[:, a:b], [0, b - a]) for a, b in zip(cu[:-1], cu[1:])])
+    assert reference.config._attn_implementation == "sdpa"
+    assert _relative(packed_loss, alone_loss) < 1e-9
+    assert set(packed_grads) == {n for n, _ in model.named_parameters()}
+    for n, grad in packed_grads.items():
+        assert _relative(grad, alone_grads[n]) < 1e-9, n
+
+
+def test_core_equals_transformers_forward_on_unpacked_rows():
+    reference, model = build_kda(seed=2), build_kda(seed=2)
+    install_kda_core(model)
+    ids = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(4))
+    want, got = reference(input_ids=ids).logits, model(input_ids=ids).logits
+    assert _relative(got, want) < 1e-10
+    want.square().mean().backward()
+    got.square().mean().backward()
+    grads = dict(reference.named_parameters())
+    for n, p in model.named_parameters():
+        assert _relative(p.grad, grads[n].grad) < 1e-10, n
+
+
+def test_transformers_kda_leaks_between_packed_documents():
+    """Without the core the packed row is not each document alone (so the test above can fail)."""
+    model = build_kda()
+    use_hybridpar_attention(model)  # the MLA layer separates the documents; transformers' KDA does not
+    ids, labels = _rows()
+    cu = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
+    packed_loss, _ = _loss_and_grads(model, [(ids, labels, cu)])
+    alone_loss, _ = _loss_and_grads(model, [(ids[:, a:b], labels[:, a:b], [0, b - a]) for a, b in zip(cu[:-1], cu[1:])])
+    assert _relative(packed_loss, alone_loss) > 1e-6
+
+
+def test_unsupported_variant_and_tensor_parallelism_are_refused():
+    model = build_kda()
+    model.model.layers[2].self_attn.activation = "gelu"
+    with pytest.raises(ValueError, match="'model.layers.2.self_attn'.*activation 'gelu'.*SiLU only") as error:
+        install_kda_core(model)
+    assert "\n" not in str(error.value)
+    model.model.layers[2].self_attn.activation = "silu"
+    install_kda_core(model)
+    assert kda_tp_problem(model, 1) is None
+    problem = kda_tp_problem(model, 2)
+    assert "no tensor-parallel plan" in problem and "tp=2" in problem and "\n" not in problem
