@@ -6,7 +6,7 @@ with the core installed and hybridpar's attention on its MLA layer, a row packin
 transformers' own model (its torch KDA, SDPA) run on the three documents one per row (1e-9); our
 forward and gradients equal transformers' on unpacked rows (1e-10); the model is refused for packing
 until the core is installed, and its own KDA leaks without it; parameter names do not change; a
-variant the core cannot run and tensor parallelism are refused in one line.
+variant the core cannot run is refused in one line (tensor parallelism: tests/distributed/context/test_hf_kda.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpar.models.hf.mixers.kda import install_kda_core, kda_layers, kda_tp_problem
+from hybridpar.models.hf.mixers.kda import install_kda_core, kda_layers
 from hybridpar.parallel.context.hf import (attention_problem, hf_attention_modules, unreached_token_mixers,
                                            use_hybridpar_attention)
 from tests.models.hf.kda_models import LAYERS, VOCAB, build_kda
@@ -67,14 +67,9 @@ def test_transformers_kda_leaks_between_packed_documents():
     assert _relative(packed_loss, alone_loss) > 1e-6
 
 
-def test_unsupported_variant_and_tensor_parallelism_are_refused():
+def test_unsupported_variant_is_refused():
     model = build_kda()
     model.model.layers[2].self_attn.activation = "gelu"
     with pytest.raises(ValueError, match="'model.layers.2.self_attn'.*activation 'gelu'.*SiLU only") as error:
         install_kda_core(model)
     assert "\n" not in str(error.value)
-    model.model.layers[2].self_attn.activation = "silu"
-    install_kda_core(model)
-    assert kda_tp_problem(model, 1) is None
-    problem = kda_tp_problem(model, 2)
-    assert "no tensor-parallel plan" in problem and "tp=2" in problem and "\n" not in problem

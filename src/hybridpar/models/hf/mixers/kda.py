@@ -29,7 +29,7 @@ from hybridpar.models.linear.kda_core import kimi_delta_core
 from hybridpar.models.mamba.core import row_documents
 
 __all__ = ["KDA_MARK", "is_kimi_delta", "kda_problem", "install_kda_core", "kda_layers", "local_kda_core",
-           "kda_training_forward", "kda_tp_problem"]
+           "kda_training_forward"]
 
 KDA_MARK = "hybridpar_kda_core"  # set on a Kimi Delta Attention whose forward runs hybridpar's core
 CHUNK_SIZE = 64  # transformers' chunk_kimi_delta_attention default; a layer's ``hybridpar_chunk_size`` overrides it
@@ -123,12 +123,3 @@ def kda_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the Kimi Delta Attentions ``install_kda_core`` switched to hybridpar's core."""
     return [(n, m) for n, m in model.named_modules() if getattr(m, KDA_MARK, False)]
 
-
-def kda_tp_problem(model: nn.Module, tp: int) -> str | None:
-    """Why ``model``'s Kimi Delta Attentions cannot run at this tensor-parallel size (None: they can):
-    no head-sharding plan exists for them yet, so tp > 1 is refused before any collective."""
-    layers = kda_layers(model) or [(n, m) for n, m in model.named_modules() if is_kimi_delta(m)]
-    if tp > 1 and layers:
-        return (f"Kimi Delta Attention {layers[0][0]!r} ({type(layers[0][1]).__name__}) has no tensor-parallel plan "
-                f"in hybridpar, got tp={tp}; use parallel.tp=1 (context parallelism and FSDP apply)")
-    return None
