@@ -9,7 +9,8 @@ resets at document boundaries:
   (``models/hf/mixers/mamba2.install_mamba_core``), its gated DeltaNets hybridpar's gated delta
   rule (``models/hf/mixers/gdn.install_gdn_core``), its gated short convolutions (LFM2) the
   document-resetting conv (``models/hf/mixers/short_conv.install_short_conv``), its Mamba1 mixers (Jamba)
-  hybridpar's selective scan (``models/hf/mixers/mamba1.install_mamba1_core``), and no other token
+  hybridpar's selective scan (``models/hf/mixers/mamba1.install_mamba1_core``), its Kimi Delta
+  Attentions (Kimi Linear) hybridpar's KDA rule (``models/hf/mixers/kda.install_kda_core``), and no other token
   mixer exists (``unreached_token_mixers``: unknown recurrences).
 
 Any other model trains **one document per row** (``pack_documents(one_per_row=True)``) and the
@@ -26,6 +27,7 @@ from torch import nn
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.mixers.gdn import gdn_layers
+from hybridpar.models.hf.mixers.kda import kda_layers
 from hybridpar.models.hf.mixers.mamba1 import mamba1_mixers
 from hybridpar.models.hf.mixers.mamba2 import bridged_mixers
 from hybridpar.models.hf.mixers.short_conv import short_convs
@@ -84,11 +86,12 @@ def packing_line(model: nn.Module, problem: str | None, padding: float, pack_siz
         return ("packing: several documents per row; HybridLM's attention and Mamba cores reset at every document "
                 f"(padding {100 * padding:.1f}% of the token slots)")
     mixers, gdn, convs = len(bridged_mixers(model)), len(gdn_layers(model)), len(short_convs(model))
-    mamba1 = len(mamba1_mixers(model))
-    cores = [f"hybridpar's Mamba core on {mixers} Mamba2 mixers"] if mixers or not (gdn or convs or mamba1) else []
+    mamba1, kda = len(mamba1_mixers(model)), len(kda_layers(model))
+    cores = [f"hybridpar's Mamba core on {mixers} Mamba2 mixers"] if mixers or not (gdn or convs or mamba1 or kda) else []
     cores += [f"its selective scan on {mamba1} Mamba1 mixers"] if mamba1 else []
     cores += [f"hybridpar's gated DeltaNet core on {gdn} gated DeltaNet layers"] if gdn else []
     cores += [f"its document-resetting conv on {convs} short convolutions"] if convs else []
+    cores += [f"hybridpar's KDA core on {kda} Kimi Delta Attention layers"] if kda else []
     return (f"packing: several documents per row; every token mixer resets at document boundaries (hybridpar's "
             f"attention core on {len(hf_attention_modules(model))} attention modules, {', '.join(cores)}; padding "
             f"{100 * padding:.1f}% of the token slots)")

@@ -73,3 +73,16 @@ def test_unsupported_variant_is_refused():
     with pytest.raises(ValueError, match="'model.layers.2.self_attn'.*activation 'gelu'.*SiLU only") as error:
         install_kda_core(model)
     assert "\n" not in str(error.value)
+
+
+def test_packing_rule_takes_the_switched_model():
+    from hybridpar.train.packing_rule import leak_probe, packing_line, packing_problem
+
+    model = build_kda()
+    assert "model.layers.0.self_attn.conv1d (Conv1d)" in packing_problem(model)
+    install_kda_core(model)
+    use_hybridpar_attention(model)
+    assert packing_problem(model) is None and leak_probe(model, VOCAB) < 1e-12
+    line = packing_line(model, None, 0.1, 64)
+    assert line.startswith("packing: several documents per row") and "Mamba" not in line
+    assert "attention core on 1 attention modules" in line and "KDA core on 2 Kimi Delta Attention layers" in line
