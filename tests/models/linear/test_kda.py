@@ -8,6 +8,7 @@ overflows stay finite.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -55,10 +56,11 @@ def _per_document(xs, docs):
     return torch.stack(outs), torch.stack(finals)
 
 
-def test_rule_equals_the_recurrence_on_each_document_alone():
+@pytest.mark.parametrize("chunk", [CHUNK, 32])  # 32: two sub-chunks of the decayed products (kda.SUB_CHUNK)
+def test_rule_equals_the_recurrence_on_each_document_alone(chunk):
     xs = _inputs()
     ids = document_ids(row_documents(torch.tensor(DOCS), B, DOCS[-1], "cpu"), B, DOCS[-1])
-    got, final = chunk_kda_rule(*xs, doc_ids=ids, chunk_size=CHUNK, output_final_state=True)
+    got, final = chunk_kda_rule(*xs, doc_ids=ids, chunk_size=chunk, output_final_state=True)
     want, want_final = _per_document(xs, DOCS)
     assert _relative(got, want) < 1e-10 and _relative(final, want_final) < 1e-10
     weight = torch.randn_like(want)
@@ -102,8 +104,8 @@ def test_initial_states_and_chunk_fed_states():
 
 def test_strong_decays_stay_finite():
     """A chunk whose decay sums past 1000 in a channel: exp(-G) alone would overflow even float64."""
-    xs = _inputs(seed=3, T=16, strength=200.0)
-    got, _ = chunk_kda_rule(*xs, chunk_size=CHUNK)
+    xs = _inputs(seed=3, T=40, strength=200.0)
+    got, _ = chunk_kda_rule(*xs, chunk_size=32)
     want = torch.stack([recurrence(*(x[row] for x in xs))[0] for row in range(B)])
     assert torch.isfinite(got).all() and _relative(got, want) < 1e-10
     grads = torch.autograd.grad(got.sum(), xs)

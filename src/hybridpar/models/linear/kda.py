@@ -22,13 +22,15 @@ and the *decayed product* ``<a_i, b_j>_G = sum_c a_i[c] b_j[c] exp(G_i[c] - G_j[
     o_i   = c_i (exp(G_i) * s q_i)^T S_0 + sum_j <s q_i, k_j>_G M_ij u_j
     S_end = c_L diag(exp(G_L)) S_0 + sum_j (exp(G_L - G_j) * k_j) u_j^T [doc_j = doc_L]
 
-Every exponent is ``<= 0`` where it is used: ``exp(G_i - G_j)`` is formed from the pairwise
-difference ``G_i - G_j`` (``j <= i``), masked to ``-inf`` *before* the exp, never as
+Every exponent is ``<= 0`` where it is used (``G`` does not increase along a chunk), never
 ``exp(G_i) exp(-G_j)``, whose second factor overflows once a chunk's decay passes ~88 (float32) in
-one channel. That pairwise tensor is ``[.., C, C, dk]``: it is built ``CHANNEL_BLOCK`` channels at a
-time and recomputed in the backward (``torch.utils.checkpoint``), never saved, so the memory kept
-for backward is ``[B, H, T/C, C, C]`` plus the inputs, linear in the sequence, and the transient
-peak is ``[B, H, T/C, C, C, CHANNEL_BLOCK]``. Documents mask ``A`` block diagonal and ``c`` keeps
+one channel. ``<., .>_G`` is computed in sub-chunks of ``SUB_CHUNK`` tokens (FLA's layout): within a
+sub-chunk from the pairwise differences ``G_i - G_j`` (``j <= i``), masked to ``-inf`` *before* the exp
+(``[.., C/S, S, S, dk]``); from a row of sub-chunk ``s`` to the columns before it through the end of
+sub-chunk ``s-1``, ``R_s``: ``exp(G_i - G_j) = exp(G_i - R_s) exp(R_s - G_j)``, two factors ``<= 1``,
+one matmul. Those products are recomputed in the backward (``torch.utils.checkpoint``), never saved,
+so the memory kept for backward is ``[B, H, T/C, C, C]`` plus the inputs, linear in the sequence.
+Documents mask ``A`` block diagonal and ``c`` keeps
 ``S_0`` from a document that starts inside the chunk, as in ``gated_delta.py`` (the same chunk
 algebra with a scalar ``G``), whose padding, ``states_at`` / ``finals_at`` (context-parallel state
 passing) and outputs this function shares.
@@ -43,23 +45,33 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["chunk_kda_rule", "decayed_products"]
 
-CHANNEL_BLOCK = 32  # key channels per pairwise-decay block
+SUB_CHUNK = 16  # tokens per sub-chunk of the decayed products
 
 
 def _decayed_products(a: Tensor, b: Tensor, G: Tensor, visible: Tensor) -> Tensor:
-    out = None
-    for lo in range(0, G.shape[-1], CHANNEL_BLOCK):
-        cs = slice(lo, lo + CHANNEL_BLOCK)
-        diff = G[..., :, None, cs] - G[..., None, :, cs]  # [.., C, C, cb]: G_i - G_j
-        decay = diff.masked_fill(~visible[..., None], float("-inf")).exp()  # masked before the exp: no overflow
-        part = ((a[..., :, None, cs] * decay) * b[..., None, :, cs]).sum(-1)
-        out = part if out is None else out + part
-    return out
+    C, dk = G.shape[-2:]
+    S = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    n = C // S
+    a_s, b_s, G_s = (x.unflatten(-2, (n, S)) for x in (a, b, G))  # [.., n, S, dk]
+    # within a sub-chunk: pairwise G_i - G_j, masked (j > i) to -inf before the exp
+    below = torch.ones(S, S, dtype=torch.bool, device=G.device).tril()
+    pairwise = (G_s[..., :, None, :] - G_s[..., None, :, :]).masked_fill(~below[..., None], float("-inf")).exp()
+    inner = ((a_s[..., :, None, :] * pairwise) * b_s[..., None, :, :]).sum(-1)  # [.., n, S, S]
+    out = (inner.unsqueeze(-2) * torch.eye(n, dtype=G.dtype, device=G.device)[:, None, :, None]).flatten(-2)
+    if n > 1:  # rows of sub-chunk s >= 1, columns before it: two factors <= 1 around R_s, one matmul
+        R = G_s[..., :-1, -1:, :]  # [.., n-1, 1, dk]: G at the end of sub-chunk s-1
+        rows = a_s[..., 1:, :, :] * (G_s[..., 1:, :, :] - R).exp()  # [.., n-1, S, dk]
+        earlier = torch.arange(C, device=G.device)[None, :] < torch.arange(1, n, device=G.device)[:, None] * S
+        cols = b.unsqueeze(-3) * (R - G.unsqueeze(-3)).masked_fill(~earlier[..., None], float("-inf")).exp()
+        cross = rows @ cols.transpose(-1, -2)  # [.., n-1, S, C]
+        out = out + torch.cat([torch.zeros_like(cross[..., :1, :, :]), cross], dim=-3)
+    return out.flatten(-3, -2).masked_fill(~visible, 0.0)  # [.., C, C]
 
 
 def decayed_products(a: Tensor, b: Tensor, G: Tensor, visible: Tensor) -> Tensor:
-    """``[.., C, C]`` of ``<a_i, b_j>_G [visible_ij]`` for ``a, b, G [.., C, dk]`` and ``visible [.., C, C]``
-    (broadcast); the pairwise decays are recomputed in backward, not saved (module docstring)."""
+    """``[.., C, C]`` of ``<a_i, b_j>_G [visible_ij]`` (zero above the diagonal) for ``a, b, G [.., C, dk]``
+    (``G`` non-increasing along ``C``) and ``visible [.., C, C]`` (broadcast); recomputed in backward,
+    not saved (module docstring)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, G)):
         return checkpoint(_decayed_products, a, b, G, visible, use_reentrant=False)
     return _decayed_products(a, b, G, visible)

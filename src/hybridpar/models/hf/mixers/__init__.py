@@ -1,6 +1,6 @@
 """transformers' recurrent token mixers switched onto hybridpar's cores, one module per kind:
-Mamba2 (``mamba2``), Mamba1 (``mamba1``), gated DeltaNet (``gdn``), gated short convolution
-(``short_conv``). Each recognises its mixers by structure, installs the document-resetting core
+Mamba2 (``mamba2``), Mamba1 (``mamba1``), gated DeltaNet (``gdn``), Kimi Delta Attention (``kda``),
+gated short convolution (``short_conv``). Each recognises its mixers by structure, installs the document-resetting core
 behind a ``core`` seam that context parallelism replaces, and says why a model cannot be switched.
 
 Single-device code (no process group). Imports ``models/`` only; imported by ``parallel/`` and above.
