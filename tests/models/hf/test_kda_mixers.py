@@ -6,7 +6,8 @@ with the core installed and hybridpar's attention on its MLA layer, a row packin
 transformers' own model (its torch KDA, SDPA) run on the three documents one per row (1e-9); our
 forward and gradients equal transformers' on unpacked rows (1e-10); the model is refused for packing
 until the core is installed, and its own KDA leaks without it; parameter names do not change; a
-variant the core cannot run is refused in one line (tensor parallelism: tests/distributed/context/test_hf_kda.py).
+variant the core cannot run is refused in one line (tensor parallelism: tests/distributed/context/test_hf_kda.py);
+generation (a cache) runs transformers' forward unchanged, and several packed documents with a cache are refused.
 """
 
 from __future__ import annotations
@@ -86,3 +87,26 @@ def test_packing_rule_takes_the_switched_model():
     line = packing_line(model, None, 0.1, 64)
     assert line.startswith("packing: several documents per row") and "Mamba" not in line
     assert "attention core on 1 attention modules" in line and "KDA core on 2 Kimi Delta Attention layers" in line
+
+
+def test_generation_keeps_transformers_forward():
+    """With a cache the switched layers run transformers' own forward: generation is unchanged."""
+    reference, model = build_kda(seed=5).eval(), build_kda(seed=5).eval()
+    install_kda_core(model)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+def test_several_documents_with_a_cache_are_refused():
+    """With a cache transformers' own forward runs, which would not reset: refused, not silently leaked."""
+    from hybridpar.data.thd import PackedSeqParams
+
+    model = build_kda()
+    install_kda_core(model)
+    use_hybridpar_attention(model)
+    ids, _ = _rows()
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32))
+    with pytest.raises(ValueError, match="several documents together with a cache") as error:
+        model(input_ids=ids, position_ids=packed.position_ids[None], packed_seq_params=packed, use_cache=True)
+    assert "\n" not in str(error.value)
