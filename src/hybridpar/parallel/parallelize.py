@@ -30,6 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
+from hybridpar.models.hf.mixers.kda import install_kda_core
 from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_tp_problem
 from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
 from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_tp_problem
@@ -39,7 +40,7 @@ from hybridpar.models.linear.gdn_fused import fla_rule
 from hybridpar.models.mamba.fused_op import fla_scan
 from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
-from hybridpar.parallel.context.recurrent import gdn as gdn_cp
+from hybridpar.parallel.context.recurrent import gdn as gdn_cp, kda as kda_cp
 from hybridpar.parallel.context import hf as hf_cp
 from hybridpar.parallel.context.recurrent import mamba as mamba_cp
 from hybridpar.parallel.context.recurrent.mamba_state import apply_mamba1_cp
@@ -111,6 +112,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if cp_mamba_strategy not in mamba_cp.STRATEGIES:
         raise ValueError(f"unknown cp_mamba={cp_mamba_strategy!r}; choose one of {sorted(mamba_cp.STRATEGIES)}.")
     gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads over tp, cp
+    kda_cp.validate_kda_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # Kimi Delta Attention: cp, no tp
     problem = mamba1_tp_problem(model, dims.tp)  # Mamba1 mixers: channels over tp (any cp: state passing)
     problem = problem or rglru_tp_problem(model, dims.tp)  # RG-LRU blocks: no TP (any cp: state passing)
     if problem:
@@ -146,6 +148,7 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
         apply_mamba1_cp(model, cp_group)  # Mamba1 mixers (Jamba, FalconMamba, Mamba): state passing
         apply_rglru_cp(model, cp_group)  # RecurrentGemma's RG-LRU blocks: state passing
         gdn_cp.apply_gdn_cp(model, cp_group, mamba_strategy)
+        kda_cp.apply_kda_cp(model, cp_group, mamba_strategy)  # Kimi Linear's KDA layers: same strategies
         return hf_cp.apply_hf_cp(model, attention_cp.STRATEGIES[attention_strategy](cp_group))
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
     mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
@@ -237,6 +240,7 @@ def parallelize(
         install_rglru_core(model)  # RecurrentGemma: the RG-LRU on the same scan
         install_short_conv(model)
         install_gdn_core(model)  # gated DeltaNets on hybridpar's core (models/hf/mixers/gdn.py)
+        install_kda_core(model)  # Kimi Delta Attention (Kimi Linear) on hybridpar's KDA core
         hf_cp.refuse_unread_documents(model)
     validate_parallelize(model, dims, cp_attention_strategy=cp_attention, cp_mamba_strategy=cp_mamba,
                          sequence_parallel=sequence_parallel, mixed_precision=mixed_precision, tp_plan=tp_plan,

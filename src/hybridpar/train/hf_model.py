@@ -45,6 +45,7 @@ from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_ca
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
+from hybridpar.models.hf.mixers.kda import install_kda_core
 from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
 from hybridpar.models.hf.mixers.rglru import install_rglru_core
 from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
@@ -109,13 +110,14 @@ def hf_meta_model(shape) -> nn.Module:
 
 def install_cores(model: nn.Module) -> nn.Module:
     """Every token mixer hybridpar has a document-resetting core for, switched onto it: Mamba2 and
-    Mamba1 mixers, RG-LRU blocks (RecurrentGemma), gated short convs, gated DeltaNets (Qwen3-Next, Qwen3.5);
-    returns ``model``."""
+    Mamba1 mixers, RG-LRU blocks (RecurrentGemma), gated short convs, gated DeltaNets (Qwen3-Next, Qwen3.5),
+    Kimi Delta Attentions (Kimi Linear); returns ``model``."""
     install_mamba_core(model)
     install_mamba1_core(model)
     install_rglru_core(model)
     install_short_conv(model)
     install_gdn_core(model)
+    install_kda_core(model)
     return model
 
 

@@ -10,7 +10,8 @@ resets at document boundaries:
   rule (``models/hf/mixers/gdn.install_gdn_core``), its gated short convolutions (LFM2) the
   document-resetting conv (``models/hf/mixers/short_conv.install_short_conv``), its Mamba1 mixers (Jamba)
   hybridpar's selective scan (``models/hf/mixers/mamba1.install_mamba1_core``), its RG-LRU blocks
-  (RecurrentGemma) the same scan (``models/hf/mixers/rglru.install_rglru_core``), and no other token
+  (RecurrentGemma) the same scan (``models/hf/mixers/rglru.install_rglru_core``), its Kimi Delta
+  Attentions (Kimi Linear) hybridpar's KDA rule (``models/hf/mixers/kda.install_kda_core``), and no other token
   mixer exists (``unreached_token_mixers``: unknown recurrences).
 
 Any other model trains **one document per row** (``pack_documents(one_per_row=True)``) and the
@@ -27,6 +28,7 @@ from torch import nn
 
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.mixers.gdn import gdn_layers
+from hybridpar.models.hf.mixers.kda import kda_layers
 from hybridpar.models.hf.mixers.mamba1 import mamba1_mixers
 from hybridpar.models.hf.mixers.mamba2 import bridged_mixers
 from hybridpar.models.hf.mixers.rglru import rglru_blocks
@@ -86,13 +88,14 @@ def packing_line(model: nn.Module, problem: str | None, padding: float, pack_siz
         return ("packing: several documents per row; HybridLM's attention and Mamba cores reset at every document "
                 f"(padding {100 * padding:.1f}% of the token slots)")
     mixers, gdn, convs = len(bridged_mixers(model)), len(gdn_layers(model)), len(short_convs(model))
-    mamba1, lru = len(mamba1_mixers(model)), len(rglru_blocks(model))
-    others = gdn or convs or mamba1 or lru
+    mamba1, lru, kda = len(mamba1_mixers(model)), len(rglru_blocks(model)), len(kda_layers(model))
+    others = gdn or convs or mamba1 or lru or kda
     cores = [f"hybridpar's Mamba core on {mixers} Mamba2 mixers"] if mixers or not others else []
     cores += [f"its selective scan on {mamba1} Mamba1 mixers"] if mamba1 else []
     cores += [f"its RG-LRU on {lru} recurrent blocks"] if lru else []
     cores += [f"hybridpar's gated DeltaNet core on {gdn} gated DeltaNet layers"] if gdn else []
     cores += [f"its document-resetting conv on {convs} short convolutions"] if convs else []
+    cores += [f"hybridpar's KDA core on {kda} Kimi Delta Attention layers"] if kda else []
     return (f"packing: several documents per row; every token mixer resets at document boundaries (hybridpar's "
             f"attention core on {len(hf_attention_modules(model))} attention modules, {', '.join(cores)}; padding "
             f"{100 * padding:.1f}% of the token slots)")

@@ -6,7 +6,9 @@ OLMo-Hybrid's gated DeltaNet) as single-device, pure-PyTorch code.
 resets, SiLU, l2-normed q/k, beta, decay, the rule), the seam a context-parallel strategy replaces;
 ``gdn_fused.py`` the same rule through FLA's ``chunk_gated_delta_rule`` on CUDA (custom ops, the
 kernel choice shared with Mamba2's in ``models/mamba/fused.py``); ``selective_scan.py`` Mamba1's
-selective scan, on which ``rglru.py`` runs RecurrentGemma's RG-LRU (state size 1).
+selective scan, on which ``rglru.py`` runs RecurrentGemma's RG-LRU (state size 1). ``kda.py`` holds
+Kimi Delta Attention's rule (a decay per key channel, Kimi Linear) with the same resets and states,
+``kda_core.py`` its whole core.
 Floor ``models``: imports ``models/`` and ``data/`` only, never a process group; ``models/hf`` and
 ``parallel/`` import it.
 """

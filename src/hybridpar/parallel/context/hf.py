@@ -46,6 +46,7 @@ from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout
 from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK, gdn_layers
+from hybridpar.models.hf.mixers.kda import KDA_MARK, kda_layers
 from hybridpar.models.hf.mixers.mamba1 import MAMBA1_MARK, mamba1_mixers
 from hybridpar.models.hf.mixers.mamba2 import MARK, bridged_mixers
 from hybridpar.models.hf.mixers.rglru import RGLRU_MARK, rglru_blocks
@@ -198,8 +199,9 @@ def _rope_types(config) -> set[str]:
 
 def _switched_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every token mixer switched onto a hybridpar core (Mamba2, gated DeltaNet,
-    short conv, Mamba1, RG-LRU)."""
-    return bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model) + rglru_blocks(model)
+    short conv, Mamba1, RG-LRU, Kimi Delta Attention)."""
+    return (bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model) + rglru_blocks(model)
+            + kda_layers(model))
 
 
 def unreached_token_mixers(model: nn.Module) -> list[str]:
@@ -210,7 +212,7 @@ def unreached_token_mixers(model: nn.Module) -> list[str]:
     inside = tuple(f"{name}." for name, _ in _switched_mixers(model))
     found = []
     for name, module in model.named_modules():
-        marks = (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK, RGLRU_MARK)
+        marks = (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK, RGLRU_MARK, KDA_MARK)
         switched = any(getattr(module, mark, False) for mark in marks)
         if switched or (inside and name.startswith(inside)):
             continue
@@ -235,10 +237,9 @@ def attention_problem(model: nn.Module) -> str | None:
         return (f"{cls} ({model_type}) has token mixers that hybridpar's attention and Mamba cores do not reach "
                 f"({unreached[0]}{f' and {len(unreached) - 1} more' if len(unreached) > 1 else ''}: a recurrence, "
                 "convolution or mixer variant hybridpar has no core for), so they cannot reset at document boundaries; "
-                "Mamba1 and Mamba2 mixers, RG-LRU blocks and gated DeltaNets reach our cores through models.hf.mixers."
-                "mamba1.install_mamba1_core(model), models.hf.mixers.mamba2.install_mamba_core(model), "
-                "models.hf.mixers.rglru.install_rglru_core(model) and "
-                "models.hf.mixers.gdn.install_gdn_core(model) (the trainer calls them), "
+                "Mamba1 and Mamba2 mixers, RG-LRU blocks, gated DeltaNets and Kimi Delta Attentions reach our cores "
+                "through install_mamba1_core, install_mamba_core, install_rglru_core, install_gdn_core and "
+                "install_kda_core in models.hf.mixers (the trainer calls them), "
                 "or load the checkpoint as a HybridLM (Mamba2, Bamba, dense NemotronH).")
     if not is_hf_model(model) or model_type not in SUPPORTED_MODEL_TYPES:
         return (f"hybridpar's attention takes HybridLM and {len(SUPPORTED_MODEL_TYPES)} transformers model types, each "

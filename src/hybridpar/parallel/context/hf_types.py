@@ -25,13 +25,16 @@ from torch import Tensor, nn
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.attention.layout import cached
 
-__all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "SHORT_CONV_MODEL_TYPES",
-           "MAMBA1_MODEL_TYPES", "RGLRU_MODEL_TYPES", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["check_document_limit", "ATTENTION_MODEL_TYPES", "GDN_MODEL_TYPES", "HYBRID_MODEL_TYPES", "KDA_MODEL_TYPES",
+           "SHORT_CONV_MODEL_TYPES", "MAMBA1_MODEL_TYPES", "RGLRU_MODEL_TYPES", "SUPPORTED_MODEL_TYPES"]
 
 # Mamba2 hybrids whose decoder layers hand packed_seq_params to every mixer (tests/models/hf/test_mamba_mixers.py)
 HYBRID_MODEL_TYPES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
 # gated DeltaNet hybrids, their layers on hybridpar's core (models/hf/mixers/gdn.py; tests/models/hf/test_gdn_mixers.py)
 GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
+# Kimi Delta Attention hybrids (per-channel decay), their KDA layers on hybridpar's core and their MLA on its attention
+# (models/hf/mixers/kda.py; tests/models/hf/test_kda_mixers.py)
+KDA_MODEL_TYPES = ("kimi_linear",)
 ATTENTION_MODEL_TYPES = (
     # Llama's layout and its relatives; attention and residual multipliers (Granite)
     "llama", "arcee", "helium", "apertus", "apertus1p5_text", "hunyuan_v1_dense", "ernie4_5", "glm", "glm4", "exaone",
@@ -63,7 +66,7 @@ MAMBA1_MODEL_TYPES = ("jamba", "falcon_mamba", "mamba")
 # tests/models/hf/test_rglru_blocks.py)
 RGLRU_MODEL_TYPES = ("recurrent_gemma",)
 SUPPORTED_MODEL_TYPES = (ATTENTION_MODEL_TYPES + HYBRID_MODEL_TYPES + GDN_MODEL_TYPES + SHORT_CONV_MODEL_TYPES
-                         + MAMBA1_MODEL_TYPES + RGLRU_MODEL_TYPES)
+                         + MAMBA1_MODEL_TYPES + RGLRU_MODEL_TYPES + KDA_MODEL_TYPES)
 
 
 def _document_limit(module: nn.Module) -> tuple[int | None, int | None]:

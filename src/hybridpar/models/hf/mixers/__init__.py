@@ -1,8 +1,8 @@
 """transformers' recurrent token mixers switched onto hybridpar's cores, one module per kind:
 Mamba2 (``mamba2``), Mamba1 (``mamba1``), RecurrentGemma's RG-LRU blocks (``rglru``), gated DeltaNet
-(``gdn``), gated short convolution (``short_conv``). Each recognises its mixers by structure, installs
-the document-resetting core behind a ``core`` seam that context parallelism replaces, and says why a
-model cannot be switched.
+(``gdn``), Kimi Delta Attention (``kda``), gated short convolution (``short_conv``). Each recognises
+its mixers by structure, installs the document-resetting core behind a ``core`` seam that context
+parallelism replaces, and says why a model cannot be switched.
 
 Single-device code (no process group). Imports ``models/`` only; imported by ``parallel/`` and above.
 """
