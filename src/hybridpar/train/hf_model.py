@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_causal_lm_loss, learned_positions,
-                                             load_causal_lm, transformers_config)
+                                           load_causal_lm, probe_logits_after_head, transformers_config)
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
@@ -141,6 +141,7 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
         keep_float64(model.to(torch.float64))
     install_cores(model)
+    probe_logits_after_head(model)  # a soft cap or scale past lm_head, named or not: the loss takes the logits
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     return model
 

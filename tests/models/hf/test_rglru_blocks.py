@@ -84,6 +84,31 @@ def test_the_trainers_loss_keeps_the_soft_capped_logits():
     assert abs(float(got.detach() - want.detach())) < 1e-12 * float(want.detach())
 
 
+def test_a_logit_transform_under_an_unlisted_name_is_found_by_the_probe(monkeypatch):
+    """A soft cap under a config field ``LOGIT_TRANSFORMS`` does not name (here: the list without
+    RecurrentGemma's ``logits_soft_cap``) is still found: the probe sees the returned logits differ from
+    lm_head's output, and the trainer's loss goes through the logits. A plain head probes clean."""
+    from hybridpar.models.hf import causal_lm
+    from hybridpar.train.hf_model import hf_loss_sum
+
+    monkeypatch.setattr(causal_lm, "LOGIT_TRANSFORMS", tuple(f for f in causal_lm.LOGIT_TRANSFORMS if f != "logits_soft_cap"))
+    model = build_recurrent_gemma()
+    install_rglru_core(model)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    labels = torch.roll(ids, -1, 1)
+    unprobed, _ = hf_loss_sum(model, ids, labels, {})  # the head seam: no soft cap
+    assert "changes lm_head's output" in causal_lm.probe_logits_after_head(model)
+    got, _ = hf_loss_sum(model, ids, labels, {})
+    want = torch.nn.functional.cross_entropy(model(input_ids=ids, use_cache=False).logits[0], labels[0], reduction="sum")
+    assert abs(float(got.detach() - want.detach())) < 1e-12 * float(want.detach())
+    assert abs(float(unprobed.detach() - want.detach())) > 1e-6 * float(want.detach())  # what the probe prevents
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    assert causal_lm.probe_logits_after_head(plain) is None
+
+
 def test_several_documents_with_a_cache_are_refused():
     model = build_recurrent_gemma()
     install_rglru_core(model)

@@ -194,11 +194,46 @@ def _token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+_HEAD_PROBE = "_hybridpar_logits_after_head"  # set by probe_logits_after_head: what the forward does past lm_head
+
+
+@torch.no_grad()
+def probe_logits_after_head(model: nn.Module, tokens: int = 4) -> str | None:
+    """What ``model``'s forward does to ``lm_head``'s output before returning logits (None: nothing).
+
+    ``LOGIT_TRANSFORMS`` names the config fields transformers' models use for soft caps and scales, but a
+    model may transform its logits under a name not listed; this runs ``tokens`` ids once (eval mode, no
+    cache) and compares the returned logits with the head's own output, so ``_plain_head`` refuses the
+    hidden-state loss for any such model. The finding is kept on the model."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return None
+    seen = {}
+    handle = head.register_forward_hook(lambda module, args, out: seen.__setitem__("out", out))
+    was_training = model.training
+    model.eval()
+    try:
+        device = head.weight.device
+        logits = model(input_ids=torch.arange(tokens, device=device)[None] % head.weight.shape[0], use_cache=False).logits
+    finally:
+        handle.remove()
+        model.train(was_training)
+    out = seen.get("out")
+    found = None
+    if out is None or out.shape != logits.shape or not torch.equal(out, logits):
+        gap = (logits - out).abs().max().item() if out is not None and out.shape == logits.shape else None
+        found = f"its forward changes lm_head's output ({'max change ' + format(gap, '.1e') if gap is not None else 'other shape'})"
+    setattr(model, _HEAD_PROBE, found)
+    return found
+
+
 def _plain_head(model: nn.Module) -> nn.Module:
-    """``model``'s output layer; ValueError if logits are more than ``hidden @ weight.T``."""
+    """``model``'s output layer; ValueError if logits are more than ``hidden @ weight.T`` (config fields in
+    ``LOGIT_TRANSFORMS``, or what ``probe_logits_after_head`` found)."""
     head = model.get_output_embeddings()
     config = getattr(model, "config", None)
     transforms = [f for f in LOGIT_TRANSFORMS if getattr(config, f, None) not in (None, 1, 1.0, False)]
+    transforms += [getattr(model, _HEAD_PROBE)] if getattr(model, _HEAD_PROBE, None) else []
     if not isinstance(head, nn.Linear) or head.bias is not None or transforms:
         raise ValueError(f"{type(model).__name__}'s logits are not hidden @ lm_head.weight.T (head "
                          f"{type(head).__name__}, bias {getattr(head, 'bias', None) is not None}, {transforms}); "
