@@ -171,7 +171,8 @@ def to_markdown(record: dict) -> str:
     lines += [f"Last saved: {record['date']}  ", f"Machine: {record['machine']}  ",
               "Measured peak: live tensors of the second training step (`tensor_peak_gib`, CPU allocator events). "
               "Saved: bytes one pack's forward allocates and leaves live for backward (allocator events; under policy "
-              "none the saved-tensor hooks agree, column `hooks`), parameters and FSDP's gathered root excluded. RSS "
+              "none the saved-tensor hooks agree, column `hooks`; under selective they do not see the outputs the "
+              "policy caches, so there `hooks` is only part of it), parameters and FSDP's gathered root excluded. RSS "
               "(with the process baseline) for reference. Targets: params and bytes per kind and mesh dim exact, saved "
               "within 10%, peak within 15%.", "",
              "| model | layout | tokens | ckpt | params (plan = measured) | traffic exact | saved MiB plan / measured "

@@ -89,8 +89,8 @@ def decoder_plan(sequence_parallel: bool, *, prefix: str = "model", layers: str 
     - ``shared_norm_output`` (without SP): an in-norm's output is one replicated DTensor that every
       column-parallel projection of its block reads, so their input gradients (partial sums over
       TP) add up before one all-reduce instead of one each (q, k, v: 3 -> 1; gate, up: 2 -> 1), as
-      under SP. For plans whose in-norms feed only the attention and a dense MLP (not a MoE router,
-      not a Mamba mixer).
+      under SP. For plans whose in-norms feed the attention, a dense MLP or a Mamba mixer on
+      hybridpar's core (``local_mixer_input`` takes it as is: Bamba), not a MoE router.
     """
     sp = sequence_parallel
     layer = f"{prefix}.{layers}.*"

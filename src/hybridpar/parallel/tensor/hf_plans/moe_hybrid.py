@@ -195,8 +195,10 @@ def falcon_h1_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paral
 
 @register_hf_plan("bamba", "BambaForCausalLM")
 def bamba_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Bamba: each layer is a Mamba2 mixer (by heads) or attention, then an MLP."""
-    plan = decoder_plan(sequence_parallel, **_HYBRID)
+    """Bamba: each layer is a Mamba2 mixer (by heads) or attention, then a dense MLP. Without SP each
+    norm's output is one replicated DTensor (``shared_norm_output``): q, k, v (gate, up) all-reduce
+    their summed input gradient once, as the Mamba mixer does (``local_mixer_input``)."""
+    plan = decoder_plan(sequence_parallel, shared_norm_output=True, **_HYBRID)
     replicated = LocalReplicateParallel(output_layouts=Shard(1) if sequence_parallel else None)
     for index, layer in enumerate(model.model.layers):
         if getattr(layer, "mamba", None) is not None:
@@ -208,18 +210,22 @@ def bamba_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
 def nemotron_h_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """NemotronH: one mixer per layer (Mamba2, attention, MLP or MoE) after one norm. Hugging
     Face's own plan names MoE experts every layer and shards nothing else; this one shards
-    attention, MLP and MoE layers and replicates the Mamba2 mixers."""
+    attention, MLP and MoE layers and shards the Mamba2 mixers by heads. Without SP the norm before
+    an attention, MLP or Mamba mixer returns one replicated DTensor: q, k, v all-reduce their summed
+    input gradient once (a MoE layer's router reads a plain tensor)."""
     sp = sequence_parallel
     reduce_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
     plan: dict[str, ParallelStyle] = {
         "model.embeddings": embedding_style(sp),
-        "model.layers.*.norm": SequenceParallelAllGatherActivation(use_local_output=False) if sp else LocalReplicateParallel(),
         "model.norm_f": SequenceParallel() if sp else LocalReplicateParallel(),
         "lm_head": lm_head_style(sp),
     }
     for index, layer in enumerate(model.model.layers):
         path = f"model.layers.{index}.mixer"
         kind = layer.block_type
+        shared = dict(output_layouts=Replicate()) if kind != "moe" else {}
+        plan[f"model.layers.{index}.norm"] = (SequenceParallelAllGatherActivation(use_local_output=False) if sp
+                                              else LocalReplicateParallel(**shared))
         if kind == "full_attention":
             plan.update({f"{path}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
             plan[f"{path}.o_proj"] = RowwiseParallel(**reduce_out)
