@@ -9,8 +9,22 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from typing import Callable
+
+from torch import nn
+
 from hybridpar.data.thd import ContextParallelLayout, PackedSeqParams
 from hybridpar.parallel.context.inputs import group_size_and_rank
+
+
+def install_core(model: nn.Module, modules: list[tuple[str, nn.Module]], make_core: Callable[[], object]) -> nn.Module:
+    """One core from ``make_core()`` as ``core`` of every ``(name, module)`` switched onto a hybridpar core
+    (a core owns no parameters: the layers share it); returns ``model``."""
+    if modules:
+        core = make_core()
+        for _, module in modules:
+            module.core = core
+    return model
 
 
 class ContextParallelCore:

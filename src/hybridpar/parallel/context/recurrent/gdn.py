@@ -73,7 +73,7 @@ from hybridpar.models.linear.gdn_core import document_conv1d, gated_delta_core, 
 from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fused_gated_delta_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
-from hybridpar.parallel.context.core import ContextParallelCore
+from hybridpar.parallel.context.core import ContextParallelCore, install_core
 from hybridpar.parallel.context.recurrent.mamba import local_tensor
 from hybridpar.parallel.context.recurrent.mamba_state import SegmentPlan, _conv_halo, segment_plan
 
@@ -291,9 +291,4 @@ def validate_gdn_parallel(model: nn.Module, cp: int, tp: int, mamba_strategy: st
 
 def apply_gdn_cp(model: nn.Module, cp_group: dist.ProcessGroup | None, strategy: str = "a2a") -> nn.Module:
     """Install the CP strategy as ``core`` of every switched gated DeltaNet (after ``validate_gdn_parallel``)."""
-    layers = gdn_layers(model)
-    if layers:
-        core = GDN_STRATEGIES[strategy](cp_group)
-        for _, layer in layers:
-            layer.core = core
-    return model
+    return install_core(model, gdn_layers(model), lambda: GDN_STRATEGIES[strategy](cp_group))

@@ -41,7 +41,7 @@ from hybridpar.models.linear.kda import chunk_kda_rule
 from hybridpar.models.linear.kda_core import kda_inputs, kimi_delta_core
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
-from hybridpar.parallel.context.core import ContextParallelCore
+from hybridpar.parallel.context.core import ContextParallelCore, install_core
 from hybridpar.parallel.context.recurrent.gdn import _aligned, _entering
 from hybridpar.parallel.context.recurrent.mamba import local_tensor
 from hybridpar.parallel.context.recurrent.mamba_state import _conv_halo, segment_plan
@@ -176,9 +176,4 @@ def validate_kda_parallel(model: nn.Module, cp: int, tp: int, strategy: str) -> 
 
 def apply_kda_cp(model: nn.Module, cp_group: dist.ProcessGroup | None, strategy: str = "a2a") -> nn.Module:
     """Install the CP strategy as ``core`` of every switched KDA layer (after ``validate_kda_parallel``)."""
-    layers = kda_layers(model)
-    if layers:
-        core = KDA_STRATEGIES[strategy](cp_group)
-        for _, layer in layers:
-            layer.core = core
-    return model
+    return install_core(model, kda_layers(model), lambda: KDA_STRATEGIES[strategy](cp_group))

@@ -83,7 +83,7 @@ from hybridpar.models.hf.mixers.mamba1 import document_conv, local_selective_cor
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
 from hybridpar.models.mamba.core import mamba_conv_scan
 from hybridpar.parallel.comm.collectives import all_gather
-from hybridpar.parallel.context.core import ContextParallelCore
+from hybridpar.parallel.context.core import ContextParallelCore, install_core
 
 __all__ = ["SegmentPlan", "build_segment_plan", "segment_plan", "state_passing_conv_scan", "state_bytes_per_layer",
            "StatePassingMamba1", "apply_mamba1_cp", "mamba1_state_bytes_per_layer"]
@@ -305,9 +305,4 @@ class StatePassingMamba1(ContextParallelCore):
 
 def apply_mamba1_cp(model: nn.Module, cp_group: dist.ProcessGroup | None) -> nn.Module:
     """Install ``StatePassingMamba1`` as ``core`` of every Mamba1 mixer ``install_mamba1_core`` switched."""
-    mixers = mamba1_mixers(model)
-    if mixers:
-        core = StatePassingMamba1(cp_group)
-        for _, module in mixers:
-            module.core = core
-    return model
+    return install_core(model, mamba1_mixers(model), lambda: StatePassingMamba1(cp_group))

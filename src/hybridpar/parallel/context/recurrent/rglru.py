@@ -37,7 +37,7 @@ from hybridpar.models.hf.mixers.rglru import local_rglru_core, rglru_blocks, rgl
 from hybridpar.models.linear.rglru import rglru_inputs
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
 from hybridpar.parallel.comm.collectives import all_gather
-from hybridpar.parallel.context.core import ContextParallelCore
+from hybridpar.parallel.context.core import ContextParallelCore, install_core
 from hybridpar.parallel.context.recurrent.mamba_state import _conv_halo, _entering_states, segment_plan
 
 __all__ = ["StatePassingRglru", "apply_rglru_cp", "rglru_state_bytes_per_layer"]
@@ -89,10 +89,5 @@ def _scan(u: Tensor, r: Tensor, A: Tensor, B: Tensor, reset: Tensor, scale_by_dt
 
 def apply_rglru_cp(model: nn.Module, cp_group: dist.ProcessGroup | None) -> nn.Module:
     """Install ``StatePassingRglru`` as ``core`` of every RG-LRU block ``install_rglru_core`` switched."""
-    blocks = rglru_blocks(model)
-    if blocks:
-        core = StatePassingRglru(cp_group)
-        for _, module in blocks:
-            module.core = core
-    return model
+    return install_core(model, rglru_blocks(model), lambda: StatePassingRglru(cp_group))
 

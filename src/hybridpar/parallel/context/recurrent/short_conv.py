@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.mixers.short_conv import conv_parameters, gated_short_conv, local_short_conv, short_convs
 from hybridpar.parallel.comm.collectives import all_gather
-from hybridpar.parallel.context.core import ContextParallelCore
+from hybridpar.parallel.context.core import ContextParallelCore, install_core
 from hybridpar.parallel.context.recurrent.mamba_state import segment_plan
 
 __all__ = ["HaloShortConv", "apply_short_conv_cp", "halo_bytes_per_layer"]
@@ -77,9 +77,4 @@ class HaloShortConv(ContextParallelCore):
 
 def apply_short_conv_cp(model: nn.Module, cp_group: dist.ProcessGroup | None) -> nn.Module:
     """Install ``HaloShortConv`` as ``core`` of every short conv ``install_short_conv`` switched; returns ``model``."""
-    convs = short_convs(model)
-    if convs:
-        core = HaloShortConv(cp_group)
-        for _, module in convs:
-            module.core = core
-    return model
+    return install_core(model, short_convs(model), lambda: HaloShortConv(cp_group))
