@@ -9,9 +9,7 @@ the decay) in float64, as the trainer does for a float64 model.
 
 from __future__ import annotations
 
-import warnings
-
-import torch
+from tests.models.hf.tiny import perturbed_float64
 
 VOCAB = 97
 CHUNK = 8
@@ -46,15 +44,7 @@ def build_gdn(name: str, seed: int = 0, chunk: int | None = CHUNK, k_heads: int 
 
     from hybridpar.models.hf.float64 import keep_float64
 
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = _builders(hf, k_heads, v_heads)[name]().to(torch.float64)
-    if type(model)._can_set_experts_implementation():
-        model.set_experts_implementation("eager")  # grouped_mm has no float64
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
+    model = perturbed_float64(_builders(hf, k_heads, v_heads)[name], seed)
     if chunk is not None:
         for module in model.modules():
             if hasattr(module, "A_log"):

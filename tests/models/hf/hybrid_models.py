@@ -10,9 +10,10 @@ so a float32 rounding flip cannot cap the 1e-9 parity.
 
 from __future__ import annotations
 
-import warnings
 
 import torch
+
+from tests.models.hf.tiny import perturbed_float64
 
 from tests.distributed.tensor.hf_models import exact_norm
 
@@ -71,15 +72,7 @@ def build_hybrid(name: str, seed: int = 0):
     """The tiny float64 model ``name`` (train mode, eager experts, perturbed parameters)."""
     import transformers as hf
 
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = _builders(hf)[name]().to(torch.float64)
-    if type(model)._can_set_experts_implementation():
-        model.set_experts_implementation("eager")  # grouped_mm has no float64
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
+    model = perturbed_float64(_builders(hf)[name], seed)
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
             exact_norm(module)

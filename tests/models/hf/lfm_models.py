@@ -10,9 +10,7 @@ attention gate, sandwich norms and kernel 4.
 
 from __future__ import annotations
 
-import warnings
-
-import torch
+from tests.models.hf.tiny import perturbed_float64
 
 VOCAB = 97
 _C = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
@@ -41,14 +39,6 @@ def build_lfm(name: str, attention: str = "sdpa", seed: int = 0):
 
     from hybridpar.models.hf.float64 import keep_float64
 
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = hf.AutoModelForCausalLM.from_config(lfm_config(name)).to(torch.float64)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    if type(model)._can_set_experts_implementation():
-        model.set_experts_implementation("eager")
+    model = perturbed_float64(lambda: hf.AutoModelForCausalLM.from_config(lfm_config(name)), seed)
     model.set_attn_implementation(attention)
     return keep_float64(model)

@@ -9,9 +9,7 @@ experts on every other layer.
 
 from __future__ import annotations
 
-import warnings
-
-import torch
+from tests.models.hf.tiny import perturbed_float64
 
 VOCAB = 97
 NAMES = ("mamba", "falcon_mamba", "jamba")
@@ -41,15 +39,7 @@ def build_mamba1(name: str, attention: str = "sdpa", seed: int = 0):
 
     from hybridpar.models.hf.float64 import keep_float64
 
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = hf.AutoModelForCausalLM.from_config(mamba1_config(name)).to(torch.float64)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    if type(model)._can_set_experts_implementation():
-        model.set_experts_implementation("eager")
+    model = perturbed_float64(lambda: hf.AutoModelForCausalLM.from_config(mamba1_config(name)), seed)
     if name == "jamba":
         model.set_attn_implementation(attention)
     return keep_float64(model)

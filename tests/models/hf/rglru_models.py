@@ -4,9 +4,7 @@ trivially zero; float32 casts stay float64."""
 
 from __future__ import annotations
 
-import warnings
-
-import torch
+from tests.models.hf.tiny import perturbed_float64
 
 VOCAB = 97
 WINDOW = 6  # the attention layer's sliding window, shorter than the test documents
@@ -22,12 +20,6 @@ def build_recurrent_gemma(name: str = "recurrent_gemma", attention: str = "sdpa"
                                      num_key_value_heads=1, intermediate_size=48, vocab_size=VOCAB,
                                      attention_window_size=WINDOW, conv1d_width=4, use_cache=False, pad_token_id=0,
                                      bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = hf.RecurrentGemmaForCausalLM(config).to(torch.float64)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
+    model = perturbed_float64(lambda: hf.RecurrentGemmaForCausalLM(config), seed)
     model.set_attn_implementation(attention)
     return keep_float64(model.train())
