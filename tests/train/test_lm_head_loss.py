@@ -32,10 +32,17 @@ def make_case(tokens: int = TOKENS, vocab: int = VOCAB, hidden: int = HIDDEN, se
     return h, w, labels
 
 
-def reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(loss_sum, grad_hidden, grad_weight)`` of the materialized logits."""
+def transformed(logits: torch.Tensor, scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """Gemma's soft cap ``c tanh(s z / c)`` or a scale ``s z``, written as the models write them."""
+    logits = logits * scale
+    return torch.tanh(logits / softcap) * softcap if softcap is not None else logits
+
+
+def reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, scale: float = 1.0,
+              softcap: float | None = None) -> tuple[torch.Tensor, ...]:
+    """``(loss_sum, grad_hidden, grad_weight)`` of the materialized (transformed) logits."""
     h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
-    loss = F.cross_entropy(h @ w.T, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+    loss = F.cross_entropy(transformed(h @ w.T, scale, softcap), labels, reduction="sum", ignore_index=IGNORE_INDEX)
     loss.backward()
     return loss.detach(), h.grad, w.grad
 
@@ -68,6 +75,32 @@ def test_equals_cross_entropy_in_float64(chunk_size):
     assert (loss - want_loss).abs().item() < TOL * max(1.0, want_loss.abs().item())
     assert (h.grad - want_dh).abs().max().item() < TOL
     assert (w.grad - want_dw).abs().max().item() < TOL
+
+
+TRANSFORMS = [(1 / 3, None), (2.5, None), (1.0, 2.0), (0.7, 5.0)]  # Granite, Cohere, Gemma, both
+
+
+@pytest.mark.parametrize("scale, softcap", TRANSFORMS)
+def test_scaled_and_soft_capped_logits_equal_their_cross_entropy_in_float64(scale, softcap):
+    """The loss, ``grad_hidden``, ``grad_weight`` and the argmax of ``z' = c tanh(s z / c)`` (or ``s z``)
+    equal those of the transformed logits in full (1e-12), blocks of 7 tokens and rows; the cap of 2 bends
+    logits of size ~3 (tanh far from linear), so a missing ``1 - tanh^2`` would show."""
+    h, w, labels = make_case()
+    want_loss, want_dh, want_dw = reference(h, w, labels, scale, softcap)
+    h.requires_grad_(), w.requires_grad_()
+    out = chunked_lm_head_loss(h, w, labels, chunk_size=7, return_predictions=True, scale=scale, softcap=softcap)
+    out.loss_sum.backward()
+    assert (out.loss_sum - want_loss).abs().item() < 1e-12 * want_loss.item()
+    assert (h.grad - want_dh).abs().max().item() < 1e-12 and (w.grad - want_dw).abs().max().item() < 1e-12
+    assert torch.equal(out.predictions, (h @ w.T).argmax(dim=-1))
+    plain = reference(h, w, labels)[0]
+    assert abs(plain.item() - want_loss.item()) > 1e-3 * want_loss.item()  # the transform matters here
+    bf16 = (h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_())  # as today: float32 inside
+    loss, _ = lm_head_loss(*bf16, labels, chunk_size=7, scale=scale, softcap=softcap)
+    loss.backward()
+    exact_on_rounded = reference(bf16[0].detach().double(), bf16[1].detach().double(), labels, scale, softcap)
+    assert loss.dtype == torch.float32 and abs(loss.item() - exact_on_rounded[0].item()) < 1e-5 * loss.item()
+    assert (bf16[0].grad.double() - exact_on_rounded[1]).abs().max() < 2e-2 * exact_on_rounded[1].abs().max()
 
 
 def test_batched_shape_all_ignored_and_empty():
@@ -143,6 +176,9 @@ def test_one_graph_without_breaks_under_torch_compile():
     want_loss, want_dh, want_dw = reference(h, w, labels)
     assert (loss - want_loss).abs().item() < TOL * want_loss.item()
     assert (hc.grad - want_dh).abs().max().item() < TOL and (wc.grad - want_dw).abs().max().item() < TOL
+    capped = torch.compile(lambda *a: lm_head_loss(*a, chunk_size=7, scale=0.5, softcap=3.0), backend="aot_eager",
+                           fullgraph=True)  # the fake kernels take the transform too
+    assert (capped(h, w, labels)[0] - reference(h, w, labels, 0.5, 3.0)[0]).abs().item() < TOL * want_loss.item()
     torch._dynamo.reset()
 
 
@@ -156,6 +192,9 @@ BAD_INPUTS = {
     "token count": (lambda h, w, y: lm_head_loss(h, w, y[:-1]), ["labels (36,)", "hidden (37, 8)"]),
     "float labels": (lambda h, w, y: lm_head_loss(h, w, y.double()), ["torch.float64", "integer"]),
     "weight rank": (lambda h, w, y: lm_head_loss(h, w.reshape(-1), y), ["[V, D]"]),
+    "scale 0": (lambda h, w, y: lm_head_loss(h, w, y, scale=0.0), ["scale=0.0", "finite number > 0"]),
+    "softcap -1": (lambda h, w, y: lm_head_loss(h, w, y, softcap=-1.0), ["softcap=-1.0", "softcap=None"]),
+    "scale inf": (lambda h, w, y: lm_head_loss(h, w, y, scale=float("inf")), ["scale=inf"]),
 }
 
 

@@ -18,6 +18,19 @@ saves ``hidden``, ``weight``, ``labels`` and ``lse [T]``. The backward recompute
     dz_tv = g * [y_t != -100] * (exp(z_tv - lse_t) - [v == y_t])      (g = d loss_sum)
     dh_t += sum_{v in block} dz_tv W_v        dW_v += sum_{t in chunk} dz_tv h_t
 
+**Scaled and soft-capped logits** (Cohere, Granite, Falcon-H1: a scale ``s``; Gemma 2/3,
+RecurrentGemma: a cap ``c``). The loss runs on the transformed logits of each block,
+
+    z'_tv = c * tanh(s * z_tv / c)      when a cap c is set,   else   z'_tv = s * z_tv
+
+(the online logsumexp, the target logit and the argmax are those of ``z'``; for ``s > 0`` the
+argmax equals ``z``'s, both maps being increasing), and the backward applies the chain rule:
+
+    dz_tv = g * [y_t != -100] * (exp(z'_tv - lse_t) - [v == y_t]) * s * (1 - tanh^2(s z_tv / c))
+                                                                  (* s alone without a cap)
+
+The default ``s = 1``, no cap, is the plain head and runs no extra operation.
+
 Blocks are computed in ``promote(dtype, float32)`` (bfloat16 inputs run in float32; float64
 stays float64); the statistics, ``grad_hidden [T, D]`` and each vocabulary block's ``dW``
 accumulate in that dtype and are cast to the input dtypes once at the end. Under autocast (bf16
@@ -48,7 +61,7 @@ from hybridpar.models.precision import full_precision
 
 __all__ = [
     "IGNORE_INDEX", "LMHeadLoss", "ChunkedLMHeadLoss", "chunked_lm_head_loss", "check_lm_head_inputs",
-    "check_label_values", "local_statistics", "local_gradients", "loss_from_statistics",
+    "check_label_values", "check_logit_transform", "local_statistics", "local_gradients", "loss_from_statistics",
 ]
 
 IGNORE_INDEX = -100
@@ -114,6 +127,23 @@ def check_label_values(labels: Tensor, vocab_size: int) -> None:
             "use a model whose vocab_size covers every token id.")
 
 
+def check_logit_transform(scale: float, softcap: float | None) -> None:
+    """``ValueError`` unless ``scale`` is a finite float > 0 and ``softcap`` None or a finite float > 0."""
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is None and name == "softcap":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name}={value!r} must be a finite number > 0 (the logit transform z' = c tanh(s z / c) "
+                             "or s z); pass scale=1.0 and softcap=None for plain logits.")
+
+
+def _transform_(logits: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """``z'`` of a block of logits ``z`` (module docstring), in place."""
+    if softcap is not None:
+        return logits.mul_(scale / softcap).tanh_().mul_(softcap)
+    return logits.mul_(scale) if scale != 1.0 else logits
+
+
 def _blocks(size: int, chunk_size: int):
     return ((start, min(start + chunk_size, size)) for start in range(0, size, chunk_size))
 
@@ -121,14 +151,15 @@ def _blocks(size: int, chunk_size: int):
 @torch.no_grad()
 @full_precision
 def local_statistics(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int,
-                     vocab_offset: int = 0, matmul_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     vocab_offset: int = 0, matmul_dtype: torch.dtype | None = None, scale: float = 1.0,
+                     softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One blockwise pass over the rows ``weight [V_local, D]`` (global ids from ``vocab_offset``).
 
     Returns, per token of ``hidden [T, D]`` / ``labels [T]``: the max logit ``m [T]``, the sum of
     ``exp(z - m) [T]``, the target logit ``[T]`` (0 where the label is not in these rows) and the
     global id of the first max ``[T]`` (int64). An empty shard gives ``m = -inf``, ``s = 0``.
     ``matmul_dtype`` (bf16 under mixed precision): the logit blocks' matmuls run in it, every
-    statistic stays in the compute dtype.
+    statistic stays in the compute dtype. ``scale``/``softcap``: the statistics are those of ``z'``.
     """
     dtype = compute_dtype(hidden, weight)
     tokens, rows = hidden.shape[0], weight.shape[0]
@@ -143,7 +174,7 @@ def local_statistics(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size:
         in_block = (local_labels >= v0) & (local_labels < v1)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
         for t0, t1 in _blocks(tokens, chunk_size):
-            logits = (h[t0:t1] @ w.T).to(dtype)  # [Ct, Cv]: the only vocabulary-sized tensor, one block
+            logits = _transform_((h[t0:t1] @ w.T).to(dtype), scale, softcap)  # [Ct, Cv]: z', one block
             block_max, block_arg = logits.max(dim=1)
             old_max = row_max[t0:t1]
             new_max = torch.maximum(old_max, block_max)
@@ -168,8 +199,8 @@ def loss_from_statistics(lse: Tensor, target: Tensor, labels: Tensor, vocab_size
 @torch.no_grad()
 @full_precision
 def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor,
-                    chunk_size: int, vocab_offset: int = 0, matmul_dtype: torch.dtype | None = None
-                    ) -> tuple[Tensor, Tensor]:
+                    chunk_size: int, vocab_offset: int = 0, matmul_dtype: torch.dtype | None = None,
+                    scale: float = 1.0, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """``(grad_hidden [T, D] in the compute dtype, grad_weight [V_local, D] in weight's dtype)``.
 
     ``grad_hidden`` sums over these rows only (a partial sum under vocabulary parallelism).
@@ -178,7 +209,8 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
     mm = matmul_dtype or dtype  # the forward's matmul dtype: the same logits, recomputed
     tokens, rows = hidden.shape[0], weight.shape[0]
     h = hidden.to(mm)
-    scale = grad_loss.to(dtype) * (labels != IGNORE_INDEX).to(dtype)  # [T]
+    # [T]: g * [y != -100], times dz'/dz = s when there is no cap
+    token_scale = grad_loss.to(dtype) * (labels != IGNORE_INDEX).to(dtype) * (scale if softcap is None else 1.0)
     local_labels = labels - vocab_offset
     grad_hidden = torch.zeros(tokens, h.shape[1], dtype=dtype, device=h.device)
     grad_weight = torch.empty_like(weight)
@@ -188,9 +220,16 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
         in_block = ((local_labels >= v0) & (local_labels < v1)).to(dtype)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
         for t0, t1 in _blocks(tokens, chunk_size):
-            dz = (h[t0:t1] @ w.T).to(dtype).sub_(lse[t0:t1, None]).exp_()  # softmax over the whole vocabulary, this block
+            logits = (h[t0:t1] @ w.T).to(dtype)  # [Ct, Cv]
+            if softcap is None:
+                dz = _transform_(logits, scale, None).sub_(lse[t0:t1, None]).exp_()  # softmax(z'), this block
+            else:
+                tanh = logits.mul_(scale / softcap).tanh_()  # tanh(s z / c)
+                dz = (tanh * softcap).sub_(lse[t0:t1, None]).exp_()
             dz.scatter_add_(1, column[t0:t1, None], -in_block[t0:t1, None])  # - onehot(y)
-            dz.mul_(scale[t0:t1, None])
+            dz.mul_(token_scale[t0:t1, None])
+            if softcap is not None:
+                dz.mul_(tanh.square_().neg_().add_(1.0).mul_(scale))  # dz'/dz = s (1 - tanh^2)
             if mm == dtype:
                 grad_hidden[t0:t1].addmm_(dz, w)  # [Ct, Cv] @ [Cv, D]
                 grad_w.addmm_(dz.T, h[t0:t1])  # [Cv, Ct] @ [Ct, D]
@@ -206,16 +245,18 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
 
 @torch.library.custom_op("hybridpar::lm_head_loss", mutates_args=())
 def _lm_head_loss_op(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int,
-                     matmul_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     matmul_dtype: torch.dtype | None = None, scale: float = 1.0, softcap: float | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss_sum, lse [T], argmax [T])`` of ``hidden [T, D]``, ``weight [V, D]``, ``labels [T]``."""
     check_label_values(labels, weight.shape[0])
-    row_max, sum_exp, target, argmax = local_statistics(hidden, weight, labels, chunk_size, matmul_dtype=matmul_dtype)
+    row_max, sum_exp, target, argmax = local_statistics(hidden, weight, labels, chunk_size, matmul_dtype=matmul_dtype,
+                                                        scale=scale, softcap=softcap)
     lse = row_max + sum_exp.log()
     return loss_from_statistics(lse, target, labels, weight.shape[0]), lse, argmax
 
 
 @_lm_head_loss_op.register_fake
-def _(hidden, weight, labels, chunk_size, matmul_dtype=None):
+def _(hidden, weight, labels, chunk_size, matmul_dtype=None, scale=1.0, softcap=None):
     dtype = compute_dtype(hidden, weight)
     tokens = hidden.shape[0]
     return hidden.new_empty((), dtype=dtype), hidden.new_empty((tokens,), dtype=dtype), labels.new_empty((tokens,))
@@ -223,29 +264,29 @@ def _(hidden, weight, labels, chunk_size, matmul_dtype=None):
 
 @torch.library.custom_op("hybridpar::lm_head_loss_backward", mutates_args=())
 def _lm_head_loss_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor,
-                              chunk_size: int, matmul_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+                              chunk_size: int, matmul_dtype: torch.dtype | None = None, scale: float = 1.0,
+                              softcap: float | None = None) -> tuple[Tensor, Tensor]:
     grad_hidden, grad_weight = local_gradients(grad_loss, hidden, weight, labels, lse, chunk_size,
-                                               matmul_dtype=matmul_dtype)
+                                               matmul_dtype=matmul_dtype, scale=scale, softcap=softcap)
     return grad_hidden.to(hidden.dtype), grad_weight
 
 
 @_lm_head_loss_backward_op.register_fake
-def _(grad_loss, hidden, weight, labels, lse, chunk_size, matmul_dtype=None):
+def _(grad_loss, hidden, weight, labels, lse, chunk_size, matmul_dtype=None, scale=1.0, softcap=None):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, labels, chunk_size, matmul_dtype = inputs
+    hidden, weight, labels, chunk_size, matmul_dtype, scale, softcap = inputs
     ctx.save_for_backward(hidden, weight, labels, output[1])
-    ctx.chunk_size = chunk_size
-    ctx.matmul_dtype = matmul_dtype
+    ctx.options = (chunk_size, matmul_dtype, scale, softcap)
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_argmax):
     hidden, weight, labels, lse = ctx.saved_tensors
     grad_hidden, grad_weight = torch.ops.hybridpar.lm_head_loss_backward(grad_loss, hidden, weight, labels, lse,
-                                                                          ctx.chunk_size, ctx.matmul_dtype)
-    return grad_hidden, grad_weight, None, None, None
+                                                                          *ctx.options)
+    return grad_hidden, grad_weight, None, None, None, None, None
 
 
 torch.library.register_autograd("hybridpar::lm_head_loss", _backward, setup_context=_setup_context)
@@ -261,18 +302,22 @@ def _reject_sharded(weight: Tensor) -> None:
 
 
 def chunked_lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: int = 4096,
-                         return_predictions: bool = False) -> LMHeadLoss:
+                         return_predictions: bool = False, scale: float = 1.0,
+                         softcap: float | None = None) -> LMHeadLoss:
     """Single-process blockwise LM head + cross entropy (see the module docstring).
 
-    ``hidden [..., D]``, ``weight [V, D]``, ``labels`` with hidden's leading shape (-100 ignored).
+    ``hidden [..., D]``, ``weight [V, D]``, ``labels`` with hidden's leading shape (-100 ignored);
+    the loss of the logits ``softcap * tanh(scale * z / softcap)`` (or ``scale * z`` without a cap).
     """
     _reject_sharded(weight)
     if getattr(weight, "placements", None) is not None:
         weight = weight.to_local()  # replicated DTensor: the whole weight on every rank
     check_lm_head_inputs(hidden, weight, labels, chunk_size)
+    check_logit_transform(scale, softcap)
     flat_labels = labels.reshape(-1).long()
     loss_sum, _, argmax = torch.ops.hybridpar.lm_head_loss(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                           flat_labels, chunk_size, autocast_matmul_dtype(hidden, weight))
+                                                           flat_labels, chunk_size, autocast_matmul_dtype(hidden, weight),
+                                                           float(scale), None if softcap is None else float(softcap))
     count = (flat_labels != IGNORE_INDEX).sum()
     return LMHeadLoss(loss_sum, count, argmax.view(labels.shape) if return_predictions else None)
 

@@ -22,7 +22,8 @@ __all__ = ["IGNORE_INDEX", "lm_head_loss", "lm_head_loss_output", "token_loss_su
 
 
 def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: int = 4096, tp_group=None,
-                 vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
+                 vocab_size: int | None = None, scale: float = 1.0, softcap: float | None = None
+                 ) -> tuple[Tensor, Tensor]:
     """``(loss_sum, valid_count)``: summed cross entropy of ``hidden @ weight.T`` over labels != -100.
 
     Equals ``F.cross_entropy(hidden @ weight.T, labels, reduction="sum", ignore_index=-100)`` and its
@@ -36,13 +37,17 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: 
       of the group; ``grad_hidden`` is the full gradient, ``grad_weight`` this shard's.
     - a ``Shard(0)`` DTensor ``weight`` (a ``ColwiseParallel`` LM head) implies its group;
       a ``Shard(1)`` DTensor ``hidden`` (sequence parallel) is gathered first.
+    - ``scale``, ``softcap``: the loss of ``softcap * tanh(scale * z / softcap)`` (or ``scale * z``)
+      for heads that scale or soft-cap their logits ``z = hidden @ weight.T`` (Gemma 2/3, Granite, ...).
     """
-    out = lm_head_loss_output(hidden, weight, labels, chunk_size=chunk_size, tp_group=tp_group, vocab_size=vocab_size)
+    out = lm_head_loss_output(hidden, weight, labels, chunk_size=chunk_size, tp_group=tp_group, vocab_size=vocab_size,
+                              scale=scale, softcap=softcap)
     return out.loss_sum, out.valid_count
 
 
 def lm_head_loss_output(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: int = 4096, tp_group=None,
-                        vocab_size: int | None = None, return_predictions: bool = False) -> LMHeadLoss:
+                        vocab_size: int | None = None, return_predictions: bool = False, scale: float = 1.0,
+                        softcap: float | None = None) -> LMHeadLoss:
     """``lm_head_loss`` as an ``LMHeadLoss`` (``loss_sum``, ``valid_count``, and the argmax
     ``predictions`` when ``return_predictions``)."""
     sharded = tp_group is not None or any(not p.is_replicate() for p in getattr(weight, "placements", ()))
@@ -50,8 +55,10 @@ def lm_head_loss_output(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk
         from hybridpar.parallel.tensor.vocab_parallel_loss import vocab_parallel_lm_head_loss
 
         return vocab_parallel_lm_head_loss(hidden, weight, labels, tp_group=tp_group, chunk_size=chunk_size,
-                                           vocab_size=vocab_size, return_predictions=return_predictions)
-    return chunked_lm_head_loss(hidden, weight, labels, chunk_size=chunk_size, return_predictions=return_predictions)
+                                           vocab_size=vocab_size, return_predictions=return_predictions, scale=scale,
+                                           softcap=softcap)
+    return chunked_lm_head_loss(hidden, weight, labels, chunk_size=chunk_size, return_predictions=return_predictions,
+                                scale=scale, softcap=softcap)
 
 
 def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ One 4-rank group holds TP groups of 1, 2 and 4 ranks side by side:
   of 64 (even), 61 (uneven Shard(0) chunks) and 6 (tp=4: one rank holds no row), ignored labels,
   a chunk with no valid label, tokens and vocabulary not multiples of the chunk; the same with a
   ``Shard(0)`` DTensor weight and a sequence-sharded ``Shard(1)`` DTensor hidden;
+- the same (vocabulary 61) with soft-capped logits ``c tanh(s z / c)``, predictions included;
 - predictions are the argmax with ties across shards and blocks going to the lower id;
 - no op allocates a [T, V] tensor at tp=2 (profiler memory tracking);
 - bad input raises ``ValueError`` on every rank before any collective;
@@ -42,13 +43,18 @@ def _case(vocab: int):
     return make_case(tokens=BATCH * SEQ + 13, vocab=vocab, seed=vocab)  # 37 tokens: not a multiple of 5
 
 
-def _loss_and_grads(h, w_local, labels, group, vocab):
-    from hybridpar.train.loss import lm_head_loss
+SOFTCAP = dict(scale=0.5, softcap=2.0)  # a scale and a cap that bends logits of size ~3
+
+
+def _loss_and_grads(h, w_local, labels, group, vocab, **transform):
+    from hybridpar.train.loss import lm_head_loss_output
 
     h, w_local = h.clone().requires_grad_(), w_local.clone().requires_grad_()
-    loss, count = lm_head_loss(h, w_local, labels, chunk_size=CHUNK, tp_group=group, vocab_size=vocab)
-    loss.backward()
-    return {"loss": loss.item(), "count": count.item(), "dh": h.grad, "dw": w_local.grad}
+    out = lm_head_loss_output(h, w_local, labels, chunk_size=CHUNK, tp_group=group, vocab_size=vocab,
+                              return_predictions=True, **transform)
+    out.loss_sum.backward()
+    return {"loss": out.loss_sum.item(), "count": out.valid_count.item(), "dh": h.grad, "dw": w_local.grad,
+            "predictions": out.predictions}
 
 
 def _dtensor_case(mesh, vocab):
@@ -128,6 +134,9 @@ def function_results(rank: int, groups: dict) -> dict:
             h, w, labels = _case(vocab)
             offset, shard = _shard(w, vocab, group)
             results[("plain", tp, vocab)] = {**_loss_and_grads(h, shard, labels, group, vocab), "offset": offset}
+        h, w, labels = _case(61)
+        offset, shard = _shard(w, 61, group)
+        results[("softcap", tp, 61)] = {**_loss_and_grads(h, shard, labels, group, 61, **SOFTCAP), "offset": offset}
         if tp > 1:
             mesh = DeviceMesh.from_group(group, "cpu")
             results[("dtensor", tp, 61)] = _dtensor_case(mesh, 61)
@@ -284,6 +293,20 @@ def test_vocab_parallel_loss_equals_cross_entropy_in_float64(four_ranks, tp):
                 assert (got["dw"] - want_dw[got["offset"]:got["offset"] + rows]).abs().max().item() < TOL, where
             checked += rows
     assert checked == sum(v * 4 // tp for v in VOCABS if v != 6 or tp == 4)  # every row, by its owner
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_soft_capped_logits_vocab_parallel_equal_their_cross_entropy(four_ranks, tp):
+    h, w, labels = _case(61)
+    want_loss, want_dh, want_dw = reference(h, w, labels, **SOFTCAP)
+    assert abs(want_loss.item() - reference(h, w, labels)[0].item()) > 1e-3 * want_loss.item()  # the cap matters
+    for rank, results in enumerate(four_ranks):
+        got, where = results[("softcap", tp, 61)], f"tp={tp} rank {rank}"
+        rows = got["dw"].shape[0]
+        assert abs(got["loss"] - want_loss.item()) < 1e-12 * want_loss.item(), where
+        assert (got["dh"] - want_dh).abs().max().item() < 1e-12, where
+        assert not rows or (got["dw"] - want_dw[got["offset"]:got["offset"] + rows]).abs().max().item() < 1e-12, where
+        assert torch.equal(got["predictions"], (h @ w.T).argmax(-1)), where
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -19,6 +19,10 @@ and combines them with two all-reduces of ``O(T)`` numbers:
 Predictions (only when asked): ``argmax_t = min_r {a_t^r : m_t^r = M_t}`` (all-reduce MIN
 ``[T]``): the lowest global id among the maxima, as ``torch.argmax``.
 
+Scaled or soft-capped logits (``scale``, ``softcap``): every ``z`` above is the transformed
+``z'`` of ``models/lm_head_loss.py`` (an elementwise map, so the vocabulary split is unchanged),
+and the backward multiplies by ``dz'/dz``; the predictions are ``z'``'s argmax (``z``'s for ``s > 0``).
+
 Backward: each rank recomputes its blocks with the global ``lse`` and gets the exact
 ``dW`` of its own rows and a partial ``dh_t = sum_{v in r} dz_tv W_v``; all-reduce SUM
 ``[T, D]`` gives every rank the full input gradient (the input is replicated over TP). When the
@@ -44,7 +48,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hybridpar.models.lm_head_loss import (
     IGNORE_INDEX, LMHeadLoss, chunked_lm_head_loss, check_label_values, check_lm_head_inputs, compute_dtype,
-    local_gradients, local_statistics, loss_from_statistics,
+    check_logit_transform, local_gradients, local_statistics, loss_from_statistics,
 )
 
 __all__ = ["vocab_parallel_lm_head_loss", "VocabParallelLMHeadLoss", "VocabParallelLoss", "vocab_shard"]
@@ -61,13 +65,14 @@ def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
 
 @torch.library.custom_op("hybridpar::vocab_parallel_lm_head_loss", mutates_args=())
 def _vocab_parallel_op(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, vocab_size: int,
-                       group_name: str, with_predictions: bool, reduce_grad_hidden: bool
-                       ) -> tuple[Tensor, Tensor, Tensor]:
+                       group_name: str, with_predictions: bool, reduce_grad_hidden: bool, scale: float = 1.0,
+                       softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss_sum, lse [T], argmax [T])``; ``hidden [T, D]`` whole, ``weight [V_r, D]`` this rank's rows."""
     group = _resolve_process_group(group_name)
     offset, _ = vocab_shard(vocab_size, dist.get_world_size(group), dist.get_rank(group))
     check_label_values(labels, vocab_size)  # before the first collective
-    row_max, sum_exp, target, argmax = local_statistics(hidden, weight, labels, chunk_size, offset)
+    row_max, sum_exp, target, argmax = local_statistics(hidden, weight, labels, chunk_size, offset, scale=scale,
+                                                        softcap=softcap)
     global_max = row_max.clone()
     dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)  # [T] -> [T]
     # [2T + 1]: rescaled sums of exponentials, target logits, and the rows (must add up to V)
@@ -84,7 +89,8 @@ def _vocab_parallel_op(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_siz
 
 
 @_vocab_parallel_op.register_fake
-def _(hidden, weight, labels, chunk_size, vocab_size, group_name, with_predictions, reduce_grad_hidden):
+def _(hidden, weight, labels, chunk_size, vocab_size, group_name, with_predictions, reduce_grad_hidden, scale=1.0,
+      softcap=None):
     dtype = compute_dtype(hidden, weight)
     tokens = hidden.shape[0]
     return hidden.new_empty((), dtype=dtype), hidden.new_empty((tokens,), dtype=dtype), labels.new_empty((tokens,))
@@ -92,32 +98,34 @@ def _(hidden, weight, labels, chunk_size, vocab_size, group_name, with_predictio
 
 @torch.library.custom_op("hybridpar::vocab_parallel_lm_head_loss_backward", mutates_args=())
 def _vocab_parallel_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor,
-                                chunk_size: int, vocab_size: int, group_name: str, reduce_grad_hidden: bool
-                                ) -> tuple[Tensor, Tensor]:
+                                chunk_size: int, vocab_size: int, group_name: str, reduce_grad_hidden: bool,
+                                scale: float = 1.0, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     group = _resolve_process_group(group_name)
     offset, _ = vocab_shard(vocab_size, dist.get_world_size(group), dist.get_rank(group))
-    grad_hidden, grad_weight = local_gradients(grad_loss, hidden, weight, labels, lse, chunk_size, offset)
+    grad_hidden, grad_weight = local_gradients(grad_loss, hidden, weight, labels, lse, chunk_size, offset,
+                                               scale=scale, softcap=softcap)
     if reduce_grad_hidden:
         dist.all_reduce(grad_hidden, group=group)  # partial over vocabulary shards [T, D] -> full [T, D]
     return grad_hidden.to(hidden.dtype), grad_weight
 
 
 @_vocab_parallel_backward_op.register_fake
-def _(grad_loss, hidden, weight, labels, lse, chunk_size, vocab_size, group_name, reduce_grad_hidden):
+def _(grad_loss, hidden, weight, labels, lse, chunk_size, vocab_size, group_name, reduce_grad_hidden, scale=1.0,
+      softcap=None):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, labels, chunk_size, vocab_size, group_name, _, reduce_grad_hidden = inputs
+    hidden, weight, labels, chunk_size, vocab_size, group_name, _, reduce_grad_hidden, scale, softcap = inputs
     ctx.save_for_backward(hidden, weight, labels, output[1])
-    ctx.options = (chunk_size, vocab_size, group_name, reduce_grad_hidden)
+    ctx.options = (chunk_size, vocab_size, group_name, reduce_grad_hidden, scale, softcap)
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_argmax):
     hidden, weight, labels, lse = ctx.saved_tensors
     grad_hidden, grad_weight = torch.ops.hybridpar.vocab_parallel_lm_head_loss_backward(
         grad_loss, hidden, weight, labels, lse, *ctx.options)
-    return grad_hidden, grad_weight, None, None, None, None, None, None
+    return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("hybridpar::vocab_parallel_lm_head_loss", _backward, setup_context=_setup_context)
@@ -182,23 +190,27 @@ def _local_hidden(hidden: Tensor, group) -> tuple[Tensor, bool]:
 
 def vocab_parallel_lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, tp_group=None,
                                 chunk_size: int = 4096, vocab_size: int | None = None,
-                                return_predictions: bool = False) -> LMHeadLoss:
+                                return_predictions: bool = False, scale: float = 1.0,
+                                softcap: float | None = None) -> LMHeadLoss:
     """The loss of ``hidden [..., D]`` against the vocabulary sharded over ``tp_group`` (module docstring).
 
     ``weight``: this rank's rows ``[V_r, D]`` (plain; ``vocab_size`` defaults to ``V_r * tp``, pass it for
     uneven splits) or the ``Shard(0)`` DTensor. ``hidden``: plain and replicated over TP, or a DTensor on
     the TP mesh (sequence-sharded ``Shard(1)`` is gathered). ``labels``: the local tokens' labels.
+    ``scale``/``softcap``: the logits' transform, as ``chunked_lm_head_loss``'s.
     """
     local_weight, group, vocab = _local_weight(weight, tp_group, vocab_size)
     check_lm_head_inputs(hidden, local_weight, labels, chunk_size)  # global hidden shape: no communication
+    check_logit_transform(scale, softcap)
     if dist.get_world_size(group) == 1:
         return chunked_lm_head_loss(hidden.full_tensor() if isinstance(hidden, DTensor) else hidden, local_weight,
-                                    labels, chunk_size=chunk_size, return_predictions=return_predictions)
+                                    labels, chunk_size=chunk_size, return_predictions=return_predictions, scale=scale,
+                                    softcap=softcap)
     local_hidden, reduce_grad_hidden = _local_hidden(hidden, group)
     flat_labels = labels.reshape(-1).long()
     loss_sum, _, argmax = torch.ops.hybridpar.vocab_parallel_lm_head_loss(
         local_hidden.reshape(-1, local_hidden.shape[-1]), local_weight, flat_labels, chunk_size, vocab,
-        group.group_name, return_predictions, reduce_grad_hidden)
+        group.group_name, return_predictions, reduce_grad_hidden, float(scale), None if softcap is None else float(softcap))
     count = (flat_labels != IGNORE_INDEX).sum()
     return LMHeadLoss(loss_sum, count, argmax.view(labels.shape) if return_predictions else None)
 
