@@ -15,8 +15,11 @@ builds a ``meta`` model (modules without memory) for the layout rules.
 token loss of this rank's share of a pack, from the final hidden states and ``lm_head.weight``
 through ``train.loss.lm_head_loss`` (blockwise, vocab-parallel under TP, never the ``[T, V]``
 logits), taken at the ``hf_causal_lm_loss`` seam; the trainer divides by the global count,
-which is what makes FSDP's summed gradients exact. Heads that are more than ``hidden @ W.T``
-(logit soft-capping or scaling, a bias) take the logits route instead.
+which is what makes FSDP's summed gradients exact. A model that scales or soft-caps its logits
+(Gemma 2/3, Cohere, Granite incl. 4.0-H, Falcon-H1, RecurrentGemma) takes the same loss on the
+transformed logits, once the load-time probe has checked the transform (``models/hf/logit_transform``);
+a head with a bias, or a transform the probe cannot confirm, takes the logits route instead
+(``loss_path_line`` says which).
 
 **Attention and inputs** (``use_blockwise_attention``, ``hf_forward_inputs``): a model
 ``parallel/context/hf.attention_problem`` accepts runs hybridpar's ``"hybridpar"`` attention at every
@@ -40,8 +43,9 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_causal_lm_loss, learned_positions,
+from hybridpar.models.hf.causal_lm import (causal_lm_backend, chunked_head, hf_causal_lm_loss, learned_positions,
                                            load_causal_lm, probe_logits_after_head, transformers_config)
+from hybridpar.models.hf.logit_transform import describe_transform
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
@@ -57,7 +61,8 @@ from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
 __all__ = ["model_backend", "attention_dropout_problem", "randomness_problem", "unkeyed_randomness", "hf_shape",
-           "hf_meta_model", "build_hf_model", "use_blockwise_attention", "hf_forward_inputs", "hf_loss_sum"]
+           "hf_meta_model", "build_hf_model", "use_blockwise_attention", "hf_forward_inputs", "loss_path_line",
+           "hf_loss_sum"]
 
 
 def model_backend(config: RunConfig) -> str:
@@ -141,7 +146,7 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
         keep_float64(model.to(torch.float64))
     install_cores(model)
-    probe_logits_after_head(model)  # a soft cap or scale past lm_head, named or not: the loss takes the logits
+    probe_logits_after_head(model)  # the soft cap or scale past lm_head checked; anything else: the loss takes the logits
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     return model
 
@@ -226,12 +231,22 @@ def hf_forward_inputs(sharded: ShardedInputs, model: nn.Module) -> dict:
     return inputs
 
 
+def loss_path_line(model: nn.Module) -> str:
+    """The progress line that says which loss a transformers model trains with (``hf_loss_sum``)."""
+    try:
+        _, scale, softcap = chunked_head(model)
+    except ValueError as error:
+        return f"loss: through the [tokens, vocabulary] logits, because {error}"
+    on = "" if (scale, softcap) == (1.0, None) else f" on the logits {describe_transform(scale, softcap)}"
+    return f"loss: chunked LM head + cross entropy{on} (no [tokens, vocabulary] logits; vocab-parallel under TP)"
+
+
 def hf_loss_sum(model: nn.Module, input_ids: Tensor, labels: Tensor, inputs: dict,
                 predictions: bool = False) -> tuple[Tensor, Tensor | None]:
     """``(summed token loss, argmax ids or None)`` of a transformers model on ``input_ids [B, S]``
     with hybridpar's shifted ``labels [B, S]`` (module docstring)."""
     try:
-        _plain_head(model)
+        chunked_head(model)
     except ValueError:  # soft-capped / scaled logits or a head bias: through the logits [B, S, V]
         logits = model(input_ids=input_ids, use_cache=False, **inputs).logits
         return token_loss_sum(logits, labels), logits.argmax(-1) if predictions else None
@@ -239,9 +254,11 @@ def hf_loss_sum(model: nn.Module, input_ids: Tensor, labels: Tensor, inputs: dic
 
     mixed = autocast_dtype(model)  # the forward ran under autocast: so do the head's matmuls
 
-    def head_loss(hidden: Tensor, weight: Tensor, target: Tensor) -> Tensor:
+    def head_loss(hidden: Tensor, weight: Tensor, target: Tensor, scale: float = 1.0,
+                  softcap: float | None = None) -> Tensor:
         with torch.autocast(hidden.device.type, dtype=mixed, enabled=mixed is not None):
-            out = lm_head_loss_output(hidden, weight, target, return_predictions=predictions)
+            out = lm_head_loss_output(hidden, weight, target, return_predictions=predictions, scale=scale,
+                                      softcap=softcap)
         found["predictions"] = out.predictions
         return out.loss_sum
 

@@ -45,8 +45,8 @@ from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.run.export import export_trained, validate_export
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
-from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss_sum, model_backend, randomness_problem,
-                                      use_blockwise_attention)
+from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss_sum, loss_path_line, model_backend,
+                                      randomness_problem, use_blockwise_attention)
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
@@ -147,6 +147,8 @@ class Trainer:
         self.data_sources = data_sources(config)  # the content this run reads, recorded in its checkpoints
         if not isinstance(model, HybridLM) and p.cp == 1:  # at cp > 1 parallelize installs it with the CP core
             self.say(use_blockwise_attention(model))
+        if not isinstance(model, HybridLM):
+            self.say(loss_path_line(model))
         self.unkeyed = None if isinstance(model, HybridLM) else randomness_problem(config, model, self.vocab_size, world)
         problem = self._packing_problem(model)
         self.one_per_row = problem is not None

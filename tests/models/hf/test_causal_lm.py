@@ -18,7 +18,8 @@ import transformers as hf
 from hybridpar.data.chat import chat_document
 from hybridpar.data.packing import collate_thd, pack_documents
 from hybridpar.data.tokenizers import resolve_tokenizer
-from hybridpar.models.hf.causal_lm import causal_lm_backend, export_causal_lm, hf_causal_lm_loss, load_causal_lm
+from hybridpar.models.hf.causal_lm import (causal_lm_backend, export_causal_lm, hf_causal_lm_loss, load_causal_lm,
+                                           probe_logits_after_head)
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hybrid import HybridConfig, HybridLM
@@ -186,8 +187,13 @@ def test_loss_helper_equals_transformers_mean_loss_in_one_process_and_its_hidden
         return torch.nn.functional.cross_entropy((hidden @ weight.T).flatten(0, 1), target.flatten(), reduction="sum")
 
     torch.testing.assert_close(hf_causal_lm_loss(model, ids, labels, count, loss_fn=logits_loss), ours, rtol=1e-13, atol=0)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match=r"not hidden @ lm_head.weight.T .*final_logit_softcapping.*loss_fn=None"):
+    model.config.final_logit_softcapping = 30.0  # a field Llama's forward ignores: the probe says so
+    assert "otherwise than 30 tanh(z / 30) (final_logit_softcapping=30.0) says" in probe_logits_after_head(model)
+    with pytest.raises(ValueError, match=r"not a known transform of hidden @ lm_head.weight.T .*final_logit_softcapping"
+                                         r".*loss_fn=None"):
+        hf_causal_lm_loss(model, ids, labels, count, loss_fn=logits_loss)
+    model.config.final_logit_softcapping, model.config.output_multiplier_scale = None, 2.0  # a field nobody maps
+    with pytest.raises(ValueError, match=r"sets output_multiplier_scale=2.0, a logit transform hybridpar does not map"):
         hf_causal_lm_loss(model, ids, labels, count, loss_fn=logits_loss)
     with pytest.raises(ValueError, match="global_count=0 must be a positive count"):
         hf_causal_lm_loss(model, ids, labels, 0)

@@ -69,8 +69,8 @@ def test_a_packed_row_equals_each_document_alone_and_transformers_leaks():
 
 
 def test_the_trainers_loss_keeps_the_soft_capped_logits():
-    """RecurrentGemma soft-caps its logits (``logits_soft_cap``): the trainer's loss goes through them, not
-    through the hidden-state head seam, and equals the model's own cross entropy."""
+    """RecurrentGemma soft-caps its logits (``logits_soft_cap``): the trainer's loss takes the cap (the chunked
+    loss on ``c tanh(z / c)``, ``tests/models/hf/test_logit_transforms.py``) and equals the model's own cross entropy."""
     from hybridpar.train.hf_model import hf_loss_sum
 
     model = build_recurrent_gemma()
@@ -91,7 +91,10 @@ def test_a_logit_transform_under_an_unlisted_name_is_found_by_the_probe(monkeypa
     from hybridpar.models.hf import causal_lm
     from hybridpar.train.hf_model import hf_loss_sum
 
-    monkeypatch.setattr(causal_lm, "LOGIT_TRANSFORMS", tuple(f for f in causal_lm.LOGIT_TRANSFORMS if f != "logits_soft_cap"))
+    from hybridpar.models.hf import logit_transform
+
+    monkeypatch.setattr(logit_transform, "LOGIT_TRANSFORMS",
+                        {k: v for k, v in logit_transform.LOGIT_TRANSFORMS.items() if k != "logits_soft_cap"})
     model = build_recurrent_gemma()
     install_rglru_core(model)
     ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))

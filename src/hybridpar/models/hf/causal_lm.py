@@ -42,18 +42,16 @@ from hybridpar.models.generation import GREEDY_BELOW, check_sampling
 from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, config_from_hf, read_hf_config
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hf.files import copy_tokenizer_files
+from hybridpar.models.hf.logit_transform import logit_transform, probe_finding, probe_logits_after_head  # noqa: F401
 from hybridpar.models.hf.weights import check_finite, check_floating, stored_dtypes, weight_files
 from hybridpar.models.hf.versions import warn_if_old
 from hybridpar.models.hybrid import HybridLM
 
-__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "learned_positions", "hf_causal_lm_loss",
+__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "learned_positions", "chunked_head", "hf_causal_lm_loss",
            "generate_causal_lm", "export_causal_lm"]
 
 BACKENDS = ("auto", "hybrid", "transformers")
 IGNORE_INDEX = -100
-# config fields that change logits after lm_head: the hidden-state loss seam cannot see them
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
-                    "output_multiplier_scale", "logits_soft_cap")  # logits_soft_cap: RecurrentGemma's
 
 # ----------------------------------------------------------------------------- loading
 
@@ -184,7 +182,8 @@ def position_note(model: nn.Module, positions: int) -> str | None:
 
 # ----------------------------------------------------------------------------- loss
 
-LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (hidden [B, S, D], weight [V, D], labels [B, S]) -> loss sum
+# (hidden [B, S, D], weight [V, D], labels [B, S]) -> loss sum; also scale=, softcap= for a model that transforms
+LossFn = Callable[..., Tensor]
 
 
 def _token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
@@ -194,51 +193,22 @@ def _token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-_HEAD_PROBE = "_hybridpar_logits_after_head"  # set by probe_logits_after_head: what the forward does past lm_head
-
-
-@torch.no_grad()
-def probe_logits_after_head(model: nn.Module, tokens: int = 4) -> str | None:
-    """What ``model``'s forward does to ``lm_head``'s output before returning logits (None: nothing).
-
-    ``LOGIT_TRANSFORMS`` names the config fields transformers' models use for soft caps and scales, but a
-    model may transform its logits under a name not listed; this runs ``tokens`` ids once (eval mode, no
-    cache) and compares the returned logits with the head's own output, so ``_plain_head`` refuses the
-    hidden-state loss for any such model. The finding is kept on the model."""
+def chunked_head(model: nn.Module) -> tuple[nn.Linear, float, float | None]:
+    """``(lm_head, scale, softcap)``: the head whose ``hidden @ weight.T`` the model turns into its logits
+    ``softcap * tanh(scale * z / softcap)`` (or ``scale * z``; ``models/hf/logit_transform.py``). ValueError
+    for a head with a bias or not ``nn.Linear``, a transform nobody maps, or one the probe found otherwise."""
     head = model.get_output_embeddings()
-    if head is None:
-        return None
-    seen = {}
-    handle = head.register_forward_hook(lambda module, args, out: seen.__setitem__("out", out))
-    was_training = model.training
-    model.eval()
     try:
-        device = head.weight.device
-        logits = model(input_ids=torch.arange(tokens, device=device)[None] % head.weight.shape[0], use_cache=False).logits
-    finally:
-        handle.remove()
-        model.train(was_training)
-    out = seen.get("out")
-    found = None
-    if out is None or out.shape != logits.shape or not torch.equal(out, logits):
-        gap = (logits - out).abs().max().item() if out is not None and out.shape == logits.shape else None
-        found = f"its forward changes lm_head's output ({'max change ' + format(gap, '.1e') if gap is not None else 'other shape'})"
-    setattr(model, _HEAD_PROBE, found)
-    return found
-
-
-def _plain_head(model: nn.Module) -> nn.Module:
-    """``model``'s output layer; ValueError if logits are more than ``hidden @ weight.T`` (config fields in
-    ``LOGIT_TRANSFORMS``, or what ``probe_logits_after_head`` found)."""
-    head = model.get_output_embeddings()
-    config = getattr(model, "config", None)
-    transforms = [f for f in LOGIT_TRANSFORMS if getattr(config, f, None) not in (None, 1, 1.0, False)]
-    transforms += [getattr(model, _HEAD_PROBE)] if getattr(model, _HEAD_PROBE, None) else []
-    if not isinstance(head, nn.Linear) or head.bias is not None or transforms:
-        raise ValueError(f"{type(model).__name__}'s logits are not hidden @ lm_head.weight.T (head "
-                         f"{type(head).__name__}, bias {getattr(head, 'bias', None) is not None}, {transforms}); "
-                         "compute its loss from logits (loss_fn=None).")
-    return head
+        transform = logit_transform(model)
+    except ValueError as error:
+        transform, problem = None, str(error)
+    else:
+        problem = probe_finding(model)
+    if not isinstance(head, nn.Linear) or head.bias is not None or problem:
+        raise ValueError(f"{type(model).__name__}'s logits are not a known transform of hidden @ lm_head.weight.T "
+                         f"(head {type(head).__name__}, bias {getattr(head, 'bias', None) is not None}"
+                         f"{'; ' + problem if problem else ''}); compute its loss from logits (loss_fn=None).")
+    return head, *transform
 
 
 def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, global_count: int | Tensor, *,
@@ -263,7 +233,9 @@ def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, globa
     from the final hidden states and ``lm_head.weight`` (e.g. a chunked, vocab-parallel
     ``lm_head_loss``), and the model builds no logits: a pre-hook hands ``lm_head`` no position of
     one row, detached (``[1, 0, D]``; under TP, DTensor cannot view ``[B, 0, V]`` with B > 1).
-    Refused for heads with a bias or logit scaling/soft-capping.
+    A model that scales or soft-caps its logits (Gemma 2/3, Cohere, Granite, Falcon-H1, RecurrentGemma:
+    ``chunked_head``) calls ``loss_fn(hidden, weight, labels, scale=s, softcap=c)``, which
+    ``lm_head_loss`` takes; refused (ValueError) for heads with a bias or an unknown transform.
     """
     model_inputs.setdefault("use_cache", False)
     count = torch.as_tensor(global_count)
@@ -273,7 +245,8 @@ def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, globa
     if loss_fn is None:
         logits = model(input_ids=input_ids, **model_inputs).logits  # [B, S, V]
         return _token_loss_sum(logits, labels) / count.to(logits.device)
-    head = _plain_head(model)
+    head, scale, softcap = chunked_head(model)
+    transform = {} if (scale, softcap) == (1.0, None) else dict(scale=scale, softcap=softcap)
     captured = {}
 
     def capture_and_skip(module, args):
@@ -293,7 +266,7 @@ def hf_causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor, globa
     # queues the gradient reduction of a root-only unit) must see backward reach it (the output
     # needs a gradient when lm_head.weight trains; a frozen head has none to reduce)
     tied = (logits.to_local() if hasattr(logits, "to_local") else logits).sum() * 0
-    return loss_fn(hidden, head.weight, labels) / count.to(hidden.device) + tied
+    return loss_fn(hidden, head.weight, labels, **transform) / count.to(hidden.device) + tied
 
 
 # ----------------------------------------------------------------------------- generation
