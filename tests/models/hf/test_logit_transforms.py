@@ -143,3 +143,23 @@ def test_a_field_the_forward_does_not_follow_keeps_the_logits_path():
     assert loss_path_line(model).startswith("loss: through the [tokens, vocabulary] logits, because FalconH1ForCausalLM")
     ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
     _check_equal(model, ids, torch.roll(ids, -1, 1), chunked=False)
+
+
+def test_the_mapping_of_config_fields_and_what_it_refuses():
+    from types import SimpleNamespace
+
+    from hybridpar.models.hf.logit_transform import describe_transform, logit_transform
+
+    def model(**fields):
+        return SimpleNamespace(config=SimpleNamespace(**fields))
+
+    assert logit_transform(model()) == (1.0, None)
+    assert logit_transform(model(logits_scaling=1.0, final_logit_softcapping=None)) == (1.0, None)
+    assert logit_transform(model(logit_scale=0.5, final_logit_softcapping=30.0)) == (0.5, 30.0)  # scale, then cap
+    assert describe_transform(0.5, 30.0) == "30 tanh(0.5 z / 30)" and describe_transform(0.25, None) == "0.25 z"
+    for fields, message in [(dict(output_multiplier_scale=2.0), "does not map"),
+                            (dict(logits_scaling=0.0), "finite scale > 0"), (dict(logit_scale=-1.0), "finite scale > 0"),
+                            (dict(final_logit_softcapping=30.0, logits_soft_cap=30.0), "(or one cap)"),
+                            (dict(lm_head_multiplier="2"), "lm_head_multiplier='2'")]:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            logit_transform(model(**fields))
