@@ -36,7 +36,7 @@ from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
 from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
-                                      model_backend)
+                                      model_backend, pack_position_note)
 from hybridpar.train.peft import apply_peft
 
 
@@ -336,6 +336,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     for note in unused_key_notices(config):
         notice(note)
     check_pack_memory(config, shape, world_size or 1)
+    if note := pack_position_note(config):  # RoPE past max_position_embeddings: runs, extrapolating
+        notice(note)
     check_sample(config)
     if (world_size or 1) == 1:
         replaced = one_process_rendezvous()
