@@ -225,6 +225,7 @@ RULES: dict[str, Rule] = {
 
 
 HOME_PATHS = {"model.hf_path", "model.export_hf", "data.path", "data.tokenizer", "checkpoint.resume", "output_dir"}
+PATH_KEYS = HOME_PATHS  # keys whose value is looked up as a path (another key's long value is not "too long a name")
 
 
 def invalid(key: str, value, must: str, fix: str | None = None) -> ConfigError:
@@ -357,7 +358,7 @@ def _build(cls, raw, prefix: str):
             if key in HOME_PATHS and isinstance(value, str) and value.startswith("~"):
                 value = os.path.expanduser(value)  # as a shell would: a YAML file or a quoted override skip the shell
             if not rule.holds(value):  # a path the system cannot look up says why (a symlink loop, ...)
-                problem = path_problem(value) if isinstance(value, str) else None
+                problem = path_problem(value) if isinstance(value, str) and key in PATH_KEYS else None
                 problem = problem or (rule.problem(value) if rule.problem else None)  # e.g. train.sample's prompt
                 raise invalid(key, value, str(rule.text) + (f"; this one: {problem}" if problem else ""))
             values[name] = value

@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 TOKENIZER_SPECS = ("auto", "bytes")  # or a directory path
+BYTES_VOCAB_LIMIT = 1024  # a byte-trained model pads 256 ids up a little; far more is another tokenizer's vocabulary
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_JSON = (*TOKENIZER_MARKERS, "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -283,6 +284,11 @@ def resolve_tokenizer(spec: str | Path = "auto", model_path: str | Path | None =
                           "the model will read byte ids.", Notice, stacklevel=2)
     elif spec == "auto":
         tokenizer = load_pretrained_tokenizer(model_path) if ships_tokenizer(model_path) else ByteTokenizer()
+        if model_path is not None and isinstance(tokenizer, ByteTokenizer) and (vocab_size or 0) > BYTES_VOCAB_LIMIT:
+            warnings.warn(f"{model_path} ships no tokenizer (no {' or '.join(TOKENIZER_MARKERS)}), so tokenizer='auto' reads "
+                          f"byte ids, but its vocabulary has {vocab_size:,} ids: a model trained on another tokenizer "
+                          "would read them as other tokens; pass that tokenizer's directory (data.tokenizer, generate "
+                          "--tokenizer), or 'bytes' if the model was trained on bytes.", Notice, stacklevel=2)
     elif Path(spec).is_dir():
         tokenizer = load_pretrained_tokenizer(spec)
     else:
