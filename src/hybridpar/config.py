@@ -28,7 +28,7 @@ import yaml
 
 from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
-from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
+from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml, unquoted_value
 
 
 class ConfigError(ValueError):
@@ -388,4 +388,7 @@ def coerce_value(value, hint, key: str):
             return value
         if origin in (int, str, dict) and isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
             return value
-    raise invalid(key, value, f"{type_names(options)} (got {type(value).__name__})")
+    unquoted = unquoted_value(value, options)
+    raise invalid(key, value, f"{type_names(options)} (got {type(value).__name__})",
+                  f"a value in quotes is text in YAML: write it without them, {key}={unquoted}" if unquoted else None)
+

@@ -168,3 +168,22 @@ def test_auto_reading_bytes_for_a_large_vocabulary_is_warned(tmp_path):
             assert isinstance(resolve_tokenizer("auto", model_path=tmp_path, vocab_size=vocab), ByteTokenizer)
         said = [str(w.message) for w in caught if issubclass(w.category, Notice)]
         assert bool(said) == warned and all("ships no tokenizer" in s and "4,000 ids" in s for s in said), said
+
+
+def test_a_number_in_quotes_is_told_to_lose_its_quotes(tmp_path):
+    from hybridpar.config import ConfigError, load_config
+
+    for text, said in (('train:\n  steps: "5"\n', "write it without them, train.steps=5"),
+                       ("parallel:\n  tf32: 'false'\n", "write it without them, parallel.tf32=false")):
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError) as error:
+            load_config(tmp_path / "c.yaml")
+        assert said in one_line(error)
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["train.steps=abc"])
+    assert "without them" not in one_line(error)
+
+
+def test_a_check_tolerance_that_would_pass_any_layout_is_refused():
+    code, output = cli("check", "--tolerance", "1e300", "--dry-run")
+    assert code == 2 and "--tolerance 1e+300 is invalid: it must be at most 1" in output, output
