@@ -125,8 +125,7 @@ def data_tokenizer(config: DataConfig, vocab_size: int, model_path: str | None =
                             "(data.tokenizer=<directory>).")
     try:
         with warnings.catch_warnings():
-            if spec == "bytes":  # asking for bytes next to a shipped tokenizer is explicit here
-                warnings.simplefilter("ignore")
+            warnings.simplefilter("ignore")  # asking for bytes next to a shipped tokenizer is explicit here
             tokenizer = resolve_tokenizer(spec, model_path=model_path, vocab_size=vocab_size)
     except ImportError as error:
         raise DataError(f"data.tokenizer={quoted(spec)}: {error}") from None

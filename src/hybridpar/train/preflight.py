@@ -33,6 +33,7 @@ from pathlib import Path
 
 from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
 from hybridpar.config_rules import did_you_mean, quoted
+from hybridpar.data.tokenizers import auto_bytes_note
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
 from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
@@ -362,6 +363,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     tokenizer = validate_data(data, shape.vocab_size, config.model.hf_path)
     if no_eos := missing_eos(data, tokenizer):
         notice(no_eos)
+    if tokenizer is not None and (fallback := auto_bytes_note(data.tokenizer, config.model.hf_path, shape.vocab_size)):
+        notice(fallback)  # the workers resolve it again with warnings held back
     if dry_run:  # the records, as training reads them at start, when that is cheap (batches.py)
         from hybridpar.train.batches import read_like_training
 
