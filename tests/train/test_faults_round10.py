@@ -187,3 +187,19 @@ def test_a_number_in_quotes_is_told_to_lose_its_quotes(tmp_path):
 def test_a_check_tolerance_that_would_pass_any_layout_is_refused():
     code, output = cli("check", "--tolerance", "1e300", "--dry-run")
     assert code == 2 and "--tolerance 1e+300 is invalid: it must be at most 1" in output, output
+
+
+def test_eval_packs_far_beyond_the_held_out_documents_is_said(tmp_path):
+    from hybridpar.config import DataConfig
+    from hybridpar.data.tokenizers import ByteTokenizer
+    from hybridpar.train.batches import PackStream, eval_repeat_note
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(8)))
+
+    def stream(packs):
+        data = DataConfig(task="jsonl", path=str(tmp_path / "d.jsonl"), pack_size=64, packs_per_step=packs)
+        return PackStream(data, 1, 256, tokenizer=ByteTokenizer())
+
+    assert "train.eval_packs=1000 asks for 1000 packs per evaluation, but the held-out documents fill 2" in \
+        eval_repeat_note(stream(1000))
+    assert eval_repeat_note(stream(8)) is None  # the default is never said
