@@ -203,3 +203,15 @@ def test_eval_packs_far_beyond_the_held_out_documents_is_said(tmp_path):
     assert "train.eval_packs=1000 asks for 1000 packs per evaluation, but the held-out documents fill 2" in \
         eval_repeat_note(stream(1000))
     assert eval_repeat_note(stream(8)) is None  # the default is never said
+
+
+def test_a_resume_into_another_kind_of_model_names_both_not_every_field(tmp_path):
+    from hybridpar.config import RunConfig
+    from hybridpar.train.run.resume import _check_compatible
+
+    hybrid = {"hidden_size": 64, "pattern": "M*-M-", "vocab_size": 256, "dtype": "float32"}
+    llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "id2label": {"0": "LABEL_0"}, "dtype": "float32"}
+    with pytest.raises(ValueError) as error:
+        _check_compatible(tmp_path, {"model": hybrid}, RunConfig(), llama, 1)
+    message = one_line(error)
+    assert "a HybridLM -> LlamaForCausalLM (transformers), 5 fields differ" in message and "id2label" not in message

@@ -73,6 +73,13 @@ def _differences(recorded: dict, current: dict, prefix: str, skip: tuple = ()) -
             if key not in skip and recorded.get(key) != current.get(key)]
 
 
+def _model_kind(signature: dict) -> str:
+    """A recorded model signature in words: a transformers ``model_type``, or a HybridLM."""
+    names = signature.get("architectures")
+    kind = (names[0] if isinstance(names, list) and names else None) or signature.get("model_type")
+    return f"{shorten(str(kind), 60)} (transformers)" if kind else "a HybridLM"
+
+
 def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None, list[str], set[Path]]:
     """The checkpoint to load, the notes on the newer ones skipped, and those skipped."""
     resume = config.checkpoint.resume
@@ -151,6 +158,9 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
     the notes (a changed data source under ``data.on_change=warn``)."""
     if model is not None and "model" in info:
         changed = _differences(info["model"], model, "", skip=("dtype",))
+        kinds = [_model_kind(m) for m in (info["model"], model)]
+        if kinds[0] != kinds[1]:  # another model altogether: its own field names, not a list of every field
+            changed = [f"{kinds[0]} -> {kinds[1]}, {len(changed)} fields differ"]
         if changed:
             raise CheckpointError(f"checkpoint {str(path)!r} was written by another model shape ({'; '.join(changed)}; "
                                   "recorded -> now); resuming would load only part of it. Use the model.preset/"
