@@ -215,3 +215,22 @@ def test_a_resume_into_another_kind_of_model_names_both_not_every_field(tmp_path
         _check_compatible(tmp_path, {"model": hybrid}, RunConfig(), llama, 1)
     message = one_line(error)
     assert "a HybridLM -> LlamaForCausalLM (transformers), 5 fields differ" in message and "id2label" not in message
+
+
+def test_an_export_to_a_file_is_refused_not_skipped(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridpar.models.hf.causal_lm import export_causal_lm
+    from hybridpar.models.hf.checkpoint import save_hf
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+
+    target = tmp_path / "model.bin"
+    target.write_text("keep")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                         num_attention_heads=1))
+    for export in (lambda: export_causal_lm(model, target),  # transformers logged it and wrote nothing
+                   lambda: save_hf(HybridLM(HybridConfig.from_preset("tiny")), target, architecture="BambaForCausalLM")):
+        with pytest.raises(ValueError) as error:
+            export()
+        assert "is a file, not a directory" in one_line(error)
+    assert target.read_text() == "keep"

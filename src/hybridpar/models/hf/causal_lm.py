@@ -358,9 +358,12 @@ def export_causal_lm(model: nn.Module, out_dir: str | Path, *, tokenizer_dir: st
     parallelized model) to export instead of ``model``'s own parameters; the model then only
     supplies the config. ``architecture``: for a ``HybridLM`` not loaded from a checkpoint.
     """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():  # transformers logged it and wrote nothing: the export "succeeded"
+        raise ValueError(f"export target {quoted(str(out_dir))} is a file, not a directory: a checkpoint is a folder "
+                         "(config.json, safetensors); pass a new or empty directory.")
     if state_dict is not None:
         model = _single_device_copy(model, state_dict)
-    out_dir = Path(out_dir)
     if isinstance(model, HybridLM):
         save_hf(model, out_dir, architecture=architecture, tokenizer_dir=tokenizer_dir)
         return
