@@ -57,6 +57,11 @@ def test_a_transformers_hybrids_generation_memory_counts_its_attention_layers():
                                              mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1))
     total = 10 + 10**6
     assert transformers_generation_bytes(model, 1, 10, 10**6) >= 2 * total * (32 + 32) * 4  # 2 layers' K and V
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):  # a fused c_attn: no k_proj to read, every layer counted from the config
+        gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64))
+    assert transformers_generation_bytes(gpt2, 1, 10, 10**6) >= 2 * total * (32 + 32) * 4
 
 
 def test_a_plan_fit_at_or_below_the_baseline_is_refused():

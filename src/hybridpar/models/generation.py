@@ -307,7 +307,8 @@ def transformers_generation_bytes(model: nn.Module, batch: int, prompt: int, new
     """A lower estimate for a transformers model's ``generate``: the K/V cache ``[B, S+n, k/v_proj
     out]`` of every attention module the model has (read from its ``k_proj``/``v_proj`` layers, so a
     hybrid's Mamba, linear-attention or convolution layers add none: Bamba's, NemotronH's and
-    Qwen3-Next's attention layers are counted, not all layers alike), the widest linear layer's
+    Qwen3-Next's attention layers are counted, not all layers alike; a plain decoder with a fused
+    projection, GPT-2's ``c_attn``: every layer's K/V from its config), the widest linear layer's
     prefill output (x2: its input lives too), the last position's logits and the token ids; plus a
     Python object per step."""
     c = getattr(model, "config", None)
@@ -322,6 +323,14 @@ def transformers_generation_bytes(model: nn.Module, batch: int, prompt: int, new
             kv += batch * total * (k.out_features + v.out_features) * size
         if isinstance(module, nn.Linear) and module is not head:
             widest = max(widest, module.out_features)
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
+    hybrid = any(getattr(c, f, None) for f in ("attn_layer_indices", "layers_block_type", "layer_types",
+                                                "hybrid_override_pattern", "layers_block_types"))
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+    if not kv and not hybrid and isinstance(heads, int) and heads > 0 and isinstance(layers, int):  # fused qkv (GPT-2)
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or (getattr(c, "hidden_size", None) or c.n_embd) // heads
+        kv = layers * 2 * batch * total * kv_heads * head_dim * size
     vocab = getattr(c, "vocab_size", 0) or 0
     prefill = 2 * batch * prompt * widest * size
     return kv + prefill + batch * vocab * 4 * 2 + 2 * batch * total * 8 + 512 * new_tokens
