@@ -131,6 +131,28 @@ def check_learned_positions(model: nn.Module, pack_size: int) -> None:
                           f"embedding. Use data.pack_size <= {table[1]}.")
 
 
+def pack_position_note(config: RunConfig) -> str | None:
+    """A warning when ``data.pack_size`` passes the positions ``model.hf_path``'s RoPE covers (a
+    computed-position model runs there, extrapolating; a learned table is refused above), or None."""
+    from types import SimpleNamespace
+
+    from hybridpar.models.hf.causal_lm import position_note
+    from hybridpar.strict_json import load_file as load_json
+
+    if not config.model.hf_path:
+        return None
+    try:
+        fields = load_json(Path(config.model.hf_path) / "config.json")
+    except (OSError, ValueError, RecursionError):
+        return None  # read and refused with its reason by the checks before this one
+    if isinstance(fields, dict) and "max_position_embeddings" not in fields and isinstance(fields.get("text_config"), dict):
+        fields = fields["text_config"]
+    if not isinstance(fields, dict):
+        return None
+    return position_note(SimpleNamespace(hf_config=fields), config.data.pack_size,
+                         f"data.pack_size={config.data.pack_size}: a packed row needs")
+
+
 def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     """The transformers model of ``model.hf_path`` in ``dtype`` (weights from local safetensors), its
     Mamba2 mixers on hybridpar's core (``models/hf/mixers/mamba2.install_mamba_core``)."""

@@ -30,6 +30,7 @@ tokenizer files, chat template and ``generation_config.json``.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -161,25 +162,50 @@ def learned_positions(model: nn.Module) -> tuple[str, int] | None:
 EXTENDING_ROPE = ("dynamic",)  # scalings that stretch RoPE past max_position_embeddings by design
 
 
-def position_note(model: nn.Module, positions: int) -> str | None:
-    """A warning when ``positions`` (prompt plus new tokens) pass the ``max_position_embeddings`` a
-    computed-position model (RoPE) was trained for: it runs (positions are computed, unlike a learned
-    table, which ``generate_causal_lm`` refuses) but what comes past them is extrapolation. None within
-    the limit, for a model that gives none, or for a RoPE scaling that extends it (dynamic NTK)."""
-    config = getattr(model, "config", None)
-    hf = getattr(model, "hf_config", None)  # a HybridLM loaded from a checkpoint: the config.json dict
-    fields = hf if isinstance(hf, dict) else {k: getattr(config, k, None) for k in ("max_position_embeddings",
-                                                                                     "rope_parameters", "rope_scaling")}
+def rope_position_limit(fields: dict) -> tuple[int, str] | None:
+    """``(positions, RoPE type)`` a computed-position model covers, from config.json ``fields``: its
+    ``max_position_embeddings``, or for a fixed-range scaling (linear, YaRN, LongRoPE, Llama 3) that
+    names ``original_max_position_embeddings``, ``factor`` times that when larger (Qwen's YaRN keeps
+    ``max_position_embeddings`` at the original length). None without a limit, or for ``dynamic``."""
     limit = fields.get("max_position_embeddings")
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1 or positions <= limit:
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         return None
     rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
-    kind = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else "default"
+    rope = rope if isinstance(rope, dict) else {}
+    kind = str(rope.get("rope_type") or rope.get("type") or "default")
     if kind in EXTENDING_ROPE:
         return None
-    return (f"the prompt plus the new tokens need {positions} positions, past the model's max_position_embeddings="
-            f"{limit} (RoPE '{kind}'): it computes them, but text past {limit} is extrapolation and often degrades; "
-            f"ask for fewer tokens (or use a checkpoint whose RoPE scaling covers {positions})")
+    original = rope.get("original_max_position_embeddings") or fields.get("original_max_position_embeddings")
+    factor = rope.get("factor")
+    if kind != "default" and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                                 for v in (original, factor)):
+        limit = max(limit, int(original * factor))
+    return limit, kind
+
+
+def _position_fields(model) -> dict:
+    config = getattr(model, "config", None)
+    hf = getattr(model, "hf_config", None)  # a HybridLM loaded from a checkpoint: the config.json dict
+    return hf if isinstance(hf, dict) else {k: getattr(config, k, None) for k in (
+        "max_position_embeddings", "rope_parameters", "rope_scaling", "original_max_position_embeddings")}
+
+
+def position_note(model: nn.Module, positions: int, what: str = "the prompt plus the new tokens need") -> str | None:
+    """A warning when ``positions`` (prompt plus new tokens, or a training pack) pass the positions a
+    computed-position model (RoPE) covers (``rope_position_limit``): it runs (positions are computed,
+    unlike a learned table, which is refused) but what comes past them is extrapolation. None within
+    the limit, for a model that gives none, or for a RoPE scaling that extends it (dynamic NTK)."""
+    found = rope_position_limit(_position_fields(model))
+    if found is None or positions <= found[0]:
+        return None
+    limit, kind = found
+    stated = _position_fields(model).get("max_position_embeddings")
+    past = (f"the model's max_position_embeddings={limit} (RoPE '{kind}')" if limit == stated else
+            f"the {limit} its RoPE '{kind}' scaling covers (max_position_embeddings={stated})")
+    return (f"{what} {positions} positions, past {past}: it computes them, but text past {limit} is extrapolation "
+            f"and often degrades; "
+            f"{'use a data.pack_size <=' if 'pack' in what else 'keep the prompt plus the new tokens within'} {limit} (or use a checkpoint "
+            f"whose RoPE scaling covers {positions})")
 
 
 # ----------------------------------------------------------------------------- loss
@@ -367,9 +393,12 @@ def export_causal_lm(model: nn.Module, out_dir: str | Path, *, tokenizer_dir: st
     parallelized model) to export instead of ``model``'s own parameters; the model then only
     supplies the config. ``architecture``: for a ``HybridLM`` not loaded from a checkpoint.
     """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():  # transformers logged it and wrote nothing: the export "succeeded"
+        raise ValueError(f"export target {quoted(str(out_dir))} is a file, not a directory: a checkpoint is a folder "
+                         "(config.json, safetensors); pass a new or empty directory.")
     if state_dict is not None:
         model = _single_device_copy(model, state_dict)
-    out_dir = Path(out_dir)
     if isinstance(model, HybridLM):
         save_hf(model, out_dir, architecture=architecture, tokenizer_dir=tokenizer_dir)
         return
