@@ -18,7 +18,7 @@ def _write_config(path, **fields):
 
 
 def test_a_fixed_range_rope_scaling_covers_factor_times_its_original_length():
-    from hybridpar.models.hf.causal_lm import rope_position_limit
+    from hybridpar.models.hf.positions import rope_position_limit
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     assert rope_position_limit({"max_position_embeddings": 16, "rope_parameters": yarn}) == (64, "yarn")

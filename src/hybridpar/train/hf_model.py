@@ -40,8 +40,9 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_causal_lm_loss, learned_positions,
-                                           load_causal_lm, probe_logits_after_head, transformers_config)
+from hybridpar.models.hf.causal_lm import (_plain_head, causal_lm_backend, hf_causal_lm_loss, load_causal_lm,
+                                           probe_logits_after_head, transformers_config)
+from hybridpar.models.hf.positions import learned_positions
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
@@ -136,7 +137,7 @@ def pack_position_note(config: RunConfig) -> str | None:
     computed-position model runs there, extrapolating; a learned table is refused above), or None."""
     from types import SimpleNamespace
 
-    from hybridpar.models.hf.causal_lm import position_note
+    from hybridpar.models.hf.positions import position_note
     from hybridpar.strict_json import load_file as load_json
 
     if not config.model.hf_path:
