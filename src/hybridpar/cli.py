@@ -33,6 +33,7 @@ VERBS = {"train": "train a model (the config's layout, on --nproc-per-node proce
          "plan": "memory, traffic and a step-time estimate per rank, before anything runs; --fit: layouts that fit",
          "generate": "continue a prompt with a trained model, in this process"}
 COMMANDS = tuple(VERBS)
+MAX_TOLERANCE = 1.0  # the largest --tolerance check takes (bf16's default: 5e-2)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,6 +134,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     if tolerance is not None and not (math.isfinite(tolerance) and tolerance > 0):
         raise ConfigError(f"--tolerance {tolerance} is invalid: it must be a finite number > 0; e.g. --tolerance "
                           "1e-6, or leave it out for the dtype's default (1e-9 in float64).")
+    if tolerance is not None and tolerance > MAX_TOLERANCE:  # check would pass a wrong layout: it cannot pass falsely
+        raise ConfigError(f"--tolerance {tolerance:g} is invalid: it must be at most {MAX_TOLERANCE:g} (bf16's default is "
+                          "5e-2); a larger one lets losses and gradients differ by more than 1, enough for a wrong layout "
+                          "to pass; leave it out for the dtype's default.")
 
 
 def dry_run(args: argparse.Namespace) -> int:

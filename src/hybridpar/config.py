@@ -28,7 +28,7 @@ import yaml
 
 from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
-from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml
+from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml, unquoted_value
 
 
 class ConfigError(ValueError):
@@ -225,6 +225,7 @@ RULES: dict[str, Rule] = {
 
 
 HOME_PATHS = {"model.hf_path", "model.export_hf", "data.path", "data.tokenizer", "checkpoint.resume", "output_dir"}
+PATH_KEYS = HOME_PATHS  # keys whose value is looked up as a path (another key's long value is not "too long a name")
 
 
 def invalid(key: str, value, must: str, fix: str | None = None) -> ConfigError:
@@ -357,7 +358,7 @@ def _build(cls, raw, prefix: str):
             if key in HOME_PATHS and isinstance(value, str) and value.startswith("~"):
                 value = os.path.expanduser(value)  # as a shell would: a YAML file or a quoted override skip the shell
             if not rule.holds(value):  # a path the system cannot look up says why (a symlink loop, ...)
-                problem = path_problem(value) if isinstance(value, str) else None
+                problem = path_problem(value) if isinstance(value, str) and key in PATH_KEYS else None
                 problem = problem or (rule.problem(value) if rule.problem else None)  # e.g. train.sample's prompt
                 raise invalid(key, value, str(rule.text) + (f"; this one: {problem}" if problem else ""))
             values[name] = value
@@ -387,4 +388,7 @@ def coerce_value(value, hint, key: str):
             return value
         if origin in (int, str, dict) and isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
             return value
-    raise invalid(key, value, f"{type_names(options)} (got {type(value).__name__})")
+    unquoted = unquoted_value(value, options)
+    raise invalid(key, value, f"{type_names(options)} (got {type(value).__name__})",
+                  f"a value in quotes is text in YAML: write it without them, {key}={unquoted}" if unquoted else None)
+

@@ -79,6 +79,12 @@ def check_environment() -> list[str]:
         raise ConfigError(f"OMP_NUM_THREADS={quoted(threads, 60)} is not a thread count: it must be an integer >= 1 "
                           "(e.g. OMP_NUM_THREADS=4); fix it, or unset it (hybridpar then shares this machine's cores "
                           "among its processes).")
+    cores = os.cpu_count() or 1
+    most = max(256, 8 * cores)  # oversubscribed past this, only slower; at ~30,000 libgomp failed and the run segfaulted
+    if threads is not None and max(int(t) if len(t.strip()) < 10 else 10**10 for t in threads.split(",")) > most:
+        raise ConfigError(f"OMP_NUM_THREADS={quoted(threads, 60)} asks for more threads than a process here can use: it "
+                          f"must be at most {most} (this machine has {cores} cores; far more threads fail to start and "
+                          f"the run crashes); use the core count, e.g. OMP_NUM_THREADS={cores}, or unset it.")
     switch = os.environ.get("HYBRIDPAR_TRACEBACK", "")
     if switch.strip().lower() not in SWITCH:
         raise ConfigError(f"HYBRIDPAR_TRACEBACK={quoted(switch, 60)} is invalid: it must be 1 (print the traceback behind "

@@ -146,3 +146,20 @@ def parse_yaml(text: str, source: str):
         if "tag:yaml.org,2002:merge" in problem:  # ``<<: *base``: YAML 1.1 only
             problem = "a merge key ('<<') is YAML 1.1 and is not read here; write the keys out in full"
         raise YamlSyntaxError(f"{source} is not valid YAML{where}: {problem}; fix the YAML syntax there.") from None
+
+
+def unquoted_value(value, options) -> str | None:
+    """``value`` as it would be written unquoted when it is text that reads as the number or boolean
+    a key takes (``steps: "5"``, ``tf32: "false"``), else None."""
+    if not isinstance(value, str) or len(value) > 100:
+        return None
+    try:
+        parsed = yaml.load(value, Loader=Yaml12Loader)
+    except yaml.YAMLError:
+        return None
+    import typing
+
+    kinds = {typing.get_origin(o) or o for o in options}
+    fits = (isinstance(parsed, bool) and bool in kinds) or (not isinstance(parsed, bool) and (
+        (isinstance(parsed, int) and (int in kinds or float in kinds)) or (isinstance(parsed, float) and float in kinds)))
+    return value.strip() if fits else None

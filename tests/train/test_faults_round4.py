@@ -136,7 +136,8 @@ def test_positions_past_a_learned_position_table_are_refused_before_step_1(tmp_p
     import transformers as hf
 
     from hybridpar.config import ConfigError
-    from hybridpar.models.hf.causal_lm import generate_causal_lm, learned_positions
+    from hybridpar.models.hf.causal_lm import generate_causal_lm
+    from hybridpar.models.hf.positions import learned_positions
     from hybridpar.train.hf_model import build_hf_model
 
     models = {"gpt2": hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=260, n_positions=64)),

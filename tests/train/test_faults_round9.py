@@ -33,7 +33,7 @@ def _edit_config(path, **fields):
 def test_rope_past_max_positions_is_said_in_our_words_and_not_for_dynamic_scaling(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hybridpar.models.hf.causal_lm import position_note
+    from hybridpar.models.hf.positions import position_note
 
     code, output = cli("generate", "--hf-path", str(_llama(tmp_path / "m")), "--prompt", "hello world",
                        "--max-new-tokens", "8", "--tokenizer", "bytes")

@@ -55,6 +55,9 @@ def _reading(datasets, path: Path):
         while root.__cause__ is not None:  # DatasetGenerationError wraps the parser's own error
             root = root.__cause__
         first = (str(root).strip().splitlines() or [type(root).__name__])[0]
+        if "corresponds to no data" in first:  # a CSV of its header alone: datasets' split instruction failed
+            raise ValueError(f"dataset {path} holds no rows (a header, or nothing, and no record under it); write the "
+                             "data into it, or point data.path at the file that holds it.") from None
         raise ValueError(f"dataset {path} cannot be read ({type(root).__name__}: {shorten(first, 200)}); fix the file "
                          "(or convert it to JSON lines for data.task=jsonl, chat or prompt_completion).") from None
     finally:
@@ -89,8 +92,23 @@ def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None 
                          f"{sorted(set(HF_BUILDERS.values()))}.")
     if builder == "json":
         check_json_data_file(path)
+    if builder == "parquet":
+        _check_parquet_rows(path)
     with _reading(datasets, path):
         return datasets.load_dataset(builder, data_files=[str(path)], split=split)
+
+
+def _check_parquet_rows(path: Path) -> None:
+    """A parquet file with no rows is one line (datasets' reader said "BatchSize must be greater than 0")."""
+    try:
+        import pyarrow.parquet as pq
+
+        metadata = pq.read_metadata(str(path))
+    except Exception:  # not parquet, damaged: datasets names the parser's reason in _reading
+        return
+    if metadata.num_rows == 0:
+        raise ValueError(f"dataset {path} holds no rows (a parquet file with {metadata.num_columns} column(s) and 0 "
+                         "rows); write the data into it, or point data.path at the file that holds it.")
 
 
 def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", field: str | None = None,

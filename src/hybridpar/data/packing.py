@@ -34,7 +34,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from hybridpar.config_rules import Notice, quoted
+from hybridpar.config_rules import Notice, quoted, shorten
 from hybridpar.data.thd import SEQ_LENS_PADDING_VALUE
 
 __all__ = [
@@ -53,12 +53,34 @@ Document = Union[Sequence[int], Tensor, Mapping[str, Any]]
 PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 
 
+def _token_ids(ids) -> Tensor:
+    """``ids`` as int64 ``[n]``; ValueError for text, a float (1.5 was cut to 1) or a negative id (an
+    embedding row counted from the end: trained on silently)."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"a document is token ids, not text ({quoted(ids, 60)}); encode it with a tokenizer first "
+                         "(e.g. tokenizer.document(text)).")
+    try:
+        tensor = torch.as_tensor(ids).flatten()
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"a document's token ids {quoted(ids, 60)} are not a list of integers ({shorten(str(error), 100)}); "
+                         "pass integer token ids.") from None
+    if tensor.numel() == 0:
+        return tensor.to(torch.long)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise ValueError(f"a document's token ids are {str(tensor.dtype).removeprefix('torch.')}, not integers "
+                         f"({quoted(ids, 60)}); pass integer token ids (a float would be cut to an integer).")
+    if int(tensor.min()) < 0:
+        raise ValueError(f"a document holds the negative token id {int(tensor.min())} ({quoted(ids, 60)}); token ids "
+                         "are in [0, vocab_size): fix the ids (-100 belongs in labels, not input_ids).")
+    return tensor.to(torch.long)
+
+
 def document_tokens_and_labels(doc: Document) -> tuple[Tensor, Tensor]:
     """``(input_ids, labels)`` int64 ``[n]`` of one document; labels shifted as described above."""
     if isinstance(doc, Mapping):
         if "input_ids" not in doc:
             raise ValueError(f"a mapping document needs 'input_ids', got keys {sorted(doc)}; pass {{'input_ids': [...]}}.")
-        tokens = torch.as_tensor(doc["input_ids"], dtype=torch.long).flatten()
+        tokens = _token_ids(doc["input_ids"])
         if doc.get("labels") is not None:
             labels = torch.as_tensor(doc["labels"], dtype=torch.long).flatten()
             if labels.numel() != tokens.numel():
@@ -68,7 +90,7 @@ def document_tokens_and_labels(doc: Document) -> tuple[Tensor, Tensor]:
                 )
             return tokens, labels
     else:
-        tokens = torch.as_tensor(doc, dtype=torch.long).flatten()
+        tokens = _token_ids(doc)
     labels = torch.full_like(tokens, IGNORE_INDEX)
     labels[:-1] = tokens[1:]  # labels[t] = next token of the same document
     return tokens, labels

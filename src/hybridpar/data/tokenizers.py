@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 TOKENIZER_SPECS = ("auto", "bytes")  # or a directory path
+BYTES_VOCAB_LIMIT = 1024  # a byte-trained model pads 256 ids up a little; far more is another tokenizer's vocabulary
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_JSON = (*TOKENIZER_MARKERS, "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -269,6 +270,17 @@ def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_path: str | Pat
         )
 
 
+def auto_bytes_note(spec, model_path, vocab_size: int | None) -> str | None:
+    """A warning when ``auto`` reads bytes for ``model_path`` (it ships no tokenizer) whose vocabulary
+    is far larger than the 256 bytes: most likely a model of another tokenizer, read as other tokens."""
+    if spec != "auto" or model_path is None or ships_tokenizer(model_path) or (vocab_size or 0) <= BYTES_VOCAB_LIMIT:
+        return None
+    return (f"{model_path} ships no tokenizer (no {' or '.join(TOKENIZER_MARKERS)}), so tokenizer='auto' reads byte ids, "
+            f"but its vocabulary has {vocab_size:,} ids: a model trained on another tokenizer would read them as other "
+            "tokens; pass that tokenizer's directory (data.tokenizer, generate --tokenizer), or 'bytes' if the model "
+            "was trained on bytes.")
+
+
 def resolve_tokenizer(spec: str | Path = "auto", model_path: str | Path | None = None,
                       vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer for setting ``spec`` (``"auto"``, ``"bytes"`` or a directory; see the module
@@ -283,6 +295,8 @@ def resolve_tokenizer(spec: str | Path = "auto", model_path: str | Path | None =
                           "the model will read byte ids.", Notice, stacklevel=2)
     elif spec == "auto":
         tokenizer = load_pretrained_tokenizer(model_path) if ships_tokenizer(model_path) else ByteTokenizer()
+        if note := auto_bytes_note(spec, model_path, vocab_size):
+            warnings.warn(note, Notice, stacklevel=2)
     elif Path(spec).is_dir():
         tokenizer = load_pretrained_tokenizer(spec)
     else:

@@ -300,23 +300,40 @@ def generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int)
     return logits + layer_peak + kv + repeated + 2 * batch * total * 8 + per_token
 
 
+RECURRENT_NAMES = ("Delta", "Linear", "Recurrent")  # k_proj/v_proj of a constant-size state: no K/V cache
+
+
 def transformers_generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int) -> int:
-    """A lower estimate for a transformers model's ``generate``: every layer's K/V ``[B, S+n, Hkv, Dh]``
-    x2 for a plain decoder (a hybrid's layer kinds are not read: none counted), the last position's
-    logits and the token ids; plus a Python object per step."""
+    """A lower estimate for a transformers model's ``generate``: the K/V cache ``[B, S+n, k/v_proj
+    out]`` of every attention module the model has (read from its ``k_proj``/``v_proj`` layers, so a
+    hybrid's Mamba, linear-attention or convolution layers add none: Bamba's, NemotronH's and
+    Qwen3-Next's attention layers are counted, not all layers alike; a plain decoder with a fused
+    projection, GPT-2's ``c_attn``: every layer's K/V from its config), the widest linear layer's
+    prefill output (x2: its input lives too), the last position's logits and the token ids; plus a
+    Python object per step."""
     c = getattr(model, "config", None)
     size = torch.finfo(model.dtype).bits // 8 if getattr(model, "dtype", torch.float32).is_floating_point else 4
     total = prompt + new_tokens
-    heads = getattr(c, "num_attention_heads", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kv, widest = 0, 0
+    for module in model.modules():
+        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        name = type(module).__name__
+        if isinstance(k, nn.Linear) and isinstance(v, nn.Linear) and not any(r in name for r in RECURRENT_NAMES):
+            kv += batch * total * (k.out_features + v.out_features) * size
+        if isinstance(module, nn.Linear) and module is not head:
+            widest = max(widest, module.out_features)
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
     hybrid = any(getattr(c, f, None) for f in ("attn_layer_indices", "layers_block_type", "layer_types",
                                                 "hybrid_override_pattern", "layers_block_types"))
-    kv = 0
-    if isinstance(heads, int) and heads > 0 and not hybrid:
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+    if not kv and not hybrid and isinstance(heads, int) and heads > 0 and isinstance(layers, int):  # fused qkv (GPT-2)
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        kv = c.num_hidden_layers * 2 * batch * total * kv_heads * head_dim * size
+        head_dim = getattr(c, "head_dim", None) or (getattr(c, "hidden_size", None) or c.n_embd) // heads
+        kv = layers * 2 * batch * total * kv_heads * head_dim * size
     vocab = getattr(c, "vocab_size", 0) or 0
-    return kv + batch * vocab * 4 * 2 + 2 * batch * total * 8 + 512 * new_tokens
+    prefill = 2 * batch * prompt * widest * size
+    return kv + prefill + batch * vocab * 4 * 2 + 2 * batch * total * 8 + 512 * new_tokens
 
 
 def available_bytes(device: torch.device) -> int | None:

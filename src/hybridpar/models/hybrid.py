@@ -22,6 +22,10 @@ from hybridpar.models.mamba.mixer import Mamba2Mixer
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
 
 
+COUNT_FIELDS = ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size",
+                "conv_kernel", "chunk_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+
 @dataclass
 class HybridConfig:
     """Shape of a ``HybridLM``. Build one with ``HybridConfig.from_preset(name, **overrides)``."""
@@ -69,6 +73,11 @@ class HybridConfig:
                 f"layer pattern {self.pattern!r} has unknown characters {unknown}; use only "
                 "'M' (Mamba2), '*' (attention) and '-' (MLP), e.g. 'M*-M-'."
             )
+        for name in COUNT_FIELDS:  # before the divisions below (a 0 was a ZeroDivisionError, a '64' a TypeError)
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer"
+                                 + (" (a number, not a string)" if isinstance(value, str) else "") + "; fix it in the config.")
         rules = [
             (self.mamba_num_heads % self.mamba_n_groups == 0,
              f"mamba_num_heads={self.mamba_num_heads} must be divisible by mamba_n_groups={self.mamba_n_groups}"),
@@ -80,10 +89,6 @@ class HybridConfig:
         for holds, message in rules:
             if not holds:
                 raise ValueError(f"{message}; change one of them in the config.")
-        for name in ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
-                     "conv_kernel", "chunk_size", "num_attention_heads", "head_dim", "intermediate_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer.")
 
     @property
     def mamba_intermediate_size(self) -> int:

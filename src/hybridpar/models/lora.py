@@ -32,6 +32,7 @@ import math
 import torch
 from torch import nn
 
+from hybridpar.config_rules import quoted
 from hybridpar.models.lora_experts import adapt_experts, adapter_child, expert_lora_modules, expert_targets
 from hybridpar.models.token_dropout import TokenDropout, dropout_tokens
 
@@ -124,6 +125,10 @@ def _linear_targets(model: nn.Module, targets: tuple[str, ...] | None) -> dict[s
     return names
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
              targets: tuple[str, ...] | list[str] | None = None, seed: int | None = None,
              target_parameters: tuple[str, ...] | list[str] | None = None) -> list[str]:
@@ -138,8 +143,14 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     """
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise ValueError(f"peft.r={r!r} is invalid: the LoRA rank must be an integer >= 1; e.g. peft.r=8.")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"peft.dropout={dropout!r} is invalid: it must be in [0, 1); e.g. peft.dropout=0.0.")
+    if not _number(dropout) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"peft.dropout={quoted(dropout)} is invalid: it must be in [0, 1); e.g. peft.dropout=0.0.")
+    if not _number(alpha) or not (math.isfinite(alpha) and alpha > 0):  # 0: no update; negative: subtracted
+        raise ValueError(f"peft.alpha={quoted(alpha)} is invalid: the update's scale alpha/r needs a finite number > 0; "
+                         "e.g. peft.alpha=16 (twice peft.r=8).")
+    for key, names in (("target_modules", targets), ("target_parameters", target_parameters)):
+        if isinstance(names, str):  # iterated letter by letter ('q', '_', ...) before
+            raise ValueError(f"peft.{key}={quoted(names)} is a string; pass a list of names, e.g. [{quoted(names, 40)}].")
     if targets is not None and not targets and not target_parameters:
         raise ValueError("peft.target_modules is empty and peft.target_parameters is not set: nothing would train; name "
                          "at least one linear layer, e.g. [q_proj, v_proj], or expert weights in peft.target_parameters.")

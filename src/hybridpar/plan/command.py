@@ -82,6 +82,10 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
 
         world = parallel_dims(config).world_size
     baseline = cpu_baseline_gib() if args.target == "cpu" else GPU_BASELINE_GIB
+    if args.fit <= baseline:  # every layout needs the baseline before its first tensor: none could fit
+        raise ConfigError(f"--fit {args.fit:g} is invalid: it must be more than the {baseline:.2f} GiB every rank holds "
+                          f"before any tensor ({'this process' if args.target == 'cpu' else 'the CUDA context'}), so "
+                          "no layout can fit it; give the device's memory per rank in GiB, e.g. --fit 80 (an H100).")
     candidates = search_layouts(config, world, args.fit, device, baseline, args.docs_per_pack)
     fitting = [c for c in candidates if c.fits(args.fit)]
     if args.json:
@@ -100,7 +104,7 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
     print("does not fit:")
     for c in candidates:
         if not c.fits(args.fit):
-            why = c.refused if c.refused else f"needs {c.needs_gib:.2f} GiB > {args.fit:g} ({c.plan.memory.peak_moment})"
+            why = c.refused if c.refused else f"needs {c.needs_gib:.2f} GiB > {args.fit:g} GiB ({c.plan.memory.peak_moment})"
             print(f"  {c.label()}: {why}")
     if fitting:
         print(f"recommended: {fitting[0].label()}")

@@ -368,5 +368,19 @@ def read_like_training(config, data: DataConfig, vocab_size: int, tokenizer, bpe
         eval_data = dataclasses.replace(data, packs_per_step=config.train.eval_packs)
         with warnings.catch_warnings():  # the same documents: their notices were said once above
             warnings.simplefilter("ignore")
-            PackStream(eval_data, cp, vocab_size, seed_offset=10_000, tokenizer=tokenizer)
+            stream = PackStream(eval_data, cp, vocab_size, seed_offset=10_000, tokenizer=tokenizer)
+        if note := eval_repeat_note(stream):
+            warnings.warn(note, Notice, stacklevel=2)
     return None
+
+
+def eval_repeat_note(stream: PackStream) -> str | None:
+    """A warning when ``train.eval_packs`` asks for more packs than the held-out documents of a file
+    task fill: every evaluation cycles through them again (``eval_packs=100000`` on a small file ran
+    for minutes, like a hang, for the loss of a few packs)."""
+    have, want = len(stream.pool), stream.packs_per_step
+    if stream._task is not None or want <= max(8, 2 * have):  # the default 8 is never said
+        return None
+    return (f"train.eval_packs={want} asks for {want} packs per evaluation, but the held-out documents fill {have}: each "
+            f"evaluation goes through them about {want // have:,} times, taking that much longer for the same "
+            f"documents; use train.eval_packs={have} (a multiple of the data-parallel size) or fewer")

@@ -43,9 +43,10 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.models.hf.causal_lm import (causal_lm_backend, chunked_head, hf_causal_lm_loss, learned_positions,
-                                           load_causal_lm, probe_logits_after_head, transformers_config)
+from hybridpar.models.hf.causal_lm import (causal_lm_backend, chunked_head, hf_causal_lm_loss, load_causal_lm,
+                                           probe_logits_after_head, transformers_config)
 from hybridpar.models.hf.logit_transform import describe_transform
+from hybridpar.models.hf.positions import learned_positions
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
@@ -134,6 +135,28 @@ def check_learned_positions(model: nn.Module, pack_size: int) -> None:
         raise ConfigError(f"data.pack_size={pack_size} is longer than the {table[1]} positions "
                           f"{type(model).__name__} learned ({table[0]}): position ids past {table[1] - 1} have no "
                           f"embedding. Use data.pack_size <= {table[1]}.")
+
+
+def pack_position_note(config: RunConfig) -> str | None:
+    """A warning when ``data.pack_size`` passes the positions ``model.hf_path``'s RoPE covers (a
+    computed-position model runs there, extrapolating; a learned table is refused above), or None."""
+    from types import SimpleNamespace
+
+    from hybridpar.models.hf.positions import position_note
+    from hybridpar.strict_json import load_file as load_json
+
+    if not config.model.hf_path:
+        return None
+    try:
+        fields = load_json(Path(config.model.hf_path) / "config.json")
+    except (OSError, ValueError, RecursionError):
+        return None  # read and refused with its reason by the checks before this one
+    if isinstance(fields, dict) and "max_position_embeddings" not in fields and isinstance(fields.get("text_config"), dict):
+        fields = fields["text_config"]
+    if not isinstance(fields, dict):
+        return None
+    return position_note(SimpleNamespace(hf_config=fields), config.data.pack_size,
+                         f"data.pack_size={config.data.pack_size}: a packed row needs")
 
 
 def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:

@@ -33,10 +33,11 @@ from pathlib import Path
 
 from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
 from hybridpar.config_rules import did_you_mean, quoted
+from hybridpar.data.tokenizers import auto_bytes_note
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
 from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
-                                      model_backend)
+                                      model_backend, pack_position_note)
 from hybridpar.train.peft import apply_peft
 
 
@@ -336,6 +337,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     for note in unused_key_notices(config):
         notice(note)
     check_pack_memory(config, shape, world_size or 1)
+    if note := pack_position_note(config):  # RoPE past max_position_embeddings: runs, extrapolating
+        notice(note)
     check_sample(config)
     if (world_size or 1) == 1:
         replaced = one_process_rendezvous()
@@ -360,6 +363,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     tokenizer = validate_data(data, shape.vocab_size, config.model.hf_path)
     if no_eos := missing_eos(data, tokenizer):
         notice(no_eos)
+    if tokenizer is not None and (fallback := auto_bytes_note(data.tokenizer, config.model.hf_path, shape.vocab_size)):
+        notice(fallback)  # the workers resolve it again with warnings held back
     if dry_run:  # the records, as training reads them at start, when that is cheap (batches.py)
         from hybridpar.train.batches import read_like_training
 

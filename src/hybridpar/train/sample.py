@@ -61,7 +61,7 @@ def check_sample_prompt(config, data, vocab_size: int) -> None:
                          "(empty, and it adds no BOS); give a prompt with at least one character.")
     table = _learned_positions(config)
     if config.model.hf_path and model_backend(config) == "transformers":
-        from hybridpar.models.hf.causal_lm import position_note
+        from hybridpar.models.hf.positions import position_note
         from hybridpar.train.hf_model import hf_shape
         from hybridpar.train.run.metrics import notice
 
@@ -80,7 +80,7 @@ def check_sample_prompt(config, data, vocab_size: int) -> None:
 def _learned_positions(config) -> tuple[str, int] | None:
     """``(module, positions)`` of the learned position table of a transformers ``model.hf_path`` (GPT-2's
     ``wpe``), from its meta model; None for HybridLM and computed positions (RoPE)."""
-    from hybridpar.models.hf.causal_lm import learned_positions
+    from hybridpar.models.hf.positions import learned_positions
     from hybridpar.train.hf_model import hf_meta_model, hf_shape, model_backend
 
     if not config.model.hf_path or model_backend(config) != "transformers":
@@ -109,7 +109,8 @@ def continue_prompt(model, tokenizer, prompt: str, max_new_tokens: int, temperat
     import sys
 
     from hybridpar.models.generation import check_generation_memory, generation_bytes, transformers_generation_bytes
-    from hybridpar.models.hf.causal_lm import generate_causal_lm, position_note
+    from hybridpar.models.hf.causal_lm import generate_causal_lm
+    from hybridpar.models.hf.positions import position_note
     from hybridpar.models.hybrid import HybridLM
 
     from hybridpar.config_rules import quoted, shorten

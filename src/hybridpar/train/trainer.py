@@ -41,7 +41,7 @@ from hybridpar.parallel.parallelize import parallelize
 from hybridpar.parallel.precision import set_tf32
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.train.baseline import unigram_loss
-from hybridpar.train.batches import PackStream, pad_multiple, validate_data
+from hybridpar.train.batches import PackStream, eval_repeat_note, pad_multiple, validate_data
 from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.run.export import export_trained, validate_export
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
@@ -201,6 +201,8 @@ class Trainer:
         if self._eval_data is None:
             eval_config = dataclasses.replace(self.data, packs_per_step=self.config.train.eval_packs)
             self._eval_data = self._stream(eval_config, seed_offset=10_000)
+            if note := eval_repeat_note(self._eval_data):  # at the first evaluation
+                notice(note)
         return self._eval_data
 
     # -- one step ---------------------------------------------------------------------------

@@ -148,3 +148,18 @@ def test_the_fused_path_inside_transformers_mixers_equals_the_pure_core(name):
     assert sorted(fused_grads) == sorted(pure_grads)
     worst = max((_relative(fused_grads[n], g), n) for n, g in pure_grads.items())
     assert worst[0] < 1e-9, worst
+
+
+def test_several_packed_documents_with_a_cache_are_refused_not_leaked():
+    """With a cache, transformers' own forward runs (generation), and there packed documents see each other:
+    a switched mixer refuses several documents with a cache in one line (``mixers/fallback.py``)."""
+    model = build_hybrid("bamba")
+    install_mamba_core(model)
+    mixer = bridged_mixers(model)[0][1]
+    hidden = torch.zeros(1, 12, model.config.hidden_size, dtype=torch.float64)
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 5, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="several documents together with a cache"):
+        mixer(hidden, cache_params=object(), packed_seq_params=packed)
+    mask = torch.ones(1, 12, dtype=torch.long)
+    mask[0, :2] = 0  # left padding: transformers' forward, one document is fine
+    assert mixer(hidden, attention_mask=mask).shape == hidden.shape

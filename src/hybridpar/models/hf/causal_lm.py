@@ -43,11 +43,12 @@ from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, 
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.logit_transform import logit_transform, probe_finding, probe_logits_after_head  # noqa: F401
+from hybridpar.models.hf.positions import learned_positions
 from hybridpar.models.hf.weights import check_finite, check_floating, stored_dtypes, weight_files
 from hybridpar.models.hf.versions import warn_if_old
 from hybridpar.models.hybrid import HybridLM
 
-__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "learned_positions", "chunked_head", "hf_causal_lm_loss",
+__all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "chunked_head", "hf_causal_lm_loss",
            "generate_causal_lm", "export_causal_lm"]
 
 BACKENDS = ("auto", "hybrid", "transformers")
@@ -141,43 +142,6 @@ def quiet_transformers():
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def learned_positions(model: nn.Module) -> tuple[str, int] | None:
-    """``(module name, positions)`` of a learned absolute position table (GPT-2's ``wpe``, OPT's
-    ``embed_positions``): position ids at or beyond ``positions`` index past it. None when positions
-    are computed (RoPE, ALiBi, none), which have no such limit."""
-    config, inputs = getattr(model, "config", None), model.get_input_embeddings()
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    for name, module in model.named_modules():  # a table with one row per position the config allows
-        rows = getattr(module, "num_embeddings", 0) - int(getattr(module, "offset", 0))
-        if isinstance(module, nn.Embedding) and module is not inputs and limit and rows == limit:
-            return name, rows
-    return None
-
-
-EXTENDING_ROPE = ("dynamic",)  # scalings that stretch RoPE past max_position_embeddings by design
-
-
-def position_note(model: nn.Module, positions: int) -> str | None:
-    """A warning when ``positions`` (prompt plus new tokens) pass the ``max_position_embeddings`` a
-    computed-position model (RoPE) was trained for: it runs (positions are computed, unlike a learned
-    table, which ``generate_causal_lm`` refuses) but what comes past them is extrapolation. None within
-    the limit, for a model that gives none, or for a RoPE scaling that extends it (dynamic NTK)."""
-    config = getattr(model, "config", None)
-    hf = getattr(model, "hf_config", None)  # a HybridLM loaded from a checkpoint: the config.json dict
-    fields = hf if isinstance(hf, dict) else {k: getattr(config, k, None) for k in ("max_position_embeddings",
-                                                                                     "rope_parameters", "rope_scaling")}
-    limit = fields.get("max_position_embeddings")
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1 or positions <= limit:
-        return None
-    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
-    kind = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else "default"
-    if kind in EXTENDING_ROPE:
-        return None
-    return (f"the prompt plus the new tokens need {positions} positions, past the model's max_position_embeddings="
-            f"{limit} (RoPE '{kind}'): it computes them, but text past {limit} is extrapolation and often degrades; "
-            f"ask for fewer tokens (or use a checkpoint whose RoPE scaling covers {positions})")
 
 
 # ----------------------------------------------------------------------------- loss
@@ -340,9 +304,12 @@ def export_causal_lm(model: nn.Module, out_dir: str | Path, *, tokenizer_dir: st
     parallelized model) to export instead of ``model``'s own parameters; the model then only
     supplies the config. ``architecture``: for a ``HybridLM`` not loaded from a checkpoint.
     """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():  # transformers logged it and wrote nothing: the export "succeeded"
+        raise ValueError(f"export target {quoted(str(out_dir))} is a file, not a directory: a checkpoint is a folder "
+                         "(config.json, safetensors); pass a new or empty directory.")
     if state_dict is not None:
         model = _single_device_copy(model, state_dict)
-    out_dir = Path(out_dir)
     if isinstance(model, HybridLM):
         save_hf(model, out_dir, architecture=architecture, tokenizer_dir=tokenizer_dir)
         return

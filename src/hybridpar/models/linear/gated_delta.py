@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["chunk_gated_delta_rule", "document_ids"]
+__all__ = ["chunk_gated_delta_rule", "document_ids", "chunk_documents", "carry_chunks"]
 
 
 def document_ids(cu_docs: Tensor, batch: int, seqlen: int) -> Tensor:
@@ -42,6 +42,55 @@ def document_ids(cu_docs: Tensor, batch: int, seqlen: int) -> Tensor:
     (``models.mamba.core.row_documents``): increasing along each row, distinct between rows."""
     stream = torch.arange(batch * seqlen, device=cu_docs.device, dtype=cu_docs.dtype)
     return torch.searchsorted(cu_docs[1:], stream, right=True).view(batch, seqlen)
+
+
+def chunk_documents(doc_ids: Tensor | None, batch: int, seqlen: int, chunk_size: int, states_at: list[int] | None,
+                    device, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """The chunk masks both delta rules share (module docstring), for ``doc_ids [B, T]`` (None: one
+    document per row) padded to whole chunks of ``C``: ``(carried [B, 1, N, C]`` (``c_i``, in ``dtype``),
+    ``visible [B, 1, N, C, C]`` (``M_ij``), ``pad)``. A document fed a state at the start of a chunk in
+    ``states_at`` continues it; padding joins the last document."""
+    if doc_ids is None:
+        doc_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
+    C = chunk_size
+    pad = (-seqlen) % C
+    doc = F.pad(doc_ids, (0, pad), mode="replicate") if pad else doc_ids
+    chunks = (seqlen + pad) // C
+    doc = doc.view(batch, 1, chunks, C)
+    first = doc[..., :1]  # [B, 1, N, 1]
+    before = torch.cat([first[:, :, :1], doc[:, :, :-1, -1:]], dim=2)  # doc of the token before each chunk
+    carried = (doc == first) & (before == first)  # the chunk's first document began before it (chunk 0: the row's)
+    if states_at is not None:
+        fed = torch.zeros(chunks, dtype=torch.bool, device=device)
+        fed[states_at] = True
+        carried = carried | (fed[:, None] & (doc == first))
+    same = doc.unsqueeze(-1) == doc.unsqueeze(-2)  # [B, 1, N, C, C]
+    visible = same & torch.ones(C, C, dtype=torch.bool, device=device).tril()
+    return carried.to(dtype), visible, pad
+
+
+def carry_chunks(q_read: Tensor, intra: Tensor, U: Tensor, W: Tensor, k_write: Tensor, state_decay: Tensor,
+                 state: Tensor, seqlen: int, states_at: list[int] | None = None,
+                 states_in: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+    """The sequential part both delta rules share: the state ``S [B, H, dk, dv]`` carried chunk by chunk
+    (``u = U - W S_0``, ``S <- decay S + k_write^T u``; ``states_in`` replace it at chunks ``states_at``),
+    then the outputs batched: ``o = q_read S_0 + intra u``. Returns ``(o [B, H, T, dv]``, the state after
+    every chunk``)``. Chunk tensors are ``[B, H, N, C, .]``; ``state_decay`` ``[B, H, N, dk or 1, 1]``."""
+    # unbind, not [:, :, i]: the backward of one unbind stacks the chunk gradients, where N selects would
+    # each fill a full-size zero
+    entering, corrections, finals = [], [], []
+    fed = {} if states_at is None else dict(zip(states_at, states_in.to(state.dtype).unbind(0)))
+    for i, (U_i, W_i, write_i, decay_i) in enumerate(zip(U.unbind(2), W.unbind(2), k_write.transpose(-1, -2).unbind(2),
+                                                         state_decay.unbind(2))):
+        if i in fed:
+            state = fed[i].expand_as(state)
+        entering.append(state)
+        u = U_i - W_i @ state  # [B, H, C, dv]
+        corrections.append(u)
+        state = state * decay_i + write_i @ u
+        finals.append(state)
+    o = q_read @ torch.stack(entering, dim=2) + intra @ torch.stack(corrections, dim=2)  # [B, H, N, C, dv]
+    return o.flatten(2, 3)[:, :, :seqlen], finals
 
 
 def chunk_gated_delta_rule(
@@ -71,29 +120,11 @@ def chunk_gated_delta_rule(
         q, k = (x.repeat_interleave(v_heads // k_heads, dim=2) for x in (q, k))
     q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g, beta))  # [B, H, T, ...]
     q = q * (dk ** -0.5 if scale is None else scale)
-    if doc_ids is None:
-        doc_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=q.device)
     C = chunk_size
-    pad = (-seqlen) % C
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    doc = F.pad(doc_ids, (0, pad), mode="replicate") if pad else doc_ids  # padding joins the last document
+    carried, visible, pad = chunk_documents(doc_ids, batch, seqlen, C, states_at, q.device, dtype)  # c_i, M_ij
     chunks = (seqlen + pad) // C
-    q, k, v = (x.unflatten(2, (chunks, C)) for x in (q, k, v))  # [B, H, N, C, d]
-    g, beta = (x.unflatten(2, (chunks, C)) for x in (g, beta))  # [B, H, N, C]
-    doc = doc.view(batch, 1, chunks, C)
-
-    # c_i: token i's document began before its chunk (chunk 0: the row's first document, fed initial_state)
-    first = doc[..., :1]  # [B, 1, N, 1]
-    before = torch.cat([first[:, :, :1], doc[:, :, :-1, -1:]], dim=2)  # doc of the token before each chunk
-    carried = (doc == first) & (before == first)  # [B, 1, N, C]
-    if states_at is not None:  # a document fed a state at its chunk start continues it
-        fed = torch.zeros(chunks, dtype=torch.bool, device=q.device)
-        fed[states_at] = True
-        carried = carried | (fed[:, None] & (doc == first))
-    carried = carried.to(dtype)
-    same = doc.unsqueeze(-1) == doc.unsqueeze(-2)  # [B, 1, N, C, C]
-    visible = same & torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (chunks, C)) for x in (q, k, v))  # [B, H, N, C, d]
+    g, beta = (F.pad(x, (0, pad)).unflatten(2, (chunks, C)) for x in (g, beta))  # [B, H, N, C]
 
     G = g.cumsum(-1)  # [B, H, N, C]
     decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~visible, float("-inf")).exp()  # M_ij exp(G_i - G_j)
@@ -104,27 +135,13 @@ def chunk_gated_delta_rule(
     W = torch.linalg.solve_triangular(system, k_beta * read_decay, upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C]
     q_read = q * read_decay
-    last_same = same[..., -1, :].to(dtype)  # [B, 1, N, C]: [doc_j = doc_L]
+    last_same = visible[..., -1, :].to(dtype)  # [B, 1, N, C]: [doc_j = doc_L] (row L of M: every j <= L)
     k_write = k * ((G[..., -1:] - G).exp() * last_same).unsqueeze(-1)
     state_decay = (G[..., -1].exp() * carried[..., -1])[..., None, None]  # c_L exp(G_L): [B, H, N, 1, 1]
 
     state = (torch.zeros(batch, v_heads, dk, dv, dtype=dtype, device=q.device) if initial_state is None
              else initial_state.to(dtype))
-    # The sequential part carries the state only; outputs are batched after it. unbind, not [:, :, i]:
-    # the backward of one unbind stacks the chunk gradients, where N selects would each fill a full-size zero.
-    entering, corrections, finals = [], [], []
-    fed = {} if states_at is None else dict(zip(states_at, states_in.to(dtype).unbind(0)))
-    for i, (U_i, W_i, write_i, decay_i) in enumerate(zip(U.unbind(2), W.unbind(2), k_write.transpose(-1, -2).unbind(2),
-                                                         state_decay.unbind(2))):
-        if i in fed:
-            state = fed[i].expand_as(state)
-        entering.append(state)
-        u = U_i - W_i @ state  # [B, H, C, dv]
-        corrections.append(u)
-        state = state * decay_i + write_i @ u
-        finals.append(state)
-    o = q_read @ torch.stack(entering, dim=2) + intra @ torch.stack(corrections, dim=2)  # [B, H, N, C, dv]
-    o = o.flatten(2, 3)[:, :, :seqlen]  # [B, H, T, dv]
+    o, finals = carry_chunks(q_read, intra, U, W, k_write, state_decay, state, seqlen, states_at, states_in)
     if finals_at is not None:
         return o.transpose(1, 2).to(out_dtype), torch.stack([finals[i][0] for i in finals_at])
-    return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
+    return o.transpose(1, 2).to(out_dtype), (finals[-1] if output_final_state else None)

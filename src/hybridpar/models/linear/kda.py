@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from hybridpar.models.linear.gated_delta import carry_chunks, chunk_documents
+
 __all__ = ["chunk_kda_rule", "decayed_products"]
 
 SUB_CHUNK = 16  # tokens per sub-chunk of the decayed products
@@ -100,28 +102,12 @@ def chunk_kda_rule(
     dtype = torch.promote_types(torch.float32, torch.promote_types(q.dtype, v.dtype))
     q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g, beta))  # [B, H, T, ...]
     q = q * (dk ** -0.5 if scale is None else scale)
-    if doc_ids is None:
-        doc_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=q.device)
     C = chunk_size
-    pad = (-seqlen) % C
-    q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
-    beta = F.pad(beta, (0, pad))
-    doc = F.pad(doc_ids, (0, pad), mode="replicate") if pad else doc_ids  # padding joins the last document
+    carried, visible, pad = chunk_documents(doc_ids, batch, seqlen, C, states_at, q.device, dtype)  # c_i, M_ij
+    carried = carried.unsqueeze(-1)  # [B, 1, N, C, 1]
     chunks = (seqlen + pad) // C
-    q, k, v, g = (x.unflatten(2, (chunks, C)) for x in (q, k, v, g))  # [B, H, N, C, d]
-    beta = beta.unflatten(2, (chunks, C))  # [B, H, N, C]
-    doc = doc.view(batch, 1, chunks, C)
-
-    first = doc[..., :1]  # [B, 1, N, 1]
-    before = torch.cat([first[:, :, :1], doc[:, :, :-1, -1:]], dim=2)  # doc of the token before each chunk
-    carried = (doc == first) & (before == first)  # c_i [B, 1, N, C]
-    if states_at is not None:  # a document fed a state at its chunk start continues it
-        fed = torch.zeros(chunks, dtype=torch.bool, device=q.device)
-        fed[states_at] = True
-        carried = carried | (fed[:, None] & (doc == first))
-    carried = carried.to(dtype).unsqueeze(-1)  # [B, 1, N, C, 1]
-    same = doc.unsqueeze(-1) == doc.unsqueeze(-2)  # [B, 1, N, C, C]
-    visible = same & torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    q, k, v, g = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (chunks, C)) for x in (q, k, v, g))  # [B, H, N, C, d]
+    beta = F.pad(beta, (0, pad)).unflatten(2, (chunks, C))  # [B, H, N, C]
 
     G = g.cumsum(-2)  # [B, H, N, C, dk]
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
@@ -131,25 +117,13 @@ def chunk_kda_rule(
     U = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     W = torch.linalg.solve_triangular(system, k_beta * read_decay, upper=False, unitriangular=True)
     q_read = q * read_decay
-    last_same = same[..., -1, :].to(dtype).unsqueeze(-1)  # [B, 1, N, C, 1]: [doc_j = doc_L]
+    last_same = visible[..., -1, :].to(dtype).unsqueeze(-1)  # [B, 1, N, C, 1]: [doc_j = doc_L] (row L of M)
     k_write = k * (G[..., -1:, :] - G).exp() * last_same
     state_decay = (G[..., -1, :].exp() * carried[..., -1, :]).unsqueeze(-1)  # c_L exp(G_L): [B, H, N, dk, 1]
 
     state = (torch.zeros(batch, heads, dk, dv, dtype=dtype, device=q.device) if initial_state is None
              else initial_state.to(dtype))
-    entering, corrections, finals = [], [], []
-    fed = {} if states_at is None else dict(zip(states_at, states_in.to(dtype).unbind(0)))
-    for i, (U_i, W_i, write_i, decay_i) in enumerate(zip(U.unbind(2), W.unbind(2), k_write.transpose(-1, -2).unbind(2),
-                                                         state_decay.unbind(2))):
-        if i in fed:
-            state = fed[i].expand_as(state)
-        entering.append(state)
-        u = U_i - W_i @ state  # [B, H, C, dv]
-        corrections.append(u)
-        state = state * decay_i + write_i @ u
-        finals.append(state)
-    o = q_read @ torch.stack(entering, dim=2) + intra @ torch.stack(corrections, dim=2)  # [B, H, N, C, dv]
-    o = o.flatten(2, 3)[:, :, :seqlen]  # [B, H, T, dv]
+    o, finals = carry_chunks(q_read, intra, U, W, k_write, state_decay, state, seqlen, states_at, states_in)
     if finals_at is not None:
         return o.transpose(1, 2).to(out_dtype), torch.stack([finals[i][0] for i in finals_at])
-    return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
+    return o.transpose(1, 2).to(out_dtype), (finals[-1] if output_final_state else None)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpar.config import ConfigError, RunConfig
-from hybridpar.config_rules import shorten
+from hybridpar.config_rules import quoted, shorten
 from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
                                         read_run_info, remove_checkpoint)
 from hybridpar.train.run.directory import METRICS_FILE, OutputDirLock, check_run_paths
@@ -72,6 +73,13 @@ def _differences(recorded: dict, current: dict, prefix: str, skip: tuple = ()) -
             if key not in skip and recorded.get(key) != current.get(key)]
 
 
+def _model_kind(signature: dict) -> str:
+    """A recorded model signature in words: a transformers ``model_type``, or a HybridLM."""
+    names = signature.get("architectures")
+    kind = (names[0] if isinstance(names, list) and names else None) or signature.get("model_type")
+    return f"{shorten(str(kind), 60)} (transformers)" if kind else "a HybridLM"
+
+
 def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None, list[str], set[Path]]:
     """The checkpoint to load, the notes on the newer ones skipped, and those skipped."""
     resume = config.checkpoint.resume
@@ -82,6 +90,8 @@ def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None,
         reason = incomplete_reason(path)
         if reason is not None:
             hint = " (it holds step_* folders: point at one of them)" if list_checkpoints(path) else ""
+            if "did not finish" in reason:  # no manifest: said of a folder of another kind too
+                reason, hint = _not_a_checkpoint(path) or (reason, hint)
             raise CheckpointError(f"checkpoint.resume={resume!r} cannot be loaded: {reason}{hint}; point it at a "
                                   "complete step_* folder, use checkpoint.resume=auto, or start fresh with "
                                   "checkpoint.resume=null.")
@@ -98,16 +108,65 @@ def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None,
     return None, notes, skipped
 
 
+CHECKPOINT_FILES = ("manifest.json", "run.json", "trainer.pt", ".metadata")
+
+
+def _not_a_checkpoint(path: Path) -> tuple[str, str] | None:
+    """``(reason, hint)`` for a resume path that is a run's output_dir, or a folder holding nothing a
+    checkpoint has (it was said to be a save that "did not finish"), else None."""
+    if not path.is_dir() or any((path / name).exists() for name in CHECKPOINT_FILES):
+        return None
+    for folder, what in ((path, "a run's checkpoints folder"), (path / "checkpoints", "a run's output_dir")):
+        if steps := list_checkpoints(folder):
+            run = path.parent if folder is path else path
+            return (f"it is {what}, not one checkpoint (its newest: {shorten(str(steps[-1]), 200)})",
+                    f"; resume that step_* folder, or set output_dir={shorten(str(run), 200)!r} with "
+                    "checkpoint.resume=auto")
+    names = sorted(p.name for p in path.iterdir())[:3] if os.access(path, os.R_OK) else []
+    return (f"it holds no hybridpar checkpoint (none of {list(CHECKPOINT_FILES)}, no step_* folder"
+            + (f"; it holds {quoted(names)}" if names else "; it is empty") + ")", "")
+
+
+PEFT_SHAPE_KEYS = ("method", "r", "alpha", "target_modules", "target_parameters")
+
+
+def _check_peft(path: Path, info: dict, config: RunConfig) -> None:
+    """Refuse a checkpoint of another ``peft.*`` adapter layout before any process starts (the
+    workers refused it only after building the model and reading the data)."""
+    recorded = (info.get("config") or {}).get("peft")
+    if not isinstance(recorded, dict):
+        return
+    current = json.loads(json.dumps(dataclasses.asdict(config.peft)))
+    kind = {"none": "a full fine-tune", "lora": "a LoRA run"}
+    if recorded.get("method", "none") != current["method"]:
+        raise CheckpointError(f"checkpoint {str(path)!r} is from {kind.get(recorded.get('method'), 'another peft.method')}, "
+                              f"but this run has peft.method={current['method']}; resume with peft.method="
+                              f"{recorded.get('method', 'none')} (it holds {'adapters' if recorded.get('method') == 'lora' else 'full weights'}), or "
+                              "start fresh with checkpoint.resume=null.")
+    if current["method"] == "none":
+        return
+    keys = [k for k in PEFT_SHAPE_KEYS if k in recorded and None not in (recorded[k], current[k])]  # null: resolved later
+    changed = _differences({k: recorded[k] for k in keys}, {k: current[k] for k in keys}, "peft.")
+    if changed:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds adapters of another layout ({'; '.join(changed)}; recorded "
+                              "-> now); resume with the checkpoint's peft.r, peft.alpha and peft.target_modules, or "
+                              "start fresh with checkpoint.resume=null.")
+
+
 def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | None, cp: int) -> tuple[int, list[str]]:
     """Refuse a checkpoint of another model shape or data stream; returns the padding to use and
     the notes (a changed data source under ``data.on_change=warn``)."""
     if model is not None and "model" in info:
         changed = _differences(info["model"], model, "", skip=("dtype",))
+        kinds = [_model_kind(m) for m in (info["model"], model)]
+        if kinds[0] != kinds[1]:  # another model altogether: its own field names, not a list of every field
+            changed = [f"{kinds[0]} -> {kinds[1]}, {len(changed)} fields differ"]
         if changed:
             raise CheckpointError(f"checkpoint {str(path)!r} was written by another model shape ({'; '.join(changed)}; "
                                   "recorded -> now); resuming would load only part of it. Use the model.preset/"
                                   "model.overrides/model.hf_path it was trained with, or start fresh "
                                   "(checkpoint.resume=null).")
+    _check_peft(path, info, config)
     recorded = info.get("data", {})
     pad = recorded.get("pad_to_multiple_of")
     wanted = config.data.pad_to_multiple_of

@@ -2,7 +2,8 @@
 Mamba2 (``mamba2``), Mamba1 (``mamba1``), RecurrentGemma's RG-LRU blocks (``rglru``), gated DeltaNet
 (``gdn``), Kimi Delta Attention (``kda``), gated short convolution (``short_conv``). Each recognises
 its mixers by structure, installs the document-resetting core behind a ``core`` seam that context
-parallelism replaces, and says why a model cannot be switched.
+parallelism replaces, and says why a model cannot be switched; ``fallback`` says when a switched mixer
+hands over to transformers' own forward (a cache, a padding mask) and when it must refuse to.
 
 Single-device code (no process group). Imports ``models/`` only; imported by ``parallel/`` and above.
 """

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from hybridpar.models.hf.mixers.fallback import takes_transformers_forward
 from hybridpar.models.hf.mixers.mamba2 import switch_mixers
 from hybridpar.models.linear.kda_core import kimi_delta_core
 from hybridpar.models.mamba.core import row_documents
@@ -94,12 +95,7 @@ def local_kda_core(layer: nn.Module, mixed_qkv: Tensor, f: Tensor, b: Tensor, pa
 def kda_training_forward(layer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
                          packed_seq_params=None, **kwargs) -> Tensor:
     """The layer's forward through ``layer.core`` (module docstring); ``hidden_states [B, L, D]``."""
-    padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
-    if cache is not None or padded or kwargs.get("cache_params") is not None:
-        if packed_seq_params is not None and packed_seq_params.cu_seqlens.numel() > 2:  # shape only, no sync
-            raise ValueError(f"{type(layer).__name__} got packed_seq_params of several documents together with a cache "
-                             "or a padding attention_mask, where transformers' own forward runs and lets the documents "
-                             "see each other; pass use_cache=False and no attention_mask.")
+    if takes_transformers_forward(layer, cache, attention_mask, packed_seq_params, kwargs):  # (no TP of KDA)
         return layer._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     batch, seqlen, _ = hidden_states.shape
     gate = layer.forget_gate

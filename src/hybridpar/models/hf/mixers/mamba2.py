@@ -32,6 +32,7 @@ import types
 
 from torch import Tensor, nn
 
+from hybridpar.models.hf.mixers.fallback import takes_transformers_forward
 from hybridpar.models.hf.versions import require_for_mixers
 from hybridpar.models.mamba.mixer import local_conv_scan
 
@@ -90,12 +91,8 @@ def local_split_sizes(mixer: nn.Module, width: int) -> list[int]:
 def mamba_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
                            packed_seq_params=None, **kwargs) -> Tensor:
     """The mixer's forward through ``mixer.core`` (module docstring); ``hidden_states [B, L, D]``."""
-    padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
-    if cache is not None or padded or kwargs.get("cache_params") is not None:
-        if getattr(mixer, "_hybridpar_head_sharded", False):
-            raise ValueError(f"{type(mixer).__name__} is sharded by heads (tensor parallel), where only hybridpar's "
-                             "core runs: pass no cache and no padding attention_mask (describe padding and documents "
-                             "with packed_seq_params), or generate with the unsharded model.")
+    sharded = "heads" if getattr(mixer, "_hybridpar_head_sharded", False) else None
+    if takes_transformers_forward(mixer, cache, attention_mask, packed_seq_params, kwargs, sharded):
         return mixer._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     dtype = hidden_states.dtype
     multiplier = getattr(mixer, "ssm_in_multiplier", None)

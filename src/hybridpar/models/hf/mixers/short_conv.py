@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from hybridpar.models.hf.mixers.fallback import takes_transformers_forward
 from hybridpar.models.hf.mixers.mamba2 import switch_mixers
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
@@ -142,12 +143,8 @@ def local_short_conv(module: nn.Module, bcx: Tensor, packed=None) -> Tensor:
 def short_conv_training_forward(module: nn.Module, hidden_states: Tensor, cache=None,
                                 attention_mask: Tensor | None = None, packed_seq_params=None, **kwargs) -> Tensor:
     """The short conv's forward through ``module.core`` (module docstring); ``hidden_states [B, L, D]``."""
-    padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
-    if cache is not None or padded or kwargs.get("past_key_values") is not None:
-        if hasattr(module.conv.weight, "to_local"):  # a DTensor: sharded by channels (tensor parallel)
-            raise ValueError(f"{type(module).__name__} is sharded by channels (tensor parallel), where only "
-                             "hybridpar's core runs: pass no cache and no padding attention_mask (describe padding "
-                             "and documents with packed_seq_params), or generate with the unsharded model.")
+    sharded = "channels" if hasattr(module.conv.weight, "to_local") else None  # a DTensor: tensor parallel
+    if takes_transformers_forward(module, cache, attention_mask, packed_seq_params, kwargs, sharded):
         return module._hybridpar_transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask,
                                                       **kwargs)
     bcx = module.in_proj(hidden_states)  # [B, L, 3C]
