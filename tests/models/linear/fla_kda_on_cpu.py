@@ -8,17 +8,19 @@ triton patches: none changes what a kernel computes). Prints one JSON object:
 - ``contract``: our written-out contract (``kda_contract.py``, the stand-in of the float64 tests)
   against FLA's ``naive_recurrent_kda`` in float32, outputs and final states;
 - ``cases``: per case, ``{quantity: [FLA fp32 error, pure fp32 error]}`` against the pure rule in
-  float64 (max-normalized): ``segments`` is the CP ``state`` strategy's call (``parallel/context/recurrent/kda.segment_kda_rule``: padded
-  segments, values ``[0 | v]`` twice as wide as the keys, ``[I | 0]`` entering, final states read)
-  against the pure rule's ``states_at`` / ``finals_at``, outputs, final states, every input's gradient;
+  float64 (max-normalized): ``segments`` is the CP ``state`` strategy's call
+  (``parallel/context/recurrent/kda.segment_kda_rule``: three padded segments, values ``[0 | v]``
+  twice as wide as the keys, ``[I | 0]`` entering, final states read) against the pure rule's
+  ``states_at`` / ``finals_at``: outputs, final states, every input's gradient;
 - ``compiled``: a tiny float32 Kimi Linear (two KDA layers of 2 heads, dense MLPs;
   ``install_kda_core``, so ``kimi_delta_core`` with ``use_stand_in("fla", "kda")``) on a row of 2
   packed documents, each decoder layer ``torch.compile(backend="aot_eager", fullgraph=True)``: the
   graph breaks and the fused calls (forward and the backward's recompute); ``model_errors``, the
-  next-token cross-entropy and every parameter gradient (``[FLA fp32, pure fp32]``) against the eager pure model in float64.
+  next-token cross-entropy and every parameter gradient (``[FLA fp32, pure fp32]``) against the
+  eager pure model in float64.
 
-Wall time (one core, shared machine): about 30-45 s, most of it the interpreter running the backward
-kernels; the core on FLA's rule is covered by the model, the rule's states by ``segments``.
+About 26 s of CPU (one thread), most of it the interpreter running the backward kernels; the core on
+FLA's rule is covered by the model, the rule's states by ``segments``.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ def contract_against_fla_naive() -> dict:
     beta = torch.rand(1, tokens, HEADS, generator=gen)
     h0 = torch.randn(1, HEADS, D, D, generator=gen)
     want_o, want_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o, s = kda_contract(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=torch.tensor([0, tokens]))
+    o, s = kda_contract(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                        cu_seqlens=torch.tensor([0, tokens]))
     return {"o": _relative(o, want_o), "final_states": _relative(s, want_s)}
 
 
 def segments_case() -> dict:
-    """Three chunk-padded segments (zeros after each), values ``[0 | v]`` (``2d`` columns), ``[I | 0]`` entering each."""
+    """Three chunk-padded segments (zeros after each), values ``[0 | v]`` (``2d`` columns), ``[I | 0]``
+    entering each."""
     import torch
 
     from hybridpar.parallel.context.recurrent.kda import segment_kda_rule
