@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Issue 25's GPU checks in one shot, for a machine with one H100/H200, a CUDA torch (2.11+),
-# triton, transformers and einops, and no internet. Finishes in about 9 minutes:
+# triton, transformers and einops, and no internet. Finishes in under 8 minutes of timeouts plus the install:
 #   1. install hybridpar over the machine's torch (no dependency is touched);
 #   2. fla-core from a wheel that travels with the tree (.whl/, see docs/gpu.md), if present;
 #   3. parity: the fused Mamba path vs the pure-PyTorch core, float32, 1e-4 (gpu_parity.py, at most 90 s);
 #   4. parity: the fused gated delta rule vs the pure core, float32, 1e-4 (gdn_parity.py, at most 60 s; not yet timed on a GPU);
-#   5. throughput: every row of gpu_throughput.py, within --budget-s (bf16 rows on the pure core if 3 failed).
-# The timeouts add up to 510 s (90 + 60 + 360), as before the gated DeltaNet check took 60 s of the throughput's.
+#   5. parity: Kimi Delta Attention on FLA's chunk_kda vs the pure core, float32, 1e-4 (kda_parity.py, at most 75 s;
+#      not yet timed on a GPU);
+#   6. throughput: every row of gpu_throughput.py, within --budget-s (bf16 rows on the pure core if 3 failed).
+# The timeouts add up to 475 s (90 + 60 + 75 + 250): the KDA check took 75 s of the throughput's, and 35 s more to
+# bring the total under 8 minutes (rows started until 200 s, was 300 s).
 # Usage: bash benchmarks/run_on_gpu.sh [results directory, default benchmarks/results]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +30,7 @@ if compgen -G ".whl/fla_core-*.whl" > /dev/null; then
 fi
 "$PY" -c "from hybridpar.models.mamba.fused_op import fla_status; print('fused Mamba kernels:', fla_status())"
 "$PY" -c "from hybridpar.models.linear.gdn_fused import fla_rule_status; print('fused gated delta rule:', fla_rule_status())"
+"$PY" -c "from hybridpar.models.linear.kda_fused import fla_kda_status; print('fused KDA rule:', fla_kda_status())"
 
 status=0
 kernel=auto
@@ -36,5 +40,6 @@ if ! timeout 90 "$PY" benchmarks/gpu_parity.py --out "$RESULTS"; then
     echo "run_on_gpu: gpu_parity failed; the bf16 throughput rows run with --mamba-kernel pure"
 fi
 timeout 60 "$PY" benchmarks/gdn_parity.py --out "$RESULTS" || status=1  # no GDN row in the throughput table
-timeout 360 "$PY" benchmarks/gpu_throughput.py --budget-s 300 --out "$RESULTS" --mamba-kernel "$kernel" || status=1
+timeout 75 "$PY" benchmarks/kda_parity.py --out "$RESULTS" || status=1  # nor a KDA row
+timeout 250 "$PY" benchmarks/gpu_throughput.py --budget-s 200 --out "$RESULTS" --mamba-kernel "$kernel" || status=1
 exit $status

@@ -8,8 +8,9 @@ process); ``"fla"`` where it cannot run is a ``ValueError``. ``use_stand_in(name
 path on any device with a registered stand-in for FLA's kernel (tests: FLA's contract on CPU).
 
 ``select_kernel`` is the same choice for every fused core (``"mamba"`` here, ``"gdn"``: the gated
-delta rule, ``models/linear/gdn_fused.py``): one ``use_mamba_kernel`` switch, a stand-in per family,
-one log line per family, kernel and reason (``gdn kernel: fla (fla-core 0.6.0 ...)``).
+delta rule, ``models/linear/gdn_fused.py``; ``"kda"``: Kimi Delta Attention, ``models/linear/kda_fused.py``):
+one ``use_mamba_kernel`` switch, a stand-in per family, one log line per family, kernel and reason
+(``gdn kernel: fla (fla-core 0.6.0 ...)``).
 
 Under ``torch.compile`` the state-boundary check (a host sync) moves into the fused op, which
 refuses states it cannot take; the choice itself reads only devices, dtypes and module state.
@@ -59,7 +60,8 @@ def use_mamba_kernel(mode: str):
 @contextlib.contextmanager
 def use_stand_in(name: str, family: str = "mamba"):
     """Within the block, the fused path of ``family`` (``"mamba"``, ``"gdn"``) runs on any device with
-    the kernel registered as ``name`` (``fused_op.register_scan``, ``linear/gdn_fused.register_rule``)
+    the kernel registered as ``name`` (``fused_op.register_scan``, ``linear/gdn_fused.register_rule``,
+    ``linear/kda_fused.register_kda_rule`` for ``"kda"``)
     in place of FLA's: how tests compile and check it on CPU (``"fla"``: FLA's own, interpreted)."""
     previous = _stand_ins.get(family)
     _stand_ins[family] = name

@@ -24,6 +24,12 @@ the outputs take ``P_t S_in``. The conv reads its ``K-1`` earlier inputs from th
 (``mamba_state._conv_halo``). Bytes each rank sends per layer, independent of ``L``::
 
     forward  (P-1) * 2*B*n_docs * ((K-1) * 3*H*d * e + H*d*2d * e_s)
+
+**Kernels.** Both strategies run the rule through FLA's ``chunk_kda`` where
+``models/linear/kda_fused.py`` chooses it (CUDA, fla-core, float32/bf16/fp16): "a2a" through
+``kimi_delta_core``; "state" through ``segment_kda_rule``, each padded segment one of FLA's
+``cu_seqlens`` sequences with initial state ``[I | 0]`` and its final state read (the padding,
+``k = v = beta = g = 0``, leaves the state as it is): the pure rule's ``states_in`` / ``finals_at``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from hybridpar.models.hf.mixers.kda import CHUNK_SIZE, kda_layers, local_kda_cor
 from hybridpar.models.linear.gdn_core import document_conv1d
 from hybridpar.models.linear.kda import chunk_kda_rule
 from hybridpar.models.linear.kda_core import kda_inputs, kimi_delta_core
+from hybridpar.models.linear.kda_fused import choose_kda_kernel, fused_kda_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
@@ -47,7 +54,7 @@ from hybridpar.parallel.context.recurrent.mamba import local_tensor
 from hybridpar.parallel.context.recurrent.mamba_state import _conv_halo, segment_plan
 
 __all__ = ["HiddenParallelKDA", "StatePassingKDA", "KDA_STRATEGIES", "apply_kda_cp", "validate_kda_parallel",
-           "kda_a2a_bytes_per_layer", "kda_state_bytes_per_layer"]
+           "kda_a2a_bytes_per_layer", "kda_state_bytes_per_layer", "segment_kda_rule"]
 
 
 def kda_a2a_bytes_per_layer(batch: int, seq_len: int, cp: int, heads: int, head_dim: int, element_size: int) -> float:
@@ -69,6 +76,23 @@ def _gate(layer: nn.Module) -> tuple[Tensor, Tensor]:
     """``(A_log [H], dt_bias [H*d])`` of the layer (this rank's shard under FSDP unsharded)."""
     gate = layer.forget_gate
     return local_tensor(gate.A_log).reshape(-1), local_tensor(gate.dt_bias)
+
+
+def segment_kda_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states_in: Tensor,
+                     chunk_segment: Tensor, starts: list[int], ends: list[int], chunk: int, kernel: str,
+                     dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The KDA rule on one stream of chunk-padded segments (``[1, N*chunk, ...]``, segment ``j`` the
+    chunks ``starts[j]..ends[j]``), ``states_in [S, H, d, dv']`` entering each: ``(o [1, N*chunk, H, dv'],
+    final states [S, H, d, dv'])`` in v's dtype; ``kernel`` ``"pure"`` or the fused rule of that name
+    (q, k, v in ``dtype``), as ``gdn.segment_rule``."""
+    if kernel == "pure":
+        o, finals = chunk_kda_rule(q, k, v, g, beta, doc_ids=chunk_segment.repeat_interleave(chunk)[None],
+                                   chunk_size=chunk, states_in=states_in, states_at=starts, finals_at=ends)
+    else:
+        cu_padded = torch.tensor([*starts, ends[-1] + 1], device=v.device) * chunk  # [S+1]
+        o, finals = fused_kda_rule(q.to(dtype), k.to(dtype), v.to(dtype), g, beta, cu_seqlens=cu_padded,
+                                   initial_state=states_in.contiguous(), output_final_state=True, rule=kernel)
+    return o.to(v.dtype), finals.to(v.dtype)
 
 
 class HiddenParallelKDA(ContextParallelCore):
@@ -139,9 +163,8 @@ class StatePassingKDA(ContextParallelCore):
             return t.new_zeros(1, padded_len, *t.shape[2:]).index_copy(1, position, t)
 
         identity = torch.eye(d, 2 * d, dtype=v.dtype, device=device).expand(len(starts), heads, d, 2 * d)
-        o, finals = chunk_kda_rule(*(spread(t) for t in (q, k, v, g, beta)),
-                                   doc_ids=chunk_segment.repeat_interleave(chunk)[None], chunk_size=chunk,
-                                   states_in=identity, states_at=starts, finals_at=ends)
+        o, finals = segment_kda_rule(*(spread(t) for t in (q, k, v, g, beta)), identity, chunk_segment, starts, ends,
+                                     chunk, choose_kda_kernel(mixed_qkv)[0], mixed_qkv.dtype)
         # o [1, padded, H, 2d] = [P_t | o_t|0]; finals [S, H, d, 2d] = [M | S_end|0]
         gathered = all_gather(finals.flatten(1), self.cp_group, 0)  # [S, H*d*2d] -> [P*S, ...], rank-major
         entering = _entering(gathered.view(self.cp_size, plan.num_docs, 2, heads, d, 2 * d), plan, d)
