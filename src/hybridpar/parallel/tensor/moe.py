@@ -21,8 +21,10 @@ eager loop, batched or grouped mm). Expert biases (GPT-OSS, ``has_bias``) follow
 replicated, enters each rank's partial sum as ``b / tp`` (its gradient unchanged), so the
 all-reduce adds it once. The router (``gate``) runs replicated on every rank and
 picks the same experts everywhere. In backward, the gradients of the expert input ``x`` and
-of the routing weights ``w`` are partial sums over TP and are all-reduced
-(``replicated_local``), so everything before the experts sees full gradients.
+of the routing weights ``w`` are partial sums over TP. ``w``'s ``[T, k]`` is all-reduced
+(``replicated_local``), so the router sees its full gradient; ``x``'s ``[T, D]`` is too when ``x``
+is a plain tensor, and when it is a replicated DTensor (a shared norm output) it is handed back
+``Partial`` to be summed with the other readers' before the norm's one all-reduce (``expert_input``).
 
 Under sequence parallelism the MoE block reads the all-gathered norm output and its
 (replicated) output is sliced back to the sequence shard: ``moe_block_sp_style``.
@@ -35,7 +37,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInputOutput, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -44,7 +46,8 @@ from hybridpar.parallel.tensor.decoder import decoder_plan
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, reduce_partial, replicated_local, restore_params,
                                               swap_in_local_params)
 
-__all__ = ["is_grouped_experts", "is_moe_block", "expert_placements", "GroupedExpertsParallel", "moe_block_sp_style",
+__all__ = ["is_grouped_experts", "is_moe_block", "expert_placements", "expert_input", "GroupedExpertsParallel",
+           "moe_block_sp_style",
            "moe_block_plan", "moe_blocks_plan", "moe_decoder_plan"]
 
 
@@ -94,6 +97,17 @@ def _once_over_tp(bias: torch.Tensor, tp: int) -> torch.Tensor:
     return bias + (bias / tp - bias).detach()
 
 
+def expert_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The experts' input ``x [T, D]`` as a plain tensor whose gradient is a partial sum over TP.
+
+    A ``Replicate`` DTensor (a shared norm output, ``decoder_plan(shared_norm_output=True)``) hands
+    its partial gradient back as ``Partial``: it adds up with the router's, the shared experts' and
+    the attention's before the norm's one all-reduce. A plain ``x`` all-reduces it here."""
+    if isinstance(x, DTensor) and x.placements == (Replicate(),):
+        return x.to_local(grad_placements=[Partial()])
+    return replicated_local(_full(x), mesh)
+
+
 class GroupedExpertsParallel(ParallelStyle):
     """Experts sharded on the intermediate dim; called as ``experts(x [T, D], top_k_index
     [T, k], top_k_weights [T, k])``, returns the all-reduced ``[T, D]``."""
@@ -113,9 +127,9 @@ class GroupedExpertsParallel(ParallelStyle):
             module._parameters["down_proj_bias"] = _once_over_tp(module._parameters["down_proj_bias"], mesh.size())
         # x [T, D] whole on every rank; its gradient (a partial sum over ranks) is all-reduced
         if args:
-            args[0] = replicated_local(_full(args[0]), mesh)
+            args[0] = expert_input(args[0], mesh)
         else:
-            kwargs["hidden_states"] = replicated_local(_full(kwargs["hidden_states"]), mesh)
+            kwargs["hidden_states"] = expert_input(kwargs["hidden_states"], mesh)
         args = [_full(a) for a in args]
         kwargs = {k: _full(v) for k, v in kwargs.items()}
         # routing weights [T, k]: same all-reduce of their partial gradient
@@ -169,7 +183,8 @@ def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict
         plan[f"{path}.{shared}.down_proj"] = RowwiseParallel()  # partial [T, D] -> all-reduce inside the block
     plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel()
     for latent in ("fc1_latent_proj", "fc2_latent_proj"):  # NemotronH's optional latent projections
-        plan[f"{path}.{latent}"] = LocalReplicateParallel()
+        if any(True for _ in getattr(block, latent, nn.Identity()).parameters()):  # an Identity passes the DTensor on
+            plan[f"{path}.{latent}"] = LocalReplicateParallel()
     if sequence_parallel:
         plan[path] = moe_block_sp_style()
     return plan
@@ -185,5 +200,9 @@ def moe_blocks_plan(model: nn.Module, sequence_parallel: bool, block: str = "mlp
 
 
 def moe_decoder_plan(model: nn.Module, sequence_parallel: bool, **decoder) -> dict[str, ParallelStyle]:
-    """``decoder_plan`` (attention, dense MLP layers, norms) plus every MoE block ``model.layers.i.mlp``."""
+    """``decoder_plan`` (attention, dense MLP layers, norms) plus every MoE block ``model.layers.i.mlp``.
+    Without SP each norm's output is one replicated DTensor (``shared_norm_output``): q, k, v, the
+    router (full gradient), the experts and the shared experts (partial gradients) add their input
+    gradients before one all-reduce per norm."""
+    decoder.setdefault("shared_norm_output", True)
     return {**decoder_plan(sequence_parallel, **decoder), **moe_blocks_plan(model, sequence_parallel)}
