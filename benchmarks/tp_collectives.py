@@ -65,7 +65,10 @@ def main() -> None:
     lines = harness.header("Whole-hidden-state all-reduces per step, transformers TP plans at tp=2 without SP", meta)
     lines += ["", f"One step, T = 37 tokens, float64, 2 gloo ranks; before = plans of `{args.base}`. Backward",
               "ideal: one all-reduce per norm output feeding a TP block, plus the LM head; the forward's ideal is",
-              "the same count (one row-parallel exit per norm, plus the embedding). Bytes: sent by one rank.", "",
+              "the same count (one row-parallel exit per norm, plus the embedding). Bytes: sent by one rank.",
+              "The last column counts every backward collective: small ones too (routing weights [T, k], a shared",
+              "expert gate [T, 1], replicated parameters' gradients). Falcon-H1, Granite 4.0-H, Phi and Cohere",
+              "all-reduce two branches of one norm apart in the forward; Arcee runs transformers' own plan.", "",
               "| model | D | backward before | backward after | ideal | bytes before | bytes after | forward | "
               "all backward collectives before -> after |",
               "|---|---|---|---|---|---|---|---|---|"]

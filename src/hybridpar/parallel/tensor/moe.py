@@ -26,6 +26,9 @@ of the routing weights ``w`` are partial sums over TP. ``w``'s ``[T, k]`` is all
 is a plain tensor, and when it is a replicated DTensor (a shared norm output) it is handed back
 ``Partial`` to be summed with the other readers' before the norm's one all-reduce (``expert_input``).
 
+Without SP a block with shared experts leaves both terms partial and sums them before one
+all-reduce at its exit (``PartialBlockExit``): ``[T, D]`` once per block, not once per term.
+
 Under sequence parallelism the MoE block reads the all-gathered norm output and its
 (replicated) output is sliced back to the sequence shard: ``moe_block_sp_style``.
 """
@@ -47,6 +50,7 @@ from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, reduce_par
                                               swap_in_local_params)
 
 __all__ = ["is_grouped_experts", "is_moe_block", "expert_placements", "expert_input", "GroupedExpertsParallel",
+           "PartialBlockExit",
            "moe_block_sp_style",
            "moe_block_plan", "moe_blocks_plan", "moe_decoder_plan"]
 
@@ -110,7 +114,12 @@ def expert_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 class GroupedExpertsParallel(ParallelStyle):
     """Experts sharded on the intermediate dim; called as ``experts(x [T, D], top_k_index
-    [T, k], top_k_weights [T, k])``, returns the all-reduced ``[T, D]``."""
+    [T, k], top_k_weights [T, k])``, returns the all-reduced ``[T, D]`` (``partial_output``: the
+    ``Partial`` DTensor, summed with the shared experts' before one all-reduce: ``PartialBlockExit``)."""
+
+    def __init__(self, *, partial_output: bool = False):
+        super().__init__()
+        self.partial_output = partial_output
 
     def check(self, name: str, module: nn.Module, tp: int) -> None:
         try:
@@ -143,6 +152,8 @@ class GroupedExpertsParallel(ParallelStyle):
         restore_params(module)
         if output is None:
             return output
+        if self.partial_output:  # partial [T, D], left to the block's exit
+            return DTensor.from_local(output, mesh, [Partial()], run_check=False)
         # partial [T, D] on each rank -> all-reduce -> [T, D]
         return reduce_partial(output, mesh, Replicate()).to_local()
 
@@ -151,6 +162,21 @@ class GroupedExpertsParallel(ParallelStyle):
         _distribute(module, expert_placements(module), device_mesh, self.src_data_rank)
         module.register_forward_pre_hook(partial(self._forward_pre, device_mesh), with_kwargs=True)
         module.register_forward_hook(partial(self._forward_post, device_mesh), always_call=True)
+        return module
+
+
+class PartialBlockExit(ParallelStyle):
+    """A MoE block's output ``[B, S, D]``, the ``Partial`` sum of its experts' and shared experts'
+    terms, all-reduced once as it leaves the block (a plain tensor), not once per term."""
+
+    @staticmethod
+    def _exit(mod, args, output):
+        if isinstance(output, DTensor):  # partial [B, S, D] -> all-reduce -> [B, S, D]
+            return output.redistribute(placements=[Replicate()]).to_local()
+        return output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(self._exit)
         return module
 
 
@@ -173,18 +199,25 @@ def is_moe_block(module: nn.Module) -> bool:
 
 
 def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Entries for one MoE block at ``path``: experts, router, shared experts and their gate."""
-    plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(), f"{path}.gate": LocalReplicateParallel()}
-    for shared in ("shared_expert", "shared_experts"):
-        mlp = getattr(block, shared, None)
-        if mlp is None:
-            continue
+    """Entries for one MoE block at ``path``: experts, router, shared experts and their gate. Without SP
+    a block with shared experts (and no latent projection) sums its two partial ``[T, D]`` terms before
+    one all-reduce at its exit (``PartialBlockExit``); with SP each all-reduces its own."""
+    latents = [n for n in ("fc1_latent_proj", "fc2_latent_proj")  # NemotronH's optional latent projections
+               if any(True for _ in getattr(block, n, nn.Identity()).parameters())]  # an Identity passes DTensors on
+    shared_mlps = [n for n in ("shared_expert", "shared_experts") if getattr(block, n, None) is not None]
+    summed = bool(shared_mlps) and not latents and not sequence_parallel
+    partial_out = dict(output_layouts=Partial(), use_local_output=False) if summed else {}
+    plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(partial_output=summed),
+                                      f"{path}.gate": LocalReplicateParallel()}
+    for shared in shared_mlps:
+        mlp = getattr(block, shared)
         plan.update({f"{path}.{shared}.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj") if hasattr(mlp, p)})
-        plan[f"{path}.{shared}.down_proj"] = RowwiseParallel()  # partial [T, D] -> all-reduce inside the block
-    plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel()
-    for latent in ("fc1_latent_proj", "fc2_latent_proj"):  # NemotronH's optional latent projections
-        if any(True for _ in getattr(block, latent, nn.Identity()).parameters()):  # an Identity passes the DTensor on
-            plan[f"{path}.{latent}"] = LocalReplicateParallel()
+        plan[f"{path}.{shared}.down_proj"] = RowwiseParallel(**partial_out)  # partial [T, D], all-reduced unless summed
+    # its sigmoid gate [T, 1] scales the partial shared term: a Replicate DTensor when summed
+    plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel(output_layouts=Replicate() if summed else None)
+    plan.update({f"{path}.{latent}": LocalReplicateParallel() for latent in latents})
+    if summed:
+        plan[path] = PartialBlockExit()
     if sequence_parallel:
         plan[path] = moe_block_sp_style()
     return plan
