@@ -19,7 +19,8 @@ projections declare a ``Shard(1)`` input and each all-gather it.
 from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
 
 from hybridpar.parallel.tensor.styles import (
     LocalReplicateParallel,
@@ -89,8 +90,10 @@ def decoder_plan(sequence_parallel: bool, *, prefix: str = "model", layers: str 
     - ``shared_norm_output`` (without SP): an in-norm's output is one replicated DTensor that every
       column-parallel projection of its block reads, so their input gradients (partial sums over
       TP) add up before one all-reduce instead of one each (q, k, v: 3 -> 1; gate, up: 2 -> 1), as
-      under SP. For plans whose in-norms feed the attention, a dense MLP or a Mamba mixer on
-      hybridpar's core (``local_mixer_input`` takes it as is: Bamba), not a MoE router.
+      under SP. Every reader of it takes the DTensor: column-parallel projections, a mixer on
+      hybridpar's core (``local_mixer_input``), a MoE block (``moe.expert_input``: router, experts and
+      shared experts add up as well). With ``residual_inputs`` (no in-norm) the attention's and the
+      MLP's input is made that DTensor on entry (``PrepareModuleInput``).
     """
     sp = sequence_parallel
     layer = f"{prefix}.{layers}.*"
@@ -113,6 +116,12 @@ def decoder_plan(sequence_parallel: bool, *, prefix: str = "model", layers: str 
         plan.update({f"{layer}.{mlp}.{p}": ColwiseParallel(**col_in) for p in mlp_in})
         plan[f"{layer}.{mlp}.{mlp_out}"] = RowwiseParallel(**reduce_out)
     if not sp:
+        if shared_norm_output and residual_inputs:  # plain [B, S, D] -> Replicate DTensor: one gradient all-reduce
+            replicated = {"hidden_states": Replicate()}
+            plan[f"{layer}.{attn}"] = PrepareModuleInput(input_kwarg_layouts=replicated,
+                                                         desired_input_kwarg_layouts=replicated)
+            plan[f"{layer}.{mlp}"] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                                        desired_input_layouts=(Replicate(),))
         shared = dict(output_layouts=Replicate()) if shared_norm_output else {}
         for norm in in_norms:  # [B, S, D] replicated; a DTensor: one all-reduce of its gradient in backward
             plan[f"{layer}.{norm}"] = LocalReplicateParallel(**shared)

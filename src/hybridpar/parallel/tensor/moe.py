@@ -21,8 +21,13 @@ eager loop, batched or grouped mm). Expert biases (GPT-OSS, ``has_bias``) follow
 replicated, enters each rank's partial sum as ``b / tp`` (its gradient unchanged), so the
 all-reduce adds it once. The router (``gate``) runs replicated on every rank and
 picks the same experts everywhere. In backward, the gradients of the expert input ``x`` and
-of the routing weights ``w`` are partial sums over TP and are all-reduced
-(``replicated_local``), so everything before the experts sees full gradients.
+of the routing weights ``w`` are partial sums over TP. ``w``'s ``[T, k]`` is all-reduced
+(``replicated_local``), so the router sees its full gradient; ``x``'s ``[T, D]`` is too when ``x``
+is a plain tensor, and when it is a replicated DTensor (a shared norm output) it is handed back
+``Partial`` to be summed with the other readers' before the norm's one all-reduce (``expert_input``).
+
+Without SP a block with shared experts leaves both terms partial and sums them before one
+all-reduce at its exit (``PartialBlockExit``): ``[T, D]`` once per block, not once per term.
 
 Under sequence parallelism the MoE block reads the all-gathered norm output and its
 (replicated) output is sliced back to the sequence shard: ``moe_block_sp_style``.
@@ -35,7 +40,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInputOutput, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -44,7 +49,9 @@ from hybridpar.parallel.tensor.decoder import decoder_plan
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, reduce_partial, replicated_local, restore_params,
                                               swap_in_local_params)
 
-__all__ = ["is_grouped_experts", "is_moe_block", "expert_placements", "GroupedExpertsParallel", "moe_block_sp_style",
+__all__ = ["is_grouped_experts", "is_moe_block", "expert_placements", "expert_input", "GroupedExpertsParallel",
+           "PartialBlockExit",
+           "moe_block_sp_style",
            "moe_block_plan", "moe_blocks_plan", "moe_decoder_plan"]
 
 
@@ -94,9 +101,25 @@ def _once_over_tp(bias: torch.Tensor, tp: int) -> torch.Tensor:
     return bias + (bias / tp - bias).detach()
 
 
+def expert_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The experts' input ``x [T, D]`` as a plain tensor whose gradient is a partial sum over TP.
+
+    A ``Replicate`` DTensor (a shared norm output, ``decoder_plan(shared_norm_output=True)``) hands
+    its partial gradient back as ``Partial``: it adds up with the router's, the shared experts' and
+    the attention's before the norm's one all-reduce. A plain ``x`` all-reduces it here."""
+    if isinstance(x, DTensor) and x.placements == (Replicate(),):
+        return x.to_local(grad_placements=[Partial()])
+    return replicated_local(_full(x), mesh)
+
+
 class GroupedExpertsParallel(ParallelStyle):
     """Experts sharded on the intermediate dim; called as ``experts(x [T, D], top_k_index
-    [T, k], top_k_weights [T, k])``, returns the all-reduced ``[T, D]``."""
+    [T, k], top_k_weights [T, k])``, returns the all-reduced ``[T, D]`` (``partial_output``: the
+    ``Partial`` DTensor, summed with the shared experts' before one all-reduce: ``PartialBlockExit``)."""
+
+    def __init__(self, *, partial_output: bool = False):
+        super().__init__()
+        self.partial_output = partial_output
 
     def check(self, name: str, module: nn.Module, tp: int) -> None:
         try:
@@ -113,9 +136,9 @@ class GroupedExpertsParallel(ParallelStyle):
             module._parameters["down_proj_bias"] = _once_over_tp(module._parameters["down_proj_bias"], mesh.size())
         # x [T, D] whole on every rank; its gradient (a partial sum over ranks) is all-reduced
         if args:
-            args[0] = replicated_local(_full(args[0]), mesh)
+            args[0] = expert_input(args[0], mesh)
         else:
-            kwargs["hidden_states"] = replicated_local(_full(kwargs["hidden_states"]), mesh)
+            kwargs["hidden_states"] = expert_input(kwargs["hidden_states"], mesh)
         args = [_full(a) for a in args]
         kwargs = {k: _full(v) for k, v in kwargs.items()}
         # routing weights [T, k]: same all-reduce of their partial gradient
@@ -129,6 +152,8 @@ class GroupedExpertsParallel(ParallelStyle):
         restore_params(module)
         if output is None:
             return output
+        if self.partial_output:  # partial [T, D], left to the block's exit
+            return DTensor.from_local(output, mesh, [Partial()], run_check=False)
         # partial [T, D] on each rank -> all-reduce -> [T, D]
         return reduce_partial(output, mesh, Replicate()).to_local()
 
@@ -137,6 +162,21 @@ class GroupedExpertsParallel(ParallelStyle):
         _distribute(module, expert_placements(module), device_mesh, self.src_data_rank)
         module.register_forward_pre_hook(partial(self._forward_pre, device_mesh), with_kwargs=True)
         module.register_forward_hook(partial(self._forward_post, device_mesh), always_call=True)
+        return module
+
+
+class PartialBlockExit(ParallelStyle):
+    """A MoE block's output ``[B, S, D]``, the ``Partial`` sum of its experts' and shared experts'
+    terms, all-reduced once as it leaves the block (a plain tensor), not once per term."""
+
+    @staticmethod
+    def _exit(mod, args, output):
+        if isinstance(output, DTensor):  # partial [B, S, D] -> all-reduce -> [B, S, D]
+            return output.redistribute(placements=[Replicate()]).to_local()
+        return output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(self._exit)
         return module
 
 
@@ -159,17 +199,25 @@ def is_moe_block(module: nn.Module) -> bool:
 
 
 def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Entries for one MoE block at ``path``: experts, router, shared experts and their gate."""
-    plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(), f"{path}.gate": LocalReplicateParallel()}
-    for shared in ("shared_expert", "shared_experts"):
-        mlp = getattr(block, shared, None)
-        if mlp is None:
-            continue
+    """Entries for one MoE block at ``path``: experts, router, shared experts and their gate. Without SP
+    a block with shared experts (and no latent projection) sums its two partial ``[T, D]`` terms before
+    one all-reduce at its exit (``PartialBlockExit``); with SP each all-reduces its own."""
+    latents = [n for n in ("fc1_latent_proj", "fc2_latent_proj")  # NemotronH's optional latent projections
+               if any(True for _ in getattr(block, n, nn.Identity()).parameters())]  # an Identity passes DTensors on
+    shared_mlps = [n for n in ("shared_expert", "shared_experts") if getattr(block, n, None) is not None]
+    summed = bool(shared_mlps) and not latents and not sequence_parallel
+    partial_out = dict(output_layouts=Partial(), use_local_output=False) if summed else {}
+    plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(partial_output=summed),
+                                      f"{path}.gate": LocalReplicateParallel()}
+    for shared in shared_mlps:
+        mlp = getattr(block, shared)
         plan.update({f"{path}.{shared}.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj") if hasattr(mlp, p)})
-        plan[f"{path}.{shared}.down_proj"] = RowwiseParallel()  # partial [T, D] -> all-reduce inside the block
-    plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel()
-    for latent in ("fc1_latent_proj", "fc2_latent_proj"):  # NemotronH's optional latent projections
-        plan[f"{path}.{latent}"] = LocalReplicateParallel()
+        plan[f"{path}.{shared}.down_proj"] = RowwiseParallel(**partial_out)  # partial [T, D], all-reduced unless summed
+    # its sigmoid gate [T, 1] scales the partial shared term: a Replicate DTensor when summed
+    plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel(output_layouts=Replicate() if summed else None)
+    plan.update({f"{path}.{latent}": LocalReplicateParallel() for latent in latents})
+    if summed:
+        plan[path] = PartialBlockExit()
     if sequence_parallel:
         plan[path] = moe_block_sp_style()
     return plan
@@ -185,5 +233,9 @@ def moe_blocks_plan(model: nn.Module, sequence_parallel: bool, block: str = "mlp
 
 
 def moe_decoder_plan(model: nn.Module, sequence_parallel: bool, **decoder) -> dict[str, ParallelStyle]:
-    """``decoder_plan`` (attention, dense MLP layers, norms) plus every MoE block ``model.layers.i.mlp``."""
+    """``decoder_plan`` (attention, dense MLP layers, norms) plus every MoE block ``model.layers.i.mlp``.
+    Without SP each norm's output is one replicated DTensor (``shared_norm_output``): q, k, v, the
+    router (full gradient), the experts and the shared experts (partial gradients) add their input
+    gradients before one all-reduce per norm."""
+    decoder.setdefault("shared_norm_output", True)
     return {**decoder_plan(sequence_parallel, **decoder), **moe_blocks_plan(model, sequence_parallel)}

@@ -97,8 +97,8 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle] | None:
 def default_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Generic fallback for Llama-shaped models (``model.layers.*.self_attn``/``mlp``);
     fused ``qkv_proj``/``gate_up_proj`` are left out: a plain column split of a fused
-    weight mixes q, k and v rows."""
-    return decoder_plan(sequence_parallel)
+    weight mixes q, k and v rows. Each norm's output is one replicated DTensor (``shared_norm_output``)."""
+    return decoder_plan(sequence_parallel, shared_norm_output=True)
 
 
 # Our own model: the plan (Mamba2 mixer by heads, attention, MLP, vocab-parallel embedding

@@ -127,14 +127,16 @@ def olmo2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     """OLMo2, OLMo3: q/k RMSNorms over all heads (gathered attention); only post-block norms, so the
     blocks read the residual stream directly."""
     return decoder_plan(sequence_parallel, gather_attention=True, head_norms=("q_norm", "k_norm"), in_norms=(),
-                        post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), residual_inputs=True)
+                        post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), residual_inputs=True,
+                        shared_norm_output=True)
 
 
 @register_hf_plan("exaone4", "Exaone4ForCausalLM")
 def exaone4_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Exaone4: per-head q/k RMSNorms (replicated) and OLMo2's post-block norms only."""
     return decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"), in_norms=(),
-                        post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), residual_inputs=True)
+                        post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), residual_inputs=True,
+                        shared_norm_output=True)
 
 
 @register_hf_plan("cohere", "CohereForCausalLM",
@@ -254,7 +256,8 @@ _LFM = dict(mlp="feed_forward", mlp_in=("w1", "w3"), mlp_out="w2", in_norms=("op
 @register_hf_plan("lfm2", "Lfm2ForCausalLM")
 def lfm2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """LFM2: short convs by channels; attention (``out_proj``, q/k layernorms per head) and MLP."""
-    plan = decoder_plan(sequence_parallel, attn_out="out_proj", head_norms=("q_layernorm", "k_layernorm"), **_LFM)
+    plan = decoder_plan(sequence_parallel, attn_out="out_proj", head_norms=("q_layernorm", "k_layernorm"),
+                        shared_norm_output=True, **_LFM)
     plan["model.layers.*.conv"] = ShortConvChannelParallel(sequence_parallel=sequence_parallel)
     return plan
 
@@ -265,7 +268,8 @@ def lfm3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSt
     (column-parallel: the gate of the local heads); sandwich norms on the block outputs."""
     sandwich = getattr(model.config, "use_sandwich_norm", False)
     plan = decoder_plan(sequence_parallel, head_norms=("q_norm", "k_norm"),
-                        post_norms=("post_operator_norm", "post_ffn_norm") if sandwich else (), **_LFM)
+                        post_norms=("post_operator_norm", "post_ffn_norm") if sandwich else (), shared_norm_output=True,
+                        **_LFM)
     plan["model.layers.*.self_attn.g_proj"] = HeadGateParallel()
     plan["model.layers.*.conv"] = ShortConvChannelParallel(sequence_parallel=sequence_parallel)
     return plan

@@ -161,7 +161,7 @@ def jamba_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     block (``feed_forward``: experts on their intermediate dim, ``router`` replicated)."""
     sp = sequence_parallel
     plan = decoder_plan(sp, mlp="feed_forward", in_norms=("input_layernorm", "pre_ff_layernorm"),
-                        final_norm="final_layernorm", rotary=None)
+                        final_norm="final_layernorm", rotary=None, shared_norm_output=True)
     for index, layer in enumerate(model.model.layers):
         if getattr(layer, "mamba", None) is not None:
             plan[f"model.layers.{index}.mamba"] = Mamba1ChannelParallel(sequence_parallel=sp)

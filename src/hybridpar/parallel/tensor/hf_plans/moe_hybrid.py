@@ -186,7 +186,7 @@ def falcon_h1_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paral
     """Falcon-H1: attention and MLP (``feed_forward``) sharded; the parallel Mamba2 branch by heads
     (replicated on transformers' own forward, seed 004). Under SP the Mamba branch reads the
     all-gathered norm output and its output joins the sequence-sharded attention output."""
-    plan = decoder_plan(sequence_parallel, **_HYBRID)
+    plan = decoder_plan(sequence_parallel, shared_norm_output=True, **_HYBRID)
     replicated = LocalReplicateParallel(output_as_dtensor=sequence_parallel)
     for index, layer in enumerate(model.model.layers):
         plan[f"model.layers.{index}.mamba"] = hf_mamba_style(layer.mamba, sequence_parallel, replicated)
@@ -210,9 +210,9 @@ def bamba_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
 def nemotron_h_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """NemotronH: one mixer per layer (Mamba2, attention, MLP or MoE) after one norm. Hugging
     Face's own plan names MoE experts every layer and shards nothing else; this one shards
-    attention, MLP and MoE layers and shards the Mamba2 mixers by heads. Without SP the norm before
-    an attention, MLP or Mamba mixer returns one replicated DTensor: q, k, v all-reduce their summed
-    input gradient once (a MoE layer's router reads a plain tensor)."""
+    attention, MLP and MoE layers and shards the Mamba2 mixers by heads. Without SP every norm returns
+    one replicated DTensor: q, k, v (a MoE block's router, experts and shared experts) all-reduce their
+    summed input gradient once."""
     sp = sequence_parallel
     reduce_out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
     plan: dict[str, ParallelStyle] = {
@@ -223,9 +223,8 @@ def nemotron_h_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Para
     for index, layer in enumerate(model.model.layers):
         path = f"model.layers.{index}.mixer"
         kind = layer.block_type
-        shared = dict(output_layouts=Replicate()) if kind != "moe" else {}
         plan[f"model.layers.{index}.norm"] = (SequenceParallelAllGatherActivation(use_local_output=False) if sp
-                                              else LocalReplicateParallel(**shared))
+                                              else LocalReplicateParallel(output_layouts=Replicate()))
         if kind == "full_attention":
             plan.update({f"{path}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
             plan[f"{path}.o_proj"] = RowwiseParallel(**reduce_out)
@@ -247,6 +246,7 @@ def granite_moe_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[s
     (chunked after the projection; a plain weight shard composes with FSDP)."""
     sp = sequence_parallel
     plan = decoder_plan(sp, mlp="shared_mlp", mlp_in=("input_linear",), gather_mlp=True, mlp_out="output_linear",
+                        shared_norm_output=True,
                         rotary="rotary_emb" if getattr(model.model, "rotary_emb", None) is not None else None)
     replicated = LocalReplicateParallel(output_layouts=Shard(1) if sp else None)
     for index, layer in enumerate(model.model.layers):
@@ -311,7 +311,8 @@ def zamba2_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
     sp = sequence_parallel
 
     def in_norm() -> ParallelStyle:
-        return SequenceParallelAllGatherActivation(use_local_output=False) if sp else LocalReplicateParallel()
+        return (SequenceParallelAllGatherActivation(use_local_output=False) if sp
+                else LocalReplicateParallel(output_layouts=Replicate()))
 
     plan: dict[str, ParallelStyle] = {"model.embed_tokens": embedding_style(sp), "lm_head": lm_head_style(sp),
                                       "model.final_layernorm": SequenceParallel() if sp else LocalReplicateParallel()}
@@ -358,7 +359,8 @@ def olmo_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Par
     """OLMo-Hybrid: attention layers as OLMo3 (q/k norms over all heads: gathered attention, post-block
     norms); gated DeltaNet layers (pre-block norms) by heads; per layer index."""
     attention = olmo2_plan(model, sequence_parallel)
-    linear = decoder_plan(sequence_parallel, rotary=None, in_norms=("input_layernorm", "post_attention_layernorm"))
+    linear = decoder_plan(sequence_parallel, rotary=None, in_norms=("input_layernorm", "post_attention_layernorm"),
+                          shared_norm_output=True)
     every = "model.layers.*."
     plan = {k: v for k, v in attention.items() if not k.startswith(every)}  # embeddings, rotary, final norm
     for index, layer in enumerate(model.model.layers):
