@@ -52,10 +52,10 @@ def test_tp2_and_sp_of_deepseek_v3_match_one_process():
 
 
 def test_heads_not_divisible_by_tp_are_refused_in_one_line():
-    from hybridpar.parallel.tensor.hf_plans.mla import LatentUpParallel, _validate
+    from hybridpar.parallel.tensor.hf_plans.mla import LatentUpParallel, validate_mla
 
     model = build_model("deepseek_v3")
     with pytest.raises(ValueError, match=r"^[^\n]*4 attention heads are not divisible by tp=8[^\n]*$"):
-        _validate(model, 8)
+        validate_mla(model, 8)
     with pytest.raises(ValueError, match=r"^[^\n]*4 attention heads are not divisible by tp=3[^\n]*$"):
         LatentUpParallel(4).check("model.layers.0.self_attn.kv_b_proj", model.model.layers[0].self_attn.kv_b_proj, 3)

@@ -179,13 +179,16 @@ KDA_STRATEGIES = {"a2a": HiddenParallelKDA, "state": StatePassingKDA}
 
 def validate_kda_parallel(model: nn.Module, cp: int, tp: int, strategy: str) -> None:
     """Raise ``ValueError`` (no communication) unless every switched KDA layer of ``model`` can run at
-    this ``cp`` and ``tp``: no tensor parallelism (no plan shards them), a known CP strategy and, for
-    "a2a", heads divisible by cp."""
+    this ``cp`` and ``tp``: heads divisible by tp (``KDAHeadParallel`` shards them), no cp x tp yet, a
+    known CP strategy and, for "a2a", heads divisible by cp."""
     for name, layer in kda_layers(model):
         where = f"Kimi Delta Attention {name!r} ({type(layer).__name__})"
-        if tp > 1:
-            raise ValueError(f"{where} has no tensor-parallel plan in hybridpar, got tp={tp}; use parallel.tp=1 "
-                             "(context parallelism and FSDP apply).")
+        if tp > 1 and layer.num_heads % tp:
+            raise ValueError(f"{where}: {layer.num_heads} heads are not divisible by tp={tp}; use a tp that divides "
+                             f"{layer.num_heads}.")
+        if tp > 1 and cp > 1:
+            raise ValueError(f"{where}: context parallelism together with tensor parallelism (cp={cp}, tp={tp}) is not "
+                             "supported for Kimi Delta Attention yet; use parallel.cp=1 or parallel.tp=1.")
         if cp == 1:
             continue
         if strategy not in KDA_STRATEGIES:

@@ -38,7 +38,7 @@ from hybridpar.parallel.tensor.moe import moe_decoder_plan
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, replicated_local, restore_params,
                                              swap_in_local_params)
 
-__all__ = ["LatentDownParallel", "LatentUpParallel", "mla_attention_plan", "deepseek_v3_plan"]
+__all__ = ["LatentDownParallel", "LatentUpParallel", "mla_attention_plan", "validate_mla", "deepseek_v3_plan"]
 
 
 class LatentDownParallel(LocalReplicateParallel):
@@ -92,12 +92,13 @@ def _check_heads(heads: int, model: nn.Module, tp: int) -> None:
                          f"use a tp that divides {heads}")
 
 
-def _validate(model: nn.Module, tp: int) -> None:
+def validate_mla(model: nn.Module, tp: int) -> None:
+    """Refuse attention heads not divisible by ``tp`` (one line), then the usual size checks."""
     _check_heads(model.config.num_attention_heads, model, tp)
     validate_tp_sizes(model, tp)
 
 
-@register_hf_plan("deepseek_v3", "DeepseekV3ForCausalLM", validate=_validate)
+@register_hf_plan("deepseek_v3", "DeepseekV3ForCausalLM", validate=validate_mla)
 def deepseek_v3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """DeepSeek-V3: MLA by heads (see the module docstring), dense MLPs on their intermediate dim,
     MoE blocks through ``moe_block_plan``; each norm's output one replicated DTensor without SP."""
