@@ -112,6 +112,11 @@ def _builders(hf) -> dict:
             **{**c, "num_key_value_heads": 4, "intermediate_size": 64}, kv_lora_rank=16, q_lora_rank=None,
             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, n_shared_experts=1, n_group=2,
             topk_group=1, first_k_dense_replace=1, **_MOE)),
+        # DeepSeek-V2's MLA: complex rotary in float32 and a float32 softmax router (keep_float64 in build_model)
+        "deepseek_v2": lambda: hf.DeepseekV2ForCausalLM(hf.DeepseekV2Config(
+            **{**c, "num_key_value_heads": 4, "intermediate_size": 64}, kv_lora_rank=16, q_lora_rank=24,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, n_shared_experts=1,
+            first_k_dense_replace=1, **_MOE)),
         # attention sinks (eager: no SDPA path), a sliding layer, biased experts with interleaved gate/up
         "gpt_oss": lambda: hf.GptOssForCausalLM(hf.GptOssConfig(
             num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
@@ -182,6 +187,10 @@ def build_model(name: str) -> nn.Module:
             _exact_mixtral_router(module)
         elif kind == "DeepseekV3TopkRouter":
             _exact_deepseek_router(module)
+    if name == "deepseek_v2":
+        from hybridpar.models.hf.float64 import keep_float64
+
+        keep_float64(model)
     return model
 
 

@@ -10,7 +10,7 @@ module registers:
 - ``hf_plans.moe_hybrid``: mixture-of-experts and Mamba hybrids (Mixtral, Qwen2-MoE, Qwen3-MoE,
   NemotronH, Falcon-H1, Bamba);
 - ``hf_plans.mamba1``: Jamba, FalconMamba, Mamba (Mamba1 mixers by channel);
-- ``hf_plans.mla``: multi-head latent attention by heads (DeepSeek-V3); ``hf_plans.kimi_linear``: Kimi
+- ``hf_plans.mla``: multi-head latent attention by heads (DeepSeek-V2/V3); ``hf_plans.kimi_linear``: Kimi
   Linear (KDA layers by heads, MLA layers as DeepSeek-V3's);
 - ``HybridLM`` (lazily, ``tp_hybrid``) and ``"default"``, a Llama-shaped guess for unknown
   classes (``tp_check`` refuses it where it does not fit).

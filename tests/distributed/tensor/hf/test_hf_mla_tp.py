@@ -1,7 +1,8 @@
-"""Tensor (+sequence) parallelism of multi-head latent attention (DeepSeek-V3) against one process, float64.
+"""Tensor (+sequence) parallelism of multi-head latent attention (DeepSeek-V3, -V2) against one process, float64.
 
 A tiny DeepSeek-V3 (``tests/distributed/tensor/hf_models.py``: 4 heads, q/kv latents 24/16, a dense first
-layer, then a MoE layer with a grouped router and a shared expert), with and without ``q_lora_rank``, on
+layer, then a MoE layer with a grouped router and a shared expert), with and without ``q_lora_rank``, and a
+DeepSeek-V2 alike (complex rotary, softmax router: ``keep_float64``), on
 2 gloo ranks at tp=2 and tp=2 + SP through its registered plan (``parallel/tensor/hf_plans/mla.py``): the
 logits and every parameter gradient (gathered, under transformers' names) equal the one-process model's
 to 1e-9; q_b_proj / kv_b_proj are sharded by heads, the low-rank parts replicated. Heads not divisible by
@@ -18,7 +19,7 @@ from tests.distributed.tensor.hf_models import SEQ, VOCAB, build_model, parity
 
 TOL = 1e-9
 CASES = [("deepseek_v3", False), ("deepseek_v3", True), ("deepseek_v3_no_q_lora", False),
-         ("deepseek_v3_no_q_lora", True)]
+         ("deepseek_v3_no_q_lora", True), ("deepseek_v2", False), ("deepseek_v2", True)]
 
 
 def _run(rank, world_size) -> dict:
@@ -43,7 +44,7 @@ def test_tp2_and_sp_of_deepseek_v3_match_one_process():
             assert r["logits_error"] < TOL and r["grad_errors"][worst] < TOL, (case, worst, r["grad_errors"][worst])
             placements = r["placements"]
             assert "plain" not in placements.values(), case
-            q = "q_b_proj" if case[0] == "deepseek_v3" else "q_proj"
+            q = "q_proj" if case[0] == "deepseek_v3_no_q_lora" else "q_b_proj"
             assert placements[f"model.layers.0.self_attn.{q}.weight"] == "S0", case
             assert placements["model.layers.1.self_attn.kv_b_proj.weight"] == "S0", case
             assert placements["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"] == "R", case
