@@ -60,3 +60,25 @@ def test_heads_not_divisible_by_tp_are_refused_in_one_line():
         validate_mla(model, 8)
     with pytest.raises(ValueError, match=r"^[^\n]*4 attention heads are not divisible by tp=3[^\n]*$"):
         LatentUpParallel(4).check("model.layers.0.self_attn.kv_b_proj", model.model.layers[0].self_attn.kv_b_proj, 3)
+
+
+def test_lora_on_the_latent_projections_and_kda_layers_is_refused_in_one_line():
+    from hybridpar.models.hf.mixers.kda import install_kda_core
+    from hybridpar.models.lora import add_lora
+    from hybridpar.parallel.lora import lora_pairings
+    from hybridpar.parallel.tensor.hf_plans.kimi_linear import kimi_linear_plan
+    from hybridpar.parallel.tensor.hf_plans.mla import deepseek_v3_plan
+    from tests.models.hf.kda_models import build_kda
+
+    model = build_model("deepseek_v3")
+    add_lora(model, r=2, seed=0, targets=["q_a_proj", "o_proj"])
+    assert set(lora_pairings(model, deepseek_v3_plan(model, False)).values()) == {"replicated", "rowwise"}
+    model = build_model("deepseek_v3")
+    add_lora(model, r=2, seed=0, targets=["kv_a_proj_with_mqa"])
+    with pytest.raises(ValueError, match=r"^LoRA target 'model.layers.0.self_attn.kv_a_proj_with_mqa'[^\n]*$"):
+        lora_pairings(model, deepseek_v3_plan(model, False))
+    kimi = build_kda()
+    install_kda_core(kimi)
+    add_lora(kimi, r=2, seed=0, targets=["g_b_proj"])
+    with pytest.raises(ValueError, match=r"^LoRA target 'model.layers.0.self_attn.g_b_proj'[^\n]*$"):
+        lora_pairings(kimi, kimi_linear_plan(kimi, False))

@@ -45,6 +45,8 @@ class LatentDownParallel(LocalReplicateParallel):
     """A replicated down projection whose output gradient arrives as a partial sum over TP (its readers
     hold local heads only): forward ``[B, S, R]`` unchanged, backward all-reduced once (``replicated_local``)."""
 
+    pairs_lora = False  # a LoRA hook would add its term after the all-reduce's seam: refused (parallel/lora.py)
+
     def _restore(self, mesh: DeviceMesh, mod, args, outputs):
         restore_params(mod)
         return replicated_local(outputs, mesh)  # [B, S, R]; backward: partial -> all-reduce
