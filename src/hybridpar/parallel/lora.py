@@ -60,6 +60,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
+from hybridpar.models.hf.mixers.kda import KDA_MARK
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
 from hybridpar.models.lora_experts import GateUpB, adapter_child, expert_lora_modules
 from hybridpar.models.hf.mixers.mamba1 import MAMBA1_MARK
@@ -120,7 +121,8 @@ def _style_kind(style: ParallelStyle, module: nn.Module) -> str | None:
         return "colwise"
     if isinstance(style, RowwiseParallel):
         return "rowwise"
-    if isinstance(style, LocalReplicateParallel) and not style.grad_allreduce and style.output_layouts is None:
+    if isinstance(style, LocalReplicateParallel) and not style.grad_allreduce and style.output_layouts is None \
+            and getattr(style, "pairs_lora", True):  # (mla.LatentDownParallel: its output gradient is summed in a hook)
         return "replicated"
     return None
 
@@ -143,6 +145,8 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
                 kind = ("rowwise" if atoms[-1] in ("out_proj", "o_proj") else "components") \
                     if cut == len(atoms) - 1 else None
                 return kind, repr(style)
+            if getattr(mixer, KDA_MARK, False) and not isinstance(style, LocalReplicateParallel):
+                return None, repr(style)  # KDAHeadParallel: no LoRA pairing yet
             if getattr(mixer, MAMBA1_MARK, False) and not isinstance(style, LocalReplicateParallel):
                 # Mamba1ChannelParallel: in_proj per component, dt_proj by rows (on local tensors), out_proj
                 # rowwise; x_proj (row-parallel, its output all-reduced inside the mixer) has no pairing

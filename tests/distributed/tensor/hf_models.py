@@ -103,6 +103,20 @@ def _builders(hf) -> dict:
         "qwen2_moe": lambda: hf.Qwen2MoeForCausalLM(hf.Qwen2MoeConfig(num_experts=4, shared_expert_intermediate_size=64,
                                                                      **_MOE, **c)),
         "qwen3_moe": lambda: hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(num_experts=4, head_dim=16, **_MOE, **c)),
+        # multi-head latent attention (q/k head dim 8 + 8, v 12), a dense first layer, then grouped-router MoE
+        "deepseek_v3": lambda: hf.DeepseekV3ForCausalLM(hf.DeepseekV3Config(
+            **{**c, "num_key_value_heads": 4, "intermediate_size": 64}, kv_lora_rank=16, q_lora_rank=24,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, n_shared_experts=1, n_group=2,
+            topk_group=1, first_k_dense_replace=1, **_MOE)),
+        "deepseek_v3_no_q_lora": lambda: hf.DeepseekV3ForCausalLM(hf.DeepseekV3Config(
+            **{**c, "num_key_value_heads": 4, "intermediate_size": 64}, kv_lora_rank=16, q_lora_rank=None,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, n_shared_experts=1, n_group=2,
+            topk_group=1, first_k_dense_replace=1, **_MOE)),
+        # DeepSeek-V2's MLA: complex rotary in float32 and a float32 softmax router (keep_float64 in build_model)
+        "deepseek_v2": lambda: hf.DeepseekV2ForCausalLM(hf.DeepseekV2Config(
+            **{**c, "num_key_value_heads": 4, "intermediate_size": 64}, kv_lora_rank=16, q_lora_rank=24,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, n_shared_experts=1,
+            first_k_dense_replace=1, **_MOE)),
         # attention sinks (eager: no SDPA path), a sliding layer, biased experts with interleaved gate/up
         "gpt_oss": lambda: hf.GptOssForCausalLM(hf.GptOssConfig(
             num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
@@ -137,6 +151,23 @@ def _exact_mixtral_router(module: nn.Module) -> None:
     module.forward = forward
 
 
+def _exact_deepseek_router(module: nn.Module) -> None:
+    """DeepSeek-V3's grouped sigmoid router in the input dtype (transformers casts it to float32)."""
+
+    def forward(hidden_states):
+        logits = nn.functional.linear(hidden_states.reshape(-1, module.hidden_dim), module.weight)
+        scores = logits.sigmoid()
+        choice = (scores + module.e_score_correction_bias).view(-1, module.num_group, module.num_experts // module.num_group)
+        groups = torch.topk(choice.topk(2, dim=-1)[0].sum(-1), k=module.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(choice[..., 0]).scatter_(1, groups, 1).bool()[..., None].expand_as(choice)
+        index = torch.topk(choice.masked_fill(~mask, float("-inf")).flatten(1), k=module.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) if module.norm_topk_prob else weights
+        return logits, weights * module.routed_scaling_factor, index
+
+    module.forward = forward
+
+
 def build_model(name: str) -> nn.Module:
     """A tiny float64 model; every parameter perturbed so no gradient is trivially zero."""
     import transformers as hf
@@ -154,6 +185,12 @@ def build_model(name: str) -> nn.Module:
             exact_norm(module)
         elif kind == "MixtralTopKRouter":
             _exact_mixtral_router(module)
+        elif kind == "DeepseekV3TopkRouter":
+            _exact_deepseek_router(module)
+    if name == "deepseek_v2":
+        from hybridpar.models.hf.float64 import keep_float64
+
+        keep_float64(model)
     return model
 
 

@@ -179,21 +179,22 @@ KDA_STRATEGIES = {"a2a": HiddenParallelKDA, "state": StatePassingKDA}
 
 def validate_kda_parallel(model: nn.Module, cp: int, tp: int, strategy: str) -> None:
     """Raise ``ValueError`` (no communication) unless every switched KDA layer of ``model`` can run at
-    this ``cp`` and ``tp``: no tensor parallelism (no plan shards them), a known CP strategy and, for
-    "a2a", heads divisible by cp."""
+    this ``cp`` and ``tp``: heads divisible by tp (``KDAHeadParallel`` shards them), a known CP strategy
+    and, for "a2a", each rank's ``H/tp`` heads divisible by cp."""
     for name, layer in kda_layers(model):
         where = f"Kimi Delta Attention {name!r} ({type(layer).__name__})"
-        if tp > 1:
-            raise ValueError(f"{where} has no tensor-parallel plan in hybridpar, got tp={tp}; use parallel.tp=1 "
-                             "(context parallelism and FSDP apply).")
+        if tp > 1 and layer.num_heads % tp:
+            raise ValueError(f"{where}: {layer.num_heads} heads are not divisible by tp={tp}; use a tp that divides "
+                             f"{layer.num_heads}.")
         if cp == 1:
             continue
         if strategy not in KDA_STRATEGIES:
             raise ValueError(f"{where}: unknown context-parallel strategy cp_mamba={strategy!r}; set "
                              f"parallel.cp_mamba to one of {sorted(KDA_STRATEGIES)}.")
-        if strategy == "a2a" and layer.num_heads % cp:
-            raise ValueError(f"{where}: context parallelism \"a2a\" splits its {layer.num_heads} heads over the CP "
-                             f"group, which cp={cp} does not divide; use a cp that divides {layer.num_heads} or "
+        local = layer.num_heads // tp  # the heads of this TP rank
+        if strategy == "a2a" and local % cp:
+            raise ValueError(f"{where}: context parallelism \"a2a\" splits its {local} heads over the CP "
+                             f"group, which cp={cp} does not divide; use a cp that divides {local} or "
                              "cp_mamba=state.")
 
 

@@ -1,6 +1,7 @@
 """Tensor/sequence-parallel plans for transformers models, registered on import: dense decoders
-(``dense``), mixture-of-experts and recurrent hybrids (``moe_hybrid``) and the Mamba1 models, Jamba,
-FalconMamba and Mamba (``mamba1``).
+(``dense``), mixture-of-experts and recurrent hybrids (``moe_hybrid``), the Mamba1 models, Jamba,
+FalconMamba and Mamba (``mamba1``), multi-head latent attention, DeepSeek-V2/V3 (``mla``), and Kimi
+Linear, its KDA layers by heads (``kimi_linear``).
 
 May import ``models/`` and ``parallel/``; imported by ``parallel/tensor/plans`` only.
 """
