@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
+from tests.models.hf.kda_models import CONFIG as KIMI_LINEAR
 
 _C = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
           use_cache=False)
@@ -41,6 +42,7 @@ def _models(hf) -> dict:
             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, **_C)),
         "lfm2": lambda: hf.Lfm2ForCausalLM(hf.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"], **_C)),
+        "kimi_linear": lambda: hf.KimiLinearForCausalLM(hf.KimiLinearConfig(**{**KIMI_LINEAR, "vocab_size": 256})),
         "falcon_mamba": lambda: hf.FalconMambaForCausalLM(hf.FalconMambaConfig(
             num_hidden_layers=2, hidden_size=64, state_size=8, vocab_size=256)),
         "recurrent_gemma": lambda: hf.RecurrentGemmaForCausalLM(hf.RecurrentGemmaConfig(
@@ -70,7 +72,8 @@ def _models(hf) -> dict:
 
 
 ONE_PER_ROW = ("zamba",)
-PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2", "qwen3_next", "falcon_mamba", "recurrent_gemma")
+PACKED = ("granite_moe", "nemotron_h_moe", "zamba2_shared", "lfm2", "qwen3_next", "kimi_linear", "falcon_mamba",
+          "recurrent_gemma")
 
 
 @pytest.fixture(scope="module")
@@ -225,14 +228,16 @@ def _ranks(layout: list[str]) -> int:
 
 @pytest.mark.parametrize("name, first, then", [("granite_moe", TP2, ([],)), ("granite_moe", [], (TP2,)),
                                                ("zamba2_shared", CP2, (TP2, [])), ("lfm2", CP2, (TP2,)),
-                                               ("qwen3_next", TP2, ([],))])
+                                               ("qwen3_next", TP2, ([],)), ("kimi_linear", TP2, ([],)),
+                                               ("falcon_mamba", TP2, ([],))])
 def test_a_transformers_hybrid_resumes_at_another_layout(checkpoints, tmp_path, name, first, then):
     """Mamba mixers are stored per component at every layout and packed expert weights as one
     process holds them, so a DCP checkpoint resumes at another layout: Granite MoE written at tp=2
     resumes on one process and the other way; a Zamba2 with a shared block (one FSDP unit at cp=2)
     written at cp=2 resumes at tp=2 + SP and on one process; LFM2 (``in_proj`` of its short convs per
     component at every layout) written at cp=2 resumes at tp=2 + SP; Qwen3-Next (gated DeltaNets: ``conv1d``
-    per q, k, v at every layout) written at tp=2 + SP resumes on one process. Steps 3-4 equal an uninterrupted run
+    per q, k, v at every layout) written at tp=2 + SP resumes on one process, and so do Kimi Linear (its KDA
+    ``conv1d`` per q, k, v) and FalconMamba (Mamba1 ``in_proj`` per x, z). Steps 3-4 equal an uninterrupted run
     (float64)."""
     path = checkpoints[name]
     reference = run_ranks(_ranks(first), _steps, path, str(tmp_path / "straight"), first, None, -1, timeout_s=300)[0]

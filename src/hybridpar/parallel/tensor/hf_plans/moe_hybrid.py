@@ -46,6 +46,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
+from hybridpar.models.hf.mixers.kda import KDA_MARK
 from hybridpar.models.hf.mixers.mamba1 import MAMBA1_MARK
 from hybridpar.models.hf.mixers.mamba2 import MARK
 from hybridpar.models.hf.mixers.short_conv import SHORT_CONV_MARK
@@ -56,6 +57,7 @@ from hybridpar.parallel.tensor.hybrid import (MambaHeadParallel, SplitConv1d, Sp
                                               spanning_group_norm)
 from hybridpar.parallel.tensor.linear_styles import HeadShardedSinks
 from hybridpar.parallel.tensor.moe import is_moe_block, moe_block_plan, moe_block_sp_style, moe_blocks_plan, moe_decoder_plan
+from hybridpar.parallel.tensor.hf_plans.kimi_linear import split_kda
 from hybridpar.parallel.tensor.hf_plans.mamba1 import split_mamba1
 from hybridpar.parallel.tensor.hf_plans.dense import (GDNHeadParallel, lfm2_plan, olmo2_plan, register_hf_plan, split_gdn,
                                                split_short_conv)
@@ -95,7 +97,8 @@ def split_hf_mixer(mixer: nn.Module) -> None:
 
 
 def split_hf_mixers(model: nn.Module) -> None:
-    """``split_hf_mixer`` for every transformers Mamba2 mixer on hybridpar's core, before TP applies
+    """``split_hf_mixer`` for every transformers Mamba2 mixer on hybridpar's core (and the other switched
+    mixers' fused projections or convs), at every layout so DCP names do not depend on tp, before TP applies
     (with its LoRA adapter attached: ``apply_tp`` detaches adapters while the styles run)."""
     for module in model.modules():
         if getattr(module, MARK, False):
@@ -106,6 +109,8 @@ def split_hf_mixers(model: nn.Module) -> None:
             split_gdn(module)
         elif getattr(module, MAMBA1_MARK, False):  # Jamba, FalconMamba, Mamba: in_proj per x, z
             split_mamba1(module)
+        elif getattr(module, KDA_MARK, False):  # Kimi Linear's KDA layers: conv1d per q, k, v
+            split_kda(module)
 
 
 def _local_rows(vector: torch.Tensor, sizes: dict[str, int], tp: int, rank: int, shared: bool) -> torch.Tensor:
