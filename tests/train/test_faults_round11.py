@@ -94,3 +94,13 @@ def test_a_layout_message_names_the_key_not_a_styles_argument():
     message = ("LoRA target 'm.x_proj' (Linear) is tensor-parallel with Mamba1ChannelParallel(sequence_parallel=False), "
                "which LoRA cannot pair; drop it from peft.target_modules or use parallel.tp=1.")
     assert _named_parallel_key(config, message) == "parallel.tp=2"
+
+
+def test_load_causal_lm_refuses_a_dtype_a_model_does_not_load_in(tmp_path):
+    from hybridpar.models.hf.causal_lm import load_causal_lm, model_dtype
+
+    assert model_dtype("bfloat16") is torch.bfloat16 and model_dtype(torch.float64) is torch.float64
+    for dtype in (torch.int64, "float8", "fp32", 16, torch.float8_e4m3fn):  # were transformers' or torch's errors
+        with pytest.raises(ValueError) as error:
+            load_causal_lm(tmp_path, dtype=dtype)  # refused before the folder is read
+        assert f"dtype={dtype!r} is invalid: a model loads in one of float32, bfloat16" in one_line(error)
