@@ -104,3 +104,20 @@ def test_load_causal_lm_refuses_a_dtype_a_model_does_not_load_in(tmp_path):
         with pytest.raises(ValueError) as error:
             load_causal_lm(tmp_path, dtype=dtype)  # refused before the folder is read
         assert f"dtype={dtype!r} is invalid: a model loads in one of float32, bfloat16" in one_line(error)
+
+
+def test_a_latent_attentions_cache_counts_in_the_generation_memory():
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from hybridpar.models.generation import transformers_generation_bytes
+
+    with torch.device("meta"):  # a KDA layer (constant state) and an MLA layer (no k_proj: was not counted)
+        model = KimiLinearForCausalLM(KimiLinearConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=8,
+            qk_nope_head_dim=8, num_experts=4, num_experts_per_token=2, mlp_layer_types=["dense", "sparse"],
+            layer_types=["linear_attention", "full_attention"], linear_head_dim=8, linear_num_heads=2, head_dim=8,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    new = 10**6
+    per_token = 2 * (8 + 4 + 8) * 4  # H x (nope + rope + v) float32
+    assert transformers_generation_bytes(model, 1, 10, new) >= (10 + new) * (per_token + 512)
