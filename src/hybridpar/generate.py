@@ -78,6 +78,7 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     from hybridpar.train.peft import apply_peft
     from hybridpar.train.run.adapters import base_reference, check_same_base
     from hybridpar.train.run.checkpoint import load_failure, read_run_info
+    from hybridpar.train.run.fused_resume import fused_legacy_names
     from hybridpar.train.trainer import build_model
 
     recorded = read_run_info(path).get("config")
@@ -95,7 +96,8 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            with fused_legacy_names(state, path, stored):  # an older run's fused Mamba1 in_proj.weight
+                dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         stored.load_state_dict(state["model"], strict=not lora)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP raises many kinds; the message names the folder
         raise ValueError(f"--checkpoint {path} could not be loaded ({shorten(load_failure(error), 240)}); it "

@@ -321,6 +321,10 @@ def transformers_generation_bytes(model: nn.Module, batch: int, prompt: int, new
         name = type(module).__name__
         if isinstance(k, nn.Linear) and isinstance(v, nn.Linear) and not any(r in name for r in RECURRENT_NAMES):
             kv += batch * total * (k.out_features + v.out_features) * size
+        mla = getattr(module, "kv_b_proj", None)  # multi-head latent attention (DeepSeek-V2/V3, Kimi Linear's full
+        if isinstance(mla, nn.Linear):  # layers): its cache holds per-head K (nope + rope dims) and V, [B, H, S, .]
+            rope = (getattr(c, "num_attention_heads", 0) or 0) * (getattr(c, "qk_rope_head_dim", 0) or 0)
+            kv += batch * total * (mla.out_features + rope) * size
         if isinstance(module, nn.Linear) and module is not head:
             widest = max(widest, module.out_features)
     heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)

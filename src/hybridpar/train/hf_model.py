@@ -109,8 +109,16 @@ def hf_meta_model(shape) -> nn.Module:
     mixers switched to hybridpar's core as ``build_hf_model`` switches them."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(shape)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(shape)
+    except (ArithmeticError, TypeError, RuntimeError, IndexError, KeyError, AttributeError) as error:
+        # a field transformers reads without checking (a zero it divides by, a width conv1d refuses)
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        where = getattr(shape, "name_or_path", "") or "the model's"
+        raise ConfigError(f"model.hf_path={where!r}: config.json builds no {type(shape).__name__} model "
+                          f"({type(error).__name__} in transformers: {first}); a field there is out of range: "
+                          "restore the checkpoint's config.json.") from None
     return install_cores(model)
 
 

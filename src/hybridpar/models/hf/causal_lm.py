@@ -97,6 +97,7 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
     returns it (eval mode); ``attn_implementation`` (None: transformers' default, SDPA where the
     model supports it) is passed to it.
     """
+    dtype = model_dtype(dtype)
     if causal_lm_backend(path, backend) == "hybrid":
         return load_hf(path, dtype=dtype)
     path = Path(path)
@@ -126,6 +127,20 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
     check_floating(stored_dtypes(files), dict(model.named_parameters()), f"checkpoint {path}")
     check_finite(model.named_parameters(), f"checkpoint {path}")
     return model
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def model_dtype(dtype) -> torch.dtype | None:
+    """``dtype`` (None, a floating ``torch.dtype`` a model trains in, or its name) as a ``torch.dtype``;
+    anything else (an int dtype, float8, ``"fp32"``) is one ``ValueError`` line, not transformers' or torch's."""
+    if dtype is None or dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r} is invalid: a model loads in one of {', '.join(_DTYPES)} (a torch.dtype or its "
+                     "name), or dtype=None for the stored dtype; e.g. dtype=torch.bfloat16.")
 
 
 @contextlib.contextmanager

@@ -36,8 +36,20 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                # Mamba2 / Bamba / NemotronH mixers (a zero here divided by zero in transformers' mixer)
                "num_heads", "n_groups", "chunk_size", "conv_kernel", "state_size", "ssm_state_size", "mamba_n_heads",
                "mamba_d_head", "mamba_n_groups", "mamba_chunk_size", "mamba_d_conv", "mamba_d_state", "mamba_num_heads",
-               "mamba_head_dim")
-POSITIVE_FIELDS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+               "mamba_head_dim",
+               # Jamba / Falcon-H1, Kimi Linear (KDA and MLA), RecurrentGemma (a zero was torch's "groups must be a
+               # positive integer", or passed --dry-run and built empty layers)
+               "mamba_expand", "mamba_dt_rank", "time_step_rank", "mamba_d_ssm", "linear_num_heads", "linear_head_dim",
+               "linear_conv_kernel_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+               "v_head_dim", "lru_width", "attention_window_size", "conv1d_width", "sliding_window")
+AUTO_FIELDS = ("mamba_dt_rank", "time_step_rank")  # "auto": transformers derives it from hidden_size
+POSITIVE_FIELDS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
+                   # softcaps and logit/residual scales (Gemma2, RecurrentGemma, Granite, Falcon-H1): a zero divided
+                   # by zero (a ZeroDivisionError), or scaled a path to nothing, NaN in or silently wrong
+                   "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping", "logits_soft_cap",
+                   "logits_scaling", "attention_multiplier", "embedding_multiplier", "residual_multiplier",
+                   "lm_head_multiplier", "attention_in_multiplier", "attention_out_multiplier", "key_multiplier",
+                   "ssm_in_multiplier", "ssm_out_multiplier", "mlp_multipliers", "ssm_multipliers")
 
 
 def config_vocab_problem(hf: dict, file) -> str | None:
@@ -52,15 +64,17 @@ def config_vocab_problem(hf: dict, file) -> str | None:
     for where, fields in (("", hf), ("text_config.", text), ("rope_parameters.", rope)):
         for name in SIZE_FIELDS:
             value = fields.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is None or (value == "auto" and name in AUTO_FIELDS):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 return (f"{file}: {where}{name}={quoted(value)} must be an integer >= 1; restore the checkpoint's "
                         "config.json.")
         for name in POSITIVE_FIELDS:
             value = fields.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
-                return (f"{file}: {where}{name}={quoted(value)} must be a finite number > 0; restore the checkpoint's "
-                        "config.json.")
+            if value is not None and any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                         or v <= 0 for v in (value if isinstance(value, list) else [value])):
+                rule = "each entry a finite number > 0" if isinstance(value, list) else "a finite number > 0"
+                return (f"{file}: {where}{name}={quoted(value)} must be {rule}; restore the checkpoint's config.json.")
     return None
 
 

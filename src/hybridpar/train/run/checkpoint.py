@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from hybridpar.config_rules import bounded_message, quoted, shorten
 from hybridpar.models.hf.files import directory_kind
 from hybridpar.parallel.packed_checkpoint import packed_shards
+from hybridpar.train.run.fused_resume import fused_legacy_names
 from hybridpar.strict_json import loads as strict_loads
 
 TRAINER_STATE = "trainer.pt"
@@ -369,7 +370,7 @@ def load_checkpoint(path, model, optimizer, scheduler) -> dict:
         trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
         model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
         state = {"model": model_state, "optim": optim_state}
-        with packed_shards(state):
+        with fused_legacy_names(state, path, model), packed_shards(state):  # an older run's fused in_proj.weight
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options(model, setting=True))
