@@ -30,7 +30,7 @@ DeltaNets alike.
 **Segments** are those of ``mamba_state.py`` (``build_segment_plan``): with zigzag sharding every
 document of every row is cut into ``2P`` chunks, rank ``r`` holds chunks ``r`` and ``2P-1-r``; a
 segment is one such chunk, so it never contains a document boundary. The conv reads the ``K-1``
-inputs before each segment from the other ranks (``mamba_state._conv_halo``: one all-gather).
+inputs before each segment from the other ranks (``mamba_state.conv_halo``: one all-gather).
 
 **Math.** Per value head the delta rule's state ``S [dk, dv]`` enters a segment as ``S_in`` and the
 rule is affine in it: chunk by chunk ``S <- D_c S + K_c^T (U_c - W_c S)`` (``gated_delta.py``), so
@@ -75,10 +75,10 @@ from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
 from hybridpar.parallel.context.recurrent.mamba import local_tensor
-from hybridpar.parallel.context.recurrent.mamba_state import SegmentPlan, _conv_halo, segment_plan
+from hybridpar.parallel.context.recurrent.mamba_state import SegmentPlan, conv_halo, segment_plan
 
 __all__ = ["HiddenParallelGDN", "StatePassingGDN", "GDN_STRATEGIES", "apply_gdn_cp", "validate_gdn_parallel", "GDN_TP_MODEL_TYPES",
-           "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer", "segment_rule"]
+           "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer", "segment_rule", "chunk_aligned", "entering_affine_states"]
 
 
 def gdn_a2a_bytes_per_layer(batch: int, seq_len: int, cp: int, k_heads: int, v_heads: int, head_k_dim: int,
@@ -165,7 +165,7 @@ def gdn_state_bytes_per_layer(batch: int, n_docs: int, cp: int, k_heads: int, v_
     return (cp - 1) * 2 * batch * n_docs * (halo + states)
 
 
-def _aligned(plan: SegmentPlan, chunk: int) -> tuple[Tensor, Tensor, list[int], list[int], int]:
+def chunk_aligned(plan: SegmentPlan, chunk: int) -> tuple[Tensor, Tensor, list[int], list[int], int]:
     """Each segment padded to whole chunks: ``(stream position -> padded position [T], chunk ->
     segment [N], first chunk of each segment, last chunk of each segment, padded length)``."""
     cu = plan.cu_segments.cpu()
@@ -180,7 +180,7 @@ def _aligned(plan: SegmentPlan, chunk: int) -> tuple[Tensor, Tensor, list[int], 
             (starts[1:] // chunk - 1).tolist(), int(starts[-1]))
 
 
-def _entering(ends: Tensor, plan: SegmentPlan, dk: int) -> Tensor:
+def entering_affine_states(ends: Tensor, plan: SegmentPlan, dk: int) -> Tensor:
     """States entering this rank's segments, ``[S, H, dk, dv]``, from every segment's ``[M | S_end|0]``
     gathered as ``[P, D, 2, H, dk, dk + dv]`` (rank-major, documents, the two chunks)."""
     wanted = (plan.cp_rank, 2 * plan.cp_size - 1 - plan.cp_rank)
@@ -221,7 +221,7 @@ class StatePassingGDN(ContextParallelCore):
         """The segment plan and its chunk alignment (built once per batch, cached on ``packed``, shared by every layer)."""
         segments = segment_plan(packed, batch, self.cp_size, self.cp_rank, kernel, device)
         return segments, cached(packed.cache, ("gdn.aligned", batch, self.cp_size, self.cp_rank, kernel, chunk,
-                                               str(device)), lambda: _aligned(segments, chunk))
+                                               str(device)), lambda: chunk_aligned(segments, chunk))
 
     def __call__(self, layer: nn.Module, mixed_qkv: Tensor, a: Tensor, b: Tensor,
                  packed: PackedSeqParams | None = None) -> Tensor:
@@ -235,7 +235,7 @@ class StatePassingGDN(ContextParallelCore):
         plan, (position, chunk_segment, starts, ends, padded_len) = self.plan(packed, batch, weight.shape[1], chunk,
                                                                               mixed_qkv.device)
         stream = mixed_qkv.reshape(1, batch * local_len, width)  # rows back to back
-        halo = _conv_halo(stream[0], plan, weight.shape[1], self.cp_group)  # [S, K-1, C]
+        halo = conv_halo(stream[0], plan, weight.shape[1], self.cp_group)  # [S, K-1, C]
         pre = document_conv1d(stream, weight, local_tensor(layer.conv1d.bias), plan.cu_segments,
                               plan.cu_segments[:-1], halo)
         q, k, v, g, beta = gdn_inputs(F.silu(pre), a.reshape(1, -1, heads), b.reshape(1, -1, heads),
@@ -251,7 +251,7 @@ class StatePassingGDN(ContextParallelCore):
                                  choose_gdn_kernel(mixed_qkv)[0], mixed_qkv.dtype)
         # o [1, padded, H, dk + dv] = [P_t | o_t|0]; finals [S, H, dk, dk + dv] = [M | S_end|0]
         gathered = all_gather(finals.flatten(1), self.cp_group, 0)  # [S, H*dk*(dk+dv)] -> [P*S, ...], rank-major
-        entering = _entering(gathered.view(self.cp_size, plan.num_docs, 2, heads, dk, dk + dv), plan, dk)
+        entering = entering_affine_states(gathered.view(self.cp_size, plan.num_docs, 2, heads, dk, dk + dv), plan, dk)
         sensitivity, o = o.view(1, -1, chunk, heads, dk + dv).split([dk, dv], dim=-1)  # [1, N, C, H, dk | dv]
         o = o + torch.einsum("nchk,nhkv->nchv", sensitivity[0], entering[chunk_segment])[None]  # o|0 + P S_in
         o = o.flatten(1, 2).index_select(1, position)  # [1, T, H, dv], the rank's stream order

@@ -19,9 +19,9 @@ a segment, ``S_end = M S_in + S_end|0`` and ``o_t = o_t|0 + P_t S_in`` (every co
 ``(I - beta k k^T) diag(exp g) s + beta k v[c]`` on its own), so ``gdn.py``'s state passing holds as
 is: one run of the KDA rule on the augmented state ``[X | S]`` (values ``[0 | v]``, ``X`` entering as
 the identity) per chunk-padded segment gives ``[M | S_end|0]``; one all-gather of those
-``[S, H, d, 2d]`` composes the state entering each segment in global order (``gdn._entering``), and
+``[S, H, d, 2d]`` composes the state entering each segment in global order (``gdn.entering_affine_states``), and
 the outputs take ``P_t S_in``. The conv reads its ``K-1`` earlier inputs from the other ranks
-(``mamba_state._conv_halo``). Bytes each rank sends per layer, independent of ``L``::
+(``mamba_state.conv_halo``). Bytes each rank sends per layer, independent of ``L``::
 
     forward  (P-1) * 2*B*n_docs * ((K-1) * 3*H*d * e + H*d*2d * e_s)
 
@@ -49,9 +49,9 @@ from hybridpar.models.linear.kda_fused import choose_kda_kernel, fused_kda_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
-from hybridpar.parallel.context.recurrent.gdn import _aligned, _entering
+from hybridpar.parallel.context.recurrent.gdn import chunk_aligned, entering_affine_states
 from hybridpar.parallel.context.recurrent.mamba import local_tensor
-from hybridpar.parallel.context.recurrent.mamba_state import _conv_halo, segment_plan
+from hybridpar.parallel.context.recurrent.mamba_state import conv_halo, segment_plan
 
 __all__ = ["HiddenParallelKDA", "StatePassingKDA", "KDA_STRATEGIES", "apply_kda_cp", "validate_kda_parallel",
            "kda_a2a_bytes_per_layer", "kda_state_bytes_per_layer", "segment_kda_rule"]
@@ -150,9 +150,9 @@ class StatePassingKDA(ContextParallelCore):
         plan = segment_plan(packed, batch, self.cp_size, self.cp_rank, weight.shape[1], device)
         position, chunk_segment, starts, ends, padded_len = cached(
             packed.cache, ("gdn.aligned", batch, self.cp_size, self.cp_rank, weight.shape[1], chunk, str(device)),
-            lambda: _aligned(plan, chunk))  # shared with the gated DeltaNet's state passing
+            lambda: chunk_aligned(plan, chunk))  # shared with the gated DeltaNet's state passing
         stream = mixed_qkv.reshape(1, batch * local_len, width)  # rows back to back
-        halo = _conv_halo(stream[0], plan, weight.shape[1], self.cp_group)  # [S, K-1, C]
+        halo = conv_halo(stream[0], plan, weight.shape[1], self.cp_group)  # [S, K-1, C]
         pre = document_conv1d(stream, weight, local_tensor(layer.conv1d.bias), plan.cu_segments,
                               plan.cu_segments[:-1], halo)
         q, k, v, g, beta = kda_inputs(F.silu(pre), f.reshape(1, -1, f.shape[-1]), b.reshape(1, -1, heads),
@@ -167,7 +167,7 @@ class StatePassingKDA(ContextParallelCore):
                                      chunk, choose_kda_kernel(mixed_qkv)[0], mixed_qkv.dtype)
         # o [1, padded, H, 2d] = [P_t | o_t|0]; finals [S, H, d, 2d] = [M | S_end|0]
         gathered = all_gather(finals.flatten(1), self.cp_group, 0)  # [S, H*d*2d] -> [P*S, ...], rank-major
-        entering = _entering(gathered.view(self.cp_size, plan.num_docs, 2, heads, d, 2 * d), plan, d)
+        entering = entering_affine_states(gathered.view(self.cp_size, plan.num_docs, 2, heads, d, 2 * d), plan, d)
         sensitivity, o = o.view(1, -1, chunk, heads, 2 * d).split([d, d], dim=-1)  # [1, N, C, H, d | d]
         o = o + torch.einsum("nchk,nhkv->nchv", sensitivity[0], entering[chunk_segment])[None]  # o|0 + P S_in
         o = o.flatten(1, 2).index_select(1, position)  # [1, T, H, d], the rank's stream order

@@ -52,12 +52,12 @@ state entering a segment: per channel ``c`` and state ``n``, with ``a_t = exp(dt
     h_t = (prod_{s<=t} a_s) h0 + h_t|zero,     y_t = y_t|zero + C_t . (prod_{s<=t} a_s) h0
 
 so each rank (1) takes the ``K-1`` conv inputs before every segment from one all-gather of every
-segment's last ``K-1`` inputs ``[S, K-1, d_inner]`` (``_conv_halo``), runs the conv,
+segment's last ``K-1`` inputs ``[S, K-1, d_inner]`` (``conv_halo``), runs the conv,
 the activation and the per-token ``x_proj`` / norms / ``dt_proj`` on its own tokens, (2) scans its
 segments from a zero state, keeping per segment ``h_end [d, n]`` and the total decay
 ``a_seg = exp(A * sum dt) [d, n]``, (3) all-gathers ``[S, 2*d*n]`` of them and composes the
 entering states in global chunk order, ``h0_{j+1} = a_seg_j h0_j + h_end_j``
-(``_entering_states``), and (4) scans again with ``h0`` entering each segment.
+(``entering_states``), and (4) scans again with ``h0`` entering each segment.
 Backward is autograd through ``comm.all_gather`` (reduce-scatter).
 
 Bytes each rank sends per Mamba1 layer, forward (the backward the same)::
@@ -86,7 +86,7 @@ from hybridpar.parallel.comm.collectives import all_gather
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
 
 __all__ = ["SegmentPlan", "build_segment_plan", "segment_plan", "state_passing_conv_scan", "state_bytes_per_layer",
-           "StatePassingMamba1", "apply_mamba1_cp", "mamba1_state_bytes_per_layer"]
+           "StatePassingMamba1", "apply_mamba1_cp", "mamba1_state_bytes_per_layer", "conv_halo", "entering_states"]
 
 
 def state_bytes_per_layer(
@@ -181,7 +181,7 @@ def build_segment_plan(
     )
 
 
-def _conv_halo(stream: Tensor, plan: SegmentPlan, conv_kernel: int, cp_group) -> Tensor | None:
+def conv_halo(stream: Tensor, plan: SegmentPlan, conv_kernel: int, cp_group) -> Tensor | None:
     """The ``K-1`` conv inputs before every segment in global order, ``[S, K-1, C]`` (zeros
     before a document's start): one all-gather of every segment's last ``K-1`` inputs."""
     k1 = conv_kernel - 1
@@ -194,7 +194,7 @@ def _conv_halo(stream: Tensor, plan: SegmentPlan, conv_kernel: int, cp_group) ->
     return halo.view(plan.num_segments, k1, width)
 
 
-def _entering_states(states: Tensor, decay: Tensor, plan: SegmentPlan) -> Tensor:
+def entering_states(states: Tensor, decay: Tensor, plan: SegmentPlan) -> Tensor:
     """Compose ``h0`` of this rank's segments from every segment's ``(h_end, a_seg)``.
 
     states ``[P, D, 2, H, p*N]``, decay ``[P, D, 2, H]`` (gathered); returns ``[S, H, p*N]``.
@@ -236,7 +236,7 @@ def state_passing_conv_scan(
     stream, dt_stream = xBC.reshape(1, total, width), dt.reshape(1, total, heads)  # views: rows back to back
     options = dict(
         head_dim=head_dim, state_size=state_size, chunk_size=chunk_size, cu_docs=plan.cu_segments, dt_limit=dt_limit,
-        init_at=plan.cu_segments[:-1], conv_history=_conv_halo(stream[0], plan, conv_weight.shape[1], cp_group),
+        init_at=plan.cu_segments[:-1], conv_history=conv_halo(stream[0], plan, conv_weight.shape[1], cp_group),
     )
     params = (conv_weight, conv_bias, dt_bias, A_log, D)
     _, h_end = mamba_conv_scan(stream, dt_stream, *params, final_at=plan.cu_segments[1:] - 1, want_y=False, **options)
@@ -254,7 +254,7 @@ def state_passing_conv_scan(
     gathered = gathered.reshape(plan.cp_size, plan.num_docs, 2, -1)  # [P, D, 2, H*p*N + H]
     states, decays = gathered.split([heads * head_dim * state_size, heads], dim=-1)
     states = states.unflatten(-1, (heads, head_dim * state_size))  # [P, D, 2, H, p*N]
-    h0 = _entering_states(states, decays, plan).unflatten(-1, (head_dim, state_size))  # [S, H, p, N]
+    h0 = entering_states(states, decays, plan).unflatten(-1, (head_dim, state_size))  # [S, H, p, N]
 
     y = mamba_conv_scan(stream, dt_stream, *params, init_states=h0, **options)  # [1, T, H*p]
     return y.reshape(batch, local_len, heads * head_dim)
@@ -284,7 +284,7 @@ class StatePassingMamba1(ContextParallelCore):
         kernel = module.conv1d.kernel_size[0]
         plan = segment_plan(packed, batch, self.cp_size, self.cp_rank, kernel, x.device)  # once per batch
         stream = x.reshape(batch * local_len, width)  # rows back to back: [T, d]
-        halo = _conv_halo(stream, plan, kernel, self.cp_group)  # [S, K-1, d]
+        halo = conv_halo(stream, plan, kernel, self.cp_group)  # [S, K-1, d]
         starts = plan.cu_segments[:-1]
         u = module.act(document_conv(stream, module.conv1d, plan.cu_segments, None if halo is None else starts, halo))
         dt, B, C = selective_inputs(module, u)  # [T, d], [T, n], [T, n]
@@ -298,7 +298,7 @@ class StatePassingMamba1(ContextParallelCore):
         payload = torch.cat([h_end.flatten(1), decay.flatten(1)], dim=1)  # [S, 2*d*n]
         gathered = all_gather(payload, self.cp_group, 0)  # [S, 2dn] -> [P*S, 2dn], rank-major
         states, decays = gathered.reshape(self.cp_size, plan.num_docs, 2, 2, -1).unbind(3)  # [P, D, 2, d*n] each
-        h0 = _entering_states(states[..., None], decays, plan).view(plan.num_segments, width, -1)  # [S, d, n]
+        h0 = entering_states(states[..., None], decays, plan).view(plan.num_segments, width, -1)  # [S, d, n]
         y = selective_scan(u, dt, A, B, C, reset, init_states=h0, init_at=starts) + u * _local(module.D)  # [1, T, d]
         return y.view(batch, local_len, width)
 

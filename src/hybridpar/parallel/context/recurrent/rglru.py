@@ -10,10 +10,10 @@ the state ``h0 [Cd]`` entering a segment::
     h_t = (prod_{s<=t} a_s) h0 + h_t|zero,       prod_{s<=t} a_s = exp(A sum_{s<=t} r_s)
 
 so each rank (1) takes the ``K-1`` conv inputs before every segment from one all-gather of every
-segment's last ``K-1`` inputs ``[S, K-1, Cd]`` (``_conv_halo``), runs the conv and the per-token gates
+segment's last ``K-1`` inputs ``[S, K-1, Cd]`` (``conv_halo``), runs the conv and the per-token gates
 on its own tokens, (2) scans its segments from a zero state, keeping per segment ``h_end [Cd]`` and
 the total decay ``a_seg = exp(A sum r) [Cd]``, (3) all-gathers ``[S, 2 Cd]`` of them and composes the
-entering states in global chunk order, ``h0_{j+1} = a_seg_j h0_j + h_end_j`` (``_entering_states``),
+entering states in global chunk order, ``h0_{j+1} = a_seg_j h0_j + h_end_j`` (``entering_states``),
 and (4) scans again with ``h0`` entering each segment. The normaliser ``m_t`` resets at a document's
 first token only: the first token of chunk 0 (rank 0's early segments), never at another seam.
 Backward is autograd through ``comm.all_gather`` (reduce-scatter).
@@ -38,7 +38,7 @@ from hybridpar.models.linear.rglru import rglru_inputs
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
 from hybridpar.parallel.comm.collectives import all_gather
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
-from hybridpar.parallel.context.recurrent.mamba_state import _conv_halo, _entering_states, segment_plan
+from hybridpar.parallel.context.recurrent.mamba_state import conv_halo, entering_states, segment_plan
 
 __all__ = ["StatePassingRglru", "apply_rglru_cp", "rglru_state_bytes_per_layer"]
 
@@ -62,7 +62,7 @@ class StatePassingRglru(ContextParallelCore):
         kernel = block.conv_1d.kernel_size[0]
         plan = segment_plan(packed, batch, self.cp_size, self.cp_rank, kernel, x.device)  # once per batch
         stream = x.reshape(batch * local_len, width)  # rows back to back: [T, Cd]
-        halo = _conv_halo(stream, plan, kernel, self.cp_group)  # [S, K-1, Cd]
+        halo = conv_halo(stream, plan, kernel, self.cp_group)  # [S, K-1, Cd]
         starts = plan.cu_segments[:-1]
         conv = document_conv(stream, block.conv_1d, plan.cu_segments, None if halo is None else starts, halo)
         reset = document_resets(plan.cu_segments, conv.shape[0], x.device)  # a zero state at every segment
@@ -77,7 +77,7 @@ class StatePassingRglru(ContextParallelCore):
         payload = torch.cat([h_end[..., 0], decay], dim=1)  # [S, 2*Cd]
         gathered = all_gather(payload, self.cp_group, 0)  # [S, 2Cd] -> [P*S, 2Cd], rank-major
         states, decays = gathered.reshape(self.cp_size, plan.num_docs, 2, 2, width).unbind(3)  # [P, D, 2, Cd] each
-        h0 = _entering_states(states[..., None], decays, plan)  # [S, Cd, 1]
+        h0 = entering_states(states[..., None], decays, plan)  # [S, Cd, 1]
         y = _scan(u, r, A, init_states=h0, init_at=starts, **gated)  # [1, T, Cd]
         return y.to(x.dtype).view(batch, local_len, width)
 
