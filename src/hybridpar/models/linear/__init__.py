@@ -8,7 +8,8 @@ resets, SiLU, l2-normed q/k, beta, decay, the rule), the seam a context-parallel
 kernel choice shared with Mamba2's in ``models/mamba/fused.py``); ``selective_scan.py`` Mamba1's
 selective scan, on which ``rglru.py`` runs RecurrentGemma's RG-LRU (state size 1). ``kda.py`` holds
 Kimi Delta Attention's rule (a decay per key channel, Kimi Linear) with the same resets and states,
-``kda_core.py`` its whole core, ``kda_fused.py`` the rule through FLA's ``chunk_kda`` on CUDA (as ``gdn_fused.py``).
+``kda_core.py`` its whole core, ``kda_fused.py`` the rule through FLA's ``chunk_kda`` on CUDA;
+``delta_ops.py`` registers the two custom ops both fused rules run as.
 Floor ``models``: imports ``models/`` and ``data/`` only, never a process group; ``models/hf`` and
 ``parallel/`` import it.
 """

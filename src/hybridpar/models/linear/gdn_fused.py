@@ -18,8 +18,9 @@ float32 and returns final states in float32). FLA's kernel takes float32/bf16/fp
 
 ``hybridpar::fused_gated_delta_rule`` runs it without autograd and saves only its inputs;
 ``hybridpar::fused_gated_delta_rule_backward`` recomputes it with autograd on and differentiates
-(FLA's backward kernels), the pattern of ``models/mamba/fused_op.py``: ``torch.compile`` sees two
-opaque ops (FLA's entry point is ``torch.compiler.disable``-d, a graph break otherwise).
+(FLA's backward kernels; both registered by ``delta_ops.register_rule_ops``, shared with KDA), the
+pattern of ``models/mamba/fused_op.py``: ``torch.compile`` sees two opaque ops (FLA's entry point is
+``torch.compiler.disable``-d, a graph break otherwise).
 
 ``choose_gdn_kernel`` says which runs (``models/mamba/fused.select_kernel``: the same rules, the
 same ``use_mamba_kernel`` switch, logged once as ``gdn kernel: ...``). Tests register stand-ins
@@ -34,9 +35,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from hybridpar.models.linear.delta_ops import register_rule_ops
 from hybridpar.models.mamba.fused import select_kernel
-from hybridpar.models.mamba.fused_op import autograd_on, import_fla
-from hybridpar.models.precision import autocast_off
+from hybridpar.models.mamba.fused_op import import_fla
 
 __all__ = ["choose_gdn_kernel", "fla_rule", "fla_rule_status", "fused_gated_delta_rule", "register_rule"]
 
@@ -83,76 +84,8 @@ def _kernel(name: str) -> Callable:
     return _RULES[name]
 
 
-def _math(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule):
-    """``(o [1, T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] in fp32 or wider, or None)``."""
-    o, final = _kernel(rule)(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=initial_state,
-                             output_final_state=want_final, cu_seqlens=cu_seqlens.long())
-    fp = torch.promote_types(v.dtype, torch.float32)
-    return o.to(v.dtype), (final.to(fp) if want_final else None)
-
-
-@torch.library.custom_op("hybridpar::fused_gated_delta_rule", mutates_args=())
-def _rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-             cu_seqlens: Tensor, want_final: bool, rule: str) -> tuple[Tensor, Tensor]:
-    with torch.no_grad(), autocast_off():
-        o, final = _math(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule)
-    return o, (final if final is not None else v.new_empty(0, dtype=torch.promote_types(v.dtype, torch.float32)))
-
-
-@_rule_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule):
-    fp = torch.promote_types(v.dtype, torch.float32)
-    if not want_final:
-        return torch.empty_like(v), v.new_empty(0, dtype=fp)
-    return torch.empty_like(v), v.new_empty(cu_seqlens.shape[0] - 1, v.shape[2], k.shape[3], v.shape[3], dtype=fp)
-
-
-@torch.library.custom_op("hybridpar::fused_gated_delta_rule_backward", mutates_args=())
-def _rule_backward_op(grad_o: Tensor, grad_final: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
-                      beta: Tensor, initial_state: Tensor | None, cu_seqlens: Tensor, rule: str,
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    inputs = (q, k, v, g, beta, initial_state)
-    with autograd_on(), autocast_off():
-        leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
-        o, final = _math(*leaves, cu_seqlens, grad_final is not None, rule)
-        outputs, grads_out = [o], [grad_o]
-        if final is not None:
-            outputs.append(final)
-            grads_out.append(grad_final)
-        wanted = [leaf for leaf in leaves if leaf is not None]
-        found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True))
-    grads = [None if leaf is None else next(found) for leaf in leaves]
-    return tuple(q.new_empty(0) if t is None else (torch.zeros_like(t) if d is None else d.to(t.dtype))
-                 for d, t in zip(grads, inputs))
-
-
-@_rule_backward_op.register_fake
-def _(grad_o, grad_final, q, k, v, g, beta, initial_state, cu_seqlens, rule):
-    return tuple(q.new_empty(0) if t is None else torch.empty_like(t) for t in (q, k, v, g, beta, initial_state))
-
-
-def _setup_context(ctx, inputs, output):
-    *tensors, want_final, rule = inputs
-    ctx.save_for_backward(*tensors)  # q, k, v, g, beta, initial_state, cu_seqlens
-    ctx.options = (want_final, rule)
-
-
-def _backward(ctx, grad_o, grad_final):
-    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-    want_final, rule = ctx.options
-    if grad_o is None:
-        grad_o = torch.zeros_like(v)
-    if want_final and grad_final is None:
-        grad_final = v.new_zeros(cu_seqlens.shape[0] - 1, v.shape[2], k.shape[3], v.shape[3],
-                                 dtype=torch.promote_types(v.dtype, torch.float32))
-    grads = torch.ops.hybridpar.fused_gated_delta_rule_backward(
-        grad_o.contiguous(), grad_final.contiguous() if want_final else None, q, k, v, g, beta, initial_state,
-        cu_seqlens, rule)
-    grads = [None if t is None else d for d, t in zip(grads, (q, k, v, g, beta, initial_state))]
-    return (*grads, None, None, None)  # cu_seqlens, want_final, rule
-
-
-_rule_op.register_autograd(_backward, setup_context=_setup_context)
+# hybridpar::fused_gated_delta_rule and its backward (delta_ops.py: no autograd forward, recomputing backward)
+_rule_op = register_rule_ops("fused_gated_delta_rule", _kernel)
 
 
 def fused_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cu_seqlens: Tensor,

@@ -20,7 +20,7 @@ precision); FLA wants float32 initial states and returns float32 final states.
 
 ``hybridpar::fused_kda_rule`` runs it without autograd and saves only its inputs;
 ``hybridpar::fused_kda_rule_backward`` recomputes it with autograd on and differentiates (FLA's
-backward kernels), the pattern of ``gdn_fused.py``: ``torch.compile`` sees two opaque ops (FLA's
+backward kernels), both registered by ``delta_ops.register_rule_ops`` as the gated DeltaNet's are: ``torch.compile`` sees two opaque ops (FLA's
 entry point is ``torch.compiler.disable``-d, a graph break otherwise).
 
 ``choose_kda_kernel`` says which runs (``models/mamba/fused.select_kernel``: the rules of the Mamba2
@@ -36,9 +36,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from hybridpar.models.linear.delta_ops import register_rule_ops
 from hybridpar.models.mamba.fused import select_kernel
-from hybridpar.models.mamba.fused_op import autograd_on, import_fla
-from hybridpar.models.precision import autocast_off
+from hybridpar.models.mamba.fused_op import import_fla
 
 __all__ = ["choose_kda_kernel", "fla_kda_status", "fused_kda_rule", "register_kda_rule"]
 
@@ -85,78 +85,8 @@ def _kernel(name: str) -> Callable:
     return _RULES[name]
 
 
-def _math(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule):
-    """``(o [1, T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] in fp32 or wider, or None)``."""
-    fp = torch.promote_types(v.dtype, torch.float32)
-    if initial_state is not None and rule == "fla":
-        initial_state = initial_state.float()  # FLA asserts float32 states
-    o, final = _kernel(rule)(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=initial_state,
-                             output_final_state=want_final, cu_seqlens=cu_seqlens.long())
-    return o.to(v.dtype), (final.to(fp) if want_final else None)
-
-
-@torch.library.custom_op("hybridpar::fused_kda_rule", mutates_args=())
-def _rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-             cu_seqlens: Tensor, want_final: bool, rule: str) -> tuple[Tensor, Tensor]:
-    with torch.no_grad(), autocast_off():
-        o, final = _math(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule)
-    return o, (final if final is not None else v.new_empty(0, dtype=torch.promote_types(v.dtype, torch.float32)))
-
-
-@_rule_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule):
-    fp = torch.promote_types(v.dtype, torch.float32)
-    if not want_final:
-        return torch.empty_like(v), v.new_empty(0, dtype=fp)
-    return torch.empty_like(v), v.new_empty(cu_seqlens.shape[0] - 1, v.shape[2], k.shape[3], v.shape[3], dtype=fp)
-
-
-@torch.library.custom_op("hybridpar::fused_kda_rule_backward", mutates_args=())
-def _rule_backward_op(grad_o: Tensor, grad_final: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
-                      beta: Tensor, initial_state: Tensor | None, cu_seqlens: Tensor, rule: str,
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    inputs = (q, k, v, g, beta, initial_state)
-    with autograd_on(), autocast_off():
-        leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
-        o, final = _math(*leaves, cu_seqlens, grad_final is not None, rule)
-        outputs, grads_out = [o], [grad_o]
-        if final is not None:
-            outputs.append(final)
-            grads_out.append(grad_final)
-        wanted = [leaf for leaf in leaves if leaf is not None]
-        found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True))
-    grads = [None if leaf is None else next(found) for leaf in leaves]
-    return tuple(q.new_empty(0) if t is None else (torch.zeros_like(t) if d is None else d.to(t.dtype))
-                 for d, t in zip(grads, inputs))
-
-
-@_rule_backward_op.register_fake
-def _(grad_o, grad_final, q, k, v, g, beta, initial_state, cu_seqlens, rule):
-    return tuple(q.new_empty(0) if t is None else torch.empty_like(t) for t in (q, k, v, g, beta, initial_state))
-
-
-def _setup_context(ctx, inputs, output):
-    *tensors, want_final, rule = inputs
-    ctx.save_for_backward(*tensors)  # q, k, v, g, beta, initial_state, cu_seqlens
-    ctx.options = (want_final, rule)
-
-
-def _backward(ctx, grad_o, grad_final):
-    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-    want_final, rule = ctx.options
-    if grad_o is None:
-        grad_o = torch.zeros_like(v)
-    if want_final and grad_final is None:
-        grad_final = v.new_zeros(cu_seqlens.shape[0] - 1, v.shape[2], k.shape[3], v.shape[3],
-                                 dtype=torch.promote_types(v.dtype, torch.float32))
-    grads = torch.ops.hybridpar.fused_kda_rule_backward(
-        grad_o.contiguous(), grad_final.contiguous() if want_final else None, q, k, v, g, beta, initial_state,
-        cu_seqlens, rule)
-    grads = [None if t is None else d for d, t in zip(grads, (q, k, v, g, beta, initial_state))]
-    return (*grads, None, None, None)  # cu_seqlens, want_final, rule
-
-
-_rule_op.register_autograd(_backward, setup_context=_setup_context)
+# hybridpar::fused_kda_rule and its backward (delta_ops.py: no autograd forward, recomputing backward)
+_rule_op = register_rule_ops("fused_kda_rule", _kernel, float32_states=True)
 
 
 def fused_kda_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cu_seqlens: Tensor,
