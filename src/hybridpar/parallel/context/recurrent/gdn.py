@@ -195,20 +195,21 @@ def entering_affine_states(ends: Tensor, plan: SegmentPlan, dk: int) -> Tensor:
 
 
 def segment_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states_in: Tensor, chunk_segment: Tensor,
-                 starts: list[int], ends: list[int], chunk: int, kernel: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                 starts: list[int], ends: list[int], chunk: int, kernel: str, dtype: torch.dtype, *,
+                 pure=chunk_gated_delta_rule, fused=fused_gated_delta_rule) -> tuple[Tensor, Tensor]:
     """The rule on one stream of chunk-padded segments (``[1, N*chunk, ...]``, segment ``j`` the chunks
     ``starts[j]..ends[j]``, ``chunk_segment [N]``), ``states_in [S, H, dk, dv']`` entering each:
     ``(o [1, N*chunk, H, dv'], final states [S, H, dk, dv'])`` in v's dtype. ``kernel`` ``"pure"``:
     ``chunk_gated_delta_rule``'s ``states_at`` / ``finals_at``; otherwise the fused rule of that name
     with each segment one ``cu_seqlens`` sequence, q, k, v in ``dtype`` (the padding,
-    ``k = v = beta = g = 0``, leaves a state as it is)."""
+    ``k = v = beta = g = 0``, leaves a state as it is). ``pure``/``fused``: the rule pair (KDA passes its own)."""
     if kernel == "pure":
-        o, finals = chunk_gated_delta_rule(q, k, v, g, beta, doc_ids=chunk_segment.repeat_interleave(chunk)[None],
-                                           chunk_size=chunk, states_in=states_in, states_at=starts, finals_at=ends)
+        o, finals = pure(q, k, v, g, beta, doc_ids=chunk_segment.repeat_interleave(chunk)[None], chunk_size=chunk,
+                         states_in=states_in, states_at=starts, finals_at=ends)
     else:
         cu_padded = torch.tensor([*starts, ends[-1] + 1], device=v.device) * chunk  # [S+1]
-        o, finals = fused_gated_delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), g, beta, cu_seqlens=cu_padded,
-                                           initial_state=states_in.contiguous(), output_final_state=True, rule=kernel)
+        o, finals = fused(q.to(dtype), k.to(dtype), v.to(dtype), g, beta, cu_seqlens=cu_padded,
+                          initial_state=states_in.contiguous(), output_final_state=True, rule=kernel)
     return o.to(v.dtype), finals.to(v.dtype)
 
 

@@ -49,7 +49,7 @@ from hybridpar.models.linear.kda_fused import choose_kda_kernel, fused_kda_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
-from hybridpar.parallel.context.recurrent.gdn import chunk_aligned, entering_affine_states
+from hybridpar.parallel.context.recurrent.gdn import chunk_aligned, entering_affine_states, segment_rule
 from hybridpar.parallel.context.recurrent.mamba import local_tensor
 from hybridpar.parallel.context.recurrent.mamba_state import conv_halo, segment_plan
 
@@ -81,19 +81,9 @@ def _gate(layer: nn.Module) -> tuple[Tensor, Tensor]:
 def segment_kda_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states_in: Tensor,
                      chunk_segment: Tensor, starts: list[int], ends: list[int], chunk: int, kernel: str,
                      dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The KDA rule on one stream of chunk-padded segments (``[1, N*chunk, ...]``, segment ``j`` the
-    chunks ``starts[j]..ends[j]``), ``states_in [S, H, d, dv']`` entering each: ``(o [1, N*chunk, H, dv'],
-    final states [S, H, d, dv'])`` in v's dtype; ``kernel`` ``"pure"`` or the fused rule of that name
-    (q, k, v in ``dtype``), as ``gdn.segment_rule``."""
-    if kernel == "pure":
-        o, finals = chunk_kda_rule(q, k, v, g, beta, doc_ids=chunk_segment.repeat_interleave(chunk)[None],
-                                   chunk_size=chunk, states_in=states_in, states_at=starts, finals_at=ends)
-    else:
-        cu_padded = torch.tensor([*starts, ends[-1] + 1], device=v.device) * chunk  # [S+1]
-        o, finals = fused_kda_rule(q.to(dtype), k.to(dtype), v.to(dtype), g, beta, cu_seqlens=cu_padded,
-                                   initial_state=states_in.contiguous(), output_final_state=True, rule=kernel)
-    return o.to(v.dtype), finals.to(v.dtype)
-
+    """``gdn.segment_rule`` with the KDA rules (``g [1, N*chunk, H, d]``: a decay per key channel)."""
+    return segment_rule(q, k, v, g, beta, states_in, chunk_segment, starts, ends, chunk, kernel, dtype,
+                        pure=chunk_kda_rule, fused=fused_kda_rule)
 
 class HiddenParallelKDA(ContextParallelCore):
     """All-to-all sequence -> heads, the KDA core on H/P heads over the whole sequence, back."""
