@@ -86,7 +86,8 @@ from hybridpar.parallel.comm.collectives import all_gather
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
 
 __all__ = ["SegmentPlan", "build_segment_plan", "segment_plan", "state_passing_conv_scan", "state_bytes_per_layer",
-           "StatePassingMamba1", "apply_mamba1_cp", "mamba1_state_bytes_per_layer", "conv_halo", "entering_states"]
+           "StatePassingMamba1", "apply_mamba1_cp", "mamba1_state_bytes_per_layer", "conv_halo", "entering_states",
+           "exchange_elementwise_states"]
 
 
 def state_bytes_per_layer(
@@ -209,6 +210,16 @@ def entering_states(states: Tensor, decay: Tensor, plan: SegmentPlan) -> Tensor:
     return torch.stack([entering[wanted[0]], entering[wanted[1]]], dim=1).flatten(0, 1)  # [D, 2, ...] -> [S, ...]
 
 
+
+def exchange_elementwise_states(h_end: Tensor, decay: Tensor, plan: SegmentPlan, cp_group) -> Tensor:
+    """``h0 [S, *X]`` entering this rank's segments for a diagonal recurrence (Mamba1, RG-LRU): each
+    segment's final state ``h_end [S, *X]`` from a zero start and its total decay ``decay [S, *X]`` (the
+    same shape), exchanged in one all-gather ``[S, 2X] -> [P*S, 2X]`` and composed by ``entering_states``."""
+    payload = torch.cat([h_end.flatten(1), decay.flatten(1)], dim=1)  # [S, 2X]
+    gathered = all_gather(payload, cp_group, 0)  # [S, 2X] -> [P*S, 2X], rank-major
+    states, decays = gathered.reshape(plan.cp_size, plan.num_docs, 2, 2, -1).unbind(3)  # [P, D, 2, X] each
+    return entering_states(states[..., None], decays, plan).view(h_end.shape)
+
 def state_passing_conv_scan(
     xBC: Tensor,
     dt: Tensor,
@@ -295,10 +306,7 @@ class StatePassingMamba1(ContextParallelCore):
         dtype = h_end.dtype  # the scan's compute dtype (fp32 for bf16 activations)
         dt_sum = dt.new_zeros(plan.num_segments, width, dtype=dtype).index_add(0, plan.token_segment, dt[0].to(dtype))
         decay = torch.exp(dt_sum[:, :, None] * A.to(dtype))  # [S, d, n] a_seg
-        payload = torch.cat([h_end.flatten(1), decay.flatten(1)], dim=1)  # [S, 2*d*n]
-        gathered = all_gather(payload, self.cp_group, 0)  # [S, 2dn] -> [P*S, 2dn], rank-major
-        states, decays = gathered.reshape(self.cp_size, plan.num_docs, 2, 2, -1).unbind(3)  # [P, D, 2, d*n] each
-        h0 = entering_states(states[..., None], decays, plan).view(plan.num_segments, width, -1)  # [S, d, n]
+        h0 = exchange_elementwise_states(h_end, decay, plan, self.cp_group)  # [S, d, n]
         y = selective_scan(u, dt, A, B, C, reset, init_states=h0, init_at=starts) + u * _local(module.D)  # [1, T, d]
         return y.view(batch, local_len, width)
 

@@ -36,9 +36,8 @@ from hybridpar.models.hf.mixers.mamba1 import document_conv
 from hybridpar.models.hf.mixers.rglru import local_rglru_core, rglru_blocks, rglru_parameters
 from hybridpar.models.linear.rglru import rglru_inputs
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
-from hybridpar.parallel.comm.collectives import all_gather
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
-from hybridpar.parallel.context.recurrent.mamba_state import conv_halo, entering_states, segment_plan
+from hybridpar.parallel.context.recurrent.mamba_state import conv_halo, exchange_elementwise_states, segment_plan
 
 __all__ = ["StatePassingRglru", "apply_rglru_cp", "rglru_state_bytes_per_layer"]
 
@@ -74,10 +73,7 @@ class StatePassingRglru(ContextParallelCore):
         dtype = h_end.dtype  # the scan's compute dtype (fp32 for bf16 activations)
         r_sum = r.new_zeros(plan.num_segments, width, dtype=dtype).index_add(0, plan.token_segment, r[0].to(dtype))
         decay = torch.exp(r_sum * A[:, 0].to(dtype))  # [S, Cd] a_seg
-        payload = torch.cat([h_end[..., 0], decay], dim=1)  # [S, 2*Cd]
-        gathered = all_gather(payload, self.cp_group, 0)  # [S, 2Cd] -> [P*S, 2Cd], rank-major
-        states, decays = gathered.reshape(self.cp_size, plan.num_docs, 2, 2, width).unbind(3)  # [P, D, 2, Cd] each
-        h0 = entering_states(states[..., None], decays, plan)  # [S, Cd, 1]
+        h0 = exchange_elementwise_states(h_end, decay[..., None], plan, self.cp_group)  # [S, Cd, 1]
         y = _scan(u, r, A, init_states=h0, init_at=starts, **gated)  # [1, T, Cd]
         return y.to(x.dtype).view(batch, local_len, width)
 
