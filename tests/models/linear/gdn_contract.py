@@ -7,7 +7,7 @@ starting at ``initial_state[n]`` (zeros without one)::
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T (scale q_t)
 
 ``o`` in v's dtype, final states ``[N, Hv, dk, dv]`` in float32 or wider. ``fla_gdn_on_cpu.py``
-holds it to FLA's own naive reference; ``test_gdn_fused.py`` registers it as a stand-in rule.
+holds it to FLA's own naive reference; ``test_gdn_fused.py`` registers it as a stand-in rule for ``fused_rules.py``.
 """
 
 from __future__ import annotations
