@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import os
 import sys
@@ -63,16 +64,15 @@ def first_config_only() -> None:
     Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
 
 
-def _modes(dry: bool):
+def _modes(dry: bool, family: str):
     """``(mode, context)`` pairs: pure, then fused (FLA's kernel, or the contract in a dry run)."""
     return (("pure", use_mamba_kernel("pure")),
-            ("fused", use_stand_in("contract", family="gdn") if dry else use_mamba_kernel("fla")))
+            ("fused", use_stand_in("contract", family=family) if dry else use_mamba_kernel("fla")))
 
 
 def model_parity(device, sizes: dict, dry: bool) -> list[tuple[str, float]]:
     import transformers as hf
 
-    from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.mixers.gdn import install_gdn_core
 
     k_heads, v_heads = sizes["heads"]
@@ -89,14 +89,21 @@ def model_parity(device, sizes: dict, dry: bool) -> list[tuple[str, float]]:
     with torch.no_grad():  # decay rates A = exp(A_log) in (0.2, 2), not transformers' init's (0, 16): see below
         for layer in install_gdn_core(base):
             base.get_submodule(layer).A_log.copy_(torch.empty(v_heads).uniform_(0.2, 2.0, generator=gen).log())
-    tokens = sizes["tokens"]
+    return packed_row_rows(base, sizes, device, dry, "gdn")
+
+
+def packed_row_rows(base, sizes: dict, device, dry: bool, family: str) -> list[tuple[str, float]]:
+    """A copy of ``base`` per kernel on one packed row of ``sizes["docs"]``: the loss and every parameter
+    gradient, fused against pure."""
+    from hybridpar.data.thd import PackedSeqParams
+
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (1, tokens + 1), generator=gen).to(device)
+    ids = torch.randint(0, base.config.vocab_size, (1, sizes["tokens"] + 1), generator=gen).to(device)
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor(sizes["docs"], dtype=torch.int32))
     packed.__dict__.update({k: v.to(device) for k, v in vars(packed).items() if isinstance(v, torch.Tensor)})
     results = {}
-    for mode, context in _modes(dry):
-        model = _copy(base).to(device)
+    for mode, context in _modes(dry, family):
+        model = copy.deepcopy(base).to(device)
         with context:
             logits = model(input_ids=ids[:, :-1], position_ids=packed.position_ids, packed_seq_params=packed,
                            use_cache=False).logits
@@ -108,43 +115,43 @@ def model_parity(device, sizes: dict, dry: bool) -> list[tuple[str, float]]:
     return rows
 
 
-def _copy(model):
-    import copy
-
-    return copy.deepcopy(model)
-
-
 def state_parity(device, sizes: dict, dry: bool) -> list[tuple[str, float]]:
     from hybridpar.parallel.context.recurrent.gdn import segment_rule
 
-    chunk, (k_heads, v_heads), d = 64, sizes["heads"], sizes["head_dim"]
+    (k_heads, v_heads), d = sizes["heads"], sizes["head_dim"]
+
+    def draw(gen, padded):  # q, k unit [Hk, d]; v [Hv, d]; the log decay g and beta [Hv]
+        unit = lambda *s: torch.nn.functional.normalize(torch.randn(1, padded, *s, generator=gen), dim=-1)  # noqa: E731
+        return dict(q=unit(k_heads, d), k=unit(k_heads, d), v=torch.randn(1, padded, v_heads, d, generator=gen),
+                    g=-torch.rand(1, padded, v_heads, generator=gen), beta=torch.rand(1, padded, v_heads, generator=gen))
+
+    return segment_rows(segment_rule, draw, sizes, device, dry, "gdn")
+
+
+def segment_rows(segment_call, draw, sizes: dict, device, dry: bool, family: str) -> list[tuple[str, float]]:
+    """The ``state`` strategy's segment call on ``sizes["segments"]``, each chunk-padded with zeros as the
+    strategy pads, values ``[0 | v]`` and ``[I | 0]`` entering each: outputs, final states and every
+    input's gradient, fused against pure. ``draw(gen, padded)`` gives q, k, v, g, beta of ``padded`` tokens."""
+    chunk = 64
     lengths = torch.tensor(sizes["segments"])
     chunks = (lengths + chunk - 1) // chunk
     ends_at = chunks.cumsum(0)
     starts, ends = (ends_at - chunks).tolist(), (ends_at - 1).tolist()
     padded = int(ends_at[-1]) * chunk
     chunk_segment = torch.repeat_interleave(torch.arange(len(lengths)), chunks).to(device)
-    real = torch.zeros(padded, dtype=torch.bool)  # the segments' tokens; zeros after each, as the strategy pads
+    real = torch.zeros(padded, dtype=torch.bool)  # the segments' tokens; zeros after each
     for start, length in zip(starts, lengths.tolist()):
         real[start * chunk:start * chunk + length] = True
-    gen = torch.Generator().manual_seed(2)
-
-    def leaf(*shape, unit=False, low=None):
-        t = torch.randn(1, padded, *shape, generator=gen)
-        t = torch.nn.functional.normalize(t, dim=-1) if unit else t
-        t = -torch.rand(1, padded, *shape, generator=gen) if low == "decay" else (
-            torch.rand(1, padded, *shape, generator=gen) if low == "gate" else t)
-        return (t * real.view(1, -1, *[1] * len(shape))).to(device).requires_grad_()
-
-    inputs = dict(q=leaf(k_heads, d, unit=True), k=leaf(k_heads, d, unit=True), v=leaf(v_heads, d),
-                  g=leaf(v_heads, low="decay"), beta=leaf(v_heads, low="gate"))
-    identity = torch.eye(d, 2 * d, device=device).expand(len(starts), v_heads, d, 2 * d)
+    inputs = {name: (t * real.view(1, -1, *[1] * (t.dim() - 2))).to(device).requires_grad_()
+              for name, t in draw(torch.Generator().manual_seed(2), padded).items()}
+    heads, d = inputs["v"].shape[2:]
+    identity = torch.eye(d, 2 * d, device=device).expand(len(starts), heads, d, 2 * d)
     out = {}
-    for mode, context in _modes(dry):
+    for mode, context in _modes(dry, family):
         kernel = "pure" if mode == "pure" else ("contract" if dry else "fla")
         with context:
             v = torch.cat([torch.zeros_like(inputs["v"]), inputs["v"]], dim=-1)  # values [0 | v]
-            o, finals = segment_rule(inputs["q"], inputs["k"], v, inputs["g"], inputs["beta"], identity, chunk_segment,
+            o, finals = segment_call(inputs["q"], inputs["k"], v, inputs["g"], inputs["beta"], identity, chunk_segment,
                                      starts, ends, chunk, kernel, torch.float32)
         probe = torch.Generator().manual_seed(3)
         loss = (o * torch.randn(o.shape, generator=probe).to(device)).sum() + \
@@ -155,34 +162,41 @@ def state_parity(device, sizes: dict, dry: bool) -> list[tuple[str, float]]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run(name: str, title: str, register_contract, model_parity, state_parity) -> int:
+    """``benchmarks/<name>.py [--out DIR] [--dry-run]``: both sections, written as ``<name>.{json,md}``.
+    ``register_contract()`` registers FLA's contract as the dry run's stand-in kernel."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--dry-run", action="store_true", help="CPU, small shapes, FLA's contract for the kernel")
     args = parser.parse_args()
+    module = sys.modules[model_parity.__module__]
     if args.dry_run:
-        from hybridpar.models.linear.gdn_fused import register_rule
-        from tests.models.linear.gdn_contract import gated_delta_contract
-
-        register_rule("contract", gated_delta_contract)
-        device, sizes, name = torch.device("cpu"), DRY, "CPU dry run, FLA's contract for the kernel"
+        register_contract()
+        device, sizes, device_name = torch.device("cpu"), module.DRY, "CPU dry run, FLA's contract for the kernel"
     elif not torch.cuda.is_available():
-        print("gdn_parity: no CUDA device here; run it on a GPU machine (or --dry-run).", file=sys.stderr)
+        print(f"{name}: no CUDA device here; run it on a GPU machine (or --dry-run).", file=sys.stderr)
         return 2
     else:
-        device, sizes = torch.device("cuda"), FULL
-        name = torch.cuda.get_device_name(device)
+        device, sizes = torch.device("cuda"), module.FULL
+        device_name = torch.cuda.get_device_name(device)
         set_tf32(False)
         with contextlib.suppress(ImportError):
             first_config_only()
-    meta = {"device": name, "torch": torch.__version__, "tolerance": TOLERANCE,
+    meta = {"device": device_name, "torch": torch.__version__, "tolerance": TOLERANCE,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python benchmarks/gdn_parity.py" + (" --dry-run" if args.dry_run else "")}
+            "command": f"python benchmarks/{name}.py" + (" --dry-run" if args.dry_run else "")}
     sections = harness.parity_sections({"model": lambda: model_parity(device, sizes, args.dry_run),
                                         "states": lambda: state_parity(device, sizes, args.dry_run)}, TOLERANCE)
-    return harness.write_parity("gdn_parity", "Fused gated delta rule vs the pure-PyTorch core (float32, TF32 off)",
-                                meta, sections, out=args.out)
+    return harness.write_parity(name, title, meta, sections, out=args.out)
+
+
+def _register_contract() -> None:
+    from hybridpar.models.linear.gdn_fused import register_rule
+    from tests.models.linear.gdn_contract import gated_delta_contract
+
+    register_rule("contract", gated_delta_contract)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("gdn_parity", "Fused gated delta rule vs the pure-PyTorch core (float32, TF32 off)",
+                 _register_contract, model_parity, state_parity))
