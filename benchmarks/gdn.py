@@ -57,25 +57,9 @@ def step_fn(name: str, path: str, tokens: int):
     """A closure running one forward + backward of ``name`` on ``tokens`` tokens (4 documents)."""
     if name == "rule":
         return rule_fn(path, tokens)
-    from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.mixers.gdn import install_gdn_core
-    from hybridpar.parallel.context.hf import use_hybridpar_attention
 
-    model = build(name)
-    ids = torch.randint(0, _C["vocab_size"], (1, tokens))
-    if path == "ours":
-        packed = PackedSeqParams.from_cu_seqlens(torch.arange(0, tokens + 1, tokens // DOCS, dtype=torch.int32))
-        install_gdn_core(model)
-        use_hybridpar_attention(model)
-        inputs = {"input_ids": ids, "position_ids": packed.position_ids, "packed_seq_params": packed, "use_cache": False}
-    else:
-        inputs = {"input_ids": ids.view(DOCS, tokens // DOCS), "use_cache": False}
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(**inputs).logits.sum().backward()
-
-    return step
+    return paths.packed_or_rows_step(build(name), install_gdn_core, path, tokens, DOCS)
 
 
 def rule_fn(path: str, tokens: int):
@@ -89,18 +73,7 @@ def rule_fn(path: str, tokens: int):
     k = torch.nn.functional.normalize(torch.randn(1, tokens, heads // 2, dim, generator=gen), dim=-1)
     v = torch.randn(1, tokens, heads, dim, generator=gen)
     g, beta = -0.1 * torch.rand(1, tokens, heads, generator=gen), torch.rand(1, tokens, heads, generator=gen)
-    inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
-    docs = (torch.arange(tokens) // (tokens // DOCS))[None]
-
-    def step():
-        if path == "ours":
-            out = chunk_gated_delta_rule(*inputs, doc_ids=docs, chunk_size=64)[0]
-        else:
-            rows = [x.view(DOCS, tokens // DOCS, *x.shape[2:]) for x in inputs]
-            out = torch_chunk_gated_delta_rule(*rows, chunk_size=64)[0]
-        out.sum().backward()
-
-    return step
+    return paths.rule_step(chunk_gated_delta_rule, torch_chunk_gated_delta_rule, [q, k, v, g, beta], path, tokens, DOCS)
 
 
 NOTES = ["4 equal documents, small random float32 models (module docstring), forward + backward of the summed",

@@ -1,7 +1,8 @@
 """Two paths of the same models compared, ours against transformers': time, fresh-process peak, table.
 
-``benchmarks/hf_hybrids.py`` and ``benchmarks/gdn.py`` share it. A script defines a module-level
-``step_fn(arch, path, tokens)`` returning a closure of one forward + backward; then
+``benchmarks/hf_hybrids.py``, ``gdn.py`` and ``kda.py`` share it. A script defines a module-level
+``step_fn(arch, path, tokens)`` returning a closure of one forward + backward (``packed_or_rows_step``
+and ``rule_step`` build the two closures of ``gdn.py`` and ``kda.py``); then
 
 - ``time_and_peak(step_fn, arch, path, tokens, repeats, threads)``: the median wall time of the
   closure (``harness.timed``, one warm-up) and the peak RSS one call adds, measured in a fresh
@@ -20,7 +21,51 @@ from collections.abc import Callable
 
 import harness
 
-__all__ = ["add_grid_arguments", "paths_table", "run_grid", "time_and_peak", "write_report"]
+__all__ = ["add_grid_arguments", "packed_or_rows_step", "paths_table", "rule_step", "run_grid", "time_and_peak",
+           "write_report"]
+
+
+def packed_or_rows_step(model, install_core: Callable, path: str, tokens: int, docs: int = 4) -> Callable:
+    """One forward + backward of the summed logits on ``docs`` equal documents of ``tokens`` in all:
+    ``ours`` one packed row with ``install_core(model)`` and hybridpar's attention, else one document
+    per row through transformers' own path (correct, and here without padding)."""
+    import torch
+
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.parallel.context.hf import use_hybridpar_attention
+
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    if path == "ours":
+        packed = PackedSeqParams.from_cu_seqlens(torch.arange(0, tokens + 1, tokens // docs, dtype=torch.int32))
+        install_core(model)
+        use_hybridpar_attention(model)
+        inputs = {"input_ids": ids, "position_ids": packed.position_ids, "packed_seq_params": packed, "use_cache": False}
+    else:
+        inputs = {"input_ids": ids.view(docs, tokens // docs), "use_cache": False}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**inputs).logits.sum().backward()
+
+    return step
+
+
+def rule_step(ours: Callable, theirs: Callable, inputs: list, path: str, tokens: int, docs: int = 4) -> Callable:
+    """One forward + backward of a linear-attention rule alone on ``inputs`` ``[1, tokens, ...]``:
+    ``ours(*inputs, doc_ids=...)`` on the packed row, else ``theirs`` on ``docs`` rows, chunk 64."""
+    import torch
+
+    inputs = [x.requires_grad_() for x in inputs]
+    doc_ids = (torch.arange(tokens) // (tokens // docs))[None]
+
+    def step():
+        if path == "ours":
+            out = ours(*inputs, doc_ids=doc_ids, chunk_size=64)[0]
+        else:
+            out = theirs(*(x.view(docs, tokens // docs, *x.shape[2:]) for x in inputs), chunk_size=64)[0]
+        out.sum().backward()
+
+    return step
 
 
 def peak_in_child(script: str, fn_name: str, args: list, threads: int) -> dict:
