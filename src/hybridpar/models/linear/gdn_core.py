@@ -25,7 +25,7 @@ from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fused_gated_del
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.core import row_documents
 
-__all__ = ["document_conv1d", "gated_delta_core", "gdn_inputs", "l2norm"]
+__all__ = ["document_conv1d", "gated_delta_core", "gdn_inputs", "l2norm", "rule_on_rows"]
 
 
 class _DocumentConv(torch.autograd.Function):
@@ -96,16 +96,24 @@ def gated_delta_core(
     mixed = F.silu(document_conv1d(mixed_qkv, conv_weight, conv_bias, cu_docs))
     q, k, v, g, beta = gdn_inputs(mixed, a, b, A_log, dt_bias, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
                                   beta_scale=beta_scale)
-    kernel = choose_gdn_kernel(mixed_qkv)[0]
-    if kernel != "pure":  # CUDA + fla-core (gdn_fused.py): FLA's rule on the row-major stream, or a test's stand-in
-        act = mixed_qkv.dtype  # q, k, v in the activations' dtype; g, beta in float32 or wider
+    return rule_on_rows(q, k, v, g, beta, cu_docs, choose_gdn_kernel(mixed_qkv)[0], fused_gated_delta_rule,
+                        chunk_gated_delta_rule, chunk_size, mixed_qkv.dtype)
 
-        def stream(t: Tensor, dtype) -> Tensor:  # [B, L, ...] -> [1, B*L, ...]
-            return t.reshape(1, batch * seqlen, *t.shape[2:]).to(dtype)
 
-        o, _ = fused_gated_delta_rule(stream(q, act), stream(k, act), stream(v, act), stream(g, g.dtype),
-                                      stream(beta, beta.dtype), cu_seqlens=cu_docs, rule=kernel)
-        return o.reshape(batch, seqlen, -1).to(mixed_qkv.dtype)
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, doc_ids=document_ids(cu_docs, batch, seqlen),
-                                  chunk_size=chunk_size)
-    return o.flatten(-2).to(mixed_qkv.dtype)
+def rule_on_rows(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_docs: Tensor, kernel: str,
+                 fused_rule, pure_rule, chunk_size: int, dtype: torch.dtype) -> Tensor:
+    """A delta rule on rows ``[B, L, H, ...]`` of the documents ``cu_docs``: ``o [B, L, Hv*dv]`` in ``dtype``.
+
+    ``kernel != "pure"`` (CUDA + fla-core, or a test's stand-in): ``fused_rule`` on the row-major stream
+    ``[1, B*L, ...]`` with ``cu_docs`` as FLA's ``cu_seqlens``, q, k, v in ``dtype`` and g, beta in
+    float32 or wider; else ``pure_rule`` with each token's document id."""
+    batch, seqlen = q.shape[:2]
+    if kernel != "pure":
+        def stream(t: Tensor, to) -> Tensor:  # [B, L, ...] -> [1, B*L, ...]
+            return t.reshape(1, batch * seqlen, *t.shape[2:]).to(to)
+
+        o, _ = fused_rule(stream(q, dtype), stream(k, dtype), stream(v, dtype), stream(g, g.dtype),
+                          stream(beta, beta.dtype), cu_seqlens=cu_docs, rule=kernel)
+        return o.reshape(batch, seqlen, -1).to(dtype)
+    o, _ = pure_rule(q, k, v, g, beta, doc_ids=document_ids(cu_docs, batch, seqlen), chunk_size=chunk_size)
+    return o.flatten(-2).to(dtype)

@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridpar.models.linear.gated_delta import document_ids
-from hybridpar.models.linear.gdn_core import document_conv1d, l2norm
+from hybridpar.models.linear.gdn_core import document_conv1d, l2norm, rule_on_rows
 from hybridpar.models.linear.kda import chunk_kda_rule
 from hybridpar.models.linear.kda_fused import choose_kda_kernel, fused_kda_rule
 from hybridpar.models.mamba.core import row_documents
@@ -58,15 +57,5 @@ def kimi_delta_core(
         cu_docs = row_documents(None, batch, seqlen, mixed_qkv.device)
     mixed = F.silu(document_conv1d(mixed_qkv, conv_weight, conv_bias, cu_docs))
     q, k, v, g, beta = kda_inputs(mixed, f, b, A_log, dt_bias, head_dim=head_dim)
-    kernel = choose_kda_kernel(mixed_qkv)[0]
-    if kernel != "pure":  # CUDA + fla-core (kda_fused.py): FLA's rule on the row-major stream, or a test's stand-in
-        act = mixed_qkv.dtype  # q, k, v in the activations' dtype; g, beta in float32 or wider
-
-        def stream(t: Tensor, dtype) -> Tensor:  # [B, L, ...] -> [1, B*L, ...]
-            return t.reshape(1, batch * seqlen, *t.shape[2:]).to(dtype)
-
-        o, _ = fused_kda_rule(stream(q, act), stream(k, act), stream(v, act), stream(g, g.dtype),
-                              stream(beta, beta.dtype), cu_seqlens=cu_docs, rule=kernel)
-        return o.reshape(batch, seqlen, -1).to(mixed_qkv.dtype)
-    o, _ = chunk_kda_rule(q, k, v, g, beta, doc_ids=document_ids(cu_docs, batch, seqlen), chunk_size=chunk_size)
-    return o.flatten(-2).to(mixed_qkv.dtype)
+    return rule_on_rows(q, k, v, g, beta, cu_docs, choose_kda_kernel(mixed_qkv)[0], fused_kda_rule, chunk_kda_rule,
+                        chunk_size, mixed_qkv.dtype)
