@@ -63,4 +63,3 @@ def test_cp2_of_recurrent_gemma_matches_one_process():
         for attention, r in rank_results.items():
             assert r["params"] == r["expected"] and r["cores"] == {"StatePassingRglru"}, (attention, r)
             assert r["loss_error"] < TOL and r["grad_error"] < TOL, (attention, r)
-

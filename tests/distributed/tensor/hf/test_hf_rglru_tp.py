@@ -141,9 +141,8 @@ def test_what_tp_cannot_shard_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^[^\n]*'model.layers.2.temporal_block'[^\n]*8 query heads, not divisible "
                                          r"by tp=3[^\n]*$"):
         MQAHeadParallel().check("model.layers.2.temporal_block", _Heads(8, 1), 3)
-    with pytest.raises(ValueError, match=r"^[^\n]*2 key/value heads, neither 1 \(replicated\) nor divisible by "
-                                         r"tp=4[^\n]*$"):
-        MQAHeadParallel().check("attention", _Heads(8, 2), 4)
+    with pytest.raises(ValueError, match=r"^[^\n]*2 key/value heads; its TP plan is multi-query[^\n]*tp=1[^\n]*$"):
+        MQAHeadParallel().check("attention", _Heads(8, 2), 2)
     with pytest.raises(ValueError, match=r"^[^\n]*LoRA target 'model.layers.2.temporal_block.k_proj'[^\n]*$"):
         check_tp_plan(_model(("k_proj",)), 2)
     block = model.model.layers[0].temporal_block

@@ -17,8 +17,8 @@ holds heads ``[r H/tp, (r+1) H/tp)``, i.e. channels ``[r Cd/tp, (r+1) Cd/tp)``, 
 No collective beyond the row-parallel exit's. The local attention layers are multi-query (one KV head):
 q by heads (``Shard(0)``), ``o_proj`` row-parallel, ``k_proj`` / ``v_proj`` replicated, every rank's
 query heads reading the one key and value; their gradient is a partial sum over TP (each rank's heads),
-summed once in backward (``AllReduceGrad``, ``[D, d]`` each) (``MQAHeadParallel``; with KV heads divisible
-by tp they are sharded by heads instead). The MLPs are column/row-parallel (``decoder_plan``). No parameter
+summed once in backward (``AllReduceGrad``, ``[D, d]`` each) (``MQAHeadParallel``; a config with more KV heads
+is refused at tp > 1). The MLPs are column/row-parallel (``decoder_plan``). No parameter
 is split or renamed, so a DCP checkpoint written at tp=2 loads at tp=1. Under TP only hybridpar's core runs
 (a cache is refused). LoRA pairs ``linear_x``, ``linear_y``, ``q_proj`` by rows and ``linear_out``,
 ``o_proj`` row-wise; a LoRA on ``k_proj`` / ``v_proj`` is refused in one line. Exactness:
@@ -117,15 +117,16 @@ def mqa_problem(name: str, module: nn.Module, tp: int) -> str | None:
     if heads % tp:
         return (f"attention {name!r} has {heads} query heads, not divisible by tp={tp}: tensor parallelism splits "
                 f"them over the TP ranks; use a tp dividing {heads}")
-    if kv_heads % tp and kv_heads != 1:
-        return (f"attention {name!r} has {kv_heads} key/value heads, neither 1 (replicated) nor divisible by "
-                f"tp={tp}; use a tp dividing {kv_heads}")
+    if kv_heads != 1 and tp > 1:
+        return (f"attention {name!r} has {kv_heads} key/value heads; its TP plan is multi-query (one KV head, "
+                f"replicated): use parallel.tp=1 for this config (context parallelism and FSDP apply)")
     return None
 
 
 class MQAHeadParallel(LocalHeadsBlock):
-    """Attention by query heads with one KV head replicated (module docstring): rank ``r`` computes heads
-    ``[r H/tp, (r+1) H/tp)`` against the whole key and value; ``num_key_value_groups`` becomes per rank."""
+    """Multi-query attention by query heads (module docstring): rank ``r`` computes heads
+    ``[r H/tp, (r+1) H/tp)`` against the one, replicated key and value; ``num_key_value_groups`` becomes
+    per rank (``H/tp``)."""
 
     out = "o_proj"
     lora_kinds = {"q_proj": "components", "o_proj": "rowwise"}
@@ -135,25 +136,20 @@ class MQAHeadParallel(LocalHeadsBlock):
         if problem:
             raise ValueError(problem + ".")
 
-    @staticmethod
-    def _kv_replicated(module: nn.Module, tp: int) -> bool:
-        return module.num_key_value_heads % tp != 0
-
     def sharded(self, module: nn.Module, tp: int) -> tuple[nn.Module, ...]:
-        return (module.q_proj,) if self._kv_replicated(module, tp) else (module.q_proj, module.k_proj, module.v_proj)
+        return (module.q_proj,)
 
     def summed(self, module: nn.Module, tp: int) -> tuple[nn.Module, ...]:
-        return (module.k_proj, module.v_proj) if self._kv_replicated(module, tp) else ()
+        return module.k_proj, module.v_proj
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self._kv_replicated(module, device_mesh.size()):  # H/tp local query heads over the one KV head
-            module.num_key_value_groups //= device_mesh.size()
+        self.check(type(module).__name__, module, device_mesh.size())
+        module.num_key_value_groups //= device_mesh.size()  # H/tp local query heads over the one KV head
         return super()._apply(module, device_mesh)
 
 
 def validate_recurrent_gemma_tp(model: nn.Module, tp: int) -> None:
-    """Query heads (which are also the RG-LRU heads) and the MLP width divisible by ``tp``; KV heads 1 or
-    divisible by ``tp``."""
+    """Query heads (which are also the RG-LRU heads) and the MLP width divisible by ``tp``; one KV head."""
     config = model.config
     if config.intermediate_size % tp:
         raise ValueError(f"config.intermediate_size={config.intermediate_size} is not divisible by tp={tp}; choose "
