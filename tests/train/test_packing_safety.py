@@ -169,7 +169,8 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
     "bamba": (["parallel.tp=2", "parallel.sequence_parallel=true"],),  # a HybridLM (backend=auto): one B/C group
     "lfm2": (["parallel.cp=2", "parallel.cp_attention=ulysses"],),  # short convs: the halo exchange at cp=2
     "falcon_mamba": (["parallel.cp=2", "parallel.cp_mamba=state"],),  # Mamba1: state passing (context/mamba_state.py)
-    "recurrent_gemma": (["parallel.cp=2"],),  # RG-LRU: state passing (context/recurrent/rglru.py), local MQA allgather
+    "recurrent_gemma": (["parallel.cp=2"],  # RG-LRU: state passing (context/recurrent/rglru.py), local MQA allgather
+                        ["parallel.tp=2", "parallel.sequence_parallel=true"]),  # by heads (hf_plans/recurrent_gemma.py)
     # gated DeltaNets on hybridpar's core, all-to-all over heads (parallel/context/recurrent/gdn.py); MoE layers
     "qwen3_next": (["parallel.cp=2", "parallel.cp_mamba=a2a", "parallel.cp_attention=ulysses"],
                    ["parallel.cp=2", "parallel.cp_mamba=state"],

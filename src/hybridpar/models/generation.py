@@ -300,15 +300,25 @@ def generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int)
     return logits + layer_peak + kv + repeated + 2 * batch * total * 8 + per_token
 
 
-RECURRENT_NAMES = ("Delta", "Linear", "Recurrent")  # k_proj/v_proj of a constant-size state: no K/V cache
+RECURRENT_NAMES = ("Delta", "Linear")  # k_proj/v_proj of a constant-size state: no K/V cache
+
+
+def _cached_tokens(module: nn.Module, config, total: int) -> int:
+    """Tokens an attention module's K/V cache keeps: at most its window for a sliding layer of a config whose
+    ``layer_types`` name it (transformers' ``DynamicCache(config)``; RecurrentGemma's local MQA), else all."""
+    window = getattr(module, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    return min(total, window) if sliding and isinstance(window, int) and window > 0 else total
 
 
 def transformers_generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int) -> int:
     """A lower estimate for a transformers model's ``generate``: the K/V cache ``[B, S+n, k/v_proj
     out]`` of every attention module the model has (read from its ``k_proj``/``v_proj`` layers, so a
     hybrid's Mamba, linear-attention or convolution layers add none: Bamba's, NemotronH's and
-    Qwen3-Next's attention layers are counted, not all layers alike; a plain decoder with a fused
-    projection, GPT-2's ``c_attn``: every layer's K/V from its config), the widest linear layer's
+    Qwen3-Next's attention layers are counted, not all layers alike; a sliding layer's up to its window
+    (``_cached_tokens``); a plain decoder with a fused projection, GPT-2's ``c_attn``: every layer's K/V from
+    its config), the recurrent and conv states ``[B, Cd]`` (float32) and ``[B, Cd, K-1]`` of every RG-LRU
+    block (RecurrentGemma, which counted neither before), the widest linear layer's
     prefill output (x2: its input lives too), the last position's logits and the token ids; plus a
     Python object per step."""
     c = getattr(model, "config", None)
@@ -320,7 +330,10 @@ def transformers_generation_bytes(model: nn.Module, batch: int, prompt: int, new
         k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
         name = type(module).__name__
         if isinstance(k, nn.Linear) and isinstance(v, nn.Linear) and not any(r in name for r in RECURRENT_NAMES):
-            kv += batch * total * (k.out_features + v.out_features) * size
+            kv += batch * _cached_tokens(module, c, total) * (k.out_features + v.out_features) * size
+        conv = getattr(module, "conv_1d", None)
+        if isinstance(getattr(module, "rg_lru", None), nn.Module) and isinstance(conv, nn.Conv1d):
+            kv += batch * conv.in_channels * (4 + (conv.kernel_size[0] - 1) * size)  # RG-LRU and conv states
         mla = getattr(module, "kv_b_proj", None)  # multi-head latent attention (DeepSeek-V2/V3, Kimi Linear's full
         if isinstance(mla, nn.Linear):  # layers): its cache holds per-head K (nope + rope dims) and V, [B, H, S, .]
             rope = (getattr(c, "num_attention_heads", 0) or 0) * (getattr(c, "qk_rope_head_dim", 0) or 0)

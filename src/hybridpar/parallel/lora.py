@@ -139,6 +139,9 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
         above = [s for p, s in styles.items() if (matches(prefix, p) if p else cut == 0)]
         for style in above:
             mixer = modules.get(prefix)
+            kinds = getattr(style, "lora_kinds", None)
+            if kinds is not None:  # a block style naming its children's pairings (hf_plans/recurrent_gemma.py)
+                return (kinds.get(atoms[-1]) if cut == len(atoms) - 1 else None), repr(style)
             ours = isinstance(mixer, Mamba2Mixer) or getattr(mixer, MAMBA_CORE_MARK, False)
             if getattr(mixer, GDN_MARK, False) and not isinstance(style, LocalReplicateParallel):
                 # GDNHeadParallel: every projection sharded by rows (per component or as stored), out_proj rowwise

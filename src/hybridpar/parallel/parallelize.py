@@ -115,7 +115,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     gdn_cp.validate_gdn_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # gated DeltaNets: heads over tp, cp
     kda_cp.validate_kda_parallel(model, dims.cp, dims.tp, cp_mamba_strategy)  # Kimi Delta Attention: cp or tp by heads
     problem = mamba1_tp_problem(model, dims.tp)  # Mamba1 mixers: channels over tp (any cp: state passing)
-    problem = problem or rglru_tp_problem(model, dims.tp)  # RG-LRU blocks: no TP (any cp: state passing)
+    problem = problem or rglru_tp_problem(model, dims.tp)  # RG-LRU blocks: heads over tp (any cp: state passing)
     if problem:
         raise ValueError(problem + ".")
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused

@@ -7,13 +7,12 @@ packed documents (12 and 20 tokens, zigzag chunks of 3 and 5: the conv kernel of
 whole chunk; the window of 6 crosses the seams). The one-process reference runs the same model at cp=1
 (``tests/models/hf/test_rglru_blocks.py`` proves it equals transformers on each document alone). The
 loss and every parameter gradient agree to 1e-9 (ring attention); FSDP2 shards the model over the CP ranks. One
-block's forward sends the bytes of ``rglru_state_bytes_per_layer`` (``CommStats``). Tensor parallelism of an
-RG-LRU block is refused in one line before any mesh.
+block's forward sends the bytes of ``rglru_state_bytes_per_layer`` (``CommStats``). Tensor parallelism (and
+cp=2 x tp=2): ``tests/distributed/tensor/hf/test_hf_rglru_tp.py``.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
@@ -64,17 +63,3 @@ def test_cp2_of_recurrent_gemma_matches_one_process():
         for attention, r in rank_results.items():
             assert r["params"] == r["expected"] and r["cores"] == {"StatePassingRglru"}, (attention, r)
             assert r["loss_error"] < TOL and r["grad_error"] < TOL, (attention, r)
-
-
-def test_tensor_parallel_recurrent_gemma_is_refused_before_any_mesh():
-    from hybridpar.models.hf.mixers.rglru import install_rglru_core
-    from hybridpar.parallel.dims import ParallelDims
-    from hybridpar.parallel.parallelize import validate_parallelize
-    from tests.models.hf.rglru_models import build_recurrent_gemma
-
-    model = build_recurrent_gemma()
-    install_rglru_core(model)
-    with pytest.raises(ValueError, match=r"RG-LRU block 'model.layers.0.temporal_block'.*tp=2\): use parallel.tp=1") \
-            as error:
-        validate_parallelize(model, ParallelDims(tp=2))
-    assert "\n" not in str(error.value)

@@ -122,7 +122,29 @@ def _builders(hf) -> dict:
             num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6,
             layer_types=["sliding_attention", "full_attention"], experts_implementation="eager",
             **{**c, "attn_implementation": "eager", "intermediate_size": 32})),
+        # the other sink models (eager): Granite-SWA; Granite-MoE-SWA with a shared MLP; MiMo-V2-Flash (v head dim
+        # 12, twice the KV heads and sinks on its sliding layer, a MoE layer); Flint (q/k norms, a MoE layer)
+        **{name: _sink_builder(hf, name) for name in SINK_MODELS},
     }
+
+
+SINK_MODELS = ("granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint")
+
+
+def _sink_builder(hf, name: str):
+    c = {**COMMON, "attn_implementation": "eager", "sliding_window": 6,
+         "layer_types": ["sliding_attention", "full_attention"]}
+    moe = dict(_MOE, num_local_experts=4)
+    return {
+        "granite_swa": lambda: hf.GraniteSWAForCausalLM(hf.GraniteSWAConfig(
+            head_dim=16, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, **c)),
+        "granitemoe_swa": lambda: hf.GraniteMoeSWAForCausalLM(hf.GraniteMoeSWAConfig(
+            head_dim=16, shared_intermediate_size=32, **{**c, **moe, "intermediate_size": 32})),
+        "mimo_v2_flash": lambda: hf.MiMoV2FlashForCausalLM(hf.MiMoV2FlashConfig(
+            head_dim=16, v_head_dim=12, n_routed_experts=4, **_MOE, **c)),
+        "flint": lambda: hf.FlintForCausalLM(hf.FlintConfig(head_dim=16, num_experts=4, mlp_only_layers=[0],
+                                                            **_MOE, **c)),
+    }[name]
 
 
 def exact_norm(module: nn.Module) -> None:
@@ -187,7 +209,7 @@ def build_model(name: str) -> nn.Module:
             _exact_mixtral_router(module)
         elif kind == "DeepseekV3TopkRouter":
             _exact_deepseek_router(module)
-    if name == "deepseek_v2":
+    if name in ("deepseek_v2", *SINK_MODELS):  # float32 routers (and Flint's float32 sinks)
         from hybridpar.models.hf.float64 import keep_float64
 
         keep_float64(model)

@@ -1,7 +1,8 @@
 """RecurrentGemma's RG-LRU blocks on hybridpar's document-resetting conv and scan (``models/hf/mixers/rglru.py``),
 float64, against transformers' own forward: one document, and a packed row (its local sliding-window MQA
 on hybridpar's attention) against each of its documents alone, loss and every parameter gradient; transformers'
-own forward leaks across the documents (its conv), and tensor parallelism is refused in one line."""
+own forward leaks across the documents (its conv). The generation memory estimate counts its window-bounded K/V
+cache and the RG-LRU blocks' recurrent and conv states."""
 
 from __future__ import annotations
 
@@ -119,3 +120,26 @@ def test_several_documents_with_a_cache_are_refused():
     ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match="use_cache=False"):
         model(input_ids=ids, position_ids=packed.position_ids.view(1, -1), packed_seq_params=packed, use_cache=True)
+
+
+def test_generation_memory_counts_the_window_bounded_cache_and_the_recurrent_states():
+    """``transformers_generation_bytes`` of RecurrentGemma: its local MQA layer keeps at most ``WINDOW`` tokens of K
+    and V, each RG-LRU block a float32 state ``[B, Cd]`` and a conv state ``[B, Cd, K-1]`` (before: neither was
+    counted, the attention skipped as "Recurrent"); past the window only the token ids and a Python object per
+    step grow."""
+    import transformers as hf
+
+    from hybridpar.models.generation import transformers_generation_bytes
+
+    config = build_recurrent_gemma().config
+    with torch.device("meta"):
+        model = hf.RecurrentGemmaForCausalLM(config)  # float32: 4 bytes
+    batch, prompt, head_dim, width, kernel = 2, 10, config.head_dim, config.lru_width, config.conv1d_width
+    cache = batch * WINDOW * 2 * head_dim * 4 + 2 * batch * width * (4 + (kernel - 1) * 4)  # 1 MQA layer, 2 blocks
+    widest = max(m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head)
+
+    def rest(new):  # prefill, the last logits, the token ids and a Python object per step
+        return 2 * batch * prompt * widest * 4 + batch * VOCAB * 8 + 2 * batch * (prompt + new) * 8 + 512 * new
+
+    for new in (1, 10**3, 10**6):
+        assert transformers_generation_bytes(model, batch, prompt, new) == cache + rest(new)

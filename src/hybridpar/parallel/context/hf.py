@@ -285,7 +285,8 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=Non
     for name, module in hf_attention_modules(model):
         heads, kv_heads = _attention_heads(module)
         try:
-            attention_core.validate_heads(heads // tp, kv_heads // tp)
+            # one KV head stays whole on every TP rank (multi-query: tensor/hf_plans/recurrent_gemma.py)
+            attention_core.validate_heads(heads // tp, kv_heads // tp if kv_heads % tp == 0 else kv_heads)
         except ValueError as error:
             raise ValueError(f"module {name!r} at tp={tp}, cp={attention_core.cp_size}: {error}") from None
 

@@ -11,7 +11,9 @@ module registers:
   NemotronH, Falcon-H1, Bamba);
 - ``hf_plans.mamba1``: Jamba, FalconMamba, Mamba (Mamba1 mixers by channel);
 - ``hf_plans.mla``: multi-head latent attention by heads (DeepSeek-V2/V3); ``hf_plans.kimi_linear``: Kimi
-  Linear (KDA layers by heads, MLA layers as DeepSeek-V3's);
+  Linear (KDA layers by heads, MLA layers as DeepSeek-V3's); ``hf_plans.sinks``: Granite-SWA, Granite-MoE-SWA,
+  MiMo-V2-Flash, Flint (attention sinks sharded with their heads); ``hf_plans.recurrent_gemma``: RecurrentGemma
+  (RG-LRU blocks and MQA by heads);
 - ``HybridLM`` (lazily, ``tp_hybrid``) and ``"default"``, a Llama-shaped guess for unknown
   classes (``tp_check`` refuses it where it does not fit).
 
@@ -110,4 +112,4 @@ if lookup_tp_plan("hybridpar.models.hybrid.HybridLM") is None:  # tensor.hybrid 
                      aliases=("HybridLM",))
 
 # The Hugging Face plans register themselves on import.
-from hybridpar.parallel.tensor.hf_plans import dense, kimi_linear, mamba1, mla, moe_hybrid  # noqa: E402,F401
+from hybridpar.parallel.tensor.hf_plans import dense, kimi_linear, mamba1, mla, moe_hybrid, recurrent_gemma, sinks  # noqa: E402,F401

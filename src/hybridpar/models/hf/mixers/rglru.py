@@ -18,8 +18,9 @@ documents). Documents come from the batch's ``PackedSeqParams``, which Recurrent
 layers hand to the block; without them each row is one document. With ``use_cache`` (generation)
 the module's own forward runs, and is refused for several documents per row. ``block.core``
 (default ``local_rglru_core``: conv and RG-LRU) is the seam context parallelism replaces
-(``parallel/context/recurrent/rglru.StatePassingRglru``); tensor parallelism of these blocks is
-refused (``rglru_tp_problem``). The local sliding-window MQA layers run hybridpar's attention.
+(``parallel/context/recurrent/rglru.StatePassingRglru``); tensor parallelism shards them by heads
+(``parallel/tensor/hf_plans/recurrent_gemma.py``; a tp that does not divide the heads is refused:
+``rglru_tp_problem``). The local sliding-window MQA layers run hybridpar's attention.
 
 Single-device code (no process group).
 """
@@ -34,8 +35,8 @@ from hybridpar.models.linear.rglru import rglru
 from hybridpar.models.linear.selective_scan import document_resets
 from hybridpar.models.mamba.core import row_documents
 
-__all__ = ["RGLRU_MARK", "is_rglru_block", "rglru_problem", "install_rglru_core", "rglru_blocks", "rglru_tp_problem",
-           "rglru_training_forward", "local_rglru_core", "rglru_parameters"]
+__all__ = ["RGLRU_MARK", "is_rglru_block", "rglru_problem", "install_rglru_core", "rglru_blocks", "rglru_head_problem",
+           "rglru_tp_problem", "rglru_training_forward", "local_rglru_core", "rglru_parameters"]
 
 RGLRU_MARK = "hybridpar_rglru"  # set on an RG-LRU block whose forward resets at document boundaries
 _GATES = ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias", "recurrent_param")
@@ -96,6 +97,9 @@ def rglru_training_forward(block: nn.Module, input_states: Tensor, position_ids:
     """The switched forward (module docstring); ``input_states [R, T, D] -> ([R, T, D], None)``."""
     packed = kwargs.get("packed_seq_params")
     if use_cache:
+        if getattr(block, "_hybridpar_head_sharded", False):  # parallel/tensor/hf_plans/recurrent_gemma.py
+            raise ValueError(f"{type(block).__name__} is sharded by heads (tensor parallel), where only hybridpar's "
+                             "core runs: pass use_cache=False, or generate with the unsharded model.")
         if packed is not None and packed.cu_seqlens.numel() > 2:
             raise ValueError(f"{type(block).__name__} got {packed.cu_seqlens.numel() - 1} documents per row with "
                              "use_cache=True, whose recurrent state would run across them; pass use_cache=False.")
@@ -118,11 +122,23 @@ def rglru_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if getattr(m, RGLRU_MARK, False)]
 
 
+def rglru_head_problem(name: str, block: nn.Module, tp: int) -> str | None:
+    """Why RG-LRU block ``block`` cannot be sharded by heads over ``tp`` ranks (None: it can)."""
+    heads = block.rg_lru.input_gate_bias.shape[0]
+    if heads % tp == 0:
+        return None
+    valid = [t for t in range(1, heads + 1) if heads % t == 0]
+    return (f"RG-LRU block {name!r} ({type(block).__name__}) has {heads} heads, not divisible by tp={tp}: tensor "
+            f"parallelism splits its heads (block-diagonal gates) over the TP ranks; use a tp dividing {heads} "
+            f"(one of {valid})")
+
+
 def rglru_tp_problem(model: nn.Module, tp: int) -> str | None:
-    """Why ``model``'s switched RG-LRU blocks cannot run at this ``tp`` (None: they can; any ``cp``, by
-    state passing: ``parallel/context/recurrent/rglru.StatePassingRglru``)."""
-    found = rglru_blocks(model)
-    if found and tp > 1:
-        return (f"{type(model).__name__}'s RG-LRU block {found[0][0]!r} (and {len(found) - 1} more) has no tensor-"
-                f"parallel plan in hybridpar (tp={tp}): use parallel.tp=1 (context parallelism and FSDP apply)")
+    """Why ``model``'s switched RG-LRU blocks cannot run at this ``tp`` (None: they can, by heads:
+    ``parallel/tensor/hf_plans/recurrent_gemma.py``; any ``cp``, by state passing:
+    ``parallel/context/recurrent/rglru.StatePassingRglru``)."""
+    for name, block in rglru_blocks(model) if tp > 1 else ():
+        problem = rglru_head_problem(name, block, tp)
+        if problem:
+            return problem
     return None

@@ -1,7 +1,9 @@
 """Tensor/sequence-parallel plans for transformers models, registered on import: dense decoders
 (``dense``), mixture-of-experts and recurrent hybrids (``moe_hybrid``), the Mamba1 models, Jamba,
 FalconMamba and Mamba (``mamba1``), multi-head latent attention, DeepSeek-V2/V3 (``mla``), and Kimi
-Linear, its KDA layers by heads (``kimi_linear``).
+Linear, its KDA layers by heads (``kimi_linear``), the attention-sink models other than GPT-OSS (Granite-SWA,
+Granite-MoE-SWA, MiMo-V2-Flash, Flint: ``sinks``) and RecurrentGemma, its RG-LRU blocks and MQA by heads
+(``recurrent_gemma``).
 
 May import ``models/`` and ``parallel/``; imported by ``parallel/tensor/plans`` only.
 """
