@@ -19,7 +19,8 @@ from hybridpar.models.hf.mixers.kda import install_kda_core, kda_layers
 from hybridpar.parallel.context.hf import (attention_problem, hf_attention_modules, unreached_token_mixers,
                                            use_hybridpar_attention)
 from tests.models.hf.kda_models import LAYERS, VOCAB, build_kda
-from tests.models.hf.test_gdn_mixers import DOCS, _loss_and_grads, _relative, _rows
+from tests.models.hf.packed_rows import assert_same, boundaries, packed_vs_alone, random_rows, relative
+from tests.models.hf.test_gdn_mixers import DOCS
 
 
 def test_packed_row_equals_one_document_per_row():
@@ -31,17 +32,9 @@ def test_packed_row_equals_one_document_per_row():
     assert attention_problem(model) is None and unreached_token_mixers(model) == []
     assert [n for n, _ in hf_attention_modules(model)] == ["model.layers.1.self_attn"]  # the MLA layer only
     use_hybridpar_attention(model)
-    ids, labels = _rows()
-    cu = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
-    packed_loss, packed_grads = _loss_and_grads(model, [(ids, labels, cu)])
     reference = build_kda()  # transformers' own model: its torch KDA and SDPA, one document per row
-    alone_loss, alone_grads = _loss_and_grads(
-        reference, [(ids[:, a:b], labels[:, a:b], [0, b - a]) for a, b in zip(cu[:-1], cu[1:])])
     assert reference.config._attn_implementation == "sdpa"
-    assert _relative(packed_loss, alone_loss) < 1e-9
-    assert set(packed_grads) == {n for n, _ in model.named_parameters()}
-    for n, grad in packed_grads.items():
-        assert _relative(grad, alone_grads[n]) < 1e-9, n
+    assert_same(*packed_vs_alone(model, reference, *random_rows(DOCS, VOCAB), boundaries(DOCS)), model, 1e-9)
 
 
 def test_core_equals_transformers_forward_on_unpacked_rows():
@@ -49,23 +42,20 @@ def test_core_equals_transformers_forward_on_unpacked_rows():
     install_kda_core(model)
     ids = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(4))
     want, got = reference(input_ids=ids).logits, model(input_ids=ids).logits
-    assert _relative(got, want) < 1e-10
+    assert relative(got, want) < 1e-10
     want.square().mean().backward()
     got.square().mean().backward()
     grads = dict(reference.named_parameters())
     for n, p in model.named_parameters():
-        assert _relative(p.grad, grads[n].grad) < 1e-10, n
+        assert relative(p.grad, grads[n].grad) < 1e-10, n
 
 
 def test_transformers_kda_leaks_between_packed_documents():
     """Without the core the packed row is not each document alone (so the test above can fail)."""
     model = build_kda()
     use_hybridpar_attention(model)  # the MLA layer separates the documents; transformers' KDA does not
-    ids, labels = _rows()
-    cu = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
-    packed_loss, _ = _loss_and_grads(model, [(ids, labels, cu)])
-    alone_loss, _ = _loss_and_grads(model, [(ids[:, a:b], labels[:, a:b], [0, b - a]) for a, b in zip(cu[:-1], cu[1:])])
-    assert _relative(packed_loss, alone_loss) > 1e-6
+    (packed_loss, _), (alone_loss, _) = packed_vs_alone(model, model, *random_rows(DOCS, VOCAB), boundaries(DOCS))
+    assert relative(packed_loss, alone_loss) > 1e-6
 
 
 def test_unsupported_variant_is_refused():
@@ -105,8 +95,8 @@ def test_several_documents_with_a_cache_are_refused():
     model = build_kda()
     install_kda_core(model)
     use_hybridpar_attention(model)
-    ids, _ = _rows()
-    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32))
+    ids, _ = random_rows(DOCS, VOCAB)
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor(boundaries(DOCS), dtype=torch.int32))
     with pytest.raises(ValueError, match="several documents together with a cache") as error:
         model(input_ids=ids, position_ids=packed.position_ids[None], packed_seq_params=packed, use_cache=True)
     assert "\n" not in str(error.value)

@@ -15,34 +15,10 @@ import torch
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
 from hybridpar.parallel.context.hf import attention_problem, use_hybridpar_attention
-from hybridpar.parallel.context.inputs import shard_inputs
-from hybridpar.train.trainer import pack_loss_sum
 from tests.models.hf.hybrid_models import HYBRIDS, MIXERS, VOCAB, build_hybrid
+from tests.models.hf.packed_rows import assert_same, boundaries, loss_and_grads, packed_vs_alone, random_rows, relative
 
 DOCS = (10, 14)
-
-
-def _rows():
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (1, sum(DOCS)), generator=gen)
-    labels = torch.randint(0, VOCAB, (1, sum(DOCS)), generator=gen)
-    labels[:, ::5] = -100
-    return ids, labels
-
-
-def _loss_and_grads(model, pieces):
-    model.zero_grad()
-    total = 0
-    for ids, labels, cu in pieces:
-        packed = PackedSeqParams.from_cu_seqlens(torch.tensor(cu, dtype=torch.int32))
-        loss, _ = pack_loss_sum(model, shard_inputs(input_ids=ids, labels=labels, packed=packed))
-        loss.backward()
-        total = total + loss.detach()
-    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _relative(got, want):
-    return float((got - want).detach().abs().max() / want.detach().abs().max().clamp_min(1.0))
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -52,25 +28,17 @@ def test_packed_rows_equal_one_document_per_row(name):
     assert len(names) == MIXERS[name] and len(bridged_mixers(model)) == MIXERS[name]
     assert attention_problem(model) is None
     use_hybridpar_attention(model)
-    ids, labels = _rows()
-    packed_loss, packed_grads = _loss_and_grads(model, [(ids, labels, [0, *torch.tensor(DOCS).cumsum(0).tolist()])])
-    a, b = DOCS
-    alone_loss, alone_grads = _loss_and_grads(model, [(ids[:, :a], labels[:, :a], [0, a]),
-                                                     (ids[:, a:], labels[:, a:], [0, b])])
-    assert _relative(packed_loss, alone_loss) < 1e-9
-    assert sorted(packed_grads) == sorted(alone_grads) == sorted(n for n, _ in model.named_parameters())
-    worst = max((_relative(packed_grads[n], g), n) for n, g in alone_grads.items())
-    assert worst[0] < 1e-9, worst
+    assert_same(*packed_vs_alone(model, model, *random_rows(DOCS, VOCAB), boundaries(DOCS)), model, 1e-9)
 
 
 @pytest.mark.parametrize("name", ["granite_moe", "zamba2"])
 def test_without_our_core_transformers_leaks_across_packed_documents(name):
     model = build_hybrid(name).eval()
-    ids, _ = _rows()
+    ids, _ = random_rows(DOCS, VOCAB)
     positions = torch.cat([torch.arange(d) for d in DOCS])[None]
     packed = model(input_ids=ids, position_ids=positions).logits
     alone = torch.cat([model(input_ids=ids[:, :DOCS[0]]).logits, model(input_ids=ids[:, DOCS[0]:]).logits], 1)
-    assert _relative(packed, alone) > 1e-6  # the state of document 1 reaches document 2
+    assert relative(packed, alone) > 1e-6  # the state of document 1 reaches document 2
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -87,7 +55,7 @@ def test_our_mixers_equal_transformers_torch_forward_and_keep_names(name):
         mixer.core = lambda *args, _core=core: calls.append(1) or _core(*args)
     got = model(input_ids=ids).logits
     assert len(calls) == MIXERS[name]  # every mixer ran our core
-    assert _relative(got, want) < 1e-6
+    assert relative(got, want) < 1e-6
 
 
 def test_attention_of_every_hybrid_runs_through_our_core(monkeypatch):
@@ -138,16 +106,12 @@ def test_the_fused_path_inside_transformers_mixers_equals_the_pure_core(name):
     model = build_hybrid(name)
     install_mamba_core(model)
     use_hybridpar_attention(model)
-    ids, labels = _rows()
-    piece = [(ids, labels, [0, *torch.tensor(DOCS).cumsum(0).tolist()])]
-    pure_loss, pure_grads = _loss_and_grads(model, piece)
+    piece = [(*random_rows(DOCS, VOCAB), boundaries(DOCS))]
+    pure = loss_and_grads(model, piece)
     with use_stand_in("counted-hf"):
-        fused_loss, fused_grads = _loss_and_grads(model, piece)
+        fused = loss_and_grads(model, piece)
     assert len(calls) == 2 * MIXERS[name]  # each mixer's forward and its backward's recompute
-    assert _relative(fused_loss, pure_loss) < 1e-9
-    assert sorted(fused_grads) == sorted(pure_grads)
-    worst = max((_relative(fused_grads[n], g), n) for n, g in pure_grads.items())
-    assert worst[0] < 1e-9, worst
+    assert_same(fused, pure, model, 1e-9)
 
 
 def test_several_packed_documents_with_a_cache_are_refused_not_leaked():
