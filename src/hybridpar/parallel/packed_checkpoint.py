@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["PackedShards", "packed_boxes", "packed_shards"]
+__all__ = ["BoxedTensor", "PackedShards", "packed_boxes", "packed_shards"]
 
 
 def _packing(tensor: DTensor) -> tuple[int, int, int] | None:
@@ -68,22 +68,21 @@ def packed_boxes(tensor: DTensor) -> list[tuple[torch.Size, torch.Size, Tensor]]
     return boxes
 
 
-class PackedShards(Tensor):
-    """A packed DTensor as DCP sees it: global shape, ``k`` boxes per rank (module docstring).
-    A stand-in inside a checkpoint's state dict only; no tensor operation runs on it."""
+class BoxedTensor(Tensor):
+    """A tensor as DCP sees it: a global shape, and boxes ``(global offsets, sizes, local view)`` this rank
+    holds (DCP reads into and writes from the views). A stand-in inside a checkpoint's state dict only;
+    no tensor operation runs on it. ``PackedShards`` and ``train/run/fused_resume.FusedRows`` are two."""
 
     @staticmethod
-    def __new__(cls, tensor: DTensor):
-        local = tensor._local_tensor
-        self = Tensor._make_wrapper_subclass(cls, tensor.shape, dtype=local.dtype, device=local.device)
-        self._boxes = packed_boxes(tensor)
+    def _wrap(cls, shape: torch.Size, local: Tensor, boxes: list[tuple[torch.Size, torch.Size, Tensor]]):
+        self = Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+        self._boxes = boxes
         self._properties = TensorProperties.create_from_tensor(local)
         return self
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"PackedShards stands in for a packed weight inside a DCP state dict only; {func} cannot "
-                        "run on it.")
+        raise TypeError(f"{cls.__name__} stands in for a weight inside a DCP state dict only; {func} cannot run on it.")
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
@@ -101,7 +100,15 @@ class PackedShards(Tensor):
         raise ValueError(f"no part of {index.fqn!r} at offset {tuple(index.offset)} on this rank")
 
     def __repr__(self) -> str:
-        return f"PackedShards(shape={tuple(self.shape)}, boxes={[tuple(o) for o, _, _ in self._boxes]})"
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, boxes={[tuple(o) for o, _, _ in self._boxes]})"
+
+
+class PackedShards(BoxedTensor):
+    """A packed DTensor as DCP sees it: global shape, ``k`` boxes per rank (module docstring)."""
+
+    @staticmethod
+    def __new__(cls, tensor: DTensor):
+        return BoxedTensor._wrap(cls, tensor.shape, tensor._local_tensor, packed_boxes(tensor))
 
 
 @contextmanager

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hybridpar.parallel.packed_checkpoint import BoxedTensor
 
 __all__ = ["FusedRows", "fused_legacy_names", "legacy_fused_keys"]
 
@@ -40,32 +41,16 @@ def _box(tensor: Tensor, row_offset: int) -> tuple[torch.Size, torch.Size, Tenso
     return torch.Size(offsets), torch.Size(sizes), local
 
 
-class FusedRows(Tensor):
-    """Components ``[rows_i, ...]`` as DCP sees their fused ``[sum rows_i, ...]`` tensor (module docstring);
-    a stand-in inside a checkpoint's state dict only."""
+class FusedRows(BoxedTensor):
+    """Components ``[rows_i, ...]`` as DCP sees their fused ``[sum rows_i, ...]`` tensor (module docstring)."""
 
     @staticmethod
     def __new__(cls, parts: list[Tensor]):
         shape = torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
         first = parts[0]._local_tensor if isinstance(parts[0], DTensor) else parts[0]
-        self = Tensor._make_wrapper_subclass(cls, shape, dtype=first.dtype, device=first.device)
         starts = [sum(p.shape[0] for p in parts[:i]) for i in range(len(parts))]
-        self._boxes = [box for box in (_box(p, s) for p, s in zip(parts, starts)) if box[1].numel() > 0]
-        self._properties = TensorProperties.create_from_tensor(first)
-        return self
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"FusedRows stands in for a fused weight inside a DCP state dict only; {func} cannot run on it.")
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for offsets, sizes, _ in self._boxes]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        for offsets, _, view in self._boxes:
-            if offsets == index.offset:
-                return view
-        raise ValueError(f"no part of {index.fqn!r} at offset {tuple(index.offset)} on this rank")
+        boxes = [box for box in (_box(p, s) for p, s in zip(parts, starts)) if box[1].numel() > 0]
+        return BoxedTensor._wrap(cls, shape, first, boxes)
 
 
 def _clean(name: str) -> str:
