@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -74,7 +75,10 @@ class SummedBranchesLayer(ParallelStyle):
                     x + p_attn + p_mlp (any order): Partial [B, S, D] -> one all-reduce on exit -> plain
         with SP:    x [B, S/tp, D] Shard(1); (p_a + p_b) + x: one reduce-scatter as the Partial sum meets
                     the shard (Phi, GPT-NeoX, Falcon-H1, Granite 4.0-H); x + p_a + p_b (Cohere, StableLM)
-                    still reduce-scatters each branch, as before
+                    still reduce-scatters each branch, as before. That reduce-scatter is DTensor's, inside
+                    the add, so the gradient reaches the branches as Shard(1): each branch output's is
+                    all-gathered once as it leaves the branch (``_ReplicatedGrad``), as a row-parallel
+                    exit's backward does, not by each of the out projection's two gradient matmuls
 
     A norm that reads a ``Partial`` mid-layer sum (Falcon-H1's ``pre_ff_layernorm``, Granite's
     ``post_attention_layernorm``; a sequential GPT-NeoX layer) all-reduces it once on entry
@@ -100,13 +104,37 @@ class SummedBranchesLayer(ParallelStyle):
             return y.redistribute(mesh, [Replicate()]).to_local()  # Partial [B, S, D] -> all-reduce
         return (reduce(output[0]), *output[1:]) if isinstance(output, tuple) else reduce(output)
 
+    @staticmethod
+    def _branch_exit(mod, args, output):
+        def wrap(y):
+            return _ReplicatedGrad.apply(y) if isinstance(y, DTensor) and y.placements == (Partial(),) else y
+        return (wrap(output[0]), *output[1:]) if isinstance(output, tuple) else wrap(output)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
         module.register_forward_hook(partial(self._exit, device_mesh))
+        if self.sequence_parallel:
+            for child in module.children():  # the branches (a norm's Replicate output is left alone)
+                child.register_forward_hook(self._branch_exit)
         return module
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel})"
+
+
+class _ReplicatedGrad(torch.autograd.Function):
+    """Identity on a branch's ``Partial [B, S, D]`` output; backward: its gradient as ``Replicate``
+    (``Shard(1)`` ``[B, S/tp, D]`` -> all-gather -> ``[B, S, D]``), the layout a row-parallel exit's needs."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and grad.placements != (Replicate(),):
+            grad = grad.redistribute(grad.device_mesh, [Replicate()])
+        return grad
 
 
 def lm_head_style(sequence_parallel: bool) -> ParallelStyle:
