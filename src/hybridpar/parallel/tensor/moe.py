@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.parallel.tensor.linear_styles import _distribute, _require
-from hybridpar.parallel.tensor.decoder import decoder_plan
+from hybridpar.parallel.tensor.decoder import PARTIAL_EXIT, decoder_plan
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, reduce_partial, replicated_local, restore_params,
                                               swap_in_local_params)
 
@@ -209,7 +209,7 @@ def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool,
                if any(True for _ in getattr(block, n, nn.Identity()).parameters())]  # an Identity passes DTensors on
     shared_mlps = [n for n in ("shared_expert", "shared_experts") if getattr(block, n, None) is not None]
     summed = (bool(shared_mlps) and not sequence_parallel or partial_output) and not latents
-    partial_out = dict(output_layouts=Partial(), use_local_output=False) if summed else {}
+    partial_out = PARTIAL_EXIT if summed else {}
     plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(partial_output=summed),
                                       f"{path}.gate": LocalReplicateParallel()}
     for shared in shared_mlps:

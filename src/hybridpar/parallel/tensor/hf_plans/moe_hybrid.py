@@ -159,8 +159,7 @@ class HFMambaHeadParallel(MambaHeadParallel):
             norm.n_groups //= tp
         # y_local [B, S, d/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D] / as is
         output = Partial() if self.partial_output else Shard(1) if self.sequence_parallel else Replicate()
-        RowwiseParallel(output_layouts=output, use_local_output=self.use_local_output)._apply(module.out_proj,
-                                                                                             device_mesh)
+        RowwiseParallel(output_layouts=output, use_local_output=self.use_local_output)._apply(module.out_proj, device_mesh)
         module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._exit, always_call=True)
         module._hybridpar_head_sharded = True
@@ -170,9 +169,8 @@ class HFMambaHeadParallel(MambaHeadParallel):
 def hf_mamba_style(mixer: nn.Module, sequence_parallel: bool, replicated: ParallelStyle,
                    partial_output: bool = False) -> ParallelStyle:
     """By heads for a mixer on hybridpar's core, else ``replicated`` (transformers' own forward)."""
-    if getattr(mixer, MARK, False):
-        return HFMambaHeadParallel(sequence_parallel=sequence_parallel, partial_output=partial_output)
-    return replicated
+    return (HFMambaHeadParallel(sequence_parallel=sequence_parallel, partial_output=partial_output)
+            if getattr(mixer, MARK, False) else replicated)
 
 
 @register_hf_plan("mixtral", "MixtralForCausalLM")
