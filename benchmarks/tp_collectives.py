@@ -1,17 +1,18 @@
-"""Whole-hidden-state all-reduces per step of the transformers TP plans at tp=2 without SP, before and after.
+"""Whole-hidden-state collectives per step of the transformers TP plans at tp=2, with and without SP, before and after.
 
 Every model of ``tests/distributed/tensor/test_tp_collectives.IDEAL`` runs one step (one row of two
-packed documents, T = 37 tokens, float64) through ``parallelize`` at tp=2 on 2 gloo ranks;
-``CommStats`` counts the all-reduces of ``[T, D]`` (Zamba2's shared block: ``[T, 2D]``) in forward and
-in backward, next to the ideal (one backward all-reduce per norm output that feeds a TP block, plus
-the LM head's input). The same count runs on the plans of ``--base`` (a git revision: its ``src/``,
-this checkout's tests and models) for the before column.
+packed documents, T = 37 tokens without SP, 38 with, float64) through ``parallelize`` at tp=2 on 2 gloo
+ranks; ``CommStats`` counts the all-reduces, reduce-scatters and all-gathers of the whole hidden state
+(``[T, D]``, an all-gather's ``[T/2, D]``; Zamba2's shared block: ``2D``) in forward and in backward, next
+to the ideal (without SP: one all-reduce per norm output that feeds a TP block, plus the LM head, each
+way; with SP the same count of reduce-scatters each way and no all-reduce). The same count runs on the
+plans of ``--base`` (a git revision: its ``src/``, this checkout's tests and models) for the before column.
 
     python benchmarks/tp_collectives.py [--base 37c837c] [--models mixtral falcon_h1 ...]
 
 Writes benchmarks/results/tp_collectives.{json,md}. Bytes are what one rank sends, as ``CommStats``
-counts them (an all-reduce over P ranks: 2(P-1)/P x its buffer, so T x D x 8 at P = 2). At another size
-the saving scales as (before - after) x 2(P-1)/P x T x D x bytes per element, per step.
+counts them (an all-reduce over P ranks: 2(P-1)/P x its buffer, so T x D x 8 at P = 2; a reduce-scatter
+or an all-gather half that). At another size the saving scales with T x D x bytes per element, per step.
 """
 
 from __future__ import annotations
@@ -25,19 +26,58 @@ import tempfile
 
 import harness
 
+KINDS = ("reduce_scatter", "all_gather", "all_reduce")
 
-def _run(src: str, names: list[str]) -> dict:
+
+def _run(src: str, names: list[str], sequence_parallel: bool) -> dict:
     """``counts(names)`` with ``src`` first on the path (a fresh interpreter: nothing of another src loaded)."""
     code = ("import sys, json; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"  # not harness: it puts our src/ first
             "from tests.distributed.tensor.test_tp_collectives import counts\n"
-            "if __name__ == '__main__':\n    print('RESULT' + json.dumps(counts(sys.argv[3:])))")
+            "if __name__ == '__main__':\n"
+            "    print('RESULT' + json.dumps(counts(sys.argv[4:], sequence_parallel=sys.argv[3] == 'sp')))")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    out = subprocess.run([sys.executable, "-c", code, src, str(harness.ROOT), *names], env=env,
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run([sys.executable, "-c", code, src, str(harness.ROOT), "sp" if sequence_parallel else "tp",
+                          *names], env=env, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     if not lines:
         raise RuntimeError(f"count failed for {src}: {out.stderr[-2000:]}")
     return json.loads(lines[-1][len("RESULT"):])
+
+
+def _change(before, after) -> str:
+    return f"{after}" if before == after else f"{before} -> {after}"
+
+
+def _bytes(before: dict, after: dict, key: str) -> str:
+    return _change(f"{before[key]:,}", f"{after[key]:,}")
+
+
+def _kinds(got: dict, phase: str) -> str:
+    """``reduce-scatters / all-gathers / all-reduces`` of one phase."""
+    return "/".join(str(got[phase][k]) for k in KINDS)
+
+
+def _tables(models: list[str], runs: dict) -> list[str]:
+    (b, a), (sb, sa) = runs[False], runs[True]
+    lines = ["", "## Without SP: whole-hidden-state all-reduces", "",
+             "| model | D | forward | backward | ideal (each way) | backward bytes | all backward collectives |",
+             "|---|---|---|---|---|---|---|"]
+    for m in models:
+        lines.append(f"| {m} | {a[m]['hidden']} | {_change(b[m]['forward']['all_reduce'], a[m]['forward']['all_reduce'])} "
+                     f"| {_change(b[m]['backward']['all_reduce'], a[m]['backward']['all_reduce'])} | {a[m]['ideal']} | "
+                     f"{_bytes(b[m], a[m], 'backward_bytes')} | "
+                     f"{_change(b[m]['backward_all_collectives'], a[m]['backward_all_collectives'])} |")
+    lines += ["", "## With SP: whole-hidden-state reduce-scatters / all-gathers / all-reduces", "",
+              "| model | forward | backward | ideal (reduce-scatters each way) | forward bytes | backward bytes |",
+              "|---|---|---|---|---|---|"]
+    for m in models:
+        if "refused" in sa[m]:
+            lines.append(f"| {m} | refused: {sa[m]['refused'][:90]} | | | | |")
+            continue
+        lines.append(f"| {m} | {_change(_kinds(sb[m], 'forward'), _kinds(sa[m], 'forward'))} | "
+                     f"{_change(_kinds(sb[m], 'backward'), _kinds(sa[m], 'backward'))} | {sa[m]['ideal']} | "
+                     f"{_bytes(sb[m], sa[m], 'forward_bytes')} | {_bytes(sb[m], sa[m], 'backward_bytes')} |")
+    return lines
 
 
 def main() -> None:
@@ -48,38 +88,28 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(IDEAL))
     args = parser.parse_args()
     meta = harness.environment(__file__, sys.argv[1:])
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "archive", args.base, "src"], cwd=harness.ROOT, capture_output=True,
                                  check=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        before = _run(os.path.join(tmp, "src"), args.models)
-    after = _run(str(harness.ROOT / "src"), args.models)
-    rows = []
-    for name in args.models:
-        b, a = before[name], after[name]
-        rows.append({"model": name, "hidden": a["hidden"], "tokens": a["tokens"], "ideal_backward": a["ideal"],
-                     "before": {k: b[k] for k in ("forward", "backward", "forward_bytes", "backward_bytes")},
-                     "after": {k: a[k] for k in ("forward", "backward", "forward_bytes", "backward_bytes")},
-                     "all_collectives_backward": {"before": b["backward_all_collectives"],
-                                                  "after": a["backward_all_collectives"]}})
-    lines = harness.header("Whole-hidden-state all-reduces per step, transformers TP plans at tp=2 without SP", meta)
-    lines += ["", f"One step, T = 37 tokens, float64, 2 gloo ranks; before = plans of `{args.base}`. Backward",
-              "ideal: one all-reduce per norm output feeding a TP block, plus the LM head; the forward's ideal is",
-              "the same count (one row-parallel exit per norm, plus the embedding). Bytes: sent by one rank.",
-              "The last column counts every backward collective: small ones too (routing weights [T, k], a shared",
-              "expert gate [T, 1], replicated parameters' gradients). Falcon-H1, Granite 4.0-H, Phi and Cohere",
-              "all-reduce two branches of one norm apart in the forward; Arcee runs transformers' own plan.", "",
-              "| model | D | backward before | backward after | ideal | bytes before | bytes after | forward | "
-              "all backward collectives before -> after |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        b, a = r["before"], r["after"]
-        forward = f"{a['forward']}" if a["forward"] == b["forward"] else f"{b['forward']} -> {a['forward']}"
-        lines.append(f"| {r['model']} | {r['hidden']} | {b['backward']} | {a['backward']} | {r['ideal_backward']} | "
-                     f"{b['backward_bytes']:,} | {a['backward_bytes']:,} | {forward} | "
-                     f"{r['all_collectives_backward']['before']} -> {r['all_collectives_backward']['after']} |")
+        for sp in (False, True):
+            runs[sp] = (_run(os.path.join(tmp, "src"), args.models, sp), _run(str(harness.ROOT / "src"), args.models, sp))
+    rows = [{"model": m, **{f"{'sp' if sp else 'tp'}_{when}": runs[sp][i][m] for sp in (False, True)
+                            for i, when in enumerate(("before", "after"))}} for m in args.models]
+    lines = harness.header("Whole-hidden-state collectives per step, transformers TP plans at tp=2, with and without SP",
+                           meta)
+    lines += ["", f"One step, T = 37 tokens (38 under SP), float64, 2 gloo ranks; before = plans of `{args.base}`.",
+              "Ideal without SP: one all-reduce per norm output feeding a TP block, plus the LM head, in backward;",
+              "in forward one per norm's blocks (two branches added in one layer reduced once), plus the embedding.",
+              "Under SP the same counts of reduce-scatters (forward: the blocks' exits and the embedding; backward:",
+              "the norms' all-gathers and the LM head's) and no all-reduce. Bytes: sent by one rank. The last",
+              "column counts every backward collective: small ones too (routing weights [T, k], a shared expert",
+              "gate [T, 1], replicated parameters' gradients). Arcee runs transformers' own plan (no SP).",
+              "Cohere adds the residual first: under SP DTensor reduce-scatters each branch as it meets the",
+              "residual shard (without SP its sum is all-reduced once)."]
+    lines += _tables(args.models, runs)
     harness.write_results("tp_collectives", {"meta": meta, "base": args.base, "rows": rows}, "\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.parallel.tensor.linear_styles import _distribute, _require
-from hybridpar.parallel.tensor.decoder import decoder_plan
+from hybridpar.parallel.tensor.decoder import PARTIAL_EXIT, decoder_plan
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, reduce_partial, replicated_local, restore_params,
                                               swap_in_local_params)
 
@@ -198,15 +198,18 @@ def is_moe_block(module: nn.Module) -> bool:
     return isinstance(experts, nn.Module) and is_grouped_experts(experts)
 
 
-def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool,
+                   partial_output: bool = False) -> dict[str, ParallelStyle]:
     """Entries for one MoE block at ``path``: experts, router, shared experts and their gate. Without SP
     a block with shared experts (and no latent projection) sums its two partial ``[T, D]`` terms before
-    one all-reduce at its exit (``PartialBlockExit``); with SP each all-reduces its own."""
+    one all-reduce at its exit (``PartialBlockExit``); with SP each all-reduces its own. ``partial_output``
+    (no latent projection): the block reads the norm's ``Replicate`` DTensor output (SP too) and returns
+    its ``Partial`` sum for the decoder layer to reduce with another branch (``SummedBranchesLayer``)."""
     latents = [n for n in ("fc1_latent_proj", "fc2_latent_proj")  # NemotronH's optional latent projections
                if any(True for _ in getattr(block, n, nn.Identity()).parameters())]  # an Identity passes DTensors on
     shared_mlps = [n for n in ("shared_expert", "shared_experts") if getattr(block, n, None) is not None]
-    summed = bool(shared_mlps) and not latents and not sequence_parallel
-    partial_out = dict(output_layouts=Partial(), use_local_output=False) if summed else {}
+    summed = (bool(shared_mlps) and not sequence_parallel or partial_output) and not latents
+    partial_out = PARTIAL_EXIT if summed else {}
     plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(partial_output=summed),
                                       f"{path}.gate": LocalReplicateParallel()}
     for shared in shared_mlps:
@@ -216,9 +219,9 @@ def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool) -> dict
     # its sigmoid gate [T, 1] scales the partial shared term: a Replicate DTensor when summed
     plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel(output_layouts=Replicate() if summed else None)
     plan.update({f"{path}.{latent}": LocalReplicateParallel() for latent in latents})
-    if summed:
+    if summed and not partial_output:
         plan[path] = PartialBlockExit()
-    if sequence_parallel:
+    if sequence_parallel and not summed:
         plan[path] = moe_block_sp_style()
     return plan
 

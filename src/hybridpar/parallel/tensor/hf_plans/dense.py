@@ -109,7 +109,7 @@ def phi_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelSty
     shared by the parallel attention and MLP branches, optional per-head q/k LayerNorms."""
     return decoder_plan(sequence_parallel, attn_out="dense", mlp_in=("fc1",), mlp_out="fc2",
                         in_norms=("input_layernorm",), head_norms=("q_layernorm", "k_layernorm"),
-                        final_norm="final_layernorm", shared_norm_output=True)
+                        final_norm="final_layernorm", shared_norm_output=True, summed_branches=True)
 
 
 @register_hf_plan("phi3", "Phi3ForCausalLM")
@@ -143,7 +143,7 @@ def exaone4_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paralle
            validate=_config_flag_refused("use_qk_norm", "its q/k LayerNorms hold one weight row per head"))
 def cohere_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Cohere: one input LayerNorm feeding parallel attention and MLP branches."""
-    return decoder_plan(sequence_parallel, in_norms=("input_layernorm",), shared_norm_output=True)
+    return decoder_plan(sequence_parallel, in_norms=("input_layernorm",), shared_norm_output=True, summed_branches=True)
 
 
 @register_hf_plan("starcoder2", "Starcoder2ForCausalLM")
@@ -158,15 +158,16 @@ def gpt_neox_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
     column split keeps whole heads), parallel or sequential residual."""
     return decoder_plan(sequence_parallel, prefix="gpt_neox", embed="embed_in", attn="attention",
                         qkv=("query_key_value",), attn_out="dense", mlp_in=("dense_h_to_4h",),
-                        mlp_out="dense_4h_to_h", final_norm="final_layer_norm", shared_norm_output=True)
+                        mlp_out="dense_4h_to_h", final_norm="final_layer_norm", shared_norm_output=True,
+                        summed_branches=True)
 
 
 @register_hf_plan("stablelm", "StableLmForCausalLM",
            validate=_config_flag_refused("qk_layernorm", "its per-head LayerNorms are a list indexed by global head"))
 def stablelm_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """StableLM: Llama-shaped, but attention reshapes with ``self.num_heads`` /
-    ``self.num_key_value_heads``, which become the per-rank head counts."""
-    plan = decoder_plan(sequence_parallel, shared_norm_output=True)
+    ``self.num_key_value_heads``, which become the per-rank head counts; parallel or sequential residual."""
+    plan = decoder_plan(sequence_parallel, shared_norm_output=True, summed_branches=True)
     plan["model.layers.*.self_attn"] = LocalHeadCounts(("num_heads", "num_key_value_heads"))
     return plan
 

@@ -42,7 +42,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
@@ -121,11 +121,13 @@ def _local_rows(vector: torch.Tensor, sizes: dict[str, int], tp: int, rank: int,
 
 
 class HFMambaHeadParallel(MambaHeadParallel):
-    """``MambaHeadParallel`` for a transformers Mamba2 mixer on hybridpar's core (module docstring)."""
+    """``MambaHeadParallel`` for a transformers Mamba2 mixer on hybridpar's core (module docstring);
+    ``partial_output``: its partial ``[B, S, D]`` is left to the layer (``SummedBranchesLayer``)."""
 
-    def __init__(self, *, sequence_parallel: bool = False):
+    def __init__(self, *, sequence_parallel: bool = False, partial_output: bool = False):
         super().__init__(sequence_parallel=sequence_parallel)
-        self.use_local_output = not sequence_parallel  # read by tp_check's SP rules
+        self.partial_output = partial_output
+        self.use_local_output = not (sequence_parallel or partial_output)  # read by tp_check's SP rules
 
     def check(self, name: str, module: nn.Module, tp: int) -> None:
         if not getattr(module, MARK, False):
@@ -155,19 +157,20 @@ class HFMambaHeadParallel(MambaHeadParallel):
             module.mup_vector = _local_rows(mup, sizes, tp, rank, shared)
         if isinstance(getattr(norm, "n_groups", None), int) and not shared:  # Falcon-H1's reshapes with n_groups
             norm.n_groups //= tp
-        output = Shard(1) if self.sequence_parallel else Replicate()
-        # y_local [B, S, d/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D]
-        RowwiseParallel(output_layouts=output, use_local_output=not self.sequence_parallel)._apply(
-            module.out_proj, device_mesh)
+        # y_local [B, S, d/tp] -> partial [B, S, D] -> all-reduce [B, S, D] / reduce-scatter [B, S/tp, D] / as is
+        output = Partial() if self.partial_output else Shard(1) if self.sequence_parallel else Replicate()
+        RowwiseParallel(output_layouts=output, use_local_output=self.use_local_output)._apply(module.out_proj, device_mesh)
         module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._exit, always_call=True)
         module._hybridpar_head_sharded = True
         return module
 
 
-def hf_mamba_style(mixer: nn.Module, sequence_parallel: bool, replicated: ParallelStyle) -> ParallelStyle:
+def hf_mamba_style(mixer: nn.Module, sequence_parallel: bool, replicated: ParallelStyle,
+                   partial_output: bool = False) -> ParallelStyle:
     """By heads for a mixer on hybridpar's core, else ``replicated`` (transformers' own forward)."""
-    return HFMambaHeadParallel(sequence_parallel=sequence_parallel) if getattr(mixer, MARK, False) else replicated
+    return (HFMambaHeadParallel(sequence_parallel=sequence_parallel, partial_output=partial_output)
+            if getattr(mixer, MARK, False) else replicated)
 
 
 @register_hf_plan("mixtral", "MixtralForCausalLM")
@@ -189,12 +192,13 @@ _HYBRID = dict(mlp="feed_forward", in_norms=("input_layernorm", "pre_ff_layernor
 @register_hf_plan("falcon_h1", "FalconH1ForCausalLM")
 def falcon_h1_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Falcon-H1: attention and MLP (``feed_forward``) sharded; the parallel Mamba2 branch by heads
-    (replicated on transformers' own forward, seed 004). Under SP the Mamba branch reads the
-    all-gathered norm output and its output joins the sequence-sharded attention output."""
-    plan = decoder_plan(sequence_parallel, shared_norm_output=True, **_HYBRID)
-    replicated = LocalReplicateParallel(output_as_dtensor=sequence_parallel)
+    (replicated on transformers' own forward, seed 004). Both branches read the input norm's output;
+    their partial outputs are added and reduced once (``SummedBranchesLayer``: one all-reduce, under
+    SP one reduce-scatter), as is the MLP's."""
+    plan = decoder_plan(sequence_parallel, shared_norm_output=True, summed_branches=True, **_HYBRID)
+    replicated = LocalReplicateParallel(output_layouts=Replicate())  # a Replicate DTensor joins the Partial sum
     for index, layer in enumerate(model.model.layers):
-        plan[f"model.layers.{index}.mamba"] = hf_mamba_style(layer.mamba, sequence_parallel, replicated)
+        plan[f"model.layers.{index}.mamba"] = hf_mamba_style(layer.mamba, sequence_parallel, replicated, True)
     return plan
 
 
@@ -248,18 +252,20 @@ def granite_moe_hybrid_plan(model: nn.Module, sequence_parallel: bool) -> dict[s
     """Granite 4.0-H: per layer a Mamba2 mixer (by heads) or attention (RoPE or NoPE, multipliers
     outside the projections), then the MoE block (experts sharded, router replicated) plus a shared
     MLP whose fused ``[gate | up]`` ``input_linear`` is column-parallel with its output gathered
-    (chunked after the projection; a plain weight shard composes with FSDP)."""
+    (chunked after the projection; a plain weight shard composes with FSDP). Every branch leaves its
+    partial output to the layer (``SummedBranchesLayer``): the MoE block's and the shared MLP's, added,
+    are reduced once (one all-reduce, under SP one reduce-scatter)."""
     sp = sequence_parallel
     plan = decoder_plan(sp, mlp="shared_mlp", mlp_in=("input_linear",), gather_mlp=True, mlp_out="output_linear",
-                        shared_norm_output=True,
+                        shared_norm_output=True, summed_branches=True,
                         rotary="rotary_emb" if getattr(model.model, "rotary_emb", None) is not None else None)
-    replicated = LocalReplicateParallel(output_layouts=Shard(1) if sp else None)
+    replicated = LocalReplicateParallel(output_layouts=Replicate())  # a Replicate DTensor joins the Partial sum
     for index, layer in enumerate(model.model.layers):
         if layer.mamba is not None:
-            plan[f"model.layers.{index}.mamba"] = hf_mamba_style(layer.mamba, sp, replicated)
+            plan[f"model.layers.{index}.mamba"] = hf_mamba_style(layer.mamba, sp, replicated, True)
         if layer.block_sparse_moe is not None and is_moe_block(layer.block_sparse_moe):
             path = f"model.layers.{index}.block_sparse_moe"
-            plan.update(moe_block_plan(path, layer.block_sparse_moe, sp))
+            plan.update(moe_block_plan(path, layer.block_sparse_moe, sp, partial_output=True))
             plan[f"{path}.router"] = LocalReplicateParallel()
     return plan
 
