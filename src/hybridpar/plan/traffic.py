@@ -53,6 +53,12 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
                                if layout.cp_attention == "ring" else shape)
     if layout.cp_attention == "ring" and layout.cp > 1:
         sources["cp_attention"] = ring_attention(layout)
+    if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):
+        from hybridpar.plan.hf.moe import moe_traffic
+
+        sources["tp_moe"], not_sent = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
+        for key, (calls, nbytes) in not_sent.items():  # MoE blocks under SP: no reduce-scatter at entry and exit
+            sources["tp_blocks"][key] = [sources["tp_blocks"][key][0] - calls, sources["tp_blocks"][key][1] - nbytes]
     if layout.lora_rank and "fsdp" in sources:
         sources["fsdp"] = lora_fsdp(layout, sources["fsdp"])
     if layout.checkpointing != "none":
@@ -67,6 +73,10 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
             for (k, dim), (calls, nbytes) in sources["tp_blocks"].items():
                 if k == exit_kind and calls:
                     extra.add(exit_kind, dim, nbytes // calls, layers)
+        if "tp_moe" in sources:
+            from hybridpar.plan.hf.moe import moe_traffic
+
+            extra = extra + moe_traffic(layout, recomputed=True)[0]
         sources["recompute"] = extra
     return sources
 
