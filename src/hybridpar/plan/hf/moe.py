@@ -78,11 +78,14 @@ def moe_saved_bytes(layout: Layout) -> int:
 def moe_workspaces(layout: Layout) -> tuple[int, int]:
     """``(forward, backward)`` transient bytes of one ``E`` block beyond its block output: forward the
     weighted rows and their reordered copy ``2 [S, D]`` and the router's logits ``[Tc, E] e_c``;
-    backward the gradients of the routed rows ``[S, 2 D + (3 | 2) I]`` and of the shared MLP."""
+    backward the larger of the shared MLP's gradients ``[Tc, 3 Is]`` (its backward runs first) and
+    the routed rows' ``[S, 2 D + 3 I]`` gated, ``[S, D + 2 I]`` ungated (the up projection's output
+    is not kept apart; checked against the allocator's peak of one step, 1 process)."""
     c, m = layout.model, _moe(layout)
     e, ec, d = layout.act_bytes, layout.compute_bytes, c.hidden_size
     forward = 2 * m["rows"] * d * e + layout.tokens * m["experts"] * ec
-    backward = m["rows"] * (2 * d + (3 if c.moe_gated else 2) * m["inter"]) * e + layout.tokens * 3 * m["shared"] * e
+    routed = m["rows"] * ((2 * d + 3 * m["inter"]) if c.moe_gated else (d + 2 * m["inter"])) * e
+    backward = max(routed, layout.tokens * 3 * m["shared"] * e)
     return forward, backward
 
 
