@@ -17,6 +17,7 @@ Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not
 from __future__ import annotations
 
 from hybridpar.parallel.comm.step import StepShape, Tally, step_collectives
+from hybridpar.plan.hf.moe import moe_traffic
 from hybridpar.plan.layout import Layout
 
 __all__ = ["step_traffic", "by_kind", "by_kind_and_dim", "lora_fsdp"]
@@ -54,8 +55,6 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
     if layout.cp_attention == "ring" and layout.cp > 1:
         sources["cp_attention"] = ring_attention(layout)
     if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):
-        from hybridpar.plan.hf.moe import moe_traffic
-
         sources["tp_moe"], not_sent = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
         for key, (calls, nbytes) in not_sent.items():  # MoE blocks under SP: no reduce-scatter at entry and exit
             sources["tp_blocks"][key] = [sources["tp_blocks"][key][0] - calls, sources["tp_blocks"][key][1] - nbytes]
@@ -74,8 +73,6 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
                 if k == exit_kind and calls:
                     extra.add(exit_kind, dim, nbytes // calls, layers)
         if "tp_moe" in sources:
-            from hybridpar.plan.hf.moe import moe_traffic
-
             extra = extra + moe_traffic(layout, recomputed=True)[0]
         sources["recompute"] = extra
     return sources
