@@ -2,9 +2,9 @@
 
 Symbols of ``plan/layout.py``; ``k`` experts per token, ``E`` experts, ``I = moe_intermediate/tp``,
 ``Is = shared/tp``, ``S = Tc k`` routed rows. How many rows each expert gets depends on the routing,
-but their total is exactly ``Tc k``, and transformers' ``grouped_mm`` experts (its default; the
-eager loop of float64 keeps the same per-row tensors) keep per routed row, so every saved byte is
-shape-determined. What an ``E`` block keeps beyond every block's input, rstd, norm output and
+but their total is exactly ``Tc k``, and transformers' ``grouped_mm`` experts (its default below
+float64; float64 runs the eager loop, which keeps about the same per row, not measured) keep per
+routed row, so every saved byte is shape-determined. What an ``E`` block keeps beyond every block's input, rstd, norm output and
 transformers' norm product (``plan/activations.py``), policy ``none``::
 
     router    Granite (softmax of the top-k logits): top-k index [Tc, k] int64, softmax [Tc, k] e_c
@@ -12,9 +12,9 @@ transformers' norm product (``plan/activations.py``), policy ``none``::
               index [Tc, G_top] int64, mask [Tc, E] bool, top-k index [Tc, k] int64, and with
               norm_topk_prob the weights [Tc, k] and their sum [Tc, 1] e_c (its float32 copy of the
               input [Tc, D] e_c under 16-bit activations)
-    experts   S x (gathered input [D] + down output [D] (the weights' product reads it) + gated 4 I
-              (gate|up, act(gate), product) or 3 (up, act, act^2: relu2's two) ... e; ungated 2 I)
-              + S x (weight w_r + three int64 indices: the sort's, its token index, its inverse)
+    experts   S x (gathered input [D] + down output [D] (the weights' product reads it)
+                   + gated [4 I] (gate|up, act(gate), product) or ungated [2 I] (relu2: relu, square)) e
+              + S x (routing weight w_r + three int64 indices: the sort's, its token index, its inverse)
               + offsets [E] int32;  w_r = e_c (NemotronH's float32 router) or e (Granite)
     shared    NemotronH's ungated MLP: [Tc, 2 Is] e; Granite's fused gated MLP: ``fused_mlp_saved``
 
