@@ -85,12 +85,8 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
     model_type = getattr(config, "model_type", None)
     if model_type not in TWIN_MODEL_TYPES:
         return None, f"activations and traffic are modelled for HybridLM and {', '.join(TWIN_MODEL_TYPES)} models"
-    if model_type == "granitemoehybrid":
-        twin, why = granite_twin(config)
-        if twin is None:
-            return None, why
-    elif model_type in MAMBA_HYBRIDS:
-        twin, why = _mamba_hybrid_twin(config)
+    if model_type in MAMBA_HYBRIDS or model_type == "granitemoehybrid":
+        twin, why = (granite_twin if model_type == "granitemoehybrid" else _mamba_hybrid_twin)(config)
         if twin is None:
             return None, why
     elif getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
@@ -147,6 +143,13 @@ def granite_twin(config) -> tuple[TwinConfig | None, str]:
     experts = config.num_local_experts or 0
     mixers = ["M" if kind in ("mamba", "linear_attention") else "*" for kind in config.layers_block_type]
     rope = config.position_embedding_type == "rope"
+    try:
+        return _granite_twin(config, heads, experts, mixers, rope), ""
+    except ValueError as error:
+        return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
+
+
+def _granite_twin(config, heads: int, experts: int, mixers: list[str], rope: bool) -> TwinConfig:
     return TwinConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         pattern="".join(m + ("E" if experts else "-") for m in mixers),
@@ -161,7 +164,7 @@ def granite_twin(config) -> tuple[TwinConfig | None, str]:
         mlp_activation="silu", mlp_gated=True, tie_word_embeddings=bool(config.tie_word_embeddings), mlp_fused=True,
         moe_experts=experts, moe_top_k=config.num_experts_per_tok if experts else 0,
         moe_intermediate_size=config.intermediate_size if experts else 0, moe_gated=True,
-        moe_shared_size=config.shared_intermediate_size if experts else 0), ""
+        moe_shared_size=config.shared_intermediate_size if experts else 0)
 
 
 def _decoder_twin(config, model_type: str) -> TwinConfig:
