@@ -3,7 +3,9 @@
 For each model (``tiny``; ``mid``: the ``small`` preset's widths on a 5-block pattern, an 8K
 vocabulary and 2 Mamba groups so that tp=2 applies; ``llama``: a small transformers Llama, planned
 through its HybridLM twin; ``qwen2``, ``qwen3``: the same widths with Qwen2's q/k/v biases and Qwen3's
-per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with dense MLPs), layout
+per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with dense MLPs;
+``nemotron_h_moe``, ``granitemoehybrid``, ``granitemoehybrid_dense``: with MoE layers, and Granite 4.0-H's
+layers without experts), layout
 (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
 checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
 ``plan/validate.measure_step``: two training steps through ``Trainer.fit`` (the trainer reports
@@ -25,6 +27,7 @@ so a change to the planner shows without measuring again (``--replan`` does only
     python benchmarks/planner.py --models llama                   # the transformers Llama at 4096 and 16384
     python benchmarks/planner.py --models qwen2 qwen3 --lengths 4096
     python benchmarks/planner.py --models bamba nemotron_h --lengths 4096
+    python benchmarks/planner.py --models nemotron_h_moe granitemoehybrid granitemoehybrid_dense --lengths 2048
     python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
         --checkpointing full selective
     python benchmarks/planner.py --replan
@@ -47,12 +50,16 @@ import harness
 
 # llama, qwen2, qwen3: transformers {Llama,Qwen2,Qwen3}ForCausalLM (hidden 128, 4 layers, 4 heads / 2 KV heads of 32,
 # MLP 384, vocab 256); bamba: the same widths, layers Mamba2 (8 heads of 32, 2 groups, state 16) except layer 1;
-# nemotron_h: layers mamba, mlp, attention, mlp, mamba, mlp. All run on transformers' classes (model.backend=transformers)
-# and are planned through their HybridLM twin (plan/hf_twin.py); each checkpoint is written once (seed 0)
-HF_MODELS = ("llama", "qwen2", "qwen3", "bamba", "nemotron_h")
+# nemotron_h: layers mamba, mlp, attention, mlp, mamba, mlp; nemotron_h_moe: mamba, moe, attention, mlp, mamba, moe
+# (4 experts of 96, top 2, shared experts 160); granitemoehybrid(_dense): layers mamba, attention, mamba, mamba (one
+# Mamba group), each with 4 experts of 96, top 2 (none) and a shared_mlp of 160. All run on transformers' classes
+# (model.backend=transformers) and are planned through their HybridLM twin (plan/hf/twin.py); each checkpoint is
+# written once (seed 0)
+MAMBA_HF = ("bamba", "nemotron_h", "nemotron_h_moe", "granitemoehybrid", "granitemoehybrid_dense")
+HF_MODELS = ("llama", "qwen2", "qwen3", *MAMBA_HF)
 CHECKPOINTS = {name: Path(tempfile.gettempdir()) / f"hybridpar-planner-{name}" for name in HF_MODELS}
 MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"],
-          **{name: [f"model.hf_path={path}"] + (["model.backend=transformers"] if name in ("bamba", "nemotron_h") else [])
+          **{name: [f"model.hf_path={path}"] + (["model.backend=transformers"] if name in MAMBA_HF else [])
              for name, path in CHECKPOINTS.items()}}
 # mid runs ~30x tiny's flops per token on 2 shared cores: 2048 and 4096 keep a case within minutes
 LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096], **{name: [4096, 16384] for name in HF_MODELS}}
@@ -77,6 +84,12 @@ MAMBA_WIDTHS = {"bamba": dict(mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=2
                                attn_layer_indices=[1]),
                 "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16, chunk_size=64,
                                    layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"])}
+MAMBA_WIDTHS["nemotron_h_moe"] = {**MAMBA_WIDTHS["nemotron_h"], "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 96, "moe_shared_expert_intermediate_size": 160,
+                                  "layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba", "moe"]}
+GRANITE = dict(intermediate_size=96, shared_intermediate_size=160, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=32,
+               mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=64, layer_types=["mamba", "attention", "mamba", "mamba"])
+MAMBA_WIDTHS.update(granitemoehybrid={**GRANITE, "num_local_experts": 4}, granitemoehybrid_dense={**GRANITE, "num_local_experts": 0})
 
 
 def hf_checkpoints() -> None:
@@ -91,10 +104,13 @@ def hf_checkpoints() -> None:
             continue
         config, model = {"llama": (hf.LlamaConfig, hf.LlamaForCausalLM), "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM),
                          "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM), "bamba": (hf.BambaConfig, hf.BambaForCausalLM),
-                         "nemotron_h": (hf.NemotronHConfig, hf.NemotronHForCausalLM)}[name]
+                         "nemotron_h": (hf.NemotronHConfig, hf.NemotronHForCausalLM),
+                         "nemotron_h_moe": (hf.NemotronHConfig, hf.NemotronHForCausalLM),
+                         **dict.fromkeys(("granitemoehybrid", "granitemoehybrid_dense"),
+                                         (hf.GraniteMoeHybridConfig, hf.GraniteMoeHybridForCausalLM))}[name]
         torch.manual_seed(0)
         fields = {**widths, **MAMBA_WIDTHS.get(name, {})}
-        if name == "nemotron_h":  # its layer count is its layer list's
+        if name.startswith("nemotron_h"):  # its layer count is its layer list's
             del fields["num_hidden_layers"]
         model(config(**fields)).save_pretrained(path)
 

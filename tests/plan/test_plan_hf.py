@@ -1,4 +1,4 @@
-"""``hybridpar plan`` of a transformers decoder through its HybridLM twin (``plan/hf_twin.py``).
+"""``hybridpar plan`` of a transformers decoder through its HybridLM twin (``plan/hf/twin.py``).
 
 A Llama checkpoint is priced as pattern ``*-`` per layer with transformers' extra norm products;
 its plan is held to one measured training step as the HybridLM's is (``test_plan_measured.py``):

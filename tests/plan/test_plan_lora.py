@@ -55,7 +55,7 @@ def test_a_transformers_model_gets_its_weights_gradients_and_adamw_per_rank(tmp_
 
     from transformers import GemmaConfig, GemmaForCausalLM
 
-    # Gemma (norm offset, scaled embedding): no HybridLM twin (plan/hf_twin.py): the planner gives its
+    # Gemma (norm offset, scaled embedding): no HybridLM twin (plan/hf/twin.py): the planner gives its
     # parameter share
     config = GemmaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=2, vocab_size=256, head_dim=16)

@@ -14,6 +14,7 @@ saves today (``models/blocks.py``, ``mamba/mixer.py``, ``attention/mixer.py``, `
                    cp_attention=allgather: k, v are the gathered [T, 2 Hkv Dh]
                    cp_attention=ulysses: + the core's own out [T, Hq Dh / cp] (exchanged back after)
     MLP            + up output and act(up) [Tc, 2 I] (gated: gate, act(gate), up, product: 4 I)
+    MoE (E)        + router, routed experts and shared experts (a transformers twin's; ``plan/hf/moe.py``)
     head           final norm x [Ts, D] + rstd; loss: hidden [Tc, D], lse [Tc], labels [Tc] int64;
                    embedding: input ids [Tc] int64
 
@@ -24,7 +25,7 @@ MLP block (no mixing kernel) its input only. (On CPU the eager blockwise attenti
 lse are recomputed instead, so there the plan is high by ``Tc (Hq Dh e + Hq e_c)`` per attention block.)
 Statistics (rstd, lse) are in the compute dtype ``e_c``.
 
-A transformers decoder planned through its twin (``plan/hf_twin.py``, ``layout.hf_decoder``): each
+A transformers decoder planned through its twin (``plan/hf/twin.py``, ``layout.hf_decoder``): each
 norm (the final one too) keeps ``x * rstd`` in float32, ``[Ts, D] e_c`` (from a 16-bit stream x's
 float32 copy and the product cast back instead, ``[Ts, D] (e_c + e)``); under autocast more
 (``_hf_block_bytes``); under ``full``/``selective`` a decoder layer is one checkpoint, so the MLP
@@ -39,12 +40,13 @@ made: ``2 * (linear weights of the block)`` more per block that is not checkpoin
 
 from __future__ import annotations
 
-from hybridpar.models.mamba.mixer import tp_groups
+from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
+from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes
 from hybridpar.plan.layout import Layout
 
 __all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "lora_saved_bytes"]
 
-BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp"}
+BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
 def _widths(layout: Layout) -> dict:
@@ -69,14 +71,14 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     tc, ts, seq = layout.tokens, layout.stream_tokens, layout.pack_size
     block_input = ts * w["d"] * layout.stream_bytes
     paired = layout.hf_decoder and getattr(layout.model, "paired_layers", True)
-    if paired and policy in ("full", "selective") and kind == "-":
+    if paired and policy in ("full", "selective") and kind in "-E":
         return 0  # one checkpoint per decoder layer: the attention block's input is the layer's
     if policy == "full":
         return block_input
     if policy == "selective":
         kept = {"M": tc * w["w_in"] * e,
                 "*": tc * (w["q"] + 2 * w["kv"]) * e + tc * w["q"] * e + tc * w["hq"] * ec,
-                "-": 0}[kind]
+                "-": 0, "E": 0}[kind]
         return block_input + kept
     weight_copies = 2 * _linear_weights(layout, kind) if layout.autocast else 0  # autocast's bf16 weights
     common = block_input + weight_copies + ts * ec + tc * w["d"] * e  # input, rstd, projections' input
@@ -95,6 +97,10 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
         if layout.cp > 1 and layout.cp_attention == "ulysses":
             out += tc * w["q"] * e
         return common + out
+    if kind == "E":
+        return common + moe_saved_bytes(layout)
+    if getattr(layout.model, "mlp_fused", False):  # Granite's shared_mlp, gathered under TP
+        return common + fused_mlp_saved(layout, layout.model.intermediate_size)
     return common + tc * w["inter"] * e * (4 if layout.model.mlp_gated else 2)
 
 
@@ -118,8 +124,9 @@ def _hf_block_bytes(layout: Layout, kind: str, w: dict) -> int:
     if kind == "*" and getattr(layout.model, "qk_norm", False):  # Qwen3's per-head q/k RMSNorms: their input
         heads = (layout.model.num_attention_heads + layout.model.num_key_value_heads) // layout.tp  # (float32
         extra += tc * (w["q"] + w["kv"]) * (e + ec) + tc * heads * ec  # copy), product (cast) and rstd
-    if kind == "M":  # Bamba's gated RMSNorm in float32: silu(z), y * silu(z) and its normalized product
-        extra += 3 * tc * w["d_inner"] * ec
+    if kind == "M" and not replicated_groups(layout.model.mamba_n_groups, layout.tp):  # Bamba's gated RMSNorm
+        extra += 3 * tc * w["d_inner"] * ec  # in float32: silu(z), y * silu(z), its normalized product (one group
+        # under TP runs parallel/tensor/hybrid.spanning_group_norm instead, which keeps what ours keeps)
     if layout.autocast:
         extra += tc * w["d"] * e * (2 if kind == "*" else 1)
         if kind == "*" and w["rot"]:

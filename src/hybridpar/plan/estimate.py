@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridpar.plan.hf.moe import moe_matmul_elements
 from hybridpar.plan.layout import Layout
 
 __all__ = ["DeviceFigures", "TimeEstimate", "estimate_time", "H100"]
@@ -73,6 +74,8 @@ def step_flops(layout: Layout) -> float:
     w_in = 2 * d_in + 2 * c.mamba_n_groups * c.ssm_state_size + c.mamba_num_heads
     mlp = c.intermediate_size * d * (3 if c.mlp_gated else 2)
     per_kind = {"M": d * w_in + d_in * d, "*": d * (q + 2 * kv) + q * d, "-": mlp}
+    if "E" in c.pattern:  # a transformers twin's MoE blocks: router, k experts, shared experts
+        per_kind["E"] = moe_matmul_elements(c)
     matmul = sum(per_kind[k] for k in c.pattern) / tp
     flops = tc * 2 * matmul * (3 + r) + tc * 2 * c.vocab_size / tp * d * 4
     attention_layers = c.pattern.count("*")

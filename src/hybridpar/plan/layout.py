@@ -48,7 +48,7 @@ class Layout:
     reshard_after_forward: bool | int = True
     lora_rank: int = 0  # peft.method=lora: the adapters' rank (0: full fine-tuning)
     lora_targets: tuple[str, ...] = ()  # the adapted linear layers by name (peft.target_modules or the defaults)
-    hf_decoder: bool = False  # a transformers decoder planned through its HybridLM twin (plan/hf_twin.py)
+    hf_decoder: bool = False  # a transformers decoder planned through its HybridLM twin (plan/hf/twin.py)
 
     @classmethod
     def from_run(cls, run: RunConfig, model: HybridConfig, hf_decoder: bool = False) -> "Layout":

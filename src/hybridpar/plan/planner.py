@@ -1,5 +1,5 @@
 """Make a plan: validate a run as ``train`` does, then price its layout (``Plan``; a transformers
-decoder through its HybridLM twin, ``plan/hf_twin.py``), or give any other transformers model its
+decoder through its HybridLM twin, ``plan/hf/twin.py``), or give any other transformers model its
 parameter share (``TransformersPlan``)."""
 
 
@@ -64,6 +64,8 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
     if isinstance(model, HybridConfig):
         return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
     twin, why, name = planned_shape(model)
+    if twin is not None and run.peft.method == "lora" and ("E" in twin.pattern or getattr(twin, "mlp_fused", False)):
+        twin, why = None, "LoRA adapters of its MoE and fused MLP layers are not planned"
     if twin is None:
         return TransformersPlan.build(run, model, why)
     plan = plan_layout(Layout.from_run(run, twin, hf_decoder=True), device, docs_per_pack)
@@ -73,8 +75,8 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
 
 def planned_shape(shape) -> tuple[HybridConfig | None, str, str]:
     """``(twin, why not, name)`` of a transformers config: the HybridLM twin the planner prices it
-    as (``plan/hf_twin.py``), or None and the reason."""
-    from hybridpar.plan.hf_twin import hybrid_twin
+    as (``plan/hf/twin.py``), or None and the reason."""
+    from hybridpar.plan.hf.twin import hybrid_twin
     from hybridpar.train.preflight import meta_model
 
     meta = meta_model(shape)

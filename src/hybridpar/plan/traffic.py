@@ -8,7 +8,8 @@ activation checkpointing. With ``full`` or ``selective`` the recomputation of ea
 its forward collectives (TP/SP entry and exit, CP exchanges) once more per pack; that share is
 listed as source ``recompute`` (the forward half of ``tp_blocks``, ``cp_attention``, ``cp_mamba``; a
 transformers decoder planned through its twin also repeats each attention's exit reduction, which
-sits mid-layer in its one checkpoint per layer).
+sits mid-layer in its one checkpoint per layer; with one Mamba group under TP, each Mamba layer's
+gated norm all-reduces its sum of squares again).
 ``cp_attention=ring`` sends point to point (kind ``send``; ``context/ring.py``'s
 count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``docs_per_pack`` documents are assumed in every pack.
 Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not yet measured).
@@ -16,7 +17,9 @@ Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not
 
 from __future__ import annotations
 
-from hybridpar.parallel.comm.step import StepShape, Tally, step_collectives
+from hybridpar.models.mamba.mixer import replicated_groups
+from hybridpar.parallel.comm.step import StepShape, Tally, _ring, dim_label, step_collectives
+from hybridpar.plan.hf.moe import moe_traffic
 from hybridpar.plan.layout import Layout
 
 __all__ = ["step_traffic", "by_kind", "by_kind_and_dim", "lora_fsdp"]
@@ -53,6 +56,10 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
                                if layout.cp_attention == "ring" else shape)
     if layout.cp_attention == "ring" and layout.cp > 1:
         sources["cp_attention"] = ring_attention(layout)
+    if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):
+        sources["tp_moe"], not_sent = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
+        for key, (calls, nbytes) in not_sent.items():  # MoE blocks under SP: no reduce-scatter at entry and exit
+            sources["tp_blocks"][key] = [sources["tp_blocks"][key][0] - calls, sources["tp_blocks"][key][1] - nbytes]
     if layout.lora_rank and "fsdp" in sources:
         sources["fsdp"] = lora_fsdp(layout, sources["fsdp"])
     if layout.checkpointing != "none":
@@ -67,6 +74,13 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
             for (k, dim), (calls, nbytes) in sources["tp_blocks"].items():
                 if k == exit_kind and calls:
                     extra.add(exit_kind, dim, nbytes // calls, layers)
+        c = layout.model
+        if replicated_groups(c.mamba_n_groups, layout.tp):  # one B/C group: each Mamba layer's gated norm
+            sums = _ring("all_reduce", layout.tp, layout.tokens * layout.compute_bytes)  # all-reduces its sum of
+            extra.add("all_reduce", dim_label(layout.dims, ("tp",)), sums,  # squares [Tc, 1] again
+                      c.pattern.count("M") * layout.packs_per_rank)
+        if "tp_moe" in sources:
+            extra = extra + moe_traffic(layout, recomputed=True)[0]
         sources["recompute"] = extra
     return sources
 

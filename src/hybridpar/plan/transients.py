@@ -7,6 +7,7 @@ Forward of one block, on top of what earlier blocks keep (``e_c`` compute dtype)
     attention  K, V transposed to [Hkv, S_k, Dh] e_c, the scores of one step [Hq, 256, 1024] e_c
                (flash.py: blocks of 256 queries x 1024 keys, exponentiated in place)
     MLP        the pre-activation [Tc, I] (gated: 2 I)
+    MoE (E)    ``plan/hf/moe.moe_workspaces``: the routed rows [Tc k, ...] of every expert at once
     every      the block output [Ts, D] (+ the mixer output [Tc, D] before SP's reduce-scatter)
 
 Backward of one block: its recomputation (the forward workspace again; under ``full`` and
@@ -51,6 +52,7 @@ from hybridpar.models.mamba.ssd_chunked import DIAGONAL_SLICE_BYTES
 from hybridpar.train.loss import lm_head_loss
 
 from hybridpar.plan.activations import _widths, block_saved_bytes
+from hybridpar.plan.hf.moe import moe_workspaces
 from hybridpar.plan.layout import Layout
 
 __all__ = ["Workspaces", "block_workspaces", "mamba_core_backward", "loss_workspaces", "LOSS_CHUNK", "ATTENTION_STEP"]
@@ -109,6 +111,9 @@ def block_workspaces(layout: Layout, kind: str) -> Workspaces:
         forward = kv_copy + step + flow
         grads = (q_tokens * w["q"] + kv_tokens * 2 * w["kv"]) // scale * ec
         backward = kv_copy + 3 * step // 2 + grads + tc * (w["q"] + 2 * w["kv"]) * e + flow
+    elif kind == "E":
+        forward, backward = moe_workspaces(layout)
+        forward, backward = forward + flow, backward + flow
     else:
         gated = c.mlp_gated
         forward = tc * w["inter"] * e * (2 if gated else 1) + flow

@@ -173,12 +173,14 @@ def _unit_parameters(kind: type, shape: tuple, tp: int, sp: bool) -> dict[str, l
             params += row(f"{m}.out_proj", d, d_inner, config.mamba_proj_bias)
         elif kind == "*":
             q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-            qkv_bias = config.attention_bias or getattr(config, "qkv_bias", False)  # Qwen2 (plan/hf_twin.py)
+            qkv_bias = config.attention_bias or getattr(config, "qkv_bias", False)  # Qwen2 (plan/hf/twin.py)
             for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 params += col(f"{m}.{name}", rows, d, qkv_bias)
-            if getattr(config, "qk_norm", False):  # Qwen3's per-head norms, replicated (plan/hf_twin.py)
+            if getattr(config, "qk_norm", False):  # Qwen3's per-head norms, replicated (plan/hf/twin.py)
                 params += [ParamShape(f"{m}.{n}.weight", (config.head_dim,), False) for n in ("q_norm", "k_norm")]
             params += row(f"{m}.o_proj", d, q, config.attention_bias)
+        elif kind == "E":  # a planner twin's MoE block: router, experts, shared experts (plan/hf/twin.py)
+            params += config.moe_parameters(m, tp)
         else:
             for name in (("gate_proj", "up_proj") if config.mlp_gated else ("up_proj",)):
                 params += col(f"{m}.{name}", config.intermediate_size, d, config.mlp_bias)

@@ -1,0 +1,146 @@
+"""What a twin's MoE block (pattern ``E``) and a fused gated MLP keep, use and send, per rank and pack.
+
+Symbols of ``plan/layout.py``; ``k`` experts per token, ``E`` experts, ``I = moe_intermediate/tp``,
+``Is = shared/tp``, ``S = Tc k`` routed rows. How many rows each expert gets depends on the routing,
+but their total is exactly ``Tc k``, and transformers' ``grouped_mm`` experts (its default below
+float64; float64 runs the eager loop, which keeps about the same per row, not measured) keep per
+routed row, so every saved byte is shape-determined. What an ``E`` block keeps beyond every block's input, rstd, norm output and
+transformers' norm product (``plan/activations.py``), policy ``none``::
+
+    router    Granite (softmax of the top-k logits): top-k index [Tc, k] int64, softmax [Tc, k] e_c
+              NemotronH (sigmoid, groups): scores [Tc, E] e_c, group top-2 index [Tc, G, 2] and group
+              index [Tc, G_top] int64, mask [Tc, E] bool, top-k index [Tc, k] int64, and with
+              norm_topk_prob the weights [Tc, k] and their sum [Tc, 1] e_c (its float32 copy of the
+              input [Tc, D] e_c under 16-bit activations)
+    experts   S x (gathered input [D] + down output [D] (the weights' product reads it)
+                   + gated [4 I] (gate|up, act(gate), product) or ungated [2 I] (relu2: relu, square)) e
+              + S x (routing weight w_r + three int64 indices: the sort's, its token index, its inverse)
+              + offsets [E] int32;  w_r = e_c (NemotronH's float32 router) or e (Granite)
+    shared    NemotronH's ungated MLP: [Tc, 2 Is] e; Granite's fused gated MLP: ``fused_mlp_saved``
+
+A fused gated MLP (Granite's ``shared_mlp``: ``input_linear [2 Is_full, D]``) runs whole under TP
+(``decoder_plan(gather_mlp=True)``): its ``[Tc, 2 Is/tp]`` output is all-gathered, the activation
+runs on ``[Tc, Is_full]``, ``output_linear`` reads its local slice. It keeps ``[Tc, 4 Is]`` at tp=1
+and ``[Tc, 2 Is_full + Is_full + Is_full/tp]`` (gathered, silu, slice) under TP.
+
+The transient peak of one expert (its ``mm`` output) moves with the routing; the plan bounds the
+forward and backward by the ``S``-row tensors (all rows of all experts at once), which is what the
+grouped kernel allocates (``moe_workspaces``).
+
+TP traffic beyond every block's entry and exit (``parallel.comm.step.tp_blocks``), from the plans
+in ``parallel/tensor/hf_plans/moe_hybrid.py`` and ``parallel/tensor/moe.py`` (``moe_traffic``).
+"""
+
+from __future__ import annotations
+
+from hybridpar.parallel.comm.step import Tally, _ring, dim_label
+from hybridpar.plan.layout import Layout
+
+__all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "moe_matmul_elements"]
+
+INDEX = 8  # int64
+
+
+def _moe(layout: Layout) -> dict:
+    c, tp = layout.model, layout.tp
+    return dict(experts=c.moe_experts, k=c.moe_top_k, inter=c.moe_intermediate_size // tp,
+                shared=c.moe_shared_size // tp, rows=layout.tokens * c.moe_top_k, sigmoid=c.moe_router == "sigmoid")
+
+
+def fused_mlp_saved(layout: Layout, size: int) -> int:
+    """A fused gated MLP of intermediate ``size`` (full width): see the module docstring."""
+    tc, e, tp = layout.tokens, layout.act_bytes, layout.tp
+    return tc * e * (4 * size if tp == 1 else 3 * size + size // tp)
+
+
+def moe_saved_bytes(layout: Layout) -> int:
+    """What one ``E`` block keeps beyond every block's common terms (policy none)."""
+    c, m = layout.model, _moe(layout)
+    e, ec, tc, d = layout.act_bytes, layout.compute_bytes, layout.tokens, c.hidden_size
+    k, experts = m["k"], m["experts"]
+    if m["sigmoid"]:
+        groups, top_groups = c.moe_groups
+        router = tc * (experts * ec + groups * 2 * INDEX + top_groups * INDEX + experts + k * INDEX)
+        router += tc * (k + 1) * ec if c.moe_norm_topk else 0
+        router += tc * d * ec if e < ec else 0
+        weight = ec
+    else:
+        router, weight = tc * k * (INDEX + ec), e
+    per_row = 2 * d * e + (4 if c.moe_gated else 2) * m["inter"] * e + weight + 3 * INDEX
+    routed = m["rows"] * per_row + 4 * experts
+    if c.mlp_fused:
+        shared = fused_mlp_saved(layout, c.intermediate_size)  # Granite: intermediate_size is the shared_mlp's
+    else:
+        shared = tc * 2 * m["shared"] * e
+    return router + routed + shared
+
+
+def moe_workspaces(layout: Layout) -> tuple[int, int]:
+    """``(forward, backward)`` transient bytes of one ``E`` block beyond its block output: forward the
+    weighted rows and their reordered copy ``2 [S, D]`` and the router's logits ``[Tc, E] e_c``;
+    backward the larger of the shared MLP's gradients ``[Tc, 3 Is]`` (its backward runs first) and
+    the routed rows' ``[S, 2 D + 3 I]`` gated, ``[S, D + 2 I]`` ungated (the up projection's output
+    is not kept apart; checked against the allocator's peak of one step, 1 process)."""
+    c, m = layout.model, _moe(layout)
+    e, ec, d = layout.act_bytes, layout.compute_bytes, c.hidden_size
+    forward = 2 * m["rows"] * d * e + layout.tokens * m["experts"] * ec
+    routed = m["rows"] * ((2 * d + 3 * m["inter"]) if c.moe_gated else (d + 2 * m["inter"])) * e
+    backward = max(routed, layout.tokens * 3 * m["shared"] * e)
+    return forward, backward
+
+
+def moe_traffic(layout: Layout, recomputed: bool = False) -> tuple[Tally, Tally]:
+    """``(extra, not_sent)``: TP collectives of ``E`` blocks and fused MLPs beyond, and of
+    ``parallel.comm.step.tp_blocks``' entry and exit pairs not sent, per step. Per ``E`` block:
+
+    - the routing weights' gradient ``[Tc, k] w_r`` all-reduced (backward, ``replicated_local``);
+    - without SP, NemotronH's experts and shared experts sum their partial outputs before the one
+      exit all-reduce (``PartialBlockExit``); Granite's experts and ``shared_mlp`` all-reduce
+      ``[Tc, D]`` one each (+1);
+    - under SP the MoE block reads the gathered norm output as a plain tensor and is sliced back to
+      the sequence shard (``moe_block_sp_style``): its experts all-reduce ``[Tc, D]`` forward and
+      their input's gradient backward, the slice all-gathers ``[Ts, D]`` backward. NemotronH's
+      shared experts all-reduce ``[Tc, D]`` forward and backward too, and the block sends neither
+      of the pair's reduce-scatters (+4 all-reduces, -2 reduce-scatters); Granite's ``shared_mlp``
+      keeps the pair (+2 all-reduces, +1 all-gather).
+
+    Each fused gated MLP: forward all-gather of ``[Tc, 2 Is/tp]``, backward all-gather of the
+    gradient of ``output_linear``'s input slice ``[Tc, Is/tp]``.
+
+    ``recomputed``: what a checkpoint's recomputation runs again (``full``/``selective``): each fused
+    MLP's forward all-gather, and each ``E`` block's experts' all-reduce when something the block
+    keeps comes after it (Granite's ``shared_mlp``; NemotronH's shared experts under SP)."""
+    extra, not_sent, c, tp = Tally(), Tally(), layout.model, layout.tp
+    if tp == 1:
+        return extra, not_sent
+    label, tc, e, packs = dim_label(layout.dims, ("tp",)), layout.tokens, layout.act_bytes, layout.packs_per_rank
+    blocks, fused = c.pattern.count("E") * packs, c.mlp_fused
+    stream = _ring("all_reduce", tp, tc * c.hidden_size * e)
+    gathered = _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e)  # Granite: the shared_mlp's
+    if recomputed:
+        extra.add("all_reduce", label, stream, blocks if fused or layout.sp else 0)
+        extra.add("all_gather", label, gathered, (blocks + c.pattern.count("-") * packs) if fused else 0)
+        return extra, not_sent
+    weight = layout.compute_bytes if c.moe_router == "sigmoid" else e
+    extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.moe_top_k * weight), blocks)
+    if layout.sp:
+        extra.add("all_reduce", label, stream, (2 if fused else 4) * blocks)
+        if fused:
+            extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e), blocks)
+        else:
+            not_sent.add("reduce_scatter", label, _ring("reduce_scatter", tp, tc * c.hidden_size * e), 2 * blocks)
+    elif fused:
+        extra.add("all_reduce", label, stream, blocks)
+    if fused:
+        mlps = blocks + c.pattern.count("-") * packs
+        extra.add("all_gather", label, gathered, mlps)
+        extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e), mlps)
+    return extra, not_sent
+
+
+def moe_matmul_elements(config) -> int:
+    """Multiply-adds per token of one ``E`` block (full widths): router, ``k`` experts, shared MLP."""
+    d = config.hidden_size
+    experts = config.moe_top_k * config.moe_intermediate_size * d * (3 if config.moe_gated else 2)
+    shared = config.moe_shared_size * d * (3 if config.mlp_fused else 2)
+    return config.moe_experts * d + experts + shared

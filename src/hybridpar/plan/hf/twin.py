@@ -1,0 +1,181 @@
+"""A transformers decoder planned through its ``HybridLM`` twin: the same widths, pattern ``*-`` per layer.
+
+A Llama-family decoder layer computes ``h = x + attn(norm(x)); y = h + mlp(norm(h))``: HybridLM's
+attention block followed by its gated-MLP block, with the same parameters (q, k, v, o; gate, up,
+down; two RMSNorm weights), so the planner's shape formulas for memory, traffic and time apply to
+it. The twin is taken only where both sides hold the same parameters (counted on transformers'
+meta model), for the model types whose measured step it was held to (``TWIN_MODEL_TYPES``;
+``tests/plan/test_plan_hf.py``, ``benchmarks/planner.py --models llama``).
+
+What transformers' code keeps beyond the twin (``Layout.hf_decoder``, ``plan/activations.py``):
+its RMSNorm keeps the normalized product ``x * rstd`` in float32 before the weight multiply (one
+``[Ts, D]`` float32 per norm, two per layer), and under ``full``/``selective`` checkpointing a whole
+decoder layer is one checkpoint that keeps one input, not one per block.
+
+Mamba2 hybrids: Bamba and NemotronH through the ``HybridConfig`` their checkpoints load as natively;
+a NemotronH's MoE layers (``moe``) and every GraniteMoeHybrid layer's feed-forward half (MoE plus its
+``shared_mlp``) are blocks of kind ``E`` (``plan/hf/moe.py``); a dense Granite's ``shared_mlp`` is the
+gated MLP block ``-`` (``mlp_fused``: one ``[gate | up]`` ``input_linear``, gathered under TP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridpar.models.hybrid import HybridConfig
+
+__all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
+
+TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba", "nemotron_h", "granitemoehybrid")
+# Mamba2 hybrids: mapped field by field as models/hf/config.py loads them (Bamba M- / *- per layer)
+MAMBA_HYBRIDS = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+
+
+@dataclass
+class TwinConfig(HybridConfig):
+    """A HybridLM shape with what a transformers attention holds beyond it, priced by the planner only
+    (never built): ``qkv_bias``, Qwen2's biases on q, k and v and none on o (column-parallel, so split
+    over TP like their weights; ``parallel.comm.step.unit_parameters``)."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm weights [head_dim] on q and k per head, replicated over TP
+    paired_layers: bool = True  # a decoder layer is a mixer block then an MLP block (NemotronH: one block)
+    mlp_fused: bool = False  # Granite's shared_mlp: one [gate | up] input_linear, its output gathered under TP
+    # MoE blocks (pattern "E"; plan/hf/moe.py): router [E, D] (replicated), experts split over TP on
+    # their intermediate dim, shared experts (NemotronH's ungated MLP, Granite's fused gated shared_mlp)
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0
+    moe_gated: bool = False  # experts [gate | up] (Granite) or up only (NemotronH, relu2)
+    moe_shared_size: int = 0  # the shared experts' intermediate size (0: none)
+    moe_router: str = "softmax"  # "softmax" of the top-k logits (Granite) or "sigmoid" with groups (NemotronH)
+    moe_groups: tuple[int, int] = (1, 1)  # NemotronH's n_group, topk_group
+    moe_norm_topk: bool = False  # NemotronH's norm_topk_prob
+
+    def validate(self) -> None:
+        """HybridConfig's rules, with ``E`` (a MoE block, priced by the planner only) read as an MLP block."""
+        pattern, self.pattern = self.pattern, self.pattern.replace("E", "-")
+        try:
+            super().validate()
+        finally:
+            self.pattern = pattern
+
+    def moe_parameters(self, prefix: str, tp: int) -> list:
+        """TP-local shapes of an ``E`` block's mixer (``parallel.comm.step.unit_parameters`` adds its norm)."""
+        from hybridpar.parallel.comm.step import ParamShape
+
+        d, e, inter, shared = self.hidden_size, self.moe_experts, self.moe_intermediate_size, self.moe_shared_size
+        sharded = tp > 1
+        up = "gate_up_proj" if self.moe_gated else "up_proj"
+        params = [ParamShape(f"{prefix}.gate.weight", (e, d), False),
+                  ParamShape(f"{prefix}.experts.{up}", (e, (2 if self.moe_gated else 1) * inter // tp, d), sharded),
+                  ParamShape(f"{prefix}.experts.down_proj", (e, d, inter // tp), sharded)]
+        if shared and self.mlp_fused:  # Granite's shared_mlp: input_linear [2 Is, D], output_linear [D, Is]
+            params += [ParamShape(f"{prefix}.shared.input_linear.weight", (2 * shared // tp, d), sharded),
+                       ParamShape(f"{prefix}.shared.output_linear.weight", (d, shared // tp), sharded)]
+        elif shared:  # NemotronH's shared experts: up [Is, D], down [D, Is]
+            params += [ParamShape(f"{prefix}.shared.up_proj.weight", (shared // tp, d), sharded),
+                       ParamShape(f"{prefix}.shared.down_proj.weight", (d, shared // tp), sharded)]
+        return params
+
+
+def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
+    """``(twin, "")`` for a transformers ``config`` whose model holds ``parameters`` elements, or
+    ``(None, why not)``."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TWIN_MODEL_TYPES:
+        return None, f"activations and traffic are modelled for HybridLM and {', '.join(TWIN_MODEL_TYPES)} models"
+    if model_type in MAMBA_HYBRIDS or model_type == "granitemoehybrid":
+        twin, why = (granite_twin if model_type == "granitemoehybrid" else _mamba_hybrid_twin)(config)
+        if twin is None:
+            return None, why
+    elif getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return None, f"{model_type} with hidden_act={config.hidden_act!r}/mlp_bias is not a gated SiLU MLP"
+    else:
+        twin = _decoder_twin(config, model_type)
+    from hybridpar.plan.params import parameter_count
+
+    if parameter_count(twin) != parameters:
+        return None, (f"its {parameters:,} parameters are not the {parameter_count(twin):,} of a plain "
+                      f"{model_type} decoder of its widths")
+    return twin, ""
+
+
+def _mamba_hybrid_twin(config) -> tuple[TwinConfig | None, str]:
+    """A Bamba's or NemotronH's twin: the ``HybridConfig`` its checkpoint loads as natively
+    (``models/hf/config.py``), a NemotronH's ``moe`` layers as MoE blocks ``E``."""
+    import dataclasses
+
+    from hybridpar.models.hf.config import config_from_hf
+
+    fields = {**config.to_dict(), "architectures": [MAMBA_HYBRIDS[config.model_type]]}
+    kinds = list(getattr(config, "layers_block_type", None) or ())
+    moe = [i for i, kind in enumerate(kinds) if kind == "moe"]
+    if moe:
+        if getattr(config, "moe_latent_size", None) is not None:
+            return None, f"its MoE latent projections (moe_latent_size={config.moe_latent_size}) are not planned"
+        fields["layers_block_type"] = ["mlp" if kind == "moe" else kind for kind in kinds]
+    try:
+        native = config_from_hf(fields)
+    except ValueError as error:
+        return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
+    shape = {f.name: getattr(native, f.name) for f in dataclasses.fields(native)}
+    if moe:
+        shape["pattern"] = "".join("E" if i in moe else kind for i, kind in enumerate(native.pattern))
+        shape.update(moe_experts=config.n_routed_experts, moe_top_k=config.num_experts_per_tok,
+                     moe_intermediate_size=config.moe_intermediate_size,
+                     moe_shared_size=config.moe_shared_expert_intermediate_size, moe_router="sigmoid",
+                     moe_groups=(config.n_group, config.topk_group), moe_norm_topk=bool(config.norm_topk_prob))
+    return TwinConfig(**shape, paired_layers=config.model_type == "bamba"), ""
+
+
+def granite_twin(config) -> tuple[TwinConfig | None, str]:
+    """A GraniteMoeHybrid's twin: per layer its Mamba2 mixer ``M`` or attention ``*`` (RoPE only with
+    ``position_embedding_type="rope"``), then its feed-forward half: the MoE block ``E`` (router,
+    gated experts, the fused gated ``shared_mlp``) or, without experts, the ``shared_mlp`` alone as
+    a gated MLP block ``-``. Multipliers (embedding, residual, attention, logits) scale by scalars and
+    keep nothing."""
+    if config.hidden_act != "silu":
+        return None, f"granitemoehybrid with hidden_act={config.hidden_act!r} is not a gated SiLU MLP"
+    if getattr(config, "output_router_logits", False):
+        return None, "its router auxiliary loss (output_router_logits=true) is not planned"
+    heads = config.num_attention_heads
+    experts = config.num_local_experts or 0
+    mixers = ["M" if kind in ("mamba", "linear_attention") else "*" for kind in config.layers_block_type]
+    rope = config.position_embedding_type == "rope"
+    try:
+        return _granite_twin(config, heads, experts, mixers, rope), ""
+    except ValueError as error:
+        return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
+
+
+def _granite_twin(config, heads: int, experts: int, mixers: list[str], rope: bool) -> TwinConfig:
+    return TwinConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        pattern="".join(m + ("E" if experts else "-") for m in mixers),
+        mamba_num_heads=config.mamba_n_heads, mamba_head_dim=config.mamba_d_head, mamba_n_groups=config.mamba_n_groups,
+        ssm_state_size=config.mamba_d_state, conv_kernel=config.mamba_d_conv, chunk_size=config.mamba_chunk_size,
+        use_conv_bias=bool(config.mamba_conv_bias), mamba_proj_bias=bool(config.mamba_proj_bias),
+        time_step_limit=tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))),
+        num_attention_heads=heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        rotary_fraction=(config.rope_parameters or {}).get("partial_rotary_factor", 1.0) if rope else 0.0,
+        attention_bias=bool(config.attention_bias), intermediate_size=config.shared_intermediate_size,
+        mlp_activation="silu", mlp_gated=True, tie_word_embeddings=bool(config.tie_word_embeddings), mlp_fused=True,
+        moe_experts=experts, moe_top_k=config.num_experts_per_tok if experts else 0,
+        moe_intermediate_size=config.intermediate_size if experts else 0, moe_gated=True,
+        moe_shared_size=config.shared_intermediate_size if experts else 0)
+
+
+def _decoder_twin(config, model_type: str) -> TwinConfig:
+    """A Llama-family decoder's twin: pattern ``*-`` per layer."""
+    heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    return TwinConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, pattern="*-" * config.num_hidden_layers,
+        num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        rotary_fraction=rope.get("partial_rotary_factor", 1.0), attention_bias=bool(getattr(config, "attention_bias", False)),
+        intermediate_size=config.intermediate_size, mlp_activation="silu", mlp_gated=True,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3")
