@@ -94,22 +94,22 @@ def moe_traffic(layout: Layout, recomputed: bool = False) -> tuple[Tally, Tally]
     ``parallel.comm.step.tp_blocks``' entry and exit pairs not sent, per step. Per ``E`` block:
 
     - the routing weights' gradient ``[Tc, k] w_r`` all-reduced (backward, ``replicated_local``);
-    - without SP, NemotronH's experts and shared experts sum their partial outputs before the one
-      exit all-reduce (``PartialBlockExit``); Granite's experts and ``shared_mlp`` all-reduce
-      ``[Tc, D]`` one each (+1);
-    - under SP the MoE block reads the gathered norm output as a plain tensor and is sliced back to
-      the sequence shard (``moe_block_sp_style``): its experts all-reduce ``[Tc, D]`` forward and
-      their input's gradient backward, the slice all-gathers ``[Ts, D]`` backward. NemotronH's
-      shared experts all-reduce ``[Tc, D]`` forward and backward too, and the block sends neither
-      of the pair's reduce-scatters (+4 all-reduces, -2 reduce-scatters); Granite's ``shared_mlp``
-      keeps the pair (+2 all-reduces, +1 all-gather).
+    - without SP, the experts and shared experts (NemotronH) or ``shared_mlp`` (Granite) sum their partial
+      outputs before the one exit all-reduce (``PartialBlockExit``; Granite's layer reduces its
+      branches once, ``SummedBranchesLayer``): nothing beyond the exit;
+    - under SP NemotronH's MoE block reads the gathered norm output as a plain tensor and is sliced
+      back to the sequence shard (``moe_block_sp_style``): its experts and its shared experts
+      all-reduce ``[Tc, D]`` forward and their input's gradient backward, and the block sends neither
+      of the pair's reduce-scatters (+4 all-reduces, -2 reduce-scatters). Granite's MoE block and
+      ``shared_mlp`` leave ``Partial`` outputs that the layer reduce-scatters once, as an MLP's exit;
+      the gradient of each branch's output is all-gathered once (+1 all-gather ``[Ts, D]``).
 
     Each fused gated MLP: forward all-gather of ``[Tc, 2 Is/tp]``, backward all-gather of the
     gradient of ``output_linear``'s input slice ``[Tc, Is/tp]``.
 
     ``recomputed``: what a checkpoint's recomputation runs again (``full``/``selective``): each fused
-    MLP's forward all-gather, and each ``E`` block's experts' all-reduce when something the block
-    keeps comes after it (Granite's ``shared_mlp``; NemotronH's shared experts under SP)."""
+    MLP's forward all-gather, and under SP each NemotronH ``E`` block's experts' all-reduce (its shared
+    experts, which come after it, are kept)."""
     extra, not_sent, c, tp = Tally(), Tally(), layout.model, layout.tp
     if tp == 1:
         return extra, not_sent
@@ -118,19 +118,16 @@ def moe_traffic(layout: Layout, recomputed: bool = False) -> tuple[Tally, Tally]
     stream = _ring("all_reduce", tp, tc * c.hidden_size * e)
     gathered = _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e)  # Granite: the shared_mlp's
     if recomputed:
-        extra.add("all_reduce", label, stream, blocks if fused or layout.sp else 0)
+        extra.add("all_reduce", label, stream, blocks if layout.sp and not fused else 0)
         extra.add("all_gather", label, gathered, (blocks + c.pattern.count("-") * packs) if fused else 0)
         return extra, not_sent
     weight = layout.compute_bytes if c.moe_router == "sigmoid" else e
     extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.moe_top_k * weight), blocks)
-    if layout.sp:
-        extra.add("all_reduce", label, stream, (2 if fused else 4) * blocks)
-        if fused:
-            extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e), blocks)
-        else:
-            not_sent.add("reduce_scatter", label, _ring("reduce_scatter", tp, tc * c.hidden_size * e), 2 * blocks)
-    elif fused:
-        extra.add("all_reduce", label, stream, blocks)
+    if layout.sp and fused:
+        extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e), blocks)
+    elif layout.sp:
+        extra.add("all_reduce", label, stream, 4 * blocks)
+        not_sent.add("reduce_scatter", label, _ring("reduce_scatter", tp, tc * c.hidden_size * e), 2 * blocks)
     if fused:
         mlps = blocks + c.pattern.count("-") * packs
         extra.add("all_gather", label, gathered, mlps)
