@@ -53,25 +53,30 @@ Document = Union[Sequence[int], Tensor, Mapping[str, Any]]
 PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 
 
-def _token_ids(ids) -> Tensor:
-    """``ids`` as int64 ``[n]``; ValueError for text, a float (1.5 was cut to 1) or a negative id (an
-    embedding row counted from the end: trained on silently)."""
+def _token_ids(ids, labels: bool = False) -> Tensor:
+    """``ids`` (``labels``: a document's labels) as int64 ``[n]``; ValueError for text, a float (1.5 was cut to 1)
+    or a negative id (an embedding row counted from the end: trained on silently; a label other than -100 was a
+    cross-entropy error at the first step, a device assert on a GPU)."""
+    what = "labels" if labels else "token ids"
     if isinstance(ids, (str, bytes)):
-        raise ValueError(f"a document is token ids, not text ({quoted(ids, 60)}); encode it with a tokenizer first "
+        subject = "a document's labels are" if labels else "a document is"
+        raise ValueError(f"{subject} token ids, not text ({quoted(ids, 60)}); encode it with a tokenizer first "
                          "(e.g. tokenizer.document(text)).")
     try:
         tensor = torch.as_tensor(ids).flatten()
     except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"a document's token ids {quoted(ids, 60)} are not a list of integers ({shorten(str(error), 100)}); "
-                         "pass integer token ids.") from None
+        raise ValueError(f"a document's {what} {quoted(ids, 60)} are not a list of integers ({shorten(str(error), 100)}); "
+                         f"pass integer {what}.") from None
     if tensor.numel() == 0:
         return tensor.to(torch.long)
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise ValueError(f"a document's token ids are {str(tensor.dtype).removeprefix('torch.')}, not integers "
-                         f"({quoted(ids, 60)}); pass integer token ids (a float would be cut to an integer).")
-    if int(tensor.min()) < 0:
-        raise ValueError(f"a document holds the negative token id {int(tensor.min())} ({quoted(ids, 60)}); token ids "
-                         "are in [0, vocab_size): fix the ids (-100 belongs in labels, not input_ids).")
+        raise ValueError(f"a document's {what} are {str(tensor.dtype).removeprefix('torch.')}, not integers "
+                         f"({quoted(ids, 60)}); pass integer {what} (a float would be cut to an integer).")
+    negative = tensor[(tensor < 0) & (tensor != IGNORE_INDEX)] if labels else tensor[tensor < 0]
+    if negative.numel():
+        raise ValueError(f"a document holds the negative {what[:-1]} {int(negative[0])} ({quoted(ids, 60)}); "
+                         + ("a label is a token id in [0, vocab_size) or -100 (no target): fix the labels." if labels else
+                            "token ids are in [0, vocab_size): fix the ids (-100 belongs in labels, not input_ids)."))
     return tensor.to(torch.long)
 
 
@@ -82,7 +87,7 @@ def document_tokens_and_labels(doc: Document) -> tuple[Tensor, Tensor]:
             raise ValueError(f"a mapping document needs 'input_ids', got keys {sorted(doc)}; pass {{'input_ids': [...]}}.")
         tokens = _token_ids(doc["input_ids"])
         if doc.get("labels") is not None:
-            labels = torch.as_tensor(doc["labels"], dtype=torch.long).flatten()
+            labels = _token_ids(doc["labels"], labels=True)
             if labels.numel() != tokens.numel():
                 raise ValueError(
                     f"document labels have {labels.numel()} entries but input_ids {tokens.numel()}; give one "
