@@ -122,6 +122,17 @@ def or_null(rule: Rule, meaning: str = "") -> Rule:
     return Rule(LazyText(lambda: f"{rule.text} or null{meaning}"), lambda v: v is None or rule.holds(v))
 
 
+def as_path(value, name: str):
+    """``value`` (a ``str`` or ``os.PathLike``) as a ``Path``; ValueError naming ``name`` for anything else (a number
+    or None was os.fspath's ``TypeError``, naming no argument)."""
+    import os
+    from pathlib import Path
+
+    if isinstance(value, (str, os.PathLike)):
+        return Path(value)
+    raise ValueError(f"{name}={quoted(value)} is not a path (type {type(value).__name__}); pass a str or pathlib.Path.")
+
+
 def path_problem(value) -> str | None:
     """Why ``value`` cannot even be looked up as a path (empty, a NUL byte, a name longer than the
     file system allows, a symlink loop), or None; a path that does not exist is fine here."""

@@ -42,3 +42,52 @@ def test_chat_turns_out_of_order_are_refused(tmp_path, tokenizer, messages, said
     assert one_line(error).startswith(f"{tmp_path}/chat.jsonl:1: {said}")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [S, U, A, T, A, U, A]}) + "\n")
     assert len(chat_documents([tmp_path / "chat.jsonl"], tokenizer)) == 1  # tool results after the call are fine
+
+
+def test_a_documents_labels_are_checked_like_its_ids():
+    """``pack_documents`` cut float labels (1.5 -> 1) and passed a negative label other than -100 to the loss (a
+    cross-entropy error at the first step; a device assert on a GPU)."""
+    from hybridpar import pack_documents
+
+    for labels, said in (([1.5, 1, 2], "a document's labels are float32, not integers"),
+                         ([-5, 1, 2], "a document holds the negative label -5"),
+                         ("abc", "a document's labels are token ids, not text")):
+        with pytest.raises(ValueError) as error:
+            pack_documents([{"input_ids": [1, 2, 3], "labels": labels}], 8)
+        assert said in one_line(error)
+    assert pack_documents([{"input_ids": [1, 2, 3], "labels": [-100, 3, -100]}], 8)[0]["labels"][:3].tolist() == [-100, 3, -100]
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("rope_theta", 0.0, "rope_theta=0.0 must be a finite number > 0"), ("norm_eps", -1.0, "norm_eps=-1.0 must be"),
+    ("time_step_limit", (1.0, 0.5), "must be [low, high] with 0 <= low <= high"),
+    ("rope_theta", "1e4", "rope_theta='1e4' must be a finite number > 0"),
+    ("mlp_activation", "swish", "must be one of 'silu', 'relu2', 'gelu'"), ("rotary_fraction", True, "must be a number in"),
+])
+def test_a_hybrid_configs_numbers_and_choices_are_checked_in_the_api(field, value, said):
+    """``HybridConfig(rope_theta=0)`` or ``norm_eps=-1`` built a model whose logits were NaN: the rules held for
+    ``model.overrides`` only."""
+    from hybridpar import HybridConfig
+
+    with pytest.raises(ValueError) as error:
+        HybridConfig(**{field: value})
+    assert said in one_line(error)
+
+
+def test_api_paths_and_configs_of_the_wrong_kind_are_one_line(tmp_path):
+    """``load_config(5)``, ``load_hf(5)``, ``save_hf(model, 5)`` were os.fspath's TypeError, ``make_plan("run.yaml")``
+    an AttributeError, and ``load_config(None, "train.steps=3")`` read the string letter by letter ("override 't'")."""
+    import hybridpar as hp
+
+    model = hp.HybridLM(hp.HybridConfig())
+    for call, said in ((lambda: hp.load_config(5), "config path=5 is not a path (type int)"),
+                       (lambda: hp.load_config(None, "train.steps=3"), "overrides='train.steps=3' must be a list of"),
+                       (lambda: hp.load_config(None, ["train.steps=3", 5]), "must be a list of 'key=value' strings"),
+                       (lambda: hp.load_hf(5), "path=5 is not a path"), (lambda: hp.load_causal_lm(None), "path=None is"),
+                       (lambda: hp.save_hf(model, 5), "path=5 is not a path"),
+                       (lambda: hp.export_causal_lm(model, 5), "out_dir=5 is not a path"),
+                       (lambda: hp.make_plan("run.yaml"), "the run config 'run.yaml' is not a RunConfig (type str)")):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert said in one_line(error)
+    assert hp.load_config(None, ("train.steps=3",)).train.steps == 3

@@ -31,9 +31,10 @@ import socket
 import typing
 from pathlib import Path
 
-from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
+from hybridpar.config import ConfigError, RunConfig, coerce_value, invalid, show_value
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.tokenizers import auto_bytes_note
+from hybridpar.models.hybrid import MODEL_RULES
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
 from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
@@ -41,17 +42,6 @@ from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_p
 from hybridpar.train.peft import apply_peft
 
 
-# Rules of the HybridConfig fields ``model.overrides`` may set (types come from the dataclass).
-MODEL_RULES: dict[str, Rule] = {
-    **{name: integer(1, 2**31 - 1) for name in ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups",
-                                     "ssm_state_size", "conv_kernel", "chunk_size", "num_attention_heads",
-                                     "num_key_value_heads", "head_dim", "intermediate_size")},
-    "rope_theta": number(0, low_open=True), "rotary_fraction": number(0, 1), "norm_eps": number(0, low_open=True),
-    "initializer_range": number(0), "mlp_activation": one_of("silu", "relu2", "gelu"),
-    "time_step_limit": Rule("[low, high] with 0 <= low <= high", lambda v: len(v) == 2 and 0 <= v[0] <= v[1]),
-    "pattern": Rule("a non-empty string of 'M' (Mamba2), '*' (attention) and '-' (MLP) blocks",
-                    lambda v: bool(v) and set(v) <= set("M*-")),
-}
 # Keys of ``parallelize``'s own rules, as its messages name them ("tp=3", "compile backend").
 _PARALLEL_KEYS = re.compile(r"\b(compile|reshard_after_forward|mixed_precision|activation_checkpointing|sequence_parallel|"
                             r"cp_attention|cp_mamba|tp|cp|dp_shard|dp_replicate)\b")
@@ -195,6 +185,9 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
     """
     from hybridpar.parallel.parallelize import validate_parallelize
 
+    if not isinstance(config, RunConfig):  # make_plan("run.yaml"): an AttributeError
+        raise ValueError(f"the run config {quoted(config)} is not a RunConfig (type {type(config).__name__}); "
+                         "read it with hybridpar.load_config(path).")
     p, data = config.parallel, config.data
     dims = parallel_dims(config)
     if world_size is not None:
