@@ -91,3 +91,15 @@ def test_api_paths_and_configs_of_the_wrong_kind_are_one_line(tmp_path):
             call()
         assert said in one_line(error)
     assert hp.load_config(None, ("train.steps=3",)).train.steps == 3
+
+
+def test_a_jsonl_integer_too_long_for_python_names_the_file_and_line(tmp_path):
+    """A 5,000-digit number in a JSONL record was Python's "Exceeds the limit (4300 digits) for integer string
+    conversion ... use sys.set_int_max_str_digits()", naming no file or line."""
+    from hybridpar.data.sources import read_jsonl
+
+    (tmp_path / "d.jsonl").write_text('{"text": "a"}\n{"text": "b", "n": 1' + "0" * 5000 + "}\n")
+    with pytest.raises(ValueError) as error:
+        list(read_jsonl(tmp_path / "d.jsonl"))
+    assert one_line(error).startswith(f"{tmp_path}/d.jsonl:2: not valid JSON (an integer of more than 4300 digits at "
+                                      "column 20)")
