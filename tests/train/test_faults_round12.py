@@ -103,3 +103,30 @@ def test_a_jsonl_integer_too_long_for_python_names_the_file_and_line(tmp_path):
         list(read_jsonl(tmp_path / "d.jsonl"))
     assert one_line(error).startswith(f"{tmp_path}/d.jsonl:2: not valid JSON (an integer of more than 4300 digits at "
                                       "column 20)")
+
+
+def test_a_data_file_written_for_another_task_or_format_is_named(tmp_path):
+    """``data.task=text`` on a JSONL file trained on its braces, quotes and keys without a word; ``jsonl`` on chat
+    records said only "pass text_field="; a JSON array file was "Expecting value at column 2"."""
+    import warnings
+
+    from hybridpar.config_rules import Notice
+    from hybridpar.data.chat import prompt_completion_documents
+    from hybridpar.data.sources import jsonl_documents, text_documents
+
+    chat = {"messages": [U, A]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(chat) + "\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(text_documents(tmp_path / "chat.jsonl", split="line")) == 1
+    said = [str(w.message) for w in caught if issubclass(w.category, Notice)]
+    assert len(said) == 1 and "a text task trains on the JSON syntax too" in said[0] and "data.task=chat" in said[0]
+    for read, task in ((jsonl_documents, "jsonl"), (prompt_completion_documents, "prompt_completion")):
+        with pytest.raises(ValueError) as error:
+            read(tmp_path / "chat.jsonl", None)
+        assert "; it is a chat record: use data.task=chat" in one_line(error), task
+    for text in (json.dumps([chat, chat]), json.dumps([chat, chat], indent=2)):
+        (tmp_path / "d.json").write_text(text)
+        with pytest.raises(ValueError) as error:
+            jsonl_documents(tmp_path / "d.json")
+        assert "the file is one JSON array, not JSON lines: write one object per line" in one_line(error)

@@ -38,7 +38,7 @@ from typing import Any
 
 from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
-from hybridpar.data.sources import read_jsonl
+from hybridpar.data.sources import task_hint, read_jsonl
 from hybridpar.data.tokenizers import Tokenizer, as_tokenizer
 
 __all__ = [
@@ -214,8 +214,8 @@ def chat_documents(paths, tokenizer, messages_field: str = "messages") -> list[D
     docs = []
     for where, record in read_jsonl(paths):
         if messages_field not in record:
-            raise ValueError(f"{where} has no {quoted(messages_field)} field (keys: {quoted(sorted(record))}); pass "
-                             "messages_field=.")
+            raise ValueError(f"{where} has no {quoted(messages_field)} field (keys: {quoted(sorted(record))})"
+                             f"{task_hint(record, 'chat')}; pass messages_field= (data.task_options.messages_field).")
         docs.append(_build(where, chat_document, record[messages_field], tokenizer))
     return docs
 
@@ -228,7 +228,7 @@ def prompt_completion_documents(paths, tokenizer, prompt_field: str = "prompt",
     for where, record in read_jsonl(paths):
         absent = [f for f in (prompt_field, completion_field) if f not in record]
         if absent:
-            raise ValueError(f"{where} has no {absent} field (keys: {quoted(sorted(record))}); pass prompt_field= / "
-                             "completion_field=.")
+            raise ValueError(f"{where} has no {absent} field (keys: {quoted(sorted(record))})"
+                             f"{task_hint(record, 'prompt_completion')}; pass prompt_field= / completion_field=.")
         docs.append(_build(where, prompt_completion_document, record[prompt_field], record[completion_field], tokenizer))
     return docs

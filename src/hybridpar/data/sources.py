@@ -21,6 +21,7 @@ there is none). Nothing is downloaded.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from hybridpar.config_rules import quoted, wide_encoding
+from hybridpar.config_rules import Notice, quoted, wide_encoding
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.tokenizers import ByteTokenizer, as_tokenizer
 from hybridpar.strict_json import loads as strict_loads
@@ -296,10 +297,36 @@ def text_documents(
     tokenizer = as_tokenizer(tokenizer)
     docs = []
     for path in _paths(paths):
-        for line, part in _text_parts(read_text_file(path), split):
+        text = read_text_file(path)
+        if (record := _first_json_object(text)) is not None:  # the braces, quotes and keys would be trained on
+            warnings.warn(f"{path}: its first line is a JSON object (keys {quoted(sorted(record), 80)}), and a text task "
+                          "trains on the JSON syntax too (braces, quotes, keys); for the records' text use "
+                          f"data.task={record_task(record)}.", Notice, stacklevel=2)
+        for line, part in _text_parts(text, split):
             if part.strip():
                 docs.append(_document_at(tokenizer, part, path, line, add_bos, add_eos))
     return docs
+
+
+def _first_json_object(text: str) -> dict | None:
+    """The first non-blank line of ``text`` as a JSON object, or None when it is not one."""
+    first = next((line for line in text.split("\n", 64)[:64] if line.strip()), "")
+    try:
+        record = json.loads(first) if first.lstrip().startswith("{") else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def record_task(record: Mapping) -> str:
+    """The data task a JSON record is written for: ``chat`` (``messages``), ``prompt_completion`` or ``jsonl``."""
+    return "chat" if "messages" in record else "prompt_completion" if {"prompt", "completion"} <= set(record) else "jsonl"
+
+
+def task_hint(record: Mapping, task: str) -> str:
+    """``; it is a <task> record: use data.task=<task>`` when ``record`` is written for another task than ``task``."""
+    other = record_task(record)
+    return f"; it is a {other} record: use data.task={other}" if other != task else ""
 
 
 def jsonl_documents(
@@ -315,8 +342,9 @@ def jsonl_documents(
     docs = []
     for where, record in read_jsonl(paths):
         if text_field not in record:
-            raise ValueError(f"{where} has no string field {quoted(text_field)} (keys: {quoted(sorted(record))}); pass "
-                             "text_field= (data.task_options.text_field) or fix the record.")
+            raise ValueError(f"{where} has no string field {quoted(text_field)} (keys: {quoted(sorted(record))})"
+                             f"{task_hint(record, 'jsonl')}; pass text_field= (data.task_options.text_field) or fix "
+                             "the record.")
         if not isinstance(record[text_field], str):
             value = record[text_field]
             kind = "null" if value is None else f"a JSON {_JSON_KINDS.get(type(value), type(value).__name__)}"
@@ -343,17 +371,21 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
         for number, line in enumerate(read_text_file(path).split("\n"), start=1):
             if not line.strip():
                 continue
+            array = "; the file is one JSON array, not JSON lines: write one object per line (e.g. jq -c '.[]' " \
+                    "file.json > file.jsonl)"
             try:
                 record = strict_loads(line, str(path), number)  # a key written twice: refused
             except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested too deep
                 raise ValueError(
                     f"{path}:{number}: not valid JSON ("
                     f"{getattr(error, 'msg', 'nested too deeply to read')} at column {getattr(error, 'colno', 1)}); "
-                    "every line must be one JSON object: fix or remove that line."
+                    "every line must be one JSON object"
+                    f"{array if number == 1 and line.lstrip().startswith('[') else ': fix or remove that line'}."
                 ) from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object; write one JSON "
-                                 "object per line.")
+                objects = number == 1 and isinstance(record, list) and record and all(isinstance(r, dict) for r in record)
+                raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object"
+                                 f"{array if objects else '; write one JSON object per line'}.")
             if "\\ud" in line.lower() and (surrogate := _lone_surrogate(record)):  # JSON escapes any code unit
                 raise ValueError(f"{path}:{number}: holds a lone surrogate escape ({surrogate}), half of "
                                  "a UTF-16 pair and not a character; fix or remove that record.")
