@@ -130,3 +130,18 @@ def test_a_data_file_written_for_another_task_or_format_is_named(tmp_path):
         with pytest.raises(ValueError) as error:
             jsonl_documents(tmp_path / "d.json")
         assert "the file is one JSON array, not JSON lines: write one object per line" in one_line(error)
+
+
+def test_a_dry_run_says_a_resume_has_nothing_left_to_train(tmp_path, monkeypatch):
+    """A checkpoint at or past ``train.steps`` passed ``--dry-run`` without a word; the run then built the model,
+    loaded the checkpoint and trained nothing. (The checkpoint itself is checked by ``plan_resume``, tested in
+    earlier rounds; here it stands in for one at step 5.)"""
+    from hybridpar.train.run import resume
+
+    monkeypatch.setattr(resume, "plan_resume", lambda config, model=None: resume.ResumePlan(
+        str(tmp_path), checkpoint=str(tmp_path / "step_00000005"), start_step=5))
+    args = ("train", "--dry-run", "--config", "configs/tiny-hybrid.yaml", "parallel.cp=1", "model.preset=tiny",
+            "data.pack_size=64", "train.warmup_steps=0", f"output_dir={tmp_path}")
+    for steps, said in ((5, True), (6, False)):
+        code, output = cli(*args, f"train.steps={steps}")
+        assert code == 0 and ("the checkpoint is at step 5, and train.steps=5: nothing is left to train" in output) == said, output
