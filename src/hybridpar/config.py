@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names
+from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names, whole_section_problem
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml, unquoted_value
 
@@ -331,6 +331,8 @@ def _set_dotted(tree: dict, keys: list[str], value) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {shorten('.'.join(keys))}: {quoted(key)} is a value, not a section.")
         tree = node
+    if len(keys) == 1 and (problem := whole_section_problem(tree, keys[0], value)):
+        raise ConfigError(problem)
     tree[keys[-1]] = value
 
 

@@ -145,3 +145,19 @@ def test_a_dry_run_says_a_resume_has_nothing_left_to_train(tmp_path, monkeypatch
     for steps, said in ((5, True), (6, False)):
         code, output = cli(*args, f"train.steps={steps}")
         assert code == 0 and ("the checkpoint is at step 5, and train.steps=5: nothing is left to train" in output) == said, output
+
+
+def test_an_override_of_a_whole_section_does_not_drop_keys_set_before_it(tmp_path):
+    """``train={lr: 0.01}`` replaced the file's whole ``train`` section: its ``steps: 500`` became the default 60
+    without a word (so did ``train=null``)."""
+    from hybridpar.config import ConfigError, load_config
+
+    for override in ("train={lr: 0.01}", "train=null"):
+        with pytest.raises(ConfigError) as error:
+            load_config("configs/tiny-hybrid.yaml", [override])
+        assert "an override of the whole section 'train' would drop ['train.collective_timeout_s'," in one_line(error)
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["train.steps=4", "train={lr: 0.01}"])
+    assert "would drop ['train.steps'] set before it; set its keys one by one" in one_line(error)
+    assert load_config(None, ["train={lr: 0.01, steps: 3}"]).train.steps == 3  # nothing set before: allowed
+    assert load_config("configs/tiny-hybrid.yaml", ["data.task_options={}"]).data.task_options == {}  # a mapping key
