@@ -58,6 +58,22 @@ def test_a_documents_labels_are_checked_like_its_ids():
     assert pack_documents([{"input_ids": [1, 2, 3], "labels": [-100, 3, -100]}], 8)[0]["labels"][:3].tolist() == [-100, 3, -100]
 
 
+def test_pack_documents_other_arguments_are_checked():
+    """``pad_id=-1`` padded with an id outside the embedding, ``pad_id=1.5`` was cut to 1, ``pad_to_multiple_of=0``
+    said "not a multiple of 0 ... use pack_size=8", ``docs=None`` was a TypeError; a padding multiple given by
+    ``pad_to_multiple_of`` was blamed on ``2*cp_size``."""
+    from hybridpar import pack_documents
+
+    for kwargs, said in ((dict(pad_id=-1), "pad_id=-1 must be a token id, an integer >= 0"),
+                         (dict(pad_id=1.5), "pad_id=1.5 must be a token id"),
+                         (dict(pad_to_multiple_of=0), "pad_to_multiple_of=0 must be None (2*cp_size) or an integer >= 1"),
+                         (dict(pad_to_multiple_of=3), "pack_size=8 is not a multiple of 3 (pad_to_multiple_of)"),
+                         (dict(docs=None), "docs=None must be a list of documents")):
+        with pytest.raises(ValueError) as error:
+            pack_documents(**{"docs": [[1, 2, 3]], "pack_size": 8, **kwargs})
+        assert said in one_line(error)
+
+
 @pytest.mark.parametrize("field, value, said", [
     ("rope_theta", 0.0, "rope_theta=0.0 must be a finite number > 0"), ("norm_eps", -1.0, "norm_eps=-1.0 must be"),
     ("time_step_limit", (1.0, 0.5), "must be [low, high] with 0 <= low <= high"),
@@ -74,9 +90,24 @@ def test_a_hybrid_configs_numbers_and_choices_are_checked_in_the_api(field, valu
     assert said in one_line(error)
 
 
+def test_a_hybrid_lm_of_something_else_than_a_hybrid_config_is_one_line():
+    """``HybridLM("tiny")`` was an AttributeError from inside the backbone; ``HybridConfig(dtype="float32")``
+    passed and ``dtype=torch.int64`` was ``nn.Module.to``'s TypeError."""
+    import torch
+
+    from hybridpar import HybridConfig, HybridLM
+
+    for call, said in ((lambda: HybridLM("tiny"), "config='tiny' is not a HybridConfig (type str)"),
+                       (lambda: HybridConfig(dtype="float32"), "dtype='float32' must be a floating torch.dtype"),
+                       (lambda: HybridConfig(dtype=torch.int64), "dtype=torch.int64 must be a floating torch.dtype")):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert said in one_line(error)
+
+
 def test_api_paths_and_configs_of_the_wrong_kind_are_one_line(tmp_path):
     """``load_config(5)``, ``load_hf(5)``, ``save_hf(model, 5)`` were os.fspath's TypeError, ``make_plan("run.yaml")``
-    an AttributeError, and ``load_config(None, "train.steps=3")`` read the string letter by letter ("override 't'")."""
+    and ``add_lora("model")`` an AttributeError, and ``load_config(None, "train.steps=3")`` read the string letter by letter ("override 't'")."""
     import hybridpar as hp
 
     model = hp.HybridLM(hp.HybridConfig())
@@ -86,7 +117,9 @@ def test_api_paths_and_configs_of_the_wrong_kind_are_one_line(tmp_path):
                        (lambda: hp.load_hf(5), "path=5 is not a path"), (lambda: hp.load_causal_lm(None), "path=None is"),
                        (lambda: hp.save_hf(model, 5), "path=5 is not a path"),
                        (lambda: hp.export_causal_lm(model, 5), "out_dir=5 is not a path"),
-                       (lambda: hp.make_plan("run.yaml"), "the run config 'run.yaml' is not a RunConfig (type str)")):
+                       (lambda: hp.make_plan("run.yaml"), "the run config 'run.yaml' is not a RunConfig (type str)"),
+                       (lambda: hp.make_plan(hp.load_config(None), world_size=0), "world_size=0 must be an integer >= 1"),
+                       (lambda: hp.add_lora("model", r=4), "add_lora takes the model (an nn.Module), got 'model'")):
         with pytest.raises(ValueError) as error:
             call()
         assert said in one_line(error)
@@ -161,3 +194,14 @@ def test_an_override_of_a_whole_section_does_not_drop_keys_set_before_it(tmp_pat
     assert "would drop ['train.steps'] set before it; set its keys one by one" in one_line(error)
     assert load_config(None, ["train={lr: 0.01, steps: 3}"]).train.steps == 3  # nothing set before: allowed
     assert load_config("configs/tiny-hybrid.yaml", ["data.task_options={}"]).data.task_options == {}  # a mapping key
+
+
+def test_a_text_file_with_classic_mac_line_ends_is_split_into_its_documents(tmp_path):
+    """A file whose lines end in a lone CR (classic Mac OS, some exporters) was one document holding the CR bytes,
+    under ``split=line`` and ``paragraph`` alike; Python's text mode reads a lone CR as a line end."""
+    from hybridpar.data.sources import text_documents
+
+    (tmp_path / "mac.txt").write_bytes(b"first doc\r\rsecond doc\r\rthird\r")
+    for split, count in (("paragraph", 3), ("line", 3)):
+        docs = text_documents(tmp_path / "mac.txt", split=split)
+        assert len(docs) == count and all(13 not in doc for doc in docs), (split, docs)

@@ -132,14 +132,23 @@ def pack_documents(
     ``one_per_row=True`` gives every document (piece) a row of its own, padded to ``pack_size``:
     for models whose token mixers cannot reset at document boundaries (``train/packing_rule.py``).
     """
-    multiple = document_pad_multiple(cp_size) if pad_to_multiple_of is None else int(pad_to_multiple_of)
+    for name, value, rule in (("pad_id", pad_id, "a token id, an integer >= 0 (a negative id is outside the embedding)"),
+                              ("pad_to_multiple_of", pad_to_multiple_of, "None (2*cp_size) or an integer >= 1")):
+        if (value is not None or name == "pad_id") and (not isinstance(value, int) or isinstance(value, bool)
+                                                        or value < (name != "pad_id")):  # a float was cut to an int
+            raise ValueError(f"{name}={quoted(value)} must be {rule}; pass e.g. {name}={(name != 'pad_id') * 2}.")
+    if docs is None or isinstance(docs, (str, bytes, Mapping)):
+        raise ValueError(f"docs={quoted(docs, 60)} must be a list of documents (one document is [ids] or "
+                         "[{'input_ids': ...}]).")
+    multiple = document_pad_multiple(cp_size) if pad_to_multiple_of is None else pad_to_multiple_of
     if not isinstance(pack_size, int) or pack_size < 1:
         raise ValueError(f"pack_size must be a positive int, got {quoted(pack_size)}.")
-    if multiple < 1 or pack_size % multiple != 0:
+    if pack_size % multiple != 0:
+        source = f"2*cp_size with cp_size={cp_size}" if pad_to_multiple_of is None else "pad_to_multiple_of"
         raise ValueError(
-            f"pack_size={pack_size} is not a multiple of {multiple} (2*cp_size with cp_size={cp_size}); context "
+            f"pack_size={pack_size} is not a multiple of {multiple} ({source}); context "
             f"parallelism needs every padded document, the last one included, divisible by it: use pack_size="
-            f"{_round_up(pack_size, max(multiple, 1))}."
+            f"{_round_up(pack_size, multiple)}."
         )
     if overlong not in ("split", "drop", "error"):
         raise ValueError(f"overlong={quoted(overlong)} is not one of 'split', 'drop', 'error'.")

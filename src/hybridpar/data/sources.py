@@ -229,7 +229,7 @@ _JSON_KINDS = {int: "number", float: "number", bool: "boolean", list: "array", d
 
 
 def read_text_file(path: Path) -> str:
-    """A file's text as UTF-8 (``\\r\\n`` read as ``\\n``, a leading BOM dropped); a ValueError names the
+    """A file's text as UTF-8 (``\\r\\n`` and ``\\r`` read as ``\\n``, a leading BOM dropped); a ValueError names the
     file, line and byte."""
     data = path.read_bytes()
     try:
@@ -245,7 +245,8 @@ def read_text_file(path: Path) -> str:
             f"{path}:{line}: byte {error.start} (0x{data[error.start]:02x}) is not UTF-8; the file {looks}: convert it "
             "to UTF-8 (e.g. iconv -f latin1 -t utf-8) or point data.path at a text file."
         ) from None
-    return text.removeprefix("\ufeff").replace("\r\n", "\n")  # a byte-order mark (Windows editors) is not text
+    # a byte-order mark (Windows editors) is not text; a lone CR (classic Mac OS) ends a line too, as in Python's text mode
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _document_at(tokenizer, text: str, path, line: int, add_bos: bool | None, add_eos: bool | None) -> list[int]:

@@ -87,6 +87,9 @@ class HybridConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer"
                                  + (" (a number, not a string)" if isinstance(value, str) else "") + "; fix it in the config.")
+        if self.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):  # "float32", torch.int64
+            raise ValueError(f"dtype={quoted(self.dtype)} must be a floating torch.dtype (torch.float32, float64, bfloat16 "
+                             "or float16); fix it in the config.")
         for name, rule in MODEL_RULES.items():  # the numbers and choices (rope_theta=0 or norm_eps=-1 gave NaN logits)
             value = getattr(self, name)
             try:
@@ -203,6 +206,9 @@ class HybridLM(nn.Module):
     """
 
     def __init__(self, config: HybridConfig):
+        if not isinstance(config, HybridConfig):  # HybridLM("tiny"): an AttributeError from inside the backbone
+            raise ValueError(f"config={quoted(config, 60)} is not a HybridConfig (type {type(config).__name__}); pass "
+                             "e.g. HybridConfig.from_preset('tiny') or HybridConfig(**fields).")
         super().__init__()
         self.config = config
         self.backbone = HybridBackbone(config)

@@ -188,6 +188,8 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
     if not isinstance(config, RunConfig):  # make_plan("run.yaml"): an AttributeError
         raise ValueError(f"the run config {quoted(config)} is not a RunConfig (type {type(config).__name__}); "
                          "read it with hybridpar.load_config(path).")
+    if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
+        raise ValueError(f"world_size={quoted(world_size)} must be an integer >= 1 (the number of processes), or None.")
     p, data = config.parallel, config.data
     dims = parallel_dims(config)
     if world_size is not None:
@@ -210,8 +212,9 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
         raise ConfigError(f"data.pad_to_multiple_of={multiple} is not a multiple of 2*cp={2 * p.cp}; every padded "
                           f"document must split into 2*cp equal chunks: use a multiple of {2 * p.cp} or leave it null.")
     if data.pack_size % multiple:
-        raise ConfigError(f"data.pack_size={data.pack_size} is not a multiple of the document padding {multiple} "
-                          f"(2*cp={2 * p.cp}); use data.pack_size={-(-data.pack_size // multiple) * multiple}.")
+        raise ConfigError(f"data.pack_size={data.pack_size} is not a multiple of the document padding {multiple} ("
+                          f"{'data.pad_to_multiple_of' if data.pad_to_multiple_of else f'2*cp={2 * p.cp}'}); use "
+                          f"data.pack_size={-(-data.pack_size // multiple) * multiple}.")
     dp = dims.size("dp")
     if data.packs_per_step % dp:
         raise ConfigError(f"data.packs_per_step={data.packs_per_step} is not divisible by the data-parallel size "
