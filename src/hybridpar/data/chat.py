@@ -38,7 +38,7 @@ from typing import Any
 
 from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
-from hybridpar.data.sources import task_hint, read_jsonl
+from hybridpar.data.sources import read_jsonl, task_hint
 from hybridpar.data.tokenizers import Tokenizer, as_tokenizer
 
 __all__ = [

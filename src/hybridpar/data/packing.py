@@ -132,11 +132,15 @@ def pack_documents(
     ``one_per_row=True`` gives every document (piece) a row of its own, padded to ``pack_size``:
     for models whose token mixers cannot reset at document boundaries (``train/packing_rule.py``).
     """
-    for name, value, rule in (("pad_id", pad_id, "a token id, an integer >= 0 (a negative id is outside the embedding)"),
-                              ("pad_to_multiple_of", pad_to_multiple_of, "None (2*cp_size) or an integer >= 1")):
-        if (value is not None or name == "pad_id") and (not isinstance(value, int) or isinstance(value, bool)
-                                                        or value < (name != "pad_id")):  # a float was cut to an int
-            raise ValueError(f"{name}={quoted(value)} must be {rule}; pass e.g. {name}={(name != 'pad_id') * 2}.")
+    def integer(value) -> bool:  # 1.5 was cut to 1
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not integer(pad_id) or pad_id < 0:
+        raise ValueError(f"pad_id={quoted(pad_id)} must be a token id, an integer >= 0 (a negative id is outside the "
+                         "embedding); pass e.g. pad_id=0.")
+    if pad_to_multiple_of is not None and (not integer(pad_to_multiple_of) or pad_to_multiple_of < 1):
+        raise ValueError(f"pad_to_multiple_of={quoted(pad_to_multiple_of)} must be None (2*cp_size) or an integer >= 1; "
+                         "pass e.g. pad_to_multiple_of=2.")
     if docs is None or isinstance(docs, (str, bytes, Mapping)):
         raise ValueError(f"docs={quoted(docs, 60)} must be a list of documents (one document is [ids] or "
                          "[{'input_ids': ...}]).")

@@ -366,14 +366,15 @@ def _lone_surrogate(record: dict) -> str | None:
     return None
 
 
+_ARRAY_FILE = "; the file is one JSON array, not JSON lines: write one object per line (e.g. jq -c '.[]' file.json > file.jsonl)"
+
+
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-empty line; ValueError naming the line otherwise."""
     for path in _paths(paths):
         for number, line in enumerate(read_text_file(path).split("\n"), start=1):
             if not line.strip():
                 continue
-            array = "; the file is one JSON array, not JSON lines: write one object per line (e.g. jq -c '.[]' " \
-                    "file.json > file.jsonl)"
             try:
                 record = strict_loads(line, str(path), number)  # a key written twice: refused
             except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested too deep
@@ -381,12 +382,12 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
                     f"{path}:{number}: not valid JSON ("
                     f"{getattr(error, 'msg', 'nested too deeply to read')} at column {getattr(error, 'colno', 1)}); "
                     "every line must be one JSON object"
-                    f"{array if number == 1 and line.lstrip().startswith('[') else ': fix or remove that line'}."
+                    f"{_ARRAY_FILE if number == 1 and line.lstrip().startswith('[') else ': fix or remove that line'}."
                 ) from None
             if not isinstance(record, dict):
                 objects = number == 1 and isinstance(record, list) and record and all(isinstance(r, dict) for r in record)
                 raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object"
-                                 f"{array if objects else '; write one JSON object per line'}.")
+                                 f"{_ARRAY_FILE if objects else '; write one JSON object per line'}.")
             if "\\ud" in line.lower() and (surrogate := _lone_surrogate(record)):  # JSON escapes any code unit
                 raise ValueError(f"{path}:{number}: holds a lone surrogate escape ({surrogate}), half of "
                                  "a UTF-16 pair and not a character; fix or remove that record.")
