@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names
+from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names, whole_section_problem
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml, unquoted_value
 
@@ -259,7 +259,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Read a YAML file (optional) and apply ``key.sub=value`` overrides; every value checked."""
     raw: dict = {}
     if path is not None:
-        path = Path(path).expanduser()
+        path = as_path(path, "config path").expanduser()
         if path_problem(path):
             raise ConfigError(f"config file {quoted(str(path))} cannot be read: {path_problem(path)}; pass an existing "
                               "YAML file, e.g. configs/tiny-hybrid.yaml.")
@@ -288,6 +288,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {quoted(str(path))} must hold a mapping of sections at the top level, "
                               f"got a {type(raw).__name__}; start it with e.g. 'train:'.")
+    if not isinstance(overrides, (list, tuple)) or not all(isinstance(item, str) for item in overrides):  # a str: letter by letter
+        raise ConfigError(f"overrides={quoted(overrides)} must be a list of 'key=value' strings; e.g. ['train.steps=100'].")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -329,6 +331,8 @@ def _set_dotted(tree: dict, keys: list[str], value) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {shorten('.'.join(keys))}: {quoted(key)} is a value, not a section.")
         tree = node
+    if len(keys) == 1 and (problem := whole_section_problem(tree, keys[0], value)):
+        raise ConfigError(problem)
     tree[keys[-1]] = value
 
 

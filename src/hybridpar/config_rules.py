@@ -122,6 +122,28 @@ def or_null(rule: Rule, meaning: str = "") -> Rule:
     return Rule(LazyText(lambda: f"{rule.text} or null{meaning}"), lambda v: v is None or rule.holds(v))
 
 
+def as_path(value, name: str):
+    """``value`` (a ``str`` or ``os.PathLike``) as a ``Path``; ValueError naming ``name`` for anything else (a number
+    or None was os.fspath's ``TypeError``, naming no argument)."""
+    import os
+    from pathlib import Path
+
+    if isinstance(value, (str, os.PathLike)):
+        return Path(value)
+    raise ValueError(f"{name}={quoted(value)} is not a path (type {type(value).__name__}); pass a str or pathlib.Path.")
+
+
+def whole_section_problem(tree: dict, section: str, value) -> str | None:
+    """Why the override ``section=value`` cannot replace ``tree[section]``: it would drop keys set before it (in the
+    file or an earlier override; ``train={lr: 0.01}`` dropped the file's ``train.steps`` without a word), or None."""
+    earlier = tree.get(section)  # a value that is not a mapping is refused as such when the config is built
+    gone = sorted(set(earlier) - set(value or ())) if isinstance(earlier, dict) and isinstance(value, (dict, type(None))) else []
+    if gone:
+        return (f"an override of the whole section {section!r} would drop {quoted([f'{section}.{k}' for k in gone])} "
+                f"set before it; set its keys one by one, e.g. {section}.<key>=<value>.")
+    return None
+
+
 def path_problem(value) -> str | None:
     """Why ``value`` cannot even be looked up as a path (empty, a NUL byte, a name longer than the
     file system allows, a symlink loop), or None; a path that does not exist is fine here."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 from hybridpar.config_rules import quoted
@@ -51,13 +52,21 @@ def _line_of_second(text: str, key: str) -> int | None:
 def loads(text: str | bytes, where: str = "", line: int | None = None):
     """``json.loads(text)``, refusing a key written twice in one object (DuplicateKeyError naming
     ``where`` and ``line``: given for a JSON-lines record, found in ``text`` otherwise when certain).
-    Other errors are ``json.loads``' own (JSONDecodeError, RecursionError)."""
+    Other errors are ``json.loads``' own (JSONDecodeError, also for an integer longer than Python converts;
+    RecursionError)."""
     try:
         return json.loads(text, object_pairs_hook=pairs_hook)
     except DuplicateKeyError as error:
         if line is None and isinstance(text, str):
             line = _line_of_second(text, error.key)
         raise DuplicateKeyError(error.key, where, line) from None
+    except ValueError as error:  # Python's bound on int(str): a bare ValueError that named no file or line
+        if isinstance(error, json.JSONDecodeError) or "integer string conversion" not in str(error):
+            raise
+        digits = sys.get_int_max_str_digits()
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        found = re.search(r"\d{%d,}" % (digits + 1), text)
+        raise json.JSONDecodeError(f"an integer of more than {digits} digits", text, found.start() if found else 0) from None
 
 
 def load_file(path: str | Path):

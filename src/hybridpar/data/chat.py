@@ -38,7 +38,7 @@ from typing import Any
 
 from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
-from hybridpar.data.sources import read_jsonl
+from hybridpar.data.sources import read_jsonl, task_hint
 from hybridpar.data.tokenizers import Tokenizer, as_tokenizer
 
 __all__ = [
@@ -96,9 +96,40 @@ def _check_messages(messages: Any, template: str | None = None) -> list[dict[str
                                             else ": fix or remove the message") + ".")
         _check_role(index, message["role"], roles)
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"no message has role 'assistant' (roles: {[m['role'] for m in messages]}), so nothing "
-                         "would be trained on; drop the conversation or add the assistant's reply")
+        raise ValueError(f"no message has role 'assistant' (roles: {quoted([m['role'] for m in messages], 200)}), so "
+                         "nothing would be trained on; drop the conversation or add the assistant's reply")
+    _check_order([m["role"] for m in messages])
     return [dict(m) for m in messages]
+
+
+def _check_order(roles: list[str]) -> None:
+    """Turns in the order every chat template assumes: system (or developer) messages first, then a user
+    message, then user and assistant turns alternating (tool results after the assistant's call), ending
+    on the assistant. Templates render other orders without a word (or fail with their own jinja message),
+    and a reply out of order is trained on as the answer to a prompt it does not follow. Roles the chat
+    template names beyond ``ROLES`` are not ordered."""
+    kinds = {"system": "head", "developer": "head", "user": "user", "assistant": "assistant", "tool": "tool",
+             "function": "tool", "ipython": "tool"}
+    turns = [(i, role, kinds[role]) for i, role in enumerate(roles) if role in kinds]
+    sequence = f"(roles: {quoted(roles, 200)})"
+    previous = None
+    for i, role, kind in turns:
+        rule = None
+        if kind == "head" and previous not in (None, "head"):
+            rule = "a system message goes before the conversation: move it to the front (or merge it into the first)"
+        elif previous in (None, "head") and kind != "user" and kind != "head":
+            rule = "the conversation must open with a user message (after any system message): add the prompt it answers"
+        elif kind == previous and kind in ("user", "assistant"):
+            rule = f"it follows another {role!r} message; user and assistant turns alternate: merge the two"
+        elif kind == "tool" and previous not in ("assistant", "tool"):
+            rule = "a tool result follows the assistant message that called the tool"
+        if rule:
+            raise ValueError(f"message {i} has role {role!r} out of order {sequence}: {rule}, or remove the record.")
+        previous = kind
+    if previous != "assistant":
+        i, role, _ = turns[-1]
+        raise ValueError(f"the conversation ends with message {i} ({role!r}) after the last reply {sequence}: it would "
+                         "be read and never trained on; add its reply or drop it.")
 
 
 def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
@@ -108,14 +139,7 @@ def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
 def _turn_span(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, ids: list[int]) -> tuple[int, int]:
     """``(start, end)`` in ``ids`` of assistant message ``i``: after its header, through its end of turn."""
     end = tokenizer.apply_chat_template(messages[:i + 1])
-    try:
-        starts = [tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False)]
-    except ValueError:
-        if i:
-            raise
-        raise ValueError("message 0 has role 'assistant', and the chat template cannot render the empty conversation "
-                         "before it (to find where the reply starts); open each conversation with a system or user "
-                         "message") from None
+    starts = [tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False)]  # i > 0
     start = next((s for s in starts if _is_prefix(s, end)), None)
     if start is None or not _is_prefix(end, ids):
         raise ValueError(
@@ -190,8 +214,8 @@ def chat_documents(paths, tokenizer, messages_field: str = "messages") -> list[D
     docs = []
     for where, record in read_jsonl(paths):
         if messages_field not in record:
-            raise ValueError(f"{where} has no {quoted(messages_field)} field (keys: {quoted(sorted(record))}); pass "
-                             "messages_field=.")
+            raise ValueError(f"{where} has no {quoted(messages_field)} field (keys: {quoted(sorted(record))})"
+                             f"{task_hint(record, 'chat')}; pass messages_field= (data.task_options.messages_field).")
         docs.append(_build(where, chat_document, record[messages_field], tokenizer))
     return docs
 
@@ -204,7 +228,7 @@ def prompt_completion_documents(paths, tokenizer, prompt_field: str = "prompt",
     for where, record in read_jsonl(paths):
         absent = [f for f in (prompt_field, completion_field) if f not in record]
         if absent:
-            raise ValueError(f"{where} has no {absent} field (keys: {quoted(sorted(record))}); pass prompt_field= / "
-                             "completion_field=.")
+            raise ValueError(f"{where} has no {absent} field (keys: {quoted(sorted(record))})"
+                             f"{task_hint(record, 'prompt_completion')}; pass prompt_field= / completion_field=.")
         docs.append(_build(where, prompt_completion_document, record[prompt_field], record[completion_field], tokenizer))
     return docs

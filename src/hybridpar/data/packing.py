@@ -53,25 +53,30 @@ Document = Union[Sequence[int], Tensor, Mapping[str, Any]]
 PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 
 
-def _token_ids(ids) -> Tensor:
-    """``ids`` as int64 ``[n]``; ValueError for text, a float (1.5 was cut to 1) or a negative id (an
-    embedding row counted from the end: trained on silently)."""
+def _token_ids(ids, labels: bool = False) -> Tensor:
+    """``ids`` (``labels``: a document's labels) as int64 ``[n]``; ValueError for text, a float (1.5 was cut to 1)
+    or a negative id (an embedding row counted from the end: trained on silently; a label other than -100 was a
+    cross-entropy error at the first step, a device assert on a GPU)."""
+    what = "labels" if labels else "token ids"
     if isinstance(ids, (str, bytes)):
-        raise ValueError(f"a document is token ids, not text ({quoted(ids, 60)}); encode it with a tokenizer first "
+        subject = "a document's labels are" if labels else "a document is"
+        raise ValueError(f"{subject} token ids, not text ({quoted(ids, 60)}); encode it with a tokenizer first "
                          "(e.g. tokenizer.document(text)).")
     try:
         tensor = torch.as_tensor(ids).flatten()
     except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"a document's token ids {quoted(ids, 60)} are not a list of integers ({shorten(str(error), 100)}); "
-                         "pass integer token ids.") from None
+        raise ValueError(f"a document's {what} {quoted(ids, 60)} are not a list of integers ({shorten(str(error), 100)}); "
+                         f"pass integer {what}.") from None
     if tensor.numel() == 0:
         return tensor.to(torch.long)
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise ValueError(f"a document's token ids are {str(tensor.dtype).removeprefix('torch.')}, not integers "
-                         f"({quoted(ids, 60)}); pass integer token ids (a float would be cut to an integer).")
-    if int(tensor.min()) < 0:
-        raise ValueError(f"a document holds the negative token id {int(tensor.min())} ({quoted(ids, 60)}); token ids "
-                         "are in [0, vocab_size): fix the ids (-100 belongs in labels, not input_ids).")
+        raise ValueError(f"a document's {what} are {str(tensor.dtype).removeprefix('torch.')}, not integers "
+                         f"({quoted(ids, 60)}); pass integer {what} (a float would be cut to an integer).")
+    negative = tensor[(tensor < 0) & (tensor != IGNORE_INDEX)] if labels else tensor[tensor < 0]
+    if negative.numel():
+        raise ValueError(f"a document holds the negative {what[:-1]} {int(negative[0])} ({quoted(ids, 60)}); "
+                         + ("a label is a token id in [0, vocab_size) or -100 (no target): fix the labels." if labels else
+                            "token ids are in [0, vocab_size): fix the ids (-100 belongs in labels, not input_ids)."))
     return tensor.to(torch.long)
 
 
@@ -82,7 +87,7 @@ def document_tokens_and_labels(doc: Document) -> tuple[Tensor, Tensor]:
             raise ValueError(f"a mapping document needs 'input_ids', got keys {sorted(doc)}; pass {{'input_ids': [...]}}.")
         tokens = _token_ids(doc["input_ids"])
         if doc.get("labels") is not None:
-            labels = torch.as_tensor(doc["labels"], dtype=torch.long).flatten()
+            labels = _token_ids(doc["labels"], labels=True)
             if labels.numel() != tokens.numel():
                 raise ValueError(
                     f"document labels have {labels.numel()} entries but input_ids {tokens.numel()}; give one "
@@ -127,14 +132,27 @@ def pack_documents(
     ``one_per_row=True`` gives every document (piece) a row of its own, padded to ``pack_size``:
     for models whose token mixers cannot reset at document boundaries (``train/packing_rule.py``).
     """
-    multiple = document_pad_multiple(cp_size) if pad_to_multiple_of is None else int(pad_to_multiple_of)
+    def integer(value) -> bool:  # 1.5 was cut to 1
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not integer(pad_id) or pad_id < 0:
+        raise ValueError(f"pad_id={quoted(pad_id)} must be a token id, an integer >= 0 (a negative id is outside the "
+                         "embedding); pass e.g. pad_id=0.")
+    if pad_to_multiple_of is not None and (not integer(pad_to_multiple_of) or pad_to_multiple_of < 1):
+        raise ValueError(f"pad_to_multiple_of={quoted(pad_to_multiple_of)} must be None (2*cp_size) or an integer >= 1; "
+                         "pass e.g. pad_to_multiple_of=2.")
+    if docs is None or isinstance(docs, (str, bytes, Mapping)):
+        raise ValueError(f"docs={quoted(docs, 60)} must be a list of documents (one document is [ids] or "
+                         "[{'input_ids': ...}]).")
+    multiple = document_pad_multiple(cp_size) if pad_to_multiple_of is None else pad_to_multiple_of
     if not isinstance(pack_size, int) or pack_size < 1:
         raise ValueError(f"pack_size must be a positive int, got {quoted(pack_size)}.")
-    if multiple < 1 or pack_size % multiple != 0:
+    if pack_size % multiple != 0:
+        source = f"2*cp_size with cp_size={cp_size}" if pad_to_multiple_of is None else "pad_to_multiple_of"
         raise ValueError(
-            f"pack_size={pack_size} is not a multiple of {multiple} (2*cp_size with cp_size={cp_size}); context "
+            f"pack_size={pack_size} is not a multiple of {multiple} ({source}); context "
             f"parallelism needs every padded document, the last one included, divisible by it: use pack_size="
-            f"{_round_up(pack_size, max(multiple, 1))}."
+            f"{_round_up(pack_size, multiple)}."
         )
     if overlong not in ("split", "drop", "error"):
         raise ValueError(f"overlong={quoted(overlong)} is not one of 'split', 'drop', 'error'.")

@@ -21,6 +21,7 @@ there is none). Nothing is downloaded.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from hybridpar.config_rules import quoted, wide_encoding
+from hybridpar.config_rules import Notice, quoted, wide_encoding
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.tokenizers import ByteTokenizer, as_tokenizer
 from hybridpar.strict_json import loads as strict_loads
@@ -228,7 +229,7 @@ _JSON_KINDS = {int: "number", float: "number", bool: "boolean", list: "array", d
 
 
 def read_text_file(path: Path) -> str:
-    """A file's text as UTF-8 (``\\r\\n`` read as ``\\n``, a leading BOM dropped); a ValueError names the
+    """A file's text as UTF-8 (``\\r\\n`` and ``\\r`` read as ``\\n``, a leading BOM dropped); a ValueError names the
     file, line and byte."""
     data = path.read_bytes()
     try:
@@ -244,7 +245,8 @@ def read_text_file(path: Path) -> str:
             f"{path}:{line}: byte {error.start} (0x{data[error.start]:02x}) is not UTF-8; the file {looks}: convert it "
             "to UTF-8 (e.g. iconv -f latin1 -t utf-8) or point data.path at a text file."
         ) from None
-    return text.removeprefix("\ufeff").replace("\r\n", "\n")  # a byte-order mark (Windows editors) is not text
+    # a byte-order mark (Windows editors) is not text; a lone CR (classic Mac OS) ends a line too, as in Python's text mode
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _document_at(tokenizer, text: str, path, line: int, add_bos: bool | None, add_eos: bool | None) -> list[int]:
@@ -296,10 +298,36 @@ def text_documents(
     tokenizer = as_tokenizer(tokenizer)
     docs = []
     for path in _paths(paths):
-        for line, part in _text_parts(read_text_file(path), split):
+        text = read_text_file(path)
+        if (record := _first_json_object(text)) is not None:  # the braces, quotes and keys would be trained on
+            warnings.warn(f"{path}: its first line is a JSON object (keys {quoted(sorted(record), 80)}), and a text task "
+                          "trains on the JSON syntax too (braces, quotes, keys); for the records' text use "
+                          f"data.task={record_task(record)}.", Notice, stacklevel=2)
+        for line, part in _text_parts(text, split):
             if part.strip():
                 docs.append(_document_at(tokenizer, part, path, line, add_bos, add_eos))
     return docs
+
+
+def _first_json_object(text: str) -> dict | None:
+    """The first non-blank line of ``text`` as a JSON object, or None when it is not one."""
+    first = next((line for line in text.split("\n", 64)[:64] if line.strip()), "")
+    try:
+        record = json.loads(first) if first.lstrip().startswith("{") else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def record_task(record: Mapping) -> str:
+    """The data task a JSON record is written for: ``chat`` (``messages``), ``prompt_completion`` or ``jsonl``."""
+    return "chat" if "messages" in record else "prompt_completion" if {"prompt", "completion"} <= set(record) else "jsonl"
+
+
+def task_hint(record: Mapping, task: str) -> str:
+    """``; it is a <task> record: use data.task=<task>`` when ``record`` is written for another task than ``task``."""
+    other = record_task(record)
+    return f"; it is a {other} record: use data.task={other}" if other != task else ""
 
 
 def jsonl_documents(
@@ -315,8 +343,9 @@ def jsonl_documents(
     docs = []
     for where, record in read_jsonl(paths):
         if text_field not in record:
-            raise ValueError(f"{where} has no string field {quoted(text_field)} (keys: {quoted(sorted(record))}); pass "
-                             "text_field= (data.task_options.text_field) or fix the record.")
+            raise ValueError(f"{where} has no string field {quoted(text_field)} (keys: {quoted(sorted(record))})"
+                             f"{task_hint(record, 'jsonl')}; pass text_field= (data.task_options.text_field) or fix "
+                             "the record.")
         if not isinstance(record[text_field], str):
             value = record[text_field]
             kind = "null" if value is None else f"a JSON {_JSON_KINDS.get(type(value), type(value).__name__)}"
@@ -337,6 +366,9 @@ def _lone_surrogate(record: dict) -> str | None:
     return None
 
 
+_ARRAY_FILE = "; the file is one JSON array, not JSON lines: write one object per line (e.g. jq -c '.[]' file.json > file.jsonl)"
+
+
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-empty line; ValueError naming the line otherwise."""
     for path in _paths(paths):
@@ -349,11 +381,13 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
                 raise ValueError(
                     f"{path}:{number}: not valid JSON ("
                     f"{getattr(error, 'msg', 'nested too deeply to read')} at column {getattr(error, 'colno', 1)}); "
-                    "every line must be one JSON object: fix or remove that line."
+                    "every line must be one JSON object"
+                    f"{_ARRAY_FILE if number == 1 and line.lstrip().startswith('[') else ': fix or remove that line'}."
                 ) from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object; write one JSON "
-                                 "object per line.")
+                objects = number == 1 and isinstance(record, list) and record and all(isinstance(r, dict) for r in record)
+                raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object"
+                                 f"{_ARRAY_FILE if objects else '; write one JSON object per line'}.")
             if "\\ud" in line.lower() and (surrogate := _lone_surrogate(record)):  # JSON escapes any code unit
                 raise ValueError(f"{path}:{number}: holds a lone surrogate escape ({surrogate}), half of "
                                  "a UTF-16 pair and not a character; fix or remove that record.")

@@ -14,16 +14,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from hybridpar.config_rules import Rule, integer, number, one_of, quoted
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP, ResidualBlock, RMSNorm
 from hybridpar.models.lm_head_loss import ChunkedLMHeadLoss
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
-
-
 COUNT_FIELDS = ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size",
                 "conv_kernel", "chunk_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+# Rules of the HybridConfig fields (``model.overrides`` names them by key; the API by field).
+MODEL_RULES: dict[str, Rule] = {
+    **{name: integer(1, 2**31 - 1) for name in COUNT_FIELDS},
+    "rope_theta": number(0, low_open=True), "rotary_fraction": number(0, 1), "norm_eps": number(0, low_open=True),
+    "initializer_range": number(0), "mlp_activation": one_of("silu", "relu2", "gelu"),
+    "time_step_limit": Rule("[low, high] with 0 <= low <= high", lambda v: len(v) == 2 and 0 <= v[0] <= v[1]),
+    "pattern": Rule("a non-empty string of 'M' (Mamba2), '*' (attention) and '-' (MLP) blocks",
+                    lambda v: bool(v) and set(v) <= set("M*-")),
+}
 
 
 @dataclass
@@ -78,6 +87,17 @@ class HybridConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer"
                                  + (" (a number, not a string)" if isinstance(value, str) else "") + "; fix it in the config.")
+        if self.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):  # "float32", torch.int64
+            raise ValueError(f"dtype={quoted(self.dtype)} must be a floating torch.dtype (torch.float32, float64, bfloat16 "
+                             "or float16); fix it in the config.")
+        for name, rule in MODEL_RULES.items():  # the numbers and choices (rope_theta=0 or norm_eps=-1 gave NaN logits)
+            value = getattr(self, name)
+            try:
+                holds = rule.holds(value) and not isinstance(value, bool)
+            except (TypeError, ValueError):  # a string where a number goes
+                holds = False
+            if not holds:
+                raise ValueError(f"{name}={quoted(value)} must be {rule.text}; fix it in the config.")
         rules = [
             (self.mamba_num_heads % self.mamba_n_groups == 0,
              f"mamba_num_heads={self.mamba_num_heads} must be divisible by mamba_n_groups={self.mamba_n_groups}"),
@@ -186,6 +206,9 @@ class HybridLM(nn.Module):
     """
 
     def __init__(self, config: HybridConfig):
+        if not isinstance(config, HybridConfig):  # HybridLM("tiny"): an AttributeError from inside the backbone
+            raise ValueError(f"config={quoted(config, 60)} is not a HybridConfig (type {type(config).__name__}); pass "
+                             "e.g. HybridConfig.from_preset('tiny') or HybridConfig(**fields).")
         super().__init__()
         self.config = config
         self.backbone = HybridBackbone(config)

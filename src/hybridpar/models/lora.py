@@ -141,6 +141,8 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     ``ValueError``. ``target_parameters``: stacked MoE expert weights by ``<module>.<parameter>``
     (peft's ``target_parameters``, e.g. ``experts.gate_up_proj``), adapted per expert (``lora_experts.py``).
     """
+    if not isinstance(model, nn.Module):  # add_lora("x"): an AttributeError
+        raise ValueError(f"add_lora takes the model (an nn.Module), got {quoted(model, 60)} (type {type(model).__name__}).")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise ValueError(f"peft.r={r!r} is invalid: the LoRA rank must be an integer >= 1; e.g. peft.r=8.")
     if not _number(dropout) or not 0.0 <= dropout < 1.0:

@@ -254,8 +254,9 @@ class PackStream:
             )
         if config.pack_size % self.multiple:
             raise DataError(
-                f"data.pack_size={config.pack_size} is not a multiple of the document padding {self.multiple} (2*cp="
-                f"{2 * cp_size}); context parallelism splits every document into 2*cp chunks: use pack_size="
+                f"data.pack_size={config.pack_size} is not a multiple of the document padding {self.multiple} ("
+                f"{'data.pad_to_multiple_of' if config.pad_to_multiple_of else f'2*cp={2 * cp_size}'}); context "
+                "parallelism splits every document into 2*cp chunks: use pack_size="
                 f"{-(-config.pack_size // self.multiple) * self.multiple}."
             )
         self.config, self.packs_per_step, self.pool = config, config.packs_per_step, []

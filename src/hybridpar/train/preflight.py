@@ -31,9 +31,10 @@ import socket
 import typing
 from pathlib import Path
 
-from hybridpar.config import ConfigError, Rule, RunConfig, coerce_value, integer, invalid, number, one_of, show_value
+from hybridpar.config import ConfigError, RunConfig, coerce_value, invalid, show_value
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.tokenizers import auto_bytes_note
+from hybridpar.models.hybrid import MODEL_RULES
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
 from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
@@ -41,17 +42,6 @@ from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_p
 from hybridpar.train.peft import apply_peft
 
 
-# Rules of the HybridConfig fields ``model.overrides`` may set (types come from the dataclass).
-MODEL_RULES: dict[str, Rule] = {
-    **{name: integer(1, 2**31 - 1) for name in ("vocab_size", "hidden_size", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups",
-                                     "ssm_state_size", "conv_kernel", "chunk_size", "num_attention_heads",
-                                     "num_key_value_heads", "head_dim", "intermediate_size")},
-    "rope_theta": number(0, low_open=True), "rotary_fraction": number(0, 1), "norm_eps": number(0, low_open=True),
-    "initializer_range": number(0), "mlp_activation": one_of("silu", "relu2", "gelu"),
-    "time_step_limit": Rule("[low, high] with 0 <= low <= high", lambda v: len(v) == 2 and 0 <= v[0] <= v[1]),
-    "pattern": Rule("a non-empty string of 'M' (Mamba2), '*' (attention) and '-' (MLP) blocks",
-                    lambda v: bool(v) and set(v) <= set("M*-")),
-}
 # Keys of ``parallelize``'s own rules, as its messages name them ("tp=3", "compile backend").
 _PARALLEL_KEYS = re.compile(r"\b(compile|reshard_after_forward|mixed_precision|activation_checkpointing|sequence_parallel|"
                             r"cp_attention|cp_mamba|tp|cp|dp_shard|dp_replicate)\b")
@@ -195,6 +185,11 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
     """
     from hybridpar.parallel.parallelize import validate_parallelize
 
+    if not isinstance(config, RunConfig):  # make_plan("run.yaml"): an AttributeError
+        raise ValueError(f"the run config {quoted(config)} is not a RunConfig (type {type(config).__name__}); "
+                         "read it with hybridpar.load_config(path).")
+    if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
+        raise ValueError(f"world_size={quoted(world_size)} must be an integer >= 1 (the number of processes), or None.")
     p, data = config.parallel, config.data
     dims = parallel_dims(config)
     if world_size is not None:
@@ -217,8 +212,9 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
         raise ConfigError(f"data.pad_to_multiple_of={multiple} is not a multiple of 2*cp={2 * p.cp}; every padded "
                           f"document must split into 2*cp equal chunks: use a multiple of {2 * p.cp} or leave it null.")
     if data.pack_size % multiple:
-        raise ConfigError(f"data.pack_size={data.pack_size} is not a multiple of the document padding {multiple} "
-                          f"(2*cp={2 * p.cp}); use data.pack_size={-(-data.pack_size // multiple) * multiple}.")
+        raise ConfigError(f"data.pack_size={data.pack_size} is not a multiple of the document padding {multiple} ("
+                          f"{'data.pad_to_multiple_of' if data.pad_to_multiple_of else f'2*cp={2 * p.cp}'}); use "
+                          f"data.pack_size={-(-data.pack_size // multiple) * multiple}.")
     dp = dims.size("dp")
     if data.packs_per_step % dp:
         raise ConfigError(f"data.packs_per_step={data.packs_per_step} is not divisible by the data-parallel size "
@@ -347,13 +343,15 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
             notice(replaced)
     if command == "train":
         from hybridpar.train.run.directory import check_lock_free, check_run_paths
-        from hybridpar.train.run.resume import model_signature, plan_resume
+        from hybridpar.train.run.resume import model_signature, nothing_left_note, plan_resume
         from hybridpar.train.run.export import validate_export
 
         validate_export(config, shape)
         check_run_paths(config)
         check_lock_free(config.output_dir)
-        plan_resume(config, model_signature(shape))
+        resume = plan_resume(config, model_signature(shape))
+        if dry_run and resume.checkpoint and resume.start_step >= config.train.steps:  # a run says it once loaded
+            notice(nothing_left_note(resume.start_step, config.train.steps))
     # data.tokenizer=bpe: trained here, once, before any worker starts (into output_dir, checked above)
     data, bpe_pending = config.data, False
     if dry_run and data.tokenizer == BPE and not bpe_dir(config.output_dir).exists():

@@ -54,7 +54,7 @@ from hybridpar.train.peft import apply_peft, key_dropout, lora_line
 from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
 from hybridpar.train.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import check_pack_memory, model_config, parallel_dims, validate_layout
-from hybridpar.train.run.resume import data_stream, model_signature, prepare_output_dir
+from hybridpar.train.run.resume import data_stream, model_signature, nothing_left_note, prepare_output_dir
 from hybridpar.train.run.fingerprints import data_sources
 from hybridpar.train.run.tokenizer import shared_data
 from hybridpar.train.sample import check_sample, print_sample, sample_settings
@@ -348,8 +348,7 @@ class Trainer:
             self.say(f"first step: training steps {self.start_step + 1}-{end} of {cfg.train.steps} "
                      "(the first one also warms up)")
         elif self.start_step >= cfg.train.steps and self.rank == 0:
-            notice(f"the checkpoint is at step {self.start_step}, and train.steps={cfg.train.steps}: nothing is left "
-                   f"to train; raise train.steps to continue this run, or start fresh (checkpoint.resume=null)")
+            notice(nothing_left_note(self.start_step, cfg.train.steps))
         for step in range(self.start_step, end):
             started = time.perf_counter()
             # CPU: live-tensor peak of one steady-state step (the second, or the only one)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridpar.config_rules import quoted, shorten
+from hybridpar.config_rules import as_path, quoted, shorten
 from hybridpar.models.generation import GREEDY_BELOW, check_sampling
 from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, config_from_hf, read_hf_config
 from hybridpar.models.hf.checkpoint import load_hf, save_hf
@@ -319,7 +319,7 @@ def export_causal_lm(model: nn.Module, out_dir: str | Path, *, tokenizer_dir: st
     parallelized model) to export instead of ``model``'s own parameters; the model then only
     supplies the config. ``architecture``: for a ``HybridLM`` not loaded from a checkpoint.
     """
-    out_dir = Path(out_dir)
+    out_dir = as_path(out_dir, "out_dir")
     if out_dir.exists() and not out_dir.is_dir():  # transformers logged it and wrote nothing: the export "succeeded"
         raise ValueError(f"export target {quoted(str(out_dir))} is a file, not a directory: a checkpoint is a folder "
                          "(config.json, safetensors); pass a new or empty directory.")

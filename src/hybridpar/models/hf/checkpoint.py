@@ -31,7 +31,7 @@ from hybridpar.models.hf.config import (  # noqa: F401  (the config API is also 
     ARCHITECTURES, BAMBA, CONFIG_FILE, INDEX_FILE, MAMBA2, NEMOTRON_H, SHARD_FILE, WEIGHTS_FILE,
     _encode_floats, architecture_of, config_differences, config_from_hf, config_to_hf, read_hf_config,
 )
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import as_path, quoted
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.weights import _header, check_finite, check_floating, load_weight_file, weight_files
 from hybridpar.models.hybrid import HybridLM
@@ -138,7 +138,7 @@ def save_hf(model: HybridLM, path: str | Path, architecture: str | None = None,
     ``model-0000k-of-0000n.safetensors`` shards with an index. ``tokenizer_dir``: copy the
     tokenizer, chat template and generation config from there (``hf_files.copy_tokenizer_files``).
     """
-    if Path(path).exists() and not Path(path).is_dir():  # mkdir below: a raw FileExistsError
+    if as_path(path, "path").exists() and not Path(path).is_dir():  # mkdir below: a raw FileExistsError
         raise ValueError(f"save_hf target {quoted(str(path))} is a file, not a directory: a checkpoint is a folder "
                          "(config.json, safetensors); pass a new or empty directory.")
     stored = getattr(model, "hf_config", None)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hybridpar.config_rules import quoted
+from hybridpar.config_rules import as_path, quoted
 from hybridpar.models.hf.files import directory_kind
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.models.hf.generation_config import check_generation_config, config_vocab_problem, vocab_of
@@ -70,7 +70,7 @@ def _encode_floats(obj):
 def read_hf_config(path: str | Path) -> dict:
     """The config.json of a checkpoint directory as a dict (special floats decoded); ValueError for
     a quantized checkpoint, whose weights hybridpar can neither train nor generate from."""
-    file = Path(path) / CONFIG_FILE
+    file = as_path(path, "path") / CONFIG_FILE
     if not file.is_file():
         kind = directory_kind(path, "hf")
         raise FileNotFoundError(f"{file} not found; {kind}." if kind else

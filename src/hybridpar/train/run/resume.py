@@ -202,6 +202,12 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
     return pad, notes
 
 
+def nothing_left_note(step: int, steps: int) -> str:
+    """What a resume from ``step`` says when ``train.steps`` is not above it (the run trains nothing)."""
+    return (f"the checkpoint is at step {step}, and train.steps={steps}: nothing is left to train; raise train.steps "
+            "to continue this run, or start fresh (checkpoint.resume=null)")
+
+
 def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
     """What this run loads and where it writes; raises ConfigError/CheckpointError to refuse.
 
