@@ -1,7 +1,7 @@
 """``parallel.compile`` on transformers' recurrent mixers: graph breaks and graphs per CP strategy.
 
 Each transformers recurrent family hybridpar switches onto its cores, as a tiny float64 model from
-``tests/models/hf/`` (Bamba: Mamba2; Qwen3-Next: gated DeltaNet; LFM2: short conv; Kimi Linear: KDA;
+``tests/models/hf/`` (Bamba: Mamba2; Qwen3-Next and Qwen3.5: gated DeltaNet; LFM2: short conv; Kimi Linear: KDA;
 Jamba: Mamba1; RecurrentGemma: RG-LRU), goes through ``parallelize(ParallelDims(cp=P),
 compile="aot_eager", cp_mamba=strategy)`` on ``P`` gloo ranks (P = 1, or 2 with each strategy the
 family has). Three training steps (forward, loss, backward) on two packed rows of 32 tokens whose
@@ -10,7 +10,7 @@ case, from ``torch._dynamo.utils.counters`` on rank 0: graph breaks (and their r
 compiled, and the frames dynamo compiled again (recompiles) in steps 2 and 3; the loss of every step
 against the same model in eager (float64), and the wall time of steps 1 (compiling) and 3.
 
-    python benchmarks/compile_hf.py [--families bamba qwen3_next ...] [--out DIR]
+    python benchmarks/compile_hf.py [--families bamba qwen3_next ...] [--strategies - a2a state halo] [--out DIR]
 
 Prints the table and writes benchmarks/results/compile_hf.{json,md}. ``aot_eager`` traces exactly
 the graphs inductor would get (the breaks are dynamo's) without inductor's C++ code generation.
@@ -33,6 +33,7 @@ LENGTH = 32
 FAMILIES = {
     "bamba": ("hybrid_models", "build_hybrid", "bamba", ("a2a", "state")),
     "qwen3_next": ("gdn_models", "build_gdn", "qwen3_next", ("a2a", "state")),
+    "qwen3_5": ("gdn_models", "build_gdn", "qwen3_5", ("a2a", "state")),
     "lfm2": ("lfm_models", "build_lfm", "lfm2", ("halo",)),
     "kimi_linear": ("kda_models", "build_kda", None, ("a2a", "state")),
     "jamba": ("mamba1_models", "build_mamba1", "jamba", ("state",)),
@@ -117,12 +118,16 @@ def case(rank: int, world_size: int, family: str, strategy: str, keep_float64: b
     return {**compiled, "loss_rel": loss_rel}
 
 
-def measure(families: list[str], keep_float64: bool) -> list[dict]:
+def measure(families: list[str], keep_float64: bool, strategies: list[str], done=lambda rows: None) -> list[dict]:
+    """The rows of every (family, cp, strategy) with the strategy in ``strategies`` ("-": cp=1);
+    ``done(rows)`` after each."""
     from tests.distributed.harness import run_ranks
 
     rows = []
     for family in families:
         for cp, strategy in [(1, "-")] + [(2, s) for s in FAMILIES[family][3]]:
+            if strategy not in strategies:
+                continue
             result = run_ranks(cp, case, family, strategy, keep_float64, timeout_s=1800)[0]
             row = {"family": family, "cp": cp, "strategy": strategy, "graph_breaks": sum(result["graph_breaks"].values()),
                    "break_reasons": sorted({_reason(r) for r in result["graph_breaks"]}), "graphs": result["graphs"],
@@ -133,6 +138,7 @@ def measure(families: list[str], keep_float64: bool) -> list[dict]:
                            first_step_s=result["seconds"][0], last_step_s=result["seconds"][-1])
             print(row, flush=True)
             rows.append(row)
+            done(rows)
     return rows
 
 
@@ -154,12 +160,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "break reasons |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        case = f"{r['family']} | {r['cp']} | {r['strategy']} | {r['graph_breaks']}"
         reasons = "; ".join(reason.replace("|", "/")[:160] for reason in r["break_reasons"]) or "-"
         if r["error"]:
-            lines.append(f"| {r['family']} | {r['cp']} | {r['strategy']} | {r['graph_breaks']} | {r['graphs']} | - | "
-                         f"failed: {r['error'].replace('|', '/')} | - | - | {reasons} |")
+            lines.append(f"| {case} | {r['graphs']} | - | failed: {r['error'].replace('|', '/')} | - | - | {reasons} |")
             continue
-        lines.append(f"| {r['family']} | {r['cp']} | {r['strategy']} | {r['graph_breaks']} | {r['graphs']} | "
+        lines.append(f"| {case} | {r['graphs']} | "
                      f"{r['recompiled']} | {r['loss_rel']:.1e} | {r['first_step_s']:.1f} | {r['last_step_s']:.2f} | "
                      f"{reasons} |")
     return "\n".join(lines) + "\n"
@@ -168,14 +174,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--strategies", nargs="+", default=["-", "a2a", "state", "halo"],
+                        help="the cases to run: '-' for cp=1, the others at cp=2")
     parser.add_argument("--keep-float64", action="store_true",
                         help="the models under KeepFloat64, as `hybridpar check` and the float64 tests run them")
-    parser.add_argument("--name", default="compile_hf", help="results file name")
+    parser.add_argument("--name", default="compile_hf", help="results file name (compile_hf_before: a baseline)")
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     load_average = list(os.getloadavg())
-    rows = measure(args.families, args.keep_float64)
     meta = {**harness.environment(__file__, argv), "load_average": load_average, "keep_float64": args.keep_float64}
+
+    def write(rows: list[dict]) -> None:  # after every case: a long run keeps what it measured
+        harness.write_results(args.name, {"meta": meta, "rows": rows}, markdown(rows, meta), args.out, echo=False)
+
+    rows = measure(args.families, args.keep_float64, args.strategies, write)
     harness.write_results(args.name, {"meta": meta, "rows": rows}, markdown(rows, meta), args.out)
 
 
