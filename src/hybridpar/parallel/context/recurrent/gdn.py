@@ -66,19 +66,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.attention.layout import cached
 from hybridpar.models.hf.mixers.gdn import CHUNK_SIZE, beta_scale, gdn_layers, local_gdn_core
 from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
 from hybridpar.models.linear.gdn_core import document_conv1d, gated_delta_core, gdn_inputs
 from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fused_gated_delta_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
-from hybridpar.parallel.context.core import ContextParallelCore, install_core
+from hybridpar.parallel.context.core import ContextParallelCore, batch_cached, install_core
 from hybridpar.parallel.context.recurrent.mamba import local_tensor
 from hybridpar.parallel.context.recurrent.mamba_state import SegmentPlan, conv_halo, segment_plan
 
 __all__ = ["HiddenParallelGDN", "StatePassingGDN", "GDN_STRATEGIES", "apply_gdn_cp", "validate_gdn_parallel", "GDN_TP_MODEL_TYPES",
-           "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer", "segment_rule", "chunk_aligned", "entering_affine_states"]
+           "gdn_a2a_bytes_per_layer", "gdn_state_bytes_per_layer", "segment_rule", "chunk_aligned", "segment_chunks", "entering_affine_states"]
 
 
 def gdn_a2a_bytes_per_layer(batch: int, seq_len: int, cp: int, k_heads: int, v_heads: int, head_k_dim: int,
@@ -165,9 +164,11 @@ def gdn_state_bytes_per_layer(batch: int, n_docs: int, cp: int, k_heads: int, v_
     return (cp - 1) * 2 * batch * n_docs * (halo + states)
 
 
-def chunk_aligned(plan: SegmentPlan, chunk: int) -> tuple[Tensor, Tensor, list[int], list[int], int]:
+def chunk_aligned(plan: SegmentPlan, chunk: int) -> tuple[Tensor, Tensor, list[int], list[int], int, Tensor]:
     """Each segment padded to whole chunks: ``(stream position -> padded position [T], chunk ->
-    segment [N], first chunk of each segment, last chunk of each segment, padded length)``."""
+    segment [N], first chunk of each segment, last chunk of each segment, padded length, the padded
+    segments' token offsets [S + 1] (the fused rule's ``cu_seqlens``))``. Built on the host once per
+    batch (``segment_chunks``): the lists and the length are what the pure rule loops over."""
     cu = plan.cu_segments.cpu()
     lengths = cu[1:] - cu[:-1]
     padded = (lengths + chunk - 1) // chunk * chunk
@@ -177,7 +178,17 @@ def chunk_aligned(plan: SegmentPlan, chunk: int) -> tuple[Tensor, Tensor, list[i
     chunk_segment = torch.repeat_interleave(torch.arange(lengths.numel()), padded // chunk)
     device = plan.cu_segments.device
     return (position.to(device), chunk_segment.to(device), (starts[:-1] // chunk).tolist(),
-            (starts[1:] // chunk - 1).tolist(), int(starts[-1]))
+            (starts[1:] // chunk - 1).tolist(), int(starts[-1]), starts.to(device))
+
+
+def segment_chunks(packed: PackedSeqParams, batch: int, cp_size: int, cp_rank: int, kernel: int, chunk: int,
+                   device) -> tuple[SegmentPlan, tuple]:
+    """The segment plan and its chunk alignment (``chunk_aligned``), built once per batch and cached on
+    ``packed`` (before compiled blocks, by the batch hook: ``core.batch_cached``), shared by every
+    gated DeltaNet and KDA layer."""
+    segments = segment_plan(packed, batch, cp_size, cp_rank, kernel, device)
+    return segments, batch_cached(packed, ("gdn.aligned", batch, cp_size, cp_rank, kernel, chunk, str(device)),
+                                  lambda: chunk_aligned(segments, chunk))
 
 
 def entering_affine_states(ends: Tensor, plan: SegmentPlan, dk: int) -> Tensor:
@@ -196,18 +207,22 @@ def entering_affine_states(ends: Tensor, plan: SegmentPlan, dk: int) -> Tensor:
 
 def segment_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states_in: Tensor, chunk_segment: Tensor,
                  starts: list[int], ends: list[int], chunk: int, kernel: str, dtype: torch.dtype, *,
-                 pure=chunk_gated_delta_rule, fused=fused_gated_delta_rule) -> tuple[Tensor, Tensor]:
+                 pure=chunk_gated_delta_rule, fused=fused_gated_delta_rule,
+                 cu_padded: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The rule on one stream of chunk-padded segments (``[1, N*chunk, ...]``, segment ``j`` the chunks
     ``starts[j]..ends[j]``, ``chunk_segment [N]``), ``states_in [S, H, dk, dv']`` entering each:
     ``(o [1, N*chunk, H, dv'], final states [S, H, dk, dv'])`` in v's dtype. ``kernel`` ``"pure"``:
-    ``chunk_gated_delta_rule``'s ``states_at`` / ``finals_at``; otherwise the fused rule of that name
-    with each segment one ``cu_seqlens`` sequence, q, k, v in ``dtype`` (the padding,
-    ``k = v = beta = g = 0``, leaves a state as it is). ``pure``/``fused``: the rule pair (KDA passes its own)."""
+    ``chunk_gated_delta_rule``'s ``states_at`` / ``finals_at`` (Python lists: a compiled block is
+    specialised to them); otherwise the fused rule of that name with each segment one ``cu_seqlens``
+    sequence, ``cu_padded [S+1]`` (``chunk_aligned``'s tensor: no host value in a compiled block; None:
+    built from the lists), q, k, v in ``dtype`` (the padding, ``k = v = beta = g = 0``, leaves a state as
+    it is). ``pure``/``fused``: the rule pair (KDA passes its own)."""
     if kernel == "pure":
         o, finals = pure(q, k, v, g, beta, doc_ids=chunk_segment.repeat_interleave(chunk)[None], chunk_size=chunk,
                          states_in=states_in, states_at=starts, finals_at=ends)
     else:
-        cu_padded = torch.tensor([*starts, ends[-1] + 1], device=v.device) * chunk  # [S+1]
+        if cu_padded is None:
+            cu_padded = torch.tensor([*starts, ends[-1] + 1], device=v.device) * chunk  # [S+1]
         o, finals = fused(q.to(dtype), k.to(dtype), v.to(dtype), g, beta, cu_seqlens=cu_padded,
                           initial_state=states_in.contiguous(), output_final_state=True, rule=kernel)
     return o.to(v.dtype), finals.to(v.dtype)
@@ -218,11 +233,9 @@ class StatePassingGDN(ContextParallelCore):
 
     name = "state"
 
-    def plan(self, packed: PackedSeqParams, batch: int, kernel: int, chunk: int, device):
-        """The segment plan and its chunk alignment (built once per batch, cached on ``packed``, shared by every layer)."""
-        segments = segment_plan(packed, batch, self.cp_size, self.cp_rank, kernel, device)
-        return segments, cached(packed.cache, ("gdn.aligned", batch, self.cp_size, self.cp_rank, kernel, chunk,
-                                               str(device)), lambda: chunk_aligned(segments, chunk))
+    def prepare(self, layer: nn.Module, packed: PackedSeqParams, batch: int, device) -> None:
+        segment_chunks(packed, batch, self.cp_size, self.cp_rank, layer.conv1d.weight.shape[-1],
+                       getattr(layer, "hybridpar_chunk_size", CHUNK_SIZE), device)
 
     def __call__(self, layer: nn.Module, mixed_qkv: Tensor, a: Tensor, b: Tensor,
                  packed: PackedSeqParams | None = None) -> Tensor:
@@ -233,8 +246,9 @@ class StatePassingGDN(ContextParallelCore):
         dk, dv, heads = layer.head_k_dim, layer.head_v_dim, a.shape[-1]
         weight = local_tensor(layer.conv1d.weight).squeeze(1)
         chunk = getattr(layer, "hybridpar_chunk_size", CHUNK_SIZE)
-        plan, (position, chunk_segment, starts, ends, padded_len) = self.plan(packed, batch, weight.shape[1], chunk,
-                                                                              mixed_qkv.device)
+        plan, aligned = segment_chunks(packed, batch, self.cp_size, self.cp_rank, weight.shape[1], chunk,
+                                       mixed_qkv.device)
+        position, chunk_segment, padded_len = aligned[0], aligned[1], aligned[4]
         stream = mixed_qkv.reshape(1, batch * local_len, width)  # rows back to back
         halo = conv_halo(stream[0], plan, weight.shape[1], self.cp_group)  # [S, K-1, C]
         pre = document_conv1d(stream, weight, local_tensor(layer.conv1d.bias), plan.cu_segments,
@@ -247,9 +261,9 @@ class StatePassingGDN(ContextParallelCore):
         def spread(t: Tensor) -> Tensor:  # [1, T, ...] -> [1, padded, ...], zeros between segments
             return t.new_zeros(1, padded_len, *t.shape[2:]).index_copy(1, position, t)
 
-        identity = torch.eye(dk, dk + dv, dtype=v.dtype, device=v.device).expand(len(starts), heads, dk, dk + dv)
-        o, finals = segment_rule(*(spread(t) for t in (q, k, v, g, beta)), identity, chunk_segment, starts, ends, chunk,
-                                 choose_gdn_kernel(mixed_qkv)[0], mixed_qkv.dtype)
+        identity = torch.eye(dk, dk + dv, dtype=v.dtype, device=v.device).expand(plan.num_segments, heads, dk, dk + dv)
+        o, finals = segment_rule(*(spread(t) for t in (q, k, v, g, beta)), identity, *aligned[1:4], chunk,
+                                 choose_gdn_kernel(mixed_qkv)[0], mixed_qkv.dtype, cu_padded=aligned[5])
         # o [1, padded, H, dk + dv] = [P_t | o_t|0]; finals [S, H, dk, dk + dv] = [M | S_end|0]
         gathered = all_gather(finals.flatten(1), self.cp_group, 0)  # [S, H*dk*(dk+dv)] -> [P*S, ...], rank-major
         entering = entering_affine_states(gathered.view(self.cp_size, plan.num_docs, 2, heads, dk, dk + dv), plan, dk)

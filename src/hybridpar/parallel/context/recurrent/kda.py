@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.attention.layout import cached
 from hybridpar.models.hf.mixers.kda import CHUNK_SIZE, kda_layers, local_kda_core
 from hybridpar.models.linear.gdn_core import document_conv1d
 from hybridpar.models.linear.kda import chunk_kda_rule
@@ -49,9 +48,9 @@ from hybridpar.models.linear.kda_fused import choose_kda_kernel, fused_kda_rule
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
-from hybridpar.parallel.context.recurrent.gdn import chunk_aligned, entering_affine_states, segment_rule
+from hybridpar.parallel.context.recurrent.gdn import entering_affine_states, segment_chunks, segment_rule
 from hybridpar.parallel.context.recurrent.mamba import local_tensor
-from hybridpar.parallel.context.recurrent.mamba_state import conv_halo, segment_plan
+from hybridpar.parallel.context.recurrent.mamba_state import conv_halo
 
 __all__ = ["HiddenParallelKDA", "StatePassingKDA", "KDA_STRATEGIES", "apply_kda_cp", "validate_kda_parallel",
            "kda_a2a_bytes_per_layer", "kda_state_bytes_per_layer", "segment_kda_rule"]
@@ -80,10 +79,10 @@ def _gate(layer: nn.Module) -> tuple[Tensor, Tensor]:
 
 def segment_kda_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states_in: Tensor,
                      chunk_segment: Tensor, starts: list[int], ends: list[int], chunk: int, kernel: str,
-                     dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                     dtype: torch.dtype, cu_padded: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``gdn.segment_rule`` with the KDA rules (``g [1, N*chunk, H, d]``: a decay per key channel)."""
     return segment_rule(q, k, v, g, beta, states_in, chunk_segment, starts, ends, chunk, kernel, dtype,
-                        pure=chunk_kda_rule, fused=fused_kda_rule)
+                        pure=chunk_kda_rule, fused=fused_kda_rule, cu_padded=cu_padded)
 
 class HiddenParallelKDA(ContextParallelCore):
     """All-to-all sequence -> heads, the KDA core on H/P heads over the whole sequence, back."""
@@ -127,6 +126,10 @@ class StatePassingKDA(ContextParallelCore):
 
     name = "state"
 
+    def prepare(self, layer: nn.Module, packed: PackedSeqParams, batch: int, device) -> None:
+        segment_chunks(packed, batch, self.cp_size, self.cp_rank, layer.conv1d.weight.shape[-1],
+                       getattr(layer, "hybridpar_chunk_size", CHUNK_SIZE), device)
+
     def __call__(self, layer: nn.Module, mixed_qkv: Tensor, f: Tensor, b: Tensor,
                  packed: PackedSeqParams | None = None) -> Tensor:
         if self.cp_size == 1:
@@ -137,10 +140,8 @@ class StatePassingKDA(ContextParallelCore):
         weight = local_tensor(layer.conv1d.weight).squeeze(1)
         chunk = getattr(layer, "hybridpar_chunk_size", CHUNK_SIZE)
         device = mixed_qkv.device
-        plan = segment_plan(packed, batch, self.cp_size, self.cp_rank, weight.shape[1], device)
-        position, chunk_segment, starts, ends, padded_len = cached(
-            packed.cache, ("gdn.aligned", batch, self.cp_size, self.cp_rank, weight.shape[1], chunk, str(device)),
-            lambda: chunk_aligned(plan, chunk))  # shared with the gated DeltaNet's state passing
+        plan, aligned = segment_chunks(packed, batch, self.cp_size, self.cp_rank, weight.shape[1], chunk, device)
+        position, chunk_segment, padded_len = aligned[0], aligned[1], aligned[4]  # shared with the gated DeltaNet
         stream = mixed_qkv.reshape(1, batch * local_len, width)  # rows back to back
         halo = conv_halo(stream[0], plan, weight.shape[1], self.cp_group)  # [S, K-1, C]
         pre = document_conv1d(stream, weight, local_tensor(layer.conv1d.bias), plan.cu_segments,
@@ -152,9 +153,9 @@ class StatePassingKDA(ContextParallelCore):
         def spread(t: Tensor) -> Tensor:  # [1, T, ...] -> [1, padded, ...], zeros between segments
             return t.new_zeros(1, padded_len, *t.shape[2:]).index_copy(1, position, t)
 
-        identity = torch.eye(d, 2 * d, dtype=v.dtype, device=device).expand(len(starts), heads, d, 2 * d)
-        o, finals = segment_kda_rule(*(spread(t) for t in (q, k, v, g, beta)), identity, chunk_segment, starts, ends,
-                                     chunk, choose_kda_kernel(mixed_qkv)[0], mixed_qkv.dtype)
+        identity = torch.eye(d, 2 * d, dtype=v.dtype, device=device).expand(plan.num_segments, heads, d, 2 * d)
+        o, finals = segment_kda_rule(*(spread(t) for t in (q, k, v, g, beta)), identity, *aligned[1:4], chunk,
+                                     choose_kda_kernel(mixed_qkv)[0], mixed_qkv.dtype, cu_padded=aligned[5])
         # o [1, padded, H, 2d] = [P_t | o_t|0]; finals [S, H, d, 2d] = [M | S_end|0]
         gathered = all_gather(finals.flatten(1), self.cp_group, 0)  # [S, H*d*2d] -> [P*S, ...], rank-major
         entering = entering_affine_states(gathered.view(self.cp_size, plan.num_docs, 2, heads, d, 2 * d), plan, d)

@@ -46,7 +46,7 @@ from hybridpar.models.mamba.mixer import Mamba2Mixer, local_conv_scan
 from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
 from hybridpar.parallel.comm.collectives import hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.recurrent.mamba_state import SegmentPlan, segment_plan, state_passing_conv_scan
-from hybridpar.parallel.context.core import ContextParallelCore
+from hybridpar.parallel.context.core import ContextParallelCore, prepare_batch_plans
 
 __all__ = [
     "MambaContextParallelCore",
@@ -205,6 +205,9 @@ class StatePassingMamba(MambaContextParallelCore):
         """The segment index plan of this batch (built once, reused by every Mamba layer)."""
         return segment_plan(packed, batch, self.cp_size, self.cp_rank, mixer.conv_kernel_size, device)
 
+    def prepare(self, mixer: Mamba2Mixer, packed: PackedSeqParams, batch: int, device) -> None:
+        self.plan(packed, batch, mixer, device)
+
     def __call__(self, mixer: Mamba2Mixer, xBC: Tensor, dt: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
         self._sizes(mixer, xBC, dt)
         if self.cp_size == 1:
@@ -240,4 +243,5 @@ def apply_mamba_cp(model: nn.Module, cp_group: dist.ProcessGroup | None, strateg
             raise ValueError(f"mamba mixer {name or '<root>'!r}: {error}") from None
     for _, mixer in mixers:
         mixer.core = core
+    prepare_batch_plans(model, core, [mixer for _, mixer in mixers])
     return model

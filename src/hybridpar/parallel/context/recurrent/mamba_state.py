@@ -78,12 +78,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.data.thd import PackedSeqParams
-from hybridpar.models.attention.layout import cached
 from hybridpar.models.hf.mixers.mamba1 import document_conv, local_selective_core, mamba1_mixers, selective_inputs
 from hybridpar.models.linear.selective_scan import document_resets, selective_scan
 from hybridpar.models.mamba.core import mamba_conv_scan
 from hybridpar.parallel.comm.collectives import all_gather
-from hybridpar.parallel.context.core import ContextParallelCore, install_core
+from hybridpar.parallel.context.core import ContextParallelCore, batch_cached, install_core
 
 __all__ = ["SegmentPlan", "build_segment_plan", "segment_plan", "state_passing_conv_scan", "state_bytes_per_layer",
            "StatePassingMamba1", "apply_mamba1_cp", "mamba1_state_bytes_per_layer", "conv_halo", "entering_states",
@@ -122,9 +121,10 @@ class SegmentPlan:
 
 
 def segment_plan(packed, batch: int, cp_size: int, cp_rank: int, conv_kernel: int, device) -> SegmentPlan:
-    """``build_segment_plan`` of ``packed``'s documents, built once per batch (cached on ``packed``) and
-    shared by every layer and strategy that asks with the same arguments (Mamba, short conv, GDN)."""
-    return cached(packed.cache, ("context.segment_plan", batch, cp_size, cp_rank, conv_kernel, str(device)),
+    """``build_segment_plan`` of ``packed``'s documents, built once per batch (cached on ``packed``, by the
+    batch hook before compiled blocks: ``core.batch_cached``) and shared by every layer and strategy that
+    asks with the same arguments (Mamba, short conv, GDN)."""
+    return batch_cached(packed, ("context.segment_plan", batch, cp_size, cp_rank, conv_kernel, str(device)),
                   lambda: build_segment_plan(packed.cu_seqlens_padded, batch, cp_size, cp_rank, conv_kernel, device))
 
 
@@ -286,6 +286,9 @@ class StatePassingMamba1(ContextParallelCore):
     """The ``core`` of a switched Mamba1 mixer under CP: conv halo, scan, state passing, scan."""
 
     name = "state"
+
+    def prepare(self, module: nn.Module, packed: PackedSeqParams, batch: int, device) -> None:
+        segment_plan(packed, batch, self.cp_size, self.cp_rank, module.conv1d.kernel_size[0], device)
 
     def __call__(self, module: nn.Module, x: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
         if self.cp_size == 1:

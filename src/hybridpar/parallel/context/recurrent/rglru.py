@@ -53,6 +53,9 @@ class StatePassingRglru(ContextParallelCore):
 
     name = "state"
 
+    def prepare(self, block: nn.Module, packed: PackedSeqParams, batch: int, device) -> None:
+        segment_plan(packed, batch, self.cp_size, self.cp_rank, block.conv_1d.kernel_size[0], device)
+
     def __call__(self, block: nn.Module, x: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
         if self.cp_size == 1:
             return local_rglru_core(block, x, packed)

@@ -48,6 +48,8 @@ class HaloShortConv(ContextParallelCore):
 
     name = "halo"
 
+    def prepare(self, module: nn.Module, packed: PackedSeqParams, batch: int, device) -> None:
+        segment_plan(packed, batch, self.cp_size, self.cp_rank, module.conv.kernel_size[0], device)
 
     def __call__(self, module: nn.Module, bcx: Tensor, packed: PackedSeqParams | None = None) -> Tensor:
         if self.cp_size == 1:
