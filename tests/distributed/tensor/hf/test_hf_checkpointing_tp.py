@@ -4,7 +4,8 @@
 ``selective``): the layer's plan hooks (the DTensor entry of ``SummedBranchesLayer``, row-parallel ``Partial``
 exits, replicated or sequence-parallel norms) are registered on the layer and its children, inside the wrapper,
 so the backward's recomputation runs them again, with the same layouts. Falcon-H1 (attention + Mamba2 summed
-before one reduction), Granite 4.0-H MoE (MoE block + shared MLP summed) and Llama (a dense sequential plan) at
+before one reduction), Granite 4.0-H MoE (MoE block + shared MLP summed), Llama (a dense sequential plan) and
+Mixtral (a MoE block: its experts all-reduce; under SP their partial sum is reduce-scattered at the block's exit) at
 tp=2 and tp=2 + SP on 2 gloo ranks, one row of two packed documents: the loss and every parameter gradient
 equal the one-process model's to 1e-9, and every layer is a checkpoint wrapper.
 """
@@ -18,7 +19,8 @@ from tests.distributed.harness import run_ranks
 
 TOL = 1e-9
 DOCS = [0, 12, 32]
-MODELS = ("falcon_h1", "granite_moe", "llama")
+MODELS = ("falcon_h1", "granite_moe", "llama", "mixtral")
+HYBRIDS = ("falcon_h1", "granite_moe")  # tests/models/hf/hybrid_models; the others: tests/distributed/tensor/hf_models
 POLICIES = ("full", "selective")
 
 
@@ -30,7 +32,7 @@ def _model(name: str):
     from tests.distributed.tensor.hf_models import build_model
     from tests.models.hf.hybrid_models import build_hybrid
 
-    model = build_model(name) if name == "llama" else build_hybrid(name)
+    model = build_hybrid(name) if name in HYBRIDS else build_model(name)
     install_mamba_core(model)
     return use_hybridpar_attention(keep_float64(model))  # float64 throughout, as the trainer's float64 models
 
