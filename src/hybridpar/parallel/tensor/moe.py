@@ -29,8 +29,11 @@ is a plain tensor, and when it is a replicated DTensor (a shared norm output) it
 Without SP a block with shared experts leaves both terms partial and sums them before one
 all-reduce at its exit (``PartialBlockExit``): ``[T, D]`` once per block, not once per term.
 
-Under sequence parallelism the MoE block reads the all-gathered norm output and its
-(replicated) output is sliced back to the sequence shard: ``moe_block_sp_style``.
+Under sequence parallelism the MoE block reads the all-gathered norm output and leaves its
+experts' (and shared experts') terms partial; their sum is reduce-scattered once to the sequence
+shard as it leaves the block (``moe_block_sp_style``): ``[B, S, D] -> [B, S/tp, D]``, not an
+all-reduce of ``[T, D]`` per term then a slice. A block with latent projections (NemotronH) still
+all-reduces and slices.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInputOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInputOutput,
+                                               PrepareModuleOutput, RowwiseParallel)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.parallel.tensor.linear_styles import _distribute, _require
@@ -180,12 +184,17 @@ class PartialBlockExit(ParallelStyle):
         return module
 
 
-def moe_block_sp_style(extra_outputs: int = 0) -> ParallelStyle:
-    """A MoE block under sequence parallelism: reads the all-gathered norm output
-    ([B, S, D] Replicate) as a plain tensor; its output [B, S, D] (replicated: the experts
-    all-reduce) is sliced to the sequence shard [B, S/tp, D] (backward: all-gather);
-    ``extra_outputs`` more outputs (GPT-OSS's router scores) pass through as they are."""
+def moe_block_sp_style(extra_outputs: int = 0, partial_output: bool = True) -> ParallelStyle:
+    """A MoE block under sequence parallelism. ``partial_output``: it reads the all-gathered norm
+    output as the ``Replicate`` DTensor it is (its input gradient comes back ``Partial`` and the
+    all-gather's backward reduce-scatters it: ``expert_input``) and its output, the ``Partial`` sum
+    of its terms, is reduce-scattered to the sequence shard [B, S/tp, D] (backward: all-gather).
+    Else it reads it as a plain tensor and its replicated output (the experts all-reduce) is sliced
+    to the shard. ``extra_outputs`` more outputs (GPT-OSS's router scores) pass through as they are."""
     keep = (None,) * extra_outputs
+    if partial_output:  # partial [B, S, D] -> reduce-scatter -> [B, S/tp, D]
+        return PrepareModuleOutput(output_layouts=(Partial(), *keep), desired_output_layouts=(Shard(1), *keep),
+                                   use_local_output=False)
     return PrepareModuleInputOutput(
         input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_input=True,
         output_layouts=(Replicate(), *keep), desired_output_layouts=(Shard(1), *keep), use_local_output=False,
@@ -202,13 +211,14 @@ def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool,
                    partial_output: bool = False) -> dict[str, ParallelStyle]:
     """Entries for one MoE block at ``path``: experts, router, shared experts and their gate. Without SP
     a block with shared experts (and no latent projection) sums its two partial ``[T, D]`` terms before
-    one all-reduce at its exit (``PartialBlockExit``); with SP each all-reduces its own. ``partial_output``
+    one all-reduce at its exit (``PartialBlockExit``); with SP (no latent projection) every block sums its
+    terms before one reduce-scatter at its exit (``moe_block_sp_style``). ``partial_output``
     (no latent projection): the block reads the norm's ``Replicate`` DTensor output (SP too) and returns
     its ``Partial`` sum for the decoder layer to reduce with another branch (``SummedBranchesLayer``)."""
     latents = [n for n in ("fc1_latent_proj", "fc2_latent_proj")  # NemotronH's optional latent projections
                if any(True for _ in getattr(block, n, nn.Identity()).parameters())]  # an Identity passes DTensors on
     shared_mlps = [n for n in ("shared_expert", "shared_experts") if getattr(block, n, None) is not None]
-    summed = (bool(shared_mlps) and not sequence_parallel or partial_output) and not latents
+    summed = (bool(shared_mlps) or sequence_parallel or partial_output) and not latents
     partial_out = PARTIAL_EXIT if summed else {}
     plan: dict[str, ParallelStyle] = {f"{path}.experts": GroupedExpertsParallel(partial_output=summed),
                                       f"{path}.gate": LocalReplicateParallel()}
@@ -219,10 +229,10 @@ def moe_block_plan(path: str, block: nn.Module, sequence_parallel: bool,
     # its sigmoid gate [T, 1] scales the partial shared term: a Replicate DTensor when summed
     plan[f"{path}.shared_expert_gate"] = LocalReplicateParallel(output_layouts=Replicate() if summed else None)
     plan.update({f"{path}.{latent}": LocalReplicateParallel() for latent in latents})
-    if summed and not partial_output:
+    if sequence_parallel and not partial_output:  # partial [B, S, D] -> reduce-scatter (latents: all-reduce, slice)
+        plan[path] = moe_block_sp_style(partial_output=summed)
+    elif summed and not partial_output:  # partial [B, S, D] -> all-reduce
         plan[path] = PartialBlockExit()
-    if sequence_parallel and not summed:
-        plan[path] = moe_block_sp_style()
     return plan
 
 

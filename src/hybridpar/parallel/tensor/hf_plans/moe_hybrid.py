@@ -3,8 +3,8 @@
 - MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, NemotronH ``moe`` layers, Granite 4.0-H, GPT-OSS):
   experts sharded on the intermediate dim (``GroupedExpertsParallel``, biases included), router
   replicated, shared experts column/row parallel inside the block (``moe.moe_block_plan``); under
-  SP the block reads the all-gathered norm output and returns the sequence shard
-  (``moe_block_sp_style``). GPT-OSS's attention sinks follow their heads (``HeadShardedSinks``).
+  SP the block reads the all-gathered norm output and reduce-scatters its partial sum to the
+  sequence shard (``moe_block_sp_style``). GPT-OSS's attention sinks follow their heads (``HeadShardedSinks``).
 - Mamba2 mixers of transformers classes (Falcon-H1, Bamba, NemotronH, GraniteMoeHybrid) running
   hybridpar's core (``install_mamba_core``; ``parallelize`` installs it) are sharded by heads
   (``HFMambaHeadParallel``), as ``HybridLM``'s mixer (``tensor/hybrid.py``); a mixer on
@@ -393,6 +393,6 @@ def gpt_oss_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paralle
     plan["model.layers.*.self_attn"] = HeadShardedSinks()
     for i in range(len(model.model.layers)):
         plan[f"model.layers.{i}.mlp.router"] = LocalReplicateParallel()
-        if sequence_parallel:  # the block returns (hidden states, router scores)
+        if sequence_parallel:  # the block returns (partial hidden states -> reduce-scatter, router scores)
             plan[f"model.layers.{i}.mlp"] = moe_block_sp_style(extra_outputs=1)
     return plan
