@@ -57,9 +57,7 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
     if layout.cp_attention == "ring" and layout.cp > 1:
         sources["cp_attention"] = ring_attention(layout)
     if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):
-        sources["tp_moe"], not_sent = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
-        for key, (calls, nbytes) in not_sent.items():  # MoE blocks under SP: no reduce-scatter at entry and exit
-            sources["tp_blocks"][key] = [sources["tp_blocks"][key][0] - calls, sources["tp_blocks"][key][1] - nbytes]
+        sources["tp_moe"] = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
     if layout.lora_rank and "fsdp" in sources:
         sources["fsdp"] = lora_fsdp(layout, sources["fsdp"])
     if layout.checkpointing != "none":
@@ -80,7 +78,7 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
             extra.add("all_reduce", dim_label(layout.dims, ("tp",)), sums,  # squares [Tc, 1] again
                       c.pattern.count("M") * layout.packs_per_rank)
         if "tp_moe" in sources:
-            extra = extra + moe_traffic(layout, recomputed=True)[0]
+            extra = extra + moe_traffic(layout, recomputed=True)
         sources["recompute"] = extra
     return sources
 

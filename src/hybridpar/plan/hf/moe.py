@@ -89,50 +89,42 @@ def moe_workspaces(layout: Layout) -> tuple[int, int]:
     return forward, backward
 
 
-def moe_traffic(layout: Layout, recomputed: bool = False) -> tuple[Tally, Tally]:
-    """``(extra, not_sent)``: TP collectives of ``E`` blocks and fused MLPs beyond, and of
-    ``parallel.comm.step.tp_blocks``' entry and exit pairs not sent, per step. Per ``E`` block:
+def moe_traffic(layout: Layout, recomputed: bool = False) -> Tally:
+    """TP collectives of ``E`` blocks and fused MLPs beyond ``parallel.comm.step.tp_blocks``' entry and
+    exit pairs, per step. Per ``E`` block:
 
     - the routing weights' gradient ``[Tc, k] w_r`` all-reduced (backward, ``replicated_local``);
     - without SP, the experts and shared experts (NemotronH) or ``shared_mlp`` (Granite) sum their partial
       outputs before the one exit all-reduce (``PartialBlockExit``; Granite's layer reduces its
       branches once, ``SummedBranchesLayer``): nothing beyond the exit;
-    - under SP NemotronH's MoE block reads the gathered norm output as a plain tensor and is sliced
-      back to the sequence shard (``moe_block_sp_style``): its experts and its shared experts
-      all-reduce ``[Tc, D]`` forward and their input's gradient backward, and the block sends neither
-      of the pair's reduce-scatters (+4 all-reduces, -2 reduce-scatters). Granite's MoE block and
-      ``shared_mlp`` leave ``Partial`` outputs that the layer reduce-scatters once, as an MLP's exit;
-      the gradient of each branch's output is all-gathered once (+1 all-gather ``[Ts, D]``).
+    - under SP the block reads the gathered norm output and leaves its experts' and shared experts'
+      (NemotronH) or ``shared_mlp``'s (Granite) terms ``Partial``, reduce-scattered once at the exit
+      as an MLP's; Granite's layer all-gathers each branch output's gradient once (+1 all-gather
+      ``[Ts, D]``, ``SummedBranchesLayer``).
 
     Each fused gated MLP: forward all-gather of ``[Tc, 2 Is/tp]``, backward all-gather of the
     gradient of ``output_linear``'s input slice ``[Tc, Is/tp]``.
 
     ``recomputed``: what a checkpoint's recomputation runs again (``full``/``selective``): each fused
-    MLP's forward all-gather, and under SP each NemotronH ``E`` block's experts' all-reduce (its shared
-    experts, which come after it, are kept)."""
-    extra, not_sent, c, tp = Tally(), Tally(), layout.model, layout.tp
+    MLP's forward all-gather."""
+    extra, c, tp = Tally(), layout.model, layout.tp
     if tp == 1:
-        return extra, not_sent
+        return extra
     label, tc, e, packs = dim_label(layout.dims, ("tp",)), layout.tokens, layout.act_bytes, layout.packs_per_rank
     blocks, fused = c.pattern.count("E") * packs, c.mlp_fused
-    stream = _ring("all_reduce", tp, tc * c.hidden_size * e)
     gathered = _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e)  # Granite: the shared_mlp's
     if recomputed:
-        extra.add("all_reduce", label, stream, blocks if layout.sp and not fused else 0)
         extra.add("all_gather", label, gathered, (blocks + c.pattern.count("-") * packs) if fused else 0)
-        return extra, not_sent
+        return extra
     weight = layout.compute_bytes if c.moe_router == "sigmoid" else e
     extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.moe_top_k * weight), blocks)
     if layout.sp and fused:
         extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e), blocks)
-    elif layout.sp:
-        extra.add("all_reduce", label, stream, 4 * blocks)
-        not_sent.add("reduce_scatter", label, _ring("reduce_scatter", tp, tc * c.hidden_size * e), 2 * blocks)
     if fused:
         mlps = blocks + c.pattern.count("-") * packs
         extra.add("all_gather", label, gathered, mlps)
         extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e), mlps)
-    return extra, not_sent
+    return extra
 
 
 def moe_matmul_elements(config) -> int:
