@@ -107,7 +107,7 @@ def test_a_hybrid_lm_of_something_else_than_a_hybrid_config_is_one_line():
 
 def test_api_paths_and_configs_of_the_wrong_kind_are_one_line(tmp_path):
     """``load_config(5)``, ``load_hf(5)``, ``save_hf(model, 5)`` were os.fspath's TypeError, ``make_plan("run.yaml")``
-    and ``add_lora("model")`` an AttributeError, and ``load_config(None, "train.steps=3")`` read the string letter by letter ("override 't'")."""
+    and ``add_lora("model")`` an AttributeError, ``make_plan(docs_per_pack=0)`` a plan, and ``load_config(None, "train.steps=3")`` read the string letter by letter ("override 't'")."""
     import hybridpar as hp
 
     model = hp.HybridLM(hp.HybridConfig())
@@ -119,6 +119,8 @@ def test_api_paths_and_configs_of_the_wrong_kind_are_one_line(tmp_path):
                        (lambda: hp.export_causal_lm(model, 5), "out_dir=5 is not a path"),
                        (lambda: hp.make_plan("run.yaml"), "the run config 'run.yaml' is not a RunConfig (type str)"),
                        (lambda: hp.make_plan(hp.load_config(None), world_size=0), "world_size=0 must be an integer >= 1"),
+                       (lambda: hp.make_plan(hp.load_config(None), docs_per_pack=0), "docs_per_pack=0 must be an integer"),
+                       (lambda: hp.make_plan(hp.load_config(None), docs_per_pack=1.5), "docs_per_pack=1.5 must be"),
                        (lambda: hp.add_lora("model", r=4), "add_lora takes the model (an nn.Module), got 'model'")):
         with pytest.raises(ValueError) as error:
             call()
