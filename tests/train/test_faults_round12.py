@@ -207,3 +207,30 @@ def test_a_text_file_with_classic_mac_line_ends_is_split_into_its_documents(tmp_
     for split, count in (("paragraph", 3), ("line", 3)):
         docs = text_documents(tmp_path / "mac.txt", split=split)
         assert len(docs) == count and all(13 not in doc for doc in docs), (split, docs)
+
+
+def test_shard_inputs_and_canonical_state_arguments_of_the_wrong_kind_are_one_line():
+    """``shard_inputs`` with a list for ``input_ids``, cu_seqlens for ``packed`` or a string for ``cp_group``, and
+    ``canonical_state_dict`` / ``load_canonical_state_dict`` given no module, were an ``AttributeError`` from inside
+    (``'list' object has no attribute 'dim'``)."""
+    import torch
+
+    import hybridpar as hp
+    from hybridpar.data.thd import PackedSeqParams
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 8], dtype=torch.int32))
+    for kwargs, said in ((dict(input_ids=[[1, 2]]), "input_ids must be a torch.Tensor or None, got list"),
+                         (dict(input_ids=ids, labels="x"), "labels must be a torch.Tensor or None, got str"),
+                         (dict(input_ids=ids, packed=[0, 8]), "packed must be a PackedSeqParams or None, got list"),
+                         (dict(input_ids=ids, packed=packed, cp_group="cp"), "cp_group must be a torch.distributed")):
+        with pytest.raises(ValueError) as error:
+            hp.shard_inputs(**kwargs)
+        assert said in one_line(error)
+    assert hp.shard_inputs(input_ids=ids, packed=packed).input_ids.shape == (1, 8)
+    for call, said in ((lambda: hp.canonical_state_dict("model"), "canonical_state_dict takes the model"),
+                       (lambda: hp.load_canonical_state_dict(None, {}), "load_canonical_state_dict takes the model"),
+                       (lambda: hp.load_canonical_state_dict(torch.nn.Linear(2, 2), [1]), "state must be a dict")):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert said in one_line(error)

@@ -60,9 +60,16 @@ def _full(t: Tensor) -> Tensor:
 
 
 @torch.no_grad()
+def _check_module(model, caller: str) -> None:
+    """One line before any collective: ``model`` must be an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{caller} takes the model (an nn.Module), got {type(model).__name__}.")
+
+
 def canonical_state_dict(model: nn.Module, grads: bool = False) -> dict[str, Tensor]:
     """Full tensors under single-device names (see the module docstring); ``grads=True`` gives
     the same for ``.grad`` (parameters without a gradient are left out). Collective."""
+    _check_module(model, "canonical_state_dict")
     components = _components(model)
     out: dict[str, Tensor | None] = {}
     parts: dict[str, dict[int, Tensor]] = {}
@@ -97,6 +104,9 @@ def _shard_like(full: Tensor, param: DTensor) -> Tensor:
 def load_canonical_state_dict(model: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
     """Copy full canonical tensors (``canonical_state_dict``'s format) into ``model``'s
     parameters, sharded like each parameter. ``strict``: every key used, every parameter set."""
+    _check_module(model, "load_canonical_state_dict")
+    if not isinstance(state, dict):
+        raise ValueError(f"load_canonical_state_dict: state must be a dict of name -> tensor, got {type(state).__name__}.")
     components = _components(model)
     used, missing = set(), []
     for name, param in model.named_parameters():

@@ -61,6 +61,9 @@ def group_size_and_rank(group: dist.ProcessGroup | None, name: str) -> tuple[int
     """``(size, rank)`` of this process in ``group``; ``None`` means a group of one."""
     if group is None:
         return 1, 0
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}; pass "
+                         f"the mesh dimension's group, e.g. mesh['{name.removesuffix('_group')}'].get_group().")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise ValueError(
@@ -110,8 +113,17 @@ def shard_inputs(
     """
     if seq_dim not in (0, 1):
         raise ValueError(
-            f"seq_dim must be 0 (sequence-first [S, B, ...]) or 1 (batch-first [B, S, ...]), got {seq_dim}."
+            f"seq_dim must be 0 (sequence-first [S, B, ...]) or 1 (batch-first [B, S, ...]), got {seq_dim!r:.40}."
         )
+    tensors = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, labels=labels, loss_mask=loss_mask,
+                   position_ids=position_ids, attention_mask=attention_mask)
+    for name, value in tensors.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise ValueError(f"shard_inputs: {name} must be a torch.Tensor or None, got {type(value).__name__}; "
+                             "pass the batch's tensors (torch.as_tensor for a list).")
+    if packed is not None and not isinstance(packed, PackedSeqParams):
+        raise ValueError(f"shard_inputs: packed must be a PackedSeqParams or None, got {type(packed).__name__}; build "
+                         "it with PackedSeqParams.from_cu_seqlens(cu_seqlens).")
     cp_size, cp_rank = group_size_and_rank(cp_group, "cp_group")
     tp_size, tp_rank = group_size_and_rank(tp_group, "tp_group")
     if attention_mask is not None and cp_size > 1:
