@@ -61,7 +61,7 @@ def group_size_and_rank(group: dist.ProcessGroup | None, name: str) -> tuple[int
     """``(size, rank)`` of this process in ``group``; ``None`` means a group of one."""
     if group is None:
         return 1, 0
-    if not isinstance(group, dist.ProcessGroup):
+    if not isinstance(group, dist.ProcessGroup) and group != dist.GroupMember.NON_GROUP_MEMBER:  # (not a member: below)
         raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}; pass "
                          f"the mesh dimension's group, e.g. mesh['{name.removesuffix('_group')}'].get_group().")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
