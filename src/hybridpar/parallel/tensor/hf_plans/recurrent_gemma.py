@@ -47,40 +47,42 @@ HEAD_SHARDED = "_hybridpar_head_sharded"  # read by mixers.rglru.rglru_training_
 
 
 class LocalHeadsBlock(MambaHeadParallel):
-    """A block computing on its local heads: the parameters of ``sharded(module)`` are ``Shard(0)`` (their
-    rows are heads), those of ``summed(module)`` replicated with their gradient summed over TP (every rank's
-    heads read them), ``out`` row-parallel; the input is made plain (``local_mixer_input``)."""
+    """A block computing on its local heads: the parameters of the children named in ``sharded`` are
+    ``Shard(0)`` (their rows are heads), those named in ``summed`` replicated with their gradient summed
+    over TP (every rank's heads read them), ``out`` row-parallel; the input is made plain
+    (``local_mixer_input``)."""
 
     out = ""
+    sharded_children: tuple[str, ...] = ()
+    summed_children: tuple[str, ...] = ()
     lora_kinds: dict[str, str] = {}  # parallel/lora.py: how a LoRA on a child pairs (absent: refused)
 
     def __init__(self, *, sequence_parallel: bool = False):
         super().__init__(sequence_parallel=sequence_parallel)
         self.use_local_output = not sequence_parallel  # read by tp_check's SP rules
 
-    def sharded(self, module: nn.Module, tp: int) -> tuple[nn.Module, ...]:
-        raise NotImplementedError
+    def sharded(self, module: nn.Module) -> tuple[nn.Module, ...]:
+        return tuple(module.get_submodule(name) for name in self.sharded_children)
 
-    def summed(self, module: nn.Module, tp: int) -> tuple[nn.Module, ...]:
-        return ()
+    def summed(self, module: nn.Module) -> tuple[nn.Module, ...]:
+        return tuple(module.get_submodule(name) for name in self.summed_children)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = device_mesh.size()
-        self.check(type(module).__name__, module, tp)
-        for placement, subs in ((Shard(0), self.sharded(module, tp)), (Replicate(), self.summed(module, tp))):
+        self.check(type(module).__name__, module, device_mesh.size())
+        for placement, subs in ((Shard(0), self.sharded(module)), (Replicate(), self.summed(module))):
             for sub in subs:
                 for name in list(sub._parameters):
                     self._shard(sub, name, device_mesh, placement)
         row_parallel_exit(getattr(module, self.out), device_mesh, self.sequence_parallel)  # [B, S, W/tp] in
-        module.register_forward_pre_hook(partial(self._enter_local, tp, device_mesh), with_kwargs=True)
+        module.register_forward_pre_hook(partial(self._enter_local, device_mesh), with_kwargs=True)
         module.register_forward_hook(self._exit, always_call=True)  # restore even if forward raises
         setattr(module, HEAD_SHARDED, True)
         return module
 
-    def _enter_local(self, tp: int, mesh: DeviceMesh, module: nn.Module, args, kwargs):
+    def _enter_local(self, mesh: DeviceMesh, module: nn.Module, args, kwargs):
         args, kwargs = local_mixer_input(mesh, args, kwargs)  # [B, S, D] plain; backward: partial -> all-reduce
-        summed, saved = self.summed(module, tp), []
-        for sub in (*self.sharded(module, tp), *summed):
+        summed, saved = self.summed(module), []
+        for sub in (*self.sharded(module), *summed):
             for name, param in list(sub._parameters.items()):
                 if isinstance(param, DTensor):
                     saved.append((sub, name, param))
@@ -97,6 +99,7 @@ class RglruHeadParallel(LocalHeadsBlock):
     """A switched RG-LRU block by heads (module docstring)."""
 
     out = "linear_out"
+    sharded_children = ("linear_x", "linear_y", "conv_1d", "rg_lru")
     lora_kinds = {"linear_x": "components", "linear_y": "components", "linear_out": "rowwise"}
 
     def check(self, name: str, module: nn.Module, tp: int) -> None:
@@ -107,8 +110,6 @@ class RglruHeadParallel(LocalHeadsBlock):
         if problem:
             raise ValueError(problem + ".")
 
-    def sharded(self, module: nn.Module, tp: int) -> tuple[nn.Module, ...]:
-        return module.linear_x, module.linear_y, module.conv_1d, module.rg_lru
 
 
 def mqa_problem(name: str, module: nn.Module, tp: int) -> str | None:
@@ -129,6 +130,7 @@ class MQAHeadParallel(LocalHeadsBlock):
     per rank (``H/tp``)."""
 
     out = "o_proj"
+    sharded_children, summed_children = ("q_proj",), ("k_proj", "v_proj")
     lora_kinds = {"q_proj": "components", "o_proj": "rowwise"}
 
     def check(self, name: str, module: nn.Module, tp: int) -> None:
@@ -136,11 +138,6 @@ class MQAHeadParallel(LocalHeadsBlock):
         if problem:
             raise ValueError(problem + ".")
 
-    def sharded(self, module: nn.Module, tp: int) -> tuple[nn.Module, ...]:
-        return (module.q_proj,)
-
-    def summed(self, module: nn.Module, tp: int) -> tuple[nn.Module, ...]:
-        return module.k_proj, module.v_proj
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.check(type(module).__name__, module, device_mesh.size())
