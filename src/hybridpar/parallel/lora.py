@@ -60,7 +60,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridpar.models.hf.mixers.gdn import MARK as GDN_MARK
-from hybridpar.models.hf.mixers.kda import KDA_MARK
 from hybridpar.models.lora import LORA_PARAMETERS, lora_forward_hook, lora_modules
 from hybridpar.models.lora_experts import GateUpB, adapter_child, expert_lora_modules
 from hybridpar.models.hf.mixers.mamba1 import MAMBA1_MARK
@@ -140,7 +139,7 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
         for style in above:
             mixer = modules.get(prefix)
             kinds = getattr(style, "lora_kinds", None)
-            if kinds is not None:  # a block style naming its children's pairings (hf_plans/recurrent_gemma.py)
+            if kinds is not None:  # a block style naming its children's pairings (hf_plans/local_heads.py)
                 return (kinds.get(atoms[-1]) if cut == len(atoms) - 1 else None), repr(style)
             ours = isinstance(mixer, Mamba2Mixer) or getattr(mixer, MAMBA_CORE_MARK, False)
             if getattr(mixer, GDN_MARK, False) and not isinstance(style, LocalReplicateParallel):
@@ -148,8 +147,6 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
                 kind = ("rowwise" if atoms[-1] in ("out_proj", "o_proj") else "components") \
                     if cut == len(atoms) - 1 else None
                 return kind, repr(style)
-            if getattr(mixer, KDA_MARK, False) and not isinstance(style, LocalReplicateParallel):
-                return None, repr(style)  # KDAHeadParallel: no LoRA pairing yet
             if getattr(mixer, MAMBA1_MARK, False) and not isinstance(style, LocalReplicateParallel):
                 # Mamba1ChannelParallel: in_proj per component, dt_proj by rows (on local tensors), out_proj
                 # rowwise; x_proj (row-parallel, its output all-reduced inside the mixer) has no pairing

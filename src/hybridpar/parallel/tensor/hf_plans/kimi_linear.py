@@ -21,19 +21,17 @@ exports fuse it back to transformers' name. Exactness: ``tests/distributed/tenso
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hybridpar.models.hf.mixers.kda import KDA_MARK
 from hybridpar.parallel.tensor.hf_plans.dense import register_hf_plan
 from hybridpar.parallel.tensor.hf_plans.mla import mla_attention_plan, validate_mla
-from hybridpar.parallel.tensor.hybrid import MambaHeadParallel, SplitConv1d
+from hybridpar.parallel.tensor.hf_plans.local_heads import LocalHeadsBlock
+from hybridpar.parallel.tensor.hybrid import SplitConv1d
 from hybridpar.parallel.tensor.moe import moe_decoder_plan
-from hybridpar.parallel.tensor.styles import AllReduceGrad, local_mixer_input, row_parallel_exit
 
 __all__ = ["split_kda", "KDAHeadParallel", "kimi_linear_plan"]
 
@@ -48,20 +46,15 @@ def split_kda(layer: nn.Module) -> None:
         layer.conv1d = SplitConv1d(layer.conv1d, dict(q=width, k=width, v=width))
 
 
-def _parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(modules sharded by heads on dim 0, replicated modules with gradients summed over TP)."""
-    gate = layer.forget_gate
-    return ([layer.conv1d, gate.f_b_proj, *(getattr(layer, p) for p in _BY_HEADS)],
-            [gate.f_a_proj, *(getattr(layer, p) for p in _REPLICATED)])
-
-
-class KDAHeadParallel(MambaHeadParallel):
+class KDAHeadParallel(LocalHeadsBlock):
     """Shard a switched Kimi Delta Attention by heads (module docstring); ``sequence_parallel``: the
     output is reduce-scattered to a ``Shard(1)`` DTensor ``[B, S/tp, D]``."""
 
-    def __init__(self, *, sequence_parallel: bool = False):
-        super().__init__(sequence_parallel=sequence_parallel)
-        self.use_local_output = not sequence_parallel  # read by tp_check's SP rules
+    out = "o_proj"
+    sharded_children = ("conv1d", "forget_gate.f_b_proj", *_BY_HEADS)
+    summed_children = ("forget_gate.f_a_proj", *_REPLICATED)
+    localized_children = ("forget_gate",)  # A_log [1, 1, H, 1] and dt_bias [H d], sharded in _apply
+    lora_kinds: dict[str, str] = {}  # no LoRA pairing yet: refused at tp > 1 (parallel/lora.py)
 
     def check(self, name: str, module: nn.Module, tp: int) -> None:
         if not getattr(module, KDA_MARK, False):
@@ -74,42 +67,9 @@ class KDAHeadParallel(MambaHeadParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.check(type(module).__name__, module, device_mesh.size())
         split_kda(module)
-        sharded, replicated = _parts(module)
-        gate = module.forget_gate
-        self._shard(gate, "A_log", device_mesh, Shard(2))  # [1, 1, H, 1]
-        self._shard(gate, "dt_bias", device_mesh, Shard(0))  # [H d]
-        for sub in sharded:
-            for name in list(sub._parameters):
-                self._shard(sub, name, device_mesh, Shard(0))
-        for sub in replicated:
-            for name in list(sub._parameters):
-                self._shard(sub, name, device_mesh, Replicate())
-        row_parallel_exit(module.o_proj, device_mesh, self.sequence_parallel)  # o_local [B, S, h d]
-        module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
-        module.register_forward_hook(self._exit, always_call=True)  # restore even if forward raises
-        return module
-
-    @staticmethod
-    def _enter(mesh: DeviceMesh, layer: nn.Module, args, kwargs):
-        args, kwargs = local_mixer_input(mesh, args, kwargs)  # u: partial gradient -> one all-reduce
-        sharded, replicated = _parts(layer)
-        saved = []
-        for sub in (layer.forget_gate, *sharded, *replicated):
-            for name, param in list(sub._parameters.items()):
-                if isinstance(param, DTensor):
-                    saved.append((sub, name, param))
-                    local = param.to_local()
-                    # replicated parts: every rank's heads give part of their gradient
-                    sub._parameters[name] = AllReduceGrad.apply(local, mesh.get_group()) if sub in replicated else local
-        layer.__dict__.setdefault("_tp_saved_parameters", []).append(saved)
-        return args, kwargs
-
-    @staticmethod
-    def _exit(layer: nn.Module, args, output):
-        stack = layer.__dict__.get("_tp_saved_parameters")
-        for sub, name, param in stack.pop() if stack else ():
-            sub._parameters[name] = param
-        return output
+        self._shard(module.forget_gate, "A_log", device_mesh, Shard(2))
+        self._shard(module.forget_gate, "dt_bias", device_mesh, Shard(0))
+        return super()._apply(module, device_mesh)
 
 
 def _validate(model: nn.Module, tp: int) -> None:
