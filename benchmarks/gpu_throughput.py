@@ -27,18 +27,23 @@ the mean number of keys a token sees in its document, and chunk size ``Q``:
       (SSD: intra-chunk C B^T over groups and its product with x, chunk states, state outputs)
 
     python benchmarks/gpu_throughput.py [--budget-s 450] [--out benchmarks/results] [--mamba-kernel pure]
+    python benchmarks/gpu_throughput.py --rows 1b:8192:bf16-fused,small:8192:fp32-eager --append
     python benchmarks/gpu_throughput.py --dry-run     # CPU, tiny shapes: exercises every path
 
+``--rows`` measures only the rows named (``model:tokens:variant``); ``--append`` keeps the rows of an
+earlier run in ``--out``'s JSON and replaces those measured again (two calls on a GPU lease).
+
 Writes ``gpu_throughput.json`` (``{"device", "torch", "date", "command", "rows": [{"model",
-"tokens", "variant", "step_s", "tokens_per_s", "mfu", "peak_gib", "graph_breaks"}]}``) and
+"tokens", "variant", "step_s", "tokens_per_s", "mfu", "peak_gib", "graph_breaks", "note"}]}``) and
 ``gpu_throughput.md``. A row that does not fit (out of memory), fails (the error) or is skipped
-for time has null numbers and a note in the Markdown. Without CUDA (and without ``--dry-run``) it refuses.
+for time has null numbers and says why in its note. Without CUDA (and without ``--dry-run``) it refuses.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import gc
 import json
 import shlex
@@ -70,8 +75,15 @@ VARIANTS = ("fp32-eager", "bf16-fused", "bf16-fused-compiled")
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
                 max_position_embeddings=131072, rope_theta=500000.0)
-FULL_PLAN = [("small", 131072), ("1b", 8192), ("1b", 32768), ("llama-1b", 8192), ("small", 8192), ("small", 32768)]
-DRY_PLAN = [("tiny", 128), ("llama-tiny", 128)]
+# Rows in the order they run: the issue's bars first (small at 128K against its float32 baseline,
+# 1b's MFU, the Llama pair), then 1b's baselines, the compiled rows, and small at 8K and 32K; a run
+# cut short by --budget-s loses the last.
+FULL_PLAN = [("small", 131072, "fp32-eager"), ("small", 131072, "bf16-fused"), ("1b", 8192, "bf16-fused"),
+             ("1b", 32768, "bf16-fused"), ("llama-1b", 8192, "transformers-sdpa"), ("llama-1b", 8192, "bf16-fused"),
+             ("1b", 8192, "fp32-eager"), ("1b", 32768, "fp32-eager"), ("1b", 8192, "bf16-fused-compiled"),
+             ("1b", 32768, "bf16-fused-compiled"), ("small", 131072, "bf16-fused-compiled"),
+             *((("small", t, v) for t in (8192, 32768) for v in VARIANTS))]
+DRY_PLAN = [("tiny", 128, v) for v in VARIANTS] + [("llama-tiny", 128, v) for v in ("transformers-sdpa", "bf16-fused")]
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -182,16 +194,16 @@ def _plain_transformers_step(model: nn.Module, ids: torch.Tensor, packed: Packed
 
 def measure(name: str, tokens: int, variant: str, device, compile_backend, peak, quick: bool = False,
             mamba_kernel: str = "auto") -> tuple[dict, str]:
-    """One row (the issue's schema) and a note for the Markdown."""
+    """One row (the issue's schema; its ``note`` says what else the reader needs)."""
     from torch._dynamo.utils import counters
 
-    row = {"model": name, "tokens": tokens, "variant": variant, "step_s": None, "tokens_per_s": None, "mfu": None,
-           "peak_gib": None, "graph_breaks": None}
+    row = empty_row(name, tokens, variant)
     lengths = doc_lengths(tokens)
     set_tf32(variant != "fp32-eager")  # today's float32 path ran without TF32
     torch._dynamo.reset()
     counters.clear()
     note = "selective checkpointing" if checkpointing_for(tokens, variant) == "selective" else ""
+    faulthandler.dump_traceback_later(180, exit=False)  # a row stuck for 3 minutes prints where it is
     try:
         with use_mamba_kernel("pure" if variant == "fp32-eager" else mamba_kernel):
             step, model, flops = build_case(name, variant, lengths, device, compile_backend)
@@ -220,11 +232,35 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
         traceback.print_exc()
         note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
     finally:
+        faulthandler.cancel_dump_traceback_later()
         model = step = None  # noqa: F841
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return row, note
+    return {**row, "note": note}
+
+
+def empty_row(name: str, tokens: int, variant: str, note: str = "") -> dict:
+    return {"model": name, "tokens": tokens, "variant": variant, "step_s": None, "tokens_per_s": None, "mfu": None,
+            "peak_gib": None, "graph_breaks": None, "note": note}
+
+
+def parse_rows(spec: str) -> list[tuple[str, int, str]]:
+    """``"1b:8192:bf16-fused,small:8192:fp32-eager"`` as plan entries."""
+    rows = []
+    for item in filter(None, spec.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or not parts[1].isdigit():
+            raise SystemExit(f"gpu_throughput: --rows entry {item!r} is not model:tokens:variant (e.g. 1b:8192:bf16-fused)")
+        rows.append((parts[0], int(parts[1]), parts[2]))
+    return rows
+
+
+def merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
+    """``earlier`` rows not measured again, then ``rows``."""
+    key = lambda row: (row["model"], row["tokens"], row["variant"])  # noqa: E731
+    again = {key(row) for row in rows}
+    return [row for row in earlier if key(row) not in again] + rows
 
 
 def _sync(device) -> None:
@@ -240,7 +276,7 @@ def kernels_line(device) -> str:
     return f"Mamba core of the bf16 rows: {kernel} ({reason}); fp32-eager rows: the pure-PyTorch core."
 
 
-def markdown(meta: dict, rows: list[dict], notes: list[str], kernels: str) -> str:
+def markdown(meta: dict, rows: list[dict], kernels: str) -> str:
     def f(value, digits=2):
         return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -248,11 +284,11 @@ def markdown(meta: dict, rows: list[dict], notes: list[str], kernels: str) -> st
              f"Date: {meta['date']}  ", f"Device: {meta['device']}, torch {meta['torch']}  ", kernels, "",
              "| model | tokens | variant | step s | tokens/s | MFU | peak GiB | graph breaks | note |",
              "|---|---:|---|---:|---:|---:|---:|---:|---|"]
-    for row, note in sorted(zip(rows, notes), key=lambda rn: (rn[0]["model"], rn[0]["tokens"])):
+    for row in sorted(rows, key=lambda row: (row["model"], row["tokens"])):
         mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
         breaks = "-" if row["graph_breaks"] is None else str(row["graph_breaks"])
         lines.append(f"| {row['model']} | {row['tokens']:,} | {row['variant']} | {f(row['step_s'], 3)} | "
-                     f"{f(row['tokens_per_s'], 0)} | {mfu} | {f(row['peak_gib'])} | {breaks} | {note} |")
+                     f"{f(row['tokens_per_s'], 0)} | {mfu} | {f(row['peak_gib'])} | {breaks} | {row.get('note', '')} |")
     lines += ["", "MFU: model FLOPs per token (docstring of benchmarks/gpu_throughput.py) x tokens/s / dense bf16 peak.", ""]
     return "\n".join(lines)
 
@@ -264,13 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (compile backend 'eager')")
     parser.add_argument("--mamba-kernel", choices=("auto", "pure"), default="auto",
                         help="the bf16 rows' Mamba core: auto (FLA's when it imports) or the pure-PyTorch one")
+    parser.add_argument("--rows", default="", help="only these rows: model:tokens:variant[,...] (default: all)")
+    parser.add_argument("--append", action="store_true", help="keep --out's earlier rows; replace those measured again")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_throughput: no CUDA device here; run it on a GPU machine (or pass --dry-run on CPU).", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(device)
-    plan = DRY_PLAN if args.dry_run else FULL_PLAN
+    plan = parse_rows(args.rows) if args.rows else DRY_PLAN if args.dry_run else FULL_PLAN
     compile_backend = "eager" if args.dry_run else True
     meta = {"device": device_name, "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -278,22 +316,25 @@ def main(argv: list[str] | None = None) -> int:
     with use_mamba_kernel(args.mamba_kernel):
         kernels = kernels_line(device)
     print(kernels, flush=True)
-    rows, notes, started = [], [], time.perf_counter()
-    for name, tokens in plan:
-        variants = ("transformers-sdpa", "bf16-fused") if name.startswith("llama") else VARIANTS
-        for variant in variants:
-            if time.perf_counter() - started > args.budget_s:
-                row, note = {"model": name, "tokens": tokens, "variant": variant, "step_s": None, "tokens_per_s": None,
-                             "mfu": None, "peak_gib": None, "graph_breaks": None}, f"skipped: past --budget-s {args.budget_s:g}"
-            else:
-                row, note = measure(name, tokens, variant, device, compile_backend, peak_flops(device_name),
-                                    quick=args.dry_run, mamba_kernel=args.mamba_kernel)
-            rows.append(row)
-            notes.append(note)
-            print(json.dumps(row), note, flush=True)
-            harness.write_results("gpu_throughput", {**meta, "rows": rows}, markdown(meta, rows, notes, kernels),
-                                  out=args.out, echo=False)
-    print(markdown(meta, rows, notes, kernels))
+    earlier = []
+    if args.append and (args.out / "gpu_throughput.json").exists():
+        before = json.loads((args.out / "gpu_throughput.json").read_text())
+        earlier = before["rows"]
+        meta["command"] = f"{before['command']} && {meta['command']}"
+        meta["date"] = f"{before['date']} and {meta['date']}"
+    rows, started = [], time.perf_counter()
+    for name, tokens, variant in plan:
+        if time.perf_counter() - started > args.budget_s:
+            row = empty_row(name, tokens, variant, f"skipped: past --budget-s {args.budget_s:g}")
+        else:
+            row = measure(name, tokens, variant, device, compile_backend, peak_flops(device_name),
+                          quick=args.dry_run, mamba_kernel=args.mamba_kernel)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        everything = merged(earlier, rows)
+        harness.write_results("gpu_throughput", {**meta, "rows": everything}, markdown(meta, everything, kernels),
+                              out=args.out, echo=False)
+    print(markdown(meta, merged(earlier, rows), kernels))
     return 0
 
 

@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_throughput.py"
-KEYS = ["model", "tokens", "variant", "step_s", "tokens_per_s", "mfu", "peak_gib", "graph_breaks"]
+KEYS = ["model", "tokens", "variant", "step_s", "tokens_per_s", "mfu", "peak_gib", "graph_breaks", "note"]
 
 
 def _module():
@@ -37,6 +37,24 @@ def test_dry_run_writes_every_variant_in_the_issue_schema(tmp_path):
         assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_s"])
         assert row["graph_breaks"] == 0
     assert "| tiny | 128 | bf16-fused-compiled |" in (tmp_path / "gpu_throughput.md").read_text()
+    again = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--append", "--rows",
+                            "tiny:128:fp32-eager"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    appended = json.loads((tmp_path / "gpu_throughput.json").read_text())
+    assert [(r["model"], r["variant"]) for r in appended["rows"]] == [  # the row measured again goes last
+        ("tiny", "bf16-fused"), ("tiny", "bf16-fused-compiled"), ("llama-tiny", "transformers-sdpa"),
+        ("llama-tiny", "bf16-fused"), ("tiny", "fp32-eager")]
+    assert appended["command"].count("gpu_throughput.py") == 2
+
+
+def test_rows_are_model_tokens_variant():
+    module = _module()
+    assert module.parse_rows("1b:8192:bf16-fused,small:131072:fp32-eager") == [
+        ("1b", 8192, "bf16-fused"), ("small", 131072, "fp32-eager")]
+    with pytest.raises(SystemExit, match="not model:tokens:variant"):
+        module.parse_rows("1b:8k:bf16-fused")
+    assert len(module.FULL_PLAN) == 17 and module.FULL_PLAN[:2] == [("small", 131072, "fp32-eager"),
+                                                                   ("small", 131072, "bf16-fused")]
 
 
 def test_without_cuda_it_refuses_in_one_line(tmp_path, monkeypatch, capsys):
