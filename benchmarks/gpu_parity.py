@@ -105,7 +105,11 @@ def state_parity(device) -> list[tuple[str, float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--autotune-keep", type=int, default=0,
+                        help="Triton autotuners time at most this many configs each (0: all; a short lease: 3)")
     args = parser.parse_args()
+    if torch.cuda.is_available():
+        harness.limit_autotune(args.autotune_keep)
     if not torch.cuda.is_available():
         print("gpu_parity: no CUDA device here; run it on a GPU machine.", file=sys.stderr)
         return 2

@@ -302,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the bf16 rows' Mamba core: auto (FLA's when it imports) or the pure-PyTorch one")
     parser.add_argument("--rows", default="", help="only these rows: model:tokens:variant[,...] (default: all)")
     parser.add_argument("--append", action="store_true", help="keep --out's earlier rows; replace those measured again")
+    parser.add_argument("--autotune-keep", type=int, default=0,
+                        help="Triton autotuners time at most this many configs each (0: all; a short lease: 3)")
     args = parser.parse_args(argv)
+    if torch.cuda.is_available():
+        harness.limit_autotune(args.autotune_keep)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_throughput: no CUDA device here; run it on a GPU machine (or pass --dry-run on CPU).", file=sys.stderr)
         return 2

@@ -12,7 +12,8 @@
 - ``environment(script, argv)``: the command, date, device, torch and Python versions, CPU count
   and load average; ``header(title, meta)`` opens a Markdown report with them.
 - ``write_results(name, record, markdown)``: ``benchmarks/results/<name>.json`` and ``.md``;
-  ``parity_sections`` / ``write_parity``: the GPU parity scripts' rows, report and verdict.
+  ``parity_sections`` / ``write_parity``: the GPU parity scripts' rows, report and verdict;
+  ``limit_autotune(keep)``: Triton autotuners time ``keep`` configs each (a short GPU lease).
 
 Importing this module puts this checkout's ``src/`` and root first on ``sys.path`` (its
 ``hybridpar`` and ``tests`` helpers). A script on the harness::
@@ -187,7 +188,30 @@ def parity_sections(runs: dict[str, Callable[[], list]], tolerance: float) -> di
             traceback.print_exc()
             sections[name] = [{"quantity": "fused kernel", "rel": None, "ok": False,
                                "error": f"{type(error).__name__}: {error}"[:300]}]
+        worst = max(sections[name], key=lambda row: float("inf") if row["rel"] is None else row["rel"])
+        print(f"parity {name}: worst {worst['quantity']} {worst['rel']}, {'ok' if worst['ok'] else 'FAIL'}", flush=True)
     return sections
+
+
+def limit_autotune(keep: int) -> None:
+    """Triton autotuners made from now on (FLA's kernels, at import) time at most ``keep`` of their
+    configs: 4 warps and 2 pipeline stages first, then blocks near 64. A fresh GPU machine has no
+    Triton cache, and FLA's scan alone times 48 configs per state kernel: minutes of a short lease.
+    It changes which tiling runs, never what a kernel computes. ``keep <= 0`` leaves them all."""
+    if keep <= 0:
+        return
+    from triton.runtime.autotuner import Autotuner
+
+    def preference(config) -> tuple:
+        blocks = [v for v in config.kwargs.values() if isinstance(v, int)]
+        return (config.num_warps != 4, abs(config.num_stages - 2), sum(abs(b - 64) for b in blocks))
+
+    original = Autotuner.__init__
+
+    def init(self, fn, arg_names, configs, *args, **kwargs):
+        original(self, fn, arg_names, sorted(configs, key=preference)[:keep] if configs else configs, *args, **kwargs)
+
+    Autotuner.__init__ = init
 
 
 def write_parity(name: str, title: str, meta: dict, sections: dict[str, list[dict]], out: Path | str = RESULTS) -> int:
