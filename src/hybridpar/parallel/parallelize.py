@@ -38,7 +38,7 @@ from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.linear.gdn_fused import fla_rule
 from hybridpar.models.linear.kda_fused import fla_kda
-from hybridpar.models.mamba.fused_op import fla_scan
+from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, fla_scan
 from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context.recurrent import gdn as gdn_cp, kda as kda_cp
@@ -184,6 +184,7 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
         fla_scan()  # resolved before tracing: dynamo reads the fused scan's availability as a constant
         fla_rule()  # the same for the gated delta rule (models/linear/gdn_fused.py)
         fla_kda()  # and for Kimi Delta Attention (models/linear/kda_fused.py)
+        fla_gated_backward_refusal()  # and whether FLA's gated backward runs on this GPU
     kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
     for block in blocks:

@@ -21,7 +21,7 @@ import torch
 from hybridpar.models.mamba import fused
 from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
 from hybridpar.models.mamba.fused import choose_kernel, kernel_for, use_mamba_kernel
-from hybridpar.models.mamba.fused_op import fused_conv_scan, register_scan, states_at_boundaries
+from hybridpar.models.mamba.fused_op import fused_conv_scan, gated_backward_refusal, register_scan, states_at_boundaries
 from tests.models.mamba.test_core import F64, assert_close, grads, make_case
 
 
@@ -120,6 +120,37 @@ def test_states_inside_documents_keep_the_pure_core():
     assert states_at_boundaries(cu, torch.tensor([0, -1]), None) is None
     assert states_at_boundaries(cu, None, torch.tensor([3, 8, 11])) == "final states requested inside documents"
     assert states_at_boundaries(cu, torch.tensor([2]), None) == "initial states entering inside documents"
+
+
+@pytest.mark.parametrize("hopper, triton, tilelang, refused", [
+    (True, "3.6.0", False, True), (True, "3.4.0", False, True), (True, "3.7.0+git1a2b", False, True),
+    (True, "3.7.1", False, False), (True, "3.3.1", False, False), (False, "3.6.0", False, False),
+    (True, "3.6.0", True, False)])
+def test_fla_gated_backward_refusal_follows_fla_640(hopper, triton, tilelang, refused):
+    """An H200 with triton 3.6 (our first GPU lease): FLA 0.6.0 raises in the backward of its gated
+    kernels (wrong results with triton 3.4 to 3.7.0 on Hopper, FLA #640) unless TileLang takes it."""
+    reason = gated_backward_refusal(hopper, triton, tilelang)
+    assert (reason is not None) == refused
+    if refused:
+        assert reason.startswith(f"fla-core refuses its gated backward on Hopper with triton {triton} (FLA #640)")
+
+
+@pytest.mark.parametrize("family", ["mamba", "gdn"])
+def test_training_on_a_refusing_gpu_keeps_the_pure_core_and_inference_keeps_fla(family):
+    """Where FLA's backward cannot run, a training forward (autograd recording) takes the pure core and
+    says why; generation (no grad) still takes FLA's forward kernels. ``x`` stands in for CUDA activations."""
+    from types import SimpleNamespace
+
+    x = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    status = lambda: (True, "fla-core 0.6.0 chunk_simple_gla")  # noqa: E731
+    refusal = lambda: "fla-core refuses its gated backward on Hopper with triton 3.6.0 (FLA #640)"  # noqa: E731
+    log = logging.getLogger("test")
+    assert fused.select_kernel(family, x, status, log, backward=refusal) == ("pure", refusal())
+    with torch.no_grad():
+        assert fused.select_kernel(family, x, status, log, backward=refusal) == ("fla", "fla-core 0.6.0 chunk_simple_gla")
+    assert fused.select_kernel(family, x, status, log, backward=lambda: None)[0] == "fla"
+    with use_mamba_kernel("fla"), pytest.raises(ValueError, match="cannot run here: fla-core refuses its gated backward"):
+        fused.select_kernel(family, x, status, log, backward=refusal)
 
 
 def test_the_kernel_that_runs_is_logged_once_with_its_reason(caplog, monkeypatch):

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from hybridpar.models.linear.delta_ops import register_rule_ops
 from hybridpar.models.mamba.fused import select_kernel
-from hybridpar.models.mamba.fused_op import import_fla
+from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, import_fla
 
 __all__ = ["choose_gdn_kernel", "fla_rule", "fla_rule_status", "fused_gated_delta_rule", "register_rule"]
 
@@ -63,7 +63,7 @@ def fla_rule_status() -> tuple[bool, str]:
 def choose_gdn_kernel(x: Tensor) -> tuple[str, str]:
     """``(kernel, reason)`` for a gated delta rule on activations ``x`` (their device and dtype):
     ``"pure"`` or the rule ``fused_gated_delta_rule`` runs (``"fla"`` or a stand-in); logged once."""
-    return select_kernel("gdn", x, fla_rule_status, logger)
+    return select_kernel("gdn", x, fla_rule_status, logger, backward=fla_gated_backward_refusal)
 
 
 def register_rule(name: str, rule: Callable) -> None:

@@ -2,7 +2,9 @@
 
 ``choose_kernel`` says which and why (logged once per kernel and reason): ``fla`` on CUDA for
 float32/bf16/fp16 when ``fla-core`` imports (``pip install 'hybridpar[gpu]'``), initial states
-only at document starts and final states only at document ends; otherwise the pure-PyTorch op.
+only at document starts and final states only at document ends, and, when autograd records, where
+FLA's backward runs (``fused_op.fla_gated_backward_refusal``: not on Hopper with triton < 3.7.1);
+otherwise the pure-PyTorch op.
 ``use_mamba_kernel("pure" | "fla" | "auto")`` forces a choice (benchmarks compare both in one
 process); ``"fla"`` where it cannot run is a ``ValueError``. ``use_stand_in(name)`` runs the fused
 path on any device with a registered stand-in for FLA's kernel (tests: FLA's contract on CPU).
@@ -27,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from hybridpar.models.mamba.fused_op import fla_status, states_at_boundaries
+from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, fla_status, states_at_boundaries
 
 __all__ = ["MODES", "choose_kernel", "kernel_for", "select_kernel", "use_mamba_kernel", "use_stand_in",
            "mamba_kernel_mode"]
@@ -86,17 +88,22 @@ def kernel_for(device_type: str, dtype: torch.dtype, fla_available: bool, fla_no
 
 
 def select_kernel(family: str, x: Tensor, status: Callable[[], tuple[bool, str]], log: logging.Logger,
-                  problem: Callable[[], str | None] | None = None) -> tuple[str, str]:
+                  problem: Callable[[], str | None] | None = None,
+                  backward: Callable[[], str | None] | None = None) -> tuple[str, str]:
     """``(kernel, reason)`` for a core of ``family`` (``"mamba"``, ``"gdn"``) on activations ``x``, by
     the rules of ``kernel_for`` under the mode of ``use_mamba_kernel`` (one switch for every fused
-    core), the family's stand-in, and ``problem()`` (eager only: why these inputs cannot take the
-    fused op); logged once per family, kernel and reason on ``log``."""
+    core), the family's stand-in, ``problem()`` (eager only: why these inputs cannot take the
+    fused op) and, where autograd records, ``backward()`` (why FLA's backward cannot run on this
+    machine); logged once per family, kernel and reason on ``log``."""
     stand_in = _stand_ins.get(family)
     if stand_in is not None and _mode != "pure":
         kernel, reason = stand_in, f"stand-in {stand_in!r} for FLA's kernel"
     else:
         available, note = status() if x.device.type == "cuda" and _mode != "pure" else (False, "")
         kernel, reason = kernel_for(x.device.type, x.dtype, available, note, _mode)
+        refused = backward() if kernel == "fla" and backward is not None and torch.is_grad_enabled() else None
+        if refused:
+            kernel, reason = "pure", refused
     if kernel != "pure" and problem is not None and not torch.compiler.is_compiling():  # compiled: the op checks
         found = problem()
         if found:
@@ -113,4 +120,5 @@ def select_kernel(family: str, x: Tensor, status: Callable[[], tuple[bool, str]]
 def choose_kernel(xBC: Tensor, cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None) -> tuple[str, str]:
     """``(kernel, reason)`` for these inputs, logged once per kernel and reason. ``kernel`` is
     ``"pure"`` or the name of the scan ``fused_conv_scan`` runs (``"fla"``, or a stand-in)."""
-    return select_kernel("mamba", xBC, fla_status, logger, lambda: states_at_boundaries(cu_docs, init_at, final_at))
+    return select_kernel("mamba", xBC, fla_status, logger, lambda: states_at_boundaries(cu_docs, init_at, final_at),
+                         fla_gated_backward_refusal)

@@ -45,11 +45,14 @@ from torch import Tensor
 from hybridpar.models.mamba.conv import conv_forward
 from hybridpar.models.precision import autocast_off
 
-__all__ = ["fla_scan", "fla_status", "import_fla", "register_scan", "fused_conv_scan", "states_at_boundaries",
-           "autograd_on"]
+__all__ = ["fla_scan", "fla_status", "fla_gated_backward_refusal", "gated_backward_refusal", "import_fla",
+           "register_scan", "fused_conv_scan", "states_at_boundaries", "autograd_on"]
 
 _SCANS: dict[str, Callable] = {}
 _FLA: tuple[Callable | None, str] | None = None
+_UNSET = object()
+_BACKWARD_REFUSAL: object = _UNSET
+FIXED_TRITON = (3, 7, 1)
 
 
 def fla_scan() -> tuple[Callable | None, str]:
@@ -69,6 +72,32 @@ def fla_status() -> tuple[bool, str]:
 
 def _import_fla() -> tuple[Callable | None, str]:
     return import_fla("fla.ops.simple_gla", "chunk_simple_gla", "chunk_simple_gla + causal_conv1d")
+
+
+def gated_backward_refusal(hopper: bool, triton_version: str, tilelang: bool) -> str | None:
+    """Why fla-core refuses the backward of its gated chunk kernels (``chunk_bwd_dqkwg`` with ``g``:
+    simple GLA, so Mamba2, and the gated delta rule) on this machine, or None. FLA raises on Hopper
+    with triton >= 3.4 and < 3.7.1 (wrong results there, FLA issue #640) unless its TileLang backend
+    takes that kernel; seen on an H200 with triton 3.6 (docs/gpu.md). Forward-only use is unaffected."""
+    release = tuple(int(part) for part in triton_version.split("+")[0].split(".")[:3] if part.isdigit())
+    if hopper and (3, 4) <= release < FIXED_TRITON and not tilelang:
+        return (f"fla-core refuses its gated backward on Hopper with triton {triton_version} (FLA #640); "
+                "pip install 'triton>=3.7.1' or tilelang for the fused kernels")
+    return None
+
+
+def fla_gated_backward_refusal() -> str | None:
+    """``gated_backward_refusal`` for this machine, resolved once (None where FLA does not import)."""
+    global _BACKWARD_REFUSAL
+    if _BACKWARD_REFUSAL is _UNSET:
+        _BACKWARD_REFUSAL = None
+        if fla_scan()[0] is not None and torch.cuda.is_available():
+            import triton
+            from fla.backends import TileLangBackend
+
+            hopper = torch.cuda.get_device_capability()[0] == 9
+            _BACKWARD_REFUSAL = gated_backward_refusal(hopper, triton.__version__, TileLangBackend.is_available())
+    return _BACKWARD_REFUSAL
 
 
 def import_fla(module: str, name: str, label: str) -> tuple[Callable | None, str]:
