@@ -56,14 +56,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-def first_config_only() -> None:
-    """Triton's autotuner runs its first config without benchmarking the others."""
-    from triton.runtime.autotuner import Autotuner
-
-    prune = Autotuner.prune_configs
-    Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
-
-
 def _modes(dry: bool, family: str):
     """``(mode, context)`` pairs: pure, then fused (FLA's kernel, or the contract in a dry run)."""
     return (("pure", use_mamba_kernel("pure")),
@@ -168,6 +160,8 @@ def run(name: str, title: str, register_contract, model_parity, state_parity) ->
     parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--dry-run", action="store_true", help="CPU, small shapes, FLA's contract for the kernel")
+    parser.add_argument("--lift-fla-640", action="store_true",
+                        help="run FLA's gated backward where it refuses (Hopper, triton < 3.7.1), to check it")
     args = parser.parse_args()
     module = sys.modules[model_parity.__module__]
     if args.dry_run:
@@ -181,7 +175,9 @@ def run(name: str, title: str, register_contract, model_parity, state_parity) ->
         device_name = torch.cuda.get_device_name(device)
         set_tf32(False)
         with contextlib.suppress(ImportError):
-            first_config_only()
+            harness.limit_autotune(1)  # the first config, untimed: parity, not speed
+        if args.lift_fla_640 and harness.lift_fla_640_guard():
+            device_name += ", FLA's #640 guard lifted"
     meta = {"device": device_name, "torch": torch.__version__, "tolerance": TOLERANCE,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"python benchmarks/{name}.py" + (" --dry-run" if args.dry_run else "")}

@@ -107,17 +107,20 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--autotune-keep", type=int, default=0,
                         help="Triton autotuners time at most this many configs each (0: all; a short lease: 3)")
+    parser.add_argument("--lift-fla-640", action="store_true",
+                        help="run FLA's gated backward where it refuses (Hopper, triton < 3.7.1), to check or time it")
     args = parser.parse_args()
-    if torch.cuda.is_available():
-        harness.limit_autotune(args.autotune_keep)
     if not torch.cuda.is_available():
         print("gpu_parity: no CUDA device here; run it on a GPU machine.", file=sys.stderr)
         return 2
+    harness.limit_autotune(args.autotune_keep)
+    lifted = harness.lift_fla_640_guard() if args.lift_fla_640 else None
     device = torch.device("cuda")
     set_tf32(False)
     meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python benchmarks/gpu_parity.py", "tolerance": TOLERANCE}
+            "command": "python benchmarks/gpu_parity.py" + (" --lift-fla-640" if args.lift_fla_640 else ""),
+            "tolerance": TOLERANCE, "fla_guard_lifted": lifted}
     sections = harness.parity_sections({"model": lambda: model_parity(device), "states": lambda: state_parity(device)},
                                        TOLERANCE)
     return harness.write_parity("gpu_parity", "Fused Mamba path vs the pure-PyTorch core on CUDA (float32, TF32 off)",

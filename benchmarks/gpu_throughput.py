@@ -304,12 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true", help="keep --out's earlier rows; replace those measured again")
     parser.add_argument("--autotune-keep", type=int, default=0,
                         help="Triton autotuners time at most this many configs each (0: all; a short lease: 3)")
+    parser.add_argument("--lift-fla-640", action="store_true",
+                        help="run FLA's gated backward where it refuses (Hopper, triton < 3.7.1), to check or time it")
     args = parser.parse_args(argv)
-    if torch.cuda.is_available():
-        harness.limit_autotune(args.autotune_keep)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_throughput: no CUDA device here; run it on a GPU machine (or pass --dry-run on CPU).", file=sys.stderr)
         return 2
+    lifted = None
+    if torch.cuda.is_available():
+        harness.limit_autotune(args.autotune_keep)
+        lifted = harness.lift_fla_640_guard() if args.lift_fla_640 else None
     device = torch.device("cpu" if args.dry_run else "cuda")
     device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(device)
     plan = parse_rows(args.rows) if args.rows else DRY_PLAN if args.dry_run else FULL_PLAN
@@ -319,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python benchmarks/gpu_throughput.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
     with use_mamba_kernel(args.mamba_kernel):
         kernels = kernels_line(device)
+    if lifted:
+        kernels += f" FLA's #640 guard lifted (--lift-fla-640; gpu_parity.md says whether its backward is right here): {lifted}."
     print(kernels, flush=True)
     earlier = []
     if args.append and (args.out / "gpu_throughput.json").exists():

@@ -13,7 +13,8 @@
   and load average; ``header(title, meta)`` opens a Markdown report with them.
 - ``write_results(name, record, markdown)``: ``benchmarks/results/<name>.json`` and ``.md``;
   ``parity_sections`` / ``write_parity``: the GPU parity scripts' rows, report and verdict;
-  ``limit_autotune(keep)``: Triton autotuners time ``keep`` configs each (a short GPU lease).
+  ``limit_autotune(keep)``: Triton autotuners time ``keep`` configs each (a short GPU lease);
+  ``lift_fla_640_guard()``: run FLA's gated backward where it refuses (Hopper, triton < 3.7.1), to check it.
 
 Importing this module puts this checkout's ``src/`` and root first on ``sys.path`` (its
 ``hybridpar`` and ``tests`` helpers). A script on the harness::
@@ -212,6 +213,25 @@ def limit_autotune(keep: int) -> None:
         original(self, fn, arg_names, sorted(configs, key=preference)[:keep] if configs else configs, *args, **kwargs)
 
     Autotuner.__init__ = init
+
+
+def lift_fla_640_guard() -> str | None:
+    """Let fla-core run the backward of its gated chunk kernels on a Hopper GPU with triton 3.4-3.7.0,
+    which it refuses (FLA #640: a triton codegen bug seen at ``BK=64``; hybridpar's Mamba and delta
+    rule shapes run ``BK=128`` on Hopper), and stop hybridpar refusing it in turn. For the parity
+    checks, which then say whether those kernels are right on this machine at these shapes, and for
+    timing them once they are. Returns what it lifted, or None where nothing is refused."""
+    from hybridpar.models.mamba import fused_op
+
+    refusal = fused_op.fla_gated_backward_refusal()
+    if refusal is None:
+        return None
+    import fla.ops.common.chunk_o as chunk_o  # the guard reads this module's flag at call time
+
+    chunk_o.IS_NVIDIA_HOPPER = False
+    fused_op._BACKWARD_REFUSAL = None
+    print(f"lifted: {refusal}", flush=True)
+    return refusal
 
 
 def write_parity(name: str, title: str, meta: dict, sections: dict[str, list[dict]], out: Path | str = RESULTS) -> int:
