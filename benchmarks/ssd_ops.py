@@ -1,0 +1,89 @@
+"""How many aten ops the pure chunked SSD core dispatches, forward and backward, per Mamba layer.
+
+On a GPU every op is a kernel launch, and a few microseconds of host dispatch each: when a layer
+dispatches thousands of small ops, the host bounds the step and the GPU waits. The diagonal blocks
+(``models/mamba/ssd_chunked.py``, step 1) run a slice of chunks at a time, as many as fit
+``DIAGONAL_SLICE_BYTES`` of ``[k, G, R, Q, Q]`` float32; each slice is a dozen ops or more. This
+counts, with a ``TorchDispatchMode``, the ops of ``ssd_chunked.forward`` and ``backward`` on float32
+CPU tensors of each preset's Mamba shapes (8 documents), for each slice budget. The count depends
+on the shapes only, not on the device, so a CPU gives the GPU's figure. Wall time is not measured.
+
+    python benchmarks/ssd_ops.py [--budgets-mib 16 256] [--cases 1b:8192 small:32768]
+
+Writes ``ssd_ops.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (puts this checkout's src/ first on sys.path)
+
+from hybridpar.models.hybrid import HybridConfig  # noqa: E402
+from hybridpar.models.mamba import ssd_chunked  # noqa: E402
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(preset: str, tokens: int, docs: int = 8) -> tuple[int, int]:
+    """``(forward ops, backward ops)`` of one layer's SSD core at ``tokens`` tokens."""
+    c = HybridConfig.from_preset(preset)
+    heads, p, g, n = c.mamba_num_heads, c.mamba_head_dim, c.mamba_n_groups, c.ssm_state_size
+    gen = torch.Generator().manual_seed(0)
+    x, dt = torch.randn(1, tokens, heads, p, generator=gen), torch.rand(1, tokens, heads, generator=gen)
+    A, D = -torch.rand(heads, generator=gen), torch.randn(heads, generator=gen)
+    B, C = (torch.randn(1, tokens, g, n, generator=gen) for _ in range(2))
+    cu = torch.linspace(0, tokens, docs + 1).long() // 8 * 8
+    layout = ssd_chunked.make_layout(1, tokens, min(c.chunk_size, tokens), cu, None, None)
+    with OpCount() as counter:
+        y, _ = ssd_chunked.forward(x, dt, A, B, C, D, layout, None, True, False)
+        forward = counter.ops
+        ssd_chunked.backward(x, dt, A, B, C, D, layout, None, torch.ones_like(y), None)
+    return forward, counter.ops - forward
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets-mib", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--cases", nargs="+", default=["1b:8192", "1b:32768", "small:32768"],
+                        help="preset:tokens (the op count grows linearly in tokens once slices bind)")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS)
+    args = parser.parse_args(argv)
+    meta = harness.environment(__file__, argv)
+    current = ssd_chunked.DIAGONAL_SLICE_BYTES
+    rows = []
+    try:
+        for case in args.cases:
+            preset, tokens = case.split(":")
+            for mib in args.budgets_mib:
+                ssd_chunked.DIAGONAL_SLICE_BYTES = mib << 20
+                forward, backward = count(preset, int(tokens))
+                rows.append({"preset": preset, "tokens": int(tokens), "slice_mib": mib, "forward_ops": forward,
+                             "backward_ops": backward, "current": mib << 20 == current})
+                print(rows[-1], flush=True)
+    finally:
+        ssd_chunked.DIAGONAL_SLICE_BYTES = current
+    lines = harness.header("Aten ops of the pure SSD core per Mamba layer (forward, backward)", meta)
+    lines += ["", "| preset | tokens | slice budget | forward ops | backward ops | total |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['preset']} | {r['tokens']:,} | {r['slice_mib']} MiB{' (current)' if r['current'] else ''} | "
+              f"{r['forward_ops']:,} | {r['backward_ops']:,} | {r['forward_ops'] + r['backward_ops']:,} |" for r in rows]
+    harness.write_results("ssd_ops", {"meta": meta, "rows": rows}, "\n".join(lines) + "\n", out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
