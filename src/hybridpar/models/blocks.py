@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+
 def relu2(x: Tensor) -> Tensor:
     """``relu(x)^2`` as a product: CUDA's autocast runs ``pow`` (what ``square`` becomes) in float32,
     and kept a float32 copy of every MLP's ``[T, I]`` activation for backward, 15.9 GiB more than
