@@ -83,9 +83,16 @@ def make_batch(kind: str, seed: int, vocab: int = VOCAB) -> tuple[torch.Tensor, 
     return ids, labels, PackedSeqParams.from_cu_seqlens(_cu(PACKED_REAL), _cu(PACKED_DOCS))
 
 
+def per_step(batches: list, steps: int) -> list[list]:
+    """``batches`` for each step: one list per data-parallel rank, the same at every step, or
+    already a list of such lists, one per step (e.g. dense batches, then packed rows)."""
+    return batches if isinstance(batches[0], list) else [batches] * steps
+
+
 def reference_run(model: HybridLM, batches: list, steps: int = 1, lr: float = 0.0) -> list[dict]:
-    """Single process: per step the loss over all ``batches`` (one per data-parallel rank),
-    the gradients, and (with ``lr``) the parameters after an AdamW step. One thread: the
+    """Single process: per step the loss over all ``batches`` (one per data-parallel rank, or
+    one such list per step: ``per_step``), the gradients, and (with ``lr``) the parameters
+    after an AdamW step. One thread: the
     model is tiny and the machine is shared, so more threads only add contention."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -98,10 +105,10 @@ def reference_run(model: HybridLM, batches: list, steps: int = 1, lr: float = 0.
 def _reference_steps(model: HybridLM, batches: list, steps: int, lr: float) -> list[dict]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False) if lr else None
     out = []
-    for _ in range(steps):
+    for step_batches in per_step(batches, steps):
         model.zero_grad(set_to_none=True)
-        count = sum(valid_token_count(labels) for _, labels, _ in batches)
-        loss = sum(token_loss_sum(model(ids, packed=packed), labels) for ids, labels, packed in batches) / count
+        count = sum(valid_token_count(labels) for _, labels, _ in step_batches)
+        loss = sum(token_loss_sum(model(ids, packed=packed), labels) for ids, labels, packed in step_batches) / count
         loss.backward()
         record = {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
         if optimizer is not None:
@@ -116,8 +123,8 @@ def _reference_steps(model: HybridLM, batches: list, steps: int, lr: float) -> l
 
 def distributed_run(model, mesh, batches: list, steps: int = 1, lr: float = 0.0,
                     sequence_parallel: bool = False) -> list[dict]:
-    """The same as ``reference_run`` on a parallelized model: this rank's data-parallel batch,
-    sharded with ``shard_inputs``; loss divided by the global valid count over dp x cp.
+    """The same as ``reference_run`` on a parallelized model: this rank's data-parallel batch of
+    each step, sharded with ``shard_inputs``; loss divided by the global valid count over dp x cp.
     Every rank must call it (canonical dicts are collectives); rank 0's record is complete."""
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.context.inputs import shard_inputs
@@ -125,12 +132,12 @@ def distributed_run(model, mesh, batches: list, steps: int = 1, lr: float = 0.0,
 
     dp_rank = ParallelDims.mesh(mesh, "dp").get_local_rank()
     dp_cp = ParallelDims.group(mesh, "dp_cp")
-    ids, labels, packed = batches[dp_rank]
-    local = shard_inputs(ids, labels=labels, packed=packed, cp_group=mesh["cp"].get_group(),
-                         tp_group=mesh["tp"].get_group(), sequence_parallel=sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False) if lr else None
     out = []
-    for _ in range(steps):
+    for step_batches in per_step(batches, steps):
+        ids, labels, packed = step_batches[dp_rank]
+        local = shard_inputs(ids, labels=labels, packed=packed, cp_group=mesh["cp"].get_group(),
+                             tp_group=mesh["tp"].get_group(), sequence_parallel=sequence_parallel)
         model.zero_grad(set_to_none=True)
         count = global_sum(valid_token_count(local.labels), dp_cp)
         loss_sum = token_loss_sum(model(local.input_ids, packed=local.packed), local.labels)
