@@ -19,7 +19,7 @@ triton patches: none changes what a kernel computes). Prints one JSON object:
   next-token cross-entropy and every parameter gradient (``[FLA fp32, pure fp32]``) against the
   eager pure model in float64.
 
-About 26 s of CPU (one thread), most of it the interpreter running the backward kernels; the core on
+About 40 s of CPU, most of it the interpreter running the backward kernels; the core on
 FLA's rule is covered by the model, the rule's states by ``segments``.
 """
 

@@ -1,4 +1,4 @@
-"""FLA's real Triton kernels on CPU: ``TRITON_INTERPRET=1`` plus three patches, then the fused
+"""FLA's real Triton kernels on CPU: ``TRITON_INTERPRET=1`` plus four patches, then the fused
 Mamba op (``scan="fla"``: FLA's ``causal_conv1d`` and ``chunk_simple_gla``) against the
 pure-PyTorch core in float64.
 
@@ -13,12 +13,17 @@ and every parameter gradient's errors.
 Why the patches (triton 3.6, fla-core 0.6.0):
 
 - the autotuner benchmarks its configs through the active driver, and a CPU has none: a
-  stand-in driver times every config alike, so the first config wins, and only the first is
-  run (interpreting every config of every kernel took most of the test's two minutes);
+  stand-in driver times every config alike, and only one config is run: the one with the widest
+  blocks (the product of its integer meta-parameters; ties keep the first), since the interpreter
+  runs every program of the grid one after another in Python, and wider blocks mean fewer
+  programs (the conv's 16-channel blocks made its grid six times larger). A GPU's autotuner may
+  pick any of the configs: each computes the same thing;
 - the interpreter's ``tensor.__index__`` needs a 0-d array, and FLA's ``range(NT)`` over a length
   loaded from ``cu_seqlens`` is a one-element array: take its element;
 - the interpreter hands out loop indices as Python ints, and FLA's kernels call ``.to(tl.int64)``
-  on them (compiled Triton's loop indices are tensors): an int with that method.
+  on them (compiled Triton's loop indices are tensors): an int with that method;
+- the interpreter patches ``triton.language`` again at every device-function call inside a
+  kernel (a fifth of the time); inside a kernel whose launch patched the same modules, skip it.
 
 None of them changes what a kernel computes.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -56,7 +62,12 @@ def _patch_triton() -> None:
     from triton.runtime.autotuner import Autotuner
 
     prune = Autotuner.prune_configs
-    Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]  # every timing is 1.0: the first wins anyway
+
+    def widest_blocks(self, kwargs):  # the fewest programs to interpret; any config is one a GPU may pick
+        blocks = lambda config: math.prod(v for v in config.kwargs.values() if type(v) is int)  # noqa: E731
+        return [max(prune(self, kwargs), key=blocks)]  # ties (warps, stages, precision): the first
+
+    Autotuner.prune_configs = widest_blocks
 
     class LoopIndex(int):
         def to(self, *args, **kwargs):
@@ -71,9 +82,22 @@ def _patch_triton() -> None:
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
+    patched: set = set()  # the language modules patched for the kernel now interpreted
+
     def patched_lang(fn):
         fn.__globals__["range"] = loop_range
-        return patch_lang(fn)
+        langs = {id(v) for v in fn.__globals__.values() if v is interpreter.tl or v is interpreter.tl.core}
+        if langs and langs <= patched:  # a device function of that kernel: patching them again only costs time
+            return interpreter._LangPatchScope()
+        scope = patch_lang(fn)
+        restore = scope.restore
+
+        def restore_and_forget():
+            patched.clear()
+            restore()
+        scope.restore = restore_and_forget
+        patched.update(langs)
+        return scope
 
     interpreter._patch_lang_tensor = patched_tensor
     interpreter._patch_lang = patched_lang
@@ -91,9 +115,9 @@ def run_case(groups: int, with_states: bool, seed: int) -> dict:
     from hybridpar.models.mamba.fused_op import fused_conv_scan
 
     gen = torch.Generator().manual_seed(seed)
-    heads, head_dim, state, kernel, tokens = 4, 16, 16, 4, 160
+    heads, head_dim, state, kernel, tokens = 2, 16, 16, 4, 80
     width = heads * head_dim + 2 * groups * state
-    cu = torch.tensor([0, 70, 75, 160])  # three documents, one of 5 tokens
+    cu = torch.tensor([0, 66, 71, 80])  # three documents: one over FLA's 64-token chunk edge, one of 5
     base = dict(xBC=torch.randn(1, tokens, width, generator=gen), dt=torch.randn(1, tokens, heads, generator=gen) - 1,
                 conv_weight=0.5 * torch.randn(width, kernel, generator=gen),
                 conv_bias=0.1 * torch.randn(width, generator=gen),
@@ -102,7 +126,7 @@ def run_case(groups: int, with_states: bool, seed: int) -> dict:
     if with_states:
         base.update(conv_history=torch.randn(3, kernel - 1, width, generator=gen),
                     init_states=0.3 * torch.randn(3, heads, head_dim, state, generator=gen))
-    init_at = torch.tensor([0, -1, 75])  # the second document starts from zeros
+    init_at = torch.tensor([0, -1, 71])  # the second document starts from zeros
     results: dict = {}
     for dtype in (torch.float64, torch.float32):
         leaves = {name: t.to(dtype).requires_grad_() for name, t in base.items()}
@@ -143,7 +167,7 @@ def run_model() -> dict:
     from hybridpar.parallel.parallelize import parallelize
 
     torch.manual_seed(0)
-    base = HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float64))
+    base = HybridLM(HybridConfig.from_preset("tiny", mamba_num_heads=2, dtype=torch.float64))  # 2 heads: 2 groups
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 30, 35, 64], dtype=torch.int32))
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
     weight = torch.randn(1, 64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
