@@ -8,7 +8,8 @@ strategies, and tp=2 x cp=2 on 4 ranks. Per layout:
 - the calls and bytes per (kind, mesh dim) equal the sum of ``step_comm``'s sources, and a
   mismatch prints each source's share (``step_comm``'s docstring lists them);
 - the number of collectives counted equals the number gloo ran (``torch.profiler``'s
-  ``gloo:*`` events, an observer below the dispatcher), so none escapes the count;
+  ``gloo:*`` events, an observer below the dispatcher, read from its raw kineto events), so
+  none escapes the count;
 - FSDP reduce-scatters once per parameter group per step although every rank runs 2 packs
   (counted directly at dp_shard=2, where FSDP's are the only reduce-scatters).
 """
@@ -62,7 +63,9 @@ def counted_step(rank: int, world_size: int, overrides: list) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with CommStats(trainer.layout.mesh) as stats:
             trainer.train_step(0)
-    gloo = sum(1 for event in prof.events() if event.name.startswith("gloo:"))
+    # The raw kineto events, as train/tensor_peak.py reads them: the same gloo:* events as
+    # prof.events(), without building its FunctionEvent tree (3-6 s a layout on this machine).
+    gloo = sum(1 for event in prof.profiler.kineto_results.events() if event.name().startswith("gloo:"))
     groups = sum(len(m._get_fsdp_state()._fsdp_param_groups) for m in trainer.model.modules() if isinstance(m, FSDPModule))
     return {
         "calls": stats.calls_by_dim(), "bytes": stats.by_dim(), "counted": len(stats.records), "gloo": gloo,
