@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     with use_mamba_kernel(args.mamba_kernel):
         kernels = kernels_line(device)
     if lifted:
-        kernels += f" FLA's #640 guard lifted (--lift-fla-640; gpu_parity.md says whether its backward is right here): {lifted}."
+        kernels += (f" FLA's #640 guard lifted (--lift-fla-640; gpu_parity.md says whether its backward is right "
+                    f"here): {lifted}.")
     print(kernels, flush=True)
     earlier = []
     if args.append and (args.out / "gpu_throughput.json").exists():

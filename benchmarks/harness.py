@@ -195,8 +195,8 @@ def parity_sections(runs: dict[str, Callable[[], list]], tolerance: float) -> di
 
 
 def limit_autotune(keep: int) -> None:
-    """Triton autotuners made from now on (FLA's kernels, at import) time at most ``keep`` of their
-    configs: 4 warps and 2 pipeline stages first, then blocks near 64. A fresh GPU machine has no
+    """Triton autotuners (FLA's kernels, made at import, before or after this call) time at most ``keep``
+    of their configs: 4 warps and 2 pipeline stages first, then blocks near 64. A fresh GPU machine has no
     Triton cache, and FLA's scan alone times 48 configs per state kernel: minutes of a short lease.
     It changes which tiling runs, never what a kernel computes. ``keep <= 0`` leaves them all."""
     if keep <= 0:
@@ -207,12 +207,16 @@ def limit_autotune(keep: int) -> None:
         blocks = [v for v in config.kwargs.values() if isinstance(v, int)]
         return (config.num_warps != 4, abs(config.num_stages - 2), sum(abs(b - 64) for b in blocks))
 
-    original = Autotuner.__init__
+    original, prune = Autotuner.__init__, Autotuner.prune_configs
 
     def init(self, fn, arg_names, configs, *args, **kwargs):
         original(self, fn, arg_names, sorted(configs, key=preference)[:keep] if configs else configs, *args, **kwargs)
 
-    Autotuner.__init__ = init
+    def pruned(self, kwargs):
+        return sorted(prune(self, kwargs), key=preference)[:keep]
+
+    Autotuner.__init__ = init  # autotuners made from now on: one config runs untimed when keep is 1
+    Autotuner.prune_configs = pruned  # and those made before
 
 
 def lift_fla_640_guard() -> str | None:
