@@ -14,13 +14,15 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     """AdamW with weight decay on matrices only (norms, biases and 1-D SSM parameters excluded).
     torch picks the implementation (``foreach=None``): one multi-tensor launch per op over all
     parameters on CUDA, where the per-parameter loop would launch ~10 kernels per tensor; the same
-    per-parameter loop as before on CPU."""
+    per-parameter loop as before on CPU. Where DTensor and plain parameters mix (a layout that
+    leaves some replicated as plain tensors), the loop: DTensor's foreach ops refuse mixed lists."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, foreach=None)
+    mixed = len({type(param) for group in groups for param in group["params"]}) > 1
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, foreach=False if mixed else None)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
