@@ -4,9 +4,10 @@ On a GPU every op is a kernel launch, and a few microseconds of host dispatch ea
 dispatches thousands of small ops, the host bounds the step and the GPU waits. The diagonal blocks
 (``models/mamba/ssd_chunked.py``, step 1) run a slice of chunks at a time, as many as fit
 ``DIAGONAL_SLICE_BYTES`` of ``[k, G, R, Q, Q]`` float32; each slice is a dozen ops or more. This
-counts, with a ``TorchDispatchMode``, the ops of ``ssd_chunked.forward`` and ``backward`` on float32
-CPU tensors of each preset's Mamba shapes (8 documents), for each slice budget. The count depends
-on the shapes only, not on the device, so a CPU gives the GPU's figure. Wall time is not measured.
+counts, with ``tests/op_outputs.OpOutputs`` (a dispatch mode), the ops of ``ssd_chunked.forward``
+and ``backward`` on float32 CPU tensors of each preset's Mamba shapes (8 documents), for each slice
+budget. The count depends on the shapes only, not on the device, so a CPU gives the GPU's figure.
+Wall time is not measured.
 
     python benchmarks/ssd_ops.py [--budgets-mib 16 256] [--cases 1b:8192 small:32768]
 
@@ -20,23 +21,13 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (puts this checkout's src/ first on sys.path)
 
 from hybridpar.models.hybrid import HybridConfig  # noqa: E402
 from hybridpar.models.mamba import ssd_chunked  # noqa: E402
-
-
-class OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
+from tests.op_outputs import OpOutputs  # noqa: E402  (every dispatched op, in order)
 
 
 def count(preset: str, tokens: int, docs: int = 8) -> tuple[int, int]:
@@ -49,11 +40,11 @@ def count(preset: str, tokens: int, docs: int = 8) -> tuple[int, int]:
     B, C = (torch.randn(1, tokens, g, n, generator=gen) for _ in range(2))
     cu = torch.linspace(0, tokens, docs + 1).long() // 8 * 8
     layout = ssd_chunked.make_layout(1, tokens, min(c.chunk_size, tokens), cu, None, None)
-    with OpCount() as counter:
+    with OpOutputs() as outputs:
         y, _ = ssd_chunked.forward(x, dt, A, B, C, D, layout, None, True, False)
-        forward = counter.ops
+        forward = len(outputs.ops)
         ssd_chunked.backward(x, dt, A, B, C, D, layout, None, torch.ones_like(y), None)
-    return forward, counter.ops - forward
+    return forward, len(outputs.ops) - forward
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
-"""``OpOutputs``: a dispatch mode recording the shape of every tensor an op returns.
+"""``OpOutputs``: a dispatch mode recording every op dispatched and the shape of every tensor it returns.
 
 Memory tests use it to show what never exists (``largest``: an ``[S_q, S_k]`` score matrix or
-mask; ``shapes``: any output of a forbidden shape), collectives and custom ops' inner ops included.
+mask; ``shapes``: any output of a forbidden shape), collectives and custom ops' inner ops included;
+``ops`` (every op, in order) counts the launches a GPU would make, and shows which ops ran.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ __all__ = ["OpOutputs"]
 
 
 class OpOutputs(TorchDispatchMode):
-    """``with OpOutputs() as outputs: ...``; then ``outputs.shapes`` ``[(op name, shape), ...]``."""
+    """``with OpOutputs() as outputs: ...``; then ``outputs.shapes`` ``[(op name, shape), ...]`` and
+    ``outputs.ops`` ``[op name, ...]``."""
 
     def __init__(self):
         super().__init__()
         self.shapes: list[tuple[str, tuple[int, ...]]] = []
+        self.ops: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):

@@ -15,12 +15,12 @@ import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
 from hybridpar.models.mamba.recurrence import linear_recurrence
 from tests.models.mamba.ssd_reference import ssd_scan, ssd_scan_reference
 from tests.models.mamba.reference import causal_conv1d, conv_scan, ssd_scan_chunked
+from tests.op_outputs import OpOutputs
 
 F64 = torch.float64
 RTOL = 1e-10
@@ -131,23 +131,13 @@ def test_core_keeps_only_its_inputs_for_backward():
     assert not big, f"the core saved tensors that are not its inputs: {big}"
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_state_passing_runs_the_same_operations_for_any_number_of_chunks():
     counts = {}
     for n in (5, 60, 1500):
         u, log_decay, reset = torch.randn(3, n, 4), -torch.rand(3, n), torch.rand(n) < 0.05
-        with _OpCounter() as counter:
+        with OpOutputs() as counter:
             linear_recurrence(u, log_decay, reset)
-        counts[n] = counter.count
+        counts[n] = len(counter.ops)
     assert len(set(counts.values())) == 1, f"tensor operations per number of chunks: {counts}"
 
 
