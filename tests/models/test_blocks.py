@@ -1,10 +1,14 @@
 """The MLP's squared ReLU stays in the activations' dtype under CUDA's autocast, which runs ``pow``
 (what ``square`` dispatches) in float32 and would keep a float32 copy of every ``[T, I]`` activation
-for backward (measured on an H200: 15.9 GiB more than planned for ``1b`` at 32K tokens)."""
+for backward (measured on an H200: 15.9 GiB more than planned for ``1b`` at 32K tokens). A gated
+MLP's ``act(gate) * up`` keeps ``gate`` and ``up`` only, bitwise as eager otherwise."""
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
-from hybridpar.models.blocks import ACTIVATIONS
+from hybridpar.models.blocks import ACTIVATIONS, GATED_KINDS, MLP, gated_product
 from tests.op_outputs import OpOutputs
 
 
@@ -16,3 +20,45 @@ def test_relu2_is_relu_squared_without_pow():
     assert not [name for name in seen.ops if "pow" in name], seen.ops
     assert torch.equal(out, torch.relu(x) ** 2)
     assert torch.equal(x.grad, 2 * torch.relu(x))
+
+
+def _saved_bytes(fn, *inputs) -> tuple[Tensor, int]:
+    """``fn(*inputs)`` and the bytes autograd keeps for its backward (distinct storages)."""
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    return out, sum(kept.values())
+
+
+@pytest.mark.parametrize("kind", GATED_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_gated_product_equals_eager_bitwise_and_keeps_only_gate_and_up(kind, dtype):
+    """``act(gate) * up``: the same values and gradients as eager autograd, bit for bit, and
+    backward keeps ``gate`` and ``up`` only (eager also keeps ``act(gate)``)."""
+    act = {"silu": F.silu, "gelu": lambda g: F.gelu(g, approximate="tanh"), "gelu_erf": F.gelu}[kind]
+    generator = torch.Generator().manual_seed(0)
+    gate, up, grad = (torch.randn(48, 40, generator=generator, dtype=torch.float64).to(dtype) for _ in range(3))
+    results = {}
+    for name, fn in (("eager", lambda g, u: act(g) * u), ("fused", lambda g, u: gated_product(g, u, kind))):
+        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        out, kept = _saved_bytes(fn, g, u)
+        out.backward(grad)
+        results[name] = (out, g.grad, u.grad, kept)
+    for got, want in zip(results["fused"][:3], results["eager"][:3]):
+        assert torch.equal(got, want)
+    assert results["fused"][3] == 2 * gate.numel() * gate.element_size()
+    assert results["eager"][3] == 3 * gate.numel() * gate.element_size()
+
+
+def test_the_gated_mlp_runs_the_gated_product():
+    """Kept for backward: the input, gate, up, the product (down_proj's input) and the weights."""
+    mlp = MLP(16, 24, activation="silu", gated=True).double()
+    x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    out, kept = _saved_bytes(mlp, x)
+    assert torch.equal(out, mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    assert kept == 5 * 8 * (16 + 3 * 24) + sum(p.numel() * 8 for p in mlp.parameters())

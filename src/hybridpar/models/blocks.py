@@ -23,6 +23,47 @@ ACTIVATIONS = {
 }
 
 
+# d act(g) / dg applied to a gradient, through the aten kernel eager autograd calls for ``act``
+_ACTIVATION_BACKWARDS = {
+    "silu": lambda grad, gate: torch.ops.aten.silu_backward(grad, gate),
+    "gelu": lambda grad, gate: torch.ops.aten.gelu_backward(grad, gate, approximate="tanh"),
+    "gelu_erf": lambda grad, gate: torch.ops.aten.gelu_backward(grad, gate, approximate="none"),
+}
+_GATED_FORWARDS = {"silu": F.silu, "gelu": ACTIVATIONS["gelu"], "gelu_erf": F.gelu}
+
+
+class _GatedProduct(torch.autograd.Function):
+    """``y = act(gate) * up`` keeping only ``gate`` and ``up`` for backward (eager autograd keeps
+    ``act(gate)`` too: four ``[T, I]`` tensors per gated MLP with the product ``down_proj`` keeps,
+    now three; 2 GiB of a 1.2B Llama's 8K step)::
+
+        d up   = dy * act(gate)                 (act recomputed)
+        d gate = act'(gate) * (dy * up)         (aten's own ``*_backward`` kernel)
+
+    the same ops eager autograd runs, so values and gradients are bitwise equal to ``act(gate) * up``."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor, kind: str) -> Tensor:
+        ctx.kind = kind
+        ctx.save_for_backward(gate, up)
+        return _GATED_FORWARDS[kind](gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        gate, up = ctx.saved_tensors
+        grad_gate = _ACTIVATION_BACKWARDS[ctx.kind](grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad * _GATED_FORWARDS[ctx.kind](gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up, None
+
+
+def gated_product(gate: Tensor, up: Tensor, kind: str) -> Tensor:
+    """``act(gate) * up`` for ``kind`` in ``GATED_KINDS`` (``_GatedProduct``: one ``[T, I]`` less kept)."""
+    return _GatedProduct.apply(gate, up, kind)
+
+
+GATED_KINDS = tuple(_GATED_FORWARDS)
+
+
 def matmul_input(t: Tensor) -> Tensor:
     """``t`` in autocast's dtype when autocast is on (else unchanged): a norm's output is cast once,
     not once per linear that reads it (autocast copies a float32 input for every matmul, and each
@@ -134,11 +175,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = ACTIVATIONS[activation]
+        self.act, self.activation = ACTIVATIONS[activation], activation
 
     def forward(self, hidden_states: Tensor, packed=None) -> Tensor:
         up = self.up_proj(hidden_states)
         if self.gate_proj is not None:
+            if self.activation in GATED_KINDS:
+                return self.down_proj(gated_product(self.gate_proj(hidden_states), up, self.activation))
             return self.down_proj(self.act(self.gate_proj(hidden_states)) * up)
         return self.down_proj(self.act(up))
 

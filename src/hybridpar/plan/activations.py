@@ -13,7 +13,8 @@ saves today (``models/blocks.py``, ``mamba/mixer.py``, ``attention/mixer.py``, `
                    + out [Tc, Hq Dh] + lse [Tc, Hq] (flash core: q, k, v, out, lse)
                    cp_attention=allgather: k, v are the gathered [T, 2 Hkv Dh]
                    cp_attention=ulysses: + the core's own out [T, Hq Dh / cp] (exchanged back after)
-    MLP            + up output and act(up) [Tc, 2 I] (gated: gate, act(gate), up, product: 4 I)
+    MLP            + up output and act(up) [Tc, 2 I] (gated: gate, up, product: 3 I; ``gated_product``
+                     recomputes act(gate), as transformers' Llama-form MLPs do through it)
     MoE (E)        + router, routed experts and shared experts (a transformers twin's; ``plan/hf/moe.py``)
     head           final norm x [Ts, D] + rstd; loss: hidden [Tc, D], lse [Tc], labels [Tc] int64;
                    embedding: input ids [Tc] int64
@@ -101,7 +102,7 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
         return common + moe_saved_bytes(layout)
     if getattr(layout.model, "mlp_fused", False):  # Granite's shared_mlp, gathered under TP
         return common + fused_mlp_saved(layout, layout.model.intermediate_size)
-    return common + tc * w["inter"] * e * (4 if layout.model.mlp_gated else 2)
+    return common + tc * w["inter"] * e * (3 if layout.model.mlp_gated else 2)
 
 
 def _hf_norm_bytes(layout: Layout) -> int:

@@ -1,11 +1,13 @@
 """Nemotron-H's squared ReLUs (dense MLPs and MoE experts) run as products: the swap leaves the
 logits bitwise unchanged in float64 (``tests/models/test_blocks.py`` holds the product off ``pow``,
-float32 under CUDA's autocast), and ``install_cores`` (what training and ``check`` run) makes it."""
+float32 under CUDA's autocast), and ``install_cores`` (what training and ``check`` run) makes it.
+Llama-form gated MLPs run ``gated_product``: the loss and every gradient bitwise unchanged, one
+``[T, I]`` less kept per layer; other forwards and activations keep transformers' own."""
 
 import pytest
 import torch
 
-from hybridpar.models.hf.activations import ProductReLUSquared, use_product_relu2
+from hybridpar.models.hf.activations import ProductReLUSquared, use_lean_gated_mlps, use_product_relu2
 from hybridpar.train.hf_model import install_cores
 from tests.models.hf.hybrid_models import build_hybrid
 
@@ -26,3 +28,54 @@ def test_squared_relus_become_products_with_the_same_logits(name):
     assert torch.equal(after, before)
     fresh = install_cores(build_hybrid(name))
     assert not any(type(m) is ReLUSquaredActivation for m in fresh.modules())
+
+
+def _llama(hidden_act: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act)
+    return LlamaForCausalLM(config).double()
+
+
+def _loss_grads_and_kept(model, ids):
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss, grads, sum(kept.values())
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gated_mlps_run_the_gated_product_bitwise_and_keep_one_intermediate_less(hidden_act):
+    model = _llama(hidden_act)
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(1))
+    before = _loss_grads_and_kept(model, ids)
+    assert use_lean_gated_mlps(model) == 2 and use_lean_gated_mlps(model) == 2  # idempotent
+    after = _loss_grads_and_kept(model, ids)
+    assert torch.equal(after[0], before[0])
+    assert after[1].keys() == before[1].keys() and all(torch.equal(after[1][n], g) for n, g in before[1].items())
+    assert before[2] - after[2] == 2 * 20 * 48 * 8  # act(gate) [T, I] float64, per layer
+    assert "gated" not in str(list(model.state_dict()))  # names and checkpoints unchanged
+
+
+def test_other_gated_mlp_forwards_and_activations_keep_transformers_forward():
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class ScaledMLP(LlamaMLP):  # a different forward: not the Llama form
+        def forward(self, x):
+            return 2 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    relu = _llama("relu")
+    assert use_lean_gated_mlps(relu) == 0
+    scaled = ScaledMLP(relu.config)
+    assert use_lean_gated_mlps(scaled) == 0 and "forward" not in vars(scaled)
+    assert use_lean_gated_mlps(install_cores(_llama("silu"))) == 2  # install_cores made the swap
