@@ -1,5 +1,9 @@
 """The command line as a user runs it: torchrun started by hybridpar itself, and plan; bad
-input, signals, a stopped or killed rank. Every process has a timeout; none can hang."""
+input, signals, a stopped or killed rank. Every process has a timeout; none can hang.
+
+What is about the process (torchrun launched, exit status and stderr of ``python -m hybridpar``,
+signals, a stopped or killed rank) runs as a subprocess; what is about a verb's checks or output
+(plan, a layout refused before launch, which config errors are caught) calls ``cli.main`` here."""
 
 import os
 import signal
@@ -24,10 +28,12 @@ def test_check_through_torchrun_started_by_hybridpar(tmp_path):
     assert "check exact" in result.stdout and "cp_mamba=state" in result.stdout
 
 
-def test_nproc_that_does_not_fit_the_layout_is_refused_before_launch():
-    result = hybridpar("train", "--config", DEFAULT, "--nproc-per-node", "2", "parallel.tp=2")
-    assert result.returncode == 2
-    assert "--nproc-per-node 2 does not fit" in result.stderr and "pass --nproc-per-node 4" in result.stderr
+def test_nproc_that_does_not_fit_the_layout_is_refused_before_launch(capsys):
+    from hybridpar.cli import main
+
+    assert main(["train", "--config", DEFAULT, "--nproc-per-node", "2", "parallel.tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc-per-node 2 does not fit" in err and "pass --nproc-per-node 4" in err and err.count("\n") == 1
 
 
 def test_a_layout_for_more_processes_without_nproc_says_how_many(capsys):
@@ -39,12 +45,15 @@ def test_a_layout_for_more_processes_without_nproc_says_how_many(capsys):
                                        "parallel.*.\n")
 
 
-def test_plan_prints_memory_traffic_and_an_estimate():
-    result = hybridpar("plan", "--config", DEFAULT, "model.preset=nemotronh-8b", "parallel.cp=8", "parallel.tp=1",
-                       "data.pack_size=131072")
-    assert result.returncode == 0, result.stderr
+def test_plan_prints_memory_traffic_and_an_estimate(capsys):
+    from hybridpar.cli import main
+
+    code = main(["plan", "--config", DEFAULT, "model.preset=nemotronh-8b", "parallel.cp=8", "parallel.tp=1",
+                 "data.pack_size=131072"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
     for part in ("parameters", "peak:", "all_to_all/cp", "ESTIMATE"):
-        assert part in result.stdout, part
+        assert part in out.out, part
 
 
 # -- the launcher under faults: one message, exit 2 for bad input, nothing left running ----------
@@ -118,14 +127,22 @@ class Launched:
             self.process.wait(timeout=30)
 
 
-def test_a_config_error_at_any_process_count_exits_2_with_one_line_before_launch(tmp_path):
+def test_a_config_error_at_any_process_count_exits_2_with_one_line_before_launch(tmp_path, capsys):
+    """A broken YAML file as a real ``python -m hybridpar`` (its exit status and everything it printed);
+    the other kinds of config error take the same way out of ``cli.main``, checked here in-process."""
+    from hybridpar.cli import main
+
     broken = tmp_path / "broken.yaml"
     broken.write_text("train:\n  steps: [3\n")
-    for args in (["--config", DEFAULT, "train.log_every=0"], ["--config", str(broken)],
-                 ["--config", DEFAULT, "train.betas=[0.9,"], ["--config", DEFAULT, "train.lr=1e-3", "checkpoint.keep=0"]):
-        result = hybridpar("train", "--nproc-per-node", "4", *args, f"output_dir={tmp_path}")
-        assert result.returncode == 2 and result.stdout == "", result
-        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("hybridpar: error: "), result.stderr
+    result = hybridpar("train", "--nproc-per-node", "4", "--config", str(broken), f"output_dir={tmp_path}")
+    assert result.returncode == 2 and result.stdout == "", result
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("hybridpar: error: "), result.stderr
+    for args in (["--config", DEFAULT, "train.log_every=0"], ["--config", DEFAULT, "train.betas=[0.9,"],
+                 ["--config", DEFAULT, "train.lr=1e-3", "checkpoint.keep=0"]):
+        for nproc in (["--nproc-per-node", "4"], []):  # a launch, and one process
+            assert main(["train", *nproc, *args, f"output_dir={tmp_path}"]) == 2, args
+            out = capsys.readouterr()
+            assert out.out == "" and out.err.count("\n") == 1 and out.err.startswith("hybridpar: error: "), out
 
 
 def test_an_error_found_on_the_ranks_is_printed_once_and_exits_2(tmp_path):

@@ -30,6 +30,48 @@ def hybridpar(*args: str, env: dict | None = None, timeout: int = 240) -> subpro
                           cwd=ROOT, env={**os.environ, **(env or {})})
 
 
+def one_process_cli(rank, world_size, runs, env=None, file_size_limit=None):
+    """Each argv of ``runs`` through ``hybridpar.cli.main`` as a user's one-process run (no torchrun, no
+    caller's group: main checks, makes and ends its own group), in a harness rank: a forked child
+    with torch loaded, not a fresh interpreter. Returns ``[(exit status, stdout, stderr), ...]``.
+
+    ``env`` is set first; ``file_size_limit`` makes this child's writes past it fail (EFBIG), as a
+    full disk does. The harness's group is left first and a one-rank group stands in again at the end."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from hybridpar.cli import main
+
+    dist.destroy_process_group()
+    os.environ.update(env or {})
+    if file_size_limit is not None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process at the limit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+    results = []
+    try:
+        for argv in runs:
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(list(argv))
+            results.append((code, out.getvalue(), err.getvalue()))
+            for key in ("MASTER_ADDR", "MASTER_PORT"):  # the next run picks its own, as a new process would
+                os.environ.pop(key, None)
+    finally:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return results
+
+
+def cli_in_child(*argv: str, env: dict | None = None, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """``hybridpar argv`` as one process (``one_process_cli``), its result shaped as ``hybridpar()``'s."""
+    [[(code, out, err)]] = run_ranks(1, one_process_cli, [list(argv)], env, file_size_limit, timeout_s=240)
+    return subprocess.CompletedProcess(["hybridpar", *argv], code, out, err)
+
+
 def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:
     """The single ``hybridpar: error:`` line of a run that failed on bad input (no traceback)."""
     assert result.returncode == code, result.stdout[-2000:] + result.stderr[-3000:]
@@ -187,8 +229,8 @@ def test_non_finite_hf_weights_are_refused_at_load_naming_the_tensor(tmp_path):
     for backend, name in (("hybrid", "backbone.embeddings.weight"), ("transformers", "model.embeddings.weight")):
         with pytest.raises(ValueError, match=rf"holds non-finite weights: {name} \(1 NaN, 0 inf"):
             load_causal_lm(path, backend)
-    result = hybridpar("train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}/run", f"model.hf_path={path}",
-                       "data.task=mqar", "data.task_options={vocab_size: 16, min_len: 16, max_len: 48, num_kv_pairs: 2}")
+    result = cli_in_child("train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}/run", f"model.hf_path={path}",
+                          "data.task=mqar", "data.task_options={vocab_size: 16, min_len: 16, max_len: 48, num_kv_pairs: 2}")
     assert "backbone.embeddings.weight" in one_line_error(result) and "step 1" not in result.stdout
     assert "lr" not in result.stderr.split("error:")[1]  # the weights are named, not the learning rate
 
@@ -270,9 +312,9 @@ def test_a_busy_master_port_in_a_one_process_run_is_replaced_and_a_bad_one_exits
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = hybridpar("train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}/run", "train.steps=1",
-                           "checkpoint.every=-1", "data.task=text", f"data.path={tmp_path}/long.txt",
-                           "data.task_options={}", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        result = cli_in_child("train", "--config", DEFAULT, *TINY, f"output_dir={tmp_path}/run", "train.steps=1",
+                              "checkpoint.every=-1", "data.task=text", f"data.path={tmp_path}/long.txt",
+                              "data.task_options={}", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"hybridpar: warning: MASTER_PORT={port} is in use" in result.stderr and "Traceback" not in result.stderr
     # 12: the packer's split notice is one notice line, not a raw UserWarning
@@ -332,9 +374,9 @@ def test_an_alias_bomb_is_refused_in_a_short_message_and_quoted_values_are_bound
         with pytest.raises(ConfigError) as error:
             load_config(tmp_path / file)
         assert len(str(error.value)) < SHORT and ("alias bomb" in str(error.value) or "recursive" in str(error.value))
-    huge = "[" + ",".join(["1"] * 100_000) + "]"
+    huge = "[" + ",".join(["1"] * 10_000) + "]"  # 20,001 characters, 10x SHORT (YAML parses a long list slowly)
     for override in (f"output_dir={huge}", f"train.betas={huge}", f"data.task={'q' * 100_000}",
-                     f"{'k' * 100_000}=1", f"train.steps={'9' * 5000}", f"model.overrides={{pattern: {'Q' * 100_000}}}",
+                     f"{'k' * 20_000}=1", f"train.steps={'9' * 5000}", f"model.overrides={{pattern: {'Q' * 100_000}}}",
                      f"model.overrides={{{'u' * 100_000}: 1}}"):
         with pytest.raises(ConfigError) as error:
             model_config(load_config(DEFAULT, TINY + [override]))
@@ -393,10 +435,10 @@ def test_smaller_cases_say_what_is_wrong_precisely(tmp_path):
 
 
 def test_resuming_a_run_already_at_train_steps_says_nothing_is_left(tmp_path):
-    """A checkpoint at step 2 and train.steps=1: no step runs, and a notice says why (it was silent)."""
+    """A checkpoint at step 2 and train.steps=1: no step runs, and a notice says why (it was silent).
+    Both runs are one-process command lines, one after the other in one harness child."""
     run = ["train", "--config", DEFAULT, *TINY, "data.task_options={}", f"output_dir={tmp_path}"]
-    first = hybridpar(*run, "train.steps=2")
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = hybridpar(*run, "train.steps=1")
-    assert again.returncode == 0 and "step     1 |" not in again.stdout, again.stdout[-2000:]
-    assert "the checkpoint is at step 2, and train.steps=1: nothing is left to train" in again.stderr, again.stderr[-2000:]
+    first, again = run_ranks(1, one_process_cli, [[*run, "train.steps=2"], [*run, "train.steps=1"]], timeout_s=240)[0]
+    assert first[0] == 0 and "step     2 |" in first[1], first[1][-2000:] + first[2][-2000:]
+    assert again[0] == 0 and "step     1 |" not in again[1], again[1][-2000:]
+    assert "the checkpoint is at step 2, and train.steps=1: nothing is left to train" in again[2], again[2][-2000:]

@@ -10,7 +10,7 @@ import pytest
 from hybridpar.config import load_config
 from hybridpar.train.run.checkpoint import CheckpointError
 from hybridpar.train.run.resume import plan_resume
-from tests.train.test_faults_round3 import DEFAULT, ROOT, TINY
+from tests.train.test_faults_round3 import DEFAULT, ROOT, TINY, cli_in_child
 
 
 @pytest.mark.parametrize("damage", ["shard_missing", "manifest_not_json", "manifest_a_list"])
@@ -53,7 +53,8 @@ def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_saying_what_
     was a DCP or safetensors traceback ("unexpected pos 704 vs 598"), and a failed export lost the
     trained weights without a word; at two ranks the launcher named the rank it had stopped. Now:
     exit 1, one line naming the step or path, the cause and the free space, and what is intact; no
-    staging folder is left behind."""
+    staging folder is left behind. The two-rank case is a real launch (a subprocess); the one-process
+    export runs the command line in a harness child under the same limit."""
     run = ["train", "--config", DEFAULT, *TINY, "data.task_options={}", f"output_dir={tmp_path / 'run'}",
            "train.steps=2", "model.overrides={rotary_fraction: 0.0}"]
     if what == "checkpoint":  # two ranks: one reports, the launcher stops the other (that SIGTERM was named instead)
@@ -61,8 +62,11 @@ def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_saying_what_
     if what == "export":
         run += ["checkpoint.every=-1", f"model.export_hf={tmp_path / 'export'}",
                 "model.export_architecture=NemotronHForCausalLM"]
-    result = subprocess.run([sys.executable, "-m", "hybridpar", *run], capture_output=True, text=True, timeout=240,
-                            cwd=ROOT, preexec_fn=_limited_file_size(200_000))
+    if what == "checkpoint":
+        result = subprocess.run([sys.executable, "-m", "hybridpar", *run], capture_output=True, text=True, timeout=240,
+                                cwd=ROOT, preexec_fn=_limited_file_size(200_000))
+    else:
+        result = cli_in_child(*run, file_size_limit=200_000)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("hybridpar: error")]
     assert len(errors) == 1 and "Traceback" not in result.stderr and len(errors[0]) < 800, result.stderr[-3000:]
@@ -80,8 +84,7 @@ def test_any_other_refused_write_is_one_line_and_exit_1(tmp_path):
     """metrics.jsonl (here) or any other file the system refuses to grow: one line, no traceback."""
     run = ["train", "--config", DEFAULT, *TINY, "data.task_options={}", f"output_dir={tmp_path / 'run'}",
            "train.steps=3", "train.log_every=1", "checkpoint.every=-1"]
-    result = subprocess.run([sys.executable, "-m", "hybridpar", *run], capture_output=True, text=True, timeout=240,
-                            cwd=ROOT, preexec_fn=_limited_file_size(300))
+    result = cli_in_child(*run, file_size_limit=300)  # one process: the command line in a harness child
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == ("hybridpar: error: writing failed (File too large); the run "
                                                       "stopped. Free space, then resume with checkpoint.resume=auto.")
