@@ -6,9 +6,10 @@ transformers Llama and a transformers NemotronH (Mamba, attention and MLP layers
 mixers on hybridpar's core and float64 throughout, as the trainer runs it),
 with ``add_lora(r=4)`` on the default targets and ``B`` perturbed so every adapter gradient is
 nonzero. Layouts: tp=2, tp=2 + SP, cp=2 (with activation checkpointing), dp_shard=2 (and the
-HybridLM with its blocks compiled, ``aot_eager``) on one 2-rank group; cp=2 x tp=2 on a 4-rank
-group. FSDP's reduce-scatter (``CommStats``) sends exactly the adapters' padded gradients: the
-frozen base has none to reduce. The loss and every adapter gradient
+HybridLM with its blocks compiled, ``aot_eager``) on one 2-rank group, which also runs the
+dropout and Zamba2 checks (one launch for every 2-rank test); cp=2 x tp=2 on a 4-rank group.
+FSDP's reduce-scatter (``CommStats``) sends exactly the adapters' padded gradients: the frozen
+base has none to reduce. The loss and every adapter gradient
 (``canonical_state_dict(grads=True)``: gathered, Mamba components fused back) equal the
 single-process model's to 1e-9; no base parameter has a gradient, on any rank. One process:
 the ``ValueError``s of bad targets, ranks and unpairable TP styles.
@@ -176,18 +177,40 @@ def _check(results: list[dict], layouts: dict, dropout: float = 0.0) -> None:
     assert not failures, "\n".join(failures[:40])
 
 
-@pytest.mark.timeout(600)
-def test_lora_tp_sp_cp_fsdp_match_one_process():
-    _check(run_ranks(2, lora_worker, LAYOUTS_2, timeout_s=500), LAYOUTS_2)
+ZAMBA_LAYOUTS = {"cp2-ac": LAYOUTS_2["cp2-ac"], "tp2-sp": LAYOUTS_2["tp2-sp"]}
+JOBS_2 = {  # the 2-rank checks, one launch: name -> (layouts, dropout, models)
+    "plain": (LAYOUTS_2, 0.0, MODELS),
+    "dropout": (LAYOUTS_DROPOUT, 0.3, MODELS),
+    "zamba2_shared": (ZAMBA_LAYOUTS, 0.0, ("zamba2_shared",)),
+}
 
 
-@pytest.mark.timeout(600)
-def test_lora_dropout_draws_the_single_process_masks_at_every_layout():
+def lora_jobs(rank: int, world_size: int, jobs: dict) -> dict:
+    return {job: lora_worker(rank, world_size, *args) for job, args in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Every 2-rank job on one group: the launch and the process group once, not per test."""
+    return run_ranks(2, lora_jobs, JOBS_2, timeout_s=900)
+
+
+def _job(results: list[dict], job: str) -> list[dict]:
+    return [rank_results[job] for rank_results in results]
+
+
+@pytest.mark.timeout(900)
+def test_lora_tp_sp_cp_fsdp_match_one_process(two_ranks):
+    _check(_job(two_ranks, "plain"), LAYOUTS_2)
+
+
+@pytest.mark.timeout(900)
+def test_lora_dropout_draws_the_single_process_masks_at_every_layout(two_ranks):
     """peft.dropout=0.3 at tp=2, tp=2 + SP, cp=2 (activation checkpointing: recomputed masks) and
     dp_shard=2 (and compiled blocks): masks keyed by each token's global row and position (``models/token_dropout.py``;
     a row-parallel adapter's feature shard by its global features, ``ShardedTokenDropout``), so the
     loss and every adapter gradient equal one process's (column-, row- and per-component adapters)."""
-    _check(run_ranks(2, lora_worker, LAYOUTS_DROPOUT, 0.3, timeout_s=500), LAYOUTS_DROPOUT, 0.3)
+    _check(_job(two_ranks, "dropout"), LAYOUTS_DROPOUT, 0.3)
 
 
 @pytest.mark.timeout(600)
@@ -195,12 +218,12 @@ def test_lora_cp2_tp2_matches_one_process():
     _check(run_ranks(4, lora_worker, LAYOUTS_4, timeout_s=500), LAYOUTS_4)
 
 
-def test_lora_on_zamba2_with_a_shared_block_matches_one_process():
+@pytest.mark.timeout(900)
+def test_lora_on_zamba2_with_a_shared_block_matches_one_process(two_ranks):
     """Adapters on each hybrid layer's copy of the shared block are its own; the copies' tied base
     weights form one FSDP unit with them (cp=2), and under tp=2 + SP the copies are sharded and
     re-tied: the loss and every adapter gradient equal one process's."""
-    layouts = {"cp2-ac": LAYOUTS_2["cp2-ac"], "tp2-sp": LAYOUTS_2["tp2-sp"]}
-    _check(run_ranks(2, lora_worker, layouts, 0.0, ("zamba2_shared",), timeout_s=300), layouts)
+    _check(_job(two_ranks, "zamba2_shared"), ZAMBA_LAYOUTS)
 
 
 def test_bad_lora_input_is_refused_before_parallelizing():

@@ -4,7 +4,7 @@ One 4-rank gloo group runs, for a tiny Hugging Face Llama and our ``HybridLM`` (
 FSDP over dp_shard=4, HSDP 2x2 and (Llama) FSDP dp_shard=2 on top of TP tp=2. Per layout:
 the loss (sum of token losses / global count of valid tokens, some labels ignored so ranks
 hold different counts) and every full gradient equal the single-process model's to 1e-9,
-and parameters stay equal over 3 AdamW steps. A control run with stock FSDP gradient
+and parameters stay equal over 2 AdamW steps. A control run (one step) with stock FSDP gradient
 division shows the check is sensitive to it (gradients come out divided by the dp size).
 The group also checks bf16 mixed precision and that ``parameter_layouts`` reads TP layouts
 through FSDP (DTensor placements, and parameter attributes FSDP re-creates parameters without).
@@ -25,7 +25,7 @@ from tests.distributed.harness import run_ranks
 from tests.distributed.tensor.test_hf import build_model as build_hf_model
 
 TOL = 1e-9
-STEPS = 3
+STEPS = 2  # the second step sees the first's AdamW state and updated parameters
 BATCH, SEQ = 8, 16
 LAYOUTS = {  # name -> (dp_replicate, dp_shard, cp, tp)
     "fsdp4": (1, 4, 1, 1),
@@ -81,8 +81,8 @@ def _max_error(model, reference, grads: bool) -> float:
     return worst
 
 
-def _train_parity(model_name: str, layout: str, stock_division: bool = False) -> dict:
-    """3 AdamW steps of the parallel model next to the reference; errors per step."""
+def _train_parity(model_name: str, layout: str, stock_division: bool = False, steps: int = STEPS) -> dict:
+    """``steps`` AdamW steps of the parallel model next to the reference; errors per step."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -106,8 +106,8 @@ def _train_parity(model_name: str, layout: str, stock_division: bool = False) ->
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
 
-    steps = []
-    for step in range(STEPS):
+    errors = []
+    for step in range(steps):
         ids, labels = batch(step, vocab)
         count = (labels != -100).sum()
         ref_loss = token_loss_sum(logits_of(reference, ids), labels) / count
@@ -123,9 +123,9 @@ def _train_parity(model_name: str, layout: str, stock_division: bool = False) ->
         grad_error = _max_error(model, reference, grads=True)
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
-        steps.append({"loss_error": abs(loss - ref_loss).item(), "grad_error": grad_error,
-                      "param_error": _max_error(model, reference, grads=False), "grad_ratio": ratio})
-    return {"steps": steps}
+        errors.append({"loss_error": abs(loss - ref_loss).item(), "grad_error": grad_error,
+                       "param_error": _max_error(model, reference, grads=False), "grad_ratio": ratio})
+    return {"steps": errors}
 
 
 def _mixed_precision_step() -> dict:
@@ -229,7 +229,7 @@ def fsdp_checks(rank: int, world_size: int) -> dict:
     for model_name, layouts in MODELS.items():
         for layout in layouts:
             results[(model_name, layout)] = _train_parity(model_name, layout)
-    results["control"] = _train_parity("llama", "fsdp4", stock_division=True)
+    results["control"] = _train_parity("llama", "fsdp4", stock_division=True, steps=1)  # step 0 shows it
     results["mixed_precision"] = _mixed_precision_step()
     results["layouts"] = _layouts_through_fsdp()
     return results
@@ -243,6 +243,7 @@ def fsdp_results():
 @pytest.mark.parametrize("model_name,layout", [(m, l) for m, ls in MODELS.items() for l in ls])
 def test_fsdp_parity_over_adamw_steps(fsdp_results, model_name, layout):
     for result in fsdp_results:
+        assert len(result[(model_name, layout)]["steps"]) == STEPS
         for step, errors in enumerate(result[(model_name, layout)]["steps"]):
             assert errors["loss_error"] < TOL, (step, errors)
             assert errors["grad_error"] < TOL, (step, errors)

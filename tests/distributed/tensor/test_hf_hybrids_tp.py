@@ -13,7 +13,8 @@ dense (NoPE), Falcon-H1 with the plain ``y * silu(z)`` gate and dense NemotronH 
 Falcon-H1 with one B/C group (as their released checkpoints: B/C replicated, the gated norm's sum
 of squares all-reduced): the loss and every parameter gradient (fused back to transformers' names,
 ``canonical_state_dict``) equal the one-process model's to 1e-9. The same group checks the
-``ValueError`` for heads not divisible by tp, raised before any collective.
+``ValueError`` for heads not divisible by tp, raised before any collective. Each rank computes a
+share of the one-process references and the group gathers them (each model's once, not on every rank).
 """
 
 from __future__ import annotations
@@ -114,9 +115,14 @@ def _errors(mesh) -> dict:
 
 
 def _run(rank, world_size) -> dict:
+    import torch.distributed as dist
+
     from hybridpar.parallel.dims import ParallelDims
 
-    references = {name: _reference(name) for name in MODELS}
+    mine = {name: _reference(name) for name in MODELS[rank::world_size]}  # each reference once, not per rank
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    references = {name: ref for part in gathered for name, ref in part.items()}
     out = {}
     for label, sizes, sp in LAYOUTS:
         dims = ParallelDims(**sizes)
