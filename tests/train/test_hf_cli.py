@@ -2,11 +2,12 @@
 
 Tiny Llama, Qwen3 and Mistral checkpoints saved by transformers next to a BPE tokenizer trained
 in the test (``tests/models/hf/test_causal_lm.py`` makes them). On real gloo ranks, for each model:
-3 training steps on chat JSONL at tp=2 (sequence parallel) and at tp=2 x dp_shard=2, through
+2 training steps on chat JSONL at tp=2 (sequence parallel), at cp=2 (the two share one launch of
+2 ranks) and at tp=2 x dp_shard=2, through
 the code ``hybridpar train`` runs (``Trainer.fit``); the export reloads in transformers with no
 missing or unexpected keys, the tokenizer and chat template, and the logits of the trained
-parallel model (float32, 1e-5); ``hybridpar check`` on the tp=2 x dp_shard=2 config in float64
-is exact (1e-9). Then the preflight rules of the new keys, before any process starts.
+parallel model (float32, 1e-5; at tp=2 layouts); ``hybridpar check`` on the tp=2 x dp_shard=2 and
+cp=2 configs in float64 is exact (1e-9). Then the preflight rules of the new keys, before any process starts.
 """
 
 import contextlib
@@ -46,7 +47,7 @@ def sources(tmp_path_factory):
 
 def job(source: str, chat: str, out: str, layout: list[str], dtype: str = "float32") -> list[str]:
     return [f"model.hf_path={source}", f"model.dtype={dtype}", "data.task=chat", f"data.path={chat}",
-            "data.pack_size=64", "data.packs_per_step=2", "train.steps=3", "train.lr=0.01", "train.warmup_steps=0",
+            "data.pack_size=64", "data.packs_per_step=2", "train.steps=2", "train.lr=0.01", "train.warmup_steps=0",
             "train.eval_every=0", "checkpoint.every=-1", f"output_dir={out}/run", *layout, *QUIET]
 
 
@@ -57,6 +58,12 @@ def _cli(argv):
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
         code = main(argv)
     return code, stderr.getvalue() + stdout.getvalue()
+
+
+def _layouts(rank, world_size, checkpoints, chat, root, layouts):
+    """``_train_export_check`` at each ``(layout, check)`` of ``layouts`` in one launch of these ranks."""
+    return [_train_export_check(rank, world_size, checkpoints, chat, f"{root}/{index}", layout, check)
+            for index, (layout, check) in enumerate(layouts)]
 
 
 def _train_export_check(rank, world_size, checkpoints, chat, root, layout, check):
@@ -99,19 +106,32 @@ def _train_export_check(rank, world_size, checkpoints, chat, root, layout, check
     return results
 
 
-@pytest.mark.parametrize("world_size, layout, check", [
-    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], False),
-    (4, ["parallel.tp=2", "parallel.dp_shard=2", "parallel.sequence_parallel=true"], True),
-    (2, ["parallel.cp=2", "parallel.cp_attention=ulysses"], True),
-], ids=["tp2-sp", "tp2xdp_shard2", "cp2"])
-def test_train_export_and_check_llama_qwen3_mistral(sources, tmp_path, world_size, layout, check):
+LAYOUTS = {"tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], False),
+           "tp2xdp_shard2": (4, ["parallel.tp=2", "parallel.dp_shard=2", "parallel.sequence_parallel=true"], True),
+           "cp2": (2, ["parallel.cp=2", "parallel.cp_attention=ulysses"], True)}
+
+
+@pytest.fixture(scope="module")
+def trained(sources, tmp_path_factory):
+    """Rank 0's results per layout name: one launch per world size (the 2-rank layouts share one)."""
     checkpoints, chat = sources
-    results = run_ranks(world_size, _train_export_check, checkpoints, chat, str(tmp_path), layout, check,
-                        timeout_s=600)
-    for name, result in results[0].items():
+    root = tmp_path_factory.mktemp("trained")
+    results = {}
+    for world_size in (2, 4):
+        names = [name for name, (n, _, _) in LAYOUTS.items() if n == world_size]
+        layouts = [LAYOUTS[name][1:] for name in names]
+        ranks = run_ranks(world_size, _layouts, checkpoints, chat, str(root), layouts, timeout_s=600)
+        results.update(zip(names, ranks[0]))
+    return results
+
+
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+def test_train_export_and_check_llama_qwen3_mistral(trained, layout_name):
+    check = LAYOUTS[layout_name][2]
+    for name, result in trained[layout_name].items():
         assert result["type"] == {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                   "mistral": "MistralForCausalLM"}[name]
-        assert len(result["losses"]) == 3 and all(map(torch.isfinite, torch.tensor(result["losses"])))
+        assert len(result["losses"]) == 2 and all(map(torch.isfinite, torch.tensor(result["losses"])))
         assert result["attention"] == "hybridpar", name  # blockwise at every cp: no [S, S] mask
         assert result["problems"] == 0, name
         assert result["logits_error"] < 1e-5, (name, result["logits_error"])

@@ -14,7 +14,8 @@ transformers with no missing or unexpected key, and ``hybridpar check`` is exact
 (tp=2 + SP, cp=2), Falcon-H1 (cp=2), FalconMamba (cp=2, Mamba1 state passing), RecurrentGemma (cp=2, RG-LRU
 state passing), Bamba (tp=2 + SP) and Qwen3-Next (cp=2, gated DeltaNet all-to-all and state passing).
 Training checkpoints resume at another layout (Granite MoE tp=2 <-> one process; the Zamba2
-cp=2 -> tp=2 + SP and one process) with the losses of an uninterrupted run.
+cp=2 -> tp=2 + SP and one process; LFM2 cp=2 -> tp=2 + SP; Qwen3-Next, Kimi Linear and FalconMamba
+tp=2 + SP -> one process): the resumed step's loss is the uninterrupted run's.
 The leak probe tells a leaking model from an exact one.
 """
 
@@ -205,47 +206,82 @@ def test_the_leak_probe_sees_a_leak_and_passes_our_cores():
     assert leak_probe(model, VOCAB) < 1e-12
 
 
-def _steps(rank, world_size, path, directory, layout, stop_after=None, every=2):
-    """Train (or resume) the float64 checkpoint at ``path`` in ``directory``; rank 0 returns the step losses."""
+def _steps(rank, world_size, runs):
+    """Train (or resume) each float64 ``(checkpoint path, directory, layout)`` of ``runs`` to step 3,
+    saving after every step; rank 0 returns each run's step losses."""
     from hybridpar.config import load_config
     from hybridpar.train.trainer import Trainer
 
-    overrides = [f"model.hf_path={path}", "model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2",
-                 "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}", "train.steps=4",
-                 "train.log_every=1", "train.eval_every=0", f"checkpoint.every={every}", f"output_dir={directory}",
-                 "tensorboard=false", "plot=false", *layout]
-    with contextlib.redirect_stdout(io.StringIO()):
-        history = Trainer(load_config(None, overrides), torch.device("cpu")).fit(stop_after=stop_after)
-    return [r["loss"] for r in history] if rank == 0 else None
+    losses = []
+    for path, directory, layout in runs:
+        overrides = [f"model.hf_path={path}", "model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2",
+                     "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}", "train.steps=3",
+                     "train.log_every=1", "train.eval_every=0", "checkpoint.every=1", "checkpoint.keep=3",
+                     f"output_dir={directory}", "tensorboard=false", "plot=false", *layout]
+        with contextlib.redirect_stdout(io.StringIO()):
+            history = Trainer(load_config(None, overrides), torch.device("cpu")).fit()
+        losses.append([r["loss"] for r in history])
+    return losses if rank == 0 else None
 
 
 TP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 CP2 = ["parallel.cp=2", "parallel.cp_mamba=state"]
+RESUMES = [("granite_moe", TP2, []), ("granite_moe", [], TP2), ("zamba2_shared", CP2, TP2), ("zamba2_shared", CP2, []),
+           ("lfm2", CP2, TP2), ("qwen3_next", TP2, []), ("kimi_linear", TP2, []), ("falcon_mamba", TP2, [])]
 
 
-def _ranks(layout: list[str]) -> int:
-    return 2 if layout else 1  # every layout here is one degree of 2, or one process
+def _label(layout: list[str]) -> str:
+    return "-".join(option.split(".")[1].replace("=", "") for option in layout[:1]) or "one"
 
 
-@pytest.mark.parametrize("name, first, then", [("granite_moe", TP2, ([],)), ("granite_moe", [], (TP2,)),
-                                               ("zamba2_shared", CP2, (TP2, [])), ("lfm2", CP2, (TP2,)),
-                                               ("qwen3_next", TP2, ([],)), ("kimi_linear", TP2, ([],)),
-                                               ("falcon_mamba", TP2, ([],))])
-def test_a_transformers_hybrid_resumes_at_another_layout(checkpoints, tmp_path, name, first, then):
+@pytest.fixture(scope="module")
+def resumed_runs(checkpoints, tmp_path_factory):
+    """Each first layout's uninterrupted 3-step run, and each of ``RESUMES`` resumed from a copy of it
+    that holds only the step-1 checkpoint (as an interruption after step 1 leaves it). Three launches,
+    every layout of one world size in one: the 2-rank first runs, then every one-process run (Granite's
+    first run, then the resumes), then the 2-rank resumes; no run resumes in the processes that wrote it."""
+    root = tmp_path_factory.mktemp("resumes")
+    firsts = sorted({(name, _label(first)): first for name, first, _ in RESUMES}.items())
+    first_dir = {key: str(root / "-".join(key)) for key, _ in firsts}
+    reference = {}
+
+    def run(world_size, runs):
+        return run_ranks(world_size, _steps, [run[1:] for run in runs], timeout_s=600)[0]
+
+    def resumes(world_size):
+        runs = []
+        for name, first, then in RESUMES:
+            if bool(then) == (world_size == 2):
+                directory = root / f"{name}-{_label(first)}-to-{_label(then)}"
+                shutil.copytree(first_dir[name, _label(first)], directory,
+                                ignore=shutil.ignore_patterns("step_00000002", "step_00000003"))
+                runs.append(((name, _label(first), _label(then)), checkpoints[name], str(directory), then))
+        return runs
+
+    two = [(key, checkpoints[key[0]], first_dir[key], first) for key, first in firsts if first]
+    reference.update(zip([r[0] for r in two], run(2, two)))
+    one = [(key, checkpoints[key[0]], first_dir[key], first) for key, first in firsts if not first]
+    one_results = run(1, one + (one_resumes := resumes(1)))  # the resumes read only the 2-rank runs' directories
+    reference.update(zip([r[0] for r in one], one_results))
+    resumed = dict(zip([r[0] for r in one_resumes], one_results[len(one):]))
+    two_resumes = resumes(2)
+    resumed.update(zip([r[0] for r in two_resumes], run(2, two_resumes)))
+    return reference, resumed
+
+
+@pytest.mark.parametrize("name, first, then", RESUMES,
+                         ids=[f"{n}-{_label(f)}-to-{_label(t)}" for n, f, t in RESUMES])
+def test_a_transformers_hybrid_resumes_at_another_layout(resumed_runs, name, first, then):
     """Mamba mixers are stored per component at every layout and packed expert weights as one
     process holds them, so a DCP checkpoint resumes at another layout: Granite MoE written at tp=2
     resumes on one process and the other way; a Zamba2 with a shared block (one FSDP unit at cp=2)
     written at cp=2 resumes at tp=2 + SP and on one process; LFM2 (``in_proj`` of its short convs per
     component at every layout) written at cp=2 resumes at tp=2 + SP; Qwen3-Next (gated DeltaNets: ``conv1d``
     per q, k, v at every layout) written at tp=2 + SP resumes on one process, and so do Kimi Linear (its KDA
-    ``conv1d`` per q, k, v) and FalconMamba (Mamba1 ``in_proj`` per x, z). Steps 3-4 equal an uninterrupted run
-    (float64)."""
-    path = checkpoints[name]
-    reference = run_ranks(_ranks(first), _steps, path, str(tmp_path / "straight"), first, None, -1, timeout_s=300)[0]
-    head = run_ranks(_ranks(first), _steps, path, str(tmp_path / "first"), first, 2, timeout_s=300)[0]
-    for index, layout in enumerate(then):
-        directory = tmp_path / f"resumed{index}"
-        shutil.copytree(tmp_path / "first", directory)
-        resumed = head + run_ranks(_ranks(layout), _steps, path, str(directory), layout, timeout_s=300)[0]
-        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference), rtol=1e-10, atol=1e-10,
-                                   msg=f"{name}: {first} -> {layout}")
+    ``conv1d`` per q, k, v) and FalconMamba (Mamba1 ``in_proj`` per x, z). Resumed after step 1, steps 2-3
+    (step 3 after an update by the restored optimizer) equal the uninterrupted run's (float64)."""
+    reference, resumed = resumed_runs
+    losses = resumed[name, _label(first), _label(then)]
+    assert len(reference[name, _label(first)]) == 3 and len(losses) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[name, _label(first)][1:]),
+                               rtol=1e-10, atol=1e-10, msg=f"{name}: {first} -> {then}")

@@ -39,17 +39,20 @@ def test_default_job_learns_mqar_on_its_two_ranks(tmp_path):
 
 
 TINY = ["model.preset=tiny", "data.pack_size=256"]  # the default job's demo widths and 1024-token rows cost minutes
-RESUME = TINY + ["model.dtype=float64", "train.steps=4", "train.log_every=1", "train.eval_every=0",
-                 "data.packs_per_step=2"] + QUIET  # no padding option: a resumed run keeps the checkpoint's
+RESUME = TINY + ["model.dtype=float64", "train.steps=3", "train.log_every=1", "train.eval_every=0",
+                 "data.packs_per_step=2", "checkpoint.every=1", "checkpoint.keep=3"] + QUIET
+# no padding option: a resumed run keeps the checkpoint's
 
 
-def _steps(rank, world_size, directory, layout, stop_after=None, checkpoint_every=2):
-    """Train (or resume) in ``directory`` under ``layout``; rank 0 returns the step losses."""
+def _steps(rank, world_size, runs):
+    """Train (or resume) in each ``(directory, layout)`` of ``runs``; rank 0 returns each run's step losses."""
     from hybridpar.train.trainer import Trainer
 
-    overrides = RESUME + [f"output_dir={directory}", f"checkpoint.every={checkpoint_every}"] + layout
-    history = Trainer(load_config(DEFAULT, overrides), torch.device("cpu")).fit(stop_after=stop_after)
-    return [r["loss"] for r in history] if rank == 0 else None
+    losses = []
+    for directory, layout in runs:
+        history = Trainer(load_config(DEFAULT, RESUME + [f"output_dir={directory}"] + layout), torch.device("cpu")).fit()
+        losses.append([r["loss"] for r in history])
+    return losses if rank == 0 else None
 
 
 CP2_TP2 = ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -58,21 +61,27 @@ TP2 = ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]
 
 
 def test_resume_gives_the_same_losses_at_the_same_and_at_another_layout_and_world_size(tmp_path):
-    """Steps 1-2 at cp=2 x tp=2, a checkpoint, steps 3-4 resumed from a copy of it: equal to 4
-    uninterrupted steps (float64), resumed under the same layout, another layout, and at tp=2
-    on 2 ranks instead of 4. No padding option is given: at cp=1 the resumed runs keep the
-    2*cp=4 padding the checkpoint recorded, so they see the same batches."""
-    reference = run_ranks(4, _steps, str(tmp_path / "straight"), CP2_TP2, None, -1, timeout_s=600)[0]
-    first = run_ranks(4, _steps, str(tmp_path / "first"), CP2_TP2, 2, timeout_s=600)[0]
+    """3 uninterrupted steps at cp=2 x tp=2 (float64), a checkpoint after each; copies of the run
+    directory holding only the step-1 checkpoint (as an interruption after step 1 leaves it) resume
+    under the same layout, another layout (one launch of 4 ranks) and at tp=2 on 2 ranks instead of
+    4: steps 2-3 (step 3 after an update by the restored optimizer) equal the uninterrupted run's.
+    No padding option is given: at cp=1 the resumed runs keep the 2*cp=4 padding the checkpoint
+    recorded, so they see the same batches."""
+    reference = run_ranks(4, _steps, [(str(tmp_path / "straight"), CP2_TP2)], timeout_s=600)[0][0]
+    cases = [("same", 4, CP2_TP2), ("other layout", 4, DP2_TP2), ("2 ranks", 2, TP2)]
+    for name, _, _ in cases:
+        shutil.copytree(tmp_path / "straight", tmp_path / name.replace(" ", "_"),
+                        ignore=shutil.ignore_patterns("step_00000002", "step_00000003"))
     resumed = {}
-    for name, world_size, layout in [("same", 4, CP2_TP2), ("other layout", 4, DP2_TP2), ("2 ranks", 2, TP2)]:
-        directory = tmp_path / name.replace(" ", "_")
-        shutil.copytree(tmp_path / "first", directory)
-        resumed[name] = first + run_ranks(world_size, _steps, str(directory), layout, timeout_s=600)[0]
-    assert len(reference) == 4 and all(len(losses) == 4 for losses in resumed.values())
-    torch.testing.assert_close(torch.tensor(resumed["same"]), torch.tensor(reference), rtol=1e-12, atol=1e-12)
+    for world_size in (4, 2):
+        runs = [(name, str(tmp_path / name.replace(" ", "_")), layout) for name, n, layout in cases if n == world_size]
+        losses = run_ranks(world_size, _steps, [run[1:] for run in runs], timeout_s=600)[0]
+        resumed.update(zip([run[0] for run in runs], losses))
+    assert len(reference) == 3 and all(len(losses) == 2 for losses in resumed.values())
+    torch.testing.assert_close(torch.tensor(resumed["same"]), torch.tensor(reference[1:]), rtol=1e-12, atol=1e-12)
     for name in ("other layout", "2 ranks"):
-        torch.testing.assert_close(torch.tensor(resumed[name]), torch.tensor(reference), rtol=1e-10, atol=1e-10, msg=name)
+        torch.testing.assert_close(torch.tensor(resumed[name]), torch.tensor(reference[1:]), rtol=1e-10, atol=1e-10,
+                                   msg=name)
 
 
 def _interrupted_save(rank, world_size, directory):
