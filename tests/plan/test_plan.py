@@ -1,4 +1,7 @@
-"""``hybridpar plan``: refusals as ``train``, the JSON keys, the search, and exact parameters."""
+"""``hybridpar plan``: refusals as ``train``, the JSON keys, the search, and exact parameters.
+
+The CLI's exit code on a refusal runs in a fresh process; its ``--json`` and ``--fit`` output are read from
+``hybridpar.cli.main(argv)`` in this one (what ``python -m hybridpar`` calls; an interpreter start each)."""
 
 from __future__ import annotations
 
@@ -45,10 +48,19 @@ def test_cli_refuses_tp3_with_exit_2_and_no_plan():
     assert "tp=3" in result.stderr, result.stderr
 
 
-def test_json_has_the_documented_keys_and_types():
-    result = plan_cli("parallel.cp=2", "parallel.tp=2", "data.pack_size=4096", "--json", "--target", "cpu")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
+def plan_main(capsys, *args: str) -> str:
+    """``hybridpar plan ARGS`` in this process: its stdout (exit code 0 asserted)."""
+    from hybridpar.cli import main
+
+    capsys.readouterr()
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_json_has_the_documented_keys_and_types(capsys):
+    out = json.loads(plan_main(capsys, "parallel.cp=2", "parallel.tp=2", "data.pack_size=4096", "--json", "--target", "cpu"))
     assert isinstance(out["peak_memory_gib_per_rank"], float) and out["peak_memory_gib_per_rank"] > 0
     assert isinstance(out["baseline_gib"], float) and out["baseline_gib"] > 0
     assert isinstance(out["parameters_per_rank"], int)
@@ -117,7 +129,6 @@ def test_fit_lists_fitting_layouts_fastest_first_and_says_why_others_fail():
     assert too_big and all(c.needs_gib > 0.1 for c in too_big)
 
 
-def test_fit_cli_prints_the_recommendation():
-    result = plan_cli("data.pack_size=16384", "data.packs_per_step=1", "--fit", "1.1", "--world-size", "4")
-    assert result.returncode == 0, result.stderr
-    assert "recommended:" in result.stdout and "does not fit:" in result.stdout
+def test_fit_cli_prints_the_recommendation(capsys):
+    out = plan_main(capsys, "data.pack_size=16384", "data.packs_per_step=1", "--fit", "1.1", "--world-size", "4")
+    assert "recommended:" in out and "does not fit:" in out

@@ -3,7 +3,8 @@
 A Llama checkpoint is priced as pattern ``*-`` per layer with transformers' extra norm products;
 its plan is held to one measured training step as the HybridLM's is (``test_plan_measured.py``):
 parameters and traffic exact, saved activations within 10%, peak within 15%, on one process, at
-cp=2, tp=2 and tp=2 + SP. Exact TP traffic also holds two fixes: without SP, q, k, v (gate, up)
+cp=2, tp=2 and tp=2 + SP, 1024 tokens per pack (each model's weights saved once for the module).
+Exact TP traffic also holds two fixes: without SP, q, k, v (gate, up)
 read one replicated norm output and all-reduce their input gradient once, not once each; the loss
 seam hands lm_head no position, detached, so no logits are gathered and no zero gradient of the
 whole hidden state is all-reduced. Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms: their
@@ -127,14 +128,21 @@ CASES = {"1 process": (1, []), "cp=2": (2, ["parallel.cp=2"]), "tp=2": (2, ["par
 # Bamba and NemotronH at tp=2 without SP: q, k, v (Bamba's gate, up) read one replicated norm output and
 # all-reduce their input gradient once (they did once each: 2 and 6 [Tc, D] more than the plan at 4 layers)
 HYBRIDS_TP = [("bamba", "tp=2 selective"), ("nemotron_h", "tp=2")]
+PACK = 1024  # tokens per pack (2048 until the suite trim measured the same paths at twice the tokens)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """Each model's weights saved once for the module (read-only to the runs; each run writes its own directory)."""
+    root = tmp_path_factory.mktemp("hf_checkpoints")
+    return {model: _checkpoint(root / model, model, weights=True) for model in ("llama", "qwen3", "bamba", "nemotron_h")}
 
 
 @pytest.mark.parametrize("model, name", [("llama", c) for c in sorted(CASES) if c != "tp=2 selective"]
                          + [("qwen3", "tp=2 + SP"), ("bamba", "tp=2 + SP")] + HYBRIDS_TP)
-def test_the_plan_of_a_transformers_decoder_matches_one_measured_step(tmp_path, model, name):
+def test_the_plan_of_a_transformers_decoder_matches_one_measured_step(tmp_path, checkpoints, model, name):
     world, layout = CASES[name]
-    overrides = [f"model.hf_path={_checkpoint(tmp_path / model, model, weights=True)}", *BACKEND.get(model, []),
-                 "data.pack_size=2048",
+    overrides = [f"model.hf_path={checkpoints[model]}", *BACKEND.get(model, []), f"data.pack_size={PACK}",
                  "data.packs_per_step=1", *layout]
     got = run_ranks(world, measure_step, overrides, str(tmp_path / "run"), timeout_s=600)[0]
     plan = predict(overrides)
