@@ -184,10 +184,7 @@ def _configs(hf) -> dict:
     }
 
 
-def _models(hf, make, attention: str):
-    """Two equal models (built once, then copied): ours and the reference."""
-    import copy
-
+def _model(hf, make, attention: str):
     from hybridpar.models.hf.float64 import keep_float64
 
     torch.manual_seed(0)
@@ -200,8 +197,7 @@ def _models(hf, make, attention: str):
     if type(model)._can_set_experts_implementation():
         model.set_experts_implementation("eager")
     model.set_attn_implementation(attention)
-    # as the trainer runs float64: no float32 cast in norms and routers
-    return keep_float64(model), keep_float64(copy.deepcopy(model))
+    return keep_float64(model)  # as the trainer runs float64: no float32 cast in norms and routers
 
 
 def _loss_sum(logits, labels):
@@ -231,7 +227,7 @@ def _proof_error(hf, name: str, make, ids, labels) -> float:
 
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor(DOCS, dtype=torch.int32))
     own = "eager" if name in _EAGER else "sdpa"
-    (ours, reference), core = _models(hf, make, own), AllGatherAttention(None)
+    ours, reference, core = _model(hf, make, own), _model(hf, make, own), AllGatherAttention(None)
     assert context_hf.attention_problem(ours) is None, (name, context_hf.attention_problem(ours))
     context_hf.apply_hf_cp(ours, core)  # the context-parallel entry, on a group of one
     callers = []
