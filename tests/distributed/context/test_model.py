@@ -2,9 +2,10 @@
 
 One 2-rank and one 4-rank gloo group. In each, ``parallelize(model, ParallelDims(cp=P))``
 (context-parallel cores, then FSDP over the CP ranks so their partial gradients are summed)
-runs every pairing of attention strategy {allgather, ulysses} and Mamba strategy {a2a, state}
-on a dense batch (B=2) and a packed row (documents crossing rank boundaries, one boundary on
-a zigzag chunk edge, padding), with inputs from ``shard_inputs``. The float64 loss (sum of
+runs attention strategies {allgather, ulysses} with Mamba strategies {a2a, state} on a dense
+batch (B=2) and a packed row (documents crossing rank boundaries, one boundary on a zigzag chunk
+edge, padding), with inputs from ``shard_inputs``: at cp=2 every pairing on both kinds, at cp=4
+each strategy once on each kind (``CP4_CASES``). The float64 loss (sum of
 token cross entropy / global count of valid labels, summed over ranks) and every parameter
 gradient (``canonical_state_dict(grads=True)``: gathered, Mamba components fused back) equal
 the single-process model's to 1e-9. The 2-rank group also runs one pairing with activation
@@ -39,6 +40,10 @@ MODEL = dict(
 )
 CP_STRATEGIES = [(a, m) for a in ("allgather", "ulysses") for m in ("a2a", "state")]
 KINDS = ("dense", "packed")
+# cp=4: each attention strategy and each Mamba strategy once on each batch kind (the layers' CP paths do not
+# depend on one another's strategy; cp=2 runs every pairing on both kinds)
+CP4_CASES = [("allgather", "a2a", "dense"), ("ulysses", "state", "dense"), ("allgather", "state", "packed"),
+             ("ulysses", "a2a", "packed")]
 
 
 # ---------------------------------------------------------------- model, batches, reference
@@ -179,7 +184,7 @@ def compare(name: str, got: list[dict], want: list[dict]) -> list[str]:
 
 
 def cp_worker(rank: int, world_size: int) -> dict | None:
-    """Every strategy pairing and batch kind at cp = world size (plus one with checkpointing)."""
+    """cp=2: every strategy pairing and batch kind (plus one with checkpointing); cp=4: ``CP4_CASES``."""
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import parallelize
 
@@ -187,9 +192,11 @@ def cp_worker(rank: int, world_size: int) -> dict | None:
     mesh = dims.build_mesh()
     base = build_model()
     results = {}
-    cases = [(a, m, kind, False) for a, m in CP_STRATEGIES for kind in KINDS]
     if world_size == 2:
+        cases = [(a, m, kind, False) for a, m in CP_STRATEGIES for kind in KINDS]
         cases.append(("ulysses", "state", "packed", True))
+    else:
+        cases = [(a, m, kind, False) for a, m, kind in CP4_CASES]
     for attention, mamba, kind, checkpointing in cases:
         model = parallelize(copy.deepcopy(base), dims, mesh=mesh, cp_attention=attention, cp_mamba=mamba,
                             activation_checkpointing=checkpointing)
@@ -202,7 +209,7 @@ def cp_worker(rank: int, world_size: int) -> dict | None:
 def test_hybrid_lm_context_parallel_matches_single_process(cp):
     results = run_ranks(cp, cp_worker, timeout_s=300)[0]
     references = {kind: reference_run(build_model(), [make_batch(kind, seed=10)]) for kind in KINDS}
-    assert len(results) == len(CP_STRATEGIES) * len(KINDS) + (cp == 2)
+    assert len(results) == (len(CP_STRATEGIES) * len(KINDS) + 1 if cp == 2 else len(CP4_CASES))
     failures = []
     for (attention, mamba, kind, checkpointing), got in results.items():
         name = f"cp={cp} {attention}+{mamba} {kind}{' checkpointed' if checkpointing else ''}"

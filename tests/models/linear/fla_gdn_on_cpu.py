@@ -8,7 +8,7 @@ patches it applies: none changes what a kernel computes). Prints one JSON object
 - ``contract``: our written-out contract (``gdn_contract.py``, the stand-in of the float64 tests)
   against FLA's ``naive_recurrent_gated_delta_rule`` in float32, outputs and final states;
 - ``cases``: per case, ``{quantity: [FLA fp32 error, pure fp32 error]}`` against the pure core in
-  float64 (max-normalized): ``core`` is ``gated_delta_core`` on two rows of packed documents
+  float64 (max-normalized): ``core`` is ``gated_delta_core`` on two rows of 2 packed documents
   (grouped values: 1 key head, 2 value heads) with FLA's rule (``use_stand_in("fla", "gdn")``),
   output and every input's gradient; ``states`` is ``fused_gated_delta_rule`` with an initial state
   entering and a final state leaving every document (the ``state`` CP strategy's call), against
@@ -25,6 +25,9 @@ import json
 from tests.models.mamba.fla_on_cpu import _patch_triton, _relative  # sets TRITON_INTERPRET=1 on import
 
 HEADS_K, HEADS_V, DK, DV, KERNEL = 1, 2, 16, 16, 4
+# the core case's rows: 2 documents a row, the second of 5 tokens; flattened, the stream has 4 documents, two
+# of them between others (FLA's work grows with the documents: each is a sequence of its own)
+ROW, ROW_DOCS = 24, [0, 19, 24]
 
 
 def _probe(shape, dtype):
@@ -57,8 +60,8 @@ def _core_inputs():
 
     gen = torch.Generator().manual_seed(1)
     width = 2 * HEADS_K * DK + HEADS_V * DV
-    return dict(mixed_qkv=torch.randn(2, 40, width, generator=gen), a=torch.randn(2, 40, HEADS_V, generator=gen),
-                b=torch.randn(2, 40, HEADS_V, generator=gen), conv_weight=0.5 * torch.randn(width, KERNEL, generator=gen),
+    return dict(mixed_qkv=torch.randn(2, ROW, width, generator=gen), a=torch.randn(2, ROW, HEADS_V, generator=gen),
+                b=torch.randn(2, ROW, HEADS_V, generator=gen), conv_weight=0.5 * torch.randn(width, KERNEL, generator=gen),
                 conv_bias=0.1 * torch.randn(width, generator=gen), A_log=torch.rand(HEADS_V, generator=gen).log(),
                 dt_bias=0.5 * torch.randn(HEADS_V, generator=gen))
 
@@ -71,7 +74,7 @@ def core_case() -> dict:
     from hybridpar.models.mamba.fused import use_stand_in
 
     base = _core_inputs()
-    cu_docs = row_documents(torch.tensor([0, 17, 22, 40]), 2, 40, "cpu")  # 3 documents a row, one of 5 tokens
+    cu_docs = row_documents(torch.tensor(ROW_DOCS), 2, ROW, "cpu")
     results = {}
     for name, dtype, fused in (("reference", torch.float64, False), ("pure", torch.float32, False),
                                ("fla", torch.float32, True)):

@@ -167,7 +167,9 @@ def run_model() -> dict:
     from hybridpar.parallel.parallelize import parallelize
 
     torch.manual_seed(0)
-    base = HybridLM(HybridConfig.from_preset("tiny", mamba_num_heads=2, dtype=torch.float64))  # 2 heads: 2 groups
+    # one block of each kind (tiny's pattern is M*-M-: a second Mamba layer only doubles the interpreted kernels;
+    # stacked fused layers: tests/models/mamba/test_fused.py); 2 heads: 2 groups
+    base = HybridLM(HybridConfig.from_preset("tiny", pattern="M*-", mamba_num_heads=2, dtype=torch.float64))
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 30, 35, 64], dtype=torch.int32))
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
     weight = torch.randn(1, 64, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
