@@ -79,3 +79,24 @@ def test_other_gated_mlp_forwards_and_activations_keep_transformers_forward():
     scaled = ScaledMLP(relu.config)
     assert use_lean_gated_mlps(scaled) == 0 and "forward" not in vars(scaled)
     assert use_lean_gated_mlps(install_cores(_llama("silu"))) == 2  # install_cores made the swap
+
+
+def test_every_planned_gated_mlp_runs_the_gated_product():
+    """The planner counts three ``[T, I]`` per gated MLP of the decoders it plans through a twin
+    (``plan/hf/twin.TWIN_MODEL_TYPES``): each of their MLP classes must take the lean forward."""
+    import transformers as hf
+
+    from hybridpar.plan.hf.twin import TWIN_MODEL_TYPES
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    built = {}
+    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        config = hf.AutoConfig.for_model(model_type, **small)
+        with torch.device("meta"):
+            built[model_type] = hf.AutoModelForCausalLM.from_config(config)
+    built["bamba"] = build_hybrid("bamba")
+    assert set(built) | {"nemotron_h", "granitemoehybrid"} == set(TWIN_MODEL_TYPES)  # relu2 or fused MLPs
+    for model_type, model in built.items():
+        mlps = sum(type(m).__name__.endswith("MLP") for m in model.modules())
+        assert mlps and use_lean_gated_mlps(model) == mlps, model_type
