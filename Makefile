@@ -33,8 +33,10 @@ $(DEMO_STAMP): $(STAMP)
 demo: $(DEMO_STAMP)
 	$(PY) -m hybridpar train --config configs/tiny-hybrid.yaml --nproc-per-node 2 checkpoint.resume=null checkpoint.if_exists=overwrite
 
+# Two pytest workers, a test file each at a time (module fixtures stay whole): the ranks of one test
+# leave a core idle while the pytest process computes its single-process reference.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
