@@ -79,7 +79,6 @@ def test_model_flops_per_token_follow_the_docstring_formula():
         model = HybridLM(HybridConfig.from_preset("1b"))
     lengths = module.doc_lengths(8192)
     assert sum(lengths) == 8192 and len(lengths) == 8 and all(n % 8 == 0 for n in lengths)
-    c = model.config
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     keys = sum(n * (n + 1) / 2 for n in lengths) / 8192
     ssd = 3 * (2 * 128 * (8 * 128 + 64 * 64) + 4 * 64 * 64 * 128)
