@@ -3,16 +3,18 @@
 Memory tests use it to show what never exists (``largest``: an ``[S_q, S_k]`` score matrix or
 mask; ``shapes``: any output of a forbidden shape), collectives and custom ops' inner ops included;
 ``ops`` (every op, in order) counts the launches a GPU would make, and shows which ops ran.
+``kept_for_backward`` counts the bytes autograd saves for backward (distinct storages).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpOutputs"]
+__all__ = ["OpOutputs", "kept_for_backward"]
 
 
 class OpOutputs(TorchDispatchMode):
@@ -36,3 +38,17 @@ class OpOutputs(TorchDispatchMode):
     def largest(self) -> int:
         """The most elements of any op output (0 if none)."""
         return max((math.prod(shape) for _, shape in self.shapes), default=0)
+
+
+@contextlib.contextmanager
+def kept_for_backward():
+    """``with kept_for_backward() as kept: ...``; then ``sum(kept.values())`` is the bytes autograd saved
+    for backward inside, each storage once (``{storage pointer: nbytes}``; parameters included)."""
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield kept

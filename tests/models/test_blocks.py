@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridpar.models.blocks import ACTIVATIONS, GATED_KINDS, MLP, gated_product
-from tests.op_outputs import OpOutputs
+from tests.op_outputs import OpOutputs, kept_for_backward
 
 
 def test_relu2_is_relu_squared_without_pow():
@@ -23,14 +23,8 @@ def test_relu2_is_relu_squared_without_pow():
 
 
 def _saved_bytes(fn, *inputs) -> tuple[Tensor, int]:
-    """``fn(*inputs)`` and the bytes autograd keeps for its backward (distinct storages)."""
-    kept = {}
-
-    def pack(t):
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """``fn(*inputs)`` and the bytes autograd keeps for its backward."""
+    with kept_for_backward() as kept:
         out = fn(*inputs)
     return out, sum(kept.values())
 

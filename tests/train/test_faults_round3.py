@@ -17,59 +17,17 @@ import torch
 
 from hybridpar.config import RULES, ConfigError, load_config
 from tests.distributed.harness import run_ranks
+from tests.train.fault_probes import SHORT, cli_in_child, one_process_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = str(ROOT / "configs" / "tiny-hybrid.yaml")
 TINY = ["parallel.cp=1", "parallel.tp=1", "data.pack_size=128", "train.eval_every=0", "plot=false", "tensorboard=false",
         "model.preset=tiny"]
-SHORT = 2000  # no message of bad input is longer
 
 
 def hybridpar(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridpar", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env={**os.environ, **(env or {})})
-
-
-def one_process_cli(rank, world_size, runs, env=None, file_size_limit=None):
-    """Each argv of ``runs`` through ``hybridpar.cli.main`` as a user's one-process run (no torchrun, no
-    caller's group: main checks, makes and ends its own group), in a harness rank: a forked child
-    with torch loaded, not a fresh interpreter. Returns ``[(exit status, stdout, stderr), ...]``.
-
-    ``env`` is set first; ``file_size_limit`` makes this child's writes past it fail (EFBIG), as a
-    full disk does. The harness's group is left first and a one-rank group stands in again at the end."""
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    from hybridpar.cli import main
-
-    dist.destroy_process_group()
-    os.environ.update(env or {})
-    if file_size_limit is not None:
-        import resource
-        import signal
-
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process at the limit
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-    results = []
-    try:
-        for argv in runs:
-            out, err = io.StringIO(), io.StringIO()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = main(list(argv))
-            results.append((code, out.getvalue(), err.getvalue()))
-            for key in ("MASTER_ADDR", "MASTER_PORT"):  # the next run picks its own, as a new process would
-                os.environ.pop(key, None)
-    finally:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return results
-
-
-def cli_in_child(*argv: str, env: dict | None = None, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
-    """``hybridpar argv`` as one process (``one_process_cli``), its result shaped as ``hybridpar()``'s."""
-    [[(code, out, err)]] = run_ranks(1, one_process_cli, [list(argv)], env, file_size_limit, timeout_s=240)
-    return subprocess.CompletedProcess(["hybridpar", *argv], code, out, err)
 
 
 def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:

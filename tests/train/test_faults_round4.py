@@ -10,7 +10,8 @@ import pytest
 from hybridpar.config import load_config
 from hybridpar.train.run.checkpoint import CheckpointError
 from hybridpar.train.run.resume import plan_resume
-from tests.train.test_faults_round3 import DEFAULT, ROOT, TINY, cli_in_child
+from tests.train.fault_probes import cli_in_child, limited_file_size
+from tests.train.test_faults_round3 import DEFAULT, ROOT, TINY
 
 
 @pytest.mark.parametrize("damage", ["shard_missing", "manifest_not_json", "manifest_a_list"])
@@ -36,17 +37,6 @@ def test_an_earlier_run_whose_every_checkpoint_is_damaged_says_so(tmp_path, dama
     assert fresh.checkpoint is None and str(step) in " ".join(fresh.remove)
 
 
-def _limited_file_size(limit_bytes: int):
-    """A child whose writes past ``limit_bytes`` fail with EFBIG (OSError), as on a full disk."""
-    import resource
-    import signal
-
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process at the limit
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-    return limit
-
-
 @pytest.mark.parametrize("what", ["checkpoint", "export"])
 def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_saying_what_is_intact(tmp_path, what):
     """A checkpoint or export that fails to write (here: a file-size limit, as a full disk fails it)
@@ -64,7 +54,7 @@ def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_saying_what_
                 "model.export_architecture=NemotronHForCausalLM"]
     if what == "checkpoint":
         result = subprocess.run([sys.executable, "-m", "hybridpar", *run], capture_output=True, text=True, timeout=240,
-                                cwd=ROOT, preexec_fn=_limited_file_size(200_000))
+                                cwd=ROOT, preexec_fn=limited_file_size(200_000))
     else:
         result = cli_in_child(*run, file_size_limit=200_000)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]

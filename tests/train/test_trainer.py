@@ -40,8 +40,8 @@ def test_default_job_learns_mqar_on_its_two_ranks(tmp_path):
 
 TINY = ["model.preset=tiny", "data.pack_size=256"]  # the default job's demo widths and 1024-token rows cost minutes
 RESUME = TINY + ["model.dtype=float64", "train.steps=3", "train.log_every=1", "train.eval_every=0",
-                 "data.packs_per_step=2", "checkpoint.every=1", "checkpoint.keep=3"] + QUIET
-# no padding option: a resumed run keeps the checkpoint's
+                 "data.packs_per_step=2", "checkpoint.every=1", "checkpoint.keep=3"] + QUIET  # no padding option:
+# a resumed run keeps the checkpoint's
 
 
 def _steps(rank, world_size, runs):

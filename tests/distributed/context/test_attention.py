@@ -301,7 +301,7 @@ def run_all_checks(rank, world_size) -> list[str]:
     failures += check_memory(group, cp, rank, "allgather") + check_memory(group, cp, rank, "ring")
     for strategy in STRATEGIES:
         for hq, hkv in HEAD_CONFIGS:
-            if strategy == "ulysses" and hq % cp or strategy != "ulysses" and (hq, hkv) in ULYSSES_ONLY_HEAD_CONFIGS:
+            if (strategy == "ulysses" and hq % cp) or (strategy != "ulysses" and (hq, hkv) in ULYSSES_ONLY_HEAD_CONFIGS):
                 continue
             for kind in CORE_KINDS:
                 for head_dim in CORE_HEAD_DIMS:

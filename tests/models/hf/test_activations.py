@@ -10,6 +10,7 @@ import torch
 from hybridpar.models.hf.activations import ProductReLUSquared, use_lean_gated_mlps, use_product_relu2
 from hybridpar.train.hf_model import install_cores
 from tests.models.hf.hybrid_models import build_hybrid
+from tests.op_outputs import kept_for_backward
 
 
 @pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_moe"])
@@ -40,13 +41,7 @@ def _llama(hidden_act: str):
 
 
 def _loss_grads_and_kept(model, ids):
-    kept = {}
-
-    def pack(t):
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         loss = model(ids, labels=ids).loss
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
