@@ -17,8 +17,8 @@ Failure rules:
     and ``TimeoutError`` names the ranks that had not finished.
 
 Start-up: children come from a multiprocessing "forkserver" that has already imported torch
-and torch.distributed (``set_forkserver_preload``), so a child costs a fork instead of a
-~1-3 s torch import. The server starts once per test session. Set
+and torch.distributed (``set_forkserver_preload``), and the project's entry points
+(``tests/distributed/warm.py``), so a child costs a fork instead of a ~1-3 s torch import. The server starts once per test session. Set
 ``HYBRIDPAR_HARNESS_START_METHOD=spawn`` to use plain spawn; spawn is also the fallback if
 the forkserver cannot start. Output printed by children goes to the forkserver's stdout,
 which is the test session's, not necessarily the current test's captured output; report
@@ -51,10 +51,11 @@ import torch.distributed as dist
 
 __all__ = ["RankFailure", "free_port", "run_ranks"]
 
-# Modules the forkserver imports once; each child inherits them for free. Only libraries and this
-# file, no project code: an error importing it must fail its test, not kill the server. The server
-# skips a module that raises ImportError (transformers is in the `hf` extra); transformers' model
-# base (~3 s to import) is preloaded because the HF tests' ranks each paid for it.
+# Modules the forkserver imports once; each child inherits them for free. The server skips a module
+# that raises ImportError (transformers is in the `hf` extra) and dies on any other error, so the
+# project's modules come through `warm`, which swallows their errors (the rank's own import reports
+# them) and freezes the collector last. transformers' model base (~3 s to import) is preloaded
+# because the HF tests' ranks each paid for it.
 _FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
@@ -66,6 +67,7 @@ _FORKSERVER_PRELOAD = [
     "transformers.generation",
     "pytest",
     __name__,
+    "tests.distributed.warm",
 ]
 _GRACE_AFTER_FAILURE_S = 2.0  # time other ranks get to report after the first failure
 _JOIN_AFTER_SUCCESS_S = 10.0  # time a rank that reported gets to exit before it is killed
