@@ -11,8 +11,10 @@ times inductor). Parity is float64: the loss and every parameter gradient.
 - the default job (at the tiny preset's widths, one block of each kind: ``M*-``) on 4 gloo ranks
   (cp=2 x tp=2, sequence parallel, FSDP over cp, two packs per rank): two training steps,
   compiled against eager, and ``torch._dynamo.utils.counters["graph_break"]`` empty on every
-  rank. One block per kind because dynamo compiles each parallelized block of a kind again (its
-  hooks' ids are guarded), so each further block only adds tracing time.
+  rank (one block of each kind: further blocks share the graphs and add only their run time);
+- blocks of a kind share one graph whatever their hooks' ids (one process);
+- tp=2 without sequence parallelism (2 gloo ranks), where the first block's input is a view:
+  two AdamW steps on packed rows against one process.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def test_blocks_stay_compiled_through_shape_and_grad_mode_changes():
     limit the later ones would silently run eagerly."""
     from torch._dynamo.utils import counters
 
-    from hybridpar.parallel.parallelize import apply_compile
+    from hybridpar.parallel.compiled_blocks import apply_compile
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList(_Block(a) for a in (torch.nn.ReLU(), torch.nn.Tanh(), torch.nn.SiLU()))
@@ -96,6 +98,80 @@ def test_blocks_stay_compiled_through_shape_and_grad_mode_changes():
     assert counters["frames"]["ok"] == counters["frames"]["total"] == 12, dict(counters["frames"])
 
 
+class _HookedBlock(torch.nn.Module):
+    """A block whose linear has an always-call forward hook, as the TP styles register theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.linear.register_forward_hook(lambda module, args, output: 2 * output, always_call=True)
+
+    def forward(self, x):
+        return x + self.linear(x)
+
+
+def test_blocks_of_a_kind_share_one_graph_whatever_their_hook_ids():
+    """Hook ids come from one global counter, and dynamo guarded those of always-call hooks: each
+    block compiled its own graph, and past the recompile limit the rest ran eagerly. Four blocks of
+    one kind: one graph, and the hooks still run (``compiled_blocks.py``)."""
+    from torch._dynamo.utils import counters
+
+    from hybridpar.parallel.compiled_blocks import apply_compile
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(_HookedBlock() for _ in range(4))
+    x = torch.randn(3, 4, requires_grad=True)  # every block's input requires grad, the first's too
+    want = x
+    for layer in model.layers:
+        want = layer(want)
+    apply_compile(model, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    got = x
+    for layer in model.layers:
+        got = layer(got)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _packed_steps() -> list[list]:
+    """Two steps of one packed row each (one shape: under TP, AOT autograd's dynamic-shape
+    recompile for a new hidden-state shape fails in torch 2.13, a run's packs have one shape)."""
+    from tests.distributed.context.test_model import make_batch
+
+    return [[make_batch("packed", seed=seed)] for seed in (20, 21)]
+
+
+def tp2_compiled_steps(rank: int, world_size: int, pattern: str) -> dict:
+    from torch._dynamo.utils import counters
+
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+    from tests.distributed.context.test_model import build_model, distributed_run
+
+    dims = ParallelDims(tp=2)
+    mesh = dims.build_mesh()
+    model = parallelize(build_model(pattern=pattern), dims, mesh=mesh, compile="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    records = distributed_run(model, mesh, _packed_steps(), lr=1e-2)
+    return {"records": records, "graph_breaks": dict(counters["graph_break"])}
+
+
+def test_tp2_without_sequence_parallelism_compiles_and_matches_one_process():
+    """At tp=2 without sequence parallelism the first block's input is the vocab-parallel
+    embedding's ``to_local()``, a view of a DTensor's local tensor, whose backward through AOT
+    autograd raised (``compiled_blocks.py``). Two AdamW steps on packed rows, blocks compiled:
+    the float64 loss, every gradient and the parameters equal one process's, no graph break."""
+    from tests.distributed.context.test_model import build_model, compare, reference_run
+
+    pattern = "M*-M*"
+    results = run_ranks(2, tp2_compiled_steps, pattern, timeout_s=600)
+    reference = reference_run(build_model(pattern=pattern), _packed_steps(), lr=1e-2)
+    assert results[0]["graph_breaks"] == {}
+    assert not compare("tp2 compiled", results[0]["records"], reference)
+
+
 def test_selective_checkpointing_compiles_after_the_forward_that_teaches_it():
     """Selective checkpointing learns from a block's first forward which matmuls to keep; dynamo
     traces those decisions into the graph, so a block compiles after that forward (eager until
@@ -108,7 +184,7 @@ def test_selective_checkpointing_compiles_after_the_forward_that_teaches_it():
     from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hybrid import HybridConfig, HybridLM
     from hybridpar.parallel.checkpointing import apply_activation_checkpointing, selective_policy
-    from hybridpar.parallel.parallelize import apply_compile
+    from hybridpar.parallel.compiled_blocks import apply_compile
     from hybridpar.train.tensor_peak import TensorPeak
 
     torch.manual_seed(0)

@@ -15,15 +15,14 @@ and FSDP sums them (divide factor 1; the loss divides by the global token count)
 ``loss.backward()`` every configuration holds fully reduced gradients. TP ranks see the same
 tokens and need no data-parallel reduction.
 
-Compile: each block is compiled in place (``Module.compile``: parameter names do not change)
-with the TP hooks, the CP core calls and the ``PackedSeqParams`` reads inside the graph and
-FSDP's hooks outside it. Checks that need a host sync run once per batch, before the model
-(``PackedSeqParams``, ``shard_inputs``), so a block compiles without graph breaks.
+Compile (``compiled_blocks.py``): each block is compiled in place with the TP hooks, the CP core
+calls and the ``PackedSeqParams`` reads inside the graph and FSDP's hooks outside it. Checks that
+need a host sync run once per batch, before the model (``PackedSeqParams``, ``shard_inputs``), so a
+block compiles without graph breaks.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -36,9 +35,6 @@ from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
 from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_tp_problem
 from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
-from hybridpar.models.linear.gdn_fused import fla_rule
-from hybridpar.models.linear.kda_fused import fla_kda
-from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, fla_scan
 from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
 from hybridpar.parallel.context.recurrent import gdn as gdn_cp, kda as kda_cp
@@ -51,8 +47,8 @@ from hybridpar.parallel.checkpointing import (
     apply_activation_checkpointing,
     checkpointing_policy,
     model_blocks,
-    selective_policy,
 )
+from hybridpar.parallel.compiled_blocks import apply_compile, compile_options
 from hybridpar.parallel.dims import MESH_DIMS, ParallelDims
 from hybridpar.parallel.data.fsdp import apply_fsdp, check_reshard_after_forward
 from hybridpar.parallel.precision import apply_autocast, check_autocast_model
@@ -131,7 +127,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
                          "does not use FSDP; leave it true or false.")
     check_reshard_after_forward(reshard_after_forward, dims.size("dp_shard_cp"))
     if compile:
-        _compile_options(compile)
+        compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
@@ -154,58 +150,6 @@ def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", 
     attention_cp.apply_attention_cp(model, cp_group, attention_strategy)
     mamba_cp.apply_mamba_cp(model, cp_group, mamba_strategy)
     return model
-
-
-def _compile_options(compile) -> dict:
-    """``torch.compile`` options of ``parallelize``'s ``compile``: True, a backend name or a dict."""
-    options = {"backend": compile} if isinstance(compile, str) else compile if isinstance(compile, dict) else {}
-    if not isinstance(compile, (bool, str, dict)):
-        raise ValueError(f"compile={compile!r} must be a bool, a torch.compile backend name or a dict of "
-                         "torch.compile options, e.g. {'backend': 'aot_eager'}.")
-    backend = options.get("backend", "inductor")
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if isinstance(backend, str) and backend not in known:
-        raise ValueError(f"compile backend {backend!r} is unknown; use one of {sorted(known)} (true means 'inductor').")
-    return options
-
-
-def apply_compile(model: nn.Module, **options) -> nn.Module:
-    """``torch.compile`` every block in place (``Module.compile(**options)``, e.g. ``backend="aot_eager"``).
-
-    Blocks of a kind share their graphs (forward and, through AOT autograd, backward); a kind
-    is compiled for training and for evaluation (grad mode), each first for the first batch's
-    sizes and again as sizes turn dynamic, so dynamo's recompile limit (per code object, shared
-    by all blocks) is raised to 8 per kind. A block under selective checkpointing compiles after
-    the training forward that teaches its policy what to keep. Apply after TP, CP and activation
-    checkpointing, before FSDP.
-    """
-    blocks = model_blocks(model, "compile", "Set compile=False.")
-    if torch.cuda.is_available():
-        fla_scan()  # resolved before tracing: dynamo reads the fused scan's availability as a constant
-        fla_rule()  # the same for the gated delta rule (models/linear/gdn_fused.py)
-        fla_kda()  # and for Kimi Delta Attention (models/linear/kda_fused.py)
-        fla_gated_backward_refusal()  # and whether FLA's gated backward runs on this GPU
-    kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
-    for block in blocks:
-        policy = selective_policy(block)
-        if policy is None or policy.learned:
-            block.compile(**options)
-        else:
-            _compile_once_learned(block, policy, options)
-    return model
-
-
-def _compile_once_learned(block: nn.Module, policy, options: dict) -> None:
-    """Compile ``block`` after the forward that teaches its selective policy which matmuls to keep
-    (dynamo traces the policy's decisions into the graph, so they must be known by then); until
-    then it runs eagerly."""
-    def compile_when_learned(module, args, output):
-        if policy.learned:
-            handle.remove()
-            module.compile(**options)
-
-    handle = block.register_forward_hook(compile_when_learned)
 
 
 def parallelize(
@@ -263,7 +207,7 @@ def parallelize(
         apply_cp(model, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
-        apply_compile(model, **_compile_options(compile))
+        apply_compile(model, **compile_options(compile))
     if needs_fsdp(dims):
         apply_fsdp(model, mesh, dims, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     elif mixed_precision is not None:

@@ -1,0 +1,104 @@
+"""``torch.compile`` per block: ``apply_compile`` and the options ``parallelize(compile=...)`` takes.
+
+Each block is compiled in place (``Module.compile``: parameter names do not change), after TP, CP
+and activation checkpointing and before FSDP (torchtitan's order), so the TP hooks, the CP core
+calls and the ``PackedSeqParams`` reads are inside the graph. Blocks of a kind share their graphs
+(forward and, through AOT autograd, backward). Two things would stop that or break it, and are
+handled here:
+
+- **Hook ids.** A module's ``_call_impl`` asks whether each forward hook's id is among its
+  ``always_call`` hooks, and dynamo guards on that id. Ids come from one global counter, so every
+  block's TP hooks (registered ``always_call=True`` to restore the parameters they swap even if the
+  forward raises) failed the previous block's guard: one graph per block, and past dynamo's
+  recompile limit the remaining blocks ran eagerly. Under compile the flag is dropped (the hooks
+  still run on every forward that returns); 12 blocks at cp=2 x tp=2 then compile 7 graphs, not 11.
+- **View inputs.** When a compiled region's input is a view of a DTensor's local tensor (the output
+  of ``to_local()``, e.g. a vocab-parallel embedding's at tp > 1 without sequence parallelism), AOT
+  autograd's backward hands DTensor's ``Redistribute`` a plain tensor and raises
+  ``AttributeError: 'Tensor' object has no attribute '_local_tensor'`` (torch 2.13, aot_eager and
+  inductor). A block gets such an input as its own tensor (one copy of ``[B, S, D]``, the first
+  block's input only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hybridpar.models.linear.gdn_fused import fla_rule
+from hybridpar.models.linear.kda_fused import fla_kda
+from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, fla_scan
+from hybridpar.parallel.checkpointing import model_blocks, selective_policy
+
+__all__ = ["apply_compile", "compile_options"]
+
+
+def compile_options(compile) -> dict:
+    """``torch.compile`` options of ``parallelize``'s ``compile``: True, a backend name or a dict."""
+    options = {"backend": compile} if isinstance(compile, str) else compile if isinstance(compile, dict) else {}
+    if not isinstance(compile, (bool, str, dict)):
+        raise ValueError(f"compile={compile!r} must be a bool, a torch.compile backend name or a dict of "
+                         "torch.compile options, e.g. {'backend': 'aot_eager'}.")
+    backend = options.get("backend", "inductor")
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if isinstance(backend, str) and backend not in known:
+        raise ValueError(f"compile backend {backend!r} is unknown; use one of {sorted(known)} (true means 'inductor').")
+    return options
+
+
+def apply_compile(model: nn.Module, **options) -> nn.Module:
+    """``torch.compile`` every block in place (``Module.compile(**options)``, e.g. ``backend="aot_eager"``).
+
+    A kind is compiled for training and for evaluation (grad mode), each first for the first
+    batch's sizes and again as sizes turn dynamic, so dynamo's recompile limit (per code object,
+    shared by all blocks) is raised to 8 per kind. A block under selective checkpointing compiles
+    after the training forward that teaches its policy what to keep. Apply after TP, CP and
+    activation checkpointing, before FSDP.
+    """
+    blocks = model_blocks(model, "compile", "Set compile=False.")
+    if torch.cuda.is_available():
+        fla_scan()  # resolved before tracing: dynamo reads the fused scan's availability as a constant
+        fla_rule()  # the same for the gated delta rule (models/linear/gdn_fused.py)
+        fla_kda()  # and for Kimi Delta Attention (models/linear/kda_fused.py)
+        fla_gated_backward_refusal()  # and whether FLA's gated backward runs on this GPU
+    kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
+    for block in blocks:
+        for module in block.modules():  # the hook-id guards (module docstring)
+            module._forward_hooks_always_called.clear()
+        policy = selective_policy(block)
+        if policy is None or policy.learned:
+            _compile_block(block, options)
+        else:
+            _compile_once_learned(block, policy, options)
+    return model
+
+
+def _own_storage(value):
+    """``value``, or a copy of it if it is a tensor view that requires grad (module docstring)."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and value._is_view():
+        return value.clone()
+    return value
+
+
+def _compile_block(block: nn.Module, options: dict) -> None:
+    """``block.compile(**options)``, its tensor view inputs copied before they enter the graph."""
+    block.compile(**options)
+    compiled = block._compiled_call_impl
+
+    def call(*args, **kwargs):
+        return compiled(*map(_own_storage, args), **{key: _own_storage(v) for key, v in kwargs.items()})
+
+    block._compiled_call_impl = call
+
+
+def _compile_once_learned(block: nn.Module, policy, options: dict) -> None:
+    """Compile ``block`` after the forward that teaches its selective policy which matmuls to keep
+    (dynamo traces the policy's decisions into the graph, so they must be known by then); until
+    then it runs eagerly."""
+    def compile_when_learned(module, args, output):
+        if policy.learned:
+            handle.remove()
+            _compile_block(module, options)
+
+    handle = block.register_forward_hook(compile_when_learned)
