@@ -11,7 +11,7 @@ FSDP over dp=2 (the same tokens on both dp ranks), tp=2 with sequence parallelis
 sharded by heads; also two hybrid layers reusing one block with per-layer attention adapters and RoPE), Granite
 dense (NoPE), Falcon-H1 with the plain ``y * silu(z)`` gate and dense NemotronH as transformers models, and Granite MoE and
 Falcon-H1 with one B/C group (as their released checkpoints: B/C replicated, the gated norm's sum
-of squares all-reduced): the loss and every parameter gradient (fused back to transformers' names,
+of squares all-reduced; these variants not at plain tp=2): the loss and every parameter gradient (fused back to transformers' names,
 ``canonical_state_dict``) equal the one-process model's to 1e-9. The same group checks the
 ``ValueError`` for heads not divisible by tp, raised before any collective. Each rank computes a
 share of the one-process references and the group gathers them (each model's once, not on every rank).
@@ -29,6 +29,9 @@ MODELS = ("falcon_h1", "nemotron_h_moe", "granite_moe", "granite_moe_g1", "falco
           "zamba2_shared", "granite", "falcon_h1_gate", "nemotron_h")  # the last three: dense, the plain gate
 LAYOUTS = (("tp2_sp", dict(dp_shard=2, tp=2), True), ("tp2", dict(dp_shard=2, tp=2), False),
            ("cp2_tp2", dict(cp=2, tp=2), False))
+# one B/C group, the plain gate, dense MLPs: not at plain tp2 (+ FSDP), which adds to tp2 + SP only the
+# unsharded residual stream that their base models (Granite MoE, Falcon-H1, NemotronH MoE) hold there
+VARIANTS = ("granite_moe_g1", "falcon_h1_g1", "falcon_h1_gate", "granite", "nemotron_h")
 
 
 def _batch():
@@ -128,7 +131,8 @@ def _run(rank, world_size) -> dict:
         dims = ParallelDims(**sizes)
         mesh = dims.build_mesh()
         for name in MODELS:
-            out[(label, name)] = _case(name, dims, sp, mesh, references[name])
+            if not (label == "tp2" and name in VARIANTS):
+                out[(label, name)] = _case(name, dims, sp, mesh, references[name])
     out["errors"] = _errors(ParallelDims(dp_shard=2, tp=2).build_mesh())
     return out
 
