@@ -15,9 +15,9 @@ handled here:
 - **View inputs.** When a compiled region's input is a view of a DTensor's local tensor (the output
   of ``to_local()``, e.g. a vocab-parallel embedding's at tp > 1 without sequence parallelism), AOT
   autograd's backward hands DTensor's ``Redistribute`` a plain tensor and raises
-  ``AttributeError: 'Tensor' object has no attribute '_local_tensor'`` (torch 2.13, aot_eager and
-  inductor). A block gets such an input as its own tensor (one copy of ``[B, S, D]``, the first
-  block's input only).
+  ``AttributeError: 'Tensor' object has no attribute '_local_tensor'`` (torch 2.13, seen with
+  aot_eager, whose AOT autograd inductor shares). A block gets such an input as its own tensor (one
+  copy of ``[B, S, D]``, the first block's input only).
 """
 
 from __future__ import annotations
