@@ -1,6 +1,7 @@
 """Start N real gloo ranks for a test, collect their results, never hang.
 
     results = run_ranks(4, check_fn, seed, timeout_s=60)   # [result of rank 0, ..., rank 3]
+    results = run_each(2, check_fn, [(1,), (2,)])           # per call, by rank: one launch for both
 
 Each rank is a separate process that
   1. sets ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)`` (the test machine has 2 cores),
@@ -49,7 +50,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "free_port", "run_ranks"]
+__all__ = ["RankFailure", "free_port", "run_each", "run_ranks"]
 
 # Modules the forkserver imports once; each child inherits them for free. The server skips a module
 # that raises ImportError (transformers is in the `hf` extra) and dies on any other error, so the
@@ -206,6 +207,18 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 120, backend: str =
             # it), so such a launch is started again.
             if attempt == _INIT_ATTEMPTS or not any("_InitFailure" in text for text in failure.tracebacks.values()):
                 raise
+
+
+def _each(rank, world_size, fn, calls):
+    return [fn(rank, world_size, *args) for args in calls]
+
+
+def run_each(world_size: int, fn, calls: list[tuple], *, timeout_s: float = 120, backend: str = "gloo") -> list[list]:
+    """``fn(rank, world_size, *args)`` for each ``args`` of ``calls``, in order, on one launch of the
+    ranks (one start and one process group for several jobs); ``results[call][rank]``."""
+    _check_arguments(world_size, fn, timeout_s, backend)
+    by_rank = run_ranks(world_size, _each, fn, list(calls), timeout_s=timeout_s, backend=backend)
+    return [[results[index] for results in by_rank] for index in range(len(calls))]
 
 
 def _launch(world_size: int, fn, args: tuple, timeout_s: float, backend: str) -> list:

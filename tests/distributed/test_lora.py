@@ -26,7 +26,7 @@ from hybridpar.models.lora import add_lora, is_lora_parameter
 from hybridpar.models.token_dropout import set_dropout_tokens, token_keys
 from hybridpar.train.loss import global_sum, token_loss_sum, valid_token_count
 from tests.distributed.context.test_model import TOL, build_model as build_hybrid, make_batch
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import run_each, run_ranks
 
 RANK = 4
 MODELS = ("hybrid", "llama", "nemotron_h")
@@ -185,23 +185,15 @@ JOBS_2 = {  # the 2-rank checks, one launch: name -> (layouts, dropout, models)
 }
 
 
-def lora_jobs(rank: int, world_size: int, jobs: dict) -> dict:
-    return {job: lora_worker(rank, world_size, *args) for job, args in jobs.items()}
-
-
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    """Every 2-rank job on one group: the launch and the process group once, not per test."""
-    return run_ranks(2, lora_jobs, JOBS_2, timeout_s=900)
-
-
-def _job(results: list[dict], job: str) -> list[dict]:
-    return [rank_results[job] for rank_results in results]
+def two_ranks() -> dict[str, list[dict]]:
+    """Every 2-rank job on one group (the launch and the process group once, not per test): job -> results by rank."""
+    return dict(zip(JOBS_2, run_each(2, lora_worker, list(JOBS_2.values()), timeout_s=900)))
 
 
 @pytest.mark.timeout(900)
 def test_lora_tp_sp_cp_fsdp_match_one_process(two_ranks):
-    _check(_job(two_ranks, "plain"), LAYOUTS_2)
+    _check(two_ranks["plain"], LAYOUTS_2)
 
 
 @pytest.mark.timeout(900)
@@ -210,7 +202,7 @@ def test_lora_dropout_draws_the_single_process_masks_at_every_layout(two_ranks):
     dp_shard=2 (and compiled blocks): masks keyed by each token's global row and position (``models/token_dropout.py``;
     a row-parallel adapter's feature shard by its global features, ``ShardedTokenDropout``), so the
     loss and every adapter gradient equal one process's (column-, row- and per-component adapters)."""
-    _check(_job(two_ranks, "dropout"), LAYOUTS_DROPOUT, 0.3)
+    _check(two_ranks["dropout"], LAYOUTS_DROPOUT, 0.3)
 
 
 @pytest.mark.timeout(600)
@@ -223,7 +215,7 @@ def test_lora_on_zamba2_with_a_shared_block_matches_one_process(two_ranks):
     """Adapters on each hybrid layer's copy of the shared block are its own; the copies' tied base
     weights form one FSDP unit with them (cp=2), and under tp=2 + SP the copies are sharded and
     re-tied: the loss and every adapter gradient equal one process's."""
-    _check(_job(two_ranks, "zamba2_shared"), ZAMBA_LAYOUTS)
+    _check(two_ranks["zamba2_shared"], ZAMBA_LAYOUTS)
 
 
 def test_bad_lora_input_is_refused_before_parallelizing():

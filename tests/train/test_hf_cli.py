@@ -23,7 +23,8 @@ import torch
 
 from hybridpar.config import load_config
 from tests.data.bpe import train_tiny_bpe
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import run_each
+from tests.train.fault_probes import cli
 from tests.models.hf.test_causal_lm import CONFIGS, VOCAB, save_checkpoint
 
 QUIET = ["tensorboard=false", "plot=false"]
@@ -49,21 +50,6 @@ def job(source: str, chat: str, out: str, layout: list[str], dtype: str = "float
     return [f"model.hf_path={source}", f"model.dtype={dtype}", "data.task=chat", f"data.path={chat}",
             "data.pack_size=64", "data.packs_per_step=2", "train.steps=2", "train.lr=0.01", "train.warmup_steps=0",
             "train.eval_every=0", "checkpoint.every=-1", f"output_dir={out}/run", *layout, *QUIET]
-
-
-def _cli(argv):
-    from hybridpar.cli import main
-
-    stderr, stdout = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
-        code = main(argv)
-    return code, stderr.getvalue() + stdout.getvalue()
-
-
-def _layouts(rank, world_size, checkpoints, chat, root, layouts):
-    """``_train_export_check`` at each ``(layout, check)`` of ``layouts`` in one launch of these ranks."""
-    return [_train_export_check(rank, world_size, checkpoints, chat, f"{root}/{index}", layout, check)
-            for index, (layout, check) in enumerate(layouts)]
 
 
 def _train_export_check(rank, world_size, checkpoints, chat, root, layout, check):
@@ -100,7 +86,7 @@ def _train_export_check(rank, world_size, checkpoints, chat, root, layout, check
                 template=tokenizer.chat_template == AutoTokenizer.from_pretrained(source).chat_template is not None,
                 generation_config=os.path.isfile(f"{out}/export/generation_config.json"))
         if check:
-            result["check"] = _cli(["check", *job(source, chat, f"{out}-check", layout, dtype="float64")])
+            result["check"] = cli("check", *job(source, chat, f"{out}-check", layout, dtype="float64"))
         results[name] = result
         dist.barrier()
     return results
@@ -120,8 +106,9 @@ def trained(sources, tmp_path_factory):
     for world_size in (2, 4):
         names = [name for name, (n, _, _) in LAYOUTS.items() if n == world_size]
         layouts = [LAYOUTS[name][1:] for name in names]
-        ranks = run_ranks(world_size, _layouts, checkpoints, chat, str(root), layouts, timeout_s=600)
-        results.update(zip(names, ranks[0]))
+        calls = [(checkpoints, chat, f"{root}/{index}", layout, check) for index, (layout, check) in enumerate(layouts)]
+        runs = run_each(world_size, _train_export_check, calls, timeout_s=600)
+        results.update(zip(names, (ranks[0] for ranks in runs)))
     return results
 
 

@@ -28,7 +28,7 @@ import shutil
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import run_each, run_ranks
 from tests.models.hf.kda_models import CONFIG as KIMI_LINEAR
 
 _C = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -206,22 +206,19 @@ def test_the_leak_probe_sees_a_leak_and_passes_our_cores():
     assert leak_probe(model, VOCAB) < 1e-12
 
 
-def _steps(rank, world_size, runs):
-    """Train (or resume) each float64 ``(checkpoint path, directory, layout)`` of ``runs`` to step 3,
-    saving after every step; rank 0 returns each run's step losses."""
+def _losses(rank, world_size, path, directory, layout):
+    """Train (or resume) the float64 checkpoint at ``path`` in ``directory`` to step 3, saving after
+    every step; rank 0 returns the step losses."""
     from hybridpar.config import load_config
     from hybridpar.train.trainer import Trainer
 
-    losses = []
-    for path, directory, layout in runs:
-        overrides = [f"model.hf_path={path}", "model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2",
-                     "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}", "train.steps=3",
-                     "train.log_every=1", "train.eval_every=0", "checkpoint.every=1", "checkpoint.keep=3",
-                     f"output_dir={directory}", "tensorboard=false", "plot=false", *layout]
-        with contextlib.redirect_stdout(io.StringIO()):
-            history = Trainer(load_config(None, overrides), torch.device("cpu")).fit()
-        losses.append([r["loss"] for r in history])
-    return losses if rank == 0 else None
+    overrides = [f"model.hf_path={path}", "model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2",
+                 "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}", "train.steps=3",
+                 "train.log_every=1", "train.eval_every=0", "checkpoint.every=1", "checkpoint.keep=3",
+                 f"output_dir={directory}", "tensorboard=false", "plot=false", *layout]
+    with contextlib.redirect_stdout(io.StringIO()):
+        history = Trainer(load_config(None, overrides), torch.device("cpu")).fit()
+    return [r["loss"] for r in history] if rank == 0 else None
 
 
 TP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -246,7 +243,7 @@ def resumed_runs(checkpoints, tmp_path_factory):
     reference = {}
 
     def run(world_size, runs):
-        return run_ranks(world_size, _steps, [run[1:] for run in runs], timeout_s=600)[0]
+        return [ranks[0] for ranks in run_each(world_size, _losses, [run[1:] for run in runs], timeout_s=600)]
 
     def resumes(world_size):
         runs = []

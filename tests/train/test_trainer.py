@@ -14,7 +14,7 @@ import torch
 
 from hybridpar.config import load_config
 from hybridpar.models.hf.checkpoint import load_hf
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import run_each, run_ranks
 
 DEFAULT = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-hybrid.yaml")
 QUIET = ["tensorboard=false", "plot=false"]
@@ -44,15 +44,12 @@ RESUME = TINY + ["model.dtype=float64", "train.steps=3", "train.log_every=1", "t
 # a resumed run keeps the checkpoint's
 
 
-def _steps(rank, world_size, runs):
-    """Train (or resume) in each ``(directory, layout)`` of ``runs``; rank 0 returns each run's step losses."""
+def _losses(rank, world_size, directory, layout):
+    """Train (or resume) in ``directory`` at ``layout``; rank 0 returns the step losses."""
     from hybridpar.train.trainer import Trainer
 
-    losses = []
-    for directory, layout in runs:
-        history = Trainer(load_config(DEFAULT, RESUME + [f"output_dir={directory}"] + layout), torch.device("cpu")).fit()
-        losses.append([r["loss"] for r in history])
-    return losses if rank == 0 else None
+    history = Trainer(load_config(DEFAULT, RESUME + [f"output_dir={directory}"] + layout), torch.device("cpu")).fit()
+    return [r["loss"] for r in history] if rank == 0 else None
 
 
 CP2_TP2 = ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -67,7 +64,7 @@ def test_resume_gives_the_same_losses_at_the_same_and_at_another_layout_and_worl
     4: steps 2-3 (step 3 after an update by the restored optimizer) equal the uninterrupted run's.
     No padding option is given: at cp=1 the resumed runs keep the 2*cp=4 padding the checkpoint
     recorded, so they see the same batches."""
-    reference = run_ranks(4, _steps, [(str(tmp_path / "straight"), CP2_TP2)], timeout_s=600)[0][0]
+    reference = run_ranks(4, _losses, str(tmp_path / "straight"), CP2_TP2, timeout_s=600)[0]
     cases = [("same", 4, CP2_TP2), ("other layout", 4, DP2_TP2), ("2 ranks", 2, TP2)]
     for name, _, _ in cases:
         shutil.copytree(tmp_path / "straight", tmp_path / name.replace(" ", "_"),
@@ -75,7 +72,7 @@ def test_resume_gives_the_same_losses_at_the_same_and_at_another_layout_and_worl
     resumed = {}
     for world_size in (4, 2):
         runs = [(name, str(tmp_path / name.replace(" ", "_")), layout) for name, n, layout in cases if n == world_size]
-        losses = run_ranks(world_size, _steps, [run[1:] for run in runs], timeout_s=600)[0]
+        losses = [ranks[0] for ranks in run_each(world_size, _losses, [run[1:] for run in runs], timeout_s=600)]
         resumed.update(zip([run[0] for run in runs], losses))
     assert len(reference) == 3 and all(len(losses) == 2 for losses in resumed.values())
     torch.testing.assert_close(torch.tensor(resumed["same"]), torch.tensor(reference[1:]), rtol=1e-12, atol=1e-12)
@@ -176,8 +173,6 @@ def test_fine_tune_a_hugging_face_checkpoint_and_export_it(tmp_path):
     """NemotronH from a local directory -> 3 steps at tp=2 x cp=2 -> HF export that
     transformers loads with the logits of our model."""
     from transformers import AutoModelForCausalLM, NemotronHConfig, NemotronHForCausalLM
-
-    from hybridpar.models.hybrid import HybridLM
 
     torch.manual_seed(0)
     config = NemotronHConfig(
