@@ -14,7 +14,7 @@ times inductor). Parity is float64: the loss and every parameter gradient.
   rank (one block of each kind: further blocks share the graphs and add only their run time);
 - blocks of a kind share one graph whatever their hooks' ids (one process);
 - tp=2 without sequence parallelism (2 gloo ranks), where the first block's input is a view:
-  two AdamW steps on packed rows against one process.
+  a dense then a packed AdamW step (two shapes) against one process.
 """
 
 from __future__ import annotations
@@ -134,12 +134,11 @@ def test_blocks_of_a_kind_share_one_graph_whatever_their_hook_ids():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def _packed_steps() -> list[list]:
-    """Two steps of one packed row each (one shape: under TP, AOT autograd's dynamic-shape
-    recompile for a new hidden-state shape fails in torch 2.13, a run's packs have one shape)."""
-    from tests.distributed.context.test_model import make_batch
+def _two_shapes() -> list[list]:
+    """A dense batch ``[2, 32]``, then a packed row ``[1, 64]``: the second shape compiles again."""
+    from tests.distributed.context.test_model import KINDS, make_batch
 
-    return [[make_batch("packed", seed=seed)] for seed in (20, 21)]
+    return [[make_batch(kind, seed=20)] for kind in KINDS]
 
 
 def tp2_compiled_steps(rank: int, world_size: int, pattern: str) -> dict:
@@ -154,20 +153,21 @@ def tp2_compiled_steps(rank: int, world_size: int, pattern: str) -> dict:
     model = parallelize(build_model(pattern=pattern), dims, mesh=mesh, compile="aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    records = distributed_run(model, mesh, _packed_steps(), lr=1e-2)
+    records = distributed_run(model, mesh, _two_shapes(), lr=1e-2)
     return {"records": records, "graph_breaks": dict(counters["graph_break"])}
 
 
 def test_tp2_without_sequence_parallelism_compiles_and_matches_one_process():
     """At tp=2 without sequence parallelism the first block's input is the vocab-parallel
     embedding's ``to_local()``, a view of a DTensor's local tensor, whose backward through AOT
-    autograd raised (``compiled_blocks.py``). Two AdamW steps on packed rows, blocks compiled:
-    the float64 loss, every gradient and the parameters equal one process's, no graph break."""
+    autograd raised, and a second hidden-state shape failed to recompile with dynamic sizes
+    (``compiled_blocks.py``). A dense then a packed AdamW step, blocks compiled: the float64 loss,
+    every gradient and the parameters equal one process's, no graph break."""
     from tests.distributed.context.test_model import build_model, compare, reference_run
 
     pattern = "M*-M*"
     results = run_ranks(2, tp2_compiled_steps, pattern, timeout_s=600)
-    reference = reference_run(build_model(pattern=pattern), _packed_steps(), lr=1e-2)
+    reference = reference_run(build_model(pattern=pattern), _two_shapes(), lr=1e-2)
     assert results[0]["graph_breaks"] == {}
     assert not compare("tp2 compiled", results[0]["records"], reference)
 

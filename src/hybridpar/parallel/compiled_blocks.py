@@ -18,12 +18,17 @@ handled here:
   ``AttributeError: 'Tensor' object has no attribute '_local_tensor'`` (torch 2.13, seen with
   aot_eager, whose AOT autograd inductor shares). A block gets such an input as its own tensor (one
   copy of ``[B, S, D]``, the first block's input only).
+- **Sizes under TP.** A TP block that met a second hidden-state shape (``[2, 32]`` then ``[1, 64]``)
+  failed to recompile with dynamic sizes (``RecursionError`` in AOT autograd's trace of the DTensor
+  ops, torch 2.13). Under TP a block's inputs of two or more dims are marked static, so a new shape
+  compiles a new graph; the 1-D document-boundary tensors stay dynamic, so new documents do not.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from hybridpar.models.linear.gdn_fused import fla_rule
 from hybridpar.models.linear.kda_fused import fla_kda
@@ -66,39 +71,43 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
     for block in blocks:
         for module in block.modules():  # the hook-id guards (module docstring)
             module._forward_hooks_always_called.clear()
+        static_sizes = any(isinstance(p, DTensor) for p in block.parameters())  # TP (before FSDP's)
         policy = selective_policy(block)
         if policy is None or policy.learned:
-            _compile_block(block, options)
+            _compile_block(block, options, static_sizes)
         else:
-            _compile_once_learned(block, policy, options)
+            _compile_once_learned(block, policy, options, static_sizes)
     return model
 
 
-def _own_storage(value):
-    """``value``, or a copy of it if it is a tensor view that requires grad (module docstring)."""
-    if isinstance(value, torch.Tensor) and value.requires_grad and value._is_view():
-        return value.clone()
-    return value
-
-
-def _compile_block(block: nn.Module, options: dict) -> None:
-    """``block.compile(**options)``, its tensor view inputs copied before they enter the graph."""
+def _compile_block(block: nn.Module, options: dict, static_sizes: bool) -> None:
+    """``block.compile(**options)``; its inputs are prepared before they enter the graph (module
+    docstring): a tensor view that requires grad is copied, and with ``static_sizes`` a tensor of two
+    or more dims is marked static."""
     block.compile(**options)
     compiled = block._compiled_call_impl
 
+    def prepare(value):
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad and value._is_view():
+                value = value.clone()
+            if static_sizes and value.dim() >= 2:
+                torch._dynamo.mark_static(value)
+        return value
+
     def call(*args, **kwargs):
-        return compiled(*map(_own_storage, args), **{key: _own_storage(v) for key, v in kwargs.items()})
+        return compiled(*map(prepare, args), **{key: prepare(v) for key, v in kwargs.items()})
 
     block._compiled_call_impl = call
 
 
-def _compile_once_learned(block: nn.Module, policy, options: dict) -> None:
+def _compile_once_learned(block: nn.Module, policy, options: dict, static_sizes: bool) -> None:
     """Compile ``block`` after the forward that teaches its selective policy which matmuls to keep
     (dynamo traces the policy's decisions into the graph, so they must be known by then); until
     then it runs eagerly."""
     def compile_when_learned(module, args, output):
         if policy.learned:
             handle.remove()
-            _compile_block(module, options)
+            _compile_block(module, options, static_sizes)
 
     handle = block.register_forward_hook(compile_when_learned)
