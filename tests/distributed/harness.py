@@ -17,13 +17,13 @@ Failure rules:
   * at ``timeout_s`` every rank still running is killed (SIGKILL, its whole process group)
     and ``TimeoutError`` names the ranks that had not finished.
 
-Start-up: children come from a multiprocessing "forkserver" that has already imported torch
-and torch.distributed (``set_forkserver_preload``), and the project's entry points
-(``tests/distributed/warm.py``), so a child costs a fork instead of a ~1-3 s torch import. The server starts once per test session. Set
-``HYBRIDPAR_HARNESS_START_METHOD=spawn`` to use plain spawn; spawn is also the fallback if
-the forkserver cannot start. Output printed by children goes to the forkserver's stdout,
-which is the test session's, not necessarily the current test's captured output; report
-values through the return value instead.
+Start-up: children come from a multiprocessing "forkserver" that has already imported torch,
+torch.distributed (``set_forkserver_preload``) and the project's entry points
+(``tests/distributed/warm.py``), so a child costs a fork instead of a ~1-3 s torch import. The
+server starts once per test session. Set ``HYBRIDPAR_HARNESS_START_METHOD=spawn`` to use plain
+spawn; spawn is also the fallback if the forkserver cannot start. Output printed by children goes
+to the forkserver's stdout, which is the test session's, not necessarily the current test's
+captured output; report values through the return value instead.
 
 Rendezvous: a FileStore rather than a TCPStore on a free port. In this sandbox (gVisor
 netstack) about 1 in 20 TCPStore client connects stalled for exactly 5 s (c10d's connect
