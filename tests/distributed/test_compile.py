@@ -136,9 +136,9 @@ def test_blocks_of_a_kind_share_one_graph_whatever_their_hook_ids():
 
 def _two_shapes() -> list[list]:
     """A dense batch ``[2, 32]``, then a packed row ``[1, 64]``: the second shape compiles again."""
-    from tests.distributed.context.test_model import KINDS, make_batch
+    from tests.distributed.test_parallelize import batches_for
 
-    return [[make_batch(kind, seed=20)] for kind in KINDS]
+    return batches_for(dict(tp=2))
 
 
 def tp2_compiled_steps(rank: int, world_size: int, pattern: str) -> dict:
