@@ -28,6 +28,7 @@ the mean number of keys a token sees in its document, and chunk size ``Q``:
 
     python benchmarks/gpu_throughput.py [--budget-s 450] [--out benchmarks/results] [--mamba-kernel pure]
     python benchmarks/gpu_throughput.py --rows 1b:8192:bf16-fused,small:8192:fp32-eager --append
+    python benchmarks/gpu_throughput.py --profile 1b:8192:bf16-fused   # + one profiled step: its top kernels
     python benchmarks/gpu_throughput.py --dry-run     # CPU, tiny shapes: exercises every path
 
 ``--rows`` measures only the rows named (``model:tokens:variant``); ``--append`` keeps the rows of an
@@ -193,8 +194,9 @@ def _plain_transformers_step(model: nn.Module, ids: torch.Tensor, packed: Packed
 
 
 def measure(name: str, tokens: int, variant: str, device, compile_backend, peak, quick: bool = False,
-            mamba_kernel: str = "auto") -> tuple[dict, str]:
-    """One row (the issue's schema; its ``note`` says what else the reader needs)."""
+            mamba_kernel: str = "auto", profile_to: Path | None = None) -> tuple[dict, str]:
+    """One row (the issue's schema; its ``note`` says what else the reader needs); with
+    ``profile_to``, one more step under ``torch.profiler`` whose top kernels go to that file."""
     from torch._dynamo.utils import counters
 
     row = empty_row(name, tokens, variant)
@@ -221,6 +223,8 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
                 step()
                 _sync(device)
                 times.append(time.perf_counter() - start)
+            if profile_to is not None:
+                write_profile(step, device, profile_to, f"{name} at {tokens:,} tokens, {variant}")
         row["step_s"] = statistics.median(times)
         row["tokens_per_s"] = tokens / row["step_s"]
         row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
@@ -238,6 +242,20 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {**row, "note": note}
+
+
+def write_profile(step, device, path: Path, title: str, rows: int = 30) -> None:
+    """One profiled step: the ops with the most device time (self), as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70)
+    path.write_text(f"# One profiled step: {title} ({device})\n\n```\n{table}\n```\n")
+    print(f"gpu_throughput: profile of {title} in {path}", flush=True)
 
 
 def empty_row(name: str, tokens: int, variant: str, note: str = "") -> dict:
@@ -306,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Triton autotuners time at most this many configs each (0: all; a short lease: 3)")
     parser.add_argument("--lift-fla-640", action="store_true",
                         help="run FLA's gated backward where it refuses (Hopper, triton < 3.7.1), to check or time it")
+    parser.add_argument("--profile", default="", help="model:tokens:variant rows to profile one more step of "
+                        "(gpu_profile_<model>_<tokens>_<variant>.md in --out)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_throughput: no CUDA device here; run it on a GPU machine (or pass --dry-run on CPU).", file=sys.stderr)
@@ -333,13 +353,16 @@ def main(argv: list[str] | None = None) -> int:
         earlier = before["rows"]
         meta["command"] = f"{before['command']} && {meta['command']}"
         meta["date"] = f"{before['date']} and {meta['date']}"
+    profiled = set(parse_rows(args.profile))
     rows, started = [], time.perf_counter()
     for name, tokens, variant in plan:
         if time.perf_counter() - started > args.budget_s:
             row = empty_row(name, tokens, variant, f"skipped: past --budget-s {args.budget_s:g}")
         else:
             row = measure(name, tokens, variant, device, compile_backend, peak_flops(device_name),
-                          quick=args.dry_run, mamba_kernel=args.mamba_kernel)
+                          quick=args.dry_run, mamba_kernel=args.mamba_kernel,
+                          profile_to=(args.out / f"gpu_profile_{name}_{tokens}_{variant}.md"
+                                      if (name, tokens, variant) in profiled else None))
         rows.append(row)
         print(json.dumps(row), flush=True)
         everything = merged(earlier, rows)
