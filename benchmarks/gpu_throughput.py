@@ -153,8 +153,9 @@ def build_case(name: str, variant: str, lengths: list[int], device, compile_back
         ids, labels, packed = packed_batch(model.config.vocab_size, lengths, device)
         if variant == "transformers-sdpa":
             return _plain_transformers_step(model, ids, packed, device), model, flops
-        from hybridpar.train.hf_model import hf_forward_inputs, hf_loss_sum, use_blockwise_attention
+        from hybridpar.train.hf_model import hf_forward_inputs, hf_loss_sum, install_cores, use_blockwise_attention
 
+        install_cores(model)  # as `hybridpar train` builds it: the lean gated MLP (one [T, I] less kept per layer)
         use_blockwise_attention(model)
         model = parallelize(model, ParallelDims(), mixed_precision=mixed, compile=compile_option)
         sharded = shard_inputs(input_ids=ids, labels=labels, packed=packed)
