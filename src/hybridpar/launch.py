@@ -11,9 +11,11 @@ The launcher and its workers share a control directory (``$HYBRIDPAR_CONTROL_DIR
   others. A collective that waits longer than ``T`` fails on its own (the process groups
   get ``T`` as their timeout).
 - ``report.json``: the first worker to fail writes its message there (``O_EXCL``: first
-  writer wins) and exits quietly: 2 for bad input (config, data, files), 1 for a run that
-  failed (non-finite values, a failed collective). The launcher prints that one message
-  instead of torchrun's per-rank failure dump, and exits with the worker's code.
+  writer wins), stops the other workers (SIGTERM, which ends them at once: none is left to
+  log, from gloo's or NCCL's C++, the connection this exit drops) and exits quietly: 2 for bad
+  input (config, data, files), 1 for a run that failed (non-finite values, a failed
+  collective). The launcher prints that one message instead of torchrun's per-rank failure
+  dump, and exits with the worker's code.
 
 Signals: SIGINT and SIGTERM to the launcher reach torchrun's agent, which forwards them to
 every worker (their default action ends them at once) and SIGKILLs any worker still there
@@ -126,7 +128,22 @@ class WorkerChannel:
             return False
         with os.fdopen(fd, "w") as handle:
             json.dump({"rank": self.rank, "code": code, "message": message}, handle)
+        self.stop_peers()
         return True
+
+    def stop_peers(self, wait_s: float = 2.0) -> None:
+        """SIGTERM every other running worker and wait (at most ``wait_s``) until they are gone.
+        The job ends anyway (torchrun stops the others once this rank exits); stopping them first
+        keeps a peer from meeting this rank's closed connections and logging them."""
+        peers = [pid for rank, pid, _ in worker_heartbeats(self.directory, time.time()) if rank != self.rank and pid > 0]
+        for pid in peers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while any(_alive(pid) for pid in peers) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------------- launcher side

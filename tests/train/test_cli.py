@@ -156,6 +156,22 @@ def test_an_error_found_on_the_ranks_is_printed_once_and_exits_2(tmp_path):
         "object: fix or remove that line."]
 
 
+def test_the_rank_that_reports_stops_the_others_before_it_exits(tmp_path):
+    """Else a peer can meet the reporter's closed connections first and log them from C++ (gloo's
+    "connectFullMesh failed ... Connection closed by peer") above the job's one line."""
+    from hybridpar.launch import WorkerChannel
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "heartbeat.0").write_text(str(os.getpid()))  # the reporter: this process, not stopped
+        (tmp_path / "heartbeat.1").write_text(str(peer.pid))
+        assert WorkerChannel(tmp_path, 0, 600).report("bad data", 2)
+        assert peer.wait(timeout=5) == -signal.SIGTERM
+        assert not WorkerChannel(tmp_path, 1, 600).report("a collective failed", 1)  # the first report stands
+    finally:
+        peer.kill()
+
+
 def test_sigterm_to_the_launcher_ends_every_worker_and_feedback_comes_once(tmp_path):
     with Launched(tmp_path, "checkpoint.every=1", "checkpoint.keep=1", "train.log_every=1") as job:
         while not any(line.startswith("saved checkpoint") for line in job.stdout):
