@@ -77,12 +77,12 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
                 max_position_embeddings=131072, rope_theta=500000.0)
 # Rows in the order they run: the bars first (small at 128K against its float32 baseline,
-# 1b's MFU, the Llama pair), then 1b's baselines, the compiled rows, and small at 8K and 32K; a run
-# cut short by --budget-s loses the last.
+# 1b's MFU, the Llama pair), then the compiled rows (the next lever on the bars), 1b's float32
+# baselines, and small at 8K and 32K; a run cut short by --budget-s loses the last.
 FULL_PLAN = [("small", 131072, "fp32-eager"), ("small", 131072, "bf16-fused"), ("1b", 8192, "bf16-fused"),
              ("1b", 32768, "bf16-fused"), ("llama-1b", 8192, "transformers-sdpa"), ("llama-1b", 8192, "bf16-fused"),
-             ("1b", 8192, "fp32-eager"), ("1b", 32768, "fp32-eager"), ("1b", 8192, "bf16-fused-compiled"),
-             ("1b", 32768, "bf16-fused-compiled"), ("small", 131072, "bf16-fused-compiled"),
+             ("1b", 8192, "bf16-fused-compiled"), ("small", 131072, "bf16-fused-compiled"),
+             ("1b", 32768, "bf16-fused-compiled"), ("1b", 8192, "fp32-eager"), ("1b", 32768, "fp32-eager"),
              *((("small", t, v) for t in (8192, 32768) for v in VARIANTS))]
 DRY_PLAN = [("tiny", 128, v) for v in VARIANTS] + [("llama-tiny", 128, v) for v in ("transformers-sdpa", "bf16-fused")]
 

@@ -10,6 +10,7 @@
 #   throughput  gpu_throughput.py's rows within BUDGET_S seconds (default 250; the process at most
 #               BUDGET_S + 90), the bars first; bf16 rows on the pure core if parity failed;
 #               THROUGHPUT_ARGS adds arguments (e.g. "--rows 1b:8192:bf16-fused-compiled --append");
+#               PROFILE_ROWS (default 1b at 8K, eager and compiled) each get one profiled step more;
 #   gdn, kda    the fused gated delta rule and Kimi Delta Attention vs their pure cores, float32, 1e-4
 #               (gdn_parity.py, kda_parity.py, at most 90 s each).
 # Usage: bash benchmarks/run_on_gpu.sh [results directory, default benchmarks/results] [parts, default all]
@@ -62,7 +63,8 @@ fi
 if has throughput; then
     # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of arguments
     timeout $((BUDGET_S + 90)) "$PY" benchmarks/gpu_throughput.py --budget-s "$BUDGET_S" --out "$RESULTS" \
-        --mamba-kernel "$kernel" --autotune-keep "$AUTOTUNE_KEEP" "${run_lift[@]}" ${THROUGHPUT_ARGS:-} || status=1
+        --mamba-kernel "$kernel" --autotune-keep "$AUTOTUNE_KEEP" "${run_lift[@]}" \
+        --profile "${PROFILE_ROWS-1b:8192:bf16-fused,1b:8192:bf16-fused-compiled}" ${THROUGHPUT_ARGS:-} || status=1
 fi
 if has gdn; then
     "$PY" -c "from hybridpar.models.linear.gdn_fused import fla_rule_status; print('fused gated delta rule:', fla_rule_status())"
