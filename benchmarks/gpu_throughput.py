@@ -62,6 +62,7 @@ import harness  # noqa: E402  (puts this checkout's src/ first on sys.path)
 
 ROOT = harness.ROOT
 
+from hybridpar.config import TrainConfig  # noqa: E402
 from hybridpar.data.thd import PackedSeqParams  # noqa: E402
 from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
 from hybridpar.models.mamba.fused import choose_kernel, use_mamba_kernel  # noqa: E402
@@ -69,6 +70,7 @@ from hybridpar.parallel.context.inputs import shard_inputs  # noqa: E402
 from hybridpar.parallel.dims import ParallelDims  # noqa: E402
 from hybridpar.parallel.parallelize import parallelize  # noqa: E402
 from hybridpar.parallel.precision import set_tf32  # noqa: E402
+from hybridpar.train.optim import build_optimizer  # noqa: E402
 
 GIB = 2**30
 PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12))  # dense, spec
@@ -170,7 +172,7 @@ def build_case(name: str, variant: str, lengths: list[int], device, compile_back
 
 
 def _step(model: nn.Module, loss_sum, labels: torch.Tensor):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = build_optimizer(model, TrainConfig(lr=1e-5))  # as the trainer builds it (fused on CUDA)
     count = (labels != -100).sum()
 
     def step():
@@ -181,8 +183,9 @@ def _step(model: nn.Module, loss_sum, labels: torch.Tensor):
 
 
 def _plain_transformers_step(model: nn.Module, ids: torch.Tensor, packed: PackedSeqParams, device):
-    """transformers as people run it: SDPA, packing by position ids, its own loss, bf16 autocast."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    """transformers as people run it: SDPA, packing by position ids, its own loss, bf16 autocast, fused AdamW
+    (its Trainer's default with torch >= 2.8)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")  # HF Trainer's default
     positions = packed.position_ids.reshape(1, -1).long()
 
     def step():

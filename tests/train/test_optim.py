@@ -1,5 +1,5 @@
-"""AdamW's implementation: torch's choice (multi-tensor on CUDA, the per-parameter loop on CPU)
-unless DTensor and plain parameters mix, where DTensor's foreach ops refuse the list."""
+"""AdamW's implementation: fused on CUDA, torch's choice on CPU (the per-parameter loop), and the
+loop where DTensor and plain parameters mix, where DTensor's foreach and fused ops refuse the list."""
 
 from hybridpar.config import TrainConfig
 from tests.distributed.harness import run_ranks
@@ -25,3 +25,19 @@ def foreach_choices(rank: int, world_size: int) -> tuple:
 
 def test_foreach_is_left_to_torch_unless_dtensor_and_plain_parameters_mix():
     assert run_ranks(2, foreach_choices) == [(None, False)] * 2
+
+
+def test_cuda_parameters_take_the_fused_update_and_cpu_ones_keep_torchs_choice():
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybridpar.train.optim import adamw_implementation
+
+    def on(device: str, floating: bool = True):  # no CUDA here: the rule reads the device type and dtype alone
+        return SimpleNamespace(device=torch.device(device), is_floating_point=lambda: floating)
+
+    assert adamw_implementation([on("cuda"), on("cuda")]) == {"fused": True}
+    assert adamw_implementation([on("cuda"), on("cuda", floating=False)]) == {"foreach": None}
+    assert adamw_implementation([torch.zeros(2, 2), torch.zeros(2)]) == {"foreach": None}
+    assert adamw_implementation([]) == {"foreach": None}

@@ -11,18 +11,31 @@ from hybridpar.config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norms, biases and 1-D SSM parameters excluded).
-    torch picks the implementation (``foreach=None``): one multi-tensor launch per op over all
-    parameters on CUDA, where the per-parameter loop would launch ~10 kernels per tensor; the same
-    per-parameter loop as before on CPU. Where DTensor and plain parameters mix (a layout that
-    leaves some replicated as plain tensors), the loop: DTensor's foreach ops refuse mixed lists."""
+    """AdamW with weight decay on matrices only (norms, biases and 1-D SSM parameters excluded),
+    in the implementation ``adamw_implementation`` picks."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    mixed = len({type(param) for group in groups for param in group["params"]}) > 1
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, foreach=False if mixed else None)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **adamw_implementation(decay + no_decay))
+
+
+def adamw_implementation(params: list[torch.Tensor]) -> dict:
+    """AdamW's keyword for ``params``:
+
+    - on CUDA, ``fused=True``: one kernel for the whole update (torchtitan's default), where
+      ``foreach`` (torch's default) launches one multi-tensor kernel per op of the update;
+    - where DTensor and plain parameters mix (a layout that leaves some replicated as plain
+      tensors), ``foreach=False``: the per-parameter loop, as DTensor's foreach and fused ops refuse
+      mixed lists;
+    - otherwise torch's choice (``foreach=None``): the per-parameter loop on CPU, the exact reference.
+    """
+    if len({type(param) for param in params}) > 1:
+        return {"foreach": False}
+    if params and all(param.device.type == "cuda" and param.is_floating_point() for param in params):
+        return {"fused": True}
+    return {"foreach": None}
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
