@@ -7,7 +7,7 @@
 #   parity      the fused Mamba path vs the pure-PyTorch core, float32, 1e-4 (gpu_parity.py, at most
 #               PARITY_TIMEOUT_S, default 150 s: on a fresh machine Triton compiles FLA's kernels first;
 #               it did not finish in 90 s with 3 configs each, and did in about 100 s with 1: AUTOTUNE_KEEP);
-#   throughput  gpu_throughput.py's rows within BUDGET_S seconds (default 250; the process at most
+#   throughput  gpu_throughput.py's rows within BUDGET_S seconds (default 150; the process at most
 #               BUDGET_S + 90), the issue's bars first; bf16 rows on the pure core if parity failed;
 #               THROUGHPUT_ARGS adds arguments (e.g. "--rows 1b:8192:bf16-fused-compiled --append");
 #               PROFILE_ROWS (default 1b at 8K, eager and compiled) each get one profiled step more;
@@ -24,7 +24,7 @@ PARTS="${*:-parity throughput gdn kda}"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$RESULTS"
 PY="${PYTHON:-python3}"
-BUDGET_S="${BUDGET_S:-250}"
+BUDGET_S="${BUDGET_S:-150}"
 AUTOTUNE_KEEP="${AUTOTUNE_KEEP:-1}"  # a fresh machine would autotune FLA's kernels over up to 48 configs each
 # FLA refuses its gated backward on Hopper with triton 3.4-3.7.0 (#640, a codegen bug at BK=64; ours run
 # BK=128). LIFT_FLA_640 unset or 1 lifts that guard for the parity checks; the throughput rows run lifted

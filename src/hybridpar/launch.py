@@ -291,11 +291,11 @@ def _outcome(nproc: int, failures: dict | None, stopped_by: int | None, watchdog
         return 2
     killed = {rank: failure for rank, failure in failures.items() if failure.exitcode < 0}
     exited = any(f.exitcode > 0 for f in failures.values())  # a rank ended itself (it reports first, then exits)
-    # after a rank that reported and exited, the others were stopped (SIGTERM) or aborted in gloo's teardown
-    # when their peer vanished (SIGABRT, "terminate called without an active exception"): the report is the cause
+    # after a report the others were stopped (SIGTERM: by the reporter, or by the agent once a rank ended,
+    # the reporter too if it had not yet exited) or, after a rank exited, aborted in gloo's teardown when
+    # their peer vanished (SIGABRT, "terminate called without an active exception"): the report is the cause
     after_exit = (signal.SIGTERM, signal.SIGABRT) if exited else (signal.SIGTERM,)
-    stopped_after_report = report is not None and (exited or report.get("rank") not in killed) and all(
-        -f.exitcode in after_exit for f in killed.values())
+    stopped_after_report = report is not None and all(-f.exitcode in after_exit for f in killed.values())
     if killed and not stopped_after_report:  # the agent SIGTERMs the others after the first death: name the first
         first = [r for r, f in killed.items() if f.exitcode != -signal.SIGTERM] or \
             [r for r in killed if r == watchdog.first_death] or sorted(killed)

@@ -277,6 +277,10 @@ def test_a_rank_that_reported_and_was_then_stopped_is_not_blamed_on_the_stop(cap
     failures[0] = SimpleNamespace(exitcode=-signal.SIGABRT, pid=11)
     assert _outcome(2, failures, None, watchdog, report) == 1
     assert capsys.readouterr().err == "hybridpar: error: check failed (see its output above).\n"
+    # the reporter stopped its peer, and the agent stopped the reporter before it exited: the report again
+    failures = {0: SimpleNamespace(exitcode=-signal.SIGTERM, pid=11), 1: SimpleNamespace(exitcode=-signal.SIGTERM, pid=12)}
+    assert _outcome(2, failures, None, watchdog, {**report, "rank": 1}) == 1
+    assert capsys.readouterr().err == "hybridpar: error: check failed (see its output above).\n"
     # a rank killed from outside (SIGKILL) is still named, whatever the others reported
     failures = {0: SimpleNamespace(exitcode=-signal.SIGTERM, pid=11), 1: SimpleNamespace(exitcode=-signal.SIGKILL, pid=12)}
     assert _outcome(2, failures, None, watchdog, report) == 1
