@@ -11,11 +11,13 @@ The launcher and its workers share a control directory (``$HYBRIDPAR_CONTROL_DIR
   others. A collective that waits longer than ``T`` fails on its own (the process groups
   get ``T`` as their timeout).
 - ``report.json``: the first worker to fail writes its message there (``O_EXCL``: first
-  writer wins), stops the other workers (SIGTERM, which ends them at once: none is left to
-  log, from gloo's or NCCL's C++, the connection this exit drops) and exits quietly: 2 for bad
-  input (config, data, files), 1 for a run that failed (non-finite values, a failed
-  collective). The launcher prints that one message instead of torchrun's per-rank failure
-  dump, and exits with the worker's code.
+  writer wins) and exits quietly: 2 for bad input (config, data, files), 1 for a run that
+  failed (non-finite values, a failed write or collective). The launcher prints that one
+  message instead of torchrun's per-rank failure dump, and exits with the worker's code. On
+  bad input, found as the ranks start, the reporter first stops the other workers (SIGTERM,
+  which ends them at once): a peer still joining a process group would otherwise meet its
+  closed connections and log them from gloo's C++. A run that failed lets its peers fail in
+  turn, so they clean up (a checkpoint's staging folder).
 
 Signals: SIGINT and SIGTERM to the launcher reach torchrun's agent, which forwards them to
 every worker (their default action ends them at once) and SIGKILLs any worker still there
@@ -128,7 +130,8 @@ class WorkerChannel:
             return False
         with os.fdopen(fd, "w") as handle:
             json.dump({"rank": self.rank, "code": code, "message": message}, handle)
-        self.stop_peers()
+        if code == 2:  # bad input (module docstring)
+            self.stop_peers()
         return True
 
     def stop_peers(self, wait_s: float = 2.0) -> None:

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
     device, owns_group = init_distributed(config.train.collective_timeout_s)
     import torch.distributed as dist
 
+    finished = False
     try:
         if args.command == "train":
             from hybridpar.train.trainer import Trainer
@@ -97,9 +98,14 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
             code = run_check(config, device, args.tolerance)
         if owns_group:
             dist.barrier()  # no rank tears its connections down while another still works (rank 0's sample)
+        finished = True
         return code
     finally:
-        if owns_group:
+        # A torchrun rank that failed keeps its connections: it reports (the launcher's worker stops
+        # the others first, ``launch.WorkerChannel.report``) and exits. Closing them here, before that,
+        # let a peer still joining a group meet them closed and log gloo's "connectFullMesh failed ...
+        # Connection closed by peer" from C++ above the job's one line.
+        if owns_group and (finished or not launched_by_torchrun()):
             dist.destroy_process_group()
 
 

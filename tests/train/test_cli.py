@@ -172,6 +172,26 @@ def test_the_rank_that_reports_stops_the_others_before_it_exits(tmp_path):
         peer.kill()
 
 
+def test_a_failed_torchrun_rank_keeps_its_connections_until_it_has_reported(tmp_path):
+    """Its peers are stopped by the report (above); a rank that closed its process group first let a
+    peer still joining a group log gloo's "connectFullMesh failed ... Connection closed by peer"."""
+    from hybridpar.launch import free_port
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one"}\n{"text": two}\n')
+    script = ("import sys, torch.distributed as dist\n"
+              "from hybridpar.cli import parse_args\nfrom hybridpar.config import load_config\nfrom hybridpar.worker import run\n"
+              "args = parse_args(sys.argv[1:])\n"
+              "try:\n    run(args, load_config(args.config, args.overrides))\n"
+              "except ValueError:\n    print('failed; group kept:', dist.is_initialized())\n")
+    env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", script, "train", "--config", DEFAULT, *FAST[:2], "parallel.cp=1",
+                           "data.task=jsonl", f"data.path={data}", "data.task_options={}", f"output_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.stdout.strip().splitlines()[-1:] == ["failed; group kept: True"], done.stdout + done.stderr[-2000:]
+
+
 def test_sigterm_to_the_launcher_ends_every_worker_and_feedback_comes_once(tmp_path):
     with Launched(tmp_path, "checkpoint.every=1", "checkpoint.keep=1", "train.log_every=1") as job:
         while not any(line.startswith("saved checkpoint") for line in job.stdout):
