@@ -46,9 +46,10 @@ demo: $(DEMO_STAMP)
 # Two pytest workers, a test file each at a time (module fixtures stay whole): the ranks of one test
 # leave a core idle while the pytest process computes its single-process reference. One OpenMP
 # thread each: two workers' thread pools on two cores spin against each other (the single-process
-# tests took 72 s with torch's default threads, 44 s with one).
+# tests took 72 s with torch's default threads, 44 s with one). The slowest files go first
+# (tests/conftest.py), in that order: xdist's own (most tests first) put single-test files last.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
