@@ -101,8 +101,8 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
         finished = True
         return code
     finally:
-        # A torchrun rank that failed keeps its connections: it reports (the launcher's worker stops
-        # the others first, ``launch.WorkerChannel.report``) and exits. Closing them here, before that,
+        # A torchrun rank that failed keeps its connections: it reports (on bad input stopping the
+        # others first, ``launch.WorkerChannel.report``) and exits. Closing them here, before that,
         # let a peer still joining a group meet them closed and log gloo's "connectFullMesh failed ...
         # Connection closed by peer" from C++ above the job's one line.
         if owns_group and (finished or not launched_by_torchrun()):

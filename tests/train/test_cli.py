@@ -156,25 +156,30 @@ def test_an_error_found_on_the_ranks_is_printed_once_and_exits_2(tmp_path):
         "object: fix or remove that line."]
 
 
-def test_the_rank_that_reports_stops_the_others_before_it_exits(tmp_path):
+def test_the_rank_that_reports_bad_input_stops_the_others_before_it_exits(tmp_path):
     """Else a peer can meet the reporter's closed connections first and log them from C++ (gloo's
-    "connectFullMesh failed ... Connection closed by peer") above the job's one line."""
+    "connectFullMesh failed ... Connection closed by peer") above the job's one line. A run that
+    failed (exit 1) leaves its peers to fail in turn and clean up (a checkpoint's staging folder)."""
     from hybridpar.launch import WorkerChannel
 
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        (tmp_path / "heartbeat.0").write_text(str(os.getpid()))  # the reporter: this process, not stopped
-        (tmp_path / "heartbeat.1").write_text(str(peer.pid))
-        assert WorkerChannel(tmp_path, 0, 600).report("bad data", 2)
+        for code, directory in ((1, tmp_path / "run_failed"), (2, tmp_path / "bad_input")):
+            directory.mkdir()
+            (directory / "heartbeat.0").write_text(str(os.getpid()))  # the reporter: this process, not stopped
+            (directory / "heartbeat.1").write_text(str(peer.pid))
+            assert WorkerChannel(directory, 0, 600).report("its message", code)
+            if code == 1:
+                assert peer.poll() is None
         assert peer.wait(timeout=5) == -signal.SIGTERM
-        assert not WorkerChannel(tmp_path, 1, 600).report("a collective failed", 1)  # the first report stands
+        assert not WorkerChannel(directory, 1, 600).report("a collective failed", 1)  # the first report stands
     finally:
         peer.kill()
 
 
 def test_a_failed_torchrun_rank_keeps_its_connections_until_it_has_reported(tmp_path):
-    """Its peers are stopped by the report (above); a rank that closed its process group first let a
-    peer still joining a group log gloo's "connectFullMesh failed ... Connection closed by peer"."""
+    """On bad input its peers are stopped by the report (above); a rank that closed its process group
+    first let a peer still joining a group log gloo's "connectFullMesh failed ... Connection closed by peer"."""
     from hybridpar.launch import free_port
 
     data = tmp_path / "data.jsonl"
