@@ -4,7 +4,8 @@ Float32 means IEEE float32 on both sides: torch's TF32 is off and triton's defau
 precision is set to IEEE (``TRITON_F32_DEFAULT=ieee``, before triton compiles FLA's kernels).
 
 - ``model``: the ``small`` preset on one packed row (4,096 tokens, 5 documents): loss and every
-  parameter gradient with ``use_mamba_kernel("fla")`` against ``use_mamba_kernel("pure")``;
+  parameter gradient with ``use_mamba_kernel("fla")`` against ``use_mamba_kernel("pure")`` (the
+  fused norms of ``models/norm_kernels.py`` too: torch's RMSNorm and FLA's gated norm);
 - ``states``: the core as the CP ``state`` strategy calls it (``small``'s Mamba shapes, 4
   documents): conv histories and SSM states entering every document (one entry -1), final
   states at every document end; outputs, final states and the gradient of every input.

@@ -66,6 +66,7 @@ from hybridpar.config import TrainConfig  # noqa: E402
 from hybridpar.data.thd import PackedSeqParams  # noqa: E402
 from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
 from hybridpar.models.mamba.fused import choose_kernel, use_mamba_kernel  # noqa: E402
+from hybridpar.models.norm_kernels import norm_kernel  # noqa: E402
 from hybridpar.parallel.context.inputs import shard_inputs  # noqa: E402
 from hybridpar.parallel.dims import ParallelDims  # noqa: E402
 from hybridpar.parallel.parallelize import parallelize  # noqa: E402
@@ -291,11 +292,14 @@ def _sync(device) -> None:
 
 
 def kernels_line(device) -> str:
-    """Which Mamba core the bf16 rows run on this machine, and why."""
+    """Which Mamba core and norms the bf16 rows run on this machine, and why."""
     xBC = torch.zeros(1, 8, 4, device=device, dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], device=device)
     kernel, reason = choose_kernel(xBC, cu, None, None)
-    return f"Mamba core of the bf16 rows: {kernel} ({reason}); fp32-eager rows: the pure-PyTorch core."
+    weight = torch.ones(4, device=device)
+    norms = (norm_kernel("rmsnorm", (xBC.float(), weight)), norm_kernel("gated_norm", (xBC, xBC, weight), 4))
+    return (f"Mamba core of the bf16 rows: {kernel} ({reason}); eager norms: RMSNorm {norms[0]}, gated {norms[1]} "
+            "(models/norm_kernels.py); fp32-eager rows: the pure-PyTorch core and norms.")
 
 
 def markdown(meta: dict, rows: list[dict], kernels: str) -> str:

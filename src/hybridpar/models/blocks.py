@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridpar.models.norm_kernels import fused_gated_rms_norm, fused_rms_norm, norm_kernel
+
 
 def relu2(x: Tensor) -> Tensor:
     """``relu(x)^2`` as a product: CUDA's autocast runs ``pow`` (what ``square`` becomes) in float32,
@@ -82,7 +84,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return matmul_input(_RMSNormFunction.apply(hidden_states, None, self.weight, hidden_states.shape[-1], self.eps))
+        if norm_kernel("rmsnorm", (hidden_states, self.weight)) == "pure":
+            normed = _RMSNormFunction.apply(hidden_states, None, self.weight, hidden_states.shape[-1], self.eps)
+        else:  # torch's fused kernel on CUDA (models/norm_kernels.py)
+            normed = fused_rms_norm(hidden_states, self.weight, self.eps)
+        return matmul_input(normed)
 
 
 class GatedRMSNorm(nn.Module):
@@ -152,7 +158,12 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, group_size: int, eps: float, span=None) -> Tensor:
-    """``_RMSNormFunction`` (saves only its inputs and ``rstd``); ``span``: see there."""
+    """``_RMSNormFunction`` (saves only its inputs and ``rstd``; ``span``: see there), or a fused kernel
+    with the same math where ``norm_kernels.norm_kernel`` picks one (CUDA, a gate, no span)."""
+    if span is None and gate is not None:
+        kernel = norm_kernel("gated_norm", (x, gate, weight), group_size)
+        if kernel != "pure":
+            return fused_gated_rms_norm(x, gate, weight, group_size, eps, kernel)
     return _RMSNormFunction.apply(x, gate, weight, group_size, eps, span)
 
 

@@ -1,6 +1,6 @@
 """FLA's real Triton kernels on CPU: ``TRITON_INTERPRET=1`` plus four patches, then the fused
-Mamba op (``scan="fla"``: FLA's ``causal_conv1d`` and ``chunk_simple_gla``) against the
-pure-PyTorch core in float64.
+Mamba op (``scan="fla"``: FLA's ``causal_conv1d`` and ``chunk_simple_gla``) and the fused gated
+norm (FLA's gated group RMSNorm) against the pure-PyTorch core and norm in float64.
 
 Run as a script in a fresh process (``python -m tests.models.mamba.fla_on_cpu``): the environment
 variable must be set before triton and FLA import, and the patches change triton's interpreter
@@ -151,6 +151,39 @@ def run_case(groups: int, with_states: bool, seed: int) -> dict:
                    _relative(results["pure", torch.float32][name], want)] for name, want in reference.items()}
 
 
+def run_gated_norm(seed: int = 3) -> dict:
+    """Mamba2's gated group norm ``rmsnorm(y * silu(z))`` through FLA's kernels
+    (``models/norm_kernels.py``: ``layer_norm_fwd``/``layer_norm_bwd`` of ``fla.modules.norm.layernorm_gated``)
+    against the pure norm in float64, the gate a strided view of a wider projection as in the mixer:
+    ``{"kernel": the norm kernel chosen, "errors": {quantity: [FLA fp32 error, pure fp32 error]}}``
+    (as in ``run_case``)."""
+    import torch
+
+    from hybridpar.models.blocks import gated_rms_norm
+    from hybridpar.models.mamba.fused import use_stand_in
+    from hybridpar.models.norm_kernels import norm_kernel
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, width, group = 37, 48, 24  # two groups; 24 channels: FLA's block of 32 is masked at its edge
+    base = dict(x=torch.randn(2, rows, width, generator=gen), projection=torch.randn(2, rows, 2 * width + 5, generator=gen),
+                weight=1 + 0.3 * torch.randn(width, generator=gen))
+    dy = torch.randn(2, rows, width, generator=gen, dtype=torch.float64)
+    results = {}
+    for name, dtype in (("reference", torch.float64), ("pure", torch.float32), ("fla", torch.float32)):
+        leaves = {k: t.to(dtype).requires_grad_() for k, t in base.items()}
+        gate = leaves["projection"][..., width + 3:2 * width + 3]  # a view: rows strided by the projection
+        with use_stand_in("fla", family="gated_norm") if name == "fla" else contextlib.nullcontext():
+            y = gated_rms_norm(leaves["x"], gate, leaves["weight"], group, 1e-5)
+        grads = torch.autograd.grad((y * dy.to(y.dtype)).sum(), list(leaves.values()))
+        results[name] = {"y": y, **{f"grad {k}": g for k, g in zip(leaves, grads)}}
+        if name == "fla":
+            with use_stand_in("fla", family="gated_norm"):
+                kernel = norm_kernel("gated_norm", (leaves["x"], gate, leaves["weight"]), group)
+    reference = results["reference"]
+    return {"kernel": kernel, "errors": {k: [_relative(results["fla"][k], want), _relative(results["pure"][k], want)]
+                                         for k, want in reference.items()}}
+
+
 def run_model() -> dict:
     """The tiny hybrid in float32 on packed rows, blocks compiled (aot_eager), its Mamba layers on
     FLA's kernels: graph breaks, and the loss's and every gradient's error against the eager pure
@@ -195,7 +228,7 @@ def main() -> None:
 
     cases = {"1 group, no states": (1, False, 0), "2 groups, CP states": (2, True, 1)}
     report = {"fla": fla.__version__, "cases": {name: run_case(*args) for name, args in cases.items()},
-              "model": run_model()}
+              "gated_norm": run_gated_norm(), "model": run_model()}
     print(json.dumps(report))
 
 

@@ -1,7 +1,8 @@
 """FLA's own Triton kernels (fla-core 0.6.0: conv and scan, forward and backward) behind the fused Mamba op, run on
 CPU by triton's interpreter (``fla_on_cpu.py``, a fresh process): outputs, final states and every
 input's gradient within 1e-5 of the pure-PyTorch core in float64, on packed documents with and
-without the CP ``state`` strategy's initial states and conv histories. The pure core in float32
+without the CP ``state`` strategy's initial states and conv histories; so are the output and every
+gradient of FLA's gated group RMSNorm behind Mamba2's norm (``models/norm_kernels.py``). The pure core in float32
 is shown beside it as the floor float32 reaches (both measured ~1e-6 or below). And a tiny
 hybrid of one block of each kind (2 Mamba heads), blocks compiled (aot_eager) with its Mamba layer on FLA's
 kernels: no graph break, loss and every parameter gradient within 5e-5 of the eager pure model in float64
@@ -51,6 +52,11 @@ def test_fla_kernels_under_the_triton_interpreter_match_the_pure_core():
         for quantity, (fla_error, pure_error) in errors.items():
             assert fla_error <= TOL, (case, quantity, fla_error, pure_error)
             assert pure_error <= TOL, (case, quantity, fla_error, pure_error)
+    norm = report["gated_norm"]
+    assert norm["kernel"] == "fla"
+    assert set(norm["errors"]) == {"y", "grad x", "grad projection", "grad weight"}
+    for quantity, (fla_error, pure_error) in norm["errors"].items():
+        assert fla_error <= TOL and pure_error <= TOL, (quantity, fla_error, pure_error)
     model = report["model"]
     assert model["graph_breaks"] == 0
     assert "loss" in model["errors"] and len(model["errors"]) > 20  # the loss and every parameter's gradient

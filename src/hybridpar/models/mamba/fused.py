@@ -32,7 +32,7 @@ from torch import Tensor
 from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, fla_status, states_at_boundaries
 
 __all__ = ["MODES", "choose_kernel", "kernel_for", "select_kernel", "use_mamba_kernel", "use_stand_in",
-           "mamba_kernel_mode"]
+           "mamba_kernel_mode", "stand_in"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ _LOGGED: set[tuple[str, str, str]] = set()
 
 def mamba_kernel_mode() -> str:
     return _mode
+
+
+def stand_in(family: str) -> str | None:
+    """The stand-in ``use_stand_in`` set for ``family`` (None: the real kernels)."""
+    return _stand_ins.get(family)
 
 
 @contextlib.contextmanager
@@ -61,7 +66,8 @@ def use_mamba_kernel(mode: str):
 
 @contextlib.contextmanager
 def use_stand_in(name: str, family: str = "mamba"):
-    """Within the block, the fused path of ``family`` (``"mamba"``, ``"gdn"``) runs on any device with
+    """Within the block, the fused path of ``family`` (``"mamba"``, ``"gdn"``, ``"kda"``; the norms'
+    ``"rmsnorm"`` and ``"gated_norm"``, ``models/norm_kernels.py``) runs on any device with
     the kernel registered as ``name`` (``fused_op.register_scan``, ``linear/gdn_fused.register_rule``,
     ``linear/kda_fused.register_kda_rule`` for ``"kda"``)
     in place of FLA's: how tests compile and check it on CPU (``"fla"``: FLA's own, interpreted)."""
