@@ -122,20 +122,11 @@ def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def register_gated_norm(name: str, forward: Callable, backward: Callable) -> None:
     """Make ``(forward, backward)`` with FLA's ``layer_norm_fwd``/``layer_norm_bwd`` contract runnable
     as the gated norm ``name`` (tests: a float64 stand-in, FLA's kernels interpreted on CPU)."""
-    if name in ("fla", "pure", "torch"):
-        raise ValueError(f"the gated norm name {name!r} is taken; register a stand-in under another name.")
-    _GATED[name] = (forward, backward)
+    fused.register_named(_GATED, name, (forward, backward), "gated norm", taken=("fla", "pure", "torch"))
 
 
 def _gated_kernels(name: str) -> tuple[Callable, Callable]:
-    if name == "fla":
-        kernels, why = _fla_gated_norm()
-        if kernels is None:
-            raise ValueError(f"the fused gated norm 'fla' cannot run: {why}.")
-        return kernels
-    if name not in _GATED:
-        raise ValueError(f"fused gated norm {name!r} is not registered; known: {['fla', *_GATED]}.")
-    return _GATED[name]
+    return fused.named_kernel(_GATED, name, _fla_gated_norm, "gated norm")
 
 
 class _FusedGatedNorm(torch.autograd.Function):

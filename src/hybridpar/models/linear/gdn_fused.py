@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from hybridpar.models.linear.delta_ops import register_rule_ops
-from hybridpar.models.mamba.fused import select_kernel
+from hybridpar.models.mamba.fused import named_kernel, register_named, select_kernel
 from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, import_fla
 
 __all__ = ["choose_gdn_kernel", "fla_rule", "fla_rule_status", "fused_gated_delta_rule", "register_rule"]
@@ -68,20 +68,11 @@ def choose_gdn_kernel(x: Tensor) -> tuple[str, str]:
 
 def register_rule(name: str, rule: Callable) -> None:
     """Make ``rule`` (``chunk_gated_delta_rule``'s signature) runnable as ``fused_gated_delta_rule(..., rule=name)``."""
-    if name == "fla":
-        raise ValueError("the rule name 'fla' is FLA's kernel; register a stand-in under another name.")
-    _RULES[name] = rule
+    register_named(_RULES, name, rule, "gated delta rule")
 
 
 def _kernel(name: str) -> Callable:
-    if name == "fla":
-        op, why = fla_rule()
-        if op is None:
-            raise ValueError(f"the fused gated delta rule 'fla' cannot run: {why}.")
-        return op
-    if name not in _RULES:
-        raise ValueError(f"fused gated delta rule {name!r} is not registered; known: {['fla', *_RULES]}.")
-    return _RULES[name]
+    return named_kernel(_RULES, name, fla_rule, "gated delta rule")
 
 
 # hybridpar::fused_gated_delta_rule and its backward (delta_ops.py: no autograd forward, recomputing backward)

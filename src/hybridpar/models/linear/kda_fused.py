@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from hybridpar.models.linear.delta_ops import register_rule_ops
-from hybridpar.models.mamba.fused import select_kernel
+from hybridpar.models.mamba.fused import named_kernel, register_named, select_kernel
 from hybridpar.models.mamba.fused_op import import_fla
 
 __all__ = ["choose_kda_kernel", "fla_kda_status", "fused_kda_rule", "register_kda_rule"]
@@ -69,20 +69,11 @@ def choose_kda_kernel(x: Tensor) -> tuple[str, str]:
 
 def register_kda_rule(name: str, rule: Callable) -> None:
     """Make ``rule`` (``chunk_kda``'s signature) runnable as ``fused_kda_rule(..., rule=name)``."""
-    if name == "fla":
-        raise ValueError("the KDA rule name 'fla' is FLA's kernel; register a stand-in under another name.")
-    _RULES[name] = rule
+    register_named(_RULES, name, rule, "KDA rule")
 
 
 def _kernel(name: str) -> Callable:
-    if name == "fla":
-        op, why = fla_kda()
-        if op is None:
-            raise ValueError(f"the fused KDA rule 'fla' cannot run: {why}.")
-        return op
-    if name not in _RULES:
-        raise ValueError(f"fused KDA rule {name!r} is not registered; known: {['fla', *_RULES]}.")
-    return _RULES[name]
+    return named_kernel(_RULES, name, fla_kda, "KDA rule")
 
 
 # hybridpar::fused_kda_rule and its backward (delta_ops.py: no autograd forward, recomputing backward)

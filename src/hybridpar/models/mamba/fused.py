@@ -32,7 +32,7 @@ from torch import Tensor
 from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, fla_status, states_at_boundaries
 
 __all__ = ["MODES", "choose_kernel", "kernel_for", "select_kernel", "use_mamba_kernel", "use_stand_in",
-           "mamba_kernel_mode", "stand_in"]
+           "mamba_kernel_mode", "stand_in", "register_named", "named_kernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,25 @@ def use_stand_in(name: str, family: str = "mamba"):
         yield
     finally:
         _stand_ins[family] = previous
+
+
+def register_named(registry: dict, name: str, kernel, what: str, taken: tuple[str, ...] = ("fla",)) -> None:
+    """``registry[name] = kernel``, a stand-in ``what`` (``"gated delta rule"``...) tests run in place of FLA's."""
+    if name in taken:
+        raise ValueError(f"the {what} name {name!r} is taken by a built-in kernel; register a stand-in under another name.")
+    registry[name] = kernel
+
+
+def named_kernel(registry: dict, name: str, fla: Callable[[], tuple[object | None, str]], what: str):
+    """The kernel ``name``: FLA's for ``"fla"`` (``fla()`` gives ``(op or None, why not)``) or a registered one."""
+    if name == "fla":
+        op, why = fla()
+        if op is None:
+            raise ValueError(f"the fused {what} 'fla' cannot run: {why}.")
+        return op
+    if name not in registry:
+        raise ValueError(f"fused {what} {name!r} is not registered; known: {['fla', *registry]}.")
+    return registry[name]
 
 
 def kernel_for(device_type: str, dtype: torch.dtype, fla_available: bool, fla_note: str = "",
