@@ -84,11 +84,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        if norm_kernel("rmsnorm", (hidden_states, self.weight)) == "pure":
-            normed = _RMSNormFunction.apply(hidden_states, None, self.weight, hidden_states.shape[-1], self.eps)
-        else:  # torch's fused kernel on CUDA (models/norm_kernels.py)
-            normed = fused_rms_norm(hidden_states, self.weight, self.eps)
-        return matmul_input(normed)
+        return matmul_input(rms_norm(hidden_states, self.weight, self.eps))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``weight * (x * rstd).to(x.dtype)`` over the last dim, statistics in float32 or wider: ours
+    (``_RMSNormFunction``: saves ``x`` and ``rstd`` only) or torch's fused kernel where
+    ``norm_kernels.norm_kernel`` picks it (CUDA)."""
+    if norm_kernel("rmsnorm", (x, weight)) == "pure":
+        return _RMSNormFunction.apply(x, None, weight, x.shape[-1], eps)
+    return fused_rms_norm(x, weight, eps)
 
 
 class GatedRMSNorm(nn.Module):

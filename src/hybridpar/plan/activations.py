@@ -107,7 +107,11 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
 
 def _hf_norm_bytes(layout: Layout) -> int:
     """What a transformers RMSNorm keeps beyond ours: ``x * rstd`` in float32 for the weight's
-    gradient; from a 16-bit stream instead x's float32 copy and the product cast back to 16 bits."""
+    gradient; from a 16-bit stream instead x's float32 copy and the product cast back to 16 bits.
+    None where it runs ours (``models/hf/activations.use_lean_rms_norms``: Llama's forward on plain
+    tensors; under sequence parallelism its inputs are DTensors and transformers' forward runs)."""
+    if getattr(layout.model, "lean_norms", False) and not layout.sp:
+        return 0
     e, ec = layout.act_bytes, layout.compute_bytes
     per_element = ec if layout.stream_bytes >= ec else ec + e
     return layout.stream_tokens * layout.model.hidden_size * per_element

@@ -48,7 +48,7 @@ from hybridpar.models.hf.causal_lm import (causal_lm_backend, chunked_head, hf_c
 from hybridpar.models.hf.logit_transform import describe_transform
 from hybridpar.models.hf.positions import learned_positions
 from hybridpar.models.hf.config import read_hf_config
-from hybridpar.models.hf.activations import use_lean_gated_mlps, use_product_relu2
+from hybridpar.models.hf.activations import use_lean_gated_mlps, use_lean_rms_norms, use_product_relu2
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
 from hybridpar.models.hf.mixers.kda import install_kda_core
@@ -126,11 +126,12 @@ def hf_meta_model(shape) -> nn.Module:
 def install_cores(model: nn.Module) -> nn.Module:
     """Every token mixer hybridpar has a document-resetting core for, switched onto it: Mamba2 and
     Mamba1 mixers, RG-LRU blocks (RecurrentGemma), gated short convs, gated DeltaNets (Qwen3-Next, Qwen3.5),
-    Kimi Delta Attentions (Kimi Linear); squared ReLUs as products and Llama-form gated MLPs through
-    ``gated_product`` (``models/hf/activations.py``: bf16 under CUDA's autocast, one ``[T, I]`` less
-    kept); returns ``model``."""
+    Kimi Delta Attentions (Kimi Linear); squared ReLUs as products, Llama-form gated MLPs through
+    ``gated_product`` and Llama-form RMSNorms through ``blocks.rms_norm`` (``models/hf/activations.py``:
+    bf16 under CUDA's autocast, one ``[T, I]`` and one float32 ``[T, D]`` less kept); returns ``model``."""
     use_product_relu2(model)
     use_lean_gated_mlps(model)
+    use_lean_rms_norms(model)
     install_mamba_core(model)
     install_mamba1_core(model)
     install_rglru_core(model)

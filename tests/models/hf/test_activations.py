@@ -2,12 +2,14 @@
 logits bitwise unchanged in float64 (``tests/models/test_blocks.py`` holds the product off ``pow``,
 float32 under CUDA's autocast), and ``install_cores`` (what training and ``check`` run) makes it.
 Llama-form gated MLPs run ``gated_product``: the loss and every gradient bitwise unchanged, one
-``[T, I]`` less kept per layer; other forwards and activations keep transformers' own."""
+``[T, I]`` less kept per layer; other forwards and activations keep transformers' own. Llama-form
+RMSNorms over the hidden state run ``blocks.rms_norm``: the same loss, one ``[T, D]`` less kept each."""
 
 import pytest
 import torch
 
-from hybridpar.models.hf.activations import ProductReLUSquared, use_lean_gated_mlps, use_product_relu2
+from hybridpar.models.hf.activations import (LEAN_NORM_MARK, ProductReLUSquared, lean_rms_norms, use_lean_gated_mlps,
+                                             use_lean_rms_norms, use_product_relu2)
 from hybridpar.train.hf_model import install_cores
 from tests.models.hf.hybrid_models import build_hybrid
 from tests.op_outputs import kept_for_backward
@@ -95,3 +97,52 @@ def test_every_planned_gated_mlp_runs_the_gated_product():
     for model_type, model in built.items():
         mlps = sum(type(m).__name__.endswith("MLP") for m in model.modules())
         assert mlps and use_lean_gated_mlps(model) == mlps, model_type
+
+
+def test_llama_form_rms_norms_run_ours_with_the_same_values_and_keep_one_product_less():
+    """In float64 (transformers' float32 casts kept float64, as ``check`` runs): the loss bitwise, every
+    gradient to rounding (ours differentiates by formula), and per norm one ``[T, D]`` product less kept."""
+    from hybridpar.models.hf.float64 import keep_float64
+
+    model = keep_float64(_llama("silu"))
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.data.normal_(1.0, 0.3)  # norm weights away from one
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(1))
+    before = _loss_grads_and_kept(model, ids)
+    assert use_lean_rms_norms(model) == 5 and use_lean_rms_norms(model) == 5  # two per layer, the final norm
+    after = _loss_grads_and_kept(model, ids)
+    assert torch.equal(after[0], before[0])
+    for name, grad in before[1].items():
+        torch.testing.assert_close(after[1][name], grad, rtol=1e-13, atol=1e-15, msg=name)
+    assert before[2] - after[2] == 5 * 20 * 32 * 8  # x * rstd [T, D] float64, per norm
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # float32 under autocast: bitwise too
+        fp32 = _llama("silu").float()
+        want = fp32(ids).logits
+        use_lean_rms_norms(fp32)
+        assert torch.equal(fp32(ids).logits, want)
+
+
+def test_other_norms_and_sequence_parallel_inputs_keep_transformers_forward():
+    """Per-head norms (Qwen3's q/k), other forwards (NemotronH's), and DTensor inputs (sequence
+    parallelism) keep transformers' norm; ``install_cores`` makes the swap."""
+    import transformers as hf
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    with torch.device("meta"):
+        qwen3 = hf.AutoModelForCausalLM.from_config(hf.AutoConfig.for_model("qwen3", **small))
+    assert len(lean_rms_norms(qwen3)) == 5 and all(n.weight.shape == (32,) for n in lean_rms_norms(qwen3))
+    assert lean_rms_norms(build_hybrid("nemotron_h")) == []
+    assert len(lean_rms_norms(build_hybrid("bamba"))) > 0
+    model = install_cores(_llama("silu"))
+    norm = model.model.norm
+    assert getattr(norm, LEAN_NORM_MARK)
+
+    class Wrapped(torch.Tensor):  # any tensor subclass stands for a DTensor here
+        pass
+
+    x = torch.randn(3, 32, dtype=torch.float64)
+    plain, wrapped = norm(x.requires_grad_()), norm(x.as_subclass(Wrapped))
+    assert plain.grad_fn.name() == "_RMSNormFunctionBackward"
+    assert type(wrapped) is Wrapped and torch.equal(wrapped.as_subclass(torch.Tensor), type(norm).forward(norm, x))

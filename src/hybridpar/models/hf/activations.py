@@ -1,5 +1,6 @@
-"""transformers' activations in hybridpar's leaner forms: the squared ReLU as a product, and the
-gated MLP's ``act(gate) * up`` as one op that keeps one ``[T, I]`` less for backward.
+"""transformers' activations and norms in hybridpar's leaner forms: the squared ReLU as a product,
+the gated MLP's ``act(gate) * up`` as one op that keeps one ``[T, I]`` less for backward, and the
+RMSNorm over the hidden state keeping one float32 ``[T, D]`` less.
 
 Squared ReLU (Nemotron-H's MLPs and MoE experts):
 
@@ -14,6 +15,14 @@ Gated MLPs: a module whose class's ``forward`` is, bytecode for bytecode, ``Llam
 Llama, Mistral, Qwen2/3, Gemma, Granite, Bamba, ...) and whose ``act_fn`` is SiLU or GELU gets that
 forward through ``models.blocks.gated_product`` (bitwise the same values and gradients). Any other
 forward or activation keeps transformers' own.
+
+RMSNorms: a module whose class's ``forward`` is, bytecode for bytecode, ``LlamaRMSNorm.forward``
+(``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` with ``x`` in float32; Llama, Mistral, Qwen2/3,
+Bamba, Granite, GraniteMoeHybrid, Zamba2, Falcon-H1, ...) over the model's hidden size gets
+``models.blocks.rms_norm``: the same forward values bit for bit, and for backward its input and
+``rstd`` only, where autograd keeps the float32 product ``x * rstd`` as well (on CUDA, torch's fused
+kernel). Per-head norms (Qwen3's q/k) and DTensor inputs or weights (sequence parallelism) keep
+transformers' forward, as does every other norm (NemotronH's, Gemma's ``1 + weight``, OLMo2's).
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ import types
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from hybridpar.models.blocks import gated_product, relu2
+from hybridpar.models.blocks import gated_product, relu2, rms_norm
 
-__all__ = ["ProductReLUSquared", "gated_kind", "use_lean_gated_mlps", "use_product_relu2"]
+__all__ = ["ProductReLUSquared", "gated_kind", "lean_rms_norms", "use_lean_gated_mlps", "use_lean_rms_norms",
+           "use_product_relu2"]
 
 LEAN_MARK = "hybridpar_lean_gated_mlp"  # set on a gated MLP whose forward runs gated_product
+LEAN_NORM_MARK = "hybridpar_lean_rms_norm"  # set on an RMSNorm whose forward runs blocks.rms_norm
 
 
 class ProductReLUSquared(nn.Module):
@@ -94,3 +105,39 @@ def use_lean_gated_mlps(model: nn.Module) -> int:
             setattr(module, LEAN_MARK, True)
         lean += 1
     return lean
+
+
+def _same_forward(module: nn.Module, reference) -> bool:
+    code = getattr(type(module).__dict__.get("forward"), "__code__", None)
+    return code is not None and (code.co_code, code.co_names) == (reference.co_code, reference.co_names)
+
+
+def lean_rms_norms(model: nn.Module) -> list[nn.Module]:
+    """``model``'s RMSNorms that ``use_lean_rms_norms`` gives ``blocks.rms_norm``: Llama's forward,
+    a weight over ``config.hidden_size`` (the planner reads this on the meta model)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    width = getattr(text, "hidden_size", None)
+    reference = LlamaRMSNorm.forward.__code__
+    return [m for m in model.modules() if getattr(m, LEAN_NORM_MARK, False) or (
+        width is not None and _same_forward(m, reference) and hasattr(m, "variance_epsilon")
+        and getattr(getattr(m, "weight", None), "shape", None) == (width,))]
+
+
+def _lean_norm_forward(norm: nn.Module, hidden_states: Tensor) -> Tensor:
+    """``LlamaRMSNorm.forward`` through ``blocks.rms_norm`` on plain tensors; transformers' own on
+    DTensors (a sequence-parallel norm)."""
+    if type(hidden_states) is Tensor and type(norm.weight) in (Tensor, nn.Parameter):
+        return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+    return type(norm).forward(norm, hidden_states)
+
+
+def use_lean_rms_norms(model: nn.Module) -> int:
+    """Give every RMSNorm ``lean_rms_norms`` finds the lean forward (idempotent); returns how many."""
+    norms = lean_rms_norms(model)
+    for norm in norms:
+        norm.forward = types.MethodType(_lean_norm_forward, norm)
+        setattr(norm, LEAN_NORM_MARK, True)
+    return len(norms)

@@ -9,8 +9,10 @@ meta model), for the model types whose measured step it was held to (``TWIN_MODE
 
 What transformers' code keeps beyond the twin (``Layout.hf_decoder``, ``plan/activations.py``):
 its RMSNorm keeps the normalized product ``x * rstd`` in float32 before the weight multiply (one
-``[Ts, D]`` float32 per norm, two per layer), and under ``full``/``selective`` checkpointing a whole
-decoder layer is one checkpoint that keeps one input, not one per block.
+``[Ts, D]`` float32 per norm, two per layer) where hybridpar does not run its own norm in its place
+(``lean_norms``: a Llama-form norm, not under sequence parallelism), and under
+``full``/``selective`` checkpointing a whole decoder layer is one checkpoint that keeps one input,
+not one per block.
 
 Mamba2 hybrids: Bamba and NemotronH through the ``HybridConfig`` their checkpoints load as natively;
 a NemotronH's MoE layers (``moe``) and every GraniteMoeHybrid layer's feed-forward half (MoE plus its
@@ -38,6 +40,7 @@ class TwinConfig(HybridConfig):
     over TP like their weights; ``parallel.comm.step.unit_parameters``)."""
 
     qkv_bias: bool = False
+    lean_norms: bool = False  # its hidden-state RMSNorms run blocks.rms_norm (models/hf/activations.py)
     qk_norm: bool = False  # Qwen3: RMSNorm weights [head_dim] on q and k per head, replicated over TP
     paired_layers: bool = True  # a decoder layer is a mixer block then an MLP block (NemotronH: one block)
     mlp_fused: bool = False  # Granite's shared_mlp: one [gate | up] input_linear, its output gathered under TP
