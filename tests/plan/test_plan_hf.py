@@ -11,7 +11,7 @@ seam hands lm_head no position, detached, so no logits are gathered and no zero 
 whole hidden state is all-reduced. Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms: their
 gradients all-reduced over TP, their float32 products kept) have twins too, as have transformers'
 Bamba and dense NemotronH (``model.backend=transformers``: the pattern their checkpoints load as
-natively, plus Bamba's float32 gated norm); Qwen3 and Bamba are held to a measured step at
+natively; their gated norms, of Bamba's form, run hybridpar's); Qwen3 and Bamba are held to a measured step at
 tp=2 + SP, Bamba under selective checkpointing and NemotronH at tp=2 without SP (where their norm
 output is shared as a Llama's; ``benchmarks/planner.py`` measures every layout). A model without a twin keeps its
 parameter share and says why; ``--fit`` refuses it in one line. Before, every

@@ -119,7 +119,7 @@ def _hf_norm_bytes(layout: Layout) -> int:
 
 def _hf_block_bytes(layout: Layout, kind: str, w: dict) -> int:
     """What a transformers decoder keeps beyond the twin's block ``kind`` (policy none): its norm's
-    product; a Mamba2 mixer's (Bamba's) float32 gated norm, three ``[Tc, d_inner/tp]``;
+    product; a Mamba2 mixer's float32 gated norm where transformers' runs, three ``[Tc, d_inner/tp]``;
     Qwen3's q/k head norms (``[Tc, q + kv]`` input and product, ``[Tc, H + H_kv]`` rstd);
     under autocast each projection's own bf16 cast of the norm output (ours casts once: q, k, v two
     more, gate, up one more) and, with RoPE, bf16 q, k times float32 cos/sin: float32 q, k into
@@ -129,9 +129,11 @@ def _hf_block_bytes(layout: Layout, kind: str, w: dict) -> int:
     if kind == "*" and getattr(layout.model, "qk_norm", False):  # Qwen3's per-head q/k RMSNorms: their input
         heads = (layout.model.num_attention_heads + layout.model.num_key_value_heads) // layout.tp  # (float32
         extra += tc * (w["q"] + w["kv"]) * (e + ec) + tc * heads * ec  # copy), product (cast) and rstd
-    if kind == "M" and not replicated_groups(layout.model.mamba_n_groups, layout.tp):  # Bamba's gated RMSNorm
+    if kind == "M" and not replicated_groups(layout.model.mamba_n_groups, layout.tp) \
+            and not getattr(layout.model, "lean_gated_norms", False):  # a gated RMSNorm not of Bamba's form
         extra += 3 * tc * w["d_inner"] * ec  # in float32: silu(z), y * silu(z), its normalized product (one group
-        # under TP runs parallel/tensor/hybrid.spanning_group_norm instead, which keeps what ours keeps)
+        # under TP runs parallel/tensor/hybrid.spanning_group_norm instead, which keeps what ours keeps; Bamba's
+        # form runs ours, models/hf/activations.use_lean_rms_norms)
     if layout.autocast:
         extra += tc * w["d"] * e * (2 if kind == "*" else 1)
         if kind == "*" and w["rot"]:

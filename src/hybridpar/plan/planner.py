@@ -82,12 +82,12 @@ def planned_shape(shape) -> tuple[HybridConfig | None, str, str]:
     from hybridpar.plan.hf.twin import hybrid_twin
     from hybridpar.train.preflight import meta_model
 
-    from hybridpar.models.hf.activations import lean_rms_norms
+    from hybridpar.models.hf.activations import lean_gated_norms, lean_rms_norms
 
     meta = meta_model(shape)
     twin, why = hybrid_twin(shape, sum(p.numel() for p in meta.parameters()))
     if twin is not None:
-        twin.lean_norms = bool(lean_rms_norms(meta))
+        twin.lean_norms, twin.lean_gated_norms = bool(lean_rms_norms(meta)), bool(lean_gated_norms(meta))
     layers = getattr(shape, "num_hidden_layers", 0)
     pattern = f"'*-' x {layers}" if twin is None or twin.pattern == "*-" * layers else repr(twin.pattern)
     return twin, why, f"{type(meta).__name__} (transformers; planned as its HybridLM twin, pattern {pattern})"

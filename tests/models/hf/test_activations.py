@@ -3,13 +3,14 @@ logits bitwise unchanged in float64 (``tests/models/test_blocks.py`` holds the p
 float32 under CUDA's autocast), and ``install_cores`` (what training and ``check`` run) makes it.
 Llama-form gated MLPs run ``gated_product``: the loss and every gradient bitwise unchanged, one
 ``[T, I]`` less kept per layer; other forwards and activations keep transformers' own. Llama-form
-RMSNorms over the hidden state run ``blocks.rms_norm``: the same loss, one ``[T, D]`` less kept each."""
+RMSNorms over the hidden state run ``blocks.rms_norm``: the same loss, one ``[T, D]`` less kept each;
+so do the Mamba2 hybrids' gated norms of Bamba's form (``blocks.gated_rms_norm``)."""
 
 import pytest
 import torch
 
-from hybridpar.models.hf.activations import (LEAN_NORM_MARK, ProductReLUSquared, lean_rms_norms, use_lean_gated_mlps,
-                                             use_lean_rms_norms, use_product_relu2)
+from hybridpar.models.hf.activations import (LEAN_NORM_MARK, ProductReLUSquared, lean_gated_norms, lean_rms_norms,
+                                             use_lean_gated_mlps, use_lean_rms_norms, use_product_relu2)
 from hybridpar.train.hf_model import install_cores
 from tests.models.hf.hybrid_models import build_hybrid
 from tests.op_outputs import kept_for_backward
@@ -46,7 +47,7 @@ def _loss_grads_and_kept(model, ids):
     with kept_for_backward() as kept:
         loss = model(ids, labels=ids).loss
     loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return loss, grads, sum(kept.values())
 
@@ -146,3 +147,35 @@ def test_other_norms_and_sequence_parallel_inputs_keep_transformers_forward():
     plain, wrapped = norm(x.requires_grad_()), norm(x.as_subclass(Wrapped))
     assert plain.grad_fn.name() == "_RMSNormFunctionBackward"
     assert type(wrapped) is Wrapped and torch.equal(wrapped.as_subclass(torch.Tensor), type(norm).forward(norm, x))
+
+
+@pytest.mark.parametrize("name", ["bamba", "nemotron_h", "granite", "zamba2"])
+def test_gated_norms_of_bambas_form_run_ours_with_the_same_loss_and_keep_less(name):
+    """Each Mamba2 hybrid on hybridpar's core (``install_cores``), float64 as ``check`` runs it: with
+    its gated norms (and Llama-form norms) on ours, the loss bitwise, every gradient to rounding, and
+    less kept for backward (transformers' gated norm keeps three float32 ``[T, d_inner]``)."""
+    import copy
+
+    from hybridpar.models.hf.float64 import keep_float64
+
+    base = build_hybrid(name).double()
+    lean = install_cores(keep_float64(copy.deepcopy(base)))
+    theirs = install_cores(keep_float64(copy.deepcopy(base)))
+    gated = lean_gated_norms(theirs)
+    assert gated and all(getattr(n, LEAN_NORM_MARK) == "gated" for n in gated)
+    for norm in gated + lean_rms_norms(theirs):  # back to transformers' forward
+        del norm.forward
+        delattr(norm, LEAN_NORM_MARK)
+    ids = torch.randint(0, base.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    want, got = _loss_grads_and_kept(theirs, ids), _loss_grads_and_kept(lean, ids)
+    assert torch.equal(got[0], want[0])
+    for param, grad in want[1].items():
+        if grad is not None:
+            torch.testing.assert_close(got[1][param], grad, rtol=1e-12, atol=1e-15, msg=param)
+    assert got[2] < want[2]
+
+
+def test_falcon_h1_gated_norm_keeps_its_own_forward():
+    """Falcon-H1's gated norm multiplies its weight inside float32 and may gate after the norm."""
+    model = install_cores(build_hybrid("falcon_h1"))
+    assert lean_gated_norms(model) == [] and len(lean_rms_norms(model)) > 0

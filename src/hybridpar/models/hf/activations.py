@@ -23,6 +23,11 @@ Bamba, Granite, GraniteMoeHybrid, Zamba2, Falcon-H1, ...) over the model's hidde
 ``rstd`` only, where autograd keeps the float32 product ``x * rstd`` as well (on CUDA, torch's fused
 kernel). Per-head norms (Qwen3's q/k) and DTensor inputs or weights (sequence parallelism) keep
 transformers' forward, as does every other norm (NemotronH's, Gemma's ``1 + weight``, OLMo2's).
+The gated grouped norms of the Mamba2 hybrids whose ``forward`` is ``BambaRMSNormGated.forward``
+(``rmsnorm_group(x * silu(z)) * w``: Bamba, NemotronH, GraniteMoeHybrid, Zamba2) run
+``models.blocks.gated_rms_norm`` the same way: transformers' keeps three float32 ``[T, d_inner]``
+(``silu(z)``, the product, the normalized product) where ours keeps ``x``, ``z`` and ``rstd``; on
+CUDA, FLA's fused gated norm. Falcon-H1's (its weight inside, ``norm_before_gate``) keeps its own.
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ import types
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from hybridpar.models.blocks import gated_product, relu2, rms_norm
+from hybridpar.models.blocks import gated_product, gated_rms_norm, relu2, rms_norm
 
-__all__ = ["ProductReLUSquared", "gated_kind", "lean_rms_norms", "use_lean_gated_mlps", "use_lean_rms_norms",
-           "use_product_relu2"]
+__all__ = ["ProductReLUSquared", "gated_kind", "lean_gated_norms", "lean_rms_norms", "use_lean_gated_mlps",
+           "use_lean_rms_norms", "use_product_relu2"]
 
 LEAN_MARK = "hybridpar_lean_gated_mlp"  # set on a gated MLP whose forward runs gated_product
 LEAN_NORM_MARK = "hybridpar_lean_rms_norm"  # set on an RMSNorm whose forward runs blocks.rms_norm
@@ -121,23 +126,46 @@ def lean_rms_norms(model: nn.Module) -> list[nn.Module]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     width = getattr(text, "hidden_size", None)
     reference = LlamaRMSNorm.forward.__code__
-    return [m for m in model.modules() if getattr(m, LEAN_NORM_MARK, False) or (
+    return [m for m in model.modules() if getattr(m, LEAN_NORM_MARK, False) is True or (
         width is not None and _same_forward(m, reference) and hasattr(m, "variance_epsilon")
         and getattr(getattr(m, "weight", None), "shape", None) == (width,))]
+
+
+def lean_gated_norms(model: nn.Module) -> list[nn.Module]:
+    """``model``'s gated grouped norms of Bamba's form that ``use_lean_rms_norms`` gives ``blocks.gated_rms_norm``."""
+    from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
+
+    reference = BambaRMSNormGated.forward.__code__
+    return [m for m in model.modules() if getattr(m, LEAN_NORM_MARK, False) == "gated" or (
+        _same_forward(m, reference) and isinstance(getattr(m, "group_size", None), int)
+        and hasattr(m, "variance_epsilon"))]
+
+
+def _plain(*tensors) -> bool:
+    return all(t is None or type(t) in (Tensor, nn.Parameter) for t in tensors)
 
 
 def _lean_norm_forward(norm: nn.Module, hidden_states: Tensor) -> Tensor:
     """``LlamaRMSNorm.forward`` through ``blocks.rms_norm`` on plain tensors; transformers' own on
     DTensors (a sequence-parallel norm)."""
-    if type(hidden_states) is Tensor and type(norm.weight) in (Tensor, nn.Parameter):
+    if _plain(hidden_states, norm.weight):
         return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
     return type(norm).forward(norm, hidden_states)
 
 
+def _lean_gated_forward(norm: nn.Module, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
+    """``BambaRMSNormGated.forward`` through ``blocks.gated_rms_norm`` on plain tensors."""
+    if _plain(hidden_states, gate, norm.weight):
+        return gated_rms_norm(hidden_states, gate, norm.weight, norm.group_size, norm.variance_epsilon)
+    return type(norm).forward(norm, hidden_states, gate)
+
+
 def use_lean_rms_norms(model: nn.Module) -> int:
-    """Give every RMSNorm ``lean_rms_norms`` finds the lean forward (idempotent); returns how many."""
-    norms = lean_rms_norms(model)
-    for norm in norms:
-        norm.forward = types.MethodType(_lean_norm_forward, norm)
-        setattr(norm, LEAN_NORM_MARK, True)
-    return len(norms)
+    """Give every norm ``lean_rms_norms`` and ``lean_gated_norms`` find the lean forward (idempotent);
+    returns how many."""
+    plain, gated = lean_rms_norms(model), lean_gated_norms(model)
+    for norms, forward, mark in ((plain, _lean_norm_forward, True), (gated, _lean_gated_forward, "gated")):
+        for norm in norms:
+            norm.forward = types.MethodType(forward, norm)
+            setattr(norm, LEAN_NORM_MARK, mark)
+    return len(plain) + len(gated)

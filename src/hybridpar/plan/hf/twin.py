@@ -41,6 +41,7 @@ class TwinConfig(HybridConfig):
 
     qkv_bias: bool = False
     lean_norms: bool = False  # its hidden-state RMSNorms run blocks.rms_norm (models/hf/activations.py)
+    lean_gated_norms: bool = False  # its Mamba mixers' gated norms run blocks.gated_rms_norm (the same)
     qk_norm: bool = False  # Qwen3: RMSNorm weights [head_dim] on q and k per head, replicated over TP
     paired_layers: bool = True  # a decoder layer is a mixer block then an MLP block (NemotronH: one block)
     mlp_fused: bool = False  # Granite's shared_mlp: one [gate | up] input_linear, its output gathered under TP
