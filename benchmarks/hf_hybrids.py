@@ -9,8 +9,8 @@ and one attention layer, ours through hybridpar's document-resetting conv (``ins
 and one local MQA layer (window 512), ours through ``install_rglru_core``. One packed row of ``T`` tokens
 holding 4 equal documents; forward + backward of the summed logits:
 
-- ``ours``: ``install_mamba_core`` + hybridpar's blockwise attention, documents from
-  ``packed_seq_params`` (exact per document);
+- ``ours``: ``install_cores`` (as training builds the model: hybridpar's Mamba core, its lean MLPs and
+  norms) + hybridpar's blockwise attention, documents from ``packed_seq_params`` (exact per document);
 - ``transformers``: the model as transformers runs it without mamba_ssm (its torch SSD, SDPA
   with the per-document mask built from position ids). Its Mamba mixers do not reset at the
   document starts: the timing is of the same amount of work, not of a correct packed step.
@@ -70,10 +70,8 @@ def build(name: str):
 def step_fn(name: str, path: str, tokens: int):
     """A closure running one forward + backward of ``name`` on a packed row of ``tokens``."""
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
-    from hybridpar.models.hf.mixers.rglru import install_rglru_core
-    from hybridpar.models.hf.mixers.short_conv import install_short_conv
     from hybridpar.parallel.context.hf import use_hybridpar_attention
+    from hybridpar.train.hf_model import install_cores
 
     model = build(name)
     ids = torch.randint(0, _C["vocab_size"], (1, tokens))
@@ -81,9 +79,7 @@ def step_fn(name: str, path: str, tokens: int):
     packed = PackedSeqParams.from_cu_seqlens(cu)
     inputs = {"input_ids": ids, "position_ids": packed.position_ids, "use_cache": False}
     if path == "ours":
-        install_mamba_core(model)
-        install_short_conv(model)
-        install_rglru_core(model)
+        install_cores(model)  # as training builds it: the mixers' cores, the lean MLPs and norms
         use_hybridpar_attention(model)
         inputs["packed_seq_params"] = packed
 
