@@ -44,7 +44,7 @@ __all__ = ["ProductReLUSquared", "gated_kind", "lean_gated_norms", "lean_rms_nor
            "use_lean_rms_norms", "use_product_relu2"]
 
 LEAN_MARK = "hybridpar_lean_gated_mlp"  # set on a gated MLP whose forward runs gated_product
-LEAN_NORM_MARK = "hybridpar_lean_rms_norm"  # set on an RMSNorm whose forward runs blocks.rms_norm
+LEAN_NORM_MARK = "hybridpar_lean_rms_norm"  # True: the forward runs blocks.rms_norm; "gated": gated_rms_norm
 
 
 class ProductReLUSquared(nn.Module):
