@@ -39,7 +39,8 @@ from torch import Tensor
 from hybridpar.models.mamba import fused
 from hybridpar.models.mamba.fused_op import import_fla
 
-__all__ = ["kernel_for", "norm_kernel", "fused_rms_norm", "fused_gated_rms_norm", "register_gated_norm", "FLA_ROW_BYTES"]
+__all__ = ["kernel_for", "norm_kernel", "plain_tensors", "fused_rms_norm", "fused_gated_rms_norm", "register_gated_norm",
+           "FLA_ROW_BYTES"]
 
 logger = logging.getLogger(__name__)
 FLA_ROW_BYTES = 65536  # FLA's norm kernels hold one group of a row in a block of at most this many bytes
@@ -64,10 +65,20 @@ def _fla_gated_status() -> tuple[bool, str]:
     return kernels is not None, note
 
 
+def _subclass(tensors) -> str | None:
+    """The name of the first tensor subclass (a DTensor under TP) among ``tensors``, or None."""
+    return next((type(t).__name__ for t in tensors if t is not None and type(t) not in (Tensor, torch.nn.Parameter)),
+                None)
+
+
+def plain_tensors(*tensors: Tensor | None) -> bool:
+    """Whether every one of ``tensors`` is a plain tensor or parameter (or None): no DTensor."""
+    return _subclass(tensors) is None
+
+
 def _why_pure(family: str, tensors: tuple[Tensor, ...], group_size: int | None) -> str | None:
     """Why these inputs take the pure norm on the fused path's device (None: they need not)."""
-    subclass = next((type(t).__name__ for t in tensors
-                     if t is not None and type(t) not in (Tensor, torch.nn.Parameter)), None)
+    subclass = _subclass(tensors)
     if subclass:
         return f"a {subclass} input"
     x = tensors[0]

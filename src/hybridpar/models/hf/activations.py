@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hybridpar.models.blocks import gated_product, gated_rms_norm, relu2, rms_norm
+from hybridpar.models.norm_kernels import plain_tensors
 
 __all__ = ["ProductReLUSquared", "gated_kind", "lean_gated_norms", "lean_rms_norms", "use_lean_gated_mlps",
            "use_lean_rms_norms", "use_product_relu2"]
@@ -141,21 +142,17 @@ def lean_gated_norms(model: nn.Module) -> list[nn.Module]:
         and hasattr(m, "variance_epsilon"))]
 
 
-def _plain(*tensors) -> bool:
-    return all(t is None or type(t) in (Tensor, nn.Parameter) for t in tensors)
-
-
 def _lean_norm_forward(norm: nn.Module, hidden_states: Tensor) -> Tensor:
     """``LlamaRMSNorm.forward`` through ``blocks.rms_norm`` on plain tensors; transformers' own on
     DTensors (a sequence-parallel norm)."""
-    if _plain(hidden_states, norm.weight):
+    if plain_tensors(hidden_states, norm.weight):
         return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
     return type(norm).forward(norm, hidden_states)
 
 
 def _lean_gated_forward(norm: nn.Module, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
     """``BambaRMSNormGated.forward`` through ``blocks.gated_rms_norm`` on plain tensors."""
-    if _plain(hidden_states, gate, norm.weight):
+    if plain_tensors(hidden_states, gate, norm.weight):
         return gated_rms_norm(hidden_states, gate, norm.weight, norm.group_size, norm.variance_epsilon)
     return type(norm).forward(norm, hidden_states, gate)
 
