@@ -22,6 +22,25 @@ def test_relu2_is_relu_squared_without_pow():
     assert torch.equal(x.grad, 2 * torch.relu(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_relu2_backward_equals_eager_bitwise_in_two_passes_keeping_one_tensor(dtype):
+    """``dx = 2 (dy * relu(x))``: eager autograd's values bit for bit (it sums ``dy * r`` twice,
+    then masks), two ``[T, I]`` ops in backward where eager ran four, and only ``relu(x)`` kept."""
+    generator = torch.Generator().manual_seed(1)
+    x, grad = (torch.randn(48, 40, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
+    results = {}
+    for name, fn in (("eager", lambda t: F.relu(t) * F.relu(t)), ("ours", ACTIVATIONS["relu2"])):
+        leaf = x.clone().requires_grad_()
+        out, kept = _saved_bytes(fn, leaf)
+        with OpOutputs() as seen:
+            out.backward(grad)
+        results[name] = (out, leaf.grad, kept, [op for op in seen.ops if "detach" not in op])
+    assert torch.equal(results["ours"][0], results["eager"][0])
+    assert torch.equal(results["ours"][1], results["eager"][1])
+    assert results["ours"][2] == x.numel() * x.element_size()
+    assert len(results["ours"][3]) == 2 < len(results["eager"][3]), (results["ours"][3], results["eager"][3])
+
+
 def _saved_bytes(fn, *inputs) -> tuple[Tensor, int]:
     """``fn(*inputs)`` and the bytes autograd keeps for its backward."""
     with kept_for_backward() as kept:
