@@ -15,12 +15,13 @@ every row laid end to end on one stream whose documents are ``cu_docs`` (``cu_se
 states ``[docs, H, P, N]`` (``state_v_first``: our layout). ``D x`` is added outside. Initial
 states enter the documents that start at ``init_at``; final states are read at document ends.
 The conv + SiLU is FLA's ``causal_conv1d`` (documents as ``cu_seqlens``, conv histories as its
-initial states); with a stand-in scan, ours (``conv.py``). Both accumulate in float32; ``q``, ``k``,
+initial states); with a stand-in scan, the conv registered with it or ours (``conv.py``). Both accumulate in float32; ``q``, ``k``,
 ``v`` are in the activations' dtype (bf16 under mixed precision).
 
 ``hybridpar::fused_conv_scan`` runs that math without autograd and saves only its inputs;
-``hybridpar::fused_conv_scan_backward`` recomputes it with autograd on and differentiates it
-(FLA's own backward kernels), so a block's saved bytes do not depend on the kernel.
+``hybridpar::fused_conv_scan_backward`` recomputes it up to the scan's output with autograd on and
+differentiates it (FLA's own backward kernels; the ``D x`` skip's gradients are written out,
+``_skip_grads``), so a block's saved bytes do not depend on the kernel.
 ``torch.compile`` sees two opaque ops with fake kernels: no graph break, and FLA's launchers
 (host syncs, autotuning) stay out of the trace.
 
@@ -48,7 +49,7 @@ from hybridpar.models.precision import autocast_off
 __all__ = ["fla_scan", "fla_status", "fla_gated_backward_refusal", "gated_backward_refusal", "import_fla",
            "register_scan", "fused_conv_scan", "states_at_boundaries", "autograd_on"]
 
-_SCANS: dict[str, Callable] = {}
+_SCANS: dict[str, tuple[Callable, Callable | None]] = {}
 _FLA: tuple[Callable | None, str] | None = None
 _UNSET = object()
 _BACKWARD_REFUSAL: object = _UNSET
@@ -113,16 +114,17 @@ def import_fla(module: str, name: str, label: str) -> tuple[Callable | None, str
     return op, f"fla-core {getattr(fla, '__version__', '?')} {label}"
 
 
-def register_scan(name: str, scan: Callable) -> None:
-    """Make ``scan`` (``chunk_simple_gla``'s signature) runnable as ``fused_conv_scan(..., scan=name)``."""
+def register_scan(name: str, scan: Callable, conv: Callable | None = None) -> None:
+    """Make ``scan`` (``chunk_simple_gla``'s signature) runnable as ``fused_conv_scan(..., scan=name)``,
+    with ``conv`` (``causal_conv1d``'s) or, by default, ours."""
     if name == "fla":
         raise ValueError("the scan name 'fla' is FLA's kernel; register a stand-in under another name.")
-    _SCANS[name] = scan
+    _SCANS[name] = (scan, conv)
 
 
 def _kernels(name: str) -> tuple[Callable, Callable | None]:
     """``(scan, conv)``: FLA's ``chunk_simple_gla`` and ``causal_conv1d`` for ``"fla"``; a registered
-    stand-in scan with our conv otherwise."""
+    stand-in scan with its conv (None: ours) otherwise."""
     if name == "fla":
         op, why = fla_scan()
         if op is None:
@@ -132,7 +134,7 @@ def _kernels(name: str) -> tuple[Callable, Callable | None]:
         return op, causal_conv1d
     if name not in _SCANS:
         raise ValueError(f"fused Mamba scan {name!r} is not registered; known: {['fla', *_SCANS]}.")
-    return _SCANS[name], None
+    return _SCANS[name]
 
 
 def states_at_boundaries(cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None) -> str | None:
@@ -173,12 +175,13 @@ def _conv_silu(xBC, conv_weight, conv_bias, conv_history, cu_docs, init_at, fp, 
         initial = _per_document(F.pad(conv_history.transpose(1, 2), (1, 0)), init_at, cu_docs, conv_history.dtype)
     out, _ = fla_conv(xBC.reshape(1, total, width), conv_weight, conv_bias, initial_state=initial, activation="silu",
                       cu_seqlens=cu_docs.long())
-    return out[0].to(xBC.dtype)
+    return out.squeeze(0).to(xBC.dtype)  # a view: its backward is one too (``out[0]`` scattered into zeros)
 
 
-def _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs, init_at,
+def _scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, init_states, conv_history, cu_docs, init_at,
           want_final, head_dim, state_size, dt_min, dt_max, scan, fla_conv):
-    """``(y [B, L, H*P] in xBC's dtype, final states [n_docs, H, P, N] in fp32 or wider, or None)``."""
+    """``(o [1, T, H, P] in xBC's dtype, final states [n_docs, H, P, N] in fp32 or wider or None,
+    x [1, T, H, P]: the conv output the D skip reads)``: everything but the skip."""
     batch, seqlen, width = xBC.shape
     heads = dt.shape[-1]
     d_inner = heads * head_dim
@@ -195,13 +198,26 @@ def _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_
     per_head = heads // groups
     k = B.view(1, total, groups, 1, state_size).expand(-1, -1, -1, per_head, -1).reshape(1, total, heads, state_size)
     q = C.view(1, total, groups, 1, state_size).expand(-1, -1, -1, per_head, -1).reshape(1, total, heads, state_size)
-    v = (x.to(fp) * dt_used[None, :, :, None]).to(x.dtype)
+    v = (x * dt_used[None, :, :, None]).to(x.dtype)  # the product in fp32 (promoted), rounded once
     g = (dt_used * -torch.exp(cast(A_log)))[None]  # [1, T, H] log decays
     initial = None if init_states is None else _per_document(init_states, init_at, cu_docs, fp)  # [n_docs, H, P, N]
     o, final = scan(q, k, v, g, scale=1.0, initial_state=initial, output_final_state=want_final,
                     cu_seqlens=cu_docs.long(), state_v_first=True)
-    y = o.to(fp) + cast(D)[:, None] * x.to(fp)  # [1, T, H, P]
-    return y.reshape(batch, seqlen, d_inner).to(xBC.dtype), (None if final is None else final.to(fp))
+    return o, (None if final is None else final.to(fp)), x
+
+
+def _skip(o: Tensor, x: Tensor, D: Tensor) -> Tensor:
+    """``y = o + D x`` ``[1, T, H, P]`` computed in fp32 or wider (promoted), rounded once to o's dtype."""
+    return torch.addcmul(o, x, D.to(torch.promote_types(o.dtype, torch.float32))[:, None]).to(o.dtype)
+
+
+def _skip_grads(grad_y: Tensor, x: Tensor, D: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(d o, d x, d D)`` of ``_skip`` by hand (``d o = dy``, ``d x = D dy``, ``d D = sum_{t,p} dy x``), so
+    the backward need not recompute the skip: the products in fp32 or wider, each rounded once."""
+    fp = torch.promote_types(x.dtype, torch.float32)
+    dy = grad_y.reshape(x.shape)
+    grad_D = (dy.to(fp) * x).sum(dim=(0, 1, 3))  # [H]
+    return dy.to(x.dtype), (dy * D.to(fp)[:, None]).to(x.dtype), grad_D.to(D.dtype)
 
 
 @contextlib.contextmanager
@@ -232,10 +248,11 @@ def _fused_op(
     if check_states:  # a host sync: skipped where choose_kernel has checked these states (eager)
         _check_states(cu_docs, init_at, final_at)
     with torch.no_grad(), autocast_off():
-        y, final = _math(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history, cu_docs,
-                         init_at, final_at is not None, head_dim, state_size, dt_min, dt_max, *_kernels(scan))
+        o, final, x = _scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, init_states, conv_history, cu_docs,
+                            init_at, final_at is not None, head_dim, state_size, dt_min, dt_max, *_kernels(scan))
+        y = _skip(o, x, D).reshape(xBC.shape[0], xBC.shape[1], -1) if want_y else xBC.new_empty(0)
     fp = torch.promote_types(xBC.dtype, torch.float32)
-    return (y if want_y else xBC.new_empty(0)), (final if final is not None else xBC.new_empty(0, dtype=fp))
+    return y, (final if final is not None else xBC.new_empty(0, dtype=fp))
 
 
 @_fused_op.register_fake
@@ -261,18 +278,23 @@ def _fused_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     inputs = (xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history)
     with autograd_on(), autocast_off():
-        leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
-        y, final = _math(*leaves, cu_docs, init_at, final_at is not None, head_dim, state_size, dt_min, dt_max,
-                         *_kernels(scan))
-        outputs, grads_out = [], []
-        for out, grad in ((y, grad_y), (final, grad_final)):
-            if out is not None and grad is not None and grad.numel():
-                outputs.append(out)
-                grads_out.append(grad)
+        leaves = [None if t is None or t is D else t.detach().requires_grad_() for t in inputs]
+        scanned = [leaf for i, leaf in enumerate(leaves) if i != 6]  # every input but D
+        o, final, x = _scan(*scanned, cu_docs, init_at, final_at is not None, head_dim, state_size, dt_min, dt_max,
+                            *_kernels(scan))
+        outputs, grads_out, grad_D = [], [], None
+        if grad_y is not None and grad_y.numel():
+            grad_o, grad_x, grad_D = _skip_grads(grad_y, x, D)
+            outputs += [o, x]
+            grads_out += [grad_o, grad_x]
+        if final is not None and grad_final is not None and grad_final.numel():
+            outputs.append(final)
+            grads_out.append(grad_final)
         wanted = [leaf for leaf in leaves if leaf is not None]
         found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True) if outputs else
                      [None] * len(wanted))
     grads = [None if leaf is None else next(found) for leaf in leaves]
+    grads[6] = grad_D
     return tuple(xBC.new_empty(0) if t is None else (torch.zeros_like(t) if g is None else g)
                  for g, t in zip(grads, inputs))
 
