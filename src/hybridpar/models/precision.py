@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-__all__ = ["full_precision", "autocast_off"]
+__all__ = ["full_precision", "autocast_off", "autocast_narrowing"]
 
 
 @functools.cache
@@ -51,3 +51,12 @@ def full_precision(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def autocast_narrowing(device_type: str, dtype: torch.dtype) -> torch.dtype | None:
+    """Autocast's dtype where autocast is on for ``device_type`` and would cast ``dtype`` weights to it
+    (a narrower float: float32 masters under bf16), else None."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    target = torch.get_autocast_dtype(device_type)
+    return target if dtype.is_floating_point and dtype.itemsize > target.itemsize else None

@@ -36,3 +36,36 @@ def test_split_in_proj_equals_the_fused_linear_and_saves_no_weight_copy():
     fused_out.square().sum().backward()
     weight_grad = torch.cat([getattr(split, f"weight_{n}").grad for n in split.component_sizes])
     torch.testing.assert_close(weight_grad, fused.weight.grad, rtol=0, atol=1e-12)
+
+
+def test_under_bf16_autocast_one_matmul_runs_and_keeps_the_bytes_the_component_casts_kept():
+    """Autocast casts each float32 component to bf16 and keeps the casts: ``SplitInProj`` then
+    concatenates those casts and runs one matmul. The values and every gradient equal the
+    per-component matmuls (the same dot products), and the bytes kept for backward are the same."""
+    from tests.op_outputs import OpOutputs, kept_for_backward
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.mixer = Mamba2Mixer(32, num_heads=4, head_dim=8, n_groups=2, state_size=8, chunk_size=8, use_bias=True)
+    split_mamba_mixers(holder)
+    split = holder.mixer.in_proj
+    x = torch.randn(2, 16, 32).bfloat16()
+    runs = {}
+    for name, autocast in (("one matmul", True), ("per component", False)):
+        split.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), kept_for_backward() as kept, \
+                OpOutputs() as seen:
+            out = split(leaf) if autocast else torch.cat(
+                [torch.nn.functional.linear(leaf, getattr(split, f"weight_{n}").bfloat16(),
+                                            getattr(split, f"bias_{n}").bfloat16()) for n in split.component_sizes], -1)
+        out.float().square().sum().backward()
+        runs[name] = (out, leaf.grad, [p.grad.clone() for p in split.parameters()], sum(kept.values()),
+                      sum("addmm" in op or "mm" in op for op in seen.ops))
+    one, per = runs["one matmul"], runs["per component"]
+    assert one[4] == 1 and per[4] == len(split.component_sizes)
+    torch.testing.assert_close(one[0], per[0], rtol=0, atol=0)
+    torch.testing.assert_close(one[1], per[1], rtol=1e-2, atol=1e-2)  # bf16 sums of products in another order
+    for got, want in zip(one[2], per[2]):
+        torch.testing.assert_close(got, want.float(), rtol=1e-2, atol=1e-2)
+    assert one[3] == per[3]

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP, gated_rms_norm
 from hybridpar.models.mamba.mixer import Mamba2Mixer, replicated_groups, tp_groups
+from hybridpar.models.precision import autocast_narrowing
 from hybridpar.parallel.comm.collectives import all_reduce
 from hybridpar.parallel.lora import split_lora_components
 from hybridpar.parallel.tensor.registry import register_tp_plan
@@ -103,10 +104,16 @@ class _ComponentSplit(nn.Module):
 class SplitInProj(_ComponentSplit):
     """Mamba2 ``in_proj`` with one weight per component ``z, x, B, C, dt``.
 
-    ``forward`` runs one matmul per (local) component and concatenates the outputs, so the
-    output is ``[z | x | B | C | dt]`` of whatever heads and groups this rank holds. Each matmul
-    saves only its input (shared) and its parameter for backward: no fused copy of the weight
-    (``d_in x (2 d_inner + 2 G N + H)``, ~290 MiB per layer at 8B widths) is made or kept.
+    The output is ``[z | x | B | C | dt]`` of whatever heads and groups this rank holds:
+
+    - where the weights are used as they are (float32 or float64, FSDP's bf16): one matmul per
+      (local) component, outputs concatenated. Each saves only its input (shared) and its
+      parameter for backward: no fused copy of the weight (``d_in x (2 d_inner + 2 G N + H)``,
+      ~290 MiB per layer at 8B widths) is made or kept;
+    - under autocast to a narrower dtype (bf16 without FSDP), which copies every component and
+      keeps the copies for backward anyway: the copies concatenated, one matmul. The same bytes
+      are kept, with four matmuls fewer (``dt``'s has ``H`` columns), no ``[T, c]`` cat and no
+      four ``[T, D]`` input-gradient sums in backward (``benchmarks/step_traffic.py``).
     """
 
     def __init__(self, fused: nn.Linear, sizes: dict[str, int]):
@@ -114,6 +121,12 @@ class SplitInProj(_ComponentSplit):
         self.in_features = fused.in_features
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        narrow = autocast_narrowing(hidden_states.device.type, self.weight_z.dtype)
+        if narrow is not None:  # [B, S, D] @ [c_l, D]^T in one matmul on the bf16 copies
+            weight = torch.cat([_local(getattr(self, f"weight_{name}")).to(narrow) for name in self.component_sizes])
+            bias = None if not self.has_bias else torch.cat(
+                [_local(getattr(self, f"bias_{name}")).to(narrow) for name in self.component_sizes])
+            return F.linear(hidden_states, weight, bias)
         # [B, S, D] @ [c_l, D]^T -> [B, S, c_l] per component c, then [B, S, z_l | x_l | B_l | C_l | dt_l]
         parts = [F.linear(hidden_states, _local(getattr(self, f"weight_{name}")),
                           _local(getattr(self, f"bias_{name}")) if self.has_bias else None)
