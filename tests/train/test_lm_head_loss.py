@@ -127,6 +127,37 @@ def test_bfloat16_inputs_compute_in_float32():
     assert abs(loss.item() - want.item()) < 2e-2 * want.item()
 
 
+def test_bf16_logit_blocks_are_read_in_float32_without_a_copy_and_give_the_same_bits():
+    """Under mixed precision a block of bf16 logits is read in float32 by the subtraction itself
+    (no ``[Ct, Cv]`` float32 copy), the softmax gradient is rounded to bf16 once for both matmuls,
+    and every statistic and gradient is bitwise what the copies gave."""
+    from hybridpar.models.lm_head_loss import local_gradients, local_statistics
+    from tests.op_outputs import OpOutputs
+
+    h, w, labels = make_case(dtype=torch.float32)
+    h16, w16 = h.bfloat16(), w.bfloat16()
+    with OpOutputs() as seen:
+        row_max, sum_exp, target, argmax = local_statistics(h, w, labels, 4096, matmul_dtype=torch.bfloat16)
+    lse = row_max + sum_exp.log()
+    grad_loss = torch.tensor(0.5)
+    with OpOutputs() as seen_backward:
+        grad_h, grad_w = local_gradients(grad_loss, h, w, labels, lse, 4096, matmul_dtype=torch.bfloat16)
+    for ops, copies in ((seen, 0), (seen_backward, 1)):  # backward: the softmax gradient, once to bf16
+        assert [op for op, shape in ops.shapes if shape == (TOKENS, VOCAB) and "copy" in op] == \
+            ["aten._to_copy.default"] * copies, ops.shapes
+    logits = (h16 @ w16.T).float()  # the copy the blocks used to make; one block of every token and id
+    valid = labels != IGNORE_INDEX
+    m, arg = logits.max(dim=1)
+    assert torch.equal(row_max, m) and torch.equal(argmax, arg)
+    assert torch.equal(sum_exp, (logits - m[:, None]).exp().sum(dim=1))
+    assert torch.equal(target, torch.where(valid, logits.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0))
+    dz = (logits - lse[:, None]).exp()
+    dz.scatter_add_(1, labels.clamp(min=0)[:, None], -valid.float()[:, None])
+    dz.mul_((grad_loss * valid)[:, None])
+    assert torch.equal(grad_h, dz.bfloat16() @ w16)
+    assert torch.equal(grad_w, (dz.T.bfloat16() @ h16).float())
+
+
 def test_predictions_are_the_argmax_with_ties_to_the_lower_id():
     h, w, labels = make_case()
     h, w = h.abs().round() + 1, w.round()  # integers: every logit exact, whatever the summation order

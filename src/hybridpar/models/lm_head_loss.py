@@ -144,6 +144,23 @@ def _transform_(logits: Tensor, scale: float, softcap: float | None) -> Tensor:
     return logits.mul_(scale) if scale != 1.0 else logits
 
 
+def _logits(z: Tensor, dtype: torch.dtype, scale: float, softcap: float | None) -> Tensor:
+    """``z'`` of a block of logits ``z`` from the matmul: in the compute ``dtype``, or ``z`` as it is
+    (bf16 under mixed precision) when there is no transform, read in ``dtype`` by ``_shifted``:
+    no ``[Ct, Cv]`` float32 copy, the same values."""
+    if z.dtype != dtype and scale == 1.0 and softcap is None:
+        return z
+    return _transform_(z.to(dtype), scale, softcap)
+
+
+def _shifted(logits: Tensor, shift: Tensor, dtype: torch.dtype) -> Tensor:
+    """``logits - shift[:, None]`` in ``dtype``: in place on a block already in it, else in one
+    promoting pass (``bf16 - fp32`` is computed and stored in fp32, as the cast then the subtraction)."""
+    if logits.dtype == dtype:
+        return logits.sub_(shift[:, None])
+    return torch.sub(logits, shift[:, None])
+
+
 def _blocks(size: int, chunk_size: int):
     return ((start, min(start + chunk_size, size)) for start in range(0, size, chunk_size))
 
@@ -174,15 +191,16 @@ def local_statistics(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size:
         in_block = (local_labels >= v0) & (local_labels < v1)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
         for t0, t1 in _blocks(tokens, chunk_size):
-            logits = _transform_((h[t0:t1] @ w.T).to(dtype), scale, softcap)  # [Ct, Cv]: z', one block
+            logits = _logits(h[t0:t1] @ w.T, dtype, scale, softcap)  # [Ct, Cv]: z', one block
             block_max, block_arg = logits.max(dim=1)
+            block_max = block_max.to(dtype)  # exact: the max is one of the block's values
             old_max = row_max[t0:t1]
             new_max = torch.maximum(old_max, block_max)
             # strictly greater: on a tie the earlier block (lower id) keeps the argmax, as torch.argmax
             argmax[t0:t1] = torch.where(block_max > old_max, block_arg + (v0 + vocab_offset), argmax[t0:t1])
-            picked = logits.gather(1, column[t0:t1, None]).squeeze(1)
+            picked = logits.gather(1, column[t0:t1, None]).squeeze(1).to(dtype)
             target[t0:t1] += torch.where(in_block[t0:t1], picked, 0.0)
-            block_sum = logits.sub_(new_max[:, None]).exp_().sum(dim=1)
+            block_sum = _shifted(logits, new_max, dtype).exp_().sum(dim=1)
             sum_exp[t0:t1] = sum_exp[t0:t1] * torch.exp(old_max - new_max) + block_sum
             row_max[t0:t1] = new_max
     return row_max, sum_exp, target, argmax
@@ -216,15 +234,15 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
     grad_weight = torch.empty_like(weight)
     for v0, v1 in _blocks(rows, chunk_size):
         w = weight[v0:v1].to(mm)  # [Cv, D]
-        grad_w = torch.zeros(w.shape, dtype=dtype, device=w.device)
+        in_place = grad_weight.dtype == dtype  # accumulate in the output's rows, no copy at the end
+        grad_w = grad_weight[v0:v1].zero_() if in_place else torch.zeros(w.shape, dtype=dtype, device=w.device)
         in_block = ((local_labels >= v0) & (local_labels < v1)).to(dtype)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
         for t0, t1 in _blocks(tokens, chunk_size):
-            logits = (h[t0:t1] @ w.T).to(dtype)  # [Ct, Cv]
-            if softcap is None:
-                dz = _transform_(logits, scale, None).sub_(lse[t0:t1, None]).exp_()  # softmax(z'), this block
+            if softcap is None:  # softmax(z'), this block [Ct, Cv]
+                dz = _shifted(_logits(h[t0:t1] @ w.T, dtype, scale, None), lse[t0:t1], dtype).exp_()
             else:
-                tanh = logits.mul_(scale / softcap).tanh_()  # tanh(s z / c)
+                tanh = (h[t0:t1] @ w.T).to(dtype).mul_(scale / softcap).tanh_()  # tanh(s z / c)
                 dz = (tanh * softcap).sub_(lse[t0:t1, None]).exp_()
             dz.scatter_add_(1, column[t0:t1, None], -in_block[t0:t1, None])  # - onehot(y)
             dz.mul_(token_scale[t0:t1, None])
@@ -233,10 +251,12 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
             if mm == dtype:
                 grad_hidden[t0:t1].addmm_(dz, w)  # [Ct, Cv] @ [Cv, D]
                 grad_w.addmm_(dz.T, h[t0:t1])  # [Cv, Ct] @ [Ct, D]
-            else:  # bf16 matmuls, accumulated in the compute dtype
-                grad_hidden[t0:t1] += dz.to(mm) @ w
-                grad_w += dz.T.to(mm) @ h[t0:t1]
-        grad_weight[v0:v1] = grad_w
+            else:  # bf16 matmuls (dz rounded once), accumulated in the compute dtype
+                dz = dz.to(mm)
+                grad_hidden[t0:t1].add_(dz @ w)  # (``+=`` on a slice would copy the slice onto itself)
+                grad_w.add_(dz.T @ h[t0:t1])
+        if not in_place:
+            grad_weight[v0:v1] = grad_w
     return grad_hidden, grad_weight
 
 
