@@ -277,3 +277,30 @@ def test_compiled_model_with_the_fused_path_equals_eager_pure_without_graph_brea
     assert abs(loss.item() - eager_loss.item()) < 1e-10 * abs(eager_loss.item())
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         assert_close(p.grad, q.grad, f"grad {name}")
+
+
+@pytest.mark.parametrize("packed_rows", [True, False])
+def test_every_layer_and_call_of_a_step_passes_one_cu_seqlens_tensor(packed_rows):
+    """FLA caches the chunk indices it builds from ``cu_seqlens`` (a host sync each) by the tensor's
+    identity, so every Mamba layer's scan, in forward and in backward's recompute, gets the same
+    tensor object within a step (``core.shared_row_documents``); a new batch gets a new one."""
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+
+    seen = []
+    register_scan("identity", lambda *args, **kwargs: seen.append(kwargs["cu_seqlens"]) or
+                  simple_gla_contract(*args, **kwargs))
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.from_preset("tiny", dtype=F64))
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(1))
+    steps = []
+    for _ in range(2):
+        packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 9, 25, 32], dtype=torch.int32)) if packed_rows else None
+        seen.clear()
+        with fused.use_stand_in("identity"):
+            model(ids, packed=packed).sum().backward()
+        assert len(seen) == 2 * model.config.pattern.count("M")  # each layer's forward and its backward's recompute
+        assert len({id(t) for t in seen}) == 1, "one cu_seqlens object per step"
+        steps.append(seen[0])
+    assert packed_rows == (steps[0] is not steps[1])  # a new batch builds its own; unpacked shapes share one
+    assert steps[0].tolist() == ([0, 9, 25, 32] if packed_rows else [0, 32])

@@ -22,10 +22,13 @@ states are read after the tokens ``final_at`` (stream positions; -1 = none, zero
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridpar.models.attention.layout import cached
 from hybridpar.models.mamba import ssd_chunked
 from hybridpar.models.mamba.conv import conv_backward, conv_forward
 from hybridpar.models.mamba.fused import choose_kernel
@@ -77,6 +80,25 @@ def row_documents(cu_seqlens: Tensor | None, batch: int, seqlen: int, device) ->
     else:
         starts = (cu_seqlens.to(device=device, dtype=torch.int64)[None, :-1] + rows[:, None]).flatten()
     return torch.cat([starts, starts.new_full((1,), batch * seqlen)])
+
+
+def shared_row_documents(packed, batch: int, seqlen: int, device) -> Tensor:
+    """``row_documents`` of ``packed.cu_seqlens_padded`` (None: one document per row), built once per
+    batch and shared by every layer (``packed.cache``; unpacked shapes: a small process-wide cache).
+    FLA's kernels cache the chunk indices they derive from ``cu_seqlens`` by its identity
+    (``fla.utils.tensor_cache``), and building them reads sizes on the host (a device sync): with one
+    tensor for every layer they are built once per step, not at every layer and call."""
+    if packed is None:
+        if torch.compiler.is_compiling():
+            return row_documents(None, batch, seqlen, device)
+        return _unpacked_row_documents(batch, seqlen, torch.device(device))
+    return cached(packed.cache, ("row_documents", batch, seqlen, str(device)),
+                  lambda: row_documents(packed.cu_seqlens_padded, batch, seqlen, device))
+
+
+@functools.lru_cache(maxsize=8)
+def _unpacked_row_documents(batch: int, seqlen: int, device: torch.device) -> Tensor:
+    return row_documents(None, batch, seqlen, device)
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:

@@ -18,18 +18,17 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.models.blocks import GatedRMSNorm
-from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
+from hybridpar.models.mamba.core import mamba_conv_scan, shared_row_documents
 
 
 def local_conv_scan(mixer: "Mamba2Mixer", xBC: Tensor, dt: Tensor, packed=None) -> Tensor:
     """The single-process core: conv + scan (``mamba_core``) over this process's tokens, in
     sequence order; packed documents reset the conv and the state."""
     batch, seq_len, _ = xBC.shape
-    cu_seqlens = None if packed is None else packed.cu_seqlens_padded
     return mamba_conv_scan(
         xBC, dt, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D,
         head_dim=mixer.head_dim, state_size=mixer.ssm_state_size, chunk_size=mixer.chunk_size,
-        cu_docs=row_documents(cu_seqlens, batch, seq_len, xBC.device), dt_limit=mixer.time_step_limit,
+        cu_docs=shared_row_documents(packed, batch, seq_len, xBC.device), dt_limit=mixer.time_step_limit,
     )
 
 

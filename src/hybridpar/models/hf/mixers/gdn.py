@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from hybridpar.models.hf.mixers.fallback import takes_transformers_forward
 from hybridpar.models.hf.mixers.mamba2 import switch_mixers
 from hybridpar.models.linear.gdn_core import gated_delta_core
-from hybridpar.models.mamba.core import row_documents
+from hybridpar.models.mamba.core import shared_row_documents
 
 __all__ = ["MARK", "is_gated_deltanet", "gdn_problem", "install_gdn_core", "gdn_layers", "local_gdn_core",
            "gdn_training_forward"]
@@ -108,11 +108,10 @@ def local_gdn_core(layer: nn.Module, mixed_qkv: Tensor, a: Tensor, b: Tensor, pa
     """The single-process core on this process's tokens in sequence order; packed documents reset
     the conv and the state. ``mixed_qkv [B, L, 2*Hk*dk + Hv*dv]``, ``a, b [B, L, Hv]`` -> ``[B, L, Hv*dv]``."""
     batch, seqlen, _ = mixed_qkv.shape
-    cu_seqlens = None if packed is None else packed.cu_seqlens_padded
     return gated_delta_core(
         mixed_qkv, a, b, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.A_log, layer.dt_bias,
         head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim, chunk_size=getattr(layer, "hybridpar_chunk_size", CHUNK_SIZE),
-        cu_docs=row_documents(cu_seqlens, batch, seqlen, mixed_qkv.device), beta_scale=beta_scale(layer),
+        cu_docs=shared_row_documents(packed, batch, seqlen, mixed_qkv.device), beta_scale=beta_scale(layer),
     )
 
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from hybridpar.models.hf.mixers.fallback import takes_transformers_forward
 from hybridpar.models.hf.mixers.mamba2 import switch_mixers
 from hybridpar.models.linear.kda_core import kimi_delta_core
-from hybridpar.models.mamba.core import row_documents
+from hybridpar.models.mamba.core import shared_row_documents
 
 __all__ = ["KDA_MARK", "is_kimi_delta", "kda_problem", "install_kda_core", "kda_layers", "local_kda_core",
            "kda_training_forward"]
@@ -83,12 +83,11 @@ def local_kda_core(layer: nn.Module, mixed_qkv: Tensor, f: Tensor, b: Tensor, pa
     """The single-process core on this process's tokens in sequence order; packed documents reset
     the conv and the state. ``mixed_qkv [B, L, 3*H*d]``, ``f [B, L, H*d]``, ``b [B, L, H]`` -> ``[B, L, H*d]``."""
     batch, seqlen, _ = mixed_qkv.shape
-    cu_seqlens = None if packed is None else packed.cu_seqlens_padded
     gate = layer.forget_gate
     return kimi_delta_core(
         mixed_qkv, f, b, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, gate.A_log, gate.dt_bias,
         head_dim=layer.head_dim, chunk_size=getattr(layer, "hybridpar_chunk_size", CHUNK_SIZE),
-        cu_docs=row_documents(cu_seqlens, batch, seqlen, mixed_qkv.device),
+        cu_docs=shared_row_documents(packed, batch, seqlen, mixed_qkv.device),
     )
 
 

@@ -70,7 +70,7 @@ from hybridpar.models.hf.mixers.gdn import CHUNK_SIZE, beta_scale, gdn_layers, l
 from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
 from hybridpar.models.linear.gdn_core import document_conv1d, gated_delta_core, gdn_inputs
 from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fused_gated_delta_rule
-from hybridpar.models.mamba.core import row_documents
+from hybridpar.models.mamba.core import shared_row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore, batch_cached, install_core
 from hybridpar.parallel.context.recurrent.mamba import local_tensor
@@ -146,7 +146,7 @@ class HiddenParallelGDN(ContextParallelCore):
         to_sequence = layout.gathered_to_sequence.to(device)  # [L]
         mixed_h = torch.cat([q, k, v], dim=-1).index_select(1, to_sequence)  # [B, L, C/P'], sequence order
         a_h, b_h = (t.index_select(1, to_sequence) for t in (a, b))  # [B, L, Hv/P]
-        cu_docs = row_documents(packed.cu_seqlens_padded, batch, to_sequence.numel(), device)  # global documents
+        cu_docs = shared_row_documents(packed, batch, to_sequence.numel(), device)  # global documents
         weight, bias, A_log, dt_bias = self.local_parameters(layer, v_heads, k_heads)
         o = gated_delta_core(mixed_h, a_h, b_h, weight, bias, A_log, dt_bias, head_k_dim=dk, head_v_dim=dv,
                              chunk_size=getattr(layer, "hybridpar_chunk_size", CHUNK_SIZE), cu_docs=cu_docs,

@@ -45,7 +45,7 @@ from hybridpar.models.linear.gdn_core import document_conv1d
 from hybridpar.models.linear.kda import chunk_kda_rule
 from hybridpar.models.linear.kda_core import kda_inputs, kimi_delta_core
 from hybridpar.models.linear.kda_fused import choose_kda_kernel, fused_kda_rule
-from hybridpar.models.mamba.core import row_documents
+from hybridpar.models.mamba.core import shared_row_documents
 from hybridpar.parallel.comm.collectives import all_gather, hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.core import ContextParallelCore, install_core
 from hybridpar.parallel.context.recurrent.gdn import entering_affine_states, segment_chunks, segment_rule
@@ -105,7 +105,7 @@ class HiddenParallelKDA(ContextParallelCore):
         device = mixed_qkv.device
         to_sequence = layout.gathered_to_sequence.to(device)  # [L]
         mixed_h, f_h, b_h = (t.index_select(1, to_sequence) for t in (torch.cat([q, k, v], dim=-1), f, b))
-        cu_docs = row_documents(packed.cu_seqlens_padded, batch, to_sequence.numel(), device)  # global documents
+        cu_docs = shared_row_documents(packed, batch, to_sequence.numel(), device)  # global documents
         local = heads // cp
         channels = slice(rank * local * d, (rank + 1) * local * d)
         weight = local_tensor(layer.conv1d.weight).squeeze(1)  # [3*H*d, K] -> this rank's q, k, v channels

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.mixers.mamba2 import MARK
 from hybridpar.models.mamba.mixer import Mamba2Mixer, local_conv_scan
-from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
+from hybridpar.models.mamba.core import mamba_conv_scan, shared_row_documents
 from hybridpar.parallel.comm.collectives import hidden_to_seq, seq_to_hidden
 from hybridpar.parallel.context.recurrent.mamba_state import SegmentPlan, segment_plan, state_passing_conv_scan
 from hybridpar.parallel.context.core import ContextParallelCore, prepare_batch_plans
@@ -185,7 +185,7 @@ class HiddenParallelMamba(MambaContextParallelCore):
         to_sequence = layout.gathered_to_sequence.to(device)  # [L]
         xBC_h = torch.cat([x, B, C], dim=-1).index_select(1, to_sequence)  # [B, L, C/P'], sequence order
         dt_h = dt.index_select(1, to_sequence)  # [B, L, H/P]
-        cu_docs = row_documents(packed.cu_seqlens_padded, batch, to_sequence.numel(), device)  # global documents
+        cu_docs = shared_row_documents(packed, batch, to_sequence.numel(), device)  # global documents
         weight, bias, dt_bias, A_log, D = self.local_parameters(mixer, heads, groups)
         y = mamba_conv_scan(
             xBC_h, dt_h, weight, bias, dt_bias, A_log, D, head_dim=mixer.head_dim, state_size=state,
