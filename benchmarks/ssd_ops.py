@@ -55,19 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=harness.RESULTS)
     args = parser.parse_args(argv)
     meta = harness.environment(__file__, argv)
-    current = ssd_chunked.DIAGONAL_SLICE_BYTES
+    current, host = ssd_chunked.DIAGONAL_SLICE_BYTES, ssd_chunked.HOST_DIAGONAL_SLICE_BYTES
     rows = []
     try:
         for case in args.cases:
             preset, tokens = case.split(":")
             for mib in args.budgets_mib:
-                ssd_chunked.DIAGONAL_SLICE_BYTES = mib << 20
+                # this CPU runs the budget a GPU would (the accelerator's is "current")
+                ssd_chunked.DIAGONAL_SLICE_BYTES = ssd_chunked.HOST_DIAGONAL_SLICE_BYTES = mib << 20
                 forward, backward = count(preset, int(tokens))
                 rows.append({"preset": preset, "tokens": int(tokens), "slice_mib": mib, "forward_ops": forward,
                              "backward_ops": backward, "current": mib << 20 == current})
                 print(rows[-1], flush=True)
     finally:
-        ssd_chunked.DIAGONAL_SLICE_BYTES = current
+        ssd_chunked.DIAGONAL_SLICE_BYTES, ssd_chunked.HOST_DIAGONAL_SLICE_BYTES = current, host
     lines = harness.header("Aten ops of the pure SSD core per Mamba layer (forward, backward)", meta)
     lines += ["", "| preset | tokens | slice budget | forward ops | backward ops | total |", "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['preset']} | {r['tokens']:,} | {r['slice_mib']} MiB{' (current)' if r['current'] else ''} | "

@@ -1,5 +1,5 @@
 """``benchmarks/ssd_ops.py`` counts the SSD core's aten ops: one chunk per slice dispatches more ops
-than one slice for the whole row, and the module's slice budget is restored afterwards."""
+than one slice for the whole row, and the module's slice budgets are restored afterwards."""
 
 import importlib.util
 import json
@@ -14,9 +14,9 @@ def test_smaller_slices_dispatch_more_ops(tmp_path):
     spec = importlib.util.spec_from_file_location("ssd_ops", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    before = ssd_chunked.DIAGONAL_SLICE_BYTES
+    before = ssd_chunked.DIAGONAL_SLICE_BYTES, ssd_chunked.HOST_DIAGONAL_SLICE_BYTES
     assert module.main(["--cases", "tiny:512", "--budgets-mib", "0", "256", "--out", str(tmp_path)]) == 0
-    assert ssd_chunked.DIAGONAL_SLICE_BYTES == before
+    assert (ssd_chunked.DIAGONAL_SLICE_BYTES, ssd_chunked.HOST_DIAGONAL_SLICE_BYTES) == before
     one_chunk, whole = json.loads((tmp_path / "ssd_ops.json").read_text())["rows"]
     assert one_chunk["forward_ops"] > whole["forward_ops"] > 0 and one_chunk["backward_ops"] > whole["backward_ops"] > 0
     assert whole["current"] and not one_chunk["current"]

@@ -141,9 +141,17 @@ def test_matches_reference_all_features_at_once():
 def test_matches_reference_one_chunk_per_slice(seed, monkeypatch):
     """The diagonal blocks run slice by slice over chunks; force one chunk per slice."""
     monkeypatch.setattr(ssd, "DIAGONAL_SLICE_BYTES", 1)
+    monkeypatch.setattr(ssd, "HOST_DIAGONAL_SLICE_BYTES", 1)
     tensors, options = make_case(seed)
     options.update(chunk_size=max(2, options["chunk_size"] // 4), return_final_states=True)
     check_case(tensors, options)
+
+
+def test_slices_are_small_on_a_cpu_and_large_on_an_accelerator():
+    """A CPU dispatches an op in microseconds and keeps small slices in cache; on a GPU every op of a
+    slice is a kernel launch the host pays for, so the slices there are 16 times larger."""
+    assert ssd.slice_budget("cpu") == 16 << 20
+    assert ssd.slice_budget("cuda") == ssd.DIAGONAL_SLICE_BYTES == 256 << 20
 
 
 @pytest.mark.parametrize("seed", range(100, 115))

@@ -38,9 +38,17 @@ from hybridpar.models.mamba.recurrence import decay_floor, linear_recurrence, re
 # Working set of step 1: the [k, G, R, Q, Q] decay matrices of k chunks at a time. Every op of a slice
 # is one kernel launch on a GPU, where the host's dispatch (microseconds per op) then bounds the step:
 # at 16 MiB the core of one `1b` Mamba layer at 8K tokens ran 4,672 aten ops forward and backward,
-# `small` at 32K 17,494; at 256 MiB 648 and 1,474 (counted by TorchDispatchMode). Memory stays linear
-# in the sequence: at most 256 MiB per slice, whatever its length.
-DIAGONAL_SLICE_BYTES = 256 << 20
+# `small` at 32K 17,494; at 256 MiB 648 and 1,474 (counted by TorchDispatchMode). On a CPU an op costs
+# little to dispatch and smaller slices stay in cache: a Nemotron-H core at 16K tokens peaked at 698 MiB
+# and ran 5.7 s with 16 MiB slices, 1,133 MiB and 6.1 s with 256 MiB (benchmarks/hf_hybrids.py). Memory
+# stays linear in the sequence either way: at most one budget per slice, whatever its length.
+DIAGONAL_SLICE_BYTES = 256 << 20  # on an accelerator (what the planner plans for)
+HOST_DIAGONAL_SLICE_BYTES = 16 << 20  # on a CPU
+
+
+def slice_budget(device_type: str) -> int:
+    """Bytes of ``[k, G, R, Q, Q]`` decay matrices one slice of chunks may hold on ``device_type``."""
+    return HOST_DIAGONAL_SLICE_BYTES if device_type == "cpu" else DIAGONAL_SLICE_BYTES
 
 
 @dataclass
@@ -174,7 +182,8 @@ def _chunk_slices(p: _Prepared):
     """Slices of a few chunks: each pass over the chunks works on one at a time, so its
     temporaries (the ``[k, G, R, Q, Q]`` decay matrices and ``[k, Q, H, P]`` products) stay small."""
     kc, groups, r, q, headdim = p.xdt.shape
-    step = max(1, DIAGONAL_SLICE_BYTES // (groups * r * q * max(q, headdim) * p.xdt.element_size()))
+    budget = slice_budget(p.xdt.device.type)
+    step = max(1, budget // (groups * r * q * max(q, headdim) * p.xdt.element_size()))
     return [slice(i, i + step) for i in range(0, kc, step)]
 
 
