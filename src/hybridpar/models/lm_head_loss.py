@@ -36,7 +36,10 @@ stays float64); the statistics, ``grad_hidden [T, D]`` and each vocabulary block
 accumulate in that dtype and are cast to the input dtypes once at the end. Under autocast (bf16
 mixed precision of a float32 model) the block matmuls alone run in the autocast dtype, forward
 and backward alike (the backward recomputes the forward's logits); statistics stay float32.
-Peak memory beyond the inputs and gradients: a few ``[C, C]`` blocks and ``O(T)`` statistics.
+A block is ``TOKEN_BLOCKS * C`` tokens by ``C`` vocabulary rows (``C = chunk_size``): every block
+costs a dozen small ops besides its matmul, each a kernel launch on a GPU (at ``[C, C]`` blocks the
+loss made 88% of the ops of an eager ``small`` step at 128K tokens, ``benchmarks/step_traffic.py``).
+Peak memory beyond the inputs and gradients: a few such blocks and ``O(T)`` statistics.
 
 The same passes run on a vocabulary shard (rows ``[offset, offset + V_local)``): they return
 the local max, sum of exponentials, target logit and argmax that ``parallel/vocab_parallel_loss``
@@ -93,8 +96,8 @@ def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 def check_lm_head_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> None:
     """Shapes, dtypes and ``chunk_size``: ``ValueError`` naming the value and the fix (no sync)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int (tokens and vocabulary rows per "
-                         "block, e.g. 4096); pass chunk_size >= 1.")
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int (vocabulary rows per block, "
+                         f"{TOKEN_BLOCKS} times that in tokens, e.g. 4096); pass chunk_size >= 1.")
     if weight.dim() != 2:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; the LM head weight must be [V, D] "
                          "(nn.Linear(D, V).weight); pass lm_head.weight.")
@@ -161,6 +164,9 @@ def _shifted(logits: Tensor, shift: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.sub(logits, shift[:, None])
 
 
+TOKEN_BLOCKS = 4  # tokens per block, in chunk sizes
+
+
 def _blocks(size: int, chunk_size: int):
     return ((start, min(start + chunk_size, size)) for start in range(0, size, chunk_size))
 
@@ -190,7 +196,7 @@ def local_statistics(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size:
         w = weight[v0:v1].to(matmul_dtype or dtype)  # [Cv, D]
         in_block = (local_labels >= v0) & (local_labels < v1)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
-        for t0, t1 in _blocks(tokens, chunk_size):
+        for t0, t1 in _blocks(tokens, TOKEN_BLOCKS * chunk_size):
             logits = _logits(h[t0:t1] @ w.T, dtype, scale, softcap)  # [Ct, Cv]: z', one block
             block_max, block_arg = logits.max(dim=1)
             block_max = block_max.to(dtype)  # exact: the max is one of the block's values
@@ -238,7 +244,7 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
         grad_w = grad_weight[v0:v1].zero_() if in_place else torch.zeros(w.shape, dtype=dtype, device=w.device)
         in_block = ((local_labels >= v0) & (local_labels < v1)).to(dtype)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
-        for t0, t1 in _blocks(tokens, chunk_size):
+        for t0, t1 in _blocks(tokens, TOKEN_BLOCKS * chunk_size):
             if softcap is None:  # softmax(z'), this block [Ct, Cv]
                 dz = _shifted(_logits(h[t0:t1] @ w.T, dtype, scale, None), lse[t0:t1], dtype).exp_()
             else:

@@ -37,9 +37,10 @@ checked against the allocator's live tensors at the peak of a ``tiny`` step at 1
 (``benchmarks/planner.py``: 0.878 of the measured peak before, when the form left out the
 state passing and the slice temporaries).
 
-Loss (``lm_head_loss``, chunk ``C = 4096``): forward one ``[C, min(C, V/tp)]`` block of logits and its
-exponentials in ``e_c``; backward ``grad_hidden [Tc, D] e_c``, the weight gradient ``[V/tp, D] e_p``,
-one block ``dz`` and the block's ``[C, D]`` weight gradient in ``e_c``.
+Loss (``lm_head_loss``, chunk ``C = 4096``, blocks of ``min(4 C, Tc)`` tokens): forward one
+``[min(4 C, Tc), min(C, V/tp)]`` block of logits and its exponentials in ``e_c``; backward
+``grad_hidden [Tc, D] e_c``, the weight gradient ``[V/tp, D] e_p``, one block ``dz`` and the block's
+``[C, D]`` weight gradient in ``e_c``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import inspect
 from dataclasses import dataclass
 
 from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP
+from hybridpar.models.lm_head_loss import TOKEN_BLOCKS
 from hybridpar.models.mamba.ssd_chunked import DIAGONAL_SLICE_BYTES
 from hybridpar.train.loss import lm_head_loss
 
@@ -126,7 +128,7 @@ def block_workspaces(layout: Layout, kind: str) -> Workspaces:
 def loss_workspaces(layout: Layout) -> Workspaces:
     c, ec, tc = layout.model, layout.compute_bytes, layout.tokens
     vocab = c.vocab_size // layout.tp
-    block = min(LOSS_CHUNK, tc) * min(LOSS_CHUNK, vocab) * ec
+    block = min(TOKEN_BLOCKS * LOSS_CHUNK, tc) * min(LOSS_CHUNK, vocab) * ec
     forward = 2 * block
     backward = tc * c.hidden_size * ec + vocab * c.hidden_size * layout.param_bytes + 2 * block + \
         min(LOSS_CHUNK, vocab) * c.hidden_size * ec
