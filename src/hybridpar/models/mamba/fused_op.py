@@ -15,8 +15,8 @@ every row laid end to end on one stream whose documents are ``cu_docs`` (``cu_se
 states ``[docs, H, P, N]`` (``state_v_first``: our layout). ``D x`` is added outside. Initial
 states enter the documents that start at ``init_at``; final states are read at document ends.
 The conv + SiLU is FLA's ``causal_conv1d`` (documents as ``cu_seqlens``, conv histories as its
-initial states); with a stand-in scan, the conv registered with it or ours (``conv.py``). Both accumulate in float32; ``q``, ``k``,
-``v`` are in the activations' dtype (bf16 under mixed precision).
+initial states); with a stand-in scan, the conv registered with it or ours (``conv.py``). Both
+accumulate in float32; ``q``, ``k``, ``v`` are in the activations' dtype (bf16 under mixed precision).
 
 ``hybridpar::fused_conv_scan`` runs that math without autograd and saves only its inputs;
 ``hybridpar::fused_conv_scan_backward`` recomputes it up to the scan's output with autograd on and
@@ -267,6 +267,7 @@ def _(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_hist
 
 
 _DIFFERENTIABLE = 9  # xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history
+_D = 6  # D's place among them
 
 
 @torch.library.custom_op("hybridpar::fused_conv_scan_backward", mutates_args=())
@@ -278,9 +279,9 @@ def _fused_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     inputs = (xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history)
     with autograd_on(), autocast_off():
-        leaves = [None if t is None or t is D else t.detach().requires_grad_() for t in inputs]
-        scanned = [leaf for i, leaf in enumerate(leaves) if i != 6]  # every input but D
-        o, final, x = _scan(*scanned, cu_docs, init_at, final_at is not None, head_dim, state_size, dt_min, dt_max,
+        scanned = inputs[:_D] + inputs[_D + 1:]  # every input but D, whose gradient is written out
+        leaves = [None if t is None else t.detach().requires_grad_() for t in scanned]
+        o, final, x = _scan(*leaves, cu_docs, init_at, final_at is not None, head_dim, state_size, dt_min, dt_max,
                             *_kernels(scan))
         outputs, grads_out, grad_D = [], [], None
         if grad_y is not None and grad_y.numel():
@@ -294,7 +295,7 @@ def _fused_backward_op(
         found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True) if outputs else
                      [None] * len(wanted))
     grads = [None if leaf is None else next(found) for leaf in leaves]
-    grads[6] = grad_D
+    grads.insert(_D, grad_D)
     return tuple(xBC.new_empty(0) if t is None else (torch.zeros_like(t) if g is None else g)
                  for g, t in zip(grads, inputs))
 
