@@ -39,9 +39,9 @@ from hybridpar.models.mamba.recurrence import decay_floor, linear_recurrence, re
 # is one kernel launch on a GPU, where the host's dispatch (microseconds per op) then bounds the step:
 # at 16 MiB the core of one `1b` Mamba layer at 8K tokens ran 4,672 aten ops forward and backward,
 # `small` at 32K 17,494; at 256 MiB 648 and 1,474 (counted by TorchDispatchMode). On a CPU an op costs
-# little to dispatch and smaller slices stay in cache: a Nemotron-H core at 16K tokens peaked at 698 MiB
-# and ran 5.7 s with 16 MiB slices, 1,133 MiB and 6.1 s with 256 MiB (benchmarks/hf_hybrids.py). Memory
-# stays linear in the sequence either way: at most one budget per slice, whatever its length.
+# little to dispatch, and the larger slices only cost memory: transformers' Nemotron-H on our cores at
+# 16K tokens peaked at 1,121 MiB with 256 MiB slices, 685 MiB with 16 (benchmarks/hf_hybrids.py, time
+# unchanged within noise). Memory stays linear in the sequence either way: one budget per slice at most.
 DIAGONAL_SLICE_BYTES = 256 << 20  # on an accelerator (what the planner plans for)
 HOST_DIAGONAL_SLICE_BYTES = 16 << 20  # on a CPU
 
