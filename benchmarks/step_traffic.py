@@ -124,9 +124,7 @@ class Parts:
     def part_name(name: str, kinds: dict[str, str]) -> str:
         match = re.match(r"backbone\.layers\.(\d+)(\.(.*))?$", name)
         if match:
-            rest = match.group(3) or "residual"
-            rest = rest.removeprefix("mixer.") if rest != "mixer" else "mixer"
-            return f"{kinds[match.group(1)]} block: {rest}"
+            return f"{kinds[match.group(1)]} block: {match.group(3) or 'residual'}"  # norm, mixer, mixer.in_proj...
         return {"": "LM head + loss", "backbone": "backbone", "lm_head": "LM head + loss"}.get(
             name, name.removeprefix("backbone."))
 

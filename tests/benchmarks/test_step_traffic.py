@@ -24,15 +24,17 @@ def test_every_part_of_a_step_is_counted_once_per_block_of_the_preset(tmp_path):
     (record,) = json.loads((tmp_path / "step_traffic.json").read_text())["cases"]
     assert record["blocks"] == {"Mamba2Mixer": 2, "Attention": 1, "MLP": 2}  # tiny: M*-M-
     parts = {e["part"]: e for e in record["parts"]}
-    for part in ("Mamba2Mixer block: mixer", "Mamba2Mixer block: in_proj", "Mamba2Mixer block: norm",
-                 "Attention block: mixer", "MLP block: mixer", "LM head + loss", "embeddings", "AdamW (fused)"):
+    for part in ("Mamba2Mixer block: mixer", "Mamba2Mixer block: mixer.in_proj", "Mamba2Mixer block: mixer.norm",
+                 "Mamba2Mixer block: norm", "Attention block: mixer", "MLP block: mixer", "LM head + loss", "embeddings",
+                 "AdamW (fused)"):
         assert parts[part]["memory_bound_gb"] > 0, part
     for part in ("Mamba2Mixer block: mixer", "MLP block: mixer", "LM head + loss"):
         assert parts[part]["forward_gb"] > 0 and parts[part]["backward_gb"] > 0, part
     rows = record["rows"]
     kernels = {(r["phase"], r["part"]) for r in rows if r["kind"] == "fused kernels"}
     for phase in ("forward", "backward"):  # FLA's scan and conv, the gated norm, flash attention, torch's RMSNorm
-        for part in ("Mamba2Mixer block: mixer", "Mamba2Mixer block: norm", "Attention block: mixer", "MLP block: norm"):
+        for part in ("Mamba2Mixer block: mixer", "Mamba2Mixer block: mixer.norm", "Attention block: mixer",
+                     "MLP block: norm"):
             assert (phase, part) in kernels, (phase, part)
     mamba = [r for r in rows if r["part"] == "Mamba2Mixer block: mixer" and r["kind"] == "fused kernels"]
     assert all(r["per_step"] == 2 and r["ops"] % 2 == 0 for r in mamba)
