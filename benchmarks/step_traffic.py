@@ -5,7 +5,8 @@ outside the matmuls and the fused kernels a step is memory-bound, so bytes moved
 one step (forward and backward) of a preset in bf16 mixed precision (``parallel.mixed_precision=bf16``
 on one process: ``torch.autocast``, float32 master weights and residual stream) on the fused path
 the GPU takes, and counts, with a dispatch mode, every aten op and the bytes of its tensor inputs and
-outputs (views move nothing; ``new_empty``-like ops only write), by the part of the model it belongs to:
+outputs (views and ``empty`` move nothing, ``zeros_like``-like ops only write, an ``out=`` tensor is
+written, not read), by the part of the model it belongs to:
 
 - forward: the innermost module running (forward hooks);
 - backward: the module whose forward recorded the autograd node running (a walk of each module's new
@@ -51,7 +52,8 @@ from hybridpar.parallel.parallelize import parallelize  # noqa: E402
 BANDWIDTH = 4.8e12  # bytes/s, NVIDIA H200 HBM3e
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul"}
 VIEWS = {"_unsafe_view", "promote_types"}  # a view without alias annotation; a dtype query
-FACTORIES = {"new_empty", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like", "full_like"}
+FACTORIES = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}  # write, read nothing
+EMPTY = {"empty", "new_empty", "empty_like", "empty_strided"}  # allocate only
 KINDS = {"M": "Mamba2Mixer", "*": "Attention", "-": "MLP"}
 
 
@@ -88,7 +90,9 @@ class Traffic(TorchDispatchMode):
         out = func(*args, **kwargs) if kind == "other ops" else shapes_only(func, args, kwargs)
         if base in VIEWS or any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
             return out  # a view of an input
-        read = () if base in FACTORIES else (args, kwargs)
+        if base in EMPTY:
+            return out
+        read = () if base in FACTORIES else (args, {k: v for k, v in kwargs.items() if k != "out"})
         self.record(kind, torch.utils._pytree.tree_leaves((read, out)), base)
         return out
 

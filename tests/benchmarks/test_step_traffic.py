@@ -45,7 +45,7 @@ def test_every_part_of_a_step_is_counted_once_per_block_of_the_preset(tmp_path):
     assert "| Mamba2Mixer block: mixer |" in text
 
 
-def test_views_move_nothing_factories_only_write_and_matmuls_are_not_computed():
+def test_views_and_allocations_move_nothing_factories_only_write_and_matmuls_are_not_computed():
     script = _script()
     traffic = script.Traffic(lambda: ("forward", "here"))
     x = torch.ones(4, 8)
@@ -53,9 +53,12 @@ def test_views_move_nothing_factories_only_write_and_matmuls_are_not_computed():
         x.view(8, 4).t()  # views: nothing moves
         x * 2  # reads 128 bytes, writes 128
         x.new_zeros(4, 8)  # writes 128
+        torch.empty_like(x)  # allocates: nothing moves
+        torch.add(x, 1, out=torch.empty(4, 8, dtype=torch.bfloat16))  # reads 128, writes 64
         product = x @ x.t()  # shapes only: zeros, not 8s
     rows = {(kind, op): value for (_, _, kind, op), value in traffic.rows.items()}
-    assert rows == {("other ops", "mul"): [1, 256], ("other ops", "new_zeros"): [1, 128], ("matmul", "mm"): [1, 320]}
+    assert rows == {("other ops", "mul"): [1, 256], ("other ops", "new_zeros"): [1, 128], ("other ops", "add"): [1, 192],
+                    ("matmul", "mm"): [1, 320]}
     assert product.shape == (4, 4) and not product.any()
 
 

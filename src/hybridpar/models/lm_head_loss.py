@@ -251,14 +251,16 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
                 tanh = (h[t0:t1] @ w.T).to(dtype).mul_(scale / softcap).tanh_()  # tanh(s z / c)
                 dz = (tanh * softcap).sub_(lse[t0:t1, None]).exp_()
             dz.scatter_add_(1, column[t0:t1, None], -in_block[t0:t1, None])  # - onehot(y)
-            dz.mul_(token_scale[t0:t1, None])
+            factor = token_scale[t0:t1, None]
             if softcap is not None:
-                dz.mul_(tanh.square_().neg_().add_(1.0).mul_(scale))  # dz'/dz = s (1 - tanh^2)
+                dz.mul_(factor)
+                factor = tanh.square_().neg_().add_(1.0).mul_(scale)  # dz'/dz = s (1 - tanh^2)
             if mm == dtype:
+                dz.mul_(factor)
                 grad_hidden[t0:t1].addmm_(dz, w)  # [Ct, Cv] @ [Cv, D]
                 grad_w.addmm_(dz.T, h[t0:t1])  # [Cv, Ct] @ [Ct, D]
-            else:  # bf16 matmuls (dz rounded once), accumulated in the compute dtype
-                dz = dz.to(mm)
+            else:  # bf16 matmuls: the last factor and the rounding in one pass, accumulated in the compute dtype
+                dz = torch.mul(dz, factor, out=torch.empty(dz.shape, dtype=mm, device=dz.device))
                 grad_hidden[t0:t1].add_(dz @ w)  # (``+=`` on a slice would copy the slice onto itself)
                 grad_w.add_(dz.T @ h[t0:t1])
         if not in_place:
