@@ -4,23 +4,14 @@ MFU arithmetic follows the formula in its docstring. The dry runs call its ``mai
 process (the process boundary is not the claim; two interpreter starts were most of the cost),
 with the float32 precision flags it sets put back afterwards."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_throughput.py"
+from tests.benchmarks import load_script
+
 KEYS = ["model", "tokens", "variant", "step_s", "tokens_per_s", "mfu", "peak_gib", "graph_breaks", "note"]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -32,7 +23,7 @@ def precision_kept():
 
 
 def test_dry_run_writes_every_variant_in_the_issue_schema(tmp_path, precision_kept):
-    module = _module()
+    module = load_script("gpu_throughput")
     assert module.main(["--dry-run", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "gpu_throughput.json").read_text())
     assert list(data) == ["device", "torch", "date", "command", "rows"]
@@ -53,7 +44,7 @@ def test_dry_run_writes_every_variant_in_the_issue_schema(tmp_path, precision_ke
 
 
 def test_rows_are_model_tokens_variant():
-    module = _module()
+    module = load_script("gpu_throughput")
     assert module.parse_rows("1b:8192:bf16-fused,small:131072:fp32-eager") == [
         ("1b", 8192, "bf16-fused"), ("small", 131072, "fp32-eager")]
     with pytest.raises(SystemExit, match="not model:tokens:variant"):
@@ -63,7 +54,7 @@ def test_rows_are_model_tokens_variant():
 
 
 def test_without_cuda_it_refuses_in_one_line(tmp_path, monkeypatch, capsys):
-    module = _module()
+    module = load_script("gpu_throughput")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU, even on a machine that has one
     assert module.main(["--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == ("gpu_throughput: no CUDA device here; run it on a GPU machine "
@@ -72,7 +63,7 @@ def test_without_cuda_it_refuses_in_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_model_flops_per_token_follow_the_docstring_formula():
-    module = _module()
+    module = load_script("gpu_throughput")
     from hybridpar.models.hybrid import HybridConfig, HybridLM
 
     with torch.device("meta"):

@@ -1,17 +1,13 @@
 """``benchmarks/hf_lean_norms.py`` counts the bytes kept for backward with transformers' norms and with
 hybridpar's lean norms in their place: fewer with ours, for a Mamba2 hybrid and for a Llama."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_lean_norms.py"
+from tests.benchmarks import load_script
 
 
 def test_lean_norms_keep_less_for_a_hybrid_and_a_llama(tmp_path):
-    spec = importlib.util.spec_from_file_location("hf_lean_norms", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("hf_lean_norms")
     assert module.main(["--tokens", "64", "--archs", "bamba", "llama", "--out", str(tmp_path)]) == 0
     bamba, llama = json.loads((tmp_path / "hf_lean_norms.json").read_text())["rows"]
     assert (bamba["lean_rms_norms"], bamba["lean_gated_norms"], llama["lean_rms_norms"], llama["lean_gated_norms"]) \

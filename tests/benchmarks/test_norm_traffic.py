@@ -1,24 +1,15 @@
 """``benchmarks/norm_traffic.py`` counts the bytes the pure norms move against the fused kernels: per
 norm and per step of the preset, both norm kinds, and the pure norms' traffic is their ops' tensors."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "norm_traffic.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("norm_traffic", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks import load_script
 
 
 def test_the_pure_norms_move_more_bytes_than_the_fused_kernels(tmp_path):
-    assert _script().main(["--cases", "tiny:256", "--out", str(tmp_path)]) == 0
+    assert load_script("norm_traffic").main(["--cases", "tiny:256", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "norm_traffic.json").read_text())["rows"]
     assert [(r["norm"], r["per_step"]) for r in rows] == [("RMSNorm", 6), ("GatedRMSNorm", 2)]  # tiny: M*-M-, and the final norm
     for row in rows:
@@ -28,7 +19,7 @@ def test_the_pure_norms_move_more_bytes_than_the_fused_kernels(tmp_path):
 
 
 def test_traffic_counts_every_op_once_and_views_not_at_all():
-    traffic = _script().Traffic
+    traffic = load_script("norm_traffic").Traffic
     x = torch.ones(4, 8)
     with traffic() as seen:
         y = x.view(8, 4).t()  # views: nothing moves

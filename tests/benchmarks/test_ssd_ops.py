@@ -1,19 +1,15 @@
 """``benchmarks/ssd_ops.py`` counts the SSD core's aten ops: one chunk per slice dispatches more ops
 than one slice for the whole row, and the module's slice budgets are restored afterwards."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 from hybridpar.models.mamba import ssd_chunked
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ssd_ops.py"
+from tests.benchmarks import load_script
 
 
 def test_smaller_slices_dispatch_more_ops(tmp_path):
-    spec = importlib.util.spec_from_file_location("ssd_ops", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("ssd_ops")
     before = ssd_chunked.DIAGONAL_SLICE_BYTES, ssd_chunked.HOST_DIAGONAL_SLICE_BYTES
     assert module.main(["--cases", "tiny:512", "--budgets-mib", "0", "256", "--out", str(tmp_path)]) == 0
     assert (ssd_chunked.DIAGONAL_SLICE_BYTES, ssd_chunked.HOST_DIAGONAL_SLICE_BYTES) == before

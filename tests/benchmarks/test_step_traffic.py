@@ -2,24 +2,15 @@
 every part is there (blocks multiplied by their count in the preset), the fused kernels count their
 inputs and outputs once, views move nothing, our custom ops are opened and matmuls are not computed."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_traffic.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("step_traffic", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks import load_script
 
 
 def test_every_part_of_a_step_is_counted_once_per_block_of_the_preset(tmp_path):
-    script = _script()
+    script = load_script("step_traffic")
     assert script.main(["--cases", "tiny:256", "--out", str(tmp_path)]) == 0
     (record,) = json.loads((tmp_path / "step_traffic.json").read_text())["cases"]
     assert record["blocks"] == {"Mamba2Mixer": 2, "Attention": 1, "MLP": 2}  # tiny: M*-M-
@@ -46,7 +37,7 @@ def test_every_part_of_a_step_is_counted_once_per_block_of_the_preset(tmp_path):
 
 
 def test_views_and_allocations_move_nothing_factories_only_write_and_matmuls_are_not_computed():
-    script = _script()
+    script = load_script("step_traffic")
     traffic = script.Traffic(lambda: ("forward", "here"))
     x = torch.ones(4, 8)
     with traffic:
@@ -63,9 +54,10 @@ def test_views_and_allocations_move_nothing_factories_only_write_and_matmuls_are
 
 
 def test_our_custom_ops_are_opened_and_counted_by_their_inner_ops():
-    import hybridpar.models.lm_head_loss  # noqa: F401  (registers the op)
+    from hybridpar.models import lm_head_loss
 
-    script = _script()
+    assert lm_head_loss.chunked_lm_head_loss  # importing the module registers the op
+    script = load_script("step_traffic")
     traffic = script.Traffic(lambda: ("forward", "loss"))
     hidden, weight, labels = torch.randn(16, 8), torch.randn(32, 8), torch.randint(0, 32, (16,))
     with traffic:
