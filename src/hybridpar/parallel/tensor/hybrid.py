@@ -121,7 +121,8 @@ class SplitInProj(_ComponentSplit):
         self.in_features = fused.in_features
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        narrow = autocast_narrowing(hidden_states.device.type, self.weight_z.dtype)
+        first = getattr(self, f"weight_{next(iter(self.component_sizes))}")  # components differ per mixer kind
+        narrow = autocast_narrowing(hidden_states.device.type, first.dtype)
         if narrow is not None:  # [B, S, D] @ [c_l, D]^T in one matmul on the bf16 copies
             weight = torch.cat([_local(getattr(self, f"weight_{name}")).to(narrow) for name in self.component_sizes])
             bias = None if not self.has_bias else torch.cat(
