@@ -54,9 +54,9 @@ def full_precision(fn):
 
 
 def autocast_narrowing(device_type: str, dtype: torch.dtype) -> torch.dtype | None:
-    """Autocast's dtype where autocast is on for ``device_type`` and would cast ``dtype`` weights to it
-    (a narrower float: float32 masters under bf16), else None."""
+    """Autocast's dtype where autocast is on for ``device_type`` and casts ``dtype`` weights to it in a
+    matmul (float32 masters under bf16; autocast leaves float64 and its own dtype alone), else None."""
     if not torch.is_autocast_enabled(device_type):
         return None
     target = torch.get_autocast_dtype(device_type)
-    return target if dtype.is_floating_point and dtype.itemsize > target.itemsize else None
+    return target if dtype.is_floating_point and dtype not in (torch.float64, target) else None

@@ -69,3 +69,16 @@ def test_under_bf16_autocast_one_matmul_runs_and_keeps_the_bytes_the_component_c
     for got, want in zip(one[2], per[2]):
         torch.testing.assert_close(got, want.float(), rtol=1e-2, atol=1e-2)
     assert one[3] == per[3]
+
+
+def test_the_one_matmul_casts_exactly_what_autocast_would():
+    """``autocast_narrowing`` follows autocast's rule: float32 (and float16) weights are cast to its dtype,
+    float64 and weights already in it are not, and nothing is cast without autocast."""
+    from hybridpar.models.precision import autocast_narrowing
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for dtype in (torch.float32, torch.float16, torch.float64, torch.bfloat16):
+            a, b = torch.ones(2, 3, dtype=dtype), torch.ones(3, 2, dtype=dtype)
+            autocast_dtype = (a @ b).dtype
+            assert autocast_narrowing("cpu", dtype) == (autocast_dtype if autocast_dtype != dtype else None), dtype
+    assert autocast_narrowing("cpu", torch.float32) is None
