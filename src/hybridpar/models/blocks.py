@@ -12,7 +12,7 @@ from hybridpar.models.norm_kernels import fused_gated_rms_norm, fused_rms_norm, 
 class _Relu2(torch.autograd.Function):
     """``y = r * r`` with ``r = relu(x)``, keeping only ``r`` (as eager autograd does) and one
     backward product ``dx = 2 (dy * r)`` (``r = 0`` where ``x <= 0``, so no mask is needed). Eager
-    autograd ran ``dy * r`` twice, their sum, then relu's mask: five ``[T, I]`` passes where this
+    autograd ran ``dy * r`` twice, their sum, then relu's mask: four ``[T, I]`` passes where this
     makes two, with the same values in bf16 (``2 round(dy r)``, doubling is exact)."""
 
     @staticmethod

@@ -238,9 +238,9 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
     local_labels = labels - vocab_offset
     grad_hidden = torch.zeros(tokens, h.shape[1], dtype=dtype, device=h.device)
     grad_weight = torch.empty_like(weight)
+    in_place = grad_weight.dtype == dtype  # accumulate in the output's rows, no copy at the end
     for v0, v1 in _blocks(rows, chunk_size):
         w = weight[v0:v1].to(mm)  # [Cv, D]
-        in_place = grad_weight.dtype == dtype  # accumulate in the output's rows, no copy at the end
         grad_w = grad_weight[v0:v1].zero_() if in_place else torch.zeros(w.shape, dtype=dtype, device=w.device)
         in_block = ((local_labels >= v0) & (local_labels < v1)).to(dtype)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
