@@ -19,9 +19,11 @@ initial states); with a stand-in scan, the conv registered with it or ours (``co
 accumulate in float32; ``q``, ``k``, ``v`` are in the activations' dtype (bf16 under mixed precision).
 
 ``hybridpar::fused_conv_scan`` runs that math without autograd and saves only its inputs;
-``hybridpar::fused_conv_scan_backward`` recomputes it up to the scan's output with autograd on and
-differentiates it (FLA's own backward kernels; the ``D x`` skip's gradients are written out,
-``_skip_grads``), so a block's saved bytes do not depend on the kernel.
+``hybridpar::fused_conv_scan_backward`` recomputes it up to the scan's output and differentiates it:
+the scan through FLA's own backward kernels, the elementwise steps around it (``v = x dt``, the
+``D x`` skip, the repeat of B/C to heads) written out (``fused_glue.py``: each product computed wide
+and rounded once, no wide copies), the conv and the small ``[T, H]`` steps through autograd. A
+block's saved bytes do not depend on the kernel.
 ``torch.compile`` sees two opaque ops with fake kernels: no graph break, and FLA's launchers
 (host syncs, autotuning) stay out of the trace.
 
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridpar.models.mamba.conv import conv_forward
+from hybridpar.models.mamba.fused_glue import add_skip, grad_D, grad_dt, grad_x_into, scan_values
 from hybridpar.models.precision import autocast_off
 
 __all__ = ["fla_scan", "fla_status", "fla_gated_backward_refusal", "gated_backward_refusal", "import_fla",
@@ -178,46 +181,45 @@ def _conv_silu(xBC, conv_weight, conv_bias, conv_history, cu_docs, init_at, fp, 
     return out.squeeze(0).to(xBC.dtype)  # a view: its backward is one too (``out[0]`` scattered into zeros)
 
 
-def _scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, init_states, conv_history, cu_docs, init_at,
-          want_final, head_dim, state_size, dt_min, dt_max, scan, fla_conv):
-    """``(o [1, T, H, P] in xBC's dtype, final states [n_docs, H, P, N] in fp32 or wider or None,
-    x [1, T, H, P]: the conv output the D skip reads)``: everything but the skip."""
-    batch, seqlen, width = xBC.shape
-    heads = dt.shape[-1]
-    d_inner = heads * head_dim
-    groups = (width - d_inner) // (2 * state_size)
-    total = batch * seqlen
+def _glue(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, init_states, conv_history, cu_docs, init_at, dt_min,
+          dt_max, fla_conv):
+    """What feeds the scan besides its q, k, v: ``(post [T, C] = silu(conv(xBC)) in xBC's dtype, dt_used
+    [T, H] and g [1, T, H] log decays in fp32 or wider, initial states [n_docs, H, P, N] or None)``,
+    recorded by autograd where it is on (the backward differentiates these through autograd)."""
+    total, heads = xBC.shape[0] * xBC.shape[1], dt.shape[-1]
     fp = torch.promote_types(xBC.dtype, torch.float32)  # decays, dt and the D skip: fp32 or wider
     cast = lambda t: None if t is None else t.to(fp)  # noqa: E731
     post = _conv_silu(xBC, conv_weight, conv_bias, conv_history, cu_docs, init_at, fp, fla_conv)  # q, k, v dtype
-    x, B, C = post.split([d_inner, groups * state_size, groups * state_size], dim=-1)  # [T, .]
     dt_used = F.softplus(cast(dt.reshape(total, heads)) + cast(dt_bias))  # [T, H]
     if (dt_min, dt_max) != (0.0, float("inf")):
         dt_used = dt_used.clamp(dt_min, dt_max)
-    x = x.view(1, total, heads, head_dim)
-    per_head = heads // groups
-    k = B.view(1, total, groups, 1, state_size).expand(-1, -1, -1, per_head, -1).reshape(1, total, heads, state_size)
-    q = C.view(1, total, groups, 1, state_size).expand(-1, -1, -1, per_head, -1).reshape(1, total, heads, state_size)
-    v = (x * dt_used[None, :, :, None]).to(x.dtype)  # the product in fp32 (promoted), rounded once
-    g = (dt_used * -torch.exp(cast(A_log)))[None]  # [1, T, H] log decays
+    g = (dt_used * -torch.exp(cast(A_log)))[None]  # [1, T, H]
     initial = None if init_states is None else _per_document(init_states, init_at, cu_docs, fp)  # [n_docs, H, P, N]
-    o, final = scan(q, k, v, g, scale=1.0, initial_state=initial, output_final_state=want_final,
-                    cu_seqlens=cu_docs.long(), state_v_first=True)
-    return o, (None if final is None else final.to(fp)), x
+    return post, dt_used, g, initial
 
 
-def _skip(o: Tensor, x: Tensor, D: Tensor) -> Tensor:
-    """``y = o + D x`` ``[1, T, H, P]`` computed in fp32 or wider (promoted), rounded once to o's dtype."""
-    return torch.addcmul(o, x, D.to(torch.promote_types(o.dtype, torch.float32))[:, None]).to(o.dtype)
+def _widths(post: Tensor, heads: int, head_dim: int, state_size: int) -> list[int]:
+    """Widths of x, B and C in the conv output's channels."""
+    d_inner = heads * head_dim
+    groups = (post.shape[-1] - d_inner) // (2 * state_size)
+    return [d_inner, groups * state_size, groups * state_size]
 
 
-def _skip_grads(grad_y: Tensor, x: Tensor, D: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(d o, d x, d D)`` of ``_skip`` by hand (``d o = dy``, ``d x = D dy``, ``d D = sum_{t,p} dy x``), so
-    the backward need not recompute the skip: the products in fp32 or wider, each rounded once."""
-    fp = torch.promote_types(x.dtype, torch.float32)
-    dy = grad_y.reshape(x.shape)
-    grad_D = (dy.to(fp) * x).sum(dim=(0, 1, 3))  # [H]
-    return dy.to(x.dtype), (dy * D.to(fp)[:, None]).to(x.dtype), grad_D.to(D.dtype)
+def _split(post: Tensor, heads: int, head_dim: int, state_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x [1, T, H, P], q [1, T, H, N], k [1, T, H, N])``: x a view of ``post``, q = C and k = B repeated
+    from groups to heads (copies: the scan takes one head count)."""
+    total = post.shape[0]
+    x, B, C = post.split(_widths(post, heads, head_dim, state_size), dim=-1)
+    groups = B.shape[-1] // state_size
+    repeat = lambda t: (t.view(1, total, groups, 1, state_size).expand(-1, -1, -1, heads // groups, -1)  # noqa: E731
+                        .reshape(1, total, heads, state_size))
+    return x.view(1, total, heads, head_dim), repeat(C), repeat(B)
+
+
+def _run_scan(scan, q, k, v, g, initial, want_final: bool, cu_docs):
+    """``(o [1, T, H, P] in v's dtype, final states [n_docs, H, P, N] or None)``."""
+    return scan(q, k, v, g, scale=1.0, initial_state=initial, output_final_state=want_final,
+                cu_seqlens=cu_docs.long(), state_v_first=True)
 
 
 @contextlib.contextmanager
@@ -248,11 +250,14 @@ def _fused_op(
     if check_states:  # a host sync: skipped where choose_kernel has checked these states (eager)
         _check_states(cu_docs, init_at, final_at)
     with torch.no_grad(), autocast_off():
-        o, final, x = _scan(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, init_states, conv_history, cu_docs,
-                            init_at, final_at is not None, head_dim, state_size, dt_min, dt_max, *_kernels(scan))
-        y = _skip(o, x, D).reshape(xBC.shape[0], xBC.shape[1], -1) if want_y else xBC.new_empty(0)
+        scan_kernel, fla_conv = _kernels(scan)
+        post, dt_used, g, initial = _glue(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, init_states, conv_history,
+                                          cu_docs, init_at, dt_min, dt_max, fla_conv)
+        x, q, k = _split(post, dt.shape[-1], head_dim, state_size)
+        o, final = _run_scan(scan_kernel, q, k, scan_values(x, dt_used), g, initial, final_at is not None, cu_docs)
+        y = add_skip(o, x, D).reshape(xBC.shape[0], xBC.shape[1], -1) if want_y else xBC.new_empty(0)
     fp = torch.promote_types(xBC.dtype, torch.float32)
-    return y, (final if final is not None else xBC.new_empty(0, dtype=fp))
+    return y, (final.to(fp) if final is not None else xBC.new_empty(0, dtype=fp))
 
 
 @_fused_op.register_fake
@@ -277,27 +282,45 @@ def _fused_backward_op(
     conv_history: Tensor | None, cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None, head_dim: int,
     state_size: int, dt_min: float, dt_max: float, scan: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of ``fused_conv_scan``: the scan's through its kernel's own backward, the elementwise
+    steps around it written out (``fused_glue.py``), the conv's and the small ``[T, H]`` steps' through
+    autograd. Recomputes the forward up to the scan's output; nothing of the forward was kept."""
     inputs = (xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history)
+    scan_kernel, fla_conv = _kernels(scan)
+    heads = dt.shape[-1]
     with autograd_on(), autocast_off():
         scanned = inputs[:_D] + inputs[_D + 1:]  # every input but D, whose gradient is written out
         leaves = [None if t is None else t.detach().requires_grad_() for t in scanned]
-        o, final, x = _scan(*leaves, cu_docs, init_at, final_at is not None, head_dim, state_size, dt_min, dt_max,
-                            *_kernels(scan))
-        outputs, grads_out, grad_D = [], [], None
-        if grad_y is not None and grad_y.numel():
-            grad_o, grad_x, grad_D = _skip_grads(grad_y, x, D)
-            outputs += [o, x]
-            grads_out += [grad_o, grad_x]
-        if final is not None and grad_final is not None and grad_final.numel():
-            outputs.append(final)
-            grads_out.append(grad_final)
+        post, dt_used, g, initial = _glue(*leaves, cu_docs, init_at, dt_min, dt_max, fla_conv)
+        x, q, k = _split(post.detach(), heads, head_dim, state_size)
+        scan_in = [q, k, scan_values(x, dt_used.detach()), g.detach()] + ([] if initial is None else [initial.detach()])
+        scan_in = [t.requires_grad_() for t in scan_in]
+        o, final = _run_scan(scan_kernel, *scan_in[:4], scan_in[4] if initial is not None else None,
+                             final_at is not None, cu_docs)
+        dy = grad_y.reshape(x.shape) if grad_y is not None and grad_y.numel() else None
+        d_final = grad_final if final is not None and grad_final is not None and grad_final.numel() else None
+        seeds = [(out, grad) for out, grad in ((o, dy), (final, d_final)) if grad is not None]
+        d_scan = torch.autograd.grad([out for out, _ in seeds], scan_in, [grad for _, grad in seeds],
+                                     allow_unused=True) if seeds else [None] * len(scan_in)
+        dq, dk, dv, dg = (torch.zeros_like(t) if d is None else d for d, t in zip(d_scan[:4], scan_in[:4]))
+        d_post = torch.empty_like(post)  # [T, C]: x's, B's and C's gradients written into their columns
+        dx, dB, dC = d_post.split(_widths(post, heads, head_dim, state_size), dim=-1)
+        D = D.detach()  # autograd is on here: nothing below may record
+        grad_x_into(dx.view(x.shape), dv, dt_used.detach(), dy, D)
+        groups = dB.shape[-1] // state_size
+        for d_heads, out in ((dk, dB), (dq, dC)):  # the repeat's gradient: a sum over each group's heads
+            by_group = d_heads.view(1, -1, groups, heads // groups, state_size)
+            torch.sum(by_group, dim=3, out=out.view(1, -1, groups, state_size))
+        grad_D_ = grad_D(dy, x, D) if dy is not None else torch.zeros_like(D)
+        roots = [(post, d_post), (dt_used, grad_dt(dv, x)), (g, dg)]
+        if initial is not None and d_scan[4] is not None:
+            roots.append((initial, d_scan[4]))
         wanted = [leaf for leaf in leaves if leaf is not None]
-        found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True) if outputs else
-                     [None] * len(wanted))
+        found = iter(torch.autograd.grad([t for t, _ in roots], wanted, [d for _, d in roots], allow_unused=True))
     grads = [None if leaf is None else next(found) for leaf in leaves]
-    grads.insert(_D, grad_D)
-    return tuple(xBC.new_empty(0) if t is None else (torch.zeros_like(t) if g is None else g)
-                 for g, t in zip(grads, inputs))
+    grads.insert(_D, grad_D_)
+    return tuple(xBC.new_empty(0) if t is None else (torch.zeros_like(t) if grad is None else grad)
+                 for grad, t in zip(grads, inputs))
 
 
 @_fused_backward_op.register_fake
