@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpar.models.lm_head_loss import chunked_lm_head_loss
+from hybridpar.models.lm_head_loss import block_shape, chunked_lm_head_loss
 from hybridpar.train.loss import IGNORE_INDEX, lm_head_loss
 
 TOL = 1e-10
@@ -75,6 +75,19 @@ def test_equals_cross_entropy_in_float64(chunk_size):
     assert (loss - want_loss).abs().item() < TOL * max(1.0, want_loss.abs().item())
     assert (h.grad - want_dh).abs().max().item() < TOL
     assert (w.grad - want_dw).abs().max().item() < TOL
+
+
+def test_blocks_keep_their_elements_with_fewer_tokens():
+    """Fewer tokens than ``TOKEN_BLOCKS * C``: more vocabulary rows per block, the same elements at most
+    (``chunk_size=16`` above runs 37 tokens by 27 rows: blocks of 27, 27 and 7 rows)."""
+    c = 4096
+    assert block_shape(131072, 65536, c) == (4 * c, c)
+    assert block_shape(8192, 65536, c) == (8192, 2 * c)  # 8 vocabulary blocks, not 16
+    assert block_shape(8192, 5000, c) == (8192, 5000)  # never more rows than there are
+    assert block_shape(37, 61, 16) == (37, 27)
+    for tokens in (1, 100, 4 * c - 1, 4 * c, 10**6):
+        token_block, row_block = block_shape(tokens, 10**6, c)
+        assert token_block * row_block <= 4 * c * c and row_block >= c
 
 
 TRANSFORMS = [(1 / 3, None), (2.5, None), (1.0, 2.0), (0.7, 5.0)]  # Granite, Cohere, Gemma, both

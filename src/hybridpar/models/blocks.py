@@ -11,9 +11,10 @@ from hybridpar.models.norm_kernels import fused_gated_rms_norm, fused_rms_norm, 
 
 class _Relu2(torch.autograd.Function):
     """``y = r * r`` with ``r = relu(x)``, keeping only ``r`` (as eager autograd does) and one
-    backward product ``dx = 2 (dy * r)`` (``r = 0`` where ``x <= 0``, so no mask is needed). Eager
-    autograd ran ``dy * r`` twice, their sum, then relu's mask: four ``[T, I]`` passes where this
-    makes two, with the same values in bf16 (``2 round(dy r)``, doubling is exact)."""
+    backward pass ``dx = 0 + 2 dy r`` (one ``addcmul`` on a zero scalar; ``r = 0`` where ``x <= 0``, so
+    no mask is needed). Eager autograd ran ``dy * r`` twice, their sum, then relu's mask: four
+    ``[T, I]`` passes where this makes one, with the same values (``round(2 dy r) = 2 round(dy r)``:
+    doubling is exact, and a bf16 product is exact in the float32 it is computed in)."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -24,7 +25,7 @@ class _Relu2(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         (r,) = ctx.saved_tensors
-        return torch.mul(grad, r).mul_(2)
+        return torch.addcmul(grad.new_zeros(()), grad, r, value=2)
 
 
 def relu2(x: Tensor) -> Tensor:

@@ -36,9 +36,10 @@ stays float64); the statistics, ``grad_hidden [T, D]`` and each vocabulary block
 accumulate in that dtype and are cast to the input dtypes once at the end. Under autocast (bf16
 mixed precision of a float32 model) the block matmuls alone run in the autocast dtype, forward
 and backward alike (the backward recomputes the forward's logits); statistics stay float32.
-A block is ``TOKEN_BLOCKS * C`` tokens by ``C`` vocabulary rows (``C = chunk_size``): every block
-costs a dozen small ops besides its matmul, each a kernel launch on a GPU (at ``[C, C]`` blocks the
-loss made 88% of the ops of an eager ``small`` step at 128K tokens, ``benchmarks/step_traffic.py``).
+A block is ``TOKEN_BLOCKS * C`` tokens by ``C`` vocabulary rows (``C = chunk_size``), with more rows
+when there are fewer tokens (``block_shape``: the same elements): every block costs a dozen small ops
+besides its matmul, each a kernel launch on a GPU (at ``[C, C]`` blocks the loss made 88% of the ops
+of an eager ``small`` step at 128K tokens, ``benchmarks/step_traffic.py``).
 Peak memory beyond the inputs and gradients: a few such blocks and ``O(T)`` statistics.
 
 The same passes run on a vocabulary shard (rows ``[offset, offset + V_local)``): they return
@@ -63,7 +64,7 @@ from torch import Tensor
 from hybridpar.models.precision import full_precision
 
 __all__ = [
-    "IGNORE_INDEX", "LMHeadLoss", "ChunkedLMHeadLoss", "chunked_lm_head_loss", "check_lm_head_inputs",
+    "IGNORE_INDEX", "LMHeadLoss", "block_shape", "ChunkedLMHeadLoss", "chunked_lm_head_loss", "check_lm_head_inputs",
     "check_label_values", "check_logit_transform", "local_statistics", "local_gradients", "loss_from_statistics",
 ]
 
@@ -167,6 +168,16 @@ def _shifted(logits: Tensor, shift: Tensor, dtype: torch.dtype) -> Tensor:
 TOKEN_BLOCKS = 4  # tokens per block, in chunk sizes
 
 
+def block_shape(tokens: int, rows: int, chunk_size: int) -> tuple[int, int]:
+    """``(tokens, rows)`` of one block of logits: ``TOKEN_BLOCKS * C`` tokens by ``C`` rows, and with
+    fewer tokens than that, as many more rows as keep the block's ``TOKEN_BLOCKS * C * C`` elements
+    (fewer blocks, each a dozen kernel launches: 8 where there were 16 for 8,192 tokens and a 64K
+    vocabulary), never more rows than there are."""
+    token_block = max(1, min(tokens, TOKEN_BLOCKS * chunk_size))
+    row_block = max(chunk_size, TOKEN_BLOCKS * chunk_size * chunk_size // token_block)
+    return token_block, max(1, min(rows, row_block))
+
+
 def _blocks(size: int, chunk_size: int):
     return ((start, min(start + chunk_size, size)) for start in range(0, size, chunk_size))
 
@@ -192,11 +203,12 @@ def local_statistics(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size:
     target = torch.zeros(tokens, dtype=dtype, device=h.device)
     argmax = torch.zeros(tokens, dtype=torch.long, device=h.device)
     local_labels = labels - vocab_offset  # [T]; -100 and other shards' ids fall outside [0, rows)
-    for v0, v1 in _blocks(rows, chunk_size):
+    token_block, row_block = block_shape(tokens, rows, chunk_size)
+    for v0, v1 in _blocks(rows, row_block):
         w = weight[v0:v1].to(matmul_dtype or dtype)  # [Cv, D]
         in_block = (local_labels >= v0) & (local_labels < v1)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
-        for t0, t1 in _blocks(tokens, TOKEN_BLOCKS * chunk_size):
+        for t0, t1 in _blocks(tokens, token_block):
             logits = _logits(h[t0:t1] @ w.T, dtype, scale, softcap)  # [Ct, Cv]: z', one block
             block_max, block_arg = logits.max(dim=1)
             block_max = block_max.to(dtype)  # exact: the max is one of the block's values
@@ -239,12 +251,13 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
     grad_hidden = torch.zeros(tokens, h.shape[1], dtype=dtype, device=h.device)
     grad_weight = torch.empty_like(weight)
     in_place = grad_weight.dtype == dtype  # accumulate in the output's rows, no copy at the end
-    for v0, v1 in _blocks(rows, chunk_size):
+    token_block, row_block = block_shape(tokens, rows, chunk_size)
+    for v0, v1 in _blocks(rows, row_block):
         w = weight[v0:v1].to(mm)  # [Cv, D]
         grad_w = grad_weight[v0:v1].zero_() if in_place else torch.zeros(w.shape, dtype=dtype, device=w.device)
         in_block = ((local_labels >= v0) & (local_labels < v1)).to(dtype)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
-        for t0, t1 in _blocks(tokens, TOKEN_BLOCKS * chunk_size):
+        for t0, t1 in _blocks(tokens, token_block):
             if softcap is None:  # softmax(z'), this block [Ct, Cv]
                 dz = _shifted(_logits(h[t0:t1] @ w.T, dtype, scale, None), lse[t0:t1], dtype).exp_()
             else:

@@ -49,7 +49,7 @@ import inspect
 from dataclasses import dataclass
 
 from hybridpar.models.attention.blockwise import BLOCK_SIZE, KEYS_PER_STEP
-from hybridpar.models.lm_head_loss import TOKEN_BLOCKS
+from hybridpar.models.lm_head_loss import block_shape
 from hybridpar.models.mamba.ssd_chunked import DIAGONAL_SLICE_BYTES
 from hybridpar.train.loss import lm_head_loss
 
@@ -128,8 +128,9 @@ def block_workspaces(layout: Layout, kind: str) -> Workspaces:
 def loss_workspaces(layout: Layout) -> Workspaces:
     c, ec, tc = layout.model, layout.compute_bytes, layout.tokens
     vocab = c.vocab_size // layout.tp
-    block = min(TOKEN_BLOCKS * LOSS_CHUNK, tc) * min(LOSS_CHUNK, vocab) * ec
+    token_block, row_block = block_shape(tc, vocab, LOSS_CHUNK)
+    block = token_block * row_block * ec
     forward = 2 * block
     backward = tc * c.hidden_size * ec + vocab * c.hidden_size * layout.param_bytes + 2 * block + \
-        min(LOSS_CHUNK, vocab) * c.hidden_size * ec
+        row_block * c.hidden_size * ec
     return Workspaces(forward, backward)
