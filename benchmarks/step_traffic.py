@@ -6,7 +6,8 @@ one step (forward and backward) of a preset in bf16 mixed precision (``parallel.
 on one process: ``torch.autocast``, float32 master weights and residual stream) on the fused path
 the GPU takes, and counts, with a dispatch mode, every aten op and the bytes of its tensor inputs and
 outputs (views and ``empty`` move nothing, ``zeros_like``-like ops only write, an ``out=`` tensor is
-written, not read), by the part of the model it belongs to:
+written, not read; an in-place scatter touches only the elements it indexes), by the part of the
+model it belongs to:
 
 - forward: the innermost module running (forward hooks);
 - backward: the module whose forward recorded the autograd node running (a walk of each module's new
@@ -54,6 +55,7 @@ MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul"}
 VIEWS = {"_unsafe_view", "promote_types"}  # a view without alias annotation; a dtype query
 FACTORIES = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}  # write, read nothing
 EMPTY = {"empty", "new_empty", "empty_like", "empty_strided"}  # allocate only
+SCATTERS = {"scatter_", "scatter_add_", "index_add_", "index_copy_", "index_put_"}  # touch the indexed elements only
 KINDS = {"M": "Mamba2Mixer", "*": "Attention", "-": "MLP"}
 
 
@@ -91,6 +93,10 @@ class Traffic(TorchDispatchMode):
         if base in VIEWS or any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
             return out  # a view of an input
         if base in EMPTY:
+            return out
+        if base in SCATTERS:  # reads its index and values, writes as many elements of its target
+            touched = torch.utils._pytree.tree_leaves((args[1:], kwargs))
+            self.record(kind, touched + [t for t in touched[-1:] if isinstance(t, torch.Tensor)], base)
             return out
         read = () if base in FACTORIES else (args, {k: v for k, v in kwargs.items() if k != "out"})
         self.record(kind, torch.utils._pytree.tree_leaves((read, out)), base)
