@@ -36,7 +36,10 @@ earlier run in ``--out``'s JSON and replaces those measured again (two calls on 
 
 Writes ``gpu_throughput.json`` (``{"device", "torch", "date", "command", "rows": [{"model",
 "tokens", "variant", "step_s", "tokens_per_s", "mfu", "peak_gib", "graph_breaks", "note"}]}``) and
-``gpu_throughput.md``. A row that does not fit (out of memory), fails (the error) or is skipped
+``gpu_throughput.md``. A row's note gives the host's time per step (until the step's Python returns,
+before the device sync): near ``step_s``, the device waited on the host (kernel launches, Python,
+or a host sync inside the step), and fewer ops, no syncs or CUDA graphs are the lever, not fewer
+bytes. A row that does not fit (out of memory), fails (the error) or is skipped
 for time has null numbers and says why in its note. Without CUDA (and without ``--dry-run``) it refuses.
 """
 
@@ -222,10 +225,11 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
             _sync(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            times = []
+            times, host = [], []
             for _ in range(timed):
                 start = time.perf_counter()
                 step()
+                host.append(time.perf_counter() - start)  # the host's work (launches, Python) until step() returns
                 _sync(device)
                 times.append(time.perf_counter() - start)
             if profile_to is not None:
@@ -235,6 +239,8 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
         row["mfu"] = flops * row["tokens_per_s"] / peak if peak else None
         row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
         row["graph_breaks"] = sum(counters["graph_break"].values())
+        host_s = statistics.median(host)  # near step_s: the device waited on the host (launch-bound)
+        note = "; ".join(filter(None, [note, f"host {host_s:.3f} s of {row['step_s']:.3f}"]))
     except torch.OutOfMemoryError as error:
         note = f"out of memory: {str(error).splitlines()[0][:90]}"
     except Exception as error:  # noqa: BLE001 - a row that fails is reported, the others still run

@@ -309,7 +309,7 @@ def _fused_backward_op(
         grad_x_into(dx.view(x.shape), dv, dt_used.detach(), dy, D)
         groups = dB.shape[-1] // state_size
         for d_heads, out in ((dk, dB), (dq, dC)):  # the repeat's gradient: a sum over each group's heads
-            by_group = d_heads.view(1, -1, groups, heads // groups, state_size)
+            by_group = d_heads.reshape(1, -1, groups, heads // groups, state_size)  # a view where FLA gives it dense
             torch.sum(by_group, dim=3, out=out.view(1, -1, groups, state_size))
         grad_D_ = grad_D(dy, x, D) if dy is not None else torch.zeros_like(D)
         roots = [(post, d_post), (dt_used, grad_dt(dv, x)), (g, dg)]
