@@ -297,6 +297,7 @@ def _fused_backward_op(
         scan_in = [t.requires_grad_() for t in scan_in]
         o, final = _run_scan(scan_kernel, *scan_in[:4], scan_in[4] if initial is not None else None,
                              final_at is not None, cu_docs)
+        final = None if final is None else final.to(g.dtype)  # the forward's dtype (fp32 or wider), as grad_final
         dy = grad_y.reshape(x.shape) if grad_y is not None and grad_y.numel() else None
         d_final = grad_final if final is not None and grad_final is not None and grad_final.numel() else None
         seeds = [(out, grad) for out, grad in ((o, dy), (final, d_final)) if grad is not None]
