@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.config_rules import quoted
-from hybridpar.models.attention.mixer import apply_rotary, rotary_cos_sin
+from hybridpar.models.attention.rotary import apply_rotary, rotary_cos_sin
 from hybridpar.models.mamba.core import mamba_conv_scan
 
 __all__ = ["GenerationCache", "prefill", "decode_step", "sample_next", "check_sampling", "generate",

@@ -18,25 +18,7 @@ from torch import Tensor, nn
 from hybridpar.models.attention.kernels import attention_core
 from hybridpar.models.attention.layout import AttentionLayout, cached
 from hybridpar.models.attention.blockwise import check_qkv
-
-
-def rotary_cos_sin(position_ids: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``cos, sin [B, S, rotary_dim]`` for integer positions ``[B, S]`` (half-split layout)."""
-    compute_dtype = torch.promote_types(dtype, torch.float32)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=compute_dtype, device=position_ids.device) / rotary_dim))
-    angles = position_ids.to(compute_dtype)[..., None] * inv_freq  # [B, S, rotary_dim/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [B, S, rotary_dim]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first ``cos.shape[-1]`` channels of every head of ``x [B, S, H, Dh]``."""
-    rotary_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated_half = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    x_rot = x_rot * cos[:, :, None, :] + rotated_half * sin[:, :, None, :]
-    return torch.cat([x_rot, x_pass], dim=-1)
+from hybridpar.models.attention.rotary import apply_rotary, rotary_cos_sin
 
 
 def sequence_layout(packed, seq_len: int, device: torch.device) -> AttentionLayout:
