@@ -1,6 +1,7 @@
-"""RoPE with its gradient written out (``models/attention/rotary.py``): transformers' Llama rotation in
-float64 (values and gradients, whole and partial rotary dims), a float64 gradcheck, bf16 within
-rounding, no concatenation in either direction, and angles that would train refused."""
+"""RoPE with its gradient written out (``models/attention/rotary.py``): eager autograd's values and
+gradients bit for bit (float64, float32, bf16), transformers' Llama rotation in float64 (whole and
+partial rotary dims), a float64 gradcheck, bf16 within rounding, no concatenation in either
+direction, the compiled form, and angles that would train refused."""
 
 from __future__ import annotations
 
@@ -27,6 +28,27 @@ def _transformers(x, cos, sin):
     r = cos.shape[-1]
     rotated, _ = apply_rotary_pos_emb(x[..., :r].transpose(1, 2), x[..., :r].transpose(1, 2), cos, sin)
     return torch.cat([rotated.transpose(1, 2), x[..., r:]], dim=-1)
+
+
+def _eager(x, cos, sin):
+    """The autograd form this replaced: ``x * cos + rotate_half(x) * sin`` on the first ``r`` channels."""
+    r, half = cos.shape[-1], cos.shape[-1] // 2
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    rotated_half = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * cos[:, :, None, :] + rotated_half * sin[:, :, None, :], x_pass], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [16, 6])
+def test_values_and_gradient_are_eager_autograds_bit_for_bit(dtype, rotary_dim):
+    """No fused multiply-add: a trained model's trajectory stays that of eager autograd."""
+    x, cos, sin = _case(rotary_dim, dtype=dtype)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=F64).to(dtype)
+    outs = []
+    for fn in (apply_rotary, _eager):
+        out = fn(x, cos, sin)
+        outs.append((out, *torch.autograd.grad(out, x, grad)))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 8, 2])

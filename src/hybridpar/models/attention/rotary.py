@@ -10,13 +10,14 @@ Its gradient is the transpose (the inverse rotation: the halves of cos and sin a
 
     dx1 = dy1 c1 + dy2 s2     dx2 = dy2 c2 - dy1 s1     dx_pass = dy_pass
 
-Eager, each half is one ``mul`` into its columns of the output and one ``addcmul_`` (under
-``torch.compile`` the plain form, which inductor fuses): about 5 reads and writes of ``x``'s size
-each way, nothing kept but ``cos`` and ``sin``. Eager autograd of
+Eager, each half is one ``mul`` into its columns of the output, one ``mul`` of half its size and an
+in-place sum (under ``torch.compile`` the plain form, which inductor fuses): about 7 reads and writes
+of ``x``'s size each way, nothing kept but ``cos`` and ``sin``. Eager autograd of
 ``x * cos + rotate_half(x) * sin`` (a negation, two concatenations, one of them with the empty
 pass-through, two products and a sum) made about 12 forward and 18 backward
-(``benchmarks/step_traffic.py``, ``small`` at 128K tokens). Values: the same sum of products,
-rounded twice where eager rounded three times.
+(``benchmarks/step_traffic.py``, ``small`` at 128K tokens). Values: bit for bit eager autograd's,
+forward and backward (each product rounded, then the sum; no fused multiply-add, which would move a
+training run's trajectory: ``make demo``'s did).
 """
 
 from __future__ import annotations
@@ -46,9 +47,15 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
         return torch.cat([x1 * c[..., :half] + sign * x2 * s1, x2 * c[..., half:] - sign * x1 * s2, x[..., r:]], dim=-1)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     x1, x2, o1, o2 = x[..., :half], x[..., half:r], out[..., :half], out[..., half:r]
-    sign = 1.0 if inverse else -1.0
-    torch.mul(x1, c[..., :half], out=o1).addcmul_(x2, s[..., half:] if inverse else s[..., :half], value=sign)
-    torch.mul(x2, c[..., half:], out=o2).addcmul_(x1, s[..., :half] if inverse else s[..., half:], value=-sign)
+    s1, s2 = (s[..., half:], s[..., :half]) if inverse else (s[..., :half], s[..., half:])
+    torch.mul(x1, c[..., :half], out=o1)
+    torch.mul(x2, c[..., half:], out=o2)
+    if inverse:  # each product rounded, then the sum: eager autograd's values, bit for bit
+        o1.add_(x2 * s1)
+        o2.sub_(x1 * s2)
+    else:
+        o1.sub_(x2 * s1)
+        o2.add_(x1 * s2)
     if r < x.shape[-1]:
         out[..., r:].copy_(x[..., r:])
     return out
