@@ -41,15 +41,15 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     """``x [B, S, H, Dh]`` rotated (or rotated back) by ``cos, sin [B, S, r]`` into a new tensor."""
     r, half = cos.shape[-1], cos.shape[-1] // 2
     c, s = cos[:, :, None, :], sin[:, :, None, :]
-    if torch.compiler.is_compiling():  # dynamo takes no strided out=; inductor fuses the plain form into one kernel
-        x1, x2, sign = x[..., :half], x[..., half:r], (1.0 if inverse else -1.0)
-        s1, s2 = (s[..., half:], s[..., :half]) if inverse else (s[..., :half], s[..., half:])
-        return torch.cat([x1 * c[..., :half] + sign * x2 * s1, x2 * c[..., half:] - sign * x1 * s2, x[..., r:]], dim=-1)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
-    x1, x2, o1, o2 = x[..., :half], x[..., half:r], out[..., :half], out[..., half:r]
+    x1, x2, c1, c2 = x[..., :half], x[..., half:r], c[..., :half], c[..., half:]
     s1, s2 = (s[..., half:], s[..., :half]) if inverse else (s[..., :half], s[..., half:])
-    torch.mul(x1, c[..., :half], out=o1)
-    torch.mul(x2, c[..., half:], out=o2)
+    if torch.compiler.is_compiling():  # dynamo takes no strided out=; inductor fuses the plain form into one kernel
+        sign = 1.0 if inverse else -1.0
+        return torch.cat([x1 * c1 + sign * x2 * s1, x2 * c2 - sign * x1 * s2, x[..., r:]], dim=-1)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    o1, o2 = out[..., :half], out[..., half:r]
+    torch.mul(x1, c1, out=o1)
+    torch.mul(x2, c2, out=o2)
     if inverse:  # each product rounded, then the sum: eager autograd's values, bit for bit
         o1.add_(x2 * s1)
         o2.sub_(x1 * s2)
