@@ -18,7 +18,7 @@ from hybridpar.models.attention import kernels as attention_kernels
 from hybridpar.models.attention.mixer import sequence_layout
 from hybridpar.models.attention.kernels import attention_core, flex_block_mask, flex_mask_mod, kernel_for
 from hybridpar.models.attention.layout import AttentionLayout, cu_seqlens_of_rows
-from tests.attention_reference import document_causal_mask, reference_attention
+from tests.attention_reference import attend, document_causal_mask, reference_attention
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
@@ -177,3 +177,56 @@ def test_unknown_kernel_names_the_choices():
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ValueError, match=r"'fused'.*\['varlen', 'flex', 'blockwise'\]"):
         attention_core(q, q, q, AttentionLayout.sequence(torch.zeros(8)), kernel="fused")
+
+
+def _varlen_stand_in(gqa: bool):
+    """``varlen_attn`` written out in float64 on CPU, with torch 2.11's signature (windows, no
+    ``enable_gqa``: unequal head counts refused, as its documentation allows only equal ones) or
+    torch 2.12's (``enable_gqa``); it records the key heads it was given."""
+    seen = []
+
+    def attend_documents(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, **gqa_flag):
+        assert torch.equal(cu_seq_q, cu_seq_k) and window_size[1] == 0
+        if query.shape[1] != key.shape[1] and not gqa_flag.get("enable_gqa"):
+            raise RuntimeError(f"Hq={query.shape[1]} != Hkv={key.shape[1]}")
+        seen.append(key.shape[1])
+        doc = torch.searchsorted(cu_seq_q[1:].long(), torch.arange(query.shape[0]), right=True)
+        pos = torch.arange(query.shape[0])
+        window = None if window_size[0] < 0 else window_size[0] + 1
+        mask = document_causal_mask(pos, doc, pos, doc, window)
+        return attend(query[None], key[None], value[None], mask=mask, scale=scale)[0]
+
+    if gqa:
+        def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1), enable_gqa=False):
+            return attend_documents(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                    window_size=window_size, enable_gqa=enable_gqa)
+    else:
+        def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1)):
+            return attend_documents(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                    window_size=window_size)
+    return varlen, seen
+
+
+@pytest.mark.parametrize("takes_gqa", [False, True])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_varlen_call_with_and_without_enable_gqa(monkeypatch, takes_gqa, sliding_window):
+    """torch 2.11's ``varlen_attn`` (no ``enable_gqa``) gets each key/value head repeated to its query
+    heads, torch >= 2.12's the grouped heads; either way the output and dq, dk, dv equal the blockwise
+    core's in float64, two rows of packed documents laid end to end."""
+    varlen, seen = _varlen_stand_in(takes_gqa)
+    monkeypatch.setattr(attention_kernels, "_varlen_attn", lambda: varlen)
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 5, 9, 16]), torch.tensor([0, 6, 10, 20]))
+    layout = sequence_layout(packed, 20, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 20, 6, 8, generator=gen, dtype=F64, requires_grad=True)
+    k, v = (torch.randn(2, 20, 2, 8, generator=gen, dtype=F64, requires_grad=True) for _ in "kv")
+    grad = torch.randn(2, 20, 6, 8, generator=gen, dtype=F64)
+    results = []
+    for kernel in ("varlen", "blockwise"):
+        out = attention_core(q, k, v, layout, scale=0.4, sliding_window=sliding_window, kernel=kernel)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    for got, want in zip(*results):
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-12
+    assert seen == [2 if takes_gqa else 6]

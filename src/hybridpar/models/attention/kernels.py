@@ -8,6 +8,11 @@ over ``k, v [B, S_k, Hkv, Dh]`` for the positions and documents of an ``Attentio
   fp16/bf16 rows in sequence order (``layout.cu_seqlens`` set: one process, ulysses). The
   ``B`` rows are laid end to end, ``[B, S, H, Dh] -> [B*S, H, Dh]`` with
   ``cu_seqlens_of_rows``; causal and the sliding window are ``window_size = (W-1 or -1, 0)``.
+  torch 2.11's ``varlen_attn`` has windows but no ``enable_gqa``: there each key/value head is
+  repeated to its ``Hq / Hkv`` query heads first (two ``[B, S, Hq, Dh]`` copies, summed back in
+  backward); torch >= 2.12 takes the grouped heads as they are. (Before, torch 2.11 fell back to
+  flex: at ``small``'s 128K tokens on an H200 its two attention layers took 133 ms of CUDA time,
+  ``gpu_profile_small_131072_pure_core.md``.)
 - ``"flex"``: FlexAttention on CUDA for any token order (the all-gather layout), fp16, bf16
   or fp32, head_dim up to 256 (zero-padded to a power of two of at least 16: ``q . k`` and the
   kept output columns are unchanged; DeepSeek's 192, Phi-2's 80); also for soft-capped scores (Gemma2), as
@@ -67,13 +72,17 @@ _COMPILED_FLEX = None
 
 
 def _varlen_attn():
-    """torch's ``varlen_attn`` if it has GQA and windows (torch >= 2.12), else None."""
+    """torch's ``varlen_attn`` if it takes sliding windows (torch >= 2.11), else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if "enable_gqa" in params and "window_size" in params else None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def _varlen_takes_gqa() -> bool:
+    """Whether ``varlen_attn`` takes fewer key/value heads than query heads (``enable_gqa``, torch >= 2.12)."""
+    return "enable_gqa" in inspect.signature(_varlen_attn()).parameters
 
 
 def _flex_attention():
@@ -189,14 +198,17 @@ def _run_flex(q, k, v, layout, scale, sliding_window, softcap=None, compiled=Tru
 
 
 def _run_varlen(q, k, v, layout, scale, sliding_window):
-    batch, seq_len = q.shape[:2]
+    batch, seq_len, heads = q.shape[:3]
     cu = cached(layout.cache, ("cu_seqlens", batch, q.device),
                  lambda: cu_seqlens_of_rows(layout.cu_seqlens.to(q.device), batch))
     window = (-1 if sliding_window is None else sliding_window - 1, 0)
+    gqa = {"enable_gqa": True} if _varlen_takes_gqa() else {}
+    if not gqa and k.shape[2] != heads:  # torch 2.11: each key/value head repeated to its query heads
+        k, v = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (k, v))  # [B, S, Hq, Dh]
     out = _varlen_attn()(
         q.reshape(batch * seq_len, *q.shape[2:]), k.reshape(batch * seq_len, *k.shape[2:]),
         v.reshape(batch * seq_len, *v.shape[2:]), cu, cu, layout.max_seqlen, layout.max_seqlen,
-        scale=scale, window_size=window, enable_gqa=True,
+        scale=scale, window_size=window, **gqa,
     )  # [B*S, Hq, Dh]
     return out.view(q.shape)
 
@@ -229,7 +241,7 @@ def attention_core(
         missing = {"varlen": _varlen_attn, "flex": _flex_attention}.get(kernel)
         if missing is not None and missing() is None:
             raise ValueError(f"attention kernel {kernel!r} is not in torch {torch.__version__} (varlen needs "
-                             "torch.nn.attention.varlen.varlen_attn with enable_gqa and window_size, torch >= 2.12; "
+                             "torch.nn.attention.varlen.varlen_attn with window_size, torch >= 2.11; "
                              "flex needs torch.nn.attention.flex_attention); pass kernel=None to choose automatically.")
     _log_once(kernel, reason, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
