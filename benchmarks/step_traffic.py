@@ -6,8 +6,8 @@ one step (forward and backward) of a preset in bf16 mixed precision (``parallel.
 on one process: ``torch.autocast``, float32 master weights and residual stream) on the fused path
 the GPU takes, and counts, with a dispatch mode, every aten op and the bytes of its tensor inputs and
 outputs (views and ``empty`` move nothing, ``zeros_like``-like ops only write, an ``out=`` tensor is
-written, not read; an in-place scatter touches only the elements it indexes), by the part of the
-model it belongs to:
+written, not read; an in-place scatter touches only the elements it indexes; a broadcast input is
+read once; a ``reshape`` that copies is a copy), by the part of the model it belongs to:
 
 - forward: the innermost module running (forward hooks);
 - backward: the module whose forward recorded the autograd node running (a walk of each module's new
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 from collections import defaultdict
@@ -60,7 +61,13 @@ KINDS = {"M": "Mamba2Mixer", "*": "Attention", "-": "MLP"}
 
 
 def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """Bytes of the distinct elements: a broadcast (stride-0) dimension is read once, not per index."""
+    return sum(t.element_size() * math.prod(n for n, step in zip(t.shape, t.stride()) if step != 0)
+               for t in tensors if isinstance(t, torch.Tensor) and t.numel())
+
+
+def storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
 
 
 class Traffic(TorchDispatchMode):
@@ -91,7 +98,13 @@ class Traffic(TorchDispatchMode):
         kind = "matmul" if base.rstrip("_") in MATMULS else "other ops"
         out = func(*args, **kwargs) if kind == "other ops" else shapes_only(func, args, kwargs)
         if base in VIEWS or any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
-            return out  # a view of an input
+            outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if storages(outputs) <= storages(torch.utils._pytree.tree_leaves((args, kwargs))):
+                return out  # a view of an input
+            # a composite that may return a view copied instead (``reshape`` of an expanded tensor, reached
+            # directly where autograd's keys are excluded, as inside a custom op): a read and a write
+            self.record(kind, torch.utils._pytree.tree_leaves((args, kwargs)) + outputs, base)
+            return out
         if base in EMPTY:
             return out
         if base in SCATTERS:  # reads its index and values, writes as many elements of its target
