@@ -5,8 +5,9 @@ full step: forward, backward and AdamW on fp32 master weights):
 
 - ``small`` (120M) at 8K, 32K and 128K tokens and ``1b`` (1.17B) at 8K and 32K, each as
   ``fp32-eager`` (today's path, the baseline of the same process: float32, TF32 off, the
-  pure-PyTorch Mamba core), ``bf16-fused`` (``parallel.mixed_precision=bf16``, TF32 on, FLA's
-  fused scan when ``fla-core`` imports, flash attention) and ``bf16-fused-compiled`` (the same
+  pure-PyTorch Mamba core, the LM head loss's blocks eager), ``bf16-fused``
+  (``parallel.mixed_precision=bf16``, TF32 on, FLA's fused scan when ``fla-core`` imports, flash
+  attention, the loss's blocks compiled) and ``bf16-fused-compiled`` (the same
   with ``compile=True``: inductor per block; graph breaks counted); the bf16 rows at 64K tokens
   and more run under selective activation checkpointing (said in the note column);
 - a ~1.2B transformers Llama (Llama-3.2-1B's shape, random weights) at 8K: through hybridpar
@@ -46,6 +47,7 @@ for time has null numbers and says why in its note. Without CUDA (and without ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import gc
@@ -53,6 +55,7 @@ import json
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -68,6 +71,7 @@ ROOT = harness.ROOT
 from hybridpar.config import TrainConfig  # noqa: E402
 from hybridpar.data.thd import PackedSeqParams  # noqa: E402
 from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
+from hybridpar.models.lm_head_blocks import compile_blocks  # noqa: E402
 from hybridpar.models.mamba.fused import choose_kernel, use_mamba_kernel  # noqa: E402
 from hybridpar.models.norm_kernels import norm_kernel  # noqa: E402
 from hybridpar.parallel.context.inputs import shard_inputs  # noqa: E402
@@ -215,7 +219,9 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
     note = "selective checkpointing" if checkpointing_for(tokens, variant) == "selective" else ""
     faulthandler.dump_traceback_later(180, exit=False)  # a row stuck for 3 minutes prints where it is
     try:
-        with use_mamba_kernel("pure" if variant == "fp32-eager" else mamba_kernel):
+        baseline = variant == "fp32-eager"  # today's path: the pure Mamba core, the loss's blocks eager
+        with use_mamba_kernel("pure" if baseline else mamba_kernel), \
+                compile_blocks(None) if baseline else contextlib.nullcontext():
             step, model, flops = build_case(name, variant, lengths, device, compile_backend)
             slow = variant == "fp32-eager" and tokens >= 65536
             warmup, timed = (2, 3) if variant.endswith("compiled") else (1, 1 if slow else 3)
@@ -327,7 +333,8 @@ def markdown(meta: dict, rows: list[dict], kernels: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the tables go (default benchmarks/results; a dry run: a temporary folder)")
     parser.add_argument("--budget-s", type=float, default=450.0, help="skip the rows left after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (compile backend 'eager')")
     parser.add_argument("--mamba-kernel", choices=("auto", "pure"), default="auto",
@@ -348,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         harness.limit_autotune(args.autotune_keep)
         lifted = harness.lift_fla_640_guard() if args.lift_fla_640 else None
+    if args.out is None:  # a dry run never overwrites the GPU's table
+        args.out = Path(tempfile.mkdtemp(prefix="gpu_throughput_")) if args.dry_run else ROOT / "benchmarks" / "results"
+        print(f"gpu_throughput: tables go to {args.out}", flush=True)
     device = torch.device("cpu" if args.dry_run else "cuda")
     device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(device)
     plan = parse_rows(args.rows) if args.rows else DRY_PLAN if args.dry_run else FULL_PLAN

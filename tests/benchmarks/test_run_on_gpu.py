@@ -82,7 +82,8 @@ def test_its_hybridpar_one_liners_run(ran):
 
 def test_every_flag_it_passes_is_one_the_benchmark_takes(ran):
     assert {script for script, _ in CALLS} == {"benchmarks/gpu_parity.py", "benchmarks/gdn_parity.py",
-                                               "benchmarks/kda_parity.py", "benchmarks/gpu_throughput.py"}
+                                               "benchmarks/kda_parity.py", "benchmarks/gpu_throughput.py",
+                                               "benchmarks/attention_cuda_check.py"}
     for script, arguments in CALLS:
         usage = ran["help", script]
         assert usage["ok"], (script, usage["error"][-1500:])
@@ -92,13 +93,21 @@ def test_every_flag_it_passes_is_one_the_benchmark_takes(ran):
 
 
 def test_its_timeouts_stay_inside_the_budget():
-    """The commands it bounds add up to under 8 minutes at the default budget, leaving the install and a
-    10-minute call's margin; the throughput process gets its row budget and 90 s to finish a row."""
+    """The commands the default parts bound add up to under 8 minutes at the default budget, leaving the
+    install and a 10-minute call's margin, and so do those of the lease recipe (``parity attention
+    throughput`` at ``BUDGET_S=200``); the throughput process gets its row budget and 90 s to finish a row."""
     budget = int(re.search(r'BUDGET_S="\$\{BUDGET_S:-(\d+)\}"', SCRIPT).group(1))
-    bounds = re.findall(r'^\s*(?:if (?:has \w+ && ! )?)?timeout (\d+|\$\(\(BUDGET_S \+ 90\)\)|"\$\{\w+:-\d+\}") ', SCRIPT,
-                        flags=re.M)
-    timeouts = [budget + 90 if "BUDGET_S" in t else int(re.findall(r"\d+", t)[-1]) for t in bounds]
-    assert len(timeouts) == 4 and sum(timeouts) <= 570, timeouts
+    bounds = re.findall(r'^\s*(?:if (?:has \w+ && ! )?)?timeout (\d+|\$\(\(BUDGET_S \+ 90\)\)|"\$\{\w+:-\d+\}") '
+                        r'"\$PY" benchmarks/(\w+)\.py', SCRIPT, flags=re.M)
+    timeouts = {script: (int(re.findall(r"\d+", t)[-1]), "BUDGET_S" in t) for t, script in bounds}
+    assert set(timeouts) == {"gpu_parity", "attention_cuda_check", "gpu_throughput", "gdn_parity", "kda_parity"}
+
+    def total(scripts, row_budget):
+        return sum(row_budget + 90 if rows else seconds for s, (seconds, rows) in timeouts.items() if s in scripts)
+
+    assert 'PARTS="${*:-parity throughput gdn kda}"' in SCRIPT  # attention only when named
+    assert total({"gpu_parity", "gpu_throughput", "gdn_parity", "kda_parity"}, budget) <= 570, timeouts
+    assert total({"gpu_parity", "attention_cuda_check", "gpu_throughput"}, 200) <= 570, timeouts
     assert '--budget-s "$BUDGET_S"' in SCRIPT
 
 

@@ -3,8 +3,8 @@
 - ``mamba/``: the Mamba2 conv, scan, core op and mixer;
 - ``attention/``: the attention mixer, its blockwise core, block visibility, CUDA kernels;
 - ``hf/``: Hugging Face checkpoints and transformers causal LMs;
-- ``hybrid``, ``blocks``, ``lm_head_loss``, ``generation``: the hybrid model, its shared
-  blocks, the chunked LM head loss and cached generation.
+- ``hybrid``, ``blocks``, ``lm_head_loss`` (its blocks: ``lm_head_blocks``), ``generation``: the
+  hybrid model, its shared blocks, the chunked LM head loss and cached generation.
 
 A bottom floor: imports libraries only, never ``parallel/``, ``config``, ``train/`` or ``plan/``.
 """

@@ -37,9 +37,9 @@ accumulate in that dtype and are cast to the input dtypes once at the end. Under
 mixed precision of a float32 model) the block matmuls alone run in the autocast dtype, forward
 and backward alike (the backward recomputes the forward's logits); statistics stay float32.
 A block is ``TOKEN_BLOCKS * C`` tokens by ``C`` vocabulary rows (``C = chunk_size``), with more rows
-when there are fewer tokens (``block_shape``: the same elements): every block costs a dozen small ops
-besides its matmul, each a kernel launch on a GPU (at ``[C, C]`` blocks the loss made 88% of the ops
-of an eager ``small`` step at 128K tokens, ``benchmarks/step_traffic.py``).
+when there are fewer tokens (``block_shape``: the same elements). Besides its matmul a block's update
+(``lm_head_blocks.py``) is a dozen small ops eager, each a pass over the block; on CUDA it runs
+compiled, one kernel each way.
 Peak memory beyond the inputs and gradients: a few such blocks and ``O(T)`` statistics.
 
 The same passes run on a vocabulary shard (rows ``[offset, offset + V_local)``): they return
@@ -61,6 +61,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from hybridpar.models.lm_head_blocks import block_gradient, block_statistics
 from hybridpar.models.precision import full_precision
 
 __all__ = [
@@ -141,30 +142,6 @@ def check_logit_transform(scale: float, softcap: float | None) -> None:
                              "or s z); pass scale=1.0 and softcap=None for plain logits.")
 
 
-def _transform_(logits: Tensor, scale: float, softcap: float | None) -> Tensor:
-    """``z'`` of a block of logits ``z`` (module docstring), in place."""
-    if softcap is not None:
-        return logits.mul_(scale / softcap).tanh_().mul_(softcap)
-    return logits.mul_(scale) if scale != 1.0 else logits
-
-
-def _logits(z: Tensor, dtype: torch.dtype, scale: float, softcap: float | None) -> Tensor:
-    """``z'`` of a block of logits ``z`` from the matmul: in the compute ``dtype``, or ``z`` as it is
-    (bf16 under mixed precision) when there is no transform, read in ``dtype`` by ``_shifted``:
-    no ``[Ct, Cv]`` float32 copy, the same values."""
-    if z.dtype != dtype and scale == 1.0 and softcap is None:
-        return z
-    return _transform_(z.to(dtype), scale, softcap)
-
-
-def _shifted(logits: Tensor, shift: Tensor, dtype: torch.dtype) -> Tensor:
-    """``logits - shift[:, None]`` in ``dtype``: in place on a block already in it, else in one
-    promoting pass (``bf16 - fp32`` is computed and stored in fp32, as the cast then the subtraction)."""
-    if logits.dtype == dtype:
-        return logits.sub_(shift[:, None])
-    return torch.sub(logits, shift[:, None])
-
-
 TOKEN_BLOCKS = 4  # tokens per block, in chunk sizes
 
 
@@ -209,18 +186,10 @@ def local_statistics(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size:
         in_block = (local_labels >= v0) & (local_labels < v1)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
         for t0, t1 in _blocks(tokens, token_block):
-            logits = _logits(h[t0:t1] @ w.T, dtype, scale, softcap)  # [Ct, Cv]: z', one block
-            block_max, block_arg = logits.max(dim=1)
-            block_max = block_max.to(dtype)  # exact: the max is one of the block's values
-            old_max = row_max[t0:t1]
-            new_max = torch.maximum(old_max, block_max)
-            # strictly greater: on a tie the earlier block (lower id) keeps the argmax, as torch.argmax
-            argmax[t0:t1] = torch.where(block_max > old_max, block_arg + (v0 + vocab_offset), argmax[t0:t1])
-            picked = logits.gather(1, column[t0:t1, None]).squeeze(1).to(dtype)
-            target[t0:t1] += torch.where(in_block[t0:t1], picked, 0.0)
-            block_sum = _shifted(logits, new_max, dtype).exp_().sum(dim=1)
-            sum_exp[t0:t1] = sum_exp[t0:t1] * torch.exp(old_max - new_max) + block_sum
-            row_max[t0:t1] = new_max
+            t = slice(t0, t1)
+            row_max[t], sum_exp[t], argmax[t], target[t] = block_statistics(
+                h[t] @ w.T, row_max[t], sum_exp[t], argmax[t], target[t], column[t], in_block[t], v0 + vocab_offset,
+                scale, softcap)  # a block of logits [Ct, Cv]
     return row_max, sum_exp, target, argmax
 
 
@@ -255,25 +224,15 @@ def local_gradients(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: T
     for v0, v1 in _blocks(rows, row_block):
         w = weight[v0:v1].to(mm)  # [Cv, D]
         grad_w = grad_weight[v0:v1].zero_() if in_place else torch.zeros(w.shape, dtype=dtype, device=w.device)
-        in_block = ((local_labels >= v0) & (local_labels < v1)).to(dtype)
+        in_block = (local_labels >= v0) & (local_labels < v1)
         column = (local_labels - v0).clamp(0, v1 - v0 - 1)
         for t0, t1 in _blocks(tokens, token_block):
-            if softcap is None:  # softmax(z'), this block [Ct, Cv]
-                dz = _shifted(_logits(h[t0:t1] @ w.T, dtype, scale, None), lse[t0:t1], dtype).exp_()
-            else:
-                tanh = (h[t0:t1] @ w.T).to(dtype).mul_(scale / softcap).tanh_()  # tanh(s z / c)
-                dz = (tanh * softcap).sub_(lse[t0:t1, None]).exp_()
-            dz.scatter_add_(1, column[t0:t1, None], -in_block[t0:t1, None])  # - onehot(y)
-            factor = token_scale[t0:t1, None]
-            if softcap is not None:
-                dz.mul_(factor)
-                factor = tanh.square_().neg_().add_(1.0).mul_(scale)  # dz'/dz = s (1 - tanh^2)
+            dz = block_gradient(h[t0:t1] @ w.T, lse[t0:t1], token_scale[t0:t1], column[t0:t1], in_block[t0:t1], mm,
+                                scale, softcap)  # [Ct, Cv] in the matmul dtype
             if mm == dtype:
-                dz.mul_(factor)
                 grad_hidden[t0:t1].addmm_(dz, w)  # [Ct, Cv] @ [Cv, D]
                 grad_w.addmm_(dz.T, h[t0:t1])  # [Cv, Ct] @ [Ct, D]
-            else:  # bf16 matmuls: the last factor and the rounding in one pass, accumulated in the compute dtype
-                dz = torch.mul(dz, factor, out=torch.empty(dz.shape, dtype=mm, device=dz.device))
+            else:  # bf16 matmuls, accumulated in the compute dtype
                 grad_hidden[t0:t1].add_(dz @ w)  # (``+=`` on a slice would copy the slice onto itself)
                 grad_w.add_(dz.T @ h[t0:t1])
         if not in_place:

@@ -1,0 +1,162 @@
+"""One block of the LM head loss (``lm_head_loss.py``): its statistics and its logit gradient, eager
+or compiled into a kernel or two.
+
+For a block of logits ``z [Ct, Cv]`` (one matmul's output) and per-token running statistics ``[Ct]``:
+
+    z'        = c tanh(s z / c)  (a cap c)   or   s z                     the transformed logits
+    m_new     = max(m, max_v z'_v)            arg_new: the id of the first max (earlier blocks win ties)
+    s_new     = s exp(m - m_new) + sum_v exp(z'_v - m_new)
+    target_new = target + [y in block] z'_y
+
+and, given ``lse [Ct]`` and the token factor ``f [Ct]`` (``g [y != -100]``, times ``s`` without a cap),
+
+    dz_v = f (exp(z'_v - lse) - [v == y]) dz'/dz       dz'/dz = 1, s, or s (1 - tanh^2(s z / c))
+
+rounded once to the matmul dtype. Eager, these are about ten aten ops per block, each a pass over the
+``[Ct, Cv]`` block: 20 bytes per logit forward and 22 backward at bf16 logits (``benchmarks/step_traffic.py``,
+the loss's part). On CUDA they run compiled (``torch.compile``, fullgraph): inductor fuses each into a
+reduction or a pointwise kernel that reads the block once or twice and writes only ``[Ct]`` statistics
+or the bf16 ``dz``. The compiled form computes the same expressions out of place (no input is written)
+in float32 or wider: equal to the eager form within that dtype's rounding, not bitwise (sums run in
+another order; under a soft cap, ``tanh`` saturates, so the argmax may pick another of logits that tie
+within rounding). On CPU the eager form runs, the exact reference; ``compile_blocks`` chooses either
+anywhere (tests compile with ``aot_eager`` on CPU). If compiling fails, the eager form runs from then
+on, and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import Tensor
+
+__all__ = ["block_statistics", "block_gradient", "compile_blocks", "compiled_backend"]
+
+logger = logging.getLogger(__name__)
+_AUTO = object()
+_BACKEND: object = _AUTO  # _AUTO: inductor on CUDA, eager elsewhere; None: eager; else a backend name
+_COMPILED: dict[tuple, object] = {}  # (block function, backend) -> its compiled form
+_FAILED: set[str] = set()  # block functions whose compiling failed: eager from then on
+
+
+def _in_place() -> bool:
+    """Eager writes its own blocks in place (fewer transients); a traced graph stays functional."""
+    return not torch.compiler.is_compiling()
+
+
+def _transformed(z: Tensor, dtype: torch.dtype, scale: float, softcap: float | None) -> Tensor:
+    """``z'`` in the compute ``dtype``; ``z`` as it is without a transform (bf16 under mixed precision is
+    read in ``dtype`` by ``_shifted``: no float32 copy of the block, the same values)."""
+    if softcap is None and scale == 1.0:
+        return z
+    if not _in_place():
+        z = z.to(dtype)
+        return torch.tanh(z * (scale / softcap)) * softcap if softcap is not None else z * scale
+    z = z.to(dtype)  # eager: the matmul's own output, or a copy of it
+    return z.mul_(scale / softcap).tanh_().mul_(softcap) if softcap is not None else z.mul_(scale)
+
+
+def _shifted(logits: Tensor, shift: Tensor, dtype: torch.dtype) -> Tensor:
+    """``logits - shift[:, None]`` in ``dtype``: in place on an eager block already in it, else one
+    promoting pass (``bf16 - fp32`` is computed and stored in fp32, as the cast then the subtraction)."""
+    if logits.dtype == dtype and _in_place():
+        return logits.sub_(shift[:, None])
+    return torch.sub(logits, shift[:, None])
+
+
+def _statistics(z: Tensor, row_max: Tensor, sum_exp: Tensor, argmax: Tensor, target: Tensor, column: Tensor,
+                in_block: Tensor, first_id: int, scale: float, softcap: float | None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The running ``(max, sum of exp, argmax, target logit)`` ``[Ct]`` after this block (module docstring);
+    ``first_id``: the global id of the block's first row."""
+    dtype = row_max.dtype
+    logits = _transformed(z, dtype, scale, softcap)  # [Ct, Cv]: z'
+    block_max, block_arg = logits.max(dim=1)
+    block_max = block_max.to(dtype)  # exact: the max is one of the block's values
+    new_max = torch.maximum(row_max, block_max)
+    # strictly greater: on a tie the earlier block (lower id) keeps the argmax, as torch.argmax
+    new_arg = torch.where(block_max > row_max, block_arg + first_id, argmax)
+    picked = logits.gather(1, column[:, None]).squeeze(1).to(dtype)
+    new_target = target + torch.where(in_block, picked, 0.0)
+    block_sum = (_shifted(logits, new_max, dtype).exp_() if _in_place() else
+                 torch.exp(_shifted(logits, new_max, dtype))).sum(dim=1)
+    return new_max, sum_exp * torch.exp(row_max - new_max) + block_sum, new_arg, new_target
+
+
+def _gradient(z: Tensor, lse: Tensor, token_factor: Tensor, column: Tensor, in_block: Tensor,
+              out_dtype: torch.dtype, scale: float, softcap: float | None) -> Tensor:
+    """``dz [Ct, Cv]`` in ``out_dtype`` (module docstring), from ``lse`` and ``token_factor`` in the compute
+    dtype, which ``dz`` is computed in and rounded from once."""
+    dtype = lse.dtype
+    eager = _in_place()
+    if softcap is None:  # softmax(z') of this block
+        shifted = _shifted(_transformed(z, dtype, scale, None), lse, dtype)
+        dz = shifted.exp_() if eager else torch.exp(shifted)
+    elif eager:
+        tanh = z.to(dtype).mul_(scale / softcap).tanh_()  # tanh(s z / c)
+        dz = (tanh * softcap).sub_(lse[:, None]).exp_()
+    else:
+        tanh = torch.tanh(z.to(dtype) * (scale / softcap))
+        dz = torch.exp(tanh * softcap - lse[:, None])
+    onehot = -in_block.to(dtype)[:, None]  # - onehot(y)
+    dz = dz.scatter_add_(1, column[:, None], onehot) if eager else dz.scatter_add(1, column[:, None], onehot)
+    factor = token_factor[:, None]
+    if softcap is not None:
+        dz = dz.mul_(factor) if eager else dz * factor
+        factor = tanh.square_().neg_().add_(1.0).mul_(scale) if eager else (1.0 - tanh.square()) * scale  # dz'/dz
+    if out_dtype == dtype:
+        return dz.mul_(factor) if eager else dz * factor
+    if eager:  # the last factor and the rounding in one pass: computed in dtype, stored in out_dtype
+        return torch.mul(dz, factor, out=torch.empty(dz.shape, dtype=out_dtype, device=dz.device))
+    return (dz * factor).to(out_dtype)
+
+
+def compiled_backend(device: torch.device) -> str | None:
+    """The ``torch.compile`` backend the blocks run under on ``device`` (None: eager)."""
+    if _BACKEND is _AUTO:
+        return "inductor" if device.type == "cuda" else None
+    return _BACKEND  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def compile_blocks(backend: str | None):
+    """Within the block the loss's blocks run compiled with ``backend`` on any device (None: eager)."""
+    global _BACKEND
+    outer, _BACKEND = _BACKEND, backend
+    try:
+        yield
+    finally:
+        _BACKEND = outer
+
+
+def _run(name: str, eager, device: torch.device, *args):
+    backend = compiled_backend(device)
+    if backend is None or name in _FAILED:
+        return eager(*args)
+    key = (name, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(eager, backend=backend, fullgraph=True)
+    try:
+        return _COMPILED[key](*args)
+    except Exception as error:  # noqa: BLE001 - a compiler failure must not stop training: eager is exact
+        _FAILED.add(name)
+        cause = getattr(error, "inner_exception", None) or error  # dynamo wraps a backend's error
+        logger.warning("LM head loss blocks: compiling %s with %s failed (%s: %s); running it eagerly from now on",
+                       name, getattr(backend, "__name__", backend), type(cause).__name__,
+                       (str(cause).splitlines() or [""])[0][:160])
+        return eager(*args)
+
+
+def block_statistics(z: Tensor, row_max: Tensor, sum_exp: Tensor, argmax: Tensor, target: Tensor, column: Tensor,
+                     in_block: Tensor, first_id: int, scale: float, softcap: float | None):
+    """``_statistics``, compiled where ``compiled_backend`` says."""
+    return _run("statistics", _statistics, z.device, z, row_max, sum_exp, argmax, target, column, in_block, first_id,
+                scale, softcap)
+
+
+def block_gradient(z: Tensor, lse: Tensor, token_factor: Tensor, column: Tensor, in_block: Tensor,
+                   out_dtype: torch.dtype, scale: float, softcap: float | None) -> Tensor:
+    """``_gradient``, compiled where ``compiled_backend`` says."""
+    return _run("gradient", _gradient, z.device, z, lse, token_factor, column, in_block, out_dtype, scale, softcap)
