@@ -71,7 +71,7 @@ ROOT = harness.ROOT
 from hybridpar.config import TrainConfig  # noqa: E402
 from hybridpar.data.thd import PackedSeqParams  # noqa: E402
 from hybridpar.models.hybrid import HybridConfig, HybridLM  # noqa: E402
-from hybridpar.models.lm_head_blocks import compile_blocks  # noqa: E402
+from hybridpar.models.cuda_compile import compile_steps  # noqa: E402
 from hybridpar.models.mamba.fused import choose_kernel, use_mamba_kernel  # noqa: E402
 from hybridpar.models.norm_kernels import norm_kernel  # noqa: E402
 from hybridpar.parallel.context.inputs import shard_inputs  # noqa: E402
@@ -221,7 +221,7 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
     try:
         baseline = variant == "fp32-eager"  # today's path: the pure Mamba core, the loss's blocks eager
         with use_mamba_kernel("pure" if baseline else mamba_kernel), \
-                compile_blocks(None) if baseline else contextlib.nullcontext():
+                compile_steps(None) if baseline else contextlib.nullcontext():
             step, model, flops = build_case(name, variant, lengths, device, compile_backend)
             slow = variant == "fp32-eager" and tokens >= 65536
             warmup, timed = (2, 3) if variant.endswith("compiled") else (1, 1 if slow else 3)

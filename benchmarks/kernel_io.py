@@ -2,9 +2,10 @@
 of its outputs (``step_traffic.py``): FLA's ``chunk_simple_gla`` and ``causal_conv1d`` (the Mamba2
 scan and conv), FLA's gated norm, torch's fused RMSNorm (``_fused_rms_norm``, a composite on CPU),
 FlashAttention (``varlen_attn``; the blockwise core runs on CPU) and the LM head loss's compiled
-blocks (``models/lm_head_blocks.py``, inductor on CUDA). The kernels compute nothing: outputs are
-``torch.empty`` of the kernel's shapes and dtypes, so a CPU runs the rest of the step at full size;
-the loss's blocks run their eager form, uncounted (later blocks read its statistics).
+blocks and the fused Mamba op's glue (``models/cuda_compile.py``: inductor on CUDA). The kernels
+compute nothing: outputs are ``torch.empty`` of the kernel's shapes and dtypes, so a CPU runs the rest
+of the step at full size; the compiled steps run their eager form, uncounted (later steps read their
+values).
 Their insides (e.g. the scan's chunk states) are not counted: a lower bound there.
 """
 
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hybridpar.models import lm_head_blocks
 from hybridpar.models.attention import blockwise  # step_traffic.py imports harness first: this checkout's src/
+from hybridpar.models.mamba import fused_glue
 from hybridpar.models.mamba.fused import use_stand_in
 from hybridpar.models.mamba.fused_op import register_scan
 from hybridpar.models.norm_kernels import register_gated_norm
@@ -145,11 +147,11 @@ class FusedRMSNorm(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def loss_block_stand_in(name, eager, device, *args):
-    """``lm_head_blocks._run`` on CUDA: each block's statistics or gradient is one compiled kernel
-    (inductor's reduction or pointwise kernel), which reads its tensors once and writes its outputs."""
+def compiled_step_stand_in(name, step, device, *args):
+    """``cuda_compile.run_compiled`` on CUDA: a compiled step (the loss's block statistics or gradient, the
+    fused Mamba op's glue) is one fused kernel that reads its tensors once and writes its outputs."""
     with _disable_current_modes():
-        out = eager(*args)
+        out = step(*args)
     _kernel([t for t in args if isinstance(t, torch.Tensor)], list(out) if isinstance(out, tuple) else [out])
     return out
 
@@ -167,7 +169,8 @@ def kernel_stand_ins(sink):
     try:
         with use_stand_in("traffic"), use_stand_in("traffic", family="gated_norm"), \
                 use_stand_in("torch", family="rmsnorm"), mock.patch.object(blockwise, "_BlockwiseAttention", _Flash), \
-                mock.patch.object(lm_head_blocks, "_run", loss_block_stand_in), FusedRMSNorm():
+                mock.patch.object(lm_head_blocks, "run_compiled", compiled_step_stand_in), \
+                mock.patch.object(fused_glue, "run_compiled", compiled_step_stand_in), FusedRMSNorm():
             yield
     finally:
         SINK = None

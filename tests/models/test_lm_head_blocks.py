@@ -1,4 +1,5 @@
-"""The LM head loss's blocks compiled (``models/lm_head_blocks.py``), checked on CPU.
+"""The LM head loss's blocks compiled (``models/lm_head_blocks.py`` through ``models/cuda_compile.py``),
+checked on CPU.
 
 On CUDA the blocks run under inductor; here they compile with ``aot_eager`` (dynamo's trace and AOT
 autograd's functional graph, run by eager kernels), which checks what the GPU path depends on: the
@@ -13,8 +14,8 @@ import logging
 import pytest
 import torch
 
-from hybridpar.models import lm_head_blocks
-from hybridpar.models.lm_head_blocks import compile_blocks, compiled_backend
+from hybridpar.models import cuda_compile
+from hybridpar.models.cuda_compile import compile_steps, compiled_backend
 from hybridpar.models.lm_head_loss import local_gradients, local_statistics
 from hybridpar.train.loss import lm_head_loss
 from tests.train.test_lm_head_loss import make_case, reference
@@ -22,8 +23,8 @@ from tests.train.test_lm_head_loss import make_case, reference
 
 @pytest.fixture(autouse=True)
 def fresh_compiles(monkeypatch):
-    monkeypatch.setattr(lm_head_blocks, "_COMPILED", {})
-    monkeypatch.setattr(lm_head_blocks, "_FAILED", set())
+    monkeypatch.setattr(cuda_compile, "_COMPILED", {})
+    monkeypatch.setattr(cuda_compile, "_FAILED", set())
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -39,9 +40,9 @@ def statistics_and_gradients(h, w, labels, chunk_size, **options):
 def test_eager_on_cpu_inductor_on_cuda():
     assert compiled_backend(torch.device("cpu")) is None
     assert compiled_backend(torch.device("cuda")) == "inductor"
-    with compile_blocks("aot_eager"):
+    with compile_steps("aot_eager"):
         assert compiled_backend(torch.device("cpu")) == "aot_eager"
-    with compile_blocks(None):
+    with compile_steps(None):
         assert compiled_backend(torch.device("cuda")) is None
 
 
@@ -54,9 +55,9 @@ def test_compiled_blocks_give_the_eager_bits(dtype, matmul_dtype, scale, softcap
     h, w, labels = make_case(dtype=dtype)
     options = dict(matmul_dtype=matmul_dtype, scale=scale, softcap=softcap)
     eager = statistics_and_gradients(h, w, labels, 4, **options)
-    with compile_blocks("aot_eager"):
+    with compile_steps("aot_eager"):
         compiled = statistics_and_gradients(h, w, labels, 4, **options)
-    assert lm_head_blocks._COMPILED and not lm_head_blocks._FAILED  # it did compile, and fullgraph held
+    assert cuda_compile._COMPILED and not cuda_compile._FAILED  # it did compile, and fullgraph held
     for got, want in zip(compiled, eager):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
@@ -65,7 +66,7 @@ def test_compiled_loss_equals_cross_entropy_in_float64():
     h, w, labels = make_case()
     want = reference(h, w, labels, scale=0.5, softcap=2.0)
     h, w = h.requires_grad_(), w.requires_grad_()
-    with compile_blocks("aot_eager"):
+    with compile_steps("aot_eager"):
         loss, _ = lm_head_loss(h, w, labels, chunk_size=5, scale=0.5, softcap=2.0)
         loss.backward()
     for got, ref in zip((loss.detach(), h.grad, w.grad), want):
@@ -78,11 +79,11 @@ def test_a_failed_compile_runs_the_eager_blocks_and_says_so(caplog):
 
     h, w, labels = make_case(dtype=torch.float32)
     eager = statistics_and_gradients(h, w, labels, 8)
-    with caplog.at_level(logging.WARNING, logger="hybridpar.models.lm_head_blocks"), compile_blocks(broken_backend):
+    with caplog.at_level(logging.WARNING, logger="hybridpar.models.cuda_compile"), compile_steps(broken_backend):
         got = statistics_and_gradients(h, w, labels, 8)
         again = statistics_and_gradients(h, w, labels, 8)
     for a, b, want in zip(got, again, eager):
         assert torch.equal(a, want) and torch.equal(b, want)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "hybridpar.models.lm_head_blocks"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hybridpar.models.cuda_compile"]
     assert len(warnings) == 2 and all("no kernels today" in m and "eagerly" in m for m in warnings)
-    assert lm_head_blocks._FAILED == {"statistics", "gradient"}
+    assert cuda_compile._FAILED == {"LM head loss statistics", "LM head loss gradient"}

@@ -14,36 +14,22 @@ and, given ``lse [Ct]`` and the token factor ``f [Ct]`` (``g [y != -100]``, time
 
 rounded once to the matmul dtype. Eager, these are about ten aten ops per block, each a pass over the
 ``[Ct, Cv]`` block: 20 bytes per logit forward and 22 backward at bf16 logits (``benchmarks/step_traffic.py``,
-the loss's part). On CUDA they run compiled (``torch.compile``, fullgraph): inductor fuses each into a
+the loss's part). On CUDA they run compiled (``cuda_compile.run_compiled``): inductor fuses each into a
 reduction or a pointwise kernel that reads the block once or twice and writes only ``[Ct]`` statistics
 or the bf16 ``dz``. The compiled form computes the same expressions out of place (no input is written)
 in float32 or wider: equal to the eager form within that dtype's rounding, not bitwise (sums run in
 another order; under a soft cap, ``tanh`` saturates, so the argmax may pick another of logits that tie
-within rounding). On CPU the eager form runs, the exact reference; ``compile_blocks`` chooses either
-anywhere (tests compile with ``aot_eager`` on CPU). If compiling fails, the eager form runs from then
-on, and the reason is logged once.
+within rounding). On CPU the eager form runs, the exact reference.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-
 import torch
 from torch import Tensor
 
-__all__ = ["block_statistics", "block_gradient", "compile_blocks", "compiled_backend"]
+from hybridpar.models.cuda_compile import eager_mode, run_compiled
 
-logger = logging.getLogger(__name__)
-_AUTO = object()
-_BACKEND: object = _AUTO  # _AUTO: inductor on CUDA, eager elsewhere; None: eager; else a backend name
-_COMPILED: dict[tuple, object] = {}  # (block function, backend) -> its compiled form
-_FAILED: set[str] = set()  # block functions whose compiling failed: eager from then on
-
-
-def _in_place() -> bool:
-    """Eager writes its own blocks in place (fewer transients); a traced graph stays functional."""
-    return not torch.compiler.is_compiling()
+__all__ = ["block_statistics", "block_gradient"]
 
 
 def _transformed(z: Tensor, dtype: torch.dtype, scale: float, softcap: float | None) -> Tensor:
@@ -51,7 +37,7 @@ def _transformed(z: Tensor, dtype: torch.dtype, scale: float, softcap: float | N
     read in ``dtype`` by ``_shifted``: no float32 copy of the block, the same values)."""
     if softcap is None and scale == 1.0:
         return z
-    if not _in_place():
+    if not eager_mode():
         z = z.to(dtype)
         return torch.tanh(z * (scale / softcap)) * softcap if softcap is not None else z * scale
     z = z.to(dtype)  # eager: the matmul's own output, or a copy of it
@@ -61,7 +47,7 @@ def _transformed(z: Tensor, dtype: torch.dtype, scale: float, softcap: float | N
 def _shifted(logits: Tensor, shift: Tensor, dtype: torch.dtype) -> Tensor:
     """``logits - shift[:, None]`` in ``dtype``: in place on an eager block already in it, else one
     promoting pass (``bf16 - fp32`` is computed and stored in fp32, as the cast then the subtraction)."""
-    if logits.dtype == dtype and _in_place():
+    if logits.dtype == dtype and eager_mode():
         return logits.sub_(shift[:, None])
     return torch.sub(logits, shift[:, None])
 
@@ -80,7 +66,7 @@ def _statistics(z: Tensor, row_max: Tensor, sum_exp: Tensor, argmax: Tensor, tar
     new_arg = torch.where(block_max > row_max, block_arg + first_id, argmax)
     picked = logits.gather(1, column[:, None]).squeeze(1).to(dtype)
     new_target = target + torch.where(in_block, picked, 0.0)
-    block_sum = (_shifted(logits, new_max, dtype).exp_() if _in_place() else
+    block_sum = (_shifted(logits, new_max, dtype).exp_() if eager_mode() else
                  torch.exp(_shifted(logits, new_max, dtype))).sum(dim=1)
     return new_max, sum_exp * torch.exp(row_max - new_max) + block_sum, new_arg, new_target
 
@@ -90,7 +76,7 @@ def _gradient(z: Tensor, lse: Tensor, token_factor: Tensor, column: Tensor, in_b
     """``dz [Ct, Cv]`` in ``out_dtype`` (module docstring), from ``lse`` and ``token_factor`` in the compute
     dtype, which ``dz`` is computed in and rounded from once."""
     dtype = lse.dtype
-    eager = _in_place()
+    eager = eager_mode()
     if softcap is None:  # softmax(z') of this block
         shifted = _shifted(_transformed(z, dtype, scale, None), lse, dtype)
         dz = shifted.exp_() if eager else torch.exp(shifted)
@@ -113,50 +99,15 @@ def _gradient(z: Tensor, lse: Tensor, token_factor: Tensor, column: Tensor, in_b
     return (dz * factor).to(out_dtype)
 
 
-def compiled_backend(device: torch.device) -> str | None:
-    """The ``torch.compile`` backend the blocks run under on ``device`` (None: eager)."""
-    if _BACKEND is _AUTO:
-        return "inductor" if device.type == "cuda" else None
-    return _BACKEND  # type: ignore[return-value]
-
-
-@contextlib.contextmanager
-def compile_blocks(backend: str | None):
-    """Within the block the loss's blocks run compiled with ``backend`` on any device (None: eager)."""
-    global _BACKEND
-    outer, _BACKEND = _BACKEND, backend
-    try:
-        yield
-    finally:
-        _BACKEND = outer
-
-
-def _run(name: str, eager, device: torch.device, *args):
-    backend = compiled_backend(device)
-    if backend is None or name in _FAILED:
-        return eager(*args)
-    key = (name, backend)
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(eager, backend=backend, fullgraph=True)
-    try:
-        return _COMPILED[key](*args)
-    except Exception as error:  # noqa: BLE001 - a compiler failure must not stop training: eager is exact
-        _FAILED.add(name)
-        cause = getattr(error, "inner_exception", None) or error  # dynamo wraps a backend's error
-        logger.warning("LM head loss blocks: compiling %s with %s failed (%s: %s); running it eagerly from now on",
-                       name, getattr(backend, "__name__", backend), type(cause).__name__,
-                       (str(cause).splitlines() or [""])[0][:160])
-        return eager(*args)
-
-
 def block_statistics(z: Tensor, row_max: Tensor, sum_exp: Tensor, argmax: Tensor, target: Tensor, column: Tensor,
                      in_block: Tensor, first_id: int, scale: float, softcap: float | None):
-    """``_statistics``, compiled where ``compiled_backend`` says."""
-    return _run("statistics", _statistics, z.device, z, row_max, sum_exp, argmax, target, column, in_block, first_id,
-                scale, softcap)
+    """``_statistics``, compiled on CUDA (``cuda_compile.py``)."""
+    return run_compiled("LM head loss statistics", _statistics, z.device, z, row_max, sum_exp, argmax, target, column,
+                        in_block, first_id, scale, softcap)
 
 
 def block_gradient(z: Tensor, lse: Tensor, token_factor: Tensor, column: Tensor, in_block: Tensor,
                    out_dtype: torch.dtype, scale: float, softcap: float | None) -> Tensor:
-    """``_gradient``, compiled where ``compiled_backend`` says."""
-    return _run("gradient", _gradient, z.device, z, lse, token_factor, column, in_block, out_dtype, scale, softcap)
+    """``_gradient``, compiled on CUDA (``cuda_compile.py``)."""
+    return run_compiled("LM head loss gradient", _gradient, z.device, z, lse, token_factor, column, in_block,
+                        out_dtype, scale, softcap)

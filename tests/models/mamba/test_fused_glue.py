@@ -5,9 +5,12 @@ The op's gradients against the pure core in float64: ``test_fused.py``, ``test_f
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hybridpar.models import cuda_compile
+from hybridpar.models.cuda_compile import compile_steps
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.models.mamba.fused_glue import add_skip, grad_D, grad_dt, grad_x_into, scan_values
 from hybridpar.models.mamba.fused_op import fused_conv_scan
@@ -134,3 +137,36 @@ def test_backward_on_bf16_makes_no_wide_copy_and_no_concatenation_of_the_heads_t
     assert names.count("fused_conv_scan_backward") == 0 and "addcmul" in names
     assert "cat" not in names and not wide, (names.count("cat"), wide)
     assert all(inputs[name].grad is not None for name in inputs)
+
+
+@pytest.mark.parametrize("seed", [21, 24])
+@pytest.mark.parametrize("dtype", [torch.float64, BF16])
+def test_compiled_scan_gradients_equal_the_eager_ones(monkeypatch, seed, dtype):
+    """The gradients after the scan's as one compiled step (``scan_gradients``; ``aot_eager`` here, inductor
+    on CUDA) against the eager step: every input's gradient of the op, float64 to 1e-12, bf16 within one
+    rounding (the same products in float32, rounded once; their sum may fuse differently)."""
+    monkeypatch.setattr(cuda_compile, "_COMPILED", {})
+    monkeypatch.setattr(cuda_compile, "_FAILED", set())
+    torch._dynamo.reset()
+    inputs, cu, sizes = make_case(seed, 2)
+    narrow = ("xBC", "dt") if dtype == BF16 else ()
+    batch, seqlen = inputs["dt"].shape[:2]
+    width = sizes["head_dim"] * inputs["dt"].shape[-1]
+    weights = torch.randn(batch, seqlen, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    def gradients():
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        leaves = {k: v.detach().to(BF16 if k in narrow else wide).requires_grad_() for k, v in inputs.items()}
+        y = fused_conv_scan(*leaves.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"],
+                            cu_docs=row_documents(cu, batch, seqlen, "cpu"), scan="opaque")
+        (y.double() * weights).sum().backward()
+        return {k: v.grad.double() for k, v in leaves.items()}
+
+    eager = gradients()
+    with compile_steps("aot_eager"):
+        compiled = gradients()
+    assert ("Mamba scan gradients", "aot_eager") in cuda_compile._COMPILED and not cuda_compile._FAILED
+    tolerance = 1e-12 if dtype == torch.float64 else 2.0**-7
+    for name, want in eager.items():
+        error = float((compiled[name] - want).abs().max() / want.abs().max())
+        assert error <= tolerance, (name, error)

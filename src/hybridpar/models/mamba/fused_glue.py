@@ -22,6 +22,12 @@ bf16 operand, a wide result and its rounding: at ``1b``'s widths (8,192 tokens, 
 about 3.0 GB read and written per layer's backward, 1.4 GB here (``benchmarks/step_traffic.py``).
 Values: ``v`` and ``y`` are bitwise those of the eager forms; ``dx`` is rounded once where autograd
 rounded each term and their sum.
+
+``scan_gradients`` gathers every gradient after the scan's into the conv output's ``[T, C]`` gradient
+(``dx`` and the group sums of the repeated ``k = B``, ``q = C``), ``d dt`` and ``dD``: eager it is the
+functions above, seven passes over ``[T, H, P]``-size tensors and two float32 intermediates; on CUDA it
+runs compiled (``models/cuda_compile.py``), where inductor reads ``dv``, ``dy``, ``x``, ``dq``, ``dk``
+once or twice and writes the gradients, the same products in float32, within its rounding.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["scan_values", "add_skip", "grad_x_into", "grad_dt", "grad_D"]
+from hybridpar.models.cuda_compile import eager_mode, run_compiled
+
+__all__ = ["scan_values", "add_skip", "grad_x_into", "grad_dt", "grad_D", "scan_gradients"]
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -71,3 +79,35 @@ def grad_dt(dv: Tensor, x: Tensor) -> Tensor:
 def grad_D(dy: Tensor, x: Tensor, D: Tensor) -> Tensor:
     """``dD = sum_tp dy x`` ``[H]`` in D's dtype, summed wide."""
     return _wide_product(dy, x).sum(dim=(0, 1, 3)).to(D.dtype)
+
+
+def _scan_gradients(dv: Tensor, dy: Tensor | None, x: Tensor, dt: Tensor, D: Tensor, dq: Tensor, dk: Tensor,
+                    widths: list[int], groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(d_post [T, C] in x's dtype, d dt [T, H] wide, dD [H])``: ``d_post``'s columns ``[dx | dB | dC]``
+    (``widths``), ``dB``/``dC`` the sums of ``dk``/``dq [1, T, H, N]`` over each group's heads."""
+    total, heads, state_size = x.shape[1], x.shape[2], dq.shape[-1]
+    per_group = heads // groups
+    if eager_mode():
+        d_post = torch.empty(total, sum(widths), dtype=x.dtype, device=x.device)
+        dx, dB, dC = d_post.split(widths, dim=-1)
+        grad_x_into(dx.view(x.shape), dv, dt, dy, D)
+        for d_heads, out in ((dk, dB), (dq, dC)):  # the repeat's gradient: a sum over each group's heads
+            by_group = d_heads.reshape(1, total, groups, per_group, state_size)  # a view where FLA gives it dense
+            torch.sum(by_group, dim=3, out=out.view(1, total, groups, state_size))
+        return d_post, grad_dt(dv, x), (grad_D(dy, x, D) if dy is not None else torch.zeros_like(D))
+    wide = _wide(x.dtype)
+    dx = dv * dt[None, :, :, None]  # wide, as dt is
+    if dy is not None:
+        dx = dx + dy * D.to(wide)[:, None]
+    sums = [t.reshape(1, total, groups, per_group, state_size).sum(dim=3).reshape(total, -1) for t in (dk, dq)]
+    d_post = torch.cat([dx.to(x.dtype).reshape(total, -1), *sums], dim=-1)
+    d_dt = (dv.to(wide) * x.to(wide)).sum(dim=-1)[0]
+    dD = (dy.to(wide) * x.to(wide)).sum(dim=(0, 1, 3)).to(D.dtype) if dy is not None else torch.zeros_like(D)
+    return d_post, d_dt, dD
+
+
+def scan_gradients(dv: Tensor, dy: Tensor | None, x: Tensor, dt: Tensor, D: Tensor, dq: Tensor, dk: Tensor,
+                   widths: list[int], groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients after the scan's (``_scan_gradients``), compiled on CUDA: ``dv``, ``dy``, ``x [1, T, H, P]``,
+    ``dt [T, H]`` and ``D [H]`` wide, ``dq``, ``dk [1, T, H, N]``."""
+    return run_compiled("Mamba scan gradients", _scan_gradients, x.device, dv, dy, x, dt, D, dq, dk, widths, groups)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridpar.models.mamba.conv import conv_forward
-from hybridpar.models.mamba.fused_glue import add_skip, grad_D, grad_dt, grad_x_into, scan_values
+from hybridpar.models.mamba.fused_glue import add_skip, scan_gradients, scan_values
 from hybridpar.models.precision import autocast_off
 
 __all__ = ["fla_scan", "fla_status", "fla_gated_backward_refusal", "gated_backward_refusal", "import_fla",
@@ -304,16 +304,11 @@ def _fused_backward_op(
         d_scan = torch.autograd.grad([out for out, _ in seeds], scan_in, [grad for _, grad in seeds],
                                      allow_unused=True) if seeds else [None] * len(scan_in)
         dq, dk, dv, dg = (torch.zeros_like(t) if d is None else d for d, t in zip(d_scan[:4], scan_in[:4]))
-        d_post = torch.empty_like(post)  # [T, C]: x's, B's and C's gradients written into their columns
-        dx, dB, dC = d_post.split(_widths(post, heads, head_dim, state_size), dim=-1)
-        D = D.detach()  # autograd is on here: nothing below may record
-        grad_x_into(dx.view(x.shape), dv, dt_used.detach(), dy, D)
-        groups = dB.shape[-1] // state_size
-        for d_heads, out in ((dk, dB), (dq, dC)):  # the repeat's gradient: a sum over each group's heads
-            by_group = d_heads.reshape(1, -1, groups, heads // groups, state_size)  # a view where FLA gives it dense
-            torch.sum(by_group, dim=3, out=out.view(1, -1, groups, state_size))
-        grad_D_ = grad_D(dy, x, D) if dy is not None else torch.zeros_like(D)
-        roots = [(post, d_post), (dt_used, grad_dt(dv, x)), (g, dg)]
+        widths = _widths(post, heads, head_dim, state_size)
+        with torch.no_grad():  # [T, C]: x's, B's and C's gradients in their columns; d dt [T, H]; dD [H]
+            d_post, d_dt, grad_D_ = scan_gradients(dv, dy, x, dt_used.detach(), D.detach(), dq, dk, widths,
+                                                   widths[1] // state_size)
+        roots = [(post, d_post), (dt_used, d_dt), (g, dg)]
         if initial is not None and d_scan[4] is not None:
             roots.append((initial, d_scan[4]))
         wanted = [leaf for leaf in leaves if leaf is not None]
