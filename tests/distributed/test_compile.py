@@ -13,6 +13,8 @@ times inductor). Parity is float64: the loss and every parameter gradient.
   compiled against eager, and ``torch._dynamo.utils.counters["graph_break"]`` empty on every
   rank (one block of each kind: further blocks share the graphs and add only their run time);
 - blocks of a kind share one graph whatever their hooks' ids (one process);
+- the GPU's path on CPU (bf16, the fused Mamba op with a stand-in scan, the steps inside custom ops
+  compiled as on CUDA) compiled against eager, bit for bit (one process);
 - tp=2 without sequence parallelism (2 gloo ranks), where the first block's input is a view:
   a dense then a packed AdamW step (two shapes) against one process.
 """
@@ -62,6 +64,41 @@ def test_compiled_blocks_match_eager_in_float64_without_graph_breaks():
              for name, model in (("eager", eager), ("compiled", compiled))}
     assert list(grads["compiled"]) == list(grads["eager"])  # compiled in place: parameter names unchanged
     assert _max_error(grads["compiled"], grads["eager"]) < TOL
+
+
+def test_compiled_model_runs_the_compiled_steps_inside_its_custom_ops():
+    """The GPU's path on CPU: bf16 mixed precision, the fused Mamba op (FLA's contract standing in for its
+    scan) and the LM head loss, the blocks compiled, and inside the custom ops the steps that
+    ``cuda_compile`` compiles on CUDA compiled too (``aot_eager`` both): no graph break, no step fell back
+    to eager, and the loss and every gradient equal the eager model's bit for bit."""
+    from torch._dynamo.utils import counters
+
+    import tests.models.mamba.test_fused  # noqa: F401  (registers the "contract" scan)
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.models import cuda_compile
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.models.mamba.fused import use_stand_in
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+
+    torch.manual_seed(0)
+    base = HybridLM(HybridConfig.from_preset("tiny"))
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 40, 104, 128], dtype=torch.int32))
+    ids = torch.randint(0, 256, (1, 129), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    counters.clear()
+    results = {}
+    with use_stand_in("contract"):
+        for name, options in (("eager", {}), ("compiled", {"compile": "aot_eager"})):
+            model = parallelize(copy.deepcopy(base), ParallelDims(), mixed_precision="bf16", **options)
+            with cuda_compile.compile_steps("aot_eager" if options else None):
+                loss, count = model(ids[:, :-1], packed=packed, labels=ids[:, 1:])
+                (loss / count).backward()
+            results[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert dict(counters["graph_break"]) == {} and not cuda_compile._FAILED
+    assert {step for step, _ in cuda_compile._COMPILED} >= {"Mamba scan gradients", "LM head loss gradient"}
+    assert torch.equal(results["compiled"][0], results["eager"][0])
+    assert all(torch.equal(results["compiled"][1][n], g) for n, g in results["eager"][1].items())
 
 
 class _Block(torch.nn.Module):
