@@ -12,10 +12,11 @@ read once; a ``reshape`` that copies is a copy), by the part of the model it bel
 - forward: the innermost module running (forward hooks);
 - backward: the module whose forward recorded the autograd node running (a walk of each module's new
   graph, innermost first);
-- our own custom ops (``hybridpar::fused_conv_scan``, the LM head loss) are opened: their insides run
-  as separate kernels on a GPU too;
+- our own custom ops (``hybridpar::fused_conv_scan``, the LM head loss) are opened: their eager insides
+  run as separate kernels on a GPU too;
 - FLA's kernels (the Mamba2 scan ``chunk_simple_gla``, ``causal_conv1d``, the gated norm), torch's
-  fused RMSNorm and FlashAttention run as stand-ins (``kernel_io.py``) that count one read of their
+  fused RMSNorm, FlashAttention and the steps compiled inside our custom ops on CUDA
+  (``models/cuda_compile.py``) run as stand-ins (``kernel_io.py``) that count one read of their
   inputs and one write of their outputs (their insides, e.g. the scan's chunk states, are not counted:
   a lower bound there); matmuls are counted the same way and not computed (shapes only).
 
