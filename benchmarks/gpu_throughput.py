@@ -220,8 +220,9 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
     faulthandler.dump_traceback_later(180, exit=False)  # a row stuck for 3 minutes prints where it is
     try:
         baseline = variant == "fp32-eager"  # today's path: the pure Mamba core, the loss's blocks eager
-        with use_mamba_kernel("pure" if baseline else mamba_kernel), \
-                compile_steps(None) if baseline else contextlib.nullcontext():
+        # the steps inside custom ops: inductor on CUDA; a dry run traces them with dynamo's eager backend
+        steps = compile_steps(None) if baseline else compile_steps("eager") if quick else contextlib.nullcontext()
+        with use_mamba_kernel("pure" if baseline else mamba_kernel), steps:
             step, model, flops = build_case(name, variant, lengths, device, compile_backend)
             slow = variant == "fp32-eager" and tokens >= 65536
             warmup, timed = (2, 3) if variant.endswith("compiled") else (1, 1 if slow else 3)
