@@ -216,7 +216,8 @@ def test_varlen_call_with_and_without_enable_gqa(monkeypatch, takes_gqa, sliding
     heads, torch >= 2.12's the grouped heads; either way the output and dq, dk, dv equal the blockwise
     core's in float64, two rows of packed documents laid end to end."""
     varlen, seen = _varlen_stand_in(takes_gqa)
-    monkeypatch.setattr(attention_kernels, "_varlen_attn", lambda: varlen)
+    monkeypatch.setattr(attention_kernels, "VARLEN", varlen)
+    monkeypatch.setattr(attention_kernels, "VARLEN_TAKES_GQA", takes_gqa)
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 5, 9, 16]), torch.tensor([0, 6, 10, 20]))
     layout = sequence_layout(packed, 20, torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
@@ -230,3 +231,36 @@ def test_varlen_call_with_and_without_enable_gqa(monkeypatch, takes_gqa, sliding
     for got, want in zip(*results):
         assert got.shape == want.shape and (got - want).abs().max() < 1e-12
     assert seen == [2 if takes_gqa else 6]
+
+
+@torch.library.custom_op("hybridpar_test::varlen_stand_in", mutates_args=())
+def _opaque_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq: torch.Tensor, max_len: int,
+                   scale: float, window: list[int]) -> torch.Tensor:
+    """torch 2.11's ``varlen_attn`` stand-in as an opaque op, as torch's own is (``torch_attn::_varlen_attn``)."""
+    varlen, _ = _varlen_stand_in(False)
+    return varlen(query, key, value, cu_seq, cu_seq, max_len, max_len, scale=scale, window_size=tuple(window))
+
+
+@_opaque_varlen.register_fake
+def _(query, key, value, cu_seq, max_len, scale, window):
+    return torch.empty_like(query)
+
+
+def test_varlen_call_traces_whole_under_torch_compile(monkeypatch):
+    """Compiled blocks run the varlen call inside their graph: the kernel's lookup, the cached
+    ``cu_seqlens`` and torch 2.11's head repeat trace whole (``fullgraph``), equal to eager in float64."""
+    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1)):
+        return _opaque_varlen(query, key, value, cu_seq_q, max_q, scale, list(window_size))
+
+    monkeypatch.setattr(attention_kernels, "VARLEN", varlen)
+    monkeypatch.setattr(attention_kernels, "VARLEN_TAKES_GQA", False)
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 5, 9, 16]), torch.tensor([0, 6, 10, 20]))
+    layout = sequence_layout(packed, 20, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 20, 4, 8, generator=gen, dtype=F64)
+    k, v = (torch.randn(1, 20, 2, 8, generator=gen, dtype=F64) for _ in "kv")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attention_core(q, k, v, layout, kernel="varlen"), backend="eager",
+                             fullgraph=True)
+    assert (compiled(q, k, v) - attention_core(q, k, v, layout, kernel="blockwise")).abs().max() < 1e-12

@@ -71,18 +71,24 @@ _LOGGED: set[str] = set()
 _COMPILED_FLEX = None
 
 
-def _varlen_attn():
-    """torch's ``varlen_attn`` if it takes sliding windows (torch >= 2.11), else None."""
+def _find_varlen():
+    """``(varlen_attn, takes grouped heads)``: torch's ``varlen_attn`` if it takes sliding windows (torch
+    >= 2.11), else None; whether it takes fewer key/value heads than query heads (``enable_gqa``, torch
+    >= 2.12). Read once at import: ``torch.compile`` then reads two constants, not ``inspect``."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+        return None, False
+    params = inspect.signature(varlen_attn).parameters
+    return (varlen_attn if "window_size" in params else None), "enable_gqa" in params
 
 
-def _varlen_takes_gqa() -> bool:
-    """Whether ``varlen_attn`` takes fewer key/value heads than query heads (``enable_gqa``, torch >= 2.12)."""
-    return "enable_gqa" in inspect.signature(_varlen_attn()).parameters
+VARLEN, VARLEN_TAKES_GQA = _find_varlen()
+
+
+def _varlen_attn():
+    """torch's ``varlen_attn`` where it takes sliding windows, else None (``_find_varlen``)."""
+    return VARLEN
 
 
 def _flex_attention():
@@ -202,7 +208,7 @@ def _run_varlen(q, k, v, layout, scale, sliding_window):
     cu = cached(layout.cache, ("cu_seqlens", batch, q.device),
                  lambda: cu_seqlens_of_rows(layout.cu_seqlens.to(q.device), batch))
     window = (-1 if sliding_window is None else sliding_window - 1, 0)
-    gqa = {"enable_gqa": True} if _varlen_takes_gqa() else {}
+    gqa = {"enable_gqa": True} if VARLEN_TAKES_GQA else {}
     if not gqa and k.shape[2] != heads:  # torch 2.11: each key/value head repeated to its query heads
         k, v = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (k, v))  # [B, S, Hq, Dh]
     out = _varlen_attn()(
