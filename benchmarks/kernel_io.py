@@ -1,25 +1,24 @@
 """Stand-ins for the fused kernels a GPU step runs, each counting one read of its inputs and one write
 of its outputs (``step_traffic.py``): FLA's ``chunk_simple_gla`` and ``causal_conv1d`` (the Mamba2
 scan and conv), FLA's gated norm, torch's fused RMSNorm (``_fused_rms_norm``, a composite on CPU),
-FlashAttention (``varlen_attn``; the blockwise core runs on CPU) and the LM head loss's compiled
-blocks and the fused Mamba op's glue (``models/cuda_compile.py``: inductor on CUDA). The kernels
+FlashAttention (``varlen_attn``; the blockwise core runs on CPU) and the steps compiled inside our
+custom ops and the MLP's activation (``models/cuda_compile.py``: inductor on CUDA). The kernels
 compute nothing: outputs are ``torch.empty`` of the kernel's shapes and dtypes, so a CPU runs the rest
 of the step at full size; the compiled steps run their eager form, uncounted (later steps read their
-values).
-Their insides (e.g. the scan's chunk states) are not counted: a lower bound there.
+values). Their insides (e.g. the scan's chunk states) are not counted: a lower bound there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hybridpar.models import lm_head_blocks
+from hybridpar.models import cuda_compile
 from hybridpar.models.attention import blockwise  # step_traffic.py imports harness first: this checkout's src/
-from hybridpar.models.mamba import fused_glue
 from hybridpar.models.mamba.fused import use_stand_in
 from hybridpar.models.mamba.fused_op import register_scan
 from hybridpar.models.norm_kernels import register_gated_norm
@@ -149,11 +148,25 @@ class FusedRMSNorm(torch.overrides.TorchFunctionMode):
 
 def compiled_step_stand_in(name, step, device, *args):
     """``cuda_compile.run_compiled`` on CUDA: a compiled step (the loss's block statistics or gradient, the
-    fused Mamba op's glue) is one fused kernel that reads its tensors once and writes its outputs."""
+    fused Mamba op's glue, the MLP's activation) is one fused kernel that reads its tensors once and
+    writes its outputs."""
     with _disable_current_modes():
         out = step(*args)
-    _kernel([t for t in args if isinstance(t, torch.Tensor)], list(out) if isinstance(out, tuple) else [out])
+    _kernel([t for t in args if isinstance(t, torch.Tensor)],
+            [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)])
     return out
+
+
+def compiled_steps_as_on_cuda(stack: contextlib.ExitStack) -> None:
+    """Every hybridpar module that runs compiled steps (``from hybridpar.models.cuda_compile import
+    run_compiled``) gets the stand-in, and is told a backend is on, as on CUDA."""
+    run, backend = cuda_compile.run_compiled, cuda_compile.compiled_backend
+    for module in list(sys.modules.values()):
+        if module is not cuda_compile and getattr(module, "__name__", "").startswith("hybridpar.") and \
+                getattr(module, "run_compiled", None) is run:
+            stack.enter_context(mock.patch.object(module, "run_compiled", compiled_step_stand_in))
+            if getattr(module, "compiled_backend", None) is backend:
+                stack.enter_context(mock.patch.object(module, "compiled_backend", lambda device: "inductor"))
 
 
 register_scan("traffic", scan_stand_in, conv_stand_in)
@@ -163,14 +176,15 @@ register_gated_norm("traffic", gated_norm_forward, gated_norm_backward)
 @contextlib.contextmanager
 def kernel_stand_ins(sink):
     """Within the block the fused path runs on any device with these stand-ins, each recording its
-    inputs and outputs in ``sink``: FLA's scan, conv and gated norm, torch's fused RMSNorm, flash attention."""
+    inputs and outputs in ``sink``: FLA's scan, conv and gated norm, torch's fused RMSNorm, flash
+    attention, the steps compiled inside our custom ops and the MLP's activation."""
     global SINK
     SINK = sink
     try:
         with use_stand_in("traffic"), use_stand_in("traffic", family="gated_norm"), \
                 use_stand_in("torch", family="rmsnorm"), mock.patch.object(blockwise, "_BlockwiseAttention", _Flash), \
-                mock.patch.object(lm_head_blocks, "run_compiled", compiled_step_stand_in), \
-                mock.patch.object(fused_glue, "run_compiled", compiled_step_stand_in), FusedRMSNorm():
+                contextlib.ExitStack() as stack, FusedRMSNorm():
+            compiled_steps_as_on_cuda(stack)
             yield
     finally:
         SINK = None

@@ -76,3 +76,30 @@ def test_the_gated_mlp_runs_the_gated_product():
     out, kept = _saved_bytes(mlp, x)
     assert torch.equal(out, mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
     assert kept == 5 * 8 * (16 + 3 * 24) + sum(p.numel() * 8 for p in mlp.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("activation, gated", [("relu2", False), ("silu", True), ("gelu", True)])
+def test_mlp_activation_steps_compiled_equal_eager_bitwise(monkeypatch, activation, gated, dtype):
+    """Where the steps inside run compiled (CUDA; ``aot_eager`` here), the squared ReLU keeps ``x`` and
+    recomputes ``relu`` in its one backward pass, and the gated product runs its own two steps: the
+    output and every gradient equal the eager MLP's bit for bit."""
+    from hybridpar.models import cuda_compile
+
+    monkeypatch.setattr(cuda_compile, "_COMPILED", {})
+    monkeypatch.setattr(cuda_compile, "_FAILED", set())
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = MLP(8, 24, activation=activation, gated=gated).to(dtype)
+    x = torch.randn(3, 7, 8, dtype=dtype)
+    results = []
+    for backend in (None, "aot_eager"):
+        with cuda_compile.compile_steps(backend):
+            leaf = x.clone().requires_grad_()
+            out = mlp(leaf)
+            grads = torch.autograd.grad(out.float().square().sum(), [leaf, *mlp.parameters()])
+        results.append([out, *grads])
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
+    kind = "relu2" if not gated else f"{activation} gated product"
+    assert {name for name, _ in cuda_compile._COMPILED} == {kind, f"{kind} backward"} and not cuda_compile._FAILED

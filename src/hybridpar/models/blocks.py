@@ -6,26 +6,48 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridpar.models.cuda_compile import compiled_backend, run_compiled
 from hybridpar.models.norm_kernels import fused_gated_rms_norm, fused_rms_norm, norm_kernel
 
 
 class _Relu2(torch.autograd.Function):
-    """``y = r * r`` with ``r = relu(x)``, keeping only ``r`` (as eager autograd does) and one
-    backward pass ``dx = 0 + 2 dy r`` (one ``addcmul`` on a zero scalar; ``r = 0`` where ``x <= 0``, so
-    no mask is needed). Eager autograd ran ``dy * r`` twice, their sum, then relu's mask: four
-    ``[T, I]`` passes where this makes one, with the same values (``round(2 dy r) = 2 round(dy r)``:
-    doubling is exact, and a bf16 product is exact in the float32 it is computed in)."""
+    """``y = r * r`` with ``r = relu(x)`` and one backward pass ``dx = 0 + 2 dy r`` (one ``addcmul`` on a
+    zero scalar; ``r = 0`` where ``x <= 0``, so no mask is needed). Eager autograd ran ``dy * r`` twice,
+    their sum, then relu's mask: four ``[T, I]`` passes where this makes one, with the same values
+    (``round(2 dy r) = 2 round(dy r)``: doubling is exact, and a bf16 product is exact in the float32 it
+    is computed in). Eager (CPU) it keeps ``r``, as eager autograd does; where the steps inside run
+    compiled (CUDA, ``cuda_compile``) it keeps ``x`` instead, the same bytes, and each direction is one
+    kernel: ``relu`` then the product forward, ``relu`` inside the product backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
+        ctx.kept_input = compiled_backend(x.device) is not None
+        if ctx.kept_input:
+            ctx.save_for_backward(x)
+            return run_compiled("relu2", _relu2, x.device, x)
         r = F.relu(x)
         ctx.save_for_backward(r)
         return r * r
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        (r,) = ctx.saved_tensors
-        return torch.addcmul(grad.new_zeros(()), grad, r, value=2)
+        (kept,) = ctx.saved_tensors
+        if ctx.kept_input:
+            return run_compiled("relu2 backward", _relu2_backward, grad.device, grad, kept)
+        return _twice_product(grad, kept)
+
+
+def _relu2(x: Tensor) -> Tensor:
+    r = F.relu(x)
+    return r * r
+
+
+def _twice_product(grad: Tensor, r: Tensor) -> Tensor:
+    return torch.addcmul(grad.new_zeros(()), grad, r, value=2)
+
+
+def _relu2_backward(grad: Tensor, x: Tensor) -> Tensor:
+    return _twice_product(grad, F.relu(x))
 
 
 def relu2(x: Tensor) -> Tensor:
@@ -60,20 +82,32 @@ class _GatedProduct(torch.autograd.Function):
         d up   = dy * act(gate)                 (act recomputed)
         d gate = act'(gate) * (dy * up)         (aten's own ``*_backward`` kernel)
 
-    the same ops eager autograd runs, so values and gradients are bitwise equal to ``act(gate) * up``."""
+    the same ops eager autograd runs, so values and gradients are bitwise equal to ``act(gate) * up``.
+    On CUDA each direction runs compiled (``cuda_compile``): one kernel where eager makes two forward
+    and four backward passes over ``[T, I]``."""
 
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor, kind: str) -> Tensor:
         ctx.kind = kind
         ctx.save_for_backward(gate, up)
-        return _GATED_FORWARDS[kind](gate) * up
+        return run_compiled(f"{kind} gated product", _gated_product, gate.device, gate, up, kind)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         gate, up = ctx.saved_tensors
-        grad_gate = _ACTIVATION_BACKWARDS[ctx.kind](grad * up, gate) if ctx.needs_input_grad[0] else None
-        grad_up = grad * _GATED_FORWARDS[ctx.kind](gate) if ctx.needs_input_grad[1] else None
+        grad_gate, grad_up = run_compiled(f"{ctx.kind} gated product backward", _gated_product_backward,
+                                          grad.device, grad, gate, up, ctx.kind, *ctx.needs_input_grad[:2])
         return grad_gate, grad_up, None
+
+
+def _gated_product(gate: Tensor, up: Tensor, kind: str) -> Tensor:
+    return _GATED_FORWARDS[kind](gate) * up
+
+
+def _gated_product_backward(grad: Tensor, gate: Tensor, up: Tensor, kind: str, want_gate: bool, want_up: bool):
+    grad_gate = _ACTIVATION_BACKWARDS[kind](grad * up, gate) if want_gate else None
+    grad_up = grad * _GATED_FORWARDS[kind](gate) if want_up else None
+    return grad_gate, grad_up
 
 
 def gated_product(gate: Tensor, up: Tensor, kind: str) -> Tensor:

@@ -57,7 +57,7 @@ def run_compiled(name: str, step: Callable, device: torch.device, *args):
     """``step(*args)``, compiled where ``compiled_backend(device)`` names a backend; ``name`` identifies
     the step in the cache and the log."""
     backend = compiled_backend(device)
-    if backend is None or name in _FAILED:
+    if backend is None or name in _FAILED or torch.compiler.is_compiling():  # traced: the outer compile fuses it
         return step(*args)
     key = (name, backend)
     if key not in _COMPILED:
