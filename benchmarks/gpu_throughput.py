@@ -214,7 +214,8 @@ def measure(name: str, tokens: int, variant: str, device, compile_backend, peak,
     row = empty_row(name, tokens, variant)
     lengths = doc_lengths(tokens)
     set_tf32(variant != "fp32-eager")  # today's float32 path ran without TF32
-    torch._dynamo.reset()
+    if variant.endswith("compiled"):  # its blocks compile from scratch; eager rows keep the compiled steps
+        torch._dynamo.reset()           # (inside custom ops: compiled once, dynamic shapes after the first)
     counters.clear()
     note = "selective checkpointing" if checkpointing_for(tokens, variant) == "selective" else ""
     faulthandler.dump_traceback_later(180, exit=False)  # a row stuck for 3 minutes prints where it is
