@@ -36,11 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridpar.models.cuda_compile import compiled_backend, run_compiled
 from hybridpar.models.mamba import fused
 from hybridpar.models.mamba.fused_op import import_fla
 
 __all__ = ["kernel_for", "norm_kernel", "plain_tensors", "fused_rms_norm", "fused_gated_rms_norm", "register_gated_norm",
-           "FLA_ROW_BYTES"]
+           "rms_norm_to", "FLA_ROW_BYTES"]
 
 logger = logging.getLogger(__name__)
 FLA_ROW_BYTES = 65536  # FLA's norm kernels hold one group of a row in a block of at most this many bytes
@@ -128,6 +129,50 @@ def norm_kernel(family: str, tensors: tuple[Tensor | None, ...], group_size: int
 def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``weight * x * rstd`` over the last dim through torch's fused op (in ``x``'s dtype)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _norm_to(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(weight * x * rstd in out_dtype, rstd [..., 1])``, as ``F.rms_norm`` then the cast: one rounding."""
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * rstd * weight).to(out_dtype), rstd
+
+
+def _norm_to_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dx in x's dtype, dweight)``: with ``n = x rstd`` and ``g = dy weight`` (in x's dtype),
+    ``dx = rstd (g - n mean(g n))`` and ``dweight = sum_tokens dy n``."""
+    normed = x * rstd
+    g = grad.to(x.dtype) * weight
+    dx = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+    return dx, (grad.to(x.dtype) * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+
+
+class _CompiledNormTo(torch.autograd.Function):
+    """``F.rms_norm(x, weight)`` cast to ``out_dtype`` as one compiled step each way (``cuda_compile``): the
+    forward reads float32 ``x`` once and writes the bf16 output, where the fused kernel wrote a float32
+    output and the cast read it back (14 bytes per element, now 6); the backward takes the bf16
+    gradient as it comes. Saves ``x`` and ``rstd``, as the fused kernel does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, out_dtype):
+        y, rstd = run_compiled("RMSNorm to the matmul dtype", _norm_to, x.device, x, weight, eps, out_dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = run_compiled("RMSNorm to the matmul dtype backward", _norm_to_backward, grad.device, grad, x,
+                                   weight, rstd)
+        return dx, dweight, None, None
+
+
+def rms_norm_to(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor | None:
+    """``F.rms_norm`` cast to ``out_dtype`` (the matmul dtype under autocast) as compiled steps where the
+    steps inside run compiled (``cuda_compile``: CUDA), the fused kernel would run (``norm_kernel``) and
+    ``x`` and ``weight`` share a wider dtype; None elsewhere (the caller norms, then casts)."""
+    if compiled_backend(x.device) is None or x.dtype == out_dtype or norm_kernel("rmsnorm", (x, weight)) == "pure":
+        return None
+    return _CompiledNormTo.apply(x, weight, eps, out_dtype)
 
 
 def register_gated_norm(name: str, forward: Callable, backward: Callable) -> None:
