@@ -9,6 +9,9 @@ way reads the inputs and writes the outputs once (~0.5 and ~0.3 GB). Two maintai
 - ``RMSNorm`` -> torch's ``F.rms_norm`` (``"torch"``: ``aten::_fused_rms_norm`` and its backward,
   one kernel each on CUDA, where input and weight share a dtype: float32 under autocast, bf16 under
   FSDP's policy; torch falls back to its composite otherwise). It saves the input and ``rstd``, as ours.
+  Under autocast a ``blocks.RMSNorm``'s output is cast to bf16 for the matmuls that read it; on CUDA
+  ``rms_norm_to`` makes the norm and the cast one compiled step each way (``cuda_compile``), which
+  writes the bf16 output directly and saves the same tensors.
 - ``GatedRMSNorm`` (Mamba2's ``rmsnorm(y * silu(z))`` per group) -> FLA's gated group norm
   (``"fla"``: ``fla.modules.norm.layernorm_gated.layer_norm_fwd/bwd``, mamba_ssm's kernels with the
   norm after the gate) when ``fla-core`` imports. ``_FusedGatedNorm`` calls them and saves what ours
