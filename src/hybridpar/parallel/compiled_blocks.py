@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from hybridpar.models.attention.kernels import varlen_kernel
 from hybridpar.models.linear.gdn_fused import fla_rule
 from hybridpar.models.linear.kda_fused import fla_kda
 from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, fla_scan
@@ -66,6 +67,7 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
         fla_rule()  # the same for the gated delta rule (models/linear/gdn_fused.py)
         fla_kda()  # and for Kimi Delta Attention (models/linear/kda_fused.py)
         fla_gated_backward_refusal()  # and whether FLA's gated backward runs on this GPU
+        varlen_kernel()  # and torch's varlen attention and its signature
     kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
     for block in blocks:

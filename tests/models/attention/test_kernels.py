@@ -216,8 +216,7 @@ def test_varlen_call_with_and_without_enable_gqa(monkeypatch, takes_gqa, sliding
     heads, torch >= 2.12's the grouped heads; either way the output and dq, dk, dv equal the blockwise
     core's in float64, two rows of packed documents laid end to end."""
     varlen, seen = _varlen_stand_in(takes_gqa)
-    monkeypatch.setattr(attention_kernels, "VARLEN", varlen)
-    monkeypatch.setattr(attention_kernels, "VARLEN_TAKES_GQA", takes_gqa)
+    monkeypatch.setattr(attention_kernels, "_VARLEN", (varlen, takes_gqa))
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 5, 9, 16]), torch.tensor([0, 6, 10, 20]))
     layout = sequence_layout(packed, 20, torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
@@ -253,8 +252,7 @@ def test_varlen_call_traces_whole_under_torch_compile(monkeypatch):
                window_size=(-1, -1)):
         return _opaque_varlen(query, key, value, cu_seq_q, max_q, scale, list(window_size))
 
-    monkeypatch.setattr(attention_kernels, "VARLEN", varlen)
-    monkeypatch.setattr(attention_kernels, "VARLEN_TAKES_GQA", False)
+    monkeypatch.setattr(attention_kernels, "_VARLEN", (varlen, False))
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 5, 9, 16]), torch.tensor([0, 6, 10, 20]))
     layout = sequence_layout(packed, 20, torch.device("cpu"))
     gen = torch.Generator().manual_seed(4)

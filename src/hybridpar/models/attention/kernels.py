@@ -61,6 +61,7 @@ __all__ = [
     "flex_mask_mod",
     "kernel_for",
     "plan_for",
+    "varlen_kernel",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,24 +72,30 @@ _LOGGED: set[str] = set()
 _COMPILED_FLEX = None
 
 
-def _find_varlen():
+_VARLEN: tuple | None = None
+
+
+def varlen_kernel() -> tuple:
     """``(varlen_attn, takes grouped heads)``: torch's ``varlen_attn`` if it takes sliding windows (torch
     >= 2.11), else None; whether it takes fewer key/value heads than query heads (``enable_gqa``, torch
-    >= 2.12). Read once at import: ``torch.compile`` then reads two constants, not ``inspect``."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None, False
-    params = inspect.signature(varlen_attn).parameters
-    return (varlen_attn if "window_size" in params else None), "enable_gqa" in params
-
-
-VARLEN, VARLEN_TAKES_GQA = _find_varlen()
+    >= 2.12). Resolved once, on first use, not at import (torch's varlen module loads ``torch._dynamo``,
+    which planning never needs); ``apply_compile`` resolves it before tracing, so ``torch.compile``
+    reads two constants."""
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _VARLEN = (None, False)
+        else:
+            params = inspect.signature(varlen_attn).parameters
+            _VARLEN = ((varlen_attn if "window_size" in params else None), "enable_gqa" in params)
+    return _VARLEN
 
 
 def _varlen_attn():
-    """torch's ``varlen_attn`` where it takes sliding windows, else None (``_find_varlen``)."""
-    return VARLEN
+    """torch's ``varlen_attn`` where it takes sliding windows, else None (``varlen_kernel``)."""
+    return varlen_kernel()[0]
 
 
 def _flex_attention():
@@ -208,7 +215,7 @@ def _run_varlen(q, k, v, layout, scale, sliding_window):
     cu = cached(layout.cache, ("cu_seqlens", batch, q.device),
                  lambda: cu_seqlens_of_rows(layout.cu_seqlens.to(q.device), batch))
     window = (-1 if sliding_window is None else sliding_window - 1, 0)
-    gqa = {"enable_gqa": True} if VARLEN_TAKES_GQA else {}
+    gqa = {"enable_gqa": True} if varlen_kernel()[1] else {}
     if not gqa and k.shape[2] != heads:  # torch 2.11: each key/value head repeated to its query heads
         k, v = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (k, v))  # [B, S, Hq, Dh]
     out = _varlen_attn()(
