@@ -16,8 +16,8 @@ rounded once to the matmul dtype. Eager, these are about ten aten ops per block,
 ``[Ct, Cv]`` block: 20 bytes per logit forward and 22 backward at bf16 logits (``benchmarks/step_traffic.py``,
 the loss's part). On CUDA they run compiled (``cuda_compile.run_compiled``): inductor fuses each into a
 reduction or a pointwise kernel that reads the block once or twice and writes only ``[Ct]`` statistics
-or the bf16 ``dz``. The compiled form computes the same expressions out of place (no input is written)
-in float32 or wider: equal to the eager form within that dtype's rounding, not bitwise (sums run in
+or the bf16 ``dz``. The compiled form computes the same expressions and writes no input, in float32
+or wider: equal to the eager form within that dtype's rounding, not bitwise (sums run in
 another order; under a soft cap, ``tanh`` saturates, so the argmax may pick another of logits that tie
 within rounding). On CPU the eager form runs, the exact reference.
 """
@@ -34,13 +34,13 @@ __all__ = ["block_statistics", "block_gradient"]
 
 def _transformed(z: Tensor, dtype: torch.dtype, scale: float, softcap: float | None) -> Tensor:
     """``z'`` in the compute ``dtype``; ``z`` as it is without a transform (bf16 under mixed precision is
-    read in ``dtype`` by ``_shifted``: no float32 copy of the block, the same values)."""
+    read in ``dtype`` by ``_shifted``: no float32 copy of the block, the same values). Eager it writes
+    the matmul's own output (or its copy) in place; traced, it writes no input."""
     if softcap is None and scale == 1.0:
         return z
+    z = z.to(dtype)
     if not eager_mode():
-        z = z.to(dtype)
         return torch.tanh(z * (scale / softcap)) * softcap if softcap is not None else z * scale
-    z = z.to(dtype)  # eager: the matmul's own output, or a copy of it
     return z.mul_(scale / softcap).tanh_().mul_(softcap) if softcap is not None else z.mul_(scale)
 
 
@@ -66,8 +66,7 @@ def _statistics(z: Tensor, row_max: Tensor, sum_exp: Tensor, argmax: Tensor, tar
     new_arg = torch.where(block_max > row_max, block_arg + first_id, argmax)
     picked = logits.gather(1, column[:, None]).squeeze(1).to(dtype)
     new_target = target + torch.where(in_block, picked, 0.0)
-    block_sum = (_shifted(logits, new_max, dtype).exp_() if eager_mode() else
-                 torch.exp(_shifted(logits, new_max, dtype))).sum(dim=1)
+    block_sum = _shifted(logits, new_max, dtype).exp_().sum(dim=1)  # exp_ on a block of its own, never an input
     return new_max, sum_exp * torch.exp(row_max - new_max) + block_sum, new_arg, new_target
 
 
@@ -76,27 +75,21 @@ def _gradient(z: Tensor, lse: Tensor, token_factor: Tensor, column: Tensor, in_b
     """``dz [Ct, Cv]`` in ``out_dtype`` (module docstring), from ``lse`` and ``token_factor`` in the compute
     dtype, which ``dz`` is computed in and rounded from once."""
     dtype = lse.dtype
-    eager = eager_mode()
-    if softcap is None:  # softmax(z') of this block
-        shifted = _shifted(_transformed(z, dtype, scale, None), lse, dtype)
-        dz = shifted.exp_() if eager else torch.exp(shifted)
-    elif eager:
-        tanh = z.to(dtype).mul_(scale / softcap).tanh_()  # tanh(s z / c)
-        dz = (tanh * softcap).sub_(lse[:, None]).exp_()
+    if softcap is None:  # softmax(z') of this block; _shifted gives a block of its own to write in place
+        dz = _shifted(_transformed(z, dtype, scale, None), lse, dtype).exp_()
     else:
-        tanh = torch.tanh(z.to(dtype) * (scale / softcap))
-        dz = torch.exp(tanh * softcap - lse[:, None])
-    onehot = -in_block.to(dtype)[:, None]  # - onehot(y)
-    dz = dz.scatter_add_(1, column[:, None], onehot) if eager else dz.scatter_add(1, column[:, None], onehot)
+        tanh = (z.to(dtype) * (scale / softcap)).tanh_()  # tanh(s z / c)
+        dz = (tanh * softcap).sub_(lse[:, None]).exp_()
+    dz.scatter_add_(1, column[:, None], -in_block.to(dtype)[:, None])  # - onehot(y)
     factor = token_factor[:, None]
     if softcap is not None:
-        dz = dz.mul_(factor) if eager else dz * factor
-        factor = tanh.square_().neg_().add_(1.0).mul_(scale) if eager else (1.0 - tanh.square()) * scale  # dz'/dz
+        dz.mul_(factor)
+        factor = tanh.square_().neg_().add_(1.0).mul_(scale)  # dz'/dz = s (1 - tanh^2)
     if out_dtype == dtype:
-        return dz.mul_(factor) if eager else dz * factor
-    if eager:  # the last factor and the rounding in one pass: computed in dtype, stored in out_dtype
+        return dz.mul_(factor)
+    if eager_mode():  # the last factor and the rounding in one pass: computed in dtype, stored in out_dtype
         return torch.mul(dz, factor, out=torch.empty(dz.shape, dtype=out_dtype, device=dz.device))
-    return (dz * factor).to(out_dtype)
+    return (dz * factor).to(out_dtype)  # traced: inductor rounds once as it stores
 
 
 def block_statistics(z: Tensor, row_max: Tensor, sum_exp: Tensor, argmax: Tensor, target: Tensor, column: Tensor,

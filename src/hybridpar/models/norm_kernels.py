@@ -143,10 +143,10 @@ def _norm_to(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> t
 def _norm_to_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """``(dx in x's dtype, dweight)``: with ``n = x rstd`` and ``g = dy weight`` (in x's dtype),
     ``dx = rstd (g - n mean(g n))`` and ``dweight = sum_tokens dy n``."""
-    normed = x * rstd
-    g = grad.to(x.dtype) * weight
+    normed, grad = x * rstd, grad.to(x.dtype)
+    g = grad * weight
     dx = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
-    return dx, (grad.to(x.dtype) * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return dx, (grad * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
 
 
 class _CompiledNormTo(torch.autograd.Function):

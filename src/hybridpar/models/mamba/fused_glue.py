@@ -87,23 +87,20 @@ def _scan_gradients(dv: Tensor, dy: Tensor | None, x: Tensor, dt: Tensor, D: Ten
     (``widths``), ``dB``/``dC`` the sums of ``dk``/``dq [1, T, H, N]`` over each group's heads."""
     total, heads, state_size = x.shape[1], x.shape[2], dq.shape[-1]
     per_group = heads // groups
-    if eager_mode():
+    if eager_mode():  # written into d_post's columns
         d_post = torch.empty(total, sum(widths), dtype=x.dtype, device=x.device)
         dx, dB, dC = d_post.split(widths, dim=-1)
         grad_x_into(dx.view(x.shape), dv, dt, dy, D)
         for d_heads, out in ((dk, dB), (dq, dC)):  # the repeat's gradient: a sum over each group's heads
             by_group = d_heads.reshape(1, total, groups, per_group, state_size)  # a view where FLA gives it dense
             torch.sum(by_group, dim=3, out=out.view(1, total, groups, state_size))
-        return d_post, grad_dt(dv, x), (grad_D(dy, x, D) if dy is not None else torch.zeros_like(D))
-    wide = _wide(x.dtype)
-    dx = dv * dt[None, :, :, None]  # wide, as dt is
-    if dy is not None:
-        dx = dx + dy * D.to(wide)[:, None]
-    sums = [t.reshape(1, total, groups, per_group, state_size).sum(dim=3).reshape(total, -1) for t in (dk, dq)]
-    d_post = torch.cat([dx.to(x.dtype).reshape(total, -1), *sums], dim=-1)
-    d_dt = (dv.to(wide) * x.to(wide)).sum(dim=-1)[0]
-    dD = (dy.to(wide) * x.to(wide)).sum(dim=(0, 1, 3)).to(D.dtype) if dy is not None else torch.zeros_like(D)
-    return d_post, d_dt, dD
+    else:  # traced (dynamo takes no strided out=): the same values concatenated, which inductor writes in place
+        dx = dv * dt[None, :, :, None]  # wide, as dt is
+        if dy is not None:
+            dx = dx + dy * D.to(_wide(x.dtype))[:, None]
+        sums = [t.reshape(1, total, groups, per_group, state_size).sum(dim=3).reshape(total, -1) for t in (dk, dq)]
+        d_post = torch.cat([dx.to(x.dtype).reshape(total, -1), *sums], dim=-1)
+    return d_post, grad_dt(dv, x), (grad_D(dy, x, D) if dy is not None else torch.zeros_like(D))
 
 
 def scan_gradients(dv: Tensor, dy: Tensor | None, x: Tensor, dt: Tensor, D: Tensor, dq: Tensor, dk: Tensor,
