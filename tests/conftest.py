@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 _SRC = str(Path(__file__).resolve().parents[1] / "src")
 if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
@@ -33,3 +35,18 @@ def pytest_collection_modifyitems(config, items):
     keep their order)."""
     rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+@pytest.fixture
+def fresh_compiled_steps(monkeypatch):
+    """``hybridpar.models.cuda_compile`` with no step compiled or failed yet, and dynamo's caches empty
+    before and after: a test's compiled steps are its own."""
+    import torch
+
+    from hybridpar.models import cuda_compile
+
+    monkeypatch.setattr(cuda_compile, "_COMPILED", {})
+    monkeypatch.setattr(cuda_compile, "_FAILED", set())
+    torch._dynamo.reset()
+    yield cuda_compile
+    torch._dynamo.reset()

@@ -68,7 +68,7 @@ def test_compiled_blocks_match_eager_in_float64_without_graph_breaks():
 
 
 @pytest.mark.parametrize("layout", [{"compile": "aot_eager"}, {"activation_checkpointing": "selective"}])
-def test_compiled_model_runs_the_compiled_steps_inside_its_custom_ops(layout):
+def test_compiled_model_runs_the_compiled_steps_inside_its_custom_ops(fresh_compiled_steps, layout):
     """The GPU's path on CPU: bf16 mixed precision, the fused Mamba op (FLA's contract standing in for its
     scan) and the LM head loss, the blocks compiled (or run under selective checkpointing, whose dispatch
     mode is active around the steps), and the steps that ``cuda_compile`` compiles on CUDA compiled too
@@ -78,17 +78,16 @@ def test_compiled_model_runs_the_compiled_steps_inside_its_custom_ops(layout):
 
     import tests.models.mamba.test_fused  # noqa: F401  (registers the "contract" scan)
     from hybridpar.data.thd import PackedSeqParams
-    from hybridpar.models import cuda_compile
     from hybridpar.models.hybrid import HybridConfig, HybridLM
     from hybridpar.models.mamba.fused import use_stand_in
     from hybridpar.parallel.dims import ParallelDims
     from hybridpar.parallel.parallelize import parallelize
 
+    cuda_compile = fresh_compiled_steps
     torch.manual_seed(0)
     base = HybridLM(HybridConfig.from_preset("tiny"))
     packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 40, 104, 128], dtype=torch.int32))
     ids = torch.randint(0, 256, (1, 129), generator=torch.Generator().manual_seed(1))
-    torch._dynamo.reset()
     counters.clear()
     results = {}
     with use_stand_in("contract"):

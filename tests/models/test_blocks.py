@@ -80,15 +80,11 @@ def test_the_gated_mlp_runs_the_gated_product():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("activation, gated", [("relu2", False), ("silu", True), ("gelu", True)])
-def test_mlp_activation_steps_compiled_equal_eager_bitwise(monkeypatch, activation, gated, dtype):
+def test_mlp_activation_steps_compiled_equal_eager_bitwise(fresh_compiled_steps, activation, gated, dtype):
     """Where the steps inside run compiled (CUDA; ``aot_eager`` here), the squared ReLU keeps ``x`` and
     recomputes ``relu`` in its one backward pass, and the gated product runs its own two steps: the
     output and every gradient equal the eager MLP's bit for bit."""
-    from hybridpar.models import cuda_compile
-
-    monkeypatch.setattr(cuda_compile, "_COMPILED", {})
-    monkeypatch.setattr(cuda_compile, "_FAILED", set())
-    torch._dynamo.reset()
+    cuda_compile = fresh_compiled_steps
     torch.manual_seed(0)
     mlp = MLP(8, 24, activation=activation, gated=gated).to(dtype)
     x = torch.randn(3, 7, 8, dtype=dtype)

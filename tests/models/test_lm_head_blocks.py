@@ -21,13 +21,7 @@ from hybridpar.train.loss import lm_head_loss
 from tests.train.test_lm_head_loss import make_case, reference
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiles(monkeypatch):
-    monkeypatch.setattr(cuda_compile, "_COMPILED", {})
-    monkeypatch.setattr(cuda_compile, "_FAILED", set())
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiled_steps")  # tests/conftest.py
 
 
 def statistics_and_gradients(h, w, labels, chunk_size, **options):

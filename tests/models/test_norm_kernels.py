@@ -180,16 +180,6 @@ def test_a_compiled_norm_is_the_pure_norm():
     assert sum(counters["graph_break"].values()) == 0
 
 
-@pytest.fixture
-def fresh_compiled_steps(monkeypatch):
-    from hybridpar.models import cuda_compile
-
-    monkeypatch.setattr(cuda_compile, "_COMPILED", {})
-    monkeypatch.setattr(cuda_compile, "_FAILED", set())
-    torch._dynamo.reset()
-    return cuda_compile
-
-
 def test_the_norm_cast_to_the_matmul_dtype_is_the_norm_then_the_cast(fresh_compiled_steps):
     """``rms_norm_to`` (compiled steps, ``aot_eager`` here, inductor on CUDA) in float64 to a float32 output:
     the output is ``F.rms_norm`` then the cast, and ``dx``, ``dweight`` its gradients to 1e-12."""

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridpar.models import cuda_compile
 from hybridpar.models.cuda_compile import compile_steps
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.models.mamba.fused_glue import add_skip, grad_D, grad_dt, grad_x_into, scan_values
@@ -141,13 +140,10 @@ def test_backward_on_bf16_makes_no_wide_copy_and_no_concatenation_of_the_heads_t
 
 @pytest.mark.parametrize("seed", [21, 24])
 @pytest.mark.parametrize("dtype", [torch.float64, BF16])
-def test_compiled_scan_gradients_equal_the_eager_ones(monkeypatch, seed, dtype):
+def test_compiled_scan_gradients_equal_the_eager_ones(fresh_compiled_steps, seed, dtype):
     """The gradients after the scan's as one compiled step (``scan_gradients``; ``aot_eager`` here, inductor
     on CUDA) against the eager step: every input's gradient of the op, float64 to 1e-12, bf16 within one
     rounding (the same products in float32, rounded once; their sum may fuse differently)."""
-    monkeypatch.setattr(cuda_compile, "_COMPILED", {})
-    monkeypatch.setattr(cuda_compile, "_FAILED", set())
-    torch._dynamo.reset()
     inputs, cu, sizes = make_case(seed, 2)
     narrow = ("xBC", "dt") if dtype == BF16 else ()
     batch, seqlen = inputs["dt"].shape[:2]
@@ -165,7 +161,7 @@ def test_compiled_scan_gradients_equal_the_eager_ones(monkeypatch, seed, dtype):
     eager = gradients()
     with compile_steps("aot_eager"):
         compiled = gradients()
-    assert ("Mamba scan gradients", "aot_eager") in cuda_compile._COMPILED and not cuda_compile._FAILED
+    assert ("Mamba scan gradients", "aot_eager") in fresh_compiled_steps._COMPILED and not fresh_compiled_steps._FAILED
     tolerance = 1e-12 if dtype == torch.float64 else 2.0**-7
     for name, want in eager.items():
         error = float((compiled[name] - want).abs().max() / want.abs().max())
