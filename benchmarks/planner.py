@@ -5,7 +5,8 @@ vocabulary and 2 Mamba groups so that tp=2 applies; ``llama``: a small transform
 through its HybridLM twin; ``qwen2``, ``qwen3``: the same widths with Qwen2's q/k/v biases and Qwen3's
 per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with dense MLPs;
 ``nemotron_h_moe``, ``granitemoehybrid``, ``granitemoehybrid_dense``: with MoE layers, and Granite 4.0-H's
-layers without experts), layout
+layers without experts; ``falcon_h1``, ``falcon_h1_norm``: Mamba2 and attention side by side in each layer, one
+B/C group and ``y * silu(z)`` (its default), or two groups and its gated norm), layout
 (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
 checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
 ``plan/validate.measure_step``: two training steps through ``Trainer.fit`` (the trainer reports
@@ -28,9 +29,11 @@ so a change to the planner shows without measuring again (``--replan`` does only
     python benchmarks/planner.py --models qwen2 qwen3 --lengths 4096
     python benchmarks/planner.py --models bamba nemotron_h --lengths 4096
     python benchmarks/planner.py --models nemotron_h_moe granitemoehybrid granitemoehybrid_dense --lengths 2048
+    python benchmarks/planner.py --models falcon_h1 falcon_h1_norm --lengths 4096 --checkpointing none selective full
     python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
         --checkpointing full selective
     python benchmarks/planner.py --replan
+    python benchmarks/planner.py --again llama bamba              # every stored case of these models, measured again
 
 Writes benchmarks/results/planner.{json,md}.
 """
@@ -53,9 +56,12 @@ import harness
 # nemotron_h: layers mamba, mlp, attention, mlp, mamba, mlp; nemotron_h_moe: mamba, moe, attention, mlp, mamba, moe
 # (4 experts of 96, top 2, shared experts 160); granitemoehybrid(_dense): layers mamba, attention, mamba, mamba (one
 # Mamba group), each with 4 experts of 96, top 2 (none) and a shared_mlp of 160. All run on transformers' classes
-# (model.backend=transformers) and are planned through their HybridLM twin (plan/hf/twin.py); each checkpoint is
+# (model.backend=transformers) and are planned through their HybridLM twin (plan/hf/twin.py); falcon_h1(_norm): 4
+# layers of Mamba2 (8 heads of 32, state 16) beside attention, then a gated MLP, with multipliers, one group and no
+# Mamba norm (falcon_h1) or two groups and the gated norm applied before the gate (falcon_h1_norm); each checkpoint is
 # written once (seed 0)
-MAMBA_HF = ("bamba", "nemotron_h", "nemotron_h_moe", "granitemoehybrid", "granitemoehybrid_dense")
+MAMBA_HF = ("bamba", "nemotron_h", "nemotron_h_moe", "granitemoehybrid", "granitemoehybrid_dense", "falcon_h1",
+            "falcon_h1_norm")
 HF_MODELS = ("llama", "qwen2", "qwen3", *MAMBA_HF)
 CHECKPOINTS = {name: Path(tempfile.gettempdir()) / f"hybridpar-planner-{name}" for name in HF_MODELS}
 MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"],
@@ -90,6 +96,10 @@ MAMBA_WIDTHS["nemotron_h_moe"] = {**MAMBA_WIDTHS["nemotron_h"], "n_routed_expert
 GRANITE = dict(intermediate_size=96, shared_intermediate_size=160, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=32,
                mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=64, layer_types=["mamba", "attention", "mamba", "mamba"])
 MAMBA_WIDTHS.update(granitemoehybrid={**GRANITE, "num_local_experts": 4}, granitemoehybrid_dense={**GRANITE, "num_local_experts": 0})
+FALCON = dict(mamba_n_heads=8, mamba_d_head=32, mamba_d_ssm=256, mamba_d_state=16, mamba_chunk_size=64,
+              ssm_in_multiplier=0.7, key_multiplier=0.5, mlp_multipliers=[1.1, 0.9], ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3])
+MAMBA_WIDTHS.update(falcon_h1=FALCON, falcon_h1_norm={**FALCON, "mamba_n_groups": 2, "mamba_rms_norm": True,
+                                                      "mamba_norm_before_gate": False})
 
 
 def hf_checkpoints() -> None:
@@ -107,7 +117,8 @@ def hf_checkpoints() -> None:
                          "nemotron_h": (hf.NemotronHConfig, hf.NemotronHForCausalLM),
                          "nemotron_h_moe": (hf.NemotronHConfig, hf.NemotronHForCausalLM),
                          **dict.fromkeys(("granitemoehybrid", "granitemoehybrid_dense"),
-                                         (hf.GraniteMoeHybridConfig, hf.GraniteMoeHybridForCausalLM))}[name]
+                                         (hf.GraniteMoeHybridConfig, hf.GraniteMoeHybridForCausalLM)),
+                         **dict.fromkeys(("falcon_h1", "falcon_h1_norm"), (hf.FalconH1Config, hf.FalconH1ForCausalLM))}[name]
         torch.manual_seed(0)
         fields = {**widths, **MAMBA_WIDTHS.get(name, {})}
         if name.startswith("nemotron_h"):  # its layer count is its layer list's
@@ -175,8 +186,12 @@ def case_key(case: dict) -> tuple:
 
 
 def sort_key(case: dict) -> tuple:
-    return (list(MODELS).index(case["model"]), POLICIES.index(case.get("checkpointing", "none")), case["length"],
-            list(LAYOUTS).index(case["layout"]))
+    return sort_key_of(case_key(case))
+
+
+def sort_key_of(key: tuple) -> tuple:
+    model, layout, length, policy = key
+    return list(MODELS).index(model), POLICIES.index(policy), length, list(LAYOUTS).index(layout)
 
 
 def to_markdown(record: dict) -> str:
@@ -232,21 +247,26 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, help="pack sizes (default: each model's two, LENGTHS)")
     parser.add_argument("--checkpointing", nargs="+", default=["none"], choices=POLICIES)
     parser.add_argument("--replan", action="store_true", help="only recompute the plan side of the stored cases")
+    parser.add_argument("--again", nargs="+", choices=list(MODELS), metavar="MODEL",
+                        help="measure every stored case of these models again (after a change to what they keep)")
     args = parser.parse_args()
     hf_checkpoints()
     record = load()
     command = "python benchmarks/planner.py " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:])
     record["commands"] = [c for c in record["commands"] if c != command] + [command]
     record["planner"] = planner_time()
-    if not args.replan:
-        for model in args.models:
-            for policy in args.checkpointing:
-                for length in args.lengths or LENGTHS[model]:
-                    for layout in args.layouts:
-                        case = measure_case(model, layout, length, policy)
-                        record["cases"] = [c for c in record["cases"] if case_key(c) != case_key(case)] + [case]
-                        save(record)  # after every case: a long run stopped early keeps what it measured
-                        print(json.dumps({**case, "compare": compare(case)}), flush=True)
+    if args.again:
+        todo = sorted({case_key(c) for c in record["cases"] if c["model"] in args.again}, key=sort_key_of)
+    elif args.replan:
+        todo = []
+    else:
+        todo = [(model, layout, length, policy) for model in args.models for policy in args.checkpointing
+                for length in args.lengths or LENGTHS[model] for layout in args.layouts]
+    for model, layout, length, policy in todo:
+        case = measure_case(model, layout, length, policy)
+        record["cases"] = [c for c in record["cases"] if case_key(c) != case_key(case)] + [case]
+        save(record)  # after every case: a long run stopped early keeps what it measured
+        print(json.dumps({**case, "compare": compare(case)}), flush=True)
     save(record)
     print(to_markdown(record))
 

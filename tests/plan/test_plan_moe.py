@@ -7,8 +7,8 @@ transformers' meta model's; one measured training step holds parameters and traf
 activations within 10%, peak within 15%, at tp=2 + SP (NemotronH's MoE block sends no reduce-scatter
 there and four more all-reduces; Granite's experts and ``shared_mlp`` leave the layer apart, and its
 one Mamba group runs the spanning gated norm, which keeps what HybridLM's does). Before, both kept
-the parameter-only plan. What stays unplanned (Falcon-H1, Zamba2, MoE latent projections, LoRA on
-MoE blocks) keeps the parameter-only plan and names its reason.
+the parameter-only plan. What stays unplanned (Zamba2, MoE latent projections, LoRA on MoE blocks)
+keeps the parameter-only plan and names its reason (Falcon-H1: ``test_plan_parallel_layers.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ MODELS = {
                                          moe_shared_expert_intermediate_size=160)),
     "granite": ("GraniteMoeHybrid", {**GRANITE, "num_local_experts": 4}),
     "granite_dense": ("GraniteMoeHybrid", {**GRANITE, "num_local_experts": 0}),
-    "falcon_h1": ("FalconH1", dict(num_hidden_layers=2, mamba_n_heads=8, mamba_d_head=32, mamba_d_ssm=256)),
+    "zamba2": ("Zamba2", dict(num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=16,
+                              n_mamba_heads=8, mamba_ngroups=2, chunk_size=64)),
 }
 
 
@@ -73,10 +74,11 @@ def test_moe_hybrids_are_planned_on_their_twin_with_transformers_parameters(tmp_
 
 
 @pytest.mark.parametrize("name, fields, overrides, reason", [
-    ("falcon_h1", {}, [], "modelled for HybridLM and llama, mistral, qwen2, qwen3, bamba, nemotron_h, granitemoehybrid"),
+    ("zamba2", {}, [], "modelled for HybridLM and llama, mistral, qwen2, qwen3, bamba, nemotron_h, granitemoehybrid, "
+                       "falcon_h1"),
     ("nemotron_h_moe", {"moe_latent_size": 64}, [], "its MoE latent projections (moe_latent_size=64) are not planned"),
     ("granite", {"output_router_logits": True}, [], "router auxiliary loss (output_router_logits=true) is not planned"),
-    ("granite", {}, ["peft.method=lora"], "LoRA adapters of its MoE and fused MLP layers are not planned"),
+    ("granite", {}, ["peft.method=lora"], "LoRA adapters of its MoE, fused MLP and parallel (Falcon-H1) layers"),
 ])
 def test_what_stays_unplanned_keeps_its_parameter_share_and_names_why(tmp_path, name, fields, overrides, reason):
     plan = make_plan(load_config(None, _overrides(_checkpoint(tmp_path / name, name, **fields), *overrides)))

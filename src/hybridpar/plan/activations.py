@@ -9,20 +9,27 @@ saves today (``models/blocks.py``, ``mamba/mixer.py``, ``attention/mixer.py``, `
                      are views the core op saves: it saves its inputs only)
                    + y [Tc, d_in] + gated-norm rstd [Tc, G] + gated-norm output [Tc, d_in] (out_proj input)
                    cp_mamba=a2a: + the core's exchanged inputs [T, (d_in + 2 G_eff N + H)/cp]
-    attention      + q, k, v [Tc, (Hq + 2 Hkv) Dh] (rotated copies with RoPE, + cos, sin [Tc, 2 r])
+    attention      + q, k, v [Tc, (Hq + 2 Hkv) Dh] (rotated copies with RoPE, + cos, sin [Tc, 2 r]; a
+                     transformers decoder computes them once for every layer: one copy, with the head)
                    + out [Tc, Hq Dh] + lse [Tc, Hq] (flash core: q, k, v, out, lse)
                    cp_attention=allgather: k, v are the gathered [T, 2 Hkv Dh]
                    cp_attention=ulysses: + the core's own out [T, Hq Dh / cp] (exchanged back after)
     MLP            + up output and act(up) [Tc, 2 I] (gated: gate, up, product: 3 I; ``gated_product``
                      recomputes act(gate), as transformers' Llama-form MLPs do through it)
     MoE (E)        + router, routed experts and shared experts (a transformers twin's; ``plan/hf/moe.py``)
+    parallel (P)   a twin's Falcon-H1 layer: the Mamba2 and attention terms after one norm, each branch
+                     reading its own multiplied copy of the norm output (one more [Tc, D]; under
+                     autocast the projections' bf16 casts instead, below); its ``mup_vector`` product
+                     makes the Mamba branch float32 under autocast (``e_c``, out_proj's cast ``e``);
+                     without ``mamba_rms_norm`` y * silu(z) keeps y, silu(z) and the product, no rstd
     head           final norm x [Ts, D] + rstd; loss: hidden [Tc, D], lse [Tc], labels [Tc] int64;
                    embedding: input ids [Tc] int64
 
 ``full`` keeps each block's input x [Ts, D] only. ``selective`` (``parallel/checkpointing.py``)
 keeps the input and the outputs of the matmuls before a block's last sequence-mixing kernel, and
 the attention core's out and lse: Mamba2 in_proj [Tc, W_in]; attention q, k, v + out + lse; an
-MLP block (no mixing kernel) its input only. (On CPU the eager blockwise attention core's out and
+MLP block (no mixing kernel) its input only; P both mixers' and the Mamba branch's out_proj output
+(it runs before the attention kernel, the layer's last). (On CPU the eager blockwise attention core's out and
 lse are recomputed instead, so there the plan is high by ``Tc (Hq Dh e + Hq e_c)`` per attention block.)
 Statistics (rstd, lse) are in the compute dtype ``e_c``.
 
@@ -42,12 +49,13 @@ made: ``2 * (linear weights of the block)`` more per block that is not checkpoin
 from __future__ import annotations
 
 from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
+from hybridpar.parallel.comm.units import attention_layers
 from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes
 from hybridpar.plan.layout import Layout
 
-__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "lora_saved_bytes"]
+__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals", "lora_saved_bytes"]
 
-BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "P": "mamba+attention"}
 
 
 def _widths(layout: Layout) -> dict:
@@ -69,7 +77,7 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     """Bytes one block of ``kind`` ("M", "*", "-") keeps for backward on this rank, one pack."""
     policy = policy or layout.checkpointing
     w, e, ec = _widths(layout), layout.act_bytes, layout.compute_bytes
-    tc, ts, seq = layout.tokens, layout.stream_tokens, layout.pack_size
+    tc, ts = layout.tokens, layout.stream_tokens
     block_input = ts * w["d"] * layout.stream_bytes
     paired = layout.hf_decoder and getattr(layout.model, "paired_layers", True)
     if paired and policy in ("full", "selective") and kind in "-E":
@@ -77,32 +85,49 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     if policy == "full":
         return block_input
     if policy == "selective":
-        kept = {"M": tc * w["w_in"] * e,
-                "*": tc * (w["q"] + 2 * w["kv"]) * e + tc * w["q"] * e + tc * w["hq"] * ec,
-                "-": 0, "E": 0}[kind]
-        return block_input + kept
+        kept = {"M": tc * w["w_in"] * e, "*": tc * (w["q"] + 2 * w["kv"]) * e + tc * w["q"] * e + tc * w["hq"] * ec}
+        if kind == "P":  # the Mamba branch's out_proj runs before the attention kernel: its [Tc, D] output too
+            return block_input + kept["M"] + kept["*"] + tc * w["d"] * e
+        return block_input + kept.get(kind, 0)
     weight_copies = 2 * _linear_weights(layout, kind) if layout.autocast else 0  # autocast's bf16 weights
     common = block_input + weight_copies + ts * ec + tc * w["d"] * e  # input, rstd, projections' input
     if layout.hf_decoder:
         common += _hf_block_bytes(layout, kind, w)
-    if kind == "M":
-        out = tc * (w["w_in"] + 2 * w["d_inner"]) * e + tc * w["groups"] * ec
-        if layout.cp > 1 and layout.cp_mamba == "a2a":
-            out += tc * w["w_core"] * e
-        return common + out
-    if kind == "*":
-        kv_tokens = seq if layout.cp > 1 and layout.cp_attention == "allgather" else tc
-        out = tc * w["q"] * e + kv_tokens * 2 * w["kv"] * e + tc * w["q"] * e + tc * w["hq"] * ec
-        if w["rot"]:
-            out += tc * 2 * w["rot"] * e
-        if layout.cp > 1 and layout.cp_attention == "ulysses":
-            out += tc * w["q"] * e
-        return common + out
+    if kind == "P" and not layout.autocast:  # the second branch's multiplied input
+        common += tc * w["d"] * e
+    if kind in "M*P":
+        return common + sum(_mixer_bytes(layout, mixer, w, kind == "P") for mixer in _mixers(kind))
     if kind == "E":
         return common + moe_saved_bytes(layout)
     if getattr(layout.model, "mlp_fused", False):  # Granite's shared_mlp, gathered under TP
         return common + fused_mlp_saved(layout, layout.model.intermediate_size)
-    return common + tc * w["inter"] * e * (3 if layout.model.mlp_gated else 2)
+    kept = (4 if getattr(layout.model, "mlp_multipliers", False) else 3) if layout.model.mlp_gated else 2
+    return common + tc * w["inter"] * e * kept  # Falcon-H1's MLP keeps act's (scaled) input too
+
+
+def _mixers(kind: str) -> str:
+    """The mixers of a block kind: a twin's parallel layer ``P`` holds Mamba2 and attention."""
+    return "M*" if kind == "P" else kind
+
+
+def _mixer_bytes(layout: Layout, mixer: str, w: dict, parallel: bool = False) -> int:
+    """What a Mamba2 (``M``) or attention (``*``) mixer keeps beyond its block's input and norm;
+    ``parallel``: inside a Falcon-H1 layer (module docstring)."""
+    e, ec, tc, seq = layout.act_bytes, layout.compute_bytes, layout.tokens, layout.pack_size
+    if mixer == "M":
+        wide = ec if parallel and layout.autocast else e  # mup_vector's float32 product
+        rstd = tc * w["groups"] * ec if getattr(layout.model, "mamba_gated_norm", True) else tc * w["d_inner"] * wide
+        out = tc * (w["w_in"] + w["d_inner"]) * wide + tc * w["d_inner"] * e + rstd  # no norm: silu(z), not rstd
+        if layout.cp > 1 and layout.cp_mamba == "a2a":
+            out += tc * w["w_core"] * wide
+        return out
+    kv_tokens = seq if layout.cp > 1 and layout.cp_attention == "allgather" else tc
+    out = tc * w["q"] * e + kv_tokens * 2 * w["kv"] * e + tc * w["q"] * e + tc * w["hq"] * ec
+    if w["rot"] and not layout.hf_decoder:
+        out += tc * 2 * w["rot"] * e
+    if layout.cp > 1 and layout.cp_attention == "ulysses":
+        out += tc * w["q"] * e
+    return out
 
 
 def _hf_norm_bytes(layout: Layout) -> int:
@@ -124,13 +149,20 @@ def _hf_block_bytes(layout: Layout, kind: str, w: dict) -> int:
     under autocast each projection's own bf16 cast of the norm output (ours casts once: q, k, v two
     more, gate, up one more) and, with RoPE, bf16 q, k times float32 cos/sin: float32 q, k into
     the attention core, its float32 output and o_proj's bf16 cast of it."""
-    e, ec, tc = layout.act_bytes, layout.compute_bytes, layout.tokens
     extra = _hf_norm_bytes(layout)
+    for mixer in _mixers(kind):
+        extra += _hf_mixer_bytes(layout, mixer, w)
+    return extra
+
+
+def _hf_mixer_bytes(layout: Layout, kind: str, w: dict) -> int:
+    """``_hf_block_bytes``' terms of one mixer (``M``, ``*``) or MLP (``-``, ``E``)."""
+    e, ec, tc, extra = layout.act_bytes, layout.compute_bytes, layout.tokens, 0
     if kind == "*" and getattr(layout.model, "qk_norm", False):  # Qwen3's per-head q/k RMSNorms: their input
         heads = (layout.model.num_attention_heads + layout.model.num_key_value_heads) // layout.tp  # (float32
         extra += tc * (w["q"] + w["kv"]) * (e + ec) + tc * heads * ec  # copy), product (cast) and rstd
     if kind == "M" and not replicated_groups(layout.model.mamba_n_groups, layout.tp) \
-            and not getattr(layout.model, "lean_gated_norms", False):  # a gated RMSNorm not of Bamba's form
+            and not getattr(layout.model, "lean_gated_norms", False) and getattr(layout.model, "mamba_gated_norm", True):  # a gated RMSNorm not of Bamba's form
         extra += 3 * tc * w["d_inner"] * ec  # in float32: silu(z), y * silu(z), its normalized product (one group
         # under TP runs parallel/tensor/hybrid.spanning_group_norm instead, which keeps what ours keeps; Bamba's
         # form runs ours, models/hf/activations.use_lean_rms_norms)
@@ -154,17 +186,26 @@ def head_saved_bytes(layout: Layout) -> int:
     """Final norm, loss and embedding: kept under every policy (they are not checkpointed)."""
     e, es, ec = layout.act_bytes, layout.stream_bytes, layout.compute_bytes
     tc, ts, d = layout.tokens, layout.stream_tokens, layout.model.hidden_size
-    final_norm = _hf_norm_bytes(layout) if layout.hf_decoder else 0  # a transformers RMSNorm's own
-    return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8 + final_norm
+    final_norm = rope = 0
+    if layout.hf_decoder:  # a transformers RMSNorm's own; the model's one cos, sin [Tc, r] pair, which every
+        final_norm = _hf_norm_bytes(layout)  # attention layer reads (and each layer's checkpoint keeps)
+        rot = int(layout.model.head_dim * layout.model.rotary_fraction) // 2 * 2
+        rope = tc * 2 * rot * es if rot and attention_layers(layout.model.pattern) else 0
+    return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8 + final_norm + rope
 
 
 def saved_bytes(layout: Layout, policy: str | None = None) -> dict:
     """``{"mamba": bytes, "attention": ..., "mlp": ..., "head": ...}`` summed over the pattern, one pack."""
-    out = {name: 0 for name in BLOCK_NAMES.values()}
+    out = block_kind_totals(layout.model.pattern)
     for kind in layout.model.pattern:
         out[BLOCK_NAMES[kind]] += block_saved_bytes(layout, kind, policy)
     out["head"] = head_saved_bytes(layout)
     return out
+
+
+def block_kind_totals(pattern: str) -> dict[str, int]:
+    """Zero per block name: every kind's, a parallel layer's (``P``) only where the pattern has one."""
+    return {name: 0 for kind, name in BLOCK_NAMES.items() if kind != "P" or "P" in pattern}
 
 
 def lora_saved_bytes(layout: Layout, index: int) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridpar.parallel.comm.units import attention_layers, mamba_layers
 from hybridpar.plan.hf.moe import moe_matmul_elements
 from hybridpar.plan.layout import Layout
 
@@ -74,15 +75,15 @@ def step_flops(layout: Layout) -> float:
     w_in = 2 * d_in + 2 * c.mamba_n_groups * c.ssm_state_size + c.mamba_num_heads
     mlp = c.intermediate_size * d * (3 if c.mlp_gated else 2)
     per_kind = {"M": d * w_in + d_in * d, "*": d * (q + 2 * kv) + q * d, "-": mlp}
+    per_kind["P"] = per_kind["M"] + per_kind["*"]  # a twin's parallel layer (Falcon-H1): both mixers
     if "E" in c.pattern:  # a transformers twin's MoE blocks: router, k experts, shared experts
         per_kind["E"] = moe_matmul_elements(c)
     matmul = sum(per_kind[k] for k in c.pattern) / tp
     flops = tc * 2 * matmul * (3 + r) + tc * 2 * c.vocab_size / tp * d * 4
-    attention_layers = c.pattern.count("*")
-    flops += attention_layers * 4 * tc * (layout.pack_size / 2) * q / tp * (3.5 + r)
+    flops += attention_layers(c.pattern) * 4 * tc * (layout.pack_size / 2) * q / tp * (3.5 + r)
     heads = c.mamba_num_heads / tp
     ssd = 2 * heads * (c.chunk_size * (c.mamba_head_dim + c.ssm_state_size) + 2 * c.mamba_head_dim * c.ssm_state_size)
-    flops += c.pattern.count("M") * tc * ssd * (3 + r)
+    flops += mamba_layers(c.pattern) * tc * ssd * (3 + r)
     return flops * layout.packs_per_rank
 
 

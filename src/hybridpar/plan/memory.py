@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridpar.plan.activations import BLOCK_NAMES, block_saved_bytes, head_saved_bytes, lora_saved_bytes
+from hybridpar.plan.activations import (BLOCK_NAMES, block_kind_totals, block_saved_bytes, head_saved_bytes,
+                                        lora_saved_bytes)
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import ParameterMemory, parameter_memory
 from hybridpar.plan.transients import Workspaces, block_workspaces, loss_workspaces
@@ -92,7 +93,7 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     moments.append(("optimizer step", {**base, "gradients": params.grad_bytes,
                                        "workspace": 2 * min(largest, params.per_rank) * e_p}))
     moment, breakdown = max(moments, key=lambda m: sum(m[1].values()))
-    saved_by_kind = {name: 0 for name in BLOCK_NAMES.values()}
+    saved_by_kind = block_kind_totals(pattern)
     for kind, nbytes in zip(pattern, saved):
         saved_by_kind[BLOCK_NAMES[kind]] += nbytes
     saved_by_kind["head"] = head

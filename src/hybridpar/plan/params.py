@@ -78,16 +78,15 @@ def adapter_units(layout: Layout) -> dict[str, list[tuple[int, ...]]]:
     ``B [out/tp, r]``; row-parallel base (o, down, out_proj): ``A [r, in/tp]``, ``B [out, r]``."""
     c, tp, r = layout.model, layout.tp, layout.lora_rank
     d, out = c.hidden_size, {}
+    d_inner = c.mamba_intermediate_size
+    width = 2 * d_inner + 2 * c.mamba_n_groups * c.ssm_state_size + c.mamba_num_heads
+    mamba = {"in_proj": (d, width, "col"), "out_proj": (d_inner, d, "row")}
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attention = {"q_proj": (d, q, "col"), "k_proj": (d, kv, "col"), "v_proj": (d, kv, "col"), "o_proj": (q, d, "row")}
     for index, kind in enumerate(c.pattern):
         m = f"backbone.layers.{index}.mixer"
-        if kind == "M":
-            d_inner = c.mamba_intermediate_size
-            width = 2 * d_inner + 2 * c.mamba_n_groups * c.ssm_state_size + c.mamba_num_heads
-            linears = {"in_proj": (d, width, "col"), "out_proj": (d_inner, d, "row")}
-        elif kind == "*":
-            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            linears = {"q_proj": (d, q, "col"), "k_proj": (d, kv, "col"), "v_proj": (d, kv, "col"),
-                       "o_proj": (q, d, "row")}
+        if kind in "M*P":  # P: a twin's parallel layer (Falcon-H1), both mixers
+            linears = {**(mamba if kind in "MP" else {}), **(attention if kind in "*P" else {})}
         else:
             linears = {"up_proj": (d, c.intermediate_size, "col"), "down_proj": (c.intermediate_size, d, "row")}
             if c.mlp_gated:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.hybrid import HybridConfig
+from hybridpar.parallel.comm.units import mamba_layers
 from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, plan_layout, planned_shape
 from hybridpar.plan.estimate import H100, DeviceFigures
 from hybridpar.plan.layout import Layout
@@ -105,7 +106,7 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
                               "drop --fit to see its parameters, gradients and AdamW state per rank.")
         hf_decoder = True
     out, verdicts = [], {}
-    for keys in _candidates(world, has_mamba="M" in planned.pattern):
+    for keys in _candidates(world, has_mamba=mamba_layers(planned.pattern) > 0):
         candidate = copy.deepcopy(run)
         candidate.parallel = dataclasses.replace(run.parallel, **keys)
         dp = keys["dp_replicate"] * keys["dp_shard"]

@@ -9,7 +9,9 @@ its forward collectives (TP/SP entry and exit, CP exchanges) once more per pack;
 listed as source ``recompute`` (the forward half of ``tp_blocks``, ``cp_attention``, ``cp_mamba``; a
 transformers decoder planned through its twin also repeats each attention's exit reduction, which
 sits mid-layer in its one checkpoint per layer; with one Mamba group under TP, each Mamba layer's
-gated norm all-reduces its sum of squares again).
+gated norm all-reduces its sum of squares again). Under SP a twin's parallel layer (``P``, Falcon-H1)
+reduce-scatters its two branches' sum once, and each branch all-gathers its gradient in backward:
+one ``[Ts, D]`` all-gather per layer and pack more (source ``tp_branches``).
 ``cp_attention=ring`` sends point to point (kind ``send``; ``context/ring.py``'s
 count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``docs_per_pack`` documents are assumed in every pack.
 Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not yet measured).
@@ -18,7 +20,7 @@ Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not
 from __future__ import annotations
 
 from hybridpar.models.mamba.mixer import replicated_groups
-from hybridpar.parallel.comm.step import StepShape, Tally, _ring, dim_label, step_collectives
+from hybridpar.parallel.comm.step import StepShape, Tally, _ring, attention_layers, dim_label, mamba_layers, step_collectives
 from hybridpar.plan.hf.moe import moe_traffic
 from hybridpar.plan.layout import Layout
 
@@ -43,7 +45,7 @@ def ring_attention(layout: Layout) -> Tally:
     """``cp_ring``: K, V hop P-1 times forward and again backward, dK, dV (compute dtype) P hops, as sends."""
     c, cp, e = layout.model, layout.cp, layout.act_bytes
     kv = layout.tokens * 2 * c.num_key_value_heads // layout.tp * c.head_dim
-    out, layers = Tally(), c.pattern.count("*") * layout.packs_per_rank
+    out, layers = Tally(), attention_layers(c.pattern) * layout.packs_per_rank
     out.add("send", "cp", kv * e, 2 * (cp - 1) * layers)
     out.add("send", "cp", kv * layout.compute_bytes, cp * layers)
     return out
@@ -58,6 +60,8 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
         sources["cp_attention"] = ring_attention(layout)
     if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):
         sources["tp_moe"] = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
+    if layout.sp and "P" in layout.model.pattern:
+        sources["tp_branches"] = branch_gradients(layout)
     if layout.lora_rank and "fsdp" in sources:
         sources["fsdp"] = lora_fsdp(layout, sources["fsdp"])
     if layout.checkpointing != "none":
@@ -68,19 +72,29 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
                     extra.add(kind, dim, nbytes // calls, round(calls * share))
         if layout.hf_decoder and getattr(layout.model, "paired_layers", True):  # one checkpoint per decoder
             exit_kind = "reduce_scatter" if layout.sp else "all_reduce"  # layer: its mixer's exit runs again
-            layers = (layout.model.pattern.count("*") + layout.model.pattern.count("M")) * layout.packs_per_rank
+            mixers = sum(layout.model.pattern.count(kind) for kind in "*MP")  # P: one exit for both branches
+            layers = mixers * layout.packs_per_rank
             for (k, dim), (calls, nbytes) in sources["tp_blocks"].items():
                 if k == exit_kind and calls:
                     extra.add(exit_kind, dim, nbytes // calls, layers)
         c = layout.model
-        if replicated_groups(c.mamba_n_groups, layout.tp):  # one B/C group: each Mamba layer's gated norm
+        if replicated_groups(c.mamba_n_groups, layout.tp) and getattr(c, "mamba_gated_norm", True):  # one B/C group:
+            # each Mamba layer's gated norm
             sums = _ring("all_reduce", layout.tp, layout.tokens * layout.compute_bytes)  # all-reduces its sum of
             extra.add("all_reduce", dim_label(layout.dims, ("tp",)), sums,  # squares [Tc, 1] again
-                      c.pattern.count("M") * layout.packs_per_rank)
+                      mamba_layers(c.pattern) * layout.packs_per_rank)
         if "tp_moe" in sources:
             extra = extra + moe_traffic(layout, recomputed=True)
         sources["recompute"] = extra
     return sources
+
+
+def branch_gradients(layout: Layout) -> Tally:
+    """Under SP, a parallel layer's second branch all-gathers its own ``[Ts, D]`` output gradient."""
+    out, c = Tally(), layout.model
+    nbytes = _ring("all_gather", layout.tp, layout.stream_tokens * c.hidden_size * layout.act_bytes)
+    out.add("all_gather", dim_label(layout.dims, ("tp",)), nbytes, c.pattern.count("P") * layout.packs_per_rank)
+    return out
 
 
 def lora_fsdp(layout: Layout, full: Tally) -> Tally:

@@ -94,35 +94,39 @@ def mamba_core_backward(layout: Layout) -> int:
 
 def block_workspaces(layout: Layout, kind: str) -> Workspaces:
     """Transient bytes of one block's forward and backward (beyond what it keeps)."""
-    c, w = layout.model, _widths(layout)
-    e, ec, tc, ts, seq = layout.act_bytes, layout.compute_bytes, layout.tokens, layout.stream_tokens, layout.pack_size
+    w, e, tc, ts = _widths(layout), layout.act_bytes, layout.tokens, layout.stream_tokens
     flow = ts * w["d"] * e + tc * w["d"] * e  # block output (+ mixer output) / residual gradients
-    freed = 0
+    if kind == "P":  # a twin's Falcon-H1 layer: one branch's output is live while the other runs
+        (mamba_fwd, mamba_bwd, freed), (attention_fwd, attention_bwd, _) = (_mixer_workspaces(layout, k, w) for k in "M*")
+        forward, backward = max(mamba_fwd, attention_fwd) + tc * w["d"] * e, max(mamba_bwd, attention_bwd)
+    else:
+        forward, backward, freed = _mixer_workspaces(layout, kind, w)
+    forward, backward = forward + flow, backward + flow
+    if layout.checkpointing != "none":  # backward first rebuilds the block's tensors
+        backward += block_saved_bytes(layout, kind, "none") - block_saved_bytes(layout, kind)
+    return Workspaces(forward, backward, freed)
+
+
+def _mixer_workspaces(layout: Layout, kind: str, w: dict) -> tuple[int, int, int]:
+    """``(forward, backward, freed)`` of one mixer or MLP, beyond the residual flow."""
+    c, e, ec, tc, seq = layout.model, layout.act_bytes, layout.compute_bytes, layout.tokens, layout.pack_size
     if kind == "M":
         w_conv = w["w_core"] - w["heads"]
         states = -(-tc // c.chunk_size) * w["d_inner"] * c.ssm_state_size * ec  # [Tc/Q, H, P, N]
-        forward = tc * (w_conv + 4 * w["heads"]) * ec + states + flow
-        backward = mamba_core_backward(layout) + flow
         freed = tc * 2 * w["d_inner"] * e + tc * w["groups"] * ec  # out_proj input, y, gated-norm rstd
-    elif kind == "*":
+        return tc * (w_conv + 4 * w["heads"]) * ec + states, mamba_core_backward(layout), freed
+    if kind == "*":
         ulysses = layout.cp > 1 and layout.cp_attention == "ulysses"
         kv_tokens = seq if layout.cp > 1 and layout.cp_attention != "ring" else tc
         q_tokens, scale = (seq, layout.cp) if ulysses else (tc, 1)
         step = max(1, w["hq"] // scale) * ATTENTION_STEP[0] * min(ATTENTION_STEP[1], kv_tokens) * ec
         kv_copy = kv_tokens * 2 * w["kv"] // scale * ec
-        forward = kv_copy + step + flow
         grads = (q_tokens * w["q"] + kv_tokens * 2 * w["kv"]) // scale * ec
-        backward = kv_copy + 3 * step // 2 + grads + tc * (w["q"] + 2 * w["kv"]) * e + flow
-    elif kind == "E":
-        forward, backward = moe_workspaces(layout)
-        forward, backward = forward + flow, backward + flow
-    else:
-        gated = c.mlp_gated
-        forward = tc * w["inter"] * e * (2 if gated else 1) + flow
-        backward = tc * w["inter"] * e * (3 if gated else 2) + flow
-    if layout.checkpointing != "none":  # backward first rebuilds the block's tensors
-        backward += block_saved_bytes(layout, kind, "none") - block_saved_bytes(layout, kind)
-    return Workspaces(forward, backward, freed)
+        return kv_copy + step, kv_copy + 3 * step // 2 + grads + tc * (w["q"] + 2 * w["kv"]) * e, 0
+    if kind == "E":
+        return *moe_workspaces(layout), 0
+    gated = c.mlp_gated
+    return tc * w["inter"] * e * (2 if gated else 1), tc * w["inter"] * e * (3 if gated else 2), 0
 
 
 def loss_workspaces(layout: Layout) -> Workspaces:

@@ -34,8 +34,6 @@ those changes, change its source here and the test that holds the measurement to
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -44,9 +42,11 @@ from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
 from hybridpar.parallel.context.attention import attention_cp_bytes_per_layer, ulysses_kv_heads
 from hybridpar.parallel.context.recurrent.mamba import a2a_bytes_per_layer
 from hybridpar.parallel.context.recurrent.mamba_state import state_bytes_per_layer
+from hybridpar.parallel.comm.units import ParamShape, attention_layers, mamba_layers, unit_parameters
 from hybridpar.parallel.dims import ParallelDims
 
-__all__ = ["StepShape", "Tally", "ParamShape", "unit_parameters", "step_collectives", "SOURCES", "dim_label"]
+__all__ = ["StepShape", "Tally", "ParamShape", "unit_parameters", "step_collectives", "SOURCES", "dim_label",
+           "mamba_layers", "attention_layers"]  # ParamShape, unit_parameters and the layer counts live in units.py
 
 
 class Tally(dict):
@@ -106,16 +106,6 @@ class StepShape:
         return self.dims.size("dp_shard_cp") > 1 or self.dims.dp_replicate > 1
 
 
-@dataclass(frozen=True)
-class ParamShape:
-    """A parameter's TP-local shape and how TP treats it."""
-
-    name: str
-    shape: tuple[int, ...]
-    tp_sharded: bool  # a Shard placement on tp (its gradient norm is reduced over tp)
-    sp_norm: bool = False  # a replicated norm weight fed sequence-sharded activations (Partial grad)
-
-
 def dim_label(dims: ParallelDims, names: tuple[str, ...]) -> str:
     """``CommStats``'s label of a group spanning mesh dims ``names``: those of size > 1, joined by +."""
     return "+".join(n for n in names if dims.size(n) > 1) or "self"
@@ -125,73 +115,6 @@ def _ring(kind: str, size: int, nbytes: int) -> int:
     """Bytes one rank sends for an input of ``nbytes`` (the CommStats convention)."""
     return {"all_gather": (size - 1) * nbytes, "reduce_scatter": (size - 1) * nbytes // size,
             "all_reduce": 2 * (size - 1) * nbytes // size, "all_to_all": (size - 1) * nbytes // size}[kind]
-
-
-def unit_parameters(config: HybridConfig, tp: int = 1, sequence_parallel: bool = False) -> dict[str, list[ParamShape]]:
-    """TP-local parameter shapes of every FSDP unit: ``backbone.layers.i`` and the root (``""``),
-    as the ``hybrid_lm_plan`` shards them (Mamba by heads and groups, column/row-parallel
-    projections, vocab-parallel embedding and head; norms replicated)."""
-    shape = tuple(getattr(config, f.name) for f in dataclasses.fields(config))
-    units = _unit_parameters(type(config), shape, tp, sequence_parallel and tp > 1)
-    return {unit: list(params) for unit, params in units.items()}  # a copy: the cached lists stay as built
-
-
-@functools.lru_cache(maxsize=64)  # the planner asks again for every policy and strategy of a layout (--fit)
-def _unit_parameters(kind: type, shape: tuple, tp: int, sp: bool) -> dict[str, list[ParamShape]]:
-    config = kind(*shape)
-    d = config.hidden_size
-
-    def col(name, rows, cols, bias):  # rows split over tp
-        return [ParamShape(f"{name}.weight", (rows // tp, cols), tp > 1)] + (
-            [ParamShape(f"{name}.bias", (rows // tp,), tp > 1)] if bias else [])
-
-    def row(name, rows, cols, bias):  # input columns split over tp, bias replicated
-        return [ParamShape(f"{name}.weight", (rows, cols // tp), tp > 1)] + (
-            [ParamShape(f"{name}.bias", (rows,), False)] if bias else [])
-
-    units: dict[str, list[ParamShape]] = {}
-    for index, kind in enumerate(config.pattern):
-        prefix = f"backbone.layers.{index}"
-        params = [ParamShape(f"{prefix}.norm.weight", (d,), False, sp)]
-        m = f"{prefix}.mixer"
-        if kind == "M":
-            d_inner, heads = config.mamba_intermediate_size, config.mamba_num_heads
-            gn = config.mamba_n_groups * config.ssm_state_size
-            parts = dict(z=d_inner, x=d_inner, B=gn, C=gn, dt=heads)
-            shared = replicated_groups(config.mamba_n_groups, tp)  # one group: B/C rows whole on every rank
-            div = {c: 1 if shared and c in "BC" else tp for c in parts}  # ranks a component is split over
-            params += [ParamShape(f"{m}.in_proj.weight_{c}", (n // div[c], d), div[c] > 1) for c, n in parts.items()]
-            if config.mamba_proj_bias:
-                params += [ParamShape(f"{m}.in_proj.bias_{c}", (n // div[c],), div[c] > 1) for c, n in parts.items()]
-            conv = dict(x=d_inner, B=gn, C=gn)
-            params += [ParamShape(f"{m}.conv1d.weight_{c}", (n // div[c], 1, config.conv_kernel), div[c] > 1)
-                       for c, n in conv.items()]
-            if config.use_conv_bias:
-                params += [ParamShape(f"{m}.conv1d.bias_{c}", (n // div[c],), div[c] > 1) for c, n in conv.items()]
-            params += [ParamShape(f"{m}.{p}", (heads // tp,), tp > 1) for p in ("dt_bias", "A_log", "D")]
-            params += [ParamShape(f"{m}.norm.weight", (d_inner // tp,), tp > 1)]
-            params += row(f"{m}.out_proj", d, d_inner, config.mamba_proj_bias)
-        elif kind == "*":
-            q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-            qkv_bias = config.attention_bias or getattr(config, "qkv_bias", False)  # Qwen2 (plan/hf/twin.py)
-            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                params += col(f"{m}.{name}", rows, d, qkv_bias)
-            if getattr(config, "qk_norm", False):  # Qwen3's per-head norms, replicated (plan/hf/twin.py)
-                params += [ParamShape(f"{m}.{n}.weight", (config.head_dim,), False) for n in ("q_norm", "k_norm")]
-            params += row(f"{m}.o_proj", d, q, config.attention_bias)
-        elif kind == "E":  # a planner twin's MoE block: router, experts, shared experts (plan/hf/twin.py)
-            params += config.moe_parameters(m, tp)
-        else:
-            for name in (("gate_proj", "up_proj") if config.mlp_gated else ("up_proj",)):
-                params += col(f"{m}.{name}", config.intermediate_size, d, config.mlp_bias)
-            params += row(f"{m}.down_proj", d, config.intermediate_size, config.mlp_bias)
-        units[prefix] = params
-    root = [ParamShape("backbone.embeddings.weight", (config.vocab_size // tp, d), tp > 1),
-            ParamShape("backbone.norm_f.weight", (d,), False, sp)]
-    if not config.tie_word_embeddings:
-        root.append(ParamShape("lm_head.weight", (config.vocab_size // tp, d), tp > 1))
-    units[""] = root
-    return units
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,8 +180,9 @@ def tp_shared_groups(s: StepShape) -> Tally:
     out, cfg, tp = Tally(), s.model, s.dims.tp
     if not replicated_groups(cfg.mamba_n_groups, tp):
         return out
-    label, tokens, layers = dim_label(s.dims, ("tp",)), s.pack_size // s.dims.cp, cfg.pattern.count("M")
-    out.add("all_reduce", label, _ring("all_reduce", tp, tokens * max(s.element_size, 4)), 2 * layers * s.packs_per_rank)
+    label, tokens, layers = dim_label(s.dims, ("tp",)), s.pack_size // s.dims.cp, mamba_layers(cfg.pattern)
+    norms = layers if getattr(cfg, "mamba_gated_norm", True) else 0  # y * silu(z) without a norm sums nothing
+    out.add("all_reduce", label, _ring("all_reduce", tp, tokens * max(s.element_size, 4)), 2 * norms * s.packs_per_rank)
     unit = unit_parameters(cfg, tp, s.sequence_parallel)
     for prefix, params in unit.items():
         for p in params:
@@ -294,7 +218,7 @@ def cp_attention(s: StepShape) -> Tally:
     out, cfg, cp, e = Tally(), s.model, s.dims.cp, s.element_size
     if cp == 1:
         return out
-    layers = s.model.pattern.count("*") * s.packs_per_rank
+    layers = attention_layers(s.model.pattern) * s.packs_per_rank
     hq, hkv = cfg.num_attention_heads // s.dims.tp, cfg.num_key_value_heads // s.dims.tp
     label = dim_label(s.dims, ("cp",))
     forward = round(attention_cp_bytes_per_layer(s.cp_attention, 1, s.pack_size, cp, hq, hkv, cfg.head_dim, e))
@@ -311,7 +235,7 @@ def cp_attention(s: StepShape) -> Tally:
 
 def cp_mamba(s: StepShape) -> Tally:
     out, cfg, cp, tp, e = Tally(), s.model, s.dims.cp, s.dims.tp, s.element_size
-    layers, label = s.model.pattern.count("M"), dim_label(s.dims, ("cp",))
+    layers, label = mamba_layers(s.model.pattern), dim_label(s.dims, ("cp",))
     if cp == 1 or layers == 0:  # no Mamba block (a pattern of attention and MLPs): nothing to send
         return out
     d_inner, heads, groups = cfg.mamba_intermediate_size // tp, cfg.mamba_num_heads // tp, tp_groups(cfg.mamba_n_groups, tp)

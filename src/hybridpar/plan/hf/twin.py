@@ -14,6 +14,10 @@ its RMSNorm keeps the normalized product ``x * rstd`` in float32 before the weig
 ``full``/``selective`` checkpointing a whole decoder layer is one checkpoint that keeps one input,
 not one per block.
 
+Falcon-H1: per layer a parallel block ``P`` (its Mamba2 mixer and its attention side by side on one
+norm's output, each branch reading its own multiplied copy; their outputs summed) then its MLP ``-``,
+which runs transformers' forward (its multipliers: the gate's scaled copy is kept too).
+
 Mamba2 hybrids: Bamba and NemotronH through the ``HybridConfig`` their checkpoints load as natively;
 a NemotronH's MoE layers (``moe``) and every GraniteMoeHybrid layer's feed-forward half (MoE plus its
 ``shared_mlp``) are blocks of kind ``E`` (``plan/hf/moe.py``); a dense Granite's ``shared_mlp`` is the
@@ -28,7 +32,7 @@ from hybridpar.models.hybrid import HybridConfig
 
 __all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
 
-TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba", "nemotron_h", "granitemoehybrid")
+TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1")
 # Mamba2 hybrids: mapped field by field as models/hf/config.py loads them (Bamba M- / *- per layer)
 MAMBA_HYBRIDS = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
 
@@ -44,6 +48,8 @@ class TwinConfig(HybridConfig):
     lean_gated_norms: bool = False  # its Mamba mixers' gated norms run blocks.gated_rms_norm (the same)
     qk_norm: bool = False  # Qwen3: RMSNorm weights [head_dim] on q and k per head, replicated over TP
     paired_layers: bool = True  # a decoder layer is a mixer block then an MLP block (NemotronH: one block)
+    mamba_gated_norm: bool = True  # False: y * silu(z), no norm weight (Falcon-H1 without mamba_rms_norm)
+    mlp_multipliers: bool = False  # transformers' gated MLP with Falcon-H1's multipliers: act's input kept too
     mlp_fused: bool = False  # Granite's shared_mlp: one [gate | up] input_linear, its output gathered under TP
     # MoE blocks (pattern "E"; plan/hf/moe.py): router [E, D] (replicated), experts split over TP on
     # their intermediate dim, shared experts (NemotronH's ungated MLP, Granite's fused gated shared_mlp)
@@ -58,7 +64,7 @@ class TwinConfig(HybridConfig):
 
     def validate(self) -> None:
         """HybridConfig's rules, with ``E`` (a MoE block, priced by the planner only) read as an MLP block."""
-        pattern, self.pattern = self.pattern, self.pattern.replace("E", "-")
+        pattern, self.pattern = self.pattern, self.pattern.replace("E", "-").replace("P", "M")
         try:
             super().validate()
         finally:
@@ -89,8 +95,8 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
     model_type = getattr(config, "model_type", None)
     if model_type not in TWIN_MODEL_TYPES:
         return None, f"activations and traffic are modelled for HybridLM and {', '.join(TWIN_MODEL_TYPES)} models"
-    if model_type in MAMBA_HYBRIDS or model_type == "granitemoehybrid":
-        twin, why = (granite_twin if model_type == "granitemoehybrid" else _mamba_hybrid_twin)(config)
+    if model_type in MAMBA_HYBRIDS or model_type in ("granitemoehybrid", "falcon_h1"):
+        twin, why = {"granitemoehybrid": granite_twin, "falcon_h1": falcon_twin}.get(model_type, _mamba_hybrid_twin)(config)
         if twin is None:
             return None, why
     elif getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
@@ -169,6 +175,33 @@ def _granite_twin(config, heads: int, experts: int, mixers: list[str], rope: boo
         moe_experts=experts, moe_top_k=config.num_experts_per_tok if experts else 0,
         moe_intermediate_size=config.intermediate_size if experts else 0, moe_gated=True,
         moe_shared_size=config.shared_intermediate_size if experts else 0)
+
+
+def falcon_twin(config) -> tuple[TwinConfig | None, str]:
+    """A Falcon-H1's twin: ``P-`` per layer (module docstring). Its multipliers (embedding, key, branch
+    inputs and outputs, ``mup_vector``, MLP, LM head) scale by constants and keep what the plan counts."""
+    heads = config.num_attention_heads  # transformers holds mamba_n_heads x mamba_d_head = mamba_d_ssm
+    if bool(config.mamba_proj_bias) != bool(config.projectors_bias):  # the twin has one bias flag for both
+        return None, (f"its in_proj bias (mamba_proj_bias={config.mamba_proj_bias}) and out_proj bias "
+                      f"(projectors_bias={config.projectors_bias}) differ")
+    if config.hidden_act != "silu":
+        return None, f"falcon_h1 with hidden_act={config.hidden_act!r} is not a gated SiLU MLP"
+    try:
+        return TwinConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, pattern="P-" * config.num_hidden_layers,
+            mamba_num_heads=config.mamba_n_heads, mamba_head_dim=config.mamba_d_head,
+            mamba_n_groups=config.mamba_n_groups, ssm_state_size=config.mamba_d_state, conv_kernel=config.mamba_d_conv,
+            chunk_size=config.mamba_chunk_size, use_conv_bias=bool(config.mamba_conv_bias),
+            mamba_proj_bias=bool(config.mamba_proj_bias), time_step_limit=tuple(config.time_step_limit),
+            num_attention_heads=heads, num_key_value_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rotary_fraction=(config.rope_parameters or {}).get("partial_rotary_factor", 1.0),
+            attention_bias=bool(config.attention_bias), intermediate_size=config.intermediate_size,
+            mlp_activation="silu", mlp_gated=True, mlp_bias=bool(config.mlp_bias),
+            tie_word_embeddings=bool(config.tie_word_embeddings), mamba_gated_norm=bool(config.mamba_rms_norm),
+            mlp_multipliers=True), ""
+    except ValueError as error:
+        return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
 
 
 def _decoder_twin(config, model_type: str) -> TwinConfig:
