@@ -97,3 +97,15 @@ def test_the_plan_of_a_moe_hybrid_matches_one_measured_step_at_tp2_with_sp(tmp_p
     assert abs(saved / got["saved_hook_bytes"] - 1) <= 0.10, (saved, got["saved_hook_bytes"])
     peak = plan["peak_memory_gib_per_rank"]
     assert abs(peak / got["tensor_peak_gib"] - 1) <= 0.15, (peak, got["tensor_peak_gib"], plan["peak_breakdown_gib"])
+
+
+def test_a_moe_hybrids_traffic_under_bf16_autocast_is_exact(tmp_path):
+    """Under autocast the norm outputs enter TP in float32, and Granite's softmax routing weights and its
+    MoE block's output are float32 (the block's exit pair moves float32). What its MoE blocks keep under
+    autocast is not modelled yet (the plan is 0.79 of the measured saved bytes here; docs/planner.md)."""
+    overrides = _overrides(_checkpoint(tmp_path / "granite", "granite", weights=True), "parallel.tp=2",
+                           "parallel.sequence_parallel=true", "parallel.mixed_precision=bf16")
+    got = run_ranks(2, measure_step, overrides, str(tmp_path / "run"), timeout_s=600)[0]
+    plan = predict(overrides)
+    assert plan["parameters_per_rank"] == got["parameters_per_rank"]
+    assert plan["traffic_bytes_per_step_by_dim"] == got["traffic_by_dim"]

@@ -5,7 +5,8 @@ multiplied copy), their outputs are summed, then its gated MLP runs. The planner
 of parallel blocks ``P`` and MLP blocks ``-`` (``plan/hf/twin.falcon_twin``): parameters equal
 transformers' model's for each Mamba norm variant, and one measured training step holds parameters
 and traffic exact and saved activations within 10%, peak within 15%, at tp=2 + SP (one B/C group:
-replicated, no norm) and at cp=2 with Ulysses attention (two groups, the gated norm). Before, Falcon-H1 kept the
+replicated, no norm) and at cp=2 with Ulysses attention (two groups, the gated norm), in float32 and
+under bf16 mixed precision (autocast at tp=2, FSDP's at cp=2). Before, Falcon-H1 kept the
 parameter-only plan.
 """
 
@@ -73,8 +74,15 @@ def test_a_falcon_h1_the_twin_cannot_hold_keeps_the_parameter_plan_and_says_why(
     assert isinstance(plan, TransformersPlan) and "parallel (Falcon-H1) layers are not planned" in plan.text()
 
 
-@pytest.mark.parametrize("variant, layout", [("plain", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-                                             ("norm_groups", ["parallel.cp=2", "parallel.cp_attention=ulysses"])])
+@pytest.mark.parametrize("variant, layout", [
+    ("plain", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("norm_groups", ["parallel.cp=2", "parallel.cp_attention=ulysses"]),
+    # bf16 autocast: the norm outputs enter TP in float32, the summed branches leave with the residual in
+    # float32, the one B/C group's float32 gradients are all-reduced
+    ("plain", ["parallel.tp=2", "parallel.mixed_precision=bf16"]),
+    # FSDP's bf16: mup_vector (a float32 buffer) makes the Mamba branch and its CP exchanges float32
+    ("norm_groups", ["parallel.cp=2", "parallel.mixed_precision=bf16"]),
+])
 def test_the_plan_of_falcon_h1_matches_one_measured_step(tmp_path, variant, layout):
     overrides = _overrides(_checkpoint(tmp_path / variant, weights=True, **VARIANTS[variant]), *layout)
     got = run_ranks(2, measure_step, overrides, str(tmp_path / "run"), timeout_s=600)[0]

@@ -20,7 +20,7 @@ saves today (``models/blocks.py``, ``mamba/mixer.py``, ``attention/mixer.py``, `
     parallel (P)   a twin's Falcon-H1 layer: the Mamba2 and attention terms after one norm, each branch
                      reading its own multiplied copy of the norm output (one more [Tc, D]; under
                      autocast the projections' bf16 casts instead, below); its ``mup_vector`` product
-                     makes the Mamba branch float32 under autocast (``e_c``, out_proj's cast ``e``);
+                     makes the Mamba branch float32 under mixed precision (``e_c``, out_proj's cast ``e``);
                      without ``mamba_rms_norm`` y * silu(z) keeps y, silu(z) and the product, no rstd
     head           final norm x [Ts, D] + rstd; loss: hidden [Tc, D], lse [Tc], labels [Tc] int64;
                    embedding: input ids [Tc] int64
@@ -115,7 +115,7 @@ def _mixer_bytes(layout: Layout, mixer: str, w: dict, parallel: bool = False) ->
     ``parallel``: inside a Falcon-H1 layer (module docstring)."""
     e, ec, tc, seq = layout.act_bytes, layout.compute_bytes, layout.tokens, layout.pack_size
     if mixer == "M":
-        wide = ec if parallel and layout.autocast else e  # mup_vector's float32 product
+        wide = ec if parallel and layout.mixed_precision == "bf16" else e  # mup_vector's float32 product
         rstd = tc * w["groups"] * ec if getattr(layout.model, "mamba_gated_norm", True) else tc * w["d_inner"] * wide
         out = tc * (w["w_in"] + w["d_inner"]) * wide + tc * w["d_inner"] * e + rstd  # no norm: silu(z), not rstd
         if layout.cp > 1 and layout.cp_mamba == "a2a":

@@ -21,24 +21,31 @@ from __future__ import annotations
 
 from hybridpar.models.mamba.mixer import replicated_groups
 from hybridpar.parallel.comm.step import StepShape, Tally, _ring, attention_layers, dim_label, mamba_layers, step_collectives
-from hybridpar.plan.hf.moe import moe_traffic
+from hybridpar.plan.hf.moe import moe_traffic, widen_moe_exits
 from hybridpar.plan.layout import Layout
 
 __all__ = ["step_traffic", "by_kind", "by_kind_and_dim", "lora_fsdp"]
 
 # The forward collectives a block's recomputation runs again: (source, kind) -> share of that source's calls.
-# SP's norm all-gather is half of tp_blocks' all-gathers (the other half is backward); the CP exchanges
-# into and out of the core are half of the all-to-alls and every all-gather. The exit reduce-scatter /
-# all-reduce is not repeated (the recomputation stops before a block's last matmul).
-RECOMPUTED = {("tp_blocks", "all_gather"): 0.5, ("cp_attention", "all_gather"): 1.0,
-              ("cp_attention", "all_to_all"): 0.5, ("cp_mamba", "all_gather"): 1.0, ("cp_mamba", "all_to_all"): 0.5}
+# The CP exchanges into and out of the core are half of the all-to-alls and every all-gather; SP's norm
+# all-gather (a block's entry) is repeated too (``step_traffic``). The exit reduce-scatter / all-reduce is
+# not repeated (the recomputation stops before a block's last matmul).
+RECOMPUTED = {("cp_attention", "all_gather"): 1.0, ("cp_attention", "all_to_all"): 0.5, ("cp_mamba", "all_gather"): 1.0,
+              ("cp_mamba", "all_to_all"): 0.5}
 
 
 def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
-    m = layout.packs_per_rank
-    return StepShape(layout.model, layout.dims, layout.pack_size, m, layout.act_bytes, layout.sequence_parallel,
-                     layout.cp_attention, layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m,
-                     layout.stream_bytes)
+    """What the step's closed forms read. Under autocast a transformers decoder's norms return the stream's
+    dtype, so its blocks' entries move ``e_s``; its layers that reduce their branches with the residual
+    (Falcon-H1, Granite 4.0-H: ``summed_branches``) exit in ``e_s`` too, except under SP; under mixed
+    precision (FSDP's too: buffers stay float32) Falcon-H1's ``mup_vector`` makes its Mamba core's inputs
+    float32 (``e_c``)."""
+    m, e, es = layout.packs_per_rank, layout.act_bytes, layout.stream_bytes
+    entry = es if layout.hf_decoder else e
+    exit_ = es if layout.hf_decoder and getattr(layout.model, "summed_branches", False) and not layout.sp else e
+    mamba = layout.compute_bytes if "P" in layout.model.pattern and layout.mixed_precision == "bf16" else e
+    return StepShape(layout.model, layout.dims, layout.pack_size, m, e, layout.sequence_parallel, layout.cp_attention,
+                     layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m, es, entry, exit_, mamba)
 
 
 def ring_attention(layout: Layout) -> Tally:
@@ -60,6 +67,7 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
         sources["cp_attention"] = ring_attention(layout)
     if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):
         sources["tp_moe"] = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
+        widen_moe_exits(layout, sources["tp_blocks"], shape.exit_size)
     if layout.sp and "P" in layout.model.pattern:
         sources["tp_branches"] = branch_gradients(layout)
     if layout.lora_rank and "fsdp" in sources:
@@ -70,14 +78,16 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
             for (k, dim), (calls, nbytes) in sources[name].items():
                 if k == kind and calls:
                     extra.add(kind, dim, nbytes // calls, round(calls * share))
-        if layout.hf_decoder and getattr(layout.model, "paired_layers", True):  # one checkpoint per decoder
+        c, tp, label = layout.model, layout.tp, dim_label(layout.dims, ("tp",))
+        blocks, width = len(c.pattern) * layout.packs_per_rank, c.hidden_size
+        if layout.sp:  # each block's norm output is all-gathered again
+            extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * width * shape.entry_size),
+                      blocks)
+        if tp > 1 and layout.hf_decoder and getattr(c, "paired_layers", True):  # one checkpoint per decoder
             exit_kind = "reduce_scatter" if layout.sp else "all_reduce"  # layer: its mixer's exit runs again
-            mixers = sum(layout.model.pattern.count(kind) for kind in "*MP")  # P: one exit for both branches
-            layers = mixers * layout.packs_per_rank
-            for (k, dim), (calls, nbytes) in sources["tp_blocks"].items():
-                if k == exit_kind and calls:
-                    extra.add(exit_kind, dim, nbytes // calls, layers)
-        c = layout.model
+            mixers = sum(c.pattern.count(kind) for kind in "*MP")  # P: one exit for both branches
+            extra.add(exit_kind, label, _ring(exit_kind, tp, layout.tokens * width * shape.exit_size),
+                      mixers * layout.packs_per_rank)
         if replicated_groups(c.mamba_n_groups, layout.tp) and getattr(c, "mamba_gated_norm", True):  # one B/C group:
             # each Mamba layer's gated norm
             sums = _ring("all_reduce", layout.tp, layout.tokens * layout.compute_bytes)  # all-reduces its sum of

@@ -90,6 +90,12 @@ class StepShape:
     reshard_after_forward: bool = True
     docs_per_pack: tuple[int, ...] = ()  # documents of each pack, for cp_mamba="state"
     stream_size: int | None = None  # e_s, the residual stream's and norm weights' bytes (None: e)
+    # bytes of a block's norm output entering the TP region and of its output leaving it (None: e). Under
+    # autocast a transformers decoder's norm outputs stay in e_s, and a layer whose branches are reduced
+    # once (Falcon-H1, Granite 4.0-H) reduces them with the residual, in e_s, where SP does not shard it
+    entry_size: int | None = None
+    exit_size: int | None = None
+    mamba_size: int | None = None  # bytes of the Mamba core's inputs (Falcon-H1 under autocast: float32; None: e)
 
     @property
     def stream_bytes(self) -> int:
@@ -155,7 +161,9 @@ def tp_blocks(s: StepShape) -> Tally:
     """Every block: its input enters the TP region, its row-parallel output leaves it."""
     out = Tally()
     if s.dims.tp > 1:
-        _tp_pair(out, s, 2 * s.packs_per_rank * len(s.model.pattern), s.model.hidden_size)
+        calls = s.packs_per_rank * len(s.model.pattern)
+        _tp_pair(out, s, calls, s.model.hidden_size, s.entry_size)  # norm output in (SP: all-gathered)
+        _tp_pair(out, s, calls, s.model.hidden_size, s.exit_size)  # mixer output out (SP: reduce-scattered)
     return out
 
 
@@ -167,7 +175,7 @@ def tp_head(s: StepShape) -> Tally:
     if s.dims.tp > 1:
         tp, tokens, label = s.dims.tp, s.pack_size // s.dims.cp, dim_label(s.dims, ("tp",))
         stat = max(s.element_size, 4)
-        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, s.element_size if s.sp else stat)
+        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, (s.entry_size or s.element_size) if s.sp else stat)
         for width in (tokens, 2 * tokens + 1):
             out.add("all_reduce", label, _ring("all_reduce", tp, width * stat), s.packs_per_rank)
     return out
@@ -187,7 +195,7 @@ def tp_shared_groups(s: StepShape) -> Tally:
     for prefix, params in unit.items():
         for p in params:
             if p.name.endswith(("_B", "_C")) and not p.tp_sharded:
-                out.add("all_reduce", label, _ring("all_reduce", tp, math.prod(p.shape) * s.element_size),
+                out.add("all_reduce", label, _ring("all_reduce", tp, math.prod(p.shape) * s.stream_bytes),
                         s.packs_per_rank)
     return out
 
@@ -234,7 +242,7 @@ def cp_attention(s: StepShape) -> Tally:
 
 
 def cp_mamba(s: StepShape) -> Tally:
-    out, cfg, cp, tp, e = Tally(), s.model, s.dims.cp, s.dims.tp, s.element_size
+    out, cfg, cp, tp, e = Tally(), s.model, s.dims.cp, s.dims.tp, s.mamba_size or s.element_size
     layers, label = mamba_layers(s.model.pattern), dim_label(s.dims, ("cp",))
     if cp == 1 or layers == 0:  # no Mamba block (a pattern of attention and MLPs): nothing to send
         return out

@@ -50,6 +50,7 @@ class TwinConfig(HybridConfig):
     paired_layers: bool = True  # a decoder layer is a mixer block then an MLP block (NemotronH: one block)
     mamba_gated_norm: bool = True  # False: y * silu(z), no norm weight (Falcon-H1 without mamba_rms_norm)
     mlp_multipliers: bool = False  # transformers' gated MLP with Falcon-H1's multipliers: act's input kept too
+    summed_branches: bool = False  # its layers reduce their branches once, with the residual (Falcon-H1, Granite)
     mlp_fused: bool = False  # Granite's shared_mlp: one [gate | up] input_linear, its output gathered under TP
     # MoE blocks (pattern "E"; plan/hf/moe.py): router [E, D] (replicated), experts split over TP on
     # their intermediate dim, shared experts (NemotronH's ungated MLP, Granite's fused gated shared_mlp)
@@ -174,7 +175,7 @@ def _granite_twin(config, heads: int, experts: int, mixers: list[str], rope: boo
         mlp_activation="silu", mlp_gated=True, tie_word_embeddings=bool(config.tie_word_embeddings), mlp_fused=True,
         moe_experts=experts, moe_top_k=config.num_experts_per_tok if experts else 0,
         moe_intermediate_size=config.intermediate_size if experts else 0, moe_gated=True,
-        moe_shared_size=config.shared_intermediate_size if experts else 0)
+        moe_shared_size=config.shared_intermediate_size if experts else 0, summed_branches=True)
 
 
 def falcon_twin(config) -> tuple[TwinConfig | None, str]:
@@ -199,7 +200,7 @@ def falcon_twin(config) -> tuple[TwinConfig | None, str]:
             attention_bias=bool(config.attention_bias), intermediate_size=config.intermediate_size,
             mlp_activation="silu", mlp_gated=True, mlp_bias=bool(config.mlp_bias),
             tie_word_embeddings=bool(config.tie_word_embeddings), mamba_gated_norm=bool(config.mamba_rms_norm),
-            mlp_multipliers=True), ""
+            mlp_multipliers=True, summed_branches=True), ""
     except ValueError as error:
         return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
 
