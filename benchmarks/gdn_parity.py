@@ -21,7 +21,10 @@ failure (or when the fused kernel cannot run here: the reason is printed).
     python benchmarks/gdn_parity.py [--out benchmarks/results] [--dry-run]
 
 ``--dry-run`` runs both sections on CPU at small shapes with FLA's contract written out in Python
-(``tests/models/linear/gdn_contract.py``) standing in for the kernel. Writes ``gdn_parity.{json,md}``.
+(``tests/models/linear/gdn_contract.py``) standing in for the kernel, at ``DRY_TOLERANCE``: the
+contract sums in another order than the pure core, and float32 on a CPU rounds by its kernels
+(one host gave 1.01e-4 on a ``dt_bias`` gradient, another under 1e-4); a wrong mapping is off by
+order 1. Writes ``gdn_parity.{json,md}``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from hybridpar.models.mamba.fused import use_mamba_kernel, use_stand_in  # noqa:
 from hybridpar.parallel.precision import set_tf32  # noqa: E402
 
 TOLERANCE = 1e-4
+DRY_TOLERANCE = 1e-3  # the dry run checks the plumbing; float32 rounding differs between CPUs (docstring)
 FULL = dict(tokens=2048, docs=[0, 700, 1200, 1900, 2048], heads=(2, 4), head_dim=128, segments=[300, 17, 129, 64, 1, 250])
 DRY = dict(tokens=48, docs=[0, 20, 25, 48], heads=(1, 2), head_dim=16, segments=[9, 1, 16])
 
@@ -178,11 +182,12 @@ def run(name: str, title: str, register_contract, model_parity, state_parity) ->
             harness.limit_autotune(1)  # the first config, untimed: parity, not speed
         if args.lift_fla_640 and harness.lift_fla_640_guard():
             device_name += ", FLA's #640 guard lifted"
-    meta = {"device": device_name, "torch": torch.__version__, "tolerance": TOLERANCE,
+    tolerance = DRY_TOLERANCE if args.dry_run else TOLERANCE
+    meta = {"device": device_name, "torch": torch.__version__, "tolerance": tolerance,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"python benchmarks/{name}.py" + (" --dry-run" if args.dry_run else "")}
     sections = harness.parity_sections({"model": lambda: model_parity(device, sizes, args.dry_run),
-                                        "states": lambda: state_parity(device, sizes, args.dry_run)}, TOLERANCE)
+                                        "states": lambda: state_parity(device, sizes, args.dry_run)}, tolerance)
     return harness.write_parity(name, title, meta, sections, out=args.out)
 
 

@@ -53,7 +53,8 @@ from hybridpar.parallel.comm.units import attention_layers
 from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes
 from hybridpar.plan.layout import Layout
 
-__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals", "lora_saved_bytes"]
+__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals",
+           "lora_saved_bytes"]
 
 BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "P": "mamba+attention"}
 
@@ -161,8 +162,9 @@ def _hf_mixer_bytes(layout: Layout, kind: str, w: dict) -> int:
     if kind == "*" and getattr(layout.model, "qk_norm", False):  # Qwen3's per-head q/k RMSNorms: their input
         heads = (layout.model.num_attention_heads + layout.model.num_key_value_heads) // layout.tp  # (float32
         extra += tc * (w["q"] + w["kv"]) * (e + ec) + tc * heads * ec  # copy), product (cast) and rstd
-    if kind == "M" and not replicated_groups(layout.model.mamba_n_groups, layout.tp) \
-            and not getattr(layout.model, "lean_gated_norms", False) and getattr(layout.model, "mamba_gated_norm", True):  # a gated RMSNorm not of Bamba's form
+    transformers_gated_norm = getattr(layout.model, "mamba_gated_norm", True) and not getattr(
+        layout.model, "lean_gated_norms", False)  # a gated RMSNorm not of Bamba's form (none: y * silu(z))
+    if kind == "M" and not replicated_groups(layout.model.mamba_n_groups, layout.tp) and transformers_gated_norm:
         extra += 3 * tc * w["d_inner"] * ec  # in float32: silu(z), y * silu(z), its normalized product (one group
         # under TP runs parallel/tensor/hybrid.spanning_group_norm instead, which keeps what ours keeps; Bamba's
         # form runs ours, models/hf/activations.use_lean_rms_norms)

@@ -20,7 +20,8 @@ Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not
 from __future__ import annotations
 
 from hybridpar.models.mamba.mixer import replicated_groups
-from hybridpar.parallel.comm.step import StepShape, Tally, _ring, attention_layers, dim_label, mamba_layers, step_collectives
+from hybridpar.parallel.comm.step import (StepShape, Tally, _ring, attention_layers, dim_label, mamba_layers,
+                                          step_collectives)
 from hybridpar.plan.hf.moe import moe_traffic, widen_moe_exits
 from hybridpar.plan.layout import Layout
 

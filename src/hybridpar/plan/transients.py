@@ -97,7 +97,8 @@ def block_workspaces(layout: Layout, kind: str) -> Workspaces:
     w, e, tc, ts = _widths(layout), layout.act_bytes, layout.tokens, layout.stream_tokens
     flow = ts * w["d"] * e + tc * w["d"] * e  # block output (+ mixer output) / residual gradients
     if kind == "P":  # a twin's Falcon-H1 layer: one branch's output is live while the other runs
-        (mamba_fwd, mamba_bwd, freed), (attention_fwd, attention_bwd, _) = (_mixer_workspaces(layout, k, w) for k in "M*")
+        (mamba_fwd, mamba_bwd, freed), (attention_fwd, attention_bwd, _) = (
+            _mixer_workspaces(layout, mixer, w) for mixer in "M*")
         forward, backward = max(mamba_fwd, attention_fwd) + tc * w["d"] * e, max(mamba_bwd, attention_bwd)
     else:
         forward, backward, freed = _mixer_workspaces(layout, kind, w)

@@ -81,7 +81,8 @@ def test_other_gated_mlp_forwards_and_activations_keep_transformers_forward():
 
 def test_every_planned_gated_mlp_runs_the_gated_product():
     """The planner counts three ``[T, I]`` per gated MLP of the decoders it plans through a twin
-    (``plan/hf/twin.TWIN_MODEL_TYPES``): each of their MLP classes must take the lean forward."""
+    (``plan/hf/twin.TWIN_MODEL_TYPES``): each of their MLP classes must take the lean forward. Falcon-H1's
+    MLP (its multipliers) keeps transformers' forward, which its twin prices at four (``mlp_multipliers``)."""
     import transformers as hf
 
     from hybridpar.plan.hf.twin import TWIN_MODEL_TYPES
@@ -94,10 +95,15 @@ def test_every_planned_gated_mlp_runs_the_gated_product():
         with torch.device("meta"):
             built[model_type] = hf.AutoModelForCausalLM.from_config(config)
     built["bamba"] = build_hybrid("bamba")
-    assert set(built) | {"nemotron_h", "granitemoehybrid"} == set(TWIN_MODEL_TYPES)  # relu2 or fused MLPs
+    assert set(built) | {"nemotron_h", "granitemoehybrid", "falcon_h1"} == set(TWIN_MODEL_TYPES)  # relu2, fused
     for model_type, model in built.items():
         mlps = sum(type(m).__name__.endswith("MLP") for m in model.modules())
         assert mlps and use_lean_gated_mlps(model) == mlps, model_type
+    falcon = build_hybrid("falcon_h1")
+    assert sum(type(m).__name__.endswith("MLP") for m in falcon.modules()) and use_lean_gated_mlps(falcon) == 0
+    from hybridpar.plan.planner import planned_shape
+
+    assert planned_shape(falcon.config)[0].mlp_multipliers
 
 
 def test_llama_form_rms_norms_run_ours_with_the_same_values_and_keep_one_product_less():

@@ -95,7 +95,7 @@ class StepShape:
     # once (Falcon-H1, Granite 4.0-H) reduces them with the residual, in e_s, where SP does not shard it
     entry_size: int | None = None
     exit_size: int | None = None
-    mamba_size: int | None = None  # bytes of the Mamba core's inputs (Falcon-H1 under autocast: float32; None: e)
+    mamba_size: int | None = None  # the Mamba core's inputs' (Falcon-H1 under bf16 mixed precision: 4; None: e)
 
     @property
     def stream_bytes(self) -> int:

@@ -36,7 +36,8 @@ from __future__ import annotations
 from hybridpar.parallel.comm.step import Tally, _ring, dim_label
 from hybridpar.plan.layout import Layout
 
-__all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "widen_moe_exits", "moe_matmul_elements"]
+__all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "widen_moe_exits",
+           "moe_matmul_elements"]
 
 INDEX = 8  # int64
 
@@ -139,7 +140,8 @@ def widen_moe_exits(layout: Layout, blocks: Tally, exit_bytes: int) -> None:
     pairs = ((("reduce_scatter", layout.tokens), ("all_gather", layout.stream_tokens)) if layout.sp
              else (("all_reduce", layout.tokens),))
     for kind, tokens in pairs:
-        blocks[(kind, label)][1] += count * (_ring(kind, tp, tokens * d * ec) - _ring(kind, tp, tokens * d * exit_bytes))
+        wider = _ring(kind, tp, tokens * d * ec) - _ring(kind, tp, tokens * d * exit_bytes)
+        blocks[(kind, label)][1] += count * wider
 
 
 def moe_matmul_elements(config) -> int:

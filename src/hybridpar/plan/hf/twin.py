@@ -97,7 +97,8 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
     if model_type not in TWIN_MODEL_TYPES:
         return None, f"activations and traffic are modelled for HybridLM and {', '.join(TWIN_MODEL_TYPES)} models"
     if model_type in MAMBA_HYBRIDS or model_type in ("granitemoehybrid", "falcon_h1"):
-        twin, why = {"granitemoehybrid": granite_twin, "falcon_h1": falcon_twin}.get(model_type, _mamba_hybrid_twin)(config)
+        build = {"granitemoehybrid": granite_twin, "falcon_h1": falcon_twin}.get(model_type, _mamba_hybrid_twin)
+        twin, why = build(config)
         if twin is None:
             return None, why
     elif getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
