@@ -1,5 +1,6 @@
 """Communication: autograd-aware collectives on explicit groups, ``CommStats`` counting the
-bytes of every collective (ours, DTensor's, FSDP2's), and the closed forms of a training step.
+bytes of every collective (ours, DTensor's, FSDP2's), and the closed forms of a training step
+(``step.py``, over the per-unit parameter shapes of ``units.py``).
 
-The lowest room of ``parallel/``: imports torch only.
+Imports torch and ``dims``; the closed forms also read ``models/`` (shapes) and ``context/``'s byte counts.
 """
