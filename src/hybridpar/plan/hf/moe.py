@@ -11,11 +11,12 @@ transformers' norm product (``plan/activations.py``), policy ``none``::
               NemotronH (sigmoid, groups): scores [Tc, E] e_c, group top-2 index [Tc, G, 2] and group
               index [Tc, G_top] int64, mask [Tc, E] bool, top-k index [Tc, k] int64, and with
               norm_topk_prob the weights [Tc, k] and their sum [Tc, 1] e_c (its float32 copy of the
-              input [Tc, D] e_c under 16-bit activations)
+              input [Tc, D] e_c from a 16-bit stream)
     experts   S x (gathered input [D] + down output [D] (the weights' product reads it)
-                   + gated [4 I] (gate|up, act(gate), product) or ungated [2 I] (relu2: relu, square)) e
-              + S x (routing weight w_r + three int64 indices: the sort's, its token index, its inverse)
-              + offsets [E] int32;  w_r = e_c (NemotronH's float32 router) or e (Granite)
+                   + gated [4 I] (gate|up, act(gate), product) or ungated [2 I] (relu2: relu, square)) e_s
+                (the weights' dtype: ``grouped_mm`` has no autocast rule, so under autocast they run in float32)
+              + S x (routing weight w_r e_c + three int64 indices: the sort's, its token index, its inverse)
+              + offsets [E] int32
     shared    NemotronH's ungated MLP: [Tc, 2 Is] e; Granite's fused gated MLP: ``fused_mlp_saved``
 
 A fused gated MLP (Granite's ``shared_mlp``: ``input_linear [2 Is_full, D]``) runs whole under TP
@@ -63,11 +64,12 @@ def moe_saved_bytes(layout: Layout) -> int:
         groups, top_groups = c.moe_groups
         router = tc * (experts * ec + groups * 2 * INDEX + top_groups * INDEX + experts + k * INDEX)
         router += tc * (k + 1) * ec if c.moe_norm_topk else 0
-        router += tc * d * ec if e < ec else 0
+        router += tc * d * ec if layout.stream_bytes < ec else 0  # a 16-bit stream's float32 copy
         weight = ec
     else:
-        router, weight = tc * k * (INDEX + ec), e
-    per_row = 2 * d * e + (4 if c.moe_gated else 2) * m["inter"] * e + weight + 3 * INDEX
+        router, weight = tc * k * (INDEX + ec), ec
+    rows = layout.stream_bytes  # grouped_mm has no autocast rule: the experts run in the weights' dtype
+    per_row = 2 * d * rows + (4 if c.moe_gated else 2) * m["inter"] * rows + weight + 3 * INDEX
     routed = m["rows"] * per_row + 4 * experts
     if c.mlp_fused:
         shared = fused_mlp_saved(layout, c.intermediate_size)  # Granite: intermediate_size is the shared_mlp's
