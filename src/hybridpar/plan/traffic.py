@@ -22,7 +22,7 @@ from __future__ import annotations
 from hybridpar.models.mamba.mixer import replicated_groups
 from hybridpar.parallel.comm.step import (StepShape, Tally, _ring, attention_layers, dim_label, mamba_layers,
                                           step_collectives)
-from hybridpar.plan.hf.moe import moe_traffic, widen_moe_exits
+from hybridpar.plan.hf.moe import moe_traffic
 from hybridpar.plan.layout import Layout
 
 __all__ = ["step_traffic", "by_kind", "by_kind_and_dim", "lora_fsdp"]
@@ -38,7 +38,8 @@ RECOMPUTED = {("cp_attention", "all_gather"): 1.0, ("cp_attention", "all_to_all"
 def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
     """What the step's closed forms read. Under autocast a transformers decoder's norms return the stream's
     dtype, so its blocks' entries move ``e_s``; its layers that reduce their branches with the residual
-    (Falcon-H1, Granite 4.0-H: ``summed_branches``) exit in ``e_s`` too, except under SP; under mixed
+    (Falcon-H1, Granite 4.0-H: ``summed_branches``) exit in ``e_s`` too, except under SP; a MoE block's
+    output is ``e_c`` (its experts' rows are combined with float32 routing weights); under mixed
     precision (FSDP's too: buffers stay float32) Falcon-H1's ``mup_vector`` makes its Mamba core's inputs
     float32 (``e_c``)."""
     m, e, es = layout.packs_per_rank, layout.act_bytes, layout.stream_bytes
@@ -46,7 +47,8 @@ def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
     exit_ = es if layout.hf_decoder and getattr(layout.model, "summed_branches", False) and not layout.sp else e
     mamba = layout.compute_bytes if "P" in layout.model.pattern and layout.mixed_precision == "bf16" else e
     return StepShape(layout.model, layout.dims, layout.pack_size, m, e, layout.sequence_parallel, layout.cp_attention,
-                     layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m, es, entry, exit_, mamba)
+                     layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m, es, entry, exit_,
+                     layout.compute_bytes, mamba)
 
 
 def ring_attention(layout: Layout) -> Tally:
@@ -68,7 +70,6 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
         sources["cp_attention"] = ring_attention(layout)
     if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):
         sources["tp_moe"] = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
-        widen_moe_exits(layout, sources["tp_blocks"], shape.exit_size)
     if layout.sp and "P" in layout.model.pattern:
         sources["tp_branches"] = branch_gradients(layout)
     if layout.lora_rank and "fsdp" in sources:

@@ -95,6 +95,7 @@ class StepShape:
     # once (Falcon-H1, Granite 4.0-H) reduces them with the residual, in e_s, where SP does not shard it
     entry_size: int | None = None
     exit_size: int | None = None
+    moe_exit_size: int | None = None  # a twin's MoE block's output (float32 experts' rows under bf16; None: exit)
     mamba_size: int | None = None  # the Mamba core's inputs' (Falcon-H1 under bf16 mixed precision: 4; None: e)
 
     @property
@@ -161,9 +162,10 @@ def tp_blocks(s: StepShape) -> Tally:
     """Every block: its input enters the TP region, its row-parallel output leaves it."""
     out = Tally()
     if s.dims.tp > 1:
-        calls = s.packs_per_rank * len(s.model.pattern)
-        _tp_pair(out, s, calls, s.model.hidden_size, s.entry_size)  # norm output in (SP: all-gathered)
-        _tp_pair(out, s, calls, s.model.hidden_size, s.exit_size)  # mixer output out (SP: reduce-scattered)
+        m, blocks, moe = s.packs_per_rank, len(s.model.pattern), s.model.pattern.count("E")
+        _tp_pair(out, s, m * blocks, s.model.hidden_size, s.entry_size)  # norm output in (SP: all-gathered)
+        _tp_pair(out, s, m * (blocks - moe), s.model.hidden_size, s.exit_size)  # mixer output out (SP: reduce-
+        _tp_pair(out, s, m * moe, s.model.hidden_size, s.moe_exit_size or s.exit_size)  # scattered)
     return out
 
 

@@ -37,8 +37,7 @@ from __future__ import annotations
 from hybridpar.parallel.comm.step import Tally, _ring, dim_label
 from hybridpar.plan.layout import Layout
 
-__all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "widen_moe_exits",
-           "moe_matmul_elements"]
+__all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "moe_matmul_elements"]
 
 INDEX = 8  # int64
 
@@ -128,22 +127,6 @@ def moe_traffic(layout: Layout, recomputed: bool = False) -> Tally:
         extra.add("all_gather", label, gathered, mlps)
         extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e), mlps)
     return extra
-
-
-def widen_moe_exits(layout: Layout, blocks: Tally, exit_bytes: int) -> None:
-    """An ``E`` block's output is float32 under autocast (the experts' rows are combined with float32
-    routing weights): its exit pair in ``tp_blocks`` (``blocks``, whose exits move ``exit_bytes``
-    elements' bytes) moves ``e_c`` bytes per element instead. In place; no new calls."""
-    c, tp, ec = layout.model, layout.tp, layout.compute_bytes
-    count = c.pattern.count("E") * layout.packs_per_rank
-    if tp == 1 or not count or exit_bytes == ec:
-        return
-    label, d = dim_label(layout.dims, ("tp",)), c.hidden_size
-    pairs = ((("reduce_scatter", layout.tokens), ("all_gather", layout.stream_tokens)) if layout.sp
-             else (("all_reduce", layout.tokens),))
-    for kind, tokens in pairs:
-        wider = _ring(kind, tp, tokens * d * ec) - _ring(kind, tp, tokens * d * exit_bytes)
-        blocks[(kind, label)][1] += count * wider
 
 
 def moe_matmul_elements(config) -> int:
