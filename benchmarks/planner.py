@@ -6,7 +6,8 @@ through its HybridLM twin; ``qwen2``, ``qwen3``: the same widths with Qwen2's q/
 per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with dense MLPs;
 ``nemotron_h_moe``, ``granitemoehybrid``, ``granitemoehybrid_dense``: with MoE layers, and Granite 4.0-H's
 layers without experts; ``falcon_h1``, ``falcon_h1_norm``: Mamba2 and attention side by side in each layer, one
-B/C group and ``y * silu(z)`` (its default), or two groups and its gated norm), layout
+B/C group and ``y * silu(z)`` (its default), or two groups and its gated norm; ``+lora``, ``+lora-qv``: LoRA
+(r=8) on every linear layer, or on q_proj and v_proj only), layout
 (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
 checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
 ``plan/validate.measure_step``: two training steps through ``Trainer.fit`` (the trainer reports
@@ -32,6 +33,7 @@ so a change to the planner shows without measuring again (``--replan`` does only
     python benchmarks/planner.py --models falcon_h1 falcon_h1_norm --lengths 4096 --checkpointing none selective full
     python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
         --checkpointing full selective
+    python benchmarks/planner.py --models tiny+lora tiny+lora-qv llama+lora-qv bamba+lora nemotron_h+lora-qv --lengths 4096
     python benchmarks/planner.py --replan
     python benchmarks/planner.py --again llama bamba              # every stored case of these models, measured again
 
@@ -67,8 +69,14 @@ CHECKPOINTS = {name: Path(tempfile.gettempdir()) / f"hybridpar-planner-{name}" f
 MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"],
           **{name: [f"model.hf_path={path}"] + (["model.backend=transformers"] if name in MAMBA_HF else [])
              for name, path in CHECKPOINTS.items()}}
+# LoRA (peft.method=lora, r=8; plan/lora.py, parallel/comm/grad_flow.py): the default targets (every linear), and
+# q_proj, v_proj only (peft's usual choice), where no gradient reaches the first blocks' inputs
+QV = "peft.target_modules=[q_proj,v_proj]"
+LORA = {"tiny+lora": MODELS["tiny"], "tiny+lora-qv": MODELS["tiny"] + [QV], "llama+lora-qv": MODELS["llama"] + [QV],
+        "bamba+lora": MODELS["bamba"], "nemotron_h+lora-qv": MODELS["nemotron_h"] + [QV]}
+MODELS.update({name: overrides + ["peft.method=lora", "peft.r=8"] for name, overrides in LORA.items()})
 # mid runs ~30x tiny's flops per token on 2 shared cores: 2048 and 4096 keep a case within minutes
-LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096], **{name: [4096, 16384] for name in HF_MODELS}}
+LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096], **{name: [4096, 16384] for name in (*HF_MODELS, *LORA)}}
 LAYOUTS = {  # name -> (world size, overrides)
     "1 process": (1, ["parallel.cp=1", "parallel.tp=1"]),
     "cp=2": (2, ["parallel.cp=2", "parallel.tp=1"]),

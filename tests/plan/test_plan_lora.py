@@ -2,8 +2,8 @@
 
 The planner's adapter count equals the real model's after ``add_lora`` (every preset it can
 build quickly, the default and a narrowed target list); gradients and AdamW state are the
-adapters' only; the saved activations grow by ``h = A x`` per adapter; FSDP reduce-scatters only
-adapter gradients; ``--fit`` searches LoRA layouts and finds one where full fine-tuning fits none.
+adapters' only; the saved activations grow by ``h = A x`` per adapter and lose the first block's
+input; FSDP reduce-scatters only adapter gradients (measured: ``test_plan_lora_measured.py``); ``--fit`` searches LoRA layouts and finds one where full fine-tuning fits none.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def test_adapter_count_equals_the_real_model(targets):
     assert plan.memory.params.grad_bytes == real * e and plan.memory.params.optimizer_bytes == 2 * real * e
     full = make_plan(load_config(None, ONE))
     assert plan.memory.params.param_bytes == full.memory.params.param_bytes + real * e
-    assert plan.memory.saved_bytes > full.memory.saved_bytes  # h = A x per adapter
+    # the frozen embedding: the first block keeps no input (its gradient is never needed); h = A x per adapter
+    block0 = plan.memory.saved_by_kind["mamba"] - full.memory.saved_by_kind["mamba"]
+    assert plan.memory.saved_by_kind["attention"] > full.memory.saved_by_kind["attention"] and block0 < 0
     assert plan.memory.peak_bytes < full.memory.peak_bytes
 
 
@@ -40,7 +42,7 @@ def test_fsdp_reduces_only_adapter_gradients_and_fit_searches_lora_layouts():
            "parallel.dp_shard=2", "parallel.cp=1", "parallel.tp=1"]
     full, lora = make_plan(load_config(None, big)), make_plan(load_config(None, big + ["peft.method=lora"]))
     assert lora.traffic_by_kind["reduce_scatter"] < full.traffic_by_kind["reduce_scatter"] / 100
-    assert lora.traffic_by_kind["all_gather"] == full.traffic_by_kind["all_gather"]
+    assert lora.traffic_by_kind["all_gather"] > full.traffic_by_kind["all_gather"]  # the adapters gathered too
     budget = (lora.memory.peak_bytes + full.memory.peak_bytes) / 2 / 2**30 + 1.0  # between the two peaks
     fits = [c for c in search_layouts(load_config(None, big + ["peft.method=lora"]), 2, budget) if c.fits(budget)]
     assert fits and all(c.plan.layout.lora_rank == 8 for c in fits)

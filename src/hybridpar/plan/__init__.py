@@ -1,7 +1,7 @@
 """``hybridpar plan``: what a layout costs per rank, before anything runs.
 
 For a run config and a world size: parameters, gradients and AdamW state (``params``), bytes kept
-for backward per block kind under the checkpointing policy (``activations``), the largest
+for backward per block kind under the checkpointing policy (``activations``; under LoRA ``lora``), the largest
 workspaces (``transients``), the peak of a steady-state step (``memory``), bytes per collective
 kind and mesh dim (``traffic``, from ``parallel.comm.step``), a step-time estimate (``estimate``)
 and the layouts that fit a memory budget (``search``). Nothing is built but a ``meta`` model for

@@ -53,13 +53,13 @@ from hybridpar.parallel.comm.units import attention_layers
 from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes
 from hybridpar.plan.layout import Layout
 
-__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals",
-           "lora_saved_bytes"]
+__all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals", "block_widths",
+           "mixer_saved_bytes", "hf_norm_bytes", "hf_mixer_bytes", "linear_weights"]
 
 BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "P": "mamba+attention"}
 
 
-def _widths(layout: Layout) -> dict:
+def block_widths(layout: Layout) -> dict:
     c, tp = layout.model, layout.tp
     d_inner = c.mamba_num_heads * c.mamba_head_dim // tp
     groups, heads = tp_groups(c.mamba_n_groups, tp), c.mamba_num_heads // tp
@@ -77,7 +77,7 @@ def _widths(layout: Layout) -> dict:
 def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> int:
     """Bytes one block of ``kind`` ("M", "*", "-") keeps for backward on this rank, one pack."""
     policy = policy or layout.checkpointing
-    w, e, ec = _widths(layout), layout.act_bytes, layout.compute_bytes
+    w, e, ec = block_widths(layout), layout.act_bytes, layout.compute_bytes
     tc, ts = layout.tokens, layout.stream_tokens
     block_input = ts * w["d"] * layout.stream_bytes
     paired = layout.hf_decoder and getattr(layout.model, "paired_layers", True)
@@ -90,14 +90,14 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
         if kind == "P":  # the Mamba branch's out_proj runs before the attention kernel: its [Tc, D] output too
             return block_input + kept["M"] + kept["*"] + tc * w["d"] * e
         return block_input + kept.get(kind, 0)
-    weight_copies = 2 * _linear_weights(layout, kind) if layout.autocast else 0  # autocast's bf16 weights
+    weight_copies = 2 * linear_weights(layout, kind) if layout.autocast else 0  # autocast's bf16 weights
     common = block_input + weight_copies + ts * ec + tc * w["d"] * e  # input, rstd, projections' input
     if layout.hf_decoder:
         common += _hf_block_bytes(layout, kind, w)
     if kind == "P" and not layout.autocast:  # the second branch's multiplied input
         common += tc * w["d"] * e
     if kind in "M*P":
-        return common + sum(_mixer_bytes(layout, mixer, w, kind == "P") for mixer in _mixers(kind))
+        return common + sum(mixer_saved_bytes(layout, mixer, w, kind == "P") for mixer in _mixers(kind))
     if kind == "E":
         return common + moe_saved_bytes(layout)
     if getattr(layout.model, "mlp_fused", False):  # Granite's shared_mlp, gathered under TP
@@ -111,7 +111,7 @@ def _mixers(kind: str) -> str:
     return "M*" if kind == "P" else kind
 
 
-def _mixer_bytes(layout: Layout, mixer: str, w: dict, parallel: bool = False) -> int:
+def mixer_saved_bytes(layout: Layout, mixer: str, w: dict, parallel: bool = False) -> int:
     """What a Mamba2 (``M``) or attention (``*``) mixer keeps beyond its block's input and norm;
     ``parallel``: inside a Falcon-H1 layer (module docstring)."""
     e, ec, tc, seq = layout.act_bytes, layout.compute_bytes, layout.tokens, layout.pack_size
@@ -131,14 +131,16 @@ def _mixer_bytes(layout: Layout, mixer: str, w: dict, parallel: bool = False) ->
     return out
 
 
-def _hf_norm_bytes(layout: Layout) -> int:
+def hf_norm_bytes(layout: Layout) -> int:
     """What a transformers RMSNorm keeps beyond ours: ``x * rstd`` in float32 for the weight's
-    gradient; from a 16-bit stream instead x's float32 copy and the product cast back to 16 bits.
-    None where it runs ours (``models/hf/activations.use_lean_rms_norms``: Llama's forward on plain
+    gradient; from a 16-bit stream instead x's float32 copy and the product cast back to 16 bits
+    (under LoRA the weight is frozen: the copy only). None where it runs ours (``models/hf/activations.use_lean_rms_norms``: Llama's forward on plain
     tensors; under sequence parallelism its inputs are DTensors and transformers' forward runs)."""
     if getattr(layout.model, "lean_norms", False) and not layout.sp:
         return 0
     e, ec = layout.act_bytes, layout.compute_bytes
+    if layout.lora_rank:  # a frozen weight: no product for its gradient, only a 16-bit x's float32 copy
+        return 0 if layout.stream_bytes >= ec else layout.stream_tokens * layout.model.hidden_size * ec
     per_element = ec if layout.stream_bytes >= ec else ec + e
     return layout.stream_tokens * layout.model.hidden_size * per_element
 
@@ -150,13 +152,13 @@ def _hf_block_bytes(layout: Layout, kind: str, w: dict) -> int:
     under autocast each projection's own bf16 cast of the norm output (ours casts once: q, k, v two
     more, gate, up one more) and, with RoPE, bf16 q, k times float32 cos/sin: float32 q, k into
     the attention core, its float32 output and o_proj's bf16 cast of it."""
-    extra = _hf_norm_bytes(layout)
+    extra = hf_norm_bytes(layout)
     for mixer in _mixers(kind):
-        extra += _hf_mixer_bytes(layout, mixer, w)
+        extra += hf_mixer_bytes(layout, mixer, w)
     return extra
 
 
-def _hf_mixer_bytes(layout: Layout, kind: str, w: dict) -> int:
+def hf_mixer_bytes(layout: Layout, kind: str, w: dict) -> int:
     """``_hf_block_bytes``' terms of one mixer (``M``, ``*``) or MLP (``-``, ``E``)."""
     e, ec, tc, extra = layout.act_bytes, layout.compute_bytes, layout.tokens, 0
     if kind == "*" and getattr(layout.model, "qk_norm", False):  # Qwen3's per-head q/k RMSNorms: their input
@@ -175,7 +177,7 @@ def _hf_mixer_bytes(layout: Layout, kind: str, w: dict) -> int:
     return extra
 
 
-def _linear_weights(layout: Layout, kind: str) -> int:
+def linear_weights(layout: Layout, kind: str) -> int:
     """TP-local elements of the linear weights (the 2-D parameters) of one block of ``kind``."""
     from hybridpar.parallel.comm.step import unit_parameters
 
@@ -190,7 +192,7 @@ def head_saved_bytes(layout: Layout) -> int:
     tc, ts, d = layout.tokens, layout.stream_tokens, layout.model.hidden_size
     final_norm = rope = 0
     if layout.hf_decoder:  # a transformers RMSNorm's own; the model's one cos, sin [Tc, r] pair, which every
-        final_norm = _hf_norm_bytes(layout)  # attention layer reads (and each layer's checkpoint keeps)
+        final_norm = hf_norm_bytes(layout)  # attention layer reads (and each layer's checkpoint keeps)
         rot = int(layout.model.head_dim * layout.model.rotary_fraction) // 2 * 2
         rope = tc * 2 * rot * es if rot and attention_layers(layout.model.pattern) else 0
     return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8 + final_norm + rope
@@ -208,15 +210,3 @@ def saved_bytes(layout: Layout, policy: str | None = None) -> dict:
 def block_kind_totals(pattern: str) -> dict[str, int]:
     """Zero per block name: every kind's, a parallel layer's (``P``) only where the pattern has one."""
     return {name: 0 for kind, name in BLOCK_NAMES.items() if kind != "P" or "P" in pattern}
-
-
-def lora_saved_bytes(layout: Layout, index: int) -> int:
-    """LoRA adapters of block ``index``: each keeps ``h = A x`` [Tc, r] for ``B``'s gradient (its
-    input x is the base layer's, already counted; under ``full``/``selective`` checkpointing the
-    block recomputes them). The frozen base's own saved tensors are counted as for training it."""
-    if not layout.lora_rank or layout.checkpointing in ("full", "selective"):
-        return 0
-    from hybridpar.plan.params import adapter_units
-
-    factors = adapter_units(layout)[f"backbone.layers.{index}"]
-    return (len(factors) // 2) * layout.tokens * layout.lora_rank * layout.act_bytes

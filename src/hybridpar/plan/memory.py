@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridpar.plan.activations import (BLOCK_NAMES, block_kind_totals, block_saved_bytes, head_saved_bytes,
-                                        lora_saved_bytes)
+from hybridpar.plan.activations import BLOCK_NAMES, block_kind_totals, block_saved_bytes, head_saved_bytes
 from hybridpar.plan.layout import Layout
-from hybridpar.plan.params import ParameterMemory, parameter_memory
+from hybridpar.plan.lora import lora_block_bytes
+from hybridpar.plan.params import ParameterMemory, grad_flow, parameter_memory
 from hybridpar.plan.transients import Workspaces, block_workspaces, loss_workspaces
 
 __all__ = ["MemoryPlan", "memory_plan"]
@@ -48,7 +48,9 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     params = parameter_memory(layout)
     pattern = layout.model.pattern
     units = [f"backbone.layers.{i}" for i in range(len(pattern))]
-    saved = [block_saved_bytes(layout, kind) + lora_saved_bytes(layout, i) for i, kind in enumerate(pattern)]
+    flow = grad_flow(layout)  # LoRA: no backward runs in a block no gradient reaches
+    saved = [lora_block_bytes(layout, i) if layout.lora_rank else block_saved_bytes(layout, kind)
+             for i, kind in enumerate(pattern)]
     ws = [block_workspaces(layout, kind) for kind in pattern]
     if layout.hf_decoder and getattr(layout.model, "paired_layers", True) and layout.checkpointing == "full":
         # one checkpoint per decoder layer: the backward of its MLP (MoE) half runs while its mixer's rebuilt
@@ -82,6 +84,8 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     for name, workspace in (("loss forward", loss.forward), ("loss backward", loss.backward)):
         moments.append((name, {**common, "activations": sum(saved) + head, "workspace": workspace}))
     for i in reversed(range(len(pattern))):
+        if not flow.output[i]:  # no backward runs there
+            continue
         done = full_grad[""] if not fsdp else grad_after[""]
         done += sum(grad_after[u] if fsdp else full_grad[u] for u in units[i + 1:])
         grads = accumulated if layout.packs_per_rank > 1 else done

@@ -25,14 +25,16 @@ during accumulation a rank holds ``sum_u numel_u * e_p`` of gradients instead of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 from hybridpar.models.hybrid import HybridConfig
-from hybridpar.parallel.comm.step import unit_parameters
+from hybridpar.parallel.comm.grad_flow import GradFlow
+from hybridpar.parallel.comm.step import ParamShape, unit_parameters
 from hybridpar.plan.layout import Layout
 
-__all__ = ["parameter_count", "ParameterMemory", "parameter_memory", "adapter_units"]
+__all__ = ["parameter_count", "ParameterMemory", "parameter_memory", "adapter_units", "adapter_params", "grad_flow"]
 
 
 def parameter_count(config: HybridConfig) -> int:
@@ -73,30 +75,76 @@ def _adapted(name: str, targets: tuple[str, ...]) -> bool:
 
 
 def adapter_units(layout: Layout) -> dict[str, list[tuple[int, ...]]]:
-    """TP-local shapes of the LoRA factors per FSDP unit, as ``parallel/lora.py`` lays them out:
-    column-parallel base (q/k/v, gate/up, Mamba in_proj per component): ``A [r, in]``,
-    ``B [out/tp, r]``; row-parallel base (o, down, out_proj): ``A [r, in/tp]``, ``B [out, r]``."""
-    c, tp, r = layout.model, layout.tp, layout.lora_rank
+    """TP-local shapes of the LoRA factors per FSDP unit (``adapter_params``' shapes)."""
+    return {unit: [p.shape for p in params] for unit, params in adapter_params(layout).items()}
+
+
+def grad_flow(layout: Layout) -> GradFlow:
+    """Where a gradient reaches (``parallel/comm/grad_flow.py``): everywhere, or under LoRA from the
+    first adapter on."""
+    return _grad_flow(*_adapter_key(layout))
+
+
+def adapter_params(layout: Layout) -> dict[str, list[ParamShape]]:
+    """The LoRA factors per FSDP unit as ``parallel/lora.py`` lays them out, named
+    ``<linear>.lora_A``/``lora_B``: column-parallel base (q/k/v, gate/up, Mamba in_proj per
+    component): ``A [r, in]`` replicated, ``B [out/tp, r]`` sharded; row-parallel base (o, down,
+    out_proj): ``A [r, in/tp]`` sharded, ``B [out, r]`` replicated (``tp_sharded`` marks the sharded
+    factor; the replicated one's gradient is all-reduced over TP)."""
+    return {unit: list(params) for unit, params in _adapter_params(*_adapter_key(layout)).items()}
+
+
+def _adapter_key(layout: Layout) -> tuple:
+    c = layout.model
+    return type(c), tuple(getattr(c, f.name) for f in dataclasses.fields(c)), layout.tp, layout.lora_rank, layout.lora_targets
+
+
+@functools.lru_cache(maxsize=64)  # asked per block and again for every layout of a --fit search
+def _grad_flow(kind: type, shape: tuple, tp: int, r: int, targets: tuple) -> GradFlow:
+    blocks = len(kind(*shape).pattern)
+    return GradFlow.of_adapters(_adapter_params(kind, shape, tp, r, targets), blocks) if r else GradFlow.full(blocks)
+
+
+@functools.lru_cache(maxsize=64)
+def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple) -> dict[str, tuple[ParamShape, ...]]:
+    c = kind(*shape)
     d, out = c.hidden_size, {}
     d_inner = c.mamba_intermediate_size
     width = 2 * d_inner + 2 * c.mamba_n_groups * c.ssm_state_size + c.mamba_num_heads
     mamba = {"in_proj": (d, width, "col"), "out_proj": (d_inner, d, "row")}
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     attention = {"q_proj": (d, q, "col"), "k_proj": (d, kv, "col"), "v_proj": (d, kv, "col"), "o_proj": (q, d, "row")}
-    for index, kind in enumerate(c.pattern):
+    sharded = tp > 1
+    for index, block in enumerate(c.pattern):
         m = f"backbone.layers.{index}.mixer"
-        if kind in "M*P":  # P: a twin's parallel layer (Falcon-H1), both mixers
-            linears = {**(mamba if kind in "MP" else {}), **(attention if kind in "*P" else {})}
+        if block in "M*P":  # P: a twin's parallel layer (Falcon-H1), both mixers
+            linears = {**(mamba if block in "MP" else {}), **(attention if block in "*P" else {})}
         else:
             linears = {"up_proj": (d, c.intermediate_size, "col"), "down_proj": (c.intermediate_size, d, "row")}
             if c.mlp_gated:
                 linears["gate_proj"] = (d, c.intermediate_size, "col")
-        shapes = []
+        params = []
         for name, (fan_in, fan_out, style) in linears.items():
-            if _adapted(f"{m}.{name}", layout.lora_targets):
-                shapes += [(r, fan_in), (fan_out // tp, r)] if style == "col" else [(r, fan_in // tp), (fan_out, r)]
-        out[f"backbone.layers.{index}"] = shapes
+            if not _adapted(f"{m}.{name}", targets):
+                continue
+            col = style == "col"
+            params.append(ParamShape(f"{m}.{name}.lora_A", (r, fan_in) if col else (r, fan_in // tp), sharded and not col))
+            if name == "in_proj":  # B per component, like the base (one B/C group: those rows whole on every rank)
+                params += [ParamShape(f"{m}.in_proj.lora_B.weight_{part}", (rows // div, r), div > 1)
+                           for part, rows, div in _in_proj_parts(c, tp)]
+            else:
+                params.append(ParamShape(f"{m}.{name}.lora_B", (fan_out // tp, r) if col else (fan_out, r), sharded and col))
+        out[f"backbone.layers.{index}"] = tuple(params)
     return out
+
+
+def _in_proj_parts(c, tp: int) -> list[tuple[str, int, int]]:
+    """``(component, rows, ranks it is split over)`` of a Mamba2 ``in_proj`` (``z, x, B, C, dt``)."""
+    from hybridpar.models.mamba.mixer import replicated_groups
+
+    gn, bc = c.mamba_n_groups * c.ssm_state_size, 1 if replicated_groups(c.mamba_n_groups, tp) else tp
+    d_inner = c.mamba_intermediate_size
+    return [("z", d_inner, tp), ("x", d_inner, tp), ("B", gn, bc), ("C", gn, bc), ("dt", c.mamba_num_heads, tp)]
 
 
 def parameter_memory(layout: Layout) -> ParameterMemory:

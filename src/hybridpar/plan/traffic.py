@@ -14,18 +14,24 @@ reduce-scatters its two branches' sum once, and each branch all-gathers its grad
 one ``[Ts, D]`` all-gather per layer and pack more (source ``tp_branches``).
 ``cp_attention=ring`` sends point to point (kind ``send``; ``context/ring.py``'s
 count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``docs_per_pack`` documents are assumed in every pack.
-Under LoRA FSDP reduces only the adapters' gradients (``lora_fsdp``, scaled, not yet measured).
+Under LoRA (``peft.method=lora``) the closed forms read the adapters (``plan/params.adapter_params``):
+FSDP gathers them with their units and reduces only theirs, each replicated factor's gradient is
+all-reduced over TP (``tp_adapters``), and a backward collective runs only where a gradient
+reaches it (``parallel/comm/grad_flow.py``: none in the blocks before the first adapter, no
+entry gradient into the first, no embedding or norm gradient); only the blocks a gradient
+reaches are recomputed under checkpointing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybridpar.models.mamba.mixer import replicated_groups
-from hybridpar.parallel.comm.step import (StepShape, Tally, _ring, attention_layers, dim_label, mamba_layers,
-                                          step_collectives)
+from hybridpar.parallel.comm.step import SOURCES, StepShape, Tally, _ring, attention_layers, dim_label, step_collectives
 from hybridpar.plan.hf.moe import moe_traffic
 from hybridpar.plan.layout import Layout
 
-__all__ = ["step_traffic", "by_kind", "by_kind_and_dim", "lora_fsdp"]
+__all__ = ["step_traffic", "by_kind", "by_kind_and_dim"]
 
 # The forward collectives a block's recomputation runs again: (source, kind) -> share of that source's calls.
 # The CP exchanges into and out of the core are half of the all-to-alls and every all-gather; SP's norm
@@ -46,9 +52,15 @@ def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
     entry = es if layout.hf_decoder else e
     exit_ = es if layout.hf_decoder and getattr(layout.model, "summed_branches", False) and not layout.sp else e
     mamba = layout.compute_bytes if "P" in layout.model.pattern and layout.mixed_precision == "bf16" else e
+    adapters = None
+    if layout.lora_rank:
+        from hybridpar.plan.params import adapter_params
+
+        adapters = adapter_params(layout)
     return StepShape(layout.model, layout.dims, layout.pack_size, m, e, layout.sequence_parallel, layout.cp_attention,
                      layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m, es, entry, exit_,
-                     layout.compute_bytes, mamba)
+                     layout.compute_bytes, mamba, adapters, 2 if layout.mixed_precision == "bf16" else layout.adapter_bytes,
+                     layout.adapter_bytes, layout.hf_decoder and getattr(layout.model, "paired_layers", True))
 
 
 def ring_attention(layout: Layout) -> Tally:
@@ -72,29 +84,35 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
         sources["tp_moe"] = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
     if layout.sp and "P" in layout.model.pattern:
         sources["tp_branches"] = branch_gradients(layout)
-    if layout.lora_rank and "fsdp" in sources:
-        sources["fsdp"] = lora_fsdp(layout, sources["fsdp"])
     if layout.checkpointing != "none":
-        extra = Tally()
+        extra, c = Tally(), layout.model
+        flow, pattern, m = shape.flow, c.pattern, layout.packs_per_rank
+        # the blocks recomputed: those a gradient reaches (a decoder layer's checkpoint: where its output's does)
+        redo = tuple(flow.output[i | 1] if shape.paired else flow.output[i] for i in range(len(pattern)))
+        redone = {name: flow.count(redo, pattern, kinds) / max(1, sum(pattern.count(k) for k in kinds))
+                  for name, kinds in (("cp_attention", "*P"), ("cp_mamba", "MP"))}
+        trained = dataclasses.replace(shape, adapters=None)  # every backward runs: the shares below hold
         for (name, kind), share in RECOMPUTED.items():
-            for (k, dim), (calls, nbytes) in sources[name].items():
+            if layout.cp == 1 or (name == "cp_attention" and layout.cp_attention == "ring"):
+                continue
+            for (k, dim), (calls, nbytes) in SOURCES[name](trained).items():
                 if k == kind and calls:
-                    extra.add(kind, dim, nbytes // calls, round(calls * share))
-        c, tp, label = layout.model, layout.tp, dim_label(layout.dims, ("tp",))
-        blocks, width = len(c.pattern) * layout.packs_per_rank, c.hidden_size
+                    extra.add(kind, dim, nbytes // calls, round(calls * share * redone[name]))
+        tp, label = layout.tp, dim_label(layout.dims, ("tp",))
+        blocks, width = flow.count(redo, pattern) * m, c.hidden_size
         if layout.sp:  # each block's norm output is all-gathered again
             extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * width * shape.entry_size),
                       blocks)
         if tp > 1 and layout.hf_decoder and getattr(c, "paired_layers", True):  # one checkpoint per decoder
             exit_kind = "reduce_scatter" if layout.sp else "all_reduce"  # layer: its mixer's exit runs again
-            mixers = sum(c.pattern.count(kind) for kind in "*MP")  # P: one exit for both branches
+            mixers = flow.count(redo, pattern, "*MP")  # P: one exit for both branches
             extra.add(exit_kind, label, _ring(exit_kind, tp, layout.tokens * width * shape.exit_size),
                       mixers * layout.packs_per_rank)
         if replicated_groups(c.mamba_n_groups, layout.tp) and getattr(c, "mamba_gated_norm", True):  # one B/C group:
             # each Mamba layer's gated norm
             sums = _ring("all_reduce", layout.tp, layout.tokens * layout.compute_bytes)  # all-reduces its sum of
             extra.add("all_reduce", dim_label(layout.dims, ("tp",)), sums,  # squares [Tc, 1] again
-                      mamba_layers(c.pattern) * layout.packs_per_rank)
+                      flow.count(redo, pattern, "MP") * layout.packs_per_rank)
         if "tp_moe" in sources:
             extra = extra + moe_traffic(layout, recomputed=True)
         sources["recompute"] = extra
@@ -106,20 +124,6 @@ def branch_gradients(layout: Layout) -> Tally:
     out, c = Tally(), layout.model
     nbytes = _ring("all_gather", layout.tp, layout.stream_tokens * c.hidden_size * layout.act_bytes)
     out.add("all_gather", dim_label(layout.dims, ("tp",)), nbytes, c.pattern.count("P") * layout.packs_per_rank)
-    return out
-
-
-def lora_fsdp(layout: Layout, full: Tally) -> Tally:
-    """FSDP under LoRA: frozen base weights are still all-gathered, but only the adapters' gradients
-    are reduce-scattered (and HSDP all-reduced): those totals scale by adapter / base elements."""
-    from hybridpar.plan.params import parameter_memory
-
-    params = parameter_memory(layout)
-    base = sum(params.unit_numel.values()) - sum(params.trainable_unit_numel.values())
-    share = sum(params.trainable_unit_numel.values()) / max(1, base)
-    out = Tally()
-    for (kind, dim), (calls, nbytes) in full.items():
-        out[(kind, dim)] = [calls, nbytes if kind == "all_gather" else round(nbytes * share)]
     return out
 
 

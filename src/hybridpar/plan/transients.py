@@ -53,7 +53,7 @@ from hybridpar.models.lm_head_loss import block_shape
 from hybridpar.models.mamba.ssd_chunked import DIAGONAL_SLICE_BYTES
 from hybridpar.train.loss import lm_head_loss
 
-from hybridpar.plan.activations import _widths, block_saved_bytes
+from hybridpar.plan.activations import block_saved_bytes, block_widths
 from hybridpar.plan.hf.moe import moe_workspaces
 from hybridpar.plan.layout import Layout
 
@@ -72,7 +72,7 @@ class Workspaces:
 
 def mamba_core_backward(layout: Layout) -> int:
     """Peak bytes of the Mamba2 core's backward beyond its saved inputs (the form above)."""
-    c, w = layout.model, _widths(layout)
+    c, w = layout.model, block_widths(layout)
     e, ec = layout.act_bytes, layout.compute_bytes
     scale = layout.cp if layout.cp > 1 and layout.cp_mamba == "a2a" else 1
     tokens, heads = layout.tokens * scale, w["heads"] // scale
@@ -94,7 +94,7 @@ def mamba_core_backward(layout: Layout) -> int:
 
 def block_workspaces(layout: Layout, kind: str) -> Workspaces:
     """Transient bytes of one block's forward and backward (beyond what it keeps)."""
-    w, e, tc, ts = _widths(layout), layout.act_bytes, layout.tokens, layout.stream_tokens
+    w, e, tc, ts = block_widths(layout), layout.act_bytes, layout.tokens, layout.stream_tokens
     flow = ts * w["d"] * e + tc * w["d"] * e  # block output (+ mixer output) / residual gradients
     if kind == "P":  # a twin's Falcon-H1 layer: one branch's output is live while the other runs
         (mamba_fwd, mamba_bwd, freed), (attention_fwd, attention_bwd, _) = (

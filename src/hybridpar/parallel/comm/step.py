@@ -28,6 +28,9 @@ dp_replicate``. Per pack unless marked "per step":
     clip          per set of groups gradients are sharded over, and group in it: all_reduce of one summed
                   square (max(e, 4) bytes), per step
 
+Under LoRA (``adapters``) a backward row runs only where a gradient reaches (``grad_flow.py``), FSDP gathers the
+adapters with their units and reduces only theirs, and ``tp_adapters`` sums each replicated factor's gradient over TP.
+
 The forms follow today's code (``tp_hybrid`` plan, ``cp_*`` cores, ``train/loss``); when one of
 those changes, change its source here and the test that holds the measurement to it.
 """
@@ -42,6 +45,7 @@ from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
 from hybridpar.parallel.context.attention import attention_cp_bytes_per_layer, ulysses_kv_heads
 from hybridpar.parallel.context.recurrent.mamba import a2a_bytes_per_layer
 from hybridpar.parallel.context.recurrent.mamba_state import state_bytes_per_layer
+from hybridpar.parallel.comm.grad_flow import GradFlow
 from hybridpar.parallel.comm.units import ParamShape, attention_layers, mamba_layers, unit_parameters
 from hybridpar.parallel.dims import ParallelDims
 
@@ -97,6 +101,20 @@ class StepShape:
     exit_size: int | None = None
     moe_exit_size: int | None = None  # a twin's MoE block's output (float32 experts' rows under bf16; None: exit)
     mamba_size: int | None = None  # the Mamba core's inputs' (Falcon-H1 under bf16 mixed precision: 4; None: e)
+    # LoRA: the adapters per FSDP unit (None: every parameter trains), gathered in adapter_size bytes (2 under
+    # bf16 mixed precision, else their own) and reduced in adapter_grad_size; paired: a transformers decoder
+    # layer is two twin blocks and one FSDP unit
+    adapters: dict | None = None
+    adapter_size: int = 4
+    adapter_grad_size: int = 4
+    paired: bool = False
+
+    @property
+    def flow(self) -> GradFlow:
+        """Which backward collectives run (``grad_flow.py``)."""
+        if self.adapters is None:
+            return GradFlow.full(len(self.model.pattern))
+        return GradFlow.of_adapters(self.adapters, len(self.model.pattern))
 
     @property
     def stream_bytes(self) -> int:
@@ -137,24 +155,28 @@ def trainer(s: StepShape) -> Tally:
     return out
 
 
-def _tp_pair(out: Tally, s: StepShape, calls: int, width: int, e: int | None = None) -> None:
+def _tp_pair(out: Tally, s: StepShape, calls: int, width: int, e: int | None = None, backward: int | None = None,
+             exit_: bool = False) -> None:
     """One [Tc, width] activation (``e`` bytes, default the activations') entering a TP region and its
-    gradient leaving it, ``calls`` times: SP all_gather (fwd) + reduce_scatter (bwd), else
-    all_reduce of the gradient (bwd)."""
+    gradient leaving it (``exit_``: leaving it, and its gradient entering), ``calls`` times forward and
+    ``backward`` times (default ``calls``) backward. Entry: SP all_gather (fwd) + reduce_scatter
+    (bwd), else all_reduce of the gradient (bwd); exit: SP reduce_scatter (fwd) + all_gather (bwd),
+    else all_reduce (fwd)."""
     tp, tokens, label = s.dims.tp, s.pack_size // s.dims.cp, dim_label(s.dims, ("tp",))
-    e = e or s.element_size
+    e, backward = e or s.element_size, calls if backward is None else backward
     if s.sp:
-        out.add("all_gather", label, _ring("all_gather", tp, tokens // tp * width * e), calls)
-        out.add("reduce_scatter", label, _ring("reduce_scatter", tp, tokens * width * e), calls)
+        out.add("all_gather", label, _ring("all_gather", tp, tokens // tp * width * e), backward if exit_ else calls)
+        out.add("reduce_scatter", label, _ring("reduce_scatter", tp, tokens * width * e), calls if exit_ else backward)
     else:
-        out.add("all_reduce", label, _ring("all_reduce", tp, tokens * width * e), calls)
+        out.add("all_reduce", label, _ring("all_reduce", tp, tokens * width * e), calls if exit_ else backward)
 
 
 def tp_embedding(s: StepShape) -> Tally:
     """The vocab-parallel embedding's partial output leaving the TP region (and its gradient)."""
     out = Tally()
     if s.dims.tp > 1:
-        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, s.stream_bytes)  # fwd RS + bwd AG, or fwd AR
+        m = s.packs_per_rank  # fwd RS + bwd AG (a frozen embedding has none), or fwd AR
+        _tp_pair(out, s, m, s.model.hidden_size, s.stream_bytes, m if s.flow.base_trains else 0, exit_=True)
     return out
 
 
@@ -162,10 +184,13 @@ def tp_blocks(s: StepShape) -> Tally:
     """Every block: its input enters the TP region, its row-parallel output leaves it."""
     out = Tally()
     if s.dims.tp > 1:
-        m, blocks, moe = s.packs_per_rank, len(s.model.pattern), s.model.pattern.count("E")
-        _tp_pair(out, s, m * blocks, s.model.hidden_size, s.entry_size)  # norm output in (SP: all-gathered)
-        _tp_pair(out, s, m * (blocks - moe), s.model.hidden_size, s.exit_size)  # mixer output out (SP: reduce-
-        _tp_pair(out, s, m * moe, s.model.hidden_size, s.moe_exit_size or s.exit_size)  # scattered)
+        m, pattern, flow, d = s.packs_per_rank, s.model.pattern, s.flow, s.model.hidden_size
+        blocks, moe = len(pattern), pattern.count("E")
+        _tp_pair(out, s, m * blocks, d, s.entry_size, m * flow.count(flow.input, pattern))  # norm output in (SP:
+        dense = pattern.replace("E", "")  # all-gathered); mixer output out (SP: reduce-scattered)
+        _tp_pair(out, s, m * (blocks - moe), d, s.exit_size, m * flow.count(flow.output, pattern, dense), exit_=True)
+        _tp_pair(out, s, m * moe, d, s.moe_exit_size or s.exit_size, m * flow.count(flow.output, pattern, "E"),
+                 exit_=True)
     return out
 
 
@@ -177,7 +202,8 @@ def tp_head(s: StepShape) -> Tally:
     if s.dims.tp > 1:
         tp, tokens, label = s.dims.tp, s.pack_size // s.dims.cp, dim_label(s.dims, ("tp",))
         stat = max(s.element_size, 4)
-        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, (s.entry_size or s.element_size) if s.sp else stat)
+        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, (s.entry_size or s.element_size) if s.sp else stat,
+                 s.packs_per_rank if any(s.flow.output) else 0)
         for width in (tokens, 2 * tokens + 1):
             out.add("all_reduce", label, _ring("all_reduce", tp, width * stat), s.packs_per_rank)
     return out
@@ -191,8 +217,12 @@ def tp_shared_groups(s: StepShape) -> Tally:
     if not replicated_groups(cfg.mamba_n_groups, tp):
         return out
     label, tokens, layers = dim_label(s.dims, ("tp",)), s.pack_size // s.dims.cp, mamba_layers(cfg.pattern)
-    norms = layers if getattr(cfg, "mamba_gated_norm", True) else 0  # y * silu(z) without a norm sums nothing
-    out.add("all_reduce", label, _ring("all_reduce", tp, tokens * max(s.element_size, 4)), 2 * norms * s.packs_per_rank)
+    if getattr(cfg, "mamba_gated_norm", True):  # y * silu(z) without a norm sums nothing
+        backward = s.flow.count(s.flow.mamba, cfg.pattern, "MP")
+        out.add("all_reduce", label, _ring("all_reduce", tp, tokens * max(s.element_size, 4)),
+                (layers + backward) * s.packs_per_rank)
+    if not s.flow.base_trains:  # frozen B/C weights
+        return out
     unit = unit_parameters(cfg, tp, s.sequence_parallel)
     for prefix, params in unit.items():
         for p in params:
@@ -204,7 +234,7 @@ def tp_shared_groups(s: StepShape) -> Tally:
 
 def tp_norm_grads(s: StepShape) -> Tally:
     out = Tally()
-    if s.sp:
+    if s.sp and s.flow.base_trains:
         norms = [p for unit in unit_parameters(s.model, s.dims.tp, True).values() for p in unit if p.sp_norm]
         per_norm = 1 if s.fsdp else 4  # FSDP reduces once; else clipping once and AdamW three times
         for p in norms:
@@ -217,7 +247,7 @@ def tp_head_norms(s: StepShape) -> Tally:
     """Per-head q/k norms (Qwen3 twin) on this rank's heads: their weight gradient [head_dim] is a
     partial sum, all-reduced over TP in backward once per call (two per attention layer and pack)."""
     out = Tally()
-    if s.dims.tp > 1 and getattr(s.model, "qk_norm", False):
+    if s.dims.tp > 1 and getattr(s.model, "qk_norm", False) and s.flow.base_trains:
         calls = 2 * s.model.pattern.count("*") * s.packs_per_rank
         nbytes = s.model.head_dim * s.stream_bytes
         out.add("all_reduce", dim_label(s.dims, ("tp",)), _ring("all_reduce", s.dims.tp, nbytes), calls)
@@ -228,35 +258,43 @@ def cp_attention(s: StepShape) -> Tally:
     out, cfg, cp, e = Tally(), s.model, s.dims.cp, s.element_size
     if cp == 1:
         return out
-    layers = attention_layers(s.model.pattern) * s.packs_per_rank
+    m, flow, pattern = s.packs_per_rank, s.flow, s.model.pattern
+    layers = attention_layers(pattern) * m
     hq, hkv = cfg.num_attention_heads // s.dims.tp, cfg.num_key_value_heads // s.dims.tp
     label = dim_label(s.dims, ("cp",))
     forward = round(attention_cp_bytes_per_layer(s.cp_attention, 1, s.pack_size, cp, hq, hkv, cfg.head_dim, e))
-    if s.cp_attention == "allgather":
+    if s.cp_attention == "allgather":  # [dK | dV] reduce-scattered where k or v has a gradient
         out.add("all_gather", label, forward, layers)
-        out.add("reduce_scatter", label, forward, layers)
-    else:  # ulysses: [q|k|v] and out, each way
-        tokens = s.pack_size // cp
-        for width in (hq + 2 * ulysses_kv_heads(hkv, cp), hq):
-            out.add("all_to_all", label, _ring("all_to_all", cp, tokens * width * cfg.head_dim * e), 2 * layers)
-        assert out.bytes()["all_to_all", label] == 2 * layers * forward
+        out.add("reduce_scatter", label, forward, flow.count(flow.kv, pattern, "*P") * m)
+        return out
+    tokens, kv_heads = s.pack_size // cp, ulysses_kv_heads(hkv, cp)  # ulysses: [q|k|v] and out, each way
+    per_head = _ring("all_to_all", cp, tokens * cfg.head_dim * e)
+    out.add("all_to_all", label, per_head * (hq + 2 * kv_heads), layers)
+    out.add("all_to_all", label, per_head * hq, layers)
+    assert out.bytes()["all_to_all", label] == layers * forward
+    for i, kind in enumerate(pattern):  # backward: the gradients of those of q, k, v that have one, and the output's
+        grads = hq * flow.q[i] + kv_heads * (flow.k[i] + flow.v[i])
+        if kind in "*P" and grads:
+            out.add("all_to_all", label, per_head * grads, m)
+            out.add("all_to_all", label, per_head * hq, m)
     return out
 
 
 def cp_mamba(s: StepShape) -> Tally:
     out, cfg, cp, tp, e = Tally(), s.model, s.dims.cp, s.dims.tp, s.mamba_size or s.element_size
     layers, label = mamba_layers(s.model.pattern), dim_label(s.dims, ("cp",))
+    backward = s.flow.count(s.flow.mamba, s.model.pattern, "MP")  # layers whose core runs backward
     if cp == 1 or layers == 0:  # no Mamba block (a pattern of attention and MLPs): nothing to send
         return out
     d_inner, heads, groups = cfg.mamba_intermediate_size // tp, cfg.mamba_num_heads // tp, tp_groups(cfg.mamba_n_groups, tp)
     state = cfg.ssm_state_size
     if s.cp_mamba == "a2a":  # [x | B | C | dt] in, y back; the same two transposed in backward
         tokens, groups_sent = s.pack_size // cp, groups * max(1, cp // groups)
-        calls = 2 * layers * s.packs_per_rank
+        calls = (layers + backward) * s.packs_per_rank
         for width in (d_inner + 2 * groups_sent * state + heads, d_inner):
             out.add("all_to_all", label, _ring("all_to_all", cp, tokens * width * e), calls)
         forward = a2a_bytes_per_layer(1, s.pack_size, cp, d_inner, heads, groups, state, e)
-        assert out.bytes()["all_to_all", label] == round(2 * forward * layers * s.packs_per_rank)
+        assert out.bytes()["all_to_all", label] == round(forward * calls)
         return out
     if len(s.docs_per_pack) != s.packs_per_rank:
         raise ValueError(f"cp_mamba='state' sends per document: give docs_per_pack for all {s.packs_per_rank} packs.")
@@ -265,7 +303,7 @@ def cp_mamba(s: StepShape) -> Tally:
         states = 2 * docs * (heads * cfg.mamba_head_dim * state + heads) * max(e, 4)
         for nbytes in (halo, states):
             out.add("all_gather", label, _ring("all_gather", cp, nbytes), layers)
-            out.add("reduce_scatter", label, _ring("reduce_scatter", cp, cp * nbytes), layers)
+            out.add("reduce_scatter", label, _ring("reduce_scatter", cp, cp * nbytes), backward)
         assert (cp - 1) * (halo + states) == state_bytes_per_layer(
             1, docs, cp, d_inner, heads, cfg.mamba_head_dim, groups, state, cfg.conv_kernel, e, max(e, 4))
     return out
@@ -283,16 +321,43 @@ def fsdp(s: StepShape) -> Tally:
     if not isinstance(s.reshard_after_forward, bool):
         raise ValueError("closed forms cover reshard_after_forward true or false, not a resharding group size.")
     shard_label, rep_label = dim_label(dims, ("dp_shard", "cp")), dim_label(dims, ("dp_replicate",))
-    m = s.packs_per_rank
+    m, flow, blocks = s.packs_per_rank, s.flow, len(s.model.pattern)
+    units = blocks // 2 if s.paired else blocks
     reduce_size = max(s.element_size, 4)  # parameters gathered in e, gradients reduced in >= float32
     for unit, params in unit_parameters(s.model, dims.tp, s.sequence_parallel).items():
-        nbytes, grad_bytes = (_shard_bytes(params, shard, e) for e in (s.element_size, reduce_size))
+        adapters = (s.adapters or {}).get(unit, [])
+        nbytes = _shard_bytes(params, shard, s.element_size) + _shard_bytes(adapters, shard, s.adapter_size)
+        if s.adapters is None:
+            grad_bytes = _shard_bytes(params, shard, reduce_size)
+        else:  # LoRA: only the adapters' gradients
+            grad_bytes = _shard_bytes(adapters, shard, s.adapter_grad_size)
         if shard > 1:
-            gathers = 1 if not s.reshard_after_forward else (m if unit == "" else 2 * m)
+            index = int(unit.rsplit(".", 1)[1]) // (2 if s.paired else 1) if unit else -1
+            backward = unit != "" and flow.gathered_in_backward(index, units, s.paired)
+            gathers = 1 if not s.reshard_after_forward else m * (2 if backward else 1)
             out.add("all_gather", shard_label, _ring("all_gather", shard, nbytes), gathers)
-            out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * grad_bytes))
-        if rep > 1:
+            if grad_bytes:
+                out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * grad_bytes))
+        if rep > 1 and grad_bytes:
             out.add("all_reduce", rep_label, _ring("all_reduce", rep, grad_bytes))
+    return out
+
+
+def tp_adapters(s: StepShape) -> Tally:
+    """LoRA under TP: each replicated factor (``A`` of a column-parallel base, ``B`` of a row-parallel
+    one, a shared B/C group's rows of an ``in_proj`` ``B``) has a gradient summed over TP: one
+    all-reduce of its elements per pack, or with FSDP once per step (it reduces TP-partial gradients
+    itself, after the last pack); an ``in_proj``'s ``A`` and shared rows sum in autograd, per pack."""
+    out = Tally()
+    if s.adapters is None or s.dims.tp == 1:
+        return out
+    label, m = dim_label(s.dims, ("tp",)), s.packs_per_rank
+    for params in s.adapters.values():
+        for p in params:
+            if not p.tp_sharded:
+                in_autograd = ".in_proj." in p.name
+                nbytes = _ring("all_reduce", s.dims.tp, math.prod(p.shape) * s.adapter_grad_size)
+                out.add("all_reduce", label, nbytes, m if in_autograd or not s.fsdp else 1)
     return out
 
 
@@ -303,7 +368,8 @@ def clip(s: StepShape) -> Tally:
     out, dims = Tally(), s.dims
     e = max(s.element_size, 4)
     fsdp = s.fsdp and dims.size("dp_shard_cp") > 1
-    params = [p for unit in unit_parameters(s.model, dims.tp, s.sequence_parallel).values() for p in unit]
+    units = unit_parameters(s.model, dims.tp, s.sequence_parallel) if s.adapters is None else s.adapters
+    params = [p for unit in units.values() for p in unit]
     tp_sets = {p.tp_sharded and (s.fsdp or p.name != "backbone.embeddings.weight") for p in params}
     for tp_sharded in tp_sets:
         if fsdp:
@@ -316,6 +382,7 @@ def clip(s: StepShape) -> Tally:
 SOURCES = {
     "trainer": trainer, "tp_embedding": tp_embedding, "tp_blocks": tp_blocks, "tp_head": tp_head,
     "tp_norm_grads": tp_norm_grads, "tp_head_norms": tp_head_norms, "tp_shared_groups": tp_shared_groups, "cp_attention": cp_attention, "cp_mamba": cp_mamba, "fsdp": fsdp, "clip": clip,
+    "tp_adapters": tp_adapters,
 }
 
 
