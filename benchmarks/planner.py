@@ -34,6 +34,8 @@ so a change to the planner shows without measuring again (``--replan`` does only
     python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
         --checkpointing full selective
     python benchmarks/planner.py --models tiny+lora tiny+lora-qv llama+lora-qv bamba+lora nemotron_h+lora-qv --lengths 4096
+    python benchmarks/planner.py --models nemotron_h_moe+lora granitemoehybrid+lora falcon_h1+lora falcon_h1_norm+lora-qv \
+        --lengths 4096
     python benchmarks/planner.py --replan
     python benchmarks/planner.py --again llama bamba              # every stored case of these models, measured again
 
@@ -73,7 +75,9 @@ MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M
 # q_proj, v_proj only (peft's usual choice), where no gradient reaches the first blocks' inputs
 QV = "peft.target_modules=[q_proj,v_proj]"
 LORA = {"tiny+lora": MODELS["tiny"], "tiny+lora-qv": MODELS["tiny"] + [QV], "llama+lora-qv": MODELS["llama"] + [QV],
-        "bamba+lora": MODELS["bamba"], "nemotron_h+lora-qv": MODELS["nemotron_h"] + [QV]}
+        "bamba+lora": MODELS["bamba"], "nemotron_h+lora-qv": MODELS["nemotron_h"] + [QV],
+        "nemotron_h_moe+lora": MODELS["nemotron_h_moe"], "granitemoehybrid+lora": MODELS["granitemoehybrid"],
+        "falcon_h1+lora": MODELS["falcon_h1"], "falcon_h1_norm+lora-qv": MODELS["falcon_h1_norm"] + [QV]}
 MODELS.update({name: overrides + ["peft.method=lora", "peft.r=8"] for name, overrides in LORA.items()})
 # mid runs ~30x tiny's flops per token on 2 shared cores: 2048 and 4096 keep a case within minutes
 LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096], **{name: [4096, 16384] for name in (*HF_MODELS, *LORA)}}

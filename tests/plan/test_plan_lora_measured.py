@@ -8,7 +8,8 @@ reductions scaled down: 1.0 MB too many TP all-reduces at tp=2, the adapters' ga
 FSDP, and 1.2-2x the saved activations with narrow target lists. Held per case: parameters per
 rank and every collective's bytes exact, saved activations within 10%, peak within 15%. Targets
 that leave the first blocks without a gradient (``o_proj``, ``down_proj``; q only under ulysses)
-are the cases where the gradient's reach matters.
+are the cases where the gradient's reach matters; Falcon-H1's parallel layers and Granite 4.0-H's MoE
+blocks and fused MLP are planned under LoRA too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pytest
 
 from tests.plan.step_check import assert_plan_matches_step
 from tests.plan.test_plan_hf import _checkpoint
+from tests.plan.test_plan_moe import _checkpoint as moe_checkpoint
+from tests.plan.test_plan_parallel_layers import _checkpoint as falcon_checkpoint
 
 LORA = ["peft.method=lora", "peft.r=4"]
 CASES = {  # name -> (world size, overrides)
@@ -29,13 +32,25 @@ CASES = {  # name -> (world size, overrides)
                                  "parallel.activation_checkpointing=selective"]),
     "llama, tp=2 + SP, q_proj and v_proj": (2, ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                                                 "peft.target_modules=[q_proj,v_proj]"]),
+    # a parallel layer whose attention branch has no gradient (Falcon-H1): no second branch all-gather under SP
+    "falcon_h1, tp=2 + SP, out_proj": (2, ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                           "peft.target_modules=[out_proj]"]),
+    # MoE blocks (Granite 4.0-H): frozen experts keep neither their gathered input nor the down input; the
+    # first MoE block's router and experts keep nothing (its input has no gradient); the fused shared_mlp adapted
+    "granite, cp=2 x tp=2, o_proj and output_linear": (4, ["parallel.cp=2", "parallel.tp=2",
+                                                          "parallel.sequence_parallel=true",
+                                                          "peft.target_modules=[o_proj,output_linear]"]),
 }
+CHECKPOINTS = {"llama": lambda path: _checkpoint(path, "llama", weights=True),
+               "falcon_h1": lambda path: falcon_checkpoint(path, weights=True),
+               "granite": lambda path: moe_checkpoint(path, "granite", weights=True)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_lora_plan_matches_one_measured_step(tmp_path, name):
     world, layout = CASES[name]
-    model = [f"model.hf_path={_checkpoint(tmp_path / 'llama', 'llama', weights=True)}"] if name.startswith("llama") else []
+    checkpoint = CHECKPOINTS.get(name.split(",")[0])
+    model = [f"model.hf_path={checkpoint(tmp_path / 'model')}", "model.backend=transformers"] if checkpoint else []
     packs = [] if any(o.startswith("data.packs_per_step") for o in layout) else ["data.packs_per_step=1"]
     overrides = model + LORA + ["data.pack_size=2048", *packs, *layout]
     assert_plan_matches_step(overrides, str(tmp_path / "run"), world)

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 from hybridpar.plan.activations import (block_saved_bytes, block_widths, hf_mixer_bytes, hf_norm_bytes, linear_weights,
                                         mixer_saved_bytes)
+from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
 __all__ = ["lora_block_bytes", "lora_saved_bytes"]
 
-INPUT_SIDE = ("in_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # they read the norm output
+INPUT_SIDE = ("in_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "input_linear")  # they read the norm output
+READS = {"M": {"in_proj"}, "*": {"q_proj", "k_proj", "v_proj"}}  # a mixer's projections of the norm output
 
 
 def _linear(name: str) -> str:
@@ -58,24 +60,37 @@ def lora_block_bytes(layout: Layout, index: int) -> int:
         out += ts * w["d"] * layout.stream_bytes + ts * ec + (2 * linear_weights(layout, kind) if layout.autocast else 0)
     if layout.hf_decoder and flow.input[index] and layout.stream_bytes < ec:
         out += hf_norm_bytes(layout)  # a 16-bit x's float32 copy
-    casts = tc * w["d"] * e * (2 if kind == "*" else 1) if layout.autocast and layout.hf_decoder else 0
-    if adapted & set(INPUT_SIDE):
-        out += tc * w["d"] * e + casts  # the norm output (+ each projection's own bf16 cast of it)
-    core = (mixer_saved_bytes(layout, kind, w) + (hf_mixer_bytes(layout, kind, w) - casts if layout.hf_decoder else 0)
-            if kind in "M*" else 0)
-    if kind == "M":
-        if flow.mamba[index]:
-            out += core - tc * w["d_inner"] * e  # less the gated norm's output, out_proj's input
-        out += tc * w["d_inner"] * e if "out_proj" in adapted else 0
-    elif kind == "*":
-        if flow.q[index] or flow.k[index] or flow.v[index]:
+    hf_casts = layout.autocast and layout.hf_decoder  # each projection's own bf16 cast of the norm output
+    casts = {"M": tc * w["d"] * e if hf_casts else 0, "*": 2 * tc * w["d"] * e if hf_casts else 0}
+    mixers = "M*" if kind == "P" else kind
+    if kind == "P":  # each adapted branch reads its own multiplied copy of the norm output (autocast: its casts)
+        branches = [m for m in mixers if adapted & READS[m]]
+        out += tc * w["d"] * e * (min(1, len(branches)) if layout.autocast else len(branches))
+        out += sum(casts[m] for m in branches)
+    elif adapted & set(INPUT_SIDE):  # the norm output (and its casts)
+        out += tc * w["d"] * e + casts.get(kind, 0)
+    for mixer in mixers if kind in "M*P" else "":
+        core = mixer_saved_bytes(layout, mixer, w, kind == "P")
+        core += hf_mixer_bytes(layout, mixer, w) - casts[mixer] if layout.hf_decoder else 0
+        if mixer == "M":
+            if flow.mamba[index]:
+                out += core - tc * w["d_inner"] * e  # less the gated norm's output, out_proj's input
+            out += tc * w["d_inner"] * e if "out_proj" in adapted else 0
+        elif flow.q[index] or flow.k[index] or flow.v[index]:
             out += core
         elif "o_proj" in adapted:
             out += tc * w["q"] * e
-    else:
-        gated = layout.model.mlp_gated
+    if kind in "M*P":
+        return out
+    if kind == "E":
+        out += moe_saved_bytes(layout, adapted, flow.input[index], flow.mlp[index])
+    elif getattr(layout.model, "mlp_fused", False):  # Granite's shared_mlp
+        out += fused_mlp_saved(layout, layout.model.intermediate_size, "output_linear" not in adapted,
+                               not flow.mlp[index])
+    else:  # gate, up (Falcon-H1's multipliers: act's scaled input too)
+        gated, scaled = layout.model.mlp_gated, getattr(layout.model, "mlp_multipliers", False)
         if flow.input[index] or adapted & {"gate_proj", "up_proj"}:
-            out += tc * w["inter"] * e * (2 if gated else 1)
+            out += tc * w["inter"] * e * ((3 if scaled else 2) if gated else 1)
         out += tc * w["inter"] * e if "down_proj" in adapted else 0
     return out
 

@@ -119,6 +119,8 @@ def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple) -
         m = f"backbone.layers.{index}.mixer"
         if block in "M*P":  # P: a twin's parallel layer (Falcon-H1), both mixers
             linears = {**(mamba if block in "MP" else {}), **(attention if block in "*P" else {})}
+        elif block == "E" or getattr(c, "mlp_fused", False):  # a twin's MoE block: its shared experts' linears
+            linears = _shared_mlp(c, c.moe_shared_size if block == "E" else c.intermediate_size)
         else:
             linears = {"up_proj": (d, c.intermediate_size, "col"), "down_proj": (c.intermediate_size, d, "row")}
             if c.mlp_gated:
@@ -136,6 +138,19 @@ def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple) -
                 params.append(ParamShape(f"{m}.{name}.lora_B", (fan_out // tp, r) if col else (fan_out, r), sharded and col))
         out[f"backbone.layers.{index}"] = tuple(params)
     return out
+
+
+def _shared_mlp(c, size: int) -> dict[str, tuple[int, int, str]]:
+    """The linears of a twin's shared MLP of intermediate ``size``, by transformers' names (the routed
+    experts are stacked parameters, not linears: ``peft.target_parameters``, which the twins do not plan):
+    Granite's fused ``shared_mlp`` (``input_linear [2 Is, D]``, ``output_linear``), NemotronH's
+    ``shared_experts`` (``up_proj``, ``down_proj``)."""
+    d = c.hidden_size
+    if not size:
+        return {}
+    if c.mlp_fused:
+        return {"shared_mlp.input_linear": (d, 2 * size, "col"), "shared_mlp.output_linear": (size, d, "row")}
+    return {"shared_experts.up_proj": (d, size, "col"), "shared_experts.down_proj": (size, d, "row")}
 
 
 def _in_proj_parts(c, tp: int) -> list[tuple[str, int, int]]:

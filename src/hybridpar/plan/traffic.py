@@ -114,16 +114,19 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
             extra.add("all_reduce", dim_label(layout.dims, ("tp",)), sums,  # squares [Tc, 1] again
                       flow.count(redo, pattern, "MP") * layout.packs_per_rank)
         if "tp_moe" in sources:
-            extra = extra + moe_traffic(layout, recomputed=True)
+            extra = extra + moe_traffic(layout, recomputed=redo)
         sources["recompute"] = extra
     return sources
 
 
 def branch_gradients(layout: Layout) -> Tally:
-    """Under SP, a parallel layer's second branch all-gathers its own ``[Ts, D]`` output gradient."""
-    out, c = Tally(), layout.model
+    """Under SP, a parallel layer's second branch all-gathers its own ``[Ts, D]`` output gradient (under
+    LoRA where both branches have one)."""
+    from hybridpar.plan.params import grad_flow
+
+    out, c, flow = Tally(), layout.model, grad_flow(layout)
     nbytes = _ring("all_gather", layout.tp, layout.stream_tokens * c.hidden_size * layout.act_bytes)
-    out.add("all_gather", dim_label(layout.dims, ("tp",)), nbytes, c.pattern.count("P") * layout.packs_per_rank)
+    out.add("all_gather", dim_label(layout.dims, ("tp",)), nbytes, flow.count(flow.branches, c.pattern, "P") * layout.packs_per_rank)
     return out
 
 

@@ -12,6 +12,12 @@ With the blocks ``0 .. L-1`` of the pattern in order::
     mamba[i]  = input[i] or an adapter on its in_proj      its Mamba core's backward: CP exchanges, the
                                                             gated norm's sums (x, B, C, dt, z all come
                                                             from in_proj)
+    mlp[i]    = input[i] or an adapter on gate_proj,      its MLP's gradient into the activation (a fused
+                up_proj or input_linear                     MLP's slice all-gathered back, Granite)
+    branches[i] = input[i], or (Falcon-H1's parallel     both branches of a two-branch layer have an output
+                layer) adapters on each of its Mamba and    gradient (Falcon-H1's Mamba and attention,
+                attention branches                          Granite's experts and shared MLP): under SP
+                                                            the second all-gathers its own
     q[i], k[i], v[i] = input[i] or an adapter on q_proj,   its attention core's gradient exchanges
                 k_proj, v_proj                              (allgather: [dK | dV] where k or v; ulysses:
                                                              the gradients of those of q, k, v, and of
@@ -30,6 +36,8 @@ from dataclasses import dataclass
 
 __all__ = ["GradFlow"]
 
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+
 
 @dataclass(frozen=True)
 class GradFlow:
@@ -38,6 +46,8 @@ class GradFlow:
     input: tuple[bool, ...]
     output: tuple[bool, ...]
     mamba: tuple[bool, ...]
+    mlp: tuple[bool, ...]
+    branches: tuple[bool, ...]
     q: tuple[bool, ...]
     k: tuple[bool, ...]
     v: tuple[bool, ...]
@@ -46,17 +56,19 @@ class GradFlow:
     @classmethod
     def full(cls, blocks: int) -> "GradFlow":
         every = (True,) * blocks
-        return cls(every, every, every, every, every, every)
+        return cls(every, every, every, every, every, every, every, every)
 
     @classmethod
     def lora(cls, adapted: list[set[str]]) -> "GradFlow":
         """From the adapted linear layers' names (``q_proj``, ``in_proj``, ...) of every block in order."""
-        flags: dict[str, list[bool]] = {name: [] for name in ("input", "output", "mamba", "q", "k", "v")}
+        flags: dict[str, list[bool]] = {name: [] for name in ("input", "output", "mamba", "mlp", "branches", "q", "k", "v")}
         before = False
         for names in adapted:
             flags["input"].append(before)
             flags["output"].append(before or bool(names))
             flags["mamba"].append(before or "in_proj" in names)
+            flags["mlp"].append(before or bool(names & {"gate_proj", "up_proj", "input_linear"}))
+            flags["branches"].append(before or bool(names & {"in_proj", "out_proj"} and names & ATTENTION))
             for name in "qkv":
                 flags[name].append(before or f"{name}_proj" in names)
             before = before or bool(names)

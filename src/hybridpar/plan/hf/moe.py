@@ -48,14 +48,22 @@ def _moe(layout: Layout) -> dict:
                 shared=c.moe_shared_size // tp, rows=layout.tokens * c.moe_top_k, sigmoid=c.moe_router == "sigmoid")
 
 
-def fused_mlp_saved(layout: Layout, size: int) -> int:
-    """A fused gated MLP of intermediate ``size`` (full width): see the module docstring."""
+def fused_mlp_saved(layout: Layout, size: int, frozen_out: bool = False, frozen_in: bool = False) -> int:
+    """A fused gated MLP of intermediate ``size`` (full width): see the module docstring. Under LoRA
+    ``frozen_out`` (no adapter on ``output_linear``): its input, the product's slice, is not kept;
+    ``frozen_in`` (no gradient into ``input_linear``'s output): neither is what the activation keeps."""
     tc, e, tp = layout.tokens, layout.act_bytes, layout.tp
-    return tc * e * (4 * size if tp == 1 else 3 * size + size // tp)
+    return tc * e * ((0 if frozen_in else 3 * size) + (0 if frozen_out else size // tp if tp > 1 else size))
 
 
-def moe_saved_bytes(layout: Layout) -> int:
-    """What one ``E`` block keeps beyond every block's common terms (policy none)."""
+def moe_saved_bytes(layout: Layout, adapted: set[str] | None = None, input_grad: bool = True,
+                    mlp_grad: bool = True) -> int:
+    """What one ``E`` block keeps beyond every block's common terms (policy none). Under LoRA
+    (``adapted``: the block's adapted linears, its experts and router frozen) no frozen linear keeps its
+    input: not the routed rows' gathered input ``[S, D]`` nor the experts' down input (gated: the
+    product; relu2: the square) ``[S, I]``, nor a shared MLP's down input unless adapted; without
+    ``input_grad`` the router and experts keep nothing, and without ``mlp_grad`` (no gradient into the
+    shared MLP's up projection) neither does its activation."""
     c, m = layout.model, _moe(layout)
     e, ec, tc, d = layout.act_bytes, layout.compute_bytes, layout.tokens, c.hidden_size
     k, experts = m["k"], m["experts"]
@@ -67,14 +75,15 @@ def moe_saved_bytes(layout: Layout) -> int:
         weight = ec
     else:
         router, weight = tc * k * (INDEX + ec), ec
-    rows = layout.stream_bytes  # grouped_mm has no autocast rule: the experts run in the weights' dtype
-    per_row = 2 * d * rows + (4 if c.moe_gated else 2) * m["inter"] * rows + weight + 3 * INDEX
-    routed = m["rows"] * per_row + 4 * experts
-    if c.mlp_fused:
-        shared = fused_mlp_saved(layout, c.intermediate_size)  # Granite: intermediate_size is the shared_mlp's
-    else:
-        shared = tc * 2 * m["shared"] * e
-    return router + routed + shared
+    rows, lora = layout.stream_bytes, adapted is not None  # grouped_mm has no autocast rule: the experts
+    kept = ((4 if c.moe_gated else 2) - lora) * m["inter"]  # run in the weights' dtype
+    per_row = (2 - lora) * d * rows + kept * rows + weight + 3 * INDEX
+    routed = m["rows"] * per_row + 4 * experts if input_grad else 0
+    if c.mlp_fused:  # Granite: intermediate_size is the shared_mlp's
+        shared = fused_mlp_saved(layout, c.intermediate_size, lora and "output_linear" not in adapted, not mlp_grad)
+    else:  # NemotronH: up's output (relu's input), the square (down's input)
+        shared = tc * (mlp_grad + (not lora or "down_proj" in adapted)) * m["shared"] * e
+    return (router if input_grad else 0) + routed + shared
 
 
 def moe_workspaces(layout: Layout) -> tuple[int, int]:
@@ -91,7 +100,7 @@ def moe_workspaces(layout: Layout) -> tuple[int, int]:
     return forward, backward
 
 
-def moe_traffic(layout: Layout, recomputed: bool = False) -> Tally:
+def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> Tally:
     """TP collectives of ``E`` blocks and fused MLPs beyond ``parallel.comm.step.tp_blocks``' entry and
     exit pairs, per step. Per ``E`` block:
 
@@ -107,25 +116,30 @@ def moe_traffic(layout: Layout, recomputed: bool = False) -> Tally:
     Each fused gated MLP: forward all-gather of ``[Tc, 2 Is/tp]``, backward all-gather of the
     gradient of ``output_linear``'s input slice ``[Tc, Is/tp]``.
 
-    ``recomputed``: what a checkpoint's recomputation runs again (``full``/``selective``): each fused
-    MLP's forward all-gather."""
+    ``recomputed``: the blocks a checkpoint's recomputation runs again (``full``/``selective``), for
+    their fused MLPs' forward all-gathers. Under LoRA a backward row runs only where a gradient
+    reaches (``parallel/comm/grad_flow.py``): the routing weights' where the block's input has one
+    (the router is frozen), a fused MLP's where its input or ``input_linear`` does."""
+    from hybridpar.plan.params import grad_flow
+
     extra, c, tp = Tally(), layout.model, layout.tp
     if tp == 1:
         return extra
     label, tc, e, packs = dim_label(layout.dims, ("tp",)), layout.tokens, layout.act_bytes, layout.packs_per_rank
-    blocks, fused = c.pattern.count("E") * packs, c.mlp_fused
+    flow, pattern, fused = grad_flow(layout), c.pattern, c.mlp_fused
+    mlp_kinds = "E-" if fused else ""
     gathered = _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e)  # Granite: the shared_mlp's
-    if recomputed:
-        extra.add("all_gather", label, gathered, (blocks + c.pattern.count("-") * packs) if fused else 0)
+    if recomputed is not None:
+        extra.add("all_gather", label, gathered, flow.count(recomputed, pattern, mlp_kinds) * packs)
         return extra
     weight = e if c.moe_router == "sigmoid" else layout.compute_bytes  # Granite's softmax weights: float32
-    extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.moe_top_k * weight), blocks)
+    extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.moe_top_k * weight), flow.count(flow.input, pattern, "E") * packs)
     if layout.sp and fused:
-        extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e), blocks)
-    if fused:
-        mlps = blocks + c.pattern.count("-") * packs
-        extra.add("all_gather", label, gathered, mlps)
-        extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e), mlps)
+        extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e),
+                  flow.count(flow.branches, pattern, "E") * packs)  # where both branches have a gradient
+    extra.add("all_gather", label, gathered, flow.count((True,) * len(pattern), pattern, mlp_kinds) * packs)
+    extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e),
+              flow.count(flow.mlp, pattern, mlp_kinds) * packs)
     return extra
 
 
