@@ -7,7 +7,7 @@ per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with 
 ``nemotron_h_moe``, ``granitemoehybrid``, ``granitemoehybrid_dense``: with MoE layers, and Granite 4.0-H's
 layers without experts; ``falcon_h1``, ``falcon_h1_norm``: Mamba2 and attention side by side in each layer, one
 B/C group and ``y * silu(z)`` (its default), or two groups and its gated norm; ``+lora``, ``+lora-qv``: LoRA
-(r=8) on every linear layer, or on q_proj and v_proj only), layout
+(r=8) on every linear layer, or on q_proj and v_proj only; ``+lora-experts``: on the stacked experts too), layout
 (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
 checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
 ``plan/validate.measure_step``: two training steps through ``Trainer.fit`` (the trainer reports
@@ -36,6 +36,7 @@ so a change to the planner shows without measuring again (``--replan`` does only
     python benchmarks/planner.py --models tiny+lora tiny+lora-qv llama+lora-qv bamba+lora nemotron_h+lora-qv --lengths 4096
     python benchmarks/planner.py --models nemotron_h_moe+lora granitemoehybrid+lora falcon_h1+lora falcon_h1_norm+lora-qv \
         --lengths 4096
+    python benchmarks/planner.py --models nemotron_h_moe+lora-experts granitemoehybrid+lora-experts --lengths 4096
     python benchmarks/planner.py --replan
     python benchmarks/planner.py --again llama bamba              # every stored case of these models, measured again
 
@@ -77,7 +78,10 @@ QV = "peft.target_modules=[q_proj,v_proj]"
 LORA = {"tiny+lora": MODELS["tiny"], "tiny+lora-qv": MODELS["tiny"] + [QV], "llama+lora-qv": MODELS["llama"] + [QV],
         "bamba+lora": MODELS["bamba"], "nemotron_h+lora-qv": MODELS["nemotron_h"] + [QV],
         "nemotron_h_moe+lora": MODELS["nemotron_h_moe"], "granitemoehybrid+lora": MODELS["granitemoehybrid"],
-        "falcon_h1+lora": MODELS["falcon_h1"], "falcon_h1_norm+lora-qv": MODELS["falcon_h1_norm"] + [QV]}
+        "falcon_h1+lora": MODELS["falcon_h1"], "falcon_h1_norm+lora-qv": MODELS["falcon_h1_norm"] + [QV],
+        "nemotron_h_moe+lora-experts": MODELS["nemotron_h_moe"] + ["peft.target_parameters=[experts.up_proj,experts.down_proj]"],
+        "granitemoehybrid+lora-experts": MODELS["granitemoehybrid"] + [
+            "peft.target_parameters=[experts.gate_up_proj,experts.down_proj]"]}
 MODELS.update({name: overrides + ["peft.method=lora", "peft.r=8"] for name, overrides in LORA.items()})
 # mid runs ~30x tiny's flops per token on 2 shared cores: 2048 and 4096 keep a case within minutes
 LENGTHS = {"tiny": [4096, 16384], "mid": [2048, 4096], **{name: [4096, 16384] for name in (*HF_MODELS, *LORA)}}

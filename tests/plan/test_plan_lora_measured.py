@@ -9,7 +9,7 @@ FSDP, and 1.2-2x the saved activations with narrow target lists. Held per case: 
 rank and every collective's bytes exact, saved activations within 10%, peak within 15%. Targets
 that leave the first blocks without a gradient (``o_proj``, ``down_proj``; q only under ulysses)
 are the cases where the gradient's reach matters; Falcon-H1's parallel layers and Granite 4.0-H's MoE
-blocks and fused MLP are planned under LoRA too.
+blocks and fused MLP are planned under LoRA too, and adapters on stacked expert weights.
 """
 
 from __future__ import annotations
@@ -40,10 +40,14 @@ CASES = {  # name -> (world size, overrides)
     "granite, cp=2 x tp=2, o_proj and output_linear": (4, ["parallel.cp=2", "parallel.tp=2",
                                                           "parallel.sequence_parallel=true",
                                                           "peft.target_modules=[o_proj,output_linear]"]),
+    # adapters on the stacked experts (peft.target_parameters): each keeps its input rows and effective weight
+    "nemotron_h_moe, tp=2 + SP, stacked experts": (2, ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                                       "peft.target_parameters=[experts.up_proj,experts.down_proj]"]),
 }
 CHECKPOINTS = {"llama": lambda path: _checkpoint(path, "llama", weights=True),
                "falcon_h1": lambda path: falcon_checkpoint(path, weights=True),
-               "granite": lambda path: moe_checkpoint(path, "granite", weights=True)}
+               "granite": lambda path: moe_checkpoint(path, "granite", weights=True),
+               "nemotron_h_moe": lambda path: moe_checkpoint(path, "nemotron_h_moe", weights=True)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -48,6 +48,7 @@ class Layout:
     reshard_after_forward: bool | int = True
     lora_rank: int = 0  # peft.method=lora: the adapters' rank (0: full fine-tuning)
     lora_targets: tuple[str, ...] = ()  # the adapted linear layers by name (peft.target_modules or the defaults)
+    lora_parameters: tuple[str, ...] = ()  # adapted stacked expert weights (peft.target_parameters; MoE twins)
     hf_decoder: bool = False  # a transformers decoder planned through its HybridLM twin (plan/hf/twin.py)
 
     @classmethod
@@ -59,7 +60,7 @@ class Layout:
                    run.data.packs_per_step, run.model.dtype, p.sequence_parallel, p.cp_attention, p.cp_mamba,
                    p.activation_checkpointing, p.mixed_precision, p.reshard_after_forward,
                    run.peft.r if lora else 0, tuple(run.peft.target_modules or DEFAULT_TARGETS) if lora else (),
-                   hf_decoder)
+                   tuple(run.peft.target_parameters or ()) if lora else (), hf_decoder)
 
     @property
     def tp(self) -> int:

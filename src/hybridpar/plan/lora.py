@@ -15,14 +15,19 @@ its input needs a gradient, and a mixing core keeps its inputs only where they n
                an adapter on out_proj             its input, the gated norm's output [Tc, d_inner]
     attention  q[i], k[i] or v[i]                 q, k, v, out, lse (+ their CP copies, RoPE's)
                else an adapter on o_proj          its input, out [Tc, Hq Dh]
-    MLP        input[i] or an adapter on gate/up  gate and up (ungated: up) [Tc, I/tp]
+    MLP        input[i] or an adapter on gate/up  gate and up (ungated: up) [Tc, I/tp] (Falcon-H1: act's
+                                                  scaled input too; Granite's fused MLP: mlp[i])
                an adapter on down_proj            its input, the product (ungated: act(up)) [Tc, I/tp]
+    MoE (E)    input[i]                           router and experts, less what frozen experts' weight
+                                                  gradients would need (``plan/hf/moe.py``); adapted
+                                                  stacked experts keep their input rows and W + B A
+    parallel (P)                                  Mamba2 and attention as above, each adapted branch
+                                                  its own multiplied copy of the norm output
     each adapter                                  h = A x [Tc, r]
 
 Under ``full`` checkpointing a block a gradient reaches keeps its input, under ``selective`` the
 policy's matmul outputs too, which include an adapter's ``h`` and ``B h`` [Tc, out/tp] on
-``in_proj``, q, k and v (run before the mixing kernel). LoRA on MoE (``E``), parallel (``P``) and
-fused-MLP blocks is not planned (``plan/planner.py`` says so).
+``in_proj``, q, k and v (run before the mixing kernel).
 """
 
 from __future__ import annotations

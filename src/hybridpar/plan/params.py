@@ -96,17 +96,19 @@ def adapter_params(layout: Layout) -> dict[str, list[ParamShape]]:
 
 def _adapter_key(layout: Layout) -> tuple:
     c = layout.model
-    return type(c), tuple(getattr(c, f.name) for f in dataclasses.fields(c)), layout.tp, layout.lora_rank, layout.lora_targets
+    shape = tuple(getattr(c, f.name) for f in dataclasses.fields(c))
+    return type(c), shape, layout.tp, layout.lora_rank, layout.lora_targets, layout.lora_parameters
 
 
 @functools.lru_cache(maxsize=64)  # asked per block and again for every layout of a --fit search
-def _grad_flow(kind: type, shape: tuple, tp: int, r: int, targets: tuple) -> GradFlow:
+def _grad_flow(kind: type, shape: tuple, tp: int, r: int, targets: tuple, stacked: tuple) -> GradFlow:
     blocks = len(kind(*shape).pattern)
-    return GradFlow.of_adapters(_adapter_params(kind, shape, tp, r, targets), blocks) if r else GradFlow.full(blocks)
+    return GradFlow.of_adapters(_adapter_params(kind, shape, tp, r, targets, stacked), blocks) if r else GradFlow.full(blocks)
 
 
 @functools.lru_cache(maxsize=64)
-def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple) -> dict[str, tuple[ParamShape, ...]]:
+def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple,
+                    stacked: tuple) -> dict[str, tuple[ParamShape, ...]]:
     c = kind(*shape)
     d, out = c.hidden_size, {}
     d_inner = c.mamba_intermediate_size
@@ -136,8 +138,29 @@ def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple) -
                            for part, rows, div in _in_proj_parts(c, tp)]
             else:
                 params.append(ParamShape(f"{m}.{name}.lora_B", (fan_out // tp, r) if col else (fan_out, r), sharded and col))
+        if block == "E":
+            params += _expert_factors(c, f"{m}.experts", r, tp, stacked)
         out[f"backbone.layers.{index}"] = tuple(params)
     return out
+
+
+def _expert_factors(c, m: str, r: int, tp: int, stacked: tuple) -> list[ParamShape]:
+    """Factors of the adapted stacked expert weights (``models/lora_experts.py``, ``peft.target_parameters``),
+    TP as ``parallel/lora.py`` pairs them: the factor on the intermediate dim ``I`` sharded like the
+    weight, the other replicated (its gradient summed over TP in autograd): ``gate_up_proj``/``up_proj``
+    ``A [r E, D]``, ``B [2I/tp, r E]`` (gated: ``weight_gate``, ``weight_up`` [I/tp, r E]);
+    ``down_proj`` ``A [r E, I/tp]``, ``B [D, r E]``."""
+    re, d, inter, sharded = r * c.moe_experts, c.hidden_size, c.moe_intermediate_size, tp > 1
+    up = "gate_up_proj" if c.moe_gated else "up_proj"
+    params = []
+    if _adapted(f"{m}.{up}", stacked):
+        params.append(ParamShape(f"{m}.lora_{up}.lora_A", (re, d), False))
+        parts = ("weight_gate", "weight_up") if c.moe_gated else ("weight",)
+        params += [ParamShape(f"{m}.lora_{up}.lora_B.{part}", (inter // tp, re), sharded) for part in parts]
+    if _adapted(f"{m}.down_proj", stacked):
+        params += [ParamShape(f"{m}.lora_down_proj.lora_A", (re, inter // tp), sharded),
+                   ParamShape(f"{m}.lora_down_proj.lora_B", (d, re), False)]
+    return params
 
 
 def _shared_mlp(c, size: int) -> dict[str, tuple[int, int, str]]:

@@ -67,8 +67,6 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
     if isinstance(model, HybridConfig):
         return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
     twin, why, name = planned_shape(model)
-    if twin is not None and run.peft.method == "lora" and run.peft.target_parameters:
-        twin, why = None, "LoRA adapters on stacked expert weights (peft.target_parameters) are not planned"
     if twin is None:
         return TransformersPlan.build(run, model, why)
     plan = plan_layout(Layout.from_run(run, twin, hf_decoder=True), device, docs_per_pack)

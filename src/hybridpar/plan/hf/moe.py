@@ -79,6 +79,11 @@ def moe_saved_bytes(layout: Layout, adapted: set[str] | None = None, input_grad:
     kept = ((4 if c.moe_gated else 2) - lora) * m["inter"]  # run in the weights' dtype
     per_row = (2 - lora) * d * rows + kept * rows + weight + 3 * INDEX
     routed = m["rows"] * per_row + 4 * experts if input_grad else 0
+    for name, (width, fan_in, fan_out) in {"up": (d, (2 if c.moe_gated else 1) * m["inter"], d),
+                                           "down": (m["inter"], d, m["inter"])}.items():
+        if lora and adapted & {f"lora_{name}_proj", f"lora_gate_{name}_proj"}:  # adapted stacked weights: each
+            routed += m["rows"] * width * rows + experts * fan_in * fan_out * rows  # keeps its input rows again
+            # and the effective weight W + B A it computed with (models/lora_experts.py)
     if c.mlp_fused:  # Granite: intermediate_size is the shared_mlp's
         shared = fused_mlp_saved(layout, c.intermediate_size, lora and "output_linear" not in adapted, not mlp_grad)
     else:  # NemotronH: up's output (relu's input), the square (down's input)
