@@ -99,3 +99,19 @@ def test_expert_adapters_count_in_the_plan_of_a_transformers_moe(tmp_path):
     add_lora(model, r=4, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
     assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert plan.bytes_per_rank["gradients"] == -(-plan.trainable // 2) * 4  # float32 adapters on bfloat16
+
+
+def test_adapters_the_twin_cannot_price_keep_the_parameter_plan_and_say_why(tmp_path):
+    """A target the real model matches but the twin does not (a full module path: the twin's layers are
+    ``backbone.layers.i``) would leave the twin's plan without those adapters: refused, with the counts,
+    and ``--fit`` refuses in one line."""
+    from hybridpar.plan.planner import TransformersPlan
+    from tests.plan.test_plan_hf import _checkpoint
+
+    overrides = [f"model.hf_path={_checkpoint(tmp_path / 'llama')}", "peft.method=lora", "peft.r=4", "parallel.cp=1",
+                 "parallel.tp=1", "peft.target_modules=[model.layers.0.self_attn.q_proj]"]
+    plan = make_plan(load_config(None, overrides))
+    assert isinstance(plan, TransformersPlan) and plan.trainable == 4 * (128 + 128)  # A [4, 128], B [128, 4]
+    assert "its 1,024 LoRA adapter parameters are not the 0 its twin prices" in plan.text()
+    with pytest.raises(ConfigError, match="not the 0 its twin prices"):
+        search_layouts(load_config(None, overrides), 2, 80)

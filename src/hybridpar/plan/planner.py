@@ -67,11 +67,31 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
     if isinstance(model, HybridConfig):
         return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
     twin, why, name = planned_shape(model)
+    if twin is not None:
+        why = lora_mismatch(run, model, twin)
+        twin = None if why else twin
     if twin is None:
         return TransformersPlan.build(run, model, why)
     plan = plan_layout(Layout.from_run(run, twin, hf_decoder=True), device, docs_per_pack)
     plan.model_name = name
     return plan
+
+
+def lora_mismatch(run: RunConfig, shape, twin: HybridConfig) -> str:
+    """``""``, or why the twin cannot price this run's LoRA adapters: the model's adapters (``apply_peft``
+    on the meta model) are not the twin's (``peft.target_modules`` naming a layer the twin does not hold)."""
+    if run.peft.method != "lora":
+        return ""
+    from hybridpar.plan.params import parameter_memory
+    from hybridpar.train.peft import apply_peft
+    from hybridpar.train.preflight import meta_model
+
+    real = sum(p.numel() for p in apply_peft(run, meta_model(shape)).parameters() if p.requires_grad)
+    planned = parameter_memory(Layout.from_run(run, twin, hf_decoder=True)).adapters
+    if real == planned:
+        return ""
+    return (f"its {real:,} LoRA adapter parameters are not the {planned:,} its twin prices (peft.target_modules "
+            f"{list(run.peft.target_modules or ())} matches layers the twin names differently or does not hold)")
 
 
 def planned_shape(shape) -> tuple[HybridConfig | None, str, str]:
