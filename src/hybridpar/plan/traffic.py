@@ -30,6 +30,7 @@ from hybridpar.models.mamba.mixer import replicated_groups
 from hybridpar.parallel.comm.step import SOURCES, StepShape, Tally, _ring, attention_layers, dim_label, step_collectives
 from hybridpar.plan.hf.moe import moe_traffic
 from hybridpar.plan.layout import Layout
+from hybridpar.plan.params import adapter_params, grad_flow
 
 __all__ = ["step_traffic", "by_kind", "by_kind_and_dim"]
 
@@ -52,11 +53,7 @@ def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
     entry = es if layout.hf_decoder else e
     exit_ = es if layout.hf_decoder and getattr(layout.model, "summed_branches", False) and not layout.sp else e
     mamba = layout.compute_bytes if "P" in layout.model.pattern and layout.mixed_precision == "bf16" else e
-    adapters = None
-    if layout.lora_rank:
-        from hybridpar.plan.params import adapter_params
-
-        adapters = adapter_params(layout)
+    adapters = adapter_params(layout) if layout.lora_rank else None
     return StepShape(layout.model, layout.dims, layout.pack_size, m, e, layout.sequence_parallel, layout.cp_attention,
                      layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m, es, entry, exit_,
                      layout.compute_bytes, mamba, adapters, 2 if layout.mixed_precision == "bf16" else layout.adapter_bytes,
@@ -122,8 +119,6 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
 def branch_gradients(layout: Layout) -> Tally:
     """Under SP, a parallel layer's second branch all-gathers its own ``[Ts, D]`` output gradient (under
     LoRA where both branches have one)."""
-    from hybridpar.plan.params import grad_flow
-
     out, c, flow = Tally(), layout.model, grad_flow(layout)
     nbytes = _ring("all_gather", layout.tp, layout.stream_tokens * c.hidden_size * layout.act_bytes)
     out.add("all_gather", dim_label(layout.dims, ("tp",)), nbytes, flow.count(flow.branches, c.pattern, "P") * layout.packs_per_rank)

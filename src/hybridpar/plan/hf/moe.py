@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from hybridpar.parallel.comm.step import Tally, _ring, dim_label
 from hybridpar.plan.layout import Layout
+from hybridpar.plan.params import grad_flow
 
 __all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "moe_matmul_elements"]
 
@@ -125,8 +126,6 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
     their fused MLPs' forward all-gathers. Under LoRA a backward row runs only where a gradient
     reaches (``parallel/comm/grad_flow.py``): the routing weights' where the block's input has one
     (the router is frozen), a fused MLP's where its input or ``input_linear`` does."""
-    from hybridpar.plan.params import grad_flow
-
     extra, c, tp = Tally(), layout.model, layout.tp
     if tp == 1:
         return extra
