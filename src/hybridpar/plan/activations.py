@@ -159,15 +159,17 @@ def _hf_block_bytes(layout: Layout, kind: str, w: dict) -> int:
 
 
 def hf_mixer_bytes(layout: Layout, kind: str, w: dict) -> int:
-    """``_hf_block_bytes``' terms of one mixer (``M``, ``*``) or MLP (``-``, ``E``)."""
+    """``_hf_block_bytes``' terms of one mixer (``M``, ``*``) or MLP (``-``, ``E``). Under LoRA the norms'
+    weights are frozen: no normalized product is kept for their gradient."""
     e, ec, tc, extra = layout.act_bytes, layout.compute_bytes, layout.tokens, 0
+    frozen = bool(layout.lora_rank)
     if kind == "*" and getattr(layout.model, "qk_norm", False):  # Qwen3's per-head q/k RMSNorms: their input
         heads = (layout.model.num_attention_heads + layout.model.num_key_value_heads) // layout.tp  # (float32
-        extra += tc * (w["q"] + w["kv"]) * (e + ec) + tc * heads * ec  # copy), product (cast) and rstd
+        extra += tc * (w["q"] + w["kv"]) * ((not frozen) * e + ec) + tc * heads * ec  # copy), product (cast), rstd
     transformers_gated_norm = getattr(layout.model, "mamba_gated_norm", True) and not getattr(
         layout.model, "lean_gated_norms", False)  # a gated RMSNorm not of Bamba's form (none: y * silu(z))
     if kind == "M" and not replicated_groups(layout.model.mamba_n_groups, layout.tp) and transformers_gated_norm:
-        extra += 3 * tc * w["d_inner"] * ec  # in float32: silu(z), y * silu(z), its normalized product (one group
+        extra += (3 - frozen) * tc * w["d_inner"] * ec  # in float32: silu(z), y * silu(z), its normalized product (one group
         # under TP runs parallel/tensor/hybrid.spanning_group_norm instead, which keeps what ours keeps; Bamba's
         # form runs ours, models/hf/activations.use_lean_rms_norms)
     if layout.autocast:
