@@ -115,3 +115,28 @@ def test_adapters_the_twin_cannot_price_keep_the_parameter_plan_and_say_why(tmp_
     assert "its 1,024 LoRA adapter parameters are not the 0 its twin prices" in plan.text()
     with pytest.raises(ConfigError, match="not the 0 its twin prices"):
         search_layouts(load_config(None, overrides), 2, 80)
+
+
+def test_the_time_estimate_runs_no_backward_before_the_first_adapter_and_no_weight_gradients():
+    """The step's FLOPs under LoRA (``plan/estimate.py``): forward everywhere; backward only where a
+    gradient reaches, and there dX only (frozen weights); each adapter factor forward, dX and dW; the
+    frozen head's logits 3 passes, not 4. ``tiny`` (M*-M-) with adapters on down_proj only: blocks 0
+    and 1 run forward only."""
+    from hybridpar.plan.estimate import step_flops
+
+    tc, r = 1024, 8
+    plan = make_plan(load_config(None, ONE + ["data.pack_size=1024", "data.packs_per_step=1", "peft.method=lora",
+                                              f"peft.r={r}", "peft.target_modules=[down_proj]"]))
+    mamba, attention, mlp = 64 * 328 + 128 * 64, 64 * (64 + 2 * 32) + 64 * 64, 128 * 64 * 2  # tiny's widths
+    ssd = 2 * 8 * (16 * (16 + 16) + 2 * 16 * 16)
+    expected = 2 * tc * (mamba * 1 + attention * 1 + mlp * 2 + mamba * 2 + mlp * 2)  # passes: 1, or 1 + dX
+    expected += 4 * tc * (1024 / 2) * 64 * 1  # block 1's attention core, forward only
+    expected += tc * ssd * (1 + 2)  # block 0's scan forward only, block 3's forward and backward
+    expected += 2 * (2 * tc * (r * 128 + 64 * r) * 3)  # two down_proj adapters: A [r, 128], B [64, r]
+    expected += 2 * tc * 256 * 64 * 3  # the frozen LM head
+    assert step_flops(plan.layout) == expected
+    from hybridpar.plan.report import plan_text
+
+    assert "the first adapter is in block 2: the 2 block(s) before it keep nothing and run no backward" in plan_text(plan)
+    full = make_plan(load_config(None, ONE + ["data.pack_size=1024", "data.packs_per_step=1"]))
+    assert step_flops(full.layout) > 1.5 * expected

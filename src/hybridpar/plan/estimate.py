@@ -3,8 +3,10 @@
 Per rank and step (``m`` packs of ``Tc`` tokens; widths TP-local)::
 
     matmul FLOPs   = m * Tc * 2 * N_matmul * (3 + r)     forward 1, backward 2, recompute r
-                     (r = 1 for full, 0 otherwise; N_matmul = TP-local projection weights)
-    loss FLOPs     = m * Tc * 2 * V/tp * D * 4           logits in forward, recomputed + 2 in backward
+                     (r = 1 for full, 0 otherwise; N_matmul = TP-local projection weights; under LoRA
+                     backward 1 (dX only: frozen weights), none in the blocks no gradient reaches,
+                     plus each adapter factor's forward, dX and dW: 3 x 2 Tc numel)
+    loss FLOPs     = m * Tc * 2 * V/tp * D * 4           logits in forward, recomputed + 2 in backward (LoRA: + 1)
     attention      = m * 4 * Tc * (T/2) * Hq/tp * Dh * (1 + 2.5 + r)   causal, one document (upper bound)
     SSD scan       = m * Tc * 2 * (H/tp) * (Q * (P + N) + 2 P N) * (3 + r)   chunked: intra + inter chunk
     compute_s      = FLOPs / (flops * efficiency)
@@ -18,11 +20,12 @@ overlap makes steps faster, kernels below ``efficiency`` slower.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from hybridpar.parallel.comm.units import attention_layers, mamba_layers
 from hybridpar.plan.hf.moe import moe_matmul_elements
 from hybridpar.plan.layout import Layout
+from hybridpar.plan.params import adapter_params, grad_flow
 
 __all__ = ["DeviceFigures", "TimeEstimate", "estimate_time", "H100"]
 
@@ -78,12 +81,19 @@ def step_flops(layout: Layout) -> float:
     per_kind["P"] = per_kind["M"] + per_kind["*"]  # a twin's parallel layer (Falcon-H1): both mixers
     if "E" in c.pattern:  # a transformers twin's MoE blocks: router, k experts, shared experts
         per_kind["E"] = moe_matmul_elements(c)
-    matmul = sum(per_kind[k] for k in c.pattern) / tp
-    flops = tc * 2 * matmul * (3 + r) + tc * 2 * c.vocab_size / tp * d * 4
-    flops += attention_layers(c.pattern) * 4 * tc * (layout.pack_size / 2) * q / tp * (3.5 + r)
     heads = c.mamba_num_heads / tp
     ssd = 2 * heads * (c.chunk_size * (c.mamba_head_dim + c.ssm_state_size) + 2 * c.mamba_head_dim * c.ssm_state_size)
-    flops += mamba_layers(c.pattern) * tc * ssd * (3 + r)
+    attention = 4 * tc * (layout.pack_size / 2) * q / tp
+    flow, frozen = grad_flow(layout), bool(layout.lora_rank)
+    flops = 0.0
+    for kind, reached in zip(c.pattern, flow.output):  # LoRA: no backward where no gradient reaches, and a
+        passes = 1 + (((1 if frozen else 2) + r) if reached else 0)  # frozen weight's backward is dX only
+        flops += tc * 2 * per_kind[kind] / tp * passes
+        flops += (kind in "*P") * attention * (1 + ((2.5 + r) if reached else 0))
+        flops += (kind in "MP") * tc * ssd * passes
+    adapters = adapter_params(layout) if frozen else {}  # each factor: forward, dX and dW
+    flops += sum(tc * 2 * math.prod(p.shape) * 3 for unit in adapters.values() for p in unit)
+    flops += tc * 2 * c.vocab_size / tp * d * (3 if frozen else 4)  # a frozen head: no weight gradient
     return flops * layout.packs_per_rank
 
 

@@ -60,8 +60,8 @@ def plan_text(plan: Plan, target: str = "gpu") -> str:
         + (f", mixed precision {layout.mixed_precision}" if layout.mixed_precision else ""),
         f"per rank: {m.params.per_rank:,} parameters; params {_bytes(m.params.param_bytes)}, grads "
         f"{_bytes(m.params.grad_bytes)}, AdamW {_bytes(m.params.optimizer_bytes)}"
-        + (f" (LoRA r={layout.lora_rank}: {m.params.adapters:,} adapter parameters train, the base is frozen)"
-           if layout.lora_rank else ""),
+        + (f" (LoRA r={layout.lora_rank}: {m.params.adapters:,} adapter parameters train, the base is frozen"
+           f"{_first_gradient(layout)})" if layout.lora_rank else ""),
         "saved for backward per pack: " + ", ".join(f"{k} {_bytes(v)}" for k, v in m.saved_by_kind.items())
         + f" (total {_bytes(m.saved_bytes)})",
         f"peak: {_bytes(d['peak_memory_gib_per_rank'] * GIB)} per rank at {m.peak_moment}: "
@@ -72,6 +72,18 @@ def plan_text(plan: Plan, target: str = "gpu") -> str:
         _time_line(plan),
     ]
     return "\n".join(lines)
+
+
+def _first_gradient(layout) -> str:
+    """Under LoRA, where the first adapter sits when blocks before it run no backward."""
+    from hybridpar.plan.params import grad_flow
+
+    reached = grad_flow(layout).output
+    first = reached.index(True) if any(reached) else None
+    if not first:
+        return ""
+    return (f"; the first adapter is in block {first}: the {first} block(s) before it keep nothing and run "
+            "no backward")
 
 
 def _scaled(value: float, units: tuple[tuple[float, str], ...]) -> tuple[float, str]:
