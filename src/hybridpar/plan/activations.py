@@ -80,7 +80,7 @@ def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> i
     w, e, ec = block_widths(layout), layout.act_bytes, layout.compute_bytes
     tc, ts = layout.tokens, layout.stream_tokens
     block_input = ts * w["d"] * layout.stream_bytes
-    paired = layout.hf_decoder and getattr(layout.model, "paired_layers", True)
+    paired = layout.paired
     if paired and policy in ("full", "selective") and kind in "-E":
         return 0  # one checkpoint per decoder layer: the attention block's input is the layer's
     if policy == "full":

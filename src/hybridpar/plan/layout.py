@@ -63,6 +63,11 @@ class Layout:
                    tuple(run.peft.target_parameters or ()) if lora else (), hf_decoder)
 
     @property
+    def paired(self) -> bool:
+        """A transformers decoder layer is two twin blocks (mixer, MLP): one checkpoint and one FSDP unit."""
+        return self.hf_decoder and getattr(self.model, "paired_layers", True)
+
+    @property
     def tp(self) -> int:
         return self.dims.tp
 

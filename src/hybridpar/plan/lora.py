@@ -32,6 +32,7 @@ policy's matmul outputs too, which include an adapter's ``h`` and ``B h`` [Tc, o
 
 from __future__ import annotations
 
+from hybridpar.parallel.comm.grad_flow import adapted_linear
 from hybridpar.plan.activations import (block_saved_bytes, block_widths, hf_mixer_bytes, hf_norm_bytes, linear_weights,
                                         mixer_saved_bytes)
 from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes
@@ -44,21 +45,14 @@ INPUT_SIDE = ("in_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "
 READS = {"M": {"in_proj"}, "*": {"q_proj", "k_proj", "v_proj"}}  # a mixer's projections of the norm output
 
 
-def _linear(name: str) -> str:
-    """The adapted linear of a factor's name (``...q_proj.lora_A``, ``...in_proj.lora_B.weight_z``)."""
-    parts = name.split(".")
-    return parts[-3] if parts[-2] == "lora_B" else parts[-2]
-
-
 def lora_block_bytes(layout: Layout, index: int) -> int:
     """Bytes block ``index`` keeps for backward under LoRA, adapters included (module docstring)."""
     flow, kind = grad_flow(layout), layout.model.pattern[index]
-    paired = layout.hf_decoder and getattr(layout.model, "paired_layers", True)
-    if not (flow.output[index | 1] if paired and layout.checkpointing != "none" else flow.output[index]):
+    if not flow.recomputed(layout.paired and layout.checkpointing != "none")[index]:
         return 0  # no gradient reaches it, so no backward (a decoder layer's checkpoint: its output's)
     if layout.checkpointing != "none":
         return block_saved_bytes(layout, kind) + lora_saved_bytes(layout, index)
-    adapted = {_linear(p.name) for p in adapter_params(layout)[f"backbone.layers.{index}"]}
+    adapted = {adapted_linear(p.name) for p in adapter_params(layout)[f"backbone.layers.{index}"]}
     w, e, ec, tc, ts = block_widths(layout), layout.act_bytes, layout.compute_bytes, layout.tokens, layout.stream_tokens
     out = lora_saved_bytes(layout, index)
     if flow.input[index]:
@@ -113,5 +107,5 @@ def lora_saved_bytes(layout: Layout, index: int) -> int:
         return sum(p.name.endswith(".lora_A") for p in params) * tc * r * e
     if layout.model.pattern[index] not in "M*P":
         return 0
-    before = [p for p in params if _linear(p.name) in INPUT_SIDE[:4]]
+    before = [p for p in params if adapted_linear(p.name) in INPUT_SIDE[:4]]
     return sum(tc * (r if p.name.endswith(".lora_A") else p.shape[0]) * e for p in before)

@@ -52,7 +52,7 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     saved = [lora_block_bytes(layout, i) if layout.lora_rank else block_saved_bytes(layout, kind)
              for i, kind in enumerate(pattern)]
     ws = [block_workspaces(layout, kind) for kind in pattern]
-    if layout.hf_decoder and getattr(layout.model, "paired_layers", True) and layout.checkpointing == "full":
+    if layout.paired and layout.checkpointing == "full":
         # one checkpoint per decoder layer: the backward of its MLP (MoE) half runs while its mixer's rebuilt
         # tensors are live too (Llama full 0.89-0.95 of the measured peak without; under selective the CPU
         # core's recomputed out and lse, which the plan counts as kept, already cover them)

@@ -66,10 +66,7 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
     model = validate_layout(run, world_size)
     if isinstance(model, HybridConfig):
         return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
-    twin, why, name = planned_shape(model)
-    if twin is not None:
-        why = lora_mismatch(run, model, twin)
-        twin = None if why else twin
+    twin, why, name = planned_shape(model, run)
     if twin is None:
         return TransformersPlan.build(run, model, why)
     plan = plan_layout(Layout.from_run(run, twin, hf_decoder=True), device, docs_per_pack)
@@ -94,9 +91,10 @@ def lora_mismatch(run: RunConfig, shape, twin: HybridConfig) -> str:
             f"{list(run.peft.target_modules or ())} matches layers the twin names differently or does not hold)")
 
 
-def planned_shape(shape) -> tuple[HybridConfig | None, str, str]:
+def planned_shape(shape, run: RunConfig | None = None) -> tuple[HybridConfig | None, str, str]:
     """``(twin, why not, name)`` of a transformers config: the HybridLM twin the planner prices it
-    as (``plan/hf/twin.py``), or None and the reason."""
+    as (``plan/hf/twin.py``), or None and the reason (with ``run``, also when it cannot price the run's
+    LoRA adapters: ``lora_mismatch``)."""
     from hybridpar.plan.hf.twin import hybrid_twin
     from hybridpar.train.preflight import meta_model
 
@@ -106,6 +104,8 @@ def planned_shape(shape) -> tuple[HybridConfig | None, str, str]:
     twin, why = hybrid_twin(shape, sum(p.numel() for p in meta.parameters()))
     if twin is not None:
         twin.lean_norms, twin.lean_gated_norms = bool(lean_rms_norms(meta)), bool(lean_gated_norms(meta))
+        why = lora_mismatch(run, shape, twin) if run is not None else ""
+        twin = None if why else twin
     layers = getattr(shape, "num_hidden_layers", 0)
     pattern = f"'*-' x {layers}" if twin is None or twin.pattern == "*-" * layers else repr(twin.pattern)
     return twin, why, f"{type(meta).__name__} (transformers; planned as its HybridLM twin, pattern {pattern})"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.comm.units import mamba_layers
-from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, lora_mismatch, plan_layout, planned_shape
+from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, plan_layout, planned_shape
 from hybridpar.plan.estimate import H100, DeviceFigures
 from hybridpar.plan.layout import Layout
 
@@ -100,10 +100,7 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
     model = meta_model(shape)  # one shape-only model validates every candidate
     planned, hf_decoder = shape, False
     if not isinstance(shape, HybridConfig):  # a transformers decoder: priced through its twin, or refused
-        planned, why, _ = planned_shape(shape)
-        if planned is not None:
-            why = lora_mismatch(run, shape, planned)
-            planned = None if why else planned
+        planned, why, _ = planned_shape(shape, run)
         if planned is None:
             raise ConfigError(f"plan --fit needs every layout's activations, and for {type(model).__name__} {why}; "
                               "drop --fit to see its parameters, gradients and AdamW state per rank.")

@@ -57,7 +57,7 @@ def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
     return StepShape(layout.model, layout.dims, layout.pack_size, m, e, layout.sequence_parallel, layout.cp_attention,
                      layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m, es, entry, exit_,
                      layout.compute_bytes, mamba, adapters, 2 if layout.mixed_precision == "bf16" else layout.adapter_bytes,
-                     layout.adapter_bytes, layout.hf_decoder and getattr(layout.model, "paired_layers", True))
+                     layout.adapter_bytes, layout.paired)
 
 
 def ring_attention(layout: Layout) -> Tally:
@@ -85,7 +85,7 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
         extra, c = Tally(), layout.model
         flow, pattern, m = shape.flow, c.pattern, layout.packs_per_rank
         # the blocks recomputed: those a gradient reaches (a decoder layer's checkpoint: where its output's does)
-        redo = tuple(flow.output[i | 1] if shape.paired else flow.output[i] for i in range(len(pattern)))
+        redo = flow.recomputed(shape.paired)
         redone = {name: flow.count(redo, pattern, kinds) / max(1, sum(pattern.count(k) for k in kinds))
                   for name, kinds in (("cp_attention", "*P"), ("cp_mamba", "MP"))}
         trained = dataclasses.replace(shape, adapters=None)  # every backward runs: the shares below hold
@@ -100,7 +100,7 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
         if layout.sp:  # each block's norm output is all-gathered again
             extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * width * shape.entry_size),
                       blocks)
-        if tp > 1 and layout.hf_decoder and getattr(c, "paired_layers", True):  # one checkpoint per decoder
+        if tp > 1 and layout.paired:  # one checkpoint per decoder
             exit_kind = "reduce_scatter" if layout.sp else "all_reduce"  # layer: its mixer's exit runs again
             mixers = flow.count(redo, pattern, "*MP")  # P: one exit for both branches
             extra.add(exit_kind, label, _ring(exit_kind, tp, layout.tokens * width * shape.exit_size),

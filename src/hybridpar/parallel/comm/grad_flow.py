@@ -34,9 +34,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GradFlow"]
+__all__ = ["GradFlow", "adapted_linear"]
 
 ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def adapted_linear(name: str) -> str:
+    """The adapted linear of a LoRA factor's name (``...q_proj.lora_A``, ``...in_proj.lora_B.weight_z``)."""
+    parts = name.split(".")
+    return parts[-3] if parts[-2] == "lora_B" else parts[-2]
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,13 @@ class GradFlow:
     @classmethod
     def of_adapters(cls, adapters: dict, blocks: int) -> "GradFlow":
         """From the LoRA factors per unit (``backbone.layers.i``: ``<linear>.lora_A``, ``lora_B``)."""
-        return cls.lora([{p.name.split(".")[-2] for p in adapters.get(f"backbone.layers.{i}", ())
-                          if p.name.endswith(".lora_A")} for i in range(blocks)])
+        return cls.lora([{adapted_linear(p.name) for p in adapters.get(f"backbone.layers.{i}", ())}
+                         for i in range(blocks)])
+
+    def recomputed(self, paired: bool) -> tuple[bool, ...]:
+        """The blocks a checkpoint recomputes: those a gradient reaches; a decoder layer's (``paired``:
+        two blocks, one checkpoint) where its output's does."""
+        return tuple(self.output[i | 1] if paired else self.output[i] for i in range(len(self.output)))
 
     @property
     def kv(self) -> tuple[bool, ...]:

@@ -141,7 +141,7 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
     if layout.sp and fused:
         extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e),
                   flow.count(flow.branches, pattern, "E") * packs)  # where both branches have a gradient
-    extra.add("all_gather", label, gathered, flow.count((True,) * len(pattern), pattern, mlp_kinds) * packs)
+    extra.add("all_gather", label, gathered, sum(pattern.count(k) for k in mlp_kinds) * packs)
     extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e),
               flow.count(flow.mlp, pattern, mlp_kinds) * packs)
     return extra
