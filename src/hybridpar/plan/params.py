@@ -132,10 +132,12 @@ def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple,
             if not _adapted(f"{m}.{name}", targets):
                 continue
             col = style == "col"
-            params.append(ParamShape(f"{m}.{name}.lora_A", (r, fan_in) if col else (r, fan_in // tp), sharded and not col))
-            if name == "in_proj":  # B per component, like the base (one B/C group: those rows whole on every rank)
-                params += [ParamShape(f"{m}.in_proj.lora_B.weight_{part}", (rows // div, r), div > 1)
-                           for part, rows, div in _in_proj_parts(c, tp)]
+            in_proj = name == "in_proj"  # its replicated factors sum over TP in autograd (parallel/lora.py)
+            params.append(ParamShape(f"{m}.{name}.lora_A", (r, fan_in) if col else (r, fan_in // tp), sharded and not col,
+                                     tp_sum_in_autograd=in_proj))
+            if in_proj:  # B per component, like the base (one B/C group: those rows whole on every rank)
+                params += [ParamShape(f"{m}.in_proj.lora_B.weight_{part}", (rows // div, r), div > 1,
+                                      tp_sum_in_autograd=div == 1) for part, rows, div in _in_proj_parts(c, tp)]
             else:
                 params.append(ParamShape(f"{m}.{name}.lora_B", (fan_out // tp, r) if col else (fan_out, r), sharded and col))
         if block == "E":
@@ -154,12 +156,12 @@ def _expert_factors(c, m: str, r: int, tp: int, stacked: tuple) -> list[ParamSha
     up = "gate_up_proj" if c.moe_gated else "up_proj"
     params = []
     if _adapted(f"{m}.{up}", stacked):
-        params.append(ParamShape(f"{m}.lora_{up}.lora_A", (re, d), False))
+        params.append(ParamShape(f"{m}.lora_{up}.lora_A", (re, d), False, tp_sum_in_autograd=True))
         parts = ("weight_gate", "weight_up") if c.moe_gated else ("weight",)
         params += [ParamShape(f"{m}.lora_{up}.lora_B.{part}", (inter // tp, re), sharded) for part in parts]
     if _adapted(f"{m}.down_proj", stacked):
         params += [ParamShape(f"{m}.lora_down_proj.lora_A", (re, inter // tp), sharded),
-                   ParamShape(f"{m}.lora_down_proj.lora_B", (d, re), False)]
+                   ParamShape(f"{m}.lora_down_proj.lora_B", (d, re), False, tp_sum_in_autograd=True)]
     return params
 
 

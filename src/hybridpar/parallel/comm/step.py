@@ -355,9 +355,8 @@ def tp_adapters(s: StepShape) -> Tally:
     for params in s.adapters.values():
         for p in params:
             if not p.tp_sharded:
-                in_autograd = ".in_proj." in p.name or ".experts." in p.name
                 nbytes = _ring("all_reduce", s.dims.tp, math.prod(p.shape) * s.adapter_grad_size)
-                out.add("all_reduce", label, nbytes, m if in_autograd or not s.fsdp else 1)
+                out.add("all_reduce", label, nbytes, m if p.tp_sum_in_autograd or not s.fsdp else 1)
     return out
 
 
