@@ -50,6 +50,7 @@ from hybridpar.models.hf.positions import learned_positions
 from hybridpar.models.hf.config import read_hf_config
 from hybridpar.models.hf.activations import use_lean_gated_mlps, use_lean_rms_norms, use_product_relu2
 from hybridpar.models.hf.float64 import keep_float64
+from hybridpar.models.hf.router_aux import capture_router_aux
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
 from hybridpar.models.hf.mixers.kda import install_kda_core
 from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
@@ -185,6 +186,7 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     install_cores(model)
     probe_logits_after_head(model)  # the soft cap or scale past lm_head checked; anything else: the loss takes the logits
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
+    capture_router_aux(model)  # output_router_logits: the trainer adds its load-balancing loss (models/hf/router_aux)
     return model
 
 

@@ -33,6 +33,7 @@ from hybridpar.data.packing import collate_thd, padding_fraction
 from hybridpar.data.sources import prediction_counts
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.checkpoint import load_hf
+from hybridpar.models.hf.router_aux import router_aux_coefficient, router_aux_term
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.data.fsdp import set_micro_batch
@@ -224,13 +225,16 @@ class Trainer:
         count = global_sum(sum(valid_token_count(p["labels"]) for p in packs), self.layout.dp_group)
         if int(count) == 0:
             raise ValueError(f"step {step} has no labelled token; check data.task and data.pack_size.")
-        loss_total = torch.zeros((), dtype=torch.float64)
+        loss_total, aux_total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for index, pack in enumerate(packs):
             set_micro_batch(self.model, index, len(packs))  # FSDP reduces gradients once, after the last pack
             loss_sum, _, _ = self.forward_loss_sum(pack, at=(step, self.layout.dp_rank * len(packs) + index))
-            (loss_sum / count).backward()
+            aux = router_aux_term(self.model, self.config.data.packs_per_step)  # transformers' MoE load balancing
+            (loss_sum / count + (0 if aux is None else aux)).backward()
             loss_total += loss_sum.detach().double()
-        return global_sum(loss_total, self.layout.dp_cp_group) / count
+            aux_total += 0 if aux is None else aux.detach().double()
+        loss = global_sum(loss_total, self.layout.dp_cp_group) / count
+        return loss + global_sum(aux_total, self.layout.dp_group) if router_aux_coefficient(self.model.config) else loss
 
     def train_step(self, step: int) -> dict:
         """One optimizer step; a non-finite loss or gradient norm is stopped (or skipped) by the guard."""

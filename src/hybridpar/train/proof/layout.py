@@ -26,6 +26,7 @@ from hybridpar.train.loss import valid_token_count
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.peft import apply_peft, key_dropout
+from hybridpar.models.hf.router_aux import router_aux_term
 from hybridpar.train.trainer import Trainer, build_model, pack_loss_sum, pack_tensors
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -53,8 +54,9 @@ def reference_step(model, packs, device) -> torch.Tensor:
         sharded = shard_inputs(input_ids=input_ids, labels=labels, packed=packed)
         key_dropout(model, 0, index, sharded)  # LoRA dropout: the masks the parallel step drew
         loss_sum, _ = pack_loss_sum(model, sharded)
-        (loss_sum / count).backward()
-        total += loss_sum.detach().double()
+        aux = router_aux_term(model, len(packs))  # transformers' MoE load balancing, per pack
+        (loss_sum / count + (0 if aux is None else aux)).backward()
+        total += loss_sum.detach().double() + (0 if aux is None else aux.detach().double() * count)
     return total / count
 
 

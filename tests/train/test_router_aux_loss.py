@@ -1,0 +1,106 @@
+"""transformers' router auxiliary loss (``output_router_logits``) in hybridpar's objective.
+
+hybridpar computes the token loss itself, so a MoE checkpoint's load-balancing loss, which
+transformers adds only when given labels, was silently left out of training. Now the trainer adds
+``router_aux_loss_coef * aux_loss`` per pack, averaged over the step's packs
+(``models/hf/router_aux.py``): on one pack the objective and every gradient equal transformers' own
+``model(ids, labels=ids).loss`` (float64); ``hybridpar check`` holds it exact under FSDP and tensor
+parallelism with and without SP; context parallelism, which would split a pack's router statistics,
+is refused before any process starts.
+"""
+
+import contextlib
+import io
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from hybridpar.config import ConfigError, load_config
+from tests.distributed.harness import run_ranks
+
+DEFAULT = "configs/tiny-hybrid.yaml"
+JOB = ["model.dtype=float64", "data.pack_size=128", "data.packs_per_step=2", "train.eval_every=0", "plot=false",
+       "tensorboard=false", "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}", "output_dir=unused"]
+COMMON = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, num_hidden_layers=2,
+              output_router_logits=True, router_aux_loss_coef=0.7)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import transformers as hf
+
+    root = tmp_path_factory.mktemp("router_aux")
+    torch.manual_seed(0)
+    hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(num_experts=4, head_dim=16, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             intermediate_size=64, **COMMON)).save_pretrained(root / "qwen3_moe")
+    hf.GraniteMoeHybridForCausalLM(hf.GraniteMoeHybridConfig(
+        num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope", intermediate_size=32,
+        shared_intermediate_size=64, layers_block_type=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8, mamba_expand=2, **COMMON)).save_pretrained(root / "granite_moe")
+    return {name: str(root / name) for name in ("qwen3_moe", "granite_moe")}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "granite_moe"])
+def test_one_pack_trains_transformers_own_loss_with_its_load_balancing_term(checkpoints, name):
+    import transformers as hf
+
+    from hybridpar.models.hf.float64 import keep_float64
+    from hybridpar.models.hf.router_aux import router_aux_term
+    from hybridpar.parallel.context.inputs import shard_inputs
+    from hybridpar.train.hf_model import use_blockwise_attention
+    from hybridpar.train.trainer import build_model, pack_loss_sum, pack_tensors
+
+    model = build_model(load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints[name]}", "parallel.cp=1"]))
+    use_blockwise_attention(model)
+    reference = hf.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float64)
+    reference.set_experts_implementation("eager")
+    keep_float64(reference.to(torch.float64))  # its router too (kept in float32 by from_pretrained)
+    tokens = 48
+    ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(1))
+    pack = {"input_ids": ids, "labels": torch.cat([ids[1:], torch.tensor([-100])]), "position_ids": torch.arange(tokens),
+            "seq_lens": torch.tensor([tokens]), "seq_lens_padded": torch.tensor([tokens])}  # one document, no padding
+    input_ids, labels, packed = pack_tensors(pack, torch.device("cpu"))
+    model.train(), reference.train()
+    loss_sum, _ = pack_loss_sum(model, shard_inputs(input_ids=input_ids, labels=labels, packed=packed))
+    aux = router_aux_term(model, 1)
+    assert aux is not None and float(aux) > 0.1  # the term is there, and not small beside the token loss
+    objective = loss_sum / (tokens - 1) + aux
+    objective.backward()
+    want = reference(input_ids=input_ids, labels=input_ids, use_cache=False).loss  # token loss + coef * aux_loss
+    want.backward()
+    assert abs(float(objective) - float(want)) <= 1e-12 * abs(float(want))
+    ours = dict(model.named_parameters())
+    for name_, param in reference.named_parameters():
+        difference = (ours[name_].grad - param.grad).abs().max()
+        assert difference <= 1e-12 * max(1.0, float(param.grad.abs().max())), (name_, float(difference))
+
+
+def _check(rank, world_size, overrides):
+    from hybridpar.train.proof.layout import run_check
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = run_check(load_config(DEFAULT, JOB + overrides), torch.device("cpu"))
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize("name, layout", [
+    ("granite_moe", ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2"]),
+    ("granite_moe", ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("qwen3_moe", ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=false"]),
+], ids=["granite-dp2", "granite-tp2-sp", "qwen3-tp2"])
+def test_the_load_balancing_term_is_one_process_s_at_every_layout_that_keeps_packs_whole(checkpoints, name, layout):
+    code, text = run_ranks(2, _check, [f"model.hf_path={checkpoints[name]}", *layout], timeout_s=300)[0]
+    assert code == 0 and "check exact" in text, text[-1500:]
+
+
+def test_context_parallelism_which_splits_a_pack_s_router_statistics_is_refused(checkpoints):
+    from hybridpar.train.preflight import validate_layout
+
+    config = load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints['qwen3_moe']}", "parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"parallel.cp=2: Qwen3Moe adds a router auxiliary loss .*router_aux_loss_coef=0.7"
+                                          r'.*"output_router_logits": false in .*config.json'):
+        validate_layout(config, 2)
