@@ -4,9 +4,9 @@ hybridpar computes the token loss itself, so a MoE checkpoint's load-balancing l
 transformers adds only when given labels, was silently left out of training. Now the trainer adds
 ``router_aux_loss_coef * aux_loss`` per pack, averaged over the step's packs
 (``models/hf/router_aux.py``): on one pack the objective and every gradient equal transformers' own
-``model(ids, labels=ids).loss`` (float64); ``hybridpar check`` holds it exact under FSDP and tensor
-parallelism with and without SP; context parallelism, which would split a pack's router statistics,
-is refused before any process starts.
+``model(ids, labels=ids).loss`` (float64); ``hybridpar check`` holds it exact under FSDP, tensor
+parallelism with and without SP, and context parallelism, where a pack's ranks sum Switch's counts
+before each adds its share; a model whose term is not Switch's form is refused at cp > 1.
 """
 
 import contextlib
@@ -91,16 +91,29 @@ def _check(rank, world_size, overrides):
     ("granite_moe", ["parallel.cp=1", "parallel.tp=1", "parallel.dp_shard=2"]),
     ("granite_moe", ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("qwen3_moe", ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=false"]),
-], ids=["granite-dp2", "granite-tp2-sp", "qwen3-tp2"])
-def test_the_load_balancing_term_is_one_process_s_at_every_layout_that_keeps_packs_whole(checkpoints, name, layout):
+    ("qwen3_moe", ["parallel.cp=2", "parallel.tp=1", "parallel.cp_attention=allgather"]),
+    ("granite_moe", ["parallel.cp=2", "parallel.tp=1", "parallel.cp_attention=ring", "parallel.cp_mamba=state"]),
+], ids=["granite-dp2", "granite-tp2-sp", "qwen3-tp2", "qwen3-cp2", "granite-cp2"])
+def test_the_load_balancing_term_is_one_process_s_at_every_layout(checkpoints, name, layout):
     code, text = run_ranks(2, _check, [f"model.hf_path={checkpoints[name]}", *layout], timeout_s=300)[0]
     assert code == 0 and "check exact" in text, text[-1500:]
 
 
-def test_context_parallelism_which_splits_a_pack_s_router_statistics_is_refused(checkpoints):
-    from hybridpar.train.preflight import validate_layout
+def _refused(rank, world_size, overrides):
+    import hybridpar.models.hf.router_aux as router_aux
+    from hybridpar.train.trainer import Trainer
 
-    config = load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints['qwen3_moe']}", "parallel.cp=2"])
-    with pytest.raises(ConfigError, match=r"parallel.cp=2: Qwen3Moe adds a router auxiliary loss .*router_aux_loss_coef=0.7"
-                                          r'.*"output_router_logits": false in .*config.json'):
-        validate_layout(config, 2)
+    switch_parts = router_aux.switch_parts  # a model whose term is not Switch's: its counts doubled
+    router_aux.switch_parts = lambda *args: (lambda c, p, r: (2 * c, p, r))(*switch_parts(*args))
+    try:
+        Trainer(load_config(DEFAULT, JOB + overrides), torch.device("cpu"))
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_at_cp_2_a_term_that_is_not_switch_s_form_is_refused_before_any_collective(checkpoints):
+    message = run_ranks(2, _refused, [f"model.hf_path={checkpoints['qwen3_moe']}", "parallel.cp=2"], timeout_s=300)[0]
+    assert message and message.startswith("parallel.cp=2: Qwen3MoeForCausalLM's router auxiliary loss cannot be split"), \
+        message
+    assert "is not Switch's load-balancing form" in message and '"output_router_logits": false in' in message, message

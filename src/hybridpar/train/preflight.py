@@ -34,7 +34,6 @@ from pathlib import Path
 from hybridpar.config import ConfigError, RunConfig, coerce_value, invalid, show_value
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.tokenizers import auto_bytes_note
-from hybridpar.models.hf.router_aux import router_aux_problem
 from hybridpar.models.hybrid import MODEL_RULES
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
@@ -208,8 +207,6 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
         raise ConfigError(f"{_named_parallel_key(config, str(error))}: {error}") from None
     if dims.cp > 1:
         _cp_head_checks(model, dims, p.cp_attention, p.cp_mamba)
-        if why := router_aux_problem(shape, dims.cp, config.model.hf_path):
-            raise ConfigError(f"parallel.cp={dims.cp}: {why}")
     multiple = pad_multiple(data, p.cp)
     if multiple % (2 * p.cp):
         raise ConfigError(f"data.pad_to_multiple_of={multiple} is not a multiple of 2*cp={2 * p.cp}; every padded "

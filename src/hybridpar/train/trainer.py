@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar.config import RunConfig, to_dict
+from hybridpar.config import ConfigError, RunConfig, to_dict
 from hybridpar.data.documents import FILE_TASKS
 from hybridpar.data.packing import collate_thd, padding_fraction
 from hybridpar.data.sources import prediction_counts
 from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.checkpoint import load_hf
-from hybridpar.models.hf.router_aux import router_aux_coefficient, router_aux_term
+from hybridpar.models.hf.router_aux import router_aux_coefficient, router_aux_term, switch_form_problem
 from hybridpar.models.hybrid import HybridConfig, HybridLM
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.data.fsdp import set_micro_batch
@@ -151,6 +151,10 @@ class Trainer:
         if not isinstance(model, HybridLM):
             self.say(loss_path_line(model))
         self.unkeyed = None if isinstance(model, HybridLM) else randomness_problem(config, model, self.vocab_size, world)
+        if p.cp > 1 and router_aux_coefficient(model.config) and (why := switch_form_problem(model, self.vocab_size)):
+            raise ConfigError(f"parallel.cp={p.cp}: {type(model).__name__}'s router auxiliary loss cannot be split over "
+                              f"a pack's ranks: {why}; use parallel.cp=1, or set \"output_router_logits\": false in "
+                              f"{config.model.hf_path}/config.json.")
         problem = self._packing_problem(model)
         self.one_per_row = problem is not None
         self.train_data = self._stream(self.data)
@@ -229,12 +233,17 @@ class Trainer:
         for index, pack in enumerate(packs):
             set_micro_batch(self.model, index, len(packs))  # FSDP reduces gradients once, after the last pack
             loss_sum, _, _ = self.forward_loss_sum(pack, at=(step, self.layout.dp_rank * len(packs) + index))
-            aux = router_aux_term(self.model, self.config.data.packs_per_step)  # transformers' MoE load balancing
+            aux = router_aux_term(self.model, self.config.data.packs_per_step,  # MoE load balancing
+                                  self._cp_sum if self.layout.dims.cp > 1 else None)
             (loss_sum / count + (0 if aux is None else aux)).backward()
             loss_total += loss_sum.detach().double()
             aux_total += 0 if aux is None else aux.detach().double()
         loss = global_sum(loss_total, self.layout.dp_cp_group) / count
-        return loss + global_sum(aux_total, self.layout.dp_group) if router_aux_coefficient(self.model.config) else loss
+        return loss + global_sum(aux_total, self.layout.dp_cp_group) if router_aux_coefficient(self.model.config) else loss
+
+    def _cp_sum(self, value: Tensor) -> Tensor:
+        """``value`` summed over the ranks that share a pack (``router_aux_term``'s ``reduce``)."""
+        return global_sum(value, self.layout.cp_group)
 
     def train_step(self, step: int) -> dict:
         """One optimizer step; a non-finite loss or gradient norm is stopped (or skipped) by the guard."""

@@ -1,29 +1,42 @@
 """transformers' router auxiliary (load-balancing) loss in hybridpar's objective, per pack.
 
 A transformers MoE causal LM whose config sets ``output_router_logits`` computes in its forward
-``aux_loss``, its load-balancing loss over the tokens of that call (Switch/Mixtral's
-``E * sum_e f_e P_e``: ``f_e`` the share of routed slots, ``P_e`` the mean router probability of
-expert ``e``), and adds ``router_aux_loss_coef * aux_loss`` to its loss only when it is given labels.
-hybridpar computes the token loss itself (``causal_lm.hf_causal_lm_loss``), so the trainer adds
-the term:
+``aux_loss``, its load-balancing loss over the tokens of that call, and adds
+``router_aux_loss_coef * aux_loss`` to its loss only when it is given labels. hybridpar computes the
+token loss itself (``causal_lm.hf_causal_lm_loss``), so the trainer adds the term:
 
     objective = sum_t CE_t / N_step + coef * (1 / P_step) * sum_{packs p} aux_p
 
-the mean over the step's ``P_step`` packs (``data.packs_per_step``) of each pack's auxiliary loss.
-That is what the transformers Trainer optimizes with one pack per micro-batch, gradient
-accumulation and data parallelism, and what one process computes over the same packs; so every
-layout whose ranks each see whole packs is exact (data parallelism, FSDP, tensor parallelism:
-every TP rank routes every token of its pack). Under context parallelism a rank's ``f_e`` and
-``P_e`` would be those of its shard of the pack: ``router_aux_problem`` refuses it.
+the mean over the step's ``P_step`` packs (``data.packs_per_step``) of each pack's auxiliary loss:
+what the transformers Trainer optimizes with one pack per micro-batch, gradient accumulation and
+data parallelism, and what one process computes over the same packs. Where a rank sees whole packs
+(data parallelism, FSDP, tensor parallelism) ``aux_p`` is the model's own ``aux_loss``.
+
+Under context parallelism a rank sees a shard of the pack. Every transformers MoE model with the
+term uses Switch Transformer's form (``load_balancing_loss_func``), over the routed rows ``r`` of all
+layers (``R`` of them) with ``E`` experts and top-k choices:
+
+    aux = E * sum_e (C_e / R) (S_e / R),   C_e = #{(r, j): top-k choice j of row r is e},  S_e = sum_r softmax(z_r)_e
+
+``C`` and ``R`` are counts (no gradient) and ``S`` is a sum over rows, so with ``C``, ``R`` summed over
+the CP ranks (``reduce``) each rank's ``E sum_e (C_e / R) (S_e^rank / R)`` adds up to the pack's term,
+and its gradient is the pack's share on that rank's rows. ``switch_form_problem`` checks at load
+that the model's ``aux_loss`` is this form (one forward of a few tokens); a model whose term is not
+is refused at cp > 1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["router_aux_coefficient", "capture_router_aux", "take_router_aux", "router_aux_term", "router_aux_problem"]
+__all__ = ["router_aux_coefficient", "capture_router_aux", "router_aux_term", "switch_form_problem"]
 
-_CAPTURED = "_hybridpar_router_aux"  # the attribute the forward hook writes the last aux_loss to
+_CAPTURED = "_hybridpar_router_aux"  # (aux_loss, router_logits) of the last forward, written by the hook
+PROBE_TOKENS = 8
 
 
 def router_aux_coefficient(config) -> float:
@@ -35,41 +48,66 @@ def router_aux_coefficient(config) -> float:
 
 
 def capture_router_aux(model: nn.Module) -> None:
-    """Keep the ``aux_loss`` of each forward of ``model`` (a transformers causal LM whose config asks
-    for it) for ``take_router_aux``; nothing for any other model."""
+    """Keep the ``aux_loss`` and router logits of each forward of ``model`` (a transformers causal LM
+    whose config asks for the term) for ``router_aux_term``; nothing for any other model."""
     if router_aux_coefficient(getattr(model, "config", None)) and not hasattr(model, _CAPTURED):
         setattr(model, _CAPTURED, None)
         model.register_forward_hook(_keep_aux)
 
 
 def _keep_aux(module: nn.Module, args, output) -> None:
-    setattr(module, _CAPTURED, getattr(output, "aux_loss", None))
+    setattr(module, _CAPTURED, (getattr(output, "aux_loss", None), getattr(output, "router_logits", None)))
 
 
-def take_router_aux(model: nn.Module) -> Tensor | None:
-    """The auxiliary loss (a scalar with its graph) of ``model``'s last forward, once; None where the
-    model computes none."""
-    aux = getattr(model, _CAPTURED, None)
-    if aux is not None:
-        setattr(model, _CAPTURED, None)
-        if hasattr(aux, "full_tensor"):  # a DTensor (replicated under TP)
-            aux = aux.full_tensor()
-    return aux
+def _local(t: Tensor) -> Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor: replicated under TP
 
 
-def router_aux_term(model: nn.Module, packs_per_step: int) -> Tensor | None:
-    """``coef * aux_loss / packs_per_step`` of ``model``'s last forward (its pack's share of the step's
-    objective, module docstring), or None where the model adds no auxiliary loss."""
-    aux = take_router_aux(model)
-    return None if aux is None else router_aux_coefficient(model.config) * aux / packs_per_step
+def switch_parts(router_logits: tuple[Tensor, ...], top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(C [E] choice counts, S [E] summed router probabilities, R routed rows)`` of Switch's form
+    (module docstring) over every layer's ``[rows, E]`` logits; ``S`` carries the gradient."""
+    logits = [_local(z) for z in router_logits]
+    dtype = torch.promote_types(logits[0].dtype, torch.float32)
+    counts = torch.zeros(logits[0].shape[-1], dtype=dtype, device=logits[0].device)
+    probs, rows = torch.zeros_like(counts), 0
+    for z in logits:
+        p = F.softmax(z.to(dtype), dim=-1)  # [rows, E]
+        counts = counts + F.one_hot(p.detach().topk(top_k, dim=-1).indices.reshape(-1), p.shape[-1]).sum(0).to(dtype)
+        probs, rows = probs + p.sum(0), rows + p.shape[0]
+    return counts, probs, torch.tensor(float(rows), dtype=dtype, device=counts.device)
 
 
-def router_aux_problem(config, cp: int, path: str | None) -> str | None:
-    """Why ``config``'s router auxiliary loss cannot be computed exactly at this layout, or None."""
-    coefficient = router_aux_coefficient(config)
-    if not coefficient or cp == 1:
+def router_aux_term(model: nn.Module, packs_per_step: int,
+                    reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
+    """``coef * aux_p / packs_per_step`` of ``model``'s last forward, its pack's share of the step's
+    objective, or None where the model adds no auxiliary loss. ``reduce`` sums a tensor over the
+    ranks that share the pack (context parallelism): this rank's part of Switch's form."""
+    captured = getattr(model, _CAPTURED, None)
+    if captured is None:
         return None
-    return (f"{type(config).__name__.removesuffix('Config')} adds a router auxiliary loss (output_router_logits=true, "
-            f"router_aux_loss_coef={coefficient:g}) computed over the tokens each forward sees; at cp={cp} a rank sees a "
-            "shard of the pack, so its load balance is not the pack's; use parallel.cp=1, or set "
-            f"\"output_router_logits\": false in {path or 'the checkpoint'}/config.json to train without it.")
+    setattr(model, _CAPTURED, None)
+    aux, router_logits = captured
+    coefficient = router_aux_coefficient(model.config)
+    if reduce is None:
+        return coefficient * _local(aux) / packs_per_step
+    counts, probs, rows = switch_parts(router_logits, model.config.num_experts_per_tok)
+    counts, rows = reduce(counts), reduce(rows)
+    return coefficient * counts.numel() * ((counts / rows) * (probs / rows)).sum() / packs_per_step
+
+
+def switch_form_problem(model: nn.Module, vocab_size: int) -> str | None:
+    """Why ``model``'s auxiliary loss is not Switch's form, found by one forward of ``PROBE_TOKENS``
+    tokens (its ``aux_loss`` against ``switch_parts`` of its router logits), or None."""
+    ids = torch.arange(PROBE_TOKENS, device=next(model.parameters()).device)[None] % vocab_size
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False)
+    setattr(model, _CAPTURED, None)
+    aux, logits = getattr(out, "aux_loss", None), getattr(out, "router_logits", None)
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    if not isinstance(aux, Tensor) or not isinstance(logits, tuple) or not logits or not isinstance(top_k, int):
+        return "its forward returns no aux_loss and router_logits of Switch's form"
+    counts, probs, rows = switch_parts(logits, top_k)
+    ours = float(counts.numel() * ((counts / rows) * (probs / rows)).sum())
+    if abs(ours - float(aux)) > 1e-5 * abs(float(aux)):
+        return f"its aux_loss ({float(aux):.6g}) is not Switch's load-balancing form ({ours:.6g}) on a probe"
+    return None
