@@ -8,12 +8,14 @@ for the whole process. It prints one JSON object: per case, the relative error (
 of FLA in float32 and of the pure core in float32, each against the pure core in float64, for the
 outputs, the final states and every input's gradient (FLA's backward kernels included); and for
 the tiny hybrid compiled with its Mamba layers on FLA's kernels, the graph breaks and the loss's
-and every parameter gradient's errors.
+and every parameter gradient's errors; and the fused op's backward by its two routes on FLA's kernels
+(``run_routes``: FLA's backward alone against autograd through FLA's forward, the route before).
 
 Why the patches (triton 3.6, fla-core 0.6.0):
 
 - the autotuner benchmarks its configs through the active driver, and a CPU has none: a
-  stand-in driver times every config alike, and only one config is run: the one with the widest
+  stand-in driver times every config alike without running it (a benchmark run would launch each
+  kernel twice on its first call), and only one config is run: the one with the widest
   blocks (the product of its integer meta-parameters; ties keep the first), since the interpreter
   runs every program of the grid one after another in Python, and wider blocks mean fewer
   programs (the conv's 16-channel blocks made its grid six times larger). A GPU's autotuner may
@@ -46,7 +48,6 @@ def _patch_triton() -> None:
     class CPUDriver:
         def get_benchmarker(self):
             def bench(fn, quantiles=None, **kwargs):
-                fn()
                 return [1.0] * len(quantiles) if quantiles else 1.0
             return bench
 
@@ -107,12 +108,10 @@ def _relative(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-def run_case(groups: int, with_states: bool, seed: int) -> dict:
-    """``{quantity: [FLA fp32 error, pure fp32 error]}`` against the pure core in float64."""
+def _case(groups: int, with_states: bool, seed: int) -> tuple[dict, dict, dict]:
+    """``(inputs by name, states keywords but the initial states and histories, sizes)`` of a case:
+    three documents, one over FLA's 64-token chunk edge, one of 5."""
     import torch
-
-    from hybridpar.models.mamba.core import mamba_conv_scan
-    from hybridpar.models.mamba.fused_op import fused_conv_scan
 
     gen = torch.Generator().manual_seed(seed)
     heads, head_dim, state, kernel, tokens = 2, 16, 16, 4, 80
@@ -126,18 +125,33 @@ def run_case(groups: int, with_states: bool, seed: int) -> dict:
     if with_states:
         base.update(conv_history=torch.randn(3, kernel - 1, width, generator=gen),
                     init_states=0.3 * torch.randn(3, heads, head_dim, state, generator=gen))
-    init_at = torch.tensor([0, -1, 71])  # the second document starts from zeros
+    states = dict(init_at=torch.tensor([0, -1, 71]), final_at=cu[1:] - 1) if with_states else {}  # doc 2: zeros
+    return base, states, dict(head_dim=head_dim, state_size=state, cu_docs=cu)
+
+
+def _fused_args(leaves: dict, states: dict) -> tuple[list, dict]:
+    """``fused_conv_scan``'s tensors and state keywords from a case's leaves."""
+    args = [leaves[name] for name in ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A_log", "D")]
+    if states:
+        states = dict(states, init_states=leaves["init_states"], conv_history=leaves["conv_history"])
+    return args, states
+
+
+def run_case(groups: int, with_states: bool, seed: int) -> dict:
+    """``{quantity: [FLA fp32 error, pure fp32 error]}`` against the pure core in float64."""
+    import torch
+
+    from hybridpar.models.mamba.core import mamba_conv_scan
+    from hybridpar.models.mamba.fused_op import fused_conv_scan
+
+    base, given, sizes = _case(groups, with_states, seed)
     results: dict = {}
     for dtype in (torch.float64, torch.float32):
         leaves = {name: t.to(dtype).requires_grad_() for name, t in base.items()}
-        states = dict(init_at=init_at, init_states=leaves["init_states"], conv_history=leaves["conv_history"],
-                      final_at=cu[1:] - 1) if with_states else {}
-        args = [leaves[name] for name in ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A_log", "D")]
-        runs = {"pure": lambda: mamba_conv_scan(*args, head_dim=head_dim, state_size=state, chunk_size=64, cu_docs=cu,
-                                                **states)}
+        args, states = _fused_args(leaves, given)
+        runs = {"pure": lambda: mamba_conv_scan(*args, **sizes, chunk_size=64, **states)}
         if dtype == torch.float32:
-            runs["fla"] = lambda: fused_conv_scan(*args, head_dim=head_dim, state_size=state, cu_docs=cu, scan="fla",
-                                                  **states)
+            runs["fla"] = lambda: fused_conv_scan(*args, **sizes, scan="fla", **states)
         for kernel_name, run in runs.items():
             out = run()
             outs = list(out) if isinstance(out, tuple) else [out]
@@ -149,6 +163,73 @@ def run_case(groups: int, with_states: bool, seed: int) -> dict:
     reference = results["pure", torch.float64]
     return {name: [_relative(results["fla", torch.float32][name], want),
                    _relative(results["pure", torch.float32][name], want)] for name, want in reference.items()}
+
+
+@contextlib.contextmanager
+def counting_launches():
+    """Within the block, every Triton kernel launch counted by the kernel's name (a ``Counter``)."""
+    from collections import Counter
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches, run = Counter(), InterpretedFunction.run
+
+    def counted(self, *args, warmup, **kwargs):
+        launches[self.fn.__name__] += not warmup
+        return run(self, *args, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = counted
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = run
+
+
+def backward_routes(module, output_kernel: str, run, leaves: dict, stand_in: str) -> dict:
+    """One backward call of a fused op on FLA's kernels by each route: ``"direct"`` (``"fla"``: FLA's
+    backward alone) and ``"autograd"`` (``stand_in``: the same kernels registered without a backward,
+    so autograd through FLA's forward, the route before). ``run(name) -> loss`` runs the forward;
+    ``output_kernel`` is the forward's output function ``module`` looks up (counted by wrapping it).
+    ``{"same_bits": every gradient equal bit for bit, "forward_output_calls": {route: calls within the
+    backward}, "launches": {route: {Triton kernel: launches within the backward}}}``."""
+    import torch
+
+    calls, forward = [], getattr(module, output_kernel)
+    setattr(module, output_kernel, lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    found = {}
+    try:
+        for route, name in (("direct", "fla"), ("autograd", stand_in)):
+            loss = run(name)
+            calls.clear()
+            with counting_launches() as launches:
+                grads = torch.autograd.grad(loss, list(leaves.values()))
+            found[route] = grads, len(calls), dict(sorted(launches.items()))
+    finally:
+        setattr(module, output_kernel, forward)
+    same = all(torch.equal(a, b) for a, b in zip(found["direct"][0], found["autograd"][0]))
+    return {"same_bits": same, "forward_output_calls": {route: f[1] for route, f in found.items()},
+            "launches": {route: f[2] for route, f in found.items()}}
+
+
+def run_routes(seed: int = 4) -> dict:
+    """``backward_routes`` of the fused Mamba op with the CP ``state`` strategy's states (2 groups), both
+    outputs seeded, counting ``chunk_fwd_o`` (``chunk_simple_gla``'s output kernel)."""
+    import fla.ops.simple_gla.chunk as chunk
+    import torch
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    from hybridpar.models.mamba.fused_op import fused_conv_scan, register_scan
+
+    register_scan("fla_autograd", chunk.chunk_simple_gla, causal_conv1d)
+    base, given, sizes = _case(2, True, seed)
+    leaves = {name: t.requires_grad_() for name, t in base.items()}
+    args, states = _fused_args(leaves, given)
+
+    def run(scan):
+        y, final = fused_conv_scan(*args, **sizes, scan=scan, **states)
+        return sum((t * torch.randn(t.shape, generator=torch.Generator().manual_seed(7))).sum() for t in (y, final))
+
+    return backward_routes(chunk, "chunk_fwd_o", run, leaves, "fla_autograd")
 
 
 def run_gated_norm(seed: int = 3) -> dict:
@@ -228,7 +309,7 @@ def main() -> None:
 
     cases = {"1 group, no states": (1, False, 0), "2 groups, CP states": (2, True, 1)}
     report = {"fla": fla.__version__, "cases": {name: run_case(*args) for name, args in cases.items()},
-              "gated_norm": run_gated_norm(), "model": run_model()}
+              "gated_norm": run_gated_norm(), "model": run_model(), "routes": run_routes()}
     print(json.dumps(report))
 
 

@@ -6,7 +6,9 @@ gradient of FLA's gated group RMSNorm behind Mamba2's norm (``models/norm_kernel
 is shown beside it as the floor float32 reaches (both measured ~1e-6 or below). And a tiny
 hybrid of one block of each kind (2 Mamba heads), blocks compiled (aot_eager) with its Mamba layer on FLA's
 kernels: no graph break, loss and every parameter gradient within 5e-5 of the eager pure model in float64
-(3.7e-6 measured)."""
+(3.7e-6 measured). And the fused op's backward by its two routes (``run_routes``): FLA's backward alone
+(``models/mamba/fla_backward.py``) gives every gradient bit for bit as autograd through FLA's forward
+did, and runs no forward output kernel (``chunk_fwd_o``) and one ``chunk_fwd_h`` fewer."""
 
 from __future__ import annotations
 
@@ -62,3 +64,15 @@ def test_fla_kernels_under_the_triton_interpreter_match_the_pure_core():
     assert "loss" in model["errors"] and len(model["errors"]) > 20  # the loss and every parameter's gradient
     for quantity, (fla_error, pure_error) in model["errors"].items():
         assert fla_error <= MODEL_TOL, (quantity, fla_error, pure_error)
+    assert_backward_routes(report["routes"], "chunk_fwd_kernel_o")
+
+
+def assert_backward_routes(routes: dict, output_kernel: str) -> None:
+    """A backward call on FLA's kernels (``fla_on_cpu.backward_routes``): FLA's backward alone gives every
+    gradient bit for bit as autograd through FLA's forward, and launches two kernels fewer, the forward's
+    states (FLA's backward recomputes its own) and its output (``output_kernel``), calling no output function."""
+    assert routes["same_bits"], routes
+    assert routes["forward_output_calls"] == {"direct": 0, "autograd": 1}, routes
+    direct, autograd = routes["launches"]["direct"], routes["launches"]["autograd"]
+    assert set(autograd) - set(direct) == {output_kernel}, routes
+    assert sum(direct.values()) == sum(autograd.values()) - 2, routes

@@ -6,7 +6,10 @@ ops under ``torch.compile``.
 docstring and ``naive_recurrent_simple_gla`` (the recurrence ``S = S * exp(g_t) + k_t v_t^T``,
 ``o_t = scale * q_t S``), per ``cu_seqlens`` document, states ``[N, H, V, K]`` with
 ``state_v_first``. The fused path with this contract in place of the kernel must equal the
-pure-PyTorch core to 1e-10 in outputs, states and every input's gradient. FLA's real kernels,
+pure-PyTorch core to 1e-10 in outputs, states and every input's gradient, by either route of the
+backward op: autograd of the scan's forward (``"contract"``) or the scan's backward alone, registered as
+FLA's is (``"contract_direct"``: autograd of the contract, called as ``fla_backward.py`` calls FLA's;
+the same bits as the other route). FLA's real kernels,
 run by triton's interpreter, are held to the pure core in ``test_fla_on_cpu.py``; on a GPU,
 ``benchmarks/run_on_gpu.sh`` does the same in float32 at 1e-4.
 """
@@ -18,10 +21,11 @@ import logging
 import pytest
 import torch
 
-from hybridpar.models.mamba import fused
+from hybridpar.models.mamba import fla_backward, fused
 from hybridpar.models.mamba.core import mamba_conv_scan, row_documents
 from hybridpar.models.mamba.fused import choose_kernel, kernel_for, use_mamba_kernel
-from hybridpar.models.mamba.fused_op import fused_conv_scan, gated_backward_refusal, register_scan, states_at_boundaries
+from hybridpar.models.mamba.fused_op import (autograd_on, fused_conv_scan, gated_backward_refusal, register_scan,
+                                             states_at_boundaries)
 from tests.models.mamba.test_core import F64, assert_close, grads, make_case
 
 
@@ -44,7 +48,20 @@ def simple_gla_contract(q, k, v, g, scale=None, initial_state=None, output_final
     return torch.stack(outputs)[None].to(out_dtype), (torch.stack(finals) if output_final_state else None)
 
 
+def contract_backward(q, k, v, g, do, dht, *, scale, initial_state, cu_seqlens, state_v_first):
+    """``(dq, dk, dv, dg, dh0)`` of ``simple_gla_contract`` seeded with ``do`` and ``dht`` (None: no final
+    states), by autograd of the contract, in ``fla_backward.simple_gla_backward``'s convention."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, g, initial_state) if t is not None]
+    with autograd_on():
+        o, ht = simple_gla_contract(*leaves[:4], scale=scale, initial_state=leaves[4] if len(leaves) > 4 else None,
+                                    output_final_state=dht is not None, cu_seqlens=cu_seqlens, state_v_first=state_v_first)
+        outputs = [(o, do)] + ([(ht, dht)] if dht is not None else [])
+        found = torch.autograd.grad([t for t, _ in outputs], leaves, [d for _, d in outputs], allow_unused=True)
+    return (*found[:4], found[4] if len(leaves) > 4 else None)
+
+
 register_scan("contract", simple_gla_contract)
+register_scan("contract_direct", simple_gla_contract, backward=contract_backward)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -63,10 +80,12 @@ def test_fused_mapping_equals_the_pure_core_on_packed_rows(groups, dt_limit):
         assert_close(g, g_ref, f"grad {name}")
 
 
+@pytest.mark.parametrize("scan", ["contract", "contract_direct"])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_fused_mapping_carries_initial_and_final_states(groups):
+def test_fused_mapping_carries_initial_and_final_states(groups, scan):
     """The CP ``state`` strategy's calls: conv histories and SSM states entering documents (one
-    entry -1: none), final states at every document end, with gradients through both."""
+    entry -1: none), final states at every document end, with gradients through both (by either route
+    of the backward)."""
     inputs, cu, sizes = make_case(30 + groups, groups, batch=1)
     gen = torch.Generator().manual_seed(3)
     xBC, dt, weight = inputs["xBC"], inputs["dt"], inputs["conv_weight"]
@@ -79,11 +98,58 @@ def test_fused_mapping_carries_initial_and_final_states(groups):
     all_inputs = {**inputs, "history": history, "h0": h0}
     y_ref, final_ref = mamba_conv_scan(*inputs.values(), **sizes, cu_docs=cu, **states_in)
     y, final = fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"], cu_docs=cu,
-                               scan="contract", **states_in)
+                               scan=scan, **states_in)
     assert_close(y, y_ref, "y")
     assert_close(final, final_ref, "final states")
     for name, g, g_ref in zip(all_inputs, grads([y, final], all_inputs), grads([y_ref, final_ref], all_inputs)):
         assert_close(g, g_ref, f"grad {name}")
+
+
+@pytest.mark.parametrize("want_y, seeded", [(True, ("y", "final")), (True, ("y",)), (False, ("final",))])
+def test_a_scan_with_a_backward_of_its_own_runs_it_alone_with_autograds_seeds(want_y, seeded):
+    """The backward op's direct route (FLA's: ``fla_backward.py``) against autograd of the scan's forward:
+    every gradient the same bits, the scan's forward never run in the backward but inside its own
+    backward, once; an output without a gradient seeds zeros (``y``) or zero final states, as autograd
+    would seed FLA's Function."""
+    inputs, cu, sizes = make_case(41, 2, batch=1)
+    gen = torch.Generator().manual_seed(4)
+    h0 = torch.randn(cu.shape[0] - 1, inputs["dt"].shape[-1], sizes["head_dim"], sizes["state_size"], generator=gen,
+                     dtype=F64).requires_grad_()
+    states = dict(init_at=cu[:-1], init_states=h0, final_at=cu[1:] - 1)
+    leaves = {**inputs, "h0": h0}
+    calls = []
+    register_scan("counted_direct", lambda *a, **kw: calls.append("scan") or simple_gla_contract(*a, **kw),
+                  backward=lambda *a, **kw: calls.append("backward") or contract_backward(*a, **kw))
+    found = {}
+    for scan in ("contract", "counted_direct"):
+        y, final = fused_conv_scan(*inputs.values(), head_dim=sizes["head_dim"], state_size=sizes["state_size"],
+                                   cu_docs=cu, scan=scan, want_y=want_y, **states)
+        calls.clear()
+        found[scan] = grads([{"y": y, "final": final}[name] for name in seeded], leaves)
+    assert calls == ["backward"], calls  # the contract's forward ran inside it (autograd), not before
+    for name, a, b in zip(leaves, found["contract"], found["counted_direct"]):
+        assert torch.equal(a, b), name
+
+
+def test_an_fla_core_whose_internals_differ_keeps_autograd_of_its_forward(monkeypatch, caplog):
+    """``fla_internals`` names what it misses (a function, a keyword); where fla-core does not import (this
+    environment), ``simple_gla_backward`` is None, logged once at INFO with why."""
+    import sys
+    import types
+
+    chunk = types.ModuleType("fake_fla_chunk")
+    chunk.backward = lambda q, k, v, g, do, scale: None
+    monkeypatch.setitem(sys.modules, "fake_fla_chunk", chunk)
+    needed = {"fake_fla_chunk:backward": ("q", "do", "dht")}
+    assert fla_backward.fla_internals(needed, "fake_fla_chunk:entry") == (
+        None, "fla-core's fake_fla_chunk.backward takes no dht")
+    assert fla_backward.fla_internals({}, "fake_fla_chunk:entry") == (None, "fla-core has no fake_fla_chunk.entry")
+    monkeypatch.setattr(fla_backward, "_RESOLVED", fla_backward._UNSET)
+    with caplog.at_level(logging.INFO, logger=fla_backward.__name__):
+        assert fla_backward.simple_gla_backward() is None and fla_backward.simple_gla_backward() is None
+    lines = [r.getMessage() for r in caplog.records if r.name == fla_backward.__name__]
+    assert lines == ["mamba scan backward: autograd through FLA's forward (fla-core's internals could not be "
+                     "checked (ModuleNotFoundError: No module named 'fla'))"], lines
 
 
 def test_fused_core_keeps_only_its_inputs_for_backward():

@@ -19,11 +19,13 @@ initial states); with a stand-in scan, the conv registered with it or ours (``co
 accumulate in float32; ``q``, ``k``, ``v`` are in the activations' dtype (bf16 under mixed precision).
 
 ``hybridpar::fused_conv_scan`` runs that math without autograd and saves only its inputs;
-``hybridpar::fused_conv_scan_backward`` recomputes it up to the scan's output and differentiates it:
-the scan through FLA's own backward kernels, the elementwise steps around it (``v = x dt``, the
-``D x`` skip, the repeat of B/C to heads) written out (``fused_glue.py``: each product computed wide
-and rounded once, no wide copies), the conv and the small ``[T, H]`` steps through autograd. A
-block's saved bytes do not depend on the kernel.
+``hybridpar::fused_conv_scan_backward`` recomputes it up to the scan's inputs and differentiates it:
+the scan through FLA's own backward kernels alone (``fla_backward.py``: no scan forward runs; a
+stand-in registered without a backward, or an fla-core whose internals differ, differentiates the
+scan's forward instead), the elementwise steps around it (``v = x dt``, the ``D x`` skip, the repeat
+of B/C to heads) written out (``fused_glue.py``: each product computed wide and rounded once, no wide
+copies), the conv and the small ``[T, H]`` steps through autograd. A block's saved bytes do not
+depend on the kernel.
 ``torch.compile`` sees two opaque ops with fake kernels: no graph break, and FLA's launchers
 (host syncs, autotuning) stay out of the trace.
 
@@ -33,7 +35,8 @@ graph even under ``enable_grad``; ``autograd_on`` lifts that exclusion for the r
 ``tests/models/mamba/test_fused.py`` fails if a torch release changes this).
 
 The scan is named: ``"fla"`` is FLA's kernel (imported on first use); tests register stand-ins
-(``register_scan``) such as FLA's contract written out in float64 on CPU.
+(``register_scan``) such as FLA's contract written out in float64 on CPU, with a backward in FLA's
+calling convention or without one.
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridpar.models.mamba.conv import conv_forward
+from hybridpar.models.mamba.fla_backward import simple_gla_backward
 from hybridpar.models.mamba.fused_glue import add_skip, scan_gradients, scan_values
 from hybridpar.models.precision import autocast_off
 
 __all__ = ["fla_scan", "fla_status", "fla_gated_backward_refusal", "gated_backward_refusal", "import_fla",
            "register_scan", "fused_conv_scan", "states_at_boundaries", "autograd_on"]
 
-_SCANS: dict[str, tuple[Callable, Callable | None]] = {}
+_SCANS: dict[str, tuple[Callable, Callable | None, Callable | None]] = {}
 _FLA: tuple[Callable | None, str] | None = None
 _UNSET = object()
 _BACKWARD_REFUSAL: object = _UNSET
@@ -117,12 +121,13 @@ def import_fla(module: str, name: str, label: str) -> tuple[Callable | None, str
     return op, f"fla-core {getattr(fla, '__version__', '?')} {label}"
 
 
-def register_scan(name: str, scan: Callable, conv: Callable | None = None) -> None:
+def register_scan(name: str, scan: Callable, conv: Callable | None = None, backward: Callable | None = None) -> None:
     """Make ``scan`` (``chunk_simple_gla``'s signature) runnable as ``fused_conv_scan(..., scan=name)``,
-    with ``conv`` (``causal_conv1d``'s) or, by default, ours."""
+    with ``conv`` (``causal_conv1d``'s) or, by default, ours; ``backward`` (``fla_backward.simple_gla_backward``'s
+    signature) gives the scan's gradients without its forward, or, by default, autograd of the forward."""
     if name == "fla":
         raise ValueError("the scan name 'fla' is FLA's kernel; register a stand-in under another name.")
-    _SCANS[name] = (scan, conv)
+    _SCANS[name] = (scan, conv, backward)
 
 
 def _kernels(name: str) -> tuple[Callable, Callable | None]:
@@ -137,7 +142,7 @@ def _kernels(name: str) -> tuple[Callable, Callable | None]:
         return op, causal_conv1d
     if name not in _SCANS:
         raise ValueError(f"fused Mamba scan {name!r} is not registered; known: {['fla', *_SCANS]}.")
-    return _SCANS[name]
+    return _SCANS[name][:2]
 
 
 def states_at_boundaries(cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None) -> str | None:
@@ -222,6 +227,31 @@ def _run_scan(scan, q, k, v, g, initial, want_final: bool, cu_docs):
                 cu_seqlens=cu_docs.long(), state_v_first=True)
 
 
+def _scan_grads(name: str, q, k, v, g, initial, want_final: bool, dy, d_final, cu_docs):
+    """``(dq, dk [1, T, H, N], dv [1, T, H, P], dg [1, T, H], d initial [n_docs, H, P, N] or None)`` of the
+    scan seeded with ``dy [1, T, H, P]`` and ``d_final [n_docs, H, P, N]`` (None: none reaches it). Where
+    the scan has a backward of its own (``fla_backward.py``) only that runs, given autograd's seeds (zeros
+    for an output without a gradient, none for final states not asked for); else autograd of its forward."""
+    direct = simple_gla_backward() if name == "fla" else _SCANS[name][2]
+    if dy is None and d_final is None:
+        return (*(torch.zeros_like(t) for t in (q, k, v, g)), None)
+    if direct is not None:
+        do, dht = (dy if dy is not None else torch.zeros_like(v)), d_final
+        if dht is None and want_final:  # [n_docs, H, P, N]
+            dht = g.new_zeros(cu_docs.shape[0] - 1, v.shape[2], v.shape[3], q.shape[3])
+        with torch.no_grad():
+            return direct(q, k, v, g, do, dht, scale=1.0, initial_state=initial, cu_seqlens=cu_docs.long(),
+                          state_v_first=True)
+    scan_in = [t.requires_grad_() for t in (q, k, v, g, initial) if t is not None]
+    o, final = _run_scan(_kernels(name)[0], *scan_in[:4], initial if initial is None else scan_in[4], want_final,
+                         cu_docs)
+    final = None if final is None else final.to(g.dtype)  # the forward's dtype (fp32 or wider), as d_final
+    seeds = [(out, grad) for out, grad in ((o, dy), (final, d_final)) if grad is not None]
+    d_scan = torch.autograd.grad([out for out, _ in seeds], scan_in, [grad for _, grad in seeds], allow_unused=True)
+    return (*(torch.zeros_like(t) if d is None else d for d, t in zip(d_scan[:4], scan_in)),
+            d_scan[4] if initial is not None else None)
+
+
 @contextlib.contextmanager
 def autograd_on():
     """Autograd records inside a custom op's implementation (see the module docstring)."""
@@ -282,35 +312,29 @@ def _fused_backward_op(
     conv_history: Tensor | None, cu_docs: Tensor, init_at: Tensor | None, final_at: Tensor | None, head_dim: int,
     state_size: int, dt_min: float, dt_max: float, scan: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of ``fused_conv_scan``: the scan's through its kernel's own backward, the elementwise
-    steps around it written out (``fused_glue.py``), the conv's and the small ``[T, H]`` steps' through
-    autograd. Recomputes the forward up to the scan's output; nothing of the forward was kept."""
+    """The gradients of ``fused_conv_scan``: the scan's through its kernel's own backward (``_scan_grads``),
+    the elementwise steps around it written out (``fused_glue.py``), the conv's and the small ``[T, H]``
+    steps' through autograd. Recomputes the forward up to the scan's inputs; nothing of the forward was kept."""
     inputs = (xBC, dt, conv_weight, conv_bias, dt_bias, A_log, D, init_states, conv_history)
-    scan_kernel, fla_conv = _kernels(scan)
     heads = dt.shape[-1]
     with autograd_on(), autocast_off():
         scanned = inputs[:_D] + inputs[_D + 1:]  # every input but D, whose gradient is written out
         leaves = [None if t is None else t.detach().requires_grad_() for t in scanned]
-        post, dt_used, g, initial = _glue(*leaves, cu_docs, init_at, dt_min, dt_max, fla_conv)
+        post, dt_used, g, initial = _glue(*leaves, cu_docs, init_at, dt_min, dt_max, _kernels(scan)[1])
         x, q, k = _split(post.detach(), heads, head_dim, state_size)
-        scan_in = [q, k, scan_values(x, dt_used.detach()), g.detach()] + ([] if initial is None else [initial.detach()])
-        scan_in = [t.requires_grad_() for t in scan_in]
-        o, final = _run_scan(scan_kernel, *scan_in[:4], scan_in[4] if initial is not None else None,
-                             final_at is not None, cu_docs)
-        final = None if final is None else final.to(g.dtype)  # the forward's dtype (fp32 or wider), as grad_final
+        want_final = final_at is not None
         dy = grad_y.reshape(x.shape) if grad_y is not None and grad_y.numel() else None
-        d_final = grad_final if final is not None and grad_final is not None and grad_final.numel() else None
-        seeds = [(out, grad) for out, grad in ((o, dy), (final, d_final)) if grad is not None]
-        d_scan = torch.autograd.grad([out for out, _ in seeds], scan_in, [grad for _, grad in seeds],
-                                     allow_unused=True) if seeds else [None] * len(scan_in)
-        dq, dk, dv, dg = (torch.zeros_like(t) if d is None else d for d, t in zip(d_scan[:4], scan_in[:4]))
+        d_final = grad_final if want_final and grad_final is not None and grad_final.numel() else None
+        dq, dk, dv, dg, d_initial = _scan_grads(scan, q, k, scan_values(x, dt_used.detach()), g.detach(),
+                                                None if initial is None else initial.detach(), want_final, dy,
+                                                d_final, cu_docs)
         widths = _widths(post, heads, head_dim, state_size)
         with torch.no_grad():  # [T, C]: x's, B's and C's gradients in their columns; d dt [T, H]; dD [H]
             d_post, d_dt, grad_D_ = scan_gradients(dv, dy, x, dt_used.detach(), D.detach(), dq, dk, widths,
                                                    widths[1] // state_size)
         roots = [(post, d_post), (dt_used, d_dt), (g, dg)]
-        if initial is not None and d_scan[4] is not None:
-            roots.append((initial, d_scan[4]))
+        if initial is not None and d_initial is not None:
+            roots.append((initial, d_initial))
         wanted = [leaf for leaf in leaves if leaf is not None]
         found = iter(torch.autograd.grad([t for t, _ in roots], wanted, [d for _, d in roots], allow_unused=True))
     grads = [None if leaf is None else next(found) for leaf in leaves]
