@@ -15,14 +15,16 @@ patches it applies: none changes what a kernel computes). Prints one JSON object
   the pure rule per document, outputs, final states and every input's gradient; ``segments`` is
   that call exactly (``parallel/context/recurrent/gdn.segment_rule``: padded segments, values ``[0 | v]``
   twice as wide as the keys, ``[I | 0]`` entering), against the pure rule's ``states_at`` /
-  ``finals_at``.
+  ``finals_at``;
+- ``routes``: the ``states`` call's backward by its two routes (``fla_on_cpu.backward_routes``): FLA's
+  backward alone (``models/linear/delta_backward.py``) against autograd through FLA's forward.
 """
 
 from __future__ import annotations
 
 import json
 
-from tests.models.mamba.fla_on_cpu import _patch_triton, _relative  # sets TRITON_INTERPRET=1 on import
+from tests.models.mamba.fla_on_cpu import _patch_triton, _relative, backward_routes  # TRITON_INTERPRET=1 on import
 
 HEADS_K, HEADS_V, DK, DV, KERNEL = 1, 2, 16, 16, 4
 # the core case's rows: 2 documents a row, the second of 5 tokens; flattened, the stream has 4 documents, two
@@ -87,20 +89,28 @@ def core_case() -> dict:
             for q, want in results["reference"].items()}
 
 
+STATES_CU = [0, 30, 35, 64]  # the states case's documents
+
+
+def _states_inputs() -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    tokens = STATES_CU[-1]
+    return dict(q=torch.nn.functional.normalize(torch.randn(1, tokens, HEADS_K, DK, generator=gen), dim=-1),
+                k=torch.nn.functional.normalize(torch.randn(1, tokens, HEADS_K, DK, generator=gen), dim=-1),
+                v=torch.randn(1, tokens, HEADS_V, DV, generator=gen), g=-torch.rand(1, tokens, HEADS_V, generator=gen),
+                beta=torch.rand(1, tokens, HEADS_V, generator=gen),
+                initial_state=0.5 * torch.randn(len(STATES_CU) - 1, HEADS_V, DK, DV, generator=gen))
+
+
 def states_case() -> dict:
     import torch
 
     from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
     from hybridpar.models.linear.gdn_fused import fused_gated_delta_rule
 
-    gen = torch.Generator().manual_seed(2)
-    cu = [0, 30, 35, 64]
-    tokens = cu[-1]
-    base = dict(q=torch.nn.functional.normalize(torch.randn(1, tokens, HEADS_K, DK, generator=gen), dim=-1),
-                k=torch.nn.functional.normalize(torch.randn(1, tokens, HEADS_K, DK, generator=gen), dim=-1),
-                v=torch.randn(1, tokens, HEADS_V, DV, generator=gen), g=-torch.rand(1, tokens, HEADS_V, generator=gen),
-                beta=torch.rand(1, tokens, HEADS_V, generator=gen),
-                initial_state=0.5 * torch.randn(len(cu) - 1, HEADS_V, DK, DV, generator=gen))
+    cu, base = STATES_CU, _states_inputs()
     results = {}
     for name, dtype in (("reference", torch.float64), ("pure", torch.float32), ("fla", torch.float32)):
         leaves = {n: t.to(dtype).requires_grad_() for n, t in base.items()}
@@ -152,6 +162,24 @@ def segments_case() -> dict:
             for q, want in results["reference"].items()}
 
 
+def routes_case() -> dict:
+    """``backward_routes`` of the ``states`` call (both outputs seeded), counting ``chunk_fwd_o``."""
+    import fla.ops.gated_delta_rule.chunk as chunk
+    import torch
+
+    from hybridpar.models.linear.gdn_fused import fused_gated_delta_rule, register_rule
+
+    register_rule("fla_autograd", chunk.chunk_gated_delta_rule)  # FLA's kernels, no backward of their own
+    leaves = {n: t.requires_grad_() for n, t in _states_inputs().items()}
+
+    def run(rule):
+        o, final = fused_gated_delta_rule(*list(leaves.values())[:5], cu_seqlens=torch.tensor(STATES_CU),
+                                          initial_state=leaves["initial_state"], output_final_state=True, rule=rule)
+        return (o * _probe(o.shape, o.dtype)).sum() + (final * _probe(final.shape, final.dtype)).sum()
+
+    return backward_routes(chunk, "chunk_fwd_o", run, leaves, "fla_autograd")
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -165,7 +193,8 @@ def main() -> None:
     import fla
 
     report = {"fla": fla.__version__, "contract": contract_against_fla_naive(),
-              "cases": {"core": core_case(), "states": states_case(), "segments": segments_case()}}
+              "cases": {"core": core_case(), "states": states_case(), "segments": segments_case()},
+              "routes": routes_case()}
     print(json.dumps(report))
 
 

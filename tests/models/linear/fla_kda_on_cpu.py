@@ -15,9 +15,11 @@ triton patches: none changes what a kernel computes). Prints one JSON object:
 - ``compiled``: a tiny float32 Kimi Linear (one KDA layer of 2 heads, a dense MLP;
   ``install_kda_core``, so ``kimi_delta_core`` with ``use_stand_in("fla", "kda")``) on a row of 2
   packed documents (19 and 21 tokens), the decoder layer ``torch.compile(backend="aot_eager", fullgraph=True)``: the
-  graph breaks and the fused calls (forward and the backward's recompute); ``model_errors``, the
-  next-token cross-entropy and every parameter gradient (``[FLA fp32, pure fp32]``) against the
-  eager pure model in float64.
+  graph breaks and the fused calls (the forward's rule and the backward's, FLA's backward alone);
+  ``model_errors``, the next-token cross-entropy and every parameter gradient (``[FLA fp32, pure fp32]``)
+  against the eager pure model in float64;
+- ``routes``: a rule call's backward by its two routes (``fla_on_cpu.backward_routes``): FLA's backward
+  alone (``models/linear/delta_backward.py``) against autograd through FLA's forward.
 
 Most of the time is the interpreter running the backward kernels; the core on FLA's rule is
 covered by the model (one KDA layer: stacked fused layers are ``tests/distributed/context/test_fused_kda.py``'s,
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import json
 
-from tests.models.mamba.fla_on_cpu import _patch_triton, _relative  # sets TRITON_INTERPRET=1 on import
+from tests.models.mamba.fla_on_cpu import _patch_triton, _relative, backward_routes  # TRITON_INTERPRET=1 on import
 
 HEADS, D, KERNEL = 2, 16, 4  # the model's heads; the segments case runs one head
 DOCS = [0, 19, 40]  # the model's row: two documents, a boundary inside FLA's 64-token chunk
@@ -104,11 +106,13 @@ def compiled_case() -> dict:
 
     from hybridpar.data.thd import PackedSeqParams
     from hybridpar.models.hf.mixers.kda import install_kda_core
+    from hybridpar.models.linear.delta_backward import kda_backward
     from hybridpar.models.linear.kda_fused import fla_kda, register_kda_rule
     from hybridpar.models.mamba.fused import use_stand_in
 
     calls = []
-    register_kda_rule("fla_counted", lambda *a, **kw: calls.append(1) or fla_kda()[0](*a, **kw))
+    register_kda_rule("fla_counted", lambda *a, **kw: calls.append(1) or fla_kda()[0](*a, **kw),
+                      backward=lambda *a, **kw: calls.append(1) or kda_backward()(*a, **kw))
     config = hf.KimiLinearConfig(
         vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, linear_head_dim=D, linear_num_heads=HEADS, linear_conv_kernel_dim=KERNEL,
@@ -144,6 +148,33 @@ def compiled_case() -> dict:
     return {"graph_breaks": breaks, "fused_calls": len(calls)}, errors
 
 
+def routes_case() -> dict:
+    """``backward_routes`` of one rule call: two documents (19 and 21 tokens), grouped values (1 key head,
+    2 value heads), initial states entering and final states leaving, both seeded; counting
+    ``chunk_gla_fwd_o_gk`` (``chunk_kda``'s output kernel)."""
+    import fla.ops.kda.chunk as chunk
+    import fla.ops.kda.chunk_fwd as chunk_fwd
+    import torch
+
+    from hybridpar.models.linear.kda_fused import fused_kda_rule, register_kda_rule
+
+    register_kda_rule("fla_autograd", chunk.chunk_kda)  # FLA's kernels, no backward of their own
+    gen = torch.Generator().manual_seed(5)
+    tokens, cu = DOCS[-1], torch.tensor(DOCS)
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=gen), dim=-1)  # noqa: E731
+    leaves = {n: t.requires_grad_() for n, t in dict(
+        q=unit(1, tokens, 1, D), k=unit(1, tokens, 1, D), v=torch.randn(1, tokens, 2, D, generator=gen),
+        g=-torch.rand(1, tokens, 2, D, generator=gen), beta=torch.rand(1, tokens, 2, generator=gen),
+        initial_state=0.5 * torch.randn(len(DOCS) - 1, 2, D, D, generator=gen)).items()}
+
+    def run(rule):
+        o, final = fused_kda_rule(*list(leaves.values())[:5], cu_seqlens=cu, initial_state=leaves["initial_state"],
+                                  output_final_state=True, rule=rule)
+        return (o * _probe(o.shape, o.dtype)).sum() + (final * _probe(final.shape, final.dtype)).sum()
+
+    return backward_routes(chunk_fwd, "chunk_gla_fwd_o_gk", run, leaves, "fla_autograd")
+
+
 def main() -> None:
     _patch_triton()
     import fla
@@ -151,7 +182,7 @@ def main() -> None:
     compiled, model_errors = compiled_case()
     report = {"fla": fla.__version__, "contract": contract_against_fla_naive(),
               "cases": {"segments": segments_case()}, "compiled": compiled,
-              "model_errors": model_errors}
+              "model_errors": model_errors, "routes": routes_case()}
     print(json.dumps(report))
 
 

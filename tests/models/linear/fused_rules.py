@@ -5,7 +5,9 @@ A rule family's test module (``test_gdn_fused.py``, ``test_kda_fused.py``) descr
 pytest collects them there. In float64, FLA's contract written out token by token stands in for the
 kernel; the fused path must equal the pure-PyTorch core to 1e-10 (outputs, final states, every input's
 gradient) on packed rows, with initial states entering and final states leaving every document,
-compiled without a graph break, and pass ``torch.library.opcheck``.
+compiled without a graph break, and pass ``torch.library.opcheck``. The backward op's direct route (FLA's
+backward alone, ``delta_backward.py``) runs in float64 through a stand-in registered with a backward of
+its own (``rule_backward_by_autograd``), bit for bit as autograd of the rule's forward.
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from hybridpar.models.linear import delta_backward
 from hybridpar.models.mamba import fused
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.models.mamba.fused import use_mamba_kernel, use_stand_in
+from hybridpar.models.mamba.fused_op import autograd_on
 
-__all__ = ["F64", "RuleFamily", "close", "grads", "unit",
+__all__ = ["F64", "RuleFamily", "close", "grads", "unit", "rule_backward_by_autograd",
            "test_fused_core_equals_the_pure_core_on_packed_rows",
+           "test_a_rule_with_a_backward_of_its_own_runs_it_alone",
+           "test_an_fla_core_whose_internals_differ_keeps_autograd_of_its_forward",
            "test_fused_rule_takes_initial_states_and_returns_final_states_per_document",
            "test_fused_rule_keeps_only_its_inputs_for_backward", "test_fused_op_passes_torch_library_opcheck",
            "test_fused_core_compiles_without_graph_breaks", "test_the_kernel_that_runs_is_logged_once_with_its_reason",
@@ -52,6 +58,7 @@ class RuleFamily:
     contract: Callable
     op: str  # the registered op, torch.ops.hybridpar.<op>
     fla_entry: str  # FLA's function the kernel note names
+    register: Callable  # register_rule(name, rule, backward=None) of the module
     core_inputs: Callable
     rule_inputs: Callable
     core_cases: tuple[dict, ...] = field(default=({},))
@@ -75,6 +82,22 @@ def unit(gen, *shape):
     return torch.nn.functional.normalize(torch.randn(*shape, generator=gen, dtype=F64), dim=-1)
 
 
+def rule_backward_by_autograd(rule: Callable) -> Callable:
+    """``rule``'s backward in ``delta_backward.gdn_backward``'s convention, ``(q, k, v, g, beta, do, dht, *,
+    scale, initial_state, cu_seqlens) -> (dq, dk, dv, dg, dbeta, dh0)``, by autograd of ``rule``."""
+
+    def backward(q, k, v, g, beta, do, dht, *, scale, initial_state, cu_seqlens):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, g, beta, initial_state) if t is not None]
+        with autograd_on():
+            o, ht = rule(*leaves[:5], scale=scale, initial_state=leaves[5] if len(leaves) > 5 else None,
+                         output_final_state=dht is not None, cu_seqlens=cu_seqlens)
+            outputs = [(o, do)] + ([(ht, dht)] if dht is not None else [])
+            found = torch.autograd.grad([t for t, _ in outputs], leaves, [d for _, d in outputs], allow_unused=True)
+        return (*found[:5], found[5] if len(leaves) > 5 else None)
+
+    return backward
+
+
 def _close_all(got, want, inputs, got_outputs, want_outputs, what):
     close(got, want, what)
     for name, g, g_ref in zip(inputs, grads(got_outputs, inputs), grads(want_outputs, inputs)):
@@ -93,19 +116,54 @@ def test_fused_core_equals_the_pure_core_on_packed_rows(family):
         _close_all(got, want, inputs, [got], [want], f"o {case}")
 
 
-def test_fused_rule_takes_initial_states_and_returns_final_states_per_document(family):
+@pytest.mark.parametrize("rule", ["contract", "contract_direct"])
+def test_fused_rule_takes_initial_states_and_returns_final_states_per_document(family, rule):
     """What the ``state`` CP strategy asks: a state entering and one leaving every sequence of
-    ``cu_seqlens``, against the pure rule run one document at a time; gradients through both."""
+    ``cu_seqlens``, against the pure rule run one document at a time; gradients through both (by either
+    route of the backward)."""
     cu = [0, 9, 10, 27]
     inputs = family.rule_inputs(4, cu[-1], len(cu) - 1, k_heads=family.state_k_heads)
     rule_args, h0 = list(inputs.values())[:5], inputs["initial_state"]
     o, final = family.fused_rule(*rule_args, cu_seqlens=torch.tensor(cu), initial_state=h0,
-                                 output_final_state=True, rule="contract")
+                                 output_final_state=True, rule=rule)
     parts = [family.pure_rule(*(t[:, s:e] for t in rule_args), chunk_size=8, output_final_state=True,
                               initial_state=h0[n:n + 1]) for n, (s, e) in enumerate(zip(cu[:-1], cu[1:]))]
     o_ref, final_ref = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts])
     close(final, final_ref, "final states")
     _close_all(o, o_ref, inputs, [o, final], [o_ref, final_ref], "o")
+
+
+@pytest.mark.parametrize("want_final", [True, False])
+def test_a_rule_with_a_backward_of_its_own_runs_it_alone(family, want_final):
+    """The backward op's direct route (FLA's: ``delta_backward.py``) against autograd of the rule's forward:
+    every gradient the same bits, the rule's forward run in the backward only inside its own backward, once."""
+    cu = [0, 9, 10, 27]
+    inputs = family.rule_inputs(12, cu[-1], len(cu) - 1, k_heads=family.state_k_heads)
+    calls = []
+    backward = rule_backward_by_autograd(family.contract)
+    family.register("counted_direct", lambda *a, **kw: calls.append("rule") or family.contract(*a, **kw),
+                    backward=lambda *a, **kw: calls.append("backward") or backward(*a, **kw))
+    found = {}
+    for rule in ("contract", "counted_direct"):
+        o, final = family.fused_rule(*list(inputs.values())[:5], cu_seqlens=torch.tensor(cu), rule=rule,
+                                     initial_state=inputs["initial_state"], output_final_state=want_final)
+        calls.clear()
+        found[rule] = grads([o, final] if want_final else [o], inputs)
+    assert calls == ["backward"], calls
+    for name, a, b in zip(inputs, found["contract"], found["counted_direct"]):
+        assert torch.equal(a, b), name
+
+
+def test_an_fla_core_whose_internals_differ_keeps_autograd_of_its_forward(family, monkeypatch, caplog):
+    """Where fla-core's internals are not the ones checked (here it does not import), FLA's rule keeps
+    autograd of its forward: no backward of its own, logged once at INFO with why."""
+    monkeypatch.setattr(delta_backward, "_RESOLVED", {})
+    resolve = getattr(delta_backward, f"{family.name}_backward")
+    with caplog.at_level(logging.INFO, logger=delta_backward.__name__):
+        assert resolve() is None and resolve() is None
+    lines = [r.getMessage() for r in caplog.records if r.name == delta_backward.__name__]
+    assert lines == [f"{family.name} rule backward: autograd through FLA's forward (fla-core's internals could not "
+                     "be checked (ModuleNotFoundError: No module named 'fla'))"], lines
 
 
 def test_fused_rule_keeps_only_its_inputs_for_backward(family):

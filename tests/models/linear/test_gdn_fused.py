@@ -5,7 +5,8 @@ The tests every fused rule passes (``fused_rules.py``, collected here for the ga
 fused path, with FLA's contract (``gdn_contract.py``) standing in for the kernel in float64, to the pure
 core on packed rows with grouped values. ``fla_gdn_on_cpu.py`` (a fresh process, triton's interpreter)
 holds FLA's real kernels, forward and backward, to the pure core in float64 within 1e-5 (about 7e-7
-measured) and the contract to FLA's own naive reference within 1e-6. On a GPU,
+measured) and the contract to FLA's own naive reference within 1e-6, and the backward of FLA's kernels
+alone (``delta_backward.py``) to autograd through FLA's forward, bit for bit, two kernels fewer. On a GPU,
 ``benchmarks/gpu_parity.py`` does the same in float32.
 """
 
@@ -23,16 +24,19 @@ from hybridpar.models.linear import gdn_fused
 from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
 from hybridpar.models.linear.gdn_core import gated_delta_core
 from hybridpar.models.linear.gdn_fused import choose_gdn_kernel, fla_rule_status, fused_gated_delta_rule, register_rule
-from tests.models.linear.fused_rules import F64, RuleFamily, unit
+from tests.models.linear.fused_rules import F64, RuleFamily, rule_backward_by_autograd, unit
 from tests.models.linear.fused_rules import (  # noqa: F401  the shared tests, collected here
+    test_a_rule_with_a_backward_of_its_own_runs_it_alone,
+    test_an_fla_core_whose_internals_differ_keeps_autograd_of_its_forward,
     test_fused_core_compiles_without_graph_breaks, test_fused_core_equals_the_pure_core_on_packed_rows,
     test_fused_op_passes_torch_library_opcheck, test_fused_rule_keeps_only_its_inputs_for_backward,
     test_fused_rule_takes_initial_states_and_returns_final_states_per_document, test_kernel_rules_on_cuda,
     test_the_kernel_that_runs_is_logged_once_with_its_reason)
 from tests.models.linear.gdn_contract import gated_delta_contract
-from tests.models.mamba.test_fla_on_cpu import ROOT, _kernels_folder
+from tests.models.mamba.test_fla_on_cpu import ROOT, _kernels_folder, assert_backward_routes
 
 register_rule("contract", gated_delta_contract)
+register_rule("contract_direct", gated_delta_contract, backward=rule_backward_by_autograd(gated_delta_contract))
 
 
 def _core_inputs(seed, k_heads=2, v_heads=4, dk=8, dv=6, batch=2, seqlen=24, kernel=4):
@@ -62,7 +66,8 @@ def _rule_inputs(seed, tokens, docs, k_heads=1, v_heads=2, dk=8, dv=10):
 GDN = RuleFamily(name="gdn", module=gdn_fused, core=gated_delta_core, fused_rule=fused_gated_delta_rule,
                  pure_rule=chunk_gated_delta_rule, choose_kernel=choose_gdn_kernel, fla_status=fla_rule_status,
                  contract=gated_delta_contract, op="fused_gated_delta_rule", fla_entry="chunk_gated_delta_rule",
-                 core_inputs=_core_inputs, rule_inputs=_rule_inputs, core_cases=({"k_heads": 1}, {"k_heads": 2}))
+                 register=register_rule, core_inputs=_core_inputs, rule_inputs=_rule_inputs,
+                 core_cases=({"k_heads": 1}, {"k_heads": 2}))
 
 
 @pytest.fixture
@@ -95,3 +100,4 @@ def test_fla_kernels_under_the_triton_interpreter_match_the_pure_core():
     for case, errors in report["cases"].items():
         for quantity, (fla_error, pure_error) in errors.items():
             assert fla_error <= 1e-5 and pure_error <= 1e-5, (case, quantity, fla_error, pure_error)
+    assert_backward_routes(report["routes"], "chunk_fwd_kernel_o")  # FLA's backward alone: the same bits

@@ -4,7 +4,8 @@ arguments onto FLA's ``chunk_kda`` in float64, and FLA's own kernels on CPU.
 The tests every fused rule passes (``fused_rules.py``, collected here for KDA) hold the fused path,
 with FLA's contract (``kda_contract.py``) standing in for the kernel in float64, to the pure core.
 ``fla_kda_on_cpu.py`` (a fresh process, triton's interpreter) holds FLA's real kernels, forward and
-backward, to the pure core in float32 against float64 (module docstring there for the tolerance). On a
+backward, to the pure core in float32 against float64 (module docstring there for the tolerance), and the
+backward of FLA's kernels alone (``delta_backward.py``) to autograd through FLA's forward, bit for bit. On a
 GPU, ``benchmarks/kda_parity.py`` does the same in float32.
 """
 
@@ -22,18 +23,21 @@ from hybridpar.models.linear import kda_fused
 from hybridpar.models.linear.kda import chunk_kda_rule
 from hybridpar.models.linear.kda_core import kimi_delta_core
 from hybridpar.models.linear.kda_fused import choose_kda_kernel, fla_kda_status, fused_kda_rule, register_kda_rule
-from tests.models.linear.fused_rules import F64, RuleFamily, unit
+from tests.models.linear.fused_rules import F64, RuleFamily, rule_backward_by_autograd, unit
 from tests.models.linear.fused_rules import (  # noqa: F401  the shared tests, collected here
+    test_a_rule_with_a_backward_of_its_own_runs_it_alone,
+    test_an_fla_core_whose_internals_differ_keeps_autograd_of_its_forward,
     test_fused_core_compiles_without_graph_breaks, test_fused_core_equals_the_pure_core_on_packed_rows,
     test_fused_op_passes_torch_library_opcheck, test_fused_rule_keeps_only_its_inputs_for_backward,
     test_fused_rule_takes_initial_states_and_returns_final_states_per_document, test_kernel_rules_on_cuda,
     test_the_kernel_that_runs_is_logged_once_with_its_reason)
 from tests.models.linear.kda_contract import kda_contract
-from tests.models.mamba.test_fla_on_cpu import ROOT, _kernels_folder
+from tests.models.mamba.test_fla_on_cpu import ROOT, _kernels_folder, assert_backward_routes
 
 FLA_TOL = 1e-5  # FLA's float32 kernels against the float64 pure core (the pure core's own float32 error beside it)
 MODEL_TOL = 5e-5  # a whole float32 model against float64: errors compound over layers
 register_kda_rule("contract", kda_contract)
+register_kda_rule("contract_direct", kda_contract, backward=rule_backward_by_autograd(kda_contract))
 
 
 def _core_inputs(seed, heads=2, d=8, batch=2, seqlen=24, kernel=4):
@@ -63,7 +67,7 @@ def _rule_inputs(seed, tokens, docs, k_heads=1, v_heads=2, dk=8, dv=10):
 
 KDA = RuleFamily(name="kda", module=kda_fused, core=kimi_delta_core, fused_rule=fused_kda_rule,
                  pure_rule=chunk_kda_rule, choose_kernel=choose_kda_kernel, fla_status=fla_kda_status,
-                 contract=kda_contract, op="fused_kda_rule", fla_entry="chunk_kda",
+                 contract=kda_contract, op="fused_kda_rule", fla_entry="chunk_kda", register=register_kda_rule,
                  core_inputs=_core_inputs, rule_inputs=_rule_inputs, state_k_heads=2)
 
 
@@ -100,6 +104,7 @@ def test_fla_kernels_under_the_triton_interpreter_match_the_pure_core():
         for quantity, (fla_error, pure_error) in errors.items():
             assert fla_error <= FLA_TOL and pure_error <= FLA_TOL, (case, quantity, fla_error, pure_error)
     assert report["compiled"] == {"graph_breaks": 0, "fused_calls": 2}, report["compiled"]  # 1 layer, fwd + bwd
+    assert_backward_routes(report["routes"], "chunk_gla_fwd_kernel_o")  # FLA's backward alone: the same bits
     model = report["model_errors"]
     assert "loss" in model and len(model) > 20  # the loss and every parameter's gradient
     for quantity, (fla_error, pure_error) in model.items():

@@ -9,7 +9,8 @@ kernel choice shared with Mamba2's in ``models/mamba/fused.py``); ``selective_sc
 selective scan, on which ``rglru.py`` runs RecurrentGemma's RG-LRU (state size 1). ``kda.py`` holds
 Kimi Delta Attention's rule (a decay per key channel, Kimi Linear) with the same resets and states,
 ``kda_core.py`` its whole core, ``kda_fused.py`` the rule through FLA's ``chunk_kda`` on CUDA;
-``delta_ops.py`` registers the two custom ops both fused rules run as.
+``delta_ops.py`` registers the two custom ops both fused rules run as, ``delta_backward.py`` their FLA
+backward without the forward.
 Floor ``models``: imports ``models/`` and ``data/`` only, never a process group; ``models/hf`` and
 ``parallel/`` import it.
 """

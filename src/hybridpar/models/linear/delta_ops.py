@@ -2,8 +2,10 @@
 Delta Attention (``kda_fused.py``) on FLA's kernels.
 
 ``hybridpar::<name>`` runs the rule without autograd and saves only its inputs (q, k, v, g, beta, the
-initial states, ``cu_seqlens``); ``hybridpar::<name>_backward`` recomputes it with autograd on and
-differentiates, so FLA's backward kernels give the gradients. ``torch.compile`` sees two opaque ops with
+initial states, ``cu_seqlens``); ``hybridpar::<name>_backward`` runs the rule's backward alone where it
+has one (FLA's, ``delta_backward.py``: none of the rule's forward kernels but what its backward reads),
+or recomputes the rule with autograd on and differentiates it (a stand-in registered without a
+backward, or an fla-core whose internals differ). ``torch.compile`` sees two opaque ops with
 fake kernels (FLA's entry points are ``torch.compiler.disable``-d: a graph break otherwise). Both rules
 take ``(q, k, v, g, beta, scale=, initial_state=, output_final_state=, cu_seqlens=)`` on one stream
 ``[1, T, ...]``: ``o [1, T, Hv, dv]`` in v's dtype, final states ``[N, Hv, dk, dv]`` in float32 or wider.
@@ -22,17 +24,21 @@ from hybridpar.models.precision import autocast_off
 __all__ = ["register_rule_ops"]
 
 
-def register_rule_ops(name: str, kernel: Callable[[str], Callable], float32_states: bool = False):
+def register_rule_ops(name: str, kernel: Callable[[str], Callable], rule_backward: Callable[[str], Callable | None],
+                      float32_states: bool = False):
     """Register ``hybridpar::{name}`` and ``hybridpar::{name}_backward`` over ``kernel(rule)`` (the rule a
-    name stands for: ``"fla"`` or a registered stand-in); ``float32_states``: FLA's kernel asserts float32
-    initial states. Returns the forward op ``(q, k, v, g, beta, initial_state, cu_seqlens, want_final,
-    rule) -> (o, final states or an empty tensor)``."""
+    name stands for: ``"fla"`` or a registered stand-in) and ``rule_backward(rule)`` (its backward without its
+    forward, ``delta_backward.py``'s signature, or None: autograd of the rule); ``float32_states``: FLA's
+    kernel asserts float32 initial states. Returns the forward op ``(q, k, v, g, beta, initial_state,
+    cu_seqlens, want_final, rule) -> (o, final states or an empty tensor)``."""
+
+    def states(initial_state, rule):
+        wants_float32 = initial_state is not None and float32_states and rule == "fla"
+        return initial_state.float() if wants_float32 else initial_state
 
     def math(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule):
         fp = torch.promote_types(v.dtype, torch.float32)
-        if initial_state is not None and float32_states and rule == "fla":
-            initial_state = initial_state.float()
-        o, final = kernel(rule)(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=initial_state,
+        o, final = kernel(rule)(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=states(initial_state, rule),
                                 output_final_state=want_final, cu_seqlens=cu_seqlens.long())
         return o.to(v.dtype), (final.to(fp) if want_final else None)
 
@@ -57,16 +63,22 @@ def register_rule_ops(name: str, kernel: Callable[[str], Callable], float32_stat
                     beta: Tensor, initial_state: Tensor | None, cu_seqlens: Tensor, rule: str,
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         inputs = (q, k, v, g, beta, initial_state)
-        with autograd_on(), autocast_off():
-            leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
-            o, final = math(*leaves, cu_seqlens, grad_final is not None, rule)
-            outputs, grads_out = [o], [grad_o]
-            if final is not None:
-                outputs.append(final)
-                grads_out.append(grad_final)
-            wanted = [leaf for leaf in leaves if leaf is not None]
-            found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True))
-        grads = [None if leaf is None else next(found) for leaf in leaves]
+        direct = rule_backward(rule)
+        if direct is not None:  # grad_o [1, T, Hv, dv] and grad_final [N, Hv, dk, dv] (None: no final states)
+            with torch.no_grad(), autocast_off():
+                grads = direct(q, k, v, g, beta, grad_o, grad_final, scale=q.shape[-1] ** -0.5,
+                               initial_state=states(initial_state, rule), cu_seqlens=cu_seqlens.long())
+        else:
+            with autograd_on(), autocast_off():
+                leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+                o, final = math(*leaves, cu_seqlens, grad_final is not None, rule)
+                outputs, grads_out = [o], [grad_o]
+                if final is not None:
+                    outputs.append(final)
+                    grads_out.append(grad_final)
+                wanted = [leaf for leaf in leaves if leaf is not None]
+                found = iter(torch.autograd.grad(outputs, wanted, grads_out, allow_unused=True))
+            grads = [None if leaf is None else next(found) for leaf in leaves]
         return tuple(q.new_empty(0) if t is None else (torch.zeros_like(t) if d is None else d.to(t.dtype))
                      for d, t in zip(grads, inputs))
 

@@ -17,8 +17,9 @@ l2 norm of q and k, beta and the log decay ``g`` are computed before the op in f
 float32 and returns final states in float32). FLA's kernel takes float32/bf16/fp16 only.
 
 ``hybridpar::fused_gated_delta_rule`` runs it without autograd and saves only its inputs;
-``hybridpar::fused_gated_delta_rule_backward`` recomputes it with autograd on and differentiates
-(FLA's backward kernels; both registered by ``delta_ops.register_rule_ops``, shared with KDA), the
+``hybridpar::fused_gated_delta_rule_backward`` runs FLA's backward kernels on the intra-chunk matrix
+its forward would have saved, recomputed (``delta_backward.py``; autograd through the forward where
+fla-core's internals differ), both registered by ``delta_ops.register_rule_ops``, shared with KDA, the
 pattern of ``models/mamba/fused_op.py``: ``torch.compile`` sees two opaque ops (FLA's entry point is
 ``torch.compiler.disable``-d, a graph break otherwise).
 
@@ -35,6 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from hybridpar.models.linear.delta_backward import gdn_backward
 from hybridpar.models.linear.delta_ops import register_rule_ops
 from hybridpar.models.mamba.fused import named_kernel, register_named, select_kernel
 from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, import_fla
@@ -43,6 +45,7 @@ __all__ = ["choose_gdn_kernel", "fla_rule", "fla_rule_status", "fused_gated_delt
 
 logger = logging.getLogger(__name__)
 _RULES: dict[str, Callable] = {}
+_BACKWARDS: dict[str, Callable | None] = {}
 _FLA: tuple[Callable | None, str] | None = None
 
 
@@ -66,17 +69,24 @@ def choose_gdn_kernel(x: Tensor) -> tuple[str, str]:
     return select_kernel("gdn", x, fla_rule_status, logger, backward=fla_gated_backward_refusal)
 
 
-def register_rule(name: str, rule: Callable) -> None:
-    """Make ``rule`` (``chunk_gated_delta_rule``'s signature) runnable as ``fused_gated_delta_rule(..., rule=name)``."""
+def register_rule(name: str, rule: Callable, backward: Callable | None = None) -> None:
+    """Make ``rule`` (``chunk_gated_delta_rule``'s signature) runnable as ``fused_gated_delta_rule(..., rule=name)``;
+    ``backward`` (``delta_backward.gdn_backward``'s signature) gives its gradients without its forward, or,
+    by default, autograd of ``rule``."""
     register_named(_RULES, name, rule, "gated delta rule")
+    _BACKWARDS[name] = backward
 
 
 def _kernel(name: str) -> Callable:
     return named_kernel(_RULES, name, fla_rule, "gated delta rule")
 
 
-# hybridpar::fused_gated_delta_rule and its backward (delta_ops.py: no autograd forward, recomputing backward)
-_rule_op = register_rule_ops("fused_gated_delta_rule", _kernel)
+def _backward(name: str) -> Callable | None:
+    return gdn_backward() if name == "fla" else _BACKWARDS[name]
+
+
+# hybridpar::fused_gated_delta_rule and its backward (delta_ops.py: no autograd forward; the rule's backward alone)
+_rule_op = register_rule_ops("fused_gated_delta_rule", _kernel, _backward)
 
 
 def fused_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cu_seqlens: Tensor,

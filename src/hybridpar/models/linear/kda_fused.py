@@ -19,9 +19,11 @@ step but the rule, and autograd of our own code gives the gradients of ``A_log``
 precision); FLA wants float32 initial states and returns float32 final states.
 
 ``hybridpar::fused_kda_rule`` runs it without autograd and saves only its inputs;
-``hybridpar::fused_kda_rule_backward`` recomputes it with autograd on and differentiates (FLA's
-backward kernels), both registered by ``delta_ops.register_rule_ops`` as the gated DeltaNet's are: ``torch.compile`` sees two opaque ops (FLA's
-entry point is ``torch.compiler.disable``-d, a graph break otherwise).
+``hybridpar::fused_kda_rule_backward`` runs FLA's backward kernels on the intra-chunk matrices its
+forward would have saved, recomputed (``delta_backward.py``; autograd through the forward where
+fla-core's internals differ), both registered by ``delta_ops.register_rule_ops`` as the gated DeltaNet's
+are: ``torch.compile`` sees two opaque ops (FLA's entry point is ``torch.compiler.disable``-d, a graph
+break otherwise).
 
 ``choose_kda_kernel`` says which runs (``models/mamba/fused.select_kernel``: the rules of the Mamba2
 and gated DeltaNet kernels, the same ``use_mamba_kernel`` switch, logged once as ``kda kernel: ...``).
@@ -36,6 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from hybridpar.models.linear.delta_backward import kda_backward
 from hybridpar.models.linear.delta_ops import register_rule_ops
 from hybridpar.models.mamba.fused import named_kernel, register_named, select_kernel
 from hybridpar.models.mamba.fused_op import import_fla
@@ -44,6 +47,7 @@ __all__ = ["choose_kda_kernel", "fla_kda_status", "fused_kda_rule", "register_kd
 
 logger = logging.getLogger(__name__)
 _RULES: dict[str, Callable] = {}
+_BACKWARDS: dict[str, Callable | None] = {}
 _FLA: tuple[Callable | None, str] | None = None
 
 
@@ -67,17 +71,24 @@ def choose_kda_kernel(x: Tensor) -> tuple[str, str]:
     return select_kernel("kda", x, fla_kda_status, logger)
 
 
-def register_kda_rule(name: str, rule: Callable) -> None:
-    """Make ``rule`` (``chunk_kda``'s signature) runnable as ``fused_kda_rule(..., rule=name)``."""
+def register_kda_rule(name: str, rule: Callable, backward: Callable | None = None) -> None:
+    """Make ``rule`` (``chunk_kda``'s signature) runnable as ``fused_kda_rule(..., rule=name)``; ``backward``
+    (``delta_backward.kda_backward``'s signature) gives its gradients without its forward, or, by default,
+    autograd of ``rule``."""
     register_named(_RULES, name, rule, "KDA rule")
+    _BACKWARDS[name] = backward
 
 
 def _kernel(name: str) -> Callable:
     return named_kernel(_RULES, name, fla_kda, "KDA rule")
 
 
-# hybridpar::fused_kda_rule and its backward (delta_ops.py: no autograd forward, recomputing backward)
-_rule_op = register_rule_ops("fused_kda_rule", _kernel, float32_states=True)
+def _backward(name: str) -> Callable | None:
+    return kda_backward() if name == "fla" else _BACKWARDS[name]
+
+
+# hybridpar::fused_kda_rule and its backward (delta_ops.py: no autograd forward; the rule's backward alone)
+_rule_op = register_rule_ops("fused_kda_rule", _kernel, _backward, float32_states=True)
 
 
 def fused_kda_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, cu_seqlens: Tensor,
