@@ -234,3 +234,32 @@ def test_shard_inputs_and_canonical_state_arguments_of_the_wrong_kind_are_one_li
         with pytest.raises(ValueError) as error:
             call()
         assert said in one_line(error)
+
+
+TINY_RUN = ["--config", "configs/tiny-hybrid.yaml", "parallel.cp=1", "parallel.tp=1", "data.pack_size=128",
+            "train.steps=2", "train.eval_every=0", "plot=false", "tensorboard=false", "--dry-run"]
+
+
+@pytest.mark.parametrize("setting, said", [
+    (["train.lr=1e300"], "train.lr=1e+300 is too large: AdamW's first step, lr/(1-beta1) = 1e+301, is past the "
+                         "largest float32"),
+    (["train.lr=1e308", "model.dtype=float64", "train.weight_decay=0"], "train.lr=1e+308 is too large: AdamW's "
+                                                                         "first step, lr/(1-beta1) = inf, is past "
+                                                                         "the largest float64"),
+    (["train.weight_decay=1e10"], "train.lr * train.weight_decay = 0.003 * 1e+10 = 3e+07 is >= 1: decoupled weight "
+                                  "decay multiplies every weight"),
+])
+def test_optimizer_settings_that_overflow_or_flip_the_weights_are_refused_before_step_1(tmp_path, setting, said):
+    """Before: lr >= ~3.4e37 was a traceback per rank from inside AdamW at step 1; lr * weight_decay >= 1 trained
+    into NaN and blamed train.lr."""
+    code, output = cli("train", *TINY_RUN, f"output_dir={tmp_path}", *setting)
+    assert code == 2 and said in output and "Traceback" not in output, output
+    ok = cli("train", *TINY_RUN, f"output_dir={tmp_path}", "train.lr=1e30", "model.dtype=float64", "train.weight_decay=0")
+    assert ok[0] == 0, ok[1]
+
+
+def test_the_pack_size_a_padding_message_suggests_is_itself_in_range(tmp_path):
+    """Before: data.pack_size=2**31-1 at cp=2 was told to use 2**31, which the int32 rule refuses."""
+    code, output = cli("train", *TINY_RUN, f"output_dir={tmp_path}", "data.pack_size=2147483647", "parallel.cp=2",
+                       "--nproc-per-node", "2")
+    assert code == 2 and "use data.pack_size=2147483644." in output, output

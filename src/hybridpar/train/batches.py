@@ -49,6 +49,15 @@ class DataError(ValueError):
 
 EVAL_FRACTION = 0.1  # of a file's documents, held out for evaluation
 WINDOW_PACKS = 64  # synthetic documents are packed in windows of about this many packs
+MAX_PACK_SIZE = 2**31 - 1  # cu_seqlens are int32
+
+
+def pack_size_fix(pack_size: int, multiple: int) -> int:
+    """The multiple of ``multiple`` nearest above ``pack_size``, or below it past ``MAX_PACK_SIZE``."""
+    up = -(-pack_size // multiple) * multiple
+    return up if up <= MAX_PACK_SIZE else pack_size // multiple * multiple
+
+
 MAX_TASK_INT = 2**31 - 1  # every integer of a synthetic task's options (ids, lengths, counts)
 
 
@@ -256,8 +265,7 @@ class PackStream:
             raise DataError(
                 f"data.pack_size={config.pack_size} is not a multiple of the document padding {self.multiple} ("
                 f"{'data.pad_to_multiple_of' if config.pad_to_multiple_of else f'2*cp={2 * cp_size}'}); context "
-                "parallelism splits every document into 2*cp chunks: use pack_size="
-                f"{-(-config.pack_size // self.multiple) * self.multiple}."
+                f"parallelism splits every document into 2*cp chunks: use pack_size={pack_size_fix(config.pack_size, self.multiple)}."
             )
         self.config, self.packs_per_step, self.pool = config, config.packs_per_step, []
         self._offset = 0  # global index of pool[0] (synthetic tasks)

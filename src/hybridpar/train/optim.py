@@ -1,4 +1,4 @@
-"""AdamW, the warmup + cosine schedule, and gradient clipping that works on DTensors."""
+"""AdamW (and the scale its settings must keep), the warmup + cosine schedule, and gradient clipping that works on DTensors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,25 @@ import math
 import torch
 from torch import nn
 
-from hybridpar.config import TrainConfig
+from hybridpar.config import ConfigError, RunConfig, TrainConfig
+
+
+def check_optimizer_scale(config: RunConfig) -> None:
+    """AdamW's first step moves a weight by up to ``lr / (1 - beta1)`` (its bias correction), which must be a
+    number in the trained weights' dtype; and decoupled weight decay multiplies each weight by
+    ``1 - lr * weight_decay`` per step, which must stay above 0 (at 0 or below it erases or flips them)."""
+    train = config.train
+    wide = config.model.dtype == "float64" and not config.parallel.mixed_precision
+    largest = 1.7e308 if wide else 3.4e38  # float64, else float32 (bf16's range is float32's)
+    if train.lr / (1 - train.betas[0]) > largest:
+        raise ConfigError(f"train.lr={train.lr:g} is too large: AdamW's first step, lr/(1-beta1) = "
+                          f"{train.lr / (1 - train.betas[0]):.3g}, is past the largest {'float64' if wide else 'float32'} "
+                          f"({largest:.3g}); use a train.lr below {largest * (1 - train.betas[0]):.3g} (typical: 1e-5 to 1e-2).")
+    if train.lr * train.weight_decay >= 1:
+        raise ConfigError(f"train.lr * train.weight_decay = {train.lr:g} * {train.weight_decay:g} = "
+                          f"{train.lr * train.weight_decay:.3g} is >= 1: decoupled weight decay multiplies every weight "
+                          "by 1 - lr * weight_decay each step, which erases or flips them; use train.weight_decay below "
+                          f"{1 / train.lr:.3g} (typical: 0.0 to 0.1).")
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:

@@ -36,9 +36,10 @@ from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.tokenizers import auto_bytes_note
 from hybridpar.models.hybrid import MODEL_RULES
 from hybridpar.parallel.dims import ParallelDims
-from hybridpar.train.batches import missing_eos, pad_multiple, validate_data
+from hybridpar.train.batches import missing_eos, pack_size_fix, pad_multiple, validate_data
 from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
                                       model_backend, pack_position_note)
+from hybridpar.train.optim import check_optimizer_scale
 from hybridpar.train.peft import apply_peft
 
 
@@ -214,7 +215,7 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
     if data.pack_size % multiple:
         raise ConfigError(f"data.pack_size={data.pack_size} is not a multiple of the document padding {multiple} ("
                           f"{'data.pad_to_multiple_of' if data.pad_to_multiple_of else f'2*cp={2 * p.cp}'}); use "
-                          f"data.pack_size={-(-data.pack_size // multiple) * multiple}.")
+                          f"data.pack_size={pack_size_fix(data.pack_size, multiple)}.")
     dp = dims.size("dp")
     if data.packs_per_step % dp:
         raise ConfigError(f"data.packs_per_step={data.packs_per_step} is not divisible by the data-parallel size "
@@ -329,6 +330,7 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     from hybridpar.train.unused_keys import unused_key_notices
 
     shape = validate_layout(config, world_size)
+    check_optimizer_scale(config)
     if config.model.hf_path:
         check_hf_weights(config.model.hf_path, model_backend(config))
     for note in unused_key_notices(config):
