@@ -263,3 +263,18 @@ def test_the_pack_size_a_padding_message_suggests_is_itself_in_range(tmp_path):
     code, output = cli("train", *TINY_RUN, f"output_dir={tmp_path}", "data.pack_size=2147483647", "parallel.cp=2",
                        "--nproc-per-node", "2")
     assert code == 2 and "use data.pack_size=2147483644." in output, output
+
+
+def test_a_resume_that_changes_the_gradient_clip_or_the_adapters_dropout_says_so():
+    """Before: train.lr, betas and the like were warned about at resume, train.grad_clip and peft.dropout
+    were applied without a word."""
+    from hybridpar.config import load_config
+    from hybridpar.train.run.numerics import numeric_changes
+
+    info = {"config": {"train": {"grad_clip": 1.0}, "peft": {"dropout": 0.0}}}
+    notes = numeric_changes("ck", info, load_config("configs/tiny-hybrid.yaml", ["train.grad_clip=0.001",
+                                                                                 "peft.dropout=0.3"]))
+    assert notes == [f"warning: checkpoint ck was trained with {key}={before}; resuming with {now} applies {now} from "
+                     "the next step on, so the losses will not be those of the uninterrupted run"
+                     for key, before, now in (("train.grad_clip", "1.0", "0.001"), ("peft.dropout", "0.0", "0.3"))]
+    assert numeric_changes("ck", info, load_config("configs/tiny-hybrid.yaml", ["train.grad_clip=1.0"])) == []

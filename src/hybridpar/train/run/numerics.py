@@ -6,6 +6,8 @@ losses differ from those it would have had. That is said, once, as a warning. So
 optimizer settings (``train.lr``, ``betas``, ``weight_decay``, ``warmup_steps``,
 ``min_lr_ratio``): a checkpoint's optimizer state holds the old ones, and loading it used to keep
 them silently; the run applies the new ones after loading (``optim.apply_settings``) and says so.
+And the other settings each step reads afresh (``train.grad_clip``, ``peft.dropout``), whose change
+moves the losses as much.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from hybridpar.config import RunConfig
 KEYS = (("model", "dtype"), ("parallel", "mixed_precision"))
 OPTIMIZER_KEYS = (("train", "lr"), ("train", "betas"), ("train", "weight_decay"), ("train", "warmup_steps"),
                   ("train", "min_lr_ratio"))
+STEP_KEYS = (("train", "grad_clip"), ("peft", "dropout"))  # read by every step: the new value applies
 
 
 def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str]:
     """One warning per numeric setting that differs from the one checkpoint ``path`` recorded."""
     recorded, notes = info.get("config") or {}, []
-    for section, key in KEYS + OPTIMIZER_KEYS:
+    for section, key in KEYS + OPTIMIZER_KEYS + STEP_KEYS:
         now = json.loads(json.dumps(getattr(getattr(config, section), key)))
         before = (recorded.get(section) or {}).get(key, now)  # not recorded: nothing to compare
         if before != now:
