@@ -131,4 +131,25 @@ def test_fit_lists_fitting_layouts_fastest_first_and_says_why_others_fail():
 
 def test_fit_cli_prints_the_recommendation(capsys):
     out = plan_main(capsys, "data.pack_size=16384", "data.packs_per_step=1", "--fit", "1.1", "--world-size", "4")
-    assert "recommended:" in out and "does not fit:" in out
+    assert "recommended:" in out and "does not fit (" in out
+
+
+def test_fit_names_the_keys_it_raised_so_train_takes_a_layout_as_written_and_its_text_stays_short(capsys):
+    """Before: a layout's line left out the data.packs_per_step it had raised to a multiple of dp, so train
+    refused the recommended layout; and a world of 1,024 printed 2,182 lines."""
+    from hybridpar.train.preflight import validate_layout
+
+    config = load_config(None, ["data.pack_size=16384", "data.packs_per_step=1"])
+    candidates = search_layouts(config, 8, 1.1, baseline_gib=1.0)
+    data_parallel = [c for c in candidates if c.plan and c.parallel["dp_replicate"] * c.parallel["dp_shard"] > 1]
+    assert data_parallel
+    for candidate in data_parallel[:3]:
+        label = candidate.label()
+        dp = candidate.parallel["dp_replicate"] * candidate.parallel["dp_shard"]
+        assert label.endswith(f" data.packs_per_step={dp}"), label
+        keys = {"checkpointing": "parallel.activation_checkpointing"}
+        overrides = [k + "=" + v if "." in k else f"{keys.get(k, 'parallel.' + k)}={v}"
+                     for k, v in (item.split("=") for item in label.split())]
+        validate_layout(load_config(None, ["data.pack_size=16384", "data.packs_per_step=1", *overrides]), 8)
+    out = plan_main(capsys, "data.pack_size=16384", "data.packs_per_step=1", "--fit", "1.1", "--world-size", "64")
+    assert len(out.splitlines()) <= 60 and "more (--json lists every one)" in out, out

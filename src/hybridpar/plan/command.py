@@ -19,6 +19,14 @@ DEVICE_OPTIONS = (("--device-tflops", "bf16_tflops", "bf16 dense TFLOP/s"),
                   ("--gpus-per-node", "gpus_per_node", "GPUs per node"))
 
 
+SHOWN = 25  # lines of each list in the text output (a world of 1,024 has about 2,000 candidates)
+
+
+def _more(count: int) -> None:
+    if count > SHOWN:
+        print(f"  ... and {count - SHOWN} more (--json lists every one)")
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("plan", "hybridpar plan: memory, traffic and a time estimate per rank")
     group.add_argument("--json", action="store_true", help="plan and generate: print one JSON object")
@@ -99,13 +107,15 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
           f"{config.data.pack_size:,} tokens per pack, world {world}, budget {args.fit:g} GiB per rank "
           f"(peak + baseline {baseline:.2f} GiB); time is an ESTIMATE ({device.name})")
     print(f"fits ({len(fitting)}), fastest first:" if fitting else "no layout fits.")
-    for c in fitting:
+    for c in fitting[:SHOWN]:
         print(f"  {c.needs_gib:8.2f} GiB  {duration(c.plan.time.step_s):>13}/step  {c.label()}")
-    print("does not fit:")
-    for c in candidates:
-        if not c.fits(args.fit):
-            why = c.refused if c.refused else f"needs {c.needs_gib:.2f} GiB > {args.fit:g} GiB ({c.plan.memory.peak_moment})"
-            print(f"  {c.label()}: {why}")
+    _more(len(fitting))
+    failing = [c for c in candidates if not c.fits(args.fit)]
+    print(f"does not fit ({len(failing)}), closest first:")
+    for c in failing[:SHOWN]:
+        why = c.refused if c.refused else f"needs {c.needs_gib:.2f} GiB > {args.fit:g} GiB ({c.plan.memory.peak_moment})"
+        print(f"  {c.label()}: {why}")
+    _more(len(failing))
     if fitting:
         print(f"recommended: {fitting[0].label()}")
     return 0

@@ -5,7 +5,8 @@ Candidates: every ``dp_replicate * dp_shard * cp * tp = world`` (sequence parall
 a2a/state), every checkpointing policy (none/selective/full). Each is validated with the rules of
 ``train`` (``validate_layout``: a refused candidate shows train's message) and planned; it fits when
 ``peak + baseline <= GIB``. ``data.packs_per_step`` (and ``train.eval_packs``) are raised to a multiple
-of the data-parallel size where needed (same tokens per rank per pack; said in the output).
+of the data-parallel size where needed (same tokens per rank per pack; each such line names the raised
+key, which ``train`` needs too). The text lists the first ``SHOWN`` of each kind; ``--json`` lists all.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Candidate:
     plan: Plan | None = None
     refused: str | None = None  # train's message
     needs_gib: float | None = None  # peak + baseline
+    data: dict = dataclasses.field(default_factory=dict)  # data.*/train.* keys raised to a multiple of dp
 
     def fits(self, budget_gib: float) -> bool:
         return self.plan is not None and self.needs_gib <= budget_gib
@@ -43,7 +45,8 @@ class Candidate:
         text = f"dp_replicate={p['dp_replicate']} dp_shard={p['dp_shard']} cp={p['cp']} tp={p['tp']}"
         if p["cp"] > 1:
             text += f" cp_attention={p['cp_attention']} cp_mamba={p['cp_mamba']}"
-        return text + f" checkpointing={p['activation_checkpointing']}"
+        text += f" checkpointing={p['activation_checkpointing']}"
+        return text + "".join(f" {key}={value}" for key, value in self.data.items())  # what train must be told too
 
 
 def divisor_layouts(world: int) -> list[tuple[int, int, int, int]]:
@@ -109,19 +112,19 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
     for keys in _candidates(world, has_mamba=mamba_layers(planned.pattern) > 0):
         candidate = copy.deepcopy(run)
         candidate.parallel = dataclasses.replace(run.parallel, **keys)
-        dp = keys["dp_replicate"] * keys["dp_shard"]
+        dp, raised = keys["dp_replicate"] * keys["dp_shard"], {}
         if candidate.data.packs_per_step % dp:
-            candidate.data.packs_per_step = -(-candidate.data.packs_per_step // dp) * dp
+            candidate.data.packs_per_step = raised["data.packs_per_step"] = -(-candidate.data.packs_per_step // dp) * dp
         if candidate.train.eval_every and candidate.train.eval_packs % dp:  # evaluation costs no training memory
-            candidate.train.eval_packs = -(-candidate.train.eval_packs // dp) * dp
+            candidate.train.eval_packs = raised["train.eval_packs"] = -(-candidate.train.eval_packs // dp) * dp
         layout_key = tuple(v for k, v in keys.items() if k != "activation_checkpointing")  # policies share a verdict
         if layout_key not in verdicts:
             verdicts[layout_key] = _verdict(candidate, world, model, shape, verdicts)
         if verdicts[layout_key] is not None:
-            out.append(Candidate(keys, refused=verdicts[layout_key]))
+            out.append(Candidate(keys, refused=verdicts[layout_key], data=raised))
             continue
         plan = plan_layout(Layout.from_run(candidate, planned, hf_decoder), device, docs_per_pack)
-        out.append(Candidate(keys, plan, needs_gib=plan.memory.peak_bytes / 2**30 + baseline_gib))
+        out.append(Candidate(keys, plan, needs_gib=plan.memory.peak_bytes / 2**30 + baseline_gib, data=raised))
     fitting = sorted((c for c in out if c.fits(budget_gib)), key=lambda c: c.plan.time.step_s)
     others = sorted((c for c in out if not c.fits(budget_gib)),
                     key=lambda c: (c.plan is None, c.needs_gib or 0.0))
