@@ -278,3 +278,14 @@ def test_a_resume_that_changes_the_gradient_clip_or_the_adapters_dropout_says_so
                      "the next step on, so the losses will not be those of the uninterrupted run"
                      for key, before, now in (("train.grad_clip", "1.0", "0.001"), ("peft.dropout", "0.0", "0.3"))]
     assert numeric_changes("ck", info, load_config("configs/tiny-hybrid.yaml", ["train.grad_clip=1.0"])) == []
+
+
+def test_check_packing_proves_the_lora_model_training_runs(tmp_path):
+    """Before: check --packing ignored peft.* without a word and compared the full model's gradients."""
+    args = ["--config", "configs/tiny-hybrid.yaml", "parallel.cp=1", "parallel.tp=1", "data.pack_size=128",
+            "train.eval_every=0", "plot=false", "tensorboard=false", "model.dtype=float64", f"output_dir={tmp_path}"]
+    code, output = cli("check", "--packing", *args, "peft.method=lora", "peft.dropout=0.5")
+    assert code == 0 and "check --packing exact" in output, output
+    grads = [line.split()[1] for line in output.splitlines() if line.strip().startswith("grad ")]
+    assert grads and all(".lora_A." in name or ".lora_B." in name for name in grads), grads
+    assert "LoRA r=8: adapters on" in output and "peft.dropout=0.5 off here" in output, output

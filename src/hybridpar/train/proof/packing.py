@@ -14,6 +14,8 @@ leaking here, but training never packs it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,7 @@ from hybridpar.train.batches import PackStream, pad_multiple, validate_data
 from hybridpar.train.proof.layout import EXACT, default_tolerance, passed_within_rounding, print_rows, within
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.loss import valid_token_count
+from hybridpar.train.peft import apply_peft, lora_line
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
 from hybridpar.train.run.tokenizer import shared_data
 from hybridpar.train.trainer import build_model, pack_loss_sum, pack_tensors
@@ -71,7 +74,8 @@ def run_packing_check(config: RunConfig, device: torch.device, tolerance: float 
     """Print one line per quantity (packed against one document per row); 0 when all agree."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     tolerance = tolerance if tolerance is not None else default_tolerance(config)
-    model = build_model(config).to(device)
+    adapters = dataclasses.replace(config, peft=dataclasses.replace(config.peft, dropout=0.0))  # no mask to match
+    model = apply_peft(adapters, build_model(config)).to(device)  # peft.method=lora: adapters only train
     vocab_size = model.config.vocab_size
     data = shared_data(config, vocab_size)
     tokenizer = validate_data(data, vocab_size, config.model.hf_path)
@@ -102,6 +106,9 @@ def run_packing_check(config: RunConfig, device: torch.device, tolerance: float 
         trained = stream if problem is None else PackStream(data, 1, vocab_size, pad_to_multiple_of=pad_multiple(data, 1),
                                                             tokenizer=tokenizer, one_per_row=True)
         print(f"  training: {packing_line(model, problem, padding_fraction(trained.pool), data.pack_size)}")
+        if lora_line(model):
+            print(f"  {lora_line(model)}" + (f" (peft.dropout={config.peft.dropout:g} off here: packed and alone rows "
+                                             "would draw other masks)" if config.peft.dropout else ""))
         if len(alone) == len(packs):
             print("  no row holds two documents (each fills a row at this data.pack_size): nothing can leak, the "
                   "comparison below is trivial")
