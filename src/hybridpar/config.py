@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names, whole_section_problem
+from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, nearest_choice, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names, whole_section_problem
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml, unquoted_value
 
@@ -364,7 +364,9 @@ def _build(cls, raw, prefix: str):
             if not rule.holds(value):  # a path the system cannot look up says why (a symlink loop, ...)
                 problem = path_problem(value) if isinstance(value, str) and key in PATH_KEYS else None
                 problem = problem or (rule.problem(value) if rule.problem else None)  # e.g. train.sample's prompt
-                raise invalid(key, value, str(rule.text) + (f"; this one: {problem}" if problem else ""))
+                meant = nearest_choice(value, rule.choices()) if rule.choices else None
+                raise invalid(key, value, str(rule.text) + (f"; this one: {problem}" if problem else ""),
+                              f"use {key}={show_value(meant)} (the nearest choice)" if meant else None)
             values[name] = value
     return cls(**values)
 

@@ -78,6 +78,7 @@ class Rule:
     text: str  # or an object whose str() is the text (choices known only after an import)
     holds: Callable[[typing.Any], bool]
     problem: Callable[[typing.Any], str | None] | None = None  # a compound value: which part is wrong
+    choices: Callable[[], list[str]] | None = None  # a choice among names: a near miss is named in the fix
 
 
 def integer(low: int, high: int = INT64_MAX, why: str = "") -> Rule:
@@ -101,7 +102,18 @@ def one_of(*choices: str, lazy: Callable[[], typing.Iterable[str]] | None = None
     def allowed():
         return sorted(lazy()) if lazy else list(choices)
 
-    return Rule(LazyText(lambda: "one of " + ", ".join(repr(c) for c in allowed())), lambda v: v in allowed())
+    return Rule(LazyText(lambda: "one of " + ", ".join(repr(c) for c in allowed())), lambda v: v in allowed(),
+                choices=allowed)
+
+
+def nearest_choice(value, choices: list[str]) -> str | None:
+    """The choice ``value`` most likely meant: the same name in other case, else the closest spelling."""
+    import difflib
+
+    if not isinstance(value, str):
+        return None
+    same = [c for c in choices if c.lower() == value.strip().lower()]
+    return (same or difflib.get_close_matches(value.strip().lower(), choices, n=1, cutoff=0.75) or [None])[0]
 
 
 class LazyText:

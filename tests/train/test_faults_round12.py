@@ -289,3 +289,17 @@ def test_check_packing_proves_the_lora_model_training_runs(tmp_path):
     grads = [line.split()[1] for line in output.splitlines() if line.strip().startswith("grad ")]
     assert grads and all(".lora_A." in name or ".lora_B." in name for name in grads), grads
     assert "LoRA r=8: adapters on" in output and "peft.dropout=0.5 off here" in output, output
+
+
+@pytest.mark.parametrize("override, said", [
+    ("peft.method=LoRA", "use peft.method='lora' (the nearest choice)."),
+    ("parallel.cp_attention=rign", "use parallel.cp_attention='ring' (the nearest choice)."),
+    ("parallel.cp_attention=xyz", "e.g. parallel.cp_attention='allgather' (the default)."),
+])
+def test_a_choice_in_other_case_or_misspelt_is_named(override, said):
+    """Before: peft.method=LoRA was told to use the default 'none'."""
+    from hybridpar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config("configs/tiny-hybrid.yaml", [override])
+    assert str(error.value).endswith(said), str(error.value)
