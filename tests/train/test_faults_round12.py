@@ -303,3 +303,14 @@ def test_a_choice_in_other_case_or_misspelt_is_named(override, said):
     with pytest.raises(ConfigError) as error:
         load_config("configs/tiny-hybrid.yaml", [override])
     assert str(error.value).endswith(said), str(error.value)
+
+
+def test_more_documents_per_pack_than_tokens_is_refused_by_plan_and_make_plan():
+    """Before: --docs-per-pack 100000000 with 128-token packs was planned."""
+    import hybridpar as hp
+
+    code, output = cli("plan", "data.pack_size=128", "--docs-per-pack", "129")
+    assert code == 2 and "--docs-per-pack 129 is invalid: it must be an integer in [1, data.pack_size=128]" in output
+    with pytest.raises(ValueError, match=r"docs_per_pack=129 must be an integer in \[1, data.pack_size=128\]"):
+        hp.make_plan(hp.load_config(None, ["data.pack_size=128"]), docs_per_pack=129)
+    assert cli("plan", "data.pack_size=128", "--docs-per-pack", "128")[0] == 0

@@ -70,8 +70,9 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
     world = args.world_size if args.world_size is not None else args.nproc_per_node
     if world is not None and not 1 <= world <= 2**31 - 1:
         raise ConfigError(f"--world-size {world} is invalid: it must be an integer in [1, 2**31-1].")
-    if not 1 <= args.docs_per_pack <= 2**31 - 1:
-        raise ConfigError(f"--docs-per-pack {args.docs_per_pack} is invalid: it must be an integer in [1, 2**31-1].")
+    if not 1 <= args.docs_per_pack <= config.data.pack_size:  # a document holds one token at least
+        raise ConfigError(f"--docs-per-pack {args.docs_per_pack} is invalid: it must be an integer in [1, "
+                          f"data.pack_size={config.data.pack_size}] (a document holds a token at least).")
     if args.fit is not None and not (math.isfinite(args.fit) and args.fit > 0):
         raise ConfigError(f"--fit {args.fit} is invalid: give the memory per rank in GiB, a finite number > 0, e.g. "
                           "--fit 80.")

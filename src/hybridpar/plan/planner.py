@@ -60,10 +60,11 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
     (``TransformersPlan``)."""
     from hybridpar.train.preflight import validate_layout
 
-    if not isinstance(docs_per_pack, int) or isinstance(docs_per_pack, bool) or not 1 <= docs_per_pack <= 2**31 - 1:
-        raise ValueError(f"docs_per_pack={docs_per_pack!r:.60} must be an integer in [1, 2**31-1] (documents in "
-                         "each pack: the plan's cp_mamba=state traffic is per document).")
     model = validate_layout(run, world_size)
+    most = run.data.pack_size  # a document holds a token at least
+    if not isinstance(docs_per_pack, int) or isinstance(docs_per_pack, bool) or not 1 <= docs_per_pack <= most:
+        raise ValueError(f"docs_per_pack={docs_per_pack!r:.60} must be an integer in [1, data.pack_size={most}] "
+                         "(documents in each pack: the plan's cp_mamba=state traffic is per document).")
     if isinstance(model, HybridConfig):
         return plan_layout(Layout.from_run(run, model), device, docs_per_pack)
     twin, why, name = planned_shape(model, run)
