@@ -188,6 +188,6 @@ def peft_names(model: nn.Module) -> dict[str, str]:
 
 
 def peft_target_parameters(model: nn.Module) -> list[str]:
-    """peft's ``target_parameters`` for the adapted stacked weights: ``<module leaf>.<parameter>``."""
-    return sorted({f"{path.rsplit('.', 1)[-1]}.{p}" for path, m in expert_lora_modules(model).items()
-                   for p in m.lora_parameters})
+    """peft's ``target_parameters`` for the adapted stacked weights: ``<module>.<parameter>``, full names (peft
+    matches a name or its last atoms, so ``experts.down_proj`` would adapt every layer's)."""
+    return sorted(f"{path}.{p}" for path, m in expert_lora_modules(model).items() for p in m.lora_parameters)

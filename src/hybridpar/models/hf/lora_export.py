@@ -2,7 +2,9 @@
 
 ``peft.PeftModel.from_pretrained(base, adapter_dir)`` loads what ``save_peft_adapter`` writes on
 the Hugging Face base checkpoint: the config is peft's own ``LoraConfig`` (r, lora_alpha,
-lora_dropout, target_modules by leaf name, the base's path), the tensors are named
+lora_dropout, the base's path, and ``target_modules`` / ``target_parameters`` as the full names
+of the adapted modules: peft matches a name or its last atoms, so a leaf name such as ``q_proj``
+would adapt every layer's, trained or not), the tensors are named
 ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight`` with transformers' module names
 (a ``HybridLM`` maps them like its weights, ``checkpoint.hf_tensor_name``; NemotronH checkpoints
 say ``backbone.`` where transformers' modules say ``model.``).
@@ -23,6 +25,7 @@ Mamba ``in_proj``'s per-component ``B`` already fused back), so any layout expor
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -51,12 +54,12 @@ def split_lora_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[
 
 
 def lora_settings(model: nn.Module) -> dict:
-    """``r``, ``alpha``, ``dropout`` and the adapted leaf names of a model with adapters."""
+    """``r``, ``alpha``, ``dropout``, the adapted modules and stacked parameters (full names) of a model with adapters."""
     settings = adapter_settings(model)
     if settings is None:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters; set peft.method=lora to train some.")
     return {"r": settings["r"], "alpha": settings["alpha"], "dropout": settings["dropout"],
-            "targets": sorted({name.split(".")[-1] for name in lora_modules(model)}),
+            "modules": sorted(lora_modules(model)),
             "target_parameters": peft_target_parameters(model)}
 
 
@@ -96,12 +99,13 @@ def save_peft_adapter(model: nn.Module, adapters: dict[str, Tensor], out_dir: st
                          "peft.target_modules.")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    name_of, experts = _hf_name(model, architecture), peft_names(model)
+    targets = sorted(name_of(f"{module}.lora_A.weight").rpartition(".lora_")[0] for module in settings["modules"])
     config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
-                        target_modules=settings["targets"], bias="none", task_type="CAUSAL_LM",
+                        target_modules=targets, bias="none", task_type="CAUSAL_LM",
                         target_parameters=settings["target_parameters"] or None,
                         base_model_name_or_path=None if base_path is None else str(base_path))
     config.save_pretrained(str(out_dir))
-    name_of, experts = _hf_name(model, architecture), peft_names(model)
     tensors = {PEFT_PREFIX + (experts[n] if n in experts else name_of(n)): t.detach().cpu().contiguous()
                for n, t in adapters.items()}
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -187,7 +191,12 @@ def merge_adapter_checkpoint(adapter_dir: str | Path, out_dir: str | Path, base_
     from hybridpar.models.hf.checkpoint import CONFIG_FILE, INDEX_FILE, SHARD_FILE, WEIGHTS_FILE, read_hf_tensors
 
     config, adapters = read_peft_adapter(adapter_dir)
-    base_dir = Path(base_dir or config.get("base_model_name_or_path") or "")
+    named = config.get("base_model_name_or_path")
+    if base_dir is None and not (isinstance(named, str) and named.strip()):
+        raise ValueError(f"adapter {str(adapter_dir)!r} names no base model (base_model_name_or_path is "
+                         f"{json.dumps(named)} in its {ADAPTER_CONFIG}); set it to the base checkpoint's folder (an "
+                         "adapter of a run without model.hf_path has none: export that run with peft.merge=true).")
+    base_dir = Path(base_dir or named)
     if not (base_dir / CONFIG_FILE).is_file():
         raise ValueError(f"adapter {str(adapter_dir)!r} names base {str(base_dir)!r}, which holds no {CONFIG_FILE}; "
                          "put the base checkpoint there or edit base_model_name_or_path in adapter_config.json.")

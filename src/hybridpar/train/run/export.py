@@ -68,7 +68,8 @@ def export_target_problem(target: str | Path, source: str | None) -> str | None:
 
 
 def validate_export(config: RunConfig, shape) -> None:
-    """``model.export_hf``: a representable architecture and a target that nothing would be lost in."""
+    """``model.export_hf``: a representable architecture, a target that nothing would be lost in, and
+    (LoRA unmerged) a base checkpoint the adapter can name."""
     if not config.model.export_hf:
         return
     from hybridpar.models.hybrid import HybridConfig
@@ -76,6 +77,10 @@ def validate_export(config: RunConfig, shape) -> None:
     if not isinstance(shape, HybridConfig) and config.model.export_architecture:
         raise ConfigError(f"model.export_architecture={config.model.export_architecture!r} applies to HybridLM models; "
                           f"a transformers model ({type(shape).__name__}) is exported as its own class: leave it null.")
+    if config.peft.method == "lora" and not config.peft.merge and not config.model.hf_path:
+        raise ConfigError(f"model.export_hf={config.model.export_hf!r} with peft.merge=false would write a LoRA adapter "
+                          f"whose base (model.preset={config.model.preset!r}, random weights) is saved nowhere; set "
+                          "peft.merge=true to export the merged model, or fine-tune a checkpoint named by model.hf_path.")
     architecture = export_architecture(config)
     from hybridpar.models.hf.config import config_to_hf
 
