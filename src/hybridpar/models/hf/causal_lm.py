@@ -333,4 +333,5 @@ def export_causal_lm(model: nn.Module, out_dir: str | Path, *, tokenizer_dir: st
                          "keeps its own class.")
     if tokenizer_dir is not None:  # first, so the model's own generation_config.json wins
         copy_tokenizer_files(tokenizer_dir, out_dir)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    with quiet_transformers():  # its "Writing model shards" progress bar
+        model.save_pretrained(str(out_dir), safe_serialization=True)
