@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.config_rules import Notice, quoted, shorten
-from hybridpar.strict_json import check_no_duplicate_keys
+from hybridpar.strict_json import check_files, check_no_duplicate_keys
 
 __all__ = [
     "ByteTokenizer",
@@ -202,8 +202,9 @@ class PretrainedTokenizer(Tokenizer):
 
 
 def ships_tokenizer(path: str | Path | None) -> bool:
-    """Whether directory ``path`` holds a tokenizer (``tokenizer.json`` or ``tokenizer_config.json``)."""
-    return path is not None and Path(path).is_dir() and any((Path(path) / f).is_file() for f in TOKENIZER_MARKERS)
+    """Whether directory ``path`` holds a tokenizer (``tokenizer.json`` or ``tokenizer_config.json``; one
+    that is not a regular file counts, so that loading refuses it rather than bytes replacing it)."""
+    return path is not None and Path(path).is_dir() and any((Path(path) / f).exists() for f in TOKENIZER_MARKERS)
 
 
 def load_pretrained_tokenizer(path: str | Path) -> PretrainedTokenizer:
@@ -215,6 +216,7 @@ def load_pretrained_tokenizer(path: str | Path) -> PretrainedTokenizer:
         from transformers import AutoTokenizer
     except ImportError as error:
         raise ImportError("loading a tokenizer directory needs transformers: pip install 'hybridpar[hf]'.") from error
+    check_files(path)  # a FIFO or a link to /dev/zero: read without end by tokenizers (memory grew until killed)
     check_no_duplicate_keys(path, TOKENIZER_JSON)  # transformers would keep the last of two values silently
     try:
         loaded = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

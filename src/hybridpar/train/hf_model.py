@@ -48,6 +48,7 @@ from hybridpar.models.hf.causal_lm import (causal_lm_backend, chunked_head, hf_c
 from hybridpar.models.hf.logit_transform import describe_transform
 from hybridpar.models.hf.positions import learned_positions
 from hybridpar.models.hf.config import read_hf_config
+from hybridpar.strict_json import FileRefused
 from hybridpar.models.hf.activations import use_lean_gated_mlps, use_lean_rms_norms, use_product_relu2
 from hybridpar.models.hf.float64 import keep_float64
 from hybridpar.models.hf.router_aux import capture_router_aux
@@ -82,6 +83,8 @@ def model_backend(config: RunConfig) -> str:
                           "directory (config.json + model.safetensors).")
     try:
         read_hf_config(path)
+    except FileRefused as error:  # a file of the directory, config.json or not: the message names it
+        raise ConfigError(f"model.hf_path={str(path)!r}: {error}") from None
     except (ValueError, TypeError, KeyError, OSError) as error:
         raise ConfigError(f"model.hf_path={str(path)!r}: {path / 'config.json'} cannot be used: {error}") from None
     try:

@@ -19,7 +19,7 @@ from hybridpar.config_rules import as_path, quoted
 from hybridpar.models.hf.files import directory_kind
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.models.hf.generation_config import check_generation_config, config_vocab_problem, vocab_of
-from hybridpar.strict_json import DuplicateKeyError, load_file
+from hybridpar.strict_json import DuplicateKeyError, FileRefused, check_files, load_file
 
 MAMBA2, BAMBA, NEMOTRON_H = "Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"
 ARCHITECTURES = (MAMBA2, BAMBA, NEMOTRON_H)
@@ -71,13 +71,14 @@ def read_hf_config(path: str | Path) -> dict:
     """The config.json of a checkpoint directory as a dict (special floats decoded); ValueError for
     a quantized checkpoint, whose weights hybridpar can neither train nor generate from."""
     file = as_path(path, "path") / CONFIG_FILE
+    check_files(path)  # a FIFO or a link to a device among its files: refused before any library opens one
     if not file.is_file():
         kind = directory_kind(path, "hf")
         raise FileNotFoundError(f"{file} not found; {kind}." if kind else
                                 f"{file} not found; a Hugging Face checkpoint directory needs {CONFIG_FILE}.")
     try:
         hf = load_file(file)
-    except DuplicateKeyError:
+    except (DuplicateKeyError, FileRefused):
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested too deep
         where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""

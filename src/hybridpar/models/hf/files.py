@@ -2,7 +2,8 @@
 
 A checkpoint is usable only with its tokenizer, chat template and generation settings, so
 every export copies them from the directory they came from (the source checkpoint or a
-tokenizer directory): the files below that exist there, and nothing else.
+tokenizer directory): the files of ``TOKENIZER_FILES`` that exist there, and nothing else, after
+``check_files`` (``strict_json``) has refused any that is not a regular file.
 """
 
 from __future__ import annotations
@@ -11,22 +12,17 @@ import shutil
 from pathlib import Path
 
 from hybridpar.config_rules import quoted
+from hybridpar.strict_json import TEMPLATE_DIR, TOKENIZER_FILES, check_files
 from hybridpar.strict_json import load_file as load_json
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "directory_kind"]
-
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "generation_config.json",
-    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-)
-TEMPLATE_DIR = "additional_chat_templates"  # transformers 5 saves named extra templates here
+__all__ = ["TOKENIZER_FILES", "check_files", "copy_tokenizer_files", "directory_kind"]
 
 
 def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     """Copy the tokenizer, chat template and generation config files of ``src_dir`` into
     ``dst_dir`` (replacing files of the same name); returns the names copied."""
     src, dst = Path(src_dir), Path(dst_dir)
+    check_files(src)  # a FIFO or device link was skipped, and the export had no tokenizer
     present = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     if not src.is_dir() or not set(present) - {"generation_config.json"}:
         raise ValueError(f"{src} holds no tokenizer files (none of {list(TOKENIZER_FILES[:5])}, ...); pass the "

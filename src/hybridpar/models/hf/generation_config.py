@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from hybridpar.config_rules import quoted, shorten
-from hybridpar.strict_json import DuplicateKeyError, load_file
+from hybridpar.strict_json import DuplicateKeyError, FileRefused, load_file
 
 __all__ = ["GENERATION_FILE", "TOKEN_ID_FIELDS", "vocab_of", "check_generation_config", "generation_id_problem",
            "check_generation_ids", "config_vocab_problem", "config_id_problem",
@@ -154,12 +154,12 @@ def check_generation_config(directory: str | Path, vocab_size: int | None, check
     in one notice, ``train/preflight``: small test models often keep a default id outside their
     vocabulary). A missing file is fine (transformers' defaults)."""
     file = Path(directory) / GENERATION_FILE
-    if not file.is_file():
+    if not file.exists():  # a FIFO or a link to a device is there: load_file refuses it
         return
     fix = f"fix or delete {file} (transformers then uses the model config's ids)."
     try:
         config = load_file(file)
-    except DuplicateKeyError:
+    except (DuplicateKeyError, FileRefused):
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""

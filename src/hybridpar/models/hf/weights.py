@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from hybridpar.config_rules import quoted, shorten
-from hybridpar.strict_json import DuplicateKeyError, loads as strict_loads
+from hybridpar.strict_json import DuplicateKeyError, check_files, check_readable, loads as strict_loads
 
 __all__ = ["safetensors_problem", "weight_files", "load_weight_file", "check_finite", "stored_dtypes", "check_floating"]
 
@@ -83,6 +83,7 @@ def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[P
     """The safetensors files of checkpoint directory ``path`` (``weights_file``, or the shards
     ``index_file`` lists), each checked by ``safetensors_problem``; ValueError naming the file."""
     path = Path(path)
+    check_files(path)  # the index and weights: regular files, the index within its cap
     if (path / weights_file).is_file():
         files = [path / weights_file]
     elif (path / index_file).is_file():
@@ -100,6 +101,8 @@ def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[P
             if isinstance(shard, str) and (Path(shard).is_absolute() or ".." in Path(shard).parts):
                 raise ValueError(f"{index} lists the shard {quoted(shard)}, outside {path}; a checkpoint's shards are "
                                  "files in its own directory: restore the index from the checkpoint.")
+            if isinstance(shard, str):
+                check_readable(path / shard, None)  # a FIFO or a device link: named as such, not "not found"
             if not isinstance(shard, str) or not (path / shard).is_file():
                 raise FileNotFoundError(f"{path / str(shard)} not found; {index_file} lists it as a shard.")
             files.append(path / shard)
