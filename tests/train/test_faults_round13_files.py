@@ -176,3 +176,14 @@ def test_a_transformers_export_prints_no_progress_bar(checkpoint, tmp_path, capf
     out, err = capfd.readouterr()
     assert "Writing" not in err and "%|" not in err and out + err == "", (out, err)
     assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_an_adapter_whose_weights_are_a_pipe_is_named_as_such(tmp_path):
+    """Before: a FIFO adapter_model.safetensors was "has adapter_config.json but no adapter_model.safetensors"."""
+
+    from hybridpar.models.hf.lora_export import read_peft_adapter
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    os.mkfifo(tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors is a FIFO \(named pipe\), not a regular file"):
+        read_peft_adapter(tmp_path)

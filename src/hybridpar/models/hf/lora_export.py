@@ -36,7 +36,7 @@ from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.lora import adapter_settings, is_lora_parameter, lora_modules
 from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_lora_modules, peft_names,
                                            peft_target_parameters)
-from hybridpar.strict_json import load_file as load_json
+from hybridpar.strict_json import check_files, load_file as load_json
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_lora", "split_lora_state", "save_peft_adapter",
            "read_peft_adapter", "lora_settings", "merged_state", "expert_layouts", "mamba_out_proj_targets",
@@ -115,6 +115,7 @@ def save_peft_adapter(model: nn.Module, adapters: dict[str, Tensor], out_dir: st
 def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, Tensor]]:
     """``(adapter_config.json, {module name without peft's prefix: tensor})``."""
     adapter_dir = Path(adapter_dir)
+    check_files(adapter_dir)  # a FIFO or device adapter_model.safetensors: named as such, not as missing
     config = load_json(adapter_dir / ADAPTER_CONFIG)  # a key written twice: refused, naming the file
     if problem := _adapter_config_problem(config):
         raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: {problem}; restore the adapter's {ADAPTER_CONFIG} (peft "
