@@ -180,7 +180,6 @@ def test_a_transformers_export_prints_no_progress_bar(checkpoint, tmp_path, capf
 
 def test_an_adapter_whose_weights_are_a_pipe_is_named_as_such(tmp_path):
     """Before: a FIFO adapter_model.safetensors was "has adapter_config.json but no adapter_model.safetensors"."""
-
     from hybridpar.models.hf.lora_export import read_peft_adapter
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
