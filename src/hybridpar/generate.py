@@ -39,8 +39,10 @@ GENERATE_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16
 
 
 def checkpoint_to_load(path: str | Path) -> Path:
-    """The ``step_*`` folder ``--checkpoint`` means: itself, or the newest complete one under it."""
-    from hybridpar.train.run.checkpoint import incomplete_reason, is_complete, list_checkpoints
+    """The ``step_*`` folder ``--checkpoint`` means: itself, or the newest complete one under it (a warning
+    names each newer one skipped and why, as a resumed run prints it)."""
+    from hybridpar.config_rules import shorten
+    from hybridpar.train.run.checkpoint import checkpoint_step, incomplete_reason, list_checkpoints, newest_complete
 
     path = Path(path)
     if not path.is_dir():
@@ -54,9 +56,18 @@ def checkpoint_to_load(path: str | Path) -> Path:
                              "folder or the run's output_dir.")
         return path
     for folder in (path / "checkpoints", path):
-        complete = [p for p in list_checkpoints(folder) if is_complete(p)]
-        if complete:
-            return complete[-1]
+        if not list_checkpoints(folder):
+            continue
+        chosen, skipped = newest_complete(folder)
+        if chosen is None:
+            newest, reason = next(iter(skipped.items()))
+            raise ValueError(f"--checkpoint {path} holds no complete training checkpoint: none of its {len(skipped)} "
+                             f"step_* folder(s) can be loaded (newest: {newest}: {shorten(reason, 300)}); restore one "
+                             "from a copy, or pass another checkpoint.")
+        for skip, why in skipped.items():
+            print(f"hybridpar: warning: skipping checkpoint {skip}: {why}; generating from {chosen.name} (step "
+                  f"{checkpoint_step(chosen)}), the newest complete one", file=sys.stderr, flush=True)
+        return chosen
     raise ValueError(f"--checkpoint {path} holds no complete training checkpoint (step_* folder); pass one, or the "
                      "output_dir of a run that saved one (for a Hugging Face directory use --hf-path).")
 

@@ -106,16 +106,19 @@ def _interrupted_save(rank, world_size, directory):
     finally:
         ckpt.dcp.save = original_save
     latest = ckpt.latest_checkpoint(f"{directory}/checkpoints")
+    left = sorted(p.name for p in Path(f"{directory}/checkpoints").iterdir())
     resumed = Trainer(load_config(DEFAULT, overrides), torch.device("cpu"))
     resumed.resume()
-    return latest.name, resumed.start_step, sorted(p.name for p in Path(f"{directory}/checkpoints").iterdir())
+    return latest.name, resumed.start_step, left, sorted(p.name for p in Path(f"{directory}/checkpoints").iterdir())
 
 
 def test_interrupted_checkpoint_leaves_the_previous_one_loadable(tmp_path):
+    """The unfinished save is never loaded, and the resume removes it (rank 0, holding the lock)."""
     results = run_ranks(2, _interrupted_save, str(tmp_path), timeout_s=300)
-    for latest, start_step, entries in results:
+    assert "step_00000004.tmp" in results[0][2] and "step_00000004" not in results[0][2]  # rank 0 lists before removing
+    for latest, start_step, _, entries in results:
         assert latest == "step_00000002" and start_step == 2
-        assert "step_00000004.tmp" in entries and "step_00000004" not in entries
+        assert entries == ["step_00000002"]
 
 
 def _cli(rank, world_size, argv):

@@ -345,15 +345,13 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
             notice(replaced)
     if command == "train":
         from hybridpar.train.run.directory import check_lock_free, check_run_paths
-        from hybridpar.train.run.resume import model_signature, nothing_left_note, plan_resume
+        from hybridpar.train.run.resume import preflight_resume
         from hybridpar.train.run.export import validate_export
 
         validate_export(config, shape)
         check_run_paths(config)
         check_lock_free(config.output_dir)
-        resume = plan_resume(config, model_signature(shape))
-        if dry_run and resume.checkpoint and resume.start_step >= config.train.steps:  # a run says it once loaded
-            notice(nothing_left_note(resume.start_step, config.train.steps))
+        preflight_resume(config, shape, dry_run)  # dry_run: prints what the run's resume would
     # data.tokenizer=bpe: trained here, once, before any worker starts (into output_dir, checked above)
     data, bpe_pending = config.data, False
     if dry_run and data.tokenizer == BPE and not bpe_dir(config.output_dir).exists():

@@ -55,7 +55,7 @@ from hybridpar.train.peft import apply_peft, key_dropout, lora_line
 from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
 from hybridpar.train.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.train.preflight import check_pack_memory, model_config, parallel_dims, validate_layout
-from hybridpar.train.run.resume import data_stream, model_signature, nothing_left_note, prepare_output_dir
+from hybridpar.train.run.resume import data_stream, model_signature, nothing_left_note, prepare_output_dir, print_notes
 from hybridpar.train.run.fingerprints import data_sources
 from hybridpar.train.run.tokenizer import shared_data
 from hybridpar.train.sample import check_sample, print_sample, sample_settings
@@ -297,11 +297,8 @@ class Trainer:
     def resume(self) -> None:
         """Lock the output directory, pick the checkpoint (or refuse), and load it."""
         plan, self._lock = prepare_output_dir(self.config, self.signature)
-        for note in plan.notes if self.rank == 0 else ():
-            if note.startswith("warning: "):
-                notice(note.removeprefix("warning: "))
-            else:
-                print(note, flush=True)
+        if self.rank == 0:
+            print_notes(plan.notes)
         self.output_dir, self.run_id = plan.output_dir, plan.run_id
         if plan.checkpoint is None:
             return
@@ -336,16 +333,17 @@ class Trainer:
         cfg = self.config
         if self.unkeyed and self.rank == 0:  # check refuses it (proof/layout.py)
             notice(self.unkeyed)
-        self.resume()
-        logger = MetricsLogger(self.output_dir, self.rank, cfg.tensorboard, cfg.plot, resume_step=self.start_step)
-        try:
+        logger = None
+        try:  # the lock is released on every way out, a refusal while resuming included
+            self.resume()
+            logger = MetricsLogger(self.output_dir, self.rank, cfg.tensorboard, cfg.plot, resume_step=self.start_step)
             self._loop(logger, cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps))
             if cfg.model.export_hf:
                 self.export_hf(cfg.model.export_hf)
             if self.sample is not None and stop_after is None:
                 self.print_sample()
         finally:
-            plot = logger.close()
+            plot = logger.close() if logger is not None else None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None

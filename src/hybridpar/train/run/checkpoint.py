@@ -5,7 +5,7 @@
         trainer.pt                        step, scheduler, RNG, skipped steps (rank 0)
         run.json                          run id, model config, data stream (rank 0)
         manifest.json                     every file above with its size and sha256, written last
-    <dir>/step_00000060.tmp/        being written; never loaded, replaced by the next save
+    <dir>/step_00000060.tmp/        being written; never loaded, removed at the next start (``directory.py``)
 
 A checkpoint is complete when its manifest exists and every listed file has its size and
 sha256, whatever its size (format 2; format-1 manifests hashed files up to 64 MiB only, and
@@ -188,12 +188,20 @@ def read_run_info(path: str | Path) -> dict:
     return info
 
 
+def newest_complete(directory: str | Path) -> tuple[Path | None, dict[Path, str]]:
+    """The newest complete, verified checkpoint in ``directory`` (None if none is; a ``.tmp`` folder is
+    none), and each newer one skipped with why (``incomplete_reason``)."""
+    skipped = {}
+    for path in reversed(list_checkpoints(directory)):
+        if (reason := incomplete_reason(path)) is None:
+            return path, skipped
+        skipped[path] = reason
+    return None, skipped
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """Newest complete, verified checkpoint in ``directory`` (``.tmp`` and incomplete folders are skipped)."""
-    for path in reversed(list_checkpoints(directory)):
-        if is_complete(path):
-            return path
-    return None
+    return newest_complete(directory)[0]
 
 
 def rng_state() -> dict:

@@ -14,6 +14,8 @@
   (trained by the launcher first), ``tensorboard/``, ``loss_curve.png`` or ``run-NNN``),
   or that is ``/``, the home directory or a source tree (it holds ``.git``), is refused: a
   run would scatter its files among (and ``if_exists=overwrite`` delete from) files it does not own.
+- **No stale saves.** A ``checkpoints/step_*.tmp`` folder is a save its process did not finish
+  (killed mid-write); rank 0 removes it at start, once it holds the lock (no live run writes there).
 - **Resume or refuse**: ``resume.py``.
 
 The launcher calls ``check_lock_free`` before torchrun starts (so the error exits 2 at once);
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.config_rules import quoted
-from hybridpar.train.run.checkpoint import read_only_note
+from hybridpar.train.run.checkpoint import PREFIX, read_only_note, remove_checkpoint
 
 LOCK_FILE = ".hybridpar.lock"
 METRICS_FILE = "metrics.jsonl"
@@ -89,6 +91,21 @@ class OutputDirLock:
             os.ftruncate(entry[0], 0)  # a clean exit leaves no holder behind
             fcntl.flock(entry[0], fcntl.LOCK_UN)
             os.close(entry[0])
+
+
+def remove_stale_saves(directory: str | Path) -> list[str]:
+    """Remove the ``step_*.tmp`` folders of ``<directory>/checkpoints`` (call it holding the lock);
+    returns a notice for each, naming it and its size."""
+    notes = []
+    for folder in sorted((Path(directory) / "checkpoints").glob(f"{PREFIX}*.tmp")):
+        if not folder.is_dir():
+            continue
+        size = 0 if folder.is_symlink() else sum(os.lstat(os.path.join(root, name)).st_size
+                                                 for root, _, names in os.walk(folder) for name in names)
+        remove_checkpoint(folder)
+        notes.append(f"removed {folder} ({size / 2**20:,.1f} MiB), a checkpoint save that did not finish (its "
+                     "process was stopped while writing it)")
+    return notes
 
 
 def _read_holder(fd: int) -> dict:

@@ -9,9 +9,9 @@ steps, a ``metrics.jsonl`` of a fresh start). Those are never touched silently:
 ``checkpoint.if_exists`` = ``refuse`` (default) stops, ``overwrite`` deletes them,
 ``new_subdir`` writes this run to ``<output_dir>/run-NNN``.
 
-The launcher calls ``plan_resume`` before torchrun starts (so the error exits 2 at once); rank 0
-calls it again as the authority, under the output directory's lock (``directory.py``), and
-shares the result (``prepare_output_dir``).
+The launcher calls ``plan_resume`` before torchrun starts (``preflight_resume``: with a LoRA checkpoint's
+base; ``--dry-run`` prints its notes), so the error exits 2 at once; rank 0 calls it again as the authority,
+under the output directory's lock (``directory.py``), and shares the result (``prepare_output_dir``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.config_rules import quoted, shorten
 from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, incomplete_reason, list_checkpoints,
-                                        read_run_info, remove_checkpoint)
-from hybridpar.train.run.directory import METRICS_FILE, OutputDirLock, check_run_paths
+                                        newest_complete, read_run_info, remove_checkpoint)
+from hybridpar.train.run.directory import METRICS_FILE, OutputDirLock, check_run_paths, remove_stale_saves
 from hybridpar.train.run.fingerprints import data_sources, moved_sources, source_changes
 from hybridpar.train.run.numerics import numeric_changes
 
@@ -96,16 +96,11 @@ def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None,
                                   "complete step_* folder, use checkpoint.resume=auto, or start fresh with "
                                   "checkpoint.resume=null.")
         return path, [], set()
-    notes, skipped = [], set()
-    for path in reversed(list_checkpoints(directory)):
-        reason = incomplete_reason(path)
-        if reason is None:
-            return path, notes, skipped
-        notes.append(f"skipping checkpoint {path}: {reason}")
-        skipped.add(path)
-    if notes:
+    chosen, skipped = newest_complete(directory)
+    notes = [f"skipping checkpoint {path}: {reason}" for path, reason in skipped.items()]
+    if notes and chosen is None:
         notes.append("no complete checkpoint found; starting from step 0")
-    return None, notes, skipped
+    return chosen, notes, set(skipped)
 
 
 CHECKPOINT_FILES = ("manifest.json", "run.json", "trainer.pt", ".metadata")
@@ -273,6 +268,33 @@ def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
     return plan
 
 
+def preflight_resume(config: RunConfig, shape, dry_run: bool) -> None:
+    """The launcher's resume check: ``plan_resume`` and a LoRA checkpoint's recorded base (``check_same_base``):
+    a preset's recipe always; a ``model.hf_path`` base, a hash of its weights (rank 0 hashes them again at start),
+    under ``dry_run`` only. ``dry_run`` prints the notes the run would print."""
+    from hybridpar.train.run.adapters import base_reference, check_same_base
+    from hybridpar.train.run.metrics import notice
+
+    plan = plan_resume(config, model_signature(shape))
+    if plan.checkpoint and config.peft.method != "none" and (dry_run or not config.model.hf_path):
+        check_same_base(plan.checkpoint, base_reference(config))
+    if dry_run:
+        print_notes(plan.notes)
+        if plan.checkpoint and plan.start_step >= config.train.steps:  # a run says it once loaded
+            notice(nothing_left_note(plan.start_step, config.train.steps))
+
+
+def print_notes(notes: list[str]) -> None:
+    """A plan's notes as rank 0 prints them: a ``warning: `` one as a warning (stderr), the rest on stdout."""
+    from hybridpar.train.run.metrics import notice
+
+    for note in notes:
+        if note.startswith("warning: "):
+            notice(note.removeprefix("warning: "))
+        else:
+            print(note, flush=True)
+
+
 def _run_id_of(path: Path) -> str | None:
     try:
         return read_run_info(path).get("run_id")
@@ -296,8 +318,8 @@ def prepare_output_dir(config: RunConfig, model: dict | None) -> tuple[ResumePla
             lock = OutputDirLock(config.output_dir)
             warning = lock.acquire()
             plan = plan_resume(config, model)
-            if warning:
-                plan.notes.insert(0, f"warning: {warning}")
+            stale = [f"warning: {note}" for note in remove_stale_saves(config.output_dir)]  # locked: no live save
+            plan.notes[:0] = ([f"warning: {warning}"] if warning else []) + stale
             plan.run_id = plan.run_id or uuid.uuid4().hex[:12]
             for path in map(Path, plan.remove):
                 remove_checkpoint(path) if path.is_dir() else path.unlink(missing_ok=True)
