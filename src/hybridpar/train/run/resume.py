@@ -278,8 +278,8 @@ def preflight_resume(config: RunConfig, shape, dry_run: bool) -> None:
     plan = plan_resume(config, model_signature(shape))
     if plan.checkpoint and config.peft.method != "none" and (dry_run or not config.model.hf_path):
         check_same_base(plan.checkpoint, base_reference(config))
-    if dry_run:
-        print_notes(plan.notes)
+    if dry_run:  # what the run would print, in the conditional where the run acts
+        print_notes([note.replace(": deleting ", ": the run would delete ", 1) for note in plan.notes])
         if plan.checkpoint and plan.start_step >= config.train.steps:  # a run says it once loaded
             notice(nothing_left_note(plan.start_step, config.train.steps))
 
