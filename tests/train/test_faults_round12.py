@@ -314,3 +314,19 @@ def test_more_documents_per_pack_than_tokens_is_refused_by_plan_and_make_plan():
     with pytest.raises(ValueError, match=r"docs_per_pack=129 must be an integer in \[1, data.pack_size=128\]"):
         hp.make_plan(hp.load_config(None, ["data.pack_size=128"]), docs_per_pack=129)
     assert cli("plan", "data.pack_size=128", "--docs-per-pack", "128")[0] == 0
+
+
+def test_a_resume_compares_target_lists_as_sets():
+    """Before: [q_proj, v_proj] -> [v_proj, q_proj] (or a name written twice) was "adapters of another layout"."""
+    import dataclasses
+
+    from hybridpar.config import load_config
+    from hybridpar.train.run.resume import CheckpointError, _check_peft
+
+    lora = load_config("configs/tiny-hybrid.yaml", ["peft.method=lora", "peft.target_modules=[q_proj,v_proj]"])
+    info = {"config": {"peft": json.loads(json.dumps(dataclasses.asdict(lora.peft)))}}
+    for targets in ("[v_proj,q_proj]", "[q_proj,v_proj,q_proj]"):
+        _check_peft("ck", info, load_config("configs/tiny-hybrid.yaml", ["peft.method=lora",
+                                                                         f"peft.target_modules={targets}"]))
+    with pytest.raises(CheckpointError, match=r"peft.target_modules \["):
+        _check_peft("ck", info, load_config("configs/tiny-hybrid.yaml", ["peft.method=lora", "peft.target_modules=[q_proj]"]))

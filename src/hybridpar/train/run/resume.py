@@ -141,7 +141,8 @@ def _check_peft(path: Path, info: dict, config: RunConfig) -> None:
     if current["method"] == "none":
         return
     keys = [k for k in PEFT_SHAPE_KEYS if k in recorded and None not in (recorded[k], current[k])]  # null: resolved later
-    changed = _differences({k: recorded[k] for k in keys}, {k: current[k] for k in keys}, "peft.")
+    as_set = lambda v: sorted(set(v)) if isinstance(v, list) else v  # noqa: E731 - target lists: order and repeats
+    changed = _differences({k: as_set(recorded[k]) for k in keys}, {k: as_set(current[k]) for k in keys}, "peft.")
     if changed:
         raise CheckpointError(f"checkpoint {str(path)!r} holds adapters of another layout ({'; '.join(changed)}; recorded "
                               "-> now); resume with the checkpoint's peft.r, peft.alpha and peft.target_modules, or "
