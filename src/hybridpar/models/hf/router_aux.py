@@ -77,6 +77,11 @@ def switch_parts(router_logits: tuple[Tensor, ...], top_k: int) -> tuple[Tensor,
     return counts, probs, torch.tensor(float(rows), dtype=dtype, device=counts.device)
 
 
+def switch_loss(counts: Tensor, probs: Tensor, rows: Tensor) -> Tensor:
+    """``E * sum_e (C_e / R) (S_e / R)`` of ``switch_parts`` (summed over the ranks where they are partial)."""
+    return counts.numel() * ((counts / rows) * (probs / rows)).sum()
+
+
 def router_aux_term(model: nn.Module, packs_per_step: int,
                     reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
     """``coef * aux_p / packs_per_step`` of ``model``'s last forward, its pack's share of the step's
@@ -91,8 +96,7 @@ def router_aux_term(model: nn.Module, packs_per_step: int,
     if reduce is None:
         return coefficient * _local(aux) / packs_per_step
     counts, probs, rows = switch_parts(router_logits, model.config.num_experts_per_tok)
-    counts, rows = reduce(counts), reduce(rows)
-    return coefficient * counts.numel() * ((counts / rows) * (probs / rows)).sum() / packs_per_step
+    return coefficient * switch_loss(reduce(counts), probs, reduce(rows)) / packs_per_step
 
 
 def switch_form_problem(model: nn.Module, vocab_size: int) -> str | None:
@@ -106,8 +110,7 @@ def switch_form_problem(model: nn.Module, vocab_size: int) -> str | None:
     top_k = getattr(model.config, "num_experts_per_tok", None)
     if not isinstance(aux, Tensor) or not isinstance(logits, tuple) or not logits or not isinstance(top_k, int):
         return "its forward returns no aux_loss and router_logits of Switch's form"
-    counts, probs, rows = switch_parts(logits, top_k)
-    ours = float(counts.numel() * ((counts / rows) * (probs / rows)).sum())
+    ours = float(switch_loss(*switch_parts(logits, top_k)))
     if abs(ours - float(aux)) > 1e-5 * abs(float(aux)):
         return f"its aux_loss ({float(aux):.6g}) is not Switch's load-balancing form ({ours:.6g}) on a probe"
     return None
