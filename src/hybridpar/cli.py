@@ -77,6 +77,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen = subs["generate"]
     gen.add_argument("--checkpoint", help="a training checkpoint (step_* folder) or a run's output_dir")
     gen.add_argument("--hf-path", help="a Hugging Face checkpoint directory (e.g. a run's model.export_hf)")
+    gen.add_argument("--base", help="--checkpoint of a model.hf_path run whose base folder moved: where it is now")
     gen.add_argument("--prompt", help="the text to continue (required)")
     gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate at most (required)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")

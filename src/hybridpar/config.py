@@ -26,17 +26,10 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, bounded_message, did_you_mean, leaf_keys, nearest_choice, not_utf8, path_problem, wide_encoding, quoted, sample_problem, shorten, show_value, type_names, whole_section_problem
+from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, did_you_mean, leaf_keys, nearest_choice, not_utf8, path_problem, quoted, sample_problem, shorten, show_value, type_names, whole_section_problem
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
-from hybridpar.yaml12 import Yaml12Loader, YamlSyntaxError, parse_yaml, unquoted_value
-
-
-class ConfigError(ValueError):
-    """A configuration key or value that cannot be used, with the fix in the message (one line,
-    at most ``config_rules.MAX_MESSAGE_CHARS``: values are quoted with ``quoted``; this bounds the rest)."""
-
-    def __init__(self, message="", *args):
-        super().__init__(bounded_message(message), *args)
+from hybridpar.config_rules import ConfigError  # noqa: F401 (re-exported: raised by every check)
+from hybridpar.yaml12 import Yaml12Loader, read_config_file, unquoted_value
 
 
 @dataclass
@@ -259,35 +252,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Read a YAML file (optional) and apply ``key.sub=value`` overrides; every value checked."""
     raw: dict = {}
     if path is not None:
-        path = as_path(path, "config path").expanduser()
-        if path_problem(path):
-            raise ConfigError(f"config file {quoted(str(path))} cannot be read: {path_problem(path)}; pass an existing "
-                              "YAML file, e.g. configs/tiny-hybrid.yaml.")
-        if path.is_dir():
-            raise ConfigError(f"config file {quoted(str(path))} is a directory, not a YAML file; pass the YAML file in "
-                              "it, e.g. --config configs/tiny-hybrid.yaml.")
-        if not path.is_file():
-            what = "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
-            raise ConfigError(f"config file {quoted(str(path))} {what}; pass an existing YAML file, e.g. "
-                              "configs/tiny-hybrid.yaml.")
-        if (size := path.stat().st_size) > MAX_CONFIG_BYTES:  # read whole and parsed by PyYAML: minutes for a data file
-            raise ConfigError(f"config file {quoted(str(path))} has {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a "
-                              "run config can have (a few KB of YAML); is it a data file? Pass the YAML config "
-                              "(the data goes in data.path).")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            wide = wide_encoding(error.object)
-            what = f"{wide} text (its byte-order mark), not UTF-8" if wide else f"not UTF-8 text (byte {error.start})"
-            raise ConfigError(f"config file {quoted(str(path))} is {what}; save it as UTF-8 YAML"
-                              + (f" (e.g. iconv -f {wide} -t utf-8 in > out)." if wide else ".")) from None
-        try:
-            raw = parse_yaml(text, f"config file {quoted(str(path))}") or {}
-        except YamlSyntaxError as error:
-            raise ConfigError(str(error)) from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {quoted(str(path))} must hold a mapping of sections at the top level, "
-                              f"got a {type(raw).__name__}; start it with e.g. 'train:'.")
+        raw = read_config_file(as_path(path, "config path").expanduser(), MAX_CONFIG_BYTES)
     if not isinstance(overrides, (list, tuple)) or not all(isinstance(item, str) for item in overrides):  # a str: letter by letter
         raise ConfigError(f"overrides={quoted(overrides)} must be a list of 'key=value' strings; e.g. ['train.steps=100'].")
     for item in overrides:

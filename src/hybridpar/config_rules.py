@@ -47,6 +47,14 @@ def bounded_message(message) -> str:
     return f"{text[:MAX_MESSAGE_CHARS - 200]} ...[{len(text) - MAX_MESSAGE_CHARS + 200:,} characters cut]... {text[-150:]}"
 
 
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used, with the fix in the message (one line,
+    at most ``MAX_MESSAGE_CHARS``: values are quoted with ``quoted``; this bounds the rest)."""
+
+    def __init__(self, message="", *args):
+        super().__init__(bounded_message(message), *args)
+
+
 def quoted(value, limit: int = MESSAGE_VALUE_CHARS) -> str:
     """``repr(value)`` for a message, bounded in length and in time (nested containers, long
     strings and huge integers are elided, as ``reprlib`` does)."""

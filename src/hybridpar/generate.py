@@ -13,7 +13,8 @@ The model comes from
   run's ``model.export_hf``): its base checkpoint with the adapter merged in;
 - ``--checkpoint DIR``: a training checkpoint (of a LoRA run: the base rebuilt, the adapters loaded) (a ``step_*`` folder, or an ``output_dir`` or its
   ``checkpoints`` folder: the newest complete one), i.e. the model of the config recorded in its
-  ``run.json`` with the checkpoint's weights.
+  ``run.json`` with the checkpoint's weights; ``--base DIR`` says where its ``model.hf_path`` moved
+  (it must hold the model the run recorded).
 
 The tokenizer follows the training rules (``--tokenizer auto|bytes|DIR``; ``auto`` is the
 checkpoint's own tokenizer when it ships one, for ``--checkpoint`` the run's ``data.tokenizer``;
@@ -72,8 +73,9 @@ def checkpoint_to_load(path: str | Path) -> Path:
                      "output_dir of a run that saved one (for a Hugging Face directory use --hf-path).")
 
 
-def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
-    """``(model, run config)``: the recorded config's single-device model with the checkpoint's weights."""
+def _model_from_checkpoint(path: Path, dtype: torch.dtype | None, base: str | None = None):
+    """``(model, run config)``: the recorded config's single-device model with the checkpoint's weights
+    (``base``: where the run's ``model.hf_path`` is now)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -92,10 +94,10 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     from hybridpar.train.run.fused_resume import fused_legacy_names
     from hybridpar.train.trainer import build_model
 
-    recorded = read_run_info(path).get("config")
-    if not recorded:
+    info = read_run_info(path)
+    if not info.get("config"):
         raise ValueError(f"{path}/run.json records no run config; this checkpoint cannot say which model it holds.")
-    config = config_from_dict(recorded)
+    config = _with_base(config_from_dict(info["config"]), path, info.get("model"), base)
     if dtype is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=str(dtype).removeprefix("torch.")))
     stored = apply_peft(config, build_model(config))  # a LoRA run: the frozen base is rebuilt, adapters loaded
@@ -119,6 +121,37 @@ def _model_from_checkpoint(path: Path, dtype: torch.dtype | None):
     return model.eval(), config
 
 
+def _with_base(config, path: Path, recorded_model: dict | None, base: str | None):
+    """The run config with its ``model.hf_path`` at ``base`` (``--base``: the folder moved). The base must
+    build the model the run recorded: its weights come from the checkpoint, but its config.json says how
+    they compute (a changed rope_theta would generate otherwise, silently)."""
+    import dataclasses
+
+    from hybridpar.config_rules import quoted
+    from hybridpar.train.preflight import model_config
+    from hybridpar.train.run.resume import changed_keys, model_signature
+
+    hf_path = config.model.hf_path
+    if base is not None and not hf_path:
+        raise ValueError(f"--base {quoted(base)} is not used: checkpoint {path} is of a model.preset run (no "
+                         "model.hf_path); leave --base out.")
+    if base is None:
+        if hf_path and not Path(hf_path).is_dir():
+            raise ValueError(f"the run's model.hf_path {quoted(hf_path)} (recorded in {path}/run.json) is gone (moved "
+                             "or deleted); pass --base DIR where that checkpoint directory is now.")
+        return config
+    if not Path(base).is_dir():
+        raise ValueError(f"--base {quoted(base)} is not a directory; pass the folder the run's model.hf_path "
+                         f"{quoted(hf_path)} moved to.")
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, hf_path=base))
+    if recorded_model is not None:
+        current = model_signature(model_config(config))
+        if changed := changed_keys(recorded_model, current, skip=("dtype",)):
+            raise ValueError(f"--base {quoted(base)} holds another model than checkpoint {path} was trained on ("
+                             f"{', '.join(changed[:6])} differ); pass the folder the run's model.hf_path moved to.")
+    return config
+
+
 def _merged_adapter(adapter_dir: str) -> tuple[str, str]:
     """``(merged checkpoint in a temporary directory, the base's directory)`` of a PEFT adapter."""
     import atexit
@@ -136,7 +169,7 @@ def _merged_adapter(adapter_dir: str) -> tuple[str, str]:
 
 
 def load_for_generation(hf_path: str | None = None, checkpoint: str | None = None, backend: str = "auto",
-                        tokenizer: str = "auto", dtype: str | None = None):
+                        tokenizer: str = "auto", dtype: str | None = None, base: str | None = None):
     """``(model, tokenizer)`` for ``hybridpar generate`` (module docstring)."""
     from hybridpar.data.tokenizers import resolve_tokenizer
     from hybridpar.models.hf.causal_lm import load_causal_lm
@@ -147,7 +180,9 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
     from hybridpar.config_rules import quoted
 
     home = os.path.expanduser  # '~/...' quoted, or from a script, reaches us unexpanded
-    hf_path, checkpoint = hf_path and home(hf_path), checkpoint and home(checkpoint)
+    hf_path, checkpoint, base = hf_path and home(hf_path), checkpoint and home(checkpoint), base and home(base)
+    if base is not None and checkpoint is None:
+        raise ValueError(BASE_WITHOUT_CHECKPOINT)
     tokenizer = home(tokenizer) if tokenizer.startswith("~") else tokenizer
 
     if dtype is not None and dtype not in GENERATE_DTYPES:
@@ -175,7 +210,7 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         if tokenizer == "auto" and recorded not in ("auto", "bytes", "bpe") and not Path(str(recorded)).is_dir():
             raise ValueError(f"the run's data.tokenizer {quoted(recorded)} (recorded in {path}/run.json) is gone (moved "
                              "or deleted); pass --tokenizer DIR where it is now.")
-        model, config = _model_from_checkpoint(path, torch_dtype)
+        model, config = _model_from_checkpoint(path, torch_dtype, base)
         model_path = config.model.hf_path
         tokenizer = config.data.tokenizer if tokenizer == "auto" else tokenizer
         if tokenizer == "bpe":  # trained for the run, kept in its output_dir
@@ -185,6 +220,8 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
     return model, resolve_tokenizer(tokenizer, model_path=model_path, vocab_size=model.config.vocab_size)
 
 
+BASE_WITHOUT_CHECKPOINT = ("--base is not used without --checkpoint: it says where a training checkpoint's "
+                           "model.hf_path is now; with --hf-path, pass the folder itself.")
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
 
 
@@ -207,12 +244,14 @@ def check_generate_arguments(args) -> None:
         raise ValueError(shorten(message.replace("; change it in the generate call.", "."), 400)) from None
     from hybridpar.config_rules import not_utf8, path_problem, quoted
 
-    for name in ("hf_path", "checkpoint", "tokenizer", "prompt"):
+    for name in ("hf_path", "checkpoint", "base", "tokenizer", "prompt"):
         value = getattr(args, name, None)
         problem = value is not None and (not_utf8(value) if name == "prompt" else path_problem(value))
         if problem:
             raise ValueError(f"--{name.replace('_', '-')} {quoted(value)} is not usable: {problem}"
                              + ("; pass UTF-8 text." if name == "prompt" else "."))
+    if getattr(args, "base", None) is not None and args.checkpoint is None:
+        raise ValueError(BASE_WITHOUT_CHECKPOINT)
     if not isinstance(args.backend, str) or args.backend not in ("auto", "hybrid", "transformers"):
         raise ValueError(f"--backend {quoted(args.backend)} is unknown; choose one of auto, hybrid, transformers.")
     if args.dtype is not None and args.dtype not in GENERATE_DTYPES:
@@ -242,7 +281,8 @@ def run_generate(args) -> int:
     from hybridpar.train.sample import continue_prompt
 
     check_generate_arguments(args)
-    model, tokenizer = load_for_generation(args.hf_path, args.checkpoint, args.backend, args.tokenizer, args.dtype)
+    model, tokenizer = load_for_generation(args.hf_path, args.checkpoint, args.backend, args.tokenizer, args.dtype,
+                                           getattr(args, "base", None))
     if torch.cuda.is_available():
         model = model.cuda()
     prompt_ids, new_ids, completion = continue_prompt(model, tokenizer, args.prompt, args.max_new_tokens,

@@ -18,10 +18,11 @@ one nested more than ``MAX_DEPTH`` levels (PyYAML recursed per level: a Recursio
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import quoted, shorten
+from hybridpar.config_rules import ConfigError, path_problem, quoted, shorten, wide_encoding
 
 
 class YamlSyntaxError(ValueError):
@@ -163,3 +164,40 @@ def unquoted_value(value, options) -> str | None:
     fits = (isinstance(parsed, bool) and bool in kinds) or (not isinstance(parsed, bool) and (
         (isinstance(parsed, int) and (int in kinds or float in kinds)) or (isinstance(parsed, float) and float in kinds)))
     return value.strip() if fits else None
+
+
+def read_config_file(path: Path, max_bytes: int) -> dict:
+    """The mapping of sections YAML file ``path`` holds; ConfigError (one line, with the fix) for a path that is
+    not a regular UTF-8 file of at most ``max_bytes``, for a syntax error, and for a file with no mapping (an
+    empty or comments-only file, a truncated or wrong one, ran on the defaults without a word)."""
+    name = f"config file {quoted(str(path))}"
+    if problem := path_problem(path):
+        raise ConfigError(f"{name} cannot be read: {problem}; pass an existing YAML file, e.g. configs/tiny-hybrid.yaml.")
+    if path.is_dir():
+        raise ConfigError(f"{name} is a directory, not a YAML file; pass the YAML file in it, e.g. --config "
+                          "configs/tiny-hybrid.yaml.")
+    if not path.is_file():
+        what = "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
+        raise ConfigError(f"{name} {what}; pass an existing YAML file, e.g. configs/tiny-hybrid.yaml.")
+    if (size := path.stat().st_size) > max_bytes:  # read whole and parsed by PyYAML: minutes for a data file
+        raise ConfigError(f"{name} has {size:,} bytes, more than the {max_bytes:,} a run config can have (a few KB of "
+                          "YAML); is it a data file? Pass the YAML config (the data goes in data.path).")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        wide = wide_encoding(error.object)
+        what = f"{wide} text (its byte-order mark), not UTF-8" if wide else f"not UTF-8 text (byte {error.start})"
+        raise ConfigError(f"{name} is {what}; save it as UTF-8 YAML"
+                          + (f" (e.g. iconv -f {wide} -t utf-8 in > out)." if wide else ".")) from None
+    try:
+        raw = parse_yaml(text, name)
+    except YamlSyntaxError as error:
+        raise ConfigError(str(error)) from None
+    if raw is None:
+        raise ConfigError(f"{name} is empty (no sections, {'0 bytes' if not text else 'only comments or blank lines'}); "
+                          "put the run's sections in it (e.g. configs/tiny-hybrid.yaml), or leave --config out to run "
+                          "on the defaults and the overrides.")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name} must hold a mapping of sections at the top level, got a {type(raw).__name__}; start "
+                          "it with e.g. 'train:'.")
+    return raw

@@ -120,6 +120,33 @@ def test_resume_is_refused_for_another_model_shape_or_data_stream(tmp_path):
         plan_resume(config(tmp_path, "parallel.cp=4"), SHAPE)
 
 
+def test_a_field_that_keeps_every_parameter_resumes_with_a_warning(tmp_path):
+    """chunk_size (rounding) or rope_theta (the function) change no parameter: the checkpoint loads
+    whole, so resuming goes on and says the losses differ; a field that moves a parameter refuses."""
+    recorded = json.loads(json.dumps(model_signature(HybridConfig(pattern="M*-M-"))))  # as run.json holds it
+    fake_checkpoint(tmp_path / "checkpoints", 3, model=recorded)
+    plan = plan_resume(config(tmp_path), model_signature(HybridConfig(chunk_size=32, rope_theta=5e5)))
+    assert plan.start_step == 3 and [n[:90] for n in plan.notes if "model." in n] == [
+        f"warning: checkpoint {tmp_path}/checkpoints/step_00000003 was trained with model.chunk_size=16; resuming"[:90],
+        f"warning: checkpoint {tmp_path}/checkpoints/step_00000003 was trained with model.rope_theta=10000.0; resumi"[:90]]
+    with pytest.raises(CheckpointError, match=r"another model shape \(conv_kernel 4 -> 3; rope_theta"):
+        plan_resume(config(tmp_path), model_signature(HybridConfig(conv_kernel=3, rope_theta=5e5)))
+
+
+def test_a_transformers_field_that_keeps_every_parameter_resumes_with_a_warning(tmp_path):
+    import transformers
+
+    base = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, architectures=["LlamaForCausalLM"])
+    fake_checkpoint(tmp_path / "checkpoints", 3, model=json.loads(json.dumps(model_signature(base))))
+    theta = transformers.LlamaConfig(**{**base.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    notes = plan_resume(config(tmp_path), model_signature(theta)).notes
+    assert any("model.rope_parameters=" in n and "loads every parameter" in n for n in notes), notes
+    wider = transformers.LlamaConfig(**{**base.to_dict(), "intermediate_size": 48})
+    with pytest.raises(CheckpointError, match=r"another model shape \(intermediate_size 32 -> 48"):
+        plan_resume(config(tmp_path), model_signature(wider))
+
+
 HOLDER = """
 import sys, time
 from hybridpar.train.run.directory import OutputDirLock

@@ -28,6 +28,7 @@ from hybridpar.train.run.checkpoint import (CheckpointError, checkpoint_step, in
                                         newest_complete, read_run_info, remove_checkpoint)
 from hybridpar.train.run.directory import METRICS_FILE, OutputDirLock, check_run_paths, remove_stale_saves
 from hybridpar.train.run.fingerprints import data_sources, moved_sources, source_changes
+from hybridpar.train.run.model_change import function_change_notes, same_parameters
 from hybridpar.train.run.numerics import numeric_changes
 
 DATA_STREAM_KEYS = ("task", "path", "tokenizer", "seed", "pack_size", "packs_per_step", "task_options")
@@ -67,10 +68,14 @@ def model_signature(model_config) -> dict:
     return json.loads(json.dumps(values, default=str))
 
 
+def changed_keys(recorded: dict, current: dict, skip: tuple = ()) -> list[str]:
+    """The keys whose values differ between two records (a key one lacks counts), sorted."""
+    return [key for key in sorted(set(recorded) | set(current)) if key not in skip and recorded.get(key) != current.get(key)]
+
+
 def _differences(recorded: dict, current: dict, prefix: str, skip: tuple = ()) -> list[str]:
     return [f"{prefix}{key} {json.dumps(recorded.get(key))} -> {json.dumps(current.get(key))}"
-            for key in sorted(set(recorded) | set(current))
-            if key not in skip and recorded.get(key) != current.get(key)]
+            for key in changed_keys(recorded, current, skip)]
 
 
 def _model_kind(signature: dict) -> str:
@@ -152,11 +157,15 @@ def _check_peft(path: Path, info: dict, config: RunConfig) -> None:
 def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | None, cp: int) -> tuple[int, list[str]]:
     """Refuse a checkpoint of another model shape or data stream; returns the padding to use and
     the notes (a changed data source under ``data.on_change=warn``)."""
+    notes = []
     if model is not None and "model" in info:
         changed = _differences(info["model"], model, "", skip=("dtype",))
         kinds = [_model_kind(m) for m in (info["model"], model)]
         if kinds[0] != kinds[1]:  # another model altogether: its own field names, not a list of every field
             changed = [f"{kinds[0]} -> {kinds[1]}, {len(changed)} fields differ"]
+        elif changed and same_parameters(info["model"], model):  # chunk_size, rope_theta: it loads whole
+            keys = changed_keys(info["model"], model, skip=("dtype",))
+            notes, changed = function_change_notes(path, info["model"], model, keys), []
         if changed:
             raise CheckpointError(f"checkpoint {str(path)!r} was written by another model shape ({'; '.join(changed)}; "
                                   "recorded -> now); resuming would load only part of it. Use the model.preset/"
@@ -176,7 +185,7 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
                               f"parallel.cp={cp} every document must pad to a multiple of 2*cp={2 * cp}, so the batches "
                               "would change. Resume at a cp whose 2*cp divides "
                               f"{pad}, or start fresh (checkpoint.resume=null).")
-    notes = numeric_changes(path, info, config)
+    notes += numeric_changes(path, info, config)
     if recorded:
         recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
         current = data_stream(config, pad)
