@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hybridpar.models.linear import delta_backward
+from hybridpar.models.mamba import fla_backward
 from hybridpar.models.mamba import fused
 from hybridpar.models.mamba.core import row_documents
 from hybridpar.models.mamba.fused import use_mamba_kernel, use_stand_in
@@ -157,7 +158,7 @@ def test_a_rule_with_a_backward_of_its_own_runs_it_alone(family, want_final):
 def test_an_fla_core_whose_internals_differ_keeps_autograd_of_its_forward(family, monkeypatch, caplog):
     """Where fla-core's internals are not the ones checked (here it does not import), FLA's rule keeps
     autograd of its forward: no backward of its own, logged once at INFO with why."""
-    monkeypatch.setattr(delta_backward, "_RESOLVED", {})
+    monkeypatch.setattr(fla_backward, "_RESOLVED", {})
     resolve = getattr(delta_backward, f"{family.name}_backward")
     with caplog.at_level(logging.INFO, logger=delta_backward.__name__):
         assert resolve() is None and resolve() is None

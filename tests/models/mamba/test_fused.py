@@ -144,7 +144,7 @@ def test_an_fla_core_whose_internals_differ_keeps_autograd_of_its_forward(monkey
     assert fla_backward.fla_internals(needed, "fake_fla_chunk:entry") == (
         None, "fla-core's fake_fla_chunk.backward takes no dht")
     assert fla_backward.fla_internals({}, "fake_fla_chunk:entry") == (None, "fla-core has no fake_fla_chunk.entry")
-    monkeypatch.setattr(fla_backward, "_RESOLVED", fla_backward._UNSET)
+    monkeypatch.setattr(fla_backward, "_RESOLVED", {})
     with caplog.at_level(logging.INFO, logger=fla_backward.__name__):
         assert fla_backward.simple_gla_backward() is None and fla_backward.simple_gla_backward() is None
     lines = [r.getMessage() for r in caplog.records if r.name == fla_backward.__name__]

@@ -20,20 +20,19 @@ backward; the forward's ``chunk_gated_delta_rule_fwd_h`` and output kernel no lo
 kernels on the same inputs as autograd through FLA's forward: the same bits.
 
 Each is ``(q, k, v, g, beta, do, dht, *, scale, initial_state, cu_seqlens) -> (dq, dk, dv, dg, dbeta, dh0)``
-in FLA's dtypes, resolved once (``fla_internals``): None where fla-core's functions are not the ones
+in FLA's dtypes, resolved once (``fla_backward.resolve_backward``): None where fla-core's functions are not the ones
 checked or a backend of fla-core may take the rule (logged once; the op then differentiates the forward).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from types import SimpleNamespace
 
 from torch import Tensor
 
-from hybridpar.models.mamba.fla_backward import CHUNK, fla_internals
+from hybridpar.models.mamba.fla_backward import CHUNK, resolve_backward
 
 __all__ = ["gdn_backward", "kda_backward"]
 
@@ -61,7 +60,6 @@ _NEEDED = {
         _KDA + "input_guard": (), _KDA_FWD + "RCP_LN2": None},
 }
 _ENTRY = {"gdn": (_GDN + "chunk_gated_delta_rule", "gated_delta_rule"), "kda": (_KDA + "chunk_kda", None)}
-_RESOLVED: dict[str, Callable | None] = {}
 
 
 def _gdn_backward(fla: SimpleNamespace, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, do: Tensor,
@@ -98,20 +96,11 @@ def _kda_backward(fla: SimpleNamespace, q: Tensor, k: Tensor, v: Tensor, g: Tens
     return dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), dh0
 
 
-def _resolve(rule: str, backward: Callable) -> Callable | None:
-    if rule not in _RESOLVED:
-        fla, why = fla_internals(_NEEDED[rule], *_ENTRY[rule])
-        if fla is None:
-            logger.info("%s rule backward: autograd through FLA's forward (%s)", rule, why)
-        _RESOLVED[rule] = None if fla is None else fla.input_guard(functools.partial(backward, fla))
-    return _RESOLVED[rule]
-
-
 def gdn_backward() -> Callable | None:
     """``chunk_gated_delta_rule``'s backward without its forward (module docstring), or None."""
-    return _resolve("gdn", _gdn_backward)
+    return resolve_backward("gdn rule", _NEEDED["gdn"], _ENTRY["gdn"][0], _gdn_backward, logger, _ENTRY["gdn"][1])
 
 
 def kda_backward() -> Callable | None:
     """``chunk_kda``'s backward without its forward (module docstring), or None."""
-    return _resolve("kda", _kda_backward)
+    return resolve_backward("kda rule", _NEEDED["kda"], _ENTRY["kda"][0], _kda_backward, logger, _ENTRY["kda"][1])

@@ -32,12 +32,11 @@ from types import SimpleNamespace
 
 from torch import Tensor
 
-__all__ = ["CHUNK", "fla_internals", "simple_gla_backward"]
+__all__ = ["CHUNK", "fla_internals", "resolve_backward", "simple_gla_backward"]
 
 logger = logging.getLogger(__name__)
 CHUNK = 64  # FLA's chunk size when none is passed (simple GLA, the gated delta rule, KDA)
-_UNSET = object()
-_RESOLVED: object = _UNSET
+_RESOLVED: dict[str, Callable | None] = {}  # resolve_backward's, by name
 _GLA = "fla.ops.simple_gla.chunk:"
 _NEEDED = {
     _GLA + "prepare_chunk_indices": ("cu_seqlens", "chunk_size", "cu_seqlens_cpu"),
@@ -100,14 +99,20 @@ def _simple_gla_backward(fla: SimpleNamespace, q: Tensor, k: Tensor, v: Tensor, 
     return dq.to(q), dk.to(k), dv.to(v), dg, dh0
 
 
+def resolve_backward(name: str, needed: dict, entry: str, backward: Callable, log: logging.Logger,
+                     operation: str | None = None) -> Callable | None:
+    """``backward(fla, ...)`` bound to fla-core's objects ``needed`` (``fla_internals``), its inputs made
+    contiguous as FLA's Function makes them; None where the internals are not the ones checked, logged
+    once on ``log`` as ``"{name} backward: ..."``. Resolved once per ``name``."""
+    if name not in _RESOLVED:
+        fla, why = fla_internals(needed, entry, operation)
+        if fla is None:
+            log.info("%s backward: autograd through FLA's forward (%s)", name, why)
+        _RESOLVED[name] = None if fla is None else fla.input_guard(functools.partial(backward, fla))
+    return _RESOLVED[name]
+
+
 def simple_gla_backward() -> Callable | None:
     """``chunk_simple_gla``'s backward without its forward, ``(q, k, v, g, do, dht, *, scale, initial_state,
-    cu_seqlens, state_v_first) -> (dq, dk, dv, dg, dh0)``, its inputs made contiguous as FLA's Function
-    makes them; None where fla-core's internals are not the ones checked (logged once). Resolved once."""
-    global _RESOLVED
-    if _RESOLVED is _UNSET:
-        fla, why = fla_internals(_NEEDED, _GLA + "chunk_simple_gla")
-        if fla is None:
-            logger.info("mamba scan backward: autograd through FLA's forward (%s)", why)
-        _RESOLVED = None if fla is None else fla.input_guard(functools.partial(_simple_gla_backward, fla))
-    return _RESOLVED
+    cu_seqlens, state_v_first) -> (dq, dk, dv, dg, dh0)``, or None (``resolve_backward``)."""
+    return resolve_backward("mamba scan", _NEEDED, _GLA + "chunk_simple_gla", _simple_gla_backward, logger)
