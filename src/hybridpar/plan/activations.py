@@ -16,7 +16,8 @@ saves today (``models/blocks.py``, ``mamba/mixer.py``, ``attention/mixer.py``, `
                    cp_attention=ulysses: + the core's own out [T, Hq Dh / cp] (exchanged back after)
     MLP            + up output and act(up) [Tc, 2 I] (gated: gate, up, product: 3 I; ``gated_product``
                      recomputes act(gate), as transformers' Llama-form MLPs do through it)
-    MoE (E)        + router, routed experts and shared experts (a transformers twin's; ``plan/hf/moe.py``)
+    MoE (E)        + router, routed experts and shared experts (a transformers twin's; ``plan/hf/moe.py``);
+                     + the router load-balancing term's softmax [Tc, E] float32 under every policy
     parallel (P)   a twin's Falcon-H1 layer: the Mamba2 and attention terms after one norm, each branch
                      reading its own multiplied copy of the norm output (one more [Tc, D]; under
                      autocast the projections' bf16 casts instead, below); its ``mup_vector`` product
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
 from hybridpar.parallel.comm.units import attention_layers
-from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes
+from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes, router_aux_bytes
 from hybridpar.plan.layout import Layout
 
 __all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals", "block_widths",
@@ -75,8 +76,12 @@ def block_widths(layout: Layout) -> dict:
 
 
 def block_saved_bytes(layout: Layout, kind: str, policy: str | None = None) -> int:
-    """Bytes one block of ``kind`` ("M", "*", "-") keeps for backward on this rank, one pack."""
-    policy = policy or layout.checkpointing
+    """Bytes one block of ``kind`` ("M", "*", "-") keeps for backward on this rank, one pack; a MoE block's
+    router load-balancing term keeps its softmax under every policy (outside the checkpoints)."""
+    return (router_aux_bytes(layout) if kind == "E" else 0) + _block_saved_bytes(layout, kind, policy or layout.checkpointing)
+
+
+def _block_saved_bytes(layout: Layout, kind: str, policy: str) -> int:
     w, e, ec = block_widths(layout), layout.act_bytes, layout.compute_bytes
     tc, ts = layout.tokens, layout.stream_tokens
     block_input = ts * w["d"] * layout.stream_bytes

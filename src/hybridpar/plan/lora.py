@@ -35,7 +35,7 @@ from __future__ import annotations
 from hybridpar.parallel.comm.grad_flow import adapted_linear
 from hybridpar.plan.activations import (block_saved_bytes, block_widths, hf_mixer_bytes, hf_norm_bytes, linear_weights,
                                         mixer_saved_bytes)
-from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes
+from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes, router_aux_bytes
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
@@ -83,6 +83,7 @@ def lora_block_bytes(layout: Layout, index: int) -> int:
         return out
     if kind == "E":
         out += moe_saved_bytes(layout, adapted, flow.input[index], flow.mlp[index])
+        out += router_aux_bytes(layout, flow.input[index])  # the load-balancing term's softmax (frozen router)
     elif getattr(layout.model, "mlp_fused", False):  # Granite's shared_mlp
         out += fused_mlp_saved(layout, layout.model.intermediate_size, "output_linear" not in adapted,
                                not flow.mlp[index])

@@ -7,7 +7,10 @@ Walking one step's last pack (the worst: earlier packs' gradients are live) bloc
                     per step), 0 when the rank runs one pack
     root          = FSDP's gathered root (embeddings, norm_f, lm_head: never resharded), 0 without FSDP
     forward  i    = base + G_acc + root + sum_{j<i} saved_j + gathered(i) + gathered(i+1) + fwd_ws(i)
+                    + sum_{j<i} logits_j (a MoE block's router logits, recorded to the forward's end)
     loss          = base + G_acc + root + sum_j saved_j + saved_head + loss_ws (forward / backward)
+                    (+ every E block's logits in the forward, held for the router's load-balancing term)
+    router aux    = loss without loss_ws + the term's cp > 1 workspace (``plan/hf/moe.router_aux_workspace``)
     backward i    = base + G_i + root + sum_{j<=i} saved_j - freed(i) + gathered(i) + gathered(i-1)
                     + bwd_ws(i) + unsharded grads of i (FSDP, before its reduce-scatter)
     optimizer     = params + grads + AdamW state + the largest parameter's update temporaries (x2)
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridpar.plan.activations import BLOCK_NAMES, block_kind_totals, block_saved_bytes, head_saved_bytes
+from hybridpar.plan.hf.moe import router_aux_bytes, router_aux_workspace, router_logits_bytes
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.lora import lora_block_bytes
 from hybridpar.plan.params import ParameterMemory, grad_flow, parameter_memory
@@ -59,8 +63,13 @@ def memory_plan(layout: Layout) -> MemoryPlan:
         for i in range(1, len(pattern), 2):
             rebuilt = block_saved_bytes(layout, pattern[i - 1], "none") - block_saved_bytes(layout, pattern[i - 1])
             ws[i] = Workspaces(ws[i].forward, ws[i].backward + rebuilt, ws[i].freed)
+    # router logits the forward holds beyond what a block keeps (plan/hf/moe.py: the load-balancing term's
+    # softmax, counted in saved, stands in for its logits during the forward)
+    logits = [router_logits_bytes(layout) - router_aux_bytes(layout, flow.input[i]) if kind == "E" else 0
+              for i, kind in enumerate(pattern)]
     head = head_saved_bytes(layout)
     loss = loss_workspaces(layout)
+    aux_logits = pattern.count("E") * router_logits_bytes(layout) if router_aux_bytes(layout) else 0
     e_p, fsdp, sharded = params.element_bytes, layout.fsdp, layout.shard > 1
     full_grad = {u: n * e_p for u, n in params.trainable_unit_numel.items()}  # LoRA: the adapters' only
     grad_after = {u: (-(-n // layout.shard) * e_p if fsdp else n * e_p) for u, n in params.trainable_unit_numel.items()}
@@ -80,9 +89,11 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     for i, kind in enumerate(pattern):
         moments.append((f"forward of block {i} ({BLOCK_NAMES[kind]})", {
             **common, "activations": sum(saved[:i]), "fsdp_gathered": gathered(i) + gathered(i + 1),
-            "workspace": ws[i].forward}))
-    for name, workspace in (("loss forward", loss.forward), ("loss backward", loss.backward)):
-        moments.append((name, {**common, "activations": sum(saved) + head, "workspace": workspace}))
+            "workspace": ws[i].forward, "router_logits": sum(logits[:i])}))
+    for name, workspace, held in (("loss forward", loss.forward, aux_logits), ("loss backward", loss.backward, 0),
+                                  ("router auxiliary loss", router_aux_workspace(layout), aux_logits)):
+        moments.append((name, {**common, "activations": sum(saved) + head, "workspace": workspace,
+                               "router_logits": held}))
     for i in reversed(range(len(pattern))):
         if not flow.output[i]:  # no backward runs there
             continue

@@ -28,7 +28,7 @@ import dataclasses
 
 from hybridpar.models.mamba.mixer import replicated_groups
 from hybridpar.parallel.comm.step import SOURCES, StepShape, Tally, _ring, attention_layers, dim_label, step_collectives
-from hybridpar.plan.hf.moe import moe_traffic
+from hybridpar.plan.hf.moe import moe_traffic, router_aux_traffic
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
@@ -78,7 +78,8 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
     if layout.cp_attention == "ring" and layout.cp > 1:
         sources["cp_attention"] = ring_attention(layout)
     if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):
-        sources["tp_moe"] = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp
+        sources["tp_moe"] = moe_traffic(layout)  # routing weights, Granite's fused shared_mlp, latent projections
+        sources["router_aux"] = router_aux_traffic(layout)  # the load-balancing term's sums (cp, dp x cp)
     if layout.sp and "P" in layout.model.pattern:
         sources["tp_branches"] = branch_gradients(layout)
     if layout.checkpointing != "none":
@@ -130,7 +131,7 @@ def by_kind_and_dim(sources: dict[str, Tally]) -> dict[str, int]:
     total = Tally()
     for tally in sources.values():
         total = total + tally
-    return {f"{kind}/{dim}": nbytes for (kind, dim), (_, nbytes) in sorted(total.items())}
+    return {f"{kind}/{dim}": nbytes for (kind, dim), (calls, nbytes) in sorted(total.items()) if calls or nbytes}
 
 
 def by_kind(sources: dict[str, Tally]) -> dict[str, int]:

@@ -41,13 +41,15 @@ def _saved_bytes(trainer, pack) -> dict:
 
     - ``live``: bytes the forward allocated and left live (CPU allocator events,
       ``train/tensor_peak``), minus the loss outputs: everything backward will read, under any
-      checkpointing policy (a checkpoint's kept input and selective cache included);
+      checkpointing policy (a checkpoint's kept input and selective cache included), once the
+      router load-balancing term is taken as the trainer takes it (``router_aux_term``);
     - ``hooks``: distinct storages autograd packs (saved-tensor hooks). A checkpointed block packs
       its tensors under its own hooks, but saves its inputs outside them: this sees everything
       under ``none`` and ``full``, not selective checkpointing's cached outputs.
     """
     import torch
 
+    from hybridpar.models.hf.router_aux import router_aux_term
     from hybridpar.train.tensor_peak import TensorPeak
 
     def parameters():
@@ -60,17 +62,21 @@ def _saved_bytes(trainer, pack) -> dict:
         for ptr, nbytes in _storages(t):
             if nbytes and ptr not in current:
                 kept[ptr] = nbytes
-        return t
+        return t.detach()  # not t: a saved output would hold its own grad_fn (a cycle gc cannot free)
 
     before = parameters()
     gc.collect()
-    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t), TensorPeak() as events:
-        loss_sum, _, _ = trainer.forward_loss_sum(pack)
+    with TensorPeak() as events:
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+            loss_sum, _, _ = trainer.forward_loss_sum(pack)
+        # the router load-balancing term, as the trainer takes it before backward (it drops the recorded
+        # logits; at cp > 1 its own softmax replaces the model's): outside the hooks, which count the model's
+        aux = router_aux_term(trainer.model, 1, trainer._cp_sum if trainer.layout.dims.cp > 1 else None)
         gc.collect()  # tensors the forward left in reference cycles are garbage, not kept for backward
     gathered = sum(n for ptr, n in parameters().items() if ptr not in before)  # FSDP's root, kept gathered
-    outputs = sum(n for _, n in _storages(loss_sum))
+    outputs = sum(n for out in (loss_sum, aux) for _, n in _storages(out))
     live = events.net_bytes - gathered - outputs
-    loss_sum.backward()
+    (loss_sum if aux is None else loss_sum + aux).backward()
     trainer.optimizer.zero_grad(set_to_none=True)
     return {"live": live, "hooks": sum(kept.values())}
 

@@ -30,6 +30,34 @@ grouped kernel allocates (``moe_workspaces``).
 
 TP traffic beyond every block's entry and exit (``parallel.comm.step.tp_blocks``), from the plans
 in ``parallel/tensor/hf_plans/moe_hybrid.py`` and ``parallel/tensor/moe.py`` (``moe_traffic``).
+
+Latent projections (NemotronH's ``moe_latent_size = L``): ``fc1_latent_proj [L, D]`` maps the
+norm output ``[Tc, D]`` to ``[Tc, L]``, the routed experts run at width ``L`` (``up [E, I, L]``,
+``down [E, L, I]``: every routed row's ``D`` above reads ``L``), ``fc2_latent_proj [D, L]`` maps
+their combined output back; the router and the shared experts read ``[Tc, D]``. Both projections
+are replicated under TP (``LocalReplicateParallel``). Beyond the above an ``E`` block keeps fc2's
+input, the experts' output ``[Tc, L] e`` (fc1's input is the norm output every block keeps); its
+forward holds fc1's output ``[Tc, L] e`` while the experts run. Multiply-adds ``2 D L`` per token more.
+
+Router logits (``output_router_logits``; ``moe_router_logits``, ``moe_aux_loss``): each router's
+``logits [Tc, E]`` are float32 whatever the model dtype (Granite's router casts them, NemotronH's
+computes in float32), ``R = Tc E 4`` bytes per ``E`` block (``router_logits_bytes``).
+transformers' output recorder holds them from the router to the forward's end. NemotronH's forward
+computes no auxiliary loss and a Granite with ``router_aux_loss_coef = 0`` adds none to the
+objective: there they are gone with the model's output, before the loss (forward moments only).
+With the term (Granite; ``models/hf/router_aux.py``), transformers' ``load_balancing_loss_func``
+takes per layer ``p = softmax(z) [Tc, E]`` float32 and keeps it for backward (softmax's backward
+reads its output; ``topk`` and ``histc`` are not differentiated; the sums and the final product
+keep ``[E]``), outside every checkpoint, so each ``E`` block keeps ``R`` more under every policy
+(``router_aux_bytes``; under LoRA only where its input has a gradient: the router is frozen). In
+backward each softmax's gradient ``[Tc, E]`` waits for its layer's router: the same ``R``, freed
+at the same block. The trainer's hook holds the logits too until it takes the term, after the
+head's loss: the loss moment holds ``n_E R`` more. At cp > 1 ``router_aux.switch_parts`` computes
+the softmax of every layer's logits again (kept instead of the model's, whose graph goes when the
+term is taken), each with a ``one_hot [Tc k, E]`` int64 and a ``topk [Tc, k]`` (values ``e_c``,
+indices int64) at a time: one moment of ``saved + head + 2 n_E R + Tc k (8 E + 12)``
+(``router_aux_workspace``). The term's arithmetic (softmax, sums: about ``5 Tc E`` per layer) is no
+matmul and left out of the FLOPs.
 """
 
 from __future__ import annotations
@@ -38,7 +66,8 @@ from hybridpar.parallel.comm.step import Tally, _ring, dim_label
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import grad_flow
 
-__all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "moe_matmul_elements"]
+__all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "moe_matmul_elements",
+           "router_logits_bytes", "router_aux_bytes", "router_aux_workspace", "router_aux_traffic"]
 
 INDEX = 8  # int64
 
@@ -46,7 +75,29 @@ INDEX = 8  # int64
 def _moe(layout: Layout) -> dict:
     c, tp = layout.model, layout.tp
     return dict(experts=c.moe_experts, k=c.moe_top_k, inter=c.moe_intermediate_size // tp,
-                shared=c.moe_shared_size // tp, rows=layout.tokens * c.moe_top_k, sigmoid=c.moe_router == "sigmoid")
+                shared=c.moe_shared_size // tp, rows=layout.tokens * c.moe_top_k, sigmoid=c.moe_router == "sigmoid",
+                width=getattr(c, "moe_latent_size", 0) or c.hidden_size, latent=getattr(c, "moe_latent_size", 0))
+
+
+def router_logits_bytes(layout: Layout) -> int:
+    """``R = Tc E 4``: one ``E`` block's float32 router logits, where the model records them (module docstring)."""
+    c = layout.model
+    return layout.tokens * c.moe_experts * 4 if getattr(c, "moe_router_logits", False) else 0
+
+
+def router_aux_bytes(layout: Layout, input_grad: bool = True) -> int:
+    """What the load-balancing term keeps for backward per ``E`` block, under every policy: its softmax ``R``."""
+    return router_logits_bytes(layout) if getattr(layout.model, "moe_aux_loss", False) and input_grad else 0
+
+
+def router_aux_workspace(layout: Layout) -> int:
+    """Beyond every saved byte, the head's and the held logits (``memory_plan`` adds those), at cp > 1 while
+    the trainer takes the term: the second softmax of every ``E`` block and one layer's ``one_hot`` and
+    ``topk``; 0 without the term or at cp = 1."""
+    if not router_aux_bytes(layout) or layout.cp == 1:
+        return 0
+    c, tc = layout.model, layout.tokens
+    return c.pattern.count("E") * router_logits_bytes(layout) + tc * c.moe_top_k * (8 * c.moe_experts + 12)
 
 
 def fused_mlp_saved(layout: Layout, size: int, frozen_out: bool = False, frozen_in: bool = False) -> int:
@@ -78,10 +129,12 @@ def moe_saved_bytes(layout: Layout, adapted: set[str] | None = None, input_grad:
         router, weight = tc * k * (INDEX + ec), ec
     rows, lora = layout.stream_bytes, adapted is not None  # grouped_mm has no autocast rule: the experts
     kept = ((4 if c.moe_gated else 2) - lora) * m["inter"]  # run in the weights' dtype
-    per_row = (2 - lora) * d * rows + kept * rows + weight + 3 * INDEX
+    per_row = (2 - lora) * m["width"] * rows + kept * rows + weight + 3 * INDEX
     routed = m["rows"] * per_row + 4 * experts if input_grad else 0
-    for name, (width, fan_in, fan_out) in {"up": (d, (2 if c.moe_gated else 1) * m["inter"], d),
-                                           "down": (m["inter"], d, m["inter"])}.items():
+    if m["latent"] and input_grad and (not lora or "fc2_latent_proj" in adapted):
+        routed += tc * m["latent"] * e  # fc2_latent_proj's input, the experts' output
+    for name, (width, fan_in, fan_out) in {"up": (m["width"], (2 if c.moe_gated else 1) * m["inter"], m["width"]),
+                                           "down": (m["inter"], m["width"], m["inter"])}.items():
         if lora and adapted & {f"lora_{name}_proj", f"lora_gate_{name}_proj"}:  # adapted stacked weights: each
             routed += m["rows"] * width * rows + experts * fan_in * fan_out * rows  # keeps its input rows again
             # and the effective weight W + B A it computed with (models/lora_experts.py)
@@ -100,8 +153,9 @@ def moe_workspaces(layout: Layout) -> tuple[int, int]:
     is not kept apart; checked against the allocator's peak of one step, 1 process)."""
     c, m = layout.model, _moe(layout)
     e, ec, d = layout.act_bytes, layout.compute_bytes, c.hidden_size
-    forward = 2 * m["rows"] * d * e + layout.tokens * m["experts"] * ec
-    routed = m["rows"] * ((2 * d + 3 * m["inter"]) if c.moe_gated else (d + 2 * m["inter"])) * e
+    width = m["width"]  # the experts' (NemotronH: the latent L, whose [Tc, L] fc1 output the forward holds)
+    forward = 2 * m["rows"] * width * e + layout.tokens * m["experts"] * ec + layout.tokens * m["latent"] * e
+    routed = m["rows"] * ((2 * width + 3 * m["inter"]) if c.moe_gated else (width + 2 * m["inter"])) * e
     backward = max(routed, layout.tokens * 3 * m["shared"] * e)
     return forward, backward
 
@@ -122,6 +176,14 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
     Each fused gated MLP: forward all-gather of ``[Tc, 2 Is/tp]``, backward all-gather of the
     gradient of ``output_linear``'s input slice ``[Tc, Is/tp]``.
 
+    With latent projections (NemotronH; ``moe_block_plan``: the terms are not summed) the experts
+    all-reduce their output ``[Tc, L]`` before ``fc2_latent_proj`` and their input's gradient
+    ``[Tc, L]`` after it in backward (+2 all-reduces). Under SP the block then reads the gathered
+    norm output whole and is sliced back: the shared experts all-reduce their ``[Tc, D]`` output,
+    the input's gradient ``[Tc, D]`` is all-reduced, and the exit's forward and entry's backward
+    reduce-scatters of ``tp_blocks`` do not run (+2 all-reduces, -2 reduce-scatters; the slice's
+    backward all-gather is the exit's). A recomputation repeats the experts' all-reduce.
+
     ``recomputed``: the blocks a checkpoint's recomputation runs again (``full``/``selective``), for
     their fused MLPs' forward all-gathers. Under LoRA a backward row runs only where a gradient
     reaches (``parallel/comm/grad_flow.py``): the routing weights' where the block's input has one
@@ -133,9 +195,20 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
     flow, pattern, fused = grad_flow(layout), c.pattern, c.mlp_fused
     mlp_kinds = "E-" if fused else ""
     gathered = _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e)  # Granite: the shared_mlp's
+    latent = _ring("all_reduce", tp, tc * getattr(c, "moe_latent_size", 0) * e)  # 0 without latent projections
     if recomputed is not None:
         extra.add("all_gather", label, gathered, flow.count(recomputed, pattern, mlp_kinds) * packs)
+        extra.add("all_reduce", label, latent, flow.count(recomputed, pattern, "E") * packs)
         return extra
+    if latent:
+        blocks, backward = pattern.count("E") * packs, flow.count(flow.input, pattern, "E") * packs
+        extra.add("all_reduce", label, latent, blocks + backward)
+        if layout.sp:
+            entry = layout.stream_bytes if layout.hf_decoder else e  # tp_blocks' entry and MoE exit sizes
+            extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.hidden_size * e), blocks)
+            extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.hidden_size * entry), backward)
+            for size, calls in ((layout.compute_bytes, blocks), (entry, backward)):  # tp_blocks' reduce-scatters
+                _take(extra, "reduce_scatter", label, _ring("reduce_scatter", tp, tc * c.hidden_size * size), calls)
     weight = e if c.moe_router == "sigmoid" else layout.compute_bytes  # Granite's softmax weights: float32
     extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.moe_top_k * weight), flow.count(flow.input, pattern, "E") * packs)
     if layout.sp and fused:
@@ -147,9 +220,35 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
     return extra
 
 
+def _take(tally: Tally, kind: str, dim: str, nbytes: int, calls: int) -> None:
+    """Remove ``calls`` collectives of ``nbytes`` that another source counts but do not run."""
+    if calls > 0:
+        entry = tally.setdefault((kind, dim), [0, 0])
+        entry[0] -= calls
+        entry[1] -= calls * nbytes
+
+
+def router_aux_traffic(layout: Layout) -> Tally:
+    """The router load-balancing term's collectives per step (``train/trainer.py``, ``models/hf/router_aux.py``):
+    at cp > 1 each pack's ranks sum Switch's counts ``[E]`` and row count ``[]`` (float32) over CP; once
+    per step the term is summed over dp x cp (float64) for the reported loss."""
+    out = Tally()
+    if not getattr(layout.model, "moe_aux_loss", False):
+        return out
+    dims, packs = layout.dims, layout.packs_per_rank
+    if layout.cp > 1:
+        for nbytes in (layout.model.moe_experts * 4, 4):
+            out.add("all_reduce", dim_label(dims, ("cp",)), _ring("all_reduce", layout.cp, nbytes), packs)
+    dp_cp = dims.size("dp") * layout.cp
+    if dp_cp > 1:
+        out.add("all_reduce", dim_label(dims, ("dp_replicate", "dp_shard", "cp")), _ring("all_reduce", dp_cp, 8))
+    return out
+
+
 def moe_matmul_elements(config) -> int:
-    """Multiply-adds per token of one ``E`` block (full widths): router, ``k`` experts, shared MLP."""
-    d = config.hidden_size
-    experts = config.moe_top_k * config.moe_intermediate_size * d * (3 if config.moe_gated else 2)
+    """Multiply-adds per token of one ``E`` block (full widths): router, ``k`` experts (at the latent
+    width ``L`` with latent projections), shared MLP, the two latent projections ``2 D L``."""
+    d, latent = config.hidden_size, getattr(config, "moe_latent_size", 0)
+    experts = config.moe_top_k * config.moe_intermediate_size * (latent or d) * (3 if config.moe_gated else 2)
     shared = config.moe_shared_size * d * (3 if config.mlp_fused else 2)
-    return config.moe_experts * d + experts + shared
+    return config.moe_experts * d + experts + shared + 2 * d * latent

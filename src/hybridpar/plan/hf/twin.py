@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridpar.models.hf.router_aux import router_aux_coefficient
 from hybridpar.models.hybrid import HybridConfig
 
 __all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
@@ -62,6 +63,9 @@ class TwinConfig(HybridConfig):
     moe_router: str = "softmax"  # "softmax" of the top-k logits (Granite) or "sigmoid" with groups (NemotronH)
     moe_groups: tuple[int, int] = (1, 1)  # NemotronH's n_group, topk_group
     moe_norm_topk: bool = False  # NemotronH's norm_topk_prob
+    moe_latent_size: int = 0  # NemotronH's fc1/fc2_latent_proj [L, D], [D, L] around the experts (0: none)
+    moe_router_logits: bool = False  # output_router_logits: every router's [Tc, E] logits kept to the forward's end
+    moe_aux_loss: bool = False  # and the trainer adds their load-balancing loss (plan/hf/moe.router_aux_bytes)
 
     def validate(self) -> None:
         """HybridConfig's rules, with ``E`` (a MoE block, priced by the planner only) read as an MLP block."""
@@ -76,11 +80,14 @@ class TwinConfig(HybridConfig):
         from hybridpar.parallel.comm.step import ParamShape
 
         d, e, inter, shared = self.hidden_size, self.moe_experts, self.moe_intermediate_size, self.moe_shared_size
-        sharded = tp > 1
+        sharded, width = tp > 1, self.moe_latent_size or d  # the experts read and write the latent width
         up = "gate_up_proj" if self.moe_gated else "up_proj"
         params = [ParamShape(f"{prefix}.gate.weight", (e, d), False),
-                  ParamShape(f"{prefix}.experts.{up}", (e, (2 if self.moe_gated else 1) * inter // tp, d), sharded),
-                  ParamShape(f"{prefix}.experts.down_proj", (e, d, inter // tp), sharded)]
+                  ParamShape(f"{prefix}.experts.{up}", (e, (2 if self.moe_gated else 1) * inter // tp, width), sharded),
+                  ParamShape(f"{prefix}.experts.down_proj", (e, width, inter // tp), sharded)]
+        if self.moe_latent_size:  # replicated over TP (parallel/tensor/moe.py: LocalReplicateParallel)
+            params += [ParamShape(f"{prefix}.fc1_latent_proj.weight", (width, d), False),
+                       ParamShape(f"{prefix}.fc2_latent_proj.weight", (d, width), False)]
         if shared and self.mlp_fused:  # Granite's shared_mlp: input_linear [2 Is, D], output_linear [D, Is]
             params += [ParamShape(f"{prefix}.shared.input_linear.weight", (2 * shared // tp, d), sharded),
                        ParamShape(f"{prefix}.shared.output_linear.weight", (d, shared // tp), sharded)]
@@ -124,8 +131,6 @@ def _mamba_hybrid_twin(config) -> tuple[TwinConfig | None, str]:
     kinds = list(getattr(config, "layers_block_type", None) or ())
     moe = [i for i, kind in enumerate(kinds) if kind == "moe"]
     if moe:
-        if getattr(config, "moe_latent_size", None) is not None:
-            return None, f"its MoE latent projections (moe_latent_size={config.moe_latent_size}) are not planned"
         fields["layers_block_type"] = ["mlp" if kind == "moe" else kind for kind in kinds]
     try:
         native = config_from_hf(fields)
@@ -137,7 +142,10 @@ def _mamba_hybrid_twin(config) -> tuple[TwinConfig | None, str]:
         shape.update(moe_experts=config.n_routed_experts, moe_top_k=config.num_experts_per_tok,
                      moe_intermediate_size=config.moe_intermediate_size,
                      moe_shared_size=config.moe_shared_expert_intermediate_size, moe_router="sigmoid",
-                     moe_groups=(config.n_group, config.topk_group), moe_norm_topk=bool(config.norm_topk_prob))
+                     moe_groups=(config.n_group, config.topk_group), moe_norm_topk=bool(config.norm_topk_prob),
+                     moe_latent_size=getattr(config, "moe_latent_size", None) or 0,
+                     moe_router_logits=bool(getattr(config, "output_router_logits", False)))
+        # NemotronHForCausalLM computes no aux_loss (its output has none), so nothing trains on the logits
     return TwinConfig(**shape, paired_layers=config.model_type == "bamba"), ""
 
 
@@ -149,8 +157,6 @@ def granite_twin(config) -> tuple[TwinConfig | None, str]:
     keep nothing."""
     if config.hidden_act != "silu":
         return None, f"granitemoehybrid with hidden_act={config.hidden_act!r} is not a gated SiLU MLP"
-    if getattr(config, "output_router_logits", False):
-        return None, "its router auxiliary loss (output_router_logits=true) is not planned"
     heads = config.num_attention_heads
     experts = config.num_local_experts or 0
     mixers = ["M" if kind in ("mamba", "linear_attention") else "*" for kind in config.layers_block_type]
@@ -176,7 +182,9 @@ def _granite_twin(config, heads: int, experts: int, mixers: list[str], rope: boo
         mlp_activation="silu", mlp_gated=True, tie_word_embeddings=bool(config.tie_word_embeddings), mlp_fused=True,
         moe_experts=experts, moe_top_k=config.num_experts_per_tok if experts else 0,
         moe_intermediate_size=config.intermediate_size if experts else 0, moe_gated=True,
-        moe_shared_size=config.shared_intermediate_size if experts else 0, summed_branches=True)
+        moe_shared_size=config.shared_intermediate_size if experts else 0, summed_branches=True,
+        moe_router_logits=bool(experts and config.output_router_logits),
+        moe_aux_loss=bool(experts and router_aux_coefficient(config)))  # models/hf/router_aux.py
 
 
 def falcon_twin(config) -> tuple[TwinConfig | None, str]:
