@@ -32,6 +32,7 @@ import types
 
 from torch import Tensor, nn
 
+from hybridpar.models.hf.mixers.documents import use_position_documents
 from hybridpar.models.hf.mixers.fallback import takes_transformers_forward
 from hybridpar.models.hf.versions import require_for_mixers
 from hybridpar.models.mamba.mixer import local_conv_scan
@@ -122,7 +123,8 @@ def switch_mixers(model: nn.Module, is_mixer, problem_of, mark: str, forward, de
     """``switch_forward`` on every module ``is_mixer`` names (or ``mark`` marks already: a switched
     module may no longer look like one, e.g. its projection split by ``parallelize``); returns their
     names. ``problem_of(name, module)``: why the core cannot run it exactly, raised as ``ValueError``
-    ending with the fix (train with ``supported``)."""
+    ending with the fix (train with ``supported``). A model with switched mixers takes its documents
+    from restarting ``position_ids`` when no ``packed_seq_params`` come (``use_position_documents``)."""
     names = []
     for name, module in model.named_modules():
         if not getattr(module, mark, False):
@@ -134,6 +136,8 @@ def switch_mixers(model: nn.Module, is_mixer, problem_of, mark: str, forward, de
                 raise ValueError(f"{problem}; train this model with {supported}, or file it as a new mixer.")
             switch_forward(module, mark, forward, default_core)
         names.append(name)
+    if names:  # documents told by position ids alone reach the mixers too (mixers/documents.py)
+        use_position_documents(model)
     return names
 
 
