@@ -177,10 +177,19 @@ def test_the_router_term_adds_to_a_measured_step_what_the_plan_adds(tmp_path):
     assert abs((got_on - got_off) / (plan_on - plan_off) - 1) <= 0.03, (got_on - got_off, plan_on - plan_off)
 
 
-@pytest.mark.parametrize("name, fields, more", [
-    ("granite", AUX, ["parallel.cp=2"]),  # the term's CP sums, its softmax replaced by the trainer's
-    ("nemotron_h_moe", {"moe_latent_size": 64}, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+LATENT = {"moe_latent_size": 64}
+SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+BF16 = "parallel.mixed_precision=bf16"
+
+
+@pytest.mark.parametrize("name, fields, more, world", [
+    ("granite", AUX, ["parallel.cp=2"], 2),  # the term's CP sums, its softmax replaced by the trainer's
+    ("nemotron_h_moe", LATENT, SP, 2),  # the experts' [Tc, L] all-reduces, all-reduces for the pair's reduce-scatters
+    ("nemotron_h_moe", LATENT, [*SP, BF16], 2),  # autocast: the block leaves through fc2 in bf16
+    # FSDP's bf16 with TP: a MoE block leaves in its input's bf16, NemotronH's routing weights are float32
+    ("nemotron_h_moe", LATENT, [*SP, "parallel.cp=2", BF16, "data.pack_size=4096"], 4),
 ])
-def test_the_plan_of_the_router_term_and_latent_projections_matches_one_measured_step(tmp_path, name, fields, more):
+def test_the_plan_of_the_router_term_and_latent_projections_matches_one_measured_step(tmp_path, name, fields, more,
+                                                                                      world):
     overrides = _overrides(_checkpoint(tmp_path / name, name, weights=True, **fields), *more)
-    assert_plan_matches_step(overrides, str(tmp_path / "run"))
+    assert_plan_matches_step(overrides, str(tmp_path / "run"), world)

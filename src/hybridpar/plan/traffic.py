@@ -46,7 +46,8 @@ def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
     """What the step's closed forms read. Under autocast a transformers decoder's norms return the stream's
     dtype, so its blocks' entries move ``e_s``; its layers that reduce their branches with the residual
     (Falcon-H1, Granite 4.0-H: ``summed_branches``) exit in ``e_s`` too, except under SP; a MoE block's
-    output is ``e_c`` (its experts' rows are combined with float32 routing weights); under mixed
+    output is its input's dtype (transformers' experts cast their combined rows back to it: ``e_s`` under
+    autocast, ``e`` under FSDP's bf16; ``e_c`` before, 2 bytes off under FSDP's bf16 with TP); under mixed
     precision (FSDP's too: buffers stay float32) Falcon-H1's ``mup_vector`` makes its Mamba core's inputs
     float32 (``e_c``)."""
     m, e, es = layout.packs_per_rank, layout.act_bytes, layout.stream_bytes
@@ -56,7 +57,7 @@ def step_shape(layout: Layout, docs_per_pack: int = 1) -> StepShape:
     adapters = adapter_params(layout) if layout.lora_rank else None
     return StepShape(layout.model, layout.dims, layout.pack_size, m, e, layout.sequence_parallel, layout.cp_attention,
                      layout.cp_mamba, layout.reshard_after_forward, (docs_per_pack,) * m, es, entry, exit_,
-                     layout.compute_bytes, mamba, adapters, 2 if layout.mixed_precision == "bf16" else layout.adapter_bytes,
+                     entry, mamba, adapters, 2 if layout.mixed_precision == "bf16" else layout.adapter_bytes,
                      layout.adapter_bytes, layout.paired)
 
 

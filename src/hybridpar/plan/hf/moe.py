@@ -182,7 +182,9 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
     norm output whole and is sliced back: the shared experts all-reduce their ``[Tc, D]`` output,
     the input's gradient ``[Tc, D]`` is all-reduced, and the exit's forward and entry's backward
     reduce-scatters of ``tp_blocks`` do not run (+2 all-reduces, -2 reduce-scatters; the slice's
-    backward all-gather is the exit's). A recomputation repeats the experts' all-reduce.
+    backward all-gather is the exit's). A recomputation repeats the experts' all-reduce. Under autocast the
+    block leaves through ``fc2_latent_proj`` in ``e``: its exit (all-reduce; SP: the slice's backward
+    all-gather) moves ``e``, not the float32 of a MoE block whose experts' rows leave it directly.
 
     ``recomputed``: the blocks a checkpoint's recomputation runs again (``full``/``selective``), for
     their fused MLPs' forward all-gathers. Under LoRA a backward row runs only where a gradient
@@ -202,14 +204,22 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
         return extra
     if latent:
         blocks, backward = pattern.count("E") * packs, flow.count(flow.input, pattern, "E") * packs
+        entry = layout.stream_bytes if layout.hf_decoder else e  # tp_blocks' entry and MoE exit (the experts' input)
         extra.add("all_reduce", label, latent, blocks + backward)
         if layout.sp:
-            entry = layout.stream_bytes if layout.hf_decoder else e  # tp_blocks' entry and MoE exit sizes
             extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.hidden_size * e), blocks)
             extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.hidden_size * entry), backward)
-            for size, calls in ((layout.compute_bytes, blocks), (entry, backward)):  # tp_blocks' reduce-scatters
-                _take(extra, "reduce_scatter", label, _ring("reduce_scatter", tp, tc * c.hidden_size * size), calls)
-    weight = e if c.moe_router == "sigmoid" else layout.compute_bytes  # Granite's softmax weights: float32
+            for calls in (blocks, backward):  # tp_blocks' exit (forward) and entry (backward) reduce-scatters
+                _take(extra, "reduce_scatter", label, _ring("reduce_scatter", tp, tc * c.hidden_size * entry), calls)
+        if e != entry:  # under autocast the block leaves through fc2 in e, not in its experts' float32
+            kind, tokens = ("all_gather", layout.stream_tokens) if layout.sp else ("all_reduce", tc)
+            calls = flow.count(flow.output, pattern, "E") * packs if layout.sp else blocks  # SP: the slice's backward
+            _take(extra, kind, label, _ring(kind, tp, tokens * c.hidden_size * entry), calls)
+            extra.add(kind, label, _ring(kind, tp, tokens * c.hidden_size * e), calls)
+    if c.moe_router == "sigmoid":  # NemotronH's weights: float32 scores, bf16 under autocast (its linear casts)
+        weight = e if layout.autocast else layout.compute_bytes
+    else:  # Granite's softmax is cast to the experts' input (type_as): float32 under autocast, FSDP's bf16 e
+        weight = layout.stream_bytes if layout.hf_decoder else e
     extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.moe_top_k * weight), flow.count(flow.input, pattern, "E") * packs)
     if layout.sp and fused:
         extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e),
