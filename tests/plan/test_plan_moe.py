@@ -155,6 +155,10 @@ def test_latent_projections_price_the_experts_at_the_latent_width(tmp_path, more
     rows, tokens = 2048 * 2, 2048
     expected = 2 * (-rows * 2 * (128 - 64) * 4 + tokens * 64 * 4)  # two MoE blocks
     assert plans[64].memory.saved_by_kind["moe"] - plans[None].memory.saved_by_kind["moe"] == expected
+    # multiply-adds per token and block: the experts (k = 2 of intermediate 96, ungated) at width L, fc1 and fc2
+    # whole on every TP rank; x 2 FLOPs, x 3 passes (forward, dX, dW), 2 blocks
+    macs = 2 * 96 * (64 - 128) * 2 // tp + 2 * 128 * 64
+    assert plans[64].time.flops - plans[None].time.flops == pytest.approx(tokens * 2 * macs * 3 * 2)
     if tp > 1:  # the experts' output and its input's gradient [Tc, L] all-reduced per block
         ar = plans[64].traffic_by_kind["all_reduce"] - plans[None].traffic_by_kind["all_reduce"]
         assert ar == 2 * 2 * tokens * 64 * 4 * (tp - 1) // tp * 2

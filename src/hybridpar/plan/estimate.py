@@ -5,7 +5,9 @@ Per rank and step (``m`` packs of ``Tc`` tokens; widths TP-local)::
     matmul FLOPs   = m * Tc * 2 * N_matmul * (3 + r)     forward 1, backward 2, recompute r
                      (r = 1 for full, 0 otherwise; N_matmul = TP-local projection weights; under LoRA
                      backward 1 (dX only: frozen weights), none in the blocks no gradient reaches,
-                     plus each adapter factor's forward, dX and dW: 3 x 2 Tc numel)
+                     plus each adapter factor's forward, dX and dW: 3 x 2 Tc numel; a MoE block's
+                     router and latent projections run whole on every TP rank: ``moe_replicated_elements``;
+                     a router load-balancing term's softmax and sums, ~5 Tc E per layer, are left out)
     loss FLOPs     = m * Tc * 2 * V/tp * D * 4           logits in forward, recomputed + 2 in backward (LoRA: + 1)
     attention      = m * 4 * Tc * (T/2) * Hq/tp * Dh * (1 + 2.5 + r)   causal, one document (upper bound)
     SSD scan       = m * Tc * 2 * (H/tp) * (Q * (P + N) + 2 P N) * (3 + r)   chunked: intra + inter chunk
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridpar.plan.hf.moe import moe_matmul_elements
+from hybridpar.plan.hf.moe import moe_matmul_elements, moe_replicated_elements
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
@@ -79,8 +81,9 @@ def step_flops(layout: Layout) -> float:
     mlp = c.intermediate_size * d * (3 if c.mlp_gated else 2)
     per_kind = {"M": d * w_in + d_in * d, "*": d * (q + 2 * kv) + q * d, "-": mlp}
     per_kind["P"] = per_kind["M"] + per_kind["*"]  # a twin's parallel layer (Falcon-H1): both mixers
-    if "E" in c.pattern:  # a transformers twin's MoE blocks: router, k experts, shared experts
-        per_kind["E"] = moe_matmul_elements(c)
+    replicated = 0
+    if "E" in c.pattern:  # a transformers twin's MoE blocks: router, k experts, shared experts (latent projections);
+        per_kind["E"], replicated = moe_matmul_elements(c), moe_replicated_elements(c)  # the router's, latents' whole
     heads = c.mamba_num_heads / tp
     ssd = 2 * heads * (c.chunk_size * (c.mamba_head_dim + c.ssm_state_size) + 2 * c.mamba_head_dim * c.ssm_state_size)
     attention = 4 * tc * (layout.pack_size / 2) * q / tp
@@ -89,6 +92,7 @@ def step_flops(layout: Layout) -> float:
     for kind, reached in zip(c.pattern, flow.output):  # LoRA: no backward where no gradient reaches, and a
         passes = 1 + (((1 if frozen else 2) + r) if reached else 0)  # frozen weight's backward is dX only
         flops += tc * 2 * per_kind[kind] / tp * passes
+        flops += (kind == "E") * tc * 2 * replicated * (1 - 1 / tp) * passes  # the router, latent projections
         flops += (kind in "*P") * attention * (1 + ((2.5 + r) if reached else 0))
         flops += (kind in "MP") * tc * ssd * passes
     adapters = adapter_params(layout) if frozen else {}  # each factor: forward, dX and dW

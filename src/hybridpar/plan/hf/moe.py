@@ -67,7 +67,8 @@ from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import grad_flow
 
 __all__ = ["moe_saved_bytes", "fused_mlp_saved", "moe_workspaces", "moe_traffic", "moe_matmul_elements",
-           "router_logits_bytes", "router_aux_bytes", "router_aux_workspace", "router_aux_traffic"]
+           "moe_replicated_elements", "router_logits_bytes", "router_aux_bytes", "router_aux_workspace",
+           "router_aux_traffic"]
 
 INDEX = 8  # int64
 
@@ -253,6 +254,12 @@ def router_aux_traffic(layout: Layout) -> Tally:
     if dp_cp > 1:
         out.add("all_reduce", dim_label(dims, ("dp_replicate", "dp_shard", "cp")), _ring("all_reduce", dp_cp, 8))
     return out
+
+
+def moe_replicated_elements(config) -> int:
+    """Of ``moe_matmul_elements``, what every TP rank runs whole: the router ``E D`` and the latent
+    projections ``2 D L`` (replicated; the experts and shared experts split over TP)."""
+    return config.moe_experts * config.hidden_size + 2 * config.hidden_size * getattr(config, "moe_latent_size", 0)
 
 
 def moe_matmul_elements(config) -> int:
