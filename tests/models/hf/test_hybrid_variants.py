@@ -141,3 +141,23 @@ def test_position_ids_that_restart_differently_per_row_or_with_a_cache_are_refus
     with pytest.raises(ValueError, match="several documents together with a cache"):
         model(input_ids=ids, position_ids=rows[:1].expand(2, -1), use_cache=True)
     model(input_ids=ids, position_ids=torch.arange(12)[None].expand(2, -1), use_cache=True)  # one document: fine
+
+
+def test_bambas_z_loss_is_refused_where_hybridpars_loss_would_drop_it():
+    """transformers' Bamba adds ``z_loss_coefficient * mean(logsumexp(logits)^2)`` to its loss; hybridpar's loss
+    (HybridLM's and the transformers backend's) is the cross entropy alone, so both refuse it in one line
+    (before: trained without it, without a word)."""
+    from hybridpar.models.hf.config import config_from_hf
+    from hybridpar.models.hf.logit_transform import probe_logits_after_head
+
+    fields = dict(architectures=["BambaForCausalLM"], model_type="bamba", vocab_size=VOCAB, hidden_size=64,
+                  num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64)
+    config_from_hf({**fields, "z_loss_coefficient": 0.0})
+    with pytest.raises(ValueError, match=r"z_loss_coefficient=0.1 cannot be represented by HybridLM: .*set it to 0.0"):
+        config_from_hf({**fields, "z_loss_coefficient": 0.1})
+    model = _build("bamba_one_group_no_conv_bias_full_rope")
+    assert probe_logits_after_head(model) is None
+    model.config.z_loss_coefficient = 0.1
+    with pytest.raises(ValueError, match=r'sets z_loss_coefficient=0.1: .*a z-loss.*"z_loss_coefficient": 0.0'):
+        probe_logits_after_head(model)

@@ -160,6 +160,8 @@ def _bamba_fields(hf: dict) -> dict:
     if activation != "silu":
         raise unsupported("hidden_act", hf["hidden_act"], "Bamba uses it for the Mamba convolution too, which is SiLU")
     _no_dropout(hf, "attention_dropout")
+    _require(hf, "z_loss_coefficient", (0, 0.0, None), 0.0,
+             "Bamba's loss adds this z-loss and HybridLM's loss is the cross entropy alone; set it to 0.0")
     heads = hf.get("mamba_n_heads", 128)
     head_dim = hf.get("mamba_d_head", "auto")
     if head_dim == "auto":

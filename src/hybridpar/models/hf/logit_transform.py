@@ -28,14 +28,16 @@ import math
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LOGIT_TRANSFORMS", "logit_transform", "describe_transform", "apply_transform", "probe_logits_after_head",
-           "probe_finding"]
+__all__ = ["LOGIT_TRANSFORMS", "LOSS_TERMS", "logit_transform", "loss_term_problem", "describe_transform",
+           "apply_transform", "probe_logits_after_head", "probe_finding"]
 
 # config field -> what the forward does with it: "cap" c tanh(z / c), "scale" z * v, "divide" z / v, None unknown
 LOGIT_TRANSFORMS: dict[str, str | None] = {
     "final_logit_softcapping": "cap", "logits_soft_cap": "cap", "logit_scale": "scale", "logits_scaling": "divide",
     "lm_head_multiplier": "scale", "output_multiplier_scale": None,
 }
+# config field -> the term transformers' own loss adds to the cross entropy, which hybridpar's loss does not
+LOSS_TERMS: dict[str, str] = {"z_loss_coefficient": "a z-loss, {v:g} x mean(logsumexp(logits)^2),"}  # Bamba
 _FOUND = "_hybridpar_logits_after_head"  # set by the probe: None (verified) or what differs
 
 
@@ -92,11 +94,27 @@ def probe_tolerance(logits: Tensor) -> Tensor:
     return 4 * torch.finfo(logits.dtype).eps * (size + 1e-3 * size.max())
 
 
+def loss_term_problem(model: nn.Module) -> str | None:
+    """Why hybridpar's loss (cross entropy on the logits) is not the one ``model``'s config asks for: a
+    ``LOSS_TERMS`` field set above 0 (None: no such term)."""
+    config = getattr(model, "config", None)
+    for field, term in LOSS_TERMS.items():
+        value = getattr(config, field, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
+            return (f"{type(model).__name__} sets {field}={value!r}: transformers' own loss adds {term.format(v=value)} "
+                    "to the cross entropy, and hybridpar's loss is the cross entropy alone, so training would minimize "
+                    f"another objective than the one its config asks for; set \"{field}\": 0.0 in its config.json to train without it")
+    return None
+
+
 @torch.no_grad()
 def probe_logits_after_head(model: nn.Module, tokens: int = 4) -> str | None:
     """Run ``tokens`` ids through ``model`` once (eval mode, no cache) and check its returned logits against
     ``logit_transform(model)`` of ``lm_head``'s output; returns (and keeps on the model) None when they agree,
-    else what differs: a transform under a name not in ``LOGIT_TRANSFORMS`` or not as it says."""
+    else what differs: a transform under a name not in ``LOGIT_TRANSFORMS`` or not as it says. ``ValueError``
+    for a loss term the config adds that hybridpar's loss lacks (``loss_term_problem``: Bamba's z-loss)."""
+    if problem := loss_term_problem(model):
+        raise ValueError(f"{problem}.")
     head = model.get_output_embeddings()
     if head is None:
         return None
