@@ -164,6 +164,15 @@ def test_latent_projections_price_the_experts_at_the_latent_width(tmp_path, more
         assert ar == 2 * 2 * tokens * 64 * 4 * (tp - 1) // tp * 2
 
 
+def test_lora_on_the_experts_of_a_latent_block_is_planned_at_the_latent_width(tmp_path):
+    """Adapters on the stacked experts (``peft.target_parameters``) read and write ``L``: their factors
+    ``A [r E, L]`` and ``B [L, r E]`` equal the model's (before: counted at ``D``, the parameter-only plan)."""
+    path = _checkpoint(tmp_path / "latent", "nemotron_h_moe", moe_latent_size=64)
+    plan = make_plan(load_config(None, _overrides(path, "peft.method=lora", "peft.r=8", "parallel.tp=2",
+                                                  "peft.target_parameters=[experts.up_proj,experts.down_proj]")))
+    assert isinstance(plan, Plan), plan.text()
+
+
 def test_the_router_term_adds_to_a_measured_step_what_the_plan_adds(tmp_path):
     """One process, the same weights with and without the term: the measured saved bytes grow by the plan's
     growth (the softmax per MoE block; within 3% of it), and each plan stays within the usual tolerance."""

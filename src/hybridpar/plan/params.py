@@ -152,7 +152,8 @@ def _expert_factors(c, m: str, r: int, tp: int, stacked: tuple) -> list[ParamSha
     weight, the other replicated (its gradient summed over TP in autograd): ``gate_up_proj``/``up_proj``
     ``A [r E, D]``, ``B [2I/tp, r E]`` (gated: ``weight_gate``, ``weight_up`` [I/tp, r E]);
     ``down_proj`` ``A [r E, I/tp]``, ``B [D, r E]``."""
-    re, d, inter, sharded = r * c.moe_experts, c.hidden_size, c.moe_intermediate_size, tp > 1
+    re, inter, sharded = r * c.moe_experts, c.moe_intermediate_size, tp > 1
+    d = getattr(c, "moe_latent_size", 0) or c.hidden_size  # the experts' width (NemotronH's latent L)
     up = "gate_up_proj" if c.moe_gated else "up_proj"
     params = []
     if _adapted(f"{m}.{up}", stacked):
