@@ -78,12 +78,13 @@ def shifted_labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
     return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX] * bool(ids)
 
 
-def _check_messages(messages: Any, template: str | None = None) -> list[dict[str, str]]:
+def _check_messages(messages: Any, template: str | None = None, specials: Sequence[str] = ()) -> list[dict[str, str]]:
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {quoted(messages, 80)}; "
                          'write it as [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}], '
                          "or remove the record.")
     roles = template_roles(template)
+    messages = [_tool_call_content(m) for m in messages]
     for index, message in enumerate(messages):
         if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
@@ -95,11 +96,63 @@ def _check_messages(messages: Any, template: str | None = None) -> list[dict[str
                                             "message to {'role', 'content'} (human -> user, gpt -> assistant)" if sharegpt
                                             else ": fix or remove the message") + ".")
         _check_role(index, message["role"], roles)
+        _check_extras(index, message, template, specials)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"no message has role 'assistant' (roles: {quoted([m['role'] for m in messages], 200)}), so "
                          "nothing would be trained on; drop the conversation or add the assistant's reply")
     _check_order([m["role"] for m in messages])
     return [dict(m) for m in messages]
+
+
+RENDERED_KEYS = ("tool_calls", "function_call", "reasoning_content", "reasoning", "thinking")  # text a template may render
+
+
+def _tool_call_content(message: Any) -> Any:
+    """An assistant tool call written as OpenAI writes it (``content: null`` beside ``tool_calls``) with content ''."""
+    if isinstance(message, Mapping) and message.get("content") is None and message.get("tool_calls"):
+        return {**message, "content": ""}
+    return message
+
+
+def _weight(message: Mapping) -> int:
+    """OpenAI's fine-tuning ``weight`` of an assistant message: 0 (not trained) or 1 (trained, the default)."""
+    return message.get("weight", 1)
+
+
+def _check_extras(index: int, message: Mapping, template: str | None, specials: Sequence[str]) -> None:
+    """A message's ``weight`` (0 or 1, on an assistant reply), its keys a template renders (``tool_calls``, reasoning),
+    and content that holds a special token's text: each was trained silently wrong (a reply marked weight 0 trained
+    on, a call dropped by a template that never reads ``tool_calls``, ``<|eos|>`` in a reply read as the end token)."""
+    where = f"message {index} ({message['role']!r})"
+    if "weight" in message and (message["role"] != "assistant" or type(message["weight"]) not in (int, float)
+                                or message["weight"] not in (0, 1)):
+        raise ValueError(f"{where} has weight {quoted(message['weight'], 40)}; a weight is 0 (do not train on this reply) "
+                         "or 1 (train on it), on an assistant message only (OpenAI's fine-tuning format): fix or remove it.")
+    for key in RENDERED_KEYS:
+        if message.get(key) and not re.search(rf"\b{key}\b", template or ""):
+            raise ValueError(f"{where} has {key!r}, which the chat template never reads: it would be dropped from the "
+                             f"conversation without a word (a reply trained without the call or reasoning it rests on); use "
+                             f"a chat template that renders {key!r} (the model's own), or move it into the content.")
+    for text in specials:
+        if text in message["content"]:
+            raise ValueError(f"{where} holds {quoted(text)} in its content, the text of the tokenizer's special token, which "
+                             "the tokenizer reads as that token, not as text (a reply would end there, or a header be "
+                             "forged); remove it from the content (a conversation already rendered with a template goes "
+                             "in data.task=jsonl as text), or remove the record.")
+
+
+def special_texts(tokenizer: Tokenizer) -> list[str]:
+    """The texts a pretrained tokenizer reads as one of its special tokens (none for bytes), cached on it."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return []
+    cached = getattr(tokenizer, "_special_texts", None)
+    if cached is None:
+        texts = set(getattr(hf, "all_special_tokens", None) or ())
+        texts |= {t.content for t in (getattr(hf, "added_tokens_decoder", None) or {}).values() if getattr(t, "special", False)}
+        cached = sorted(t for t in texts if isinstance(t, str) and t.strip())
+        tokenizer._special_texts = cached
+    return cached
 
 
 def _check_order(roles: list[str]) -> None:
@@ -155,11 +208,15 @@ def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) 
     An assistant message with empty (or whitespace) content beside replies with text trains no
     token, not even its end of turn (that would teach the model to answer with nothing); a
     conversation whose every reply is empty is left to ``empty_documents`` (skipped, counted)."""
-    messages = _check_messages(messages, tokenizer.chat_template)
-    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    blank = [i for i in replies if not messages[i]["content"].strip()]
+    messages = _check_messages(messages, tokenizer.chat_template, special_texts(tokenizer))
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and _weight(m)]  # weight 0: not trained
+    if not replies:
+        ids = tokenizer.apply_chat_template(messages)
+        return ids, [False] * len(ids)
+    blank = [i for i in replies if not messages[i]["content"].strip() and not messages[i].get("tool_calls")]
     if len(blank) == len(replies):
         blank = []
+    blank += [i for i, m in enumerate(messages) if m["role"] == "assistant" and not _weight(m)]
     if tokenizer.has_generation_tags:
         ids, mask = tokenizer.apply_chat_template(messages, return_assistant_mask=True)
         for i in blank:
@@ -178,7 +235,7 @@ def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) 
 def chat_document(messages: Sequence[Mapping[str, str]], tokenizer) -> Document:
     """One conversation as ``{"input_ids", "labels"}`` with labels on assistant tokens only."""
     ids, mask = assistant_mask(messages, as_tokenizer(tokenizer))
-    if not any(mask[1:]):
+    if not any(mask[1:]) and any(_weight(m) for m in messages if m["role"] == "assistant"):  # all weight 0: empty
         raise ValueError("the chat template left no assistant token to train on (is the reply empty?)")
     return {"input_ids": ids, "labels": shifted_labels(ids, mask)}
 
@@ -192,6 +249,11 @@ def prompt_completion_document(prompt: str, completion: str, tokenizer) -> Docum
                              "a JSON string, or fix or remove the record.")
     if tokenizer.eos_id is None:
         raise ValueError(f"tokenizer {tokenizer.name} has no EOS token to end the completion; use one that defines it")
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if special := next((t for t in special_texts(tokenizer) if t in value), None):
+            raise ValueError(f"the {name} holds {quoted(special)}, the text of the tokenizer's special token, which the "
+                             "tokenizer reads as that token, not as text (a completion would end there); remove it, or "
+                             "remove the record.")
     prompt_ids = tokenizer.document(prompt, add_eos=False)
     completion_ids = tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_id]
     ids = prompt_ids + completion_ids

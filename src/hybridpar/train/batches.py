@@ -323,13 +323,15 @@ class PackStream:
 def missing_eos(config: DataConfig, tokenizer: Tokenizer | None) -> str | None:
     """A notice when a text task's tokenizer defines no EOS (e.g. its tokenizer_config.json is missing):
     every document then ends without an end token, and the model never learns to stop."""
-    text_task = config.task in ("text", "jsonl", "python_stdlib") or \
-        (config.task == "hf_dataset" and config.task_options.get("kind", "text") == "text")
-    if not text_task or tokenizer is None or tokenizer.eos_id is not None:
+    kind = config.task_options.get("kind", "text") if config.task == "hf_dataset" else config.task
+    text_task = kind in ("text", "jsonl", "python_stdlib")  # chat: a template that ends turns with {{ eos_token }}
+    chat = kind in ("chat", "messages") and "eos_token" in (getattr(tokenizer, "chat_template", None) or "")
+    if not (text_task or chat) or tokenizer is None or tokenizer.eos_id is not None:
         return None
     return (f"data.tokenizer: tokenizer {tokenizer.name} defines no EOS token (is its tokenizer_config.json missing, "
-            "or does it name no eos_token?): documents are trained without an end token, so the model will not learn "
-            "to stop; restore the tokenizer's files, or use one that defines an EOS token")
+            f"or does it name no eos_token?): {'the chat template ends each turn with eos_token, which renders as nothing: replies' if chat else 'documents'} "
+            "are trained without an end token, so the model will not learn to stop; restore the tokenizer's files, or "
+            "use one that defines an EOS token")
 
 
 # -- what a dry run reads ----------------------------------------------------------------------

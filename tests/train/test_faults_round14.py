@@ -1,0 +1,163 @@
+"""Round 14 of fault hunting (docs/reliability.md, "Round 14"): SFT records of OpenAI's format (tool calls,
+``weight``), special tokens' text in chat content, a chat template ending turns with a missing EOS, and the
+Python API's tensors of the wrong layout. Each test holds one class of fault; all run in this process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.train.fault_probes import cli, one_line
+
+U, A, TOOL = {"role": "user", "content": "weather?"}, {"role": "assistant", "content": "It is sunny."}, \
+    {"role": "tool", "content": "sunny"}
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+TOOL_TEMPLATE = (  # ChatML that renders an assistant's tool calls, as Qwen's and Llama 3's templates do
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}{% if message.tool_calls %}"
+    "{% for call in message.tool_calls %}<tool_call>{{ call.function.name }}({{ call.function.arguments }})</tool_call>"
+    "{% endfor %}{% endif %}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tests.data.bpe import train_tiny_bpe
+
+    folder = tmp_path_factory.mktemp("tok")
+    train_tiny_bpe(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+
+    return load_pretrained_tokenizer(folder)
+
+
+def _trained(messages, tokenizer) -> str:
+    from hybridpar.data.chat import chat_document
+
+    document = chat_document(messages, tokenizer)
+    return tokenizer.hf.decode([t for t in document["labels"] if t != -100])
+
+
+def test_an_assistant_tool_call_is_trained_not_masked(tmp_path, folder):
+    """An assistant turn that calls a tool (``content: ""`` beside ``tool_calls``) was masked as an empty reply, so a
+    function-calling SFT never trained the call itself; ``content: null`` (OpenAI's own form) was refused as a message
+    without string content."""
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+
+    (tmp_path / "tool").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "tool" / name).write_bytes((folder / name).read_bytes())
+    (tmp_path / "tool" / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    tool = load_pretrained_tokenizer(tmp_path / "tool")
+    for call in (CALL, {**CALL, "content": ""}):
+        trained = _trained([U, call, TOOL, A], tool)
+        assert trained.startswith('<tool_call>get_weather({"city": "Paris"})</tool_call>'), trained
+        assert "It is sunny." in trained and "sunny<" not in trained.split("</tool_call>")[0]
+
+
+def test_a_tool_call_the_template_never_renders_is_refused(tokenizer):
+    """A template that never reads ``tool_calls`` (or ``reasoning_content``) dropped them without a word: the reply
+    after the tool's result was trained as if no call had been made."""
+    from hybridpar.data.chat import chat_document
+
+    for messages, key in (([U, {**CALL, "content": ""}, TOOL, A], "tool_calls"),
+                          ([U, {**A, "reasoning_content": "Look it up."}], "reasoning_content")):
+        with pytest.raises(ValueError) as error:
+            chat_document(messages, tokenizer)
+        assert f"message 1 ('assistant') has '{key}', which the chat template never reads" in one_line(error)
+
+
+def test_openai_weight_zero_is_not_trained(tokenizer):
+    """OpenAI's fine-tuning format marks a reply not to learn with ``"weight": 0``; it was trained on like any other."""
+    from hybridpar.data.chat import chat_document
+
+    bad, good = {"role": "assistant", "content": "no idea", "weight": 0}, {"role": "assistant", "content": "ok", "weight": 1}
+    trained = _trained([U, bad, {"role": "user", "content": "again"}, good], tokenizer)
+    assert "ok" in trained and "no idea" not in trained, trained
+    assert set(chat_document([U, bad], tokenizer)["labels"]) == {-100}  # nothing to learn: skipped and counted
+    for message, said in (({**A, "weight": 2}, "message 1 ('assistant') has weight 2; a weight is 0"),
+                          ({**A, "weight": True}, "has weight True"), ({**U, "weight": 1}, "message 0 ('user') has weight 1")):
+        messages = [message, A] if message["role"] == "user" else [U, message]
+        with pytest.raises(ValueError) as error:
+            chat_document(messages, tokenizer)
+        assert said in one_line(error)
+
+
+def test_a_special_tokens_text_in_chat_content_is_refused(tmp_path, tokenizer):
+    """The tokenizer reads ``<|eos|>`` in a reply as its end token (trained mid-reply: the model learns to stop
+    there), and ``<|im_start|>assistant`` in a user message forges a turn; both passed without a word."""
+    from hybridpar.data.chat import chat_documents, prompt_completion_document
+
+    for messages, said in (([U, {**A, "content": "fine <|eos|> more"}], "message 1 ('assistant') holds '<|eos|>'"),
+                           ([{**U, "content": "<|im_start|>assistant\nx"}, A], "message 0 ('user') holds '<|im_start|>'")):
+        (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+        with pytest.raises(ValueError) as error:
+            chat_documents([tmp_path / "chat.jsonl"], tokenizer)
+        assert one_line(error).startswith(f"{tmp_path}/chat.jsonl:1: {said} in its content, the text of the "
+                                          "tokenizer's special token")
+    with pytest.raises(ValueError) as error:
+        prompt_completion_document("q", "a <|eos|> b", tokenizer)
+    assert "the completion holds '<|eos|>'" in one_line(error)
+
+
+def test_a_chat_template_ending_turns_with_a_missing_eos_is_said(tmp_path, folder):
+    """A tokenizer without an EOS renders the template's ``{{ eos_token }}`` as nothing: every reply trained without
+    an end, silently (the text tasks said it; chat did not)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tmp_path / "model"
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(model)
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        (model / name).write_bytes((folder / name).read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("eos_token")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [{**U, "content": f"q {i}"}, A]}) + "\n"
+                                                 for i in range(20)))
+    code, output = cli("train", f"model.hf_path={model}", "data.task=chat", f"data.path={tmp_path / 'chat.jsonl'}",
+                       f"output_dir={tmp_path / 'run'}", "train.steps=2", "train.warmup_steps=0", "--dry-run")
+    assert code == 0 and "defines no EOS token" in output and "the chat template ends each turn with eos_token, which " \
+        "renders as nothing: replies are trained without an end token" in output, output
+
+
+def test_a_batch_tensor_is_not_one_document():
+    """``pack_documents([batch])`` with a ``[B, S]`` tensor joined its rows into one document (each reading the one
+    before); ``pack_size=True`` split every document into one-token pieces and failed in ``torch.full``."""
+    from hybridpar import pack_documents
+
+    with pytest.raises(ValueError) as error:
+        pack_documents([torch.tensor([[1, 2], [3, 4]])], 8)
+    assert "a document's token ids have shape [2, 2]: its 2 rows would be joined into one document" in one_line(error)
+    assert pack_documents([torch.tensor([[1, 2, 3]])], 8)[0]["input_ids"][:3].tolist() == [1, 2, 3]  # [1, S]: one row
+    for kwargs, said in ((dict(pack_size=True), "pack_size must be a positive int, got True"),
+                         (dict(pack_size=8, cp_size=True), "cp_size must be a positive int, got True")):
+        with pytest.raises(ValueError) as error:
+            pack_documents([[1, 2, 3]], **kwargs)
+        assert said in one_line(error)
+
+
+@pytest.mark.parametrize("ids, said", [
+    (torch.tensor([1, 2, 3]), "input_ids has shape [3] and dtype int64; it must be token ids [batch, seq] of an integer "
+                              "dtype, at least one token long; a single row takes input_ids.unsqueeze(0)"),
+    (torch.tensor([[1.0, 2.0]]), "input_ids has shape [1, 2] and dtype float32"),
+    (torch.zeros(1, 0, dtype=torch.long), "input_ids has shape [1, 0]"),
+    ([[1, 2]], "input_ids is a list, not a torch.Tensor"),
+])
+def test_hybridlm_input_of_the_wrong_layout_is_one_line(ids, said):
+    """A ``[S]`` row was "not enough values to unpack (expected 3, got 2)", naming nothing; float ids, a list or an empty
+    row were errors from inside the embedding or a reshape."""
+    import hybridpar as hp
+
+    model = hp.HybridLM(hp.HybridConfig.from_preset("tiny"))
+    with pytest.raises(ValueError) as error:
+        model(ids)
+    assert said in one_line(error)
+    assert model(torch.tensor([[1, 2, 3]])).shape[:2] == (1, 3)
