@@ -63,10 +63,15 @@ def _token_ids(ids, labels: bool = False) -> Tensor:
         raise ValueError(f"{subject} token ids, not text ({quoted(ids, 60)}); encode it with a tokenizer first "
                          "(e.g. tokenizer.document(text)).")
     try:
-        tensor = torch.as_tensor(ids).flatten()
+        tensor = torch.as_tensor(ids)
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"a document's {what} {quoted(ids, 60)} are not a list of integers ({shorten(str(error), 100)}); "
                          f"pass integer {what}.") from None
+    if tensor.dim() > 1 and tensor.shape[:-1].numel() > 1:  # a [B, S] batch was joined into one document
+        raise ValueError(f"a document's {what} have shape {list(tensor.shape)}: its {tensor.shape[:-1].numel()} rows would "
+                         "be joined into one document, each row reading the ones before it; pass each row as a document "
+                         "of its own (e.g. docs=list(batch)).")
+    tensor = tensor.flatten()
     if tensor.numel() == 0:
         return tensor.to(torch.long)
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
@@ -103,7 +108,7 @@ def document_tokens_and_labels(doc: Document) -> tuple[Tensor, Tensor]:
 
 def document_pad_multiple(cp_size: int) -> int:
     """Per-document padding multiple: ``2*cp`` under context parallelism, 1 without."""
-    if not isinstance(cp_size, int) or cp_size < 1:
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {quoted(cp_size)}.")
     return 1 if cp_size == 1 else 2 * cp_size
 
@@ -145,7 +150,7 @@ def pack_documents(
         raise ValueError(f"docs={quoted(docs, 60)} must be a list of documents (one document is [ids] or "
                          "[{'input_ids': ...}]).")
     multiple = document_pad_multiple(cp_size) if pad_to_multiple_of is None else pad_to_multiple_of
-    if not isinstance(pack_size, int) or pack_size < 1:
+    if not integer(pack_size) or pack_size < 1:  # True packed rows of one token
         raise ValueError(f"pack_size must be a positive int, got {quoted(pack_size)}.")
     if pack_size % multiple != 0:
         source = f"2*cp_size with cp_size={cp_size}" if pad_to_multiple_of is None else "pad_to_multiple_of"
