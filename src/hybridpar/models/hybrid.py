@@ -190,10 +190,25 @@ class HybridBackbone(nn.Module):
     def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None, packed=None) -> Tensor:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, S] or inputs_embeds [B, S, D].")
+        _check_input(input_ids, inputs_embeds)
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden_states = layer(hidden_states, packed)
         return self.norm_f(hidden_states)
+
+
+def _check_input(input_ids, inputs_embeds) -> None:
+    """A tensor of the layout the blocks read (shape and dtype only: no value is read, so nothing syncs): a [S] row
+    was a bare "not enough values to unpack", numpy ids or float ids an error from inside the embedding."""
+    name, value, dims = ("input_ids", input_ids, 2) if inputs_embeds is None else ("inputs_embeds", inputs_embeds, 3)
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{name} is a {type(value).__name__}, not a torch.Tensor; pass torch.as_tensor({name}).")
+    integer = not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
+    if value.dim() != dims or (name == "input_ids") != integer or value.shape[1] == 0:
+        want = "token ids [batch, seq] of an integer dtype" if name == "input_ids" else "[batch, seq, hidden] of a float dtype"
+        fix = ("; a single row takes input_ids.unsqueeze(0)" if value.dim() == 1 and integer else "")
+        raise ValueError(f"{name} has shape {list(value.shape)} and dtype {str(value.dtype).removeprefix('torch.')}; it "
+                         f"must be {want}, at least one token long{fix}.")
 
 
 class HybridLM(nn.Module):
