@@ -40,11 +40,18 @@ def checkpoints(tmp_path_factory):
         num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope", intermediate_size=32,
         shared_intermediate_size=64, layers_block_type=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
         mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8, mamba_expand=2, **COMMON)).save_pretrained(root / "granite_moe")
-    return {name: str(root / name) for name in ("qwen3_moe", "granite_moe")}
+    hf.NemotronHForCausalLM(hf.NemotronHConfig(  # returns router logits but no aux_loss: transformers adds no term
+        layers_block_type=["mamba", "attention", "moe"], n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, head_dim=16, mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=8, **{**COMMON, "num_hidden_layers": 3},
+    )).save_pretrained(root / "nemotron_h_moe")
+    return {name: str(root / name) for name in ("qwen3_moe", "granite_moe", "nemotron_h_moe")}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "granite_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "granite_moe", "nemotron_h_moe"])
 def test_one_pack_trains_transformers_own_loss_with_its_load_balancing_term(checkpoints, name):
+    """NemotronH with ``output_router_logits`` returns its router logits but no ``aux_loss`` and adds no term to
+    its own loss: nor does hybridpar (it raised a TypeError at cp=1 and was refused at cp > 1)."""
     import transformers as hf
 
     from hybridpar.models.hf.float64 import keep_float64
@@ -53,7 +60,8 @@ def test_one_pack_trains_transformers_own_loss_with_its_load_balancing_term(chec
     from hybridpar.train.hf_model import use_blockwise_attention
     from hybridpar.train.trainer import build_model, pack_loss_sum, pack_tensors
 
-    model = build_model(load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints[name]}", "parallel.cp=1"]))
+    model = build_model(load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints[name]}", "parallel.cp=1",
+                                                    "model.backend=transformers"]))
     use_blockwise_attention(model)
     reference = hf.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float64)
     reference.set_experts_implementation("eager")
@@ -66,8 +74,11 @@ def test_one_pack_trains_transformers_own_loss_with_its_load_balancing_term(chec
     model.train(), reference.train()
     loss_sum, _ = pack_loss_sum(model, shard_inputs(input_ids=input_ids, labels=labels, packed=packed))
     aux = router_aux_term(model, 1)
-    assert aux is not None and float(aux) > 0.1  # the term is there, and not small beside the token loss
-    objective = loss_sum / (tokens - 1) + aux
+    if name == "nemotron_h_moe":
+        assert aux is None
+    else:
+        assert aux is not None and float(aux) > 0.1  # the term is there, and not small beside the token loss
+    objective = loss_sum / (tokens - 1) + (0 if aux is None else aux)
     objective.backward()
     want = reference(input_ids=input_ids, labels=input_ids, use_cache=False).loss  # token loss + coef * aux_loss
     want.backward()
@@ -93,9 +104,11 @@ def _check(rank, world_size, overrides):
     ("qwen3_moe", ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=false"]),
     ("qwen3_moe", ["parallel.cp=2", "parallel.tp=1", "parallel.cp_attention=allgather"]),
     ("granite_moe", ["parallel.cp=2", "parallel.tp=1", "parallel.cp_attention=ring", "parallel.cp_mamba=state"]),
-], ids=["granite-dp2", "granite-tp2-sp", "qwen3-tp2", "qwen3-cp2", "granite-cp2"])
+    ("nemotron_h_moe", ["parallel.cp=2", "parallel.tp=1", "parallel.cp_mamba=state"]),
+], ids=["granite-dp2", "granite-tp2-sp", "qwen3-tp2", "qwen3-cp2", "granite-cp2", "nemotron-cp2"])
 def test_the_load_balancing_term_is_one_process_s_at_every_layout(checkpoints, name, layout):
-    code, text = run_ranks(2, _check, [f"model.hf_path={checkpoints[name]}", *layout], timeout_s=300)[0]
+    code, text = run_ranks(2, _check, [f"model.hf_path={checkpoints[name]}", "model.backend=transformers", *layout],
+                           timeout_s=300)[0]
     assert code == 0 and "check exact" in text, text[-1500:]
 
 

@@ -56,7 +56,10 @@ def capture_router_aux(model: nn.Module) -> None:
 
 
 def _keep_aux(module: nn.Module, args, output) -> None:
-    setattr(module, _CAPTURED, (getattr(output, "aux_loss", None), getattr(output, "router_logits", None)))
+    """A model that returns no ``aux_loss`` (NemotronH: its router logits only) adds no term to its own loss
+    either, so nothing is kept and ``router_aux_term`` adds none."""
+    if isinstance(aux := getattr(output, "aux_loss", None), Tensor):
+        setattr(module, _CAPTURED, (aux, getattr(output, "router_logits", None)))
 
 
 def _local(t: Tensor) -> Tensor:
@@ -101,13 +104,16 @@ def router_aux_term(model: nn.Module, packs_per_step: int,
 
 def switch_form_problem(model: nn.Module, vocab_size: int) -> str | None:
     """Why ``model``'s auxiliary loss is not Switch's form, found by one forward of ``PROBE_TOKENS``
-    tokens (its ``aux_loss`` against ``switch_parts`` of its router logits), or None."""
+    tokens (its ``aux_loss`` against ``switch_parts`` of its router logits), or None (also for a model that
+    returns no ``aux_loss``: it has no term)."""
     ids = torch.arange(PROBE_TOKENS, device=next(model.parameters()).device)[None] % vocab_size
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False)
     setattr(model, _CAPTURED, None)
     aux, logits = getattr(out, "aux_loss", None), getattr(out, "router_logits", None)
     top_k = getattr(model.config, "num_experts_per_tok", None)
+    if aux is None:
+        return None
     if not isinstance(aux, Tensor) or not isinstance(logits, tuple) or not logits or not isinstance(top_k, int):
         return "its forward returns no aux_loss and router_logits of Switch's form"
     ours = float(switch_loss(*switch_parts(logits, top_k)))
