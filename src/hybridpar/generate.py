@@ -193,15 +193,20 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
         if not Path(hf_path).is_dir():
             raise ValueError(f"--hf-path {quoted(hf_path)} is not a directory; pass a Hugging Face checkpoint directory "
                              "(config.json + model.safetensors), e.g. a run's model.export_hf.")
-        model_path = hf_path
+        model_path, adapter = hf_path, None
         if (Path(hf_path) / "adapter_config.json").is_file():  # a LoRA adapter: its base with the adapter merged
-            hf_path, model_path = _merged_adapter(hf_path)
+            adapter, (hf_path, model_path) = hf_path, _merged_adapter(hf_path)
         from hybridpar.models.hf.generation_config import check_generation_ids, config_ids_problem
 
-        check_generation_ids(hf_path)  # an end token the model can make (train only warns)
-        if problem := config_ids_problem(hf_path):  # tiny test models keep default ids: said, not refused
-            print(f"hybridpar: warning: {problem}; generation runs to --max-new-tokens.", file=sys.stderr, flush=True)
-        model = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval()
+        try:
+            check_generation_ids(hf_path)  # an end token the model can make (train only warns)
+            if problem := config_ids_problem(hf_path):  # tiny test models keep default ids: said, not refused
+                print(f"hybridpar: warning: {problem}; generation runs to --max-new-tokens.", file=sys.stderr, flush=True)
+            model = load_causal_lm(hf_path, backend, dtype=torch_dtype).eval()
+        except ValueError as error:  # name the adapter and its base, not the temporary folder they were merged into
+            if adapter is None:
+                raise
+            raise ValueError(str(error).replace(hf_path, f"adapter {adapter!r} merged onto its base")) from None
     else:
         path = checkpoint_to_load(checkpoint)
         from hybridpar.train.run.checkpoint import read_run_info

@@ -161,3 +161,30 @@ def test_hybridlm_input_of_the_wrong_layout_is_one_line(ids, said):
         model(ids)
     assert said in one_line(error)
     assert model(torch.tensor([[1, 2, 3]])).shape[:2] == (1, 3)
+
+
+def test_a_lora_export_names_its_base_by_an_absolute_path(tmp_path, monkeypatch, folder):
+    """``model.hf_path=base`` (relative) was written as ``base_model_name_or_path: "base"``: peft or ``generate --hf-path
+    ADAPTER`` started in another directory found no base, or merged the adapter onto another folder of that name
+    without a word. An adapter's load error named the temporary folder it was merged into."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hybridpar as hp
+    from hybridpar.models.hf.lora_export import export_lora
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "base")
+    model = hp.load_causal_lm(tmp_path / "base")
+    hp.add_lora(model, r=2)
+    monkeypatch.chdir(tmp_path)
+    export_lora(model, tmp_path / "adapter", hp.canonical_state_dict(model), base_path="base", tokenizer_dir=folder)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(tmp_path / "base")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, output = cli("generate", "--hf-path", str(tmp_path / "adapter"), "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 0, output
+    code, output = cli("generate", "--hf-path", str(tmp_path / "adapter"), "--prompt", "hi", "--max-new-tokens", "2",
+                       "--backend", "hybrid")
+    assert code == 2 and f"but adapter '{tmp_path / 'adapter'}' merged onto its base holds ['LlamaForCausalLM']" in output \
+        and "hybridpar-lora-" not in output, output

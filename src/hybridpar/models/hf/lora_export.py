@@ -25,6 +25,8 @@ Mamba ``in_proj``'s per-component ``B`` already fused back), so any layout expor
 
 from __future__ import annotations
 
+import os
+
 import json
 from pathlib import Path
 
@@ -86,6 +88,13 @@ def _hf_name(model: nn.Module, architecture: str | None):
     return name_of
 
 
+def _absolute(base_path: str | Path) -> str:
+    """The base as an absolute path: a relative one (``model.hf_path=ckpt/llama``) is relative to the directory the
+    run started in, so peft or ``generate --hf-path ADAPTER`` started elsewhere found no base, or another folder of
+    that name and merged the adapter onto it without a word."""
+    return os.path.abspath(os.path.expanduser(str(base_path)))
+
+
 def save_peft_adapter(model: nn.Module, adapters: dict[str, Tensor], out_dir: str | Path, *,
                       base_path: str | Path | None = None, architecture: str | None = None) -> Path:
     """Write ``adapters`` (canonical adapter tensors of ``model``) in the PEFT format into ``out_dir``."""
@@ -104,7 +113,7 @@ def save_peft_adapter(model: nn.Module, adapters: dict[str, Tensor], out_dir: st
     config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
                         target_modules=targets, bias="none", task_type="CAUSAL_LM",
                         target_parameters=settings["target_parameters"] or None,
-                        base_model_name_or_path=None if base_path is None else str(base_path))
+                        base_model_name_or_path=None if base_path is None else _absolute(base_path))
     config.save_pretrained(str(out_dir))
     tensors = {PEFT_PREFIX + (experts[n] if n in experts else name_of(n)): t.detach().cpu().contiguous()
                for n, t in adapters.items()}
