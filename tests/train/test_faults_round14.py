@@ -188,3 +188,31 @@ def test_a_lora_export_names_its_base_by_an_absolute_path(tmp_path, monkeypatch,
                        "--backend", "hybrid")
     assert code == 2 and f"but adapter '{tmp_path / 'adapter'}' merged onto its base holds ['LlamaForCausalLM']" in output \
         and "hybridpar-lora-" not in output, output
+
+
+@pytest.mark.parametrize("template, messages, said", [
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+     "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", [U, A],
+     "the chat template drops message 1 ('assistant': 'It is sunny.'): its text is not in the rendered conversation, so "
+     "it would be trained as an empty reply without a word"),
+    ("{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+     "{{ eos_token }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+     [{"role": "developer", "content": "be brief"}, U, A], "the chat template drops message 0 ('developer': 'be brief')"),
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}{% endgeneration %}"
+     "{% endif %}{{ m.content }}{{ eos_token }}\n{% endfor %}", [U, A],
+     "the chat template's {% generation %} tags wrap none of the assistant's replies"),
+])
+def test_a_chat_template_that_drops_text_is_refused(tmp_path, folder, template, messages, said):
+    """A template that never renders a reply's text trained its header and end token (the refusal then blamed the
+    records: "every one of the documents has no assistant text ... fill the records"); one that skips a role it does
+    not know left that message out of the prompt without a word; empty ``{% generation %}`` tags asked "is the reply
+    empty?" of a reply that was not."""
+    from hybridpar.data.chat import chat_document
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(template)
+    with pytest.raises(ValueError) as error:
+        chat_document(messages, load_pretrained_tokenizer(tmp_path))
+    assert said in one_line(error)

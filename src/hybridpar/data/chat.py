@@ -202,6 +202,26 @@ def _turn_span(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, ids
     return len(start), len(end)
 
 
+def _check_rendered(messages: list[dict[str, str]], tokenizer: Tokenizer) -> None:
+    """Every message's text is in the rendered conversation: a template that skips a role it does not know (a
+    ``developer`` or ``tool`` message) or drops a reply's text rendered the rest without a word (an assistant
+    turn trained as its header and end token, a prompt missing from the context)."""
+    if getattr(tokenizer, "hf", None) is None or tokenizer.chat_template is None:
+        return
+    try:
+        text = tokenizer.hf.apply_chat_template(messages, tokenize=False, chat_template=tokenizer.chat_template)
+    except Exception:  # the template's own error: said by the render of the ids that follows
+        return
+    for index, message in enumerate(messages):
+        content = message["content"].strip()
+        if content and isinstance(text, str) and content not in text:
+            effect = "trained as an empty reply" if message["role"] == "assistant" else "missing from the prompt"
+            raise ValueError(f"the chat template drops message {index} ({message['role']!r}: {quoted(content, 60)}): its "
+                             f"text is not in the rendered conversation, so it would be {effect} without a word; use a "
+                             f"template that renders every {message['role']!r} message (the model's own), or merge the "
+                             "message into another or remove it.")
+
+
 def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     """``(ids, mask)`` of a conversation: its rendered tokens and which are assistant tokens.
 
@@ -209,6 +229,7 @@ def assistant_mask(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) 
     token, not even its end of turn (that would teach the model to answer with nothing); a
     conversation whose every reply is empty is left to ``empty_documents`` (skipped, counted)."""
     messages = _check_messages(messages, tokenizer.chat_template, special_texts(tokenizer))
+    _check_rendered(messages, tokenizer)
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and _weight(m)]  # weight 0: not trained
     if not replies:
         ids = tokenizer.apply_chat_template(messages)
@@ -236,6 +257,9 @@ def chat_document(messages: Sequence[Mapping[str, str]], tokenizer) -> Document:
     """One conversation as ``{"input_ids", "labels"}`` with labels on assistant tokens only."""
     ids, mask = assistant_mask(messages, as_tokenizer(tokenizer))
     if not any(mask[1:]) and any(_weight(m) for m in messages if m["role"] == "assistant"):  # all weight 0: empty
+        if any(m["content"].strip() for m in messages if m["role"] == "assistant" and _weight(m)):
+            raise ValueError("the chat template's {% generation %} tags wrap none of the assistant's replies, so no token "
+                             "would be trained on; fix the template so that each tag wraps the assistant's content")
         raise ValueError("the chat template left no assistant token to train on (is the reply empty?)")
     return {"input_ids": ids, "labels": shifted_labels(ids, mask)}
 
