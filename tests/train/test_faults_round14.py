@@ -82,6 +82,7 @@ def test_openai_weight_zero_is_not_trained(tokenizer):
     trained = _trained([U, bad, {"role": "user", "content": "again"}, good], tokenizer)
     assert "ok" in trained and "no idea" not in trained, trained
     assert set(chat_document([U, bad], tokenizer)["labels"]) == {-100}  # nothing to learn: skipped and counted
+    assert "It is sunny." in _trained([U, {**A, "weight": None}], tokenizer)  # a table's filler for a missing field
     for message, said in (({**A, "weight": 2}, "message 1 ('assistant') has weight 2; a weight is 0"),
                           ({**A, "weight": True}, "has weight True"), ({**U, "weight": 1}, "message 0 ('user') has weight 1")):
         messages = [message, A] if message["role"] == "user" else [U, message]

@@ -115,8 +115,9 @@ def _tool_call_content(message: Any) -> Any:
 
 
 def _weight(message: Mapping) -> int:
-    """OpenAI's fine-tuning ``weight`` of an assistant message: 0 (not trained) or 1 (trained, the default)."""
-    return message.get("weight", 1)
+    """OpenAI's fine-tuning ``weight`` of an assistant message: 0 (not trained) or 1 (trained, the default; None too: a
+    dataset's table fills a field some messages lack with None)."""
+    return 1 if message.get("weight") is None else message["weight"]
 
 
 def _check_extras(index: int, message: Mapping, template: str | None, specials: Sequence[str]) -> None:
@@ -124,7 +125,7 @@ def _check_extras(index: int, message: Mapping, template: str | None, specials: 
     and content that holds a special token's text: each was trained silently wrong (a reply marked weight 0 trained
     on, a call dropped by a template that never reads ``tool_calls``, ``<|eos|>`` in a reply read as the end token)."""
     where = f"message {index} ({message['role']!r})"
-    if "weight" in message and (message["role"] != "assistant" or type(message["weight"]) not in (int, float)
+    if message.get("weight") is not None and (message["role"] != "assistant" or type(message["weight"]) not in (int, float)
                                 or message["weight"] not in (0, 1)):
         raise ValueError(f"{where} has weight {quoted(message['weight'], 40)}; a weight is 0 (do not train on this reply) "
                          "or 1 (train on it), on an assistant message only (OpenAI's fine-tuning format): fix or remove it.")
