@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
 from hybridpar.config import ConfigError, RunConfig, load_config
@@ -41,6 +42,9 @@ class _Parser(argparse.ArgumentParser):
     input (argparse printed its whole usage, then ``hybridpar VERB: error:``)."""
 
     def error(self, message):
+        if flag := re.fullmatch(r"argument (--[\w-]+)\S*: expected one argument", message):  # --prompt -k, --temperature -1e-3
+            message += (f" (a value that starts with '-', such as a negative number or text, reads as a flag: write it as "
+                        f"{flag[1]}=VALUE)")
         sys.stderr.write(f"hybridpar: error: {shorten(message, 400)} ('{self.prog} --help' lists the flags).\n")
         sys.exit(2)
 

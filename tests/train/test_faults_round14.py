@@ -217,3 +217,19 @@ def test_a_chat_template_that_drops_text_is_refused(tmp_path, folder, template, 
     with pytest.raises(ValueError) as error:
         chat_document(messages, load_pretrained_tokenizer(tmp_path))
     assert said in one_line(error)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "--hf-path", "x", "--prompt", "-v", "--max-new-tokens", "2"], "--prompt"),
+    (["generate", "--hf-path", "x", "--prompt", "k", "--temperature", "-1e-3"], "--temperature"),
+])
+def test_a_flag_value_that_starts_with_a_dash_says_how_to_write_it(capsys, argv, flag):
+    """``--prompt -v`` or ``--temperature -1e-3`` said "expected one argument" of a flag that was given
+    one: argparse reads a value that starts with '-' (other than a plain negative number) as a flag."""
+    from hybridpar.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}: expected one argument (a value that starts with '-', such as a " \
+        f"negative number or text, reads as a flag: write it as {flag}=VALUE)" in err and len(err.splitlines()) == 1, err
