@@ -116,7 +116,8 @@ def install_mamba_core(model: nn.Module) -> list[str]:
     """Give every Mamba2 mixer of ``model`` the training forward through ``mixer.core`` (idempotent);
     returns their names. Raises ``ValueError`` for a variant the core cannot run exactly."""
     return switch_mixers(model, is_mamba2_mixer, mamba_mixer_problem, MARK, mamba_training_forward, local_conv_scan,
-                         "a supported Mamba2 variant")
+                         "a Mamba2 variant the core runs (SiLU after the conv, one D per head, heads a multiple of "
+                         "n_groups, a gated RMSNorm or none)")
 
 
 def switch_mixers(model: nn.Module, is_mixer, problem_of, mark: str, forward, default_core, supported: str) -> list[str]:
