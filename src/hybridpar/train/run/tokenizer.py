@@ -105,12 +105,14 @@ def prepare_data(config: RunConfig, vocab_size: int, say=print) -> DataConfig:
     staging = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        train_bpe_tokenizer(texts, staging, vocab_size=vocab_size)
+        learned = train_bpe_tokenizer(texts, staging, vocab_size=vocab_size).vocab_size
     except ImportError as error:
         raise ConfigError(f"data.tokenizer=bpe: {error}") from None
     (staging / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
     staging.rename(directory)
-    say(f"trained a byte-level BPE tokenizer (vocab {vocab_size}) on {len(texts)} files, "
+    short = "" if learned >= vocab_size else (f" of the model's {vocab_size}: the files hold too few repeated pieces for "
+                                              f"more merges, so {vocab_size - learned} embedding rows are never used")
+    say(f"trained a byte-level BPE tokenizer (vocab {learned}{short}) on {len(texts)} files, "
         f"{sum(map(len, texts)) / 1e6:.1f} MB of {stamp['root']}, in {time.perf_counter() - started:.1f} s: {directory}")
     return resolved
 
