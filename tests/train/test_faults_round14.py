@@ -252,3 +252,20 @@ def test_a_bpe_tokenizer_trained_on_little_text_says_the_vocabulary_it_learned(t
     size = len(learned["model"]["vocab"])
     assert size < 300 and f"trained a byte-level BPE tokenizer (vocab {size} of the model's 4096: the files hold too few " \
         f"repeated pieces for more merges, so {4096 - size} embedding rows are never used) on 2 files" in said[0], said
+
+
+def test_lora_on_moe_experts_by_module_name_points_at_target_parameters():
+    """``peft.target_modules=[experts]`` on a MoE model was told to "use names of its linear layers" only: the experts'
+    stacked weights are adapted by ``peft.target_parameters``, which the message did not name."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hybridpar import add_lora
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               num_experts=2, num_experts_per_tok=1, head_dim=8))
+    with pytest.raises(ValueError) as error:
+        add_lora(model, targets=["experts"])
+    assert "matches only non-Linear modules (['Qwen3MoeExperts']) of Qwen3MoeForCausalLM; use names of its linear layers, " \
+        "e.g. ['k_proj', 'o_proj', 'q_proj', 'v_proj']; its stacked expert weights are adapted by " \
+        "peft.target_parameters=[experts.down_proj,experts.gate_up_proj]." in one_line(error)

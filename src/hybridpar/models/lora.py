@@ -119,8 +119,11 @@ def _linear_targets(model: nn.Module, targets: tuple[str, ...] | None) -> dict[s
             what = f"only non-Linear modules ({kinds})" if found else "no module"
             examples = sorted({n.split(".")[-1] for n, m in model.named_modules()
                                if isinstance(m, nn.Linear) and not n.endswith("lm_head")})
+            stacked = sorted({f"{n.split('.')[-1]}.{k}" for n, m in found.items()  # MoE experts: [E, out, in] weights
+                              for k, w in m.named_parameters(recurse=False) if w.dim() == 3})
+            experts = f"; its stacked expert weights are adapted by peft.target_parameters=[{','.join(stacked)}]" if stacked else ""
             raise ValueError(f"peft.target_modules entry {target!r} matches {what} of {type(model).__name__}; "
-                             f"use names of its linear layers, e.g. {examples[:12]}.")
+                             f"use names of its linear layers, e.g. {examples[:12]}{experts}.")
         names.update(linear)
     return names
 
