@@ -6,7 +6,8 @@ through its HybridLM twin; ``qwen2``, ``qwen3``: the same widths with Qwen2's q/
 per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with dense MLPs;
 ``nemotron_h_moe``, ``granitemoehybrid``, ``granitemoehybrid_dense``: with MoE layers, and Granite 4.0-H's
 layers without experts; ``granitemoehybrid_aux``: 16 experts and ``output_router_logits`` (the trainer adds the
-router's load-balancing loss); ``nemotron_h_latent``: ``nemotron_h_moe`` with MoE latent projections (``moe_latent_size``); ``falcon_h1``, ``falcon_h1_norm``: Mamba2 and attention side by side in each layer, one
+router's load-balancing loss; ``granitemoehybrid_aux32``: the same with 32 experts, whose FSDP peak
+shows a decoder layer gathered as one unit); ``nemotron_h_latent``: ``nemotron_h_moe`` with MoE latent projections (``moe_latent_size``); ``falcon_h1``, ``falcon_h1_norm``: Mamba2 and attention side by side in each layer, one
 B/C group and ``y * silu(z)`` (its default), or two groups and its gated norm; ``+lora``, ``+lora-qv``: LoRA
 (r=8) on every linear layer, or on q_proj and v_proj only; ``+lora-experts``: on the stacked experts too), layout
 (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
@@ -32,6 +33,8 @@ so a change to the planner shows without measuring again (``--replan`` does only
     python benchmarks/planner.py --models bamba nemotron_h --lengths 4096
     python benchmarks/planner.py --models nemotron_h_moe granitemoehybrid granitemoehybrid_dense --lengths 2048
     python benchmarks/planner.py --models granitemoehybrid_aux nemotron_h_latent --lengths 2048
+    python benchmarks/planner.py --models granitemoehybrid_aux32 --lengths 2048 --layouts cp=2 dp_shard=2 \
+        --checkpointing none selective full
     python benchmarks/planner.py --models falcon_h1 falcon_h1_norm --lengths 4096 --checkpointing none selective full
     python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
         --checkpointing full selective
@@ -68,7 +71,7 @@ import harness
 # Mamba norm (falcon_h1) or two groups and the gated norm applied before the gate (falcon_h1_norm); each checkpoint is
 # written once (seed 0)
 MAMBA_HF = ("bamba", "nemotron_h", "nemotron_h_moe", "granitemoehybrid", "granitemoehybrid_dense", "falcon_h1",
-            "falcon_h1_norm", "granitemoehybrid_aux", "nemotron_h_latent")
+            "falcon_h1_norm", "granitemoehybrid_aux", "nemotron_h_latent", "granitemoehybrid_aux32")
 HF_MODELS = ("llama", "qwen2", "qwen3", *MAMBA_HF)
 CHECKPOINTS = {name: Path(tempfile.gettempdir()) / f"hybridpar-planner-{name}" for name in HF_MODELS}
 MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"],
@@ -118,6 +121,8 @@ MAMBA_WIDTHS.update(granitemoehybrid={**GRANITE, "num_local_experts": 4}, granit
 # NemotronH's MoE latent projections (fc1/fc2_latent_proj, experts at width 64 of 128)
 MAMBA_WIDTHS.update(granitemoehybrid_aux={**GRANITE, "num_local_experts": 16, "output_router_logits": True,
                                           "router_aux_loss_coef": 0.01},
+                    granitemoehybrid_aux32={**GRANITE, "num_local_experts": 32, "output_router_logits": True,
+                                            "router_aux_loss_coef": 0.01},
                     nemotron_h_latent={**MAMBA_WIDTHS["nemotron_h_moe"], "moe_latent_size": 64})
 FALCON = dict(mamba_n_heads=8, mamba_d_head=32, mamba_d_ssm=256, mamba_d_state=16, mamba_chunk_size=64,
               ssm_in_multiplier=0.7, key_multiplier=0.5, mlp_multipliers=[1.1, 0.9], ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3])
@@ -140,7 +145,8 @@ def hf_checkpoints() -> None:
                          "nemotron_h": (hf.NemotronHConfig, hf.NemotronHForCausalLM),
                          "nemotron_h_moe": (hf.NemotronHConfig, hf.NemotronHForCausalLM),
                          "nemotron_h_latent": (hf.NemotronHConfig, hf.NemotronHForCausalLM),
-                         **dict.fromkeys(("granitemoehybrid", "granitemoehybrid_dense", "granitemoehybrid_aux"),
+                         **dict.fromkeys(("granitemoehybrid", "granitemoehybrid_dense", "granitemoehybrid_aux",
+                                          "granitemoehybrid_aux32"),
                                          (hf.GraniteMoeHybridConfig, hf.GraniteMoeHybridForCausalLM)),
                          **dict.fromkeys(("falcon_h1", "falcon_h1_norm"), (hf.FalconH1Config, hf.FalconH1ForCausalLM))}[name]
         torch.manual_seed(0)

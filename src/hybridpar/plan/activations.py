@@ -55,7 +55,7 @@ from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes, router_aux_b
 from hybridpar.plan.layout import Layout
 
 __all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals", "block_widths",
-           "mixer_saved_bytes", "hf_norm_bytes", "hf_mixer_bytes", "linear_weights"]
+           "mixer_saved_bytes", "hf_norm_bytes", "hf_mixer_bytes", "hf_gated_norm_bytes", "linear_weights"]
 
 BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "P": "mamba+attention"}
 
@@ -171,17 +171,26 @@ def hf_mixer_bytes(layout: Layout, kind: str, w: dict) -> int:
     if kind == "*" and getattr(layout.model, "qk_norm", False):  # Qwen3's per-head q/k RMSNorms: their input
         heads = (layout.model.num_attention_heads + layout.model.num_key_value_heads) // layout.tp  # (float32
         extra += tc * (w["q"] + w["kv"]) * ((not frozen) * e + ec) + tc * heads * ec  # copy), product (cast), rstd
-    transformers_gated_norm = getattr(layout.model, "mamba_gated_norm", True) and not getattr(
-        layout.model, "lean_gated_norms", False)  # a gated RMSNorm not of Bamba's form (none: y * silu(z))
-    if kind == "M" and not replicated_groups(layout.model.mamba_n_groups, layout.tp) and transformers_gated_norm:
-        extra += (3 - frozen) * tc * w["d_inner"] * ec  # in float32: silu(z), y * silu(z), its normalized product (one group
-        # under TP runs parallel/tensor/hybrid.spanning_group_norm instead, which keeps what ours keeps; Bamba's
-        # form runs ours, models/hf/activations.use_lean_rms_norms)
+    if kind == "M":
+        extra += hf_gated_norm_bytes(layout, w)
     if layout.autocast:
         extra += tc * w["d"] * e * (2 if kind == "*" else 1)
         if kind == "*" and w["rot"]:
             extra += tc * (w["q"] + w["kv"]) * (ec - e) + tc * w["q"] * ec
     return extra
+
+
+def hf_gated_norm_bytes(layout: Layout, w: dict) -> int:
+    """A Mamba2 mixer's transformers gated RMSNorm where it runs (a norm not of Bamba's form; none:
+    ``y * silu(z)``): in float32 ``silu(z)``, ``y * silu(z)`` and its normalized product, ``3 [Tc, d_inner/tp]``
+    (under LoRA no product: the weight is frozen). One group under TP runs ``parallel/tensor/hybrid.
+    spanning_group_norm`` instead, which keeps what ours keeps; Bamba's form runs ours
+    (``models/hf/activations.use_lean_rms_norms``). Freed before the Mamba core's backward."""
+    c = layout.model
+    if replicated_groups(c.mamba_n_groups, layout.tp) or not getattr(c, "mamba_gated_norm", True) or getattr(
+            c, "lean_gated_norms", False):
+        return 0
+    return (3 - bool(layout.lora_rank)) * layout.tokens * w["d_inner"] * layout.compute_bytes
 
 
 def linear_weights(layout: Layout, kind: str) -> int:

@@ -15,10 +15,17 @@ Walking one step's last pack (the worst: earlier packs' gradients are live) bloc
                     + bwd_ws(i) + unsharded grads of i (FSDP, before its reduce-scatter)
     optimizer     = params + grads + AdamW state + the largest parameter's update temporaries (x2)
 
-with ``G_i`` the gradients of the units already done (root and blocks > i; sharded under FSDP)
-plus ``G_acc``; ``gathered(u)`` is unit u's unsharded parameters (only under FSDP with
-``reshard_after_forward``; with it off every unit stays gathered). The peak is the maximum; the
-process baseline (CPU: the interpreter and libraries; GPU: the CUDA context) is stated apart.
+with ``G_i`` the gradients of the units already done (root and the units after block i's; sharded
+under FSDP) plus ``G_acc``; ``gathered(i)`` is the unsharded parameters of the FSDP unit that holds
+block i (only under FSDP with ``reshard_after_forward``; with it off every unit stays gathered),
+``gathered(i + 1)`` the next unit's (forward) and ``gathered(i - 1)`` the previous one's (backward's
+prefetch). The unit is what ``parallel/data/fsdp.apply_fsdp`` shards: a transformers decoder layer.
+A paired twin (``Layout.paired``: a mixer block then its MLP/MoE block per decoder layer, e.g.
+Granite's mixer + MoE, Falcon-H1's ``P`` + MLP, Llama's attention + MLP) gathers both blocks as one
+unit, and its unsharded gradients in block i's backward are those of the layer's blocks ``j >= i``
+(the layer is reduce-scattered once, after its first block's backward); otherwise a unit is one
+block. The peak is the maximum; the process baseline (CPU: the interpreter and libraries; GPU: the
+CUDA context) is stated apart.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from hybridpar.plan.lora import lora_block_bytes
 from hybridpar.plan.params import ParameterMemory, grad_flow, parameter_memory
 from hybridpar.plan.transients import Workspaces, block_workspaces, loss_workspaces
 
-__all__ = ["MemoryPlan", "memory_plan"]
+__all__ = ["MemoryPlan", "memory_plan", "fsdp_layers"]
 
 
 @dataclass
@@ -46,6 +53,15 @@ class MemoryPlan:
     @property
     def saved_bytes(self) -> int:
         return sum(self.saved_by_kind.values())
+
+
+def fsdp_layers(layout: Layout) -> list[tuple[int, ...]]:
+    """The FSDP units as the block indices each holds (``apply_fsdp``'s units: HybridLM's blocks, a
+    transformers model's decoder layers): a paired twin's ``(2 l, 2 l + 1)`` per layer, else one block."""
+    n = len(layout.model.pattern)
+    if layout.paired:
+        return [tuple(range(i, min(i + 2, n))) for i in range(0, n, 2)]
+    return [(i,) for i in range(n)]
 
 
 def memory_plan(layout: Layout) -> MemoryPlan:
@@ -74,11 +90,13 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     full_grad = {u: n * e_p for u, n in params.trainable_unit_numel.items()}  # LoRA: the adapters' only
     grad_after = {u: (-(-n // layout.shard) * e_p if fsdp else n * e_p) for u, n in params.trainable_unit_numel.items()}
     keep_gathered = sharded and layout.reshard_after_forward is False
+    layers = fsdp_layers(layout)  # FSDP units as block indices: a paired twin's decoder layer is one
+    layer_of = {i: u for u, blocks in enumerate(layers) for i in blocks}
 
-    def gathered(i: int) -> int:
-        if not sharded or keep_gathered or not 0 <= i < len(units):
+    def gathered(u: int) -> int:  # FSDP unit u's unsharded parameters
+        if not sharded or keep_gathered or not 0 <= u < len(layers):
             return 0
-        return params.gathered(units[i])
+        return sum(params.gathered(units[i]) for i in layers[u])
 
     base = {"parameters": params.param_bytes, "optimizer": params.optimizer_bytes}
     accumulated = sum(full_grad.values()) if layout.packs_per_rank > 1 else 0
@@ -87,8 +105,9 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     moments: list[tuple[str, dict]] = []
     common = {**base, "accumulated_grads": accumulated, "fsdp_root": root + all_gathered}
     for i, kind in enumerate(pattern):
+        u = layer_of[i]
         moments.append((f"forward of block {i} ({BLOCK_NAMES[kind]})", {
-            **common, "activations": sum(saved[:i]), "fsdp_gathered": gathered(i) + gathered(i + 1),
+            **common, "activations": sum(saved[:i]), "fsdp_gathered": gathered(u) + gathered(u + 1),
             "workspace": ws[i].forward, "router_logits": sum(logits[:i])}))
     for name, workspace, held in (("loss forward", loss.forward, aux_logits), ("loss backward", loss.backward, 0),
                                   ("router auxiliary loss", router_aux_workspace(layout), aux_logits)):
@@ -97,13 +116,18 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     for i in reversed(range(len(pattern))):
         if not flow.output[i]:  # no backward runs there
             continue
+        u = layer_of[i]
+        later = [units[j] for j in range(i + 1, len(units)) if layer_of[j] > u]  # units already reduced
         done = full_grad[""] if not fsdp else grad_after[""]
-        done += sum(grad_after[u] if fsdp else full_grad[u] for u in units[i + 1:])
+        done += sum(grad_after[n] if fsdp else full_grad[n] for n in later)
+        own = sum(full_grad[units[j]] for j in layers[u] if j >= i)  # this unit's gradients so far
+        if not sharded:  # nothing waits for a reduce-scatter
+            done += own - full_grad[units[i]]
         grads = accumulated if layout.packs_per_rank > 1 else done
         moments.append((f"backward of block {i} ({BLOCK_NAMES[pattern[i]]})", {
             **common, "accumulated_grads": 0, "gradients": grads, "activations": sum(saved[: i + 1]) - ws[i].freed,
-            "fsdp_gathered": gathered(i) + gathered(i - 1), "workspace": ws[i].backward,
-            "unsharded_grads": full_grad[units[i]] if sharded and layout.packs_per_rank == 1 else 0}))
+            "fsdp_gathered": gathered(u) + gathered(u - 1), "workspace": ws[i].backward,
+            "unsharded_grads": own if sharded and layout.packs_per_rank == 1 else 0}))
     largest = max((n for n in params.trainable_unit_numel.values()), default=0)
     moments.append(("optimizer step", {**base, "gradients": params.grad_bytes,
                                        "workspace": 2 * min(largest, params.per_rank) * e_p}))

@@ -15,7 +15,12 @@ Backward of one block: its recomputation (the forward workspace again; under ``f
 saved tensors and inputs, and the residual gradient ``[Ts, D] + [Tc, D]``:
 
     Mamba2     the core's backward (``mamba_core`` + ``ssd_chunked.backward``), below; the block's
-               out_proj input, y and gated-norm rstd are already freed (``Workspaces.freed``)
+               out_proj input, y and gated-norm rstd are already freed (``Workspaces.freed``), and so
+               are a transformers gated norm's float32 ``silu(z)``, product and normalized product
+    P          (a twin's Falcon-H1 layer) max(Mamba2's, attention's + freed): the attention branch ran
+               last, so its backward runs first, before anything is freed, and frees the branch's
+               input copy, q, k, v, out and lse (+ ``freed``) before the Mamba2 branch's backward
+               (measured: none of them live at the peak of its core's backward)
     attention  K, V copies + 1.5 score steps + dq, dk, dv in e_c and in e
     MLP        [Tc, 2 I] (gated: 3 I)
 
@@ -53,7 +58,8 @@ from hybridpar.models.lm_head_loss import block_shape
 from hybridpar.models.mamba.ssd_chunked import DIAGONAL_SLICE_BYTES
 from hybridpar.train.loss import lm_head_loss
 
-from hybridpar.plan.activations import block_saved_bytes, block_widths
+from hybridpar.plan.activations import (block_saved_bytes, block_widths, hf_gated_norm_bytes, hf_mixer_bytes,
+                                        mixer_saved_bytes)
 from hybridpar.plan.hf.moe import moe_workspaces
 from hybridpar.plan.layout import Layout
 
@@ -99,13 +105,23 @@ def block_workspaces(layout: Layout, kind: str) -> Workspaces:
     if kind == "P":  # a twin's Falcon-H1 layer: one branch's output is live while the other runs
         (mamba_fwd, mamba_bwd, freed), (attention_fwd, attention_bwd, _) = (
             _mixer_workspaces(layout, mixer, w) for mixer in "M*")
-        forward, backward = max(mamba_fwd, attention_fwd) + tc * w["d"] * e, max(mamba_bwd, attention_bwd)
+        forward = max(mamba_fwd, attention_fwd) + tc * w["d"] * e
+        if not layout.lora_rank:  # attention ran last, so its backward runs first and frees what it kept
+            freed += _attention_branch_saved(layout, w)  # before the Mamba branch's backward
+        backward = max(mamba_bwd, attention_bwd + freed)  # attention's runs before anything is freed
     else:
         forward, backward, freed = _mixer_workspaces(layout, kind, w)
     forward, backward = forward + flow, backward + flow
     if layout.checkpointing != "none":  # backward first rebuilds the block's tensors
         backward += block_saved_bytes(layout, kind, "none") - block_saved_bytes(layout, kind)
     return Workspaces(forward, backward, freed)
+
+
+def _attention_branch_saved(layout: Layout, w: dict) -> int:
+    """What a Falcon-H1 layer's attention branch keeps (its multiplied input copy, q, k, v, out, lse):
+    freed by its backward, which runs before the Mamba branch's (``block_workspaces``)."""
+    copy = 0 if layout.autocast else layout.tokens * w["d"] * layout.act_bytes
+    return copy + mixer_saved_bytes(layout, "*", w, True) + hf_mixer_bytes(layout, "*", w)
 
 
 def _mixer_workspaces(layout: Layout, kind: str, w: dict) -> tuple[int, int, int]:
@@ -115,6 +131,7 @@ def _mixer_workspaces(layout: Layout, kind: str, w: dict) -> tuple[int, int, int
         w_conv = w["w_core"] - w["heads"]
         states = -(-tc // c.chunk_size) * w["d_inner"] * c.ssm_state_size * ec  # [Tc/Q, H, P, N]
         freed = tc * 2 * w["d_inner"] * e + tc * w["groups"] * ec  # out_proj input, y, gated-norm rstd
+        freed += hf_gated_norm_bytes(layout, w) if layout.hf_decoder else 0  # transformers' float32 gated norm
         return tc * (w_conv + 4 * w["heads"]) * ec + states, mamba_core_backward(layout), freed
     if kind == "*":
         ulysses = layout.cp > 1 and layout.cp_attention == "ulysses"
