@@ -269,3 +269,29 @@ def test_lora_on_moe_experts_by_module_name_points_at_target_parameters():
     assert "matches only non-Linear modules (['Qwen3MoeExperts']) of Qwen3MoeForCausalLM; use names of its linear layers, " \
         "e.g. ['k_proj', 'o_proj', 'q_proj', 'v_proj']; its stacked expert weights are adapted by " \
         "peft.target_parameters=[experts.down_proj,experts.gate_up_proj]." in one_line(error)
+
+
+@pytest.mark.timeout(60, method="thread")  # pytest-timeout's signal method holds the timer the limit uses
+def test_a_chat_template_that_loops_is_stopped(tmp_path, folder, monkeypatch):
+    """A template with nested loops (``range(100000)`` twice: jinja's sandbox bounds each range, not their product)
+    rendered for minutes per conversation before any step, in the launcher and every rank, with nothing said."""
+    import time
+
+    import hybridpar.data.tokenizers as tokenizers
+    from hybridpar.data.chat import chat_document
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% for m in messages %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}{{ eos_token }}{% endfor %}")
+    monkeypatch.setattr(tokenizers, "RENDER_SECONDS", 0.5)
+    started = time.perf_counter()
+    with pytest.raises(ValueError) as error:
+        chat_document([U, A], load_pretrained_tokenizer(tmp_path))
+    assert time.perf_counter() - started < 5
+    assert f"the chat template of tokenizer {tmp_path} took more than 0.5 s to render one conversation (a loop in the " \
+        "template?)" in one_line(error)
+    import signal
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0 and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None)

@@ -39,7 +39,7 @@ from typing import Any
 from hybridpar.config_rules import quoted
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.sources import read_jsonl, task_hint
-from hybridpar.data.tokenizers import Tokenizer, as_tokenizer
+from hybridpar.data.tokenizers import Tokenizer, as_tokenizer, render_limit
 
 __all__ = [
     "shifted_labels",
@@ -210,7 +210,10 @@ def _check_rendered(messages: list[dict[str, str]], tokenizer: Tokenizer) -> Non
     if getattr(tokenizer, "hf", None) is None or tokenizer.chat_template is None:
         return
     try:
-        text = tokenizer.hf.apply_chat_template(messages, tokenize=False, chat_template=tokenizer.chat_template)
+        with render_limit(tokenizer.name):
+            text = tokenizer.hf.apply_chat_template(messages, tokenize=False, chat_template=tokenizer.chat_template)
+    except TimeoutError as error:
+        raise ValueError(str(error)) from None
     except Exception:  # the template's own error: said by the render of the ids that follows
         return
     for index, message in enumerate(messages):

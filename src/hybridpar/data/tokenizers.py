@@ -23,8 +23,11 @@ bos/eos/pad, ``chat_template.jinja``, and a ``generation_config.json`` naming th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
+import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,6 +43,7 @@ __all__ = [
     "Tokenizer",
     "PretrainedTokenizer",
     "ships_tokenizer",
+    "render_limit",
     "load_pretrained_tokenizer",
     "as_tokenizer",
     "resolve_tokenizer",
@@ -188,10 +192,13 @@ class PretrainedTokenizer(Tokenizer):
         if self.chat_template is None:
             return super().apply_chat_template(messages, add_generation_prompt)
         try:
-            rendered = self.hf.apply_chat_template(
-                list(messages), tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
-                chat_template=self.chat_template, return_assistant_tokens_mask=return_assistant_mask,
-            )
+            with render_limit(self.name):
+                rendered = self.hf.apply_chat_template(
+                    list(messages), tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
+                    chat_template=self.chat_template, return_assistant_tokens_mask=return_assistant_mask,
+                )
+        except TimeoutError as error:
+            raise ValueError(str(error)) from None
         except Exception as error:  # jinja2's syntax or template errors, raise_exception(...) in the template
             first = (str(error).strip().splitlines() or [""])[0][:200]
             raise ValueError(f"the chat template of tokenizer {self.name} failed ({type(error).__name__}: {first}); "
@@ -199,6 +206,31 @@ class PretrainedTokenizer(Tokenizer):
                              "conversation.") from None
         ids = list(rendered["input_ids"])
         return (ids, [bool(m) for m in rendered["assistant_masks"]]) if return_assistant_mask else ids
+
+
+RENDER_SECONDS = 60.0  # one conversation; a template's nested loops (range(100000) twice) rendered for hours
+
+
+@contextlib.contextmanager
+def render_limit(name: str):
+    """TimeoutError when rendering takes more than ``RENDER_SECONDS`` (a timer signal, in the main thread only:
+    the launcher, ``--dry-run`` and every rank read data there); a loop in a chat template hung the run before
+    any step, with nothing said."""
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
+        yield  # another thread, or a timer already running: left alone
+        return
+
+    def expired(signum, frame):
+        raise TimeoutError(f"the chat template of tokenizer {name} took more than {RENDER_SECONDS:g} s to render one "
+                           "conversation (a loop in the template?); fix the template (chat_template.jinja or "
+                           "tokenizer_config.json).")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def ships_tokenizer(path: str | Path | None) -> bool:
