@@ -75,3 +75,14 @@ def test_generate_from_a_checkpoint_whose_base_moved_takes_base(tmp_path):
                        "--max-new-tokens", "2", "--dry-run")
     assert code == 2 and "--base is not used without --checkpoint" in output, output
     shutil.rmtree(tmp_path / "other")
+
+
+def test_peft_merge_without_an_export_is_said_to_be_unused():
+    """``peft.merge=true`` without ``model.export_hf`` changed nothing, without a word."""
+    from hybridpar.config import load_config
+    from hybridpar.train.unused_keys import unused_key_notices
+
+    notes = unused_key_notices(load_config(None, ["peft.method=lora", "peft.merge=true"]))
+    assert notes == ["peft.merge=true is not used: it chooses how model.export_hf writes the adapters, and nothing is "
+                     "exported without model.export_hf (set it to a new directory)"], notes
+    assert unused_key_notices(load_config(None, ["peft.method=lora", "peft.merge=true", "model.export_hf=/tmp/x"])) == []

@@ -25,6 +25,9 @@ def unused_key_notices(config: RunConfig) -> list[str]:
         if changed:
             notes.append(f"{', '.join('peft.' + n for n in changed)} {'is' if len(changed) == 1 else 'are'} not used: "
                          "peft.method=none trains every weight (set peft.method=lora to train adapters)")
+    elif config.peft.merge != PeftConfig().merge and not config.model.export_hf:
+        notes.append(f"peft.merge={show_value(config.peft.merge)} is not used: it chooses how model.export_hf writes the "
+                     "adapters, and nothing is exported without model.export_hf (set it to a new directory)")
     if config.train.on_nonfinite == "stop" and config.train.max_nonfinite_skips != TrainConfig().max_nonfinite_skips:
         notes.append(f"train.max_nonfinite_skips={config.train.max_nonfinite_skips} is not used: train.on_nonfinite=stop "
                      "stops at the first non-finite step (set train.on_nonfinite=skip to skip up to that many)")
