@@ -153,7 +153,7 @@ def moe_workspaces(layout: Layout) -> tuple[int, int]:
     the routed rows' ``[S, 2 D + 3 I]`` gated, ``[S, D + 2 I]`` ungated (the up projection's output
     is not kept apart; checked against the allocator's peak of one step, 1 process)."""
     c, m = layout.model, _moe(layout)
-    e, ec, d = layout.act_bytes, layout.compute_bytes, c.hidden_size
+    e, ec = layout.act_bytes, layout.compute_bytes
     width = m["width"]  # the experts' (NemotronH: the latent L, whose [Tc, L] fc1 output the forward holds)
     forward = 2 * m["rows"] * width * e + layout.tokens * m["experts"] * ec + layout.tokens * m["latent"] * e
     routed = m["rows"] * ((2 * width + 3 * m["inter"]) if c.moe_gated else (width + 2 * m["inter"])) * e
