@@ -97,16 +97,22 @@ class Tokenizer(ABC):
 
     def document(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
         """``encode(text)`` plus EOS (see the module docstring); ``add_bos``/``add_eos`` True or
-        False force the token on or off, None keeps the rule."""
+        False force the token on or off, None keeps the rule. Off removes only a token the tokenizer
+        added: one the text itself spells (a prompt ending in ``<|eos|>``) stays."""
         ids = self.encode(text)
+        plain = None
+        if (add_bos is False and ids[:1] == [self.bos_id]) or (add_eos is False and ids[-1:] == [self.eos_id]):
+            plain = self.encode(text, add_special_tokens=False)  # the text's own ids
         if add_bos is not None:
-            ids = self._with_special(ids, "bos", self.bos_id, add_bos, first=True)
+            ids = self._with_special(ids, "bos", self.bos_id, add_bos, first=True, plain=plain)
         if add_eos is None:
             add_eos = self.eos_id is not None  # documents end with EOS when there is one
-        return self._with_special(ids, "eos", self.eos_id, add_eos, first=False)
+        return self._with_special(ids, "eos", self.eos_id, add_eos, first=False, plain=plain)
 
-    def _with_special(self, ids: list[int], name: str, token: int | None, wanted: bool, first: bool) -> list[int]:
-        """``ids`` with ``token`` at its start (``first``) or end, or without it there."""
+    def _with_special(self, ids: list[int], name: str, token: int | None, wanted: bool, first: bool,
+                      plain: list[int] | None = None) -> list[int]:
+        """``ids`` with ``token`` at its start (``first``) or end, or without it there unless ``ids`` start
+        (end) with ``plain``, the text's own ids: then the token is the text's, not the tokenizer's."""
         if wanted and token is None:
             raise ValueError(f"tokenizer {self.name} has no {name.upper()} token; pass add_{name}=None or use a "
                              "tokenizer that defines one.")
@@ -114,6 +120,8 @@ class Tokenizer(ABC):
         if wanted and not present:
             return [token] + ids if first else ids + [token]
         if not wanted and present:
+            if plain and (ids[:len(plain)] if first else ids[-len(plain):]) == plain:
+                return ids
             return ids[1:] if first else ids[:-1]
         return ids
 

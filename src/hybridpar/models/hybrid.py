@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from hybridpar.config_rules import Rule, integer, number, one_of, quoted
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP, ResidualBlock, RMSNorm
-from hybridpar.models.lm_head_loss import ChunkedLMHeadLoss
+from hybridpar.models.lm_head_loss import ChunkedLMHeadLoss, check_token_values
 from hybridpar.models.mamba.mixer import Mamba2Mixer
 
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
@@ -191,6 +191,8 @@ class HybridBackbone(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, S] or inputs_embeds [B, S, D].")
         _check_input(input_ids, inputs_embeds)
+        if input_ids is not None:
+            check_token_values(input_ids, self.embeddings.num_embeddings)
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden_states = layer(hidden_states, packed)

@@ -66,7 +66,7 @@ from hybridpar.models.precision import full_precision
 
 __all__ = [
     "IGNORE_INDEX", "LMHeadLoss", "block_shape", "ChunkedLMHeadLoss", "chunked_lm_head_loss", "check_lm_head_inputs",
-    "check_label_values", "check_logit_transform", "local_statistics", "local_gradients", "loss_from_statistics",
+    "check_label_values", "check_token_values", "check_logit_transform", "local_statistics", "local_gradients", "loss_from_statistics",
 ]
 
 IGNORE_INDEX = -100
@@ -130,6 +130,20 @@ def check_label_values(labels: Tensor, vocab_size: int) -> None:
             f"label {int(labels[index])} at token {index} is outside the vocabulary [0, {vocab_size}); labels "
             f"must be token ids below vocab_size={vocab_size} or -100 (ignored). Fix the data or tokenizer, or "
             "use a model whose vocab_size covers every token id.")
+
+
+def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
+    """``ValueError`` for a token id outside ``[0, vocab_size)``, on CPU only (on an accelerator the check would
+    sync every step). torch's embedding raised a bare ``IndexError`` for one; a vocabulary-parallel embedding
+    (tensor parallelism) gave it a silent zero vector, since no rank's shard holds the row."""
+    if input_ids.device.type != "cpu" or input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids hold the token id {bad}, outside the model's vocabulary [0, {vocab_size}); "
+                         f"pass ids below vocab_size={vocab_size} (-100 marks ignored labels, not input ids), or use a "
+                         "model whose vocab_size covers every id.")
 
 
 def check_logit_transform(scale: float, softcap: float | None) -> None:

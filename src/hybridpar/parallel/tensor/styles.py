@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement
 
+from hybridpar.models.lm_head_loss import check_token_values
+
 __all__ = [
     "local_mixer_input", "map_first_input", "replicated_input", "row_parallel_exit",
     "SequenceParallelAllGatherActivation",
@@ -152,6 +154,8 @@ class VocabParallelEmbedding(RowwiseParallel):
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        if isinstance(inputs[0], torch.Tensor):  # an id no shard holds would embed as zeros, silently
+            check_token_values(inputs[0], mod.num_embeddings)
         mod._vocab_parallel_ids = inputs[0]
         return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 

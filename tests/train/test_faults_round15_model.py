@@ -1,0 +1,74 @@
+"""Round 15 faults in the model's inputs and the run directory (docs/reliability.md "Round 15").
+
+- A token id outside the vocabulary: one process raised torch's bare ``IndexError``; under tensor
+  parallelism the vocabulary-parallel embedding gave it a zero vector, since no rank's shard holds the
+  row, and the forward went on silently. Now a one-line ``ValueError`` names the id and the vocabulary,
+  on every rank, before any collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+
+def _tiny_hybrid():
+    import hybridpar as hp
+
+    torch.manual_seed(0)
+    return hp.HybridLM(hp.HybridConfig.from_preset("tiny"))
+
+
+@pytest.mark.parametrize("bad", [256, 10_000, -3])
+def test_token_id_outside_the_vocabulary_is_one_value_error(bad):
+    model = _tiny_hybrid()
+    with pytest.raises(ValueError, match=rf"token id {bad}, outside the model's vocabulary \[0, 256\)"):
+        model(torch.tensor([[1, 2, bad, 4]]))
+    model(torch.tensor([[0, 255]]))  # both ends of the vocabulary run
+
+
+def _tp_out_of_vocabulary(rank, world_size):
+    import hybridpar as hp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    results = {}
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    for name, model in (("hybrid", _tiny_hybrid()), ("llama", llama)):
+        dims = hp.ParallelDims(tp=2)
+        model = hp.parallelize(model, dims, mesh=dims.build_mesh())
+        vocab = 256 if name == "hybrid" else 96
+        try:
+            model(torch.tensor([[1, 2, vocab, 4]]))
+            results[name] = "ran"
+        except ValueError as error:
+            results[name] = str(error)
+    return results
+
+
+def test_token_id_outside_the_vocabulary_under_tensor_parallelism_is_refused_on_every_rank():
+    for ranks in run_ranks(2, _tp_out_of_vocabulary, timeout_s=120):
+        assert "token id 256, outside the model's vocabulary [0, 256)" in ranks["hybrid"]
+        assert "token id 96, outside the model's vocabulary [0, 96)" in ranks["llama"]
+
+
+def test_a_prompt_that_spells_the_end_token_keeps_it(tmp_path):
+    """``document(text, add_eos=False)`` removed the last token whenever it was EOS, so ``generate --prompt
+    "hi<|eos|>"`` lost the end token the user typed. Only a token the tokenizer adds is removed now."""
+    from hybridpar.data.tokenizers import BPE_SPECIALS, load_pretrained_tokenizer
+    from tests.data.bpe import train_tiny_bpe
+
+    train_tiny_bpe(tmp_path)
+    tokenizer = load_pretrained_tokenizer(tmp_path)
+    eos, bos = BPE_SPECIALS["eos"], BPE_SPECIALS["bos"]
+    plain = tokenizer.encode("hello", add_special_tokens=False)
+    own = tokenizer.encode("hello")  # the tokenizer's own specials: a BOS in front
+    assert own == [tokenizer.bos_id] + plain
+    assert tokenizer.document(f"hello{eos}", add_eos=False) == own + [tokenizer.eos_id]
+    assert tokenizer.document("hello", add_eos=False) == own
+    assert tokenizer.document("hello") == own + [tokenizer.eos_id]
+    assert tokenizer.document(f"{bos}hello", add_bos=False, add_eos=False) == [tokenizer.bos_id] + plain
+    assert tokenizer.document("hello", add_bos=False, add_eos=False) == plain
