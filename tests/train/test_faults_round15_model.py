@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -72,3 +74,22 @@ def test_a_prompt_that_spells_the_end_token_keeps_it(tmp_path):
     assert tokenizer.document("hello") == own + [tokenizer.eos_id]
     assert tokenizer.document(f"{bos}hello", add_bos=False, add_eos=False) == [tokenizer.bos_id] + plain
     assert tokenizer.document("hello", add_bos=False, add_eos=False) == plain
+
+
+def test_a_dry_run_says_a_held_out_document_would_be_split(tmp_path, monkeypatch):
+    """Training says once that the packer splits documents longer than the pack, the held-out ones included
+    (at the first evaluation). A dry run built the evaluation packs with their notices silenced, since the
+    training packs' notices had been said: a long held-out document was split without a word."""
+    from hybridpar.train.batches import PackStream
+    from tests.train.fault_probes import cli
+
+    monkeypatch.setattr(PackStream, "_warned", False)
+    short, long = "a short paragraph.", "a long held-out paragraph " * 10
+    (tmp_path / "data.txt").write_text("\n\n".join([short] * 18 + [long] * 2) + "\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, output = cli("train", "data.task=text", f"data.path={tmp_path / 'data.txt'}", "data.pack_size=64",
+                           f"output_dir={tmp_path / 'run'}", "train.steps=2", "train.eval_every=1", "--dry-run")
+    said = [str(w.message) for w in caught if "pack_documents(pack_size=64)" in str(w.message)]
+    assert code == 0 and said == ["pack_documents(pack_size=64): split 2 documents longer than the pack into pieces, "
+                                  "dropped 0 such documents (0 tokens), skipped 0 empty documents."], (said, output)

@@ -267,7 +267,7 @@ class PackStream:
                 f"{'data.pad_to_multiple_of' if config.pad_to_multiple_of else f'2*cp={2 * cp_size}'}); context "
                 f"parallelism splits every document into 2*cp chunks: use pack_size={pack_size_fix(config.pack_size, self.multiple)}."
             )
-        self.config, self.packs_per_step, self.pool = config, config.packs_per_step, []
+        self.config, self.packs_per_step, self.pool, self.pack_notice = config, config.packs_per_step, [], None
         self._offset = 0  # global index of pool[0] (synthetic tasks)
         if config.task in TASKS:
             self._task = make_task(config, vocab_size, seed_offset)
@@ -289,8 +289,8 @@ class PackStream:
             self.pool += pack_documents(documents, self.config.pack_size, overlong="split", pad_to_multiple_of=self.multiple,
                                        one_per_row=self.one_per_row)
         if caught and not PackStream._warned:  # once per process (train and eval streams, every window)
-            PackStream._warned = True
-            warnings.warn(str(caught[0].message), Notice, stacklevel=3)  # one notice line
+            PackStream._warned, self.pack_notice = True, str(caught[0].message)
+            warnings.warn(self.pack_notice, Notice, stacklevel=3)  # one notice line
 
     def _extend(self) -> None:
         self._pack([self._task.sample(self._rng) for _ in range(self._window)])
@@ -377,11 +377,12 @@ def read_like_training(config, data: DataConfig, vocab_size: int, tokenizer, bpe
     PackStream(data, cp, vocab_size, tokenizer=tokenizer)
     if config.train.eval_every:
         eval_data = dataclasses.replace(data, packs_per_step=config.train.eval_packs)
-        with warnings.catch_warnings():  # the same documents: their notices were said once above
+        with warnings.catch_warnings():  # the same file: its notices were said once above; the packer's may be new
             warnings.simplefilter("ignore")
             stream = PackStream(eval_data, cp, vocab_size, seed_offset=10_000, tokenizer=tokenizer)
-        if note := eval_repeat_note(stream):
-            warnings.warn(note, Notice, stacklevel=2)
+        for note in (stream.pack_notice, eval_repeat_note(stream)):
+            if note:
+                warnings.warn(note, Notice, stacklevel=2)
     return None
 
 
