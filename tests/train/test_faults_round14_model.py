@@ -35,8 +35,8 @@ def test_a_resume_that_changes_chunk_size_warns_and_continues(tmp_path):
     assert cli_in_child("train", *run).returncode == 0
     resumed = cli_in_child("train", *run, "train.steps=3", "model.overrides={chunk_size: 8}")
     assert resumed.returncode == 0, resumed.stderr
-    assert ("was trained with model.chunk_size=16; resuming with 8 loads every parameter, but the model computes "
-            "(chunk_size: rounds) otherwise") in resumed.stderr, resumed.stderr
+    assert ("was trained with model.chunk_size=16; resuming with 8 loads every parameter, but the model rounds "
+            "otherwise (the same function, summed in other chunks)") in resumed.stderr, resumed.stderr
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
     refused = cli_in_child("train", *run, "train.steps=3", "model.overrides={conv_kernel: 3}")
     assert refused.returncode == 2 and "another model shape (chunk_size 8 -> 16; conv_kernel 4 -> 3;" in refused.stderr, refused.stderr

@@ -93,3 +93,13 @@ def test_a_dry_run_says_a_held_out_document_would_be_split(tmp_path, monkeypatch
     said = [str(w.message) for w in caught if "pack_documents(pack_size=64)" in str(w.message)]
     assert code == 0 and said == ["pack_documents(pack_size=64): split 2 documents longer than the pack into pieces, "
                                   "dropped 0 such documents (0 tokens), skipped 0 empty documents."], (said, output)
+
+
+def test_a_resume_warning_says_rounds_only_for_chunk_size():
+    """Every changed field's warning said "computes (chunk_size: rounds) otherwise", a rope_theta one too."""
+    from hybridpar.train.run.model_change import function_change_notes
+
+    theta, chunk = function_change_notes("ckpt", {"rope_theta": 1e4, "chunk_size": 16}, {"rope_theta": 5e5, "chunk_size": 8},
+                                         ["rope_theta", "chunk_size"])
+    assert "but the model computes otherwise, so the losses" in theta and "chunk" not in theta
+    assert "but the model rounds otherwise (the same function, summed in other chunks)" in chunk

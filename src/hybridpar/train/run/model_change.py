@@ -63,6 +63,7 @@ def same_parameters(recorded: dict, current: dict) -> bool:
 
 def function_change_notes(path, recorded: dict, current: dict, keys: list[str]) -> list[str]:
     """One warning per changed field ``keys`` of checkpoint ``path``, whose parameters all load."""
+    how = {"chunk_size": "rounds otherwise (the same function, summed in other chunks)"}
     return [f"warning: checkpoint {path} was trained with model.{key}={json.dumps(recorded.get(key))}; resuming with "
-            f"{json.dumps(current.get(key))} loads every parameter, but the model computes (chunk_size: rounds) "
-            "otherwise, so the losses will not be those of the uninterrupted run" for key in keys]
+            f"{json.dumps(current.get(key))} loads every parameter, but the model {how.get(key, 'computes otherwise')}, "
+            "so the losses will not be those of the uninterrupted run" for key in keys]
