@@ -50,8 +50,9 @@ node to ``torch.compile``; its Python loops run at execution time, with no host 
 
 Labels outside ``[0, V)`` (other than -100) raise ``ValueError`` when the labels are on the
 CPU (checking costs no device sync there). On an accelerator the check would need a host sync,
-so instead such labels turn ``loss_sum`` into NaN (the trainer stops on a non-finite loss), and
-the data path checks token ids against the vocabulary once per batch (``train/batches.py``).
+so instead such labels turn ``loss_sum`` into NaN (the trainer stops on a non-finite loss). The trainer's
+ids cannot leave the vocabulary: its tokenizer is checked against the model once, at start
+(``data/tokenizers.check_tokenizer``). ``check_token_values`` refuses input ids outside it on the CPU.
 """
 
 from __future__ import annotations
