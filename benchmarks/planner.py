@@ -8,7 +8,8 @@ per-head q/k norms; ``bamba``, ``nemotron_h``: transformers Mamba2 hybrids with 
 layers without experts; ``granitemoehybrid_aux``: 16 experts and ``output_router_logits`` (the trainer adds the
 router's load-balancing loss; ``granitemoehybrid_aux32``: the same with 32 experts, whose FSDP peak
 shows a decoder layer gathered as one unit); ``nemotron_h_latent``: ``nemotron_h_moe`` with MoE latent projections (``moe_latent_size``); ``falcon_h1``, ``falcon_h1_norm``: Mamba2 and attention side by side in each layer, one
-B/C group and ``y * silu(z)`` (its default), or two groups and its gated norm; ``+lora``, ``+lora-qv``: LoRA
+B/C group and ``y * silu(z)`` (its default), or two groups and its gated norm; ``zamba2``: Mamba2 layers and one
+shared attention block reused by two hybrid layers, with per-use adapters; ``+lora``, ``+lora-qv``: LoRA
 (r=8) on every linear layer, or on q_proj and v_proj only; ``+lora-experts``: on the stacked experts too), layout
 (1 process, cp=2, tp=2, dp_shard=2, cp=2 x tp=2), pack size and activation
 checkpointing policy, a fresh set of gloo ranks (``tests/distributed/harness``) runs
@@ -36,6 +37,7 @@ so a change to the planner shows without measuring again (``--replan`` does only
     python benchmarks/planner.py --models granitemoehybrid_aux32 --lengths 2048 --layouts cp=2 dp_shard=2 \
         --checkpointing none selective full
     python benchmarks/planner.py --models falcon_h1 falcon_h1_norm --lengths 4096 --checkpointing none selective full
+    python benchmarks/planner.py --models zamba2                  # shared blocks reused at two depths, 4096 and 16384
     python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
         --checkpointing full selective
     python benchmarks/planner.py --models tiny+lora tiny+lora-qv llama+lora-qv bamba+lora nemotron_h+lora-qv --lengths 4096
@@ -71,7 +73,7 @@ import harness
 # Mamba norm (falcon_h1) or two groups and the gated norm applied before the gate (falcon_h1_norm); each checkpoint is
 # written once (seed 0)
 MAMBA_HF = ("bamba", "nemotron_h", "nemotron_h_moe", "granitemoehybrid", "granitemoehybrid_dense", "falcon_h1",
-            "falcon_h1_norm", "granitemoehybrid_aux", "nemotron_h_latent", "granitemoehybrid_aux32")
+            "falcon_h1_norm", "granitemoehybrid_aux", "nemotron_h_latent", "granitemoehybrid_aux32", "zamba2")
 HF_MODELS = ("llama", "qwen2", "qwen3", *MAMBA_HF)
 CHECKPOINTS = {name: Path(tempfile.gettempdir()) / f"hybridpar-planner-{name}" for name in HF_MODELS}
 MODELS = {"tiny": [], "mid": ["model.preset=small", "model.overrides={pattern: M*-M-, vocab_size: 8192, mamba_n_groups: 2}"],
@@ -128,6 +130,11 @@ FALCON = dict(mamba_n_heads=8, mamba_d_head=32, mamba_d_ssm=256, mamba_d_state=1
               ssm_in_multiplier=0.7, key_multiplier=0.5, mlp_multipliers=[1.1, 0.9], ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3])
 MAMBA_WIDTHS.update(falcon_h1=FALCON, falcon_h1_norm={**FALCON, "mamba_n_groups": 2, "mamba_rms_norm": True,
                                                       "mamba_norm_before_gate": False})
+# zamba2: layers mamba, hybrid, mamba, hybrid (8 Mamba heads of 32, 2 groups, state 16); both hybrid layers run
+# one shared block (attention on [T, 2D], 4 heads of 64, RoPE; fused gelu MLP) with per-use q/k/v/MLP adapters of r=8
+MAMBA_WIDTHS["zamba2"] = dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=8, mamba_ngroups=2,
+                              mamba_d_state=16, chunk_size=64, num_key_value_heads=4, num_mem_blocks=1,
+                              use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True)
 
 
 def hf_checkpoints() -> None:
@@ -148,11 +155,14 @@ def hf_checkpoints() -> None:
                          **dict.fromkeys(("granitemoehybrid", "granitemoehybrid_dense", "granitemoehybrid_aux",
                                           "granitemoehybrid_aux32"),
                                          (hf.GraniteMoeHybridConfig, hf.GraniteMoeHybridForCausalLM)),
-                         **dict.fromkeys(("falcon_h1", "falcon_h1_norm"), (hf.FalconH1Config, hf.FalconH1ForCausalLM))}[name]
+                         **dict.fromkeys(("falcon_h1", "falcon_h1_norm"), (hf.FalconH1Config, hf.FalconH1ForCausalLM)),
+                         "zamba2": (hf.Zamba2Config, hf.Zamba2ForCausalLM)}[name]
         torch.manual_seed(0)
         fields = {**widths, **MAMBA_WIDTHS.get(name, {})}
         if name.startswith("nemotron_h"):  # its layer count is its layer list's
             del fields["num_hidden_layers"]
+        if name == "zamba2":  # its attention's head_dim is 2 hidden / heads (it attends over [h, embeddings])
+            del fields["head_dim"]
         model(config(**fields)).save_pretrained(path)
 
 

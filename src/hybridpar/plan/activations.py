@@ -16,6 +16,7 @@ saves today (``models/blocks.py``, ``mamba/mixer.py``, ``attention/mixer.py``, `
                    cp_attention=ulysses: + the core's own out [T, Hq Dh / cp] (exchanged back after)
     MLP            + up output and act(up) [Tc, 2 I] (gated: gate, up, product: 3 I; ``gated_product``
                      recomputes act(gate), as transformers' Llama-form MLPs do through it)
+    shared (Z)     a Zamba2 shared block's use: ``plan/hf/zamba2.py``
     MoE (E)        + router, routed experts and shared experts (a transformers twin's; ``plan/hf/moe.py``);
                      + the router load-balancing term's softmax [Tc, E] float32 under every policy
     parallel (P)   a twin's Falcon-H1 layer: the Mamba2 and attention terms after one norm, each branch
@@ -52,12 +53,13 @@ from __future__ import annotations
 from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
 from hybridpar.parallel.comm.units import attention_layers
 from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes, router_aux_bytes
+from hybridpar.plan.hf.zamba2 import zamba2_saved_bytes
 from hybridpar.plan.layout import Layout
 
 __all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals", "block_widths",
            "mixer_saved_bytes", "hf_norm_bytes", "hf_mixer_bytes", "hf_gated_norm_bytes", "linear_weights"]
 
-BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "P": "mamba+attention"}
+BLOCK_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "P": "mamba+attention", "Z": "shared_block"}
 
 
 def block_widths(layout: Layout) -> dict:
@@ -88,6 +90,8 @@ def _block_saved_bytes(layout: Layout, kind: str, policy: str) -> int:
     paired = layout.paired
     if paired and policy in ("full", "selective") and kind in "-E":
         return 0  # one checkpoint per decoder layer: the attention block's input is the layer's
+    if kind == "Z":  # a Zamba2 shared block's use (policy none only: plan/hf/zamba2.zamba2_unpriced)
+        return zamba2_saved_bytes(layout, w, mixer_saved_bytes(layout, "*", w), hf_norm_bytes(layout))
     if policy == "full":
         return block_input
     if policy == "selective":
@@ -210,7 +214,7 @@ def head_saved_bytes(layout: Layout) -> int:
     if layout.hf_decoder:  # a transformers RMSNorm's own; the model's one cos, sin [Tc, r] pair, which every
         final_norm = hf_norm_bytes(layout)  # attention layer reads (and each layer's checkpoint keeps)
         rot = int(layout.model.head_dim * layout.model.rotary_fraction) // 2 * 2
-        rope = tc * 2 * rot * es if rot and attention_layers(layout.model.pattern) else 0
+        rope = tc * 2 * rot * es if rot and (attention_layers(layout.model.pattern) or "Z" in layout.model.pattern) else 0
     return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8 + final_norm + rope
 
 
@@ -224,5 +228,6 @@ def saved_bytes(layout: Layout, policy: str | None = None) -> dict:
 
 
 def block_kind_totals(pattern: str) -> dict[str, int]:
-    """Zero per block name: every kind's, a parallel layer's (``P``) only where the pattern has one."""
-    return {name: 0 for kind, name in BLOCK_NAMES.items() if kind != "P" or "P" in pattern}
+    """Zero per block name: every kind's, a parallel layer's (``P``) and a Zamba2 shared block's (``Z``)
+    only where the pattern has one."""
+    return {name: 0 for kind, name in BLOCK_NAMES.items() if kind not in "PZ" or kind in pattern}

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from hybridpar.plan.hf.moe import moe_matmul_elements, moe_replicated_elements
+from hybridpar.plan.hf.zamba2 import zamba2_matmul_elements
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
@@ -84,6 +85,9 @@ def step_flops(layout: Layout) -> float:
     replicated = 0
     if "E" in c.pattern:  # a transformers twin's MoE blocks: router, k experts, shared experts (latent projections);
         per_kind["E"], replicated = moe_matmul_elements(c), moe_replicated_elements(c)  # the router's, latents' whole
+    shared = 0
+    if "Z" in c.pattern:  # a Zamba2 shared block's use: attention on [T, 2D], fused MLP, adapters, linear
+        per_kind["Z"], shared = zamba2_matmul_elements(c)
     heads = c.mamba_num_heads / tp
     ssd = 2 * heads * (c.chunk_size * (c.mamba_head_dim + c.ssm_state_size) + 2 * c.mamba_head_dim * c.ssm_state_size)
     attention = 4 * tc * (layout.pack_size / 2) * q / tp
@@ -93,7 +97,8 @@ def step_flops(layout: Layout) -> float:
         passes = 1 + (((1 if frozen else 2) + r) if reached else 0)  # frozen weight's backward is dX only
         flops += tc * 2 * per_kind[kind] / tp * passes
         flops += (kind == "E") * tc * 2 * replicated * (1 - 1 / tp) * passes  # the router, latent projections
-        flops += (kind in "*P") * attention * (1 + ((2.5 + r) if reached else 0))
+        flops += (kind == "Z") * tc * 2 * shared * (1 - 1 / tp) * passes  # the linear, the adapters' replicated factors
+        flops += (kind in "*PZ") * attention * (1 + ((2.5 + r) if reached else 0))
         flops += (kind in "MP") * tc * ssd * passes
     adapters = adapter_params(layout) if frozen else {}  # each factor: forward, dX and dW
     flops += sum(tc * 2 * math.prod(p.shape) * 3 for unit in adapters.values() for p in unit)

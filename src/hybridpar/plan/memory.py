@@ -24,7 +24,8 @@ A paired twin (``Layout.paired``: a mixer block then its MLP/MoE block per decod
 Granite's mixer + MoE, Falcon-H1's ``P`` + MLP, Llama's attention + MLP) gathers both blocks as one
 unit, and its unsharded gradients in block i's backward are those of the layer's blocks ``j >= i``
 (the layer is reduce-scattered once, after its first block's backward); otherwise a unit is one
-block. The peak is the maximum; the process baseline (CPU: the interpreter and libraries; GPU: the
+block. A Zamba2 twin's hybrid layer (``ZM``) is one unit, and a ``Z`` block's moments hold the shared
+blocks' unit gathered too; their gradients are live from the backward of their last use on. The peak is the maximum; the process baseline (CPU: the interpreter and libraries; GPU: the
 CUDA context) is stated apart.
 """
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 from hybridpar.plan.activations import BLOCK_NAMES, block_kind_totals, block_saved_bytes, head_saved_bytes
 from hybridpar.plan.hf.moe import router_aux_bytes, router_aux_workspace, router_logits_bytes
+from hybridpar.plan.hf.zamba2 import SHARED_UNIT, fsdp_groups, is_zamba2
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.lora import lora_block_bytes
 from hybridpar.plan.params import ParameterMemory, grad_flow, parameter_memory
@@ -59,6 +61,8 @@ def fsdp_layers(layout: Layout) -> list[tuple[int, ...]]:
     """The FSDP units as the block indices each holds (``apply_fsdp``'s units: HybridLM's blocks, a
     transformers model's decoder layers): a paired twin's ``(2 l, 2 l + 1)`` per layer, else one block."""
     n = len(layout.model.pattern)
+    if is_zamba2(layout.model):  # a hybrid layer's Z and M blocks
+        return fsdp_groups(layout.model)
     if layout.paired:
         return [tuple(range(i, min(i + 2, n))) for i in range(0, n, 2)]
     return [(i,) for i in range(n)]
@@ -96,12 +100,14 @@ def memory_plan(layout: Layout) -> MemoryPlan:
     def gathered(u: int) -> int:  # FSDP unit u's unsharded parameters
         if not sharded or keep_gathered or not 0 <= u < len(layers):
             return 0
-        return sum(params.gathered(units[i]) for i in layers[u])
+        shared = sum(params.gathered(SHARED_UNIT.format(b)) for b in range(getattr(layout.model, "shared_blocks", 0))
+                     ) if any(pattern[i] == "Z" for i in layers[u]) else 0  # Zamba2: the shared blocks' unit
+        return sum(params.gathered(units[i]) for i in layers[u]) + shared
 
     base = {"parameters": params.param_bytes, "optimizer": params.optimizer_bytes}
     accumulated = sum(full_grad.values()) if layout.packs_per_rank > 1 else 0
     root = params.gathered("") if sharded else 0
-    all_gathered = sum(params.gathered(u) for u in units) if keep_gathered else 0
+    all_gathered = sum(params.gathered(u) for u in params.unit_numel if u) if keep_gathered else 0
     moments: list[tuple[str, dict]] = []
     common = {**base, "accumulated_grads": accumulated, "fsdp_root": root + all_gathered}
     for i, kind in enumerate(pattern):
@@ -120,6 +126,8 @@ def memory_plan(layout: Layout) -> MemoryPlan:
         later = [units[j] for j in range(i + 1, len(units)) if layer_of[j] > u]  # units already reduced
         done = full_grad[""] if not fsdp else grad_after[""]
         done += sum(grad_after[n] if fsdp else full_grad[n] for n in later)
+        if "Z" in pattern[i:]:  # Zamba2: the shared blocks' gradients, from the backward of their last use on
+            done += sum((grad_after if fsdp else full_grad)[n] for n in full_grad if n.startswith(SHARED_UNIT.format("")))
         own = sum(full_grad[units[j]] for j in layers[u] if j >= i)  # this unit's gradients so far
         if not sharded:  # nothing waits for a reduce-scatter
             done += own - full_grad[units[i]]

@@ -32,14 +32,20 @@ from dataclasses import dataclass
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.comm.grad_flow import GradFlow
 from hybridpar.parallel.comm.step import ParamShape, unit_parameters
+from hybridpar.plan.hf.zamba2 import is_zamba2, zamba2_units
 from hybridpar.plan.layout import Layout
 
-__all__ = ["parameter_count", "ParameterMemory", "parameter_memory", "adapter_units", "adapter_params", "grad_flow"]
+__all__ = ["model_units", "parameter_count", "ParameterMemory", "parameter_memory", "adapter_units", "adapter_params", "grad_flow"]
+
+
+def model_units(config: HybridConfig, tp: int = 1, sequence_parallel: bool = False) -> dict[str, list[ParamShape]]:
+    """``unit_parameters``, or a Zamba2 twin's units (its shared blocks once, ``plan/hf/zamba2.py``)."""
+    return (zamba2_units if is_zamba2(config) else unit_parameters)(config, tp, sequence_parallel)
 
 
 def parameter_count(config: HybridConfig) -> int:
     """Parameters of the whole ``HybridLM`` (no model is built)."""
-    return sum(math.prod(p.shape) for unit in unit_parameters(config).values() for p in unit)
+    return sum(math.prod(p.shape) for unit in model_units(config).values() for p in unit)
 
 
 @dataclass(frozen=True)
@@ -189,7 +195,7 @@ def _in_proj_parts(c, tp: int) -> list[tuple[str, int, int]]:
 
 
 def parameter_memory(layout: Layout) -> ParameterMemory:
-    units = unit_parameters(layout.model, layout.tp, layout.sequence_parallel)
+    units = model_units(layout.model, layout.tp, layout.sequence_parallel)
     shard = layout.shard
     per_rank = sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) for u in units.values() for p in u)
     unit_numel = {name: sum(math.prod(p.shape) for p in params) for name, params in units.items()}

@@ -20,6 +20,7 @@ from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.comm.units import mamba_layers
 from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, plan_layout, planned_shape
 from hybridpar.plan.estimate import H100, DeviceFigures
+from hybridpar.plan.hf.zamba2 import zamba2_unpriced
 from hybridpar.plan.layout import Layout
 
 __all__ = ["Candidate", "search_layouts", "divisor_layouts"]
@@ -103,7 +104,9 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
     model = meta_model(shape)  # one shape-only model validates every candidate
     planned, hf_decoder = shape, False
     if not isinstance(shape, HybridConfig):  # a transformers decoder: priced through its twin, or refused
-        planned, why, _ = planned_shape(shape, run)
+        unchecked = copy.deepcopy(run)  # each candidate's own policy is checked below (Zamba2: none only)
+        unchecked.parallel = dataclasses.replace(run.parallel, activation_checkpointing="none")
+        planned, why, _ = planned_shape(shape, unchecked)
         if planned is None:
             raise ConfigError(f"plan --fit needs every layout's activations, and for {type(model).__name__} {why}; "
                               "drop --fit to see its parameters, gradients and AdamW state per rank.")
@@ -123,7 +126,11 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
         if verdicts[layout_key] is not None:
             out.append(Candidate(keys, refused=verdicts[layout_key], data=raised))
             continue
-        plan = plan_layout(Layout.from_run(candidate, planned, hf_decoder), device, docs_per_pack)
+        layout = Layout.from_run(candidate, planned, hf_decoder)
+        if zamba2_unpriced(layout):  # a Zamba2 under checkpointing (plan/hf/zamba2.py)
+            out.append(Candidate(keys, refused=zamba2_unpriced(layout), data=raised))
+            continue
+        plan = plan_layout(layout, device, docs_per_pack)
         out.append(Candidate(keys, plan, needs_gib=plan.memory.peak_bytes / 2**30 + baseline_gib, data=raised))
     fitting = sorted((c for c in out if c.fits(budget_gib)), key=lambda c: c.plan.time.step_s)
     others = sorted((c for c in out if not c.fits(budget_gib)),

@@ -12,6 +12,9 @@ sits mid-layer in its one checkpoint per layer; with one Mamba group under TP, e
 gated norm all-reduces its sum of squares again). Under SP a twin's parallel layer (``P``, Falcon-H1)
 reduce-scatters its two branches' sum once, and each branch all-gathers its gradient in backward:
 one ``[Ts, D]`` all-gather per layer and pack more (source ``tp_branches``).
+A Zamba2 twin's shared blocks (``Z``: ``plan/hf/zamba2.zamba2_traffic``) replace the ``fsdp`` and
+``tp_norm_grads`` sources (their weights are one unit and their norms trained once, whatever the uses) and
+add ``tp_shared_block`` (each use's attention entry and exit, fused MLP gathers, adapter gradients).
 ``cp_attention=ring`` sends point to point (kind ``send``; ``context/ring.py``'s
 count, not yet held to a measurement). ``cp_mamba=state`` sends per document: ``docs_per_pack`` documents are assumed in every pack.
 Under LoRA (``peft.method=lora``) the closed forms read the adapters (``plan/params.adapter_params``):
@@ -29,6 +32,7 @@ import dataclasses
 from hybridpar.models.mamba.mixer import replicated_groups
 from hybridpar.parallel.comm.step import SOURCES, StepShape, Tally, _ring, attention_layers, dim_label, step_collectives
 from hybridpar.plan.hf.moe import moe_traffic, router_aux_traffic
+from hybridpar.plan.hf.zamba2 import attention_twin, is_zamba2, zamba2_traffic
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
@@ -65,7 +69,7 @@ def ring_attention(layout: Layout) -> Tally:
     """``cp_ring``: K, V hop P-1 times forward and again backward, dK, dV (compute dtype) P hops, as sends."""
     c, cp, e = layout.model, layout.cp, layout.act_bytes
     kv = layout.tokens * 2 * c.num_key_value_heads // layout.tp * c.head_dim
-    out, layers = Tally(), attention_layers(c.pattern) * layout.packs_per_rank
+    out, layers = Tally(), (attention_layers(c.pattern) + c.pattern.count("Z")) * layout.packs_per_rank
     out.add("send", "cp", kv * e, 2 * (cp - 1) * layers)
     out.add("send", "cp", kv * layout.compute_bytes, cp * layers)
     return out
@@ -74,8 +78,12 @@ def ring_attention(layout: Layout) -> Tally:
 def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
     """Each source's ``Tally`` ``{(kind, dim): [calls, bytes]}`` for one step, ``recompute`` included."""
     shape = step_shape(layout, docs_per_pack)
-    sources = step_collectives(StepShape(**{**shape.__dict__, "cp_attention": "allgather"})
-                               if layout.cp_attention == "ring" else shape)
+    priced = StepShape(**{**shape.__dict__, "cp_attention": "allgather"}) if layout.cp_attention == "ring" else shape
+    if is_zamba2(layout.model):  # every shared block's use attends (Z read as *); its units, norms and TP
+        priced = dataclasses.replace(priced, model=attention_twin(layout.model))  # collectives: plan/hf/zamba2.py
+    sources = step_collectives(priced)
+    if is_zamba2(layout.model):
+        sources.update(zamba2_traffic(layout, priced))
     if layout.cp_attention == "ring" and layout.cp > 1:
         sources["cp_attention"] = ring_attention(layout)
     if "E" in layout.model.pattern or getattr(layout.model, "mlp_fused", False):

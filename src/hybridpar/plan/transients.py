@@ -8,6 +8,7 @@ Forward of one block, on top of what earlier blocks keep (``e_c`` compute dtype)
                (flash.py: blocks of 256 queries x 1024 keys, exponentiated in place)
     MLP        the pre-activation [Tc, I] (gated: 2 I)
     MoE (E)    ``plan/hf/moe.moe_workspaces``: the routed rows [Tc k, ...] of every expert at once
+    Zamba2 (Z) the larger of its attention's and its fused MLP's ([g | p] and the adapter's output 2 [Tc, 2I])
     every      the block output [Ts, D] (+ the mixer output [Tc, D] before SP's reduce-scatter)
 
 Backward of one block: its recomputation (the forward workspace again; under ``full`` and
@@ -143,6 +144,10 @@ def _mixer_workspaces(layout: Layout, kind: str, w: dict) -> tuple[int, int, int
         return kv_copy + step, kv_copy + 3 * step // 2 + grads + tc * (w["q"] + 2 * w["kv"]) * e, 0
     if kind == "E":
         return *moe_workspaces(layout), 0
+    if kind == "Z":  # a Zamba2 shared block's use: its attention's, or its fused MLP's [Tc, 2I] output and
+        attention = _mixer_workspaces(layout, "*", w)  # adapter's output (forward), [Tc, 3I] (backward)
+        inter = c.intermediate_size
+        return max(attention[0], tc * 4 * inter * e), max(attention[1], tc * 3 * inter * e), 0
     gated = c.mlp_gated
     return tc * w["inter"] * e * (2 if gated else 1), tc * w["inter"] * e * (3 if gated else 2), 0
 

@@ -22,6 +22,9 @@ Mamba2 hybrids: Bamba and NemotronH through the ``HybridConfig`` their checkpoin
 a NemotronH's MoE layers (``moe``) and every GraniteMoeHybrid layer's feed-forward half (MoE plus its
 ``shared_mlp``) are blocks of kind ``E`` (``plan/hf/moe.py``); a dense Granite's ``shared_mlp`` is the
 gated MLP block ``-`` (``mlp_fused``: one ``[gate | up]`` ``input_linear``, gathered under TP).
+
+Zamba2: ``M`` per Mamba layer, ``ZM`` per hybrid layer, ``Z`` one use of a shared transformer block
+(weights counted once per distinct block, adapters per use; ``plan/hf/zamba2.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from hybridpar.models.hybrid import HybridConfig
 
 __all__ = ["TWIN_MODEL_TYPES", "TwinConfig", "hybrid_twin"]
 
-TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1")
+TWIN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
 # Mamba2 hybrids: mapped field by field as models/hf/config.py loads them (Bamba M- / *- per layer)
 MAMBA_HYBRIDS = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
 
@@ -66,10 +69,15 @@ class TwinConfig(HybridConfig):
     moe_latent_size: int = 0  # NemotronH's fc1/fc2_latent_proj [L, D], [D, L] around the experts (0: none)
     moe_router_logits: bool = False  # output_router_logits: every router's [Tc, E] logits kept to the forward's end
     moe_aux_loss: bool = False  # and the trainer adds their load-balancing loss (plan/hf/moe.router_aux_bytes)
+    # Zamba2 (pattern "Z": a shared block's use and its layer's linear; plan/hf/zamba2.py)
+    shared_blocks: int = 0  # num_mem_blocks, the distinct shared blocks (0: not a Zamba2)
+    shared_adapter_rank: int = 0  # adapter_rank of the per-use adapters
+    shared_attention_adapters: bool = False  # use_shared_attention_adapter: q, k, v adapters too
 
     def validate(self) -> None:
-        """HybridConfig's rules, with ``E`` (a MoE block, priced by the planner only) read as an MLP block."""
-        pattern, self.pattern = self.pattern, self.pattern.replace("E", "-").replace("P", "M")
+        """HybridConfig's rules, with ``E`` (a MoE block, priced by the planner only) read as an MLP block,
+        ``P`` as Mamba2 and ``Z`` (a Zamba2 shared block's use) as attention."""
+        pattern, self.pattern = self.pattern, self.pattern.replace("E", "-").replace("P", "M").replace("Z", "*")
         try:
             super().validate()
         finally:
@@ -103,8 +111,9 @@ def hybrid_twin(config, parameters: int) -> tuple[HybridConfig | None, str]:
     model_type = getattr(config, "model_type", None)
     if model_type not in TWIN_MODEL_TYPES:
         return None, f"activations and traffic are modelled for HybridLM and {', '.join(TWIN_MODEL_TYPES)} models"
-    if model_type in MAMBA_HYBRIDS or model_type in ("granitemoehybrid", "falcon_h1"):
-        build = {"granitemoehybrid": granite_twin, "falcon_h1": falcon_twin}.get(model_type, _mamba_hybrid_twin)
+    if model_type in MAMBA_HYBRIDS or model_type in ("granitemoehybrid", "falcon_h1", "zamba2"):
+        build = {"granitemoehybrid": granite_twin, "falcon_h1": falcon_twin, "zamba2": zamba2_twin}.get(
+            model_type, _mamba_hybrid_twin)
         twin, why = build(config)
         if twin is None:
             return None, why
@@ -210,6 +219,22 @@ def falcon_twin(config) -> tuple[TwinConfig | None, str]:
             mlp_activation="silu", mlp_gated=True, mlp_bias=bool(config.mlp_bias),
             tie_word_embeddings=bool(config.tie_word_embeddings), mamba_gated_norm=bool(config.mamba_rms_norm),
             mlp_multipliers=True, summed_branches=True), ""
+    except ValueError as error:
+        return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
+
+
+def zamba2_twin(config) -> tuple[TwinConfig | None, str]:
+    """A Zamba2's twin: ``M`` per Mamba layer, ``ZM`` per hybrid layer (``plan/hf/zamba2.py``)."""
+    from hybridpar.plan.hf.zamba2 import zamba2_fields
+
+    if not config.tie_word_embeddings:  # transformers then ties nothing: every hybrid layer holds its own block
+        return None, "with tie_word_embeddings=False its hybrid layers' blocks are not shared (each its own copy)"
+    if "hybrid" not in config.layers_block_type:
+        return None, "it has no hybrid layer"
+    if config.use_shared_attention_adapter and config.num_key_value_heads != config.num_attention_heads:
+        return None, "its q/k/v adapters [2D] need num_key_value_heads == num_attention_heads"
+    try:
+        return TwinConfig(**zamba2_fields(config)), ""
     except ValueError as error:
         return None, f"its HybridLM twin cannot hold it ({str(error).rstrip('.')})"
 

@@ -1,0 +1,233 @@
+"""Zamba2: Mamba2 layers and shared transformer blocks reused at several depths, priced per use.
+
+A Zamba2 hybrid layer (transformers' ``Zamba2HybridLayer``) computes, from the stream ``h`` and the
+embeddings ``x0`` (``[T, D]`` each)::
+
+    u = concat([h, x0])                                   [T, 2D]
+    a = o_proj(attn(q, k, v))  with  q = W_q norm(u) + B_q A_q norm(u)  (k, v alike; adapters optional)
+    f = down(act(g) * p),  [g | p] = W_gu norm(a) + B_gu A_gu norm(a)   (the adapter always)
+    h' = h + mamba(norm(h + linear(f)))
+
+The twin spells it ``ZM``: block ``Z`` (the shared block's use and the layer's own ``linear [D, D]``),
+then the layer's Mamba block ``M`` (a Mamba layer is ``M`` alone). The shared block's weights
+(``input_layernorm [2D]``, q, k, v ``[H dh, 2D]`` with ``dh = 2D/H``, ``o_proj [D, H dh]``,
+``pre_ff_layernorm [D]``, ``gate_up_proj [2I, D]``, ``down_proj [D, I]``) exist once per distinct block
+(``num_mem_blocks``: use ``j`` of the hybrid layers runs block ``j mod num_mem_blocks``); the adapters
+(``A [r, in]``, ``B [out, r]``) exist once per use. FSDP shards each distinct block as one unit of its
+own (``parallel/data/fsdp.shared_submodules``), and each hybrid layer (linear + Mamba) and Mamba layer
+as one (``zamba2_units``).
+
+Saved per use, policy none (symbols of ``plan/layout.py``; TP-local widths ``q = H dh/tp``,
+``kv = H_kv dh/tp``, ``Ip = I/tp``)::
+
+    attention half  u [Ts, 2D] e_s + rstd [Ts] e_c + norm(u) [Tc, 2D] e + 3 [Tc, r] e (adapters)
+                    + its norm's float32 product x * rstd [Ts, 2D] e_c (hybridpar's lean norm takes
+                      widths D only; from a 16-bit stream u's float32 copy [Ts, 2D] e_c and the product
+                      cast back e instead of u and the product)
+                    + the attention core (``mixer_saved_bytes``: q, k, v, out, lse)
+                    + under TP o_proj's input [Tc, q] e (its own copy of the core's output)
+    MLP half        a [Ts, D] e_s + rstd + norm(a) [Tc, D] e + [Tc, r] e (adapter) + its norm's
+                    product where transformers' runs (``hf_norm_bytes``: under SP; from a 16-bit
+                    stream its float32 copy of a and the cast product, instead of a)
+                    + the fused gated MLP (``moe.fused_mlp_saved``): [g | p] [Tc, 2I] (the adapter's sum),
+                      act(g) [Tc, I], act(g) * p [Tc, I]; under TP the product's slice [Tc, Ip] instead
+    linear          its input f [Ts, D] e
+
+and RoPE's cos, sin ``[Tc, dh]`` once per model (with ``use_mem_rope``). TP (``zamba2_plan``) per use
+and pack beyond ``tp_blocks``' one pair (the MLP's entry, its exit): the attention's entry
+``[Tc, 2D]`` and exit ``[Tc, D]`` (SP: all-gather + reduce-scatter each), the fused MLP's two
+all-gathers, each attention adapter's ``[Tc, r]`` gradient all-reduced, and under SP the linear's
+weight gradient ``[D, D]`` (``zamba2_traffic``). LoRA, checkpointing and bf16 autocast are not
+priced yet (``zamba2_unpriced``); FSDP's bf16 is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hybridpar.parallel.comm.step import ParamShape, StepShape, Tally, _ring, _shard_bytes, _tp_pair, dim_label
+from hybridpar.parallel.comm.units import unit_parameters
+from hybridpar.plan.layout import Layout
+
+__all__ = ["zamba2_fields", "is_zamba2", "zamba2_units", "shared_uses", "zamba2_saved_bytes", "zamba2_traffic",
+           "zamba2_matmul_elements", "zamba2_unpriced", "attention_twin", "fsdp_groups", "SHARED_UNIT"]
+
+SHARED_UNIT = "shared_blocks.{}"  # FSDP unit of distinct shared block b (its adapters included)
+
+
+def is_zamba2(config) -> bool:
+    return getattr(config, "shared_blocks", 0) > 0
+
+
+def zamba2_fields(config) -> dict:
+    """``TwinConfig`` fields of a transformers ``Zamba2Config``: pattern ``M`` per Mamba layer, ``ZM`` per
+    hybrid layer; the attention widths are the shared block's (input ``2D``, ``dh = 2D/H``)."""
+    kinds = list(config.layers_block_type)
+    return dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        pattern="".join("ZM" if kind == "hybrid" else "M" for kind in kinds),
+        mamba_num_heads=config.n_mamba_heads, mamba_head_dim=config.mamba_headdim, mamba_n_groups=config.mamba_ngroups,
+        ssm_state_size=config.mamba_d_state, conv_kernel=config.mamba_d_conv, chunk_size=config.chunk_size,
+        use_conv_bias=True, mamba_proj_bias=bool(config.add_bias_linear),  # transformers' conv1d always has a bias
+        time_step_limit=(config.time_step_min, float("inf")),
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.attention_head_dim, rotary_fraction=1.0 if config.use_mem_rope else 0.0,
+        intermediate_size=config.intermediate_size, mlp_activation="gelu", mlp_gated=True,
+        mlp_bias=bool(config.add_bias_linear), tie_word_embeddings=bool(config.tie_word_embeddings),
+        paired_layers=False, shared_blocks=min(config.num_mem_blocks, kinds.count("hybrid")), shared_adapter_rank=config.adapter_rank,
+        shared_attention_adapters=bool(config.use_shared_attention_adapter))
+
+
+def shared_uses(config) -> list[int]:
+    """The distinct shared block each ``Z`` of the pattern runs (``j mod num_mem_blocks``)."""
+    return [j % config.shared_blocks for j in range(config.pattern.count("Z"))]
+
+
+def _shared_parameters(config, block: int, tp: int, sp: bool) -> list[ParamShape]:
+    """TP-local parameters of distinct shared block ``block`` and its uses' adapters, as ``zamba2_plan``
+    shards them: q, k, v, ``gate_up_proj`` column-parallel, o, down row-parallel, norms replicated, an
+    attention adapter's ``A`` replicated and ``B`` column-parallel, the MLP adapter replicated whole."""
+    d, r, sharded = config.hidden_size, config.shared_adapter_rank, tp > 1
+    q, kv, inter = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim, config.intermediate_size
+    name = f"{SHARED_UNIT.format(block)}"
+    params = [ParamShape(f"{name}.input_layernorm.weight", (2 * d,), False, sp),
+              ParamShape(f"{name}.pre_ff_layernorm.weight", (d,), False, sp)]
+    params += [ParamShape(f"{name}.self_attn.{p}.weight", (rows // tp, 2 * d), sharded)
+               for p, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
+    params.append(ParamShape(f"{name}.self_attn.o_proj.weight", (d, q // tp), sharded))
+    params.append(ParamShape(f"{name}.feed_forward.gate_up_proj.weight", (2 * inter // tp, d), sharded))
+    params.append(ParamShape(f"{name}.feed_forward.down_proj.weight", (d, inter // tp), sharded))
+    if config.mlp_bias:  # add_bias_linear: gate_up's bias split with its rows, down's replicated
+        params += [ParamShape(f"{name}.feed_forward.gate_up_proj.bias", (2 * inter // tp,), sharded),
+                   ParamShape(f"{name}.feed_forward.down_proj.bias", (d,), False)]
+    for use, owner in enumerate(shared_uses(config)):
+        if owner != block:
+            continue
+        if config.shared_attention_adapters:
+            for p in "qkv":
+                params += [ParamShape(f"{name}.self_attn.{p}_adapter.{use}.A", (r, 2 * d), False),
+                           ParamShape(f"{name}.self_attn.{p}_adapter.{use}.B", (2 * d // tp, r), sharded)]
+        params += [ParamShape(f"{name}.feed_forward.adapter.{use}.A", (r, d), False),
+                   ParamShape(f"{name}.feed_forward.adapter.{use}.B", (2 * inter, r), False)]
+    return params
+
+
+def zamba2_units(config, tp: int = 1, sp: bool = False) -> dict[str, list[ParamShape]]:
+    """Every parameter per twin unit, TP-local: ``unit_parameters``' for the Mamba blocks and the root, a
+    ``Z`` block's its layer's ``linear [D, D]`` (replicated), and one unit per distinct shared block."""
+    units = unit_parameters(config, tp, sp)
+    for index, kind in enumerate(config.pattern):
+        if kind == "Z":
+            units[f"backbone.layers.{index}"] = [ParamShape(f"backbone.layers.{index}.linear.weight",
+                                                            (config.hidden_size,) * 2, False)]
+    for block in range(config.shared_blocks):
+        units[SHARED_UNIT.format(block)] = _shared_parameters(config, block, tp, sp and tp > 1)
+    return units
+
+
+def fsdp_groups(config) -> list[tuple[int, ...]]:
+    """The FSDP units as twin block indices: a hybrid layer's ``Z`` and ``M`` together, a Mamba layer alone."""
+    groups, pattern, i = [], config.pattern, 0
+    while i < len(pattern):
+        size = 2 if pattern[i] == "Z" else 1
+        groups.append(tuple(range(i, i + size)))
+        i += size
+    return groups
+
+
+def zamba2_saved_bytes(layout: Layout, w: dict, core: int, hf_norm: int) -> int:
+    """What one ``Z`` block keeps for backward, policy none (module docstring); ``core``: its attention
+    core's bytes (``activations.mixer_saved_bytes`` of ``*``), ``hf_norm``: its MLP norm's where
+    transformers' runs (``activations.hf_norm_bytes``)."""
+    c, e, es, ec = layout.model, layout.act_bytes, layout.stream_bytes, layout.compute_bytes
+    tc, ts, d, r = layout.tokens, layout.stream_tokens, c.hidden_size, c.shared_adapter_rank
+    adapters, wide = (3 if c.shared_attention_adapters else 0), es >= ec  # wide: a float32 stream
+    attention = ts * ec + tc * 2 * d * e + adapters * tc * r * e + core
+    attention += ts * 2 * d * (es + ec if wide else ec + e)  # transformers' norm over 2D: u and x * rstd in
+    # float32 (from a 16-bit stream u's float32 copy and the product cast back; the 16-bit u is not kept)
+    attention += tc * w["q"] * e if layout.tp > 1 else 0  # o_proj's input, its own copy under TP
+    inter = c.intermediate_size  # the fused MLP (moe.fused_mlp_saved): [g | p] + act(g) + act(g) * p, or under
+    fused = tc * e * (3 * inter + (inter // layout.tp if layout.tp > 1 else inter))  # TP down's slice of the last
+    mlp = ts * ec + (0 if hf_norm and not wide else ts * d * es) + hf_norm + tc * d * e + tc * r * e + fused
+    return attention + mlp + ts * d * e
+
+
+def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
+    """The sources ``step_collectives`` prices from ``unit_parameters``, for a Zamba2 twin: ``fsdp`` over its
+    real units, ``tp_norm_grads`` (each distinct block's two norms once), and ``tp_shared_block``
+    (module docstring). ``shape``: the step of ``attention_twin``."""
+    c, dims, m = layout.model, layout.dims, layout.packs_per_rank
+    out = {}
+    units = zamba2_units(c, layout.tp, layout.sequence_parallel)
+    norms = Tally()
+    if layout.sp:  # no LoRA here: every norm trains
+        for p in (p for unit in units.values() for p in unit if p.sp_norm):
+            norms.add("all_reduce", dim_label(dims, ("tp",)), _ring("all_reduce", layout.tp, math.prod(p.shape) * shape.stream_bytes),
+                      1 if shape.fsdp else 4)  # FSDP reduces once; else clipping once and AdamW three times
+    out["tp_norm_grads"] = norms
+    out["fsdp"] = _fsdp(layout, shape, units)
+    tp, extra = layout.tp, Tally()
+    if tp > 1:
+        uses, d, e, tc = c.pattern.count("Z") * m, c.hidden_size, layout.act_bytes, layout.tokens
+        label = dim_label(dims, ("tp",))
+        _tp_pair(extra, shape, uses, 2 * d, shape.entry_size)  # the attention's entry: norm(u) [Tc, 2D]
+        _tp_pair(extra, shape, uses, d, exit_=True)  # its exit: o_proj's output
+        extra.add("all_gather", label, _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e), uses)
+        extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e), uses)
+        if c.shared_attention_adapters:  # B's replicated input [Tc, r]: its gradient is Partial
+            extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.shared_adapter_rank * e), 3 * uses)
+        if layout.sp:  # the linear runs on the local tokens: its weight's gradient summed over TP, per pack
+            extra.add("all_reduce", label, _ring("all_reduce", tp, d * d * shape.stream_bytes), uses)
+    out["tp_shared_block"] = extra
+    return out
+
+
+def attention_twin(config):
+    """The twin with every ``Z`` read as an attention block: what ``step_collectives`` prices (its CP
+    attention per use; every other source it takes from here is the same for both)."""
+    return dataclasses.replace(config, pattern=config.pattern.replace("Z", "*"))
+
+
+def _fsdp(layout: Layout, shape: StepShape, units: dict) -> Tally:
+    """``step.fsdp`` over Zamba2's units: a hybrid layer's linear and Mamba block as one, each distinct
+    shared block as one gathered twice per pack (forward and backward, whatever its uses), the root once."""
+    out, dims = Tally(), layout.dims
+    if not shape.fsdp:
+        return out
+    shard, rep, m = dims.size("dp_shard_cp"), dims.dp_replicate, layout.packs_per_rank
+    shard_label, rep_label = dim_label(dims, ("dp_shard", "cp")), dim_label(dims, ("dp_replicate",))
+    reduce_size = max(layout.act_bytes, 4)
+    groups = [[p for i in group for p in units[f"backbone.layers.{i}"]] for group in fsdp_groups(layout.model)]
+    groups += [units[SHARED_UNIT.format(b)] for b in range(layout.model.shared_blocks)]
+    for params, root in [(g, False) for g in groups] + [(units[""], True)]:
+        nbytes, grad_bytes = _shard_bytes(params, shard, layout.act_bytes), _shard_bytes(params, shard, reduce_size)
+        if shard > 1:
+            gathers = 1 if not layout.reshard_after_forward else m * (1 if root else 2)
+            out.add("all_gather", shard_label, _ring("all_gather", shard, nbytes), gathers)
+            out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * grad_bytes))
+        if rep > 1:
+            out.add("all_reduce", rep_label, _ring("all_reduce", rep, grad_bytes))
+    return out
+
+
+def zamba2_matmul_elements(config) -> tuple[int, int]:
+    """Multiply-adds per token of one ``Z`` block (full widths), and of them what every TP rank runs
+    whole (the linear, the MLP adapter, the attention adapters' ``A``)."""
+    d, r, inter = config.hidden_size, config.shared_adapter_rank, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    attention_adapters = 3 * r * 4 * d if config.shared_attention_adapters else 0
+    replicated = d * d + r * (d + 2 * inter) + attention_adapters // 2
+    return 2 * d * (q + 2 * kv) + q * d + 3 * d * inter + attention_adapters + replicated, replicated
+
+
+def zamba2_unpriced(layout: Layout) -> str:
+    """Why this run of a Zamba2 twin is not priced (``""``: it is): LoRA, checkpointing and autocast
+    (bf16 without FSDP: every projection's own cast of its input) were not held to a measurement."""
+    if not is_zamba2(layout.model):
+        return ""
+    unpriced = [text for holds, text in ((layout.lora_rank, "LoRA"),
+                                         (layout.checkpointing != "none", f"checkpointing={layout.checkpointing}"),
+                                         (layout.autocast, "bf16 autocast: mixed_precision=bf16 without FSDP")) if holds]
+    return (f"Zamba2's shared blocks are priced without LoRA, checkpointing and bf16 autocast (this run: "
+            f"{', '.join(unpriced)})") if unpriced else ""
