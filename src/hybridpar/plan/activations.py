@@ -90,7 +90,9 @@ def _block_saved_bytes(layout: Layout, kind: str, policy: str) -> int:
     paired = layout.paired
     if paired and policy in ("full", "selective") and kind in "-E":
         return 0  # one checkpoint per decoder layer: the attention block's input is the layer's
-    if kind == "Z":  # a Zamba2 shared block's use (policy none only: plan/hf/zamba2.zamba2_unpriced)
+    if kind == "Z":  # a Zamba2 shared block's use (none or full: plan/hf/zamba2.zamba2_unpriced); under full its
+        if policy == "full":  # layer's one checkpoint keeps the layer's input, counted with its Mamba block
+            return 0
         return zamba2_saved_bytes(layout, w, mixer_saved_bytes(layout, "*", w), hf_norm_bytes(layout))
     if policy == "full":
         return block_input
@@ -215,7 +217,9 @@ def head_saved_bytes(layout: Layout) -> int:
         final_norm = hf_norm_bytes(layout)  # attention layer reads (and each layer's checkpoint keeps)
         rot = int(layout.model.head_dim * layout.model.rotary_fraction) // 2 * 2
         rope = tc * 2 * rot * es if rot and (attention_layers(layout.model.pattern) or "Z" in layout.model.pattern) else 0
-    return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8 + final_norm + rope
+    embeddings = ts * d * es if "Z" in layout.model.pattern and layout.checkpointing != "none" else 0  # Zamba2's
+    return ts * (d * es + ec) + tc * d * e + tc * ec + 2 * tc * 8 + final_norm + rope + embeddings  # x0, which
+    # every hybrid layer's checkpoint keeps (one tensor)
 
 
 def saved_bytes(layout: Layout, policy: str | None = None) -> dict:

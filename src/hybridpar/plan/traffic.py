@@ -32,7 +32,7 @@ import dataclasses
 from hybridpar.models.mamba.mixer import replicated_groups
 from hybridpar.parallel.comm.step import SOURCES, StepShape, Tally, _ring, attention_layers, dim_label, step_collectives
 from hybridpar.plan.hf.moe import moe_traffic, router_aux_traffic
-from hybridpar.plan.hf.zamba2 import attention_twin, is_zamba2, zamba2_traffic
+from hybridpar.plan.hf.zamba2 import attention_twin, is_zamba2, zamba2_recomputed, zamba2_traffic
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
@@ -78,9 +78,9 @@ def ring_attention(layout: Layout) -> Tally:
 def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
     """Each source's ``Tally`` ``{(kind, dim): [calls, bytes]}`` for one step, ``recompute`` included."""
     shape = step_shape(layout, docs_per_pack)
-    priced = StepShape(**{**shape.__dict__, "cp_attention": "allgather"}) if layout.cp_attention == "ring" else shape
     if is_zamba2(layout.model):  # every shared block's use attends (Z read as *); its units, norms and TP
-        priced = dataclasses.replace(priced, model=attention_twin(layout.model))  # collectives: plan/hf/zamba2.py
+        shape = dataclasses.replace(shape, model=attention_twin(layout.model))  # collectives: plan/hf/zamba2.py
+    priced = StepShape(**{**shape.__dict__, "cp_attention": "allgather"}) if layout.cp_attention == "ring" else shape
     sources = step_collectives(priced)
     if is_zamba2(layout.model):
         sources.update(zamba2_traffic(layout, priced))
@@ -92,7 +92,7 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
     if layout.sp and "P" in layout.model.pattern:
         sources["tp_branches"] = branch_gradients(layout)
     if layout.checkpointing != "none":
-        extra, c = Tally(), layout.model
+        extra, c = Tally(), shape.model  # a Zamba2's Z read as *
         flow, pattern, m = shape.flow, c.pattern, layout.packs_per_rank
         # the blocks recomputed: those a gradient reaches (a decoder layer's checkpoint: where its output's does)
         redo = flow.recomputed(shape.paired)
@@ -122,6 +122,8 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
                       flow.count(redo, pattern, "MP") * layout.packs_per_rank)
         if "tp_moe" in sources:
             extra = extra + moe_traffic(layout, recomputed=redo)
+        if is_zamba2(layout.model):  # a hybrid layer's recomputation: its shared block's mid-layer collectives
+            extra = extra + zamba2_recomputed(layout, shape)
         sources["recompute"] = extra
     return sources
 

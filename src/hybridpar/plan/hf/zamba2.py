@@ -37,8 +37,14 @@ and RoPE's cos, sin ``[Tc, dh]`` once per model (with ``use_mem_rope``). TP (``z
 and pack beyond ``tp_blocks``' one pair (the MLP's entry, its exit): the attention's entry
 ``[Tc, 2D]`` and exit ``[Tc, D]`` (SP: all-gather + reduce-scatter each), the fused MLP's two
 all-gathers, each attention adapter's ``[Tc, r]`` gradient all-reduced, and under SP the linear's
-weight gradient ``[D, D]`` (``zamba2_traffic``). LoRA, checkpointing and bf16 autocast are not
-priced yet (``zamba2_unpriced``); FSDP's bf16 is.
+weight gradient ``[D, D]`` (``zamba2_traffic``).
+
+``full`` checkpointing: a hybrid layer is one checkpoint (transformers' ``Zamba2HybridLayer``), which keeps
+its input ``[Ts, D] e_s`` (counted with its ``M`` block; ``Z`` keeps nothing of its own) and the embeddings
+``x0 [Ts, D] e_s``, one tensor every layer's checkpoint holds (counted once, with the head); its
+backward rebuilds ``Z``'s tensors while the ``M`` block's backward runs (``memory_plan``), and its
+recomputation repeats the shared block's mid-layer collectives (``zamba2_recomputed``). LoRA, ``selective``
+and bf16 autocast are not priced yet (``zamba2_unpriced``); FSDP's bf16 is.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from hybridpar.parallel.comm.units import unit_parameters
 from hybridpar.plan.layout import Layout
 
 __all__ = ["zamba2_fields", "is_zamba2", "zamba2_units", "shared_uses", "zamba2_saved_bytes", "zamba2_traffic",
-           "zamba2_matmul_elements", "zamba2_unpriced", "attention_twin", "fsdp_groups", "SHARED_UNIT"]
+           "zamba2_matmul_elements", "zamba2_unpriced", "zamba2_recomputed", "attention_twin", "fsdp_groups", "SHARED_UNIT"]
 
 SHARED_UNIT = "shared_blocks.{}"  # FSDP unit of distinct shared block b (its adapters included)
 
@@ -183,6 +189,24 @@ def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
     return out
 
 
+def zamba2_recomputed(layout: Layout, shape: StepShape) -> Tally:
+    """Under ``full`` checkpointing (one checkpoint per hybrid layer) the TP collectives its recomputation
+    repeats beyond ``step_traffic``'s (each block's entry gather under SP, the CP exchanges): per use and
+    pack the shared block's mid-layer ones, its attention's entry ``[Ts, 2D]`` (SP), the exits of its
+    attention and MLP ``[Tc, D]`` (SP: reduce-scatter, else all-reduce) and the fused MLP's forward
+    all-gather ``[Tc, 2I/tp]``. The layer's last exit (its Mamba block's) is not repeated."""
+    out, c, tp = Tally(), layout.model, layout.tp
+    if tp == 1:
+        return out
+    uses, label, tc, e = c.pattern.count("Z") * layout.packs_per_rank, dim_label(layout.dims, ("tp",)), layout.tokens, layout.act_bytes
+    if layout.sp:
+        out.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * 2 * c.hidden_size * (shape.entry_size or e)), uses)
+    kind = "reduce_scatter" if layout.sp else "all_reduce"
+    out.add(kind, label, _ring(kind, tp, tc * c.hidden_size * (shape.exit_size or e)), 2 * uses)
+    out.add("all_gather", label, _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e), uses)
+    return out
+
+
 def attention_twin(config):
     """The twin with every ``Z`` read as an attention block: what ``step_collectives`` prices (its CP
     attention per use; every other source it takes from here is the same for both)."""
@@ -222,12 +246,12 @@ def zamba2_matmul_elements(config) -> tuple[int, int]:
 
 
 def zamba2_unpriced(layout: Layout) -> str:
-    """Why this run of a Zamba2 twin is not priced (``""``: it is): LoRA, checkpointing and autocast
-    (bf16 without FSDP: every projection's own cast of its input) were not held to a measurement."""
+    """Why this run of a Zamba2 twin is not priced (``""``: it is): LoRA, selective checkpointing and
+    autocast (bf16 without FSDP: every projection's own cast of its input) were not held to a measurement."""
     if not is_zamba2(layout.model):
         return ""
     unpriced = [text for holds, text in ((layout.lora_rank, "LoRA"),
-                                         (layout.checkpointing != "none", f"checkpointing={layout.checkpointing}"),
+                                         (layout.checkpointing == "selective", "checkpointing=selective"),
                                          (layout.autocast, "bf16 autocast: mixed_precision=bf16 without FSDP")) if holds]
-    return (f"Zamba2's shared blocks are priced without LoRA, checkpointing and bf16 autocast (this run: "
+    return (f"Zamba2's shared blocks are priced without LoRA, selective checkpointing and bf16 autocast (this run: "
             f"{', '.join(unpriced)})") if unpriced else ""
