@@ -38,6 +38,7 @@ so a change to the planner shows without measuring again (``--replan`` does only
         --checkpointing none selective full
     python benchmarks/planner.py --models falcon_h1 falcon_h1_norm --lengths 4096 --checkpointing none selective full
     python benchmarks/planner.py --models zamba2                  # shared blocks reused at two depths, 4096 and 16384
+    python benchmarks/planner.py --models zamba2 --lengths 4096 --checkpointing full selective
     python benchmarks/planner.py --models tiny --lengths 4096 --layouts "1 process" "cp=2 x tp=2" \\
         --checkpointing full selective
     python benchmarks/planner.py --models tiny+lora tiny+lora-qv llama+lora-qv bamba+lora nemotron_h+lora-qv --lengths 4096

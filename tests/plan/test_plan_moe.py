@@ -11,7 +11,7 @@ the parameter-only plan. NemotronH's MoE latent projections and the router's loa
 (``output_router_logits``) are priced too (before: the parameter-only plan): the latent width in the
 experts' rows, fc2's input and the experts' TP all-reduces; every MoE block's float32 softmax
 ``[Tc, E]`` and the term's CP sums. What stays unplanned (a Zamba2 with untied blocks or under
-selective checkpointing; the rest of Zamba2: ``test_zamba2_plan.py``) keeps the parameter-only plan and names its
+LoRA; the rest of Zamba2: ``test_zamba2_plan.py``) keeps the parameter-only plan and names its
 reason (Falcon-H1: ``test_plan_parallel_layers.py``).
 """
 
@@ -81,7 +81,7 @@ def test_moe_hybrids_are_planned_on_their_twin_with_transformers_parameters(tmp_
 
 @pytest.mark.parametrize("name, fields, overrides, reason", [
     ("zamba2", {"tie_word_embeddings": False}, [], "blocks are not shared"),
-    ("zamba2", {}, ["parallel.activation_checkpointing=selective"], "without LoRA, selective checkpointing"),
+    ("zamba2", {}, ["peft.method=lora"], "priced without LoRA"),
 ])
 def test_what_stays_unplanned_keeps_its_parameter_share_and_names_why(tmp_path, name, fields, overrides, reason):
     plan = make_plan(load_config(None, _overrides(_checkpoint(tmp_path / name, name, **fields), *overrides)))

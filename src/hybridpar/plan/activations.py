@@ -53,7 +53,7 @@ from __future__ import annotations
 from hybridpar.models.mamba.mixer import replicated_groups, tp_groups
 from hybridpar.parallel.comm.units import attention_layers
 from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes, router_aux_bytes
-from hybridpar.plan.hf.zamba2 import zamba2_saved_bytes
+from hybridpar.plan.hf.zamba2 import zamba2_saved_bytes, zamba2_selective_bytes
 from hybridpar.plan.layout import Layout
 
 __all__ = ["block_saved_bytes", "head_saved_bytes", "saved_bytes", "BLOCK_NAMES", "block_kind_totals", "block_widths",
@@ -93,6 +93,8 @@ def _block_saved_bytes(layout: Layout, kind: str, policy: str) -> int:
     if kind == "Z":  # a Zamba2 shared block's use (none or full: plan/hf/zamba2.zamba2_unpriced); under full its
         if policy == "full":  # layer's one checkpoint keeps the layer's input, counted with its Mamba block
             return 0
+        if policy == "selective":
+            return zamba2_selective_bytes(layout, w)
         return zamba2_saved_bytes(layout, w, mixer_saved_bytes(layout, "*", w), hf_norm_bytes(layout))
     if policy == "full":
         return block_input

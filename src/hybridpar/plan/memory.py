@@ -83,9 +83,10 @@ def memory_plan(layout: Layout) -> MemoryPlan:
         for i in range(1, len(pattern), 2):
             rebuilt = block_saved_bytes(layout, pattern[i - 1], "none") - block_saved_bytes(layout, pattern[i - 1])
             ws[i] = Workspaces(ws[i].forward, ws[i].backward + rebuilt, ws[i].freed)
-    if is_zamba2(layout.model) and layout.checkpointing == "full":  # a hybrid layer's one checkpoint: its Mamba
+    if is_zamba2(layout.model) and layout.checkpointing != "none":  # a hybrid layer's one checkpoint: its Mamba
         for i in (i for i, kind in enumerate(pattern) if kind == "Z"):  # block's backward runs first, with the
-            rebuilt = block_saved_bytes(layout, "Z", "none")  # shared block's rebuilt tensors live too
+            rebuilt = block_saved_bytes(layout, "Z", "none") - block_saved_bytes(layout, "Z")  # shared block's
+            # rebuilt tensors live too
             ws[i + 1] = Workspaces(ws[i + 1].forward, ws[i + 1].backward + rebuilt, ws[i + 1].freed)
     # router logits the forward holds beyond what a block keeps (plan/hf/moe.py: the load-balancing term's
     # softmax, counted in saved, stands in for its logits during the forward)

@@ -104,9 +104,7 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
     model = meta_model(shape)  # one shape-only model validates every candidate
     planned, hf_decoder = shape, False
     if not isinstance(shape, HybridConfig):  # a transformers decoder: priced through its twin, or refused
-        unchecked = copy.deepcopy(run)  # each candidate's own policy is checked below (Zamba2: none only)
-        unchecked.parallel = dataclasses.replace(run.parallel, activation_checkpointing="none")
-        planned, why, _ = planned_shape(shape, unchecked)
+        planned, why, _ = planned_shape(shape, run, per_layout=True)  # a Zamba2's candidates are checked below
         if planned is None:
             raise ConfigError(f"plan --fit needs every layout's activations, and for {type(model).__name__} {why}; "
                               "drop --fit to see its parameters, gradients and AdamW state per rank.")
@@ -127,7 +125,7 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
             out.append(Candidate(keys, refused=verdicts[layout_key], data=raised))
             continue
         layout = Layout.from_run(candidate, planned, hf_decoder)
-        if zamba2_unpriced(layout):  # a Zamba2 under checkpointing (plan/hf/zamba2.py)
+        if zamba2_unpriced(layout):  # a Zamba2 under LoRA or bf16 autocast (plan/hf/zamba2.py)
             out.append(Candidate(keys, refused=zamba2_unpriced(layout), data=raised))
             continue
         plan = plan_layout(layout, device, docs_per_pack)

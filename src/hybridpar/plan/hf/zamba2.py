@@ -43,8 +43,10 @@ weight gradient ``[D, D]`` (``zamba2_traffic``).
 its input ``[Ts, D] e_s`` (counted with its ``M`` block; ``Z`` keeps nothing of its own) and the embeddings
 ``x0 [Ts, D] e_s``, one tensor every layer's checkpoint holds (counted once, with the head); its
 backward rebuilds ``Z``'s tensors while the ``M`` block's backward runs (``memory_plan``), and its
-recomputation repeats the shared block's mid-layer collectives (``zamba2_recomputed``). LoRA, ``selective``
-and bf16 autocast are not priced yet (``zamba2_unpriced``); FSDP's bf16 is.
+recomputation repeats the shared block's mid-layer collectives (``zamba2_recomputed``). ``selective``:
+the same checkpoint, keeping every matmul output before the layer's Mamba core (``zamba2_selective_bytes``;
+the layer's input and ``x0`` as under ``full``). LoRA and bf16 autocast are not priced yet
+(``zamba2_unpriced``); FSDP's bf16 is.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from hybridpar.parallel.comm.units import unit_parameters
 from hybridpar.plan.layout import Layout
 
 __all__ = ["zamba2_fields", "is_zamba2", "zamba2_units", "shared_uses", "zamba2_saved_bytes", "zamba2_traffic",
-           "zamba2_matmul_elements", "zamba2_unpriced", "zamba2_recomputed", "attention_twin", "fsdp_groups", "SHARED_UNIT"]
+           "zamba2_matmul_elements", "zamba2_unpriced", "zamba2_recomputed", "zamba2_selective_bytes", "attention_twin", "fsdp_groups", "SHARED_UNIT"]
 
 SHARED_UNIT = "shared_blocks.{}"  # FSDP unit of distinct shared block b (its adapters included)
 
@@ -159,6 +161,19 @@ def zamba2_saved_bytes(layout: Layout, w: dict, core: int, hf_norm: int) -> int:
     return attention + mlp + ts * d * e
 
 
+def zamba2_selective_bytes(layout: Layout, w: dict) -> int:
+    """What one ``Z`` block keeps under ``selective``: the outputs of every matmul before its layer's last
+    mixing kernel (the Mamba core): q, k, v, each adapter's ``A`` and ``B`` outputs, o_proj's, the fused
+    MLP's and its adapter's, down's, the linear's; and the attention core's out and lse (a GPU's flash
+    core keeps them; on CPU the eager core recomputes them, as for every attention block)."""
+    c, e, ec, tc, ts, d = layout.model, layout.act_bytes, layout.compute_bytes, layout.tokens, layout.stream_tokens, layout.model.hidden_size
+    r, inter, tp = c.shared_adapter_rank, c.intermediate_size, layout.tp
+    adapters = 3 * tc * (r + 2 * d // tp) * e if c.shared_attention_adapters else 0
+    attention = tc * (w["q"] + 2 * w["kv"]) * e + adapters + tc * w["q"] * e + tc * w["hq"] * ec + tc * d * e
+    mlp = tc * (2 * inter // tp + r + 2 * inter) * e + tc * d * e
+    return attention + mlp + ts * d * e
+
+
 def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
     """The sources ``step_collectives`` prices from ``unit_parameters``, for a Zamba2 twin: ``fsdp`` over its
     real units, ``tp_norm_grads`` (each distinct block's two norms once), and ``tp_shared_block``
@@ -190,7 +205,7 @@ def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
 
 
 def zamba2_recomputed(layout: Layout, shape: StepShape) -> Tally:
-    """Under ``full`` checkpointing (one checkpoint per hybrid layer) the TP collectives its recomputation
+    """Under ``full`` or ``selective`` checkpointing (one checkpoint per hybrid layer) the TP collectives its recomputation
     repeats beyond ``step_traffic``'s (each block's entry gather under SP, the CP exchanges): per use and
     pack the shared block's mid-layer ones, its attention's entry ``[Ts, 2D]`` (SP), the exits of its
     attention and MLP ``[Tc, D]`` (SP: reduce-scatter, else all-reduce) and the fused MLP's forward
@@ -246,12 +261,12 @@ def zamba2_matmul_elements(config) -> tuple[int, int]:
 
 
 def zamba2_unpriced(layout: Layout) -> str:
-    """Why this run of a Zamba2 twin is not priced (``""``: it is): LoRA, selective checkpointing and
-    autocast (bf16 without FSDP: every projection's own cast of its input) were not held to a measurement."""
+    """Why this run of a Zamba2 twin is not priced (``""``: it is): LoRA and autocast (bf16 without FSDP:
+    every projection's own cast of its input) were not held to a measurement."""
     if not is_zamba2(layout.model):
         return ""
     unpriced = [text for holds, text in ((layout.lora_rank, "LoRA"),
-                                         (layout.checkpointing == "selective", "checkpointing=selective"),
+
                                          (layout.autocast, "bf16 autocast: mixed_precision=bf16 without FSDP")) if holds]
-    return (f"Zamba2's shared blocks are priced without LoRA, selective checkpointing and bf16 autocast (this run: "
+    return (f"Zamba2's shared blocks are priced without LoRA and bf16 autocast (this run: "
             f"{', '.join(unpriced)})") if unpriced else ""
