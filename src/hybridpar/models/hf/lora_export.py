@@ -181,6 +181,22 @@ def merged_state(state: dict[str, Tensor], scaling: float,
     return merged
 
 
+def _check_unshared(model: nn.Module) -> None:
+    """Refuse a merge where two adapted modules hold one base weight (Zamba2's shared block, used by several
+    layers): each use trains its own adapter, but the merged checkpoint has one tied weight for all uses."""
+    owners: dict[int, str] = {}
+    for name, module in lora_modules(model).items():
+        weight = getattr(module, "weight", None)
+        if weight is None:
+            continue
+        first = owners.setdefault(id(weight), name)
+        if first != name:
+            raise ValueError(f"cannot merge the LoRA adapters of {first!r} and {name!r}: both adapt one shared base "
+                             f"weight (e.g. Zamba2's shared block, used by several layers), and the merged checkpoint "
+                             f"holds it once while each use trained its own adapter; export the adapter "
+                             f"(peft.merge=false) or leave the shared block out of peft.targets.")
+
+
 def mamba_out_proj_targets(model: nn.Module) -> list[str]:
     """Adapted ``out_proj`` modules of Mamba mixers (peft cannot load those adapters)."""
     return [name for name in lora_modules(model)
@@ -253,6 +269,7 @@ def export_lora(model: nn.Module, out_dir: str | Path, state: dict, *, merge: bo
     _, adapters = split_lora_state(state)
     out_dir = Path(out_dir)
     if merge:  # W + (alpha/r) B A, then the usual export
+        _check_unshared(model)
         export_causal_lm(model, out_dir, tokenizer_dir=tokenizer_dir, architecture=architecture,
                          state_dict=merged_state(state, lora_settings(model)["alpha"] / lora_settings(model)["r"],
                                                  expert_layouts(model)))
