@@ -103,3 +103,33 @@ def test_a_resume_warning_says_rounds_only_for_chunk_size():
                                          ["rope_theta", "chunk_size"])
     assert "but the model computes otherwise, so the losses" in theta and "chunk" not in theta
     assert "but the model rounds otherwise (the same function, summed in other chunks)" in chunk
+
+
+def _export_nemotron_moe(rank, world_size, out_dir, layout):
+    import hybridpar as hp
+    from hybridpar.models.hf.causal_lm import export_causal_lm
+    from tests.models.hf.hybrid_models import build_hybrid
+
+    model = build_hybrid("nemotron_h_moe")
+    with torch.no_grad():
+        bias = model.model.layers[2].mixer.gate.e_score_correction_bias
+        bias.copy_(torch.tensor([0.5, -1.0, 0.25, 2.0], dtype=bias.dtype))  # a trained router's, not zeros
+    dims = hp.ParallelDims(**layout)
+    model = hp.parallelize(model, dims, mesh=dims.build_mesh())
+    state = hp.canonical_state_dict(model)  # every rank: the parameters' gathers
+    if rank == 0:
+        export_causal_lm(model, f"{out_dir}/{'_'.join(layout)}", state_dict=state)
+    return rank
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"dp_shard": 2}])
+def test_a_nemotron_moe_export_carries_the_routers_correction_bias(tmp_path, layout):
+    """Exporting Nemotron-3-Nano's MoE (``model.export_hf``) failed after training: "state_dict does not fit
+    NemotronHForCausalLM: missing [...gate.e_score_correction_bias]", a persistent buffer no parameter state
+    holds (round 15h). The export now takes the model's own buffers, on rank 0 alone (no collective)."""
+    from transformers import AutoModelForCausalLM
+
+    run_ranks(2, _export_nemotron_moe, str(tmp_path), layout, timeout_s=120)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "_".join(layout), dtype=torch.float64)
+    bias = loaded.model.layers[2].mixer.gate.e_score_correction_bias
+    assert bias.tolist() == [0.5, -1.0, 0.25, 2.0]

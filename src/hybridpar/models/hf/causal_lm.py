@@ -288,6 +288,25 @@ def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int,
 # ----------------------------------------------------------------------------- export
 
 
+def _persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """``{single-device name: copy}`` of ``model``'s persistent buffers (NemotronH's router
+    ``e_score_correction_bias``), read on this rank alone: a sharded one is refused, not gathered."""
+    wrappers = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+    out = {}
+    for module_name, module in model.named_modules():
+        for buffer_name, tensor in module.named_buffers(recurse=False):
+            if tensor is None or buffer_name in module._non_persistent_buffers_set:
+                continue
+            name = f"{module_name}.{buffer_name}" if module_name else buffer_name
+            canonical = ".".join(atom for atom in name.split(".") if atom not in wrappers)
+            placements = getattr(tensor, "placements", None)  # a DTensor, read by attribute: no distributed import
+            if placements is not None and any(not p.is_replicate() for p in placements):
+                raise ValueError(f"buffer {canonical} is sharded ({tuple(placements)}); export reads buffers on one "
+                                 "rank: keep it replicated in the tensor-parallel plan.")
+            out[canonical] = (tensor.to_local() if placements is not None else tensor).detach().clone()
+    return out
+
+
 def _single_device_copy(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.Module:
     """A fresh model of ``model``'s config holding ``state_dict`` (full tensors, single-device names)."""
     if isinstance(model, HybridLM):
@@ -303,6 +322,9 @@ def _single_device_copy(model: nn.Module, state_dict: dict[str, Tensor]) -> nn.M
         single = AutoModelForCausalLM.from_config(model.config, dtype=next(iter(state_dict.values())).dtype)
     unexpected = single.load_state_dict(state_dict, strict=False, assign=True).unexpected_keys
     single.tie_weights()  # a tied head is listed once (as the embedding) by named_parameters
+    buffers = _persistent_buffers(model)  # not in a parameter state (canonical_state_dict): the model's own
+    wanted = {name: buffers[name] for name, tensor in single.state_dict().items() if tensor.is_meta and name in buffers}
+    single.load_state_dict(wanted, strict=False, assign=True)
     missing = [name for name, tensor in single.state_dict().items() if tensor.is_meta]
     if missing or unexpected:
         raise ValueError(f"state_dict does not fit {type(single).__name__}: missing {sorted(missing)[:6]}, unexpected "
