@@ -133,3 +133,18 @@ def test_a_nemotron_moe_export_carries_the_routers_correction_bias(tmp_path, lay
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "_".join(layout), dtype=torch.float64)
     bias = loaded.model.layers[2].mixer.gate.e_score_correction_bias
     assert bias.tolist() == [0.5, -1.0, 0.25, 2.0]
+
+
+def test_merging_adapters_of_a_shared_block_is_refused_before_training(tmp_path):
+    """A merged LoRA export of Zamba2's shared block used by two layers is refused (round 15h), but only at the
+    export, after training. The run's checks now refuse it before step 1, a dry run included."""
+    from tests.models.hf.hybrid_models import build_hybrid
+    from tests.train.fault_probes import cli
+
+    build_hybrid("zamba2_shared").save_pretrained(tmp_path / "base")
+    code, output = cli("train", f"model.hf_path={tmp_path / 'base'}", "data.task=mqar", "peft.method=lora",
+                       "peft.target_modules=[q_proj, in_proj]", "peft.merge=true", f"model.export_hf={tmp_path / 'out'}",
+                       f"output_dir={tmp_path / 'run'}", "train.steps=2", "--dry-run")
+    assert code == 2 and "model.export_hf with peft.merge=true: cannot merge the LoRA adapters of " \
+        "'model.layers.1.shared_transformer.self_attn.q_proj' and 'model.layers.3" in output, output
+    assert not (tmp_path / "run").exists()

@@ -32,6 +32,13 @@ def apply_peft(config: RunConfig, model: nn.Module) -> nn.Module:
                  seed=config.train.seed, target_parameters=peft.target_parameters)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if config.model.export_hf and peft.merge:  # before step 1, not after training
+        from hybridpar.models.hf.lora_export import check_mergeable
+
+        try:
+            check_mergeable(model)
+        except ValueError as error:
+            raise ConfigError(f"model.export_hf with peft.merge=true: {error}") from None
     if config.model.export_hf and not peft.merge:
         from hybridpar.models.hf.lora_export import mamba_out_proj_targets
 

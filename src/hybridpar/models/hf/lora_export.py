@@ -41,7 +41,7 @@ from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_l
 from hybridpar.strict_json import check_files, load_file as load_json
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_lora", "split_lora_state", "save_peft_adapter",
-           "read_peft_adapter", "lora_settings", "merged_state", "expert_layouts", "mamba_out_proj_targets",
+           "read_peft_adapter", "lora_settings", "merged_state", "expert_layouts", "mamba_out_proj_targets", "check_mergeable",
            "merge_adapter_checkpoint"]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -181,7 +181,7 @@ def merged_state(state: dict[str, Tensor], scaling: float,
     return merged
 
 
-def _check_unshared(model: nn.Module) -> None:
+def check_mergeable(model: nn.Module) -> None:
     """Refuse a merge where two adapted modules hold one base weight (Zamba2's shared block, used by several
     layers): each use trains its own adapter, but the merged checkpoint has one tied weight for all uses."""
     owners: dict[int, str] = {}
@@ -194,7 +194,7 @@ def _check_unshared(model: nn.Module) -> None:
             raise ValueError(f"cannot merge the LoRA adapters of {first!r} and {name!r}: both adapt one shared base "
                              f"weight (e.g. Zamba2's shared block, used by several layers), and the merged checkpoint "
                              f"holds it once while each use trained its own adapter; export the adapter "
-                             f"(peft.merge=false) or leave the shared block out of peft.targets.")
+                             f"(peft.merge=false) or leave the shared block out of peft.target_modules.")
 
 
 def mamba_out_proj_targets(model: nn.Module) -> list[str]:
@@ -269,7 +269,7 @@ def export_lora(model: nn.Module, out_dir: str | Path, state: dict, *, merge: bo
     _, adapters = split_lora_state(state)
     out_dir = Path(out_dir)
     if merge:  # W + (alpha/r) B A, then the usual export
-        _check_unshared(model)
+        check_mergeable(model)
         export_causal_lm(model, out_dir, tokenizer_dir=tokenizer_dir, architecture=architecture,
                          state_dict=merged_state(state, lora_settings(model)["alpha"] / lora_settings(model)["r"],
                                                  expert_layouts(model)))
