@@ -95,7 +95,8 @@ def test_every_planned_gated_mlp_runs_the_gated_product():
         with torch.device("meta"):
             built[model_type] = hf.AutoModelForCausalLM.from_config(config)
     built["bamba"] = build_hybrid("bamba")
-    assert set(built) | {"nemotron_h", "granitemoehybrid", "falcon_h1"} == set(TWIN_MODEL_TYPES)  # relu2, fused
+    # relu2; fused gate_up (GraniteMoeHybrid, Zamba2's shared block: plan/hf/moe.fused_mlp_saved); Falcon-H1 below
+    assert set(built) | {"nemotron_h", "granitemoehybrid", "zamba2", "falcon_h1"} == set(TWIN_MODEL_TYPES)
     for model_type, model in built.items():
         mlps = sum(type(m).__name__.endswith("MLP") for m in model.modules())
         assert mlps and use_lean_gated_mlps(model) == mlps, model_type
