@@ -4,7 +4,8 @@
 - ``attention/``: the attention mixer, its blockwise core, block visibility, CUDA kernels;
 - ``hf/``: Hugging Face checkpoints and transformers causal LMs;
 - ``hybrid``, ``blocks``, ``lm_head_loss`` (its blocks: ``lm_head_blocks``), ``generation``: the
-  hybrid model, its shared blocks, the chunked LM head loss and cached generation.
+  hybrid model, its shared blocks, the chunked LM head loss and cached generation;
+- ``names``: a parameter's single-device name inside wrapped modules.
 
 A bottom floor: imports libraries only, never ``parallel/``, ``config``, ``train/`` or ``plan/``.
 """

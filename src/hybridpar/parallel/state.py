@@ -24,14 +24,10 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
+from hybridpar.models.names import WRAPPER_ATOMS, canonical_name
+
 __all__ = ["WRAPPER_ATOMS", "canonical_name", "canonical_state_dict", "load_canonical_state_dict"]
 
-WRAPPER_ATOMS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
-
-
-def canonical_name(name: str) -> str:
-    """A parameter name without activation-checkpoint, FSDP1 or ``torch.compile`` wrapper atoms."""
-    return ".".join(atom for atom in name.split(".") if atom not in WRAPPER_ATOMS)
 
 
 def _components(model: nn.Module) -> dict[str, tuple[str, int, list[int]]]:

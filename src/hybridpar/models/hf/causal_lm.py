@@ -47,6 +47,7 @@ from hybridpar.models.hf.positions import learned_positions
 from hybridpar.models.hf.weights import check_finite, check_floating, stored_dtypes, weight_files
 from hybridpar.models.hf.versions import warn_if_old
 from hybridpar.models.hybrid import HybridLM
+from hybridpar.models.names import canonical_name
 
 __all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "chunked_head", "hf_causal_lm_loss",
            "generate_causal_lm", "export_causal_lm"]
@@ -291,14 +292,12 @@ def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int,
 def _persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
     """``{single-device name: copy}`` of ``model``'s persistent buffers (NemotronH's router
     ``e_score_correction_bias``), read on this rank alone: a sharded one is refused, not gathered."""
-    wrappers = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
     out = {}
     for module_name, module in model.named_modules():
         for buffer_name, tensor in module.named_buffers(recurse=False):
             if tensor is None or buffer_name in module._non_persistent_buffers_set:
                 continue
-            name = f"{module_name}.{buffer_name}" if module_name else buffer_name
-            canonical = ".".join(atom for atom in name.split(".") if atom not in wrappers)
+            canonical = canonical_name(f"{module_name}.{buffer_name}" if module_name else buffer_name)
             placements = getattr(tensor, "placements", None)  # a DTensor, read by attribute: no distributed import
             if placements is not None and any(not p.is_replicate() for p in placements):
                 raise ValueError(f"buffer {canonical} is sharded ({tuple(placements)}); export reads buffers on one "

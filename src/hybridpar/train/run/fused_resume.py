@@ -22,12 +22,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from hybridpar.models.names import canonical_name
 from hybridpar.parallel.packed_checkpoint import BoxedTensor
 
 __all__ = ["FusedRows", "fused_legacy_names", "legacy_fused_keys"]
-
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
 
 def _box(tensor: Tensor, row_offset: int) -> tuple[torch.Size, torch.Size, Tensor]:
     """(global offsets, sizes, local view) of a component's rows on this rank, shifted by its row offset."""
@@ -53,12 +51,6 @@ class FusedRows(BoxedTensor):
         return BoxedTensor._wrap(cls, shape, first, boxes)
 
 
-def _clean(name: str) -> str:
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
-
-
 def legacy_fused_keys(path: str | Path, model: torch.nn.Module) -> dict[str, list[str]]:
     """``{fused FQN: component FQNs}`` for each split weight whose checkpoint at ``path`` holds only the fused name."""
     stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -67,7 +59,7 @@ def legacy_fused_keys(path: str | Path, model: torch.nn.Module) -> dict[str, lis
         fused = getattr(module, "fused_parameters", None)
         if not callable(fused):
             continue
-        prefix = _clean(f"{name}." if name else "")
+        prefix = canonical_name(f"{name}." if name else "")
         for kind, components in fused().items():
             keys = [prefix + c for c in components]
             if f"model.{prefix}{kind}" in stored and not any(f"model.{k}" in stored for k in keys):
