@@ -67,7 +67,8 @@ from hybridpar.models.precision import full_precision
 
 __all__ = [
     "IGNORE_INDEX", "LMHeadLoss", "block_shape", "ChunkedLMHeadLoss", "chunked_lm_head_loss", "check_lm_head_inputs",
-    "check_label_values", "check_token_values", "check_logit_transform", "local_statistics", "local_gradients", "loss_from_statistics",
+    "check_label_values", "check_token_values", "check_logit_transform", "local_statistics", "local_gradients",
+    "loss_from_statistics",
 ]
 
 IGNORE_INDEX = -100

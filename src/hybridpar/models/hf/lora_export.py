@@ -41,8 +41,8 @@ from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_l
 from hybridpar.strict_json import check_files, load_file as load_json
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_lora", "split_lora_state", "save_peft_adapter",
-           "read_peft_adapter", "lora_settings", "merged_state", "expert_layouts", "mamba_out_proj_targets", "check_mergeable",
-           "merge_adapter_checkpoint"]
+           "read_peft_adapter", "lora_settings", "merged_state", "expert_layouts", "mamba_out_proj_targets",
+           "check_mergeable", "merge_adapter_checkpoint"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
