@@ -25,8 +25,9 @@ Granite's mixer + MoE, Falcon-H1's ``P`` + MLP, Llama's attention + MLP) gathers
 unit, and its unsharded gradients in block i's backward are those of the layer's blocks ``j >= i``
 (the layer is reduce-scattered once, after its first block's backward); otherwise a unit is one
 block. A Zamba2 twin's hybrid layer (``ZM``) is one unit, and a ``Z`` block's moments hold the shared
-blocks' unit gathered too; their gradients are live from the backward of their last use on. The peak is the maximum; the process baseline (CPU: the interpreter and libraries; GPU: the
-CUDA context) is stated apart.
+blocks' unit gathered too; their gradients are live from the backward of their last use on. The peak
+is the maximum; the process baseline (CPU: the interpreter and libraries; GPU: the CUDA context) is
+stated apart.
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ def memory_plan(layout: Layout) -> MemoryPlan:
         for i in range(1, len(pattern), 2):
             rebuilt = block_saved_bytes(layout, pattern[i - 1], "none") - block_saved_bytes(layout, pattern[i - 1])
             ws[i] = Workspaces(ws[i].forward, ws[i].backward + rebuilt, ws[i].freed)
-    if is_zamba2(layout.model) and layout.checkpointing != "none":  # a hybrid layer's one checkpoint: its Mamba
-        for i in (i for i, kind in enumerate(pattern) if kind == "Z"):  # block's backward runs first, with the
-            rebuilt = block_saved_bytes(layout, "Z", "none") - block_saved_bytes(layout, "Z")  # shared block's
-            # rebuilt tensors live too
+    if is_zamba2(layout.model) and layout.checkpointing != "none":
+        # a hybrid layer's one checkpoint: its Mamba block's backward runs first, the shared block's rebuilt tensors live
+        rebuilt = block_saved_bytes(layout, "Z", "none") - block_saved_bytes(layout, "Z")
+        for i in (i for i, kind in enumerate(pattern) if kind == "Z"):
             ws[i + 1] = Workspaces(ws[i + 1].forward, ws[i + 1].backward + rebuilt, ws[i + 1].freed)
     # router logits the forward holds beyond what a block keeps (plan/hf/moe.py: the load-balancing term's
     # softmax, counted in saved, stands in for its logits during the forward)

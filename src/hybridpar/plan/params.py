@@ -35,7 +35,8 @@ from hybridpar.parallel.comm.step import ParamShape, unit_parameters
 from hybridpar.plan.hf.zamba2 import is_zamba2, zamba2_units
 from hybridpar.plan.layout import Layout
 
-__all__ = ["model_units", "parameter_count", "ParameterMemory", "parameter_memory", "adapter_units", "adapter_params", "grad_flow"]
+__all__ = ["model_units", "parameter_count", "ParameterMemory", "parameter_memory", "adapter_units", "adapter_params",
+           "grad_flow"]
 
 
 def model_units(config: HybridConfig, tp: int = 1, sequence_parallel: bool = False) -> dict[str, list[ParamShape]]:

@@ -125,8 +125,8 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
             out.append(Candidate(keys, refused=verdicts[layout_key], data=raised))
             continue
         layout = Layout.from_run(candidate, planned, hf_decoder)
-        if zamba2_unpriced(layout):  # a Zamba2 under LoRA or bf16 autocast (plan/hf/zamba2.py)
-            out.append(Candidate(keys, refused=zamba2_unpriced(layout), data=raised))
+        if unpriced := zamba2_unpriced(layout):  # a Zamba2 under LoRA or bf16 autocast (plan/hf/zamba2.py)
+            out.append(Candidate(keys, refused=unpriced, data=raised))
             continue
         plan = plan_layout(layout, device, docs_per_pack)
         out.append(Candidate(keys, plan, needs_gib=plan.memory.peak_bytes / 2**30 + baseline_gib, data=raised))
