@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from hybridpar.models.mamba.mixer import replicated_groups
-from hybridpar.parallel.comm.step import SOURCES, StepShape, Tally, _ring, attention_layers, dim_label, step_collectives
+from hybridpar.parallel.comm.step import SOURCES, StepShape, Tally, attention_layers, dim_label, sent, step_collectives
 from hybridpar.plan.hf.moe import moe_traffic, router_aux_traffic
 from hybridpar.plan.hf.zamba2 import attention_twin, is_zamba2, zamba2_recomputed, zamba2_traffic
 from hybridpar.plan.layout import Layout
@@ -108,16 +108,16 @@ def step_traffic(layout: Layout, docs_per_pack: int = 1) -> dict[str, Tally]:
         tp, label = layout.tp, dim_label(layout.dims, ("tp",))
         blocks, width = flow.count(redo, pattern) * m, c.hidden_size
         if layout.sp:  # each block's norm output is all-gathered again
-            extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * width * shape.entry_size),
+            extra.add("all_gather", label, sent("all_gather", tp, layout.stream_tokens * width * shape.entry_size),
                       blocks)
         if tp > 1 and layout.paired:  # one checkpoint per decoder
             exit_kind = "reduce_scatter" if layout.sp else "all_reduce"  # layer: its mixer's exit runs again
             mixers = flow.count(redo, pattern, "*MP")  # P: one exit for both branches
-            extra.add(exit_kind, label, _ring(exit_kind, tp, layout.tokens * width * shape.exit_size),
+            extra.add(exit_kind, label, sent(exit_kind, tp, layout.tokens * width * shape.exit_size),
                       mixers * layout.packs_per_rank)
         if replicated_groups(c.mamba_n_groups, layout.tp) and getattr(c, "mamba_gated_norm", True):  # one B/C group:
             # each Mamba layer's gated norm
-            sums = _ring("all_reduce", layout.tp, layout.tokens * layout.compute_bytes)  # all-reduces its sum of
+            sums = sent("all_reduce", layout.tp, layout.tokens * layout.compute_bytes)  # all-reduces its sum of
             extra.add("all_reduce", dim_label(layout.dims, ("tp",)), sums,  # squares [Tc, 1] again
                       flow.count(redo, pattern, "MP") * layout.packs_per_rank)
         if "tp_moe" in sources:
@@ -132,7 +132,7 @@ def branch_gradients(layout: Layout) -> Tally:
     """Under SP, a parallel layer's second branch all-gathers its own ``[Ts, D]`` output gradient (under
     LoRA where both branches have one)."""
     out, c, flow = Tally(), layout.model, grad_flow(layout)
-    nbytes = _ring("all_gather", layout.tp, layout.stream_tokens * c.hidden_size * layout.act_bytes)
+    nbytes = sent("all_gather", layout.tp, layout.stream_tokens * c.hidden_size * layout.act_bytes)
     out.add("all_gather", dim_label(layout.dims, ("tp",)), nbytes, flow.count(flow.branches, c.pattern, "P") * layout.packs_per_rank)
     return out
 

@@ -50,6 +50,7 @@ from hybridpar.parallel.comm.units import ParamShape, attention_layers, mamba_la
 from hybridpar.parallel.dims import ParallelDims
 
 __all__ = ["StepShape", "Tally", "ParamShape", "unit_parameters", "step_collectives", "SOURCES", "dim_label",
+           "sent", "tp_pair", "shard_bytes",  # the byte counts plan/ prices its own collectives with
            "mamba_layers", "attention_layers"]  # ParamShape, unit_parameters and the layer counts live in units.py
 
 
@@ -136,7 +137,7 @@ def dim_label(dims: ParallelDims, names: tuple[str, ...]) -> str:
     return "+".join(n for n in names if dims.size(n) > 1) or "self"
 
 
-def _ring(kind: str, size: int, nbytes: int) -> int:
+def sent(kind: str, size: int, nbytes: int) -> int:
     """Bytes one rank sends for an input of ``nbytes`` (the CommStats convention)."""
     return {"all_gather": (size - 1) * nbytes, "reduce_scatter": (size - 1) * nbytes // size,
             "all_reduce": 2 * (size - 1) * nbytes // size, "all_to_all": (size - 1) * nbytes // size}[kind]
@@ -151,11 +152,11 @@ def trainer(s: StepShape) -> Tally:
     for names, nbytes in ((("dp_replicate", "dp_shard"), 8), (("dp_replicate", "dp_shard", "cp"), 8)):
         size = math.prod(dims.size(n) for n in names)
         if size > 1:
-            out.add("all_reduce", dim_label(dims, names), _ring("all_reduce", size, nbytes))
+            out.add("all_reduce", dim_label(dims, names), sent("all_reduce", size, nbytes))
     return out
 
 
-def _tp_pair(out: Tally, s: StepShape, calls: int, width: int, e: int | None = None, backward: int | None = None,
+def tp_pair(out: Tally, s: StepShape, calls: int, width: int, e: int | None = None, backward: int | None = None,
              exit_: bool = False) -> None:
     """One [Tc, width] activation (``e`` bytes, default the activations') entering a TP region and its
     gradient leaving it (``exit_``: leaving it, and its gradient entering), ``calls`` times forward and
@@ -165,10 +166,10 @@ def _tp_pair(out: Tally, s: StepShape, calls: int, width: int, e: int | None = N
     tp, tokens, label = s.dims.tp, s.pack_size // s.dims.cp, dim_label(s.dims, ("tp",))
     e, backward = e or s.element_size, calls if backward is None else backward
     if s.sp:
-        out.add("all_gather", label, _ring("all_gather", tp, tokens // tp * width * e), backward if exit_ else calls)
-        out.add("reduce_scatter", label, _ring("reduce_scatter", tp, tokens * width * e), calls if exit_ else backward)
+        out.add("all_gather", label, sent("all_gather", tp, tokens // tp * width * e), backward if exit_ else calls)
+        out.add("reduce_scatter", label, sent("reduce_scatter", tp, tokens * width * e), calls if exit_ else backward)
     else:
-        out.add("all_reduce", label, _ring("all_reduce", tp, tokens * width * e), calls if exit_ else backward)
+        out.add("all_reduce", label, sent("all_reduce", tp, tokens * width * e), calls if exit_ else backward)
 
 
 def tp_embedding(s: StepShape) -> Tally:
@@ -176,7 +177,7 @@ def tp_embedding(s: StepShape) -> Tally:
     out = Tally()
     if s.dims.tp > 1:
         m = s.packs_per_rank  # fwd RS + bwd AG (a frozen embedding has none), or fwd AR
-        _tp_pair(out, s, m, s.model.hidden_size, s.stream_bytes, m if s.flow.base_trains else 0, exit_=True)
+        tp_pair(out, s, m, s.model.hidden_size, s.stream_bytes, m if s.flow.base_trains else 0, exit_=True)
     return out
 
 
@@ -186,10 +187,10 @@ def tp_blocks(s: StepShape) -> Tally:
     if s.dims.tp > 1:
         m, pattern, flow, d = s.packs_per_rank, s.model.pattern, s.flow, s.model.hidden_size
         blocks, moe = len(pattern), pattern.count("E")
-        _tp_pair(out, s, m * blocks, d, s.entry_size, m * flow.count(flow.input, pattern))  # norm output in (SP:
+        tp_pair(out, s, m * blocks, d, s.entry_size, m * flow.count(flow.input, pattern))  # norm output in (SP:
         dense = pattern.replace("E", "")  # all-gathered); mixer output out (SP: reduce-scattered)
-        _tp_pair(out, s, m * (blocks - moe), d, s.exit_size, m * flow.count(flow.output, pattern, dense), exit_=True)
-        _tp_pair(out, s, m * moe, d, s.moe_exit_size or s.exit_size, m * flow.count(flow.output, pattern, "E"),
+        tp_pair(out, s, m * (blocks - moe), d, s.exit_size, m * flow.count(flow.output, pattern, dense), exit_=True)
+        tp_pair(out, s, m * moe, d, s.moe_exit_size or s.exit_size, m * flow.count(flow.output, pattern, "E"),
                  exit_=True)
     return out
 
@@ -202,10 +203,10 @@ def tp_head(s: StepShape) -> Tally:
     if s.dims.tp > 1:
         tp, tokens, label = s.dims.tp, s.pack_size // s.dims.cp, dim_label(s.dims, ("tp",))
         stat = max(s.element_size, 4)
-        _tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, (s.entry_size or s.element_size) if s.sp else stat,
+        tp_pair(out, s, s.packs_per_rank, s.model.hidden_size, (s.entry_size or s.element_size) if s.sp else stat,
                  s.packs_per_rank if any(s.flow.output) else 0)
         for width in (tokens, 2 * tokens + 1):
-            out.add("all_reduce", label, _ring("all_reduce", tp, width * stat), s.packs_per_rank)
+            out.add("all_reduce", label, sent("all_reduce", tp, width * stat), s.packs_per_rank)
     return out
 
 
@@ -219,7 +220,7 @@ def tp_shared_groups(s: StepShape) -> Tally:
     label, tokens, layers = dim_label(s.dims, ("tp",)), s.pack_size // s.dims.cp, mamba_layers(cfg.pattern)
     if getattr(cfg, "mamba_gated_norm", True):  # y * silu(z) without a norm sums nothing
         backward = s.flow.count(s.flow.mamba, cfg.pattern, "MP")
-        out.add("all_reduce", label, _ring("all_reduce", tp, tokens * max(s.element_size, 4)),
+        out.add("all_reduce", label, sent("all_reduce", tp, tokens * max(s.element_size, 4)),
                 (layers + backward) * s.packs_per_rank)
     if not s.flow.base_trains:  # frozen B/C weights
         return out
@@ -227,7 +228,7 @@ def tp_shared_groups(s: StepShape) -> Tally:
     for prefix, params in unit.items():
         for p in params:
             if p.name.endswith(("_B", "_C")) and not p.tp_sharded:
-                out.add("all_reduce", label, _ring("all_reduce", tp, math.prod(p.shape) * s.stream_bytes),
+                out.add("all_reduce", label, sent("all_reduce", tp, math.prod(p.shape) * s.stream_bytes),
                         s.packs_per_rank)
     return out
 
@@ -239,7 +240,7 @@ def tp_norm_grads(s: StepShape) -> Tally:
         per_norm = 1 if s.fsdp else 4  # FSDP reduces once; else clipping once and AdamW three times
         for p in norms:
             nbytes = math.prod(p.shape) * s.stream_bytes
-            out.add("all_reduce", dim_label(s.dims, ("tp",)), _ring("all_reduce", s.dims.tp, nbytes), per_norm)
+            out.add("all_reduce", dim_label(s.dims, ("tp",)), sent("all_reduce", s.dims.tp, nbytes), per_norm)
     return out
 
 
@@ -250,7 +251,7 @@ def tp_head_norms(s: StepShape) -> Tally:
     if s.dims.tp > 1 and getattr(s.model, "qk_norm", False) and s.flow.base_trains:
         calls = 2 * s.model.pattern.count("*") * s.packs_per_rank
         nbytes = s.model.head_dim * s.stream_bytes
-        out.add("all_reduce", dim_label(s.dims, ("tp",)), _ring("all_reduce", s.dims.tp, nbytes), calls)
+        out.add("all_reduce", dim_label(s.dims, ("tp",)), sent("all_reduce", s.dims.tp, nbytes), calls)
     return out
 
 
@@ -268,7 +269,7 @@ def cp_attention(s: StepShape) -> Tally:
         out.add("reduce_scatter", label, forward, flow.count(flow.kv, pattern, "*P") * m)
         return out
     tokens, kv_heads = s.pack_size // cp, ulysses_kv_heads(hkv, cp)  # ulysses: [q|k|v] and out, each way
-    per_head = _ring("all_to_all", cp, tokens * cfg.head_dim * e)
+    per_head = sent("all_to_all", cp, tokens * cfg.head_dim * e)
     out.add("all_to_all", label, per_head * (hq + 2 * kv_heads), layers)
     out.add("all_to_all", label, per_head * hq, layers)
     assert out.bytes()["all_to_all", label] == layers * forward
@@ -292,7 +293,7 @@ def cp_mamba(s: StepShape) -> Tally:
         tokens, groups_sent = s.pack_size // cp, groups * max(1, cp // groups)
         calls = (layers + backward) * s.packs_per_rank
         for width in (d_inner + 2 * groups_sent * state + heads, d_inner):
-            out.add("all_to_all", label, _ring("all_to_all", cp, tokens * width * e), calls)
+            out.add("all_to_all", label, sent("all_to_all", cp, tokens * width * e), calls)
         forward = a2a_bytes_per_layer(1, s.pack_size, cp, d_inner, heads, groups, state, e)
         assert out.bytes()["all_to_all", label] == round(forward * calls)
         return out
@@ -302,14 +303,15 @@ def cp_mamba(s: StepShape) -> Tally:
         halo = 2 * docs * (cfg.conv_kernel - 1) * (d_inner + 2 * groups * state) * e
         states = 2 * docs * (heads * cfg.mamba_head_dim * state + heads) * max(e, 4)
         for nbytes in (halo, states):
-            out.add("all_gather", label, _ring("all_gather", cp, nbytes), layers)
-            out.add("reduce_scatter", label, _ring("reduce_scatter", cp, cp * nbytes), backward)
+            out.add("all_gather", label, sent("all_gather", cp, nbytes), layers)
+            out.add("reduce_scatter", label, sent("reduce_scatter", cp, cp * nbytes), backward)
         assert (cp - 1) * (halo + states) == state_bytes_per_layer(
             1, docs, cp, d_inner, heads, cfg.mamba_head_dim, groups, state, cfg.conv_kernel, e, max(e, 4))
     return out
 
 
-def _shard_bytes(params: list[ParamShape], shard: int, e: int) -> int:
+def shard_bytes(params: list[ParamShape], shard: int, e: int) -> int:
+    """Bytes of one rank's FSDP shard of ``params`` (dim 0 split ``shard`` ways, padded), ``e`` per element."""
     return sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) * e for p in params)
 
 
@@ -326,20 +328,20 @@ def fsdp(s: StepShape) -> Tally:
     reduce_size = max(s.element_size, 4)  # parameters gathered in e, gradients reduced in >= float32
     for unit, params in unit_parameters(s.model, dims.tp, s.sequence_parallel).items():
         adapters = (s.adapters or {}).get(unit, [])
-        nbytes = _shard_bytes(params, shard, s.element_size) + _shard_bytes(adapters, shard, s.adapter_size)
+        nbytes = shard_bytes(params, shard, s.element_size) + shard_bytes(adapters, shard, s.adapter_size)
         if s.adapters is None:
-            grad_bytes = _shard_bytes(params, shard, reduce_size)
+            grad_bytes = shard_bytes(params, shard, reduce_size)
         else:  # LoRA: only the adapters' gradients
-            grad_bytes = _shard_bytes(adapters, shard, s.adapter_grad_size)
+            grad_bytes = shard_bytes(adapters, shard, s.adapter_grad_size)
         if shard > 1:
             index = int(unit.rsplit(".", 1)[1]) // (2 if s.paired else 1) if unit else -1
             backward = unit != "" and flow.gathered_in_backward(index, units, s.paired)
             gathers = 1 if not s.reshard_after_forward else m * (2 if backward else 1)
-            out.add("all_gather", shard_label, _ring("all_gather", shard, nbytes), gathers)
+            out.add("all_gather", shard_label, sent("all_gather", shard, nbytes), gathers)
             if grad_bytes:
-                out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * grad_bytes))
+                out.add("reduce_scatter", shard_label, sent("reduce_scatter", shard, shard * grad_bytes))
         if rep > 1 and grad_bytes:
-            out.add("all_reduce", rep_label, _ring("all_reduce", rep, grad_bytes))
+            out.add("all_reduce", rep_label, sent("all_reduce", rep, grad_bytes))
     return out
 
 
@@ -355,7 +357,7 @@ def tp_adapters(s: StepShape) -> Tally:
     for params in s.adapters.values():
         for p in params:
             if not p.tp_sharded:
-                nbytes = _ring("all_reduce", s.dims.tp, math.prod(p.shape) * s.adapter_grad_size)
+                nbytes = sent("all_reduce", s.dims.tp, math.prod(p.shape) * s.adapter_grad_size)
                 out.add("all_reduce", label, nbytes, m if p.tp_sum_in_autograd or not s.fsdp else 1)
     return out
 
@@ -372,9 +374,9 @@ def clip(s: StepShape) -> Tally:
     tp_sets = {p.tp_sharded and (s.fsdp or p.name != "backbone.embeddings.weight") for p in params}
     for tp_sharded in tp_sets:
         if fsdp:
-            out.add("all_reduce", dim_label(dims, ("dp_shard", "cp")), _ring("all_reduce", dims.size("dp_shard_cp"), e))
+            out.add("all_reduce", dim_label(dims, ("dp_shard", "cp")), sent("all_reduce", dims.size("dp_shard_cp"), e))
         if tp_sharded:
-            out.add("all_reduce", dim_label(dims, ("tp",)), _ring("all_reduce", dims.tp, e))
+            out.add("all_reduce", dim_label(dims, ("tp",)), sent("all_reduce", dims.tp, e))
     return out
 
 

@@ -62,7 +62,7 @@ matmul and left out of the FLOPs.
 
 from __future__ import annotations
 
-from hybridpar.parallel.comm.step import Tally, _ring, dim_label
+from hybridpar.parallel.comm.step import Tally, dim_label, sent
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import grad_flow
 
@@ -197,8 +197,8 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
     label, tc, e, packs = dim_label(layout.dims, ("tp",)), layout.tokens, layout.act_bytes, layout.packs_per_rank
     flow, pattern, fused = grad_flow(layout), c.pattern, c.mlp_fused
     mlp_kinds = "E-" if fused else ""
-    gathered = _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e)  # Granite: the shared_mlp's
-    latent = _ring("all_reduce", tp, tc * getattr(c, "moe_latent_size", 0) * e)  # 0 without latent projections
+    gathered = sent("all_gather", tp, tc * 2 * c.intermediate_size // tp * e)  # Granite: the shared_mlp's
+    latent = sent("all_reduce", tp, tc * getattr(c, "moe_latent_size", 0) * e)  # 0 without latent projections
     if recomputed is not None:
         extra.add("all_gather", label, gathered, flow.count(recomputed, pattern, mlp_kinds) * packs)
         extra.add("all_reduce", label, latent, flow.count(recomputed, pattern, "E") * packs)
@@ -208,25 +208,25 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
         entry = layout.stream_bytes if layout.hf_decoder else e  # tp_blocks' entry and MoE exit (the experts' input)
         extra.add("all_reduce", label, latent, blocks + backward)
         if layout.sp:
-            extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.hidden_size * e), blocks)
-            extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.hidden_size * entry), backward)
+            extra.add("all_reduce", label, sent("all_reduce", tp, tc * c.hidden_size * e), blocks)
+            extra.add("all_reduce", label, sent("all_reduce", tp, tc * c.hidden_size * entry), backward)
             for calls in (blocks, backward):  # tp_blocks' exit (forward) and entry (backward) reduce-scatters
-                _take(extra, "reduce_scatter", label, _ring("reduce_scatter", tp, tc * c.hidden_size * entry), calls)
+                _take(extra, "reduce_scatter", label, sent("reduce_scatter", tp, tc * c.hidden_size * entry), calls)
         if e != entry:  # under autocast the block leaves through fc2 in e, not in its experts' float32
             kind, tokens = ("all_gather", layout.stream_tokens) if layout.sp else ("all_reduce", tc)
             calls = flow.count(flow.output, pattern, "E") * packs if layout.sp else blocks  # SP: the slice's backward
-            _take(extra, kind, label, _ring(kind, tp, tokens * c.hidden_size * entry), calls)
-            extra.add(kind, label, _ring(kind, tp, tokens * c.hidden_size * e), calls)
+            _take(extra, kind, label, sent(kind, tp, tokens * c.hidden_size * entry), calls)
+            extra.add(kind, label, sent(kind, tp, tokens * c.hidden_size * e), calls)
     if c.moe_router == "sigmoid":  # NemotronH's weights: float32 scores, bf16 under autocast (its linear casts)
         weight = e if layout.autocast else layout.compute_bytes
     else:  # Granite's softmax is cast to the experts' input (type_as): float32 under autocast, FSDP's bf16 e
         weight = layout.stream_bytes if layout.hf_decoder else e
-    extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.moe_top_k * weight), flow.count(flow.input, pattern, "E") * packs)
+    extra.add("all_reduce", label, sent("all_reduce", tp, tc * c.moe_top_k * weight), flow.count(flow.input, pattern, "E") * packs)
     if layout.sp and fused:
-        extra.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * c.hidden_size * e),
+        extra.add("all_gather", label, sent("all_gather", tp, layout.stream_tokens * c.hidden_size * e),
                   flow.count(flow.branches, pattern, "E") * packs)  # where both branches have a gradient
     extra.add("all_gather", label, gathered, sum(pattern.count(k) for k in mlp_kinds) * packs)
-    extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e),
+    extra.add("all_gather", label, sent("all_gather", tp, tc * c.intermediate_size // tp * e),
               flow.count(flow.mlp, pattern, mlp_kinds) * packs)
     return extra
 
@@ -249,10 +249,10 @@ def router_aux_traffic(layout: Layout) -> Tally:
     dims, packs = layout.dims, layout.packs_per_rank
     if layout.cp > 1:
         for nbytes in (layout.model.moe_experts * 4, 4):
-            out.add("all_reduce", dim_label(dims, ("cp",)), _ring("all_reduce", layout.cp, nbytes), packs)
+            out.add("all_reduce", dim_label(dims, ("cp",)), sent("all_reduce", layout.cp, nbytes), packs)
     dp_cp = dims.size("dp") * layout.cp
     if dp_cp > 1:
-        out.add("all_reduce", dim_label(dims, ("dp_replicate", "dp_shard", "cp")), _ring("all_reduce", dp_cp, 8))
+        out.add("all_reduce", dim_label(dims, ("dp_replicate", "dp_shard", "cp")), sent("all_reduce", dp_cp, 8))
     return out
 
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hybridpar.parallel.comm.step import ParamShape, StepShape, Tally, _ring, _shard_bytes, _tp_pair, dim_label
+from hybridpar.parallel.comm.step import ParamShape, StepShape, Tally, dim_label, sent, shard_bytes, tp_pair
 from hybridpar.parallel.comm.units import unit_parameters
 from hybridpar.plan.layout import Layout
 
@@ -184,7 +184,7 @@ def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
     norms = Tally()
     if layout.sp:  # no LoRA here: every norm trains
         for p in (p for unit in units.values() for p in unit if p.sp_norm):
-            norms.add("all_reduce", dim_label(dims, ("tp",)), _ring("all_reduce", layout.tp, math.prod(p.shape) * shape.stream_bytes),
+            norms.add("all_reduce", dim_label(dims, ("tp",)), sent("all_reduce", layout.tp, math.prod(p.shape) * shape.stream_bytes),
                       1 if shape.fsdp else 4)  # FSDP reduces once; else clipping once and AdamW three times
     out["tp_norm_grads"] = norms
     out["fsdp"] = _fsdp(layout, shape, units)
@@ -192,14 +192,14 @@ def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
     if tp > 1:
         uses, d, e, tc = c.pattern.count("Z") * m, c.hidden_size, layout.act_bytes, layout.tokens
         label = dim_label(dims, ("tp",))
-        _tp_pair(extra, shape, uses, 2 * d, shape.entry_size)  # the attention's entry: norm(u) [Tc, 2D]
-        _tp_pair(extra, shape, uses, d, exit_=True)  # its exit: o_proj's output
-        extra.add("all_gather", label, _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e), uses)
-        extra.add("all_gather", label, _ring("all_gather", tp, tc * c.intermediate_size // tp * e), uses)
+        tp_pair(extra, shape, uses, 2 * d, shape.entry_size)  # the attention's entry: norm(u) [Tc, 2D]
+        tp_pair(extra, shape, uses, d, exit_=True)  # its exit: o_proj's output
+        extra.add("all_gather", label, sent("all_gather", tp, tc * 2 * c.intermediate_size // tp * e), uses)
+        extra.add("all_gather", label, sent("all_gather", tp, tc * c.intermediate_size // tp * e), uses)
         if c.shared_attention_adapters:  # B's replicated input [Tc, r]: its gradient is Partial
-            extra.add("all_reduce", label, _ring("all_reduce", tp, tc * c.shared_adapter_rank * e), 3 * uses)
+            extra.add("all_reduce", label, sent("all_reduce", tp, tc * c.shared_adapter_rank * e), 3 * uses)
         if layout.sp:  # the linear runs on the local tokens: its weight's gradient summed over TP, per pack
-            extra.add("all_reduce", label, _ring("all_reduce", tp, d * d * shape.stream_bytes), uses)
+            extra.add("all_reduce", label, sent("all_reduce", tp, d * d * shape.stream_bytes), uses)
     out["tp_shared_block"] = extra
     return out
 
@@ -215,10 +215,10 @@ def zamba2_recomputed(layout: Layout, shape: StepShape) -> Tally:
         return out
     uses, label, tc, e = c.pattern.count("Z") * layout.packs_per_rank, dim_label(layout.dims, ("tp",)), layout.tokens, layout.act_bytes
     if layout.sp:
-        out.add("all_gather", label, _ring("all_gather", tp, layout.stream_tokens * 2 * c.hidden_size * (shape.entry_size or e)), uses)
+        out.add("all_gather", label, sent("all_gather", tp, layout.stream_tokens * 2 * c.hidden_size * (shape.entry_size or e)), uses)
     kind = "reduce_scatter" if layout.sp else "all_reduce"
-    out.add(kind, label, _ring(kind, tp, tc * c.hidden_size * (shape.exit_size or e)), 2 * uses)
-    out.add("all_gather", label, _ring("all_gather", tp, tc * 2 * c.intermediate_size // tp * e), uses)
+    out.add(kind, label, sent(kind, tp, tc * c.hidden_size * (shape.exit_size or e)), 2 * uses)
+    out.add("all_gather", label, sent("all_gather", tp, tc * 2 * c.intermediate_size // tp * e), uses)
     return out
 
 
@@ -240,13 +240,13 @@ def _fsdp(layout: Layout, shape: StepShape, units: dict) -> Tally:
     groups = [[p for i in group for p in units[f"backbone.layers.{i}"]] for group in fsdp_groups(layout.model)]
     groups += [units[SHARED_UNIT.format(b)] for b in range(layout.model.shared_blocks)]
     for params, root in [(g, False) for g in groups] + [(units[""], True)]:
-        nbytes, grad_bytes = _shard_bytes(params, shard, layout.act_bytes), _shard_bytes(params, shard, reduce_size)
+        nbytes, grad_bytes = shard_bytes(params, shard, layout.act_bytes), shard_bytes(params, shard, reduce_size)
         if shard > 1:
             gathers = 1 if not layout.reshard_after_forward else m * (1 if root else 2)
-            out.add("all_gather", shard_label, _ring("all_gather", shard, nbytes), gathers)
-            out.add("reduce_scatter", shard_label, _ring("reduce_scatter", shard, shard * grad_bytes))
+            out.add("all_gather", shard_label, sent("all_gather", shard, nbytes), gathers)
+            out.add("reduce_scatter", shard_label, sent("reduce_scatter", shard, shard * grad_bytes))
         if rep > 1:
-            out.add("all_reduce", rep_label, _ring("all_reduce", rep, grad_bytes))
+            out.add("all_reduce", rep_label, sent("all_reduce", rep, grad_bytes))
     return out
 
 
