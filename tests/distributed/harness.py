@@ -36,6 +36,7 @@ world sizes 4 and 8), needs no port, and cannot collide with another run.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -46,6 +47,7 @@ import socket
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -129,9 +131,15 @@ class _InitFailure(RuntimeError):
 _INIT_ATTEMPTS = 3
 
 
+def _fault_path(store_path: str, rank: int) -> str:
+    """Where rank ``rank``'s ``faulthandler`` writes the Python stacks of a native crash (signal 11)."""
+    return f"{store_path}.fault{rank}"
+
+
 def _child_main(rank, world_size, store_path, backend, timeout_s, fn, args, conn):
     """Body of one rank. Sends exactly one message: ("ok", result) or ("error", (time, text))."""
     os.environ["OMP_NUM_THREADS"] = "1"
+    faulthandler.enable(open(_fault_path(store_path, rank), "w"), all_threads=True)  # noqa: SIM115 - lives as long as the rank
     try:
         os.setpgid(0, 0)  # own process group, so the parent can kill anything this rank starts
     except OSError:
@@ -240,7 +248,8 @@ def _launch(world_size: int, fn, args: tuple, timeout_s: float, backend: str) ->
             writer.close()
             processes.append(proc)
             readers.append(reader)
-        results, tracebacks = _collect(processes, readers, timeout_s, fn)
+        fault_paths = [_fault_path(store_path, rank) for rank in range(world_size)]
+        results, tracebacks = _collect(processes, readers, timeout_s, fn, fault_paths)
     finally:
         _kill(processes)
         for reader in readers:
@@ -259,7 +268,7 @@ def _launch(world_size: int, fn, args: tuple, timeout_s: float, backend: str) ->
     return results
 
 
-def _collect(processes, readers, timeout_s, fn):
+def _collect(processes, readers, timeout_s, fn, fault_paths):
     """Wait for every rank's message. Returns (results by rank, {rank: traceback}, earliest failure first)."""
     world_size = len(processes)
     results: list = [None] * world_size
@@ -286,7 +295,7 @@ def _collect(processes, readers, timeout_s, fn):
             rank = rank_of_sentinel[ready] if isinstance(ready, int) else rank_of_reader[id(ready)]
             if rank not in pending:
                 continue
-            message = _receive(readers[rank], processes[rank])
+            message = _receive(readers[rank], processes[rank], fault_paths[rank])
             if message is None:
                 continue  # sentinel fired before the pipe was readable; the pipe says EOF next
             pending.discard(rank)
@@ -304,8 +313,9 @@ def _collect(processes, readers, timeout_s, fn):
     return results, tracebacks
 
 
-def _receive(reader, proc):
-    """One rank's message, ("error", text) if it died without one, None if not ready yet."""
+def _receive(reader, proc, fault_path: str):
+    """One rank's message, ("error", text) if it died without one (with the Python stacks
+    ``faulthandler`` wrote if it crashed), None if not ready yet."""
     try:
         if not reader.poll():
             if proc.exitcode is None and proc.is_alive():
@@ -316,7 +326,9 @@ def _receive(reader, proc):
         proc.join(timeout=5.0)
         code = proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return ("error", (time.time(), f"process exited without reporting a result ({how})"))
+        stacks = Path(fault_path).read_text(errors="replace")[-8000:] if os.path.exists(fault_path) else ""
+        stacks = f"; its Python stacks at the crash:\n{stacks}" if stacks.strip() else ""
+        return ("error", (time.time(), f"process exited without reporting a result ({how}){stacks}"))
     try:
         return pickle.loads(data)
     except Exception:  # noqa: BLE001 - e.g. a result class the parent cannot import

@@ -1,6 +1,7 @@
 """The test harness itself: results by rank, errors with rank and traceback, no hangs."""
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -40,6 +41,16 @@ def _rank_one_raises_while_rank_zero_waits(rank, world_size):
 def _rank_one_dies(rank, world_size):
     if rank == 1:
         os._exit(3)
+    return rank
+
+
+def _native_frame_that_crashes(rank):
+    os.kill(os.getpid(), signal.SIGSEGV)  # as a native crash in a collective or kernel would
+
+
+def _rank_one_crashes(rank, world_size):
+    if rank == 1:
+        _native_frame_that_crashes(rank)
     return rank
 
 
@@ -88,6 +99,12 @@ def test_a_raising_rank_is_reported_with_rank_and_traceback():
 def test_a_rank_that_dies_without_reporting_is_a_failure():
     with pytest.raises(RankFailure, match=r"(?s)rank 1 of 2 failed.*exit code 3"):
         run_ranks(2, _rank_one_dies, timeout_s=60)
+
+
+def test_a_rank_that_crashes_is_reported_with_its_python_stacks():
+    """A native crash (signal 11) says where the rank was: faulthandler's stacks come with the failure."""
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 of 2 failed.*killed by signal 11.*_native_frame_that_crashes"):
+        run_ranks(2, _rank_one_crashes, timeout_s=60)
 
 
 def test_a_hanging_group_is_killed_at_the_timeout(tmp_path):
