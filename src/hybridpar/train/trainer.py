@@ -355,6 +355,8 @@ class Trainer:
         cfg = self.config
         every = cfg.checkpoint.every
         self.model.train()
+        if cfg.train.eval_every and self.start_step < end:
+            self.eval_data  # held-out packs built (and too few documents refused) before step 1, not at the first eval
         if self.start_step < end:
             self.say(f"first step: training steps {self.start_step + 1}-{end} of {cfg.train.steps} "
                      "(the first one also warms up)")
