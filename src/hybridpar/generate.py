@@ -217,6 +217,10 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
                              "or deleted); pass --tokenizer DIR where it is now.")
         model, config = _model_from_checkpoint(path, torch_dtype, base)
         model_path = config.model.hf_path
+        if tokenizer == "bpe" and config.data.tokenizer != "bpe":  # it names the run's trained one: there is none
+            raise ValueError(f"--tokenizer bpe is the tokenizer a data.tokenizer=bpe run trains, but checkpoint {path} "
+                             f"was trained with data.tokenizer={quoted(config.data.tokenizer)}; leave --tokenizer out "
+                             "(auto: the run's own) or pass a tokenizer directory.")
         tokenizer = config.data.tokenizer if tokenizer == "auto" else tokenizer
         if tokenizer == "bpe":  # trained for the run, kept in its output_dir
             from hybridpar.train.run.tokenizer import find_run_tokenizer

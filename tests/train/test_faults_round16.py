@@ -12,6 +12,17 @@ TINY = ["model.preset=tiny", "parallel.cp=1", "parallel.tp=1", "data.pack_size=6
         "plot=false", "tensorboard=false"]
 
 
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny text run of 2 steps (bytes tokenizer), a checkpoint after each."""
+    folder = tmp_path_factory.mktemp("round16")
+    (folder / "t.txt").write_text("hello world, some text.\n\nanother paragraph of text.\n\n" * 40)
+    code, output = cli("train", *TINY, "data.task=text", f"data.path={folder / 't.txt'}", "train.steps=2",
+                       "checkpoint.every=1", f"output_dir={folder / 'run'}")
+    assert code == 0, output
+    return folder / "run"
+
+
 def test_too_few_held_out_documents_are_refused_before_step_1(tmp_path):
     """Before: a file of one paragraph trained every step (and saved checkpoints) and was refused only at the
     first evaluation, at the end of the run; the dry run refused it at once."""
@@ -20,3 +31,16 @@ def test_too_few_held_out_documents_are_refused_before_step_1(tmp_path):
                        "train.eval_every=3", "checkpoint.every=1", f"output_dir={tmp_path / 'run'}")
     assert code == 2 and "evaluation holds out the last 10% and needs at least 2" in output, output
     assert "step     1" not in output and not (tmp_path / "run" / "checkpoints").exists(), output
+
+
+def test_generate_tokenizer_bpe_of_a_run_not_trained_with_bpe_is_named(run):
+    """Before: ``--tokenizer bpe`` on a bytes run said "checkpoint ... was trained with data.tokenizer=bpe", which it
+    was not, and listed the same folder twice."""
+    code, output = cli("generate", "--checkpoint", str(run), "--prompt", "hi", "--max-new-tokens", "2",
+                       "--tokenizer", "bpe")
+    assert code == 2 and "was trained with data.tokenizer='auto'; leave --tokenizer out" in output, output
+    from hybridpar.train.run.tokenizer import find_run_tokenizer
+
+    with pytest.raises(ValueError) as error:
+        find_run_tokenizer(run / "checkpoints" / "step_00000002", str(run))
+    assert one_line(error).count(str(run / "tokenizer")) == 1, error.value

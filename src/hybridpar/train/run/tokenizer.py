@@ -142,6 +142,7 @@ def find_run_tokenizer(checkpoint: str | Path, recorded_output_dir: str | None =
     candidates = [bpe_dir(p) for p in checkpoint.parents[1:3]]
     if recorded_output_dir:
         candidates.append(bpe_dir(recorded_output_dir))
+    candidates = list(dict.fromkeys(candidates))  # a run's own output_dir is also its recorded one
     for candidate in candidates:
         if (candidate / STAMP).is_file():
             return candidate
