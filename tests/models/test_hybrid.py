@@ -53,7 +53,7 @@ def test_presets_build_valid_configs():
     "overrides, message",
     [
         (dict(pattern="M*x"), "unknown characters"),
-        (dict(pattern=""), "unknown characters"),
+        (dict(pattern=""), "must be a non-empty string"),
         (dict(mamba_num_heads=6, mamba_n_groups=4), "divisible by mamba_n_groups"),
         (dict(num_attention_heads=6, num_key_value_heads=4), "divisible by num_key_value_heads"),
         (dict(hidden_size=0), "positive integer"),

@@ -44,3 +44,14 @@ def test_generate_tokenizer_bpe_of_a_run_not_trained_with_bpe_is_named(run):
     with pytest.raises(ValueError) as error:
         find_run_tokenizer(run / "checkpoints" / "step_00000002", str(run))
     assert one_line(error).count(str(run / "tokenizer")) == 1, error.value
+
+
+@pytest.mark.parametrize("pattern", [5, None, ["M", "*"], ("M", "-"), ""])
+def test_a_hybrid_config_pattern_that_is_not_a_string_is_one_value_error(pattern):
+    """Before: ``HybridConfig(pattern=5)`` or ``None`` was a ``TypeError`` ("not iterable"), a list or tuple of
+    characters built a model (the CLI refuses one), and ``''`` was said to have "unknown characters []"."""
+    import hybridpar as hp
+
+    with pytest.raises(ValueError) as error:
+        hp.HybridConfig(pattern=pattern)
+    assert f"layer pattern {pattern!r} must be a non-empty string of 'M' (Mamba2)" in one_line(error)

@@ -76,8 +76,11 @@ class HybridConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` with the fix for shapes that cannot build a model."""
+        if not isinstance(self.pattern, str) or not self.pattern:  # 5 or None was a TypeError, a list was built
+            raise ValueError(f"layer pattern {self.pattern!r} must be a non-empty string of 'M' (Mamba2), '*' "
+                             "(attention) and '-' (MLP), one character per block, e.g. 'M*-M-'.")
         unknown = sorted(set(self.pattern) - set(BLOCK_KINDS))
-        if not self.pattern or unknown:
+        if unknown:
             raise ValueError(
                 f"layer pattern {self.pattern!r} has unknown characters {unknown}; use only "
                 "'M' (Mamba2), '*' (attention) and '-' (MLP), e.g. 'M*-M-'."
