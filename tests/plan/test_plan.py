@@ -16,7 +16,8 @@ from hybridpar.plan import make_plan, parameter_count
 from hybridpar.plan.report import plan_dict
 from hybridpar.plan.search import search_layouts
 from hybridpar.models.hybrid import PRESETS
-from hybridpar.train.preflight import meta_model, validate_layout
+from hybridpar.train.hf_model import meta_model
+from hybridpar.train.preflight import validate_layout
 
 TINY = ["parallel.cp=1", "parallel.tp=1"]
 

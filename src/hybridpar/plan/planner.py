@@ -82,7 +82,7 @@ def lora_mismatch(run: RunConfig, shape, twin: HybridConfig) -> str:
         return ""
     from hybridpar.plan.params import parameter_memory
     from hybridpar.train.peft import apply_peft
-    from hybridpar.train.preflight import meta_model
+    from hybridpar.train.hf_model import meta_model
 
     real = sum(p.numel() for p in apply_peft(run, meta_model(shape)).parameters() if p.requires_grad)
     planned = parameter_memory(Layout.from_run(run, twin, hf_decoder=True)).adapters
@@ -99,7 +99,7 @@ def planned_shape(shape, run: RunConfig | None = None, per_layout: bool = False)
     ``per_layout`` leaves to the caller, the search, to ask per candidate)."""
     from hybridpar.plan.hf.twin import hybrid_twin
     from hybridpar.plan.hf.zamba2 import zamba2_unpriced
-    from hybridpar.train.preflight import meta_model
+    from hybridpar.train.hf_model import meta_model
 
     from hybridpar.models.hf.activations import lean_gated_norms, lean_rms_norms
 
@@ -139,7 +139,7 @@ class TransformersPlan:
     @classmethod
     def build(cls, run: RunConfig, shape, unmodelled: str = "") -> "TransformersPlan":
         from hybridpar.train.peft import apply_peft
-        from hybridpar.train.preflight import meta_model
+        from hybridpar.train.hf_model import meta_model
 
         meta = apply_peft(run, meta_model(shape))  # peft.method=lora: the base frozen, adapters trainable
         p = run.parallel

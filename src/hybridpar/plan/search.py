@@ -98,7 +98,8 @@ def _verdict(candidate: RunConfig, world: int, model, shape, verdicts: dict) -> 
 def search_layouts(run: RunConfig, world: int, budget_gib: float, device: DeviceFigures = H100,
                    baseline_gib: float = GPU_BASELINE_GIB, docs_per_pack: int = 1) -> list[Candidate]:
     """Every candidate, planned or refused; fitting ones first, fastest estimate first."""
-    from hybridpar.train.preflight import meta_model, model_config
+    from hybridpar.train.hf_model import meta_model
+    from hybridpar.train.preflight import model_config
 
     shape = model_config(run)
     model = meta_model(shape)  # one shape-only model validates every candidate

@@ -65,8 +65,8 @@ from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
 
 __all__ = ["model_backend", "attention_dropout_problem", "randomness_problem", "unkeyed_randomness", "hf_shape",
-           "hf_meta_model", "build_hf_model", "use_blockwise_attention", "hf_forward_inputs", "loss_path_line",
-           "hf_loss_sum"]
+           "hf_meta_model", "meta_model", "build_hf_model", "use_blockwise_attention", "hf_forward_inputs",
+           "loss_path_line", "hf_loss_sum"]
 
 
 def model_backend(config: RunConfig) -> str:
@@ -125,6 +125,40 @@ def hf_meta_model(shape) -> nn.Module:
                           f"({type(error).__name__} in transformers: {first}); a field there is out of range: "
                           "restore the checkpoint's config.json.") from None
     return install_cores(model)
+
+
+def _shapes_only():
+    """A torch-function mode under which parameter initializers do nothing: a meta tensor has a
+    shape and no values. (torch's meta initializers also cost about a second in a fresh
+    process: the first one imports ``torch._dynamo``.) ``HybridLM`` and ``Mamba2Mixer`` skip
+    their own initialization on meta."""
+    from torch.nn import init
+    from torch.overrides import TorchFunctionMode
+
+    value_only = {init.uniform_, init.normal_, init.trunc_normal_, init.constant_, init.kaiming_uniform_,
+                  torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_}
+
+    class ShapesOnly(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in value_only:
+                tensor = args[0] if args else kwargs["tensor"]
+                if tensor.is_meta:
+                    return tensor
+            return func(*args, **kwargs)
+
+    return ShapesOnly()
+
+
+def meta_model(shape):
+    """The model of ``shape`` on the meta device: its modules and parameter shapes, without
+    memory, time or initial values."""
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+
+    if not isinstance(shape, HybridConfig):
+        return hf_meta_model(shape)
+    with torch.device("meta"), _shapes_only():
+        return HybridLM(shape)
 
 
 def install_cores(model: nn.Module) -> nn.Module:

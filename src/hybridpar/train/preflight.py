@@ -6,9 +6,11 @@ One function per concern, shared by every entry point so they cannot disagree:
   against tp and cp (on a shape-only ``meta`` model: a ``HybridLM`` or a transformers model),
   the data shape against the layout.
   ``hybridpar plan``, the launcher and every rank call it.
-- ``check_pack_memory``: ``data.pack_size`` against what this machine can hold (a lower
-  bound of the planner's estimate: the pack's ids, labels and positions, and every block's
-  saved input), on every rank and in the launcher, before any memory is spent;
+- ``check_model_memory`` and ``check_pack_memory``: the model's state (weights, and gradients and
+  AdamW's moments of what trains, sharded at best over tp * dp_shard * cp) and ``data.pack_size``
+  against what this machine can hold (lower bounds of the planner's estimate: the pack's ids,
+  labels and positions, and every block's saved input), on every rank and in the launcher,
+  before any memory is spent;
 - ``one_process_rendezvous``: a one-process run outside torchrun owns its rendezvous, so a
   busy or foreign ``MASTER_PORT``/``MASTER_ADDR`` is replaced by a free local one (a notice
   says so), as ``--nproc-per-node`` does; a ``MASTER_PORT`` that is not a port exits 2;
@@ -37,7 +39,7 @@ from hybridpar.data.tokenizers import auto_bytes_note
 from hybridpar.models.hybrid import MODEL_RULES
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import missing_eos, pack_size_fix, pad_multiple, validate_data
-from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_meta_model, hf_shape,
+from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_shape, meta_model,
                                       model_backend, pack_position_note)
 from hybridpar.train.optim import check_optimizer_scale
 from hybridpar.train.peft import apply_peft
@@ -98,43 +100,6 @@ def model_config(config: RunConfig):
     except (ValueError, TypeError, ZeroDivisionError) as error:
         raise ConfigError(f"model.overrides={quoted(config.model.overrides)} do not make a valid "
                           f"{config.model.preset!r} model: {error}") from None
-
-
-def _shapes_only():
-    """A torch-function mode under which parameter initializers do nothing: a meta tensor has a
-    shape and no values. (torch's meta initializers also cost about a second in a fresh
-    process: the first one imports ``torch._dynamo``.) ``HybridLM`` and ``Mamba2Mixer`` skip
-    their own initialization on meta."""
-    import torch
-    from torch.nn import init
-    from torch.overrides import TorchFunctionMode
-
-    value_only = {init.uniform_, init.normal_, init.trunc_normal_, init.constant_, init.kaiming_uniform_,
-                  torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_}
-
-    class ShapesOnly(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in value_only:
-                tensor = args[0] if args else kwargs["tensor"]
-                if tensor.is_meta:
-                    return tensor
-            return func(*args, **kwargs)
-
-    return ShapesOnly()
-
-
-def meta_model(shape):
-    """The model of ``shape`` on the meta device: its modules and parameter shapes, without
-    memory, time or initial values."""
-    import torch
-
-    from hybridpar.models.hybrid import HybridConfig, HybridLM
-
-    if not isinstance(shape, HybridConfig):
-        return hf_meta_model(shape)
-    with torch.device("meta"), _shapes_only():
-        return HybridLM(shape)
 
 
 def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> None:
@@ -253,9 +218,37 @@ def pack_memory_floor(config: RunConfig, shape) -> int:
         -(-data.pack_size // (p.cp * p.tp)) * int(getattr(shape, "hidden_size", 1) or 1) * element * blocks
 
 
-def check_pack_memory(config: RunConfig, shape, local_ranks: int) -> None:
-    """ConfigError if ``data.pack_size`` cannot fit in this machine's memory (``pack_memory_floor``)."""
-    need = pack_memory_floor(config, shape)
+def model_state_floor(config: RunConfig, model, moments: bool = True) -> int:
+    """Bytes one rank needs at least for ``model``'s state: each parameter in ``model.dtype``, and each
+    one that trains its gradient and (``moments``) AdamW's two moments alike, of which a rank holds
+    1/(tp * dp_shard * cp) at best (TP splits over tp, FSDP shards over dp_shard * cp)."""
+    p, element = config.parallel, _DTYPE_BYTES.get(config.model.dtype, 4)
+    copies = 4 if moments else 2
+    total = sum(param.numel() * (copies if param.requires_grad else 1) for param in model.parameters())
+    return -(-total * element // (p.tp * p.dp_shard * p.cp))
+
+
+def check_model_memory(config: RunConfig, model, local_ranks: int, moments: bool = True) -> int:
+    """ConfigError if ``model`` (a meta model, adapters added) cannot fit in this machine's memory
+    (``model_state_floor``), before any weight exists; returns the floor."""
+    need = model_state_floor(config, model, moments)
+    have, what = _memory_bytes(local_ranks)
+    if need > have:
+        p, count = config.parallel, sum(param.numel() for param in model.parameters())
+        trained = sum(param.numel() for param in model.parameters() if param.requires_grad)
+        kept = "weights, gradients and AdamW's two moments" if moments else "weights and gradients"
+        raise ConfigError(f"the model's {count:,} parameters ({trained:,} trained) need at least {need / 2**30:,.1f} GiB "
+                          f"per rank for their {kept} in model.dtype={config.model.dtype} (1/{p.tp * p.dp_shard * p.cp} "
+                          f"of them per rank at best: tp*dp_shard*cp), more than {what}: {have / 2**30:,.1f} GiB; "
+                          "shard it over more processes (parallel.dp_shard, parallel.tp), train adapters only "
+                          "(peft.method=lora), or use a smaller model.")
+    return need
+
+
+def check_pack_memory(config: RunConfig, shape, local_ranks: int, model_bytes: int = 0) -> None:
+    """ConfigError if ``data.pack_size`` cannot fit in this machine's memory (``pack_memory_floor``),
+    beside ``model_bytes`` of the model's state (``check_model_memory``)."""
+    need = pack_memory_floor(config, shape) + model_bytes
     have, what = _memory_bytes(local_ranks)
     if need > have:
         data, train = config.data, config.train
@@ -264,7 +257,8 @@ def check_pack_memory(config: RunConfig, shape, local_ranks: int) -> None:
         longest = data.task_options.get("max_len")
         documents = f", documents of data.task_options.max_len={longest}" if isinstance(longest, int) else ""
         raise ConfigError(f"data.pack_size={data.pack_size} ({packs}{documents}) needs at least {need / 2**30:,.1f} GiB "
-                          f"per rank for its tokens and the blocks' saved inputs, more than {what}: "
+                          f"per rank for its tokens and the blocks' saved inputs"
+                          f"{' and the model state' if model_bytes else ''}, more than {what}: "
                           f"{have / 2**30:,.1f} GiB; use a smaller data.pack_size, fewer packs, shorter documents or "
                           "more context parallelism (parallel.cp), and see hybridpar plan for the full estimate.")
 
@@ -335,7 +329,9 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
         check_hf_weights(config.model.hf_path, model_backend(config))
     for note in unused_key_notices(config):
         notice(note)
-    check_pack_memory(config, shape, world_size or 1)
+    local_ranks = world_size or 1
+    state = check_model_memory(config, apply_peft(config, meta_model(shape)), local_ranks, moments=command == "train")
+    check_pack_memory(config, shape, local_ranks, state)
     if note := pack_position_note(config):  # RoPE past max_position_embeddings: runs, extrapolating
         notice(note)
     check_sample(config)

@@ -46,15 +46,15 @@ from hybridpar.train.batches import PackStream, eval_repeat_note, pad_multiple, 
 from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.run.export import export_trained, validate_export
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
-from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss_sum, loss_path_line, model_backend,
-                                      randomness_problem, use_blockwise_attention)
+from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss_sum, loss_path_line, meta_model,
+                                      model_backend, randomness_problem, use_blockwise_attention)
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
 from hybridpar.train.peft import apply_peft, key_dropout, lora_line
 from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
 from hybridpar.train.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
-from hybridpar.train.preflight import check_pack_memory, model_config, parallel_dims, validate_layout
+from hybridpar.train.preflight import check_model_memory, check_pack_memory, model_config, parallel_dims, validate_layout
 from hybridpar.train.run.resume import data_stream, model_signature, nothing_left_note, prepare_output_dir, print_notes
 from hybridpar.train.run.fingerprints import data_sources
 from hybridpar.train.run.tokenizer import shared_data
@@ -130,14 +130,15 @@ class Trainer:
                  f"on {world} process{'es' * (world > 1)}: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} "
                  f"cp={p.cp} tp={p.tp}")
         # Everything that can be wrong with the input is found before the first collective.
+        shape, local_ranks = model_config(config), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        state = check_model_memory(config, apply_peft(config, meta_model(shape)), local_ranks, moments=False)  # no weight yet
         model = apply_peft(config, build_model(config))  # peft.method=lora: frozen base + adapters
         if lora_line(model):
             self.say(lora_line(model))
         adapters = adapter_layout(model)  # names before parallelize: the same at every layout
         self.vocab_size = model.config.vocab_size
-        shape = model_config(config)
         validate_layout(config, dist.get_world_size(), model=model, shape=shape)
-        check_pack_memory(config, shape, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        check_pack_memory(config, shape, local_ranks, state)
         check_sample(config)
         self.sample = sample_settings(config.train.sample)
         self.data = shared_data(config, self.vocab_size)  # data.tokenizer=bpe: trained by rank 0 if absent
