@@ -2,10 +2,10 @@
 
     import hybridpar as hp
 
-    model = hp.HybridLM(hp.HybridConfig(d_model=64, ...))      # or hp.load_causal_lm("ckpt/")
+    model = hp.HybridLM(hp.HybridConfig(hidden_size=64, ...))  # or hp.load_causal_lm("ckpt/")
     dims = hp.ParallelDims(dp_shard=1, cp=2, tp=1)
     model = hp.parallelize(model, dims, cp_mamba="state")      # TP/SP -> CP -> checkpointing -> FSDP2
-    batch = hp.collate_thd(hp.pack_documents(docs, pack_size, pad_multiple=2 * dims.cp))
+    batch = hp.collate_thd(hp.pack_documents(docs, pack_size, cp_size=dims.cp))  # documents padded to 2*cp
     local = hp.shard_inputs(..., cp_group=...)                 # this rank's zigzag slice + PackedSeqParams
     loss_sum, count = model(local.input_ids, packed=local.packed, labels=local.labels)
 
