@@ -166,6 +166,30 @@ def test_the_docs_index_lists_every_page():
     assert {p for p in pages if f"]({p})" not in index} == set()
 
 
+def test_the_config_reference_lists_every_key_with_its_default():
+    """docs/config.md's table names every key of ``RunConfig`` once, and each default it gives, read
+    as an override, is the default (``data.on_change`` and the ``peft`` section were missing)."""
+    import dataclasses
+
+    from hybridpar.config import load_config
+
+    def keys(section, prefix=""):
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            yield from keys(value, f"{prefix}{field.name}.") if dataclasses.is_dataclass(value) else \
+                [(prefix + field.name, value)]
+
+    defaults = dict(keys(load_config(None, [])))
+    documented = {}
+    for row in re.findall(r"^\| (`.*)$", (ROOT / "docs" / "config.md").read_text(), flags=re.M):
+        names, values = (re.findall(r"`([^`]*)`", cell) for cell in row.split(" | ")[:2])
+        assert len(names) == len(values), row
+        documented.update(zip(names, values))
+    assert sorted(set(defaults) - set(documented)) == [] and sorted(set(documented) - set(defaults)) == []
+    wrong = [key for key, text in documented.items() if dict(keys(load_config(None, [f"{key}={text}"])))[key] != defaults[key]]
+    assert wrong == []
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_loads_and_its_comments_name_real_values(path):
     from hybridpar.config import RULES, load_config
