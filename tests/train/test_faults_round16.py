@@ -55,3 +55,22 @@ def test_a_hybrid_config_pattern_that_is_not_a_string_is_one_value_error(pattern
     with pytest.raises(ValueError) as error:
         hp.HybridConfig(pattern=pattern)
     assert f"layer pattern {pattern!r} must be a non-empty string of 'M' (Mamba2)" in one_line(error)
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda run: setattr(run.model, "dtype", "fp16"), "model.dtype='fp16' is invalid"),
+    (lambda run: setattr(run.data, "pack_size", -64), "data.pack_size=-64 is invalid"),
+    (lambda run: setattr(run.data, "pack_size", 64.5), "data.pack_size=64.5 is invalid: it must be an integer"),
+    (lambda run: setattr(run, "train", 5), "section 'train' must be a mapping, got 5"),
+])
+def test_make_plan_checks_a_run_config_changed_by_hand(change, said):
+    """Before: ``make_plan`` of a ``RunConfig`` changed after ``load_config`` (or built directly) was an
+    ``AttributeError`` (``module 'torch' has no attribute 'fp16'``), or a message that took the bad value as a
+    bound ("docs_per_pack=1 must be an integer in [1, data.pack_size=-64]", "use data.pack_size=66.0")."""
+    import hybridpar as hp
+
+    run = hp.load_config(None, [])
+    change(run)
+    with pytest.raises(ValueError) as error:
+        hp.make_plan(run)
+    assert said in one_line(error), error.value

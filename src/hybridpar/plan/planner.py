@@ -8,7 +8,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from hybridpar.config import RunConfig
+from hybridpar.config import RunConfig, config_from_dict, to_dict
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.plan.estimate import H100, DeviceFigures, TimeEstimate, estimate_time
 from hybridpar.plan.layout import DTYPE_BYTES, Layout, adapter_bytes
@@ -60,6 +60,8 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
     (``TransformersPlan``)."""
     from hybridpar.train.preflight import validate_layout
 
+    if isinstance(run, RunConfig):  # one built or changed by hand gets load_config's checks (was an AttributeError)
+        config_from_dict(to_dict(run))
     model = validate_layout(run, world_size)
     most = run.data.pack_size  # a document holds a token at least
     if not isinstance(docs_per_pack, int) or isinstance(docs_per_pack, bool) or not 1 <= docs_per_pack <= most:
