@@ -31,9 +31,16 @@ def test_every_public_name_is_documented():
     assert [name for name in api.__all__ if f"`{name}`" not in page] == []
 
 
-def _documented_calls(text: str):
-    """``(dotted name, keyword names)`` of every ``hp.NAME(...)`` call in ``text``, nested calls included."""
-    for match in re.finditer(r"\bhp\.([\w.]+)\(", text):
+def _documented_calls(text: str, names: dict):
+    """``(dotted name, object, keyword names)`` of every call in ``text`` of a name in ``names``
+    (``hp.NAME(...)``, or ``NAME(...)`` the block imported), nested calls included."""
+    for match in re.finditer(r"(?<![\w.])([A-Za-z_][\w.]*)\(", text):
+        first, *rest = match.group(1).split(".")
+        if first not in names:
+            continue
+        target = names[first]
+        for part in rest:
+            target = getattr(target, part)
         depth, start = 1, match.end()
         for end in range(start, len(text)):
             depth += {"(": 1, ")": -1}.get(text[end], 0)
@@ -42,33 +49,35 @@ def _documented_calls(text: str):
         top = text[start:end]
         while re.search(r"\([^()]*\)", top):  # drop nested calls: their keywords are their own
             top = re.sub(r"\([^()]*\)", "", top)
-        yield match.group(1), re.findall(r"\b(\w+)\s*=(?!=)", top)
+        yield match.group(1), target, re.findall(r"(?<![=!<>])\b(\w+)\s*=(?!=)", top)
 
 
 def test_the_documented_calls_use_real_keywords():
-    """Every ``hp.NAME(key=...)`` in the API's docstring and the README's and docs' Python blocks
-    names a parameter ``NAME`` has (``HybridConfig(d_model=...)`` was in ``hybridpar.api``'s docstring)."""
+    """Every call of a hybridpar name with ``key=...`` in the API's docstring and the README's and
+    docs' Python blocks names a parameter the callable has (``HybridConfig(d_model=...)`` was in
+    ``hybridpar.api``'s docstring)."""
     import inspect
 
     import hybridpar as hp
     from hybridpar import api
 
-    texts = {"hybridpar/api.py": api.__doc__}
+    texts = {"hybridpar/api.py": [api.__doc__]}
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-        texts[page.name] = "\n".join(blocks)
+        texts[page.name] = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     wrong, calls = [], 0
-    for where, text in texts.items():
-        for dotted, keywords in _documented_calls(text):
-            target = hp
-            for part in dotted.split("."):
-                target = getattr(target, part)
-            parameters = inspect.signature(target).parameters
-            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-                continue
-            calls += 1
-            wrong += [f"{where}: hp.{dotted}({key}=...)" for key in keywords if key not in parameters]
-    assert calls >= 8 and wrong == [], wrong
+    for where, blocks in texts.items():
+        for block in blocks:
+            names = {"hp": hp}
+            for line in block.splitlines():
+                if re.match(r"from hybridpar\S* import ", line):
+                    exec(line, names)
+            for dotted, target, keywords in _documented_calls(block, names):
+                parameters = inspect.signature(target).parameters
+                if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+                    continue
+                calls += 1
+                wrong += [f"{where}: {dotted}({key}=...)" for key in keywords if key not in parameters]
+    assert calls >= 15 and wrong == [], wrong
 
 
 def test_import_hybridpar_loads_no_torch():
