@@ -47,7 +47,8 @@ def test_messages_and_prompt_completion_rows(bpe, tmp_path):
     import datasets
     chats = tmp_path / "chats"
     datasets.Dataset.from_list([{"messages": MESSAGES}, {"messages": MESSAGES[:1]}]).save_to_disk(str(chats))
-    with pytest.raises(ValueError, match="chats row 1: no message has role 'assistant'"):
+    with pytest.raises(ValueError, match=r"chats row 2 of 2 \(counted from 1; a CSV header is no row\): no message "
+                                         "has role 'assistant'"):
         hf_dataset_documents(chats, bpe, kind="messages")
     file = tmp_path / "chat.jsonl"
     file.write_text(json.dumps({"conversation": MESSAGES}) + "\n")

@@ -74,3 +74,15 @@ def test_make_plan_checks_a_run_config_changed_by_hand(change, said):
     with pytest.raises(ValueError) as error:
         hp.make_plan(run)
     assert said in one_line(error), error.value
+
+
+def test_a_dataset_rows_error_counts_rows_from_1(tmp_path):
+    """Before: an ``hf_dataset`` record of the wrong type was named by its 0-based index ("m.jsonl row 0" for the
+    first line, "row 1" for a CSV's second data row) while the same task's notices count documents from 1."""
+    pytest.importorskip("datasets")
+    from hybridpar.data.documents import file_documents
+
+    (tmp_path / "m.jsonl").write_text('{"text": 5}\n{"text": "a"}\n')
+    with pytest.raises(ValueError) as error:
+        file_documents("hf_dataset", tmp_path / "m.jsonl", None)
+    assert "m.jsonl row 1 of 2 (counted from 1; a CSV header is no row): column 'text' holds int" in one_line(error)

@@ -286,7 +286,8 @@ def test_blank_rows_of_a_dataset_are_counted_like_every_other_empty_document(tmp
     (tmp_path / "rows.csv").write_text('text\nhello\n""\n')
     with pytest.raises(ValueError) as error:
         file_documents("hf_dataset", tmp_path / "rows.csv", None)
-    assert "row 1: column 'text' holds nothing (null: an empty cell?), not a string; fill it or remove" in _one_line(error)
+    assert ("row 2 of 2 (counted from 1; a CSV header is no row): column 'text' holds nothing (null: an empty "
+            "cell?), not a string; fill it or remove") in _one_line(error)
 
 
 def test_an_export_target_that_is_a_link_to_an_empty_folder_receives_the_export(tmp_path):

@@ -140,5 +140,6 @@ def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", f
             else:
                 docs.append(prompt_completion_document(record["prompt"], record["completion"], tokenizer))
         except ValueError as error:
-            raise ValueError(f"{path} row {row}: {error}") from None
+            raise ValueError(f"{path} row {row + 1} of {len(dataset)} (counted from 1; a CSV header is no row): "
+                             f"{error}") from None
     return docs
