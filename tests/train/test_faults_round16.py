@@ -86,3 +86,13 @@ def test_a_dataset_rows_error_counts_rows_from_1(tmp_path):
     with pytest.raises(ValueError) as error:
         file_documents("hf_dataset", tmp_path / "m.jsonl", None)
     assert "m.jsonl row 1 of 2 (counted from 1; a CSV header is no row): column 'text' holds int" in one_line(error)
+
+
+def test_a_resume_that_spells_the_bytes_tokenizer_out_is_not_refused(run):
+    """Before: a run trained with data.tokenizer=auto (bytes, without model.hf_path) resumed with data.tokenizer=bytes
+    was refused: "would change the training batches (data.tokenizer "auto" -> "bytes")", though both read bytes."""
+    data = ["data.task=text", f"data.path={run.parent / 't.txt'}", f"output_dir={run}", "train.steps=3"]
+    code, output = cli("train", *TINY, *data, "data.tokenizer=bytes", "--dry-run")
+    assert code == 0 and "would change the training batches" not in output, output
+    code, output = cli("train", *TINY, *data, "data.pack_size=128", "--dry-run")  # a real change is still refused
+    assert code == 2 and "would change the training batches (data.pack_size 64 -> 128" in output, output

@@ -191,6 +191,10 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
         current = data_stream(config, pad)
         legacy_bytes, recorded_sources = recorded.pop("file_bytes", None), recorded.pop("sources", None)
         moved = moved_sources(recorded, current, recorded_sources, notes)  # same content elsewhere: the same batches
+        recorded_hf = ((info.get("config") or {}).get("model") or {}).get("hf_path")
+        if config.model.hf_path is None and recorded_hf is None and {recorded["tokenizer"], current["tokenizer"]} <= {
+                "auto", "bytes"}:  # without model.hf_path, auto reads bytes: the same batches (it was refused)
+            recorded["tokenizer"] = current["tokenizer"]
         changed = _differences(recorded, current, "data.", skip=("pad_to_multiple_of", "sources", *moved))
         if changed:
             raise CheckpointError(f"resuming from {str(path)!r} would change the training batches ({'; '.join(changed)}; "
