@@ -150,14 +150,15 @@ def dry_run(args: argparse.Namespace) -> int:
 
     train/check: the config and overrides, the layout against the process count and the devices, and
     ``validate_run`` (model shape, data, export target, output_dir and resume), writing nothing.
-    generate: the arguments and sampling settings (the model is not loaded)."""
+    generate: the arguments, sampling settings and paths (the model is not loaded)."""
     if args.command == "generate":
-        from hybridpar.generate import check_generate_arguments
+        from hybridpar.generate import check_generate_arguments, check_generate_paths
 
         check_generate_arguments(args)
         if (args.hf_path is None) == (args.checkpoint is None):
             raise ConfigError("pass exactly one of --hf-path DIR (a Hugging Face checkpoint) or --checkpoint DIR (a "
                               "hybridpar training checkpoint).")
+        check_generate_paths(args)
         print("dry run: generate arguments valid (the model was not loaded)", flush=True)
         return 0
     from hybridpar.train.preflight import parallel_dims, validate_run

@@ -270,6 +270,24 @@ def check_generate_arguments(args) -> None:
         print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
 
 
+def check_generate_paths(args) -> None:
+    """``--dry-run``: what the paths must be, checked as the model's load would, without loading it (a dry run
+    called a missing --checkpoint or --tokenizer valid): --checkpoint holds a complete checkpoint (its files'
+    hashes, skips said), --hf-path and --base are directories, --tokenizer is auto, bytes, bpe or a directory."""
+    from hybridpar.config_rules import quoted
+
+    if args.checkpoint is not None:
+        checkpoint_to_load(Path(args.checkpoint).expanduser())
+    for flag, value in (("--hf-path", args.hf_path), ("--base", getattr(args, "base", None))):
+        if value is not None and not Path(value).expanduser().is_dir():
+            raise ValueError(f"{flag} {quoted(value)} is not a directory; pass a Hugging Face checkpoint directory "
+                             "(config.json + model.safetensors), e.g. a run's model.export_hf.")
+    spec = args.tokenizer
+    if spec not in ("auto", "bytes", "bpe") and not Path(spec).expanduser().is_dir():
+        raise ValueError(f"--tokenizer {quoted(spec)} is neither 'auto', 'bytes', 'bpe' nor an existing directory; pass "
+                         "one of those or the directory of a saved tokenizer.")
+
+
 def unused_flags(args) -> list[str]:
     """A note for each flag given that this generate call does not read (so it changes nothing)."""
     from hybridpar.models.generation import GREEDY_BELOW

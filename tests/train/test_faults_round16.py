@@ -96,3 +96,20 @@ def test_a_resume_that_spells_the_bytes_tokenizer_out_is_not_refused(run):
     assert code == 0 and "would change the training batches" not in output, output
     code, output = cli("train", *TINY, *data, "data.pack_size=128", "--dry-run")  # a real change is still refused
     assert code == 2 and "would change the training batches (data.pack_size 64 -> 128" in output, output
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--checkpoint", "{tmp}/gone"], "--checkpoint {tmp}/gone does not exist"),
+    (["--hf-path", "{tmp}/gone"], "--hf-path '{tmp}/gone' is not a directory"),
+    (["--checkpoint", "{run}", "--tokenizer", "{tmp}/gone"], "--tokenizer '{tmp}/gone' is neither 'auto', 'bytes', 'bpe'"),
+    (["--checkpoint", "{run}", "--base", "{tmp}/gone"], "--base '{tmp}/gone' is not a directory"),
+])
+def test_a_generate_dry_run_checks_the_paths(run, tmp_path, flags, said):
+    """Before: ``generate --dry-run`` said "generate arguments valid" of a --checkpoint, --hf-path, --tokenizer or
+    --base that does not exist; the real call refused each at once."""
+    fill = {"tmp": tmp_path, "run": run}
+    code, output = cli("generate", *[flag.format(**fill) for flag in flags], "--prompt", "hi", "--max-new-tokens", "2",
+                       "--dry-run")
+    assert code == 2 and said.format(**fill) in output and "Traceback" not in output, output
+    code, output = cli("generate", "--checkpoint", str(run), "--prompt", "hi", "--max-new-tokens", "2", "--dry-run")
+    assert code == 0 and "generate arguments valid" in output, output
