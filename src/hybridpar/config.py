@@ -360,6 +360,8 @@ def coerce_value(value, hint, key: str):
         if origin in (int, str, dict) and isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
             return value
     unquoted = unquoted_value(value, options)
+    listed = isinstance(value, str) and tuple[str, ...] in options  # peft.target_modules=q_proj: one name, no brackets
     raise invalid(key, value, f"{type_names(options)} (got {type(value).__name__})",
-                  f"a value in quotes is text in YAML: write it without them, {key}={unquoted}" if unquoted else None)
+                  f"a value in quotes is text in YAML: write it without them, {key}={unquoted}" if unquoted else
+                  f"a list is written in brackets, even of one name: {key}=[{shorten(value, 60)}]" if listed else None)
 

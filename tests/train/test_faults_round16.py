@@ -113,3 +113,14 @@ def test_a_generate_dry_run_checks_the_paths(run, tmp_path, flags, said):
     assert code == 2 and said.format(**fill) in output and "Traceback" not in output, output
     code, output = cli("generate", "--checkpoint", str(run), "--prompt", "hi", "--max-new-tokens", "2", "--dry-run")
     assert code == 0 and "generate arguments valid" in output, output
+
+
+@pytest.mark.parametrize("key", ["peft.target_modules", "peft.target_parameters"])
+def test_a_list_key_given_one_name_says_to_write_brackets(key):
+    """Before: ``peft.target_modules=in_proj`` said "must be a list of strings (got str); e.g.
+    peft.target_modules=null (the default)", which leaves the user's one name out."""
+    from hybridpar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["peft.method=lora", f"{key}=in_proj"])
+    assert f"a list is written in brackets, even of one name: {key}=[in_proj]." in one_line(error)
