@@ -124,3 +124,12 @@ def test_a_list_key_given_one_name_says_to_write_brackets(key):
     with pytest.raises(ConfigError) as error:
         load_config(None, ["peft.method=lora", f"{key}=in_proj"])
     assert f"a list is written in brackets, even of one name: {key}=[in_proj]." in one_line(error)
+
+
+@pytest.mark.parametrize("task", ["mqar", "selective_copy"])
+def test_a_synthetic_tasks_min_len_above_max_len_is_told_to_lower_it(task):
+    """Before: ``min_len=100, max_len=50`` was told "raise min_len or lower num_kv_pairs" (num_tokens), which
+    cannot help: the lengths are drawn from [min_len, max_len]."""
+    code, output = cli("train", "model.preset=tiny", f"data.task={task}", "data.task_options={min_len: 100, max_len: 50}",
+                       "--dry-run")
+    assert code == 2 and "min_len=100 is above max_len=50" in output and "raise max_len to 100." in output, output

@@ -49,6 +49,11 @@ __all__ = [
 ]
 
 
+def _lengths_problem(min_len: int, max_len: int) -> str | None:  # min_len > max_len was told to raise min_len
+    return None if min_len <= max_len else (f"min_len={min_len} is above max_len={max_len} (a document's length is "
+                                            f"drawn from [min_len, max_len]); lower min_len or raise max_len to {min_len}.")
+
+
 def _range(value: int | tuple[int, int], name: str) -> tuple[int, int]:
     low, high = (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
     if low < 1 or high < low:
@@ -91,9 +96,9 @@ class MQARTask:
                 f"{self.pairs[1]}; raise vocab_size to at least {2 * self.pairs[1] + 2}."
             )
         if not 2 * self.pairs[1] + 2 * queries <= self.min_len <= self.max_len:
-            raise ValueError(
+            raise ValueError(_lengths_problem(self.min_len, self.max_len) or (
                 f"need 2*pairs + 2*queries = {2 * self.pairs[1] + 2 * queries} <= min_len={self.min_len} <= "
-                f"max_len={self.max_len}; raise min_len or lower num_kv_pairs."
+                f"max_len={self.max_len}; raise min_len (and max_len) or lower num_kv_pairs.")
             )
         if self.filler not in ("blank", "random"):
             raise ValueError(f"filler={quoted(self.filler)} must be 'blank' or 'random'.")
@@ -148,9 +153,9 @@ class SelectiveCopyTask:
         if self.vocab_size < 4:
             raise ValueError(f"vocab_size={self.vocab_size} leaves no content ids; use at least 4.")
         if not 2 * self.tokens[1] + 1 <= self.min_len <= self.max_len:
-            raise ValueError(
+            raise ValueError(_lengths_problem(self.min_len, self.max_len) or (
                 f"need 2*num_tokens + 1 = {2 * self.tokens[1] + 1} <= min_len={self.min_len} <= max_len={self.max_len}; "
-                "raise min_len or lower num_tokens."
+                "raise min_len (and max_len) or lower num_tokens.")
             )
 
     def sample(self, rng: np.random.Generator) -> dict[str, list[int]]:
