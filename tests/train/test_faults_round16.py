@@ -133,3 +133,19 @@ def test_a_synthetic_tasks_min_len_above_max_len_is_told_to_lower_it(task):
     code, output = cli("train", "model.preset=tiny", f"data.task={task}", "data.task_options={min_len: 100, max_len: 50}",
                        "--dry-run")
     assert code == 2 and "min_len=100 is above max_len=50" in output and "raise max_len to 100." in output, output
+
+
+def test_a_dry_run_says_a_synthetic_document_would_be_split(monkeypatch):
+    """Before: ``mqar`` documents longer than ``data.pack_size`` were split (a key and its value in different rows) with
+    the packer's notice in training, while the dry run built no synthetic packs and said nothing."""
+    import warnings
+
+    from hybridpar.train.batches import PackStream
+
+    monkeypatch.setattr(PackStream, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, output = cli("train", "model.preset=tiny", "data.pack_size=64", "data.task_options={min_len: 100, max_len: 100}",
+                           "--dry-run")
+    said = [str(w.message) for w in caught if "pack_documents(pack_size=64): split" in str(w.message)]
+    assert code == 0 and len(said) == 1, (said, output)

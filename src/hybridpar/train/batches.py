@@ -360,11 +360,13 @@ def data_bytes(path: str | os.PathLike | None) -> int:
 
 
 def read_like_training(config, data: DataConfig, vocab_size: int, tokenizer, bpe_pending: bool) -> str | None:
-    """Build the training (and evaluation) packs of a file task as the trainer does (raising its
-    errors, warning its notices); returns a notice when the data was not read, else None."""
-    if data.task in TASKS:
-        return None  # synthetic: its options were checked, there is no file
-    if data.task == "python_stdlib":
+    """Build the training (and evaluation) packs as the trainer does (raising its errors, warning its
+    notices; a synthetic task's up to 4,096-token packs); a notice when the data was not read, else None."""
+    if data.task in TASKS:  # synthetic: no file; its packs are built as training builds them (the split notice)
+        if data.pack_size * WINDOW_PACKS > READ_BYTES // 32:  # 64 packs of 4,096 tokens: about a second
+            return None
+        size = 0
+    elif data.task == "python_stdlib":
         size = int(data.task_options.get("max_bytes", 4_000_000))
     else:
         size = data_bytes(data.path)
