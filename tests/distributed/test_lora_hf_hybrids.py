@@ -7,7 +7,8 @@ models of ``tests/models/hf/hybrid_models.py`` with hybridpar's Mamba core in th
 ``out_proj``) with ``B`` perturbed so every adapter gradient is nonzero. Each layout runs a packed row
 of four documents (7, 24, 13 and 16 real tokens, padded; documents cross the cp ranks' boundary)
 through the trainer's loss (``pack_loss_sum``): tp=2 + SP, cp=2 with the ``state`` Mamba strategy
-and ring attention, cp=2 with ``a2a`` and Ulysses, and dp_shard=2 (a row per rank). The reference runs
+and ring attention, cp=2 with ``a2a`` and Ulysses, and dp_shard=2 (a row per rank); and Granite MoE and Falcon-H1 at cp=2 x tp=2 under ``full`` activation
+checkpointing (4 ranks). The reference runs
 every document alone, each in its own call, so a state or a key leaking across a boundary would show.
 The loss and every adapter gradient (``canonical_state_dict(grads=True)``, gathered) agree to 1e-9,
 and no base parameter has a gradient on any rank. One 2-rank launch for every case.
@@ -29,6 +30,7 @@ LAYOUTS = {  # name -> (ParallelDims kwargs, parallelize kwargs)
     "cp2-a2a-ulysses": (dict(cp=2), dict(cp_mamba="a2a", cp_attention="ulysses")),
     "dp_shard2": (dict(dp_shard=2), {}),
 }
+LAYOUTS_4 = {"cp2-tp2-state": (dict(cp=2, tp=2), dict(cp_mamba="state", activation_checkpointing="full"))}
 
 
 def lora_hybrid(name: str):
@@ -99,23 +101,21 @@ def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh) -> dict:
             "base": base}
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, layouts: dict, models: tuple) -> dict:
     from hybridpar.parallel.dims import ParallelDims
 
     results = {}
-    for layout, (dims_kwargs, options) in LAYOUTS.items():
+    for layout, (dims_kwargs, options) in layouts.items():
         mesh = ParallelDims(**dims_kwargs).build_mesh()
-        for name in MODELS:
+        for name in models:
             results[layout, name] = _parallel_case(name, dims_kwargs, options, mesh)
     return results
 
 
-@pytest.mark.timeout(900)
-def test_lora_on_granite_falcon_h1_and_bamba_packed_at_tp_cp_fsdp_equals_each_document_alone():
-    by_rank = run_ranks(2, _worker, timeout_s=800)
+def _check(by_rank: list[dict], layouts: dict) -> None:
     references, failures = {}, []
     for (layout, name), got in by_rank[0].items():
-        dp = LAYOUTS[layout][0].get("dp_shard", 1)
+        dp = layouts[layout][0].get("dp_shard", 1)
         want = references.setdefault((name, dp), reference(name, dp))
         where = f"{layout} {name}"
         assert len(want["grads"]) > 10 and all(is_lora_parameter(n) for n in want["grads"]), where
@@ -131,3 +131,14 @@ def test_lora_on_granite_falcon_h1_and_bamba_packed_at_tp_cp_fsdp_equals_each_do
     failures += [f"rank {rank} {key}: base parameters with gradients {got['base'][:4]}"
                  for rank, results in enumerate(by_rank) for key, got in results.items() if got["base"]]
     assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.timeout(900)
+def test_lora_on_granite_falcon_h1_and_bamba_packed_at_tp_cp_fsdp_equals_each_document_alone():
+    _check(run_ranks(2, _worker, LAYOUTS, MODELS, timeout_s=800), LAYOUTS)
+
+
+@pytest.mark.timeout(600)
+def test_lora_on_granite_moe_and_falcon_h1_at_cp2_tp2_with_checkpointing_equals_each_document_alone():
+    """cp=2 x tp=2 on 4 ranks, state passing, every layer checkpointed (recomputed with its adapters)."""
+    _check(run_ranks(4, _worker, LAYOUTS_4, ("granite_moe", "falcon_h1"), timeout_s=500), LAYOUTS_4)
