@@ -274,6 +274,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if any(not part or part != part.strip() for part in key.strip().split(".")):  # train..steps, train. steps
             raise ConfigError(f"override {quoted(item)} has an empty or spaced name in its key {quoted(key.strip())}; "
                               "write the key as section.name, e.g. train.steps=100.")
+        if value.strip() == "~" and key.strip() in HOME_PATHS:  # output_dir=~ was "output_dir=null is invalid"
+            none = "" if key.strip() in ("output_dir", "data.tokenizer") else f" ({key.strip()}=null for none)"
+            raise ConfigError(f"override {quoted(item)}: a lone ~ is null in YAML, not the home directory; write a path "
+                              f"(~/NAME or the home directory's full path){none}.")
         _set_dotted(raw, key.strip().split("."), parsed)
     return _build(RunConfig, raw, "")
 

@@ -149,3 +149,17 @@ def test_a_dry_run_says_a_synthetic_document_would_be_split(monkeypatch):
                            "--dry-run")
     said = [str(w.message) for w in caught if "pack_documents(pack_size=64): split" in str(w.message)]
     assert code == 0 and len(said) == 1, (said, output)
+
+
+@pytest.mark.parametrize("override, said", [
+    ("output_dir=~", "override 'output_dir=~': a lone ~ is null in YAML, not the home directory; write a path"),
+    ("data.path=~", "a lone ~ is null in YAML, not the home directory; write a path (~/NAME or the home directory's "
+                    "full path) (data.path=null for none)."),
+    ("data.path=", "data.path=null names no file; data.task='text' needs an existing local file."),
+])
+def test_a_path_override_of_a_lone_tilde_or_nothing_is_named(tmp_path, override, said):
+    """Before: ``output_dir=~`` said "output_dir=null is invalid: it must be a string" (YAML reads a lone ~ as null) and
+    ``data.path=~`` or ``data.path=`` said "data.path=None is not a file"."""
+    code, output = cli("train", "model.preset=tiny", "data.task=text", f"output_dir={tmp_path / 'run'}", override,
+                       "--dry-run")
+    assert code == 2 and said in output and "None" not in output, output

@@ -52,7 +52,7 @@ def test_layouts_that_cannot_run_are_refused_by_plan_and_train_alike(overrides, 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["data.task=text", "data.task_options={}"], r"data.path=None is not a file"),
+        (["data.task=text", "data.task_options={}"], r"data.path=null names no file"),
         (["data.task_options={vocab_size: 1024}"], r"vocab_size=1024 is larger than the model's vocabulary \(256\)"),
         (["data.task=jsonl"], r"data.task_options \['max_len', 'min_len', 'num_kv_pairs', 'vocab_size'\] do not apply"),
         (["data.task=text", "data.path=configs/tiny-hybrid.yaml", "data.task_options={}",

@@ -145,7 +145,7 @@ def test_bad_input_exits_nonzero_with_one_message_on_every_rank(tmp_path):
         (["parallel.cp=1", "parallel.tp=2", "model.overrides={mamba_num_heads: 6, mamba_n_groups: 3}"],
          "n_groups.*3.*tp"),
         (["parallel.cp_mamba=ring"], "parallel.cp_mamba='ring' is invalid: it must be one of 'a2a', 'state'"),
-        (["data.task=jsonl", "data.task_options={}"], "is not a file"),
+        (["data.task=jsonl", "data.task_options={}"], "data.path=null names no file"),
         (["train.steps=0"], "train.steps=0 is invalid: it must be an integer >= 1"),
         ([f"checkpoint.resume={corrupt}"], r"checkpoint.resume=.*corrupt' cannot be loaded: .*__0_0.distcp has 16 bytes but the manifest"),
     ]

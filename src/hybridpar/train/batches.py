@@ -193,13 +193,13 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
             raise DataError(str(error)) from None
     elif config.task == "hf_dataset":
         if not config.path or not Path(config.path).exists():
-            raise DataError(f"data.path={quoted(config.path)} does not exist; data.task='hf_dataset' needs a local data "
-                            "file or a save_to_disk directory.")
+            raise DataError(f"data.path={quoted(config.path) + ' does not exist' if config.path else 'null names no file'}"
+                            "; data.task='hf_dataset' needs a local data file or a save_to_disk directory.")
         if importlib.util.find_spec("datasets") is None:
             raise DataError("data.task='hf_dataset' needs the optional 'datasets' package: pip install "
                             "'hybridpar[data]'; plain text and JSONL files work without it (tasks text, jsonl, chat).")
     elif not config.path or not Path(config.path).is_file():
-        raise DataError(f"data.path={quoted(config.path)} is not a file; data.task={quoted(config.task)} needs an existing local file.")
+        raise DataError(f"data.path={quoted(config.path) + ' is not a file' if config.path else 'null names no file'}; data.task={quoted(config.task)} needs an existing local file.")
     return data_tokenizer(config, vocab_size, model_path)
 
 
