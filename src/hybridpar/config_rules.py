@@ -227,7 +227,8 @@ def did_you_mean(name, known) -> str:
         return f"; YAML needs a space after the colon: write '{shorten(key.strip(), 60)}: {shorten(value.strip(), 60)}'"
     leaf = name.rsplit(".", 1)[-1]
     same = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != name]
-    close = same or difflib.get_close_matches(name, known, n=1, cutoff=0.75) or [
+    cased = [k for k in known if k.lower() == name.lower() and k != name]  # TRAIN, Train.Steps: keys are lower case
+    close = cased or same or difflib.get_close_matches(name, known, n=1, cutoff=0.75) or [
         k for k in known if k.rsplit(".", 1)[-1] in difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known],
                                                                              n=1, cutoff=0.75)]
     return f"; did you mean {close[0]}?" if close else ""

@@ -163,3 +163,12 @@ def test_a_path_override_of_a_lone_tilde_or_nothing_is_named(tmp_path, override,
     code, output = cli("train", "model.preset=tiny", "data.task=text", f"output_dir={tmp_path / 'run'}", override,
                        "--dry-run")
     assert code == 2 and said in output and "None" not in output, output
+
+
+@pytest.mark.parametrize("override, meant", [("TRAIN.steps=3", "train"), ("train.STEPS=3", "train.steps"),
+                                             ("model.overrides={Hidden_Size: 32}", "hidden_size")])
+def test_a_key_in_other_case_names_the_key(override, meant):
+    """Before: ``TRAIN.steps=3`` said "unknown config key(s) ['TRAIN']" and listed the sections without a guess (the
+    spelling match is case-sensitive, and 'TRAIN' is far from 'train')."""
+    code, output = cli("train", "model.preset=tiny", override, "--dry-run")
+    assert code == 2 and f"did you mean {meant}?" in output, output
