@@ -138,7 +138,8 @@ def test_a_batch_tensor_is_not_one_document():
         pack_documents([torch.tensor([[1, 2], [3, 4]])], 8)
     assert "a document's token ids have shape [2, 2]: its 2 rows would be joined into one document" in one_line(error)
     assert pack_documents([torch.tensor([[1, 2, 3]])], 8)[0]["input_ids"][:3].tolist() == [1, 2, 3]  # [1, S]: one row
-    for kwargs, said in ((dict(pack_size=True), "pack_size must be a positive int, got True"),
+    for kwargs, said in ((dict(pack_size=True), "pack_size must be an int in [1, 2**31-1] (cu_seqlens are int32), "
+                                                "got True"),
                          (dict(pack_size=8, cp_size=True), "cp_size must be a positive int, got True")):
         with pytest.raises(ValueError) as error:
             pack_documents([[1, 2, 3]], **kwargs)

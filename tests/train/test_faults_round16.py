@@ -172,3 +172,18 @@ def test_a_key_in_other_case_names_the_key(override, meant):
     spelling match is case-sensitive, and 'TRAIN' is far from 'train')."""
     code, output = cli("train", "model.preset=tiny", override, "--dry-run")
     assert code == 2 and f"did you mean {meant}?" in output, output
+
+
+def test_pack_documents_holds_pack_size_to_int32_and_export_takes_a_model_only(tmp_path):
+    """Before: ``pack_documents(docs, 2**40)`` was torch's allocation failure (a pack past 2**31-1 tokens, where the
+    int32 ``cu_seqlens`` overflow, was not refused as the CLI's ``data.pack_size`` is), and ``export_causal_lm("x",
+    dir)`` an ``AttributeError`` ("'str' object has no attribute 'save_pretrained'")."""
+    import hybridpar as hp
+
+    with pytest.raises(ValueError) as error:
+        hp.pack_documents([[1, 2]], 2**40)
+    assert "pack_size must be an int in [1, 2**31-1] (cu_seqlens are int32), got 1099511627776." in one_line(error)
+    with pytest.raises(ValueError) as error:
+        hp.export_causal_lm("x", tmp_path / "out")
+    assert "model='x' (type str) is not a model export_causal_lm can write" in one_line(error)
+    assert not (tmp_path / "out").exists()

@@ -150,8 +150,8 @@ def pack_documents(
         raise ValueError(f"docs={quoted(docs, 60)} must be a list of documents (one document is [ids] or "
                          "[{'input_ids': ...}]).")
     multiple = document_pad_multiple(cp_size) if pad_to_multiple_of is None else pad_to_multiple_of
-    if not integer(pack_size) or pack_size < 1:  # True packed rows of one token
-        raise ValueError(f"pack_size must be a positive int, got {quoted(pack_size)}.")
+    if not integer(pack_size) or not 1 <= pack_size <= 2**31 - 1:  # True packed rows of one token; 2**40 a torch OOM
+        raise ValueError(f"pack_size must be an int in [1, 2**31-1] (cu_seqlens are int32), got {quoted(pack_size)}.")
     if pack_size % multiple != 0:
         source = f"2*cp_size with cp_size={cp_size}" if pad_to_multiple_of is None else "pad_to_multiple_of"
         raise ValueError(

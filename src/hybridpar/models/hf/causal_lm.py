@@ -344,6 +344,9 @@ def export_causal_lm(model: nn.Module, out_dir: str | Path, *, tokenizer_dir: st
     if out_dir.exists() and not out_dir.is_dir():  # transformers logged it and wrote nothing: the export "succeeded"
         raise ValueError(f"export target {quoted(str(out_dir))} is a file, not a directory: a checkpoint is a folder "
                          "(config.json, safetensors); pass a new or empty directory.")
+    if not isinstance(model, HybridLM) and not callable(getattr(model, "save_pretrained", None)):  # an AttributeError
+        raise ValueError(f"model={quoted(model, 60)} (type {type(model).__name__}) is not a model export_causal_lm can "
+                         "write; pass a HybridLM or a transformers causal LM (load_causal_lm's result).")
     if state_dict is not None:
         model = _single_device_copy(model, state_dict)
     if isinstance(model, HybridLM):
