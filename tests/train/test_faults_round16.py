@@ -101,7 +101,8 @@ def test_a_resume_that_spells_the_bytes_tokenizer_out_is_not_refused(run):
 @pytest.mark.parametrize("flags, said", [
     (["--checkpoint", "{tmp}/gone"], "--checkpoint {tmp}/gone does not exist"),
     (["--hf-path", "{tmp}/gone"], "--hf-path '{tmp}/gone' is not a directory"),
-    (["--checkpoint", "{run}", "--tokenizer", "{tmp}/gone"], "--tokenizer '{tmp}/gone' is neither 'auto', 'bytes', 'bpe'"),
+    (["--checkpoint", "{run}", "--tokenizer", "{tmp}/gone"],
+     "--tokenizer '{tmp}/gone' is neither 'auto', 'bytes', 'bpe'"),
     (["--checkpoint", "{run}", "--base", "{tmp}/gone"], "--base '{tmp}/gone' is not a directory"),
 ])
 def test_a_generate_dry_run_checks_the_paths(run, tmp_path, flags, said):
@@ -130,8 +131,8 @@ def test_a_list_key_given_one_name_says_to_write_brackets(key):
 def test_a_synthetic_tasks_min_len_above_max_len_is_told_to_lower_it(task):
     """Before: ``min_len=100, max_len=50`` was told "raise min_len or lower num_kv_pairs" (num_tokens), which
     cannot help: the lengths are drawn from [min_len, max_len]."""
-    code, output = cli("train", "model.preset=tiny", f"data.task={task}", "data.task_options={min_len: 100, max_len: 50}",
-                       "--dry-run")
+    code, output = cli("train", "model.preset=tiny", f"data.task={task}",
+                       "data.task_options={min_len: 100, max_len: 50}", "--dry-run")
     assert code == 2 and "min_len=100 is above max_len=50" in output and "raise max_len to 100." in output, output
 
 
@@ -145,8 +146,8 @@ def test_a_dry_run_says_a_synthetic_document_would_be_split(monkeypatch):
     monkeypatch.setattr(PackStream, "_warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        code, output = cli("train", "model.preset=tiny", "data.pack_size=64", "data.task_options={min_len: 100, max_len: 100}",
-                           "--dry-run")
+        code, output = cli("train", "model.preset=tiny", "data.pack_size=64",
+                           "data.task_options={min_len: 100, max_len: 100}", "--dry-run")
     said = [str(w.message) for w in caught if "pack_documents(pack_size=64): split" in str(w.message)]
     assert code == 0 and len(said) == 1, (said, output)
 
@@ -177,7 +178,7 @@ def test_a_key_in_other_case_names_the_key(override, meant):
 def test_pack_documents_holds_pack_size_to_int32_and_export_takes_a_model_only(tmp_path):
     """Before: ``pack_documents(docs, 2**40)`` was torch's allocation failure (a pack past 2**31-1 tokens, where the
     int32 ``cu_seqlens`` overflow, was not refused as the CLI's ``data.pack_size`` is), and ``export_causal_lm("x",
-    dir)`` an ``AttributeError`` ("'str' object has no attribute 'save_pretrained'")."""
+    dir)`` or ``save_hf("x", dir)`` an ``AttributeError`` ("'str' object has no attribute 'save_pretrained'")."""
     import hybridpar as hp
 
     with pytest.raises(ValueError) as error:
@@ -187,3 +188,6 @@ def test_pack_documents_holds_pack_size_to_int32_and_export_takes_a_model_only(t
         hp.export_causal_lm("x", tmp_path / "out")
     assert "model='x' (type str) is not a model export_causal_lm can write" in one_line(error)
     assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError) as error:
+        hp.save_hf("x", tmp_path / "out", architecture="NemotronHForCausalLM")
+    assert "save_hf writes a HybridLM, got 'x' (type str)" in one_line(error)

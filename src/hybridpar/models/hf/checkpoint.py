@@ -141,6 +141,9 @@ def save_hf(model: HybridLM, path: str | Path, architecture: str | None = None,
     if as_path(path, "path").exists() and not Path(path).is_dir():  # mkdir below: a raw FileExistsError
         raise ValueError(f"save_hf target {quoted(str(path))} is a file, not a directory: a checkpoint is a folder "
                          "(config.json, safetensors); pass a new or empty directory.")
+    if not isinstance(model, HybridLM):  # a str was "'str' object has no attribute 'config'"
+        raise ValueError(f"save_hf writes a HybridLM, got {quoted(model, 60)} (type {type(model).__name__}); a "
+                         "transformers model: export_causal_lm or its save_pretrained.")
     stored = getattr(model, "hf_config", None)
     if stored is not None and architecture in (None, architecture_of(stored)):
         architecture, hf, prefix = architecture_of(stored), dict(stored), getattr(model, "hf_prefix", "backbone.")
