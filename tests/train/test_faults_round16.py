@@ -191,3 +191,13 @@ def test_pack_documents_holds_pack_size_to_int32_and_export_takes_a_model_only(t
     with pytest.raises(ValueError) as error:
         hp.save_hf("x", tmp_path / "out", architecture="NemotronHForCausalLM")
     assert "save_hf writes a HybridLM, got 'x' (type str)" in one_line(error)
+
+
+def test_a_train_sample_larger_than_memory_is_refused_before_training(run):
+    """Before: ``train.sample={max_new_tokens: 2000000000}`` trained every step and saved the checkpoint, then the
+    sample was refused for memory ("needs about 2.41e+03 GiB"): the generation estimate ran after training only."""
+    code, output = cli("train", *TINY, "data.task=text", f"data.path={run.parent / 't.txt'}", "train.steps=1",
+                       f"output_dir={run.parent / 'sampled'}", "train.sample={prompt: hi, max_new_tokens: 2000000000}",
+                       "--dry-run")
+    assert code == 2 and "train.sample: generating 2000000000 tokens after a" in output, output
+    assert "(checked now, not after training)." in output, output

@@ -368,11 +368,12 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_generation_memory(model: nn.Module, batch: int, prompt: int, new_tokens: int,
-                            free: int | None = None, estimate=generation_bytes) -> None:
+                            free: int | None = None, estimate=generation_bytes, device=None) -> None:
     """ValueError (one line) when ``generation_bytes`` is more than the device's free memory (``free``
     overrides what ``available_bytes`` reads): a prompt of a million tokens or ``max_new_tokens``
-    of 2**31 fails at once, naming the sizes and what fits, instead of swapping or being killed."""
-    device = next(model.parameters()).device
+    of 2**31 fails at once, naming the sizes and what fits, instead of swapping or being killed. ``device``: where
+    it will run (default: the model's; a meta model's estimate before training names the device it will use)."""
+    device = next(model.parameters()).device if device is None else device
     free = available_bytes(device) if free is None else free
     need = estimate(model, batch, prompt, new_tokens)
     if free is None or need <= free:

@@ -365,7 +365,7 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
 
         if unread := read_like_training(config, data, shape.vocab_size, tokenizer, bpe_pending):
             notice(unread)
-    check_sample_prompt(config, data, shape.vocab_size)
+    check_sample_prompt(config, data, shape.vocab_size, shape)
     if config.model.hf_path and (problem := generation_id_problem(config.model.hf_path)):
         notice(problem)  # not used in training; the export would carry it (generate refuses it)
     if command == "check" and (why := attention_dropout_problem(config, shape, parallel_dims(config).world_size)):
