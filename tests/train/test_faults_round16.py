@@ -201,3 +201,23 @@ def test_a_train_sample_larger_than_memory_is_refused_before_training(run):
                        "--dry-run")
     assert code == 2 and "train.sample: generating 2000000000 tokens after a" in output, output
     assert "(checked now, not after training)." in output, output
+
+
+def test_a_resume_that_changes_the_seed_of_the_dropout_masks_says_so():
+    """Before: resuming a LoRA run with adapter dropout (or a transformers model, whose dropout is keyed by the seed)
+    with another ``train.seed`` drew other dropout masks without a word; the other settings a step reads were said."""
+    import json
+
+    from hybridpar.config import load_config, to_dict
+    from hybridpar.train.run.numerics import numeric_changes
+
+    def notes(*overrides):
+        recorded = load_config(None, ["peft.method=lora", "peft.dropout=0.1", "train.seed=0"])
+        info = {"config": json.loads(json.dumps(to_dict(recorded)))}  # as run.json holds it
+        return numeric_changes("ckpt", info, load_config(None, list(overrides)))
+
+    [said] = notes("peft.method=lora", "peft.dropout=0.1", "train.seed=5")
+    assert "trained with train.seed=0; resuming with 5 draws other dropout masks from the next step on" in said
+    assert notes("peft.method=lora", "peft.dropout=0.1", "train.seed=0") == []
+    assert notes("peft.method=lora", "peft.dropout=0.0", "train.seed=5") == [notes("peft.method=lora",
+                                                                                    "peft.dropout=0.0")[0]]

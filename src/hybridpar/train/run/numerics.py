@@ -6,8 +6,8 @@ losses differ from those it would have had. That is said, once, as a warning. So
 optimizer settings (``train.lr``, ``betas``, ``weight_decay``, ``warmup_steps``,
 ``min_lr_ratio``): a checkpoint's optimizer state holds the old ones, and loading it used to keep
 them silently; the run applies the new ones after loading (``optim.apply_settings``) and says so.
-And the other settings each step reads afresh (``train.grad_clip``, ``peft.dropout``), whose change
-moves the losses as much.
+And the other settings each step reads afresh (``train.grad_clip``, ``peft.dropout``, and
+``train.seed``, which keys the dropout masks), whose change moves the losses as much.
 """
 
 from __future__ import annotations
@@ -34,4 +34,10 @@ def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str
                 f"applies {json.dumps(now)} from the next step on"
             notes.append(f"warning: checkpoint {path} was trained with {section}.{key}={json.dumps(before)}; resuming "
                          f"with {json.dumps(now)} {what}, so the losses will not be those of the uninterrupted run")
+    seed, dropout = (recorded.get("train") or {}).get("seed", config.train.seed), config.model.hf_path or (
+        config.peft.method == "lora" and config.peft.dropout > 0)  # dropout masks are keyed by train.seed
+    if seed != config.train.seed and dropout:
+        notes.append(f"warning: checkpoint {path} was trained with train.seed={seed}; resuming with {config.train.seed} "
+                     "draws other dropout masks from the next step on (where the model or its adapters have dropout), "
+                     "so the losses will not be those of the uninterrupted run")
     return notes
