@@ -37,7 +37,7 @@ def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str
     seed, dropout = (recorded.get("train") or {}).get("seed", config.train.seed), config.model.hf_path or (
         config.peft.method == "lora" and config.peft.dropout > 0)  # dropout masks are keyed by train.seed
     if seed != config.train.seed and dropout:
-        notes.append(f"warning: checkpoint {path} was trained with train.seed={seed}; resuming with {config.train.seed} "
-                     "draws other dropout masks from the next step on (where the model or its adapters have dropout), "
+        notes.append(f"warning: checkpoint {path} was trained with train.seed={seed}; resuming with "
+                     f"{config.train.seed} draws other dropout masks from the next step on (where the model or its adapters have dropout), "
                      "so the losses will not be those of the uninterrupted run")
     return notes
