@@ -221,3 +221,15 @@ def test_a_resume_that_changes_the_seed_of_the_dropout_masks_says_so():
     assert notes("peft.method=lora", "peft.dropout=0.1", "train.seed=0") == []
     assert notes("peft.method=lora", "peft.dropout=0.0", "train.seed=5") == [notes("peft.method=lora",
                                                                                     "peft.dropout=0.0")[0]]
+
+
+def test_check_says_the_keys_it_does_not_read(run):
+    """Before: ``hybridpar check`` with ``model.export_hf``, ``train.sample`` or a ``checkpoint.resume`` path ran without
+    a word, though it exports, samples and loads nothing (a user checking a trained checkpoint's layout checked fresh
+    weights)."""
+    data = ["data.task=text", f"data.path={run.parent / 't.txt'}", "model.dtype=float64"]
+    code, output = cli("check", *TINY, *data, f"model.export_hf={run.parent / 'x'}", "train.sample={prompt: hi}",
+                       f"checkpoint.resume={run / 'checkpoints' / 'step_00000002'}", "--dry-run")
+    assert code == 0 and "model.export_hf, train.sample, checkpoint.resume are not used by check" in output, output
+    code, output = cli("check", *TINY, *data, "--dry-run")
+    assert code == 0 and "not used by check" not in output, output

@@ -327,7 +327,7 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     check_optimizer_scale(config)
     if config.model.hf_path:
         check_hf_weights(config.model.hf_path, model_backend(config))
-    for note in unused_key_notices(config):
+    for note in unused_key_notices(config, command):
         notice(note)
     local_ranks = world_size or 1
     state = check_model_memory(config, apply_peft(config, meta_model(shape)), local_ranks, moments=command == "train")

@@ -10,9 +10,15 @@ from __future__ import annotations
 from hybridpar.config import ModelConfig, PeftConfig, RunConfig, TrainConfig, show_value
 
 
-def unused_key_notices(config: RunConfig) -> list[str]:
-    """One line per key set away from its default that this config never reads."""
+def unused_key_notices(config: RunConfig, command: str = "train") -> list[str]:
+    """One line per key set away from its default that this config (``command``: train or check) never reads."""
     notes = []
+    given = {"model.export_hf": config.model.export_hf, "train.sample": config.train.sample,
+             "checkpoint.resume": config.checkpoint.resume not in ("auto", None) and config.checkpoint.resume}
+    if command == "check" and (ignored := [key for key, value in given.items() if value]):  # were silently ignored
+        notes.append(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} not used by check: it compares one "
+                     "step of the starting weights (model.hf_path's, or the preset's at train.seed) under the layout; "
+                     "it loads no checkpoint, exports and samples nothing")
     if config.model.export_architecture and not config.model.export_hf:
         notes.append(f"model.export_architecture={show_value(config.model.export_architecture)} is not used: nothing is "
                      "exported without model.export_hf (set it to a new directory to export the trained model)")
