@@ -365,7 +365,10 @@ def coerce_value(value, hint, key: str):
             return value
     unquoted = unquoted_value(value, options)
     listed = isinstance(value, str) and tuple[str, ...] in options  # peft.target_modules=q_proj: one name, no brackets
+    grouped = isinstance(value, str) and "_" in value and not value.strip("0123456789_.+-eE") and unquoted_value(
+        value.replace("_", ""), options)  # 1_000: a YAML 1.1 integer
     raise invalid(key, value, f"{type_names(options)} (got {type(value).__name__})",
                   f"a value in quotes is text in YAML: write it without them, {key}={unquoted}" if unquoted else
-                  f"a list is written in brackets, even of one name: {key}=[{shorten(value, 60)}]" if listed else None)
+                  f"a list is written in brackets, even of one name: {key}=[{shorten(value, 60)}]" if listed else
+                  f"YAML 1.2 reads digits grouped by '_' as text: write {key}={grouped}" if grouped else None)
 

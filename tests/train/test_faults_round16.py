@@ -233,3 +233,16 @@ def test_check_says_the_keys_it_does_not_read(run):
     assert code == 0 and "model.export_hf, train.sample, checkpoint.resume are not used by check" in output, output
     code, output = cli("check", *TINY, *data, "--dry-run")
     assert code == 0 and "not used by check" not in output, output
+
+
+def test_digits_grouped_by_underscores_are_told_to_lose_them():
+    """Before: ``train.steps: 1_000`` (a YAML 1.1 integer; YAML 1.2 reads text) said "must be an integer (got str);
+    e.g. train.steps=60 (the default)", not why the number was text."""
+    from hybridpar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["train.steps=1_000"])
+    assert "YAML 1.2 reads digits grouped by '_' as text: write train.steps=1000." in one_line(error)
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["train.steps=a_b"])
+    assert "grouped" not in one_line(error)
