@@ -45,6 +45,12 @@ class _Parser(argparse.ArgumentParser):
         if flag := re.fullmatch(r"argument (--[\w-]+)\S*: expected one argument", message):  # --prompt -k, --temperature -1e-3
             message += (f" (a value that starts with '-', such as a negative number or text, reads as a flag: write it as "
                         f"{flag[1]}=VALUE)")
+        if verb := re.match(r"argument VERB: invalid choice: '(.*?)'", message):  # TRAIN, trian, export: no guess
+            import difflib
+
+            meant = "train, whose model.export_hf=DIR writes the export" if verb[1].lower() == "export" else next(
+                iter(difflib.get_close_matches(verb[1].lower(), COMMANDS, n=1, cutoff=0.6)), None)
+            message += f"; did you mean {meant}?" if meant else ""
         sys.stderr.write(f"hybridpar: error: {shorten(message, 400)} ('{self.prog} --help' lists the flags).\n")
         sys.exit(2)
 

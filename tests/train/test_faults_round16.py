@@ -246,3 +246,16 @@ def test_digits_grouped_by_underscores_are_told_to_lose_them():
     with pytest.raises(ConfigError) as error:
         load_config(None, ["train.steps=a_b"])
     assert "grouped" not in one_line(error)
+
+
+@pytest.mark.parametrize("verb, meant", [("TRAIN", "train"), ("trian", "train"), ("Generate", "generate"),
+                                         ("export", "train, whose model.export_hf=DIR writes the export")])
+def test_a_verb_that_is_not_one_names_the_verb_it_most_likely_is(capsys, verb, meant):
+    """Before: ``hybridpar TRAIN`` or ``hybridpar export`` listed the verbs without a guess (a config key in other case
+    or misspelt is named; an export is train's model.export_hf)."""
+    from hybridpar.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([verb])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"did you mean {meant}?" in err and err.count("\n") == 1, err
