@@ -72,6 +72,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser = _Parser(prog="hybridpar", description="Exact context, tensor and data parallel training "
                                      "of hybrid Mamba2/attention LMs and transformers models.",
                                      epilog="hybridpar VERB --help lists the flags of VERB.")
+    from hybridpar import __version__  # --version was "the following arguments are required: VERB"
+
+    parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     verbs = parser.add_subparsers(dest="command", metavar="VERB", required=True)
     subs = {name: verbs.add_parser(name, help=text, description=text) for name, text in VERBS.items()}
     for name in ("train", "check"):

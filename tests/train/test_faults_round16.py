@@ -259,3 +259,13 @@ def test_a_verb_that_is_not_one_names_the_verb_it_most_likely_is(capsys, verb, m
         main([verb])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"did you mean {meant}?" in err and err.count("\n") == 1, err
+
+
+def test_version_is_a_flag(capsys):
+    """Before: ``hybridpar --version`` said "the following arguments are required: VERB"."""
+    import hybridpar
+    from hybridpar.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"hybridpar {hybridpar.__version__}\n"
