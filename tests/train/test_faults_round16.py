@@ -1,12 +1,11 @@
 """Round 16 of fault hunting (docs/reliability.md, "Round 16"): the CLI and the Python API as a user
-would hit them. Real runs go through a harness child (``cli_in_child``); dry runs and the API run in
-this process."""
+would hit them, every case in this process (dry runs, one-process runs and the API)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.train.fault_probes import cli, cli_in_child, one_line  # noqa: F401
+from tests.train.fault_probes import cli, one_line
 
 TINY = ["model.preset=tiny", "parallel.cp=1", "parallel.tp=1", "data.pack_size=64", "train.warmup_steps=0",
         "plot=false", "tensorboard=false"]
