@@ -148,23 +148,29 @@ def lora_worker(rank: int, world_size: int, layouts: dict, dropout: float = 0.0,
     return results
 
 
+def parity_failures(where: str, got: dict, want: dict) -> list[str]:
+    """What differs between a layout's ``{"loss", "grads"}`` and the reference's beyond ``TOL``;
+    the reference's gradients must be adapters' only."""
+    assert set(want["grads"]) and all(is_lora_parameter(n) for n in want["grads"]), where
+    failures = []
+    if abs(got["loss"] - want["loss"]) > TOL * max(1.0, abs(want["loss"])):
+        failures.append(f"{where}: loss {got['loss']!r} != {want['loss']!r}")
+    if set(got["grads"]) != set(want["grads"]):
+        return failures + [f"{where}: gradient names differ: {sorted(set(got['grads']) ^ set(want['grads']))[:6]}"]
+    for pname, expected in want["grads"].items():
+        err = (got["grads"][pname] - expected).abs().max().item()
+        if err > TOL * max(1.0, expected.abs().max().item()):
+            failures.append(f"{where}: {pname} gradient error {err:.3e}")
+    return failures
+
+
 def _check(results: list[dict], layouts: dict, dropout: float = 0.0) -> None:
     references = {}
     failures = []
     for (layout, name), got in results[0].items():
         dp = layouts[layout][0].get("dp_shard", 1)
         want = references.setdefault((name, dp), reference(name, dp, dropout))
-        where = f"{layout} {name}"
-        assert set(want["grads"]) and all(is_lora_parameter(n) for n in want["grads"]), where
-        if abs(got["loss"] - want["loss"]) > TOL * max(1.0, abs(want["loss"])):
-            failures.append(f"{where}: loss {got['loss']!r} != {want['loss']!r}")
-        if set(got["grads"]) != set(want["grads"]):
-            failures.append(f"{where}: gradient names differ: {sorted(set(got['grads']) ^ set(want['grads']))[:6]}")
-            continue
-        for pname, expected in want["grads"].items():
-            err = (got["grads"][pname] - expected).abs().max().item()
-            if err > TOL * max(1.0, expected.abs().max().item()):
-                failures.append(f"{where}: {pname} gradient error {err:.3e}")
+        failures += parity_failures(f"{layout} {name}", got, want)
     for rank_results in results:
         for key, got in rank_results.items():
             sent, trainable = got["reduce_scatter"]

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from hybridpar.models.lora import add_lora, is_lora_parameter
-from tests.distributed.context.test_model import PACKED_DOCS, TOL, make_batch
+from tests.distributed.context.test_model import PACKED_DOCS, make_batch
 from tests.distributed.harness import run_ranks
+from tests.distributed.test_lora import parity_failures
 
 MODELS = ("granite", "granite_moe", "falcon_h1", "bamba")
 LAYOUTS = {  # name -> (ParallelDims kwargs, parallelize kwargs)
@@ -117,17 +118,8 @@ def _check(by_rank: list[dict], layouts: dict) -> None:
     for (layout, name), got in by_rank[0].items():
         dp = layouts[layout][0].get("dp_shard", 1)
         want = references.setdefault((name, dp), reference(name, dp))
-        where = f"{layout} {name}"
-        assert len(want["grads"]) > 10 and all(is_lora_parameter(n) for n in want["grads"]), where
-        if abs(got["loss"] - want["loss"]) > TOL * max(1.0, abs(want["loss"])):
-            failures.append(f"{where}: loss {got['loss']!r} != {want['loss']!r}")
-        if set(got["grads"]) != set(want["grads"]):
-            failures.append(f"{where}: gradient names differ: {sorted(set(got['grads']) ^ set(want['grads']))[:6]}")
-            continue
-        for pname, expected in want["grads"].items():
-            err = (got["grads"][pname] - expected).abs().max().item()
-            if err > TOL * max(1.0, expected.abs().max().item()):
-                failures.append(f"{where}: {pname} gradient error {err:.3e}")
+        assert len(want["grads"]) > 10, (layout, name)
+        failures += parity_failures(f"{layout} {name}", got, want)
     failures += [f"rank {rank} {key}: base parameters with gradients {got['base'][:4]}"
                  for rank, results in enumerate(by_rank) for key, got in results.items() if got["base"]]
     assert not failures, "\n".join(failures[:40])
