@@ -38,6 +38,7 @@ LAYOUTS_2 = {  # name -> (ParallelDims kwargs, parallelize kwargs)
     "dp_shard2-compiled": (dict(dp_shard=2), dict(compile="aot_eager")),  # HybridLM only (time)
 }
 LAYOUTS_4 = {"cp2-tp2": (dict(cp=2, tp=2), {})}
+HF_HYBRIDS = ("granite", "granite_moe", "falcon_h1", "bamba", "zamba2_shared")  # built by hybrid_models.build_hybrid
 LAYOUTS_DROPOUT = {name: LAYOUTS_2[name] for name in ("tp2", "tp2-sp", "cp2-ac", "dp_shard2", "dp_shard2-compiled")}
 
 
@@ -45,7 +46,7 @@ def lora_model(name: str, dropout: float = 0.0):
     """A float64 model with adapters whose B is perturbed (seeded: every process builds the same)."""
     if name == "hybrid":
         model = build_hybrid()
-    elif name == "zamba2_shared":  # two hybrid layers on one shared block: tied copies, one FSDP unit
+    elif name in HF_HYBRIDS:  # tests/models/hf/hybrid_models.py (zamba2_shared: two hybrid layers on one shared block)
         from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
         from tests.models.hf.hybrid_models import build_hybrid as build_hf_hybrid
 

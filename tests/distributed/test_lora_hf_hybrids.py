@@ -19,10 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpar.models.lora import add_lora, is_lora_parameter
+from hybridpar.models.lora import is_lora_parameter
 from tests.distributed.context.test_model import PACKED_DOCS, make_batch
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_lora import parity_failures
+from tests.distributed.test_lora import lora_model, parity_failures
 
 MODELS = ("granite", "granite_moe", "falcon_h1", "bamba")
 LAYOUTS = {  # name -> (ParallelDims kwargs, parallelize kwargs)
@@ -32,22 +32,6 @@ LAYOUTS = {  # name -> (ParallelDims kwargs, parallelize kwargs)
     "dp_shard2": (dict(dp_shard=2), {}),
 }
 LAYOUTS_4 = {"cp2-tp2-state": (dict(cp=2, tp=2), dict(cp_mamba="state", activation_checkpointing="full"))}
-
-
-def lora_hybrid(name: str):
-    """A float64 hybrid with hybridpar's Mamba core and adapters whose B is perturbed (seeded)."""
-    from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
-    from tests.models.hf.hybrid_models import build_hybrid
-
-    model = build_hybrid(name)
-    install_mamba_core(model)
-    add_lora(model, r=4, alpha=8.0, seed=1)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for pname, param in model.named_parameters():
-            if pname.endswith("lora_B.weight"):
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator, dtype=torch.float64))
-    return model
 
 
 def rows(dp: int) -> list:
@@ -62,7 +46,7 @@ def reference(name: str, dp: int) -> dict:
     from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.train.trainer import pack_loss_sum
 
-    model = lora_hybrid(name)
+    model = lora_model(name)
     batches = rows(dp)
     count = sum(int((labels != -100).sum()) for _, labels, _ in batches)
     bounds = torch.cumsum(torch.tensor([0, *PACKED_DOCS]), 0).tolist()
@@ -85,7 +69,7 @@ def _parallel_case(name: str, dims_kwargs: dict, options: dict, mesh) -> dict:
     from hybridpar.train.trainer import pack_loss_sum
 
     dims = ParallelDims(**dims_kwargs)
-    model = lora_hybrid(name)
+    model = lora_model(name)
     if dims.cp == 1:  # as the trainer does: at cp > 1 parallelize installs the CP attention core
         use_hybridpar_attention(model)
     model = parallelize(model, dims, mesh=mesh, **options)
