@@ -190,9 +190,7 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
                          "stored).")
     torch_dtype = GENERATE_DTYPES.get(dtype)
     if hf_path is not None:
-        if not Path(hf_path).is_dir():
-            raise ValueError(f"--hf-path {quoted(hf_path)} is not a directory; pass a Hugging Face checkpoint directory "
-                             "(config.json + model.safetensors), e.g. a run's model.export_hf.")
+        require_directory("--hf-path", hf_path)
         model_path, adapter = hf_path, None
         if (Path(hf_path) / "adapter_config.json").is_file():  # a LoRA adapter: its base with the adapter merged
             adapter, (hf_path, model_path) = hf_path, _merged_adapter(hf_path)
@@ -270,6 +268,15 @@ def check_generate_arguments(args) -> None:
         print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
 
 
+def require_directory(flag: str, value: str) -> None:
+    """ValueError unless ``value`` (given as ``flag``) is a directory: a Hugging Face checkpoint's folder."""
+    from hybridpar.config_rules import quoted
+
+    if not Path(value).is_dir():
+        raise ValueError(f"{flag} {quoted(value)} is not a directory; pass a Hugging Face checkpoint directory "
+                         "(config.json + model.safetensors), e.g. a run's model.export_hf.")
+
+
 def check_generate_paths(args) -> None:
     """``--dry-run``: what the paths must be, checked as the model's load would, without loading it (a dry run
     called a missing --checkpoint or --tokenizer valid): --checkpoint holds a complete checkpoint (its files'
@@ -279,9 +286,8 @@ def check_generate_paths(args) -> None:
     if args.checkpoint is not None:
         checkpoint_to_load(Path(args.checkpoint).expanduser())
     for flag, value in (("--hf-path", args.hf_path), ("--base", getattr(args, "base", None))):
-        if value is not None and not Path(value).expanduser().is_dir():
-            raise ValueError(f"{flag} {quoted(value)} is not a directory; pass a Hugging Face checkpoint directory "
-                             "(config.json + model.safetensors), e.g. a run's model.export_hf.")
+        if value is not None:
+            require_directory(flag, os.path.expanduser(value))
     spec = args.tokenizer
     if spec not in ("auto", "bytes", "bpe") and not Path(spec).expanduser().is_dir():
         raise ValueError(f"--tokenizer {quoted(spec)} is neither 'auto', 'bytes', 'bpe' nor an existing directory; pass "

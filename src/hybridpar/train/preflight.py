@@ -329,8 +329,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
         check_hf_weights(config.model.hf_path, model_backend(config))
     for note in unused_key_notices(config, command):
         notice(note)
-    local_ranks = world_size or 1
-    state = check_model_memory(config, apply_peft(config, meta_model(shape)), local_ranks, moments=command == "train")
+    local_ranks, meta = world_size or 1, apply_peft(config, meta_model(shape))  # shape-only: the model and its adapters
+    state = check_model_memory(config, meta, local_ranks, moments=command == "train")
     check_pack_memory(config, shape, local_ranks, state)
     if note := pack_position_note(config):  # RoPE past max_position_embeddings: runs, extrapolating
         notice(note)
@@ -365,7 +365,7 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
 
         if unread := read_like_training(config, data, shape.vocab_size, tokenizer, bpe_pending):
             notice(unread)
-    check_sample_prompt(config, data, shape.vocab_size, shape)
+    check_sample_prompt(config, data, shape.vocab_size, meta)
     if config.model.hf_path and (problem := generation_id_problem(config.model.hf_path)):
         notice(problem)  # not used in training; the export would carry it (generate refuses it)
     if command == "check" and (why := attention_dropout_problem(config, shape, parallel_dims(config).world_size)):

@@ -39,10 +39,11 @@ def check_sample(config) -> None:
                          "train.sample=null.")
 
 
-def check_sample_prompt(config, data, vocab_size: int, shape=None) -> None:
+def check_sample_prompt(config, data, vocab_size: int, meta_model=None) -> None:
     """ValueError (one line) for a ``train.sample`` prompt the run's tokenizer refuses (a reserved
-    control byte, no token at all), or (``shape``: the model's) a generation larger than the free memory: found
-    before step 1, not after training. ``data``: the data config whose tokenizer the run uses (``prepare_data``'s)."""
+    control byte, no token at all), or (``meta_model``: the run's model on the meta device) a generation larger
+    than the free memory: found before step 1, not after training. ``data``: the data config whose tokenizer
+    the run uses (``prepare_data``'s)."""
     settings = sample_settings(config.train.sample)
     if settings is None:
         return
@@ -59,16 +60,14 @@ def check_sample_prompt(config, data, vocab_size: int, shape=None) -> None:
     if not ids:
         raise ValueError(f"train.sample's prompt {quoted(settings['prompt'], 60)} is no token for the run's tokenizer "
                          "(empty, and it adds no BOS); give a prompt with at least one character.")
-    if shape is not None:  # the whole run trained, then the sample was refused for memory
+    if meta_model is not None:  # the whole run trained, then the sample was refused for memory
         import torch
 
-        from hybridpar.models.generation import available_bytes, check_generation_memory
-        from hybridpar.train.hf_model import meta_model
+        from hybridpar.models.generation import check_generation_memory
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            check_generation_memory(meta_model(shape), 1, len(ids), settings["max_new_tokens"],
-                                    free=available_bytes(device), device=device)
+            check_generation_memory(meta_model, 1, len(ids), settings["max_new_tokens"], device=device)
         except ValueError as error:
             raise ValueError(f"train.sample: {str(error).rstrip('.')} (checked now, not after training).") from None
     table = _learned_positions(config)
