@@ -25,7 +25,7 @@ import re
 import sys
 
 from hybridpar.config import ConfigError, RunConfig, load_config
-from hybridpar.config_rules import shorten
+from hybridpar.config_rules import did_you_mean, shorten
 from hybridpar.environment import check_environment, import_torch
 from hybridpar.worker import INPUT_ERRORS, error_message, launched_by_torchrun, run, worker_main, write_failure
 
@@ -46,11 +46,8 @@ class _Parser(argparse.ArgumentParser):
             message += (f" (a value that starts with '-', such as a negative number or text, reads as a flag: write it as "
                         f"{flag[1]}=VALUE)")
         if verb := re.match(r"argument VERB: invalid choice: '(.*?)'", message):  # TRAIN, trian, export: no guess
-            import difflib
-
-            meant = "train, whose model.export_hf=DIR writes the export" if verb[1].lower() == "export" else next(
-                iter(difflib.get_close_matches(verb[1].lower(), COMMANDS, n=1, cutoff=0.6)), None)
-            message += f"; did you mean {meant}?" if meant else ""
+            message += ("; did you mean train, whose model.export_hf=DIR writes the export?" if verb[1].lower() == "export"
+                        else did_you_mean(verb[1], COMMANDS))
         sys.stderr.write(f"hybridpar: error: {shorten(message, 400)} ('{self.prog} --help' lists the flags).\n")
         sys.exit(2)
 
