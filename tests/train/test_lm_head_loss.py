@@ -251,3 +251,20 @@ def test_bad_input_raises_value_error_with_the_fix(name):
         call(h, w, labels)
     for fragment in fragments:
         assert fragment in str(error.value), f"{fragment!r} not in {error.value}"
+
+
+@pytest.mark.parametrize("field, value", [("input_ids", 61), ("input_ids", 2**40), ("labels", 61)])
+def test_the_trainer_refuses_an_id_outside_the_vocabulary_before_the_pack_leaves_the_cpu(field, value):
+    """``pack_tensors`` checks on the CPU, before the move: on CUDA the embedding would assert (or, split over
+    the vocabulary, read a zero row) and a check there would sync every step. ``meta`` stands in for it."""
+    from hybridpar.data.packing import pack_documents
+    from hybridpar.train.trainer import pack_tensors
+
+    docs = [{"input_ids": torch.arange(2, 9), "labels": torch.arange(3, 10)} for _ in range(2)]
+    docs[1][field][4] = value
+    pack = pack_documents(docs, 16)[0]
+    input_ids, _, _ = pack_tensors(pack, torch.device("meta"))  # without the vocabulary: moved unchecked
+    assert input_ids.device.type == "meta"
+    with pytest.raises(ValueError, match=f"{value}.*outside the .*vocabulary \\[0, {VOCAB}\\)"):
+        pack_tensors(pack, torch.device("meta"), VOCAB)
+    assert pack_tensors(pack_documents(docs[:1], 16)[0], torch.device("meta"), VOCAB)[0].shape == (1, 16)

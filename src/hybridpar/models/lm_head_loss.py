@@ -52,7 +52,8 @@ Labels outside ``[0, V)`` (other than -100) raise ``ValueError`` when the labels
 CPU (checking costs no device sync there). On an accelerator the check would need a host sync,
 so instead such labels turn ``loss_sum`` into NaN (the trainer stops on a non-finite loss). The trainer's
 ids cannot leave the vocabulary: its tokenizer is checked against the model once, at start
-(``data/tokenizers.check_tokenizer``). ``check_token_values`` refuses input ids outside it on the CPU.
+(``data/tokenizers.check_tokenizer``), and ``train/trainer.pack_tensors`` runs ``check_token_values`` and
+``check_label_values`` on every pack while it is still on the CPU, before it moves to the device.
 """
 
 from __future__ import annotations

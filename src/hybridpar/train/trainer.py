@@ -35,6 +35,7 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hf.checkpoint import load_hf
 from hybridpar.models.hf.router_aux import router_aux_coefficient, router_aux_term, switch_form_problem
 from hybridpar.models.hybrid import HybridConfig, HybridLM
+from hybridpar.models.lm_head_loss import check_label_values, check_token_values
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.parallel.data.fsdp import set_micro_batch
 from hybridpar.parallel.context.inputs import ShardedInputs, shard_inputs
@@ -112,9 +113,14 @@ class Layout:
         )
 
 
-def pack_tensors(pack: dict, device: torch.device) -> tuple[Tensor, Tensor, PackedSeqParams]:
-    """``input_ids, labels [1, T]`` and the document layout of one pack."""
+def pack_tensors(pack: dict, device: torch.device, vocab_size: int | None = None) -> tuple[Tensor, Tensor, PackedSeqParams]:
+    """``input_ids, labels [1, T]`` and the document layout of one pack. With ``vocab_size``, ids and labels
+    outside the vocabulary are refused here, on the CPU (on CUDA the embedding would assert or, vocab-parallel,
+    read zeros, and a check there would sync every step)."""
     batch = collate_thd([pack])
+    if vocab_size is not None:
+        check_token_values(batch["input_ids"], vocab_size)
+        check_label_values(batch["labels"].reshape(-1), vocab_size)
     return batch["input_ids"].to(device), batch["labels"].to(device), PackedSeqParams.from_batch(batch)
 
 
@@ -214,7 +220,7 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
     def forward_loss_sum(self, pack: dict, predictions: bool = False, at=None) -> tuple[Tensor, Tensor | None, Tensor]:
         """``(loss_sum, argmax ids or None, labels)`` of this rank's share of a pack; ``at``: (step, pack index) keys dropout."""
-        input_ids, labels, packed = pack_tensors(pack, self.device)
+        input_ids, labels, packed = pack_tensors(pack, self.device, self.vocab_size)
         sharded = shard_inputs(
             input_ids=input_ids, labels=labels, packed=packed, cp_group=self.layout.cp_group,
             tp_group=self.layout.tp_group, sequence_parallel=self.config.parallel.sequence_parallel,

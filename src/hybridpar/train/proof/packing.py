@@ -83,7 +83,7 @@ def run_packing_check(config: RunConfig, device: torch.device, tolerance: float 
         use_blockwise_attention(model)  # the attention the trainer runs at cp = 1
     problem = _training_rule(config, model, vocab_size)
     stream = PackStream(data, 1, vocab_size, pad_to_multiple_of=pad_multiple(data, 1), tokenizer=tokenizer)
-    packs = [pack_tensors(pack, device) for pack in stream.step_packs(0)]
+    packs = [pack_tensors(pack, device, vocab_size) for pack in stream.step_packs(0)]
     alone = [row for pack in packs for row in documents_alone(*pack)]
     count = sum(valid_token_count(labels) for _, labels, _ in packs)
     packed_loss = _step(model, packs, count)
