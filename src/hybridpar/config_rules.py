@@ -211,27 +211,27 @@ def leaf_keys(cls, prefix: str = "") -> list[str]:
              else [prefix + f.name])]
 
 
-def did_you_mean(name, known) -> str:
+def did_you_mean(name, known, end: str = "") -> str:
     """``"; did you mean X?"`` for a misspelt or misplaced key among ``known`` (the same name in
     another section first, then the closest spelling), a YAML ``key:value`` written without the
-    space after the colon, or ``""``."""
+    space after the colon, or ``""``; ``end`` closes a sentence that does not end in the question."""
     import difflib
 
     name, known = str(name), [str(k) for k in known]
     if "." in name and name in known:  # ``train.steps: 3`` in a YAML file: one key with a dot in it
         section, _, key = name.rpartition(".")
         return (f"; a dotted key is for command-line overrides: in a YAML file write it nested, '{shorten(section, 60)}:' "
-                f"then '  {shorten(key, 60)}: ...' on the next line")
+                f"then '  {shorten(key, 60)}: ...' on the next line{end}")
     if ":" in name and not name.endswith(":"):
         key, _, value = name.partition(":")
-        return f"; YAML needs a space after the colon: write '{shorten(key.strip(), 60)}: {shorten(value.strip(), 60)}'"
+        return f"; YAML needs a space after the colon: write '{shorten(key.strip(), 60)}: {shorten(value.strip(), 60)}'{end}"
     leaf = name.rsplit(".", 1)[-1]
     same = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != name]
     cased = [k for k in known if k.lower() == name.lower() and k != name]  # TRAIN, Train.Steps: keys are lower case
     close = cased or same or difflib.get_close_matches(name, known, n=1, cutoff=0.75) or [
         k for k in known if k.rsplit(".", 1)[-1] in difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known],
                                                                              n=1, cutoff=0.75)]
-    return f"; did you mean {close[0]}?" if close else ""
+    return f"; did you mean {close[0]}?" if close else end
 
 
 PATH = Rule("a non-empty path the system can look up (no NUL, every name at most 255 bytes)",

@@ -91,3 +91,20 @@ def test_a_broken_hf_path_is_refused_before_any_process_starts(tmp_path):
                                                       f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(ValueError, match=r"model.hf_path=.*config.json cannot be used: .*holds a JSON list"):
         validate_run(config, "train", 1)
+
+
+@pytest.mark.parametrize("task, options, guess", [
+    ("mqar", {"VOCAB_SIZE": 16}, "; did you mean vocab_size?"), ("selective_copy", {"Min_Len": 20}, "; did you mean min_len?"),
+    ("text", {"SPLIT": "line"}, "; did you mean split?"), ("mqar", {"zzz": 1}, "; remove the others."),
+])
+def test_a_task_option_in_other_case_is_named_and_the_sentence_ends_once(tmp_path, task, options, guess):
+    """``data.task_options={VOCAB_SIZE: 16}`` is named by its key (the guess is not case-sensitive), and the
+    message ends in the guess's question mark or in one full stop (it said "did you mean vocab_size?.")."""
+    from hybridpar.train.batches import DataError, make_task, validate_data
+
+    path = tmp_path / "data.txt"
+    path.write_text("one\n\ntwo\n\nthree\n")
+    config = DataConfig(task=task, path=str(path) if task == "text" else None, task_options=options)
+    with pytest.raises(DataError) as error:
+        make_task(config, 256) if task != "text" else validate_data(config, 256)
+    assert str(error.value).endswith(guess), error.value

@@ -76,7 +76,7 @@ def check_stdlib_options(options: dict) -> dict:
     if unknown:
         raise ValueError(f"data.task_options {unknown} do not apply to data.task='python_stdlib'"
                          f"; its options are {STDLIB_OPTIONS} (shown with their defaults); remove the others"
-                         f"{did_you_mean(unknown[0], STDLIB_OPTIONS)}.")
+                         f"{did_you_mean(unknown[0], STDLIB_OPTIONS, end='.')}")
     merged = {**STDLIB_OPTIONS, **options}
     for key in ("max_bytes", "max_file_bytes"):
         if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 1:

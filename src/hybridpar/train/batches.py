@@ -95,7 +95,7 @@ def make_task(config: DataConfig, vocab_size: int, seed_offset: int = 0):
         seed = " (the seed is data.seed)" if "seed" in unknown else ""
         raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}{seed}"
                         f"; its options are {allowed} (shown with their defaults); remove the others"
-                        f"{did_you_mean(unknown[0], allowed)}.")
+                        f"{did_you_mean(unknown[0], allowed, end='.')}")
     for name, value in config.task_options.items():
         _check_option_type(name, value, allowed[name])
         values = value if isinstance(value, (list, tuple)) else [value]
@@ -169,7 +169,7 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
     if unknown:
         raise DataError(f"data.task_options {unknown} do not apply to data.task={quoted(config.task)}"
                         f"; its options are {allowed} (shown with their defaults); clear the others with "
-                        f"data.task_options={{}}{did_you_mean(unknown[0], allowed)}.")
+                        f"data.task_options={{}}{did_you_mean(unknown[0], allowed, end='.')}")
     names = [] if config.task in ("text", "python_stdlib") else list(allowed)  # options that name a field or column
     for name in names:
         value = config.task_options.get(name, allowed[name])
