@@ -75,6 +75,22 @@ def test_chat_labels_are_exactly_the_assistant_tokens(bpe):
     assert chat_document(CONVERSATION, tagged) == doc
 
 
+def test_a_conversation_is_rendered_once_plus_twice_per_earlier_reply(bpe, monkeypatch):
+    """Each render is a tokenization, the cost of reading chat data: the whole conversation, then per reply its
+    header's prefix, and the prefix through its end of turn unless the reply is the last message (the whole
+    conversation then). The render without the generation prompt only where the one with it is no prefix.
+    Two replies: 4 renders (it was 7, 1 + 3 per reply)."""
+    calls = []
+    render = type(bpe).apply_chat_template
+    monkeypatch.setattr(type(bpe), "apply_chat_template", lambda self, m, *a, **k: calls.append(len(m)) or render(self, m, *a, **k))
+    assert assistant_mask(CONVERSATION, bpe) == hand_built(bpe)
+    assert sorted(calls) == [2, 3, 4, 5]  # the whole, reply 2's end, and each reply's header prefix
+    calls.clear()
+    other_prompt = with_template(bpe, bpe.chat_template.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>model\n{% endif %}"))
+    assistant_mask(CONVERSATION, other_prompt)
+    assert sorted(calls) == [2, 2, 3, 4, 4, 5]  # a prompt the replies do not start with: each prefix again without it
+
+
 def test_templates_without_a_generation_prompt_or_that_rewrite_turns(bpe):
     no_prompt = with_template(bpe, bpe.chat_template.replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", ""))
     ids, mask = assistant_mask(CONVERSATION, no_prompt)

@@ -191,9 +191,11 @@ def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
 
 
 def _turn_span(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, ids: list[int]) -> tuple[int, int]:
-    """``(start, end)`` in ``ids`` of assistant message ``i``: after its header, through its end of turn."""
-    end = tokenizer.apply_chat_template(messages[:i + 1])
-    starts = [tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False)]  # i > 0
+    """``(start, end)`` in ``ids`` of assistant message ``i``: after its header, through its end of turn.
+    Each render is a tokenization (most of the cost): the whole conversation's ``ids`` stand for the last
+    message's, and the render without the generation prompt is made only when the one with it is no prefix."""
+    end = ids if i == len(messages) - 1 else tokenizer.apply_chat_template(messages[:i + 1])
+    starts = (tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False))  # i > 0
     start = next((s for s in starts if _is_prefix(s, end)), None)
     if start is None or not _is_prefix(end, ids):
         raise ValueError(
