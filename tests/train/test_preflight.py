@@ -91,3 +91,23 @@ def test_export_onto_the_checkpoint_being_fine_tuned_is_refused(tmp_path):
         with pytest.raises(ValueError, match="it is model.hf_path, the checkpoint being fine-tuned"):
             validate_run(config, "train", 1)
     assert (tmp_path / "original" / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("task, pack_size, options, share", [
+    ("mqar", 8192, {"min_len": 4000, "max_len": 10000}, "30%"), ("selective_copy", 4160, {"min_len": 100, "max_len": 5000}, "17%"),
+    ("mqar", 8192, {"min_len": 4000, "max_len": 8192}, None), ("mqar", 64, {"min_len": 64, "max_len": 64}, None),
+])
+def test_a_dry_run_foretells_a_split_of_synthetic_documents_in_packs_too_large_to_build(tmp_path, task, pack_size, options, share,
+                                                                                       capsys):
+    """A synthetic task's packs above 4,096 tokens are not built by ``--dry-run`` (their building would say a
+    document was split); its ``max_len`` above ``data.pack_size`` is said instead, with the share of documents split."""
+    config = load_config(None, ["model.preset=tiny", f"data.task={task}", f"data.pack_size={pack_size}",
+                                f"data.task_options={options}", f"output_dir={tmp_path}"])
+    validate_run(config, "train", 1, dry_run=True)
+    said = capsys.readouterr().err
+    if share is None:
+        assert "split" not in said, said
+    else:
+        assert (f"documents of {options['min_len']}-{options['max_len']} tokens (data.task_options min_len, max_len), so "
+                f"{share} of them are longer than data.pack_size={pack_size}") in said and \
+            f"use data.pack_size >= {options['max_len']} or data.task_options.max_len <= {pack_size}" in said, said

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import os
 import warnings
 from pathlib import Path
 
@@ -332,60 +331,6 @@ def missing_eos(config: DataConfig, tokenizer: Tokenizer | None) -> str | None:
             f"or does it name no eos_token?): {'the chat template ends each turn with eos_token, which renders as nothing: replies' if chat else 'documents'} "
             "are trained without an end token, so the model will not learn to stop; restore the tokenizer's files, or "
             "use one that defines an EOS token")
-
-
-# -- what a dry run reads ----------------------------------------------------------------------
-# Training reads and tokenizes every document at start; faults in the records (a line that is not
-# JSON, a wrong role, non-UTF-8 bytes, documents with nothing to learn, too few documents to hold
-# some out) are found there. ``--dry-run`` does the same reading, through the same ``PackStream``
-# (same errors, same notices), when the data is at most READ_BYTES on disk; larger data (and a BPE
-# tokenizer not trained yet) is not read, and one notice says so.
-
-READ_BYTES = 8 * 2**20  # data a dry run reads in full (a few seconds of tokenizing)
-
-
-def data_bytes(path: str | os.PathLike | None) -> int:
-    """Bytes of a data file, or of the files under a data directory (symbolic links not followed)."""
-    path = Path(path)
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def read_like_training(config, data: DataConfig, vocab_size: int, tokenizer, bpe_pending: bool) -> str | None:
-    """Build the training (and evaluation) packs as the trainer does (raising its errors, warning its
-    notices; a synthetic task's up to 4,096-token packs); a notice when the data was not read, else None."""
-    if data.task in TASKS:  # synthetic: no file; its packs are built as training builds them (the split notice)
-        if data.pack_size * WINDOW_PACKS > READ_BYTES // 32:  # 64 packs of 4,096 tokens: about a second
-            return None
-        size = 0
-    elif data.task == "python_stdlib":
-        size = int(data.task_options.get("max_bytes", 4_000_000))
-    else:
-        size = data_bytes(data.path)
-    if bpe_pending or size > READ_BYTES:
-        why = "the BPE tokenizer is trained at the start of training" if bpe_pending else \
-            f"it is {size / 2**20:.1f} MiB, above the {READ_BYTES // 2**20} MiB a dry run reads"
-        return (f"dry run: the records of data.path={str(data.path)!r} were not read ({why}); training reads them at "
-                "start and refuses a malformed record or data with nothing to learn there")
-    cp = config.parallel.cp
-    PackStream(data, cp, vocab_size, tokenizer=tokenizer)
-    if config.train.eval_every:
-        eval_data = dataclasses.replace(data, packs_per_step=config.train.eval_packs)
-        with warnings.catch_warnings():  # the same file: its notices were said once above; the packer's may be new
-            warnings.simplefilter("ignore")
-            stream = PackStream(eval_data, cp, vocab_size, seed_offset=10_000, tokenizer=tokenizer)
-        for note in (stream.pack_notice, eval_repeat_note(stream)):
-            if note:
-                warnings.warn(note, Notice, stacklevel=2)
-    return None
 
 
 def eval_repeat_note(stream: PackStream) -> str | None:

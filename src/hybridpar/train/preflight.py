@@ -360,8 +360,8 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
         notice(no_eos)
     if tokenizer is not None and (fallback := auto_bytes_note(data.tokenizer, config.model.hf_path, shape.vocab_size)):
         notice(fallback)  # the workers resolve it again with warnings held back
-    if dry_run:  # the records, as training reads them at start, when that is cheap (batches.py)
-        from hybridpar.train.batches import read_like_training
+    if dry_run:  # the records, as training reads them at start, when that is cheap (run/dry_read.py)
+        from hybridpar.train.run.dry_read import read_like_training
 
         if unread := read_like_training(config, data, shape.vocab_size, tokenizer, bpe_pending):
             notice(unread)
