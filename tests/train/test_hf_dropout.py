@@ -110,3 +110,32 @@ def test_random_numbers_no_key_reaches_are_found_by_the_probe(checkpoints):
 
     phi = build_model(load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints['phi']}"]))
     assert not unkeyed_randomness(phi, 256)  # every dropout of Phi is keyed
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"hidden_dropout": 0.0, "attention_dropout": 0.0, "classifier_dropout": 0.3}, None),
+    ({"hidden_dropout": 0.1, "attention_dropout": 0.0}, "hidden_dropout=0.1"),
+    ({"text_config": {"resid_pdrop": 0.2}, "router_jitter_noise": 0.01}, "text_config.resid_pdrop=0.2, router_jitter_noise=0.01"),
+    (None, "any dropout of"),
+])
+def test_a_resume_with_another_seed_is_said_only_where_the_checkpoint_draws_random_numbers(tmp_path, fields, said):
+    """A transformers checkpoint resumed with another ``train.seed`` draws other dropout masks where its config.json
+    has dropout (or router jitter) above 0: said with the fields. Every hf_path was said, though most fine-tuned
+    configs have none (it said "where the model or its adapters have dropout")."""
+    import dataclasses
+    import json
+
+    from hybridpar.config import to_dict
+    from hybridpar.train.run.numerics import numeric_changes
+
+    (tmp_path / "config.json").write_text("{not json" if fields is None else json.dumps({"model_type": "llama", **fields}))
+    recorded = load_config(None, ["train.seed=0"])
+    info = {"config": json.loads(json.dumps(to_dict(recorded)))}
+    config = load_config(None, ["train.seed=5"])
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, hf_path=str(tmp_path)))
+    notes = numeric_changes("ckpt", info, config)
+    if said is None:
+        assert notes == [], notes
+    else:
+        [note] = notes
+        assert f"resuming with 5 draws other dropout masks from the next step on ({said}" in note, note

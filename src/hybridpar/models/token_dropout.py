@@ -226,6 +226,21 @@ def key_model_dropout(model: nn.Module, seed: int = 0) -> list[str]:
 
 
 ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+RANDOM_FIELD_WORDS = ("dropout", "pdrop", "jitter")  # config fields of the random numbers a model draws in training
+
+
+def random_fields(values: dict, prefix: str = "") -> dict[str, float]:
+    """``{field: value}`` of a transformers config's fields (``vars(config)``, or config.json with its nested
+    configs) that draw random numbers in training: a dropout, ``*_pdrop`` or router jitter above 0
+    (``classifier_dropout`` aside: no causal LM uses it)."""
+    found = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            found.update(random_fields(value, f"{prefix}{key}."))
+        elif (any(w in str(key) for w in RANDOM_FIELD_WORDS) and key != "classifier_dropout"
+              and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            found[prefix + str(key)] = value
+    return found
 
 
 def unkeyed_dropout(config) -> dict[str, float]:

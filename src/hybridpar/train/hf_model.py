@@ -58,7 +58,7 @@ from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core
 from hybridpar.models.hf.mixers.rglru import install_rglru_core
 from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
 from hybridpar.models.hf.mixers.short_conv import install_short_conv
-from hybridpar.models.token_dropout import key_model_dropout, set_dropout_tokens, token_keys, unkeyed_dropout
+from hybridpar.models.token_dropout import key_model_dropout, random_fields, set_dropout_tokens, token_keys, unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
 from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.parallel.precision import autocast_dtype
@@ -276,8 +276,7 @@ def randomness_problem(config: RunConfig, model: nn.Module, vocab_size: int, pro
     attention = attention_dropout_problem(config, model.config, processes)
     if attention or not unkeyed_randomness(model, vocab_size):
         return attention
-    fields = {k: v for k, v in vars(model.config).items() if any(w in k for w in ("dropout", "pdrop", "jitter"))
-              and k != "classifier_dropout" and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    fields = random_fields(vars(model.config))
     named = ", ".join(f"{k}={v:g}" for k, v in fields.items()) or "no config field names it"
     return (f"{type(model).__name__} draws random numbers in training that no token key reaches ({named}: functional "
             "dropout, attention dropout or router jitter), so each rank draws its own and at this layout a step is not "

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from hybridpar.config import RunConfig
+from hybridpar.models.token_dropout import random_fields
 
 KEYS = (("model", "dtype"), ("parallel", "mixed_precision"))
 OPTIMIZER_KEYS = (("train", "lr"), ("train", "betas"), ("train", "weight_decay"), ("train", "warmup_steps"),
@@ -34,10 +35,22 @@ def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str
                 f"applies {json.dumps(now)} from the next step on"
             notes.append(f"warning: checkpoint {path} was trained with {section}.{key}={json.dumps(before)}; resuming "
                          f"with {json.dumps(now)} {what}, so the losses will not be those of the uninterrupted run")
-    seed, dropout = (recorded.get("train") or {}).get("seed", config.train.seed), config.model.hf_path or (
-        config.peft.method == "lora" and config.peft.dropout > 0)  # dropout masks are keyed by train.seed
-    if seed != config.train.seed and dropout:
+    seed = (recorded.get("train") or {}).get("seed", config.train.seed)
+    if seed != config.train.seed and (drawn := random_draws(config)):
         notes.append(f"warning: checkpoint {path} was trained with train.seed={seed}; resuming with "
-                     f"{config.train.seed} draws other dropout masks from the next step on (where the model or its adapters have dropout), "
+                     f"{config.train.seed} draws other dropout masks from the next step on ({drawn}), "
                      "so the losses will not be those of the uninterrupted run")
     return notes
+
+
+def random_draws(config: RunConfig) -> str | None:
+    """What draws random numbers in training, keyed by ``train.seed``: LoRA's dropout, the fields of
+    ``model.hf_path``'s config.json (``models/token_dropout.random_fields``: a dropout or router jitter
+    above 0; all of them when it cannot be read); None when nothing does."""
+    drawn = [f"peft.dropout={config.peft.dropout:g}"] if config.peft.method == "lora" and config.peft.dropout > 0 else []
+    if config.model.hf_path:
+        try:
+            drawn += [f"{k}={v:g}" for k, v in random_fields(json.loads(Path(config.model.hf_path, "config.json").read_text())).items()]
+        except (OSError, ValueError, AttributeError):  # unread: it may have dropout
+            drawn.append(f"any dropout of {config.model.hf_path}/config.json")
+    return ", ".join(drawn) or None
