@@ -183,6 +183,24 @@ def path_problem(value) -> str | None:
     return None
 
 
+def not_a_directory(path, owner_marker: str = "manifest.json", owner: str = "checkpoint") -> str:
+    """What a path that should be a folder is instead, in words: missing, a dangling symbolic link, a file (of the
+    ``owner`` folder above it, which holds ``owner_marker``: the one to point at) or another kind of entry."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return f"is a symbolic link to {quoted(os.readlink(path), 200)}, which does not exist"
+    if not path.exists():
+        return "does not exist"
+    if not path.is_file():
+        return "is not a directory"
+    inside = (path.parent / owner_marker).is_file()
+    return "is a file, not a folder" + (f" (a file of the {owner} {shorten(str(path.parent), 200)}: point at that "
+                                        "folder)" if inside else "")
+
+
 WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
              (codecs.BOM_UTF16_BE, "UTF-16"))  # UTF-32 first: its little-endian mark starts with UTF-16's
 

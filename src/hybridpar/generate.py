@@ -42,12 +42,12 @@ GENERATE_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16
 def checkpoint_to_load(path: str | Path) -> Path:
     """The ``step_*`` folder ``--checkpoint`` means: itself, or the newest complete one under it (a warning
     names each newer one skipped and why, as a resumed run prints it)."""
-    from hybridpar.config_rules import shorten
+    from hybridpar.config_rules import not_a_directory, shorten
     from hybridpar.train.run.checkpoint import checkpoint_step, incomplete_reason, list_checkpoints, newest_complete
 
     path = Path(path)
     if not path.is_dir():
-        what = "is a file" if path.exists() else "does not exist"
+        what = not_a_directory(path)
         raise ValueError(f"--checkpoint {path} {what}; pass a training checkpoint (a step_* folder) or the output_dir "
                          "of a run that saved one (for a Hugging Face directory use --hf-path).")
     if (path / "run.json").is_file() or path.name.startswith("step_"):

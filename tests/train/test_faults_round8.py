@@ -365,7 +365,7 @@ def test_generate_checkpoint_that_does_not_exist_or_is_a_file_says_so(tmp_path):
     from hybridpar.generate import checkpoint_to_load
 
     (tmp_path / "file.txt").write_text("x")
-    for path, said in [(tmp_path / "missing", "does not exist"), (tmp_path / "file.txt", "is a file")]:
+    for path, said in [(tmp_path / "missing", "does not exist"), (tmp_path / "file.txt", "is a file, not a folder")]:
         with pytest.raises(ValueError) as error:
             checkpoint_to_load(path)
         assert _one_line(error).startswith(f"--checkpoint {path} {said}; pass a training checkpoint")

@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hybridpar.config_rules import bounded_message, quoted, shorten
+from hybridpar.config_rules import bounded_message, not_a_directory, quoted, shorten
 from hybridpar.models.hf.files import directory_kind
 from hybridpar.parallel.packed_checkpoint import packed_shards
 from hybridpar.train.run.fused_resume import fused_legacy_names
@@ -151,7 +151,7 @@ def incomplete_reason(path: str | Path, verify: bool = True, share: tuple[int, i
     """
     path = Path(path)
     if not path.is_dir():
-        return f"{path} does not exist or is not a directory"
+        return f"{path} {not_a_directory(path)}"
     files, hashes, problem = _read_manifest(path)
     if problem:
         return problem

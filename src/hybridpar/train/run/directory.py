@@ -197,13 +197,33 @@ def _not_a_run_dir(path: Path) -> str | None:
             "checkpoints/ or metrics.jsonl)")
 
 
+def inside_another_run(path: str | Path) -> str | None:
+    """Why ``path`` lies where another run deletes: in (or at) a checkpoint's ``step_*`` folder or a run's
+    ``checkpoints/``, which retention (``checkpoint.keep``) and ``checkpoint.if_exists=overwrite`` remove whole."""
+    for folder in (Path(path).absolute(), *Path(path).absolute().parents):
+        where = "it is" if folder == Path(path).absolute() else "it lies in"
+        try:
+            if (folder / "manifest.json").is_file() and (folder / "run.json").is_file():
+                return (f"{where} {quoted(str(folder), 200)}, a checkpoint of a run, which that run's retention "
+                        "(checkpoint.keep) or checkpoint.if_exists=overwrite deletes with all it holds")
+            if folder.name == "checkpoints" and any((folder.parent / n).exists() for n in (METRICS_FILE, LOCK_FILE)):
+                return (f"{where} {quoted(str(folder), 200)}, the checkpoints/ folder of the run in "
+                        f"{quoted(str(folder.parent), 200)}, from which that run's retention (checkpoint.keep) or "
+                        "checkpoint.if_exists=overwrite deletes")
+        except OSError:
+            continue
+    return None
+
+
 def check_output_dir(directory: str | Path) -> None:
     """ConfigError unless ``directory`` is a directory this process can write, or can be created,
     and is new, empty or a run directory (module docstring)."""
     path = Path(directory)
     problem = _write_problem(path, "dir")
     fix = "choose a directory you can write"
-    if problem is None and path.is_dir():
+    if problem is None and (inside := inside_another_run(path)):
+        problem, fix = inside, "choose a directory outside every run's checkpoints"
+    elif problem is None and path.is_dir():
         problem, fix = _not_a_run_dir(path), "choose a new or empty directory (or a subfolder of this one)"
     if problem:
         raise ConfigError(f"output_dir={quoted(str(directory))} cannot hold the run: {problem}; {fix}, e.g. "

@@ -89,8 +89,10 @@ def validate_export(config: RunConfig, shape) -> None:
             config_to_hf(shape, architecture)
         except ValueError as error:
             raise ConfigError(f"model.export_architecture={architecture!r} cannot hold this model: {error}") from None
+    from hybridpar.train.run.directory import inside_another_run
+
     problem = export_target_problem(config.model.export_hf, config.model.hf_path) or \
-        overlap_problem(config.model.export_hf, config.output_dir)
+        overlap_problem(config.model.export_hf, config.output_dir) or inside_another_run(config.model.export_hf)
     if problem:
         raise ConfigError(f"model.export_hf={config.model.export_hf!r} cannot be written: {problem}; choose a new or "
                           "empty directory.")

@@ -96,10 +96,10 @@ def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None,
         if reason is not None:
             hint = " (it holds step_* folders: point at one of them)" if list_checkpoints(path) else ""
             if "did not finish" in reason:  # no manifest: said of a folder of another kind too
-                reason, hint = _not_a_checkpoint(path) or (reason, hint)
-            raise CheckpointError(f"checkpoint.resume={resume!r} cannot be loaded: {reason}{hint}; point it at a "
-                                  "complete step_* folder, use checkpoint.resume=auto, or start fresh with "
-                                  "checkpoint.resume=null.")
+                reason, hint = _not_a_checkpoint(path, Path(config.output_dir)) or (reason, hint)
+            fix = "" if hint.startswith("; ") else "; point it at a complete step_* folder, use checkpoint.resume=auto"
+            raise CheckpointError(f"checkpoint.resume={resume!r} cannot be loaded: {reason}{hint}{fix}, or start fresh "
+                                  "with checkpoint.resume=null.")
         return path, [], set()
     chosen, skipped = newest_complete(directory)
     notes = [f"skipping checkpoint {path}: {reason}" for path, reason in skipped.items()]
@@ -111,14 +111,18 @@ def _choose_checkpoint(config: RunConfig, directory: Path) -> tuple[Path | None,
 CHECKPOINT_FILES = ("manifest.json", "run.json", "trainer.pt", ".metadata")
 
 
-def _not_a_checkpoint(path: Path) -> tuple[str, str] | None:
-    """``(reason, hint)`` for a resume path that is a run's output_dir, or a folder holding nothing a
-    checkpoint has (it was said to be a save that "did not finish"), else None."""
+def _not_a_checkpoint(path: Path, out: Path) -> tuple[str, str] | None:
+    """``(reason, hint)`` for a resume path that is a run's output_dir (this run's own ``out`` included), or a folder
+    holding nothing a checkpoint has (it was said to be a save that "did not finish"), else None."""
     if not path.is_dir() or any((path / name).exists() for name in CHECKPOINT_FILES):
         return None
     for folder, what in ((path, "a run's checkpoints folder"), (path / "checkpoints", "a run's output_dir")):
         if steps := list_checkpoints(folder):
             run = path.parent if folder is path else path
+            if run.resolve() == out.resolve():  # "set output_dir=<the output_dir>" helped no one
+                return (f"it is {what.replace('a run', 'this run', 1)}, not one checkpoint (its "
+                        f"newest: {shorten(str(steps[-1]), 200)})", "; checkpoint.resume=auto resumes its newest "
+                        "complete one")
             return (f"it is {what}, not one checkpoint (its newest: {shorten(str(steps[-1]), 200)})",
                     f"; resume that step_* folder, or set output_dir={shorten(str(run), 200)!r} with "
                     "checkpoint.resume=auto")
@@ -274,7 +278,7 @@ def plan_resume(config: RunConfig, model: dict | None = None) -> ResumePlan:
         plan.notes.append(f"checkpoint.if_exists=overwrite: deleting {names} of an earlier run in {out}")
         return plan
     number = 1
-    while (out / f"run-{number:03d}").exists():
+    while os.path.lexists(out / f"run-{number:03d}"):  # a dangling link too: mkdir would meet it
         number += 1
     plan.output_dir = str(out / f"run-{number:03d}")
     plan.notes.append(f"{out} holds an earlier run ({names}); checkpoint.if_exists=new_subdir: writing this run to "
