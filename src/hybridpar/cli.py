@@ -27,7 +27,8 @@ import sys
 from hybridpar.config import ConfigError, RunConfig, load_config
 from hybridpar.config_rules import did_you_mean, shorten
 from hybridpar.environment import check_environment, import_torch
-from hybridpar.worker import INPUT_ERRORS, error_message, launched_by_torchrun, run, worker_main, write_failure
+from hybridpar.worker import (INPUT_ERRORS, check_world, error_message, launched_by_torchrun, run, worker_main,
+                              write_failure)
 
 VERBS = {"train": "train a model (the config's layout, on --nproc-per-node processes)",
          "check": "run one step under the layout and in one process; compare loss and every gradient",
@@ -174,7 +175,7 @@ def dry_run(args: argparse.Namespace) -> int:
     if nproc and not launched_by_torchrun():
         _say_ignored_rendezvous()
     check_world(config, nproc)
-    check_devices(nproc)
+    check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if launched_by_torchrun() else nproc)  # this machine's
     validate_run(config, args.command, nproc or 1, dry_run=True)
     world = parallel_dims(config).world_size
     print(f"dry run: config and layout valid for {world} process{'es' if world > 1 else ''}", flush=True)
@@ -190,19 +191,6 @@ def _say_ignored_rendezvous() -> None:
         print(f"hybridpar: warning: {note}", file=sys.stderr, flush=True)
         for key in ("MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)
-
-
-def check_world(config: RunConfig, nproc: int | None) -> None:
-    """The layout needs ``nproc`` processes (None: no ``--nproc-per-node``, one process)."""
-    from hybridpar.train.preflight import parallel_dims
-
-    p, needed = config.parallel, parallel_dims(config).world_size
-    if needed != (nproc or 1):
-        given = f"--nproc-per-node {nproc}" if nproc else "one process (no --nproc-per-node)"
-        raise ConfigError(
-            f"{given} does not fit the layout dp_replicate*dp_shard*cp*tp = "
-            f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {needed}; pass --nproc-per-node {needed} or change parallel.*."
-        )
 
 
 def check_devices(nproc: int | None) -> None:

@@ -17,7 +17,7 @@ import sys
 import traceback
 import warnings
 
-from hybridpar.config import RunConfig, load_config
+from hybridpar.config import ConfigError, RunConfig, load_config
 from hybridpar.environment import traceback_wanted
 
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
@@ -45,7 +45,13 @@ def init_distributed(timeout_s: float = 600.0) -> tuple:
         distributed_c10d.default_pg_timeout = timeout
         if launched_by_torchrun():
             if cuda:
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+                local, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+                if local >= gpus:  # set_device raised CUDA's "invalid device ordinal" traceback
+                    raise ConfigError(f"LOCAL_RANK={local} names a GPU this machine does not have (it has {gpus}, "
+                                      f"cuda:0 to cuda:{gpus - 1}); start at most {gpus} processes per machine "
+                                      f"(torchrun --nproc-per-node {gpus}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                                      "to run every process on the CPU with gloo.")
+                torch.cuda.set_device(local)
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -65,6 +71,20 @@ def init_distributed(timeout_s: float = 600.0) -> tuple:
     return torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"), owns_group
 
 
+def check_world(config: RunConfig, nproc: int | None) -> None:
+    """The layout needs ``nproc`` processes (None: no ``--nproc-per-node``, one process)."""
+    from hybridpar.train.preflight import parallel_dims
+
+    p, needed = config.parallel, parallel_dims(config).world_size
+    if needed != (nproc or 1):
+        torchrun = launched_by_torchrun()  # WORLD_SIZE is the job's: torchrun's --nnodes * --nproc-per-node
+        given = f"WORLD_SIZE={nproc} (set by torchrun)" if torchrun else \
+            f"--nproc-per-node {nproc}" if nproc else "one process (no --nproc-per-node)"
+        fix = f"start torchrun with --nnodes x --nproc-per-node = {needed}" if torchrun else f"pass --nproc-per-node {needed}"
+        raise ConfigError(f"{given} does not fit the layout dp_replicate*dp_shard*cp*tp = "
+                          f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {needed}; {fix} or change parallel.*.")
+
+
 def quiet_known_warnings() -> None:
     """Silence two torch notices that do not apply: the trainer never edits the logits in
     place (FSDP's view warning), and the 2-D gradient-norm reduction is deliberate."""
@@ -78,6 +98,8 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
         from hybridpar.plan.command import run_plan
 
         return run_plan(args, config)
+    if launched_by_torchrun():  # a WORLD_SIZE the layout does not take: refused before the rendezvous waits for it
+        check_world(config, int(os.environ["WORLD_SIZE"]))
     device, owns_group = init_distributed(config.train.collective_timeout_s)
     import torch.distributed as dist
 
