@@ -82,7 +82,7 @@ def test_dry_run_reads_small_data_as_training_will_and_says_when_it_does_not(tmp
     """--dry-run passed a file of empty documents (and a malformed line) that training refused at
     start: it read no record. It reads data up to READ_BYTES as training does (same errors, same
     notices) and says in one line when it reads none."""
-    import hybridpar.train.batches as dry
+    import hybridpar.train.run.dry_read as dry
 
     run = ["train", "--dry-run", "--config", CONFIG, *TINY, "data.task=jsonl", "data.task_options={}"]
     files = {"empty": '{"text": ""}\n' * 3, "some": '{"text": "hi"}\n{"text": ""}\n{"text": "there"}\n',
