@@ -302,3 +302,42 @@ def test_save_rejects_bad_arguments_before_writing(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="vocab_size=64 becomes 65"):
         save_hf(model, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("backend", ["hybrid", "transformers"])
+def test_a_config_that_ties_a_head_the_weights_hold_apart_loads_untied_and_exports_so(tmp_path, backend):
+    """config.json with ``tie_word_embeddings: true`` beside an ``lm_head.weight`` unlike the embeddings (a flag
+    edited, or a head trained untied): transformers loads the two untied. HybridLM tied them, dropping the stored
+    head, and the transformers export's ``tie_weights()`` did the same; both now keep it, say so once, and export
+    ``tie_word_embeddings: false`` with the head."""
+    import warnings
+
+    from transformers import LlamaConfig
+
+    from hybridpar.models.hf.causal_lm import export_causal_lm, load_causal_lm
+
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    if backend == "hybrid":
+        untied = dict(tiny_hf_config(MAMBA2).to_dict(), tie_word_embeddings=False)
+        AutoModelForCausalLM.from_config(Mamba2Config(**untied)).save_pretrained(source)
+    else:
+        AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)).save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    stored = load_file(source / "model.safetensors")
+    embedding = next(name for name in stored if "emb" in name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_causal_lm(source, backend=backend)
+    notes = [str(w.message) for w in caught if "sets tie_word_embeddings=true, but the checkpoint holds an lm_head" in str(w.message)]
+    assert len(notes) == 1, [str(w.message) for w in caught]
+    assert type(model).__name__ == ("HybridLM" if backend == "hybrid" else "LlamaForCausalLM")
+    head, embeddings = (model.lm_head, model.backbone.embeddings) if backend == "hybrid" else \
+        (model.get_output_embeddings(), model.get_input_embeddings())
+    assert torch.equal(head.weight, stored["lm_head.weight"]) and torch.equal(embeddings.weight, stored[embedding])
+    export_causal_lm(model, tmp_path / "export", state_dict=dict(model.state_dict()))
+    written = load_file(tmp_path / "export" / "model.safetensors")
+    assert torch.equal(written["lm_head.weight"], stored["lm_head.weight"]) and torch.equal(written[embedding], stored[embedding])
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["tie_word_embeddings"] is False

@@ -30,6 +30,7 @@ tokenizer files, chat template and ``generation_config.json``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridpar.config_rules import as_path, quoted, shorten
+from hybridpar.config_rules import Notice, as_path, quoted, shorten
 from hybridpar.models.generation import GREEDY_BELOW, check_sampling
 from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, config_from_hf, read_hf_config
-from hybridpar.models.hf.checkpoint import load_hf, save_hf
+from hybridpar.models.hf.checkpoint import load_hf, save_hf, untied_head_note
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.logit_transform import logit_transform, probe_finding, probe_logits_after_head  # noqa: F401
 from hybridpar.models.hf.positions import learned_positions
@@ -127,6 +128,11 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
                          "check config.json against the weights.")
     check_floating(stored_dtypes(files), dict(model.named_parameters()), f"checkpoint {path}")
     check_finite(model.named_parameters(), f"checkpoint {path}")
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None and embeddings is not None and \
+            head.weight is not embeddings.weight and not torch.equal(head.weight, embeddings.weight):
+        warnings.warn(untied_head_note(path), Notice, stacklevel=2)  # transformers did not tie them: said, and kept
+        model.config.tie_word_embeddings = False  # so that no later tie_weights() (the export's) drops the stored head
     return model
 
 

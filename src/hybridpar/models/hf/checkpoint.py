@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from hybridpar.models.hf.config import (  # noqa: F401  (the config API is also 
     ARCHITECTURES, BAMBA, CONFIG_FILE, INDEX_FILE, MAMBA2, NEMOTRON_H, SHARD_FILE, WEIGHTS_FILE,
     _encode_floats, architecture_of, config_differences, config_from_hf, config_to_hf, read_hf_config,
 )
-from hybridpar.config_rules import as_path, quoted
+from hybridpar.config_rules import Notice, as_path, quoted
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.weights import _header, check_finite, check_floating, load_weight_file, weight_files
 from hybridpar.models.hybrid import HybridLM
@@ -88,6 +89,13 @@ def shape_problem(path: str | Path) -> str | None:
     return None
 
 
+def untied_head_note(path: str | Path) -> str:
+    """A checkpoint whose config.json ties the LM head to the embeddings but whose weights hold another head."""
+    return (f"{Path(path) / CONFIG_FILE} sets tie_word_embeddings=true, but the checkpoint holds an lm_head.weight that "
+            "differs from its embeddings: both are loaded and trained untied, as transformers loads them (tying would "
+            "drop the stored head), and an export says tie_word_embeddings=false; set that in config.json to silence this")
+
+
 def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
     """``HybridLM`` from a Mamba2/Bamba/NemotronH checkpoint directory.
 
@@ -105,6 +113,10 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
     embedding_name = hf_tensor_name("backbone.embeddings.weight", architecture, "", prefix)
     if dtype is None:
         dtype = tensors[embedding_name].dtype if embedding_name in tensors else torch.float32
+    head = tensors.get("lm_head.weight")
+    if config.tie_word_embeddings and head is not None and not torch.equal(head, tensors.get(embedding_name, head)):
+        warnings.warn(untied_head_note(path), Notice, stacklevel=2)  # transformers loads the two untied: so do we
+        config, hf = dataclasses.replace(config, tie_word_embeddings=False), {**hf, "tie_word_embeddings": False}
     config = dataclasses.replace(config, dtype=dtype)
     with torch.device("meta"):
         model = HybridLM(config)
