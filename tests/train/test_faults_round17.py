@@ -155,3 +155,19 @@ def test_resume_at_this_runs_own_output_dir_points_at_auto(run, resume):
                        f"checkpoint.resume={run}{resume}")
     assert code == 2 and "it is this run's " in output and "checkpoint.resume=auto resumes its newest" in output, output
     assert "set output_dir=" not in output and "point it at" not in output, output
+
+
+def test_an_output_dir_removed_during_the_run_stops_it(run, tmp_path):
+    """Before: an ``output_dir`` removed mid-run (``rm -rf``) went unnoticed: ``metrics.jsonl`` is held open, so every
+    step was written to a deleted file, and a run with ``checkpoint.every=-1`` (or before its next save) trained to the
+    end and exited 0 with nothing on disk. Now the step after the removal stops the run with one line."""
+    from hybridpar.train.run.checkpoint import OutputWriteError
+    from hybridpar.train.run.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path / "out", rank=0, tensorboard=False, plot=False)
+    logger.log(1, {"loss": 1.0}, echo=False)
+    shutil.rmtree(tmp_path / "out")
+    with pytest.raises(OutputWriteError) as error:
+        logger.log(2, {"loss": 0.9}, echo=False)
+    assert "metrics.jsonl was deleted during the run" in one_line(error) and "stopped at step 2" in str(error.value)
+    logger.close()

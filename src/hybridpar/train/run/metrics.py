@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,13 @@ class MetricsLogger:
         self.history.append(record)
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
+        if os.fstat(self._jsonl.fileno()).st_nlink == 0:  # removed with output_dir: writes went nowhere, without error
+            from hybridpar.train.run.checkpoint import OutputWriteError
+
+            raise OutputWriteError(f"{self.output_dir / 'metrics.jsonl'} was deleted during the run (output_dir "
+                                   f"{str(self.output_dir)!r} removed or emptied?); the run stopped at step {step} rather "
+                                   "than train on with nothing saved. Restore the directory (or choose another "
+                                   "output_dir) and resume from a checkpoint you still have, or start again.")
         if self._writer is not None:
             for key, value in record.items():
                 if key != "step" and value is not None:
