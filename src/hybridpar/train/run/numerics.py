@@ -46,11 +46,12 @@ def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str
 def random_draws(config: RunConfig) -> str | None:
     """What draws random numbers in training, keyed by ``train.seed``: LoRA's dropout, the fields of
     ``model.hf_path``'s config.json (``models/token_dropout.random_fields``: a dropout or router jitter
-    above 0; all of them when it cannot be read); None when nothing does."""
+    above 0; the file itself when it cannot be read); None when nothing does."""
     drawn = [f"peft.dropout={config.peft.dropout:g}"] if config.peft.method == "lora" and config.peft.dropout > 0 else []
     if config.model.hf_path:
         try:
-            drawn += [f"{k}={v:g}" for k, v in random_fields(json.loads(Path(config.model.hf_path, "config.json").read_text())).items()]
+            fields = random_fields(json.loads(Path(config.model.hf_path, "config.json").read_text()))
+            drawn += [f"{k}={v:g}" for k, v in fields.items()]
         except (OSError, ValueError, AttributeError):  # unread: it may have dropout
             drawn.append(f"any dropout of {config.model.hf_path}/config.json")
     return ", ".join(drawn) or None
