@@ -297,15 +297,16 @@ def one_process_rendezvous() -> str | None:
             "as --nproc-per-node does.")
 
 
-def check_hf_weights(path: str, backend: str) -> None:
+def check_hf_weights(path: str, backend: str, say: bool = True) -> None:
     """ConfigError if ``model.hf_path`` has no safetensors weights, a file of them is damaged or (the
-    hybrid backend) a tensor's shape disagrees with config.json: headers only, no tensor is read."""
+    hybrid backend) a tensor's shape disagrees with config.json: headers only, no tensor is read.
+    ``say``: its notices too (a dry run; a real run's load says them, once)."""
     from hybridpar.models.hf.checkpoint import shape_problem
     from hybridpar.models.hf.config import INDEX_FILE, WEIGHTS_FILE
     from hybridpar.models.hf.weights import weight_files
 
     try:
-        problem = shape_problem(path) if backend == "hybrid" else weight_files(path, WEIGHTS_FILE, INDEX_FILE) and None
+        problem = shape_problem(path, say) if backend == "hybrid" else weight_files(path, WEIGHTS_FILE, INDEX_FILE, say) and None
     except (ValueError, OSError) as error:
         raise ConfigError(f"model.hf_path={str(path)!r}: {error}") from None
     if problem:
@@ -326,7 +327,7 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
     shape = validate_layout(config, world_size)
     check_optimizer_scale(config)
     if config.model.hf_path:
-        check_hf_weights(config.model.hf_path, model_backend(config))
+        check_hf_weights(config.model.hf_path, model_backend(config), say=dry_run)
     for note in unused_key_notices(config, command):
         notice(note)
     local_ranks, meta = world_size or 1, apply_peft(config, meta_model(shape))  # shape-only: the model and its adapters

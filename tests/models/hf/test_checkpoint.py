@@ -341,3 +341,47 @@ def test_a_config_that_ties_a_head_the_weights_hold_apart_loads_untied_and_expor
     written = load_file(tmp_path / "export" / "model.safetensors")
     assert torch.equal(written["lm_head.weight"], stored["lm_head.weight"]) and torch.equal(written[embedding], stored[embedding])
     assert json.loads((tmp_path / "export" / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_an_index_unlike_its_shards_or_beside_one_file_is_named(tmp_path):
+    """A sharded checkpoint's index that lists a tensor under a shard that does not hold it loaded it as missing
+    ("check config.json against the weights"); one that lists a tensor no shard holds, or misses one a shard holds,
+    and a folder with both ``model.safetensors`` and a sharded index (transformers loads the one file), said nothing."""
+    import shutil
+    import warnings
+
+    from transformers import LlamaConfig
+
+    from hybridpar.models.hf.weights import weight_files
+
+    source = tmp_path / "sharded"
+    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(source, max_shard_size="8KB")
+    index_file = source / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shards = list(index["weight_map"].values())
+    names = sorted(index["weight_map"], key=lambda n: -shards.count(index["weight_map"][n]))  # first: in a shared shard
+    other = next(n for n in names if index["weight_map"][n] != index["weight_map"][names[0]])
+
+    def said(edit=None, single=False):
+        case = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(source, case)
+        if edit:
+            (case / index_file.name).write_text(json.dumps({**index, "weight_map": edit(dict(index["weight_map"]))}))
+        if single:
+            save_file({"model.embed_tokens.weight": torch.zeros(VOCAB, 32)}, case / "model.safetensors")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            files = weight_files(case, "model.safetensors", "model.safetensors.index.json")
+        return [f.name for f in files], [str(w.message) for w in caught]
+
+    files, notes = said()
+    assert len(files) > 2 and notes == []
+    with pytest.raises(ValueError, match=f"lists the tensor '{names[0]}' in {index['weight_map'][other]}, but "
+                                         f"{index['weight_map'][names[0]]} holds it"):
+        said(lambda m: {**m, names[0]: m[other]})
+    _, notes = said(lambda m: {**{k: v for k, v in m.items() if k != names[0]}, "model.extra.weight": m[names[0]]})
+    assert len(notes) == 1 and "lists 1 tensor(s) no shard holds (['model.extra.weight'])" in notes[0] and \
+        f"does not list 1 tensor(s) the shards hold (['{names[0]}']: not loaded)" in notes[0], notes
+    files, notes = said(single=True)
+    assert files == ["model.safetensors"] and len(notes) == 1 and "holds both model.safetensors and a sharded" in notes[0]

@@ -67,14 +67,14 @@ def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def shape_problem(path: str | Path) -> str | None:
+def shape_problem(path: str | Path, say: bool = True) -> str | None:
     """A tensor whose stored shape (from the safetensors headers: no tensor is read) differs from the
     one config.json implies, as ``load_hf`` would find it; None if none does (missing or extra
     tensors are left to ``load_hf``)."""
     hf = read_hf_config(path)
     architecture, config = architecture_of(hf), config_from_hf(hf)
     shapes = {}
-    for file in weight_files(path, WEIGHTS_FILE, INDEX_FILE):
+    for file in weight_files(path, WEIGHTS_FILE, INDEX_FILE, say):
         shapes.update({name: entry["shape"] for name, entry in _header(file).items() if name != "__metadata__"})
     if "backbone.embedding.weight" in shapes:  # early mamba2 checkpoints
         shapes["backbone.embeddings.weight"] = shapes.pop("backbone.embedding.weight")

@@ -20,12 +20,13 @@ no checksum for it (hybridpar's own training checkpoints do: ``train/run/checkpo
 from __future__ import annotations
 
 import struct
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from hybridpar.config_rules import quoted, shorten
+from hybridpar.config_rules import Notice, quoted, shorten
 from hybridpar.strict_json import DuplicateKeyError, check_files, check_readable, loads as strict_loads
 
 __all__ = ["safetensors_problem", "weight_files", "load_weight_file", "check_finite", "stored_dtypes", "check_floating"]
@@ -79,13 +80,19 @@ def safetensors_problem(file: str | Path) -> str | None:
     return None
 
 
-def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[Path]:
+def weight_files(path: str | Path, weights_file: str, index_file: str, say: bool = True) -> list[Path]:
     """The safetensors files of checkpoint directory ``path`` (``weights_file``, or the shards
-    ``index_file`` lists), each checked by ``safetensors_problem``; ValueError naming the file."""
+    ``index_file`` lists), each checked by ``safetensors_problem``; ValueError naming the file.
+    ``say``: warn what loads but is doubtful (both kinds of file, an index unlike its shards)."""
     path = Path(path)
     check_files(path)  # the index and weights: regular files, the index within its cap
+    weight_map = None
     if (path / weights_file).is_file():
         files = [path / weights_file]
+        if say and (path / index_file).is_file():  # transformers loads the one file too; the shards may be newer
+            warnings.warn(f"{path} holds both {weights_file} and a sharded {index_file}: {weights_file} is loaded, as "
+                          "transformers loads it, and the shards are not read; remove whichever is stale", Notice,
+                          stacklevel=2)
     elif (path / index_file).is_file():
         index = path / index_file
         try:
@@ -114,13 +121,34 @@ def weight_files(path: str | Path, weights_file: str, index_file: str) -> list[P
         if problem:
             raise ValueError(f"{file} cannot be read: {problem}; copy or export the checkpoint again.")
     holder: dict[str, Path] = {}
-    for file in files if len(files) > 1 else ():  # a tensor in two shards: a loader keeps one of them silently
+    for file in files if weight_map is not None else ():  # a tensor in two shards: a loader keeps one of them silently
         for name in _header(file):
             if name != "__metadata__" and holder.setdefault(name, file) != file:
                 raise ValueError(f"the tensor {quoted(name)} is stored in two shards, {holder[name].name} and "
                                  f"{file.name} (in {path}); only one of them would be loaded: restore the checkpoint "
                                  "(each tensor in exactly one shard).")
+    if weight_map is not None:
+        _check_index(path / index_file, weight_map, holder, say)
     return files
+
+
+def _check_index(index: Path, weight_map: dict, holder: dict[str, Path], say: bool) -> None:
+    """The index against what the shards hold: a tensor listed under a shard that does not hold it while another does
+    was loaded as missing ("check config.json"); one no shard holds, or one a shard holds that the index does not list
+    (transformers loads only what the index lists), is said."""
+    moved = [(name, shard) for name, shard in weight_map.items() if name in holder and holder[name].name != shard]
+    if moved:
+        name, shard = moved[0]
+        raise ValueError(f"{index} lists the tensor {quoted(name)} in {shard}, but {holder[name].name} holds it "
+                         f"({len(moved)} such tensor(s)): the index does not describe these shards; restore the "
+                         "checkpoint's index (save_pretrained writes it with the shards).")
+    unheld, unlisted = sorted(set(weight_map) - set(holder)), sorted(set(holder) - set(weight_map))
+    if say and (unheld or unlisted):
+        said = [f"lists {len(unheld)} tensor(s) no shard holds ({quoted(unheld[:3], 200)})"] if unheld else []
+        said += [f"does not list {len(unlisted)} tensor(s) the shards hold ({quoted(unlisted[:3], 200)}: not loaded)"] \
+            if unlisted else []
+        warnings.warn(f"{index} {' and '.join(said)}; the index may be stale: restore the checkpoint's index", Notice,
+                      stacklevel=3)
 
 
 def _header(file: Path) -> dict:
