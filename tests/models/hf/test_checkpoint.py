@@ -382,6 +382,6 @@ def test_an_index_unlike_its_shards_or_beside_one_file_is_named(tmp_path):
         said(lambda m: {**m, names[0]: m[other]})
     _, notes = said(lambda m: {**{k: v for k, v in m.items() if k != names[0]}, "model.extra.weight": m[names[0]]})
     assert len(notes) == 1 and "lists 1 tensor(s) no shard holds (['model.extra.weight'])" in notes[0] and \
-        f"does not list 1 tensor(s) the shards hold (['{names[0]}']: not loaded)" in notes[0], notes
+        f"does not list 1 tensor(s) the shards hold (['{names[0]}']: transformers skips them)" in notes[0], notes
     files, notes = said(single=True)
     assert files == ["model.safetensors"] and len(notes) == 1 and "holds both model.safetensors and a sharded" in notes[0]

@@ -145,7 +145,7 @@ def _check_index(index: Path, weight_map: dict, holder: dict[str, Path], say: bo
     unheld, unlisted = sorted(set(weight_map) - set(holder)), sorted(set(holder) - set(weight_map))
     if say and (unheld or unlisted):
         said = [f"lists {len(unheld)} tensor(s) no shard holds ({quoted(unheld[:3], 200)})"] if unheld else []
-        said += [f"does not list {len(unlisted)} tensor(s) the shards hold ({quoted(unlisted[:3], 200)}: not loaded)"] \
+        said += [f"does not list {len(unlisted)} tensor(s) the shards hold ({quoted(unlisted[:3], 200)}: transformers skips them)"] \
             if unlisted else []
         warnings.warn(f"{index} {' and '.join(said)}; the index may be stale: restore the checkpoint's index", Notice,
                       stacklevel=3)
