@@ -136,7 +136,7 @@ def _check_index(index: Path, weight_map: dict, holder: dict[str, Path], say: bo
     """The index against what the shards hold: a tensor listed under a shard that does not hold it while another does
     was loaded as missing ("check config.json"); one no shard holds, or one a shard holds that the index does not list
     (transformers loads only what the index lists), is said."""
-    moved = [(name, shard) for name, shard in weight_map.items() if name in holder and holder[name].name != shard]
+    moved = [(name, shard) for name, shard in weight_map.items() if name in holder and holder[name] != index.parent / shard]
     if moved:
         name, shard = moved[0]
         raise ValueError(f"{index} lists the tensor {quoted(name)} in {shard}, but {holder[name].name} holds it "
