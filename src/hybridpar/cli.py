@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-from hybridpar.config import ConfigError, RunConfig, load_config
+from hybridpar.config import ConfigError, load_config
 from hybridpar.config_rules import did_you_mean, shorten
 from hybridpar.environment import check_environment, import_torch
 from hybridpar.worker import (INPUT_ERRORS, check_world, error_message, launched_by_torchrun, run, worker_main,
