@@ -26,10 +26,10 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, did_you_mean, leaf_keys, nearest_choice, not_utf8, path_problem, quoted, sample_problem, shorten, show_value, type_names, whole_section_problem
+from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, did_you_mean, leaf_keys, nearest_choice, not_key_value, not_utf8, path_problem, quoted, sample_problem, shorten, show_value, type_names, whole_section_problem
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
 from hybridpar.config_rules import ConfigError  # noqa: F401 (re-exported: raised by every check)
-from hybridpar.yaml12 import Yaml12Loader, read_config_file, unquoted_value
+from hybridpar.yaml12 import Yaml12Loader, other_spelling, read_config_file, unquoted_value
 
 
 @dataclass
@@ -255,10 +255,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raw = read_config_file(as_path(path, "config path").expanduser(), MAX_CONFIG_BYTES)
     if not isinstance(overrides, (list, tuple)) or not all(isinstance(item, str) for item in overrides):  # a str: letter by letter
         raise ConfigError(f"overrides={quoted(overrides)} must be a list of 'key=value' strings; e.g. ['train.steps=100'].")
-    for item in overrides:
+    for index, item in enumerate(overrides):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {quoted(item)} is not key=value; write e.g. train.steps=100.")
+            raise ConfigError(not_key_value(overrides, index))
         if bad_bytes := not_utf8(item):
             raise ConfigError(f"override {quoted(item)} cannot be read: {bad_bytes}; write it in UTF-8 (a path "
                               "whose name is not UTF-8: rename it, or link it under a UTF-8 name).")
@@ -370,5 +370,6 @@ def coerce_value(value, hint, key: str):
     raise invalid(key, value, f"{type_names(options)} (got {type(value).__name__})",
                   f"a value in quotes is text in YAML: write it without them, {key}={unquoted}" if unquoted else
                   f"a list is written in brackets, even of one name: {key}=[{shorten(value, 60)}]" if listed else
-                  f"YAML 1.2 reads digits grouped by '_' as text: write {key}={grouped}" if grouped else None)
+                  f"YAML 1.2 reads digits grouped by '_' as text: write {key}={grouped}" if grouped else
+                  other_spelling(value, options, key))
 

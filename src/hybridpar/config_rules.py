@@ -316,3 +316,20 @@ def type_names(options) -> str:
         elif option is not type(None):
             out.append(names.get(origin, getattr(origin, "__name__", str(origin))))
     return " or ".join(out)
+
+
+def not_key_value(overrides, index: int) -> str:
+    """The message for ``overrides[index]``, which is not ``key=value``: an override the shell split at spaces
+    around its ``=`` (``train.lr = 1e-3``) is shown joined, and a YAML file passed without ``--config`` is named."""
+    item, before, after = overrides[index], overrides[index - 1] if index else "", overrides[index + 1:index + 3]
+    joined = None
+    if "=" not in item and after and after[0].startswith("="):  # train.lr =1e-3, train.lr = 1e-3
+        joined = item + after[0] + (after[1] if after[0] == "=" and len(after) > 1 else "")
+    elif "=" not in item and before.endswith("=") and before.count("=") == 1:  # train.lr= 1e-3
+        joined = before + item
+    if joined:
+        return (f"override {quoted(item)} is part of {quoted(joined)}, split by the shell at spaces around '='; write it "
+                f"without them ({shorten(joined, 60)}), or quote the whole override.")
+    if item.lower().endswith((".yaml", ".yml")) and "=" not in item:
+        return f"override {quoted(item)} is not key=value; it names a YAML file: pass it as --config {shorten(item, 60)}."
+    return f"override {quoted(item)} is not key=value; write e.g. train.steps=100."

@@ -146,6 +146,8 @@ def parse_yaml(text: str, source: str):
         problem = shorten(getattr(error, "problem", None) or str(error).splitlines()[0], 300)
         if "tag:yaml.org,2002:merge" in problem:  # ``<<: *base``: YAML 1.1 only
             problem = "a merge key ('<<') is YAML 1.1 and is not read here; write the keys out in full"
+        elif "'\\t'" in problem:  # PyYAML: "found character '\t' that cannot start any token"
+            problem = "a tab character, which is not read as indentation or separation here: replace the tabs with spaces"
         raise YamlSyntaxError(f"{source} is not valid YAML{where}: {problem}; fix the YAML syntax there.") from None
 
 
@@ -164,6 +166,25 @@ def unquoted_value(value, options) -> str | None:
     fits = (isinstance(parsed, bool) and bool in kinds) or (not isinstance(parsed, bool) and (
         (isinstance(parsed, int) and (int in kinds or float in kinds)) or (isinstance(parsed, float) and float in kinds)))
     return value.strip() if fits else None
+
+
+_YAML11_BOOLS = {"yes": "true", "y": "true", "on": "true", "no": "false", "n": "false", "off": "false"}
+
+
+def other_spelling(value, options, key: str) -> str | None:
+    """The fix for a value spelled as YAML 1.1 or a float reads it but YAML 1.2 or this key does not: ``yes``/``off``
+    for a boolean, ``inf``/``nan`` for a number, ``1e3`` or ``16.0`` for an integer; else None."""
+    import typing
+
+    kinds = {typing.get_origin(o) or o for o in options}
+    if isinstance(value, str) and value.strip().lower() in _YAML11_BOOLS and bool in kinds:
+        return f"YAML 1.2 reads {quoted(value)} as text (a YAML 1.1 boolean): write {key}={_YAML11_BOOLS[value.strip().lower()]}"
+    if isinstance(value, str) and value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan") and float in kinds:
+        return (f"YAML 1.2 reads {quoted(value)} as text (the number is .inf or .nan), and no number key takes an "
+                "infinite or NaN value: write a finite number")
+    if isinstance(value, float) and int in kinds and float not in kinds and value.is_integer() and abs(value) < 2**63:
+        return f"a number written with an exponent or a point is a float in YAML: write {key}={int(value)}"
+    return None
 
 
 def read_config_file(path: Path, max_bytes: int) -> dict:

@@ -1,0 +1,66 @@
+"""Round 18 of fault hunting (docs/reliability.md, "Round 18"): the data path and the config as a careful user
+meets them; every case in this process (the CLI's config loading, the data readers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.train.fault_probes import one_line
+
+
+def _refusal(overrides, path=None) -> str:
+    from hybridpar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config(path, overrides)
+    return one_line(error)
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("plot=yes", "write plot=true"), ("tensorboard=Off", "write tensorboard=false"), ("plot=n", "write plot=false"),
+    ("train.lr=inf", ".inf"), ("train.grad_clip=NaN", ".nan"), ("train.lr=-Infinity", "finite"),
+    ("train.steps=1e3", "write train.steps=1000"), ("data.pack_size=64.0", "write data.pack_size=64"),
+    ("parallel.cp=2e0", "write parallel.cp=2"),
+])
+def test_a_value_spelled_as_yaml_1_1_or_a_float_is_told_its_spelling(override, fix):
+    """Before: ``plot=yes``, ``train.lr=inf`` and ``train.steps=1e3`` were told only "it must be true or false (got
+    str)", "a number (got str)" (of a number) or "an integer (got float)" (of 1000): YAML 1.2 reads yes/no/on/off as
+    text, infinity as ``.inf``, and an exponent or a point as a float; the message now says so and gives the spelling."""
+    message = _refusal([override])
+    assert fix in message and "YAML" in message, message
+
+
+def test_a_yaml_1_1_spelling_in_the_file_is_told_too(tmp_path):
+    """The same values in a config file (``plot: on``, ``steps: 1e3``)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("plot: on\n")
+    assert "write plot=true" in _refusal([], path)
+    path.write_text("train:\n  steps: 1e3\n")
+    assert "write train.steps=1000" in _refusal([], path)
+
+
+@pytest.mark.parametrize("argv, joined", [
+    (["train.lr", "=", "1e-3"], "train.lr=1e-3"), (["train.lr", "=1e-3"], "train.lr=1e-3"),
+    (["train.steps=2", "train.lr=", "1e-3"], "train.lr=1e-3"), (["data.path", "=", "a b.txt"], "data.path=a b.txt"),
+])
+def test_an_override_split_at_spaces_around_its_equals_is_shown_joined(argv, joined):
+    """Before: ``train.lr = 1e-3`` (three words to the shell) said "override 'train.lr' is not key=value", and
+    ``train.lr= 1e-3`` said it of '1e-3', neither naming the spaces."""
+    message = _refusal(argv)
+    assert f"'{joined}'" in message and "spaces around '='" in message, message
+
+
+def test_a_yaml_file_passed_as_an_override_is_pointed_at_config():
+    """Before: ``hybridpar train configs/tiny-hybrid.yaml`` said "is not key=value; write e.g. train.steps=100"."""
+    for name in ("configs/tiny-hybrid.yaml", "my.YML"):
+        assert f"--config {name}" in _refusal([name])
+    assert "write e.g. train.steps=100" in _refusal(["steps"])  # any other word: the old message
+
+
+@pytest.mark.parametrize("text", ["train:\n\tsteps: 2\n", "train:\n  steps:\t2\n", "train:\n    steps: 2\n\tlr: 1\n"])
+def test_a_tab_in_a_config_file_is_named_as_a_tab(tmp_path, text):
+    """Before: "found character '\\t' that cannot start any token", PyYAML's words for a tab."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    message = _refusal([], path)
+    assert "a tab character" in message and "replace the tabs with spaces" in message and "\\t" not in message, message
