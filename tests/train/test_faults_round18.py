@@ -64,3 +64,41 @@ def test_a_tab_in_a_config_file_is_named_as_a_tab(tmp_path, text):
     path.write_text(text)
     message = _refusal([], path)
     assert "a tab character" in message and "replace the tabs with spaces" in message and "\\t" not in message, message
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A ``save_to_disk`` DatasetDict with an empty split, a saved Dataset, a parquet file and a folder of parquet."""
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path_factory.mktemp("hf")
+    rows = datasets.Dataset.from_dict({"text": [f"row {i} of text" for i in range(8)]})
+    datasets.DatasetDict({"train": rows, "validation": rows.select(range(3)), "empty": rows.select([])}).save_to_disk(
+        str(folder / "dict"))
+    rows.save_to_disk(str(folder / "one"))
+    rows.to_parquet(str(folder / "rows.parquet"))
+    (folder / "pq").mkdir()
+    rows.to_parquet(str(folder / "pq" / "train-0.parquet"))
+    rows.select(range(2)).to_parquet(str(folder / "pq" / "test-0.parquet"))
+    return folder
+
+
+@pytest.mark.parametrize("where, split, said", [
+    ("dict", "validation", None), ("dict", "train", None), ("pq", "test", None),
+    ("dict", "empty", "split 'empty' of"), ("dict", "test", "has splits ['empty', 'train', 'validation'], not 'test'"),
+    ("one", "validation", "is one saved Dataset (no splits)"),
+    ("rows.parquet", "validation", "has splits ['train'], not 'validation' (a data file alone is the split 'train')"),
+    ("pq", "validation", "has splits ['train', 'test'], not 'validation'; pass one of them"),
+])
+def test_a_split_the_dataset_does_not_have_or_holds_empty_is_one_line(saved, where, split, said):
+    """Before: a DatasetDict saved with an empty split was an IndexError traceback from ``load_from_disk`` for every
+    split (it read them all); a saved Dataset took ``split=validation`` and trained on its every row without a word;
+    a data file or folder without the split said "cannot be read ...; fix the file" of a file that is fine."""
+    from hybridpar.data.hf_datasets import hf_dataset_documents
+
+    if said is None:
+        assert hf_dataset_documents(saved / where, split=split)
+        return
+    with pytest.raises(ValueError) as error:
+        hf_dataset_documents(saved / where, split=split)
+    message = one_line(error)
+    assert said in message and "data.task_options.split" in message and "fix the file" not in message, message

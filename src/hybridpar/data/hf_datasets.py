@@ -42,15 +42,16 @@ def _datasets():
 
 
 @contextlib.contextmanager
-def _reading(datasets, path: Path):
+def _reading(datasets, path: Path, split: str = "train"):
     """datasets' progress bars and log lines held back; what it cannot read (a CSV quote left open, a
-    file that is not parquet) one ValueError naming ``path`` and the root cause, not a traceback."""
+    file that is not parquet, a split it does not have) one ValueError naming ``path`` and the root cause, not a
+    traceback."""
     bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors: said below, in one line
     try:
         yield
-    except (ValueError, OSError, KeyError, TypeError, datasets.exceptions.DatasetGenerationError) as error:
+    except Exception as error:  # noqa: BLE001 (datasets raises IndexError, AttributeError... of what it cannot read)
         root = error
         while root.__cause__ is not None:  # DatasetGenerationError wraps the parser's own error
             root = root.__cause__
@@ -58,6 +59,11 @@ def _reading(datasets, path: Path):
         if "corresponds to no data" in first:  # a CSV of its header alone: datasets' split instruction failed
             raise ValueError(f"dataset {path} holds no rows (a header, or nothing, and no record under it); write the "
                              "data into it, or point data.path at the file that holds it.") from None
+        if first.startswith("Unknown split"):  # load_dataset: "Unknown split "x". Should be one of ['train']."
+            have = first.partition("one of ")[2].rstrip(".") or "['train']"
+            alone = " (a data file alone is the split 'train')" if path.is_file() else ""
+            raise ValueError(f"dataset {path} has splits {shorten(have, 200)}, not {quoted(split)}{alone}; pass one of "
+                             "them as data.task_options.split.") from None
         raise ValueError(f"dataset {path} cannot be read ({type(root).__name__}: {shorten(first, 200)}); fix the file "
                          "(or convert it to JSON lines for data.task=jsonl, chat or prompt_completion).") from None
     finally:
@@ -73,18 +79,14 @@ def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None 
     if not path.exists():
         raise ValueError(f"dataset path {path} does not exist; pass a local data file or a save_to_disk directory.")
     if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
-        with _reading(datasets, path):
-            loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise ValueError(f"{path} has splits {sorted(loaded)}, not {quoted(split)}; pass one of them as data.task_options.split.")
-            return loaded[split]
-        return loaded
+        folder = _saved_split(path, split)  # only the split asked for is read: another, empty one failed the whole load
+        with _reading(datasets, path, split):
+            return datasets.load_from_disk(str(folder))
     if path.is_dir():
         for file in sorted(path.rglob("*.json*")):  # datasets' JSON reader keeps the last of two equal keys
             if file.suffix in (".json", ".jsonl"):
                 check_json_data_file(file)
-        with _reading(datasets, path):
+        with _reading(datasets, path, split):
             return datasets.load_dataset(str(path), split=split)
     builder = builder or HF_BUILDERS.get(path.suffix)
     if builder is None:
@@ -94,8 +96,37 @@ def load_hf_dataset(path: str | Path, split: str = "train", builder: str | None 
         check_json_data_file(path)
     if builder == "parquet":
         _check_parquet_rows(path)
-    with _reading(datasets, path):
+    with _reading(datasets, path, split):
         return datasets.load_dataset(builder, data_files=[str(path)], split=split)
+
+
+def _saved_split(path: Path, split: str) -> Path:
+    """The folder of ``split`` in a ``save_to_disk`` folder; a split it does not have (or a split asked of a saved
+    ``Dataset``, which has none) and a split saved with no rows are one ValueError naming the splits there."""
+    import json
+
+    fix = "pass one of them as data.task_options.split"
+    if not (path / "dataset_dict.json").is_file():  # one saved Dataset: its rows are the whole of it
+        if split != "train":
+            raise ValueError(f"{path} is one saved Dataset (no splits), not a DatasetDict, so it has no split "
+                             f"{quoted(split)}; leave data.task_options.split unset (train: every row).")
+        return path
+    try:
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        splits = [str(name) for name in splits]
+    except (OSError, ValueError, KeyError, TypeError):  # damaged: datasets names the reason in _reading
+        return path
+    if split not in splits:
+        raise ValueError(f"{path} has splits {quoted(sorted(splits))}, not {quoted(split)}; {fix}.")
+    folder = path / split
+    try:
+        empty = json.loads((folder / "state.json").read_text(encoding="utf-8")).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        empty = False
+    if empty:
+        raise ValueError(f"split {quoted(split)} of {path} holds no rows (saved empty); {fix} "
+                         f"({quoted([s for s in splits if s != split])}), or save the rows into it.")
+    return folder
 
 
 def _check_parquet_rows(path: Path) -> None:
