@@ -191,3 +191,22 @@ def check_json_data_file(file: str | Path) -> None:
                 raise
             except (ValueError, RecursionError):
                 continue
+
+
+ARRAY_FILE = "; the file is one JSON array, not JSON lines: write one object per line (e.g. jq -c '.[]' file.json > file.jsonl)"
+
+
+def not_an_object(path, number: int, record, more_lines: bool) -> str:
+    """The message for line ``number`` of JSON lines file ``path`` that holds ``record``, not a JSON object: a bare
+    list of chat messages is a conversation (wrap it), a one-line file of one array of objects is a JSON file (split
+    it), a line of objects among more lines is a list per line (one object each)."""
+    head = f"{path}:{number} holds a {type(record).__name__}, not a JSON object"
+    objects = isinstance(record, list) and record and all(isinstance(r, dict) for r in record)
+    if objects and all("role" in r for r in record):  # [{"role": ..., "content": ...}, ...]: one conversation
+        return (f"{head}: a conversation as a bare list of messages; data.task=chat reads each line as an object whose "
+                "'messages' field holds them: wrap each line (e.g. jq -c '{messages: .}' in.jsonl > out.jsonl).")
+    if objects and number == 1 and not more_lines:
+        return f"{head}{ARRAY_FILE}."
+    if objects:
+        return f"{head}: a list of records on one line (the file has more lines); write one JSON object per line."
+    return f"{head}; write one JSON object per line."

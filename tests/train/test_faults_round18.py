@@ -102,3 +102,26 @@ def test_a_split_the_dataset_does_not_have_or_holds_empty_is_one_line(saved, whe
         hf_dataset_documents(saved / where, split=split)
     message = one_line(error)
     assert said in message and "data.task_options.split" in message and "fix the file" not in message, message
+
+
+@pytest.mark.parametrize("lines, said", [
+    (['[{"role": "user", "content": "hi", "name": "x"}, {"role": "assistant", "content": "yo", "weight": 1}]'] * 3,
+     "a conversation as a bare list of messages"),
+    (['[{"role": "user", "content": "hi"}]'], "a conversation as a bare list of messages"),
+    (['[{"text": "a"}, {"text": "b"}]', '[{"text": "c"}]'], "a list of records on one line (the file has more lines)"),
+    (['[{"text": "a"}, {"text": "b"}]'], "the file is one JSON array"),
+])
+def test_a_json_lines_file_of_arrays_is_told_what_its_lines_hold(tmp_path, lines, said):
+    """Before: a chat JSONL whose every line is a conversation as a bare list of messages (``[{"role": ...}, ...]``)
+    was told "the file is one JSON array, not JSON lines" with ``jq -c '.[]'``, which would split each conversation
+    into one line per message; so was a file of several array lines."""
+    from hybridpar.data.sources import read_jsonl
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\r\n".join(lines) + "\r\n")
+    with pytest.raises(ValueError) as error:
+        list(read_jsonl(path))
+    message = one_line(error)
+    assert said in message, message
+    if "conversation" in said:
+        assert "jq -c '{messages: .}'" in message and "'.[]'" not in message, message

@@ -33,7 +33,7 @@ from torch import Tensor
 from hybridpar.config_rules import Notice, quoted, wide_encoding
 from hybridpar.data.packing import IGNORE_INDEX
 from hybridpar.data.tokenizers import ByteTokenizer, as_tokenizer
-from hybridpar.strict_json import loads as strict_loads
+from hybridpar.strict_json import ARRAY_FILE, not_an_object, loads as strict_loads
 
 __all__ = [
     "ByteTokenizer",
@@ -371,13 +371,12 @@ def _lone_surrogate(record: dict) -> str | None:
     return None
 
 
-_ARRAY_FILE = "; the file is one JSON array, not JSON lines: write one object per line (e.g. jq -c '.[]' file.json > file.jsonl)"
 
 
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-empty line; ValueError naming the line otherwise."""
     for path in _paths(paths):
-        for number, line in enumerate(read_text_file(path).split("\n"), start=1):
+        for number, line in enumerate((text := read_text_file(path)).split("\n"), start=1):
             if not line.strip():
                 continue
             try:
@@ -387,12 +386,10 @@ def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, 
                     f"{path}:{number}: not valid JSON ("
                     f"{getattr(error, 'msg', 'nested too deeply to read')} at column {getattr(error, 'colno', 1)}); "
                     "every line must be one JSON object"
-                    f"{_ARRAY_FILE if number == 1 and line.lstrip().startswith('[') else ': fix or remove that line'}."
+                    f"{ARRAY_FILE if number == 1 and line.lstrip().startswith('[') else ': fix or remove that line'}."
                 ) from None
             if not isinstance(record, dict):
-                objects = number == 1 and isinstance(record, list) and record and all(isinstance(r, dict) for r in record)
-                raise ValueError(f"{path}:{number} holds a {type(record).__name__}, not a JSON object"
-                                 f"{_ARRAY_FILE if objects else '; write one JSON object per line'}.")
+                raise ValueError(not_an_object(path, number, record, more_lines="\n" in text.strip()))
             if "\\ud" in line.lower() and (surrogate := _lone_surrogate(record)):  # JSON escapes any code unit
                 raise ValueError(f"{path}:{number}: holds a lone surrogate escape ({surrogate}), half of "
                                  "a UTF-16 pair and not a character; fix or remove that record.")
