@@ -147,6 +147,7 @@ def _architectures():
     return ARCHITECTURES
 
 
+_PACKS_WHY = " (packs held at once; fewer, larger packs hold as many tokens: data.pack_size)"
 RULES: dict[str, Rule] = {
     "model.preset": one_of(lazy=_presets),
     "model.overrides": ANY,  # checked field by field against HybridConfig (preflight)
@@ -160,7 +161,7 @@ RULES: dict[str, Rule] = {
     "data.path": or_null(PATH),
     "data.tokenizer": Rule("'auto', 'bytes', 'bpe' or a tokenizer directory path", PATH.holds),
     "data.pack_size": integer(1, 2**31 - 1, " (cu_seqlens are int32; the preflight also holds a pack to memory)"),
-    "data.packs_per_step": integer(1),
+    "data.packs_per_step": integer(1, 2**24, _PACKS_WHY),
     "data.pad_to_multiple_of": or_null(integer(1), " (null: 2*cp)"),
     "data.seed": integer(0, INT64_MAX),
     "data.task_options": ANY,  # checked by the task (preflight)
@@ -190,7 +191,7 @@ RULES: dict[str, Rule] = {
     "train.seed": integer(0, SEED_MAX, " (torch.manual_seed's range)"),
     "train.log_every": integer(1),
     "train.eval_every": integer(0),
-    "train.eval_packs": integer(1),
+    "train.eval_packs": integer(1, 2**24, _PACKS_WHY),
     "train.collective_timeout_s": number(1, 1e9),  # seconds; datetime.timedelta and the launcher hold them
     "train.on_nonfinite": one_of("stop", "skip"),
     "train.max_nonfinite_skips": integer(0),

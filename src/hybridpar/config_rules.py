@@ -91,7 +91,7 @@ class Rule:
 
 def integer(low: int, high: int = INT64_MAX, why: str = "") -> Rule:
     """An integer in ``[low, high]`` (every integer key has a ceiling: int64's by default)."""
-    ceiling = {INT64_MAX: "2**63-1", SEED_MAX: "2**64-1", 2**31 - 1: "2**31-1"}.get(high, str(high))
+    ceiling = {INT64_MAX: "2**63-1", SEED_MAX: "2**64-1", 2**31 - 1: "2**31-1", 2**24: "2**24"}.get(high, str(high))
     return Rule(f"an integer >= {low} and <= {ceiling}{why}", lambda v: low <= v <= high)
 
 

@@ -125,3 +125,38 @@ def test_a_json_lines_file_of_arrays_is_told_what_its_lines_hold(tmp_path, lines
     assert said in message, message
     if "conversation" in said:
         assert "jq -c '{messages: .}'" in message and "'.[]'" not in message, message
+
+
+def test_a_pack_count_beyond_what_a_step_can_hold_is_refused_by_the_config():
+    """Before: ``hybridpar plan data.packs_per_step=10**12`` was a MemoryError traceback (the plan tallies each pack),
+    while ``train --dry-run`` took the value; both are now refused by the key's rule, and so is ``train.eval_packs``."""
+    from tests.train.fault_probes import cli
+
+    for key in ("data.packs_per_step", "train.eval_packs"):
+        assert f"{key}=1000000000000 is invalid" in _refusal([f"{key}=1000000000000"])
+        code, output = cli("plan", "model.preset=tiny", "parallel.cp=1", f"{key}=1000000000000")
+        assert code == 2 and "<= 2**24" in output and "Traceback" not in output, output
+    from hybridpar.config import load_config
+
+    assert load_config(None, ["data.packs_per_step=16777216"]).data.packs_per_step == 2**24
+
+
+def test_plan_fit_bounds_its_search_and_does_not_recommend_what_train_refuses():
+    """Before: ``plan --fit 80 --world-size 100000000`` ran for minutes (27,225 layouts, each validated and priced; the
+    divisors found by trying every number up to the world size), and at a prime world size of 2**31-1 it recommended
+    ``data.packs_per_step=2147483647``, more packs than ``train`` takes."""
+    import time
+
+    from hybridpar.config import load_config
+    from hybridpar.plan.search import divisor_layouts, search_layouts
+
+    started = time.perf_counter()
+    assert len(divisor_layouts(2**31 - 1)) == 4 and len(divisor_layouts(12)) == 40
+    assert time.perf_counter() - started < 1
+    config = load_config(None, ["model.preset=tiny", "parallel.cp=1"])
+    with pytest.raises(ValueError) as error:
+        search_layouts(config, 10**8, 80.0)
+    assert "27,225 layouts" in one_line(error) and "--world-size" in one_line(error)
+    candidates = search_layouts(config, 2**31 - 1, 80.0)
+    assert not [c for c in candidates if c.plan is not None and c.data.get("data.packs_per_step", 0) > 2**24]
+    assert any("data.packs_per_step=2147483647 is not" in (c.refused or "") for c in candidates)

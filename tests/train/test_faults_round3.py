@@ -299,7 +299,7 @@ def test_a_pack_beyond_int32_or_memory_is_refused_at_once(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"data.pack_size=2147483646 .* needs at least [\d,.]+ GiB per rank"):
         check_pack_memory(config, model_config(config), 1)
     check_pack_memory(load_config(DEFAULT, TINY), model_config(config), 1)  # the tiny job fits
-    for many in (["train.eval_every=1", "train.eval_packs=99999999999"], ["data.packs_per_step=99999999999"],
+    for many in (["train.eval_every=1", "train.eval_packs=16777216"], ["data.packs_per_step=16777216"],
                  ["data.task_options={max_len: 99999999999}"]):  # evaluation packs, packs per step, documents
         with pytest.raises(ConfigError, match=r"needs at least [\d,.]+ GiB per rank"):
             check_pack_memory(load_config(DEFAULT, TINY + many), model_config(config), 1)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 
-from hybridpar.config import ConfigError, RunConfig
+from hybridpar.config import RULES, ConfigError, RunConfig
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.comm.units import mamba_layers
 from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, plan_layout, planned_shape
@@ -25,6 +26,7 @@ from hybridpar.plan.layout import Layout
 
 __all__ = ["Candidate", "search_layouts", "divisor_layouts"]
 
+MAX_FIT_LAYOUTS = 2000  # --world-size 2**20 has 1,771 (dp_replicate, dp_shard, cp, tp); 10**8 has 27,225
 POLICIES = ("none", "selective", "full")
 CP_ATTENTION = ("allgather", "ulysses", "ring")
 CP_MAMBA = ("a2a", "state")
@@ -52,7 +54,8 @@ class Candidate:
 
 def divisor_layouts(world: int) -> list[tuple[int, int, int, int]]:
     """``(dp_replicate, dp_shard, cp, tp)`` with product ``world``, tp and cp first-class."""
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    small = [d for d in range(1, math.isqrt(world) + 1) if world % d == 0]  # not range(world): 2**31-1 took minutes
+    divisors = sorted(set(small + [world // d for d in small]))
     out = []
     for tp in divisors:
         for cp in divisors:
@@ -101,6 +104,10 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
     from hybridpar.train.hf_model import meta_model
     from hybridpar.train.preflight import model_config
 
+    if (count := len(divisor_layouts(world))) > MAX_FIT_LAYOUTS:  # each layout is validated and priced: hours
+        raise ConfigError(f"plan --fit at --world-size {world} would price {count:,} layouts, more than the "
+                          f"{MAX_FIT_LAYOUTS:,} it searches (minutes); search the ranks of one model replica (e.g. "
+                          "--world-size 64) and multiply by parallel.dp_replicate, which leaves the memory per rank as it is.")
     shape = model_config(run)
     model = meta_model(shape)  # one shape-only model validates every candidate
     planned, hf_decoder = shape, False
@@ -119,6 +126,9 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
             candidate.data.packs_per_step = raised["data.packs_per_step"] = -(-candidate.data.packs_per_step // dp) * dp
         if candidate.train.eval_every and candidate.train.eval_packs % dp:  # evaluation costs no training memory
             candidate.train.eval_packs = raised["train.eval_packs"] = -(-candidate.train.eval_packs // dp) * dp
+        if over := [f"{k}={v} is not {RULES[k].text}" for k, v in raised.items() if not RULES[k].holds(v)]:
+            out.append(Candidate(keys, refused=f"dp={dp} needs {'; '.join(over)}", data=raised))  # train refuses it
+            continue
         layout_key = tuple(v for k, v in keys.items() if k != "activation_checkpointing")  # policies share a verdict
         if layout_key not in verdicts:
             verdicts[layout_key] = _verdict(candidate, world, model, shape, verdicts)
