@@ -160,3 +160,17 @@ def test_plan_fit_bounds_its_search_and_does_not_recommend_what_train_refuses():
     candidates = search_layouts(config, 2**31 - 1, 80.0)
     assert not [c for c in candidates if c.plan is not None and c.data.get("data.packs_per_step", 0) > 2**24]
     assert any("data.packs_per_step=2147483647 is not" in (c.refused or "") for c in candidates)
+
+
+def test_a_document_padding_no_pack_can_hold_is_not_told_pack_size_zero():
+    """Before: ``data.pad_to_multiple_of=4294967296`` (or ``2*cp`` past 2**31-1) was told "use data.pack_size=0"."""
+    from hybridpar.config import load_config
+    from hybridpar.train.batches import pack_size_fix
+    from hybridpar.train.preflight import validate_layout
+
+    config = load_config(None, ["model.preset=tiny", "parallel.cp=1", "data.pad_to_multiple_of=4294967296"])
+    with pytest.raises(ValueError) as error:
+        validate_layout(config, 1)
+    message = one_line(error)
+    assert "no pack holds a document" in message and "data.pack_size=0" not in message, message
+    assert pack_size_fix(100, 128) == 128 and pack_size_fix(2**31 - 2, 4) == 2**31 - 4

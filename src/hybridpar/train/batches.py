@@ -52,7 +52,11 @@ MAX_PACK_SIZE = 2**31 - 1  # cu_seqlens are int32
 
 
 def pack_size_fix(pack_size: int, multiple: int) -> int:
-    """The multiple of ``multiple`` nearest above ``pack_size``, or below it past ``MAX_PACK_SIZE``."""
+    """The multiple of ``multiple`` nearest above ``pack_size``, or below it past ``MAX_PACK_SIZE``; a ValueError when
+    ``multiple`` itself is past it (no pack size holds a padded document: was "use data.pack_size=0")."""
+    if multiple > MAX_PACK_SIZE:
+        raise DataError(f"the document padding {multiple} is more than the largest data.pack_size (2**31-1), so no pack "
+                        "holds a document; use a smaller parallel.cp or data.pad_to_multiple_of (2*cp by default).")
     up = -(-pack_size // multiple) * multiple
     return up if up <= MAX_PACK_SIZE else pack_size // multiple * multiple
 
