@@ -371,8 +371,6 @@ def _lone_surrogate(record: dict) -> str | None:
     return None
 
 
-
-
 def read_jsonl(paths: str | Path | Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-empty line; ValueError naming the line otherwise."""
     for path in _paths(paths):
