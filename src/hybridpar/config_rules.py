@@ -91,8 +91,15 @@ class Rule:
 
 def integer(low: int, high: int = INT64_MAX, why: str = "") -> Rule:
     """An integer in ``[low, high]`` (every integer key has a ceiling: int64's by default)."""
-    ceiling = {INT64_MAX: "2**63-1", SEED_MAX: "2**64-1", 2**31 - 1: "2**31-1", 2**24: "2**24"}.get(high, str(high))
-    return Rule(f"an integer >= {low} and <= {ceiling}{why}", lambda v: low <= v <= high)
+    return Rule(f"an integer >= {low} and <= {power_of_two_text(high)}{why}", lambda v: low <= v <= high)
+
+
+def power_of_two_text(n: int) -> str:
+    """``n`` as ``2**k`` or ``2**k-1`` when it is one, from 2**16 (int64's ceiling reads 2**63-1), else its digits."""
+    for k, less in ((n.bit_length() - 1, 0), (n.bit_length(), 1)):
+        if n >= 2**16 and 2**k - less == n:
+            return f"2**{k}" + "-1" * less
+    return str(n)
 
 
 def number(low: float, high: float | None = None, low_open: bool = False, high_open: bool = False) -> Rule:
