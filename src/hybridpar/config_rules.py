@@ -340,3 +340,37 @@ def not_key_value(overrides, index: int) -> str:
     if item.lower().endswith((".yaml", ".yml")) and "=" not in item:
         return f"override {quoted(item)} is not key=value; it names a YAML file: pass it as --config {shorten(item, 60)}."
     return f"override {quoted(item)} is not key=value; write e.g. train.steps=100."
+
+
+_UNSET = object()
+
+
+def _leaves(keys: tuple, value) -> list[tuple]:
+    """``(path, value)`` of every leaf an override writes: a non-empty mapping writes each of its keys."""
+    if isinstance(value, dict) and value:
+        return [leaf for name, inner in value.items() for leaf in _leaves(keys + (str(name),), inner)]
+    return [(keys, value)]
+
+
+def _value_at(value, path: tuple):
+    for name in path:
+        if not isinstance(value, dict) or name not in value:
+            return _UNSET
+        value = value[name]
+    return value
+
+
+def repeated_override(written: dict, item: str, keys: tuple, value) -> str | None:
+    """The message when override ``item`` (``keys`` = ``value``) changes what an earlier override wrote (the same key
+    to another value, or a section holding it replaced): the last would win without a word. ``written`` maps each
+    leaf path to ``(override, value)``; it is updated when there is no message."""
+    for path, (earlier, old) in written.items():
+        if path[:len(keys)] == keys and _value_at({None: value}, (None,) + path[len(keys):]) != old:
+            name = ".".join(path)
+            return (f"override {quoted(item, 60)} changes {shorten(name, 60)}, which the earlier override "
+                    f"{quoted(earlier, 60)} set: give each key once (the last would win without a word; a base set of "
+                    "keys belongs in --config FILE, which overrides change).")
+    for path in [path for path in written if path[:len(keys)] == keys]:
+        del written[path]
+    written.update((path, (item, leaf)) for path, leaf in _leaves(keys, value))
+    return None
