@@ -73,3 +73,16 @@ def test_missing_extra_is_a_clear_import_error(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_datasets)
     with pytest.raises(ImportError, match=r"pip install 'hybridpar\[data\]'"):
         hf_dataset_documents(tmp_path / "rows.jsonl")
+
+
+def test_a_cache_datasets_cannot_write_is_named_as_the_cache_not_the_file(tmp_path, monkeypatch):
+    """Before: a ``HF_DATASETS_CACHE`` that cannot be written (a file, a full disk) was told "dataset rows.jsonl cannot
+    be read ...; fix the file", of a file that is fine."""
+    import datasets
+
+    (tmp_path / "rows.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "taken").write_text("")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "taken" / "cache")
+    with pytest.raises(ValueError, match=r"rows.jsonl: datasets could not write its cache \(NotADirectoryError.*point "
+                                         r"HF_DATASETS_CACHE \(now .*taken/cache\) at a writable folder"):
+        hf_dataset_documents(tmp_path / "rows.jsonl")

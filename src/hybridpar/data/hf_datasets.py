@@ -41,11 +41,18 @@ def _datasets():
     return datasets
 
 
+def _within(name, path: Path) -> bool:
+    """Whether file ``name`` (an OSError's) is ``path`` or inside it."""
+    name = Path(str(name)).absolute()
+    return name == path.absolute() or path.absolute() in name.parents
+
+
 @contextlib.contextmanager
 def _reading(datasets, path: Path, split: str = "train"):
     """datasets' progress bars and log lines held back; what it cannot read (a CSV quote left open, a
     file that is not parquet, a split it does not have) one ValueError naming ``path`` and the root cause, not a
-    traceback."""
+    traceback; a file datasets could not write outside ``path`` is named as its cache; memory running out is raised
+    as it is."""
     bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors: said below, in one line
@@ -55,7 +62,14 @@ def _reading(datasets, path: Path, split: str = "train"):
         root = error
         while root.__cause__ is not None:  # DatasetGenerationError wraps the parser's own error
             root = root.__cause__
+        if isinstance(root, MemoryError):  # the machine, not the file
+            raise
         first = (str(root).strip().splitlines() or [type(root).__name__])[0]
+        if isinstance(root, OSError) and root.filename and not _within(root.filename, path):  # its cache, not the data
+            cache = datasets.config.HF_DATASETS_CACHE
+            raise ValueError(f"dataset {path}: datasets could not write its cache ({type(root).__name__}: "
+                             f"{shorten(first, 160)}); point HF_DATASETS_CACHE (now {shorten(str(cache), 80)}) at a "
+                             "writable folder with room.") from None
         if "corresponds to no data" in first:  # a CSV of its header alone: datasets' split instruction failed
             raise ValueError(f"dataset {path} holds no rows (a header, or nothing, and no record under it); write the "
                              "data into it, or point data.path at the file that holds it.") from None
