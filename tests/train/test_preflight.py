@@ -74,7 +74,8 @@ def test_data_export_and_resume_settings_are_refused_before_launch(tmp_path, ove
     (tmp_path / "full" / "weights.bin").write_text("the user's file")
     (tmp_path / "file").write_text("a file")
     overrides = [o.replace("OUT", str(tmp_path)) for o in overrides]
-    config = load_config(DEFAULT, [f"output_dir={tmp_path / 'run'}", "parallel.cp=1", "parallel.tp=1", *overrides])
+    run = [] if any(o.startswith("output_dir=") for o in overrides) else [f"output_dir={tmp_path / 'run'}"]
+    config = load_config(DEFAULT, [*run, "parallel.cp=1", "parallel.tp=1", *overrides])
     with pytest.raises(ValueError, match=message):
         validate_run(config, "train", 1)
     assert (tmp_path / "full" / "weights.bin").read_text() == "the user's file"
@@ -111,3 +112,21 @@ def test_a_dry_run_foretells_a_split_of_synthetic_documents_in_packs_too_large_t
         assert (f"documents of {options['min_len']}-{options['max_len']} tokens (data.task_options min_len, max_len), so "
                 f"{share} of them are longer than data.pack_size={pack_size}") in said and \
             f"use data.pack_size >= {options['max_len']} or data.task_options.max_len <= {pack_size}" in said, said
+
+
+def test_a_dry_run_compares_a_transformers_checkpoints_shapes_with_its_config(tmp_path):
+    """Before: a transformers checkpoint whose config.json disagrees with its weights (intermediate_size edited)
+    passed ``--dry-run`` ("config and layout valid") and was refused only once the model was built and loaded."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)).save_pretrained(tmp_path / "m")
+    overrides = [f"model.hf_path={tmp_path / 'm'}", f"output_dir={tmp_path / 'run'}", "data.pack_size=64"]
+    validate_run(load_config(None, overrides), "train", dry_run=True)  # as saved: no word
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(ValueError, match=r"3 tensors disagree with config.json: model.layers.0.mlp.gate_proj.weight "
+                                         r"\(checkpoint \[32, 16\], config \[48, 16\]\)"):
+        validate_run(load_config(None, overrides), "train", dry_run=True)

@@ -313,6 +313,15 @@ def check_hf_weights(path: str, backend: str, say: bool = True) -> None:
         raise ConfigError(f"model.hf_path={str(path)!r}: {problem}")
 
 
+def check_transformers_shapes(path: str, meta) -> None:
+    """ConfigError if a tensor of the checkpoint has another shape than config.json gives it (a dry run; a real run's
+    load says it, with transformers' name conversions)."""
+    from hybridpar.models.hf.checkpoint import transformers_shape_problem
+
+    if problem := transformers_shape_problem(path, meta):
+        raise ConfigError(f"model.hf_path={str(path)!r}: {problem}")
+
+
 def validate_run(config: RunConfig, command: str, world_size: int | None = None, dry_run: bool = False):
     """Every check that needs no process group (the launcher's preflight); returns the model shape.
 
@@ -330,7 +339,10 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
         check_hf_weights(config.model.hf_path, model_backend(config), say=dry_run)
     for note in unused_key_notices(config, command):
         notice(note)
-    local_ranks, meta = world_size or 1, apply_peft(config, meta_model(shape))  # shape-only: the model and its adapters
+    local_ranks, meta = world_size or 1, meta_model(shape)  # shape-only: the model (and its adapters, below)
+    if dry_run and config.model.hf_path and model_backend(config) != "hybrid":  # the hybrid backend: checked above
+        check_transformers_shapes(config.model.hf_path, meta)
+    meta = apply_peft(config, meta)
     state = check_model_memory(config, meta, local_ranks, moments=command == "train")
     check_pack_memory(config, shape, local_ranks, state)
     if note := pack_position_note(config):  # RoPE past max_position_embeddings: runs, extrapolating

@@ -32,7 +32,7 @@ from hybridpar.models.hf.config import (  # noqa: F401  (the config API is also 
     ARCHITECTURES, BAMBA, CONFIG_FILE, INDEX_FILE, MAMBA2, NEMOTRON_H, SHARD_FILE, WEIGHTS_FILE,
     _encode_floats, architecture_of, config_differences, config_from_hf, config_to_hf, read_hf_config,
 )
-from hybridpar.config_rules import Notice, as_path, quoted
+from hybridpar.config_rules import Notice, as_path, quoted, shorten
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.weights import _header, check_finite, check_floating, load_weight_file, weight_files
 from hybridpar.models.hybrid import HybridLM
@@ -73,9 +73,7 @@ def shape_problem(path: str | Path, say: bool = True) -> str | None:
     tensors are left to ``load_hf``)."""
     hf = read_hf_config(path)
     architecture, config = architecture_of(hf), config_from_hf(hf)
-    shapes = {}
-    for file in weight_files(path, WEIGHTS_FILE, INDEX_FILE, say):
-        shapes.update({name: entry["shape"] for name, entry in _header(file).items() if name != "__metadata__"})
+    shapes = stored_shapes(path, say)
     if "backbone.embedding.weight" in shapes:  # early mamba2 checkpoints
         shapes["backbone.embeddings.weight"] = shapes.pop("backbone.embedding.weight")
     prefix = "model." if architecture == NEMOTRON_H and "model.embeddings.weight" in shapes else "backbone."
@@ -86,6 +84,27 @@ def shape_problem(path: str | Path, say: bool = True) -> str | None:
         if name in shapes and list(shapes[name]) != list(param.shape):
             return (f"tensor {name} has shape {tuple(shapes[name])} but config.json implies {tuple(param.shape)}; the "
                     "config and weights disagree.")
+    return None
+
+
+def stored_shapes(path: str | Path, say: bool = True) -> dict[str, list[int]]:
+    """Every stored tensor's shape, from the safetensors headers (no tensor is read)."""
+    shapes = {}
+    for file in weight_files(path, WEIGHTS_FILE, INDEX_FILE, say):
+        shapes.update({name: entry["shape"] for name, entry in _header(file).items() if name != "__metadata__"})
+    return shapes
+
+
+def transformers_shape_problem(path: str | Path, model: torch.nn.Module) -> str | None:
+    """What transformers' load would find of ``model`` (the meta model config.json builds) against the stored
+    shapes: tensors stored under one of its names with another shape (names transformers converts on load are not
+    compared; the load reports those)."""
+    stored = stored_shapes(path, say=False)
+    wrong = [f"{name} (checkpoint {list(stored[name])}, config {list(tensor.shape)})"
+             for name, tensor in model.state_dict().items() if name in stored and list(stored[name]) != list(tensor.shape)]
+    if wrong:
+        return (f"{len(wrong)} tensors disagree with config.json: {shorten(', '.join(wrong[:3]), 300)}; check config.json "
+                "against the weights.")
     return None
 
 
