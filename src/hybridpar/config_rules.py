@@ -365,11 +365,12 @@ def repeated_override(written: dict, item: str, keys: tuple, value) -> str | Non
     to another value, or a section holding it replaced): the last would win without a word. ``written`` maps each
     leaf path to ``(override, value)``; it is updated when there is no message."""
     for path, (earlier, old) in written.items():
-        if path[:len(keys)] == keys and _value_at({None: value}, (None,) + path[len(keys):]) != old:
-            name = ".".join(path)
-            return (f"override {quoted(item, 60)} changes {shorten(name, 60)}, which the earlier override "
-                    f"{quoted(earlier, 60)} set: give each key once (the last would win without a word; a base set of "
-                    "keys belongs in --config FILE, which overrides change).")
+        new = _value_at({None: value}, (None,) + path[len(keys):]) if path[:len(keys)] == keys else old
+        if new != old:
+            now = "removed" if new is _UNSET else show_value(new)
+            return (f"overrides give {shorten('.'.join(path), 60)} twice: {show_value(old)} (in {quoted(earlier, 60)}), "
+                    f"then {now} (in {quoted(item, 60)}); give each key once (the last would win without a word; a base "
+                    "set of keys belongs in --config FILE, which overrides change).")
     for path in [path for path in written if path[:len(keys)] == keys]:
         del written[path]
     written.update((path, (item, leaf)) for path, leaf in _leaves(keys, value))
