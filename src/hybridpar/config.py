@@ -48,7 +48,7 @@ class DataConfig:
     task: str = "mqar"  # mqar | selective_copy | text | jsonl | chat | prompt_completion | hf_dataset | python_stdlib
     path: str | None = None  # the file (hf_dataset, python_stdlib: directory; python_stdlib null: this Python's stdlib)
     tokenizer: str = "auto"  # auto (model.hf_path's tokenizer, else bytes) | bytes | bpe (trained for the run) | a directory
-    pack_size: int = 256  # tokens per packed row; a multiple of 2*cp
+    pack_size: int = 512  # tokens per packed row; a multiple of 2*cp (512: a synthetic task's default document fits one)
     packs_per_step: int = 2  # packed rows per step over all dp ranks; each rank accumulates gradients over its share
     pad_to_multiple_of: int | None = None  # per-document padding; default 2*cp (a resumed run keeps the checkpoint's)
     seed: int = 0

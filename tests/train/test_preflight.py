@@ -130,3 +130,18 @@ def test_a_dry_run_compares_a_transformers_checkpoints_shapes_with_its_config(tm
     with pytest.raises(ValueError, match=r"3 tensors disagree with config.json: model.layers.0.mlp.gate_proj.weight "
                                          r"\(checkpoint \[32, 16\], config \[48, 16\]\)"):
         validate_run(load_config(None, overrides), "train", dry_run=True)
+
+
+@pytest.mark.parametrize("task", ["mqar", "selective_copy"])
+def test_the_built_in_defaults_split_no_synthetic_document(tmp_path, task, monkeypatch):
+    """Before: the built-in ``data.pack_size=256`` was below the synthetic tasks' default ``max_len=512``, so every run
+    on the defaults split documents across rows (a key in one row, its query in the next): 35 in a dry run."""
+    import warnings
+
+    from hybridpar.train.batches import PackStream
+
+    monkeypatch.setattr(PackStream, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate_run(load_config(None, [f"output_dir={tmp_path}", f"data.task={task}"]), "train", dry_run=True)
+    assert not [w for w in caught if "split" in str(w.message)], [str(w.message) for w in caught]
