@@ -347,3 +347,18 @@ def eval_repeat_note(stream: PackStream) -> str | None:
     return (f"train.eval_packs={want} asks for {want} packs per evaluation, but the held-out documents fill {have}: each "
             f"evaluation goes through them about {want // have:,} times, taking that much longer for the same "
             f"documents; use train.eval_packs={have} (a multiple of the data-parallel size) or fewer")
+
+
+def labelled_tokens(packs: list[dict]) -> int:
+    """How many tokens of ``packs`` carry a label (-100 marks one that does not)."""
+    return sum(int((np.asarray(pack["labels"]) != -100).sum()) for pack in packs)
+
+
+def check_eval_labels(stream: PackStream, pack_size: int) -> None:
+    """Refuse held-out packs without a labelled token (every evaluation reads the same ones): their mean loss and
+    accuracy are over zero tokens, which was printed as ``eval_loss 0.0000 | eval_acc 0.000``."""
+    if labelled_tokens(stream.step_packs(0)) == 0:
+        raise DataError(f"the held-out packs of an evaluation (train.eval_packs={stream.packs_per_step}) hold no labelled "
+                        f"token, so no eval loss or accuracy can be taken (a mean over zero tokens): documents longer than "
+                        f"data.pack_size={pack_size} are split and a piece may hold none; raise train.eval_packs or "
+                        "data.pack_size, or set train.eval_every=0.")

@@ -15,6 +15,8 @@ state; one all-reduce (MIN of a 0/1 flag) makes the verdict global.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,20 @@ class NonFiniteGuard:
 
     def __init__(self, policy: str = "stop", max_skips: int = 10, skipped: int = 0):
         self.policy, self.max_skips, self.skipped = policy, max_skips, skipped
+        self.empty_steps = 0  # steps without a labelled token (``empty``)
+
+    def empty(self, step: int, scheduler, pack_size: int, say: bool) -> dict:
+        """A step whose packs hold no labelled token (pieces of documents split at ``data.pack_size`` may hold
+        none): no loss (a mean over zero tokens), no update; the schedule moves on. Said once; the metrics count it."""
+        lr = scheduler.get_last_lr()[0]
+        step_schedule(scheduler)
+        self.empty_steps += 1
+        if say and self.empty_steps == 1:  # run.metrics.notice's line (importing it would close an import circle)
+            print(f"hybridpar: warning: step {step} holds no labelled token (documents longer than data.pack_size="
+                  f"{pack_size} are split, and a piece may hold none), so it has no loss and was skipped without an "
+                  "update; such steps are counted as empty_steps in metrics.jsonl. Raise data.pack_size to keep whole "
+                  "documents in a pack.", file=sys.stderr, flush=True)
+        return {"lr": lr, "empty_steps": self.empty_steps}
 
     def check(self, step: int, loss: float, grad_norm: float, lr: float) -> bool:
         """True to apply the step; False to skip it; raises ``NonFiniteError`` to stop."""
@@ -45,6 +61,14 @@ class NonFiniteGuard:
                                  f"train.max_nonfinite_skips={self.max_skips}; the run stopped. Fix: {advice}.")
         raise NonFiniteError(f"{what}; the run stopped before applying it (train.on_nonfinite=stop). Fix: {advice}, "
                              "or set train.on_nonfinite=skip to skip such steps.")
+
+
+def step_schedule(scheduler) -> None:
+    """``scheduler.step()`` without torch's UserWarning that no optimizer step came before it (a skipped step,
+    non-finite or empty, is one on purpose; it was printed as a raw warning when the run's first steps were)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        scheduler.step()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

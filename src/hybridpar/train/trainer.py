@@ -43,7 +43,7 @@ from hybridpar.parallel.parallelize import parallelize
 from hybridpar.parallel.precision import set_tf32
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.train.baseline import unigram_loss
-from hybridpar.train.batches import PackStream, eval_repeat_note, pad_multiple, validate_data
+from hybridpar.train.batches import PackStream, check_eval_labels, eval_repeat_note, pad_multiple, validate_data
 from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.run.export import export_trained, validate_export
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
@@ -51,7 +51,7 @@ from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss
                                       model_backend, randomness_problem, use_blockwise_attention)
 from hybridpar.train.loss import global_sum, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
-from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state
+from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state, step_schedule
 from hybridpar.train.peft import apply_peft, key_dropout, lora_line
 from hybridpar.train.run.adapters import adapter_layout, base_reference, check_same_base
 from hybridpar.train.optim import apply_settings, build_optimizer, build_scheduler, clip_grad_norm
@@ -213,6 +213,7 @@ class Trainer:
         if self._eval_data is None:
             eval_config = dataclasses.replace(self.data, packs_per_step=self.config.train.eval_packs)
             self._eval_data = self._stream(eval_config, seed_offset=10_000)
+            check_eval_labels(self._eval_data, self.config.data.pack_size)  # before step 1 (_loop)
             if note := eval_repeat_note(self._eval_data):  # at the first evaluation
                 notice(note)
         return self._eval_data
@@ -230,12 +231,12 @@ class Trainer:
         loss_sum, predicted = pack_loss_sum(self.model, sharded, predictions)
         return loss_sum, predicted, sharded.labels
 
-    def step_gradients(self, step: int) -> Tensor:
-        """Forward/backward of every pack of ``step`` on this rank; returns the global loss."""
+    def step_gradients(self, step: int) -> Tensor | None:
+        """Forward/backward of every pack of ``step`` on this rank; returns the global loss (None: no labelled token)."""
         packs = self.train_data.rank_packs(step, self.layout.dp_rank, self.layout.dims.size("dp"))
         count = global_sum(sum(valid_token_count(p["labels"]) for p in packs), self.layout.dp_group)
-        if int(count) == 0:
-            raise ValueError(f"step {step} has no labelled token; check data.task and data.pack_size.")
+        if int(count) == 0:  # on every rank alike: the step is skipped (NonFiniteGuard.empty), no collective waits
+            return None
         loss_total, aux_total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for index, pack in enumerate(packs):
             set_micro_batch(self.model, index, len(packs))  # FSDP reduces gradients once, after the last pack
@@ -254,7 +255,8 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         """One optimizer step; a non-finite loss or gradient norm is stopped (or skipped) by the guard."""
-        loss = self.step_gradients(step)
+        if (loss := self.step_gradients(step)) is None:  # nothing to learn: no loss, no update
+            return self.guard.empty(step + 1, self.scheduler, self.config.data.pack_size, self.rank == 0)
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         metrics = {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr}
@@ -265,7 +267,7 @@ class Trainer:
             raise
         if apply:
             self.optimizer.step()
-        self.scheduler.step()
+        step_schedule(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
         if self.guard.skipped:
             metrics["skipped_steps"] = self.guard.skipped

@@ -113,7 +113,7 @@ def format_line(record: dict) -> str:
                "tokens_per_s": "{:,.0f} tok/s", "peak_memory_gib": "peak {:.2f} GiB",
                "tensor_peak_gib": "tensors {:.3f} GiB",
                "eval_loss": "eval_loss {:.4f}", "unigram_loss": "(unigram {:.4f})", "eval_accuracy": "eval_acc {:.3f}",
-               "skipped_steps": "skipped {:.0f} non-finite steps"}
+               "skipped_steps": "skipped {:.0f} non-finite steps", "empty_steps": "skipped {:.0f} steps without a label"}
     for key, fmt in formats.items():
         if key in record:
             text = fmt.format(record[key]) if record[key] is not None else f"{key} non-finite"

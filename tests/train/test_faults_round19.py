@@ -1,0 +1,50 @@
+"""Round 19 of fault hunting (docs/reliability.md, "Round 19"): a long run meeting trouble with its processes,
+signals and numerics; every case in this process but the one that signals a real two-process run."""
+
+from __future__ import annotations
+
+import json
+
+from tests.train.fault_probes import cli
+
+
+def _prompt_file(tmp_path):
+    """Prompt/completion records whose prompts are far longer than a 32-token pack: most pieces of a split
+    document are prompt only, with no labelled token."""
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"question {i}: " + "blah " * 60, "completion": f"ok {i}"}) + "\n"
+                            for i in range(40)))
+    return path
+
+
+def _train(tmp_path, *overrides):
+    out = tmp_path / "run"
+    code, output = cli("train", "model.preset=tiny", "data.task=prompt_completion", f"data.path={_prompt_file(tmp_path)}",
+                       "data.pack_size=32", "train.warmup_steps=0", f"output_dir={out}", "plot=false",
+                       "tensorboard=false", "checkpoint.every=-1", *overrides)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").is_file() else []
+    return code, output, records
+
+
+def test_a_step_without_a_labelled_token_is_skipped_not_fatal(tmp_path, recwarn):
+    """Before: a step whose packs held no labelled token (pieces of documents split at ``data.pack_size``: a prompt
+    alone, or a synthetic MQAR document cut before its answers, as at step 116 of the tiny model at pack_size=64)
+    ended the run with exit 2, "step 0 has no labelled token" (numbered from 0, unlike every other line), hours into
+    a run. Now it is skipped (no loss over zero tokens, no update), said once and counted in metrics.jsonl; torch's
+    raw UserWarning of a scheduler step without an optimizer step before it (a skipped first step) is held back."""
+    code, output, records = _train(tmp_path, "data.packs_per_step=1", "train.steps=2", "train.eval_every=0")
+    assert code == 0, output
+    assert output.count("step 1 holds no labelled token") == 1 and "Traceback" not in output, output
+    assert records[0]["empty_steps"] == 1 and "loss" not in records[0] and "grad_norm" not in records[0], records
+    assert "skipped 1 steps without a label" in output, output
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
+def test_held_out_packs_without_a_labelled_token_are_refused_before_step_1(tmp_path):
+    """Before: ``eval_loss 0.0000 | eval_acc 0.000``, a mean over zero tokens printed as a perfect loss (the count was
+    clamped to 1). Every evaluation reads the same held-out packs, so it is refused before step 1."""
+    code, output, records = _train(tmp_path, "data.packs_per_step=16", "train.steps=1", "train.eval_every=1",
+                                   "train.eval_packs=1")
+    assert code == 2 and "held-out packs of an evaluation (train.eval_packs=1) hold no labelled token" in output, output
+    assert "eval_loss" not in output and not records, output
