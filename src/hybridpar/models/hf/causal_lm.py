@@ -133,7 +133,15 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
             head.weight is not embeddings.weight and not torch.equal(head.weight, embeddings.weight):
         warnings.warn(untied_head_note(path), Notice, stacklevel=2)  # transformers did not tie them: said, and kept
         model.config.tie_word_embeddings = False  # so that no later tie_weights() (the export's) drops the stored head
+    eager_experts_in_float64(model)
     return model
+
+
+def eager_experts_in_float64(model: nn.Module) -> None:
+    """A float64 transformers MoE on transformers' eager experts: its default ``torch._grouped_mm`` takes no
+    float64 (a RuntimeError traceback at the first forward of ``generate --hf-path`` or ``load_causal_lm``)."""
+    if model.dtype == torch.float64 and type(model)._can_set_experts_implementation():
+        model.set_experts_implementation("eager")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
