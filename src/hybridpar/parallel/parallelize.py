@@ -181,6 +181,9 @@ def parallelize(
     the Mamba CP strategies, and it refuses packed documents its attention would not separate
     (``context/hf.refuse_unread_documents``).
     """
+    if not isinstance(model, nn.Module):  # parallelize("ckpt/", dims): "'str' object has no attribute 'named_modules'"
+        raise ValueError(f"parallelize takes the model (an nn.Module), got {type(model).__name__}; build or load it "
+                         "first, e.g. parallelize(load_causal_lm(path), dims).")
     if hf_cp.is_hf_model(model):
         install_mamba_core(model)
         install_mamba1_core(model)  # Jamba, FalconMamba, Mamba: the document-resetting selective scan

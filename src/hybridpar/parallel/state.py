@@ -99,20 +99,35 @@ def _shard_like(full: Tensor, param: DTensor) -> Tensor:
 @torch.no_grad()
 def load_canonical_state_dict(model: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
     """Copy full canonical tensors (``canonical_state_dict``'s format) into ``model``'s
-    parameters, sharded like each parameter. ``strict``: every key used, every parameter set."""
+    parameters, sharded like each parameter. ``strict``: every key used, every parameter set.
+    Every tensor is checked before the first is copied: a refused state leaves the model as it was."""
     _check_module(model, "load_canonical_state_dict")
     if not isinstance(state, dict):
         raise ValueError(f"load_canonical_state_dict: state must be a dict of name -> tensor, got {type(state).__name__}.")
-    components = _components(model)
-    used, missing = set(), []
-    for name, param in model.named_parameters():
-        if name in components:
-            key, position, sizes = components[name]
-            source = state.get(key)
-            full = None if source is None else source.split(sizes, dim=0)[position]
+    pairs = _state_pairs(model, state, strict)
+    for param, full in pairs:
+        full = full.to(device=param.device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            param.to_local().copy_(_shard_like(full, param))
         else:
-            key = canonical_name(name)
-            full = state.get(key)
+            param.copy_(full)
+
+
+def _state_pairs(model: nn.Module, state: dict, strict: bool) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, full tensor)`` for each parameter ``state`` sets; ValueError for a value that is not a tensor,
+    a shape unlike the parameter's, and (``strict``) a key missing or unused."""
+    components = _components(model)
+    used, missing, pairs = set(), [], []
+    for name, param in model.named_parameters():
+        key, position, sizes = components.get(name, (canonical_name(name), None, None))
+        source = state.get(key)
+        if source is not None and not isinstance(source, Tensor):  # a numpy array was "has no attribute 'to'"
+            raise ValueError(f"load_canonical_state_dict: state[{key!r}] is a {type(source).__name__}, not a "
+                             "torch.Tensor; pass tensors (torch.from_numpy(array) for a numpy array).")
+        if position is not None and source is not None and (source.dim() == 0 or source.shape[0] != sum(sizes)):
+            raise ValueError(f"{key}: state tensor has shape {tuple(source.shape)}, its rows are not the model's "
+                             f"{sum(sizes)} (full shape); load a state of the same model config.")
+        full = source if source is None or position is None else source.split(sizes, dim=0)[position]
         if full is None:
             missing.append(key)
             continue
@@ -120,12 +135,14 @@ def load_canonical_state_dict(model: nn.Module, state: dict[str, Tensor], strict
         if tuple(full.shape) != tuple(param.shape):
             raise ValueError(f"{key}: state tensor has shape {tuple(full.shape)} but the parameter {name} is "
                              f"{tuple(param.shape)} (full shape); load a state of the same model config.")
-        full = full.to(device=param.device, dtype=param.dtype)
-        if isinstance(param, DTensor):
-            param.to_local().copy_(_shard_like(full, param))
-        else:
-            param.copy_(full)
+        pairs.append((param, full))
     unexpected = sorted(set(state) - used)
     if strict and (missing or unexpected):
-        raise ValueError(f"canonical state does not match the model: missing {sorted(set(missing))}, unexpected "
-                         f"{unexpected}; pass strict=False to load a subset.")
+        raise ValueError(f"canonical state does not match the model: missing {_some(sorted(set(missing)))}, "
+                         f"unexpected {_some(unexpected)}; pass strict=False to load a subset.")
+    return pairs
+
+
+def _some(names: list[str]) -> str:
+    """``names`` for a one-line message: the count and the first three."""
+    return f"{len(names)} {names[:3]}" + (" ..." if len(names) > 3 else "")

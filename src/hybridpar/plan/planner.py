@@ -9,6 +9,7 @@ import resource
 from dataclasses import dataclass
 
 from hybridpar.config import RunConfig, config_from_dict, to_dict
+from hybridpar.config_rules import quoted
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.plan.estimate import H100, DeviceFigures, TimeEstimate, estimate_time
 from hybridpar.plan.layout import DTYPE_BYTES, Layout, adapter_bytes
@@ -62,6 +63,9 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
 
     if isinstance(run, RunConfig):  # one built or changed by hand gets load_config's checks (was an AttributeError)
         config_from_dict(to_dict(run))
+    if not isinstance(device, DeviceFigures):  # device="h100" was "'str' object has no attribute 'bf16_tflops'"
+        raise ValueError(f"device={quoted(device)} is not a DeviceFigures; pass hybridpar.plan.H100, or "
+                         "dataclasses.replace(H100, name=..., memory_gib=...) for another device.")
     model = validate_layout(run, world_size)
     most = run.data.pack_size  # a document holds a token at least
     if not isinstance(docs_per_pack, int) or isinstance(docs_per_pack, bool) or not 1 <= docs_per_pack <= most:
