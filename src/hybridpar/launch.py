@@ -124,15 +124,22 @@ class WorkerChannel:
 
     def report(self, message: str, code: int) -> bool:
         """Record the job's failure unless another rank already did; True if this one was first."""
+        ended = self.ended_peers()  # before the report exists: no rank has yet ended because of it
         try:
             fd = os.open(self.directory / REPORT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
         with os.fdopen(fd, "w") as handle:
-            json.dump({"rank": self.rank, "code": code, "message": message}, handle)
+            json.dump({"rank": self.rank, "code": code, "message": message, "ended_before": ended}, handle)
         if code == 2:  # bad input (module docstring)
             self.stop_peers()
         return True
+
+    def ended_peers(self) -> list[int]:
+        """The other ranks whose process has already ended without finishing (its heartbeat file is
+        still there): killed before this rank failed, so the cause of its failure."""
+        return [rank for rank, pid, _ in worker_heartbeats(self.directory, time.time())
+                if rank != self.rank and pid > 0 and not _alive(pid)]
 
     def stop_peers(self, wait_s: float = 2.0) -> None:
         """SIGTERM every other running worker and wait (at most ``wait_s``) until they are gone.
@@ -298,10 +305,12 @@ def _outcome(nproc: int, failures: dict | None, stopped_by: int | None, watchdog
     # the reporter too if it had not yet exited) or, after a rank exited, aborted in gloo's teardown when
     # their peer vanished (SIGABRT, "terminate called without an active exception"): the report is the cause
     after_exit = (signal.SIGTERM, signal.SIGABRT) if exited else (signal.SIGTERM,)
-    stopped_after_report = report is not None and all(-f.exitcode in after_exit for f in killed.values())
+    # ... unless a killed rank had ended before the report was written (a SIGTERM from outside): it is the cause
+    ended_first = [rank for rank in (report or {}).get("ended_before") or () if rank in killed]
+    stopped_after_report = report is not None and not ended_first and all(-f.exitcode in after_exit for f in killed.values())
     if killed and not stopped_after_report:  # the agent SIGTERMs the others after the first death: name the first
-        first = [r for r, f in killed.items() if f.exitcode != -signal.SIGTERM] or \
-            [r for r in killed if r == watchdog.first_death] or sorted(killed)
+        # ``failures`` lists first the ranks the agent found ended before it stopped the others (then by rank)
+        first = ended_first or [r for r, f in killed.items() if f.exitcode != -signal.SIGTERM] or list(killed)
         rank, failure = first[0], killed[first[0]]
         say(f"error: rank {rank} (pid {failure.pid}) was killed by {signal.Signals(-failure.exitcode).name}; "
             "the job was stopped. Resume from the last checkpoint with checkpoint.resume=auto.")

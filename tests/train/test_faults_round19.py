@@ -48,3 +48,32 @@ def test_held_out_packs_without_a_labelled_token_are_refused_before_step_1(tmp_p
                                    "train.eval_packs=1")
     assert code == 2 and "held-out packs of an evaluation (train.eval_packs=1) hold no labelled token" in output, output
     assert "eval_loss" not in output and not records, output
+
+
+def test_a_worker_killed_from_outside_is_named_not_its_peers_failed_collective(tmp_path, capsys):
+    """Before: ``kill PID`` (SIGTERM, as a scheduler's preemption sends) of one worker of a two-process run was
+    reported as the other rank's "a collective failed (... Connection reset by peer ... GLHF!)" when that rank
+    reported first (a SIGTERM after a report reads as the agent's stop), and as "rank 0 was killed by SIGTERM"
+    whichever rank was killed when neither reported (the lowest rank was named). The reporter now records the peers
+    already ended (heartbeat left, process gone), and the agent's failures keep the order it found them in."""
+    import signal
+    import subprocess
+    from types import SimpleNamespace
+
+    from hybridpar.launch import REPORT, Watchdog, WorkerChannel, _outcome
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has: rank 0, killed
+    (tmp_path / "heartbeat.0").write_text(str(gone.pid))
+    (tmp_path / "heartbeat.1").write_text(str(__import__("os").getpid()))
+    WorkerChannel(tmp_path, 1, 60).report("rank 1: a collective failed (Connection reset by peer); a peer rank died", 1)
+    report = json.loads((tmp_path / REPORT).read_text())
+    assert report["ended_before"] == [0], report
+    failures = {1: SimpleNamespace(exitcode=1, pid=12), 0: SimpleNamespace(exitcode=-signal.SIGTERM, pid=11)}
+    assert _outcome(2, failures, None, Watchdog(tmp_path, 60), report) == 1
+    said = capsys.readouterr().err
+    assert "rank 0 (pid 11) was killed by SIGTERM" in said and "collective" not in said, said
+    # no report (the agent stopped the survivor first): the rank it found ended first, not the lowest rank
+    failures = {1: SimpleNamespace(exitcode=-signal.SIGTERM, pid=12), 0: SimpleNamespace(exitcode=-signal.SIGTERM, pid=11)}
+    assert _outcome(2, failures, None, Watchdog(tmp_path, 60), None) == 1
+    assert "rank 1 (pid 12) was killed by SIGTERM" in capsys.readouterr().err
