@@ -77,3 +77,20 @@ def test_a_worker_killed_from_outside_is_named_not_its_peers_failed_collective(t
     failures = {1: SimpleNamespace(exitcode=-signal.SIGTERM, pid=12), 0: SimpleNamespace(exitcode=-signal.SIGTERM, pid=11)}
     assert _outcome(2, failures, None, Watchdog(tmp_path, 60), None) == 1
     assert "rank 1 (pid 12) was killed by SIGTERM" in capsys.readouterr().err
+
+
+def test_resuming_with_another_train_steps_says_the_learning_rate_moves():
+    """Before: a run of 3 steps (cosine decay to min_lr_ratio=0.1) resumed with ``train.steps=6`` trained step 4 at
+    lr 1.65e-3 where its schedule had ended at 3e-4, without a word, while a changed ``train.lr`` or
+    ``warmup_steps`` was said. A constant rate (``min_lr_ratio=1``) or an unchanged decay says nothing."""
+    from hybridpar.config import load_config
+    from hybridpar.train.run.numerics import numeric_changes
+
+    info = {"step": 3, "config": {"train": {"steps": 3}}}
+    keys = ["train.lr=0.003", "train.warmup_steps=0", "train.min_lr_ratio=0.1"]
+    [note] = numeric_changes("ck", info, load_config(None, [*keys, "train.steps=6"]))
+    assert "train.steps=3; resuming with 6" in note and "step 4 trains at lr 0.00165" in note and "0.0003" in note, note
+    assert not numeric_changes("ck", info, load_config(None, [*keys[:2], "train.min_lr_ratio=1", "train.steps=6"]))
+    assert not numeric_changes("ck", info, load_config(None, [*keys, "train.steps=3"]))
+    assert not numeric_changes("ck", {**info, "step": 1}, load_config(None, [*keys[:1], "train.warmup_steps=5",
+                                                                            "train.steps=6"]))  # still warming up

@@ -7,16 +7,20 @@ optimizer settings (``train.lr``, ``betas``, ``weight_decay``, ``warmup_steps``,
 ``min_lr_ratio``): a checkpoint's optimizer state holds the old ones, and loading it used to keep
 them silently; the run applies the new ones after loading (``optim.apply_settings``) and says so.
 And the other settings each step reads afresh (``train.grad_clip``, ``peft.dropout``, and
-``train.seed``, which keys the dropout masks), whose change moves the losses as much.
+``train.seed``, which keys the dropout masks), whose change moves the losses as much. And ``train.steps``, when
+the cosine decay it ends moves the learning rate of the steps still to run (a run extended from 10 to 20 steps
+climbs back from its final rate).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from hybridpar.config import RunConfig
 from hybridpar.models.token_dropout import random_fields
+from hybridpar.train.optim import warmup_cosine
 
 KEYS = (("model", "dtype"), ("parallel", "mixed_precision"))
 OPTIMIZER_KEYS = (("train", "lr"), ("train", "betas"), ("train", "weight_decay"), ("train", "warmup_steps"),
@@ -40,7 +44,23 @@ def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str
         notes.append(f"warning: checkpoint {path} was trained with train.seed={seed}; resuming with "
                      f"{config.train.seed} draws other dropout masks from the next step on ({drawn}), "
                      "so the losses will not be those of the uninterrupted run")
-    return notes
+    return notes + ([note] if (note := schedule_change(path, info, config)) else [])
+
+
+def schedule_change(path: str | Path, info: dict, config: RunConfig) -> str | None:
+    """A warning when ``train.steps`` differs from checkpoint ``path``'s and so changes the learning rate of the next
+    step (the cosine decay ends at ``train.steps``; a constant rate, ``min_lr_ratio=1``, does not change)."""
+    train, step = config.train, info.get("step")
+    before = ((info.get("config") or {}).get("train") or {}).get("steps")
+    if not isinstance(before, int) or not isinstance(step, int) or before == train.steps or step >= train.steps:
+        return None
+    old, new = (train.lr * warmup_cosine(step, train.warmup_steps, total, train.min_lr_ratio) for total in (before, train.steps))
+    if math.isclose(old, new, rel_tol=1e-6):
+        return None
+    return (f"warning: checkpoint {path} was trained with train.steps={before}; resuming with {train.steps} recomputes the "
+            f"learning-rate decay over {train.steps} steps, so step {step + 1} trains at lr {new:.3g} where the "
+            f"{before}-step schedule {'gives' if step < before else 'had ended at'} {old:.3g}, and the losses will not be "
+            "those of the uninterrupted run (train.min_lr_ratio=1.0 keeps a constant rate)")
 
 
 def random_draws(config: RunConfig) -> str | None:
