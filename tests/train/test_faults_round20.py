@@ -78,3 +78,53 @@ def test_a_value_that_is_not_a_model_or_a_device_is_one_line():
     with pytest.raises(ValueError) as error:
         hp.make_plan(run, 1, device="h100")
     assert "device='h100' is not a DeviceFigures" in one_line(error)
+
+
+def test_numpy_and_0d_tensor_numbers_are_the_numbers_they_stand_for():
+    """Before: every public call held its integers to ``isinstance(value, int)``, so a size computed with numpy was
+    refused as what it is: "hidden_size=np.int64(64) must be a positive integer", "ParallelDims.cp=np.int64(2) must be a
+    positive integer", "pack_size must be an int", "peft.r=np.int64(4) ... must be an integer >= 1", "chunk_size=
+    np.int64(8) must be a positive int", "world_size=np.int64(1) must be an integer >= 1", and ``top_p=np.float32(0.9)``
+    "must be in (0, 1]"; a bool, a string and ``np.bool_`` are still refused."""
+    np = pytest.importorskip("numpy")
+    import hybridpar as hp
+
+    config = hp.HybridConfig.from_preset("tiny", hidden_size=np.int64(64), norm_eps=np.float32(1e-5))
+    assert type(config.hidden_size) is int and type(config.norm_eps) is float
+    assert hp.ParallelDims(cp=np.int64(2), tp=torch.tensor(1)) == hp.ParallelDims(cp=2)
+    assert hp.pack_documents([[1, 2, 3]], np.int32(8), cp_size=np.int64(2))[0]["input_ids"].numel() == 8
+    torch.manual_seed(0)
+    model = hp.HybridLM(config).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(ids, np.int64(3), temperature=np.float32(1.0), top_p=np.float32(0.9), seed=np.int64(5)),
+                       model.generate(ids, 3, temperature=1.0, top_p=0.9, seed=5))
+    hidden, weight, labels = torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, 3, -100])
+    assert torch.equal(hp.lm_head_loss(hidden, weight, labels, chunk_size=np.int64(2), scale=np.float32(0.5))[0],
+                       hp.lm_head_loss(hidden, weight, labels, chunk_size=2, scale=0.5)[0])
+    assert len(hp.add_lora(hp.HybridLM(config), r=np.int64(4), alpha=np.float32(8))) > 0
+    run = hp.load_config(None, ["model.preset=tiny", "parallel.cp=1"])
+    assert hp.make_plan(run, np.int64(1), docs_per_pack=np.int64(2)).layout is not None
+    for wrong in (True, "2", np.bool_(True), torch.tensor([2])):
+        with pytest.raises(ValueError) as error:
+            hp.ParallelDims(cp=wrong)
+        assert "must be a positive integer" in one_line(error)
+
+
+@pytest.mark.parametrize("eos, said", [("2", "(got '2')"), (-1, "(got -1)"), (256, "(got 256)"), ([2, 300], "(got 300)"),
+                                       (True, "(got True)"), (2.0, "(got 2.0)")])
+def test_an_end_token_that_is_not_a_token_id_is_one_line(eos, said):
+    """Before: ``HybridLM.generate(..., eos_token_id="2")`` was a ``TypeError`` traceback from ``torch.full_like``, a
+    numpy id or a 0-d tensor "not iterable", and an id outside the vocabulary (-1, 256) generated every token without a
+    word, as it can never be drawn; a numpy id and a tensor of ids now stop the row as their ints do."""
+    np = pytest.importorskip("numpy")
+    import hybridpar as hp
+
+    torch.manual_seed(0)
+    model = hp.HybridLM(hp.HybridConfig.from_preset("tiny")).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError) as error:
+        model.generate(ids, 3, eos_token_id=eos)
+    assert said in one_line(error) and "vocab_size=256" in one_line(error), one_line(error)
+    first = int(model.generate(ids, 1)[0, -1])
+    for same in (first, np.int64(first), torch.tensor(first), torch.tensor([first, 7]), (first,)):
+        assert model.generate(ids, 5, eos_token_id=same).shape == (1, 4)

@@ -137,9 +137,12 @@ def pack_documents(
     ``one_per_row=True`` gives every document (piece) a row of its own, padded to ``pack_size``:
     for models whose token mixers cannot reset at document boundaries (``train/packing_rule.py``).
     """
+    from hybridpar.models.arguments import python_number
+
     def integer(value) -> bool:  # 1.5 was cut to 1
         return isinstance(value, int) and not isinstance(value, bool)
 
+    pack_size, cp_size, pad_id, pad_to_multiple_of = map(python_number, (pack_size, cp_size, pad_id, pad_to_multiple_of))
     if not integer(pad_id) or pad_id < 0:
         raise ValueError(f"pad_id={quoted(pad_id)} must be a token id, an integer >= 0 (a negative id is outside the "
                          "embedding); pass e.g. pad_id=0.")

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.config_rules import quoted
+from hybridpar.models.arguments import end_token_ids, python_number
 from hybridpar.models.attention.rotary import apply_rotary, rotary_cos_sin
 from hybridpar.models.mamba.core import mamba_conv_scan
 
@@ -248,9 +249,10 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temper
     Stops early once every row has produced an ``eos_token_id`` (one id or a list); a row that
     finished first is filled with its end token. ``seed`` makes sampling reproducible.
     """
+    max_new_tokens, temperature, top_p, seed = map(python_number, (max_new_tokens, temperature, top_p, seed))
     check_sampling(max_new_tokens, temperature, top_p, seed)
     _check_ids(model, input_ids)
-    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    eos = end_token_ids(eos_token_id, model.config.vocab_size)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.config_rules import Rule, integer, number, one_of, quoted
+from hybridpar.models.arguments import python_number, python_numbers
 from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.blocks import MLP, ResidualBlock, RMSNorm
 from hybridpar.models.lm_head_loss import ChunkedLMHeadLoss, check_token_values
@@ -71,7 +72,8 @@ class HybridConfig:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        self.time_step_limit = tuple(self.time_step_limit)
+        self.time_step_limit = tuple(map(python_number, self.time_step_limit))
+        python_numbers(self, MODEL_RULES)  # np.int64(64) is 64 (was "must be a positive integer")
         self.validate()
 
     def validate(self) -> None:

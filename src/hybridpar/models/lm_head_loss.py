@@ -63,6 +63,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from hybridpar.models.arguments import python_number
 from hybridpar.models.lm_head_blocks import block_gradient, block_statistics
 from hybridpar.models.precision import full_precision
 
@@ -329,6 +330,7 @@ def chunked_lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chun
     _reject_sharded(weight)
     if getattr(weight, "placements", None) is not None:
         weight = weight.to_local()  # replicated DTensor: the whole weight on every rank
+    chunk_size, scale, softcap = map(python_number, (chunk_size, scale, softcap))  # np.int64(2048) is 2048
     check_lm_head_inputs(hidden, weight, labels, chunk_size)
     check_logit_transform(scale, softcap)
     flat_labels = labels.reshape(-1).long()

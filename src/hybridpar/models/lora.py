@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hybridpar.config_rules import quoted
+from hybridpar.models.arguments import python_number
 from hybridpar.models.lora_experts import adapt_experts, adapter_child, expert_lora_modules, expert_targets
 from hybridpar.models.token_dropout import TokenDropout, dropout_tokens
 
@@ -146,6 +147,7 @@ def add_lora(model: nn.Module, *, r: int = 8, alpha: float = 16.0, dropout: floa
     """
     if not isinstance(model, nn.Module):  # add_lora("x"): an AttributeError
         raise ValueError(f"add_lora takes the model (an nn.Module), got {quoted(model, 60)} (type {type(model).__name__}).")
+    r, alpha, dropout, seed = map(python_number, (r, alpha, dropout, seed))  # np.int64(4) is 4
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise ValueError(f"peft.r={r!r} is invalid: the LoRA rank must be an integer >= 1; e.g. peft.r=8.")
     if not _number(dropout) or not 0.0 <= dropout < 1.0:

@@ -36,6 +36,9 @@ class ParallelDims:
     tp: int = 1
 
     def __post_init__(self):
+        from hybridpar.models.arguments import python_numbers
+
+        python_numbers(self, MESH_DIMS)  # np.int64(2) is 2 (was "must be a positive integer")
         for name in MESH_DIMS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

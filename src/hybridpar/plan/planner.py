@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import RunConfig, config_from_dict, to_dict
 from hybridpar.config_rules import quoted
+from hybridpar.models.arguments import python_number
 from hybridpar.models.hybrid import HybridConfig
 from hybridpar.plan.estimate import H100, DeviceFigures, TimeEstimate, estimate_time
 from hybridpar.plan.layout import DTYPE_BYTES, Layout, adapter_bytes
@@ -61,6 +62,7 @@ def make_plan(run: RunConfig, world_size: int | None = None, device: DeviceFigur
     (``TransformersPlan``)."""
     from hybridpar.train.preflight import validate_layout
 
+    world_size, docs_per_pack = python_number(world_size), python_number(docs_per_pack)  # np.int64(8) is 8
     if isinstance(run, RunConfig):  # one built or changed by hand gets load_config's checks (was an AttributeError)
         config_from_dict(to_dict(run))
     if not isinstance(device, DeviceFigures):  # device="h100" was "'str' object has no attribute 'bf16_tflops'"

@@ -46,6 +46,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hybridpar.models.arguments import python_number
 from hybridpar.models.lm_head_loss import (
     IGNORE_INDEX, LMHeadLoss, chunked_lm_head_loss, check_label_values, check_lm_head_inputs, compute_dtype,
     check_logit_transform, local_gradients, local_statistics, loss_from_statistics,
@@ -199,6 +200,7 @@ def vocab_parallel_lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, 
     the TP mesh (sequence-sharded ``Shard(1)`` is gathered). ``labels``: the local tokens' labels.
     ``scale``/``softcap``: the logits' transform, as ``chunked_lm_head_loss``'s.
     """
+    chunk_size, scale, softcap, vocab_size = map(python_number, (chunk_size, scale, softcap, vocab_size))
     local_weight, group, vocab = _local_weight(weight, tp_group, vocab_size)
     check_lm_head_inputs(hidden, local_weight, labels, chunk_size)  # global hidden shape: no communication
     check_logit_transform(scale, softcap)
