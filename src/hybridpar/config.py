@@ -21,6 +21,7 @@ import dataclasses
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import yaml
 
 from hybridpar.config_rules import INT64_MAX, as_path, SAMPLE_RULE_TEXT, SEED_MAX, did_you_mean, leaf_keys, nearest_choice, not_key_value, not_utf8, path_problem, quoted, repeated_override, sample_problem, shorten, show_value, type_names, whole_section_problem
 from hybridpar.config_rules import ANY, PATH, LazyText, Rule, each, integer, number, one_of, or_null  # noqa: F401 (re-exported)
-from hybridpar.config_rules import ConfigError  # noqa: F401 (re-exported: raised by every check)
+from hybridpar.config_rules import ConfigError, RepeatedOverride  # noqa: F401 (re-exported: raised by every check)
 from hybridpar.yaml12 import Yaml12Loader, other_spelling, read_config_file, unquoted_value
 
 
@@ -256,7 +257,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raw = read_config_file(as_path(path, "config path").expanduser(), MAX_CONFIG_BYTES)
     if not isinstance(overrides, (list, tuple)) or not all(isinstance(item, str) for item in overrides):  # a str: letter by letter
         raise ConfigError(f"overrides={quoted(overrides)} must be a list of 'key=value' strings; e.g. ['train.steps=100'].")
-    written: dict = {}  # leaf path -> (override, value): a key given twice is refused
+    written: dict = {}  # leaf path -> (override, value): a key given twice is said
     for index, item in enumerate(overrides):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -280,9 +281,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             none = "" if key.strip() in ("output_dir", "data.tokenizer") else f" ({key.strip()}=null for none)"
             raise ConfigError(f"override {quoted(item)}: a lone ~ is null in YAML, not the home directory; write a path "
                               f"(~/NAME or the home directory's full path){none}.")
-        if repeated := repeated_override(written, item, tuple(key.strip().split(".")), parsed):
-            raise ConfigError(repeated)
         _set_dotted(raw, key.strip().split("."), parsed)
+        if repeated := repeated_override(written, item, tuple(key.strip().split(".")), parsed):
+            warnings.warn(repeated, RepeatedOverride, stacklevel=2)  # a base set of overrides and a change to it
     return _build(RunConfig, raw, "")
 
 

@@ -67,6 +67,11 @@ class Notice(UserWarning):
     """A warning for the person running hybridpar: printed as one ``hybridpar: warning:`` line."""
 
 
+class RepeatedOverride(Notice):
+    """An override that changes what an earlier one set (``repeated_override``); said by the process that reads the
+    command line first (the launcher), not again by its workers."""
+
+
 _format_warning = warnings.formatwarning
 
 
@@ -361,17 +366,18 @@ def _value_at(value, path: tuple):
 
 
 def repeated_override(written: dict, item: str, keys: tuple, value) -> str | None:
-    """The message when override ``item`` (``keys`` = ``value``) changes what an earlier override wrote (the same key
-    to another value, or a section holding it replaced): the last would win without a word. ``written`` maps each
-    leaf path to ``(override, value)``; it is updated when there is no message."""
+    """The notice when override ``item`` (``keys`` = ``value``) changes what an earlier override wrote (the same key
+    to another value, or a mapping holding it replaced): the last is used, and says so. ``written`` maps each leaf
+    path to ``(override, value)``; it is updated."""
+    said = None
     for path, (earlier, old) in written.items():
         new = _value_at({None: value}, (None,) + path[len(keys):]) if path[:len(keys)] == keys else old
         if new != old:
-            now = "removed" if new is _UNSET else show_value(new)
-            return (f"overrides give {shorten('.'.join(path), 60)} twice: {show_value(old)} (in {quoted(earlier, 60)}), "
-                    f"then {now} (in {quoted(item, 60)}); give each key once (the last would win without a word; a base "
-                    "set of keys belongs in --config FILE, which overrides change).")
+            now = "nothing (the mapping is replaced)" if new is _UNSET else show_value(new)
+            said = (f"overrides give {shorten('.'.join(path), 60)} twice: {show_value(old)} (in {quoted(earlier, 60)}), "
+                    f"then {now} (in {quoted(item, 60)}); the last is used (give each key once to silence this)")
+            break
     for path in [path for path in written if path[:len(keys)] == keys]:
         del written[path]
     written.update((path, (item, leaf)) for path, leaf in _leaves(keys, value))
-    return None
+    return said

@@ -17,7 +17,7 @@ import sys
 import traceback
 import warnings
 
-from hybridpar.config import ConfigError, RunConfig, load_config
+from hybridpar.config import ConfigError, RepeatedOverride, RunConfig, load_config
 from hybridpar.environment import traceback_wanted
 
 # Bad input: exit 2 with the message alone (HYBRIDPAR_TRACEBACK=1 adds the traceback).
@@ -178,7 +178,10 @@ def worker_main(args: argparse.Namespace) -> int:
         return code
 
     try:
-        config = load_config(args.config, args.overrides)
+        with warnings.catch_warnings():
+            if channel is not None:  # hybridpar's launcher read the same command line and said it
+                warnings.simplefilter("ignore", RepeatedOverride)
+            config = load_config(args.config, args.overrides)
         code = run(args, config)
         if code:  # check out of tolerance: its table says which quantities
             return fail(f"{args.command} failed (see its output above).", code)
