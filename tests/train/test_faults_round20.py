@@ -128,3 +128,26 @@ def test_an_end_token_that_is_not_a_token_id_is_one_line(eos, said):
     first = int(model.generate(ids, 1)[0, -1])
     for same in (first, np.int64(first), torch.tensor(first), torch.tensor([first, 7]), (first,)):
         assert model.generate(ids, 5, eos_token_id=same).shape == (1, 4)
+
+
+@pytest.mark.parametrize("name", ["granite", "bamba"])
+def test_a_plain_export_of_a_model_with_lora_adapters_is_refused(saved, tmp_path, name):
+    """Before: ``export_causal_lm`` (and ``save_hf``) of a model after ``add_lora`` wrote its ``lora_A``/``lora_B``
+    tensors beside the base weights; transformers loads that folder dropping them as unexpected keys, so the exported
+    model is the base model without a word (Granite 4.0-H as a transformers model; Bamba as a HybridLM). A canonical
+    state with adapters said "pass full tensors under single-device names". Now one line naming ``export_lora``."""
+    import hybridpar as hp
+
+    model = hp.load_causal_lm(saved(name))
+    hp.add_lora(model, r=2)
+    calls = [lambda: hp.export_causal_lm(model, tmp_path / "a"),
+             lambda: hp.export_causal_lm(model, tmp_path / "b", state_dict=hp.canonical_state_dict(model))]
+    if isinstance(model, hp.HybridLM):
+        calls.append(lambda: hp.save_hf(model, tmp_path / "c"))
+    for call in calls:
+        with pytest.raises(ValueError) as error:
+            call()
+        assert "LoRA adapters" in one_line(error) and "export_lora(" in one_line(error), one_line(error)
+    assert not any(tmp_path.iterdir())
+    hp.export_lora(model, tmp_path / "merged", hp.canonical_state_dict(model), merge=True)
+    assert (tmp_path / "merged" / "config.json").is_file()

@@ -37,7 +37,7 @@ from hybridpar.models.arguments import python_number
 from hybridpar.models.lora_experts import adapt_experts, adapter_child, expert_lora_modules, expert_targets
 from hybridpar.models.token_dropout import TokenDropout, dropout_tokens
 
-__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "adapter_dtype", "adapter_settings", "lora_modules", "is_lora_parameter",
+__all__ = ["DEFAULT_TARGETS", "LORA_PARAMETERS", "add_lora", "adapter_dtype", "adapter_settings", "refuse_adapters", "lora_modules", "is_lora_parameter",
            "target_matches", "lora_update", "lora_forward_hook"]
 
 # attention q/k/v/o, the (gated) MLP, the Mamba mixer's projections; transformers models use the
@@ -59,6 +59,16 @@ def is_lora_parameter(name: str) -> bool:
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: base module}`` of every module carrying an adapter."""
     return {name: m for name, m in model.named_modules() if getattr(m, "lora_scaling", None) is not None}
+
+
+def refuse_adapters(model: nn.Module, state: dict | None, caller: str) -> None:
+    """ValueError when the weights to export (``state``, else ``model``'s) hold LoRA adapters: a plain checkpoint
+    wrote their ``lora_A``/``lora_B`` tensors, which transformers drops as unexpected keys (the update lost)."""
+    held = any(".lora_" in name for name in state) if state is not None else adapter_settings(model) is not None
+    if held:
+        raise ValueError(f"{caller}: the weights hold LoRA adapters, which a plain checkpoint cannot carry "
+                         "(transformers drops lora_A/lora_B as unexpected keys); export with export_lora(model, out_dir, "
+                         "canonical_state_dict(model), merge=True) for merged weights, or merge=False for the adapter.")
 
 
 def adapter_settings(model: nn.Module) -> dict | None:

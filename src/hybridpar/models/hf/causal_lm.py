@@ -48,6 +48,7 @@ from hybridpar.models.hf.positions import learned_positions
 from hybridpar.models.hf.weights import check_finite, check_floating, stored_dtypes, weight_files
 from hybridpar.models.hf.versions import warn_if_old
 from hybridpar.models.hybrid import HybridLM
+from hybridpar.models.lora import refuse_adapters
 from hybridpar.models.names import canonical_name
 
 __all__ = ["BACKENDS", "causal_lm_backend", "load_causal_lm", "chunked_head", "hf_causal_lm_loss",
@@ -361,6 +362,7 @@ def export_causal_lm(model: nn.Module, out_dir: str | Path, *, tokenizer_dir: st
     if not isinstance(model, HybridLM) and not callable(getattr(model, "save_pretrained", None)):  # an AttributeError
         raise ValueError(f"model={quoted(model, 60)} (type {type(model).__name__}) is not a model export_causal_lm can "
                          "write; pass a HybridLM or a transformers causal LM (load_causal_lm's result).")
+    refuse_adapters(model, state_dict, "export_causal_lm")  # written as lora_A/lora_B, dropped by transformers
     if state_dict is not None:
         model = _single_device_copy(model, state_dict)
     if isinstance(model, HybridLM):

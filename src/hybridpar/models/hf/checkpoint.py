@@ -36,6 +36,7 @@ from hybridpar.config_rules import Notice, as_path, quoted, shorten
 from hybridpar.models.hf.files import copy_tokenizer_files
 from hybridpar.models.hf.weights import _header, check_finite, check_floating, load_weight_file, weight_files
 from hybridpar.models.hybrid import HybridLM
+from hybridpar.models.lora import refuse_adapters
 
 
 def hf_tensor_name(name: str, architecture: str, pattern: str, prefix: str = "backbone.") -> str:
@@ -175,6 +176,7 @@ def save_hf(model: HybridLM, path: str | Path, architecture: str | None = None,
     if not isinstance(model, HybridLM):  # a str was "'str' object has no attribute 'config'"
         raise ValueError(f"save_hf writes a HybridLM, got {quoted(model, 60)} (type {type(model).__name__}); a "
                          "transformers model: export_causal_lm or its save_pretrained.")
+    refuse_adapters(model, None, "save_hf")
     stored = getattr(model, "hf_config", None)
     if stored is not None and architecture in (None, architecture_of(stored)):
         architecture, hf, prefix = architecture_of(stored), dict(stored), getattr(model, "hf_prefix", "backbone.")
