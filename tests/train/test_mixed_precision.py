@@ -133,3 +133,26 @@ def test_lm_head_loss_under_autocast_runs_bf16_matmuls_with_float32_statistics()
         scale = fp32.abs().max()
         assert (mine - bf16).abs().max() <= 1e-2 * scale  # the same bf16 loss (accumulation order aside)
         assert 1e-5 * scale < (mine - fp32).abs().max() <= 3e-2 * scale  # bf16, not float32, and close to it
+
+
+def test_selective_checkpointing_under_autocast_runs_a_block_shared_by_two_layers():
+    """Before: a Zamba2 whose two hybrid layers share one transformer block failed in its first backward under
+    ``mixed_precision=bf16`` (autocast) with ``activation_checkpointing=selective``: autocast cast the shared weights
+    once in the forward (its cache) but again in the second layer's recomputation, and torch's selective
+    checkpoint refused the extra ops. The cache is off; every policy gives the same gradients, bit for bit."""
+    from tests.models.hf.hybrid_models import VOCAB, build_hybrid
+
+    base = build_hybrid("zamba2_shared").float()
+    ids = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
+
+    def step(policy):
+        model = parallelize(copy.deepcopy(base), ParallelDims(), mixed_precision="bf16", activation_checkpointing=policy)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {name.replace("_checkpoint_wrapped_module.", ""): p.grad
+                               for name, p in model.named_parameters() if p.grad is not None}
+
+    (loss, grads), *others = step("none"), step("full"), step("selective")
+    for kept, kept_grads in others:
+        assert torch.equal(loss, kept) and grads.keys() == kept_grads.keys() and len(grads) > 20
+        assert all(torch.equal(grads[name], kept_grads[name]) for name in grads)

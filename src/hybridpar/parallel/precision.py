@@ -51,7 +51,7 @@ def _device_type(args, kwargs, model: nn.Module) -> str:
 
 
 def _autocast_forward(self, *args, **kwargs):
-    with torch.autocast(_device_type(args, kwargs, self), dtype=self._autocast_dtype):
+    with torch.autocast(_device_type(args, kwargs, self), dtype=self._autocast_dtype, cache_enabled=False):
         return self._forward_before_autocast(*args, **kwargs)
 
 
@@ -61,6 +61,13 @@ def apply_autocast(model: nn.Module, mixed_precision: str = "bf16") -> nn.Module
     The wrapper is a bound method on the instance (``model.forward``), so parameter and module
     names do not change and ``copy.deepcopy`` rebinds it to the copy; ``model._autocast_dtype``
     records the dtype.
+
+    Autocast's cache of bf16 weight copies is off. It only acts on a weight read twice in one forward
+    (Zamba2's shared blocks), and there it broke two promises: a selective checkpoint's recomputation
+    must dispatch the ops its forward did (the forward cast the shared weights once, each
+    recomputation again: torch refused the step), and every checkpointing policy gives the same
+    gradients (the cached copy summed its uses' gradients in bf16). Each use now casts its own copy and
+    its gradient reaches the float32 weight through it.
     """
     check_autocast_model(model, mixed_precision)
     model._autocast_dtype = AUTOCAST_DTYPES[mixed_precision]
