@@ -151,3 +151,27 @@ def test_a_plain_export_of_a_model_with_lora_adapters_is_refused(saved, tmp_path
     assert not any(tmp_path.iterdir())
     hp.export_lora(model, tmp_path / "merged", hp.canonical_state_dict(model), merge=True)
     assert (tmp_path / "merged" / "config.json").is_file()
+
+
+def test_packed_params_unlike_the_input_rows_are_one_line():
+    """Before: ``PackedSeqParams.from_batch`` of a collated batch of two packs describes them as one row of 2 x 48
+    tokens, and ``model(batch["input_ids"], packed=...)`` with the [2, 48] ids was "The size of tensor a (48) must match
+    the size of tensor b (96)" from inside a layer; ``shard_inputs`` said "build the params from the same packed row"
+    (they were); ``packed=batch`` (the dict) was "'dict' object has no attribute 'cache'" and ``collate_thd(pack)``
+    of one pack "KeyError: 0". The reshaped row runs as the message says."""
+    import hybridpar as hp
+
+    batch = hp.collate_thd(hp.pack_documents([list(range(1, 30)), list(range(3, 40)), list(range(2, 9))], 48))
+    packed, model = hp.PackedSeqParams.from_batch(batch), _tiny_model()
+    calls = [(lambda: model(batch["input_ids"], packed=packed), "input has shape [2, 48]; the params of a collated batch"),
+             (lambda: hp.shard_inputs(input_ids=batch["input_ids"], packed=packed), "input_ids.reshape(1, -1)"),
+             (lambda: model(batch["input_ids"][:1], packed=batch), "packed is a dict, not a PackedSeqParams"),
+             (lambda: model(batch["input_ids"].reshape(1, -1)[:, :40], packed=packed), "build packed from this batch"),
+             (lambda: hp.collate_thd(hp.pack_documents([[1, 2, 3]], 8)[0]), "got one pack (a dict); pass [pack]")]
+    for call, said in calls:
+        with pytest.raises(ValueError) as error:
+            call()
+        assert said in one_line(error), one_line(error)
+    local = hp.shard_inputs(input_ids=batch["input_ids"].reshape(1, -1), labels=batch["labels"].reshape(1, -1),
+                            packed=packed)
+    assert int(model(local.input_ids, packed=local.packed, labels=local.labels)[1]) == 70

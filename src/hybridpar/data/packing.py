@@ -254,6 +254,9 @@ def collate_thd(packs: Sequence[Mapping[str, Tensor]], seq_lens_padding_value: i
     ``input_ids``/``labels``/``position_ids`` ``[B, pack_size]``; ``seq_lens``/``seq_lens_padded``
     ``[B, max_packs]`` right-padded with the sentinel; ``qkv_format = "thd"``.
     """
+    if isinstance(packs, Mapping):  # one pack was a KeyError: 0
+        raise ValueError("collate_thd takes a list of packs and got one pack (a dict); pass [pack], or the list "
+                         "pack_documents returns.")
     if not packs:
         raise ValueError("collate_thd got no packs; pass at least one pack from pack_documents.")
     missing = [key for key in PACK_KEYS if key not in packs[0]]

@@ -196,6 +196,7 @@ class HybridBackbone(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, S] or inputs_embeds [B, S, D].")
         _check_input(input_ids, inputs_embeds)
+        _check_packed(packed, input_ids if inputs_embeds is None else inputs_embeds)
         if input_ids is not None:
             check_token_values(input_ids, self.embeddings.num_embeddings)
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
@@ -216,6 +217,23 @@ def _check_input(input_ids, inputs_embeds) -> None:
         fix = ("; a single row takes input_ids.unsqueeze(0)" if value.dim() == 1 and integer else "")
         raise ValueError(f"{name} has shape {list(value.shape)} and dtype {str(value.dtype).removeprefix('torch.')}; it "
                          f"must be {want}, at least one token long{fix}.")
+
+
+def _check_packed(packed, tokens: Tensor) -> None:
+    """``packed`` a ``PackedSeqParams`` of these tokens' row (shapes only, no sync): a dict was "'dict' object has no
+    attribute 'cache'", and the params of a flattened [B, S] batch (``from_batch`` of B rows) a size mismatch deep in
+    a layer."""
+    if packed is None:
+        return
+    if not hasattr(packed, "seq_idx") or not hasattr(packed, "qkv_format"):
+        raise ValueError(f"packed is a {type(packed).__name__}, not a PackedSeqParams; build it with "
+                         "PackedSeqParams.from_batch(batch), or pass shard_inputs(...).packed.")
+    rows, length = tokens.shape[0], packed.seq_idx.shape[-1]
+    if tokens.shape[1] != length or (packed.qkv_format == "thd" and rows != 1):
+        fix = ("the params of a collated batch describe its rows as one: pass input_ids.reshape(1, -1) and labels.reshape("
+               "1, -1)" if rows * tokens.shape[1] == length else "build packed from this batch (PackedSeqParams.from_batch)")
+        raise ValueError(f"packed describes {'a row' if packed.qkv_format == 'thd' else 'rows'} of {length} tokens, but "
+                         f"the input has shape {list(tokens.shape[:2])}; {fix}.")
 
 
 class HybridLM(nn.Module):

@@ -158,7 +158,9 @@ def shard_inputs(
         if seq_len is not None and packed.total_tokens != seq_len:
             raise ValueError(
                 f"packed params describe {packed.total_tokens} tokens (cu_seqlens_padded[-1]) but the inputs have "
-                f"S = {seq_len} ({', '.join(sizes)}); build the params from the same packed row."
+                f"S = {seq_len} ({', '.join(sizes)}); " + ("the params of a collated batch describe its rows as one: "
+                "pass input_ids.reshape(1, -1) and labels.reshape(1, -1)." if packed.total_tokens % seq_len == 0 and
+                packed.total_tokens > seq_len else "build the params from the same packed row.")
             )
         seq_len = packed.total_tokens
     if seq_len is None:
