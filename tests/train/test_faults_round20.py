@@ -175,3 +175,16 @@ def test_packed_params_unlike_the_input_rows_are_one_line():
     local = hp.shard_inputs(input_ids=batch["input_ids"].reshape(1, -1), labels=batch["labels"].reshape(1, -1),
                             packed=packed)
     assert int(model(local.input_ids, packed=local.packed, labels=local.labels)[1]) == 70
+
+
+def test_parallelizing_a_model_twice_is_refused():
+    """Before: a second ``parallelize`` of the same model stacked a second set of context-parallel cores on the first
+    and then stopped in FSDP's multi-line AssertionError ("fully_shard has already been applied"; cp=2 and dp_shard=2),
+    and at one process wrapped every block in a second activation checkpoint (each recomputed twice), silently."""
+    import hybridpar as hp
+
+    model = hp.parallelize(_tiny_model(), hp.ParallelDims(), activation_checkpointing="full")
+    with pytest.raises(ValueError) as error:
+        hp.parallelize(model, hp.ParallelDims(), activation_checkpointing="full")
+    assert "HybridLM is already parallelized (ParallelDims(" in one_line(error) and "runs once" in one_line(error)
+    assert all(name.count("_checkpoint_wrapped_module") <= 1 for name, _ in model.named_parameters())

@@ -184,6 +184,9 @@ def parallelize(
     if not isinstance(model, nn.Module):  # parallelize("ckpt/", dims): "'str' object has no attribute 'named_modules'"
         raise ValueError(f"parallelize takes the model (an nn.Module), got {type(model).__name__}; build or load it "
                          "first, e.g. parallelize(load_causal_lm(path), dims).")
+    if getattr(model, "_parallel_dims", None) is not None:  # cp=2 twice: CP cores stacked, then FSDP's AssertionError
+        raise ValueError(f"{type(model).__name__} is already parallelized ({model._parallel_dims}); parallelize runs once "
+                         "per model: build or load a fresh model for another layout.")
     if hf_cp.is_hf_model(model):
         install_mamba_core(model)
         install_mamba1_core(model)  # Jamba, FalconMamba, Mamba: the document-resetting selective scan
