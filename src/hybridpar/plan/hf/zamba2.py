@@ -45,8 +45,15 @@ its input ``[Ts, D] e_s`` (counted with its ``M`` block; ``Z`` keeps nothing of 
 backward rebuilds ``Z``'s tensors while the ``M`` block's backward runs (``memory_plan``), and its
 recomputation repeats the shared block's mid-layer collectives (``zamba2_recomputed``). ``selective``:
 the same checkpoint, keeping every matmul output before the layer's Mamba core (``zamba2_selective_bytes``;
-the layer's input and ``x0`` as under ``full``). LoRA and bf16 autocast are not priced yet
-(``zamba2_unpriced``); FSDP's bf16 is.
+the layer's input and ``x0`` as under ``full``). LoRA is not priced yet (``zamba2_unpriced``).
+
+Under autocast (``mixed_precision=bf16`` without FSDP; ``e = 2``, the stream float32) each projection keeps
+its own bf16 cast of its float32 input: q, k, v and each attention adapter's ``A`` one ``[Tc, 2D] e`` each
+(not one shared ``norm(u)``), ``gate_up`` and its adapter's ``A`` one ``[Tc, D] e`` each; the MLP norm keeps
+o_proj's bf16 output ``[Ts, D] e``. With ``use_mem_rope`` the float32 cos, sin lift q, k and the core's output
+to float32 (``+ [Tc, 2q + kv] (e_c - e)``), and o_proj keeps its own cast of that output ``[Tc, q] e``. Each
+use keeps bf16 copies of the matrices it reads (its block's, its adapters, its ``linear``: ``2 x`` their
+elements), autocast's weight cache being off (``parallel/precision.py``). FSDP's bf16 is priced as above.
 """
 
 from __future__ import annotations
@@ -147,18 +154,34 @@ def fsdp_groups(config) -> list[tuple[int, ...]]:
 def zamba2_saved_bytes(layout: Layout, w: dict, core: int, hf_norm: int) -> int:
     """What one ``Z`` block keeps for backward, policy none (module docstring); ``core``: its attention
     core's bytes (``activations.mixer_saved_bytes`` of ``*``), ``hf_norm``: its MLP norm's where
-    transformers' runs (``activations.hf_norm_bytes``)."""
+    transformers' runs (``activations.hf_norm_bytes``). Under autocast (module docstring) each projection
+    keeps its own bf16 cast of its float32 input, and the weights' bf16 copies are kept."""
     c, e, es, ec = layout.model, layout.act_bytes, layout.stream_bytes, layout.compute_bytes
     tc, ts, d, r = layout.tokens, layout.stream_tokens, c.hidden_size, c.shared_adapter_rank
-    adapters, wide = (3 if c.shared_attention_adapters else 0), es >= ec  # wide: a float32 stream
-    attention = ts * ec + tc * 2 * d * e + adapters * tc * r * e + core
+    adapters, wide, cast = (3 if c.shared_attention_adapters else 0), es >= ec, layout.autocast  # wide: a float32 stream
+    rope = cast and int(c.head_dim * c.rotary_fraction) // 2 * 2 > 0  # float32 cos, sin lift q, k and the core's out
+    attention = ts * ec + tc * 2 * d * e * (3 + adapters if cast else 1) + adapters * tc * r * e + core
     attention += ts * 2 * d * (es + ec if wide else ec + e)  # transformers' norm over 2D: u and x * rstd in
     # float32 (from a 16-bit stream u's float32 copy and the product cast back; the 16-bit u is not kept)
-    attention += tc * w["q"] * e if layout.tp > 1 else 0  # o_proj's input, its own copy under TP
+    attention += tc * (2 * w["q"] + w["kv"]) * (ec - e) if rope else 0
+    attention += tc * w["q"] * e if layout.tp > 1 or rope else 0  # o_proj's input: its own copy under TP, or a cast
     inter = c.intermediate_size  # the fused MLP (moe.fused_mlp_saved): [g | p] + act(g) + act(g) * p, or under
     fused = tc * e * (3 * inter + (inter // layout.tp if layout.tp > 1 else inter))  # TP down's slice of the last
-    mlp = ts * ec + (0 if hf_norm and not wide else ts * d * es) + hf_norm + tc * d * e + tc * r * e + fused
-    return attention + mlp + ts * d * e
+    norm_input = ts * d * e if cast else (0 if hf_norm and not wide else ts * d * es)  # autocast: o_proj's bf16 out
+    mlp = ts * ec + norm_input + hf_norm + tc * d * e * (2 if cast else 1) + tc * r * e + fused
+    return attention + mlp + ts * d * e + (2 * _weights_per_use(layout) if cast else 0)
+
+
+def _weights_per_use(layout: Layout) -> int:
+    """TP-local elements of the matrices one use of a shared block reads, of which autocast keeps a bf16 copy per
+    use (its weight cache is off: ``parallel/precision.py``): the block's own, the use's adapters, its layer's
+    ``linear [D, D]``."""
+    c = layout.model
+    matrices = [p for block in range(c.shared_blocks) for p in _shared_parameters(c, block, layout.tp, layout.sp)
+                if len(p.shape) == 2]
+    adapters = sum(math.prod(p.shape) for p in matrices if ".adapter." in p.name or "_adapter." in p.name)
+    block = sum(math.prod(p.shape) for p in matrices) - adapters
+    return block // c.shared_blocks + adapters // c.pattern.count("Z") + c.hidden_size ** 2
 
 
 def zamba2_selective_bytes(layout: Layout, w: dict) -> int:
@@ -261,12 +284,7 @@ def zamba2_matmul_elements(config) -> tuple[int, int]:
 
 
 def zamba2_unpriced(layout: Layout) -> str:
-    """Why this run of a Zamba2 twin is not priced (``""``: it is): LoRA and autocast (bf16 without FSDP:
-    every projection's own cast of its input) were not held to a measurement."""
-    if not is_zamba2(layout.model):
+    """Why this run of a Zamba2 twin is not priced (``""``: it is): LoRA was not held to a measurement."""
+    if not is_zamba2(layout.model) or not layout.lora_rank:
         return ""
-    unpriced = [text for holds, text in ((layout.lora_rank, "LoRA"),
-
-                                         (layout.autocast, "bf16 autocast: mixed_precision=bf16 without FSDP")) if holds]
-    return (f"Zamba2's shared blocks are priced without LoRA and bf16 autocast (this run: "
-            f"{', '.join(unpriced)})") if unpriced else ""
+    return "Zamba2's shared blocks are priced without LoRA adapters (this run: LoRA)"
