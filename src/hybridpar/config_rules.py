@@ -353,7 +353,7 @@ _UNSET = object()
 def _leaves(keys: tuple, value) -> list[tuple]:
     """``(path, value)`` of every leaf an override writes: a non-empty mapping writes each of its keys."""
     if isinstance(value, dict) and value:
-        return [leaf for name, inner in value.items() for leaf in _leaves(keys + (str(name),), inner)]
+        return [leaf for name, inner in value.items() for leaf in _leaves(keys + (name,), inner)]
     return [(keys, value)]
 
 
@@ -374,7 +374,7 @@ def repeated_override(written: dict, item: str, keys: tuple, value) -> str | Non
         new = _value_at({None: value}, (None,) + path[len(keys):]) if path[:len(keys)] == keys else old
         if new != old:
             now = "nothing (the mapping is replaced)" if new is _UNSET else show_value(new)
-            said = (f"overrides give {shorten('.'.join(path), 60)} twice: {show_value(old)} (in {quoted(earlier, 60)}), "
+            said = (f"overrides give {shorten('.'.join(map(str, path)), 60)} twice: {show_value(old)} (in {quoted(earlier, 60)}), "
                     f"then {now} (in {quoted(item, 60)}); the last is used (give each key once to silence this)")
             break
     for path in [path for path in written if path[:len(keys)] == keys]:
