@@ -188,3 +188,25 @@ def test_parallelizing_a_model_twice_is_refused():
         hp.parallelize(model, hp.ParallelDims(), activation_checkpointing="full")
     assert "HybridLM is already parallelized (ParallelDims(" in one_line(error) and "runs once" in one_line(error)
     assert all(name.count("_checkpoint_wrapped_module") <= 1 for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("recorded, now", [("auto", "transformers"), ("transformers", "auto")])
+def test_a_resume_under_another_model_backend_names_model_backend(tmp_path, recorded, now):
+    """Before: a Bamba run trained as a HybridLM (``model.backend=auto``) resumed with ``model.backend=transformers``
+    (or the reverse) was told "Use the model.preset/model.overrides/model.hf_path it was trained with", all three
+    unchanged; the key that changed, ``model.backend``, was not named."""
+    from hybridpar.config import load_config
+    from hybridpar.train.run.resume import _check_compatible
+
+    hybrid = {"hidden_size": 64, "pattern": "M-*-", "vocab_size": 97, "dtype": "float32"}
+    bamba = {"architectures": ["BambaForCausalLM"], "model_type": "bamba", "hidden_size": 64, "dtype": "float32"}
+    shapes = {"auto": hybrid, "transformers": bamba}
+    config = load_config(None, [f"model.hf_path={tmp_path}", f"model.backend={now}"])
+    info = {"model": shapes[recorded], "config": {"model": {"hf_path": str(tmp_path), "backend": recorded}}}
+    with pytest.raises(ValueError) as error:
+        _check_compatible(tmp_path, info, config, shapes[now], 1)
+    assert f"resume with model.backend={recorded}" in one_line(error) and "model.preset" not in one_line(error)
+    info["config"]["model"]["hf_path"] = str(tmp_path / "other")  # another checkpoint too: the shape message
+    with pytest.raises(ValueError) as error:
+        _check_compatible(tmp_path, info, config, shapes[now], 1)
+    assert "model.hf_path it was trained with" in one_line(error)

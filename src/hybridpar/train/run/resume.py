@@ -158,6 +158,17 @@ def _check_peft(path: Path, info: dict, config: RunConfig) -> None:
                               "start fresh with checkpoint.resume=null.")
 
 
+def _check_backend(path: Path, info: dict, config: RunConfig, kinds: list[str]) -> None:
+    """Name ``model.backend`` when it alone made the other model (a Bamba checkpoint trained as a HybridLM resumed as
+    the transformers model): the shape message said "use the model.preset/model.overrides/model.hf_path it was
+    trained with", all three unchanged."""
+    recorded = ((info.get("config") or {}).get("model") or {})
+    if recorded.get("backend") not in (None, config.model.backend) and recorded.get("hf_path") == config.model.hf_path:
+        raise CheckpointError(f"checkpoint {str(path)!r} was trained as {kinds[0]} (model.backend={recorded['backend']}), "
+                              f"but model.backend={config.model.backend} builds {kinds[1]}, under other parameter names; "
+                              f"resume with model.backend={recorded['backend']}, or start fresh (checkpoint.resume=null).")
+
+
 def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | None, cp: int) -> tuple[int, list[str]]:
     """Refuse a checkpoint of another model shape or data stream; returns the padding to use and
     the notes (a changed data source under ``data.on_change=warn``)."""
@@ -166,6 +177,7 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
         changed = _differences(info["model"], model, "", skip=("dtype",))
         kinds = [_model_kind(m) for m in (info["model"], model)]
         if kinds[0] != kinds[1]:  # another model altogether: its own field names, not a list of every field
+            _check_backend(path, info, config, kinds)
             changed = [f"{kinds[0]} -> {kinds[1]}, {len(changed)} fields differ"]
         elif changed and same_parameters(info["model"], model):  # chunk_size, rope_theta: it loads whole
             keys = changed_keys(info["model"], model, skip=("dtype",))
