@@ -22,13 +22,14 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
 
 from hybridpar.config import ConfigError, load_config
 from hybridpar.config_rules import did_you_mean, shorten
 from hybridpar.environment import check_environment, import_torch
-from hybridpar.worker import (INPUT_ERRORS, check_world, error_message, launched_by_torchrun, run, worker_main,
-                              write_failure)
+from hybridpar.worker import (INPUT_ERRORS, Terminated, check_world, error_message, launched_by_torchrun, run,
+                              sigterm_unwinds, worker_main, write_failure)
 
 VERBS = {"train": "train a model (the config's layout, on --nproc-per-node processes)",
          "check": "run one step under the layout and in one process; compare loss and every gradient",
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                 (["--tolerance", repr(args.tolerance)] if getattr(args, "tolerance", None) is not None else []) + \
                 (["--packing"] if getattr(args, "packing", False) else []) + list(args.overrides)
             return launch(args.nproc_per_node, worker_args, config.train.collective_timeout_s)
-        return run(args, config)
+        with sigterm_unwinds():  # a one-process run: SIGTERM ends it as SIGINT does (below)
+            return run(args, config)
     except (*INPUT_ERRORS, OSError) as error:  # any other OSError (a path too long, ...): one line, not a traceback
         refused_write = write_failure(error)
         print(f"{prefix}: {refused_write or error_message(error)}", file=sys.stderr, flush=True)
@@ -259,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     except (NonFiniteError, OutputWriteError) as error:
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
-        print("hybridpar: interrupted (SIGINT).", file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt as error:
+        sig = signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT
+        print(f"hybridpar: interrupted ({sig.name}).", file=sys.stderr, flush=True)
+        return 128 + sig
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ write, a peer that died or stalled), reported to the launcher once (``hybridpar.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import errno
 import logging
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -83,6 +85,30 @@ def check_world(config: RunConfig, nproc: int | None) -> None:
         fix = f"start torchrun with --nnodes x --nproc-per-node = {needed}" if torchrun else f"pass --nproc-per-node {needed}"
         raise ConfigError(f"{given} does not fit the layout dp_replicate*dp_shard*cp*tp = "
                           f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {needed}; {fix} or change parallel.*.")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to a one-process run, unwound as SIGINT is: the output_dir lock released, one line, exit 143."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """While the block runs, SIGTERM raises ``Terminated`` (the main thread only; an ignored SIGTERM stays ignored).
+    A one-process run ended at once without a word and left its output_dir locked by a process that was gone."""
+    def stop(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: the default stays
+        previous = None
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def quiet_known_warnings() -> None:

@@ -283,7 +283,10 @@ def save_checkpoint(directory, step: int, model, optimizer, scheduler, extra: di
     """
     try:
         return _save(directory, step, model, optimizer, scheduler, extra, keep, run_info)
-    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+    except BaseException as error:  # DCP's CheckpointException is a BaseException, as is an interrupt (DCP wraps it)
+        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) and error.failures else error
+        if not isinstance(cause, Exception):  # SIGINT (a one-process run's SIGTERM) mid-save: no write failed; the
+            raise cause from None  # next run removes the .tmp folder, as a killed save's
         if dist.get_rank() == 0:
             shutil.rmtree(checkpoint_path(directory, step).with_name(f"{PREFIX}{step:08d}.tmp"), ignore_errors=True)
         intact = latest_checkpoint(directory)
