@@ -210,3 +210,26 @@ def test_a_resume_under_another_model_backend_names_model_backend(tmp_path, reco
     with pytest.raises(ValueError) as error:
         _check_compatible(tmp_path, info, config, shapes[now], 1)
     assert "model.hf_path it was trained with" in one_line(error)
+
+
+def test_generate_causal_lm_holds_a_transformers_models_prompt_and_end_token_to_its_vocabulary(saved):
+    """Before: ``generate_causal_lm`` of a transformers model (Granite 4.0-H) passed its arguments to transformers
+    unchecked: a list of ids was "'list' object has no attribute 'is_cuda'", a [S] row "tuple index out of range", an id
+    past the vocabulary "index out of range in self", ``eos_token_id="2"`` "'<' not supported between instances of
+    'str' and 'int'", a numpy id "invalid index to scalar variable", ``eos_token_id=-1`` never stopped a row, and
+    ``max_new_tokens=np.int64(3)`` was refused; the HybridLM path already checked the ids."""
+    np = pytest.importorskip("numpy")
+    from hybridpar.models.hf.causal_lm import generate_causal_lm, load_causal_lm
+
+    model = load_causal_lm(saved("granite")).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    for call, said in [(lambda: generate_causal_lm(model, [[1, 2, 3]], 2), "input_ids is a list, not a torch.Tensor"),
+                       (lambda: generate_causal_lm(model, ids[0], 2), "use ids[None] for one prompt"),
+                       (lambda: generate_causal_lm(model, torch.tensor([[1, 2, 97]]), 2), "vocabulary [0, 97)"),
+                       (lambda: generate_causal_lm(model, ids, 2, eos_token_id="2"), "(got '2')"),
+                       (lambda: generate_causal_lm(model, ids, 2, eos_token_id=-1), "[0, vocab_size=97)")]:
+        with pytest.raises(ValueError) as error:
+            call()
+        assert said in one_line(error), one_line(error)
+    first = int(generate_causal_lm(model, ids, 1)[0, -1])
+    assert generate_causal_lm(model, ids, np.int64(4), eos_token_id=np.int64(first)).shape == (1, 4)

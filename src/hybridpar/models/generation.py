@@ -149,11 +149,13 @@ def _attention_step(mixer: nn.Module, hidden: Tensor, cache: dict[str, Tensor], 
 # ----------------------------------------------------------------------------- the model
 
 
-def _check_ids(model: nn.Module, input_ids: Tensor) -> None:
+def check_prompt_ids(input_ids: Tensor, vocab: int) -> None:
+    """ValueError (one line) unless ``input_ids`` is an integer tensor ``[B, S]`` of ids in ``[0, vocab)``."""
+    if not isinstance(input_ids, Tensor):  # a list was "'list' object has no attribute 'dim'"
+        raise ValueError(f"input_ids is a {type(input_ids).__name__}, not a torch.Tensor; pass torch.tensor([ids]).")
     if input_ids.dim() != 2 or input_ids.shape[1] < 1 or input_ids.is_floating_point():
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}; expected "
                          "integer [B, S] with S >= 1 (use ids[None] for one prompt).")
-    vocab = model.config.vocab_size
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(f"input_ids hold ids in [{int(input_ids.min())}, {int(input_ids.max())}], outside the "
                          f"model's vocabulary [0, {vocab}); encode with the model's tokenizer.")
@@ -162,7 +164,7 @@ def _check_ids(model: nn.Module, input_ids: Tensor) -> None:
 @torch.no_grad()
 def prefill(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, GenerationCache]:
     """Logits ``[B, S, V]`` of the prompt ``[B, S]`` and the cache after it."""
-    _check_ids(model, input_ids)
+    check_prompt_ids(input_ids, model.config.vocab_size)
     cache = GenerationCache(length=input_ids.shape[1])
     hidden = model.backbone.embeddings(input_ids)
     for layer in model.backbone.layers:
@@ -181,7 +183,7 @@ def prefill(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, GenerationCach
 @torch.no_grad()
 def decode_step(model: nn.Module, token_ids: Tensor, cache: GenerationCache) -> Tensor:
     """Logits ``[B, 1, V]`` of one new token per row ``[B, 1]``; advances ``cache`` by one."""
-    _check_ids(model, token_ids)
+    check_prompt_ids(token_ids, model.config.vocab_size)
     if token_ids.shape[1] != 1:
         raise ValueError(f"decode_step takes one token per row, got shape {tuple(token_ids.shape)}; run prefill "
                          "for a longer prompt.")
@@ -251,7 +253,7 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temper
     """
     max_new_tokens, temperature, top_p, seed = map(python_number, (max_new_tokens, temperature, top_p, seed))
     check_sampling(max_new_tokens, temperature, top_p, seed)
-    _check_ids(model, input_ids)
+    check_prompt_ids(input_ids, model.config.vocab_size)
     eos = end_token_ids(eos_token_id, model.config.vocab_size)
     generator = None
     if seed is not None:

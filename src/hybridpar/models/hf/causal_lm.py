@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.config_rules import Notice, as_path, quoted, shorten
-from hybridpar.models.generation import GREEDY_BELOW, check_sampling
+from hybridpar.models.arguments import end_token_ids, python_number
+from hybridpar.models.generation import GREEDY_BELOW, check_prompt_ids, check_sampling
 from hybridpar.models.hf.config import ARCHITECTURES, INDEX_FILE, WEIGHTS_FILE, architecture_of, config_from_hf, read_hf_config
 from hybridpar.models.hf.checkpoint import load_hf, save_hf, untied_head_note
 from hybridpar.models.hf.files import copy_tokenizer_files
@@ -277,7 +278,12 @@ def generate_causal_lm(model: nn.Module, input_ids: Tensor, max_new_tokens: int,
     never stops early for a ``HybridLM``; ``pad_token_id`` fills rows of a transformers model
     that finished first (default: the end token).
     """
+    max_new_tokens, temperature, top_p, seed = map(python_number, (max_new_tokens, temperature, top_p, seed))
     check_sampling(max_new_tokens, temperature, top_p, seed)
+    if not isinstance(model, HybridLM):  # HybridLM.generate checks its own; a list, a [S] row or an id past the
+        vocab = model.get_input_embeddings().num_embeddings  # vocabulary were transformers' tracebacks
+        check_prompt_ids(input_ids, vocab)
+        eos_token_id = None if eos_token_id is None else end_token_ids(eos_token_id, vocab) or None  # []: the config's
     table = None if isinstance(model, HybridLM) else learned_positions(model)
     if table and input_ids.shape[-1] + max_new_tokens > table[1]:
         raise ValueError(f"the prompt ({input_ids.shape[-1]} tokens) plus --max-new-tokens {max_new_tokens} needs "
