@@ -233,3 +233,25 @@ def test_generate_causal_lm_holds_a_transformers_models_prompt_and_end_token_to_
         assert said in one_line(error), one_line(error)
     first = int(generate_causal_lm(model, ids, 1)[0, -1])
     assert generate_causal_lm(model, ids, np.int64(4), eos_token_id=np.int64(first)).shape == (1, 4)
+
+
+def test_export_lora_of_a_state_without_the_adapters_is_refused(saved, tmp_path):
+    """Before: ``export_lora(model, dir, state)`` with a state that holds no adapter tensors (saved before ``add_lora``,
+    or the base weights alone) wrote an empty ``adapter_model.safetensors`` (``merge=False``) or the base weights as the
+    merged model (``merge=True``), without a word; a state that is not a dict was "'str' object has no attribute
+    'items'"."""
+    import hybridpar as hp
+
+    model = hp.load_causal_lm(saved("granite"))
+    base = hp.canonical_state_dict(model)
+    hp.add_lora(model, r=2, targets=["q_proj", "v_proj"])
+    for merge in (False, True):
+        with pytest.raises(ValueError) as error:
+            hp.export_lora(model, tmp_path / f"m{merge}", base, merge=merge)
+        assert "state holds none of the model's 4 adapter tensors" in one_line(error), one_line(error)
+    with pytest.raises(ValueError) as error:
+        hp.export_lora(model, tmp_path / "s", "state")
+    assert "got str; pass canonical_state_dict(model)" in one_line(error)
+    assert not any(tmp_path.iterdir())
+    hp.export_lora(model, tmp_path / "adapter", hp.canonical_state_dict(model))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

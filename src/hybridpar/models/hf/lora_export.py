@@ -38,6 +38,7 @@ from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.lora import adapter_settings, is_lora_parameter, lora_modules
 from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_lora_modules, peft_names,
                                            peft_target_parameters)
+from hybridpar.models.names import canonical_name
 from hybridpar.strict_json import check_files, load_file as load_json
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_lora", "split_lora_state", "save_peft_adapter",
@@ -53,6 +54,19 @@ def split_lora_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[
     """``(base tensors, adapter tensors)`` of a canonical state dict."""
     base = {n: t for n, t in state.items() if not is_lora_parameter(n)}
     return base, {n: t for n, t in state.items() if is_lora_parameter(n)}
+
+
+def _check_adapter_state(model: nn.Module, state) -> dict:
+    """``state`` when it is a dict holding every adapter tensor of ``model``: one without them (a state saved before
+    ``add_lora``, the base weights alone) wrote an empty adapter file, or merged nothing, without a word."""
+    if not isinstance(state, dict):  # a str was "'str' object has no attribute 'items'"
+        raise ValueError(f"export_lora: state must be the model's canonical state (a dict of name -> tensor), got "
+                         f"{type(state).__name__}; pass canonical_state_dict(model).")
+    wanted = [canonical_name(name) for name, _ in model.named_parameters() if is_lora_parameter(name)]
+    if wanted and not any(is_lora_parameter(name) for name in state):
+        raise ValueError(f"export_lora: state holds none of the model's {len(wanted)} adapter tensors (e.g. {wanted[0]}), "
+                         "so the export would hold no trained update; pass canonical_state_dict(model).")
+    return state
 
 
 def lora_settings(model: nn.Module) -> dict:
@@ -266,7 +280,7 @@ def export_lora(model: nn.Module, out_dir: str | Path, state: dict, *, merge: bo
     from hybridpar.models.hf.causal_lm import export_causal_lm
     from hybridpar.models.hf.files import copy_tokenizer_files
 
-    _, adapters = split_lora_state(state)
+    _, adapters = split_lora_state(_check_adapter_state(model, state))
     out_dir = Path(out_dir)
     if merge:  # W + (alpha/r) B A, then the usual export
         check_mergeable(model)
