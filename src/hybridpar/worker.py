@@ -165,7 +165,12 @@ def error_message(error: BaseException) -> str:
 
 
 def write_failure(error: BaseException) -> str | None:
-    """The one line for a write the system refused (disk full, quota, file too large, read-only), or None."""
+    """The one line for a write the system refused (disk full, quota, file too large, read-only, a closed output
+    pipe), or None."""
+    if isinstance(error, BrokenPipeError) and error.filename is None:  # print() into a pipe whose reader ended
+        return ("the output was closed (the program reading it, e.g. '| head', ended), so a line could not be printed; "
+                "hybridpar stopped. Send the output to a file (> train.log 2>&1) or keep its reader open (a training run "
+                "resumes with checkpoint.resume=auto).")
     if not isinstance(error, OSError) or error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
         return None
     where = f": {error.filename}" if error.filename else ""

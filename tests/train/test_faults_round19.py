@@ -157,3 +157,28 @@ def test_sigterm_to_a_one_process_run_releases_its_output_dir_in_one_line(tmp_pa
         job.kill()
     assert job.returncode == 128 + signal.SIGTERM and err.strip().splitlines()[-1] == "hybridpar: interrupted (SIGTERM).", err
     assert (out / ".hybridpar.lock").read_text() == "" and not list(out.glob("checkpoints/*.tmp"))
+
+
+def test_a_closed_output_pipe_is_named_not_a_peer_or_bad_input(tmp_path):
+    """Before: ``hybridpar train ... | head`` (or a ``tee`` that died) stopped the run at its next progress line with
+    "hybridpar: error: [Errno 32] Broken pipe", exit 2 (bad input), and at ``--nproc-per-node 2`` with "rank 0: a
+    collective failed ([Errno 32] Broken pipe); a peer rank died, stalled or timed out". Now it is one line naming the
+    closed output and the fix, exit 1, from both paths (``worker.write_failure``)."""
+    import contextlib
+    import io
+
+    from hybridpar.cli import main
+    from hybridpar.worker import write_failure
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(Closed()), contextlib.redirect_stderr(err):
+        code = main(["train", "model.preset=tiny", "data.pack_size=64", "train.steps=2", f"output_dir={tmp_path / 'run'}",
+                     "plot=false", "tensorboard=false"])
+    said = err.getvalue().strip().splitlines()[-1]
+    assert code == 1 and "the output was closed" in said and "> train.log 2>&1" in said, err.getvalue()
+    assert "output was closed" in write_failure(BrokenPipeError(32, "Broken pipe"))
+    assert write_failure(BrokenPipeError(32, "Broken pipe", "/x/file")) is None  # a file: not the output stream
