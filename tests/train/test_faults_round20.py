@@ -255,3 +255,19 @@ def test_export_lora_of_a_state_without_the_adapters_is_refused(saved, tmp_path)
     assert not any(tmp_path.iterdir())
     hp.export_lora(model, tmp_path / "adapter", hp.canonical_state_dict(model))
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("field, value, said", [("pattern", "M*X", "unknown characters ['X']"),
+                                                 ("num_key_value_heads", 3, "divisible by num_key_value_heads=3"),
+                                                 ("vocab_size", 0, "vocab_size=0 must be a positive integer")])
+def test_a_hybrid_config_changed_after_it_was_built_is_checked_again(field, value, said):
+    """Before: ``HybridConfig`` checked its fields when built only, so ``config.pattern = "M*X"`` then ``HybridLM(config)``
+    was "KeyError: 'X'", and ``num_key_value_heads=3`` (of 4 heads) or ``vocab_size=0`` built a model that fails at its
+    first forward (as round 16 found for a RunConfig changed by hand before ``make_plan``)."""
+    from hybridpar import HybridConfig, HybridLM
+
+    config = HybridConfig.from_preset("tiny")
+    setattr(config, field, value)
+    with pytest.raises(ValueError) as error:
+        HybridLM(config)
+    assert said in one_line(error), one_line(error)

@@ -249,6 +249,8 @@ class HybridLM(nn.Module):
         if not isinstance(config, HybridConfig):  # HybridLM("tiny"): an AttributeError from inside the backbone
             raise ValueError(f"config={quoted(config, 60)} is not a HybridConfig (type {type(config).__name__}); pass "
                              "e.g. HybridConfig.from_preset('tiny') or HybridConfig(**fields).")
+        python_numbers(config, MODEL_RULES)  # a config changed after it was built: checked again (pattern 'M*X' was a
+        config.validate()  # KeyError, num_key_value_heads=3 of 4 heads a model that fails at its first forward)
         super().__init__()
         self.config = config
         self.backbone = HybridBackbone(config)
