@@ -182,3 +182,18 @@ def test_a_closed_output_pipe_is_named_not_a_peer_or_bad_input(tmp_path):
     assert code == 1 and "the output was closed" in said and "> train.log 2>&1" in said, err.getvalue()
     assert "output was closed" in write_failure(BrokenPipeError(32, "Broken pipe"))
     assert write_failure(BrokenPipeError(32, "Broken pipe", "/x/file")) is None  # a file: not the output stream
+
+
+def test_an_empty_master_addr_is_replaced_like_any_address_not_of_this_machine(monkeypatch):
+    """Before: ``MASTER_ADDR=`` (set, but empty: a script's unset variable) passed the one-process check (binding ""
+    works) and torch then said "environment variable MASTER_ADDR expected, but not set", exit 2."""
+    import os
+
+    from hybridpar.train.preflight import one_process_rendezvous
+
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "")
+    note = one_process_rendezvous()
+    assert note and note.startswith("MASTER_ADDR='' is not an address of this machine") and "127.0.0.1:" in note, note
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["MASTER_PORT"].isdigit()

@@ -276,6 +276,8 @@ def one_process_rendezvous() -> str | None:
     address = os.environ.get("MASTER_ADDR", "127.0.0.1")
     problem = None
     try:
+        if not address.strip():  # torch takes it for unset: "MASTER_ADDR expected, but not set" (binding "" works)
+            raise OSError("empty")
         with socket.socket() as probe:  # a local address: binding to it works
             probe.bind((address, 0))
     except (OSError, UnicodeError):
