@@ -83,6 +83,6 @@ def test_a_cache_datasets_cannot_write_is_named_as_the_cache_not_the_file(tmp_pa
     (tmp_path / "rows.jsonl").write_text('{"text": "hello"}\n')
     (tmp_path / "taken").write_text("")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "taken" / "cache")
-    with pytest.raises(ValueError, match=r"rows.jsonl: datasets could not write its cache \(NotADirectoryError.*point "
-                                         r"HF_DATASETS_CACHE \(now .*taken/cache\) at a writable folder"):
+    with pytest.raises(ValueError, match=r"rows.jsonl: datasets could not write its cache \(NotADirectoryError.*taken/"
+                                         r"cache'\); point HF_DATASETS_CACHE \(now .*\) at a writable folder"):
         hf_dataset_documents(tmp_path / "rows.jsonl")

@@ -68,7 +68,7 @@ def _reading(datasets, path: Path, split: str = "train"):
         if isinstance(root, OSError) and root.filename and not _within(root.filename, path):  # its cache, not the data
             cache = datasets.config.HF_DATASETS_CACHE
             raise ValueError(f"dataset {path}: datasets could not write its cache ({type(root).__name__}: "
-                             f"{shorten(first, 160)}); point HF_DATASETS_CACHE (now {shorten(str(cache), 80)}) at a "
+                             f"{shorten(first, 160)}); point HF_DATASETS_CACHE (now {shorten(str(cache), 160)}) at a "
                              "writable folder with room.") from None
         if "corresponds to no data" in first:  # a CSV of its header alone: datasets' split instruction failed
             raise ValueError(f"dataset {path} holds no rows (a header, or nothing, and no record under it); write the "
