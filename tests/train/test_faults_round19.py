@@ -17,11 +17,11 @@ def _prompt_file(tmp_path):
     return path
 
 
-def _train(tmp_path, *overrides):
+def _train(tmp_path, *overrides, every=-1):
     out = tmp_path / "run"
     code, output = cli("train", "model.preset=tiny", "data.task=prompt_completion", f"data.path={_prompt_file(tmp_path)}",
                        "data.pack_size=32", "train.warmup_steps=0", f"output_dir={out}", "plot=false",
-                       "tensorboard=false", "checkpoint.every=-1", *overrides)
+                       "tensorboard=false", f"checkpoint.every={every}", *overrides)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
         if (out / "metrics.jsonl").is_file() else []
     return code, output, records
@@ -33,11 +33,13 @@ def test_a_step_without_a_labelled_token_is_skipped_not_fatal(tmp_path, recwarn)
     ended the run with exit 2, "step 0 has no labelled token" (numbered from 0, unlike every other line), hours into
     a run. Now it is skipped (no loss over zero tokens, no update), said once and counted in metrics.jsonl; torch's
     raw UserWarning of a scheduler step without an optimizer step before it (a skipped first step) is held back."""
-    code, output, records = _train(tmp_path, "data.packs_per_step=1", "train.steps=2", "train.eval_every=0")
+    code, output, records = _train(tmp_path, "data.packs_per_step=1", "train.steps=2", "train.eval_every=0", every=1)
     assert code == 0, output
     assert output.count("step 1 holds no labelled token") == 1 and "Traceback" not in output, output
     assert records[0]["empty_steps"] == 1 and "loss" not in records[0] and "grad_norm" not in records[0], records
     assert "skipped 1 steps without a label" in output, output
+    code, output, records = _train(tmp_path, "data.packs_per_step=1", "train.steps=3", "train.eval_every=0", every=1)
+    assert code == 0 and records[-1]["empty_steps"] == 3, (output, records)  # the count resumes with the checkpoint
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 
 

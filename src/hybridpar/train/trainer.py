@@ -318,7 +318,7 @@ class Trainer:
         state = load_checkpoint(plan.checkpoint, self.model, self.optimizer, self.scheduler)
         apply_settings(self.optimizer, self.scheduler, self.config.train)  # changed ones were said (numerics.py)
         self.start_step = state["step"]
-        self.guard.skipped = state.get("nonfinite_skips", 0)
+        self.guard.skipped, self.guard.empty_steps = state.get("nonfinite_skips", 0), state.get("empty_steps", 0)
         self.last_checkpoint = plan.checkpoint
         self.say(f"resumed from {plan.checkpoint} at step {self.start_step}")
 
@@ -331,7 +331,8 @@ class Trainer:
         run_info = {"run_id": self.run_id, "model": self.signature, "data": data_stream(self.config, self.pad, self.data_sources),
                     "config": to_dict(self.config), "lora_base": self.lora_base}
         path = save_checkpoint(f"{self.output_dir}/checkpoints", step, self.model, self.optimizer, self.scheduler,
-                               extra={"config": to_dict(self.config), "nonfinite_skips": self.guard.skipped},
+                               extra={"config": to_dict(self.config), "nonfinite_skips": self.guard.skipped,
+                                      "empty_steps": self.guard.empty_steps},
                                keep=self.config.checkpoint.keep, run_info=run_info)
         self.last_checkpoint = str(path)
         self.say(f"saved checkpoint {path} ({time.perf_counter() - started:.1f} s)")
