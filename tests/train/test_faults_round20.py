@@ -271,3 +271,14 @@ def test_a_hybrid_config_changed_after_it_was_built_is_checked_again(field, valu
     with pytest.raises(ValueError) as error:
         HybridLM(config)
     assert said in one_line(error), one_line(error)
+
+
+def test_the_hybrid_backends_refusal_closes_its_reason_once(saved):
+    """Before: ``load_causal_lm(granite, backend="hybrid")`` (``model.backend=hybrid``) ended its nested reason with
+    ".);", a sentence's stop inside the parentheses and another clause after them."""
+    from hybridpar.models.hf.causal_lm import load_causal_lm
+
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(saved("granite"), backend="hybrid")
+    message = one_line(error)
+    assert ".)" not in message and "'NemotronHForCausalLM']); use backend 'transformers'" in message, message

@@ -71,7 +71,7 @@ def causal_lm_backend(path: str | Path, backend: str = "auto") -> str:
         config_from_hf(hf)  # e.g. NemotronH with MoE or MTP layers: a transformers model under 'auto'
         supported, reason = True, ""
     except ValueError as error:
-        supported, reason = False, f" ({error})"
+        supported, reason = False, f" ({str(error).rstrip('.')})"
     if backend == "hybrid" and not supported:
         given = hf.get("architectures") or hf.get("model_type")
         raise ValueError(f"backend 'hybrid' loads only {list(ARCHITECTURES)}, but {path} holds {quoted(given)}{reason}; "
