@@ -282,3 +282,17 @@ def test_the_hybrid_backends_refusal_closes_its_reason_once(saved):
         load_causal_lm(saved("granite"), backend="hybrid")
     message = one_line(error)
     assert ".)" not in message and "'NemotronHForCausalLM']); use backend 'transformers'" in message, message
+
+
+@pytest.mark.parametrize("pad, cp, fix", [(2, 2, "Resume at parallel.cp=1, or"), (4, 4, "Resume at parallel.cp=1 or 2, or"),
+                                          (12, 4, "Resume at parallel.cp=1, 2, 3 or 6, or")])
+def test_a_resume_at_a_cp_the_recorded_padding_does_not_take_names_the_cps_that_do(tmp_path, pad, cp, fix):
+    """Before: a LoRA run of Zamba2 written at ``tp=2`` (documents padded to 2) resumed at ``cp=2`` was told "Resume at a
+    cp whose 2*cp divides 2", a riddle whose answer is ``parallel.cp=1``."""
+    from hybridpar.config import load_config
+    from hybridpar.train.run.resume import _check_compatible
+
+    config = load_config(None, ["model.preset=tiny", f"parallel.cp={cp}"])
+    with pytest.raises(ValueError) as error:
+        _check_compatible(tmp_path, {"data": {"pad_to_multiple_of": pad}}, config, None, cp)
+    assert fix in one_line(error) and "whose 2*cp" not in one_line(error), one_line(error)

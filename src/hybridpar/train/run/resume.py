@@ -158,6 +158,14 @@ def _check_peft(path: Path, info: dict, config: RunConfig) -> None:
                               "start fresh with checkpoint.resume=null.")
 
 
+def _cps_for(pad: int) -> str:
+    """The ``parallel.cp`` values whose ``2*cp`` divides a recorded padding, in words (``1``, ``1 or 2``)."""
+    cps = [str(cp) for cp in range(1, min(pad // 2, 2**16) + 1) if pad % (2 * cp) == 0][:8]
+    if not cps:  # an odd padding (a checkpoint from before the even rule): no cp takes it
+        return f"a value whose 2*cp divides {pad} (none does)"
+    return " or ".join([", ".join(cps[:-1]), cps[-1]] if len(cps) > 1 else cps)
+
+
 def _check_backend(path: Path, info: dict, config: RunConfig, kinds: list[str]) -> None:
     """Name ``model.backend`` when it alone made the other model (a Bamba checkpoint trained as a HybridLM resumed as
     the transformers model): the shape message said "use the model.preset/model.overrides/model.hf_path it was
@@ -199,8 +207,7 @@ def _check_compatible(path: Path, info: dict, config: RunConfig, model: dict | N
     if pad % (2 * cp):
         raise CheckpointError(f"checkpoint {str(path)!r} was trained with documents padded to multiples of {pad}; at "
                               f"parallel.cp={cp} every document must pad to a multiple of 2*cp={2 * cp}, so the batches "
-                              "would change. Resume at a cp whose 2*cp divides "
-                              f"{pad}, or start fresh (checkpoint.resume=null).")
+                              f"would change. Resume at parallel.cp={_cps_for(pad)}, or start fresh (checkpoint.resume=null).")
     notes += numeric_changes(path, info, config)
     if recorded:
         recorded = {"tokenizer": "auto", **recorded}  # checkpoints from before data.tokenizer read with bytes: auto
