@@ -296,3 +296,18 @@ def test_a_resume_at_a_cp_the_recorded_padding_does_not_take_names_the_cps_that_
     with pytest.raises(ValueError) as error:
         _check_compatible(tmp_path, {"data": {"pad_to_multiple_of": pad}}, config, None, cp)
     assert fix in one_line(error) and "whose 2*cp" not in one_line(error), one_line(error)
+
+
+def test_check_packing_says_the_layout_it_does_not_use(capsys):
+    """Before: ``hybridpar check --packing --nproc-per-node 2 parallel.cp=2`` ran the same one-process comparison on both
+    processes and printed "check --packing passed" without a word that cp=2 played no part, so a pass read as packing
+    proven under context parallelism."""
+    from hybridpar.config import load_config
+    from hybridpar.train.proof.packing import _layout_note, run_packing_check
+
+    overrides = ["model.preset=tiny", "data.pack_size=64", "data.packs_per_step=1", "train.seed=1",
+                 "data.task_options={num_kv_pairs: 4, min_len: 24, max_len: 40}"]
+    assert run_packing_check(load_config(None, overrides + ["parallel.cp=2", "parallel.tp=2"]), torch.device("cpu")) == 0
+    out = capsys.readouterr().out
+    assert "layout: parallel.cp=2, parallel.tp=2 not used here" in out and "without --packing proves the layout" in out
+    assert _layout_note(load_config(None, overrides + ["parallel.cp=1"])) == ""

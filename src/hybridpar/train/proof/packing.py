@@ -70,6 +70,16 @@ def _training_rule(config: RunConfig, model, vocab_size: int) -> str | None:
     return problem
 
 
+def _layout_note(config: RunConfig) -> str:
+    """What a layout given to ``check --packing`` does: nothing (the comparison is one process's; every process of
+    the job ran it alike), said, so a pass is not read as packing proven under that layout."""
+    degrees = [f"parallel.{name}={getattr(config.parallel, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp")
+               if getattr(config.parallel, name) != 1]
+    return "" if not degrees else (f"layout: {', '.join(degrees)} not used here: the packed and one-per-row runs are one "
+                                   "process's (each process ran the same); hybridpar check without --packing proves "
+                                   "the layout")
+
+
 def run_packing_check(config: RunConfig, device: torch.device, tolerance: float | None = None) -> int:
     """Print one line per quantity (packed against one document per row); 0 when all agree."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -106,6 +116,8 @@ def run_packing_check(config: RunConfig, device: torch.device, tolerance: float 
         trained = stream if problem is None else PackStream(data, 1, vocab_size, pad_to_multiple_of=pad_multiple(data, 1),
                                                             tokenizer=tokenizer, one_per_row=True)
         print(f"  training: {packing_line(model, problem, padding_fraction(trained.pool), data.pack_size)}")
+        if _layout_note(config):
+            print(f"  {_layout_note(config)}")
         if lora_line(model):
             print(f"  {lora_line(model)}" + (f" (peft.dropout={config.peft.dropout:g} off here: packed and alone rows "
                                              "would draw other masks)" if config.peft.dropout else ""))
