@@ -64,8 +64,7 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
 def refuse_adapters(model: nn.Module, state: dict | None, caller: str) -> None:
     """ValueError when the weights to export (``state``, else ``model``'s) hold LoRA adapters: a plain checkpoint
     wrote their ``lora_A``/``lora_B`` tensors, which transformers drops as unexpected keys (the update lost)."""
-    held = any(".lora_" in name for name in state) if state is not None else adapter_settings(model) is not None
-    if held:
+    if any(map(is_lora_parameter, state)) if state is not None else adapter_settings(model) is not None:
         raise ValueError(f"{caller}: the weights hold LoRA adapters, which a plain checkpoint cannot carry "
                          "(transformers drops lora_A/lora_B as unexpected keys); export with export_lora(model, out_dir, "
                          "canonical_state_dict(model), merge=True) for merged weights, or merge=False for the adapter.")

@@ -216,8 +216,6 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     Mamba2 mixers on hybridpar's core (``models/hf/mixers/mamba2.install_mamba_core``)."""
     model = load_causal_lm(config.model.hf_path, "transformers", dtype=dtype)
     check_learned_positions(model, config.data.pack_size)
-    if dtype == torch.float64 and type(model)._can_set_experts_implementation():
-        model.set_experts_implementation("eager")  # torch._grouped_mm (transformers' default) has no float64
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
         keep_float64(model.to(torch.float64))
     install_cores(model)

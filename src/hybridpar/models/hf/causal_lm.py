@@ -142,7 +142,8 @@ def load_causal_lm(path: str | Path, backend: str = "auto", dtype: torch.dtype |
 def eager_experts_in_float64(model: nn.Module) -> None:
     """A float64 transformers MoE on transformers' eager experts: its default ``torch._grouped_mm`` takes no
     float64 (a RuntimeError traceback at the first forward of ``generate --hf-path`` or ``load_causal_lm``)."""
-    if model.dtype == torch.float64 and type(model)._can_set_experts_implementation():
+    settable = getattr(type(model), "_can_set_experts_implementation", None)  # transformers' own test (private)
+    if model.dtype == torch.float64 and settable is not None and settable():
         model.set_experts_implementation("eager")
 
 

@@ -116,8 +116,8 @@ def run_packing_check(config: RunConfig, device: torch.device, tolerance: float 
         trained = stream if problem is None else PackStream(data, 1, vocab_size, pad_to_multiple_of=pad_multiple(data, 1),
                                                             tokenizer=tokenizer, one_per_row=True)
         print(f"  training: {packing_line(model, problem, padding_fraction(trained.pool), data.pack_size)}")
-        if _layout_note(config):
-            print(f"  {_layout_note(config)}")
+        if note := _layout_note(config):
+            print(f"  {note}")
         if lora_line(model):
             print(f"  {lora_line(model)}" + (f" (peft.dropout={config.peft.dropout:g} off here: packed and alone rows "
                                              "would draw other masks)" if config.peft.dropout else ""))
