@@ -94,6 +94,14 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
             raise ValueError(f"module {name!r} at tp={tp}, cp={dims.cp}: {error}") from None
 
 
+def _cores_at(cp: int, attention: str, mamba: str) -> tuple:
+    """Group-less CP cores sized as the CP group will be, for head checks before any group exists (a
+    core of ``None`` has size 1: cp=4 ulysses over 6 heads passed the launcher, then failed on the ranks)."""
+    attention_core, mamba_core = attention_cp.STRATEGIES[attention](None), mamba_cp.STRATEGIES[mamba](None)
+    attention_core.cp_size = mamba_core.cp_size = cp
+    return attention_core, mamba_core
+
+
 def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_strategy: str = "allgather",
                          cp_mamba_strategy: str = "a2a", sequence_parallel: bool = False, mixed_precision=None,
                          tp_plan=None, activation_checkpointing: str | bool = "none",
@@ -115,8 +123,8 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if problem:
         raise ValueError(problem + ".")
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
-        hf_cp.validate_hf_cp(model, attention_cp.STRATEGIES[cp_attention_strategy](None), dims.tp,
-                             mamba_cp.STRATEGIES[cp_mamba_strategy](None))
+        attention_core, mamba_core = _cores_at(dims.cp, cp_attention_strategy, cp_mamba_strategy)
+        hf_cp.validate_hf_cp(model, attention_core, dims.tp, mamba_core)
     if mixed_precision is not None and not (needs_fsdp(dims) and isinstance(mixed_precision, MixedPrecisionPolicy)):
         if needs_fsdp(dims) and mixed_precision != "bf16":
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "

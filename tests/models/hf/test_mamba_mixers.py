@@ -88,7 +88,7 @@ def test_mamba_heads_that_do_not_split_over_cp_are_refused_before_collectives():
     install_mamba_core(model)
     core = HiddenParallelMamba(None)
     core.cp_size = 3  # the rule as a 3-rank group would apply it (no group needed: no communication)
-    with pytest.raises(ValueError, match=r"Mamba2 mixer 'model.layers.0.mamba' at tp=1, cp=3: .*not divisible by cp=3"):
+    with pytest.raises(ValueError, match=r"Mamba2 mixer 'model.layers.0.mamba' at cp=3, tp=1: .*not divisible by cp=3"):
         validate_hf_cp(model, ATTENTION["allgather"](None), 1, core)
 
 

@@ -276,7 +276,7 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=Non
         try:
             mamba_core.validate(heads, groups)
         except ValueError as error:
-            raise ValueError(f"Mamba2 mixer {name!r} at tp={tp}, cp={mamba_core.cp_size}: {error}") from None
+            raise ValueError(f"Mamba2 mixer {name!r} at cp={mamba_core.cp_size}, tp={tp}: {error}") from None
     bad_rope = sorted(_rope_types(model.config) & set(_POSITION_DEPENDENT_ROPE))
     if bad_rope:
         raise ValueError(f"context parallelism for {cls}: rope type {bad_rope[0]!r} chooses its frequencies from the "
@@ -288,7 +288,7 @@ def validate_hf_cp(model: nn.Module, attention_core, tp: int = 1, mamba_core=Non
             # one KV head stays whole on every TP rank (multi-query: tensor/hf_plans/recurrent_gemma.py)
             attention_core.validate_heads(heads // tp, kv_heads // tp if kv_heads % tp == 0 else kv_heads)
         except ValueError as error:
-            raise ValueError(f"module {name!r} at tp={tp}, cp={attention_core.cp_size}: {error}") from None
+            raise ValueError(f"module {name!r} at cp={attention_core.cp_size}, tp={tp}: {error}") from None
 
 
 def _refuse_attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
