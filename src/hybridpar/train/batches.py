@@ -61,6 +61,17 @@ def pack_size_fix(pack_size: int, multiple: int) -> int:
     return up if up <= MAX_PACK_SIZE else pack_size // multiple * multiple
 
 
+def sequence_parallel_pack_problem(pack_size: int, multiple: int, cp: int, tp: int) -> str | None:
+    """Sequence parallelism splits each context-parallel rank's ``pack_size/cp`` tokens evenly over ``tp``: the
+    rule of ``data.pack_size`` (it passed the launcher, ``--dry-run`` and ``plan``, then failed on every rank)."""
+    if tp < 2 or pack_size % (cp * tp) == 0:
+        return None
+    fix = pack_size_fix(pack_size, math.lcm(multiple, cp * tp))
+    return (f"data.pack_size={pack_size} gives {pack_size / cp:g} tokens per context-parallel rank (cp={cp}), which "
+            f"parallel.sequence_parallel=true cannot split evenly over parallel.tp={tp}; use data.pack_size={fix} (a "
+            f"multiple of cp*tp={cp * tp} and of the document padding {multiple}) or parallel.sequence_parallel=false.")
+
+
 MAX_TASK_INT = 2**31 - 1  # every integer of a synthetic task's options (ids, lengths, counts)
 
 

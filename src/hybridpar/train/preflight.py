@@ -38,7 +38,8 @@ from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.tokenizers import auto_bytes_note
 from hybridpar.models.hybrid import MODEL_RULES
 from hybridpar.parallel.dims import ParallelDims
-from hybridpar.train.batches import missing_eos, pack_size_fix, pad_multiple, validate_data
+from hybridpar.train.batches import (missing_eos, pack_size_fix, pad_multiple, sequence_parallel_pack_problem,
+                                     validate_data)
 from hybridpar.train.hf_model import (attention_dropout_problem, check_learned_positions, hf_shape, meta_model,
                                       model_backend, pack_position_note)
 from hybridpar.train.optim import check_optimizer_scale
@@ -181,6 +182,8 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
         raise ConfigError(f"data.pack_size={data.pack_size} is not a multiple of the document padding {multiple} ("
                           f"{'data.pad_to_multiple_of' if data.pad_to_multiple_of else f'2*cp={2 * p.cp}'}); use "
                           f"data.pack_size={pack_size_fix(data.pack_size, multiple)}.")
+    if p.sequence_parallel and (problem := sequence_parallel_pack_problem(data.pack_size, multiple, p.cp, p.tp)):
+        raise ConfigError(problem)
     dp = dims.size("dp")
     if data.packs_per_step % dp:
         raise ConfigError(f"data.packs_per_step={data.packs_per_step} is not divisible by the data-parallel size "
