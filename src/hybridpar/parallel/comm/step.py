@@ -272,7 +272,8 @@ def cp_attention(s: StepShape) -> Tally:
     per_head = sent("all_to_all", cp, tokens * cfg.head_dim * e)
     out.add("all_to_all", label, per_head * (hq + 2 * kv_heads), layers)
     out.add("all_to_all", label, per_head * hq, layers)
-    assert out.bytes()["all_to_all", label] == layers * forward
+    # sent() floors each head's bytes: equal to the closed form up to a byte per head (cp=3 was an AssertionError)
+    assert abs(out.bytes()["all_to_all", label] - layers * forward) <= layers * 2 * (hq + kv_heads)
     for i, kind in enumerate(pattern):  # backward: the gradients of those of q, k, v that have one, and the output's
         grads = hq * flow.q[i] + kv_heads * (flow.k[i] + flow.v[i])
         if kind in "*P" and grads:
@@ -295,7 +296,7 @@ def cp_mamba(s: StepShape) -> Tally:
         for width in (d_inner + 2 * groups_sent * state + heads, d_inner):
             out.add("all_to_all", label, sent("all_to_all", cp, tokens * width * e), calls)
         forward = a2a_bytes_per_layer(1, s.pack_size, cp, d_inner, heads, groups, state, e)
-        assert out.bytes()["all_to_all", label] == round(forward * calls)
+        assert abs(out.bytes()["all_to_all", label] - forward * calls) <= 2 * calls  # sent() floors each width
         return out
     if len(s.docs_per_pack) != s.packs_per_rank:
         raise ValueError(f"cp_mamba='state' sends per document: give docs_per_pack for all {s.packs_per_rank} packs.")
