@@ -88,6 +88,10 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
         model.train()
     tolerance = tolerance if tolerance is not None else default_tolerance(config)
     parallel_loss = trainer.step_gradients(0)
+    if parallel_loss is None:  # on every rank alike (a global count): "unsupported operand ... 'NoneType'" before
+        raise ConfigError(f"check compares step 0, but its {config.data.packs_per_step} pack(s) of data.pack_size="
+                          f"{config.data.pack_size} hold no labelled token (nothing to compare); use a larger "
+                          "data.pack_size (or data.packs_per_step).")
     parallel_grads = canonical_state_dict(trainer.model, grads=True)
     reference_loss = reference_step(reference, trainer.train_data.step_packs(0), device)
 
