@@ -7,7 +7,7 @@ refused instead (``train/batches.validate_data``): the run would train on other 
 
 from __future__ import annotations
 
-from hybridpar.config import ModelConfig, PeftConfig, RunConfig, TrainConfig, show_value
+from hybridpar.config import ModelConfig, ParallelConfig, PeftConfig, RunConfig, TrainConfig, show_value
 
 
 def unused_key_notices(config: RunConfig, command: str = "train") -> list[str]:
@@ -37,6 +37,15 @@ def unused_key_notices(config: RunConfig, command: str = "train") -> list[str]:
     if config.train.on_nonfinite == "stop" and config.train.max_nonfinite_skips != TrainConfig().max_nonfinite_skips:
         notes.append(f"train.max_nonfinite_skips={config.train.max_nonfinite_skips} is not used: train.on_nonfinite=stop "
                      "stops at the first non-finite step (set train.on_nonfinite=skip to skip up to that many)")
+    p = config.parallel
+    if p.sequence_parallel and p.tp == 1:  # check printed "sp=True" of a layout without it
+        notes.append("parallel.sequence_parallel=true is not used: it splits the sequence over the tensor-parallel "
+                     "group, and parallel.tp=1 (set parallel.tp > 1 for sequence parallelism)")
+    strategies = [f"parallel.{key}={show_value(getattr(p, key))}" for key in ("cp_attention", "cp_mamba")
+                  if getattr(p, key) != getattr(ParallelConfig(), key)]
+    if strategies and p.cp == 1:
+        notes.append(f"{' and '.join(strategies)} {'is' if len(strategies) == 1 else 'are'} not used: a context-parallel "
+                     "strategy runs at parallel.cp > 1 only, and parallel.cp=1 (set parallel.cp > 1 to use it)")
     sample = config.train.sample or {}
     unused = [key for key in ("seed", "top_p") if key in sample and not sample.get("temperature")]
     if unused:
