@@ -1,0 +1,131 @@
+"""Round 21 of fault hunting (docs/reliability.md, "Round 21"): parallel layouts at their edges (degrees that do not
+divide the model's heads, groups or the pack; odd context-parallel sizes; sequence parallelism over tiny packs) for
+HybridLM presets and transformers models, through ``train --dry-run``, ``plan`` and ``check``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.train.fault_probes import cli
+
+TINY = ["model.preset=tiny", "train.steps=1", "train.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Tiny float64 transformers checkpoints with 6 heads (vocabulary 97): a Llama (2 KV heads) and a Falcon-H1 (6
+    Mamba heads in 2 groups), by name."""
+    import transformers as hf
+
+    from tests.models.hf.hybrid_models import _C, _M
+    from tests.models.hf.tiny import perturbed_float64
+
+    folder = tmp_path_factory.mktemp("six_heads")
+    builders = {
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(
+            hidden_size=48, intermediate_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+            num_hidden_layers=1, vocab_size=97, use_cache=False)),
+        "falcon_h1": lambda: hf.FalconH1ForCausalLM(hf.FalconH1Config(
+            num_hidden_layers=1, mamba_n_heads=6, mamba_d_head=16, mamba_d_ssm=96, **_M, **_C)),
+    }
+
+    def save(name: str):
+        path = folder / name
+        if not path.exists():
+            perturbed_float64(builders[name]).save_pretrained(path)
+        return path
+    return save
+
+
+def _refused(output: str) -> str:
+    [line] = [line for line in output.splitlines() if line.startswith("hybridpar: error: ")]
+    assert len(line) < 2000, line
+    return line
+
+
+@pytest.mark.parametrize("name, layout, said", [
+    ("llama", ["parallel.cp=4", "parallel.cp_attention=ulysses"], "6 query heads (per tensor-parallel rank) are not "
+                                                                  "divisible by cp=4"),
+    ("falcon_h1", ["parallel.cp=4", "parallel.cp_mamba=a2a"], "6 heads (per tensor-parallel rank) are not divisible by "
+                                                              "cp=4"),
+    ("falcon_h1", ["parallel.cp=3", "parallel.cp_mamba=a2a", "data.pack_size=66"], "n_groups=2 and cp=3"),
+])
+def test_a_transformers_models_heads_are_held_to_cp_before_any_process_starts(saved, tmp_path, name, layout, said):
+    """Before: the launcher, ``--dry-run`` and ``plan`` checked a transformers model's attention and Mamba heads against
+    a context-parallel core of size 1 (a core with no group), so ``cp=4`` ulysses over a Llama's 6 heads, or ``a2a`` over
+    a Falcon-H1's 6 Mamba heads, said "config and layout valid"; every rank then built the model and stopped with a
+    message naming no ``parallel.*`` key (and ``plan`` of the first was an AssertionError)."""
+    run = [f"model.hf_path={saved(name)}", "model.dtype=float64", "data.pack_size=64", f"output_dir={tmp_path}",
+           "train.steps=1", *layout]
+    cp = layout[0].split("=")[1]
+    code, output = cli("train", "--dry-run", "--nproc-per-node", cp, *run)
+    assert code == 2 and _refused(output).startswith(f"hybridpar: error: parallel.cp={cp}: "), output
+    assert said in output
+    code, output = cli("plan", *run)
+    assert code == 2 and said in _refused(output), output
+    layout[1] = layout[1].replace("ulysses", "allgather").replace("a2a", "state")  # the strategy the message names
+    code, output = cli("train", "--dry-run", "--nproc-per-node", cp, *run[:-len(layout)], *layout)
+    assert code == 0, output
+
+
+def test_a_sequence_parallel_pack_that_tp_does_not_split_is_refused_before_any_process_starts(tmp_path):
+    """Before: ``data.pack_size=66`` at ``tp=4`` with ``sequence_parallel=true`` passed ``--dry-run`` and ``plan``
+    (66 is a multiple of the document padding 2*cp=2) and every rank stopped after building the model with "sequence
+    length 66 gives 66 tokens per context-parallel rank ... pad S ... (packed: extend the last document's padding ...)",
+    a fix no config key makes."""
+    layout = ["parallel.tp=4", "parallel.sequence_parallel=true", f"output_dir={tmp_path}",
+              "model.overrides={mamba_n_groups: 4, num_key_value_heads: 4}"]
+    for pack_size, fix in [(66, 68), (6, 8)]:
+        code, output = cli("train", "--dry-run", "--nproc-per-node", "4", *TINY, *layout, f"data.pack_size={pack_size}")
+        line = _refused(output)
+        assert code == 2 and f"data.pack_size={pack_size} gives {pack_size} tokens per context-parallel rank" in line
+        assert f"use data.pack_size={fix}" in line and "parallel.sequence_parallel=false" in line, line
+        code, output = cli("plan", *TINY, *layout, f"data.pack_size={pack_size}")
+        assert code == 2 and "cannot split evenly over parallel.tp=4" in output, output
+    code, output = cli("train", "--dry-run", "--nproc-per-node", "6", *TINY, "parallel.tp=3", "parallel.cp=2",
+                       "parallel.sequence_parallel=true", "data.pack_size=68", f"output_dir={tmp_path}",
+                       "model.overrides={mamba_num_heads: 6, mamba_n_groups: 3, num_attention_heads: 3, "
+                       "num_key_value_heads: 3, intermediate_size: 129}")
+    assert code == 2 and "34 tokens per context-parallel rank (cp=2)" in output and "data.pack_size=72" in output, output
+    for pack_size in (68, 8):  # whole tokens on every rank: accepted
+        code, output = cli("train", "--dry-run", "--nproc-per-node", "4", *TINY, *layout, f"data.pack_size={pack_size}")
+        assert code == 0, output
+
+
+@pytest.mark.parametrize("model", [
+    ["parallel.cp_attention=ulysses", "parallel.cp_mamba=state", "model.overrides={num_attention_heads: 6, "
+                                                                 "num_key_value_heads: 3}"],
+    ["parallel.cp_attention=ulysses", "parallel.cp_mamba=state", "model.overrides={num_attention_heads: 6, "
+                                                                 "num_key_value_heads: 2}"],
+], ids=["kv3", "kv2-repeated"])
+def test_plan_prices_ulysses_at_an_odd_cp(model):
+    """Before: ``hybridpar plan`` at ``cp=3`` with ulysses was a bare AssertionError traceback: the tally floors each
+    head's bytes (a third of a byte lost per head) and was held equal to the closed form's float."""
+    code, output = cli("plan", *TINY, "data.pack_size=66", "parallel.cp=3", *model)
+    assert code == 0 and "per step" in output, output
+
+
+def test_check_of_a_step_with_no_labelled_token_is_one_line(tmp_path):
+    """Before: ``hybridpar check data.pack_size=8`` (MQAR documents cut into pieces without an answer) was "TypeError:
+    unsupported operand type(s) for -: 'NoneType' and 'Tensor'", a traceback from comparing a loss that does not
+    exist; training skips such a step with a notice."""
+    code, output = cli("check", *TINY, "model.dtype=float64", "data.pack_size=8", f"output_dir={tmp_path}")
+    line = _refused(output)
+    assert code == 2 and "hold no labelled token" in line and "use a larger data.pack_size" in line, output
+    assert "Traceback" not in output
+
+
+def test_a_parallel_setting_the_layout_never_uses_is_said(tmp_path):
+    """Before: ``parallel.sequence_parallel=true`` at ``tp=1``, and ``parallel.cp_attention=ulysses`` or
+    ``parallel.cp_mamba=state`` at ``cp=1``, trained without a word, and ``check`` printed ``sp=True`` of a layout
+    without sequence parallelism, as if it had proven it."""
+    base = ["--dry-run", *TINY, "data.pack_size=64", f"output_dir={tmp_path}"]
+    code, output = cli("train", *base, "parallel.sequence_parallel=true", "parallel.cp_attention=ulysses",
+                       "parallel.cp_mamba=state")
+    assert code == 0 and "parallel.sequence_parallel=true is not used" in output, output
+    assert "parallel.cp_attention='ulysses' and parallel.cp_mamba='state' are not used" in output, output
+    code, output = cli("check", *base, "parallel.cp_attention=ring")
+    assert code == 0 and "parallel.cp_attention='ring' is not used" in output, output
+    code, output = cli("train", *base, "--nproc-per-node", "4", "parallel.tp=2", "parallel.cp=2",
+                       "parallel.sequence_parallel=true", "parallel.cp_attention=ring")
+    assert code == 0 and "not used" not in output, output
