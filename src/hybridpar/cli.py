@@ -28,8 +28,8 @@ import sys
 from hybridpar.config import ConfigError, load_config
 from hybridpar.config_rules import did_you_mean, shorten
 from hybridpar.environment import check_environment, import_torch
-from hybridpar.worker import (INPUT_ERRORS, Terminated, check_world, error_message, launched_by_torchrun, run,
-                              sigterm_unwinds, worker_main, write_failure)
+from hybridpar.worker import (INPUT_ERRORS, Terminated, check_world, checked_layout, error_message,
+                              launched_by_torchrun, process_state_kept, run, sigterm_unwinds, worker_main, write_failure)
 
 VERBS = {"train": "train a model (the config's layout, on --nproc-per-node processes)",
          "check": "run one step under the layout and in one process; compare loss and every gradient",
@@ -175,6 +175,7 @@ def dry_run(args: argparse.Namespace) -> int:
     nproc = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nproc_per_node
     if nproc and not launched_by_torchrun():
         _say_ignored_rendezvous()
+    config = checked_layout(config, args, nproc)  # check --packing: parallel.* plays no part
     check_world(config, nproc)
     check_devices(int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if launched_by_torchrun() else nproc)  # this machine's
     validate_run(config, args.command, nproc or 1, dry_run=True)
@@ -216,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if launched_by_torchrun() and not getattr(args, "dry_run", False):
         return worker_main(args)
+    with process_state_kept():  # a second main() in this process runs as in a fresh one
+        return _main(args, argv, notes)
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None, notes: list[str]) -> int:
     from hybridpar.train.nonfinite import NonFiniteError
     from hybridpar.train.run.checkpoint import OutputWriteError
 
@@ -240,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.nproc_per_node:
                 _say_ignored_rendezvous()
-            check_world(config, args.nproc_per_node)
+            checked = checked_layout(config, args, args.nproc_per_node)  # check --packing: parallel.* plays no part
+            check_world(checked, args.nproc_per_node)
             check_devices(args.nproc_per_node)
             from hybridpar.train.preflight import validate_run
 
-            validate_run(config, args.command, args.nproc_per_node or 1)  # before any process starts
+            validate_run(checked, args.command, args.nproc_per_node or 1)  # before any process starts
         if args.nproc_per_node:
             from hybridpar.launch import launch
 

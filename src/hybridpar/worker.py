@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import errno
 import logging
@@ -87,6 +88,17 @@ def check_world(config: RunConfig, nproc: int | None) -> None:
                           f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {needed}; {fix} or change parallel.*.")
 
 
+def checked_layout(config: RunConfig, args: argparse.Namespace, nproc: int | None) -> RunConfig:
+    """The config whose layout the checks hold to the process count. ``check --packing`` runs one process's
+    comparison on each process, so ``parallel.*`` plays no part there (its header says so): its processes are
+    checked as replicas, and a layout such as ``parallel.cp=2`` no longer demands ``--nproc-per-node 2``."""
+    if not getattr(args, "packing", False):
+        return config
+    from hybridpar.config import ParallelConfig
+
+    return dataclasses.replace(config, parallel=ParallelConfig(dp_replicate=nproc or 1))
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM to a one-process run, unwound as SIGINT is: the output_dir lock released, one line, exit 143."""
 
@@ -111,6 +123,51 @@ def sigterm_unwinds():
             signal.signal(signal.SIGTERM, previous)
 
 
+# What a run sets in its process's environment: the one-process rendezvous (``init_distributed``, preflight's port),
+# the launcher's control variables and OpenMP's thread count (``launch``), and torchrun's agent's signal list.
+RUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", "HYBRIDPAR_CONTROL_DIR",
+           "HYBRIDPAR_LAUNCHER_PID", "HYBRIDPAR_HEARTBEAT_TIMEOUT_S")
+QUIETED_LOGGERS = ("torch.distributed.tensor._redistribute", "torch.distributed.elastic", "torch.distributed.run",
+                   "torch.distributed.launcher")
+
+
+@contextlib.contextmanager
+def process_state_kept():
+    """A run called from Python (``cli.main`` in a notebook or a sweep) leaves its process as it found it, so a
+    second run behaves as in a fresh process: the variables of ``RUN_ENV`` (a second run said "MASTER_PORT=... is
+    in use" of the first run's port; a launched run left ``OMP_NUM_THREADS=1`` and its control folder's path for
+    every later process), torch's thread count, TF32 precision (after a run, ``torch.get_float32_matmul_precision()``
+    raised torch's "mix of the legacy and new APIs"), ``sys.excepthook`` (``init_process_group`` wraps it: each run
+    added a ``[rank0]:`` prefix to every later traceback), torch's default process-group timeout, the warning
+    filters, the loggers hybridpar quiets, and the packer's once-per-run notice."""
+    import torch
+    from torch.distributed import distributed_c10d
+
+    env = {key: os.environ.get(key) for key in RUN_ENV}
+    hook, pg_timeout, threads = sys.excepthook, distributed_c10d.default_pg_timeout, torch.get_num_threads()
+    precision = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    loggers = {name: (log.level, list(log.handlers), log.propagate)
+               for name, log in ((name, logging.getLogger(name)) for name in QUIETED_LOGGERS)}
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        sys.excepthook, distributed_c10d.default_pg_timeout = hook, pg_timeout
+        torch.set_num_threads(threads)
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = precision
+        for name, (level, handlers, propagate) in loggers.items():
+            log = logging.getLogger(name)
+            log.setLevel(level)
+            log.handlers[:], log.propagate = handlers, propagate
+        if (batches := sys.modules.get("hybridpar.train.batches")) is not None:
+            batches.PackStream._warned = False  # "shown once per process" meant once per run: said by the next run too
+
+
 def quiet_known_warnings() -> None:
     """Silence two torch notices that do not apply: the trainer never edits the logits in
     place (FSDP's view warning), and the 2-D gradient-norm reduction is deliberate."""
@@ -125,7 +182,8 @@ def run(args: argparse.Namespace, config: RunConfig) -> int:
 
         return run_plan(args, config)
     if launched_by_torchrun():  # a WORLD_SIZE the layout does not take: refused before the rendezvous waits for it
-        check_world(config, int(os.environ["WORLD_SIZE"]))
+        world = int(os.environ["WORLD_SIZE"])
+        check_world(checked_layout(config, args, world), world)
     device, owns_group = init_distributed(config.train.collective_timeout_s)
     import torch.distributed as dist
 
