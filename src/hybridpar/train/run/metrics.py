@@ -125,15 +125,16 @@ def format_line(record: dict) -> str:
 
 
 def plot_loss_curve(history: list[dict], path: Path) -> Path | None:
-    """Training (and eval) loss against step, saved as a PNG; None without matplotlib."""
-    try:
-        import matplotlib
+    """Training (and eval) loss against step, saved as a PNG; None without matplotlib.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    A ``Figure`` of its own, not pyplot's: ``matplotlib.use("Agg")`` switched the backend of the process, so a
+    notebook's plots stopped showing after a run, and pyplot kept the figure in its registry."""
+    try:
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     train = [(r["step"], r["loss"]) for r in history if r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
     unigram = [r["unigram_loss"] for r in history if r.get("unigram_loss") is not None]
@@ -145,11 +146,11 @@ def plot_loss_curve(history: list[dict], path: Path) -> Path | None:
         ax.axhline(unigram[-1], linestyle="--", color="gray", label="unigram baseline (eval)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.legend()
+    if train or evals or unigram:  # a run stopped before its first step: no line, and matplotlib's raw warning
+        ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
