@@ -15,8 +15,8 @@ state; one all-reduce (MIN of a 0/1 flag) makes the verdict global.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,17 +33,17 @@ class NonFiniteGuard:
         self.policy, self.max_skips, self.skipped = policy, max_skips, skipped
         self.empty_steps = 0  # steps without a labelled token (``empty``)
 
-    def empty(self, step: int, scheduler, pack_size: int, say: bool) -> dict:
+    def empty(self, step: int, scheduler, pack_size: int, say: Callable[[str], None] | None) -> dict:
         """A step whose packs hold no labelled token (pieces of documents split at ``data.pack_size`` may hold
-        none): no loss (a mean over zero tokens), no update; the schedule moves on. Said once; the metrics count it."""
+        none): no loss (a mean over zero tokens), no update; the schedule moves on. Said once through ``say`` (the
+        run's notice, on rank 0; None elsewhere); the metrics count it."""
         lr = scheduler.get_last_lr()[0]
         step_schedule(scheduler)
         self.empty_steps += 1
-        if say and self.empty_steps == 1:  # run.metrics.notice's line (importing it would close an import circle)
-            print(f"hybridpar: warning: step {step} holds no labelled token (documents longer than data.pack_size="
-                  f"{pack_size} are split, and a piece may hold none), so it has no loss and was skipped without an "
-                  "update; such steps are counted as empty_steps in metrics.jsonl. Raise data.pack_size to keep whole "
-                  "documents in a pack.", file=sys.stderr, flush=True)
+        if say is not None and self.empty_steps == 1:
+            say(f"step {step} holds no labelled token (documents longer than data.pack_size={pack_size} are split, "
+                "and a piece may hold none), so it has no loss and was skipped without an update; such steps are "
+                "counted as empty_steps in metrics.jsonl. Raise data.pack_size to keep whole documents in a pack.")
         return {"lr": lr, "empty_steps": self.empty_steps}
 
     def check(self, step: int, loss: float, grad_norm: float, lr: float) -> bool:

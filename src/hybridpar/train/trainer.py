@@ -256,7 +256,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         """One optimizer step; a non-finite loss or gradient norm is stopped (or skipped) by the guard."""
         if (loss := self.step_gradients(step)) is None:  # nothing to learn: no loss, no update
-            return self.guard.empty(step + 1, self.scheduler, self.config.data.pack_size, self.rank == 0)
+            return self.guard.empty(step + 1, self.scheduler, self.config.data.pack_size, notice if self.rank == 0 else None)
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.train.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         metrics = {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr}
@@ -372,10 +372,11 @@ class Trainer:
                      "(the first one also warms up)")
         elif self.start_step >= cfg.train.steps and self.rank == 0:
             notice(nothing_left_note(self.start_step, cfg.train.steps))
-        for step in range(self.start_step, end):
+        measured = False  # CPU: live-tensor peak of one steady-state step (the second, or the only one), or the
+        for step in range(self.start_step, end):  # next that trains: an empty one ran nothing (it showed "tensors 0.000")
             started = time.perf_counter()
-            # CPU: live-tensor peak of one steady-state step (the second, or the only one)
-            peak = step_tensor_peak(self.model, self.optimizer, self.device) if step == min(self.start_step + 1, end - 1) else None
+            peak = step_tensor_peak(self.model, self.optimizer, self.device) if step >= min(self.start_step + 1, end - 1) \
+                and not measured else None
             try:
                 with peak or contextlib.nullcontext():
                     metrics = self.train_step(step)
@@ -384,8 +385,8 @@ class Trainer:
                 raise
             metrics["tokens_per_s"] = cfg.data.packs_per_step * cfg.data.pack_size / (time.perf_counter() - started)
             metrics["peak_memory_gib"] = peak_memory_gib()
-            if peak is not None:
-                metrics["tensor_peak_gib"] = peak.gib
+            if peak is not None and "loss" in metrics:
+                metrics["tensor_peak_gib"], measured = peak.gib, True
             last = step + 1 == cfg.train.steps
             if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or last):
                 self.model.eval()
