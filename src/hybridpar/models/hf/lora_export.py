@@ -33,9 +33,10 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from hybridpar.config_rules import quoted
 from hybridpar.models.hf.checkpoint import NEMOTRON_H, architecture_of, hf_tensor_name
 from hybridpar.models.hybrid import HybridLM
-from hybridpar.models.lora import adapter_settings, is_lora_parameter, lora_modules
+from hybridpar.models.lora import LORA_PARAMETERS, adapter_settings, is_lora_parameter, lora_modules
 from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_lora_modules, peft_names,
                                            peft_target_parameters)
 from hybridpar.models.names import canonical_name
@@ -62,11 +63,26 @@ def _check_adapter_state(model: nn.Module, state) -> dict:
     if not isinstance(state, dict):  # a str was "'str' object has no attribute 'items'"
         raise ValueError(f"export_lora: state must be the model's canonical state (a dict of name -> tensor), got "
                          f"{type(state).__name__}; pass canonical_state_dict(model).")
-    wanted = [canonical_name(name) for name, _ in model.named_parameters() if is_lora_parameter(name)]
+    wanted = adapter_names(model)
     if wanted and not any(is_lora_parameter(name) for name in state):
         raise ValueError(f"export_lora: state holds none of the model's {len(wanted)} adapter tensors (e.g. {wanted[0]}), "
                          "so the export would hold no trained update; pass canonical_state_dict(model).")
+    given = {name for name in state if is_lora_parameter(name)}
+    missing, foreign = [n for n in wanted if n not in given], sorted(given.difference(wanted))
+    if wanted and (missing or foreign):  # some adapters missing: merge=True was a KeyError, merge=False wrote them without
+        said = [f"lacks {len(missing)} of them ({quoted(missing[:3], 300)})"] if missing else []
+        said += [f"holds {len(foreign)} the model has not ({quoted(foreign[:3], 300)})"] if foreign else []
+        raise ValueError(f"export_lora: state does not hold the model's {len(wanted)} adapter tensors: it "
+                         f"{' and '.join(said)}; pass canonical_state_dict(model) of this model.")
     return state
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The canonical names of ``model``'s adapter tensors (``canonical_state_dict``'s): each adapted linear's
+    ``lora_A.weight`` and ``lora_B.weight`` (a split Mamba ``in_proj``'s per-component ``B`` is one there) and
+    each stacked expert parameter's factors."""
+    linear = [f"{name}.{factor}.weight" for name in lora_modules(model) for factor in LORA_PARAMETERS]
+    return sorted({canonical_name(name) for name in [*linear, *peft_names(model)]})
 
 
 def lora_settings(model: nn.Module) -> dict:
