@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +49,25 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-Document = Union[Sequence[int], Tensor, Mapping[str, Any]]
+
+
+class _DocumentKind(type):
+    def __instancecheck__(cls, value) -> bool:  # the forms pack_documents takes (their values are checked there)
+        return isinstance(value, (Tensor, Mapping)) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes)))
+
+
+class Document(metaclass=_DocumentKind):
+    """One document: token ids (a list or a 1-D tensor) or a mapping ``{"input_ids": [...], "labels": [...]}`` with
+    labels already aligned (module docstring); ``isinstance(x, Document)`` says whether ``x`` has one of these forms.
+
+    ``Document(input_ids, labels=None)`` builds the mapping, checked as ``pack_documents`` checks it: int64 ``[n]``
+    ``input_ids`` and ``labels`` (by default each token's next, -100 at the last). It was a ``typing.Union`` alias, so
+    ``hp.Document(ids)`` was Python's "Cannot instantiate typing.Union" and ``isinstance`` a TypeError."""
+
+    def __new__(cls, input_ids, labels=None) -> dict[str, Tensor]:
+        tokens, labels = document_tokens_and_labels({"input_ids": input_ids, "labels": labels})
+        return {"input_ids": tokens, "labels": labels}
+
 PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 
 
