@@ -58,7 +58,7 @@ from hybridpar.parallel.tensor.hf_plans.moe_hybrid import split_hf_mixers
 
 __all__ = [
     "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile",
-    "needs_fsdp",
+    "needs_fsdp", "cp_cores_at",
 ]
 
 
@@ -94,7 +94,7 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
             raise ValueError(f"module {name!r} at tp={tp}, cp={dims.cp}: {error}") from None
 
 
-def _cores_at(cp: int, attention: str, mamba: str) -> tuple:
+def cp_cores_at(cp: int, attention: str, mamba: str) -> tuple:
     """Group-less CP cores sized as the CP group will be, for head checks before any group exists (a
     core of ``None`` has size 1: cp=4 ulysses over 6 heads passed the launcher, then failed on the ranks)."""
     attention_core, mamba_core = attention_cp.STRATEGIES[attention](None), mamba_cp.STRATEGIES[mamba](None)
@@ -123,7 +123,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if problem:
         raise ValueError(problem + ".")
     if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
-        attention_core, mamba_core = _cores_at(dims.cp, cp_attention_strategy, cp_mamba_strategy)
+        attention_core, mamba_core = cp_cores_at(dims.cp, cp_attention_strategy, cp_mamba_strategy)
         hf_cp.validate_hf_cp(model, attention_core, dims.tp, mamba_core)
     if mixed_precision is not None and not (needs_fsdp(dims) and isinstance(mixed_precision, MixedPrecisionPolicy)):
         if needs_fsdp(dims) and mixed_precision != "bf16":

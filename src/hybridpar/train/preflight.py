@@ -104,22 +104,25 @@ def model_config(config: RunConfig):
 
 
 def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> None:
-    """The CP strategies' own head/group rules, for the heads each TP rank will hold at ``dims.cp``."""
+    """The CP strategies' head/group rules for the heads each TP rank will hold at ``dims.cp`` (transformers' too)."""
     from hybridpar.models.attention.mixer import Attention
+    from hybridpar.models.hybrid import HybridLM
     from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
-    from hybridpar.parallel.context import attention as cp_attention
-    from hybridpar.parallel.context.recurrent import mamba as cp_mamba
+    from hybridpar.parallel.context.hf import validate_hf_cp
+    from hybridpar.parallel.parallelize import cp_cores_at
 
-    attention_core, mamba_core = cp_attention.STRATEGIES[attention](None), cp_mamba.STRATEGIES[mamba](None)
-    attention_core.cp_size = mamba_core.cp_size = dims.cp  # what the CP group will have
-    for name, module in model.named_modules():
-        try:
+    attention_core, mamba_core = cp_cores_at(dims.cp, attention, mamba)  # sized as the CP group will be
+    name = ""
+    try:
+        if not isinstance(model, HybridLM):
+            return validate_hf_cp(model, attention_core, dims.tp, mamba_core)
+        for name, module in model.named_modules():
             if isinstance(module, Mamba2Mixer):
                 mamba_core.validate(module.num_heads // dims.tp, tp_groups(module.n_groups, dims.tp))
             elif isinstance(module, Attention):
                 attention_core.validate_heads(module.num_heads // dims.tp, module.num_kv_heads // dims.tp)
-        except ValueError as error:
-            raise ConfigError(f"parallel.cp={dims.cp} with parallel.tp={dims.tp}: module {name!r}: {error}") from None
+    except ValueError as error:
+        raise ConfigError(f"parallel.cp={dims.cp} with parallel.tp={dims.tp}: {f'module {name!r}: ' * bool(name)}{error}") from None
 
 
 def _check_compile_backend(value) -> None:
