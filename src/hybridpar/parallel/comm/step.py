@@ -322,7 +322,8 @@ def fsdp(s: StepShape) -> Tally:
         return out
     shard, rep = dims.size("dp_shard_cp"), dims.dp_replicate
     if not isinstance(s.reshard_after_forward, bool):
-        raise ValueError("closed forms cover reshard_after_forward true or false, not a resharding group size.")
+        raise ValueError(f"parallel.reshard_after_forward={s.reshard_after_forward} (a resharding group) is not priced: the "
+                         "closed forms cover true and false; plan both, its memory and traffic lie between them.")
     shard_label, rep_label = dim_label(dims, ("dp_shard", "cp")), dim_label(dims, ("dp_replicate",))
     m, flow, blocks = s.packs_per_rank, s.flow, len(s.model.pattern)
     units = blocks // 2 if s.paired else blocks
