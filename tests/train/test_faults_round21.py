@@ -129,3 +129,26 @@ def test_a_parallel_setting_the_layout_never_uses_is_said(tmp_path):
     code, output = cli("train", *base, "--nproc-per-node", "4", "parallel.tp=2", "parallel.cp=2",
                        "parallel.sequence_parallel=true", "parallel.cp_attention=ring")
     assert code == 0 and "not used" not in output, output
+
+
+def test_plan_fit_lists_no_cp_strategy_a_transformers_models_heads_refuse(saved):
+    """Before: ``plan --fit`` checked a layout's other CP strategies with the HybridLM rules only, so for a Llama of 6
+    heads it listed ``cp=4`` with ulysses among the layouts that fit, a layout every rank then refused."""
+    import json
+
+    code, output = cli("plan", "--fit", "80", "--world-size", "4", "--json", f"model.hf_path={saved('llama')}",
+                       "data.pack_size=64", "parallel.cp_attention=ulysses")
+    assert code == 0, output
+    found = json.loads(output[output.index("{"):])
+    ulysses = [c for kind in ("fitting", "failing") for c in found[kind]
+               if c["parallel"]["cp"] == 4 and c["parallel"]["cp_attention"] == "ulysses"]
+    assert ulysses and all("6 query heads" in c.get("refused", "") for c in ulysses), ulysses
+
+
+def test_plan_of_a_resharding_group_names_the_key():
+    """Before: ``plan parallel.reshard_after_forward=2`` (a layout ``train`` takes) was refused with "closed forms cover
+    reshard_after_forward true or false, not a resharding group size.", naming no key and no way on."""
+    code, output = cli("plan", *TINY, "data.pack_size=64", "parallel.dp_shard=2", "data.packs_per_step=2",
+                       "parallel.reshard_after_forward=2")
+    line = _refused(output)
+    assert code == 2 and "parallel.reshard_after_forward=2" in line and "plan both" in line, output
