@@ -161,8 +161,12 @@ def _merged_adapter(adapter_dir: str) -> tuple[str, str]:
     from hybridpar.models.hf.lora_export import merge_adapter_checkpoint, read_peft_adapter
 
     scratch = tempfile.mkdtemp(prefix="hybridpar-lora-")
-    atexit.register(shutil.rmtree, scratch, True)
-    merge_adapter_checkpoint(adapter_dir, scratch)
+    atexit.register(shutil.rmtree, scratch, True)  # if the process ends first (load_for_generation removes it)
+    try:
+        merge_adapter_checkpoint(adapter_dir, scratch)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     base = read_peft_adapter(adapter_dir)[0].get("base_model_name_or_path")
     tokenizer_home = adapter_dir if any(Path(adapter_dir).glob("tokenizer*")) else base
     return scratch, tokenizer_home
@@ -205,6 +209,11 @@ def load_for_generation(hf_path: str | None = None, checkpoint: str | None = Non
             if adapter is None:
                 raise
             raise ValueError(str(error).replace(hf_path, f"adapter {adapter!r} merged onto its base")) from None
+        finally:  # loaded (or refused): the merged copy goes now, not at exit (each call from Python left one)
+            if adapter is not None:
+                import shutil
+
+                shutil.rmtree(hf_path, ignore_errors=True)
     else:
         path = checkpoint_to_load(checkpoint)
         from hybridpar.train.run.checkpoint import read_run_info
