@@ -152,3 +152,26 @@ def test_plan_of_a_resharding_group_names_the_key():
                        "parallel.reshard_after_forward=2")
     line = _refused(output)
     assert code == 2 and "parallel.reshard_after_forward=2" in line and "plan both" in line, output
+
+
+def test_a_moe_config_routing_to_more_experts_than_it_has_is_one_line(tmp_path):
+    """Before: a Qwen3-MoE ``config.json`` with ``num_experts_per_tok=3`` over ``num_experts=2`` passed ``--dry-run`` and
+    the first forward was torch's "selected index k out of range" traceback (``generate`` likewise). A dense Granite
+    (``num_local_experts=0`` beside the default ``num_experts_per_tok``) is not a MoE and is left alone."""
+    import json
+
+    import transformers as hf
+
+    path = tmp_path / "qwen3moe"
+    hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(
+        hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_experts=2, num_experts_per_tok=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_hidden_layers=1, vocab_size=97)).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 3}))
+    code, output = cli("train", "--dry-run", f"model.hf_path={path}", "data.pack_size=64", f"output_dir={tmp_path / 'run'}")
+    assert code == 2 and "num_experts_per_tok=3 must be in [1, 2]" in _refused(output), output
+    code, output = cli("generate", "--hf-path", str(path), "--prompt", "hi", "--max-new-tokens", "1", "--tokenizer", "bytes")
+    assert code == 2 and "num_experts_per_tok=3 must be in [1, 2]" in _refused(output), output
+    from hybridpar.models.hf.generation_config import config_vocab_problem
+
+    assert config_vocab_problem({"num_local_experts": 0, "num_experts_per_tok": 2}, "config.json") is None

@@ -42,6 +42,7 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "mamba_expand", "mamba_dt_rank", "time_step_rank", "mamba_d_ssm", "linear_num_heads", "linear_head_dim",
                "linear_conv_kernel_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                "v_head_dim", "lru_width", "attention_window_size", "conv1d_width", "sliding_window")
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # a MoE layer's experts, by family
 AUTO_FIELDS = ("mamba_dt_rank", "time_step_rank")  # "auto": transformers derives it from hidden_size
 POSITIVE_FIELDS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
                    # softcaps and logit/residual scales (Gemma2, RecurrentGemma, Granite, Falcon-H1): a zero divided
@@ -69,6 +70,11 @@ def config_vocab_problem(hf: dict, file) -> str | None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 return (f"{file}: {where}{name}={quoted(value)} must be an integer >= 1; restore the checkpoint's "
                         "config.json.")
+        experts = next((fields[n] for n in EXPERT_FIELDS if isinstance(fields.get(n), int) and fields[n] > 0), 0)
+        top_k = fields.get("num_experts_per_tok")  # more than the experts: torch.topk's "selected index k out of range"
+        if experts and isinstance(top_k, int) and not isinstance(top_k, bool) and not 1 <= top_k <= experts:
+            return (f"{file}: {where}num_experts_per_tok={top_k} must be in [1, {experts}] (a token is routed to at most "
+                    "every expert of the layer); restore the checkpoint's config.json.")
         for name in POSITIVE_FIELDS:
             value = fields.get(name)
             if value is not None and any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
