@@ -81,7 +81,6 @@ def test_moe_hybrids_are_planned_on_their_twin_with_transformers_parameters(tmp_
 
 @pytest.mark.parametrize("name, fields, overrides, reason", [
     ("zamba2", {"tie_word_embeddings": False}, [], "blocks are not shared"),
-    ("zamba2", {}, ["peft.method=lora"], "priced without LoRA"),
 ])
 def test_what_stays_unplanned_keeps_its_parameter_share_and_names_why(tmp_path, name, fields, overrides, reason):
     plan = make_plan(load_config(None, _overrides(_checkpoint(tmp_path / name, name, **fields), *overrides)))

@@ -90,7 +90,7 @@ def _block_saved_bytes(layout: Layout, kind: str, policy: str) -> int:
     paired = layout.paired
     if paired and policy in ("full", "selective") and kind in "-E":
         return 0  # one checkpoint per decoder layer: the attention block's input is the layer's
-    if kind == "Z":  # a Zamba2 shared block's use (none or full: plan/hf/zamba2.zamba2_unpriced); under full its
+    if kind == "Z":  # a Zamba2 shared block's use (plan/hf/zamba2.py); under full its
         if policy == "full":  # layer's one checkpoint keeps the layer's input, counted with its Mamba block
             return 0
         if policy == "selective":

@@ -36,6 +36,7 @@ from hybridpar.parallel.comm.grad_flow import adapted_linear
 from hybridpar.plan.activations import (block_saved_bytes, block_widths, hf_mixer_bytes, hf_norm_bytes, linear_weights,
                                         mixer_saved_bytes)
 from hybridpar.plan.hf.moe import fused_mlp_saved, moe_saved_bytes, router_aux_bytes
+from hybridpar.plan.hf.zamba2_lora import zamba2_lora_bytes
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
@@ -55,6 +56,9 @@ def lora_block_bytes(layout: Layout, index: int) -> int:
     adapted = {adapted_linear(p.name) for p in adapter_params(layout)[f"backbone.layers.{index}"]}
     w, e, ec, tc, ts = block_widths(layout), layout.act_bytes, layout.compute_bytes, layout.tokens, layout.stream_tokens
     out = lora_saved_bytes(layout, index)
+    if kind == "Z":  # a Zamba2 shared block's use (plan/hf/zamba2.py)
+        core = mixer_saved_bytes(layout, "*", w)
+        return out + zamba2_lora_bytes(layout, w, core, hf_norm_bytes(layout), adapted, flow.input[index])
     if flow.input[index]:
         out += ts * w["d"] * layout.stream_bytes + ts * ec + (2 * linear_weights(layout, kind) if layout.autocast else 0)
     if layout.hf_decoder and flow.input[index] and layout.stream_bytes < ec:
@@ -97,7 +101,7 @@ def lora_block_bytes(layout: Layout, index: int) -> int:
 
 def lora_saved_bytes(layout: Layout, index: int) -> int:
     """The adapters of block ``index``: each keeps ``h = A x`` [Tc, r] for ``B``'s gradient (``full``
-    checkpointing recomputes it); under ``selective`` those on ``in_proj``, q, k, v keep ``h`` and
+    checkpointing recomputes it); under ``selective`` those on ``in_proj``, q, k, v (a Zamba2 use's: every one) keep ``h`` and
     ``B h`` [Tc, out/tp] (the policy keeps every matmul output before the mixing kernel; a block
     without one keeps its input only)."""
     if not layout.lora_rank or layout.checkpointing == "full":
@@ -106,7 +110,9 @@ def lora_saved_bytes(layout: Layout, index: int) -> int:
     r, tc, e = layout.lora_rank, layout.tokens, layout.act_bytes
     if layout.checkpointing == "none":
         return sum(p.name.endswith(".lora_A") for p in params) * tc * r * e
-    if layout.model.pattern[index] not in "M*P":
+    kind = layout.model.pattern[index]
+    if kind not in "M*PZ":
         return 0
-    before = [p for p in params if adapted_linear(p.name) in INPUT_SIDE[:4]]
+    before = [p for p in params if kind == "Z" or adapted_linear(p.name) in INPUT_SIDE[:4]]  # Z: all, before its
+    # layer's Mamba core
     return sum(tc * (r if p.name.endswith(".lora_A") else p.shape[0]) * e for p in before)

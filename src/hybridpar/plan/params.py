@@ -33,6 +33,7 @@ from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.comm.grad_flow import GradFlow
 from hybridpar.parallel.comm.step import ParamShape, unit_parameters
 from hybridpar.plan.hf.zamba2 import is_zamba2, zamba2_units
+from hybridpar.plan.hf.zamba2_lora import zamba2_lora_linears
 from hybridpar.plan.layout import Layout
 
 __all__ = ["model_units", "parameter_count", "ParameterMemory", "parameter_memory", "adapter_units", "adapter_params",
@@ -128,6 +129,8 @@ def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple,
         m = f"backbone.layers.{index}.mixer"
         if block in "M*P":  # P: a twin's parallel layer (Falcon-H1), both mixers
             linears = {**(mamba if block in "MP" else {}), **(attention if block in "*P" else {})}
+        elif block == "Z":  # a Zamba2 shared block's use: its copy's linears and its layer's linear
+            linears = zamba2_lora_linears(c)
         elif block == "E" or getattr(c, "mlp_fused", False):  # a twin's MoE block: its shared experts' linears
             linears = _shared_mlp(c, c.moe_shared_size if block == "E" else c.intermediate_size)
         else:
@@ -137,6 +140,10 @@ def _adapter_params(kind: type, shape: tuple, tp: int, r: int, targets: tuple,
         params = []
         for name, (fan_in, fan_out, style) in linears.items():
             if not _adapted(f"{m}.{name}", targets):
+                continue
+            if style == "whole":  # a linear TP leaves whole: both factors replicated
+                params += [ParamShape(f"{m}.{name}.lora_A", (r, fan_in), False),
+                           ParamShape(f"{m}.{name}.lora_B", (fan_out, r), False)]
                 continue
             col = style == "col"
             in_proj = name == "in_proj"  # its replicated factors sum over TP in autograd (parallel/lora.py)

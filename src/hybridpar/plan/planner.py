@@ -100,13 +100,11 @@ def lora_mismatch(run: RunConfig, shape, twin: HybridConfig) -> str:
             f"{list(run.peft.target_modules or ())} matches layers the twin names differently or does not hold)")
 
 
-def planned_shape(shape, run: RunConfig | None = None, per_layout: bool = False) -> tuple[HybridConfig | None, str, str]:
+def planned_shape(shape, run: RunConfig | None = None) -> tuple[HybridConfig | None, str, str]:
     """``(twin, why not, name)`` of a transformers config: the HybridLM twin the planner prices it
     as (``plan/hf/twin.py``), or None and the reason (with ``run``, also when it cannot price the run's
-    LoRA adapters: ``lora_mismatch``, or a Zamba2 run it does not price yet: ``zamba2_unpriced``, which
-    ``per_layout`` leaves to the caller, the search, to ask per candidate)."""
+    LoRA adapters: ``lora_mismatch``)."""
     from hybridpar.plan.hf.twin import hybrid_twin
-    from hybridpar.plan.hf.zamba2 import zamba2_unpriced
     from hybridpar.train.hf_model import meta_model
 
     from hybridpar.models.hf.activations import lean_gated_norms, lean_rms_norms
@@ -115,8 +113,7 @@ def planned_shape(shape, run: RunConfig | None = None, per_layout: bool = False)
     twin, why = hybrid_twin(shape, sum(p.numel() for p in meta.parameters()))
     if twin is not None:
         twin.lean_norms, twin.lean_gated_norms = bool(lean_rms_norms(meta)), bool(lean_gated_norms(meta))
-        unpriced = "" if per_layout or run is None else zamba2_unpriced(Layout.from_run(run, twin, hf_decoder=True))
-        why = (unpriced or lora_mismatch(run, shape, twin)) if run is not None else ""
+        why = lora_mismatch(run, shape, twin) if run is not None else ""
         twin = None if why else twin
     layers = getattr(shape, "num_hidden_layers", 0)
     pattern = f"'*-' x {layers}" if twin is None or twin.pattern == "*-" * layers else repr(twin.pattern)

@@ -21,7 +21,6 @@ from hybridpar.models.hybrid import HybridConfig
 from hybridpar.parallel.comm.units import mamba_layers
 from hybridpar.plan.planner import GPU_BASELINE_GIB, Plan, plan_layout, planned_shape
 from hybridpar.plan.estimate import H100, DeviceFigures
-from hybridpar.plan.hf.zamba2 import zamba2_unpriced
 from hybridpar.plan.layout import Layout
 
 __all__ = ["Candidate", "search_layouts", "divisor_layouts"]
@@ -112,7 +111,7 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
     model = meta_model(shape)  # one shape-only model validates every candidate
     planned, hf_decoder = shape, False
     if not isinstance(shape, HybridConfig):  # a transformers decoder: priced through its twin, or refused
-        planned, why, _ = planned_shape(shape, run, per_layout=True)  # a Zamba2's candidates are checked below
+        planned, why, _ = planned_shape(shape, run)
         if planned is None:
             raise ConfigError(f"plan --fit needs every layout's activations, and for {type(model).__name__} {why}; "
                               "drop --fit to see its parameters, gradients and AdamW state per rank.")
@@ -136,9 +135,6 @@ def search_layouts(run: RunConfig, world: int, budget_gib: float, device: Device
             out.append(Candidate(keys, refused=verdicts[layout_key], data=raised))
             continue
         layout = Layout.from_run(candidate, planned, hf_decoder)
-        if unpriced := zamba2_unpriced(layout):  # a Zamba2 under LoRA or bf16 autocast (plan/hf/zamba2.py)
-            out.append(Candidate(keys, refused=unpriced, data=raised))
-            continue
         plan = plan_layout(layout, device, docs_per_pack)
         out.append(Candidate(keys, plan, needs_gib=plan.memory.peak_bytes / 2**30 + baseline_gib, data=raised))
     fitting = sorted((c for c in out if c.fits(budget_gib)), key=lambda c: c.plan.time.step_s)

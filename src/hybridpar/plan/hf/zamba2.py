@@ -45,7 +45,7 @@ its input ``[Ts, D] e_s`` (counted with its ``M`` block; ``Z`` keeps nothing of 
 backward rebuilds ``Z``'s tensors while the ``M`` block's backward runs (``memory_plan``), and its
 recomputation repeats the shared block's mid-layer collectives (``zamba2_recomputed``). ``selective``:
 the same checkpoint, keeping every matmul output before the layer's Mamba core (``zamba2_selective_bytes``;
-the layer's input and ``x0`` as under ``full``). LoRA is not priced yet (``zamba2_unpriced``).
+the layer's input and ``x0`` as under ``full``). LoRA: ``plan/hf/zamba2_lora.py``.
 
 Under autocast (``mixed_precision=bf16`` without FSDP; ``e = 2``, the stream float32) each projection keeps
 its own bf16 cast of its float32 input: q, k, v and each attention adapter's ``A`` one ``[Tc, 2D] e`` each
@@ -61,12 +61,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hybridpar.parallel.comm.step import ParamShape, StepShape, Tally, dim_label, sent, shard_bytes, tp_pair
+from hybridpar.parallel.comm.grad_flow import adapted_linear
+from hybridpar.parallel.comm.step import ParamShape, StepShape, Tally, dim_label, sent, shard_bytes, tp_adapters, tp_pair
 from hybridpar.parallel.comm.units import unit_parameters
 from hybridpar.plan.layout import Layout
 
-__all__ = ["zamba2_fields", "is_zamba2", "zamba2_units", "shared_uses", "zamba2_saved_bytes", "zamba2_traffic",
-           "zamba2_matmul_elements", "zamba2_unpriced", "zamba2_recomputed", "zamba2_selective_bytes", "attention_twin", "fsdp_groups", "SHARED_UNIT"]
+__all__ = ["zamba2_fields", "is_zamba2", "weights_per_use", "zamba2_reach", "zamba2_units", "shared_uses", "zamba2_saved_bytes", "zamba2_traffic",
+           "zamba2_matmul_elements", "zamba2_recomputed", "zamba2_selective_bytes", "attention_twin", "fsdp_groups", "SHARED_UNIT"]
 
 SHARED_UNIT = "shared_blocks.{}"  # FSDP unit of distinct shared block b (its adapters included)
 
@@ -169,10 +170,10 @@ def zamba2_saved_bytes(layout: Layout, w: dict, core: int, hf_norm: int) -> int:
     fused = tc * e * (3 * inter + (inter // layout.tp if layout.tp > 1 else inter))  # TP down's slice of the last
     norm_input = ts * d * e if cast else (0 if hf_norm and not wide else ts * d * es)  # autocast: o_proj's bf16 out
     mlp = ts * ec + norm_input + hf_norm + tc * d * e * (2 if cast else 1) + tc * r * e + fused
-    return attention + mlp + ts * d * e + (2 * _weights_per_use(layout) if cast else 0)
+    return attention + mlp + ts * d * e + (2 * weights_per_use(layout) if cast else 0)
 
 
-def _weights_per_use(layout: Layout) -> int:
+def weights_per_use(layout: Layout) -> int:
     """TP-local elements of the matrices one use of a shared block reads, of which autocast keeps a bf16 copy per
     use (its weight cache is off: ``parallel/precision.py``): the block's own, the use's adapters, its layer's
     ``linear [D, D]``."""
@@ -197,31 +198,57 @@ def zamba2_selective_bytes(layout: Layout, w: dict) -> int:
     return attention + mlp + ts * d * e
 
 
+def zamba2_reach(adapted: set, upstream: bool) -> tuple[bool, bool]:
+    """``(core, mlp)``: whether a gradient reaches a ``Z`` block's attention core and its MLP's input (a node's
+    backward runs where anything before it trains): ``upstream`` (full training, or under LoRA an adapter in an
+    earlier block), or an adapter of this use on q, k, v (the core), or on o_proj (the MLP)."""
+    core = upstream or bool(adapted & {"q_proj", "k_proj", "v_proj"})
+    return core, core or "o_proj" in adapted
+
+
+def _adapted_uses(c, shape: StepShape) -> dict[int, set[str]]:
+    """Each ``Z`` block's adapted linears (``q_proj``, ``linear``, ...; none in full training), by block index."""
+    return {i: {adapted_linear(p.name) for p in (shape.adapters or {}).get(f"backbone.layers.{i}", ())}
+            for i, kind in enumerate(c.pattern) if kind == "Z"}
+
+
 def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
     """The sources ``step_collectives`` prices from ``unit_parameters``, for a Zamba2 twin: ``fsdp`` over its
     real units, ``tp_norm_grads`` (each distinct block's two norms once), and ``tp_shared_block``
-    (module docstring). ``shape``: the step of ``attention_twin``."""
+    (module docstring). ``shape``: the step of ``attention_twin``. Under LoRA a backward collective runs only
+    where a gradient reaches (``zamba2_reach``), no norm or linear weight has a gradient, and the adapters on
+    the layers' ``linear`` (whole on every TP rank, their gradients equal there) are not reduced over TP."""
     c, dims, m = layout.model, layout.dims, layout.packs_per_rank
-    out = {}
+    out, flow, adapted = {}, shape.flow, _adapted_uses(c, shape)
     units = zamba2_units(c, layout.tp, layout.sequence_parallel)
     norms = Tally()
-    if layout.sp:  # no LoRA here: every norm trains
+    if layout.sp and flow.base_trains:
         for p in (p for unit in units.values() for p in unit if p.sp_norm):
             norms.add("all_reduce", dim_label(dims, ("tp",)), sent("all_reduce", layout.tp, math.prod(p.shape) * shape.stream_bytes),
                       1 if shape.fsdp else 4)  # FSDP reduces once; else clipping once and AdamW three times
     out["tp_norm_grads"] = norms
     out["fsdp"] = _fsdp(layout, shape, units)
+    if shape.adapters is not None:
+        whole = {u: [p for p in ps if adapted_linear(p.name) != "linear"] for u, ps in shape.adapters.items()}
+        out["tp_adapters"] = tp_adapters(dataclasses.replace(shape, adapters=whole))
     tp, extra = layout.tp, Tally()
     if tp > 1:
         uses, d, e, tc = c.pattern.count("Z") * m, c.hidden_size, layout.act_bytes, layout.tokens
+        entered = m * sum(flow.input[i] for i in adapted)  # a gradient into the attention's norm output
+        reach = [zamba2_reach(names, flow.input[i])[1] for i, names in adapted.items()]
+        into_mlp = m * sum(reach)  # ... into the MLP's input
         label = dim_label(dims, ("tp",))
-        tp_pair(extra, shape, uses, 2 * d, shape.entry_size)  # the attention's entry: norm(u) [Tc, 2D]
-        tp_pair(extra, shape, uses, d, exit_=True)  # its exit: o_proj's output
+        tp_pair(extra, shape, uses, 2 * d, shape.entry_size, entered)  # the attention's entry: norm(u) [Tc, 2D]
+        tp_pair(extra, shape, uses, d, backward=into_mlp, exit_=True)  # its exit: o_proj's output
+        # tp_blocks prices the MLP's entry on flow.input; its backward runs wherever the MLP's input has a gradient
+        tp_pair(extra, shape, 0, d, shape.entry_size, into_mlp - entered)
         extra.add("all_gather", label, sent("all_gather", tp, tc * 2 * c.intermediate_size // tp * e), uses)
-        extra.add("all_gather", label, sent("all_gather", tp, tc * c.intermediate_size // tp * e), uses)
+        into_down = m * sum(r or "gate_up_proj" in names for r, names in zip(reach, adapted.values()))
+        extra.add("all_gather", label, sent("all_gather", tp, tc * c.intermediate_size // tp * e), into_down)  # down's
+        # input's gradient (its slice's, gathered)
         if c.shared_attention_adapters:  # B's replicated input [Tc, r]: its gradient is Partial
-            extra.add("all_reduce", label, sent("all_reduce", tp, tc * c.shared_adapter_rank * e), 3 * uses)
-        if layout.sp:  # the linear runs on the local tokens: its weight's gradient summed over TP, per pack
+            extra.add("all_reduce", label, sent("all_reduce", tp, tc * c.shared_adapter_rank * e), 3 * entered)
+        if layout.sp and flow.base_trains:  # the linear runs on the local tokens: its weight's gradient summed over TP
             extra.add("all_reduce", label, sent("all_reduce", tp, d * d * shape.stream_bytes), uses)
     out["tp_shared_block"] = extra
     return out
@@ -236,7 +263,8 @@ def zamba2_recomputed(layout: Layout, shape: StepShape) -> Tally:
     out, c, tp = Tally(), layout.model, layout.tp
     if tp == 1:
         return out
-    uses, label, tc, e = c.pattern.count("Z") * layout.packs_per_rank, dim_label(layout.dims, ("tp",)), layout.tokens, layout.act_bytes
+    redone = sum(shape.flow.output[i + 1] for i, kind in enumerate(c.pattern) if kind == "Z")  # LoRA: a gradient
+    uses, label, tc, e = redone * layout.packs_per_rank, dim_label(layout.dims, ("tp",)), layout.tokens, layout.act_bytes  # reaches it
     if layout.sp:
         out.add("all_gather", label, sent("all_gather", tp, layout.stream_tokens * 2 * c.hidden_size * (shape.entry_size or e)), uses)
     kind = "reduce_scatter" if layout.sp else "all_reduce"
@@ -253,22 +281,41 @@ def attention_twin(config):
 
 def _fsdp(layout: Layout, shape: StepShape, units: dict) -> Tally:
     """``step.fsdp`` over Zamba2's units: a hybrid layer's linear and Mamba block as one, each distinct
-    shared block as one gathered twice per pack (forward and backward, whatever its uses), the root once."""
-    out, dims = Tally(), layout.dims
+    shared block as one gathered twice per pack (forward and backward, whatever its uses), the root once.
+    Under LoRA each unit gathers its adapters too (a use's copy's with its shared block, the linear's with its
+    layer) and reduces only theirs; a unit no gradient reaches is not gathered in backward."""
+    out, dims, c = Tally(), layout.dims, layout.model
     if not shape.fsdp:
         return out
-    shard, rep, m = dims.size("dp_shard_cp"), dims.dp_replicate, layout.packs_per_rank
+    shard, rep, m, flow = dims.size("dp_shard_cp"), dims.dp_replicate, layout.packs_per_rank, shape.flow
     shard_label, rep_label = dim_label(dims, ("dp_shard", "cp")), dim_label(dims, ("dp_replicate",))
     reduce_size = max(layout.act_bytes, 4)
-    groups = [[p for i in group for p in units[f"backbone.layers.{i}"]] for group in fsdp_groups(layout.model)]
-    groups += [units[SHARED_UNIT.format(b)] for b in range(layout.model.shared_blocks)]
-    for params, root in [(g, False) for g in groups] + [(units[""], True)]:
-        nbytes, grad_bytes = shard_bytes(params, shard, layout.act_bytes), shard_bytes(params, shard, reduce_size)
+    adapters, uses = shape.adapters or {}, shared_uses(c)
+    shared_adapters = {b: [] for b in range(c.shared_blocks)}
+    for j, i in enumerate(i for i, kind in enumerate(c.pattern) if kind == "Z"):
+        shared_adapters[uses[j]] += [p for p in adapters.get(f"backbone.layers.{i}", ()) if adapted_linear(p.name) != "linear"]
+    own = {i: [p for p in adapters.get(f"backbone.layers.{i}", ()) if c.pattern[i] != "Z" or adapted_linear(p.name) == "linear"]
+           for i in range(len(c.pattern))}
+    groups = fsdp_groups(c)
+    entries = []  # (base parameters, adapters, gathered again in backward)
+    for g, group in enumerate(groups):
+        later = groups[min(g + 1, len(groups) - 1)]  # FSDP prefetches a unit in the backward of the one after it
+        entries.append(([p for i in group for p in units[f"backbone.layers.{i}"]], [p for i in group for p in own[i]],
+                        flow.output[later[-1]]))
+    for b in range(c.shared_blocks):
+        reached = any(flow.output[i] for j, i in enumerate(i for i, k in enumerate(c.pattern) if k == "Z") if uses[j] == b)
+        entries.append((units[SHARED_UNIT.format(b)], shared_adapters[b], reached))
+    entries.append((units[""], adapters.get("", []), False))
+    for params, extra, backward in entries:
+        nbytes = shard_bytes(params, shard, layout.act_bytes) + shard_bytes(extra, shard, shape.adapter_size)
+        grad_bytes = shard_bytes(params, shard, reduce_size) if shape.adapters is None else \
+            shard_bytes(extra, shard, shape.adapter_grad_size)
         if shard > 1:
-            gathers = 1 if not layout.reshard_after_forward else m * (1 if root else 2)
+            gathers = 1 if not layout.reshard_after_forward else m * (2 if backward else 1)
             out.add("all_gather", shard_label, sent("all_gather", shard, nbytes), gathers)
-            out.add("reduce_scatter", shard_label, sent("reduce_scatter", shard, shard * grad_bytes))
-        if rep > 1:
+            if grad_bytes:
+                out.add("reduce_scatter", shard_label, sent("reduce_scatter", shard, shard * grad_bytes))
+        if rep > 1 and grad_bytes:
             out.add("all_reduce", rep_label, sent("all_reduce", rep, grad_bytes))
     return out
 
@@ -281,10 +328,3 @@ def zamba2_matmul_elements(config) -> tuple[int, int]:
     attention_adapters = 3 * r * 4 * d if config.shared_attention_adapters else 0
     replicated = d * d + r * (d + 2 * inter) + attention_adapters // 2
     return 2 * d * (q + 2 * kv) + q * d + 3 * d * inter + attention_adapters + replicated, replicated
-
-
-def zamba2_unpriced(layout: Layout) -> str:
-    """Why this run of a Zamba2 twin is not priced (``""``: it is): LoRA was not held to a measurement."""
-    if not is_zamba2(layout.model) or not layout.lora_rank:
-        return ""
-    return "Zamba2's shared blocks are priced without LoRA adapters (this run: LoRA)"
