@@ -212,3 +212,15 @@ def test_generate_from_an_adapter_leaves_no_merged_copy_behind(tmp_path):
     runs = [cli_streams(*argv) for _ in range(2)]
     assert runs[0][0] == 0 and runs[0][1] == runs[1][1], runs
     assert set(glob.glob(f"{tempfile.gettempdir()}/hybridpar-lora-*")) == before
+
+
+def test_a_position_buffer_refilled_in_place_is_read_again():
+    """Before: the longest document a transformers model's chunked attention is checked against (Llama 4's
+    ``attention_chunk_size``) was cached by the position tensor's identity, so a loop that refills one
+    ``position_ids`` buffer in place (``copy_``) was checked against the first batch's positions ever after."""
+    from hybridpar.parallel.context.hf_types import _longest_position
+
+    positions = torch.arange(4)[None]
+    assert _longest_position(positions) == 4
+    positions.copy_(torch.arange(8, 12)[None])
+    assert _longest_position(positions) == 12

@@ -102,12 +102,13 @@ def check_document_limit(module: nn.Module, where: str, local_tokens: int, packe
                          f"data.pack_size <= {documents}.")
 
 
-_LAST_POSITIONS: list = [None, 0]  # (weak reference to the position_ids tensor, its max + 1)
+_LAST_POSITIONS: list = [None, -1, 0]  # (weak reference to the position_ids tensor, its version, its max + 1)
 
 
 def _longest_position(position_ids: Tensor) -> int:
-    """``max(position_ids) + 1``, one host sync per forward: every layer gets the model's one tensor."""
-    ref = _LAST_POSITIONS[0]
-    if ref is None or ref() is not position_ids:
-        _LAST_POSITIONS[:] = [weakref.ref(position_ids), int(position_ids.max()) + 1]
-    return _LAST_POSITIONS[1]
+    """``max(position_ids) + 1``, one host sync per forward: every layer gets the model's one tensor. Its version
+    too: a loop that refills one position buffer in place (``copy_``) was checked against the first batch's max."""
+    ref, version = _LAST_POSITIONS[0], position_ids._version
+    if ref is None or ref() is not position_ids or _LAST_POSITIONS[1] != version:
+        _LAST_POSITIONS[:] = [weakref.ref(position_ids), version, int(position_ids.max()) + 1]
+    return _LAST_POSITIONS[2]
