@@ -139,7 +139,8 @@ def process_state_kept():
     every later process), torch's thread count, TF32 precision (after a run, ``torch.get_float32_matmul_precision()``
     raised torch's "mix of the legacy and new APIs"), ``sys.excepthook`` (``init_process_group`` wraps it: each run
     added a ``[rank0]:`` prefix to every later traceback), torch's default process-group timeout, the warning
-    filters, the loggers hybridpar quiets, and the packer's once-per-run notice."""
+    filters, the loggers hybridpar quiets, the packer's once-per-run notice, and torch's random generators (a run
+    seeds them with ``train.seed``: the caller's later draws repeated from run to run)."""
     import torch
     from torch.distributed import distributed_c10d
 
@@ -148,8 +149,9 @@ def process_state_kept():
     precision = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
     loggers = {name: (log.level, list(log.handlers), log.propagate)
                for name, log in ((name, logging.getLogger(name)) for name in QUIETED_LOGGERS)}
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=cuda):  # train.seed seeds torch's generators
             yield
     finally:
         for key, value in env.items():

@@ -43,13 +43,15 @@ def test_a_second_run_in_one_process_runs_as_the_first(tmp_path, monkeypatch, re
     "split N documents" notice was said by the first run only (``PackStream._warned``); every run wrapped
     ``sys.excepthook`` once more (the caller's later tracebacks read "[rank0]: [rank0]: ..."); TF32 was left set
     through torch's new API, so ``torch.get_float32_matmul_precision()`` raised "mix of the legacy and new APIs"
-    afterwards; torch's thread count, its default process-group timeout and a warning filter stayed changed; and the
-    loss curve switched matplotlib's backend to Agg (a notebook's plots stopped showing)."""
+    afterwards; torch's thread count, its default process-group timeout, a warning filter and the global random
+    generator (seeded with ``train.seed``) stayed changed; and the loss curve switched matplotlib's backend to Agg (a
+    notebook's plots stopped showing)."""
     from torch.distributed import distributed_c10d
 
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     threads, hook, pg_timeout = torch.get_num_threads(), sys.excepthook, distributed_c10d.default_pg_timeout
+    generator = torch.get_rng_state()
     torch.set_num_threads(1)
     try:
         runs = [cli_streams("train", *TINY, "train.steps=1", f"output_dir={tmp_path / f'run{i}'}") for i in range(2)]
@@ -63,6 +65,7 @@ def test_a_second_run_in_one_process_runs_as_the_first(tmp_path, monkeypatch, re
     assert "MASTER_PORT" not in err2, err2
     assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ
     assert sys.excepthook is hook and distributed_c10d.default_pg_timeout == pg_timeout
+    assert torch.equal(torch.get_rng_state(), generator)  # train.seed reseeded the caller's generator
     torch.get_float32_matmul_precision()  # raised "mix of the legacy and new APIs"
     assert not any("FSDP2-wrapped module" in str(getattr(f[1], "pattern", "")) for f in warnings.filters)
     assert (tmp_path / "run1" / "loss_curve.png").is_file() and dict.__getitem__(svg_backend, "backend") == "svg"
