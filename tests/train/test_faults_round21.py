@@ -175,3 +175,32 @@ def test_a_moe_config_routing_to_more_experts_than_it_has_is_one_line(tmp_path):
     from hybridpar.models.hf.generation_config import config_vocab_problem
 
     assert config_vocab_problem({"num_local_experts": 0, "num_experts_per_tok": 2}, "config.json") is None
+
+
+def test_compiled_selective_checkpointing_holds_back_dynamos_advice_on_each_rank():
+    """Before: ``parallel.compile=aot_eager parallel.activation_checkpointing=selective`` printed dynamo's 4 raw log
+    lines per rank ("[rank0]:W... Detected that context_fn is passed to torch.utils.checkpoint under torch.compile.
+    Please make sure the checkpointed region does not contain in-place ops") about hybridpar's own policy, whose
+    layouts ``check`` holds to one process (exact at cp=2)."""
+    import logging
+
+    import torch
+
+    from hybridpar import HybridConfig, HybridLM
+    from hybridpar.parallel.checkpointing import apply_activation_checkpointing
+    from hybridpar.parallel.compiled_blocks import apply_compile
+
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    level = logger.level
+    try:
+        logger.setLevel(logging.NOTSET)
+        model = apply_activation_checkpointing(HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float64)), "none")
+        apply_compile(model, backend="aot_eager")
+        assert logger.getEffectiveLevel() < logging.ERROR  # no selective block: left alone
+        model = apply_activation_checkpointing(HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float64)),
+                                               "selective")
+        apply_compile(model, backend="aot_eager")
+        assert logger.getEffectiveLevel() == logging.ERROR
+    finally:
+        logger.setLevel(level)
+        torch._dynamo.reset()

@@ -26,6 +26,8 @@ handled here:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -69,6 +71,10 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
         fla_gated_backward_refusal()  # and whether FLA's gated backward runs on this GPU
         varlen_kernel()  # and torch's varlen attention and its signature
     kinds = {tuple(type(m) for m in block.modules()) for block in blocks}
+    if any(selective_policy(block) is not None for block in blocks):  # dynamo's advice on a selective context_fn
+        # printed its 4 raw log lines per rank ("make sure the checkpointed region does not contain in-place ops");
+        # the selective policy is hybridpar's, held to one process by the checks: only its errors are shown
+        logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
     for block in blocks:
         for module in block.modules():  # the hook-id guards (module docstring)
