@@ -140,7 +140,8 @@ def process_state_kept():
     raised torch's "mix of the legacy and new APIs"), ``sys.excepthook`` (``init_process_group`` wraps it: each run
     added a ``[rank0]:`` prefix to every later traceback), torch's default process-group timeout, the warning
     filters, the loggers hybridpar quiets, the packer's once-per-run notice, and torch's random generators (a run
-    seeds them with ``train.seed``: the caller's later draws repeated from run to run)."""
+    seeds them with ``train.seed``: the caller's later draws repeated from run to run). The run itself sees torch's
+    default dtype of a fresh process, float32, whatever the caller set."""
     import torch
     from torch.distributed import distributed_c10d
 
@@ -150,6 +151,8 @@ def process_state_kept():
     loggers = {name: (log.level, list(log.handlers), log.propagate)
                for name, log in ((name, logging.getLogger(name)) for name in QUIETED_LOGGERS)}
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # as in a fresh process: a caller's float64 default changed the losses
     try:
         with warnings.catch_warnings(), torch.random.fork_rng(devices=cuda):  # train.seed seeds torch's generators
             yield
@@ -160,6 +163,7 @@ def process_state_kept():
             else:
                 os.environ[key] = value
         sys.excepthook, distributed_c10d.default_pg_timeout = hook, pg_timeout
+        torch.set_default_dtype(dtype)
         torch.set_num_threads(threads)
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = precision
         for name, (level, handlers, propagate) in loggers.items():

@@ -227,3 +227,30 @@ def test_a_position_buffer_refilled_in_place_is_read_again():
     assert _longest_position(positions) == 4
     positions.copy_(torch.arange(8, 12)[None])
     assert _longest_position(positions) == 12
+
+
+def test_a_callers_float64_default_dtype_changes_no_weight_and_no_loss(tmp_path):
+    """Before: after ``torch.set_default_dtype(torch.float64)`` in the calling process (a notebook checking numerics),
+    ``hp.HybridLM`` drew its float32 (or float64) weights in float64 from the same seed, so they differed from a fresh
+    process's, and ``hybridpar train`` from Python logged other losses (step 1: 5.6890 where the CLI logs 5.4445)."""
+    import hybridpar as hp
+
+    def weights(**fields):
+        torch.manual_seed(0)
+        return hp.HybridLM(hp.HybridConfig.from_preset("tiny", **fields)).state_dict()
+
+    def losses(name):
+        code, out, err = cli_streams("train", *TINY, "train.steps=1", "plot=false", "checkpoint.every=-1",
+                                     f"output_dir={tmp_path / name}")
+        assert code == 0, err
+        return _losses(out)
+
+    expected, expected64, fresh = weights(), weights(dtype=torch.float64), losses("fresh")
+    torch.set_default_dtype(torch.float64)
+    try:
+        got, got64, caller = weights(), weights(dtype=torch.float64), losses("float64")
+        assert torch.get_default_dtype() == torch.float64  # the caller's, given back
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert all(torch.equal(expected[k], got[k]) and torch.equal(expected64[k], got64[k]) for k in expected)
+    assert len(fresh) == 1 and caller == fresh, (caller, fresh)

@@ -253,10 +253,15 @@ class HybridLM(nn.Module):
         config.validate()  # KeyError, num_key_value_heads=3 of 4 heads a model that fails at its first forward)
         super().__init__()
         self.config = config
-        self.backbone = HybridBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.loss_core = ChunkedLMHeadLoss()
-        self._init_weights()
+        previous = torch.get_default_dtype()  # weights drawn in float32, then cast: under a caller's
+        torch.set_default_dtype(torch.float32)  # set_default_dtype(float64) the same seed drew other weights
+        try:
+            self.backbone = HybridBackbone(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.loss_core = ChunkedLMHeadLoss()
+            self._init_weights()
+        finally:
+            torch.set_default_dtype(previous)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
         self.to(config.dtype)
