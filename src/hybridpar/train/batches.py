@@ -263,7 +263,7 @@ def _stdlib_documents(config: DataConfig, tokenizer: Tokenizer, held_out: bool) 
 class PackStream:
     """The packs of step ``k`` (``packs_per_step`` of them), independent of how many steps run."""
 
-    _warned = False  # the packer's split/drop notice is shown once per process
+    _warned = False  # the packer's split/drop notice is shown once per run (cli.main resets it: worker.process_state_kept)
 
     def __init__(self, config: DataConfig, cp_size: int, vocab_size: int, seed_offset: int = 0,
                  pad_to_multiple_of: int | None = None, tokenizer: Tokenizer | None = None,
@@ -302,7 +302,7 @@ class PackStream:
             warnings.simplefilter("always")
             self.pool += pack_documents(documents, self.config.pack_size, overlong="split", pad_to_multiple_of=self.multiple,
                                        one_per_row=self.one_per_row)
-        if caught and not PackStream._warned:  # once per process (train and eval streams, every window)
+        if caught and not PackStream._warned:  # once per run (train and eval streams, every window)
             PackStream._warned, self.pack_notice = True, str(caught[0].message)
             warnings.warn(self.pack_notice, Notice, stacklevel=3)  # one notice line
 
