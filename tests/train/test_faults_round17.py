@@ -169,5 +169,27 @@ def test_an_output_dir_removed_during_the_run_stops_it(run, tmp_path):
     shutil.rmtree(tmp_path / "out")
     with pytest.raises(OutputWriteError) as error:
         logger.log(2, {"loss": 0.9}, echo=False)
-    assert "metrics.jsonl was deleted during the run" in one_line(error) and "stopped at step 2" in str(error.value)
+    assert "was removed, emptied or renamed during the run" in one_line(error) and "stopped at step 2" in str(error.value)
     logger.close()
+
+
+@pytest.mark.parametrize("how", ["removed", "renamed"])
+def test_an_output_dir_removed_or_renamed_mid_run_is_said_as_such(tmp_path, monkeypatch, how):
+    """Before: removed, the run's error (above) was replaced by the loss curve's, drawn on the way out into the removed
+    folder: "No such file or directory: run/loss_curve.png"; renamed (``mv run old``), the run went on writing its
+    metrics into ``old`` and its checkpoints into a new ``run``, without a word. Now both stop at the next step with
+    the one line that names the cause."""
+    from hybridpar.train.trainer import Trainer
+
+    out, step = tmp_path / "run", Trainer.train_step
+
+    def then_move(self, index):
+        metrics = step(self, index)
+        if index == 1:
+            shutil.rmtree(out) if how == "removed" else out.rename(tmp_path / "old")
+        return metrics
+
+    monkeypatch.setattr(Trainer, "train_step", then_move)
+    code, output = cli("train", *TINY, "train.steps=4", "checkpoint.every=-1", "plot=true", f"output_dir={out}")
+    assert code != 0 and "was removed, emptied or renamed during the run" in output, output
+    assert "stopped at step 2" in output and "loss_curve" not in output, output

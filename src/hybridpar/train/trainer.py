@@ -343,22 +343,20 @@ class Trainer:
         cfg = self.config
         if self.unkeyed and self.rank == 0:  # check refuses it (proof/layout.py)
             notice(self.unkeyed)
-        logger = None
         try:  # the lock is released on every way out, a refusal while resuming included
-            self.resume()
-            logger = MetricsLogger(self.output_dir, self.rank, cfg.tensorboard, cfg.plot, resume_step=self.start_step)
-            self._loop(logger, cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps))
-            if cfg.model.export_hf:
-                self.export_hf(cfg.model.export_hf)
-            if self.sample is not None and stop_after is None:
-                self.print_sample()
+            self.resume()  # the metrics are closed on every way out too (a failure of theirs hides no error)
+            with MetricsLogger(self.output_dir, self.rank, cfg.tensorboard, cfg.plot, resume_step=self.start_step) as logger:
+                self._loop(logger, cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps))
+                if cfg.model.export_hf:
+                    self.export_hf(cfg.model.export_hf)
+                if self.sample is not None and stop_after is None:
+                    self.print_sample()
         finally:
-            plot = logger.close() if logger is not None else None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
-        if plot is not None:
-            print(f"loss curve: {plot}", flush=True)
+        if logger.curve is not None:
+            print(f"loss curve: {logger.curve}", flush=True)
         return logger.history
 
     def _loop(self, logger: MetricsLogger, end: int) -> None:

@@ -9,6 +9,7 @@ resumed run first drops the records after its checkpoint's step, so every step a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ class MetricsLogger:
         self.enabled = rank == 0
         self.output_dir = Path(output_dir)
         self.plot = plot
+        self.curve: Path | None = None  # loss_curve.png once drawn
         self.history: list[dict] = []  # the steps of this process
         self._earlier: list[dict] = []  # records up to the resumed step, for the curve
         self._writer = None
@@ -46,6 +48,7 @@ class MetricsLogger:
         if resume_step and path.is_file():
             self._earlier = [r for r in _read_records(path) if r.get("step", 0) <= resume_step]
         self._jsonl = open(path, "w")
+        self._dir_id = (os.stat(self.output_dir).st_dev, os.stat(self.output_dir).st_ino)  # renamed or replaced: not it
         for record in self._earlier:
             self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         if tensorboard:
@@ -69,13 +72,7 @@ class MetricsLogger:
         self.history.append(record)
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
-        if os.fstat(self._jsonl.fileno()).st_nlink == 0:  # removed with output_dir: writes went nowhere, without error
-            from hybridpar.train.run.checkpoint import OutputWriteError
-
-            raise OutputWriteError(f"{self.output_dir / 'metrics.jsonl'} was deleted during the run (output_dir "
-                                   f"{str(self.output_dir)!r} removed or emptied?); the run stopped at step {step} rather "
-                                   "than train on with nothing saved. Restore the directory (or choose another "
-                                   "output_dir) and resume from a checkpoint you still have, or start again.")
+        self._check_still_there(step)
         if self._writer is not None:
             for key, value in record.items():
                 if key != "step" and value is not None:
@@ -83,14 +80,46 @@ class MetricsLogger:
         if echo:
             print(format_line(record), flush=True)
 
+    def _check_still_there(self, step: int) -> None:
+        """``OutputWriteError`` where metrics.jsonl or output_dir is no longer what this run opened: removed (writes to
+        the deleted file go nowhere, without error), or output_dir renamed or replaced (the metrics would go on into
+        the renamed folder and the checkpoints into a new one of the old name)."""
+        try:
+            now = os.stat(self.output_dir)
+            moved = (now.st_dev, now.st_ino) != self._dir_id
+        except FileNotFoundError:
+            moved = True
+        if os.fstat(self._jsonl.fileno()).st_nlink and not moved:
+            return
+        from hybridpar.train.run.checkpoint import OutputWriteError
+
+        raise OutputWriteError(f"output_dir {str(self.output_dir)!r} was removed, emptied or renamed during the run (its "
+                               f"metrics.jsonl is gone from it); the run stopped at step {step} rather than train on "
+                               "with its files split or lost. Restore the directory (or choose another output_dir) and "
+                               "resume from a checkpoint you still have, or start again.")
+
     def close(self) -> Path | None:
-        """Flush files and draw ``loss_curve.png``; returns its path (rank 0)."""
-        if not self.enabled:
+        """Flush files and draw ``loss_curve.png``; returns its path (rank 0; also as ``curve``). Once."""
+        if not self.enabled or self._jsonl.closed:
             return None
         self._jsonl.close()
         if self._writer is not None:
             self._writer.close()
-        return plot_loss_curve(self._earlier + self.history, self.output_dir / "loss_curve.png") if self.plot else None
+        path = self.output_dir / "loss_curve.png"
+        self.curve = plot_loss_curve(self._earlier + self.history, path) if self.plot else None
+        return self.curve
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        """Closed on every way out. While the run's own error propagates, a failure here (the output_dir removed,
+        the disk full) is not raised: it would replace that error, which names the cause."""
+        if kind is None:
+            self.close()
+        else:
+            with contextlib.suppress(Exception):
+                self.close()
 
 
 def _read_records(path: Path) -> list[dict]:
