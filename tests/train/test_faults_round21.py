@@ -97,10 +97,12 @@ def test_a_sequence_parallel_pack_that_tp_does_not_split_is_refused_before_any_p
                                                                  "num_key_value_heads: 3}"],
     ["parallel.cp_attention=ulysses", "parallel.cp_mamba=state", "model.overrides={num_attention_heads: 6, "
                                                                  "num_key_value_heads: 2}"],
-], ids=["kv3", "kv2-repeated"])
-def test_plan_prices_ulysses_at_an_odd_cp(model):
+    ["parallel.cp_attention=ulysses", "parallel.cp_mamba=state", "model.overrides={pattern: 'M-M-'}"],
+], ids=["kv3", "kv2-repeated", "no-attention"])
+def test_plan_prices_ulysses_at_an_odd_cp_and_without_attention(model):
     """Before: ``hybridpar plan`` at ``cp=3`` with ulysses was a bare AssertionError traceback: the tally floors each
-    head's bytes (a third of a byte lost per head) and was held equal to the closed form's float."""
+    head's bytes (a third of a byte lost per head) and was held equal to the closed form's float; and a model without
+    an attention block (``pattern: 'M-M-'``) with ulysses was "KeyError: ('all_to_all', 'cp')" (``train`` takes both)."""
     code, output = cli("plan", *TINY, "data.pack_size=66", "parallel.cp=3", *model)
     assert code == 0 and "per step" in output, output
 

@@ -260,7 +260,8 @@ def cp_attention(s: StepShape) -> Tally:
     if cp == 1:
         return out
     m, flow, pattern = s.packs_per_rank, s.flow, s.model.pattern
-    layers = attention_layers(pattern) * m
+    if not (layers := attention_layers(pattern) * m):  # no attention block (pattern 'M-M-'): a KeyError below
+        return out
     hq, hkv = cfg.num_attention_heads // s.dims.tp, cfg.num_key_value_heads // s.dims.tp
     label = dim_label(s.dims, ("cp",))
     forward = round(attention_cp_bytes_per_layer(s.cp_attention, 1, s.pack_size, cp, hq, hkv, cfg.head_dim, e))
