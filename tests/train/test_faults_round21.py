@@ -206,3 +206,15 @@ def test_compiled_selective_checkpointing_holds_back_dynamos_advice_on_each_rank
     finally:
         logger.setLevel(level)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("pattern", ["-", "*"])
+def test_plan_of_a_model_without_mamba_blocks_ignores_the_mamba_groups_tp_cannot_split(pattern):
+    """Before: ``plan parallel.tp=4 parallel.cp=2`` of a preset whose pattern holds no Mamba block (its unused
+    ``mamba_n_groups=2`` not divisible by 4) was a ZeroDivisionError traceback; ``train`` takes the layout."""
+    run = [*TINY, "data.pack_size=64", "parallel.tp=4", "parallel.cp=2",
+           f"model.overrides={{pattern: '{pattern}', num_attention_heads: 4, num_key_value_heads: 4}}"]
+    code, output = cli("plan", *run)
+    assert code == 0 and "per step" in output, output
+    code, output = cli("train", "--dry-run", "--nproc-per-node", "8", *run, "output_dir=unused-r21")
+    assert code == 0, output

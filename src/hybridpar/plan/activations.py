@@ -66,7 +66,7 @@ def block_widths(layout: Layout) -> dict:
     c, tp = layout.model, layout.tp
     d_inner = c.mamba_num_heads * c.mamba_head_dim // tp
     groups, heads = tp_groups(c.mamba_n_groups, tp), c.mamba_num_heads // tp
-    groups_sent = groups * max(1, layout.cp // groups) if layout.cp > 1 else groups
+    groups_sent = groups * max(1, layout.cp // groups) if layout.cp > 1 and groups else groups  # 0: no Mamba block
     return dict(
         d=c.hidden_size, d_inner=d_inner, groups=groups, heads=heads,
         w_in=2 * d_inner + 2 * groups * c.ssm_state_size + heads,
