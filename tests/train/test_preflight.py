@@ -132,6 +132,25 @@ def test_a_dry_run_compares_a_transformers_checkpoints_shapes_with_its_config(tm
         validate_run(load_config(None, overrides), "train", dry_run=True)
 
 
+def test_the_dry_runs_shape_check_reads_names_as_transformers_loads_them(tmp_path):
+    """Before: transformers saves a Nemotron-H under ``backbone.`` and loads it as ``model.``, so the dry run compared
+    none of its tensors: a conv_kernel edited in config.json passed ``--dry-run`` and failed once the model was built.
+    Now the plain renamings transformers holds for the model's type are applied first (stacked experts, which a
+    converter merges on load, are left to the load)."""
+    import json
+
+    from tests.models.hf.hybrid_models import build_hybrid
+
+    build_hybrid("nemotron_h_moe").save_pretrained(tmp_path / "m")
+    overrides = [f"model.hf_path={tmp_path / 'm'}", f"output_dir={tmp_path / 'run'}", "data.pack_size=64"]
+    validate_run(load_config(None, overrides), "train", dry_run=True)  # as saved: no word
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "conv_kernel": config["conv_kernel"] + 1}))
+    with pytest.raises(ValueError, match=r"1 tensors disagree with config.json: model.layers.0.mixer.conv1d.weight "
+                                         r"\(checkpoint \[96, 1, 4\], config \[96, 1, 5\]\)"):
+        validate_run(load_config(None, overrides), "train", dry_run=True)
+
+
 @pytest.mark.parametrize("task", ["mqar", "selective_copy"])
 def test_the_built_in_defaults_split_no_synthetic_document(tmp_path, task, monkeypatch):
     """Before: the built-in ``data.pack_size=256`` was below the synthetic tasks' default ``max_len=512``, so every run

@@ -98,15 +98,35 @@ def stored_shapes(path: str | Path, say: bool = True) -> dict[str, list[int]]:
 
 def transformers_shape_problem(path: str | Path, model: torch.nn.Module) -> str | None:
     """What transformers' load would find of ``model`` (the meta model config.json builds) against the stored
-    shapes: tensors stored under one of its names with another shape (names transformers converts on load are not
-    compared; the load reports those)."""
-    stored = stored_shapes(path, say=False)
+    shapes: tensors stored under one of its names (or renamed to one on load) with another shape (tensors a converter
+    merges or splits on load are not compared; the load reports those)."""
+    stored = _renamed_as_loaded(stored_shapes(path, say=False), model)
     wrong = [f"{name} (checkpoint {list(stored[name])}, config {list(tensor.shape)})"
              for name, tensor in model.state_dict().items() if name in stored and list(stored[name]) != list(tensor.shape)]
     if wrong:
         return (f"{len(wrong)} tensors disagree with config.json: {shorten(', '.join(wrong[:3]), 300)}; check config.json "
                 "against the weights.")
     return None
+
+
+def _renamed_as_loaded(stored: dict, model: torch.nn.Module) -> dict:
+    """``stored`` under the names transformers' load gives them: the plain renamings it holds for the model's type
+    (Nemotron-H is saved as ``backbone.``, loaded as ``model.``); a tensor a converter merges or splits (stacked
+    experts) keeps its stored name. Unchanged where this transformers has no such table."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        renamings = [t for t in get_checkpoint_conversion_mapping(model.config.model_type) or ()
+                     if isinstance(t, WeightRenaming)]
+    except (ImportError, AttributeError):
+        return stored
+    out = {}
+    for name, shape in stored.items():
+        for renaming in renamings:
+            name = renaming.rename_source_key(name)[0]
+        out[name] = shape
+    return out
 
 
 def untied_head_note(path: str | Path) -> str:
