@@ -177,10 +177,10 @@ def test_document_is_a_type_and_builds_a_document():
         assert said in one_line(error)
 
 
-def test_check_packing_takes_any_process_count_for_the_layout_it_does_not_use(tmp_path):
+def test_check_packing_takes_any_process_count_for_the_layout_it_does_not_use(tmp_path, monkeypatch):
     """Before: ``hybridpar check --packing parallel.cp=2`` (one process) was refused: "one process (no
-    --nproc-per-node) does not fit the layout ... = 2", for a layout the comparison does not use (its header says so);
-    ``--nproc-per-node 2`` ran the same one-process comparison twice."""
+    --nproc-per-node) does not fit the layout ... = 2", for a layout the comparison does not use (its header says so),
+    and so was a torchrun worker of a one-process job ("WORLD_SIZE=1 (set by torchrun) does not fit the layout")."""
     code, out, err = cli_streams("check", "--packing", "--dry-run", "model.preset=tiny", "parallel.cp=2", "parallel.tp=2")
     assert code == 0 and "config and layout valid for 1 process" in out, err
     code, out, err = cli_streams("check", "--packing", "model.preset=tiny", "model.dtype=float64", "parallel.cp=2",
@@ -188,6 +188,22 @@ def test_check_packing_takes_any_process_count_for_the_layout_it_does_not_use(tm
     assert code == 0 and "layout: parallel.cp=2 not used here" in out and "check --packing exact" in out, out + err
     code, out, err = cli_streams("check", "--dry-run", "model.preset=tiny", "parallel.cp=2")  # the layout proof uses it
     assert code == 2 and "does not fit the layout" in err, err
+    from hybridpar.launch import free_port
+
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)  # a worker torchrun started (the worker path keeps what torchrun set)
+    from torch.distributed import distributed_c10d
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # what the worker path sets, given back to this process
+    monkeypatch.setattr(distributed_c10d, "default_pg_timeout", distributed_c10d.default_pg_timeout)
+    threads = torch.get_num_threads()
+    try:
+        code, out, err = cli_streams("check", "--packing", "model.preset=tiny", "model.dtype=float64", "parallel.cp=2",
+                                     "data.pack_size=64")
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0 and "check --packing exact" in out, out + err
 
 
 def test_generate_from_an_adapter_leaves_no_merged_copy_behind(tmp_path):
