@@ -218,3 +218,15 @@ def test_plan_of_a_model_without_mamba_blocks_ignores_the_mamba_groups_tp_cannot
     assert code == 0 and "per step" in output, output
     code, output = cli("train", "--dry-run", "--nproc-per-node", "8", *run, "output_dir=unused-r21")
     assert code == 0, output
+
+
+def test_heads_tp_cannot_split_are_named_by_tp_under_cp_too(saved, tmp_path):
+    """Before: a Llama of 6 heads (2 KV heads) at ``tp=4`` with ``cp=2`` was told "query heads 1 must be a positive
+    multiple of kv heads 2 (grouped-query attention)" by the context-parallel check, which ran before the TP rules;
+    at ``cp=1`` the same layout names ``parallel.tp=4`` and the heads it does not divide."""
+    run = [f"model.hf_path={saved('llama')}", "data.pack_size=64", f"output_dir={tmp_path}", "parallel.tp=4"]
+    for cp in (1, 2):
+        code, output = cli("train", "--dry-run", "--nproc-per-node", str(4 * cp), *run, f"parallel.cp={cp}")
+        line = _refused(output)
+        assert code == 2 and line.startswith("hybridpar: error: parallel.tp=4: "), output
+        assert "num_attention_heads=6 is not divisible by tp=4" in line, line

@@ -122,9 +122,6 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     problem = problem or rglru_tp_problem(model, dims.tp)  # RG-LRU blocks: heads over tp (any cp: state passing)
     if problem:
         raise ValueError(problem + ".")
-    if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused
-        attention_core, mamba_core = cp_cores_at(dims.cp, cp_attention_strategy, cp_mamba_strategy)
-        hf_cp.validate_hf_cp(model, attention_core, dims.tp, mamba_core)
     if mixed_precision is not None and not (needs_fsdp(dims) and isinstance(mixed_precision, MixedPrecisionPolicy)):
         if needs_fsdp(dims) and mixed_precision != "bf16":
             raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a "
@@ -143,6 +140,10 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         get_tp_plan(model, tp_plan)  # unknown names raise here
     if dims.tp > 1:
         validate_hybrid_tp(model, dims.tp)  # hybridpar mixers inside any model, whatever plan was given
+    if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused; after
+        # the TP rules, so heads tp cannot split are named by parallel.tp (not "query heads 1 ... of kv heads 2")
+        attention_core, mamba_core = cp_cores_at(dims.cp, cp_attention_strategy, cp_mamba_strategy)
+        hf_cp.validate_hf_cp(model, attention_core, dims.tp, mamba_core)
 
 
 def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", mamba_strategy: str = "a2a") -> nn.Module:
