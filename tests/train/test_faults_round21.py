@@ -230,3 +230,15 @@ def test_heads_tp_cannot_split_are_named_by_tp_under_cp_too(saved, tmp_path):
         line = _refused(output)
         assert code == 2 and line.startswith("hybridpar: error: parallel.tp=4: "), output
         assert "num_attention_heads=6 is not divisible by tp=4" in line, line
+
+
+def test_plan_names_its_world_size_flag_when_the_layout_does_not_fit_it():
+    """Before: ``plan --world-size 4 parallel.cp=2`` said "... = 2, but the world size is 4; choose degrees whose
+    product is 4 (e.g. dp_shard=2)", naming neither the flag nor the ``parallel.*`` key, where ``train`` names
+    ``--nproc-per-node``."""
+    code, output = cli("plan", "--world-size", "4", *TINY, "data.pack_size=64", "parallel.cp=2")
+    line = _refused(output)
+    assert code == 2 and "--world-size 4 does not fit the layout dp_replicate*dp_shard*cp*tp = 1*1*2*1 = 2" in line
+    assert "pass --world-size 2" in line, line
+    code, output = cli("plan", "--world-size", "2", *TINY, "data.pack_size=64", "parallel.cp=2")
+    assert code == 0, output

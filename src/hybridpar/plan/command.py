@@ -76,8 +76,15 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
     if args.fit is not None and not (math.isfinite(args.fit) and args.fit > 0):
         raise ConfigError(f"--fit {args.fit} is invalid: give the memory per rank in GiB, a finite number > 0, e.g. "
                           "--fit 80.")
+    from hybridpar.train.preflight import parallel_dims
+
     device = _device(args)
     if args.fit is None:
+        if world is not None and world != (needed := parallel_dims(config).world_size):  # was ParallelDims' own words
+            p = config.parallel
+            raise ConfigError(f"--world-size {world} does not fit the layout dp_replicate*dp_shard*cp*tp = {p.dp_replicate}*"
+                              f"{p.dp_shard}*{p.cp}*{p.tp} = {needed}; pass --world-size {needed} (or leave it out), or "
+                              "change parallel.*.")
         plan = make_plan(config, world, device, args.docs_per_pack)
         if isinstance(plan, TransformersPlan):
             print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.text())
@@ -87,8 +94,6 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
     from hybridpar.plan.search import search_layouts
 
     if world is None:
-        from hybridpar.train.preflight import parallel_dims
-
         world = parallel_dims(config).world_size
     baseline = cpu_baseline_gib() if args.target == "cpu" else GPU_BASELINE_GIB
     if args.fit <= baseline:  # every layout needs the baseline before its first tensor: none could fit
