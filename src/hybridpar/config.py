@@ -320,8 +320,12 @@ def _build(cls, raw, prefix: str):
     unknown = sorted(set(raw) - set(names))
     if unknown:
         known = leaf_keys(RunConfig) + [f.name for f in dataclasses.fields(RunConfig)]
+        meant = did_you_mean(prefix + str(unknown[0]), known)
+        if prefix == "parallel." and str(unknown[0]).lower() in ("ep", "ep_size", "expert_parallel", "expert_parallel_size"):
+            meant = ("; hybridpar has no expert parallelism: parallel.tp splits every expert on its intermediate dim "
+                     "(FSDP shards them over parallel.dp_shard*cp)")  # was "did you mean parallel.tp?" alone
         raise ConfigError(f"unknown config key(s) {quoted([prefix + str(k) for k in unknown])}"
-                          f"{did_you_mean(prefix + str(unknown[0]), known)}; valid keys here: {[prefix + n for n in names]}.")
+                          f"{meant}; valid keys here: {[prefix + n for n in names]}.")
     values = {}
     for name in names:
         if name not in raw:

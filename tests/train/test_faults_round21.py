@@ -242,3 +242,11 @@ def test_plan_names_its_world_size_flag_when_the_layout_does_not_fit_it():
     assert "pass --world-size 2" in line, line
     code, output = cli("plan", "--world-size", "2", *TINY, "data.pack_size=64", "parallel.cp=2")
     assert code == 0, output
+
+
+def test_an_expert_parallel_degree_is_told_how_experts_are_split():
+    """Before: ``parallel.ep=2`` was "unknown config key(s) ['parallel.ep']; did you mean parallel.tp?", which reads as a
+    misspelling; hybridpar has no expert parallelism, and the message now says how experts are split instead."""
+    code, output = cli("train", "--dry-run", *TINY, "parallel.ep=2")
+    line = _refused(output)
+    assert code == 2 and "['parallel.ep']; hybridpar has no expert parallelism: parallel.tp splits every expert" in line
