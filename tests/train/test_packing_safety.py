@@ -155,6 +155,9 @@ def test_granite_moe_at_cp2_trains_exports_reloads_and_checks_exact(checkpoints,
     (_, train_out), (_, report), (_, tp_report) = results[0]
     assert all(code == 0 for rank in results for code, _ in rank), train_out + report + tp_report
     assert "packing: several documents per row" in report and "check exact" in report, report
+    # cp=2 pads documents to 4 (a run at cp=1 pads to 2, so packs other rows): said, with the key that aligns them
+    assert "each document padded to a multiple of 4 (2*cp), so a run at another cp packs other rows" in train_out
+    assert "a run at another cp" not in tp_report, tp_report
     assert "tp=2" in tp_report and "check exact" in tp_report, tp_report  # Mamba by heads (one B/C group: replicated)
     from transformers import AutoModelForCausalLM
 

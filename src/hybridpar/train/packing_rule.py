@@ -79,8 +79,13 @@ def leak_probe(model: nn.Module, vocab_size: int, seed: int = 0) -> float:
     return float((together - alone).abs().max() / alone.abs().max().clamp_min(1.0))
 
 
-def packing_line(model: nn.Module, problem: str | None, padding: float, pack_size: int) -> str:
-    """The first-line statement of how documents share rows (true for the model at hand)."""
+def packing_line(model: nn.Module, problem: str | None, padding: float, pack_size: int, cp_pad: int | None = None) -> str:
+    """The first-line statement of how documents share rows (true for the model at hand). ``cp_pad``: the padding
+    multiple ``2*cp`` a run at cp > 1 chose for itself, which changes the rows against a run at another cp."""
+    if cp_pad:
+        return (packing_line(model, problem, padding, pack_size) + f"; each document padded to a multiple of {cp_pad} "
+                "(2*cp), so a run at another cp packs other rows: to compare two runs, give both one "
+                "data.pad_to_multiple_of")
     if problem is not None:
         return (f"packing: one document per row, because {problem.rstrip('.')}; padding is {100 * padding:.1f}% of "
                 f"the token slots at data.pack_size={pack_size} (several documents per row would leak between them)")

@@ -165,7 +165,8 @@ class Trainer:
         problem = self._packing_problem(model)
         self.one_per_row = problem is not None
         self.train_data = self._stream(self.data)
-        self.say(packing_line(model, problem, padding_fraction(self.train_data.pool), self.data.pack_size))
+        cp_pad = self.pad if p.cp > 1 and self.data.pad_to_multiple_of is None else None  # 2*cp, chosen here
+        self.say(packing_line(model, problem, padding_fraction(self.train_data.pool), self.data.pack_size, cp_pad))
         self._eval_data = self._unigram = None
         self.layout = Layout.build(config, device.type)
         set_tf32(config.parallel.tf32 and config.model.dtype == "float32")  # CUDA float32 matmuls only
