@@ -128,7 +128,7 @@ def sigterm_unwinds():
 RUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", "HYBRIDPAR_CONTROL_DIR",
            "HYBRIDPAR_LAUNCHER_PID", "HYBRIDPAR_HEARTBEAT_TIMEOUT_S")
 QUIETED_LOGGERS = ("torch.distributed.tensor._redistribute", "torch.distributed.elastic", "torch.distributed.run",
-                   "torch.distributed.launcher")
+                   "torch.distributed.launcher", "torch._higher_order_ops.wrap")  # the last: compiled_blocks
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ def test_a_second_run_in_one_process_runs_as_the_first(tmp_path, monkeypatch, re
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     threads, hook, pg_timeout = torch.get_num_threads(), sys.excepthook, distributed_c10d.default_pg_timeout
-    generator = torch.get_rng_state()
+    generator, redistribute = torch.get_rng_state(), logging.getLogger("torch.distributed.tensor._redistribute").level
     torch.set_num_threads(1)
     try:
         runs = [cli_streams("train", *TINY, "train.steps=1", f"output_dir={tmp_path / f'run{i}'}") for i in range(2)]
@@ -78,6 +78,7 @@ def test_a_second_run_in_one_process_runs_as_the_first(tmp_path, monkeypatch, re
     assert torch.equal(torch.get_rng_state(), generator)  # train.seed reseeded the caller's generator
     torch.get_float32_matmul_precision()  # raised "mix of the legacy and new APIs"
     assert not any("FSDP2-wrapped module" in str(getattr(f[1], "pattern", "")) for f in warnings.filters)
+    assert logging.getLogger("torch.distributed.tensor._redistribute").level == redistribute  # set to ERROR
     assert (tmp_path / "run1" / "loss_curve.png").is_file() and dict.__getitem__(svg_backend, "backend") == "svg"
 
 
