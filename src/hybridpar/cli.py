@@ -11,6 +11,9 @@ overrides may come in any order after the verb. Under torchrun the launched worl
 used on CPU and nccl on CUDA. ``generate`` runs in this one process (``hybridpar.generate``).
 ``--dry-run`` makes every check the verb makes before it starts a process, then exits.
 
+From Python, ``hybridpar.cli.main(["train", ...])`` returns the exit status and may be called again in the same
+process (a notebook, a sweep): each call leaves the process as it found it (``worker.process_state_kept``).
+
 Exit status: 0 done; 1 the run failed (non-finite values, a rank that died or stalled, a
 ``check`` out of tolerance); 2 bad input (config, data, files, flags), with one message and
 before any process starts where it can be known then; 128+N stopped by signal N.
