@@ -211,6 +211,22 @@ def check_devices(nproc: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if launched_by_torchrun():  # a worker: torchrun's agent signals it, and the launcher says what ended it
+        return _start(argv)
+    try:  # from the first second (importing torch takes several): SIGTERM and Ctrl-C are one line, not a traceback
+        with sigterm_unwinds():
+            return _start(argv)
+    except KeyboardInterrupt as error:
+        return _interrupted(error)
+
+
+def _interrupted(error: KeyboardInterrupt) -> int:
+    sig = signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT
+    print(f"hybridpar: interrupted ({sig.name}).", file=sys.stderr, flush=True)
+    return 128 + sig
+
+
+def _start(argv: list[str] | None) -> int:
     try:
         notes = check_environment()  # before torch is imported (parse_args does) and reads OMP_NUM_THREADS
         import_torch()  # a variable torch refuses as it loads: one line, not its traceback
@@ -272,9 +288,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None, notes: list[str]) ->
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt as error:
-        sig = signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT
-        print(f"hybridpar: interrupted ({sig.name}).", file=sys.stderr, flush=True)
-        return 128 + sig
+        return _interrupted(error)
 
 
 if __name__ == "__main__":

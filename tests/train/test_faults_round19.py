@@ -202,3 +202,29 @@ def test_an_empty_master_addr_is_replaced_like_any_address_not_of_this_machine(m
     note = one_process_rendezvous()
     assert note and note.startswith("MASTER_ADDR='' is not an address of this machine") and "127.0.0.1:" in note, note
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["MASTER_PORT"].isdigit()
+
+
+def test_an_interrupt_while_hybridpar_starts_is_one_line(monkeypatch, capsys):
+    """Before: Ctrl-C in a run's first seconds (importing torch, reading the config, the checks before any process)
+    printed Python's KeyboardInterrupt traceback (15-36 lines), and SIGTERM there ended it without a word (exit -15):
+    the one-line handling began only once the run itself started."""
+    import os
+    import signal
+    import time
+
+    import hybridpar.cli as cli_module
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def terminated():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+
+    before = signal.getsignal(signal.SIGTERM)
+    for stand_in, code, name in ((interrupted, 130, "SIGINT"), (terminated, 143, "SIGTERM")):
+        monkeypatch.setattr(cli_module, "import_torch", stand_in)
+        assert cli_module.main(["train", "model.preset=tiny"]) == code
+        err = capsys.readouterr().err
+        assert err == f"hybridpar: interrupted ({name}).\n", err
+    assert signal.getsignal(signal.SIGTERM) is before  # put back
