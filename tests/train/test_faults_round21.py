@@ -250,3 +250,42 @@ def test_an_expert_parallel_degree_is_told_how_experts_are_split():
     code, output = cli("train", "--dry-run", *TINY, "parallel.ep=2")
     line = _refused(output)
     assert code == 2 and "['parallel.ep']; hybridpar has no expert parallelism: parallel.tp splits every expert" in line
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_compiled_checkpointed_mamba_blocks_at_tp_are_refused(saved, tmp_path, policy):
+    """Before: ``parallel.tp=2 parallel.compile=aot_eager parallel.activation_checkpointing=selective`` (or full) passed
+    every check and trained, but no Mamba2 mixer parameter ever received a gradient (``check``: 14 of 33 quantities
+    without one, a KeyError traceback), so those weights stayed as initialised, without a word; the same for a
+    transformers Mamba2 hybrid. Each alone, both at tp=1, and attention/MLP blocks compiled and checkpointed at tp=2
+    are exact, and stay accepted."""
+    base = ["--dry-run", "--nproc-per-node", "2", *TINY, "data.pack_size=64", f"output_dir={tmp_path}",
+            "parallel.compile=aot_eager"]
+    for model in (["model.preset=tiny"], [f"model.hf_path={saved('falcon_h1')}"]):
+        code, output = cli("train", *base, *model, "parallel.tp=2", f"parallel.activation_checkpointing={policy}")
+        line = _refused(output)
+        assert code == 2 and line.startswith("hybridpar: error: parallel.compile='aot_eager': compile with "), output
+        assert "Mamba2 mixers' parameters without a gradient" in line, line
+    for layout in (["parallel.tp=2", "parallel.activation_checkpointing=none"],
+                   ["parallel.cp=2", f"parallel.activation_checkpointing={policy}"],
+                   ["parallel.tp=2", f"parallel.activation_checkpointing={policy}", "model.overrides={pattern: '*-'}"]):
+        code, output = cli("train", *base, *layout)
+        assert code == 0, output
+
+
+def test_check_names_a_gradient_the_layout_never_produced(monkeypatch, tmp_path):
+    """Before: a parameter with a gradient in the one-process step but none under the layout (compiled, checkpointed
+    Mamba blocks at tp=2, above) stopped ``check`` with "KeyError: 'backbone.layers.0.mixer.dt_bias'"; it is a FAIL
+    row of its own now."""
+    import hybridpar.train.proof.layout as layout
+
+    real, calls = layout.canonical_state_dict, []
+
+    def parallel_without_dt_bias(model, grads=False):
+        state = real(model, grads=grads)
+        calls.append(1)
+        return {k: v for k, v in state.items() if k != "backbone.layers.0.mixer.dt_bias"} if len(calls) == 1 else state
+    monkeypatch.setattr(layout, "canonical_state_dict", parallel_without_dt_bias)
+    code, output = cli("check", *TINY, "model.dtype=float64", "data.pack_size=64", f"output_dir={tmp_path}")
+    assert code == 1 and "grad backbone.layers.0.mixer.dt_bias (none under the layout)" in output, output
+    assert "FAILED: 1 of" in output and "KeyError" not in output, output

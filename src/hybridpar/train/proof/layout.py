@@ -101,6 +101,9 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
         if param.grad is None:  # a frozen base weight: the parallel run must not have a gradient either
             rows.append((f"grad {name} (frozen)", float(name in parallel_grads), 0.0))
     for name, grad in reference_grads.items():
+        if name not in parallel_grads:  # no gradient reached it under the layout: it would never train (was a KeyError)
+            rows.append((f"grad {name} (none under the layout)", math.inf, float(grad.abs().max())))
+            continue
         difference = (parallel_grads[name].to(grad.dtype) - grad).abs().max()
         rows.append((f"grad {name}", float(difference), float(grad.abs().max())))
     failures = [name for name, difference, scale in rows if not within(difference, scale, tolerance)]
