@@ -31,7 +31,7 @@ from hybridpar.models.attention.mixer import Attention
 from hybridpar.models.hf.mixers.gdn import install_gdn_core
 from hybridpar.models.hf.mixers.kda import install_kda_core
 from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_tp_problem
-from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
+from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
 from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_tp_problem
 from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
@@ -102,13 +102,14 @@ def cp_cores_at(cp: int, attention: str, mamba: str) -> tuple:
     return attention_core, mamba_core
 
 
-def _refuse_compiled_checkpointed_mamba_tp(model: nn.Module, dims: ParallelDims, policy: str) -> None:
-    """Compiled, checkpointed blocks at tp > 1 left every Mamba2 mixer parameter without a gradient (check: 14 of 33
-    quantities 'none under the layout'; train ran on, those weights frozen): refused until it is exact."""
-    if dims.tp > 1 and policy != "none" and (bridged_mixers(model) or any(isinstance(m, Mamba2Mixer) for m in model.modules())):
-        raise ValueError(f"compile with activation_checkpointing={policy!r} at tp={dims.tp} leaves the Mamba2 mixers' "
-                         "parameters without a gradient (they would never train); use activation_checkpointing='none' "
-                         "or compile=False at tp > 1 (each alone is exact, as both are at tp=1).")
+def _refuse_compiled_checkpointed_tp(dims: ParallelDims, policy: str) -> None:
+    """Compiled, checkpointed blocks at tp > 1 left the parameters a TP style swaps in for its forward without a
+    gradient (every Mamba2 mixer parameter, transformers' grouped experts: check showed them 'none under the layout';
+    train ran on with them frozen): refused until it is exact."""
+    if dims.tp > 1 and policy != "none":
+        raise ValueError(f"compile with activation_checkpointing={policy!r} at tp={dims.tp} leaves parameters without a "
+                         "gradient (Mamba2 mixers, MoE experts: they would never train); use activation_checkpointing="
+                         "'none' or compile=False at tp > 1 (each alone is exact, as both are at tp=1).")
 
 
 def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_strategy: str = "allgather",
@@ -143,7 +144,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if compile:
         compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
-        _refuse_compiled_checkpointed_mamba_tp(model, dims, checkpointing_policy(activation_checkpointing))
+        _refuse_compiled_checkpointed_tp(dims, checkpointing_policy(activation_checkpointing))
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
