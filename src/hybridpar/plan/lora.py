@@ -23,6 +23,8 @@ its input needs a gradient, and a mixing core keeps its inputs only where they n
                                                   stacked experts keep their input rows and W + B A
     parallel (P)                                  Mamba2 and attention as above, each adapted branch
                                                   its own multiplied copy of the norm output
+    Zamba2 use (Z)                                its copy of the shared block walked the same way
+                                                  (``plan/hf/zamba2_lora.py``)
     each adapter                                  h = A x [Tc, r]
 
 Under ``full`` checkpointing a block a gradient reaches keeps its input, under ``selective`` the
@@ -101,8 +103,8 @@ def lora_block_bytes(layout: Layout, index: int) -> int:
 
 def lora_saved_bytes(layout: Layout, index: int) -> int:
     """The adapters of block ``index``: each keeps ``h = A x`` [Tc, r] for ``B``'s gradient (``full``
-    checkpointing recomputes it); under ``selective`` those on ``in_proj``, q, k, v (a Zamba2 use's: every one) keep ``h`` and
-    ``B h`` [Tc, out/tp] (the policy keeps every matmul output before the mixing kernel; a block
+    checkpointing recomputes it); under ``selective`` those on ``in_proj``, q, k, v (of a Zamba2 use: every one)
+    keep ``h`` and ``B h`` [Tc, out/tp] (the policy keeps every matmul output before the mixing kernel; a block
     without one keeps its input only)."""
     if not layout.lora_rank or layout.checkpointing == "full":
         return 0

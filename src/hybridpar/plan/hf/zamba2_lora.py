@@ -44,7 +44,7 @@ def zamba2_lora_bytes(layout: Layout, w: dict, core: int, hf_norm: int, adapted:
     qkv = adapted & {"q_proj", "k_proj", "v_proj"}
     reach_core, reach_mlp = zamba2_reach(adapted, upstream)
     rope = cast and int(c.head_dim * c.rotary_fraction) // 2 * 2 > 0
-    out = ts * ec + ts * 2 * d * (es if es >= ec else ec) if upstream else 0
+    out = ts * ec + ts * 2 * d * max(es, ec) if upstream else 0
     out += tc * 2 * d * e * (len(qkv) if cast else 1) if qkv else 0
     out += core + (tc * (2 * w["q"] + w["kv"]) * (ec - e) if rope else 0) if reach_core else 0
     if "o_proj" in adapted and (layout.tp > 1 or rope or not reach_core):  # else the core's out, counted
@@ -57,7 +57,8 @@ def zamba2_lora_bytes(layout: Layout, w: dict, core: int, hf_norm: int, adapted:
     out += tc * c.intermediate_size // layout.tp * e if "down_proj" in adapted else 0
     out += ts * d * e if "linear" in adapted else 0
     if cast and upstream:
-        lora = sum(layout.lora_rank * (i + o // (layout.tp if style != "whole" else 1))
+        tp = {"col": (1, layout.tp), "row": (layout.tp, 1), "whole": (1, 1)}  # A [r, in], B [out, r], TP-local
+        lora = sum(layout.lora_rank * (i // tp[style][0] + o // tp[style][1])
                    for name, (i, o, style) in zamba2_lora_linears(c).items() if name in adapted)
         out += 2 * (weights_per_use(layout) + lora)
     return out

@@ -48,7 +48,8 @@ class MetricsLogger:
         if resume_step and path.is_file():
             self._earlier = [r for r in _read_records(path) if r.get("step", 0) <= resume_step]
         self._jsonl = open(path, "w")
-        self._dir_id = (os.stat(self.output_dir).st_dev, os.stat(self.output_dir).st_ino)  # renamed or replaced: not it
+        where = os.stat(self.output_dir)
+        self._dir_id = (where.st_dev, where.st_ino)  # renamed or replaced: another folder now has its name
         for record in self._earlier:
             self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         if tensorboard:
