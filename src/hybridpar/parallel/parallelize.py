@@ -28,12 +28,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
-from hybridpar.models.hf.mixers.gdn import install_gdn_core
-from hybridpar.models.hf.mixers.kda import install_kda_core
-from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_tp_problem
-from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
-from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_tp_problem
-from hybridpar.models.hf.mixers.short_conv import install_short_conv
+from hybridpar.models.hf.mixers.gdn import gdn_layers, install_gdn_core
+from hybridpar.models.hf.mixers.kda import install_kda_core, kda_layers
+from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_mixers, mamba1_tp_problem
+from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
+from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_blocks, rglru_tp_problem
+from hybridpar.models.hf.mixers.short_conv import install_short_conv, short_convs
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
@@ -54,6 +54,7 @@ from hybridpar.parallel.data.fsdp import apply_fsdp, check_reshard_after_forward
 from hybridpar.parallel.precision import apply_autocast, check_autocast_model
 from hybridpar.parallel.tensor.apply import apply_tp, check_tp_plan, get_tp_plan
 from hybridpar.parallel.tensor.hybrid import split_mamba_mixers, validate_hybrid_tp
+from hybridpar.parallel.tensor.moe import is_grouped_experts
 from hybridpar.parallel.tensor.hf_plans.moe_hybrid import split_hf_mixers
 
 __all__ = [
@@ -102,14 +103,20 @@ def cp_cores_at(cp: int, attention: str, mamba: str) -> tuple:
     return attention_core, mamba_core
 
 
-def _refuse_compiled_checkpointed_tp(dims: ParallelDims, policy: str) -> None:
-    """Compiled, checkpointed blocks at tp > 1 left the parameters a TP style swaps in for its forward without a
-    gradient (every Mamba2 mixer parameter, transformers' grouped experts: check showed them 'none under the layout';
-    train ran on with them frozen): refused until it is exact."""
-    if dims.tp > 1 and policy != "none":
-        raise ValueError(f"compile with activation_checkpointing={policy!r} at tp={dims.tp} leaves parameters without a "
-                         "gradient (Mamba2 mixers, MoE experts: they would never train); use activation_checkpointing="
-                         "'none' or compile=False at tp > 1 (each alone is exact, as both are at tp=1).")
+def _refuse_compiled_checkpointed_tp(model: nn.Module, dims: ParallelDims, policy: str) -> None:
+    """Compiled, checkpointed blocks at tp > 1 left every Mamba2 mixer parameter and transformers' grouped experts
+    without a gradient (check: 'none under the layout'; train ran on with them frozen): refused for a model holding a
+    token mixer other than attention or grouped experts, until it is exact. Attention and dense MLPs (a Llama, SP or
+    not, selective or full; their norms' swapped parameters included) pass ``check``."""
+    if dims.tp == 1 or policy == "none":
+        return
+    mixers = (any(isinstance(m, Mamba2Mixer) or is_grouped_experts(m) for m in model.modules()) or bridged_mixers(model)
+              or mamba1_mixers(model) or gdn_layers(model) or kda_layers(model) or rglru_blocks(model) or short_convs(model))
+    if mixers:
+        raise ValueError(f"compile with activation_checkpointing={policy!r} at tp={dims.tp} leaves parameters of "
+                         f"{type(model).__name__}'s recurrent mixers or MoE experts without a gradient (they would never "
+                         "train); use activation_checkpointing='none' or compile=False at tp > 1 (each alone is exact, as "
+                         "both are at tp=1, and both at tp > 1 for attention and dense MLPs only).")
 
 
 def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_strategy: str = "allgather",
@@ -144,7 +151,7 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if compile:
         compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
-        _refuse_compiled_checkpointed_tp(dims, checkpointing_policy(activation_checkpointing))
+        _refuse_compiled_checkpointed_tp(model, dims, checkpointing_policy(activation_checkpointing))
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
