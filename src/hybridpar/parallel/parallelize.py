@@ -28,12 +28,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hybridpar.models.attention.mixer import Attention
-from hybridpar.models.hf.mixers.gdn import gdn_layers, install_gdn_core
-from hybridpar.models.hf.mixers.kda import install_kda_core, kda_layers
-from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_mixers, mamba1_tp_problem
-from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
-from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_blocks, rglru_tp_problem
-from hybridpar.models.hf.mixers.short_conv import install_short_conv, short_convs
+from hybridpar.models.hf.mixers.gdn import install_gdn_core
+from hybridpar.models.hf.mixers.kda import install_kda_core
+from hybridpar.models.hf.mixers.mamba1 import install_mamba1_core, mamba1_tp_problem
+from hybridpar.models.hf.mixers.mamba2 import install_mamba_core
+from hybridpar.models.hf.mixers.rglru import install_rglru_core, rglru_tp_problem
+from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
 from hybridpar.parallel.context import attention as attention_cp
@@ -110,9 +110,7 @@ def _refuse_compiled_checkpointed_tp(model: nn.Module, dims: ParallelDims, polic
     not, selective or full; their norms' swapped parameters included) pass ``check``."""
     if dims.tp == 1 or policy == "none":
         return
-    mixers = (any(isinstance(m, Mamba2Mixer) or is_grouped_experts(m) for m in model.modules()) or bridged_mixers(model)
-              or mamba1_mixers(model) or gdn_layers(model) or kda_layers(model) or rglru_blocks(model) or short_convs(model))
-    if mixers:
+    if any(isinstance(m, Mamba2Mixer) or is_grouped_experts(m) for m in model.modules()) or hf_cp.switched_mixers(model):
         raise ValueError(f"compile with activation_checkpointing={policy!r} at tp={dims.tp} leaves parameters of "
                          f"{type(model).__name__}'s recurrent mixers or MoE experts without a gradient (they would never "
                          "train); use activation_checkpointing='none' or compile=False at tp > 1 (each alone is exact, as "

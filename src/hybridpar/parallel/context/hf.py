@@ -71,6 +71,7 @@ __all__ = [
     "packed_from_position_ids",
     "register_hf_attention",
     "runs_hybridpar_attention",
+    "switched_mixers",
     "unreached_token_mixers",
     "refuse_unread_documents",
     "use_hybridpar_attention",
@@ -197,7 +198,7 @@ def _rope_types(config) -> set[str]:
     return found
 
 
-def _switched_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def switched_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every token mixer switched onto a hybridpar core (Mamba2, gated DeltaNet,
     short conv, Mamba1, RG-LRU, Kimi Delta Attention)."""
     return (bridged_mixers(model) + gdn_layers(model) + short_convs(model) + mamba1_mixers(model) + rglru_blocks(model)
@@ -209,7 +210,7 @@ def unreached_token_mixers(model: nn.Module) -> list[str]:
     (a Mamba1, gated DeltaNet or Mamba2 mixer not switched by ``install_mamba1_core`` /
     ``install_gdn_core`` / ``install_mamba_core``) or an ``nn.Conv1d`` over the sequence (short
     convolutions), outside a switched mixer or short conv (``models/hf/mixers/short_conv.install_short_conv``)."""
-    inside = tuple(f"{name}." for name, _ in _switched_mixers(model))
+    inside = tuple(f"{name}." for name, _ in switched_mixers(model))
     found = []
     for name, module in model.named_modules():
         marks = (MARK, GDN_MARK, SHORT_CONV_MARK, MAMBA1_MARK, RGLRU_MARK, KDA_MARK)
@@ -250,7 +251,7 @@ def attention_problem(model: nn.Module) -> str | None:
                 "attention core is causal.")
     for key, p in unkeyed_dropout(config).items():  # attention_dropout, GPT-2's attn_pdrop, BERT's, ...
         return f"{cls} has {key}={p:g}, which hybridpar's attention core does not apply; set config.{key} = 0.0."
-    if not hf_attention_modules(model) and not _switched_mixers(model):  # an attention-free model of our cores
+    if not hf_attention_modules(model) and not switched_mixers(model):  # an attention-free model of our cores
         return (f"no attention modules found in {cls} (classes named *Attention with a config and a head dim); this model "
                 "cannot take hybridpar's attention.")
     return None
