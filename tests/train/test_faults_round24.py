@@ -87,21 +87,18 @@ def _same_history(reference: list[dict], history: list[dict], label: str) -> Non
 
 @pytest.fixture(scope="module")
 def runs(chat, tmp_path_factory):
-    """Three launches: one process's run (checkpoints at steps 2 and 3); the dp_shard=2 run (each rank accumulates
-    two packs) and, in the same 2-rank launch, the one-process run resumed from its step-2 checkpoint at tp=2 + SP;
-    then the dp_shard=2 run resumed from its step-2 checkpoint on one process."""
+    """Two launches: one process's run (checkpoints at steps 2 and 3); then the dp_shard=2 run (each rank accumulates
+    two packs) and, in the same 2-rank launch, the one-process run resumed from its step-2 checkpoint at tp=2 + SP."""
     root = tmp_path_factory.mktemp("runs")
-    one, dp, tp_resume, one_resume = (root / name for name in ("one", "dp", "tp-resume", "one-resume"))
+    one, dp, tp_resume = (root / name for name in ("one", "dp", "tp-resume"))
     [[reference]] = run_each(1, _train, [(chat, str(one))], timeout_s=300)
     shutil.copytree(one, tp_resume, ignore=shutil.ignore_patterns("step_00000003"))
     [[sharded, _], [tp, _]] = run_each(2, _train, [([*chat, "parallel.dp_shard=2"], str(dp)),
                                                    ([*chat, "parallel.tp=2", "parallel.sequence_parallel=true"],
                                                     str(tp_resume))], timeout_s=300)
-    shutil.copytree(dp, one_resume, ignore=shutil.ignore_patterns("step_00000003"))
-    [[resumed]] = run_each(1, _train, [(chat, str(one_resume))], timeout_s=300)
-    return {name: (history, _final_state(path)) for name, history, path in (
-        ("one", reference, one), ("dp_shard=2", sharded, dp), ("one -> tp=2 + SP", tp, tp_resume),
-        ("dp_shard=2 -> one", resumed, one_resume))}
+    return {name: (history, _final_state(path), [json.loads(line)["step"] for line in open(path / "metrics.jsonl")])
+            for name, history, path in (
+        ("one", reference, one), ("dp_shard=2", sharded, dp), ("one -> tp=2 + SP", tp, tp_resume))}
 
 
 def test_a_whole_run_at_dp_shard_2_is_one_processes_run(runs):
@@ -109,18 +106,36 @@ def test_a_whole_run_at_dp_shard_2_is_one_processes_run(runs):
     evaluation, clipping at every step (``train.grad_clip=0.5``) and weight decay on matrices: at dp_shard=2 every
     logged number (loss, gradient norm, lr, eval loss and accuracy, the unigram baseline) and the final weights,
     AdamW moments and parameter groups (the weight-decay selection, by name) equal one process's."""
-    reference, state = runs["one"]
+    reference, state, _ = runs["one"]
     assert len(reference) == 3 and "eval_loss" in reference[1] and "eval_loss" in reference[2]
-    history, sharded = runs["dp_shard=2"]
+    history, sharded, _ = runs["dp_shard=2"]
     _same_history(reference, history, "dp_shard=2")
     _same_state(state, sharded)
 
 
-@pytest.mark.parametrize("name", ["one -> tp=2 + SP", "dp_shard=2 -> one"])
-def test_a_run_resumed_at_another_layout_continues_the_uninterrupted_run(runs, name):
-    """Stopped after step 2 (its checkpoint kept, step 3's removed) and resumed at another layout: step 3 (loss, norm,
+def test_a_run_resumed_at_another_layout_continues_the_uninterrupted_run(runs):
+    """Stopped after step 2 (its checkpoint kept, step 3's removed) and resumed at tp=2 + SP: step 3 (loss, norm,
     lr, eval) and the final weights and moments equal the uninterrupted run's; metrics.jsonl keeps steps 1-2."""
-    reference, state = runs["one"]
-    history, resumed = runs[name]
-    _same_history(reference[2:], history, name)
+    reference, state, _ = runs["one"]
+    history, resumed, steps = runs["one -> tp=2 + SP"]
+    assert steps == [1, 2, 3]
+    _same_history(reference[2:], history, "one -> tp=2 + SP")
     _same_state(state, resumed)
+
+
+@pytest.mark.parametrize("dtype, cuda, said", [("float32", True, True), ("float64", True, False), ("float32", False, False)])
+def test_a_resume_that_flips_tf32_on_a_float32_cuda_run_says_so(monkeypatch, dtype, cuda, said):
+    """Before: a float32 run on CUDA resumed with ``parallel.tf32`` flipped computed its matmuls at another precision
+    (TF32's 10 mantissa bits or float32's 23) without a word, where a changed ``model.dtype`` or
+    ``parallel.mixed_precision`` is said. Now one warning, where it applies (float32 on CUDA; float64 never uses TF32)."""
+    from hybridpar.config import load_config
+    from hybridpar.train.run.numerics import numeric_changes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    config = load_config(None, [f"model.dtype={dtype}", "parallel.tf32=false", "output_dir=unused"])
+    recorded = {"config": {"model": {"dtype": dtype}, "parallel": {"tf32": True, "mixed_precision": None}}}
+    notes = [note for note in numeric_changes("ckpt/step_00000002", recorded, config) if "tf32" in note]
+    assert len(notes) == int(said), notes
+    if said:
+        assert notes[0].startswith("warning: checkpoint ckpt/step_00000002 was trained with parallel.tf32=true; resuming "
+                                   "with false computes float32 matmuls on CUDA in full float32") and "\n" not in notes[0]

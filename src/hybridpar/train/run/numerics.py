@@ -7,9 +7,9 @@ optimizer settings (``train.lr``, ``betas``, ``weight_decay``, ``warmup_steps``,
 ``min_lr_ratio``): a checkpoint's optimizer state holds the old ones, and loading it used to keep
 them silently; the run applies the new ones after loading (``optim.apply_settings``) and says so.
 And the other settings each step reads afresh (``train.grad_clip``, ``peft.dropout``, and
-``train.seed``, which keys the dropout masks), whose change moves the losses as much. And ``train.steps``, when
-the cosine decay it ends moves the learning rate of the steps still to run (a run extended from 10 to 20 steps
-climbs back from its final rate).
+``train.seed``, which keys the dropout masks), whose change moves the losses as much; ``parallel.tf32`` for a
+float32 model on CUDA (the matmuls' precision). And ``train.steps``, when the cosine decay it ends moves the
+learning rate of the steps still to run (a run extended from 10 to 20 steps climbs back from its final rate).
 """
 
 from __future__ import annotations
@@ -44,7 +44,22 @@ def numeric_changes(path: str | Path, info: dict, config: RunConfig) -> list[str
         notes.append(f"warning: checkpoint {path} was trained with train.seed={seed}; resuming with "
                      f"{config.train.seed} draws other dropout masks from the next step on ({drawn}), "
                      "so the losses will not be those of the uninterrupted run")
-    return notes + ([note] if (note := schedule_change(path, info, config)) else [])
+    return notes + [note for note in (tf32_change(path, recorded, config), schedule_change(path, info, config)) if note]
+
+
+def tf32_change(path: str | Path, recorded: dict, config: RunConfig) -> str | None:
+    """A warning when ``parallel.tf32`` differs from the checkpoint's where it sets the precision of the run's
+    matmuls: a float32 model (without ``parallel.mixed_precision``) on CUDA (TF32 keeps 10 mantissa bits, IEEE 23)."""
+    import torch
+
+    before = (recorded.get("parallel") or {}).get("tf32", config.parallel.tf32)
+    if before == config.parallel.tf32 or config.model.dtype != "float32" or config.parallel.mixed_precision \
+            or not torch.cuda.is_available():
+        return None
+    return (f"warning: checkpoint {path} was trained with parallel.tf32={json.dumps(before)}; resuming with "
+            f"{json.dumps(config.parallel.tf32)} computes float32 matmuls on CUDA in "
+            f"{'TF32' if config.parallel.tf32 else 'full float32'} from the next step on, so the losses will not be "
+            "those of the uninterrupted run")
 
 
 def schedule_change(path: str | Path, info: dict, config: RunConfig) -> str | None:
