@@ -139,9 +139,10 @@ def process_state_kept():
     every later process), torch's thread count, TF32 precision (after a run, ``torch.get_float32_matmul_precision()``
     raised torch's "mix of the legacy and new APIs"), ``sys.excepthook`` (``init_process_group`` wraps it: each run
     added a ``[rank0]:`` prefix to every later traceback), torch's default process-group timeout, the warning
-    filters, the loggers hybridpar quiets, the packer's once-per-run notice, and torch's random generators (a run
-    seeds them with ``train.seed``: the caller's later draws repeated from run to run). The run itself sees torch's
-    default dtype of a fresh process, float32, whatever the caller set."""
+    filters, the loggers hybridpar quiets, the packer's once-per-run notice, the dynamo settings ``parallel.compile``
+    changes, and torch's random generators (a run seeds them with ``train.seed``: the caller's later draws repeated
+    from run to run). The run itself sees torch's default dtype of a fresh process, float32, whatever the caller
+    set."""
     import torch
     from torch.distributed import distributed_c10d
 
@@ -152,6 +153,8 @@ def process_state_kept():
                for name, log in ((name, logging.getLogger(name)) for name in QUIETED_LOGGERS)}
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     dtype = torch.get_default_dtype()
+    if (compiled := sys.modules.get("hybridpar.parallel.compiled_blocks")) is not None:
+        compiled.DYNAMO_BEFORE.clear()  # what the caller set before stays set
     torch.set_default_dtype(torch.float32)  # as in a fresh process: a caller's float64 default changed the losses
     try:
         with warnings.catch_warnings(), torch.random.fork_rng(devices=cuda):  # train.seed seeds torch's generators
@@ -172,6 +175,8 @@ def process_state_kept():
             log.handlers[:], log.propagate = handlers, propagate
         if (batches := sys.modules.get("hybridpar.train.batches")) is not None:
             batches.PackStream._warned = False  # "shown once per process" meant once per run: said by the next run too
+        if (compiled := sys.modules.get("hybridpar.parallel.compiled_blocks")) is not None:
+            compiled.restore_dynamo_settings()  # the recompile limit, the checkpoint's side effects
 
 
 def quiet_known_warnings() -> None:

@@ -16,7 +16,10 @@ times inductor). Parity is float64: the loss and every parameter gradient.
 - the GPU's path on CPU (bf16, the fused Mamba op with a stand-in scan, the steps inside custom ops
   compiled as on CUDA) compiled against eager, bit for bit (one process);
 - tp=2 without sequence parallelism (2 gloo ranks), where the first block's input is a view:
-  a dense then a packed AdamW step (two shapes) against one process.
+  a dense then a packed AdamW step (two shapes) against one process; and the same under selective
+  checkpointing, whose Mamba2 mixers swap their shards in and out inside the checkpoint;
+- a checkpoint dynamo cannot trace runs eagerly and recomputes to its end, so its blocks' hooks
+  put back what they swapped (one process); a run called from Python gives dynamo its settings back.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def _two_shapes() -> list[list]:
     return batches_for(dict(tp=2))
 
 
-def tp2_compiled_steps(rank: int, world_size: int, pattern: str) -> dict:
+def tp2_compiled_steps(rank: int, world_size: int, pattern: str, checkpointing: str = "none") -> dict:
     from torch._dynamo.utils import counters
 
     from hybridpar.parallel.dims import ParallelDims
@@ -192,7 +195,8 @@ def tp2_compiled_steps(rank: int, world_size: int, pattern: str) -> dict:
 
     dims = ParallelDims(tp=2)
     mesh = dims.build_mesh()
-    model = parallelize(build_model(pattern=pattern), dims, mesh=mesh, compile="aot_eager")
+    model = parallelize(build_model(pattern=pattern), dims, mesh=mesh, compile="aot_eager",
+                        activation_checkpointing=checkpointing)
     torch._dynamo.reset()
     counters.clear()
     records = distributed_run(model, mesh, _two_shapes(), lr=1e-2)
@@ -212,6 +216,80 @@ def test_tp2_without_sequence_parallelism_compiles_and_matches_one_process():
     reference = reference_run(build_model(pattern=pattern), _two_shapes(), lr=1e-2)
     assert results[0]["graph_breaks"] == {}
     assert not compare("tp2 compiled", results[0]["records"], reference)
+
+
+def test_tp2_compiled_checkpointed_mamba_blocks_match_one_process():
+    """Before: under compile with checkpointing at tp=2 every Mamba2 mixer parameter got no gradient (the mixer's TP
+    hook swaps its shards in for one forward; the recomputation stopped early, before the hook that puts the parameters
+    back, which compile had made skippable) and the checkpoint broke the graph on that swap. Now: the float64 loss,
+    every gradient and the parameters of a dense then a packed AdamW step equal one process's, with no graph break."""
+    from tests.distributed.context.test_model import build_model, compare, reference_run
+
+    pattern = "M-"
+    results = run_ranks(2, tp2_compiled_steps, pattern, "selective", timeout_s=600)
+    reference = reference_run(build_model(pattern=pattern), _two_shapes(), lr=1e-2)
+    assert results[0]["graph_breaks"] == {}
+    assert not compare("tp2 compiled checkpointed", results[0]["records"], reference)
+
+
+def test_an_eagerly_run_checkpoint_recomputes_to_the_end_and_its_hooks_put_back_what_they_swapped():
+    """A checkpointed block dynamo cannot trace (here a graph break) runs torch's checkpoint eagerly. Its recomputation
+    stopped at the last saved tensor, raising past the block's forward hooks, which compile had made skippable: a
+    parameter a pre-hook swapped out stayed swapped (no gradient; ``named_parameters`` gave the stand-in)."""
+    import torch.nn as nn
+
+    from hybridpar.parallel.checkpointing import apply_activation_checkpointing
+    from hybridpar.parallel.compiled_blocks import apply_compile
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4, dtype=torch.float64)
+
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return self.linear(x)
+
+    def swap_in(module, args):  # a TP style's swap: a stand-in computed from the parameter, for one forward
+        module.__dict__["kept"] = module._parameters["weight"]
+        module._parameters["weight"] = module._parameters["weight"] * 1.0
+
+    def put_back(module, args, output):
+        module._parameters["weight"] = module.__dict__.pop("kept")
+        return output
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block()])
+    weight = model.layers[0].linear.weight
+    model.layers[0].linear.register_forward_pre_hook(swap_in)
+    model.layers[0].linear.register_forward_hook(put_back, always_call=True)
+    apply_compile(apply_activation_checkpointing(model, "full"), backend="eager")
+    torch._dynamo.reset()
+    model.layers[0](torch.randn(3, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
+    assert model.layers[0].linear.weight is weight and weight.grad is not None
+
+
+def test_a_run_called_from_python_gives_dynamo_its_settings_back():
+    """``apply_compile`` raises dynamo's recompile limit and has it skip a checkpoint's side effects in the
+    recomputation; a run called from Python (``cli.main`` in a notebook) left both changed for the caller's own
+    ``torch.compile`` afterwards. ``worker.process_state_kept`` puts them back."""
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.parallel.checkpointing import apply_activation_checkpointing
+    from hybridpar.parallel.compiled_blocks import apply_compile
+    from hybridpar.worker import process_state_kept
+
+    def compiled():
+        apply_compile(apply_activation_checkpointing(HybridLM(HybridConfig.from_preset("tiny")), "full"),
+                      backend="eager")
+
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=9, skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        compiled()  # the caller's own use of the API: its changes are the caller's to keep
+        config.recompile_limit, config.skip_fwd_side_effects_in_bwd_under_checkpoint = 12, False  # and its own
+        with process_state_kept():
+            compiled()
+            assert (config.recompile_limit, config.skip_fwd_side_effects_in_bwd_under_checkpoint) == (24, True)
+        assert (config.recompile_limit, config.skip_fwd_side_effects_in_bwd_under_checkpoint) == (12, False)
 
 
 def test_selective_checkpointing_compiles_after_the_forward_that_teaches_it():

@@ -253,13 +253,13 @@ def test_an_expert_parallel_degree_is_told_how_experts_are_split():
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])
-def test_compiled_checkpointed_blocks_at_tp_are_refused(saved, tmp_path, policy):
+def test_compiled_checkpointed_blocks_at_tp_are_accepted(saved, tmp_path, policy):
     """Before: ``parallel.tp=2 parallel.compile=aot_eager parallel.activation_checkpointing=selective`` (or full) passed
     every check and trained, but no Mamba2 mixer parameter ever received a gradient (``check``: 14 of 33 quantities
-    without one, a KeyError traceback), and neither did a Qwen3-MoE's grouped experts, so those weights stayed as
-    initialised, without a word; the same for a transformers Mamba2 hybrid. Each alone, and both at tp=1, are exact and
-    stay accepted, and so are both at tp=2 for attention and dense MLPs (HybridLM ``*-*-``: ``check`` exact in float64
-    at tp=2 + SP; a Llama, SP or not: every gradient within float32's rounding)."""
+    without one, a KeyError traceback), and neither did a Qwen3-MoE's grouped experts; round 21 refused the pair for
+    such models. The cause (a recomputation stopped before the TP hook that puts the swapped parameters back,
+    ``compiled_blocks.py``) is fixed, the numbers are held in ``tests/distributed/test_compile.py``, and the pair is
+    accepted for every model again."""
     import transformers as hf
 
     moe = tmp_path / "qwen3moe"
@@ -267,17 +267,10 @@ def test_compiled_checkpointed_blocks_at_tp_are_refused(saved, tmp_path, policy)
         hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_experts=2, num_experts_per_tok=1,
         num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_hidden_layers=1, vocab_size=97)).save_pretrained(moe)
     base = ["--dry-run", "--nproc-per-node", "2", *TINY, "data.pack_size=64", f"output_dir={tmp_path / 'run'}",
-            "parallel.compile=aot_eager"]
-    for model in (["model.preset=tiny"], [f"model.hf_path={saved('falcon_h1')}"], [f"model.hf_path={moe}"]):
-        code, output = cli("train", *base, *model, "parallel.tp=2", f"parallel.activation_checkpointing={policy}")
-        line = _refused(output)
-        assert code == 2 and line.startswith("hybridpar: error: parallel.compile='aot_eager': compile with "), output
-        assert "recurrent mixers or MoE experts without a gradient" in line, line
-    for layout in (["parallel.tp=2", "parallel.activation_checkpointing=none"],
-                   ["parallel.cp=2", f"parallel.activation_checkpointing={policy}"],
-                   ["model.overrides={pattern: '*-'}", "parallel.tp=2", f"parallel.activation_checkpointing={policy}"],
-                   [f"model.hf_path={saved('llama')}", "parallel.tp=2", f"parallel.activation_checkpointing={policy}"]):
-        code, output = cli("train", *base, *layout)
+            "parallel.compile=aot_eager", "parallel.tp=2", f"parallel.activation_checkpointing={policy}"]
+    for model in (["model.preset=tiny"], [f"model.hf_path={saved('falcon_h1')}"], [f"model.hf_path={moe}"],
+                  [f"model.hf_path={saved('llama')}"]):
+        code, output = cli("train", *base, *model)
         assert code == 0, output
 
 
@@ -297,3 +290,4 @@ def test_check_names_a_gradient_the_layout_never_produced(monkeypatch, tmp_path)
     code, output = cli("check", *TINY, "model.dtype=float64", "data.pack_size=64", f"output_dir={tmp_path}")
     assert code == 1 and "grad backbone.layers.0.mixer.dt_bias (none under the layout)" in output, output
     assert "FAILED: 1 of" in output and "KeyError" not in output, output
+

@@ -3,7 +3,7 @@
 Each block is compiled in place (``Module.compile``: parameter names do not change), after TP, CP
 and activation checkpointing and before FSDP (torchtitan's order), so the TP hooks, the CP core
 calls and the ``PackedSeqParams`` reads are inside the graph. Blocks of a kind share their graphs
-(forward and, through AOT autograd, backward). Two things would stop that or break it, and are
+(forward and, through AOT autograd, backward). Four things would stop that or break it, and are
 handled here:
 
 - **Hook ids.** A module's ``_call_impl`` asks whether each forward hook's id is among its
@@ -12,6 +12,15 @@ handled here:
   forward raises) failed the previous block's guard: one graph per block, and past dynamo's
   recompile limit the remaining blocks ran eagerly. Under compile the flag is dropped (the hooks
   still run on every forward that returns); 12 blocks at cp=2 x tp=2 then compile 7 graphs, not 11.
+  A checkpointed block then recomputes to its end (``early_stop=False``): torch's early stop raises
+  out of the recomputed forward once the saved tensors are back, which skipped those hooks, and a
+  TP style's shards swapped in for one forward (Mamba2 mixers, grouped experts) were left in place
+  of the parameters, which then had no gradient.
+- **Swaps inside a checkpoint.** Those TP hooks put a shard in a module's parameter dict and take
+  it out again within one forward. Dynamo would replay such a mutation in the recomputation, cannot,
+  and so broke the graph at every checkpointed block that held one (2 breaks at tp=2; the block
+  ran eagerly). The swaps leave nothing to replay, so dynamo is told to skip it
+  (``skip_fwd_side_effects_in_bwd_under_checkpoint``): no break, and float64 steps equal one process's.
 - **View inputs.** When a compiled region's input is a view of a DTensor's local tensor (the output
   of ``to_local()``, e.g. a vocab-parallel embedding's at tp > 1 without sequence parallelism), AOT
   autograd's backward hands DTensor's ``Redistribute`` a plain tensor and raises
@@ -26,6 +35,7 @@ handled here:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -38,7 +48,7 @@ from hybridpar.models.linear.kda_fused import fla_kda
 from hybridpar.models.mamba.fused_op import fla_gated_backward_refusal, fla_scan
 from hybridpar.parallel.checkpointing import model_blocks, selective_policy
 
-__all__ = ["apply_compile", "compile_options"]
+__all__ = ["apply_compile", "compile_options", "restore_dynamo_settings"]
 
 
 def compile_options(compile) -> dict:
@@ -75,10 +85,13 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
         # printed its 4 raw log lines per rank ("make sure the checkpointed region does not contain in-place ops");
         # the selective policy is hybridpar's, held to one process by the checks: only its errors are shown
         logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kinds))
+    _set_dynamo("recompile_limit", max(torch._dynamo.config.recompile_limit, 8 * len(kinds)))
+    if any(isinstance(getattr(block, "checkpoint_fn", None), functools.partial) for block in blocks):
+        _set_dynamo("skip_fwd_side_effects_in_bwd_under_checkpoint", True)  # the swaps (module docstring)
     for block in blocks:
         for module in block.modules():  # the hook-id guards (module docstring)
             module._forward_hooks_always_called.clear()
+        _recompute_to_the_end(block)
         static_sizes = any(isinstance(p, DTensor) for p in block.parameters())  # TP (before FSDP's)
         policy = selective_policy(block)
         if policy is None or policy.learned:
@@ -86,6 +99,30 @@ def apply_compile(model: nn.Module, **options) -> nn.Module:
         else:
             _compile_once_learned(block, policy, options, static_sizes)
     return model
+
+
+DYNAMO_BEFORE: dict = {}  # dynamo settings apply_compile changed: their values before its first change
+
+
+def _set_dynamo(name: str, value) -> None:
+    DYNAMO_BEFORE.setdefault(name, getattr(torch._dynamo.config, name))
+    setattr(torch._dynamo.config, name, value)
+
+
+def restore_dynamo_settings() -> None:
+    """Give dynamo back the settings ``apply_compile`` changed since ``DYNAMO_BEFORE`` was last emptied (a run called
+    from Python: ``worker.process_state_kept``)."""
+    while DYNAMO_BEFORE:
+        name, value = DYNAMO_BEFORE.popitem()
+        setattr(torch._dynamo.config, name, value)
+
+
+def _recompute_to_the_end(block: nn.Module) -> None:
+    """A checkpointed block recomputes its whole forward, not only up to its last saved tensor
+    (``early_stop=False``), so the hooks that lost ``always_call`` run (module docstring)."""
+    fn = getattr(block, "checkpoint_fn", None)
+    if isinstance(fn, functools.partial):
+        block.checkpoint_fn = functools.partial(fn, early_stop=False)
 
 
 def _compile_block(block: nn.Module, options: dict, static_sizes: bool) -> None:

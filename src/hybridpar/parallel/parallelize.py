@@ -54,7 +54,6 @@ from hybridpar.parallel.data.fsdp import apply_fsdp, check_reshard_after_forward
 from hybridpar.parallel.precision import apply_autocast, check_autocast_model
 from hybridpar.parallel.tensor.apply import apply_tp, check_tp_plan, get_tp_plan
 from hybridpar.parallel.tensor.hybrid import split_mamba_mixers, validate_hybrid_tp
-from hybridpar.parallel.tensor.moe import is_grouped_experts
 from hybridpar.parallel.tensor.hf_plans.moe_hybrid import split_hf_mixers
 
 __all__ = [
@@ -103,20 +102,6 @@ def cp_cores_at(cp: int, attention: str, mamba: str) -> tuple:
     return attention_core, mamba_core
 
 
-def _refuse_compiled_checkpointed_tp(model: nn.Module, dims: ParallelDims, policy: str) -> None:
-    """Compiled, checkpointed blocks at tp > 1 left every Mamba2 mixer parameter and transformers' grouped experts
-    without a gradient (check: 'none under the layout'; train ran on with them frozen): refused for a model holding a
-    token mixer other than attention or grouped experts, until it is exact. Attention and dense MLPs (a Llama, SP or
-    not, selective or full; their norms' swapped parameters included) pass ``check``."""
-    if dims.tp == 1 or policy == "none":
-        return
-    if any(isinstance(m, Mamba2Mixer) or is_grouped_experts(m) for m in model.modules()) or hf_cp.switched_mixers(model):
-        raise ValueError(f"compile with activation_checkpointing={policy!r} at tp={dims.tp} leaves parameters of "
-                         f"{type(model).__name__}'s recurrent mixers or MoE experts without a gradient (they would never "
-                         "train); use activation_checkpointing='none' or compile=False at tp > 1 (each alone is exact, as "
-                         "both are at tp=1, and both at tp > 1 for attention and dense MLPs only).")
-
-
 def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_strategy: str = "allgather",
                          cp_mamba_strategy: str = "a2a", sequence_parallel: bool = False, mixed_precision=None,
                          tp_plan=None, activation_checkpointing: str | bool = "none",
@@ -149,7 +134,6 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
     if compile:
         compile_options(compile)
         model_blocks(model, "compile", "Set compile=False.")
-        _refuse_compiled_checkpointed_tp(model, dims, checkpointing_policy(activation_checkpointing))
     if dims.tp > 1:
         check_tp_plan(model, dims.tp, tp_plan, sequence_parallel, needs_fsdp(dims))  # tp_check, before the mesh
     elif tp_plan is not None:
