@@ -63,6 +63,7 @@ from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_
 from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
+from hybridpar.train.packing_rule import causality_problem, future_probe
 
 __all__ = ["model_backend", "attention_dropout_problem", "randomness_problem", "unkeyed_randomness", "hf_shape",
            "hf_meta_model", "meta_model", "build_hf_model", "use_blockwise_attention", "hf_forward_inputs",
@@ -124,6 +125,8 @@ def hf_meta_model(shape) -> nn.Module:
         raise ConfigError(f"model.hf_path={where!r}: config.json builds no {type(shape).__name__} model "
                           f"({type(error).__name__} in transformers: {first}); a field there is out of range: "
                           "restore the checkpoint's config.json.") from None
+    if problem := causality_problem(model):  # trained on shifted labels, it would read each target from its input
+        raise ConfigError(f"model.hf_path={getattr(shape, 'name_or_path', '') or 'the model'!r}: {problem}.")
     return install_cores(model)
 
 
@@ -219,6 +222,8 @@ def build_hf_model(config: RunConfig, dtype: torch.dtype) -> nn.Module:
     if dtype == torch.float64:  # float64 throughout: kept-in-fp32 modules (routers) too, and every float32 cast
         keep_float64(model.to(torch.float64))
     install_cores(model)
+    if problem := future_probe(model, model.config.vocab_size):  # what the config did not say (causality_problem)
+        raise ConfigError(f"model.hf_path={str(config.model.hf_path)!r}: {problem}.")
     probe_logits_after_head(model)  # the soft cap or scale past lm_head checked; anything else: the loss takes the logits
     key_model_dropout(model, config.train.seed)  # hidden-state dropout keyed by token: every layout draws alike
     capture_router_aux(model)  # output_router_logits: the trainer adds its load-balancing loss (models/hf/router_aux)
@@ -243,26 +248,35 @@ PROBE_TOKENS = 8
 
 def unkeyed_randomness(model: nn.Module, vocab_size: int) -> bool:
     """Whether a train-mode forward of ``model`` still draws from the generator after its dropouts
-    were keyed (functional dropout such as OPT's ``dropout``, attention dropout, router jitter): two
-    forwards of ``PROBE_TOKENS`` tokens with the same keys and different generator seeds differ
-    (beyond rounding)."""
+    were keyed (functional dropout such as OPT's ``dropout``, attention dropout, router jitter, Phi-MoE's
+    sampled experts): a forward of ``PROBE_TOKENS`` tokens moves the generator's state, or two with the same
+    keys and different generator seeds differ (beyond rounding)."""
     ids = torch.arange(PROBE_TOKENS, device=next(model.parameters()).device)[None] % vocab_size
     set_dropout_tokens(model, 0, token_keys(torch.tensor([0]), torch.arange(PROBE_TOKENS)))
     was_training = model.training
     model.train()
+    cuda = [ids.device] if ids.device.type == "cuda" else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             logits = []
             for seed in (1, 2):
                 torch.manual_seed(seed)
+                state = _generator_states(cuda)
                 logits.append(model(input_ids=ids, use_cache=False).logits)
+                drew = any(not torch.equal(a, b) for a, b in zip(state, _generator_states(cuda)))
     finally:
         model.train(was_training)
         set_dropout_tokens(model, 0, None)
+    if drew:  # a draw from the generator (keyed dropout draws none): Phi-MoE's sampled routing, whose logits rarely move
+        return True
     if ids.device.type == "cpu":  # deterministic kernels: any difference is a random draw
         return not torch.equal(*logits)
     first, second = (x.double() for x in logits)  # a nondeterministic CUDA kernel moves logits by rounding only
     return bool((first - second).abs().max() > 1e-3 * first.abs().max().clamp_min(1.0))
+
+
+def _generator_states(cuda: list) -> list:
+    return [torch.random.get_rng_state(), *(torch.cuda.get_rng_state(device) for device in cuda)]
 
 
 def randomness_problem(config: RunConfig, model: nn.Module, vocab_size: int, processes: int) -> str | None:

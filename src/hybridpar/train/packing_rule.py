@@ -19,6 +19,12 @@ trainer says so in one line with the padding it costs. The same holds for ``hybr
 and evaluation, which use the trainer's packs. ``leak_probe`` is the second guard: two short
 documents packed in one row against each alone, through the model as it will train (cp = 1);
 a difference above the dtype's rounding sends the model to one document per row too.
+
+Before any of that, a token must see only its past: ``causality_problem`` refuses a model whose config makes
+its attention bidirectional (``is_decoder: false`` on BERT-like classes, ``is_causal: false``,
+``use_bidirectional_attention``) before any process starts, and ``future_probe`` checks the loaded model (a
+change to the last token must leave every earlier position's logits alone): trained on its shifted labels,
+such a model reads each target from its input.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from hybridpar.models.hf.mixers.short_conv import short_convs
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules
 
-__all__ = ["packing_problem", "leak_probe", "packing_line", "PROBE_TOLERANCE"]
+__all__ = ["packing_problem", "leak_probe", "packing_line", "causality_problem", "future_probe", "PROBE_TOLERANCE"]
 
 PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 _PROBE_DOCS = (7, 9)  # token counts of the probe's two documents
@@ -47,6 +53,57 @@ def packing_problem(model: nn.Module) -> str | None:
     if isinstance(model, HybridLM):
         return None
     return attention_problem(model)
+
+
+def _reads_is_decoder(model: nn.Module) -> bool:
+    """Whether ``model``'s class reads ``config.is_decoder`` (BERT-like classes warn there without it; GPT-NeoX's
+    config carries ``is_decoder: false`` and its attention is causal all the same)."""
+    import inspect
+
+    try:
+        return "is_decoder" in inspect.getsource(type(model).__init__)
+    except (OSError, TypeError):
+        return False
+
+
+def causality_problem(model: nn.Module) -> str | None:
+    """Why ``model`` (as built: a meta model will do) is not causal by its config, naming the field and the fix
+    (None: its config claims causal attention)."""
+    config, cls = getattr(model, "config", None), type(model).__name__
+    fields = [(k, v) for k, v in (("is_decoder", getattr(config, "is_decoder", None) if _reads_is_decoder(model) else None),
+                                  ("is_causal", getattr(config, "is_causal", None))) if v is False]
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if bidirectional in (True, "all"):
+        fields.append(("use_bidirectional_attention", bidirectional))
+    if not fields:
+        return None
+    key, value = fields[0]
+    fix = "false" if key == "use_bidirectional_attention" else "true"
+    return (f"{cls} has {key}={value!r}: its attention is bidirectional, so every position sees the token it is "
+            f"trained to predict (a causal LM's shifted labels); set \"{key}\": {fix} in its config.json, or train "
+            "a decoder checkpoint")
+
+
+@torch.no_grad()
+def future_probe(model: nn.Module, vocab_size: int) -> str | None:
+    """Why ``model`` is not causal as it runs: the last of ``sum(_PROBE_DOCS)`` tokens changed moves an earlier
+    position's logits (None: it does not)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab_size, (1, sum(_PROBE_DOCS)), generator=torch.Generator().manual_seed(1)).to(device)
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab_size
+    was_training = model.training
+    model.eval()
+    try:
+        before, after = (_row_logits(model, row, None)[:, :-1].double() for row in (ids, changed))
+    finally:
+        model.train(was_training)
+    gap = float((before - after).abs().max() / before.abs().max().clamp_min(1.0))
+    if gap <= PROBE_TOLERANCE.get(next(model.parameters()).dtype, 3e-2):
+        return None
+    return (f"{type(model).__name__} is not causal: changing the last of {ids.shape[1]} tokens moves the logits of "
+            f"earlier positions ({gap:.1e}, relative), so training on shifted labels would read each target from the "
+            "input; train a decoder (causal) checkpoint")
 
 
 def _row_logits(model: nn.Module, ids: torch.Tensor, packed: PackedSeqParams | None) -> torch.Tensor:

@@ -190,6 +190,17 @@ def _token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _own_head_computation(head: nn.Linear) -> str | None:
+    """What a head module computes besides ``hidden @ weight.T``: its own ``forward`` or parameters other than
+    ``weight`` (Dory's ``DoryLMHead`` multiplies by a learned per-token ``logit_scale``), which the chunked
+    loss, reading ``weight`` alone, would leave out (None: a plain ``nn.Linear``)."""
+    extra = [name for name, _ in head.named_parameters() if name not in ("weight", "bias")]
+    if type(head).forward is not nn.Linear.forward or extra:
+        return (f"its head {type(head).__name__} computes more than hidden @ weight.T (its own forward"
+                f"{', parameters ' + ', '.join(extra) if extra else ''})")
+    return None
+
+
 def chunked_head(model: nn.Module) -> tuple[nn.Linear, float, float | None]:
     """``(lm_head, scale, softcap)``: the head whose ``hidden @ weight.T`` the model turns into its logits
     ``softcap * tanh(scale * z / softcap)`` (or ``scale * z``; ``models/hf/logit_transform.py``). ValueError
@@ -201,6 +212,8 @@ def chunked_head(model: nn.Module) -> tuple[nn.Linear, float, float | None]:
         transform, problem = None, str(error)
     else:
         problem = probe_finding(model)
+    if not problem and isinstance(head, nn.Linear) and (own := _own_head_computation(head)):
+        problem = own
     if not isinstance(head, nn.Linear) or head.bias is not None or problem:
         raise ValueError(f"{type(model).__name__}'s logits are not a known transform of hidden @ lm_head.weight.T "
                          f"(head {type(head).__name__}, bias {getattr(head, 'bias', None) is not None}"

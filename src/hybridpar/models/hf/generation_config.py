@@ -67,8 +67,10 @@ def config_vocab_problem(hf: dict, file) -> str | None:
             value = fields.get(name)
             if value is None or (value == "auto" and name in AUTO_FIELDS):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                return (f"{file}: {where}{name}={quoted(value)} must be an integer >= 1; restore the checkpoint's "
+            per_layer = isinstance(value, list) and value  # Gemma 3n: intermediate_size, one per layer
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (value if per_layer else [value])):
+                rule = "each entry an integer >= 1" if per_layer else "an integer >= 1"
+                return (f"{file}: {where}{name}={quoted(value)} must be {rule}; restore the checkpoint's "
                         "config.json.")
         experts = next((fields[n] for n in EXPERT_FIELDS if isinstance(fields.get(n), int) and fields[n] > 0), 0)
         top_k = fields.get("num_experts_per_tok")  # more than the experts: torch.topk's "selected index k out of range"

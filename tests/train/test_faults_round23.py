@@ -1,0 +1,209 @@
+"""Round 23 of fault hunting (docs/reliability.md, "Round 23"): every transformers causal-LM family, tiny and float64,
+through the trainer's own loading and loss (``train.trainer.build_model``, ``pack_loss_sum``) against transformers'
+``model(ids, labels=ids).loss``, and through ``train --dry-run``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from tests.train.fault_probes import cli
+
+VOCAB = 128
+S = 20
+_C = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+          num_hidden_layers=2, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_E = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB)
+_WINDOWED = dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+
+
+def _builders(hf) -> dict:
+    return {
+        # a learned per-token logit scale inside lm_head (DoryLMHead), nGPT-style gates
+        "dory": lambda: hf.DoryForCausalLM(hf.DoryConfig(head_dim=16, **_WINDOWED, **_C)),
+        "granite": lambda: hf.GraniteForCausalLM(hf.GraniteConfig(  # every multiplier, a logit scale
+            attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=0.25, **_C)),
+        "gemma2": lambda: hf.Gemma2ForCausalLM(hf.Gemma2Config(  # soft caps, embedding scale, windows
+            head_dim=16, final_logit_softcapping=1.5, attn_logit_softcapping=2.0, query_pre_attn_scalar=24, **_WINDOWED,
+            **_C)),
+        "gpt2": lambda: hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=64, vocab_size=VOCAB,
+                                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "minicpm3": lambda: hf.MiniCPM3ForCausalLM(hf.MiniCPM3Config(  # MLA, embedding / depth / logit scales
+            **{**_C, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=24, scale_emb=3.0, scale_depth=1.4, dim_model_base=16)),
+        "phimoe": lambda: hf.PhimoeForCausalLM(hf.PhimoeConfig(num_local_experts=4, num_experts_per_tok=2, **_C)),
+        "bloom": lambda: hf.BloomForCausalLM(hf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=VOCAB)),
+        # bidirectional: BERT-like without is_decoder, a Llama with is_causal false, Gemma 3 bidirectional
+        "bert_encoder": lambda: hf.BertLMHeadModel(hf.BertConfig(**_E)),
+        "llama_not_causal": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**_E, is_causal=False)),
+        "gemma3_bidirectional": lambda: hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(
+            **_E, head_dim=16, use_bidirectional_attention=True)),
+        "gemma3n": lambda: hf.Gemma3nForCausalLM(hf.Gemma3nTextConfig(  # per-layer intermediate sizes
+            head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2,
+            laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            **{**_C, "num_hidden_layers": 4, "intermediate_size": [64] * 4})),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The tiny float64 checkpoint of a family, by name (``save_pretrained``, every parameter perturbed)."""
+    import transformers as hf
+
+    from tests.models.hf.tiny import perturbed_float64
+
+    folder, builders = tmp_path_factory.mktemp("families"), _builders(hf)
+
+    def save(name: str):
+        path = folder / name
+        if not path.exists():
+            model = perturbed_float64(builders[name])
+            if name == "llama_not_causal":
+                model.config.is_causal = False
+            model.save_pretrained(path)
+        return path
+    return save
+
+
+def _refused(output: str) -> str:
+    [line] = [line for line in output.splitlines() if line.startswith("hybridpar: error: ")]
+    assert len(line) < 2000, line
+    return line
+
+
+def _grads(model) -> dict:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _transformers_own(path, ids):
+    """transformers' own ``model(ids, labels=ids).loss`` and gradients, float64 throughout (as the trainer runs)."""
+    import transformers as hf
+
+    from hybridpar.models.hf.float64 import keep_float64
+
+    model = hf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    keep_float64(model.to(torch.float64)).eval()  # RoPE's float32 inv_freq too, as the trainer's .to(float64)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _trainers(path, ids):
+    """The trainer's loss of one document (one row, no packing) and gradients, and its loss-path line."""
+    from hybridpar.config import load_config
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.parallel.context.inputs import shard_inputs
+    from hybridpar.train.hf_model import loss_path_line, use_blockwise_attention
+    from hybridpar.train.trainer import build_model, pack_loss_sum
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        model = build_model(load_config(None, [f"model.hf_path={path}", "model.dtype=float64", "data.pack_size=32"]))
+    use_blockwise_attention(model)
+    labels = torch.roll(ids, -1, 1)
+    labels[0, -1] = -100
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, ids.shape[1]], dtype=torch.int32))
+    loss = pack_loss_sum(model.eval(), shard_inputs(input_ids=ids, labels=labels, packed=packed))[0] / (ids.shape[1] - 1)
+    loss.backward()
+    return loss.detach(), _grads(model), loss_path_line(model)
+
+
+@pytest.mark.parametrize("name", ["dory", "granite", "gemma2", "gpt2", "minicpm3", "bloom"])
+def test_the_trainers_loss_is_transformers_own(saved, name):
+    """Before: Dory trained 1.8e-2 (relative) off its own loss, with its ``lm_head.logit_scale`` (a learned scale per
+    token, in ``DoryLMHead.forward``) never trained: the chunked loss read ``lm_head.weight`` alone, and the load-time
+    probe compared the logits with the head's *output*, which already held the scale. A head with its own forward or
+    parameters now takes the logits path. The others stand for their kind (multipliers, soft caps, learned positions,
+    MLA with MiniCPM's scales, ALiBi on transformers' attention): equal to 1e-12 in float64, every gradient."""
+    path = saved(name)
+    ids = torch.randint(3, VOCAB, (1, S), generator=torch.Generator().manual_seed(3))
+    want, want_grads = _transformers_own(path, ids)
+    got, got_grads, line = _trainers(path, ids)
+    assert abs(float(got - want)) <= 1e-12 * float(want), (float(got), float(want))
+    assert sorted(got_grads) == sorted(want_grads)
+    scale = max(float(g.abs().max()) for g in want_grads.values())
+    for n, g in want_grads.items():
+        assert float((got_grads[n] - g).abs().max()) <= 1e-11 * scale, n
+    if name == "dory":
+        assert "its head DoryLMHead computes more than hidden @ weight.T (its own forward, parameters logit_scale)" in line
+        assert float(got_grads["lm_head.logit_scale"].abs().max()) > 0
+
+
+@pytest.mark.parametrize("name, said", [
+    ("bert_encoder", 'BertLMHeadModel has is_decoder=False: its attention is bidirectional, so every position sees the '
+                     'token it is trained to predict (a causal LM\'s shifted labels); set "is_decoder": true'),
+    ("llama_not_causal", 'LlamaForCausalLM has is_causal=False: its attention is bidirectional'),
+    ("gemma3_bidirectional", 'Gemma3ForCausalLM has use_bidirectional_attention=True: its attention is bidirectional, '
+                             'so every position sees the token it is trained to predict (a causal LM\'s shifted '
+                             'labels); set "use_bidirectional_attention": false'),
+])
+def test_a_bidirectional_model_is_refused_before_any_process_starts(saved, tmp_path, name, said):
+    """Before: a BERT-like ``*ForCausalLM`` without ``is_decoder`` (transformers only logs "add is_decoder=True"), a
+    Llama with ``is_causal: false`` and a Gemma 3 with ``use_bidirectional_attention`` passed ``--dry-run`` and trained
+    on transformers' bidirectional attention, one document per row: every position saw its own target (the next
+    token), so the loss fell towards 0 and the model learned nothing a causal LM can use, without a word."""
+    run = [f"model.hf_path={saved(name)}", "model.dtype=float64", "data.pack_size=64", f"output_dir={tmp_path}"]
+    for verb in (["train", "--dry-run"], ["train", "--dry-run", "--nproc-per-node", "2", "parallel.dp_shard=2"],
+                 ["plan"], ["check", "--packing", "--dry-run"]):
+        code, output = cli(*verb, *run)
+        line = _refused(output)
+        assert code == 2 and said in line, (verb, output)
+        assert "Traceback" not in output
+
+
+def test_the_loaded_model_is_probed_for_causality_too(saved):
+    """A bidirectional model its config does not flag is caught where the trainer loads it: changing the last token
+    must leave every earlier position's logits alone (``packing_rule.future_probe``)."""
+    import transformers as hf
+
+    from hybridpar.train.packing_rule import future_probe
+
+    encoder = hf.AutoModelForCausalLM.from_pretrained(saved("bert_encoder"), dtype=torch.float64)
+    found = future_probe(encoder, VOCAB)
+    assert found.startswith("BertLMHeadModel is not causal: changing the last of 16 tokens moves the logits of earlier "
+                            "positions"), found
+    assert future_probe(hf.AutoModelForCausalLM.from_pretrained(saved("gpt2"), dtype=torch.float64), VOCAB) is None
+
+
+def test_per_layer_intermediate_sizes_are_a_valid_config(saved, tmp_path):
+    """Before: every Gemma 3n text checkpoint (``intermediate_size`` is a list, one per layer) was refused before any
+    process started: "intermediate_size=[64, 64, 64, 64] must be an integer >= 1; restore the checkpoint's config.json"
+    (a type rule for a field transformers reads per layer); the tiny one trains exactly (loss = transformers')."""
+    import json
+    import shutil
+
+    run = ["model.dtype=float64", "data.pack_size=64", f"output_dir={tmp_path / 'run'}"]
+    code, output = cli("train", "--dry-run", f"model.hf_path={saved('gemma3n')}", *run)
+    assert code == 0, output
+    bad = tmp_path / "bad"
+    shutil.copytree(saved("gemma3n"), bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["intermediate_size"] = [64, 0, 64, 64]
+    (bad / "config.json").write_text(json.dumps(config))
+    code, output = cli("train", "--dry-run", f"model.hf_path={bad}", *run)
+    assert code == 2 and "intermediate_size=[64, 0, 64, 64] must be each entry an integer >= 1" in _refused(output)
+
+
+def test_sampled_routing_is_randomness_no_token_key_reaches(saved):
+    """Before: Phi-MoE (its sparsemixer samples experts and Heun's step in training: ``exponential_``, ``rand_like``)
+    passed the randomness probe, whose two forwards with different seeds gave the same logits, so ``train`` at dp_shard=2
+    or tp=2 said nothing and ``check`` FAILED 26 of 27 quantities (loss 3e-2 apart) instead of refusing: each rank drew
+    its own samples. The probe now also sees a forward move the generator (keyed dropout draws nothing from it)."""
+    from hybridpar.config import load_config
+    from hybridpar.train.hf_model import randomness_problem, unkeyed_randomness
+    from hybridpar.train.trainer import build_model
+
+    found = {}
+    for name in ("phimoe", "gpt2"):
+        config = load_config(None, [f"model.hf_path={saved(name)}", "model.dtype=float64", "data.pack_size=32"])
+        with contextlib.redirect_stdout(io.StringIO()):
+            model = build_model(config)
+        found[name] = unkeyed_randomness(model, VOCAB)
+        if name == "phimoe":
+            said = randomness_problem(config, model, VOCAB, 2)
+            assert said.startswith("PhimoeForCausalLM draws random numbers in training that no token key reaches "
+                                   "(router_jitter_noise=0.01"), said
+    assert found == {"phimoe": True, "gpt2": False}
