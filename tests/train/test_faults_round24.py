@@ -3,7 +3,8 @@
 ``hybridpar check`` proves one step; these hold whole runs (float64, several steps, evaluation, checkpoints,
 gradient accumulation over packs of very different labelled-token counts, clipping and weight decay) against one
 process, and a run stopped and resumed (at another layout too) against the uninterrupted one. Real gloo process
-groups (``run_each``); the final weights and AdamW moments are read back from the checkpoints."""
+groups (``run_each``); the final weights and AdamW moments are read back from the checkpoints. And the one setting a
+resume changed without a word: ``parallel.tf32`` on a float32 CUDA run."""
 
 from __future__ import annotations
 
