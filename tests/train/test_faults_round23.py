@@ -207,3 +207,21 @@ def test_sampled_routing_is_randomness_no_token_key_reaches(saved):
             assert said.startswith("PhimoeForCausalLM draws random numbers in training that no token key reaches "
                                    "(router_jitter_noise=0.01"), said
     assert found == {"phimoe": True, "gpt2": False}
+
+
+def test_a_tied_weight_the_tp_plan_shards_on_one_side_only_is_refused_before_any_process_starts(saved, tmp_path):
+    """Before: Bloom (and MPT, Falcon, OPT: tied embeddings, transformers' plan shards ``lm_head`` alone) passed
+    ``train --dry-run --nproc-per-node 2 parallel.tp=2``; every rank then built and sharded the model and stopped with
+    "tied weights transformer.word_embeddings.weight (None) and lm_head.weight ((Shard(dim=0),)) got different TP
+    layouts". Tied models whose plan shards both sides (GPT-2) stay accepted."""
+    run = ["--dry-run", "--nproc-per-node", "2", "model.dtype=float64", "data.pack_size=64", f"output_dir={tmp_path}",
+           "parallel.tp=2"]
+    code, output = cli("train", *run, f"model.hf_path={saved('bloom')}")
+    line = _refused(output)
+    assert code == 2 and line.startswith("hybridpar: error: parallel.tp=2: tied weights transformer.word_embeddings."
+                                         "weight, lm_head.weight: the TP plan shards lm_head.weight and leaves "
+                                         "transformer.word_embeddings.weight whole"), line
+    code, output = cli("plan", *run[3:], f"model.hf_path={saved('bloom')}")
+    assert code == 2 and "the TP plan shards lm_head.weight" in _refused(output)
+    code, output = cli("train", *run, f"model.hf_path={saved('gpt2')}")
+    assert code == 0, output

@@ -140,6 +140,22 @@ def _parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in slots.values() if len(group) > 1]
 
 
+def _check_tied_slots(model: nn.Module, styles: dict) -> None:
+    """ValueError for a tied weight that the plan shards in one module and leaves whole (replicated) in another
+    (Bloom, MPT, Falcon, OPT: the HF plan's column-parallel ``lm_head`` shares its weight with an embedding no entry
+    names), which ``_retie`` could only refuse after every rank built and sharded the model."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for group in _parameter_slots(model):
+        paths = [f"{names[id(module)]}.{name}" for module, name in group]
+        planned = [any(p and matches(names[id(module)], p) for p in styles) for module, _ in group]
+        if any(planned) and not all(planned):
+            sharded = [path for path, yes in zip(paths, planned) if yes]
+            whole = [path for path, yes in zip(paths, planned) if not yes]
+            raise ValueError(f"tied weights {', '.join(paths)}: the TP plan shards {', '.join(sharded)} and leaves "
+                             f"{', '.join(whole)} whole, so they cannot stay one tensor; use tp=1 (FSDP still shards "
+                             "it), or a checkpoint with \"tie_word_embeddings\": false")
+
+
 def _retie(model: nn.Module, tied_groups) -> None:
     """Point every slot of a tied group at the first slot's (now DTensor) parameter."""
     names = {id(m): n for n, m in model.named_modules()}
@@ -228,6 +244,7 @@ def check_tp_plan(model: nn.Module, tp: int, plan: PlanLike = None, sequence_par
     if not styles:
         raise ValueError(f"TP plan ({resolved.source}) matches no module of {type(model).__name__}; "
                          "check the module path patterns")
+    _check_tied_slots(model, styles)
     with detached_adapters(model):  # LoRA adapters are paired with their base layer's style (parallel/lora.py)
         check_plan(model, styles, tp, sequence_parallel, data_parallel)
     check_lora_pairing(model, styles)
