@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.train.fault_probes import cli
+from tests.train.fault_probes import cli, one_line
 
 TINY = ["model.preset=tiny", "train.steps=1", "train.warmup_steps=0"]
 
@@ -291,3 +291,16 @@ def test_check_names_a_gradient_the_layout_never_produced(monkeypatch, tmp_path)
     assert code == 1 and "grad backbone.layers.0.mixer.dt_bias (none under the layout)" in output, output
     assert "FAILED: 1 of" in output and "KeyError" not in output, output
 
+
+def test_validate_parallelize_holds_a_hybridlms_heads_to_the_cp_strategies():
+    """Before: ``validate_parallelize`` (the API's check without a mesh) passed a HybridLM whose 4 query heads ulysses
+    cannot split over cp=8; only ``parallelize`` raised, once the mesh existed. ``train`` checked it already."""
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import validate_parallelize
+
+    model = HybridLM(HybridConfig.from_preset("tiny"))
+    with pytest.raises(ValueError) as error:
+        validate_parallelize(model, ParallelDims(cp=8), cp_attention_strategy="ulysses", cp_mamba_strategy="state")
+    assert one_line(error).startswith("module 'backbone.layers.1.mixer' at tp=1, cp=8: ulysses attention splits query heads"), error
+    validate_parallelize(model, ParallelDims(cp=4), cp_attention_strategy="ulysses", cp_mamba_strategy="state")

@@ -58,7 +58,7 @@ from hybridpar.parallel.tensor.hf_plans.moe_hybrid import split_hf_mixers
 
 __all__ = [
     "parallelize", "validate_parallelize", "apply_cp", "apply_activation_checkpointing", "apply_compile",
-    "needs_fsdp", "cp_cores_at",
+    "needs_fsdp", "cp_cores_at", "cp_head_checks", "CPHeadError",
 ]
 
 
@@ -76,11 +76,18 @@ def _check_mesh(mesh, dims: ParallelDims) -> None:
         )
 
 
-def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strategy: str, mamba_strategy: str) -> None:
-    """CP head/group rules on the heads each TP rank will hold (strategy objects do no communication)."""
-    attention_core = attention_cp.STRATEGIES[attention_strategy](cp_group)
-    mamba_core = mamba_cp.STRATEGIES[mamba_strategy](cp_group)
-    tp = dims.tp
+class CPHeadError(ValueError):
+    """A HybridLM module's heads or groups that a CP strategy cannot split; ``rule``: the message without the layout."""
+
+    def __init__(self, message: str, rule: str):
+        super().__init__(message)
+        self.rule = rule
+
+
+def cp_head_checks(model: nn.Module, tp: int, attention_core, mamba_core, at: str = "") -> None:
+    """The CP strategies' head/group rules on the heads each TP rank will hold (transformers' models too; the
+    strategy objects do no communication); raises ``ValueError`` (a HybridLM's: ``CPHeadError``) naming the module
+    (``at``: after its name)."""
     if not isinstance(model, HybridLM):
         hf_cp.validate_hf_cp(model, attention_core, tp, mamba_core)
         return
@@ -91,7 +98,7 @@ def _cp_checks(model: nn.Module, dims: ParallelDims, cp_group, attention_strateg
             elif isinstance(module, Attention):
                 attention_core.validate_heads(module.num_heads // tp, module.num_kv_heads // tp)
         except ValueError as error:
-            raise ValueError(f"module {name!r} at tp={tp}, cp={dims.cp}: {error}") from None
+            raise CPHeadError(f"module {name!r}{at}: {error}", f"module {name!r}: {error}") from None
 
 
 def cp_cores_at(cp: int, attention: str, mamba: str) -> tuple:
@@ -140,10 +147,10 @@ def validate_parallelize(model: nn.Module, dims: ParallelDims, *, cp_attention_s
         get_tp_plan(model, tp_plan)  # unknown names raise here
     if dims.tp > 1:
         validate_hybrid_tp(model, dims.tp)  # hybridpar mixers inside any model, whatever plan was given
-    if dims.cp > 1 and not isinstance(model, HybridLM):  # transformers attention models (cp_hf), else refused; after
-        # the TP rules, so heads tp cannot split are named by parallel.tp (not "query heads 1 ... of kv heads 2")
-        attention_core, mamba_core = cp_cores_at(dims.cp, cp_attention_strategy, cp_mamba_strategy)
-        hf_cp.validate_hf_cp(model, attention_core, dims.tp, mamba_core)
+    if dims.cp > 1:  # after the TP rules, so heads tp cannot split are named by parallel.tp (not "query heads 1 ...
+        # of kv heads 2"); a HybridLM's heads here too, not only once the mesh exists (round 21)
+        cp_head_checks(model, dims.tp, *cp_cores_at(dims.cp, cp_attention_strategy, cp_mamba_strategy),
+                       at=f" at tp={dims.tp}, cp={dims.cp}")
 
 
 def apply_cp(model: nn.Module, cp_group, attention_strategy: str = "allgather", mamba_strategy: str = "a2a") -> nn.Module:
@@ -211,8 +218,6 @@ def parallelize(
     if dims.world_size > 1 or mesh is not None:
         mesh = dims.build_mesh() if mesh is None else mesh
         _check_mesh(mesh, dims)
-    if dims.cp > 1:
-        _cp_checks(model, dims, ParallelDims.group(mesh, "cp"), cp_attention, cp_mamba)
 
     split_mamba_mixers(model)  # Mamba2 in_proj/conv1d per component at every layout: the checkpoint's names
     split_hf_mixers(model)  # (DCP) do not depend on tp, so a run resumes at another; LoRA adapters kept

@@ -79,13 +79,13 @@ def _verdict(candidate: RunConfig, world: int, model, shape, verdicts: dict) -> 
     """``train``'s refusal of ``candidate`` or None. The rules are ``validate_layout``'s; its TP plan
     check is the slow part and does not depend on the CP strategies, so once a layout's degrees
     passed with one strategy pair, other pairs need only the strategies' own head/group rules."""
-    from hybridpar.train.preflight import _cp_head_checks, parallel_dims, validate_layout
+    from hybridpar.train.preflight import cp_head_rules, validate_layout
 
     p = candidate.parallel
     degrees = (p.dp_replicate, p.dp_shard, p.cp, p.tp, p.sequence_parallel)
     if verdicts.get(("degrees",) + degrees, "unknown") is None:
         try:
-            _cp_head_checks(model, parallel_dims(candidate), p.cp_attention, p.cp_mamba)
+            cp_head_rules(candidate, model)
             return None
         except ValueError as error:
             return str(error)

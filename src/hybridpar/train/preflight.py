@@ -103,28 +103,6 @@ def model_config(config: RunConfig):
                           f"{config.model.preset!r} model: {error}") from None
 
 
-def _cp_head_checks(model, dims: ParallelDims, attention: str, mamba: str) -> None:
-    """The CP strategies' head/group rules for the heads each TP rank will hold at ``dims.cp`` (transformers' too)."""
-    from hybridpar.models.attention.mixer import Attention
-    from hybridpar.models.hybrid import HybridLM
-    from hybridpar.models.mamba.mixer import Mamba2Mixer, tp_groups
-    from hybridpar.parallel.context.hf import validate_hf_cp
-    from hybridpar.parallel.parallelize import cp_cores_at
-
-    attention_core, mamba_core = cp_cores_at(dims.cp, attention, mamba)  # sized as the CP group will be
-    name = ""
-    try:
-        if not isinstance(model, HybridLM):
-            return validate_hf_cp(model, attention_core, dims.tp, mamba_core)
-        for name, module in model.named_modules():
-            if isinstance(module, Mamba2Mixer):
-                mamba_core.validate(module.num_heads // dims.tp, tp_groups(module.n_groups, dims.tp))
-            elif isinstance(module, Attention):
-                attention_core.validate_heads(module.num_heads // dims.tp, module.num_kv_heads // dims.tp)
-    except ValueError as error:
-        raise ConfigError(f"parallel.cp={dims.cp} with parallel.tp={dims.tp}: {f'module {name!r}: ' * bool(name)}{error}") from None
-
-
 def _check_compile_backend(value) -> None:
     """``parallel.compile``: a backend name torch knows (the list is long: name the usual ones)."""
     if not isinstance(value, str):
@@ -145,6 +123,26 @@ def _named_parallel_key(config: RunConfig, message: str) -> str:
         return f"parallel.* (dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp})"
     key = match[1]
     return f"parallel.{key}={show_value(getattr(config.parallel, key))}"
+
+
+def _layout_error(config: RunConfig, error: ValueError) -> ConfigError:
+    """A layout rule's message under the key it names (a HybridLM's CP head rule: cp with tp)."""
+    from hybridpar.parallel.parallelize import CPHeadError
+
+    if isinstance(error, CPHeadError):  # the heads each TP rank will hold at cp
+        return ConfigError(f"parallel.cp={config.parallel.cp} with parallel.tp={config.parallel.tp}: {error.rule}")
+    return ConfigError(f"{_named_parallel_key(config, str(error))}: {error}")
+
+
+def cp_head_rules(config: RunConfig, model) -> None:
+    """The CP strategies' head/group rules alone, said as ``validate_layout`` says them (``plan --fit``)."""
+    from hybridpar.parallel.parallelize import cp_cores_at, cp_head_checks
+
+    p = config.parallel
+    try:
+        cp_head_checks(model, p.tp, *cp_cores_at(p.cp, p.cp_attention, p.cp_mamba))
+    except ValueError as error:
+        raise _layout_error(config, error) from None
 
 
 def validate_layout(config: RunConfig, world_size: int | None = None, model=None, shape=None):
@@ -174,9 +172,7 @@ def validate_layout(config: RunConfig, world_size: int | None = None, model=None
                              activation_checkpointing=p.activation_checkpointing,
                              reshard_after_forward=p.reshard_after_forward, compile=p.compile)
     except ValueError as error:
-        raise ConfigError(f"{_named_parallel_key(config, str(error))}: {error}") from None
-    if dims.cp > 1:
-        _cp_head_checks(model, dims, p.cp_attention, p.cp_mamba)
+        raise _layout_error(config, error) from None
     multiple = pad_multiple(data, p.cp)
     if multiple % (2 * p.cp):
         raise ConfigError(f"data.pad_to_multiple_of={multiple} is not a multiple of 2*cp={2 * p.cp}; every padded "

@@ -142,7 +142,8 @@ class UlyssesAttention(AttentionStrategy):
             divisors = [p for p in range(1, num_heads + 1) if num_heads % p == 0]
             raise ValueError(
                 f"ulysses attention splits query heads over the context-parallel group, but {num_heads} query "
-                f"heads (per tensor-parallel rank) are not divisible by cp={self.cp_size}; use the \"allgather\" "
+                f"head{'s' * (num_heads != 1)} (per tensor-parallel rank) {'are' if num_heads != 1 else 'is'} not "
+                f"divisible by cp={self.cp_size}; use the \"allgather\" "
                 f"strategy, or a cp that divides the heads (one of {divisors})."
             )
 
