@@ -22,7 +22,7 @@ import copy
 import pytest
 import torch
 
-from hybridpar.models.lora import add_lora, is_lora_parameter
+from hybridpar.models.lora import DEFAULT_TARGETS, add_lora, is_lora_parameter
 from hybridpar.models.token_dropout import set_dropout_tokens, token_keys
 from hybridpar.train.loss import global_sum, token_loss_sum, valid_token_count
 from tests.distributed.context.test_model import TOL, build_model as build_hybrid, make_batch
@@ -60,7 +60,9 @@ def lora_model(name: str, dropout: float = 0.0):
         model = build_model(name)
         install_mamba_core(model)  # what parallelize does: the reference runs the same Mamba core
         keep_float64(model)  # as the trainer does: transformers' float32 casts stay float64
-    add_lora(model, r=RANK, alpha=8.0, seed=1, dropout=dropout)
+    targets = None if name != "zamba2_shared" else [  # and each layer's linear: under SP on the rank's tokens
+        t for t in (*DEFAULT_TARGETS, "linear") if any(n.rsplit(".", 1)[-1] == t for n, _ in model.named_modules())]
+    add_lora(model, r=RANK, alpha=8.0, seed=1, dropout=dropout, targets=targets)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for pname, param in model.named_parameters():
@@ -221,7 +223,9 @@ def test_lora_cp2_tp2_matches_one_process():
 def test_lora_on_zamba2_with_a_shared_block_matches_one_process(two_ranks):
     """Adapters on each hybrid layer's copy of the shared block are its own; the copies' tied base
     weights form one FSDP unit with them (cp=2), and under tp=2 + SP the copies are sharded and
-    re-tied: the loss and every adapter gradient equal one process's."""
+    re-tied: the loss and every adapter gradient equal one process's. The adapters on each layer's
+    ``linear`` run on the rank's tokens under SP (``TokenwiseParallel``), their gradients summed over TP
+    (before: refused, no pairing)."""
     _check(two_ranks["zamba2_shared"], ZAMBA_LAYOUTS)
 
 

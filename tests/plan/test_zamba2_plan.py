@@ -104,14 +104,17 @@ def test_what_a_zamba2_plan_does_not_price_keeps_the_parameter_share_and_says_wh
 @pytest.mark.parametrize("targets, more", [
     ([], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     (["gate_up_proj", "linear", "o_proj"], ["parallel.dp_shard=2", "data.packs_per_step=2"]),
+    (["linear", "v_proj"], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 ])
 def test_the_plan_of_a_zamba2_under_lora_matches_one_measured_step(tmp_path, targets, more):
     """LoRA puts adapters on each use's copy of the shared block (and may on each layer's ``linear``); with the base
     frozen a use keeps only what a gradient into what lies before it needs, and its backward collectives run only
     there: the default targets at tp=2 + SP, and adapters from the first use's o_proj on under FSDP (nothing
     before them trains, so the first use's attention keeps nothing; the copies' adapters gather with the shared
-    block's unit, the linear's with its layer's, and only theirs are reduced).
-    Before: refused, on the parameter-only plan (its adapters priced as an MLP's: saved 0.71 of the measured)."""
+    block's unit, the linear's with its layer's, and only theirs are reduced); and the linear's adapters under SP,
+    on each rank's tokens, their gradients summed over TP per pack.
+    Before: refused, on the parameter-only plan (its adapters priced as an MLP's: saved 0.71 of the measured); the
+    linear's adapters under SP were refused by ``train`` (no LoRA pairing for ``TokenwiseParallel``)."""
     chosen = [f"peft.target_modules=[{','.join(targets)}]"] if targets else []
     overrides = _overrides(_checkpoint(tmp_path / "z", weights=True), "peft.method=lora", *chosen, *more, tokens=1024)
     assert_plan_matches_step(overrides, str(tmp_path / "run"))

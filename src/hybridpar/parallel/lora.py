@@ -17,7 +17,10 @@ input conversion and before its output conversion, so it shares the base layer's
         + base partial -> the base's all-reduce (SP: reduce-scatter) -> [B, S, D]
 
 - a base TP leaves whole (``LocalReplicateParallel``, left-over modules): ``A``, ``B``
-  replicated, computed on local tensors.
+  replicated, computed on local tensors;
+- a base on this rank's tokens (``TokenwiseParallel``, Zamba2's ``linear`` under SP): ``A``, ``B``
+  replicated, computed on the local tokens ``[B, S/tp, in]``; each rank's gradient covers its own
+  tokens, so both are summed over TP in backward (``AllReduceGrad``, like the base weight's).
 
 No forward collective is added. The replicated factor's gradient is a partial sum over TP
 (column: ``dA = sum_r (dy_r B_r)^T x``; row: ``dB = dy^T sum_r h_r``), reduced once in
@@ -69,7 +72,8 @@ from hybridpar.models.mamba.mixer import Mamba2Mixer
 from hybridpar.parallel.tensor.check import matches
 from hybridpar.parallel.tensor.linear_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
 from hybridpar.parallel.tensor.moe import GroupedExpertsParallel
-from hybridpar.parallel.tensor.styles import AllReduceGrad, LocalReplicateParallel, VocabParallelEmbedding
+from hybridpar.parallel.tensor.styles import (AllReduceGrad, LocalReplicateParallel, TokenwiseParallel,
+                                              VocabParallelEmbedding)
 
 __all__ = ["LoRAComponentsB", "split_lora_components", "lora_pairings", "check_lora_pairing",
            "detached_adapters", "pair_lora"]
@@ -120,6 +124,8 @@ def _style_kind(style: ParallelStyle, module: nn.Module) -> str | None:
         return "colwise"
     if isinstance(style, RowwiseParallel):
         return "rowwise"
+    if isinstance(style, TokenwiseParallel):
+        return "tokenwise"
     if isinstance(style, LocalReplicateParallel) and not style.grad_allreduce and style.output_layouts is None \
             and getattr(style, "pairs_lora", True):  # (mla.LatentDownParallel: its output gradient is summed in a hook)
         return "replicated"
@@ -164,7 +170,7 @@ def _pairing(name: str, module: nn.Module, styles: dict[str, ParallelStyle],
 
 
 def lora_pairings(model: nn.Module, styles: dict[str, ParallelStyle]) -> dict[str, str]:
-    """``{adapter module name: colwise | rowwise | components | replicated}``; raises ``ValueError``
+    """``{adapter module name: colwise | rowwise | components | replicated | tokenwise}``; raises ``ValueError``
     for an adapter whose base layer's style has no pairing."""
     out = {}
     modules = dict(model.named_modules())
@@ -271,7 +277,8 @@ def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelS
         module = modules[name]
         a, b = module.lora_A, module.lora_B
         a_place, b_place = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate()),
-                            "components": (Replicate(), Shard(0)), "replicated": (Replicate(), Replicate())}[kind]
+                            "components": (Replicate(), Shard(0)), "replicated": (Replicate(), Replicate()),
+                            "tokenwise": (Replicate(), Replicate())}[kind]
         _distribute(a, a_place, tp_mesh)
         shared = _shared_components(module) if kind == "components" else []
         for part in shared:  # one B/C group read by every rank's heads (n_groups < tp): replicated like the base
@@ -283,12 +290,12 @@ def pair_lora(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelS
         for param in (*a.parameters(), *b.parameters()):  # without FSDP (FSDP2 reduces TP-partial grads itself)
             if param.requires_grad and isinstance(param, DTensor) and param.placements == (Replicate(),):
                 param.register_post_accumulate_grad_hook(_replicate_partial_grad)
-        if kind in ("components", "replicated"):  # the base computes on plain local tensors
-            group = tp_mesh.get_group() if kind == "components" else None
+        if kind in ("components", "replicated", "tokenwise"):  # the base computes on plain local tensors
+            group = tp_mesh.get_group() if kind in ("components", "tokenwise") else None
             a.register_forward_pre_hook(partial(_local_params_pre, group))
             a.register_forward_hook(_local_params_post, always_call=True)
-            if kind == "replicated" or not isinstance(b, LoRAComponentsB):  # B as a plain Linear: rows local
-                b.register_forward_pre_hook(partial(_local_params_pre, None))
+            if kind != "components" or not isinstance(b, LoRAComponentsB):  # B as a plain Linear: rows local
+                b.register_forward_pre_hook(partial(_local_params_pre, group if kind == "tokenwise" else None))
                 b.register_forward_hook(_local_params_post, always_call=True)
     return kinds
 

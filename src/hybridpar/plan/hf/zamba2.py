@@ -217,7 +217,7 @@ def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
     real units, ``tp_norm_grads`` (each distinct block's two norms once), and ``tp_shared_block``
     (module docstring). ``shape``: the step of ``attention_twin``. Under LoRA a backward collective runs only
     where a gradient reaches (``zamba2_reach``), no norm or linear weight has a gradient, and the adapters on
-    the layers' ``linear`` (whole on every TP rank, their gradients equal there) are not reduced over TP."""
+    the layers' ``linear`` (whole on every TP rank) are reduced over TP only under SP."""
     c, dims, m = layout.model, layout.dims, layout.packs_per_rank
     out, flow, adapted = {}, shape.flow, _adapted_uses(c, shape)
     units = zamba2_units(c, layout.tp, layout.sequence_parallel)
@@ -228,9 +228,12 @@ def zamba2_traffic(layout: Layout, shape: StepShape) -> dict[str, Tally]:
                       1 if shape.fsdp else 4)  # FSDP reduces once; else clipping once and AdamW three times
     out["tp_norm_grads"] = norms
     out["fsdp"] = _fsdp(layout, shape, units)
-    if shape.adapters is not None:
-        whole = {u: [p for p in ps if adapted_linear(p.name) != "linear"] for u, ps in shape.adapters.items()}
-        out["tp_adapters"] = tp_adapters(dataclasses.replace(shape, adapters=whole))
+    if shape.adapters is not None:  # the linear's: whole on every rank (equal gradients), or under SP on the
+        # rank's tokens, their gradients summed over TP in autograd on each pack (TokenwiseParallel)
+        adapters = {u: [dataclasses.replace(p, tp_sum_in_autograd=True) if adapted_linear(p.name) == "linear" else p
+                        for p in ps if layout.sp or adapted_linear(p.name) != "linear"]
+                    for u, ps in shape.adapters.items()}
+        out["tp_adapters"] = tp_adapters(dataclasses.replace(shape, adapters=adapters))
     tp, extra = layout.tp, Tally()
     if tp > 1:
         uses, d, e, tc = c.pattern.count("Z") * m, c.hidden_size, layout.act_bytes, layout.tokens
