@@ -76,3 +76,44 @@ def test_check_calls_only_float64_exact_and_fails_nan():
     assert code == 0 and "check passed: all" in report and "not exact" in report and "check exact" not in report
     code, report = results["nan"]
     assert code == 1 and "check FAILED" in report and "not finite" in report and "max|diff| nan" in report
+
+
+def _lora_checks(rank, world_size):
+    import hybridpar.train.proof.layout as check
+
+    def run(*overrides) -> tuple[int, str]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = check.run_check(load_config(DEFAULT, SMALL + ["model.dtype=float64", "peft.method=lora", "peft.r=4",
+                                                                 *overrides]), torch.device("cpu"))
+        return code, out.getvalue()
+
+    results = {"right": run()}
+    real = check.Trainer
+
+    class WrongAGradients(real):  # a layout that got every adapter's A gradient wrong (doubled)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for name, param in self.model.named_parameters():
+                if ".lora_A." in name:
+                    param.register_hook(lambda grad: 2 * grad)
+
+    check.Trainer = WrongAGradients
+    try:
+        results["wrong"] = run()
+    finally:
+        check.Trainer = real
+    return results
+
+
+def test_check_under_lora_proves_the_a_gradients_too():
+    """LoRA's B factors start at zero, where every A's gradient is zero in both models: ``check`` passed a layout
+    whatever it did to them (a doubled A gradient was "ok", 0 against 0). It now draws the same random B into both
+    models for the proof and says so; the doubled A gradients fail."""
+    results = run_ranks(1, _lora_checks, timeout_s=300)[0]
+    code, report = results["right"]
+    assert code == 0 and "check exact" in report and "B factors drawn at random" in report, report
+    code, report = results["wrong"]
+    assert code == 1 and "check FAILED" in report, report
+    failed = [line for line in report.splitlines() if line.endswith("FAIL")]
+    assert failed and all(".lora_A." in line for line in failed), report

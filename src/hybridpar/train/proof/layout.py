@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.parallel.context.inputs import shard_inputs
-from hybridpar.parallel.state import canonical_state_dict
+from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.train.loss import valid_token_count
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.train.hf_model import use_blockwise_attention
@@ -31,6 +31,7 @@ from hybridpar.train.trainer import Trainer, build_model, pack_loss_sum, pack_te
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 EXACT = 1e-9  # float64 results within this are "exact"
+LORA_B_STD = 0.1  # draw_lora_b
 
 
 def default_tolerance(config: RunConfig) -> float:
@@ -71,6 +72,23 @@ def passed_within_rounding(count: int, tolerance: float, dtype: str) -> str:
             "(equal to rounding, not exact: run with model.dtype=float64 for the exact check)")
 
 
+@torch.no_grad()
+def draw_lora_b(reference: torch.nn.Module, model: torch.nn.Module) -> int:
+    """LoRA's ``B`` factors start at zero, where ``dA = B^T (...)`` is zero in both models whatever the layout does
+    with it: such a check could not fail on ``A``. When every ``B`` of ``reference`` is zero, both models get the same
+    seeded normal ``B`` (``model`` through the canonical names, sharded like each parameter: an expert adapter's
+    gate and up rows stored apart are one tensor there); returns how many. A ``B`` not loaded fails the check."""
+    factors = {name: p for name, p in reference.named_parameters() if ".lora_B." in name}
+    if not factors or any(bool(p.any()) for p in factors.values()):
+        return 0
+    generator = torch.Generator().manual_seed(0)
+    for _, p in sorted(factors.items()):
+        p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64).mul_(LORA_B_STD))
+    state = {name: value for name, value in canonical_state_dict(reference).items() if ".lora_B." in name}
+    load_canonical_state_dict(model, state, strict=False)
+    return len(state)
+
+
 def run_check(config: RunConfig, device: torch.device, tolerance: float | None = None) -> int:
     """Print one line per quantity with its largest difference; 0 when all are in tolerance.
 
@@ -86,6 +104,7 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
         raise ConfigError(f"check cannot prove this layout: {trainer.unkeyed}")
     for model in (trainer.model, reference):  # as training runs (from_pretrained returns eval mode): dropout on
         model.train()
+    drawn = draw_lora_b(reference, trainer.model)
     tolerance = tolerance if tolerance is not None else default_tolerance(config)
     parallel_loss = trainer.step_gradients(0)
     if parallel_loss is None:  # on every rank alike (a global count): "unsupported operand ... 'NoneType'" before
@@ -114,6 +133,9 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
         print(f"check: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
               f"sp={p.sequence_parallel} cp_attention={p.cp_attention} cp_mamba={p.cp_mamba} "
               f"dtype={config.model.dtype} tolerance={tolerance:.0e} (relative to max(1, |reference|))")
+        if drawn:
+            print(f"LoRA: {drawn} B factors drawn at random (std {LORA_B_STD}) in both models for this check: at their "
+                  "zero start every A's gradient is zero on any layout, which proves nothing")
         print_rows(rows, failures)
         if failures:
             verdict = f"FAILED: {len(failures)} of {len(rows)} quantities out of tolerance or not finite"
