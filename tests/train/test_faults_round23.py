@@ -225,3 +225,25 @@ def test_a_tied_weight_the_tp_plan_shards_on_one_side_only_is_refused_before_any
     assert code == 2 and "the TP plan shards lm_head.weight" in _refused(output)
     code, output = cli("train", *run, f"model.hf_path={saved('gpt2')}")
     assert code == 0, output
+
+
+def test_a_pack_past_llama4s_chunk_is_refused_before_any_process_starts(tmp_path):
+    """Before: a Llama 4 text model with ``data.pack_size`` above its ``attention_chunk_size`` (24 here; 8192 in the
+    real ones) passed ``train --dry-run --nproc-per-node 2`` and every rank stopped at its first pack with "... use
+    data.pack_size <= 24"; the preflight now names it (the meta model's limit), at any layout."""
+    import transformers as hf
+
+    from tests.models.hf.tiny import perturbed_float64
+
+    path = tmp_path / "llama4"
+    perturbed_float64(lambda: hf.Llama4ForCausalLM(hf.Llama4TextConfig(
+        **_C, head_dim=16, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1, no_rope_layers=[1, 0],
+        attention_chunk_size=24, floor_scale=41))).save_pretrained(path)
+    run = ["--dry-run", "--nproc-per-node", "2", f"model.hf_path={path}", "model.dtype=float64",
+           f"output_dir={tmp_path / 'run'}", "parallel.dp_shard=2"]
+    code, output = cli("train", *run, "data.pack_size=64")
+    line = _refused(output)
+    assert code == 2 and line.startswith("hybridpar: error: data.pack_size=64: Llama4ForCausalLM's chunked attention"), line
+    assert line.endswith("use data.pack_size <= 24."), line
+    code, output = cli("train", *run, "data.pack_size=24")
+    assert code == 0, output

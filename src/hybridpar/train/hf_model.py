@@ -190,6 +190,17 @@ def check_learned_positions(model: nn.Module, pack_size: int) -> None:
         raise ConfigError(f"data.pack_size={pack_size} is longer than the {table[1]} positions "
                           f"{type(model).__name__} learned ({table[0]}): position ids past {table[1] - 1} have no "
                           f"embedding. Use data.pack_size <= {table[1]}.")
+    from hybridpar.parallel.context.hf import hf_attention_modules
+    from hybridpar.parallel.context.hf_types import _document_limit
+
+    hf = hasattr(model, "get_input_embeddings")
+    limits = [_document_limit(m)[0] for _, m in (hf_attention_modules(model) if hf else [])]
+    longest = min((n for n in limits if n is not None), default=None)  # Llama 4's chunk and temperature floor
+    if longest is not None and pack_size > longest:
+        raise ConfigError(f"data.pack_size={pack_size}: {type(model).__name__}'s chunked attention and temperature "
+                          f"tuning equal transformers' only for documents of at most {longest} tokens (its "
+                          f"attention_chunk_size / floor_scale), and a document may fill a pack; use data.pack_size <= "
+                          f"{longest}.")
 
 
 def pack_position_note(config: RunConfig) -> str | None:
