@@ -146,8 +146,9 @@ def test_a_bidirectional_model_is_refused_before_any_process_starts(saved, tmp_p
     on transformers' bidirectional attention, one document per row: every position saw its own target (the next
     token), so the loss fell towards 0 and the model learned nothing a causal LM can use, without a word."""
     run = [f"model.hf_path={saved(name)}", "model.dtype=float64", "data.pack_size=64", f"output_dir={tmp_path}"]
-    for verb in (["train", "--dry-run"], ["train", "--dry-run", "--nproc-per-node", "2", "parallel.dp_shard=2"],
-                 ["plan"], ["check", "--packing", "--dry-run"]):
+    verbs = [["train", "--dry-run"], ["train", "--dry-run", "--nproc-per-node", "2", "parallel.dp_shard=2"], ["plan"],
+             ["check", "--packing", "--dry-run"]]
+    for verb in verbs if name == "bert_encoder" else verbs[:1]:
         code, output = cli(*verb, *run)
         line = _refused(output)
         assert code == 2 and said in line, (verb, output)
