@@ -11,7 +11,8 @@ import subprocess
 
 from tests.distributed.harness import run_ranks
 
-__all__ = ["SHORT", "cli", "cli_in_child", "cli_streams", "limited_file_size", "one_line", "one_process_cli"]
+__all__ = ["SHORT", "cli", "cli_in_child", "cli_streams", "limited_file_size", "one_line", "one_process_cli",
+           "refusal_line"]
 
 SHORT = 2000  # no message of bad input is longer
 
@@ -21,6 +22,13 @@ def one_line(error) -> str:
     message = str(error.value)
     assert "\n" not in message and len(message) < SHORT, message
     return message
+
+
+def refusal_line(output: str) -> str:
+    """The one ``hybridpar: error:`` line of a CLI's output, asserted single and shorter than ``SHORT``."""
+    [line] = [line for line in output.splitlines() if line.startswith("hybridpar: error: ")]
+    assert len(line) < SHORT, line
+    return line
 
 
 def cli_streams(*argv) -> tuple[int, str, str]:

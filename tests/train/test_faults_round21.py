@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.train.fault_probes import cli, one_line
+from tests.train.fault_probes import cli, one_line, refusal_line
 
 TINY = ["model.preset=tiny", "train.steps=1", "train.warmup_steps=0"]
 
@@ -37,12 +37,6 @@ def saved(tmp_path_factory):
     return save
 
 
-def _refused(output: str) -> str:
-    [line] = [line for line in output.splitlines() if line.startswith("hybridpar: error: ")]
-    assert len(line) < 2000, line
-    return line
-
-
 @pytest.mark.parametrize("name, layout, said", [
     ("llama", ["parallel.cp=4", "parallel.cp_attention=ulysses"], "6 query heads (per tensor-parallel rank) are not "
                                                                   "divisible by cp=4"),
@@ -59,10 +53,10 @@ def test_a_transformers_models_heads_are_held_to_cp_before_any_process_starts(sa
            "train.steps=1", *layout]
     cp = layout[0].split("=")[1]
     code, output = cli("train", "--dry-run", "--nproc-per-node", cp, *run)
-    assert code == 2 and _refused(output).startswith(f"hybridpar: error: parallel.cp={cp}: "), output
+    assert code == 2 and refusal_line(output).startswith(f"hybridpar: error: parallel.cp={cp}: "), output
     assert said in output
     code, output = cli("plan", *run)
-    assert code == 2 and said in _refused(output), output
+    assert code == 2 and said in refusal_line(output), output
     layout[1] = layout[1].replace("ulysses", "allgather").replace("a2a", "state")  # the strategy the message names
     code, output = cli("train", "--dry-run", "--nproc-per-node", cp, *run[:-len(layout)], *layout)
     assert code == 0, output
@@ -77,7 +71,7 @@ def test_a_sequence_parallel_pack_that_tp_does_not_split_is_refused_before_any_p
               "model.overrides={mamba_n_groups: 4, num_key_value_heads: 4}"]
     for pack_size, fix in [(66, 68), (6, 8)]:
         code, output = cli("train", "--dry-run", "--nproc-per-node", "4", *TINY, *layout, f"data.pack_size={pack_size}")
-        line = _refused(output)
+        line = refusal_line(output)
         assert code == 2 and f"data.pack_size={pack_size} gives {pack_size} tokens per context-parallel rank" in line
         assert f"use data.pack_size={fix}" in line and "parallel.sequence_parallel=false" in line, line
         code, output = cli("plan", *TINY, *layout, f"data.pack_size={pack_size}")
@@ -112,7 +106,7 @@ def test_check_of_a_step_with_no_labelled_token_is_one_line(tmp_path):
     unsupported operand type(s) for -: 'NoneType' and 'Tensor'", a traceback from comparing a loss that does not
     exist; training skips such a step with a notice."""
     code, output = cli("check", *TINY, "model.dtype=float64", "data.pack_size=8", f"output_dir={tmp_path}")
-    line = _refused(output)
+    line = refusal_line(output)
     assert code == 2 and "hold no labelled token" in line and "use a larger data.pack_size" in line, output
     assert "Traceback" not in output
 
@@ -152,7 +146,7 @@ def test_plan_of_a_resharding_group_names_the_key():
     reshard_after_forward true or false, not a resharding group size.", naming no key and no way on."""
     code, output = cli("plan", *TINY, "data.pack_size=64", "parallel.dp_shard=2", "data.packs_per_step=2",
                        "parallel.reshard_after_forward=2")
-    line = _refused(output)
+    line = refusal_line(output)
     assert code == 2 and "parallel.reshard_after_forward=2" in line and "plan both" in line, output
 
 
@@ -171,9 +165,9 @@ def test_a_moe_config_routing_to_more_experts_than_it_has_is_one_line(tmp_path):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 3}))
     code, output = cli("train", "--dry-run", f"model.hf_path={path}", "data.pack_size=64", f"output_dir={tmp_path / 'run'}")
-    assert code == 2 and "num_experts_per_tok=3 must be in [1, 2]" in _refused(output), output
+    assert code == 2 and "num_experts_per_tok=3 must be in [1, 2]" in refusal_line(output), output
     code, output = cli("generate", "--hf-path", str(path), "--prompt", "hi", "--max-new-tokens", "1", "--tokenizer", "bytes")
-    assert code == 2 and "num_experts_per_tok=3 must be in [1, 2]" in _refused(output), output
+    assert code == 2 and "num_experts_per_tok=3 must be in [1, 2]" in refusal_line(output), output
     from hybridpar.models.hf.generation_config import config_vocab_problem
 
     assert config_vocab_problem({"num_local_experts": 0, "num_experts_per_tok": 2}, "config.json") is None
@@ -227,7 +221,7 @@ def test_heads_tp_cannot_split_are_named_by_tp_under_cp_too(saved, tmp_path):
     run = [f"model.hf_path={saved('llama')}", "data.pack_size=64", f"output_dir={tmp_path}", "parallel.tp=4"]
     for cp in (1, 2):
         code, output = cli("train", "--dry-run", "--nproc-per-node", str(4 * cp), *run, f"parallel.cp={cp}")
-        line = _refused(output)
+        line = refusal_line(output)
         assert code == 2 and line.startswith("hybridpar: error: parallel.tp=4: "), output
         assert "num_attention_heads=6 is not divisible by tp=4" in line, line
 
@@ -237,7 +231,7 @@ def test_plan_names_its_world_size_flag_when_the_layout_does_not_fit_it():
     product is 4 (e.g. dp_shard=2)", naming neither the flag nor the ``parallel.*`` key, where ``train`` names
     ``--nproc-per-node``."""
     code, output = cli("plan", "--world-size", "4", *TINY, "data.pack_size=64", "parallel.cp=2")
-    line = _refused(output)
+    line = refusal_line(output)
     assert code == 2 and "--world-size 4 does not fit the layout dp_replicate*dp_shard*cp*tp = 1*1*2*1 = 2" in line
     assert "pass --world-size 2" in line, line
     code, output = cli("plan", "--world-size", "2", *TINY, "data.pack_size=64", "parallel.cp=2")
@@ -248,7 +242,7 @@ def test_an_expert_parallel_degree_is_told_how_experts_are_split():
     """Before: ``parallel.ep=2`` was "unknown config key(s) ['parallel.ep']; did you mean parallel.tp?", which reads as a
     misspelling; hybridpar has no expert parallelism, and the message now says how experts are split instead."""
     code, output = cli("train", "--dry-run", *TINY, "parallel.ep=2")
-    line = _refused(output)
+    line = refusal_line(output)
     assert code == 2 and "['parallel.ep']; hybridpar has no expert parallelism: parallel.tp splits every expert" in line
 
 

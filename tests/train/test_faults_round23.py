@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 
-from tests.train.fault_probes import cli
+from tests.train.fault_probes import cli, refusal_line
 
 VOCAB = 128
 S = 20
@@ -67,12 +67,6 @@ def saved(tmp_path_factory):
             model.save_pretrained(path)
         return path
     return save
-
-
-def _refused(output: str) -> str:
-    [line] = [line for line in output.splitlines() if line.startswith("hybridpar: error: ")]
-    assert len(line) < 2000, line
-    return line
 
 
 def _grads(model) -> dict:
@@ -150,7 +144,7 @@ def test_a_bidirectional_model_is_refused_before_any_process_starts(saved, tmp_p
              ["check", "--packing", "--dry-run"]]
     for verb in verbs if name == "bert_encoder" else verbs[:1]:
         code, output = cli(*verb, *run)
-        line = _refused(output)
+        line = refusal_line(output)
         assert code == 2 and said in line, (verb, output)
         assert "Traceback" not in output
 
@@ -185,7 +179,7 @@ def test_per_layer_intermediate_sizes_are_a_valid_config(saved, tmp_path):
     config["intermediate_size"] = [64, 0, 64, 64]
     (bad / "config.json").write_text(json.dumps(config))
     code, output = cli("train", "--dry-run", f"model.hf_path={bad}", *run)
-    assert code == 2 and "intermediate_size=[64, 0, 64, 64] must be each entry an integer >= 1" in _refused(output)
+    assert code == 2 and "intermediate_size=[64, 0, 64, 64] must be each entry an integer >= 1" in refusal_line(output)
 
 
 def test_sampled_routing_is_randomness_no_token_key_reaches(saved):
@@ -207,6 +201,7 @@ def test_sampled_routing_is_randomness_no_token_key_reaches(saved):
             said = randomness_problem(config, model, VOCAB, 2)
             assert said.startswith("PhimoeForCausalLM draws random numbers in training that no token key reaches "
                                    "(router_jitter_noise=0.01"), said
+            assert said.endswith("such as Phi-MoE's routing, is exact on one process only)."), said
     assert found == {"phimoe": True, "gpt2": False}
 
 
@@ -218,12 +213,12 @@ def test_a_tied_weight_the_tp_plan_shards_on_one_side_only_is_refused_before_any
     run = ["--dry-run", "--nproc-per-node", "2", "model.dtype=float64", "data.pack_size=64", f"output_dir={tmp_path}",
            "parallel.tp=2"]
     code, output = cli("train", *run, f"model.hf_path={saved('bloom')}")
-    line = _refused(output)
+    line = refusal_line(output)
     assert code == 2 and line.startswith("hybridpar: error: parallel.tp=2: tied weights transformer.word_embeddings."
                                          "weight, lm_head.weight: the TP plan shards lm_head.weight and leaves "
                                          "transformer.word_embeddings.weight whole"), line
     code, output = cli("plan", *run[3:], f"model.hf_path={saved('bloom')}")
-    assert code == 2 and "the TP plan shards lm_head.weight" in _refused(output)
+    assert code == 2 and "the TP plan shards lm_head.weight" in refusal_line(output)
     code, output = cli("train", *run, f"model.hf_path={saved('gpt2')}")
     assert code == 0, output
 
@@ -243,7 +238,7 @@ def test_a_pack_past_llama4s_chunk_is_refused_before_any_process_starts(tmp_path
     run = ["--dry-run", "--nproc-per-node", "2", f"model.hf_path={path}", "model.dtype=float64",
            f"output_dir={tmp_path / 'run'}", "parallel.dp_shard=2"]
     code, output = cli("train", *run, "data.pack_size=64")
-    line = _refused(output)
+    line = refusal_line(output)
     assert code == 2 and line.startswith("hybridpar: error: data.pack_size=64: Llama4ForCausalLM's chunked attention"), line
     assert line.endswith("use data.pack_size <= 24."), line
     code, output = cli("train", *run, "data.pack_size=24")

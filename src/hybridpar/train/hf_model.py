@@ -303,7 +303,8 @@ def randomness_problem(config: RunConfig, model: nn.Module, vocab_size: int, pro
     named = ", ".join(f"{k}={v:g}" for k, v in fields.items()) or "no config field names it"
     return (f"{type(model).__name__} draws random numbers in training that no token key reaches ({named}: functional "
             "dropout, attention dropout or router jitter), so each rank draws its own and at this layout a step is not "
-            f"one process's; set them to 0.0 in {config.model.hf_path}/config.json for an exact layout.")
+            f"one process's; set them to 0.0 in {config.model.hf_path}/config.json for an exact layout (a model that "
+            "samples in its forward whatever its fields say, such as Phi-MoE's routing, is exact on one process only).")
 
 
 def use_blockwise_attention(model: nn.Module) -> str:
