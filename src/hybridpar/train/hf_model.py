@@ -269,12 +269,12 @@ def unkeyed_randomness(model: nn.Module, vocab_size: int) -> bool:
     cuda = [ids.device] if ids.device.type == "cuda" else []
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            logits = []
+            logits, drew = [], False
             for seed in (1, 2):
                 torch.manual_seed(seed)
                 state = _generator_states(cuda)
                 logits.append(model(input_ids=ids, use_cache=False).logits)
-                drew = any(not torch.equal(a, b) for a, b in zip(state, _generator_states(cuda)))
+                drew = drew or any(not torch.equal(a, b) for a, b in zip(state, _generator_states(cuda)))
     finally:
         model.train(was_training)
         set_dropout_tokens(model, 0, None)
