@@ -11,13 +11,17 @@ Per rank and step (``m`` packs of ``Tc`` tokens; widths TP-local)::
     loss FLOPs     = m * Tc * 2 * V/tp * D * 4           logits in forward, recomputed + 2 in backward (LoRA: + 1)
     attention      = m * 4 * Tc * (T/2) * Hq/tp * Dh * (1 + 2.5 + r)   causal, one document (upper bound)
     SSD scan       = m * Tc * 2 * (H/tp) * (Q * (P + N) + 2 P N) * (3 + r)   chunked: intra + inter chunk
-    compute_s      = FLOPs / (flops * efficiency)
+    compute_s      = FLOPs / (bf16_tflops * RATE[matmul precision] * efficiency)
     memory_s       = 3 * saved activation bytes * m / hbm_bandwidth    (written, read, gradient)
     comm_s         = sum over mesh dims of bytes / bandwidth(dim)      (no overlap assumed)
 
 ``bandwidth(dim)`` is ``link_gbps`` for dims inside a node (``gpus_per_node``) and ``network_gbps``
 for data-parallel dims once the world spans nodes. The sum is a pessimistic serial bound; real
 overlap makes steps faster, kernels below ``efficiency`` slower.
+
+The matmul rate follows what the matmuls run in (``Layout.matmul_precision``), as a fraction of the
+bf16 tensor-core peak: TF32 runs at half of it, float32 without TF32 and float64 on the vector or FP64
+units at about 1/15 (H100 SXM: 989 bf16, 495 TF32, 67 FP32 and FP64 TFLOP/s; A100: 312, 156, 19.5, 19.5).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from hybridpar.plan.hf.zamba2 import zamba2_matmul_elements
 from hybridpar.plan.layout import Layout
 from hybridpar.plan.params import adapter_params, grad_flow
 
-__all__ = ["DeviceFigures", "TimeEstimate", "estimate_time", "H100"]
+__all__ = ["DeviceFigures", "TimeEstimate", "estimate_time", "H100", "RATE"]
+
+RATE = {"bf16": 1.0, "tf32": 0.5, "float32": 67 / 989, "float64": 67 / 989}  # of the bf16 dense peak
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,7 @@ def step_flops(layout: Layout) -> float:
 def estimate_time(layout: Layout, saved_bytes: int, traffic_by_dim: dict[str, int],
                   device: DeviceFigures = H100) -> TimeEstimate:
     flops = step_flops(layout)
-    compute = flops / (device.bf16_tflops * 1e12 * device.efficiency)
+    compute = flops / (device.bf16_tflops * RATE[layout.matmul_precision] * 1e12 * device.efficiency)
     memory = 3 * saved_bytes * layout.packs_per_rank / (device.hbm_tbps * 1e12)
     multi_node = layout.dims.world_size > device.gpus_per_node
     comm = 0.0

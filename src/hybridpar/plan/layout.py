@@ -50,6 +50,7 @@ class Layout:
     lora_targets: tuple[str, ...] = ()  # the adapted linear layers by name (peft.target_modules or the defaults)
     lora_parameters: tuple[str, ...] = ()  # adapted stacked expert weights (peft.target_parameters; MoE twins)
     hf_decoder: bool = False  # a transformers decoder planned through its HybridLM twin (plan/hf/twin.py)
+    tf32: bool = True  # parallel.tf32: float32 matmuls on TF32 tensor cores (the time estimate's rate)
 
     @classmethod
     def from_run(cls, run: RunConfig, model: HybridConfig, hf_decoder: bool = False) -> "Layout":
@@ -60,7 +61,7 @@ class Layout:
                    run.data.packs_per_step, run.model.dtype, p.sequence_parallel, p.cp_attention, p.cp_mamba,
                    p.activation_checkpointing, p.mixed_precision, p.reshard_after_forward,
                    run.peft.r if lora else 0, tuple(run.peft.target_modules or DEFAULT_TARGETS) if lora else (),
-                   tuple(run.peft.target_parameters or ()) if lora else (), hf_decoder)
+                   tuple(run.peft.target_parameters or ()) if lora else (), hf_decoder, p.tf32)
 
     @property
     def paired(self) -> bool:
@@ -124,6 +125,14 @@ class Layout:
     @property
     def compute_bytes(self) -> int:  # e_c
         return max(self.act_bytes, 4)
+
+    @property
+    def matmul_precision(self) -> str:
+        """What the matmuls run in: ``bf16`` (mixed precision or bfloat16 weights), ``tf32`` (float32 with
+        ``parallel.tf32``), ``float32`` or ``float64``."""
+        if self.mixed_precision == "bf16" or self.dtype == "bfloat16":
+            return "bf16"
+        return "tf32" if self.dtype == "float32" and self.tf32 else self.dtype
 
     def describe(self) -> str:
         p = self.dims

@@ -38,6 +38,7 @@ def plan_dict(plan: Plan, target: str = "gpu") -> dict:
         "traffic_bytes_per_step_by_dim": plan.traffic_by_kind_and_dim,
         "estimate": {"device": plan.device.name, "step_s": plan.time.step_s, "compute_s": plan.time.compute_s,
                      "memory_s": plan.time.memory_s, "comm_s": plan.time.comm_s, "tflop_per_step": plan.time.flops / 1e12,
+                     "matmul_precision": plan.layout.matmul_precision,
                      "note": "an estimate from the stated device figures, not a measurement"},
     }
 
@@ -118,7 +119,7 @@ def _time_line(plan: Plan) -> str:
     (scale, unit), flops = time_and_flops(t.step_s, t.flops)
     return (f"time (ESTIMATE, {plan.device.name}): {_number(t.step_s / scale)} {unit} per step = compute "
             f"{_number(t.compute_s / scale)} + memory {_number(t.memory_s / scale)} + communication "
-            f"{_number(t.comm_s / scale)} {unit} ({flops} per rank)")
+            f"{_number(t.comm_s / scale)} {unit} ({flops} per rank, matmuls in {plan.layout.matmul_precision})")
 
 
 def plan_json(plan: Plan, target: str = "gpu") -> str:
