@@ -35,3 +35,42 @@ def test_the_plans_step_time_follows_the_precision_its_matmuls_run_in():
     assert times["float32"].compute_s == pytest.approx(989 / 67 * bf16)
     assert times["float64"].compute_s == pytest.approx(989 / 67 * bf16)
     assert times["tf32"].compute_s == pytest.approx(plan.time.compute_s)
+
+
+def _check_outputs(rank, world_size, overrides):
+    """stdout of ``hybridpar check`` and ``check --packing`` on one process (their exit codes too)."""
+    import contextlib
+    import io
+
+    import torch
+
+    from hybridpar.train.proof.layout import run_check
+    from hybridpar.train.proof.packing import run_packing_check
+
+    outputs = []
+    for run in (run_check, run_packing_check):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = run(load_config(None, TINY + list(overrides)), torch.device("cpu"))
+        outputs.append((code, out.getvalue()))
+    return outputs
+
+
+def test_check_under_bf16_says_what_it_compared_and_how_to_prove_exactly(tmp_path):
+    """``check`` of a ``parallel.mixed_precision=bf16`` run compares the layout in bf16 mixed precision with one
+    float32 process; it said "within tolerance 5e-02 in float32" and advised ``model.dtype=float64``, which that config
+    refuses (float64 masters under bf16). ``check --packing`` runs no autocast (both sides float32) but held them to
+    bf16's 5e-2 (a leak 500x float32's tolerance passed). Now each says what ran, the advice names both keys, and
+    ``--packing`` is held to its dtype's tolerance with one line that mixed precision is not used."""
+    from tests.distributed.harness import run_each
+
+    [[[(code, layout), (packing_code, packing)]]] = run_each(
+        1, _check_outputs, [(["parallel.mixed_precision=bf16", f"output_dir={tmp_path}"],)], timeout_s=300)
+    assert code == 0 and packing_code == 0, (layout, packing)
+    verdict = layout.strip().splitlines()[-1]
+    assert "in bf16 mixed precision against one float32 process" in verdict, verdict
+    assert "run with model.dtype=float64 parallel.mixed_precision=null for the exact check" in verdict, verdict
+    header = next(line for line in layout.splitlines() if line.startswith("check: "))
+    assert "dtype=float32 mixed_precision=bf16 (the reference: one float32 process)" in header, header
+    assert "tolerance=1e-04" in packing and "tolerance 1e-04 in float32" in packing, packing
+    assert "parallel.mixed_precision=bf16 not used here: both runs compute in float32" in packing, packing

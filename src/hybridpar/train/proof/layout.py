@@ -67,9 +67,20 @@ def print_rows(rows, failures) -> None:
         print(f"  {name:<58} max|diff| {difference:.3e}  {'FAIL' if name in failures else 'ok'}")
 
 
-def passed_within_rounding(count: int, tolerance: float, dtype: str) -> str:
-    return (f"passed: all {count} quantities within tolerance {tolerance:.0e} in {dtype} "
-            "(equal to rounding, not exact: run with model.dtype=float64 for the exact check)")
+def precision_words(config: RunConfig) -> str:
+    """What the compared step ran in: ``bf16 mixed precision against one float32 process`` (the reference has no
+    autocast or FSDP policy: it is the float32 model), else the model's dtype."""
+    if config.parallel.mixed_precision == "bf16":
+        return f"bf16 mixed precision against one {config.model.dtype} process"
+    return config.model.dtype
+
+
+def passed_within_rounding(count: int, tolerance: float, config: RunConfig, words: str | None = None) -> str:
+    """The verdict of a pass short of exact; the advice names every key the exact check needs (a float64 model
+    with ``parallel.mixed_precision=bf16`` is refused)."""
+    exact = "model.dtype=float64" + (" parallel.mixed_precision=null" if config.parallel.mixed_precision else "")
+    return (f"passed: all {count} quantities within tolerance {tolerance:.0e} in {words or precision_words(config)} "
+            f"(equal to rounding, not exact: run with {exact} for the exact check)")
 
 
 @torch.no_grad()
@@ -132,7 +143,9 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
         p = config.parallel
         print(f"check: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
               f"sp={p.sequence_parallel} cp_attention={p.cp_attention} cp_mamba={p.cp_mamba} "
-              f"dtype={config.model.dtype} tolerance={tolerance:.0e} (relative to max(1, |reference|))")
+              f"dtype={config.model.dtype}" + (f" mixed_precision={p.mixed_precision} (the reference: one float32 process)"
+                                                if p.mixed_precision else "") +
+              f" tolerance={tolerance:.0e} (relative to max(1, |reference|))")
         if drawn:
             print(f"LoRA: {drawn} B factors drawn at random (std {LORA_B_STD}) in both models for this check: at their "
                   "zero start every A's gradient is zero on any layout, which proves nothing")
@@ -142,6 +155,6 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
         elif exact:
             verdict = f"exact: all {len(rows)} quantities within {EXACT:.0e} in float64"
         else:
-            verdict = passed_within_rounding(len(rows), tolerance, config.model.dtype)
+            verdict = passed_within_rounding(len(rows), tolerance, config)
         print(f"check {verdict}", flush=True)
     return 1 if failures else 0

@@ -25,7 +25,7 @@ from hybridpar.data.thd import PackedSeqParams
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.train.batches import PackStream, pad_multiple, validate_data
-from hybridpar.train.proof.layout import EXACT, default_tolerance, passed_within_rounding, print_rows, within
+from hybridpar.train.proof.layout import EXACT, TOLERANCES, passed_within_rounding, print_rows, within
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.loss import valid_token_count
 from hybridpar.train.peft import apply_peft, lora_line
@@ -75,15 +75,19 @@ def _layout_note(config: RunConfig) -> str:
     the job ran it alike), said, so a pass is not read as packing proven under that layout."""
     degrees = [f"parallel.{name}={getattr(config.parallel, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp")
                if getattr(config.parallel, name) != 1]
-    return "" if not degrees else (f"layout: {', '.join(degrees)} not used here: the packed and one-per-row runs are one "
+    mixed = config.parallel.mixed_precision
+    note = "" if not degrees else (f"layout: {', '.join(degrees)} not used here: the packed and one-per-row runs are one "
                                    "process's (each process ran the same); hybridpar check without --packing proves "
                                    "the layout")
+    return note + ("; " if note and mixed else "") + (f"parallel.mixed_precision={mixed} not used here: both runs "
+                                                      f"compute in {config.model.dtype}, held to its tolerance" if mixed else "")
 
 
 def run_packing_check(config: RunConfig, device: torch.device, tolerance: float | None = None) -> int:
     """Print one line per quantity (packed against one document per row); 0 when all agree."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    tolerance = tolerance if tolerance is not None else default_tolerance(config)
+    # no autocast or FSDP policy here: both runs compute in model.dtype, and so does the default tolerance
+    tolerance = tolerance if tolerance is not None else TOLERANCES[getattr(torch, config.model.dtype)]
     adapters = dataclasses.replace(config, peft=dataclasses.replace(config.peft, dropout=0.0))  # no mask to match
     model = apply_peft(adapters, build_model(config)).to(device)  # peft.method=lora: adapters only train
     vocab_size = model.config.vocab_size
@@ -132,6 +136,6 @@ def run_packing_check(config: RunConfig, device: torch.device, tolerance: float 
         elif exact:
             verdict = f"exact: all {len(rows)} quantities within {EXACT:.0e} in float64; packed documents never meet"
         else:
-            verdict = passed_within_rounding(len(rows), tolerance, config.model.dtype)
+            verdict = passed_within_rounding(len(rows), tolerance, config, config.model.dtype)
         print(f"check --packing {verdict}", flush=True)
     return 1 if failures else 0
