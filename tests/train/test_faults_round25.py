@@ -74,3 +74,61 @@ def test_check_under_bf16_says_what_it_compared_and_how_to_prove_exactly(tmp_pat
     assert "dtype=float32 mixed_precision=bf16 (the reference: one float32 process)" in header, header
     assert "tolerance=1e-04" in packing and "tolerance 1e-04 in float32" in packing, packing
     assert "parallel.mixed_precision=bf16 not used here: both runs compute in float32" in packing, packing
+
+
+MQAR = ["data.task=mqar", "data.task_options={vocab_size: 16, num_kv_pairs: [1, 2], min_len: 8, max_len: 24}",
+        "data.pack_size=64", "data.packs_per_step=2", "train.warmup_steps=1", "train.log_every=1",
+        "checkpoint.every=-1", "tensorboard=false", "plot=false", "parallel.cp=1"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny float32 Llama checkpoint (transformers' own config class)."""
+    import torch
+    import transformers as hf
+
+    path = tmp_path_factory.mktemp("llama") / "f32"
+    torch.manual_seed(0)
+    hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, use_cache=False)).save_pretrained(path)
+    return path
+
+
+def _fit_and_export(rank, world_size, overrides, directory):
+    """``Trainer.fit`` of ``MQAR + overrides``; rank 0 returns the export's dtypes by tensor and its config's dtype."""
+    import contextlib
+    import io
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+
+    from hybridpar.train.trainer import Trainer
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        Trainer(load_config(None, [*MQAR, *overrides, f"output_dir={directory}/run",
+                                   f"model.export_hf={directory}/export"]), torch.device("cpu")).fit()
+    if rank:
+        return None
+    dtypes = {}
+    for file in Path(directory, "export").glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            dtypes |= {key: str(handle.get_slice(key).get_dtype()) for key in handle.keys()}
+    config = json.loads(Path(directory, "export", "config.json").read_text())
+    return dtypes, config.get("dtype", config.get("torch_dtype"))
+
+
+def test_an_export_after_an_evaluation_under_fsdp_bf16_is_the_float32_master_weights(llama, tmp_path):
+    """An evaluation (a forward without backward) leaves FSDP's root gathered: its parameters were the bf16 compute
+    copies. An export after an evaluation at the last step of a ``dp_shard=2`` mixed-precision run wrote the embedding,
+    final norm and LM head rounded to bf16 beside float32 weights, and labelled the checkpoint ``bfloat16`` (at
+    ``tp=2`` the same run exported float32). ``canonical_state_dict`` (export, ``check``) and its inverse now reshard
+    gathered FSDP modules first."""
+    from tests.distributed.harness import run_each
+
+    [[(dtypes, label), _]] = run_each(2, _fit_and_export, [(
+        [f"model.hf_path={llama}", "parallel.mixed_precision=bf16", "parallel.dp_shard=2", "train.steps=2",
+         "train.eval_every=2", "train.eval_packs=2"], str(tmp_path))], timeout_s=300)
+    assert set(dtypes.values()) == {"F32"}, {k: v for k, v in dtypes.items() if v != "F32"}
+    assert label == "float32"

@@ -15,6 +15,10 @@ the unparallelized model: tied weights once, no buffers) to full tensors, whatev
 
 ``load_canonical_state_dict(model, state)`` copies such full tensors into a parallelized model,
 each rank keeping its own shard (no communication: every rank holds the full tensors).
+
+Both first reshard every FSDP module that a forward left gathered (the root after a forward
+without backward, e.g. evaluation): a gathered module's parameters are FSDP's compute copies,
+bf16 under mixed precision, and a value copied into them never reaches the float32 shards.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from hybridpar.models.names import WRAPPER_ATOMS, canonical_name
@@ -62,10 +67,19 @@ def _check_module(model, caller: str) -> None:
         raise ValueError(f"{caller} takes the model (an nn.Module), got {type(model).__name__}.")
 
 
+def reshard_gathered(model: nn.Module) -> None:
+    """Reshard every FSDP module of ``model`` (a no-op for one already sharded): its parameters are the
+    float32 shards again, not the compute copies a forward gathered."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def canonical_state_dict(model: nn.Module, grads: bool = False) -> dict[str, Tensor]:
     """Full tensors under single-device names (see the module docstring); ``grads=True`` gives
     the same for ``.grad`` (parameters without a gradient are left out). Collective."""
     _check_module(model, "canonical_state_dict")
+    reshard_gathered(model)
     components = _components(model)
     out: dict[str, Tensor | None] = {}
     parts: dict[str, dict[int, Tensor]] = {}
@@ -102,6 +116,7 @@ def load_canonical_state_dict(model: nn.Module, state: dict[str, Tensor], strict
     parameters, sharded like each parameter. ``strict``: every key used, every parameter set.
     Every tensor is checked before the first is copied: a refused state leaves the model as it was."""
     _check_module(model, "load_canonical_state_dict")
+    reshard_gathered(model)
     if not isinstance(state, dict):
         raise ValueError(f"load_canonical_state_dict: state must be a dict of name -> tensor, got {type(state).__name__}.")
     pairs = _state_pairs(model, state, strict)
