@@ -132,3 +132,18 @@ def test_an_export_after_an_evaluation_under_fsdp_bf16_is_the_float32_master_wei
          "train.eval_every=2", "train.eval_packs=2"], str(tmp_path))], timeout_s=300)
     assert set(dtypes.values()) == {"F32"}, {k: v for k, v in dtypes.items() if v != "F32"}
     assert label == "float32"
+
+
+def test_mixed_precision_on_float64_weights_names_the_key_to_drop_it_as_the_config_spells_it():
+    """``model.dtype=float64 parallel.mixed_precision=bf16`` is refused (mixed precision keeps float32 masters); the
+    line told a CLI user to "set mixed_precision=None", a key and value no config takes."""
+    import torch
+
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.parallel.dims import ParallelDims
+    from hybridpar.parallel.parallelize import parallelize
+
+    model = HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"model\.dtype=float32\) or train without mixed precision "
+                                         r"\(parallel\.mixed_precision=null; None in Python\)"):
+        parallelize(model, ParallelDims(), mixed_precision="bf16")

@@ -38,7 +38,7 @@ def check_autocast_model(model: nn.Module, mixed_precision) -> None:
     if dtypes and dtypes != ["torch.float32"]:
         raise ValueError(f"mixed_precision={mixed_precision!r} keeps float32 master weights, but the model's "
                          f"trainable parameters are {', '.join(dtypes)}; build the model in float32 (model.dtype="
-                         "float32) or set mixed_precision=None.")
+                         "float32) or train without mixed precision (parallel.mixed_precision=null; None in Python).")
 
 
 def _device_type(args, kwargs, model: nn.Module) -> str:
