@@ -108,9 +108,12 @@ def planned_shape(shape, run: RunConfig | None = None) -> tuple[HybridConfig | N
     from hybridpar.train.hf_model import meta_model
 
     from hybridpar.models.hf.activations import lean_gated_norms, lean_rms_norms
+    from hybridpar.parallel.context.hf import attention_problem
 
     meta = meta_model(shape)
     twin, why = hybrid_twin(shape, sum(p.numel() for p in meta.parameters()))
+    if twin is not None and (own := attention_problem(meta)):  # the twin's attention is the blockwise core
+        twin, why = None, f"it keeps transformers' own attention, one document per row, because {own.rstrip('.')}"
     if twin is not None:
         twin.lean_norms, twin.lean_gated_norms = bool(lean_rms_norms(meta)), bool(lean_gated_norms(meta))
         why = lora_mismatch(run, shape, twin) if run is not None else ""
@@ -140,9 +143,12 @@ class TransformersPlan:
     split: int  # tp * dp_shard * cp
     trainable_bytes: int = 0  # e_t; 0: element_bytes
     unmodelled: str = "activations and traffic are modelled for HybridLM configs only"
+    square_bytes: int = 0  # transformers' own attention's [S, S] tensors per rank (parallel/context/hf_own_attention)
+    pack_size: int = 0
 
     @classmethod
     def build(cls, run: RunConfig, shape, unmodelled: str = "") -> "TransformersPlan":
+        from hybridpar.parallel.context.hf_own_attention import own_attention_bytes
         from hybridpar.train.peft import apply_peft
         from hybridpar.train.hf_model import meta_model
 
@@ -151,11 +157,13 @@ class TransformersPlan:
         params = sum(t.numel() for t in meta.parameters())
         trainable = sum(t.numel() for t in meta.parameters() if t.requires_grad)
         element = DTYPE_BYTES[run.model.dtype]  # the stored weights (mixed precision: float32 masters)
+        computed = 2 if p.mixed_precision == "bf16" else element
         return cls(type(meta).__name__, params, trainable, element,
                    f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
                    f"sequence_parallel={p.sequence_parallel}", p.tp * p.dp_shard * p.cp,
                    adapter_bytes(run.model.dtype) if run.peft.method == "lora" else element,
-                   unmodelled or cls.unmodelled)
+                   unmodelled or cls.unmodelled, own_attention_bytes(meta, run.data.pack_size, computed, p.tp),
+                   run.data.pack_size)
 
     @property
     def parameters_per_rank(self) -> int:
@@ -170,7 +178,8 @@ class TransformersPlan:
         return {"model": {"class": self.name, "parameters": self.parameters, "trainable": self.trainable},
                 "layout": self.layout, "parameters_per_rank": self.parameters_per_rank,
                 "bytes_per_rank": self.bytes_per_rank, "element_bytes": self.element_bytes,
-                "note": f"activations and traffic not included: {self.unmodelled}"}
+                "note": f"activations and traffic not included: {self.unmodelled}",
+                "square_attention_bytes": self.square_bytes}
 
     def text(self) -> str:
         b = {k: v / 2**30 for k, v in self.bytes_per_rank.items()}
@@ -179,4 +188,11 @@ class TransformersPlan:
                 f"layout: {self.layout}\n"
                 f"per rank: {self.parameters_per_rank / 1e6:,.1f}M parameters at {self.element_bytes} bytes: weights "
                 f"{b['weights']:,.2f} GiB + gradients {b['gradients']:,.2f} GiB + AdamW {b['adamw']:,.2f} GiB = "
-                f"{sum(b.values()):,.2f} GiB, activations not included ({self.unmodelled})")
+                f"{sum(b.values()):,.2f} GiB, activations not included ({self.unmodelled})" + self.square_text())
+
+    def square_text(self) -> str:
+        """The line on transformers' own attention's ``[S, S]`` tensors, where it keeps any."""
+        if not self.square_bytes:
+            return ""
+        return (f"\nattention: transformers' own keeps [S, S] tensors: at least {self.square_bytes / 2**30:,.2f} GiB per "
+                f"rank at data.pack_size={self.pack_size}, growing with its square (4x at twice the pack)")

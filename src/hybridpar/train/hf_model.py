@@ -60,6 +60,7 @@ from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
 from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.token_dropout import key_model_dropout, random_fields, set_dropout_tokens, token_keys, unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
+from hybridpar.parallel.context.hf_own_attention import own_attention_note
 from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum
@@ -315,7 +316,7 @@ def use_blockwise_attention(model: nn.Module) -> str:
         use_hybridpar_attention(model)
         return "attention: hybridpar's blockwise document-causal core (no [S, S] mask; memory linear in the pack size)"
     return (f"attention: transformers' {model.config._attn_implementation!r} over rows of one document each (the "
-            f"packing line says so), because {problem}")
+            f"packing line says so), because {problem.rstrip('.')}{own_attention_note(model)}")
 
 
 def hf_forward_inputs(sharded: ShardedInputs, model: nn.Module) -> dict:

@@ -37,6 +37,7 @@ from hybridpar.config import ConfigError, RunConfig, coerce_value, invalid, show
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.tokenizers import auto_bytes_note
 from hybridpar.models.hybrid import MODEL_RULES
+from hybridpar.parallel.context.hf_own_attention import own_attention_bytes, square_attention
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import (missing_eos, pack_size_fix, pad_multiple, sequence_parallel_pack_problem,
                                      validate_data)
@@ -206,17 +207,19 @@ def _memory_bytes(local_ranks: int) -> tuple[int, str]:
     return ram // max(1, local_ranks), f"its share of this machine's RAM ({local_ranks} process(es))"
 
 
-def pack_memory_floor(config: RunConfig, shape) -> int:
+def pack_memory_floor(config: RunConfig, shape, model=None) -> int:
     """Bytes one rank needs at least for one step's packs: ids, labels and positions (int64, every
     rank builds whole packs; evaluation's ``train.eval_packs`` too), a synthetic task's window of at
-    least 8 documents of ``max_len`` tokens (ids and labels), and one saved ``[T/(cp*tp), hidden]``
-    input per block. The planner's estimate (``hybridpar plan``) is always above it."""
+    least 8 documents of ``max_len`` tokens (ids and labels), one saved ``[T/(cp*tp), hidden]``
+    input per block, and the ``[S, S]`` tensors of ``model``'s own transformers attention
+    (``own_attention_bytes``). The planner's estimate (``hybridpar plan``) is always above it."""
     p, data = config.parallel, config.data
     blocks = len(getattr(shape, "pattern", "") or "") or getattr(shape, "num_hidden_layers", 1) or 1
     element = 2 if p.mixed_precision == "bf16" else _DTYPE_BYTES.get(config.model.dtype, 4)
     packs = max(data.packs_per_step, config.train.eval_packs if config.train.eval_every else 0)
     longest = data.task_options.get("max_len", 0) if isinstance(data.task_options.get("max_len"), int) else 0
-    return 24 * data.pack_size * packs + 16 * 8 * longest + \
+    square = 0 if model is None else own_attention_bytes(model, data.pack_size, element, p.tp)
+    return 24 * data.pack_size * packs + 16 * 8 * longest + square + \
         -(-data.pack_size // (p.cp * p.tp)) * int(getattr(shape, "hidden_size", 1) or 1) * element * blocks
 
 
@@ -247,10 +250,10 @@ def check_model_memory(config: RunConfig, model, local_ranks: int, moments: bool
     return need
 
 
-def check_pack_memory(config: RunConfig, shape, local_ranks: int, model_bytes: int = 0) -> None:
+def check_pack_memory(config: RunConfig, shape, local_ranks: int, model_bytes: int = 0, model=None) -> None:
     """ConfigError if ``data.pack_size`` cannot fit in this machine's memory (``pack_memory_floor``),
     beside ``model_bytes`` of the model's state (``check_model_memory``)."""
-    need = pack_memory_floor(config, shape) + model_bytes
+    need = pack_memory_floor(config, shape, model) + model_bytes
     have, what = _memory_bytes(local_ranks)
     if need > have:
         data, train = config.data, config.train
@@ -258,8 +261,9 @@ def check_pack_memory(config: RunConfig, shape, local_ranks: int, model_bytes: i
             (f", train.eval_packs={train.eval_packs}" if train.eval_every else "")
         longest = data.task_options.get("max_len")
         documents = f", documents of data.task_options.max_len={longest}" if isinstance(longest, int) else ""
+        square = ", the [S, S] tensors of its attention" if model is not None and square_attention(model) else ""
         raise ConfigError(f"data.pack_size={data.pack_size} ({packs}{documents}) needs at least {need / 2**30:,.1f} GiB "
-                          f"per rank for its tokens and the blocks' saved inputs"
+                          f"per rank for its tokens, the blocks' saved inputs{square}"
                           f"{' and the model state' if model_bytes else ''}, more than {what}: "
                           f"{have / 2**30:,.1f} GiB; use a smaller data.pack_size, fewer packs, shorter documents or "
                           "more context parallelism (parallel.cp), and see hybridpar plan for the full estimate.")
@@ -348,7 +352,7 @@ def validate_run(config: RunConfig, command: str, world_size: int | None = None,
         check_transformers_shapes(config.model.hf_path, meta)
     meta = apply_peft(config, meta)
     state = check_model_memory(config, meta, local_ranks, moments=command == "train")
-    check_pack_memory(config, shape, local_ranks, state)
+    check_pack_memory(config, shape, local_ranks, state, meta)
     if note := pack_position_note(config):  # RoPE past max_position_embeddings: runs, extrapolating
         notice(note)
     check_sample(config)

@@ -144,7 +144,7 @@ class Trainer:
         adapters = adapter_layout(model)  # names before parallelize: the same at every layout
         self.vocab_size = model.config.vocab_size
         validate_layout(config, dist.get_world_size(), model=model, shape=shape)
-        check_pack_memory(config, shape, local_ranks, state)
+        check_pack_memory(config, shape, local_ranks, state, model)
         check_sample(config)
         self.sample = sample_settings(config.train.sample)
         self.data = shared_data(config, self.vocab_size)  # data.tokenizer=bpe: trained by rank 0 if absent

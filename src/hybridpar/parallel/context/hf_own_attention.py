@@ -1,0 +1,70 @@
+"""What transformers' own attention costs in sequence length, where hybridpar's core does not stand
+in for it (``hf.attention_problem``: ALiBi, attention dropout, a mask only transformers builds, ...).
+
+Such a model trains one document per row of ``S = data.pack_size`` tokens (``train/packing_rule``),
+and the attention transformers runs keeps ``[S, S]`` tensors, ``e`` bytes per element, per rank::
+
+    eager, or SDPA every attention module keeps its probabilities P [B, H/tp, S, S] for the
+    with dropout   backward of P V (SDPA's math path: dropout)   -> layers * H/tp * S^2 * e
+    SDPA + ALiBi   the model's float bias [B, H, S, S], built once per forward and kept for the
+                   backward of every layer (Falcon)              -> H/tp * S^2 * e
+    SDPA           no [S, S] tensor: a causal row of one document needs no mask   -> 0
+
+(measured in ``benchmarks/memory_growth.py``: Bloom, MPT, GPT-Neo (eager), Falcon (ALiBi) and a Llama
+with attention dropout (SDPA) grow as S^2; OPT (SDPA) linearly). This is a floor: eager attention also keeps the scores' dropout mask and
+the softmax's input where it soft-caps or dropout is on.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybridpar.models.token_dropout import unkeyed_dropout
+from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules
+
+__all__ = ["square_attention", "own_attention_bytes", "own_attention_note"]
+
+
+def _alibi(config) -> bool:
+    attn_config = getattr(config, "attn_config", None)  # MPT keeps it there
+    return bool(getattr(config, "alibi", False) or getattr(attn_config, "alibi", False))
+
+
+def square_attention(model: nn.Module) -> str | None:
+    """``"eager"`` or ``"alibi"``: the kind of ``[S, S]`` tensor transformers' attention keeps for
+    ``model`` (module docstring); None where hybridpar's core runs it or SDPA needs none."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation") or attention_problem(model) is None:
+        return None
+    if config._attn_implementation == "eager" or (config._attn_implementation == "sdpa" and unkeyed_dropout(config)):
+        return "eager"
+    return "alibi" if _alibi(config) else None
+
+
+def _heads(model: nn.Module) -> int:
+    config = model.config
+    return int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+               or getattr(config, "n_heads", None) or 1)
+
+
+def own_attention_bytes(model: nn.Module, row_tokens: int, element: int, tp: int = 1) -> int:
+    """Bytes of the ``[S, S]`` tensors transformers' attention keeps for a row of ``row_tokens``
+    (module docstring; 0 where none)."""
+    kind = square_attention(model)
+    if kind is None:
+        return 0
+    heads = -(-_heads(model) // tp)
+    layers = len(hf_attention_modules(model)) or int(getattr(model.config, "num_hidden_layers", 1) or 1)
+    return (layers if kind == "eager" else 1) * heads * row_tokens * row_tokens * element
+
+
+def own_attention_note(model: nn.Module) -> str:
+    """The clause the trainer's attention line adds: what grows with the square of the pack size."""
+    kind = square_attention(model)
+    if kind == "eager":
+        return ("; it keeps each layer's [S, S] attention probabilities, so memory grows with the square of "
+                "data.pack_size (hybridpar plan prices it)")
+    if kind == "alibi":
+        return ("; its ALiBi bias is a [heads, S, S] tensor, so memory grows with the square of data.pack_size "
+                "(hybridpar plan prices it)")
+    return ""

@@ -1,0 +1,122 @@
+"""Round 26 of fault hunting (docs/reliability.md, "Round 26"): memory in sequence length, on every path and
+family. Peaks of live tensor bytes (``TensorPeak``) of the trainer's loss at two pack sizes, tiny float32 models
+saved with ``save_pretrained`` and loaded as the trainer loads them (``benchmarks/memory_growth.py`` sweeps more)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from tests.train.fault_probes import cli, refusal_line
+
+VOCAB = 97
+_C = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
+          num_hidden_layers=2, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _builders(hf) -> dict:
+    return {
+        "bloom": lambda: hf.BloomForCausalLM(hf.BloomConfig(hidden_size=32, n_layer=2, n_head=2, vocab_size=VOCAB)),
+        "llama_attention_dropout": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(attention_dropout=0.1, **_C)),
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**_C)),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A family's tiny float32 checkpoint folder, by name."""
+    import transformers as hf
+
+    folder, builders = tmp_path_factory.mktemp("families"), _builders(hf)
+
+    def save(name: str):
+        path = folder / name
+        if not path.exists():
+            torch.manual_seed(0)
+            builders[name]().save_pretrained(path)
+        return path
+    return save
+
+
+def _trainers_model(path, pack_size: int):
+    from hybridpar.config import load_config
+    from hybridpar.train.trainer import build_model
+
+    config = load_config(None, [f"model.hf_path={path}", "model.dtype=float32", f"data.pack_size={pack_size}"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return build_model(config), config
+
+
+def _step_peak(model, tokens: int) -> int:
+    """Peak live tensor bytes of one forward + backward of the trainer's loss on one document of ``tokens``
+    (a row of its own, as the trainer lays out a model that trains one document per row)."""
+    from hybridpar.data.thd import PackedSeqParams
+    from hybridpar.parallel.context.inputs import shard_inputs
+    from hybridpar.train.tensor_peak import TensorPeak
+    from hybridpar.train.trainer import pack_loss_sum
+
+    ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1, 1)
+    labels[0, -1] = -100
+    sharded = shard_inputs(input_ids=ids, labels=labels,
+                           packed=PackedSeqParams.from_cu_seqlens(torch.tensor([0, tokens], dtype=torch.int32)))
+    with TensorPeak() as peak:
+        loss, _ = pack_loss_sum(model.train(), sharded)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return peak.bytes
+
+
+@pytest.mark.parametrize("name", ["bloom", "llama_attention_dropout"])
+def test_transformers_own_attention_grows_as_the_square_and_the_run_says_and_prices_it(saved, name):
+    """Before: a model on transformers' own attention (Bloom's eager ALiBi; a Llama with attention dropout, which
+    SDPA runs on its math path) trained one document per row with each layer's [S, S] probabilities kept, a step's
+    peak growing 3.4x per doubled pack, while the trainer's line, the preflight's pack floor and ``plan`` (a
+    Llama's linear twin) all said or assumed linear. Now the line says so, the floor and the plan price the
+    [S, S] tensors (``own_attention_bytes``), and that figure stays below the measured peak."""
+    from hybridpar.config import load_config
+    from hybridpar.parallel.context.hf_own_attention import own_attention_bytes
+    from hybridpar.plan import TransformersPlan, make_plan
+    from hybridpar.train.hf_model import use_blockwise_attention
+    from hybridpar.train.preflight import pack_memory_floor
+
+    path, short, long = saved(name), 512, 1024
+    peaks, floors = [], []
+    for tokens in (short, long):
+        model, config = _trainers_model(path, tokens)
+        line = use_blockwise_attention(model)
+        peaks.append(_step_peak(model, tokens))
+        floors.append(own_attention_bytes(model, tokens, 4))
+        assert pack_memory_floor(config, model.config, model) >= floors[-1] > 0
+    assert peaks[1] / peaks[0] > 3.0, peaks  # the path is quadratic: transformers' necessity here
+    assert floors[1] == 4 * floors[0] and all(f <= p for f, p in zip(floors, peaks)), (floors, peaks)
+    assert "square of data.pack_size" in line, line
+    plan = make_plan(load_config(None, [f"model.hf_path={path}", "model.dtype=float32", f"data.pack_size={long}"]))
+    assert isinstance(plan, TransformersPlan) and plan.square_bytes == floors[1], plan  # no linear twin
+    assert "[S, S]" in plan.text()
+
+
+def test_hybridpars_attention_stays_linear(saved):
+    """The same Llama without attention dropout runs hybridpar's blockwise core: linear, and nothing priced."""
+    from hybridpar.parallel.context.hf_own_attention import own_attention_bytes
+    from hybridpar.train.hf_model import use_blockwise_attention
+
+    peaks = []
+    for tokens in (1024, 2048):
+        model, _ = _trainers_model(saved("llama"), tokens)
+        assert "blockwise" in use_blockwise_attention(model)
+        peaks.append(_step_peak(model, tokens))
+        assert own_attention_bytes(model, tokens, 4) == 0
+    assert peaks[1] / peaks[0] < 2.3, peaks
+
+
+def test_a_pack_whose_square_attention_cannot_fit_is_refused_before_any_process_starts(saved, tmp_path):
+    """Before: Bloom at data.pack_size=65536 passed ``train --dry-run`` (its floor was linear: a few MiB) and a run
+    would have asked for 64 GiB of [S, S] probabilities at its first step."""
+    code, out = cli("train", "--dry-run", f"model.hf_path={saved('bloom')}", "model.dtype=float32",
+                    "data.pack_size=65536", f"output_dir={tmp_path / 'out'}")
+    line = refusal_line(out)
+    assert code != 0 and "[S, S] tensors of its attention" in line and "data.pack_size=65536" in line, out
