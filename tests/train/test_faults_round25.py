@@ -147,3 +147,24 @@ def test_mixed_precision_on_float64_weights_names_the_key_to_drop_it_as_the_conf
     with pytest.raises(ValueError, match=r"model\.dtype=float32\) or train without mixed precision "
                                          r"\(parallel\.mixed_precision=null; None in Python\)"):
         parallelize(model, ParallelDims(), mixed_precision="bf16")
+
+
+def test_a_merged_lora_export_on_a_bfloat16_base_is_bfloat16_throughout():
+    """LoRA on ``model.dtype=bfloat16`` trains float32 adapters; its merged export (``peft.merge=true``) wrote every
+    adapted weight as float32 (bf16 + float32 promotes) beside the bf16 rest, in a checkpoint labelled ``bfloat16``
+    (14 of a tiny Llama's 21 tensors). Each merged weight now keeps its base's dtype, rounded once from the float64
+    sum, as ``merge_adapter_checkpoint`` merges a PEFT adapter."""
+    import torch
+
+    from hybridpar.models.hf.lora_export import merged_state
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 6, generator=generator).to(torch.bfloat16)
+    a, b = torch.randn(2, 6, generator=generator), torch.randn(8, 2, generator=generator)
+    state = {"q_proj.weight": weight, "q_proj.lora_A.weight": a, "q_proj.lora_B.weight": b,
+             "norm.weight": torch.ones(6, dtype=torch.bfloat16)}
+    merged = merged_state(state, 0.5)
+    assert {k: v.dtype for k, v in merged.items()} == {"q_proj.weight": torch.bfloat16, "norm.weight": torch.bfloat16}
+    assert torch.equal(merged["q_proj.weight"], (weight.double() + 0.5 * (b.double() @ a.double())).to(torch.bfloat16))
+    float32 = merged_state({**state, "q_proj.weight": weight.float()}, 0.5)["q_proj.weight"]
+    assert float32.dtype == torch.float32  # a float32 base stays float32

@@ -194,7 +194,8 @@ def expert_layouts(model: nn.Module) -> dict[str, tuple[int, bool]]:
 def merged_state(state: dict[str, Tensor], scaling: float,
                  experts: dict[str, tuple[int, bool]] | None = None) -> dict[str, Tensor]:
     """Base tensors with every adapter merged: ``W + scaling * B @ A`` ([out, r] @ [r, in]); an expert
-    adapter (``experts``: ``expert_layouts``) adds ``scaling * B_e @ A_e`` to each expert's slice."""
+    adapter (``experts``: ``expert_layouts``) adds ``scaling * B_e @ A_e`` to each expert's slice. Each merged
+    weight keeps its base's dtype (float32 adapters on a bfloat16 base: a bfloat16 checkpoint throughout)."""
     base, adapters = split_lora_state(state)
     merged = dict(base)
     for name, a in adapters.items():
@@ -207,7 +208,8 @@ def merged_state(state: dict[str, Tensor], scaling: float,
             key = f"{path}.{child.removeprefix('lora_')}"
             merged[key] = base[key] + expert_delta(a, b, experts[module][0], scaling, experts[module][1]).to(base[key].dtype)
             continue
-        merged[f"{module}.weight"] = base[f"{module}.weight"] + scaling * (b @ a)
+        weight = base[f"{module}.weight"]  # summed in float64, rounded once to the base's dtype (merge_adapter_checkpoint)
+        merged[f"{module}.weight"] = (weight.double() + scaling * (b.double() @ a.double())).to(weight.dtype)
     return merged
 
 
