@@ -168,3 +168,41 @@ def test_a_merged_lora_export_on_a_bfloat16_base_is_bfloat16_throughout():
     assert torch.equal(merged["q_proj.weight"], (weight.double() + 0.5 * (b.double() @ a.double())).to(torch.bfloat16))
     float32 = merged_state({**state, "q_proj.weight": weight.float()}, 0.5)["q_proj.weight"]
     assert float32.dtype == torch.float32  # a float32 base stays float32
+
+
+def test_the_ssm_decays_are_float32_when_fsdps_bf16_policy_gathers_a_log_in_bf16():
+    """FSDP's bf16 policy gathers every parameter in bf16, ``A_log`` too; the Mamba2 core (HybridLM and the transformers
+    Mamba2 hybrids) and the Mamba1 core (Jamba, FalconMamba) computed ``A = -exp(A_log)`` in bf16 there (about 3
+    significant digits, every decay of every token), where one process under autocast keeps it float32 and
+    docs/gpu.md promises float32 decays at every layout. Given the same (bf16-representable) values, a bf16 ``A_log``
+    now gives what a float32 one gives, in both cores."""
+    import torch
+    from torch import nn
+
+    from hybridpar.models.hf.mixers.mamba1 import local_selective_core
+    from hybridpar.models.mamba.core import mamba_conv_scan
+
+    generator = torch.Generator().manual_seed(0)
+    heads, head_dim, groups, state, length = 2, 4, 1, 4, 16
+    width = heads * head_dim + 2 * groups * state
+    xBC, dt = torch.randn(1, length, width, generator=generator), torch.randn(1, length, heads, generator=generator)
+    conv, bias = torch.randn(width, 4, generator=generator) * 0.3, torch.zeros(width)
+    a_log = torch.tensor([0.7, 2.9]).to(torch.bfloat16)  # exp() of these is not bf16-representable
+    scan = [mamba_conv_scan(xBC, dt, conv, bias, torch.zeros(heads), a, torch.ones(heads), head_dim=head_dim,
+                            state_size=state, chunk_size=8) for a in (a_log, a_log.float())]
+    torch.testing.assert_close(scan[0], scan[1], rtol=0, atol=0)
+
+    class Mamba1(nn.Module):  # transformers' Mamba1 mixer's parts, as local_selective_core reads them
+        def __init__(self, a_log_dtype):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv1d, self.act = nn.Conv1d(6, 6, 4, groups=6, padding=3), nn.SiLU()
+            self.x_proj, self.dt_proj = nn.Linear(6, 2 + 2 * 3, bias=False), nn.Linear(2, 6)
+            self.A_log = nn.Parameter(torch.log(torch.arange(1.0, 4.0).repeat(6, 1) * 1.7).to(a_log_dtype))
+            self.D = nn.Parameter(torch.ones(6))
+
+    x = torch.randn(1, 12, 6, generator=generator)
+    bf16, f32 = Mamba1(torch.bfloat16), Mamba1(torch.float32)
+    with torch.no_grad():
+        f32.A_log.copy_(bf16.A_log.float())
+    torch.testing.assert_close(local_selective_core(bf16, x), local_selective_core(f32, x), rtol=0, atol=0)

@@ -121,7 +121,9 @@ def local_selective_core(mixer: nn.Module, x: Tensor, packed=None) -> Tensor:
     x = mixer.act(stream.view(rows, length, channels))
     dt, B, C = selective_inputs(mixer, x)
     reset = document_resets(cu_seqlens, length, x.device)
-    return selective_scan(x, dt, -torch.exp(_local(mixer.A_log)), B, C, reset) + x * _local(mixer.D)
+    A_log = _local(mixer.A_log)  # bf16 under FSDP's policy: A = -exp(A_log) in float32 or wider all the same
+    return selective_scan(x, dt, -torch.exp(A_log.to(torch.promote_types(A_log.dtype, torch.float32))), B, C,
+                          reset) + x * _local(mixer.D)
 
 
 def mamba1_training_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
