@@ -120,3 +120,27 @@ def test_a_pack_whose_square_attention_cannot_fit_is_refused_before_any_process_
                     "data.pack_size=65536", f"output_dir={tmp_path / 'out'}")
     line = refusal_line(out)
     assert code != 0 and "[S, S] tensors of its attention" in line and "data.pack_size=65536" in line, out
+
+
+def test_generation_prefills_a_long_prompt_without_its_tokens_by_vocabulary_logits():
+    """Before: ``generate`` on a HybridLM ran the prompt's prefill through the LM head at every position, a
+    ``[B, S, V]`` logits tensor (32 KiB per prompt token at V=8192 in float32, 128K-vocabulary models: 0.5 MiB
+    per token) to sample from its last row, and ``generation_bytes`` priced it so. Now the prefill's head
+    sees the last position only: the bytes a prompt token adds stay under half a vocabulary row."""
+    from hybridpar.models.generation import generate, generation_bytes
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.train.tensor_peak import TensorPeak
+
+    vocab, short, long = 8192, 1024, 2048
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.from_preset("tiny", dtype=torch.float32, vocab_size=vocab)).eval()
+    peaks = []
+    for tokens in (short, long):
+        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+        with TensorPeak() as peak:
+            generate(model, ids, max_new_tokens=2)
+        peaks.append(peak.bytes)
+    per_token = (peaks[1] - peaks[0]) / (long - short)
+    assert 0 < per_token < vocab * 4 / 2, (peaks, per_token)
+    priced = (generation_bytes(model, 1, long, 2) - generation_bytes(model, 1, short, 2)) / (long - short)
+    assert priced < vocab * 4 / 2, priced

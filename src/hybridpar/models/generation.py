@@ -162,8 +162,8 @@ def check_prompt_ids(input_ids: Tensor, vocab: int) -> None:
 
 
 @torch.no_grad()
-def prefill(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, GenerationCache]:
-    """Logits ``[B, S, V]`` of the prompt ``[B, S]`` and the cache after it."""
+def prefill(model: nn.Module, input_ids: Tensor, last_only: bool = False) -> tuple[Tensor, GenerationCache]:
+    """Logits ``[B, S, V]`` of the prompt ``[B, S]`` (``last_only``: ``[B, 1, V]``, no ``[S, V]``) and the cache."""
     check_prompt_ids(input_ids, model.config.vocab_size)
     cache = GenerationCache(length=input_ids.shape[1])
     hidden = model.backbone.embeddings(input_ids)
@@ -177,7 +177,7 @@ def prefill(model: nn.Module, input_ids: Tensor) -> tuple[Tensor, GenerationCach
             out, state = layer.mixer(normed), {}
         cache.layers.append(state)
         hidden = hidden + out
-    return model.lm_head(model.backbone.norm_f(hidden)), cache
+    return model.lm_head(model.backbone.norm_f(hidden[:, -1:] if last_only else hidden)), cache
 
 
 @torch.no_grad()
@@ -261,7 +261,7 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temper
     if max_new_tokens == 0:
         return input_ids
     tokens = [input_ids]
-    logits, cache = prefill(model, input_ids)
+    logits, cache = prefill(model, input_ids, last_only=True)  # the last position's logits only: [B, 1, V]
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     filler = torch.full_like(finished, eos[0] if eos else 0, dtype=input_ids.dtype)
     for step in range(max_new_tokens):
@@ -279,7 +279,7 @@ def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, temper
 
 def generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int) -> int:
     """A lower estimate of the bytes ``generate`` allocates beyond the weights, for ``batch`` rows of a
-    ``prompt``-token prompt and ``new_tokens`` more: the prompt's logits ``[B, S, V]`` (and their
+    ``prompt``-token prompt and ``new_tokens`` more: the last position's logits ``[B, V]`` (and their
     float32 copy to sample), the largest layer's prefill activations (Mamba's in_proj output and
     the scan's chunk states ``[B, S/Q, H, P, N]`` in float32; attention's q, k, v), every
     attention layer's K/V cache at full length ``[B, S+n, Hkv, Dh]`` x2 (and the repeated keys
@@ -287,7 +287,7 @@ def generation_bytes(model: nn.Module, batch: int, prompt: int, new_tokens: int)
     c = model.config
     size = torch.finfo(c.dtype).bits // 8 if c.dtype.is_floating_point else 4
     total = prompt + new_tokens
-    logits = batch * prompt * c.vocab_size * (size + 4)
+    logits = batch * c.vocab_size * (size + 4)
     kinds = [layer.kind for layer in model.backbone.layers]
     layer_peak = 0
     if "mamba" in kinds:
