@@ -22,6 +22,9 @@ def _builders(hf) -> dict:
         "bloom": lambda: hf.BloomForCausalLM(hf.BloomConfig(hidden_size=32, n_layer=2, n_head=2, vocab_size=VOCAB)),
         "llama_attention_dropout": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(attention_dropout=0.1, **_C)),
         "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**_C)),
+        # a head bias: the loss runs through the [tokens, vocabulary] logits
+        "gptj": lambda: hf.GPTJForCausalLM(hf.GPTJConfig(n_embd=32, n_layer=1, n_head=2, rotary_dim=8, vocab_size=50000,
+                                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     }
 
 
@@ -78,7 +81,7 @@ def test_transformers_own_attention_grows_as_the_square_and_the_run_says_and_pri
     Llama's linear twin) all said or assumed linear. Now the line says so, the floor and the plan price the
     [S, S] tensors (``own_attention_bytes``), and that figure stays below the measured peak."""
     from hybridpar.config import load_config
-    from hybridpar.parallel.context.hf_own_attention import own_attention_bytes
+    from hybridpar.parallel.context.hf_own_memory import own_attention_bytes
     from hybridpar.plan import TransformersPlan, make_plan
     from hybridpar.train.hf_model import use_blockwise_attention
     from hybridpar.train.preflight import pack_memory_floor
@@ -101,7 +104,7 @@ def test_transformers_own_attention_grows_as_the_square_and_the_run_says_and_pri
 
 def test_hybridpars_attention_stays_linear(saved):
     """The same Llama without attention dropout runs hybridpar's blockwise core: linear, and nothing priced."""
-    from hybridpar.parallel.context.hf_own_attention import own_attention_bytes
+    from hybridpar.parallel.context.hf_own_memory import own_attention_bytes
     from hybridpar.train.hf_model import use_blockwise_attention
 
     peaks = []
@@ -144,3 +147,25 @@ def test_generation_prefills_a_long_prompt_without_its_tokens_by_vocabulary_logi
     assert 0 < per_token < vocab * 4 / 2, (peaks, per_token)
     priced = (generation_bytes(model, 1, long, 2) - generation_bytes(model, 1, short, 2)) / (long - short)
     assert priced < vocab * 4 / 2, priced
+
+
+def test_the_logits_path_is_priced_and_a_pack_whose_logits_cannot_fit_is_refused(saved, tmp_path):
+    """Before: a model whose loss runs through transformers' [tokens, vocabulary] logits (GPT-J's head bias; heads
+    with their own forward, unmapped logit transforms) had a linear pack floor of a few bytes per token and no
+    line in ``plan``: GPT-J at V=50000 and data.pack_size=131072 passed ``train --dry-run`` and would have needed
+    24 GiB of logits. Now the floor and the plan count ``[T/(cp*tp), V]``, which the measured step exceeds."""
+    from hybridpar.config import load_config
+    from hybridpar.parallel.context.hf_own_memory import logits_path, own_path_bytes
+    from hybridpar.plan import make_plan
+
+    tokens = 256
+    model, _ = _trainers_model(saved("gptj"), tokens)
+    assert logits_path(model)
+    priced = own_path_bytes(model, tokens, 4)
+    assert priced == tokens * 50000 * 4 <= _step_peak(model, tokens), priced
+    plan = make_plan(load_config(None, [f"model.hf_path={saved('gptj')}", "model.dtype=float32", "data.pack_size=4096"]))
+    assert plan.logits_bytes == 4096 * 50000 * 4 and "[tokens, vocabulary] logits" in plan.text(), plan.text()
+    code, out = cli("train", "--dry-run", f"model.hf_path={saved('gptj')}", "model.dtype=float32",
+                    "data.pack_size=131072", f"output_dir={tmp_path / 'out'}")
+    line = refusal_line(out)
+    assert code != 0 and "[tokens, vocabulary] logits" in line, out

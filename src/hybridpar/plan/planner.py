@@ -143,12 +143,13 @@ class TransformersPlan:
     split: int  # tp * dp_shard * cp
     trainable_bytes: int = 0  # e_t; 0: element_bytes
     unmodelled: str = "activations and traffic are modelled for HybridLM configs only"
-    square_bytes: int = 0  # transformers' own attention's [S, S] tensors per rank (parallel/context/hf_own_attention)
+    square_bytes: int = 0  # transformers' own attention's [S, S] tensors per rank (parallel/context/hf_own_memory)
     pack_size: int = 0
+    logits_bytes: int = 0  # the logits path's [T/(cp*tp), V] logits per rank
 
     @classmethod
     def build(cls, run: RunConfig, shape, unmodelled: str = "") -> "TransformersPlan":
-        from hybridpar.parallel.context.hf_own_attention import own_attention_bytes
+        from hybridpar.parallel.context.hf_own_memory import own_attention_bytes, own_path_bytes
         from hybridpar.train.peft import apply_peft
         from hybridpar.train.hf_model import meta_model
 
@@ -163,7 +164,8 @@ class TransformersPlan:
                    f"sequence_parallel={p.sequence_parallel}", p.tp * p.dp_shard * p.cp,
                    adapter_bytes(run.model.dtype) if run.peft.method == "lora" else element,
                    unmodelled or cls.unmodelled, own_attention_bytes(meta, run.data.pack_size, computed, p.tp),
-                   run.data.pack_size)
+                   run.data.pack_size, own_path_bytes(meta, run.data.pack_size, computed, p.tp, p.cp)
+                   - own_attention_bytes(meta, run.data.pack_size, computed, p.tp))
 
     @property
     def parameters_per_rank(self) -> int:
@@ -179,7 +181,7 @@ class TransformersPlan:
                 "layout": self.layout, "parameters_per_rank": self.parameters_per_rank,
                 "bytes_per_rank": self.bytes_per_rank, "element_bytes": self.element_bytes,
                 "note": f"activations and traffic not included: {self.unmodelled}",
-                "square_attention_bytes": self.square_bytes}
+                "square_attention_bytes": self.square_bytes, "logits_bytes": self.logits_bytes}
 
     def text(self) -> str:
         b = {k: v / 2**30 for k, v in self.bytes_per_rank.items()}
@@ -191,8 +193,12 @@ class TransformersPlan:
                 f"{sum(b.values()):,.2f} GiB, activations not included ({self.unmodelled})" + self.square_text())
 
     def square_text(self) -> str:
-        """The line on transformers' own attention's ``[S, S]`` tensors, where it keeps any."""
-        if not self.square_bytes:
-            return ""
-        return (f"\nattention: transformers' own keeps [S, S] tensors: at least {self.square_bytes / 2**30:,.2f} GiB per "
-                f"rank at data.pack_size={self.pack_size}, growing with its square (4x at twice the pack)")
+        """The lines on transformers' own attention's ``[S, S]`` tensors and the logits path's logits."""
+        text = ""
+        if self.square_bytes:
+            text += (f"\nattention: transformers' own keeps [S, S] tensors: at least {self.square_bytes / 2**30:,.2f} GiB "
+                     f"per rank at data.pack_size={self.pack_size}, growing with its square (4x at twice the pack)")
+        if self.logits_bytes:
+            text += (f"\nloss: through the [tokens, vocabulary] logits: at least {self.logits_bytes / 2**30:,.2f} GiB per "
+                     f"rank at data.pack_size={self.pack_size}")
+        return text

@@ -60,7 +60,7 @@ from hybridpar.models.hf.mixers.mamba2 import bridged_mixers, install_mamba_core
 from hybridpar.models.hf.mixers.short_conv import install_short_conv
 from hybridpar.models.token_dropout import key_model_dropout, random_fields, set_dropout_tokens, token_keys, unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_cp_inputs, runs_hybridpar_attention, use_hybridpar_attention
-from hybridpar.parallel.context.hf_own_attention import own_attention_note
+from hybridpar.parallel.context.hf_own_memory import own_attention_note
 from hybridpar.parallel.context.inputs import ShardedInputs
 from hybridpar.parallel.precision import autocast_dtype
 from hybridpar.train.loss import lm_head_loss_output, token_loss_sum

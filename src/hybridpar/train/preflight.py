@@ -37,7 +37,7 @@ from hybridpar.config import ConfigError, RunConfig, coerce_value, invalid, show
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.tokenizers import auto_bytes_note
 from hybridpar.models.hybrid import MODEL_RULES
-from hybridpar.parallel.context.hf_own_attention import own_attention_bytes, square_attention
+from hybridpar.parallel.context.hf_own_memory import own_path_bytes, own_path_words
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import (missing_eos, pack_size_fix, pad_multiple, sequence_parallel_pack_problem,
                                      validate_data)
@@ -211,14 +211,14 @@ def pack_memory_floor(config: RunConfig, shape, model=None) -> int:
     """Bytes one rank needs at least for one step's packs: ids, labels and positions (int64, every
     rank builds whole packs; evaluation's ``train.eval_packs`` too), a synthetic task's window of at
     least 8 documents of ``max_len`` tokens (ids and labels), one saved ``[T/(cp*tp), hidden]``
-    input per block, and the ``[S, S]`` tensors of ``model``'s own transformers attention
-    (``own_attention_bytes``). The planner's estimate (``hybridpar plan``) is always above it."""
+    input per block, and what ``model``'s transformers paths keep: its own attention's ``[S, S]``
+    tensors, the logits path's logits (``own_path_bytes``). ``hybridpar plan``'s estimate is above it."""
     p, data = config.parallel, config.data
     blocks = len(getattr(shape, "pattern", "") or "") or getattr(shape, "num_hidden_layers", 1) or 1
     element = 2 if p.mixed_precision == "bf16" else _DTYPE_BYTES.get(config.model.dtype, 4)
     packs = max(data.packs_per_step, config.train.eval_packs if config.train.eval_every else 0)
     longest = data.task_options.get("max_len", 0) if isinstance(data.task_options.get("max_len"), int) else 0
-    square = 0 if model is None else own_attention_bytes(model, data.pack_size, element, p.tp)
+    square = 0 if model is None else own_path_bytes(model, data.pack_size, element, p.tp, p.cp)
     return 24 * data.pack_size * packs + 16 * 8 * longest + square + \
         -(-data.pack_size // (p.cp * p.tp)) * int(getattr(shape, "hidden_size", 1) or 1) * element * blocks
 
@@ -261,7 +261,7 @@ def check_pack_memory(config: RunConfig, shape, local_ranks: int, model_bytes: i
             (f", train.eval_packs={train.eval_packs}" if train.eval_every else "")
         longest = data.task_options.get("max_len")
         documents = f", documents of data.task_options.max_len={longest}" if isinstance(longest, int) else ""
-        square = ", the [S, S] tensors of its attention" if model is not None and square_attention(model) else ""
+        square = "" if model is None else own_path_words(model)
         raise ConfigError(f"data.pack_size={data.pack_size} ({packs}{documents}) needs at least {need / 2**30:,.1f} GiB "
                           f"per rank for its tokens, the blocks' saved inputs{square}"
                           f"{' and the model state' if model_bytes else ''}, more than {what}: "

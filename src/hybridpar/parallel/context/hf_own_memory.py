@@ -1,5 +1,7 @@
-"""What transformers' own attention costs in sequence length, where hybridpar's core does not stand
-in for it (``hf.attention_problem``: ALiBi, attention dropout, a mask only transformers builds, ...).
+"""What the paths hybridpar leaves to transformers cost in sequence length: its own attention, where
+hybridpar's core does not stand in for it (``hf.attention_problem``: ALiBi, attention dropout, a mask
+only transformers builds, ...), and the ``[tokens, vocabulary]`` logits of a head the chunked loss
+cannot take (``causal_lm.chunked_head``: a head bias, its own forward, an unmapped logit transform).
 
 Such a model trains one document per row of ``S = data.pack_size`` tokens (``train/packing_rule``),
 and the attention transformers runs keeps ``[S, S]`` tensors, ``e`` bytes per element, per rank::
@@ -13,6 +15,9 @@ and the attention transformers runs keeps ``[S, S]`` tensors, ``e`` bytes per el
 (measured in ``benchmarks/memory_growth.py``: Bloom, MPT, GPT-Neo (eager), Falcon (ALiBi) and a Llama
 with attention dropout (SDPA) grow as S^2; OPT (SDPA) linearly). This is a floor: eager attention also keeps the scores' dropout mask and
 the softmax's input where it soft-caps or dropout is on.
+
+The logits path keeps the logits of a rank's tokens ``[T/(cp*tp), V]`` (and cross entropy's
+gradient of the same size): linear in T, but ``V`` per token where the chunked loss keeps none.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from __future__ import annotations
 from torch import nn
 
 from hybridpar.models.token_dropout import unkeyed_dropout
-from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules
+from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules, is_hf_model
 
-__all__ = ["square_attention", "own_attention_bytes", "own_attention_note"]
+__all__ = ["square_attention", "own_attention_bytes", "own_attention_note", "logits_path", "own_path_bytes",
+           "own_path_words"]
 
 
 def _alibi(config) -> bool:
@@ -68,3 +74,29 @@ def own_attention_note(model: nn.Module) -> str:
         return ("; its ALiBi bias is a [heads, S, S] tensor, so memory grows with the square of data.pack_size "
                 "(hybridpar plan prices it)")
     return ""
+
+
+def logits_path(model: nn.Module) -> bool:
+    """True where the loss runs through transformers' ``[tokens, vocabulary]`` logits (no chunked head)."""
+    from hybridpar.models.hf.causal_lm import chunked_head
+
+    if not is_hf_model(model):
+        return False
+    try:
+        chunked_head(model)
+    except ValueError:
+        return True
+    return False
+
+
+def own_path_bytes(model: nn.Module, pack_size: int, element: int, tp: int = 1, cp: int = 1) -> int:
+    """Bytes per rank of the ``[S, S]`` attention tensors and the logits path's ``[T/(cp*tp), V]`` logits."""
+    logits = -(-pack_size // (cp * tp)) * int(model.config.vocab_size) * element if logits_path(model) else 0
+    return own_attention_bytes(model, pack_size, element, tp) + logits
+
+
+def own_path_words(model: nn.Module) -> str:
+    """The clause a memory refusal adds for what ``own_path_bytes`` counts (empty where nothing)."""
+    words = ["the [S, S] tensors of its attention"] if square_attention(model) else []
+    words += ["its [tokens, vocabulary] logits"] if logits_path(model) else []
+    return "".join(f", {w}" for w in words)
