@@ -54,7 +54,7 @@ from hybridpar.parallel.tensor.registry import (
     unregister_tp_plan,
 )
 from hybridpar.parallel.tensor.report import TPShardReport, report_tp_sharding, tp_shard_report
-from hybridpar.parallel.tensor.styles import LocalReplicateParallel
+from hybridpar.parallel.tensor.styles import LocalReplicateParallel, restore_params, swap_in_local_params
 
 logger = logging.getLogger(__name__)
 
@@ -182,20 +182,53 @@ def _is_local_tp_shard(param) -> bool:
     return not isinstance(param, DTensor) and bool(getattr(param, "tensor_model_parallel", False))
 
 
-def _replicate_leftovers(module: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
-    """Apply ``LocalReplicateParallel`` to the outermost modules whose parameters are all plain.
+def _runs_forward(mod: nn.Module) -> bool:
+    """Whether calling ``mod`` runs code of its own: a ``ModuleList``, ``ModuleDict`` or ``ParameterList`` has no
+    ``forward`` (its owner indexes it), so a style's forward hooks on it never fire."""
+    return type(mod).forward is not nn.Module.forward
 
+
+def _swap_window(owner: nn.Module, children: list[nn.Module]) -> None:
+    """Hooks on ``owner`` that swap in the local tensors of ``children``'s replicated parameters for the whole of
+    ``owner``'s forward, so a child read through another method (Gemma 3n's ``self.altup.predict(...)``) or through
+    its attributes computes on plain tensors like its own forward does. Nested swaps find nothing left to swap."""
+    def swap(module, args):
+        for child in children:
+            swap_in_local_params(child)
+
+    def restore(module, args, output):
+        for child in reversed(children):
+            restore_params(child)
+
+    owner.register_forward_pre_hook(swap)  # after FSDP's (prepended) unshard of the owner
+    owner.register_forward_hook(restore, always_call=True)
+
+
+def _replicate_leftovers(module: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
+    """Apply ``LocalReplicateParallel`` to the outermost called modules whose parameters are all plain.
+
+    A container without ``forward`` (the ``layers`` ``ModuleList`` of a model whose plan shards only its
+    embedding, Gemma 3n's ``altup_projections``) is never called, so its hooks would never swap in the local
+    tensors: its children are replicated one by one instead. A module the plan shards in part keeps its
+    replicated children's parameters local for its whole forward (``_swap_window``); a container holding
+    parameters directly (``ParameterList``, read by the owner that the plan shards) is refused like any other mix.
     Parameters marked ``tensor_model_parallel=True`` are local TP shards owned by their
     module and are left as they are (replicating them would broadcast rank 0's shard).
     """
     done = []
 
-    def visit(prefix: str, mod: nn.Module) -> None:
+    def replicated_whole(mod: nn.Module) -> bool:
         params = [p for p in mod.parameters() if not _is_local_tp_shard(p)]
-        if not params:
+        if (not params or not _runs_forward(mod) or any(isinstance(p, DTensor) for p in params)
+                or len(params) != len(list(mod.parameters()))):
+            return False
+        LocalReplicateParallel()._apply(mod, tp_mesh)
+        return True
+
+    def visit(prefix: str, mod: nn.Module) -> None:
+        if not any(True for _ in mod.parameters()):
             return
-        if not any(isinstance(p, DTensor) for p in params) and len(params) == len(list(mod.parameters())):
-            LocalReplicateParallel()._apply(mod, tp_mesh)
+        if replicated_whole(mod):
             done.append(prefix)
             return
         plain = [n for n, p in mod._parameters.items()
@@ -205,8 +238,16 @@ def _replicate_leftovers(module: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
                 f"module {prefix or type(mod).__name__} keeps plain parameters {plain} next to "
                 "tensor-parallel ones; give the module a plan entry that covers all its parameters"
             )
+        whole = []
         for name, child in mod.named_children():
-            visit(f"{prefix}.{name}" if prefix else name, child)
+            path = f"{prefix}.{name}" if prefix else name
+            if replicated_whole(child):
+                done.append(path)
+                whole.append(child)
+            else:
+                visit(path, child)
+        if whole and prefix and _runs_forward(mod):
+            _swap_window(mod, whole)
 
     visit("", module)
     return done
