@@ -102,6 +102,7 @@ def validate_mla(model: nn.Module, tp: int) -> None:
 
 @register_hf_plan("deepseek_v3", "DeepseekV3ForCausalLM", validate=validate_mla)
 @register_hf_plan("deepseek_v2", "DeepseekV2ForCausalLM", validate=validate_mla)
+@register_hf_plan("minicpm3", "MiniCPM3ForCausalLM", validate=validate_mla)
 def deepseek_v3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """DeepSeek-V3, DeepSeek-V2: MLA by heads (see the module docstring), dense MLPs on their intermediate dim,
     MoE blocks through ``moe_block_plan``; each norm's output one replicated DTensor without SP."""
