@@ -133,16 +133,24 @@ def test_the_trainers_chunked_loss_equals_the_models_own_cross_entropy(name):
 def test_a_field_the_forward_does_not_follow_keeps_the_logits_path():
     """Falcon-H1 multiplies by ``model.model.lm_head_multiplier``, a copy taken at init: a config changed after
     it claims a transform the forward does not apply. The probe catches it; the loss takes the logits (still
-    exact), and the trainer's line says why."""
-    from hybridpar.models.hf.logit_transform import probe_logits_after_head
+    exact), and the trainer's line says why. A forward that leaves the head's output as it is (the field applied
+    to the head's input, as MiniCPM3's ``logits_scaling``, or not at all) is the identity on that output: the
+    chunked loss, which reads the head's input, is exact with no transform."""
+    from hybridpar.models.hf.logit_transform import logit_transform, probe_logits_after_head
     from hybridpar.train.hf_model import loss_path_line
 
     model = _falcon_h1(0.4, forward_too=False)
+    model.model.lm_head_multiplier = 0.7
     found = probe_logits_after_head(model)
     assert "otherwise than 0.4 z (lm_head_multiplier=0.4) says" in found
     assert loss_path_line(model).startswith("loss: through the [tokens, vocabulary] logits, because FalconH1ForCausalLM")
     ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
     _check_equal(model, ids, torch.roll(ids, -1, 1), chunked=False)
+
+    model = _falcon_h1(0.4, forward_too=False)  # the forward multiplies by 1.0
+    assert probe_logits_after_head(model) is None and logit_transform(model) == (1.0, None)
+    assert loss_path_line(model).startswith("loss: chunked LM head + cross entropy (no [tokens, vocabulary] logits")
+    _check_equal(model, ids, torch.roll(ids, -1, 1), chunked=True)
 
 
 def test_the_mapping_of_config_fields_and_what_it_refuses():
