@@ -34,9 +34,24 @@ import torch
 from torch import nn
 
 __all__ = ["ExpertLoRA", "GateUpB", "stacked_parameters", "expert_targets", "adapt_experts", "expert_lora_modules",
-           "expert_delta", "adapter_child", "peft_names", "peft_target_parameters"]
+           "expert_delta", "adapter_child", "experts_transposed", "peft_names", "peft_target_parameters"]
 
 MARK = "_hybridpar_expert_lora"
+
+
+def experts_transposed(module: nn.Module) -> bool:
+    """Whether a grouped experts module stores ``[E, in, out]`` (``gate_up_proj [E, D, 2I]``, ``down_proj [E, I, D]``)
+    rather than transformers' usual ``[E, out, in]``: its ``is_transposed`` flag, else the shapes (Llama 4's
+    ``Llama4TextExperts`` is transposed without the flag): a concatenated ``gate_up_proj`` is ``2I`` wide where
+    ``down_proj`` is ``I``; ``up_proj`` against ``down_proj`` by the module's ``hidden_size``."""
+    flag = getattr(module, "is_transposed", None)
+    if flag is not None:
+        return bool(flag)
+    down, gate_up = module._parameters["down_proj"], module._parameters.get("gate_up_proj")
+    if gate_up is not None and getattr(module, "is_concatenated", True):
+        return gate_up.shape[2] == 2 * down.shape[1] and gate_up.shape[1] == down.shape[2]
+    hidden = getattr(module, "hidden_size", None)
+    return isinstance(hidden, int) and down.shape[1] != down.shape[2] and down.shape[2] == hidden
 
 
 def adapter_child(parameter: str) -> str:
@@ -154,7 +169,7 @@ def adapt_experts(model: nn.Module, targets, *, r: int, alpha: float, dtype_of, 
                          "peft.target_parameters.")
     for name, (module, parameter) in chosen.items():
         weight = module._parameters[parameter]
-        transposed = bool(getattr(module, "is_transposed", False))
+        transposed = experts_transposed(module)
         gate_up = parameter == "gate_up_proj" and getattr(module, "is_concatenated", True)
         module.add_module(adapter_child(parameter), ExpertLoRA(weight, r, alpha, transposed, dtype_of(weight.dtype),
                                                                generator, gate_up))

@@ -6,7 +6,8 @@ transformers 5.23 stores the experts of one layer as 3-D parameters (``@use_expe
     gate_up_proj [E, 2I, D] = [gate | up] per expert (``is_concatenated``; interleaved pairs otherwise)
     up_proj      [E, I, D]  (``has_gate=False``: NemotronH)
     down_proj    [E, D, I]
-    (``is_transposed``: [E, D, 2I] / [E, I, D], so I is the last / middle dim)
+    (``is_transposed``: [E, D, 2I] / [E, I, D], so I is the last / middle dim; Llama 4's without the flag,
+    ``models/lora_experts.experts_transposed``)
 
 Rank ``r`` of ``tp`` holds intermediate rows ``[r I/tp, (r+1) I/tp)`` of every expert: of gate and
 of up (``_StridedShard(I dim, 2)`` of the packed weight, so ``chunk(2)`` finds the local halves)
@@ -48,6 +49,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                PrepareModuleOutput, RowwiseParallel)
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hybridpar.models.lora_experts import experts_transposed
 from hybridpar.parallel.tensor.linear_styles import _distribute, _require
 from hybridpar.parallel.tensor.decoder import PARTIAL_EXIT, decoder_plan
 from hybridpar.parallel.tensor.styles import (LocalReplicateParallel, reduce_partial, replicated_local, restore_params,
@@ -75,7 +77,7 @@ def expert_placements(module: nn.Module) -> dict[str, object]:
         raise ValueError(f"{name} has a post-expert norm; GroupedExpertsParallel shards gated/ungated experts "
                          "(with or without biases) only. Leave the experts replicated (plan entry "
                          "LocalReplicateParallel()) or use tp=1")
-    transposed = bool(getattr(module, "is_transposed", False))
+    transposed = experts_transposed(module)
     up_dim, down_dim = (2, 1) if transposed else (1, 2)
     placements: dict[str, object] = {"down_proj": Shard(down_dim)}
     up = "gate_up_proj" if "gate_up_proj" in module._parameters else "up_proj"
@@ -91,7 +93,7 @@ def expert_placements(module: nn.Module) -> dict[str, object]:
 
 
 def _intermediate_size(module: nn.Module) -> int:
-    return module.down_proj.shape[1 if getattr(module, "is_transposed", False) else 2]
+    return module.down_proj.shape[1 if experts_transposed(module) else 2]
 
 
 def _full(value):
