@@ -10,6 +10,7 @@ import io
 import pytest
 import torch
 
+from tests.distributed.harness import run_ranks
 from tests.train.fault_probes import cli, refusal_line
 
 VOCAB = 128
@@ -41,6 +42,9 @@ def _builders(hf) -> dict:
         "llama_not_causal": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**_E, is_causal=False)),
         "gemma3_bidirectional": lambda: hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(
             **_E, head_dim=16, use_bidirectional_attention=True)),
+        "llama4": lambda: hf.Llama4ForCausalLM(hf.Llama4TextConfig(  # transposed experts, shared expert added in place
+            **_C, head_dim=16, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1,
+            no_rope_layers=[1, 0], attention_chunk_size=24, floor_scale=41)),
         "gemma3n": lambda: hf.Gemma3nForCausalLM(hf.Gemma3nTextConfig(  # per-layer intermediate sizes
             head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2,
             laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], sliding_window=5,
@@ -111,7 +115,9 @@ def test_the_trainers_loss_is_transformers_own(saved, name):
     token, in ``DoryLMHead.forward``) never trained: the chunked loss read ``lm_head.weight`` alone, and the load-time
     probe compared the logits with the head's *output*, which already held the scale. A head with its own forward or
     parameters now takes the logits path. The others stand for their kind (multipliers, soft caps, learned positions,
-    MLA with MiniCPM's scales, ALiBi on transformers' attention): equal to 1e-12 in float64, every gradient."""
+    MLA with MiniCPM's scales, ALiBi on transformers' attention): equal to 1e-12 in float64, every gradient. MiniCPM3
+    took the logits path: its ``logits_scaling`` divides the head's *input*, so the probe saw the head's output unscaled
+    against the config's claim; the probe now takes logits equal to the head's output as the transform done before it."""
     path = saved(name)
     ids = torch.randint(3, VOCAB, (1, S), generator=torch.Generator().manual_seed(3))
     want, want_grads = _transformers_own(path, ids)
@@ -124,6 +130,8 @@ def test_the_trainers_loss_is_transformers_own(saved, name):
     if name == "dory":
         assert "its head DoryLMHead computes more than hidden @ weight.T (its own forward, parameters logit_scale)" in line
         assert float(got_grads["lm_head.logit_scale"].abs().max()) > 0
+    if name == "minicpm3":  # its logits_scaling divides the head's input: the chunked loss already reads that
+        assert line.startswith("loss: chunked LM head + cross entropy (no [tokens, vocabulary] logits"), line
 
 
 @pytest.mark.parametrize("name, said", [
@@ -223,19 +231,11 @@ def test_a_tied_weight_the_tp_plan_shards_on_one_side_only_is_refused_before_any
     assert code == 0, output
 
 
-def test_a_pack_past_llama4s_chunk_is_refused_before_any_process_starts(tmp_path):
+def test_a_pack_past_llama4s_chunk_is_refused_before_any_process_starts(saved, tmp_path):
     """Before: a Llama 4 text model with ``data.pack_size`` above its ``attention_chunk_size`` (24 here; 8192 in the
     real ones) passed ``train --dry-run --nproc-per-node 2`` and every rank stopped at its first pack with "... use
     data.pack_size <= 24"; the preflight now names it (the meta model's limit), at any layout."""
-    import transformers as hf
-
-    from tests.models.hf.tiny import perturbed_float64
-
-    path = tmp_path / "llama4"
-    perturbed_float64(lambda: hf.Llama4ForCausalLM(hf.Llama4TextConfig(
-        **_C, head_dim=16, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1, no_rope_layers=[1, 0],
-        attention_chunk_size=24, floor_scale=41))).save_pretrained(path)
-    run = ["--dry-run", "--nproc-per-node", "2", f"model.hf_path={path}", "model.dtype=float64",
+    run = ["--dry-run", "--nproc-per-node", "2", f"model.hf_path={saved('llama4')}", "model.dtype=float64",
            f"output_dir={tmp_path / 'run'}", "parallel.dp_shard=2"]
     code, output = cli("train", *run, "data.pack_size=64")
     line = refusal_line(output)
@@ -243,3 +243,52 @@ def test_a_pack_past_llama4s_chunk_is_refused_before_any_process_starts(tmp_path
     assert line.endswith("use data.pack_size <= 24."), line
     code, output = cli("train", *run, "data.pack_size=24")
     assert code == 0, output
+
+
+def _check_tp2(rank, world_size, paths):
+    """``hybridpar check`` at tp=2 (no SP, float64, packs of 24) of each checkpoint in ``paths``: exit code and what it
+    printed."""
+    from hybridpar.config import load_config
+    from hybridpar.train.proof.layout import run_check
+
+    found = {}
+    for path in paths:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = run_check(load_config(None, [f"model.hf_path={path}", "model.dtype=float64", "data.pack_size=24",
+                                                "parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=false",
+                                                "output_dir=unused"]), torch.device("cpu"))
+        found[path] = (code, out.getvalue())
+    return found
+
+
+def test_modules_the_tp_plan_leaves_whole_run_on_local_tensors_wherever_they_are_read(saved):
+    """Before: Dory and Gemma 3n text at tp=2 (no SP) passed ``--dry-run`` and every rank stopped with "aten.mm.default
+    got mixed torch.Tensor and DTensor". The modules a plan leaves whole are replicated and swap in their local tensors
+    for their own forward, but (a) Dory's plan shards only its embedding, so the replicated module was the ``layers``
+    ``ModuleList``, which is never called, and (b) Gemma 3n calls ``self.altup.predict(...)``, not its forward. Now a
+    container's children are replicated one by one, and a module the plan shards in part keeps its replicated children
+    local for its whole forward. And Gemma 3n's 95%-sparse MLPs (a cut-off at mean + z * std over the intermediate dim)
+    stay whole under its registered plan: column-parallel, each rank took its own half's statistics (loss 0.16 off).
+    Llama 4 (its experts stored transposed without saying so, its shared expert's output added into in place: the
+    experts split on the wrong dim, then autograd refused the in-place add) and MiniCPM3 (MLA; "Hugging Face TP style
+    'mla_kv_a_proj' is not supported", filed under parallel.sequence_parallel) have plans of their own now."""
+    from hybridpar.config import load_config
+    from hybridpar.parallel.tensor.apply import get_tp_plan
+    from hybridpar.train.preflight import _named_parallel_key
+
+    paths = [str(saved(name)) for name in ("dory", "gemma3n", "llama4", "minicpm3")]
+    found = run_ranks(2, _check_tp2, paths, timeout_s=600)[0]
+    for path in paths:
+        code, text = found[path]
+        assert code == 0 and "check exact: all" in text, text[-2000:]
+    import transformers as hf
+
+    sparse = hf.Gemma3nForCausalLM.from_pretrained(paths[1])
+    plan = get_tp_plan(sparse).styles
+    assert sparse.config.activation_sparsity_pattern[0] > 0
+    assert "model.layers.0.mlp.gate_proj" not in plan and "model.layers.1.mlp.gate_proj" in plan, sorted(plan)
+    # a style hybridpar lacks is filed under parallel.tp, not under a key its list of supported styles spells
+    config = load_config(None, ["parallel.tp=2", "parallel.cp=1"])
+    assert _named_parallel_key(config, "Hugging Face TP style 'mla_kv_a_proj' is not supported (supported: ['colwise', "
+                                       "'sequence_parallel'])") == "parallel.tp=2"

@@ -50,7 +50,7 @@ from hybridpar.train.peft import apply_peft
 # Keys of ``parallelize``'s own rules, as its messages name them ("tp=3", "compile backend").
 _PARALLEL_KEYS = re.compile(r"\b(compile|reshard_after_forward|mixed_precision|activation_checkpointing|sequence_parallel|"
                             r"cp_attention|cp_mamba|tp|cp|dp_shard|dp_replicate)\b")
-_STYLE_REPR = re.compile(r"\b[A-Z]\w*\([^()]*\)")  # Mamba1ChannelParallel(sequence_parallel=False)
+_STYLE_REPR = re.compile(r"\b[A-Z]\w*\([^()]*\)|'[^']*'")  # Mamba1ChannelParallel(sequence_parallel=False), 'names'
 COMMON_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 
 
@@ -118,11 +118,12 @@ def _check_compile_backend(value) -> None:
 
 def _named_parallel_key(config: RunConfig, message: str) -> str:
     """``parallel.<key>=<value>`` of the first parallel key a layout message names."""
-    match = _PARALLEL_KEYS.search(_STYLE_REPR.sub("", message))  # not a key inside a style's repr
+    # not a key inside a style's repr or a quoted name; else "TP" ("Hugging Face TP style 'x' is not supported")
+    match = _PARALLEL_KEYS.search(_STYLE_REPR.sub("", message)) or re.search(r"\b(TP)\b", message)
     if match is None:
         p = config.parallel
         return f"parallel.* (dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp})"
-    key = match[1]
+    key = match[1].lower()
     return f"parallel.{key}={show_value(getattr(config.parallel, key))}"
 
 
