@@ -123,6 +123,7 @@ def test_a_pack_whose_square_attention_cannot_fit_is_refused_before_any_process_
                     "data.pack_size=65536", f"output_dir={tmp_path / 'out'}")
     line = refusal_line(out)
     assert code != 0 and "[S, S] tensors of its attention" in line and "data.pack_size=65536" in line, out
+    assert "parallel.cp" not in line, line  # such a model trains one document per row: cp > 1 is refused for it
 
 
 def test_generation_prefills_a_long_prompt_without_its_tokens_by_vocabulary_logits():

@@ -37,7 +37,7 @@ from hybridpar.config import ConfigError, RunConfig, coerce_value, invalid, show
 from hybridpar.config_rules import did_you_mean, quoted
 from hybridpar.data.tokenizers import auto_bytes_note
 from hybridpar.models.hybrid import MODEL_RULES
-from hybridpar.parallel.context.hf_own_memory import own_path_bytes, own_path_words
+from hybridpar.parallel.context.hf_own_memory import memory_fixes, own_path_bytes, own_path_words
 from hybridpar.parallel.dims import ParallelDims
 from hybridpar.train.batches import (missing_eos, pack_size_fix, pad_multiple, sequence_parallel_pack_problem,
                                      validate_data)
@@ -266,8 +266,7 @@ def check_pack_memory(config: RunConfig, shape, local_ranks: int, model_bytes: i
         raise ConfigError(f"data.pack_size={data.pack_size} ({packs}{documents}) needs at least {need / 2**30:,.1f} GiB "
                           f"per rank for its tokens, the blocks' saved inputs{square}"
                           f"{' and the model state' if model_bytes else ''}, more than {what}: "
-                          f"{have / 2**30:,.1f} GiB; use a smaller data.pack_size, fewer packs, shorter documents or "
-                          "more context parallelism (parallel.cp), and see hybridpar plan for the full estimate.")
+                          f"{have / 2**30:,.1f} GiB; {memory_fixes(model)}, and see hybridpar plan for the full estimate.")
 
 
 def one_process_rendezvous() -> str | None:

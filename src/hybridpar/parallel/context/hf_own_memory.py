@@ -28,7 +28,7 @@ from hybridpar.models.token_dropout import unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules, is_hf_model
 
 __all__ = ["square_attention", "own_attention_bytes", "own_attention_note", "logits_path", "own_path_bytes",
-           "own_path_words"]
+           "own_path_words", "memory_fixes"]
 
 
 def _alibi(config) -> bool:
@@ -100,3 +100,11 @@ def own_path_words(model: nn.Module) -> str:
     words = ["the [S, S] tensors of its attention"] if square_attention(model) else []
     words += ["its [tokens, vocabulary] logits"] if logits_path(model) else []
     return "".join(f", {w}" for w in words)
+
+
+def memory_fixes(model: nn.Module | None) -> str:
+    """The ways out a memory refusal names; more context parallelism only for a model that runs at cp > 1 (one
+    trained one document per row on transformers' attention is refused there)."""
+    if model is not None and is_hf_model(model) and attention_problem(model):
+        return "use a smaller data.pack_size, fewer packs or shorter documents"
+    return "use a smaller data.pack_size, fewer packs, shorter documents or more context parallelism (parallel.cp)"
