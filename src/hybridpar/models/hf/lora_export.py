@@ -208,7 +208,7 @@ def merged_state(state: dict[str, Tensor], scaling: float,
             key = f"{path}.{child.removeprefix('lora_')}"
             merged[key] = base[key] + expert_delta(a, b, experts[module][0], scaling, experts[module][1]).to(base[key].dtype)
             continue
-        weight = base[f"{module}.weight"]  # summed in float64, rounded once to the base's dtype (merge_adapter_checkpoint)
+        weight = base[f"{module}.weight"]  # summed in float64, rounded once to its dtype (merge_adapter_checkpoint)
         merged[f"{module}.weight"] = (weight.double() + scaling * (b.double() @ a.double())).to(weight.dtype)
     return merged
 

@@ -64,7 +64,8 @@ def mamba_conv_scan(
                                scan=kernel, check_states=torch.compiler.is_compiling())  # eager: choose_kernel did
     y, final = torch.ops.hybridpar.ssd_chunk_scan(
         # A = -exp(A_log) in float32 or wider: FSDP's bf16 policy gathers A_log in bf16 (the decays stay float32)
-        x.unflatten(-1, (heads, head_dim)), dt, -torch.exp(A_log.to(_compute_dtype(A_log))), B.unflatten(-1, (groups, state_size)),
+        x.unflatten(-1, (heads, head_dim)), dt, -torch.exp(A_log.to(_compute_dtype(A_log))),
+        B.unflatten(-1, (groups, state_size)),
         C.unflatten(-1, (groups, state_size)), D, dt_bias, conv_weight, conv_bias, cu_docs, init_at, init_states,
         conv_history, final_at, chunk_size, True, float(dt_limit[0]), float(dt_limit[1]), want_y,
     )

@@ -13,8 +13,8 @@ and the attention transformers runs keeps ``[S, S]`` tensors, ``e`` bytes per el
     SDPA           no [S, S] tensor: a causal row of one document needs no mask   -> 0
 
 (measured in ``benchmarks/memory_growth.py``: Bloom, MPT, GPT-Neo (eager), Falcon (ALiBi) and a Llama
-with attention dropout (SDPA) grow as S^2; OPT (SDPA) linearly). This is a floor: eager attention also keeps the scores' dropout mask and
-the softmax's input where it soft-caps or dropout is on.
+with attention dropout (SDPA) grow as S^2; OPT (SDPA) linearly). This is a floor: eager attention also
+keeps the scores' dropout mask and the softmax's input where it soft-caps or dropout is on.
 
 The logits path keeps the logits of a rank's tokens ``[T/(cp*tp), V]`` (and cross entropy's
 gradient of the same size): linear in T, but ``V`` per token where the chunked loss keeps none.

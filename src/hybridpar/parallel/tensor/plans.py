@@ -112,4 +112,5 @@ if lookup_tp_plan("hybridpar.models.hybrid.HybridLM") is None:  # tensor.hybrid 
                      aliases=("HybridLM",))
 
 # The Hugging Face plans register themselves on import.
-from hybridpar.parallel.tensor.hf_plans import dense, gemma3n, kimi_linear, llama4, mamba1, mla, moe_hybrid, recurrent_gemma, sinks  # noqa: E402,F401
+from hybridpar.parallel.tensor.hf_plans import (  # noqa: E402,F401
+    dense, gemma3n, kimi_linear, llama4, mamba1, mla, moe_hybrid, recurrent_gemma, sinks)

@@ -27,7 +27,8 @@ def gemma3n_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Paralle
     with their gradients summed) with ``layers.*.mlp.*`` written out for the layers whose activation sparsity is 0."""
     prefix = "model"
     styles = decoder_plan(False, prefix=prefix, head_norms=("q_norm", "k_norm", "v_norm"))
-    mlp = {name: styles.pop(f"{prefix}.layers.*.mlp.{name}") for name in _MLP if f"{prefix}.layers.*.mlp.{name}" in styles}
+    wildcard = f"{prefix}.layers.*.mlp"
+    mlp = {name: styles.pop(f"{wildcard}.{name}") for name in _MLP if f"{wildcard}.{name}" in styles}
     sparsity = list(getattr(model.config, "activation_sparsity_pattern", None) or [])
     for index in range(model.config.num_hidden_layers):
         if index >= len(sparsity) or not sparsity[index]:
