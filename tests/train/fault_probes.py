@@ -12,7 +12,7 @@ import subprocess
 from tests.distributed.harness import run_ranks
 
 __all__ = ["SHORT", "cli", "cli_in_child", "cli_streams", "limited_file_size", "one_line", "one_process_cli",
-           "refusal_line"]
+           "refusal_line", "saved_checkpoints"]
 
 SHORT = 2000  # no message of bad input is longer
 
@@ -29,6 +29,18 @@ def refusal_line(output: str) -> str:
     [line] = [line for line in output.splitlines() if line.startswith("hybridpar: error: ")]
     assert len(line) < SHORT, line
     return line
+
+
+def saved_checkpoints(tmp_path_factory, make):
+    """``save(name)``: the folder of ``make(name)``'s tiny checkpoint, written by ``save_pretrained`` on first use."""
+    folder = tmp_path_factory.mktemp("families")
+
+    def save(name: str):
+        path = folder / name
+        if not path.exists():
+            make(name).save_pretrained(path)
+        return path
+    return save
 
 
 def cli_streams(*argv) -> tuple[int, str, str]:

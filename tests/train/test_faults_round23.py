@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.train.fault_probes import cli, refusal_line
+from tests.train.fault_probes import cli, refusal_line, saved_checkpoints
 
 VOCAB = 128
 S = 20
@@ -35,6 +35,10 @@ def _builders(hf) -> dict:
         "minicpm3": lambda: hf.MiniCPM3ForCausalLM(hf.MiniCPM3Config(  # MLA, embedding / depth / logit scales
             **{**_C, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
             qk_rope_head_dim=8, v_head_dim=24, scale_emb=3.0, scale_depth=1.4, dim_model_base=16)),
+        "glm4_moe_lite": lambda: hf.Glm4MoeLiteForCausalLM(hf.Glm4MoeLiteConfig(  # MLA + MoE (GLM-4.7-Flash)
+            **{**_C, "num_key_value_heads": 4}, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=8, mlp_layer_types=["dense", "sparse"])),
         "phimoe": lambda: hf.PhimoeForCausalLM(hf.PhimoeConfig(num_local_experts=4, num_experts_per_tok=2, **_C)),
         "bloom": lambda: hf.BloomForCausalLM(hf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=VOCAB)),
         # bidirectional: BERT-like without is_decoder, a Llama with is_causal false, Gemma 3 bidirectional
@@ -60,17 +64,14 @@ def saved(tmp_path_factory):
 
     from tests.models.hf.tiny import perturbed_float64
 
-    folder, builders = tmp_path_factory.mktemp("families"), _builders(hf)
+    builders = _builders(hf)
 
-    def save(name: str):
-        path = folder / name
-        if not path.exists():
-            model = perturbed_float64(builders[name])
-            if name == "llama_not_causal":
-                model.config.is_causal = False
-            model.save_pretrained(path)
-        return path
-    return save
+    def make(name: str):
+        model = perturbed_float64(builders[name])
+        if name == "llama_not_causal":
+            model.config.is_causal = False
+        return model
+    return saved_checkpoints(tmp_path_factory, make)
 
 
 def _grads(model) -> dict:
@@ -272,12 +273,13 @@ def test_modules_the_tp_plan_leaves_whole_run_on_local_tensors_wherever_they_are
     stay whole under its registered plan: column-parallel, each rank took its own half's statistics (loss 0.16 off).
     Llama 4 (its experts stored transposed without saying so, its shared expert's output added into in place: the
     experts split on the wrong dim, then autograd refused the in-place add) and MiniCPM3 (MLA; "Hugging Face TP style
-    'mla_kv_a_proj' is not supported", filed under parallel.sequence_parallel) have plans of their own now."""
+    'mla_kv_a_proj' is not supported", filed under parallel.sequence_parallel) have plans of their own now, and so has
+    GLM-4-MoE-Lite (MLA and MoE, refused the same way)."""
     from hybridpar.config import load_config
     from hybridpar.parallel.tensor.apply import get_tp_plan
     from hybridpar.train.preflight import _named_parallel_key
 
-    paths = [str(saved(name)) for name in ("dory", "gemma3n", "llama4", "minicpm3")]
+    paths = [str(saved(name)) for name in ("dory", "gemma3n", "llama4", "minicpm3", "glm4_moe_lite")]
     found = run_ranks(2, _check_tp2, paths, timeout_s=600)[0]
     for path in paths:
         code, text = found[path]

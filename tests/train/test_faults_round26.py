@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 
-from tests.train.fault_probes import cli, refusal_line
+from tests.train.fault_probes import cli, refusal_line, saved_checkpoints
 
 VOCAB = 97
 _C = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
@@ -33,15 +33,12 @@ def saved(tmp_path_factory):
     """A family's tiny float32 checkpoint folder, by name."""
     import transformers as hf
 
-    folder, builders = tmp_path_factory.mktemp("families"), _builders(hf)
+    builders = _builders(hf)
 
-    def save(name: str):
-        path = folder / name
-        if not path.exists():
-            torch.manual_seed(0)
-            builders[name]().save_pretrained(path)
-        return path
-    return save
+    def make(name: str):
+        torch.manual_seed(0)
+        return builders[name]()
+    return saved_checkpoints(tmp_path_factory, make)
 
 
 def _trainers_model(path, pack_size: int):

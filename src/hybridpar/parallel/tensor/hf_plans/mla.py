@@ -1,4 +1,5 @@
-"""Tensor (+sequence) parallelism of multi-head latent attention (MLA: DeepSeek-V3, DeepSeek-V2) by heads, Megatron's way.
+"""Tensor (+sequence) parallelism of multi-head latent attention (MLA: DeepSeek-V3, DeepSeek-V2, MiniCPM3,
+GLM-4-MoE-Lite) by heads, Megatron's way.
 
 The low-rank down projections are replicated, the up projections column-parallel by heads, ``o_proj``
 row-parallel. The attention's input ``x [B, S, D]`` is the input norm's output, one ``Replicate``
@@ -103,9 +104,11 @@ def validate_mla(model: nn.Module, tp: int) -> None:
 @register_hf_plan("deepseek_v3", "DeepseekV3ForCausalLM", validate=validate_mla)
 @register_hf_plan("deepseek_v2", "DeepseekV2ForCausalLM", validate=validate_mla)
 @register_hf_plan("minicpm3", "MiniCPM3ForCausalLM", validate=validate_mla)
+@register_hf_plan("glm4_moe_lite", "Glm4MoeLiteForCausalLM", validate=validate_mla)
 def deepseek_v3_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """DeepSeek-V3, DeepSeek-V2: MLA by heads (see the module docstring), dense MLPs on their intermediate dim,
-    MoE blocks through ``moe_block_plan``; each norm's output one replicated DTensor without SP."""
+    """DeepSeek-V3, DeepSeek-V2, MiniCPM3, GLM-4-MoE-Lite (GLM-4.7-Flash): MLA by heads (see the module docstring),
+    dense MLPs on their intermediate dim, MoE blocks through ``moe_block_plan``; each norm's output one replicated
+    DTensor without SP."""
     q = "q_proj" if getattr(model.config, "q_lora_rank", None) is None else "q_b_proj"
     plan = moe_decoder_plan(model, sequence_parallel, qkv=(q,))
     plan.update(mla_attention_plan(model))
