@@ -98,7 +98,7 @@ def test_plan_shows_a_small_model_in_microseconds_and_gigaflops_not_zero():
     code, output = _cli("plan", "--config", CONFIG)
     line = next(line for line in output.splitlines() if line.startswith("time (ESTIMATE"))
     assert code == 0 and " 0.0 " not in line and "(0.0" not in line, line
-    assert re.search(r"\d µs per step", line) and re.search(r"\(\d[\d.,]* [GMk]?FLOP per rank\)", line), line
+    assert re.search(r"\d µs per step", line) and re.search(r"\(\d[\d.,]* [GMk]?FLOP per rank[,)]", line), line
     code, output = _cli("plan", "--config", CONFIG, "--fit", "80")
     assert code == 0 and " 0.0 ms/step" not in output and "µs/step" in output, output
     from hybridpar.plan.report import duration, time_and_flops

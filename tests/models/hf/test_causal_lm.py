@@ -187,11 +187,9 @@ def test_loss_helper_equals_transformers_mean_loss_in_one_process_and_its_hidden
         return torch.nn.functional.cross_entropy((hidden @ weight.T).flatten(0, 1), target.flatten(), reduction="sum")
 
     torch.testing.assert_close(hf_causal_lm_loss(model, ids, labels, count, loss_fn=logits_loss), ours, rtol=1e-13, atol=0)
-    model.config.final_logit_softcapping = 30.0  # a field Llama's forward ignores: the probe says so
-    assert "otherwise than 30 tanh(z / 30) (final_logit_softcapping=30.0) says" in probe_logits_after_head(model)
-    with pytest.raises(ValueError, match=r"not a known transform of hidden @ lm_head.weight.T .*final_logit_softcapping"
-                                         r".*loss_fn=None"):
-        hf_causal_lm_loss(model, ids, labels, count, loss_fn=logits_loss)
+    model.config.final_logit_softcapping = 30.0  # a field Llama's forward ignores: logits = the head's output
+    assert probe_logits_after_head(model) is None  # the identity on it, which the chunked loss computes
+    torch.testing.assert_close(hf_causal_lm_loss(model, ids, labels, count, loss_fn=logits_loss), ours, rtol=1e-13, atol=0)
     model.config.final_logit_softcapping, model.config.output_multiplier_scale = None, 2.0  # a field nobody maps
     with pytest.raises(ValueError, match=r"sets output_multiplier_scale=2.0, a logit transform hybridpar does not map"):
         hf_causal_lm_loss(model, ids, labels, count, loss_fn=logits_loss)

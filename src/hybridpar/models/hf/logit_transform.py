@@ -39,7 +39,7 @@ LOGIT_TRANSFORMS: dict[str, str | None] = {
 # config field -> the term transformers' own loss adds to the cross entropy, which hybridpar's loss does not
 LOSS_TERMS: dict[str, str] = {"z_loss_coefficient": "a z-loss, {v:g} x mean(logsumexp(logits)^2),"}  # Bamba
 _FOUND = "_hybridpar_logits_after_head"  # set by the probe: None (verified) or what differs
-_BEFORE_HEAD = "_hybridpar_transform_before_head"  # set by the probe: the fields act on the head's input
+_BEFORE_HEAD = "_hybridpar_transform_before_head"  # set by the probe: the fields (as they were) act on the head's input
 
 
 def _fields(model: nn.Module) -> dict[str, object]:
@@ -61,7 +61,7 @@ def logit_transform(model: nn.Module) -> tuple[float, float | None]:
     (MiniCPM3 divides the hidden states by ``logits_scaling`` before ``lm_head``: the chunked loss, which reads the
     head's input, already has it). ``ValueError`` for a field nobody maps, a value that is not a finite number > 0,
     or two caps (no model applies both)."""
-    if getattr(model, _BEFORE_HEAD, False):
+    if getattr(model, _BEFORE_HEAD, None) == _fields(model):  # the probe's verdict, for these very fields
         return 1.0, None
     scale, cap = 1.0, None
     for field, value in _fields(model).items():
@@ -145,7 +145,7 @@ def probe_logits_after_head(model: nn.Module, tokens: int = 4) -> str | None:
         elif (scale, cap) == (1.0, None) and not torch.equal(out, logits):
             found = f"its forward changes lm_head's output (max change {(logits - out).abs().max().item():.1e})"
         elif (scale, cap) != (1.0, None) and torch.equal(out, logits):  # applied to the head's input, or not at all
-            setattr(model, _BEFORE_HEAD, True)
+            setattr(model, _BEFORE_HEAD, _fields(model))
         elif (scale, cap) != (1.0, None):
             gap = (apply_transform(out.double(), scale, cap) - logits.double()).abs()
             if not bool((gap <= probe_tolerance(logits)).all()):
