@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.train.fault_probes import one_line
+from tests.train.fault_probes import one_line, saved_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -14,14 +14,7 @@ def saved(tmp_path_factory):
     """Tiny float64 transformers hybrids saved with ``save_pretrained`` (vocabulary 97), by name."""
     from tests.models.hf.hybrid_models import build_hybrid
 
-    folder = tmp_path_factory.mktemp("hybrids")
-
-    def save(name: str):
-        path = folder / name
-        if not path.exists():
-            build_hybrid(name).save_pretrained(path)
-        return path
-    return save
+    return saved_checkpoints(tmp_path_factory, build_hybrid)
 
 
 @pytest.mark.parametrize("name", ["granite_moe", "nemotron_h_moe"])

@@ -225,11 +225,8 @@ def _replicate_leftovers(module: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
         LocalReplicateParallel()._apply(mod, tp_mesh)
         return True
 
-    def visit(prefix: str, mod: nn.Module) -> None:
+    def visit(prefix: str, mod: nn.Module) -> None:  # mod: not replicated whole
         if not any(True for _ in mod.parameters()):
-            return
-        if replicated_whole(mod):
-            done.append(prefix)
             return
         plain = [n for n, p in mod._parameters.items()
                  if p is not None and not isinstance(p, DTensor) and not _is_local_tp_shard(p)]
@@ -249,6 +246,8 @@ def _replicate_leftovers(module: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
         if whole and prefix and _runs_forward(mod):
             _swap_window(mod, whole)
 
+    if replicated_whole(module):
+        return [""]
     visit("", module)
     return done
 
