@@ -149,7 +149,7 @@ class TransformersPlan:
 
     @classmethod
     def build(cls, run: RunConfig, shape, unmodelled: str = "") -> "TransformersPlan":
-        from hybridpar.parallel.context.hf_own_memory import own_attention_bytes, own_path_bytes
+        from hybridpar.parallel.context.hf_own_memory import own_attention_bytes, own_logits_bytes
         from hybridpar.train.peft import apply_peft
         from hybridpar.train.hf_model import meta_model
 
@@ -164,8 +164,7 @@ class TransformersPlan:
                    f"sequence_parallel={p.sequence_parallel}", p.tp * p.dp_shard * p.cp,
                    adapter_bytes(run.model.dtype) if run.peft.method == "lora" else element,
                    unmodelled or cls.unmodelled, own_attention_bytes(meta, run.data.pack_size, computed, p.tp),
-                   run.data.pack_size, own_path_bytes(meta, run.data.pack_size, computed, p.tp, p.cp)
-                   - own_attention_bytes(meta, run.data.pack_size, computed, p.tp))
+                   run.data.pack_size, own_logits_bytes(meta, run.data.pack_size, computed, p.tp, p.cp))
 
     @property
     def parameters_per_rank(self) -> int:

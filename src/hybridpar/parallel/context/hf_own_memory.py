@@ -27,8 +27,8 @@ from torch import nn
 from hybridpar.models.token_dropout import unkeyed_dropout
 from hybridpar.parallel.context.hf import attention_problem, hf_attention_modules, is_hf_model
 
-__all__ = ["square_attention", "own_attention_bytes", "own_attention_note", "logits_path", "own_path_bytes",
-           "own_path_words", "memory_fixes"]
+__all__ = ["square_attention", "own_attention_bytes", "own_attention_note", "logits_path", "own_logits_bytes",
+           "own_path_bytes", "own_path_words", "memory_fixes"]
 
 
 def _alibi(config) -> bool:
@@ -89,10 +89,14 @@ def logits_path(model: nn.Module) -> bool:
     return False
 
 
+def own_logits_bytes(model: nn.Module, pack_size: int, element: int, tp: int = 1, cp: int = 1) -> int:
+    """Bytes per rank of the logits path's ``[T/(cp*tp), V]`` logits (0 where the chunked loss runs)."""
+    return -(-pack_size // (cp * tp)) * int(model.config.vocab_size) * element if logits_path(model) else 0
+
+
 def own_path_bytes(model: nn.Module, pack_size: int, element: int, tp: int = 1, cp: int = 1) -> int:
     """Bytes per rank of the ``[S, S]`` attention tensors and the logits path's ``[T/(cp*tp), V]`` logits."""
-    logits = -(-pack_size // (cp * tp)) * int(model.config.vocab_size) * element if logits_path(model) else 0
-    return own_attention_bytes(model, pack_size, element, tp) + logits
+    return own_attention_bytes(model, pack_size, element, tp) + own_logits_bytes(model, pack_size, element, tp, cp)
 
 
 def own_path_words(model: nn.Module) -> str:
