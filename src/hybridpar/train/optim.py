@@ -28,13 +28,19 @@ def check_optimizer_scale(config: RunConfig) -> None:
                           f"{1 / train.lr:.3g} (typical: 0.0 to 0.1).")
 
 
+NO_DECAY = ("A_log", "D", "dt_bias")  # SSM parameters never decayed, whatever their shape
+
+
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norms, biases and 1-D SSM parameters excluded),
+    """AdamW with weight decay on matrices only (norms, biases and the SSM parameters excluded),
     in the implementation ``adamw_implementation`` picks."""
     decay, no_decay = [], []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
+        # A Mamba1 mixer's A_log is a matrix [d_inner, N] (Jamba, FalconMamba): decay would pull every A = -exp(A_log)
+        # toward -1; mamba_ssm and transformers mark it (and D) _no_weight_decay, which FSDP's new parameters lose
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            keep = param.dim() < 2 or name.rsplit(".", 1)[-1] in NO_DECAY or getattr(param, "_no_weight_decay", False)
+            (no_decay if keep else decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **adamw_implementation(decay + no_decay))
 
@@ -109,7 +115,8 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
                 local = grad.to_local()
         else:
             local = grad
-        square = local.square().sum(dtype=torch.promote_types(local.dtype, torch.float32))
+        # |g|^2 in float64: float32's squares overflow past |g| = 1.8e19 (a finite norm read as inf stopped the run)
+        square = torch.linalg.vector_norm(local, dtype=torch.float64).square()
         sums[groups] = sums[groups] + square if groups in sums else square
     for groups, total in sums.items():
         for group in groups:

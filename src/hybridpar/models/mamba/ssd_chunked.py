@@ -8,7 +8,12 @@ Per row and head ``h`` (group ``g = h // R`` of B and C), with ``a_t = dt_t A_h 
 state before the document starting at token ``init_at[i]``; ``final_at[j]`` asks for ``h`` right
 after token ``final_at[j]``. Over chunks of ``Q`` tokens (rows padded to whole chunks, padding
 has ``dt = 0``), with ``cs`` the within-chunk inclusive cumsum of ``a``, every decay is
-``exp(cs_l - cs_s)`` floored at ``log(tiny**0.75)`` and masked to an exact 0 across documents:
+``exp(cs_l - cs_s)`` floored at ``log(tiny**0.75)`` and masked to an exact 0 across documents.
+A difference of two cumsums cancels: after one token with a large ``|dt A|`` (``dt`` from a saturated
+softplus: ``cs`` ~ -7e4 in a chunk whose other steps add -1e-3) float32's ``cs`` steps by its ulp
+(8e-3) and ``y`` came out 0.2-26% off a float64 recurrence. So ``cs`` is kept in float64 (the
+exponents are cast to the compute dtype before ``exp``), and the diagonal blocks' ``[Q, Q]``
+exponents are segment sums ``sum_{s<k<=l} a_k`` (masked cumsums, no difference at all):
 
 1. diagonal blocks ``y_l += sum_{s<=l, same doc} (C_l·B_s) exp(cs_l - cs_s) dt_s x_s``;
 2. chunk states ``S_k = sum_{s in the chunk's last doc} exp(cs_last - cs_s) dt_s x_s ⊗ B_s``;
@@ -107,11 +112,17 @@ class _Prepared:
     """The per-chunk tensors both passes start from (compute dtype, padded)."""
 
     xdt: Tensor  # [Kc, G, R, Q, P] dt * x, head-major
-    cs: Tensor  # [Kc, G, R, Q] within-chunk inclusive cumsum of dt * A
-    cs_excl: Tensor  # [Kc, G, R, Q + 1] exclusive cumsum (cs_excl[o] = cs[o-1], 0 at o = 0)
+    a: Tensor  # [Kc, G, R, Q] dt * A (compute dtype)
+    cs: Tensor  # [Kc, G, R, Q] within-chunk inclusive cumsum of dt * A, in float64 (differences do not cancel)
+    cs_excl: Tensor  # [Kc, G, R, Q + 1] exclusive cumsum (cs_excl[o] = cs[o-1], 0 at o = 0), float64
     Bg: Tensor  # [Kc, G, Q, N]
     Cg: Tensor  # [Kc, G, Q, N]
     init_states: Tensor | None  # [m, G, N, R, P]
+
+    def exp(self, exponent: Tensor, keep: Tensor | None = None, upper: float | None = None) -> Tensor:
+        """``exp`` of a (float64) exponent, floored, in the compute dtype; exactly 0 where not ``keep``."""
+        out = exponent.to(self.xdt.dtype).clamp(min=decay_floor(self.xdt.dtype), max=upper).exp()
+        return out if keep is None else out * keep
 
 
 def _prepare(x, dt, A, B, C, layout: ChunkLayout, init_states) -> _Prepared:
@@ -119,18 +130,14 @@ def _prepare(x, dt, A, B, C, layout: ChunkLayout, init_states) -> _Prepared:
     groups, heads, headdim = B.shape[2], x.shape[2], x.shape[3]
     r = heads // groups
     xdt = layout.pad(x * dt[..., None]).view(kc, q, groups, r, headdim).permute(0, 2, 3, 1, 4).contiguous()
-    cs = layout.pad(dt * A).cumsum(1).view(kc, q, groups, r).permute(0, 2, 3, 1).contiguous()  # [Kc, G, R, Q]
+    a = layout.pad(dt * A).view(kc, q, groups, r).permute(0, 2, 3, 1).contiguous()  # [Kc, G, R, Q]
+    cs = a.to(torch.float64).cumsum(-1)
     cs_excl = F.pad(cs, (1, 0))
     Bg = layout.pad(B).transpose(1, 2).contiguous()
     Cg = layout.pad(C).transpose(1, 2).contiguous()
     if init_states is not None:  # [m, H, P, N] -> [m, G, N, R, P]
         init_states = init_states.view(-1, groups, r, headdim, B.shape[3]).permute(0, 1, 4, 2, 3)
-    return _Prepared(xdt, cs, cs_excl, Bg, Cg, init_states)
-
-
-def _exp(exponent: Tensor, keep: Tensor | None = None, upper: float | None = None) -> Tensor:
-    out = exponent.clamp(min=decay_floor(exponent.dtype), max=upper).exp()
-    return out if keep is None else out * keep
+    return _Prepared(xdt, a, cs, cs_excl, Bg, Cg, init_states)
 
 
 def _group_rows(t: Tensor) -> Tensor:
@@ -147,7 +154,7 @@ def _chunk_states(p: _Prepared, layout: ChunkLayout):
     """States each chunk leaves for its last document, with the initial states that enter it:
     ``S [Kc, G, N, R*P]``, the per-token weights ``u [Kc, G, R, Q]`` and the init weights."""
     in_last = (layout.doc == layout.doc[:, -1:])[:, None, None, :]  # [Kc, 1, 1, Q]
-    u = _exp(p.cs[..., -1:] - p.cs, in_last)  # [Kc, G, R, Q]
+    u = p.exp(F.pad(p.a.double().flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)), in_last)  # [Kc, G, R, Q] sum_{k>s} a_k
     kc, groups, _, _, _ = p.xdt.shape
     S = p.xdt.new_empty(kc, groups, p.Bg.shape[-1], p.xdt.shape[2] * p.xdt.shape[-1])
     for part in _chunk_slices(p):
@@ -156,7 +163,7 @@ def _chunk_states(p: _Prepared, layout: ChunkLayout):
     if p.init_states is not None:
         k, o, d, valid = layout.points["init"]
         to_last = (layout.doc[k, -1] == d) & valid  # [m]
-        f = _exp(p.cs[k, :, :, -1] - _at(p.cs_excl[k], o), to_last[:, None, None])  # [m, G, R]
+        f = p.exp(p.cs[k, :, :, -1] - _at(p.cs_excl[k], o), to_last[:, None, None])  # [m, G, R]
         S = S.index_add(0, k, (p.init_states * f[:, :, None, :, None]).flatten(-2))
     return S, u, f
 
@@ -172,7 +179,7 @@ def _start_states(S: Tensor, p: _Prepared, layout: ChunkLayout):
     the carried document, so its decay passes the state on)."""
     kc = S.shape[0]
     carry = layout.doc[:, -1] == layout.carried  # [Kc] the whole chunk continues the carried doc
-    log_decay = p.cs[..., -1].reshape(kc, -1).t()  # [H, Kc]
+    log_decay = p.a.sum(-1).reshape(kc, -1).t()  # [H, Kc]
     h = _from_heads(linear_recurrence(_to_heads(S, p.cs.shape[2]), log_decay, ~carry), S.shape)  # [Kc, G, N, R*P]
     start = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
     return start, carry
@@ -194,8 +201,9 @@ def _diagonal(p: _Prepared, layout: ChunkLayout, part: slice, with_factors: bool
     doc = layout.doc[part]
     keep = (doc[:, :, None] == doc[:, None, :]) & torch.ones(q, q, dtype=torch.bool, device=doc.device).tril()
     CB = (p.Cg[part] @ p.Bg[part].transpose(-1, -2)) * keep[:, None]  # [k, G, Q(l), Q(s)]
-    cs = p.cs[part]
-    decay = (cs[..., :, None] - cs[..., None, :]).clamp_(decay_floor(cs.dtype), 0.0).exp_()  # [k, G, R, Q, Q]
+    a = p.a[part]  # exponents sum_{s<k<=l} a_k: a_k where k > s, summed over k <= l
+    lower = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
+    decay = torch.where(lower, a[..., :, None], 0.0).cumsum_(-2).clamp_(decay_floor(a.dtype), 0.0).exp_()  # [k, G, R, Q, Q]
     if not with_factors:
         return decay.mul_(CB[:, :, None])
     return decay * CB[:, :, None], decay, CB, keep
@@ -210,7 +218,7 @@ def forward(x, dt, A, B, C, D, layout: ChunkLayout, init_states=None, want_y=Tru
     y = final = None
     if want_y:
         in_carried = (layout.doc == layout.carried[:, None])[:, None, None, :]  # [Kc, 1, 1, Q]
-        w = _exp(p.cs, in_carried)  # [Kc, G, R, Q]
+        w = p.exp(p.cs, in_carried)  # [Kc, G, R, Q]
         y = torch.empty_like(p.xdt)  # [Kc, G, R, Q, P]
         for part in _chunk_slices(p):
             torch.mul(_head_rows(p.Cg[part] @ start[part], r), w[part, ..., None], out=y[part])  # step 4
@@ -232,7 +240,7 @@ def _init_outputs(p: _Prepared, layout: ChunkLayout):
     k, o, d, valid = layout.points["init"]
     q = layout.chunk
     mask = (layout.doc[k] == d[:, None]) & (torch.arange(q, device=k.device) >= o[:, None]) & valid[:, None]
-    weight = _exp(p.cs[k] - _at(p.cs_excl[k], o)[..., None], mask[:, None, None, :], upper=0.0)  # [m, G, R, Q]
+    weight = p.exp(p.cs[k] - _at(p.cs_excl[k], o)[..., None], mask[:, None, None, :], upper=0.0)  # [m, G, R, Q]
     return k, weight, o
 
 
@@ -242,9 +250,9 @@ def _final_states(p: _Prepared, layout: ChunkLayout, start: Tensor):
     q = layout.chunk
     cs_o = _at(p.cs[k], o)  # [m, G, R]
     carry = (layout.carried[k] == d) & valid
-    w_start = _exp(cs_o, carry[:, None, None])  # [m, G, R]
+    w_start = p.exp(cs_o, carry[:, None, None])  # [m, G, R]
     mask = (torch.arange(q, device=k.device) <= o[:, None]) & (layout.doc[k] == d[:, None]) & valid[:, None]
-    v = _exp(cs_o[..., None] - p.cs[k], mask[:, None, None, :], upper=0.0)  # [m, G, R, Q]; masked tokens after o
+    v = p.exp(cs_o[..., None] - p.cs[k], mask[:, None, None, :], upper=0.0)  # [m, G, R, Q]; masked tokens after o
     # would have exponents > 0 (exp overflows to inf in float32 over a long chunk, and inf * 0 is NaN)
     r = p.cs.shape[2]
     state = (start[k].unflatten(-1, (r, -1)) * w_start[:, :, None, :, None]).flatten(-2)
@@ -255,7 +263,7 @@ def _final_states(p: _Prepared, layout: ChunkLayout, start: Tensor):
         _, _, oi = _init_outputs(p, layout)
         match = (k[:, None] == ki) & (d[:, None] == di) & (oi <= o[:, None]) & valid[:, None] & valid_i  # [m, m']
         cs_excl_i = _at(p.cs_excl[ki], oi)  # [m', G, R]
-        coef = _exp(cs_o[:, None] - cs_excl_i[None], match[..., None, None], upper=0.0)  # [m, m', G, R]
+        coef = p.exp(cs_o[:, None] - cs_excl_i[None], match[..., None, None], upper=0.0)  # [m, m', G, R]
         state = state + torch.einsum("jigr,ignrp->jgnrp", coef, p.init_states).flatten(-2)
     return state, w_start, v, coef
 
@@ -271,8 +279,10 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
     start, carry = _start_states(S, p, layout)
     del S
     dxdt = torch.zeros_like(p.xdt)  # [Kc, G, R, Q, P]
-    dcs_excl = torch.zeros_like(p.cs_excl)  # [Kc, G, R, Q + 1]: gradient of cs_excl; [..., 1:] is that of cs
+    dcs_excl = torch.zeros_like(p.cs_excl, dtype=p.xdt.dtype)  # [Kc, G, R, Q + 1]: gradient of cs_excl; [..., 1:] is that of cs
     dcs = dcs_excl[..., 1:]
+    da = torch.zeros_like(p.a)  # [Kc, G, R, Q]: gradient of a = dt A taken directly (no cumsum difference)
+    lower = torch.ones(q, q, dtype=torch.bool, device=x.device).tril(-1)
     dBg, dCg, dstart = torch.zeros_like(p.Bg), torch.zeros_like(p.Cg), torch.zeros_like(start)
     d_init = None if p.init_states is None else torch.zeros_like(p.init_states)  # [m, G, N, R, P]
 
@@ -287,7 +297,7 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
             return padded[index].permute(0, 2, 3, 1, 4).contiguous()
 
         in_carried = (layout.doc == layout.carried[:, None])[:, None, None, :]
-        w = _exp(p.cs, in_carried)  # [Kc, G, R, Q]
+        w = p.exp(p.cs, in_carried)  # [Kc, G, R, Q]
         for part in _chunk_slices(p):
             gy = head_major(part)
             # 4. carried states: y_l = exp(cs_l) C_l · start
@@ -300,9 +310,12 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
             dxdt[part] += scores.transpose(-1, -2) @ gy
             d_scores = gy @ p.xdt[part].transpose(-1, -2)  # [k, G, R, Q, Q]
             d_scores *= decay
+            del scores, decay
             dCB = d_scores.sum(2) * keep[:, None]  # [k, G, Q, Q]
             d_scores *= CB[:, :, None]
-            dcs[part] += d_scores.sum(-1) - d_scores.sum(-2)
+            # the segment sums' adjoint, d a_k = sum_{l>=k>s} d_scores[l, s] (reverse cumsum over l): a row sum
+            # minus a column sum of dcs cancels as cs did (dA off 170% after a saturated dt)
+            da[part] += d_scores.flip(-2).cumsum_(-2).mul_(lower.flip(-2)).sum(-1).flip(-1)
             dCg[part] += dCB @ p.Bg[part]
             dBg[part] += dCB.transpose(-1, -2) @ p.Cg[part]
         # 5. initial states inside their chunk
@@ -338,7 +351,7 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
     # 3. state passing: h_k = a_k h_{k-1} + S_k with h_k = start_{k+1}
     grad_h = _to_heads(torch.cat([dstart[1:], torch.zeros_like(dstart[:1])]), r)  # [H, Kc, N*P]
     del dstart
-    log_decay = p.cs[..., -1].reshape(kc, -1).t()  # [H, Kc]
+    log_decay = p.a.sum(-1).reshape(kc, -1).t()  # [H, Kc]
     dS = _from_heads(reverse_recurrence(grad_h, log_decay, ~carry), start.shape)
     del grad_h
     inner = (dS.unflatten(-1, (r, headdim)) * start.unflatten(-1, (r, headdim))).sum((2, 4))  # [Kc, G, R] <dh_k, h_{k-1}>
@@ -357,10 +370,9 @@ def backward(x, dt, A, B, C, D, layout: ChunkLayout, init_states, grad_y, grad_f
         dxdt[part] += BdS * u[part, ..., None]
         dBg[part] += _group_rows(p.xdt[part] * u[part, ..., None]) @ dS[part].transpose(-1, -2)
         uZ = u[part] * (p.xdt[part] * BdS).sum(-1)  # [k, G, R, Q]
-        dcs[part] -= uZ
-        dcs[part, ..., -1] += uZ.sum(-1)
+        da[part] += F.pad(uZ.cumsum(-1)[..., :-1], (1, 0))  # u_s = exp(sum_{s<k<=last} a_k): d a_k = sum_{s<k} uZ_s
     # back to the token layout: cs = cumsum(dt A), xdt = dt x
-    da = layout.unpad(dcs.flip(-1).cumsum(-1).flip(-1).permute(0, 3, 1, 2).reshape(kc, q, groups * r))  # [B, L, H]
+    da = layout.unpad((dcs.flip(-1).cumsum(-1).flip(-1) + da).permute(0, 3, 1, 2).reshape(kc, q, groups * r))  # [B, L, H]
     dxdt = layout.unpad(dxdt.permute(0, 3, 1, 2, 4).reshape(kc, q, groups * r, headdim))  # [B, L, H, P] (a copy)
     ddt = torch.linalg.vecdot(dxdt, x).addcmul_(da, A)
     dA = (da * dt).sum((0, 1))

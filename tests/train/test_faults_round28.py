@@ -1,0 +1,94 @@
+"""Round 28: numerical extremes -- valid but extreme values, each held to a float64 reference (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridpar.models.mamba.core import mamba_conv_scan
+
+
+def _sequential_scan(x, dt, A, B, C, D, starts):
+    """The Mamba2 recurrence token by token (float64): ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``, ``y_t = C_t h_t + D x_t``,
+    ``h`` reset at the tokens in ``starts``. ``x [L, H, P]``, ``dt [L, H]``, ``B, C [L, G, N]``."""
+    length, heads, head_dim = x.shape
+    repeat = heads // B.shape[1]
+    h, ys = x.new_zeros(heads, head_dim, B.shape[2]), []
+    for t in range(length):
+        h = h * (0.0 if t in starts else 1.0)
+        h = torch.exp(dt[t] * A)[:, None, None] * h + (dt[t, :, None] * x[t])[..., None] * B[t].repeat_interleave(repeat, 0)[:, None]
+        ys.append((h * C[t].repeat_interleave(repeat, 0)[:, None]).sum(-1) + D[:, None] * x[t])
+    return torch.stack(ys)
+
+
+@pytest.mark.parametrize("spike_at", [0, 100])
+def test_the_ssd_scan_keeps_float32_precision_after_a_saturated_time_step(spike_at):
+    """One token whose dt saturates the softplus (dt = 1e6, A = -e^2) beside steps of dt * A ~ -7e-3: the within-chunk
+    cumsum of dt * A reaches -7e6, whose float32 ulp (0.5) swallowed the later steps, and y, d dt, d A_log came out
+    19%, 15% and 210% off the sequential recurrence. Now float32 keeps ~1e-7 in y and every gradient."""
+    torch.manual_seed(0)
+    length, heads, head_dim, state, groups = 192, 2, 4, 4, 1
+    xBC = torch.randn(1, length, heads * head_dim + 2 * groups * state, dtype=torch.float64)
+    dt_raw = torch.full((1, length, heads), -7.0, dtype=torch.float64)
+    dt_raw[:, spike_at] = 1e6
+    dt_bias, A_log, D = torch.zeros(heads), torch.full((heads,), 2.0), torch.ones(heads)
+    cu_docs = torch.tensor([0, 150, length])  # a second document inside the third chunk
+    grad_y = torch.randn(1, length, heads * head_dim, dtype=torch.float64)
+    inputs = [t.double().requires_grad_() for t in (xBC, dt_raw, dt_bias, A_log, D)]
+    x, B, C = inputs[0][0].split([heads * head_dim, groups * state, groups * state], -1)
+    ref = _sequential_scan(x.view(length, heads, head_dim), F.softplus(inputs[1][0] + inputs[2]), -torch.exp(inputs[3]),
+                           B.view(length, groups, state), C.view(length, groups, state), inputs[4], {0, 150}).flatten(-2)
+    ref_grads = torch.autograd.grad((ref * grad_y[0]).sum(), inputs)
+    ours = [t.detach().float().requires_grad_() for t in inputs]
+    y = mamba_conv_scan(ours[0], ours[1], None, None, ours[2], ours[3], ours[4], head_dim=head_dim, state_size=state,
+                        chunk_size=64, cu_docs=cu_docs)
+    grads = torch.autograd.grad((y * grad_y.float()).sum(), ours)
+    for name, got, want in [("y", y[0], ref)] + list(zip(["dxBC", "ddt", "ddt_bias", "dA_log", "dD"], grads, ref_grads)):
+        error = float((got.double() - want).abs().max() / want.abs().max())
+        assert error < 2e-6, (name, error)
+
+
+def test_weight_decay_leaves_a_mamba1_a_log_matrix_alone():
+    """A Mamba1 mixer's ``A_log`` is a matrix ``[d_inner, N]`` (Mamba, FalconMamba, Jamba): the optimizer decayed it as
+    a weight, so every step pulled ``A = -exp(A_log)`` toward -1 (mamba_ssm and transformers mark it
+    ``_no_weight_decay``; the docstring promised SSM parameters undecayed). A step with zero gradients now leaves every
+    ``A_log``, ``D`` and ``dt_bias`` exactly as it was and decays the matrices by ``1 - lr * weight_decay``."""
+    import transformers as hf
+
+    from hybridpar.config import TrainConfig
+    from hybridpar.train.optim import build_optimizer
+    from tests.models.hf.mamba1_models import mamba1_config
+
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(mamba1_config("jamba")).double()
+    optimizer = build_optimizer(model, TrainConfig(lr=0.1, weight_decay=0.5))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    ssm = [name for name in before if name.rsplit(".", 1)[-1] in ("A_log", "D", "dt_bias")]
+    assert any(before[name].dim() == 2 for name in ssm)  # Mamba1's A_log matrices
+    for name, p in model.named_parameters():
+        expected = before[name] * (0.95 if p.dim() >= 2 and name not in ssm else 1.0)
+        assert torch.equal(p.detach(), expected), name
+
+
+def test_a_finite_gradient_norm_past_float32s_squares_is_finite():
+    """Gradients of 1e20 in float32 (or bf16: the same range) have a finite norm, but their squares (1e40) overflowed:
+    the step's gradient norm read inf and ``train.on_nonfinite`` stopped (or skipped) a step that clipping makes sound.
+    The squares now sum in float64: the norm is the float64 one and clipping brings it to ``max_norm``."""
+    from hybridpar.train.optim import clip_grad_norm
+
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3, dtype=torch.float64) * 1e20, torch.randn(7, dtype=torch.float64) * 3e19]
+    want = torch.cat([g.flatten() for g in grads]).norm()
+    for dtype in (torch.float32, torch.bfloat16):
+        params = [torch.nn.Parameter(torch.zeros_like(g, dtype=dtype)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g.to(dtype)
+        rounded = torch.cat([p.grad.double().flatten() for p in params]).norm()
+        norm = clip_grad_norm(params, 1.0)
+        assert abs(float(norm) / float(rounded) - 1) < 1e-12 and abs(float(rounded) / float(want) - 1) < 1e-2, (dtype, norm)
+        clipped = torch.cat([p.grad.double().flatten() for p in params]).norm()
+        assert abs(float(clipped) - 1.0) < 1e-2, (dtype, clipped)  # the clipped gradient's norm is max_norm
