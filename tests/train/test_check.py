@@ -116,4 +116,5 @@ def test_check_under_lora_proves_the_a_gradients_too():
     code, report = results["wrong"]
     assert code == 1 and "check FAILED" in report, report
     failed = [line for line in report.splitlines() if line.endswith("FAIL")]
-    assert failed and all(".lora_A." in line for line in failed), report
+    assert failed and all(".lora_A." in line for line in failed[:-1]), report
+    assert failed[-1].strip().startswith("grad norm"), report  # their norm too (round 27)

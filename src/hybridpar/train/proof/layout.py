@@ -5,6 +5,12 @@ packs through it, and compares the loss and the full (gathered) gradient of ever
 parameter. A user's proof that their layout computes what one GPU would, for a ``HybridLM``
 and for a transformers model alike (``trainer.pack_loss_sum``).
 
+Also compared: the gradient norm that ``train.grad_clip`` clips by and the run logs
+(``optim.clip_grad_norm``, its own reductions over the shards). A gradient of another shape, one
+a process has that the other has not, and one that differs between ranks (a replicated
+parameter whose replicas disagree: each rank compares its own copy, and every rank's failures
+are gathered into the one verdict) fail.
+
 A quantity passes when ``|parallel - reference| <= tolerance * max(1, |reference|)`` with
 both sides finite: a NaN or infinity anywhere fails. The default tolerance follows the
 dtype the step runs in (bf16 under ``parallel.mixed_precision=bf16``). Only float64 results
@@ -23,6 +29,7 @@ from hybridpar.config import ConfigError, RunConfig
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.train.loss import valid_token_count
+from hybridpar.train.optim import clip_grad_norm
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.peft import apply_peft, key_dropout
@@ -59,6 +66,47 @@ def reference_step(model, packs, device) -> torch.Tensor:
         (loss_sum / count + (0 if aux is None else aux)).backward()
         total += loss_sum.detach().double() + (0 if aux is None else aux.detach().double() * count)
     return total / count
+
+
+def _largest(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def gradient_rows(reference: torch.nn.Module, reference_grads: dict, parallel_grads: dict) -> list[tuple[str, float, float]]:
+    """``(name, largest difference, scale)`` of every gradient; inf (fails) for one only one side has or shaped
+    otherwise (a ``[1, n]`` gradient broadcast against an ``[m, n]`` one compared equal; ``[m+1, n]`` was a
+    traceback)."""
+    rows = []
+    for name, param in reference.named_parameters():
+        if param.grad is None:  # a frozen base weight: the parallel run must not have a gradient either
+            rows.append((f"grad {name} (frozen)", float(name in parallel_grads), 0.0))
+    for name, grad in reference_grads.items():
+        theirs = parallel_grads.get(name)
+        if theirs is None:  # no gradient reached it under the layout: it would never train (was a KeyError)
+            rows.append((f"grad {name} (none under the layout)", math.inf, _largest(grad)))
+        elif theirs.shape != grad.shape:
+            rows.append((f"grad {name} (shape {tuple(theirs.shape)} under the layout, {tuple(grad.shape)} on one "
+                         "process)", math.inf, _largest(grad)))
+        else:
+            rows.append((f"grad {name}", _largest(theirs.to(grad.dtype) - grad), _largest(grad)))
+    known = set(reference_grads) | {name for name, _ in reference.named_parameters()}
+    for name in sorted(set(parallel_grads) - known):
+        rows.append((f"grad {name} (only under the layout: one process has no such parameter)", math.inf, 0.0))
+    return rows
+
+
+def failures_of_every_rank(rows: list, failures: list[str]) -> tuple[list, list[str]]:
+    """Every rank compares its own copy of each gradient (a replicated one is each rank's local tensor): the
+    failures of all ranks, a row that failed elsewhere only named with those ranks, so rank 0's verdict and every
+    rank's exit code are the job's (rank 0 said "exact" where rank 1's replica differed). Collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rows, failures
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, failures)
+    ranks = {name: [rank for rank, names in enumerate(every) if name in names] for names in every for name in names}
+    elsewhere = {name: f"{name} [rank {', '.join(map(str, where))} only: the ranks' copies differ]"
+                 for name, where in ranks.items() if 0 not in where}
+    return [(elsewhere.get(name, name), d, scale) for name, d, scale in rows], [elsewhere.get(n, n) for n in ranks]
 
 
 def print_rows(rows, failures) -> None:
@@ -123,20 +171,16 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
                           f"{config.data.pack_size} hold no labelled token (nothing to compare); use a larger "
                           "data.pack_size (or data.packs_per_step).")
     parallel_grads = canonical_state_dict(trainer.model, grads=True)
+
+    parallel_norm = clip_grad_norm(trainer.model.parameters(), math.inf)  # what train.grad_clip clips by; no clipping
     reference_loss = reference_step(reference, trainer.train_data.step_packs(0), device)
 
     rows = [("loss", float((parallel_loss - reference_loss).abs()), float(reference_loss.abs()))]
-    reference_grads = canonical_state_dict(reference, grads=True)  # parts stored apart fused (LoRA's GateUpB)
-    for name, param in reference.named_parameters():
-        if param.grad is None:  # a frozen base weight: the parallel run must not have a gradient either
-            rows.append((f"grad {name} (frozen)", float(name in parallel_grads), 0.0))
-    for name, grad in reference_grads.items():
-        if name not in parallel_grads:  # no gradient reached it under the layout: it would never train (was a KeyError)
-            rows.append((f"grad {name} (none under the layout)", math.inf, float(grad.abs().max())))
-            continue
-        difference = (parallel_grads[name].to(grad.dtype) - grad).abs().max()
-        rows.append((f"grad {name}", float(difference), float(grad.abs().max())))
-    failures = [name for name, difference, scale in rows if not within(difference, scale, tolerance)]
+    rows += gradient_rows(reference, canonical_state_dict(reference, grads=True), parallel_grads)
+    reference_norm = clip_grad_norm(reference.parameters(), math.inf)
+    rows.append(("grad norm (train.grad_clip clips by it)", float((parallel_norm - reference_norm).abs()),
+                 float(reference_norm)))
+    rows, failures = failures_of_every_rank(rows, [name for name, d, scale in rows if not within(d, scale, tolerance)])
     exact = (config.model.dtype == "float64" and config.parallel.mixed_precision is None
              and all(difference <= EXACT * max(1.0, scale) for _, difference, scale in rows))
     if dist.get_rank() == 0:
