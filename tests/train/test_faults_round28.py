@@ -92,3 +92,69 @@ def test_a_finite_gradient_norm_past_float32s_squares_is_finite():
         assert abs(float(norm) / float(rounded) - 1) < 1e-12 and abs(float(rounded) / float(want) - 1) < 1e-2, (dtype, norm)
         clipped = torch.cat([p.grad.double().flatten() for p in params]).norm()
         assert abs(float(clipped) - 1.0) < 1e-2, (dtype, clipped)  # the clipped gradient's norm is max_norm
+
+
+def _sequential_delta_rule(q, k, v, g, beta):
+    """The gated delta rule token by token (float64): ``S <- exp(g_t) S`` (``g [T, H]`` or per key channel
+    ``[T, H, dk]``), ``S <- S + k_t beta_t (v_t - S^T k_t)^T``, ``o_t = S^T q_t / sqrt(dk)``."""
+    length, heads, dk = k.shape
+    state, outs = q.new_zeros(heads, dk, v.shape[-1]), []
+    for t in range(length):
+        state = torch.exp(g[t]).view(heads, -1, 1) * state
+        u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t]))
+        state = state + k[t][..., None] * u[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", state, q[t] * dk ** -0.5))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("rule", ["gated_delta", "kda"])
+def test_the_delta_rules_keep_float32_precision_after_a_saturated_decay(rule):
+    """Gated DeltaNet (Qwen3-Next) and KDA (Kimi Linear) take ``g = -exp(A_log) softplus(a + dt_bias)``: one token with a
+    saturated softplus (g ~ -7e6) beside steps of -7e-3 made the chunk's float32 cumsum ``G`` step by its ulp, and the
+    output and every gradient came out 8-20% off the sequential recurrence. Now ~3e-7."""
+    from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
+    from hybridpar.models.linear.kda import chunk_kda_rule
+
+    torch.manual_seed(0)
+    length, heads, dk, dv = 160, 2, 8, 8
+    g_shape = (1, length, heads) + ((dk,) if rule == "kda" else ())
+    g_raw = torch.full(g_shape, -7.0, dtype=torch.float64)
+    g_raw[:, 100] = 1e6
+    inputs = [torch.randn(1, length, heads, dk, dtype=torch.float64), F.normalize(torch.randn(1, length, heads, dk,
+              dtype=torch.float64), dim=-1), torch.randn(1, length, heads, dv, dtype=torch.float64), g_raw,
+              torch.rand(1, length, heads, dtype=torch.float64)]
+    inputs = [t.requires_grad_() for t in inputs]
+    decay = lambda raw: -F.softplus(raw) * 7.39  # noqa: E731
+    ref = _sequential_delta_rule(*(t[0] for t in inputs[:3]), decay(inputs[3][0]), inputs[4][0])
+    grad_o = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * grad_o).sum(), inputs)
+    ours = [t.detach().float().requires_grad_() for t in inputs]
+    run = chunk_kda_rule if rule == "kda" else chunk_gated_delta_rule
+    o, _ = run(ours[0], ours[1], ours[2], decay(ours[3]), ours[4], chunk_size=64)
+    grads = torch.autograd.grad((o[0] * grad_o.float()).sum(), ours)
+    for name, got, want in [("o", o[0], ref)] + list(zip(["dq", "dk", "dv", "dg", "dbeta"], grads, ref_grads)):
+        error = float((got.double() - want).abs().max() / want.abs().max())
+        assert error < 3e-6, (name, error)
+
+
+def test_trained_bfloat16_weights_say_that_small_updates_round_away(tmp_path):
+    """``model.dtype=bfloat16`` without mixed precision trains bf16 weights and AdamW rounds every update below half a
+    weight's bf16 spacing away, silently: at lr=1e-4 a fifth of an N(0, 0.02) matrix and every norm weight never
+    moved. The run now says so in one line, with the magnitude past which nothing moves (measured here) and the fix."""
+    from hybridpar.config import TrainConfig
+    from hybridpar.train.optim import build_optimizer
+    from tests.train.fault_probes import cli
+
+    code, out = cli("train", "--dry-run", "model.dtype=bfloat16", "train.lr=1e-4", f"output_dir={tmp_path / 'run'}")
+    assert code == 0, out
+    [line] = [line for line in out.splitlines() if "rounded away" in line]
+    assert "weights of magnitude 0.0512 or more do not change" in line and "parallel.mixed_precision=bf16" in line
+    code, out = cli("train", "--dry-run", "model.dtype=bfloat16", "parallel.mixed_precision=bf16", f"output_dir={tmp_path / 'mp'}")
+    assert "rounded away" not in out  # float32 master weights
+    torch.manual_seed(0)
+    weights = torch.nn.Parameter(torch.linspace(-0.1, 0.1, 2001).to(torch.bfloat16))
+    before = weights.detach().clone()
+    weights.grad = torch.randn_like(weights)
+    build_optimizer(torch.nn.ParameterList([weights]), TrainConfig(lr=1e-4, weight_decay=0.0)).step()
+    moved = weights.detach() != before
+    assert not moved[before.float().abs() >= 0.0512].any() and moved[before.float().abs() < 0.0128].all()

@@ -57,14 +57,14 @@ def _decayed_products(a: Tensor, b: Tensor, G: Tensor, visible: Tensor) -> Tenso
     a_s, b_s, G_s = (x.unflatten(-2, (n, S)) for x in (a, b, G))  # [.., n, S, dk]
     # within a sub-chunk: pairwise G_i - G_j, masked (j > i) to -inf before the exp
     below = torch.ones(S, S, dtype=torch.bool, device=G.device).tril()
-    pairwise = (G_s[..., :, None, :] - G_s[..., None, :, :]).masked_fill(~below[..., None], float("-inf")).exp()
+    pairwise = (G_s[..., :, None, :] - G_s[..., None, :, :]).to(a.dtype).masked_fill(~below[..., None], float("-inf")).exp()
     inner = ((a_s[..., :, None, :] * pairwise) * b_s[..., None, :, :]).sum(-1)  # [.., n, S, S]
-    out = (inner.unsqueeze(-2) * torch.eye(n, dtype=G.dtype, device=G.device)[:, None, :, None]).flatten(-2)
+    out = (inner.unsqueeze(-2) * torch.eye(n, dtype=a.dtype, device=G.device)[:, None, :, None]).flatten(-2)
     if n > 1:  # rows of sub-chunk s >= 1, columns before it: two factors <= 1 around R_s, one matmul
         R = G_s[..., :-1, -1:, :]  # [.., n-1, 1, dk]: G at the end of sub-chunk s-1
-        rows = a_s[..., 1:, :, :] * (G_s[..., 1:, :, :] - R).exp()  # [.., n-1, S, dk]
+        rows = a_s[..., 1:, :, :] * (G_s[..., 1:, :, :] - R).to(a.dtype).exp()  # [.., n-1, S, dk]
         earlier = torch.arange(C, device=G.device)[None, :] < torch.arange(1, n, device=G.device)[:, None] * S
-        cols = b.unsqueeze(-3) * (R - G.unsqueeze(-3)).masked_fill(~earlier[..., None], float("-inf")).exp()
+        cols = b.unsqueeze(-3) * (R - G.unsqueeze(-3)).to(a.dtype).masked_fill(~earlier[..., None], float("-inf")).exp()
         cross = rows @ cols.transpose(-1, -2)  # [.., n-1, S, C]
         out = out + torch.cat([torch.zeros_like(cross[..., :1, :, :]), cross], dim=-3)
     return out.flatten(-3, -2).masked_fill(~visible, 0.0)  # [.., C, C]
@@ -109,17 +109,19 @@ def chunk_kda_rule(
     q, k, v, g = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (chunks, C)) for x in (q, k, v, g))  # [B, H, N, C, d]
     beta = F.pad(beta, (0, pad)).unflatten(2, (chunks, C))  # [B, H, N, C]
 
-    G = g.cumsum(-2)  # [B, H, N, C, dk]
+    # G in float64 (exponents cast before exp): a difference of float32 cumsums cancels after one saturated step (G ~ -7e6
+    # in a channel: its later steps fall below float32's ulp), as in gated_delta.py and the SSD scan
+    G = g.to(torch.float64).cumsum(-2)  # [B, H, N, C, dk]
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     system = decayed_products(k_beta, k, G, visible)  # A (+ a diagonal the unitriangular solve ignores)
     intra = decayed_products(q, k, G, visible)  # [B, H, N, C, C]
-    read_decay = G.exp() * carried  # c_i exp(G_i) [B, H, N, C, dk]
+    read_decay = G.to(dtype).exp() * carried  # c_i exp(G_i) [B, H, N, C, dk]
     U = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     W = torch.linalg.solve_triangular(system, k_beta * read_decay, upper=False, unitriangular=True)
     q_read = q * read_decay
     last_same = visible[..., -1, :].to(dtype).unsqueeze(-1)  # [B, 1, N, C, 1]: [doc_j = doc_L] (row L of M)
-    k_write = k * (G[..., -1:, :] - G).exp() * last_same
-    state_decay = (G[..., -1, :].exp() * carried[..., -1, :]).unsqueeze(-1)  # c_L exp(G_L): [B, H, N, dk, 1]
+    k_write = k * (G[..., -1:, :] - G).to(dtype).exp() * last_same
+    state_decay = (G[..., -1, :].to(dtype).exp() * carried[..., -1, :]).unsqueeze(-1)  # c_L exp(G_L): [B, H, N, dk, 1]
 
     state = (torch.zeros(batch, heads, dk, dv, dtype=dtype, device=q.device) if initial_state is None
              else initial_state.to(dtype))
