@@ -51,7 +51,7 @@ def _norm_without_its_all_reduce():
     return _patched(optim, "torch", Torch())
 
 
-def _replica_differs_on_rank_1():
+def _replica_differs_on_rank_1(by: float = 1.0):
     """A replicated (TP ``Replicate``) gradient that rank 1 holds otherwise than rank 0 (its replicas would drift)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -63,7 +63,7 @@ def _replica_differs_on_rank_1():
             loss = super().step_gradients(step)
             if dist.get_rank() == 1:
                 grad = dict(self.model.named_parameters())["backbone.norm_f.weight"].grad
-                (grad.to_local() if isinstance(grad, DTensor) else grad).add_(1.0)
+                (grad.to_local() if isinstance(grad, DTensor) else grad).add_(by)
             return loss
 
     return _patched(layout, "Trainer", Trainer)
@@ -88,11 +88,12 @@ def _gathered_otherwise():
     return _patched(layout, "canonical_state_dict", canonical_state_dict)
 
 
-FAULTS = {
-    "fsdp": (FSDP, None),
-    "fsdp_norm": (FSDP, _norm_without_its_all_reduce),
-    "tp_replica": (TP, _replica_differs_on_rank_1),
-    "tp_shapes": (TP, _gathered_otherwise),
+FAULTS = {  # case: (overrides, fault, --tolerance)
+    "fsdp": (FSDP, None, None),
+    "fsdp_norm": (FSDP, _norm_without_its_all_reduce, None),
+    "tp_replica": (TP, _replica_differs_on_rank_1, None),
+    "tp_replica_within": (TP, lambda: _replica_differs_on_rank_1(1e-8), 1e-6),
+    "tp_shapes": (TP, _gathered_otherwise, None),
 }
 
 
@@ -100,11 +101,11 @@ def _checks(rank, world_size):
     import hybridpar.train.proof.layout as layout
 
     results = {}
-    for name, (overrides, fault) in FAULTS.items():
+    for name, (overrides, fault, tolerance) in FAULTS.items():
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out), (fault() if fault else contextlib.nullcontext()):
-                code = layout.run_check(load_config(DEFAULT, SMALL + overrides), torch.device("cpu"))
+                code = layout.run_check(load_config(DEFAULT, SMALL + overrides), torch.device("cpu"), tolerance)
         except Exception as error:  # noqa: BLE001 (a case that crashes fails its own test, not the others)
             code = f"{type(error).__name__}: {error}"
         results[name] = (code, out.getvalue())
@@ -135,12 +136,14 @@ def test_check_compares_the_gradient_norm_the_run_clips_by(checks):
 
 def test_check_fails_on_every_rank_when_the_ranks_copies_of_a_gradient_differ(checks):
     """Each rank compares its own copy of a replicated gradient, and only rank 0 printed: a copy that differed on
-    rank 1 only was "check exact" on rank 0 (exit 0 there, 1 on rank 1). The failures of every rank now make the one
-    verdict, naming the rank."""
+    rank 1 only was "check exact" on rank 0 (exit 0 there, 1 on rank 1), and one 1e-8 apart under ``--tolerance 1e-6``
+    was called exact. The failures and the exactness of every rank now make the one verdict, naming the rank."""
     (code, report), (code_1, _) = checks["tp_replica"]
     assert code == code_1 == 1 and "check FAILED" in report, report
     failed = _failed(report)
     assert any(line.startswith("grad backbone.norm_f.weight [rank 1 only") for line in failed), report
+    (code, report), (code_1, _) = checks["tp_replica_within"]  # 1e-8 apart on rank 1, within --tolerance 1e-6
+    assert code == code_1 == 0 and "check passed" in report and "check exact" not in report, report
 
 
 def test_check_fails_a_gradient_of_another_shape_or_one_only_the_layout_has(checks):

@@ -95,18 +95,21 @@ def gradient_rows(reference: torch.nn.Module, reference_grads: dict, parallel_gr
     return rows
 
 
-def failures_of_every_rank(rows: list, failures: list[str]) -> tuple[list, list[str]]:
+def failures_of_every_rank(rows: list, failures: list[str], exact: bool) -> tuple[list, list[str], bool]:
     """Every rank compares its own copy of each gradient (a replicated one is each rank's local tensor): the
-    failures of all ranks, a row that failed elsewhere only named with those ranks, so rank 0's verdict and every
-    rank's exit code are the job's (rank 0 said "exact" where rank 1's replica differed). Collective."""
+    failures of all ranks, a row that failed elsewhere only named with those ranks, and exact only if every rank
+    is, so rank 0's verdict and every rank's exit code are the job's (rank 0 said "exact" where rank 1's replica
+    differed). Collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return rows, failures
+        return rows, failures, exact
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, failures)
-    ranks = {name: [rank for rank, names in enumerate(every) if name in names] for names in every for name in names}
+    dist.all_gather_object(every, (failures, exact))
+    ranks = {name: [rank for rank, (names, _) in enumerate(every) if name in names]
+             for names, _ in every for name in names}
     elsewhere = {name: f"{name} [rank {', '.join(map(str, where))} only: the ranks' copies differ]"
                  for name, where in ranks.items() if 0 not in where}
-    return [(elsewhere.get(name, name), d, scale) for name, d, scale in rows], [elsewhere.get(n, n) for n in ranks]
+    return ([(elsewhere.get(name, name), d, scale) for name, d, scale in rows], [elsewhere.get(n, n) for n in ranks],
+            all(flag for _, flag in every))
 
 
 def print_rows(rows, failures) -> None:
@@ -180,9 +183,10 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     reference_norm = clip_grad_norm(reference.parameters(), math.inf)
     rows.append(("grad norm (train.grad_clip clips by it)", float((parallel_norm - reference_norm).abs()),
                  float(reference_norm)))
-    rows, failures = failures_of_every_rank(rows, [name for name, d, scale in rows if not within(d, scale, tolerance)])
     exact = (config.model.dtype == "float64" and config.parallel.mixed_precision is None
              and all(difference <= EXACT * max(1.0, scale) for _, difference, scale in rows))
+    rows, failures, exact = failures_of_every_rank(
+        rows, [name for name, d, scale in rows if not within(d, scale, tolerance)], exact)
     if dist.get_rank() == 0:
         p = config.parallel
         print(f"check: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} "
