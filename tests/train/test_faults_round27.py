@@ -88,24 +88,45 @@ def _gathered_otherwise():
     return _patched(layout, "canonical_state_dict", canonical_state_dict)
 
 
-FAULTS = {  # case: (overrides, fault, --tolerance)
+def _one_run_misses(which: int):
+    """``check --packing``'s packed run (``which=0``) or its one-document-per-row run (1) leaves the LM head without a
+    gradient (a parameter one of them never reached)."""
+    import hybridpar.train.proof.packing as packing
+
+    real, calls = packing._step, []
+
+    def step(model, rows, count):
+        loss = real(model, rows, count)
+        calls.append(1)
+        if len(calls) == which + 1:
+            dict(model.named_parameters())["lm_head.weight"].grad = None
+        return loss
+
+    return _patched(packing, "_step", step)
+
+
+FAULTS = {  # case: (overrides, fault, --tolerance); "packing_*": check --packing
     "fsdp": (FSDP, None, None),
     "fsdp_norm": (FSDP, _norm_without_its_all_reduce, None),
     "tp_replica": (TP, _replica_differs_on_rank_1, None),
     "tp_replica_within": (TP, lambda: _replica_differs_on_rank_1(1e-8), 1e-6),
     "tp_shapes": (TP, _gathered_otherwise, None),
+    "packing_packed": (["parallel.tp=1"], lambda: _one_run_misses(1), None),
+    "packing_alone": (["parallel.tp=1"], lambda: _one_run_misses(0), None),
 }
 
 
 def _checks(rank, world_size):
     import hybridpar.train.proof.layout as layout
+    import hybridpar.train.proof.packing as packing
 
     results = {}
     for name, (overrides, fault, tolerance) in FAULTS.items():
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out), (fault() if fault else contextlib.nullcontext()):
-                code = layout.run_check(load_config(DEFAULT, SMALL + overrides), torch.device("cpu"), tolerance)
+                run = packing.run_packing_check if name.startswith("packing") else layout.run_check
+                code = run(load_config(DEFAULT, SMALL + overrides), torch.device("cpu"), tolerance)
         except Exception as error:  # noqa: BLE001 (a case that crashes fails its own test, not the others)
             code = f"{type(error).__name__}: {error}"
         results[name] = (code, out.getvalue())
@@ -155,3 +176,13 @@ def test_check_fails_a_gradient_of_another_shape_or_one_only_the_layout_has(chec
     failed = "\n".join(_failed(report))
     assert "grad backbone.norm_f.weight (shape (1, 64) under the layout, (64,) on one process)" in failed, report
     assert "grad lm_head.weight (shape (" in failed and "backbone.extra.weight (only under the layout" in failed, report
+
+
+def test_check_packing_fails_a_gradient_only_one_of_its_runs_has(checks):
+    """``check --packing`` compared the parameters with a gradient after the one-document-per-row run: one only the
+    packed run reached was never looked at ("exact"), one only the one-per-row run reached stopped it with
+    "KeyError: 'lm_head.weight'". Each is a failed row naming which run had it."""
+    for case, only in (("packing_packed", "packed"), ("packing_alone", "one per row")):
+        (code, report), (code_1, _) = checks[case]
+        assert code == code_1 == 1 and "check --packing FAILED: 1 of" in report, report
+        assert _failed(report)[0].startswith(f"grad lm_head.weight (only {only})"), report
