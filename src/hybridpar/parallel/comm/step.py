@@ -26,7 +26,7 @@ dp_replicate``. Per pack unless marked "per step":
                   and 1 for the root (every unit 1 per step with reshard_after_forward=False);
                   reduce_scatter (P_f-1) S_u per step; HSDP all_reduce 2(R-1)/R S_u per step
     clip          per set of groups gradients are sharded over, and group in it: all_reduce of one summed
-                  square (max(e, 4) bytes), per step
+                  square (8 bytes: float64), per step
 
 Under LoRA (``adapters``) a backward row runs only where a gradient reaches (``grad_flow.py``), FSDP gathers the
 adapters with their units and reduces only theirs, and ``tp_adapters`` sums each replicated factor's gradient over TP.
@@ -366,11 +366,11 @@ def tp_adapters(s: StepShape) -> Tally:
 
 
 def clip(s: StepShape) -> Tally:
-    """``clip_grad_norm``: one all_reduce of a summed square (>= float32) per set of groups the
+    """``clip_grad_norm``: one all_reduce of a summed square (float64) per set of groups the
     gradients are sharded over and per group in it: FSDP shards every gradient over dp_shard x cp,
     TP shards some over tp too; without FSDP the embedding's gradient comes back replicated."""
     out, dims = Tally(), s.dims
-    e = max(s.element_size, 4)
+    e = 8  # train/optim.clip_grad_norm sums squares in float64
     fsdp = s.fsdp and dims.size("dp_shard_cp") > 1
     units = unit_parameters(s.model, dims.tp, s.sequence_parallel) if s.adapters is None else s.adapters
     params = [p for unit in units.values() for p in unit]
