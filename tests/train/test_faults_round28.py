@@ -158,3 +158,43 @@ def test_trained_bfloat16_weights_say_that_small_updates_round_away(tmp_path):
     build_optimizer(torch.nn.ParameterList([weights]), TrainConfig(lr=1e-4, weight_decay=0.0)).step()
     moved = weights.detach() != before
     assert not moved[before.float().abs() >= 0.0512].any() and moved[before.float().abs() < 0.0128].all()
+
+
+def test_a_checkpoint_saved_with_a_log_among_the_decayed_matrices_resumes(tmp_path):
+    """A run saved before the fix above holds Mamba1's ``A_log`` in the decayed group; loading it into this optimizer
+    (``A_log`` undecayed) gave a group without its hyperparameters (torch's loader matches groups by their members),
+    and the first step after the resume stopped on KeyError 'eps'. The moments load by name and the groups are this
+    run's: ``A_log`` keeps its moments and joins the undecayed group."""
+    import torch.distributed as dist
+    import transformers as hf
+
+    from hybridpar.config import TrainConfig
+    from hybridpar.train.optim import apply_settings, build_optimizer, build_scheduler
+    from hybridpar.train.run.checkpoint import load_checkpoint, save_checkpoint
+    from tests.models.hf.mamba1_models import mamba1_config
+
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(mamba1_config("mamba"))
+    config = TrainConfig(lr=1e-3, weight_decay=0.1)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    before = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},  # the grouping of a run before round 28
+                                {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before.step()
+    for p in model.parameters():
+        p.grad = None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        path = save_checkpoint(tmp_path, 1, model, before, build_scheduler(before, config), extra={}, run_info={"run_id": "r"})
+        optimizer = build_optimizer(model, config)
+        scheduler = build_scheduler(optimizer, config)
+        load_checkpoint(path, model, optimizer, scheduler)
+    finally:
+        dist.destroy_process_group()
+    apply_settings(optimizer, scheduler, config)  # as the trainer resumes
+    assert all(group["eps"] == 1e-8 for group in optimizer.param_groups)  # torch's loader left a group without it
+    for name, p in model.named_parameters():
+        assert torch.equal(optimizer.state[p]["exp_avg"], before.state[p]["exp_avg"]), name
+    a_log = [p for name, p in model.named_parameters() if name.endswith("A_log")]
+    assert all(any(p is q for q in optimizer.param_groups[1]["params"]) for p in a_log)

@@ -277,10 +277,8 @@ def _options(model, setting: bool = False) -> StateDictOptions:
 def save_checkpoint(directory, step: int, model, optimizer, scheduler, extra: dict | None = None, keep: int = 2,
                     run_info: dict | None = None) -> Path:
     """Write a checkpoint of ``step`` atomically and keep the newest ``keep`` of this run; returns its path.
-
-    ``run_info`` (JSON: ``run_id``, model config, data stream) goes to run.json; retention
-    only touches checkpoints with the same ``run_id``.
-    """
+    ``run_info`` (JSON: ``run_id``, model config, data stream) goes to run.json; retention only touches checkpoints
+    with the same ``run_id``."""
     try:
         return _save(directory, step, model, optimizer, scheduler, extra, keep, run_info)
     except BaseException as error:  # DCP's CheckpointException is a BaseException, as is an interrupt (DCP wraps it)
@@ -380,9 +378,12 @@ def load_checkpoint(path, model, optimizer, scheduler) -> dict:
     try:
         trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
         model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
+        groups = [list(group["params"]) for group in optim_state["param_groups"]]  # names in each of this run's groups
         state = {"model": model_state, "optim": optim_state}
         with fused_legacy_names(state, path, model), packed_shards(state):  # an older run's fused in_proj.weight
             dcp.load(state, checkpoint_id=str(path))
+        for group, names in zip(state["optim"]["param_groups"], groups):  # moments load by name, groups are this run's:
+            group["params"] = names  # a run saved before optim.NO_DECAY had Mamba1's A_log decayed (KeyError on load)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options(model, setting=True))
     except (Exception, CheckpointException) as error:  # DCP gathers every rank's failure: all ranks get here
