@@ -51,7 +51,7 @@ def test_the_ssd_scan_keeps_float32_precision_after_a_saturated_time_step(spike_
 
 def test_weight_decay_leaves_a_mamba1_a_log_matrix_alone():
     """A Mamba1 mixer's ``A_log`` is a matrix ``[d_inner, N]`` (Mamba, FalconMamba, Jamba): the optimizer decayed it as
-    a weight, so every step pulled ``A = -exp(A_log)`` toward -1 (mamba_ssm and transformers mark it
+    a weight, so every step pulled ``A = -exp(A_log)`` toward -1 (mamba_ssm marks it
     ``_no_weight_decay``; the docstring promised SSM parameters undecayed). A step with zero gradients now leaves every
     ``A_log``, ``D`` and ``dt_bias`` exactly as it was and decays the matrices by ``1 - lr * weight_decay``."""
     import transformers as hf

@@ -53,7 +53,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         # A Mamba1 mixer's A_log is a matrix [d_inner, N] (Jamba, FalconMamba): decay would pull every A = -exp(A_log)
-        # toward -1; mamba_ssm and transformers mark it (and D) _no_weight_decay, which FSDP's new parameters lose
+        # toward -1; mamba_ssm marks it (and D) _no_weight_decay, transformers' models do not, FSDP's new parameters lose it
         if param.requires_grad:
             keep = param.dim() < 2 or name.rsplit(".", 1)[-1] in NO_DECAY or getattr(param, "_no_weight_decay", False)
             (no_decay if keep else decay).append(param)
