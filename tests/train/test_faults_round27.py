@@ -88,6 +88,22 @@ def _gathered_otherwise():
     return _patched(layout, "canonical_state_dict", canonical_state_dict)
 
 
+def _final_norm_decayed_under_the_layout():
+    """The layout's optimizer decays the final norm's weight (a parameter that lost the name, shape or mark that keeps
+    it out of weight decay: FSDP's and TP's new parameters drop marks such as ``_no_weight_decay``)."""
+    import hybridpar.train.proof.layout as layout
+
+    class Trainer(layout.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            decay, keep = self.optimizer.param_groups
+            norm = dict(self.model.named_parameters())["backbone.norm_f.weight"]
+            keep["params"] = [p for p in keep["params"] if p is not norm]
+            decay["params"].append(norm)
+
+    return _patched(layout, "Trainer", Trainer)
+
+
 def _one_run_misses(which: int):
     """``check --packing``'s packed run (``which=0``) or its one-document-per-row run (1) leaves the LM head without a
     gradient (a parameter one of them never reached)."""
@@ -108,6 +124,7 @@ def _one_run_misses(which: int):
 FAULTS = {  # case: (overrides, fault, --tolerance); "packing_*": check --packing
     "fsdp": (FSDP, None, None),
     "fsdp_norm": (FSDP, _norm_without_its_all_reduce, None),
+    "fsdp_decay": (FSDP, _final_norm_decayed_under_the_layout, None),
     "tp_replica": (TP, _replica_differs_on_rank_1, None),
     "tp_replica_within": (TP, lambda: _replica_differs_on_rank_1(1e-8), 1e-6),
     "tp_shapes": (TP, _gathered_otherwise, None),
@@ -153,6 +170,18 @@ def test_check_compares_the_gradient_norm_the_run_clips_by(checks):
     (code, report), (code_1, _) = checks["fsdp_norm"]
     assert code == code_1 == 1 and "check FAILED: 1 of" in report, report
     assert [line.split(" max|diff|")[0].strip() for line in _failed(report)] == ["grad norm (train.grad_clip clips by it)"]
+
+
+def test_check_compares_the_weight_decay_group_of_every_parameter(checks):
+    """AdamW's groups are decided on the parallelized model's parameters (their names, shapes and marks), which the
+    layout makes anew: a final norm decayed under ``dp_shard=2`` only changed no gradient, and ``check`` said "exact".
+    Each parameter's group is now compared by its canonical name."""
+    (code, report), _ = checks["fsdp"]
+    assert "weight decay groups (" in report and "check exact" in report, report
+    (code, report), (code_1, _) = checks["fsdp_decay"]
+    assert code == code_1 == 1 and "check FAILED: 1 of" in report, report
+    assert _failed(report)[0].startswith(
+        "weight decay of backbone.norm_f.weight (on under the layout, off on one process)"), report
 
 
 def test_check_fails_on_every_rank_when_the_ranks_copies_of_a_gradient_differ(checks):

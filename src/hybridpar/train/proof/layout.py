@@ -29,7 +29,7 @@ from hybridpar.config import ConfigError, RunConfig
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.train.loss import valid_token_count
-from hybridpar.train.optim import clip_grad_norm
+from hybridpar.train.optim import build_optimizer, clip_grad_norm
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.peft import apply_peft, key_dropout
@@ -93,6 +93,31 @@ def gradient_rows(reference: torch.nn.Module, reference_grads: dict, parallel_gr
     for name in sorted(set(parallel_grads) - known):
         rows.append((f"grad {name} (only under the layout: one process has no such parameter)", math.inf, 0.0))
     return rows
+
+
+@torch.no_grad()
+def decay_rows(trainer, reference: torch.nn.Module, config: RunConfig) -> list[tuple[str, float, float]]:
+    """AdamW's weight-decay group of every trainable parameter under the layout (the trainer's optimizer, grouped on
+    the parallelized model's names, shapes and marks) against one process's (``build_optimizer``), by canonical name:
+    one failed row per parameter decayed on one side only, else one row. Overwrites the gradients (read them
+    first). Collective."""
+    if not config.train.weight_decay:
+        return []
+    flags = {}
+    for name, model, optimizer in (("layout", trainer.model, trainer.optimizer),
+                                   ("one", reference, build_optimizer(reference, config.train))):
+        decayed = {id(p) for group in optimizer.param_groups if group["weight_decay"] for p in group["params"]}
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.full_like(p, float(id(p) in decayed))
+        flags[name] = canonical_state_dict(model, grads=True)  # parts stored apart fused, shards gathered
+    rows = []
+    for name, one in flags["one"].items():
+        layout = flags["layout"].get(name)
+        if layout is not None and not torch.equal(layout, one):
+            rows.append((f"weight decay of {name} ({'on' if bool(layout.any()) else 'off'} under the layout, "
+                         f"{'on' if bool(one.any()) else 'off'} on one process)", math.inf, 0.0))
+    return rows or [(f"weight decay groups ({len(flags['one'])} parameters)", 0.0, 0.0)]
 
 
 def failures_of_every_rank(rows: list, failures: list[str], exact: bool) -> tuple[list, list[str], bool]:
@@ -183,6 +208,7 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     reference_norm = clip_grad_norm(reference.parameters(), math.inf)
     rows.append(("grad norm (train.grad_clip clips by it)", float((parallel_norm - reference_norm).abs()),
                  float(reference_norm)))
+    rows += decay_rows(trainer, reference, config)  # the update's groups (the gradients are compared above)
     exact = (config.model.dtype == "float64" and config.parallel.mixed_precision is None
              and all(difference <= EXACT * max(1.0, scale) for _, difference, scale in rows))
     rows, failures, exact = failures_of_every_rank(
