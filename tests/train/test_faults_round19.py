@@ -197,7 +197,8 @@ def test_an_empty_master_addr_is_replaced_like_any_address_not_of_this_machine(m
     from hybridpar.train.preflight import one_process_rendezvous
 
     for key in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # recorded, so the teardown also removes the port the call sets
+        monkeypatch.delenv(key)
     monkeypatch.setenv("MASTER_ADDR", "")
     note = one_process_rendezvous()
     assert note and note.startswith("MASTER_ADDR='' is not an address of this machine") and "127.0.0.1:" in note, note
