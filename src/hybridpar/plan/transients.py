@@ -29,14 +29,17 @@ Mamba2's core backward, in the core's own layout (under ``cp_mamba=a2a`` all ``T
 and ``1/cp`` of the heads and groups; ``d = H P``, ``W = d + 2 G N``, chunks ``K = T/Q``, chunk
 states ``St = K N d e_c``), everything in ``e_c`` but the norm's gradients::
 
-    common  = dy, dz [T, d] e (gated norm's gradients, waiting) + conv pre-activation and SiLU output
+    common  = dy, dz [T, d] e (gated norm's gradients, waiting; a 16-bit dy's float32 copy [T, d] e_c
+              too) + conv pre-activation and SiLU output
               2 [T, W] + dt terms 2-3 [T, H] + xdt, dxdt 2 [T, d] + B, C, dB, dC 4 [T, G N]
               + cs, cs_excl, u, w, dcs 5 [T, H] + start states St
     part    = one slice of chunks, Tp = Q * min(K, 16 MiB / (H Q max(Q, P) e_c)) tokens:
-              dy, dy rows 2 [Tp, d] + decay, scores, d_scores 3 [Tp, H, Q] + C.B, dCB 2 [Tp, G, Q]
+              dy, dy rows 2 [Tp, d] + decay, scores, d_scores 3 [Tp, H, Q] + C.B [Tp, G, Q] (dCB is made
+              once decay and scores are freed)
+    left    = the last slice's tensors still bound after the loop: dy, dy rows 2 [Tp, d] + d_scores
+              [Tp, H, Q] + C.B, dCB 2 [Tp, G, Q]
     loop    = common + dstart St + part + one matmul product [Tp, G, Q]
-    passing = common + part (the last slice's, still bound) + 4 St (grad_h, its flip, the
-              recurrence's local and final states)
+    passing = common + left + 4 St (grad_h, its flip, the recurrence's local and final states)
     backward = max(loop, passing)
 
 checked against the allocator's live tensors at the peak of a ``tiny`` step at 16K tokens
@@ -91,11 +94,13 @@ def mamba_core_backward(layout: Layout) -> int:
     per_slice = max(1, DIAGONAL_SLICE_BYTES // (heads * q * max(q, p) * ec))
     slice_tokens = min(chunks, per_slice) * q
     dt_terms = 3 if tuple(c.time_step_limit) != (0.0, float("inf")) else 2
-    common = (2 * tokens * d * e + tokens * ec * (2 * (d + 2 * gn) + dt_terms * heads + 2 * d + 4 * gn + 5 * heads)
-              + states)
-    part = slice_tokens * ec * (2 * d + 3 * heads * q + 2 * groups * q)
+    upcast_dy = tokens * d * ec if e < ec else 0  # the core's float32 copy of a 16-bit dy
+    common = (2 * tokens * d * e + upcast_dy
+              + tokens * ec * (2 * (d + 2 * gn) + dt_terms * heads + 2 * d + 4 * gn + 5 * heads) + states)
+    part = slice_tokens * ec * (2 * d + 3 * heads * q + groups * q)
+    left = slice_tokens * ec * (2 * d + heads * q + 2 * groups * q)
     loop = common + states + part + slice_tokens * groups * q * ec
-    passing = common + part + 4 * states
+    passing = common + left + 4 * states
     return max(loop, passing)
 
 
