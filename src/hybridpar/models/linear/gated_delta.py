@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridpar.models.mamba.recurrence import segment_sums, suffix_sums
+
 __all__ = ["chunk_gated_delta_rule", "document_ids", "chunk_documents", "carry_chunks"]
 
 
@@ -129,9 +131,7 @@ def chunk_gated_delta_rule(
     G = g.cumsum(-1)  # [B, H, N, C]
     # G_i - G_j as the segment sum sum_{j<m<=i} g_m (a masked cumsum; G_L - G_j as a suffix sum), never a difference
     # of two cumsums: after one saturated step (G ~ -7e6) float32's G steps by its ulp, and o was 12% off
-    lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)
-    segsum = torch.where(lower, g.unsqueeze(-1), 0.0).cumsum(-2)  # [B, H, N, C(i), C(j)]
-    decay = segsum.masked_fill(~visible, float("-inf")).exp()  # M_ij exp(G_i - G_j)
+    decay = segment_sums(g).masked_fill(~visible, float("-inf")).exp()  # M_ij exp(G_i - G_j) [B, H, N, C, C]
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     system = (k_beta @ k.transpose(-1, -2)) * decay  # A (+ a diagonal the unitriangular solve ignores)
     read_decay = (G.exp() * carried).unsqueeze(-1)  # c_i exp(G_i)
@@ -140,7 +140,7 @@ def chunk_gated_delta_rule(
     intra = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C]
     q_read = q * read_decay
     last_same = visible[..., -1, :].to(dtype)  # [B, 1, N, C]: [doc_j = doc_L] (row L of M: every j <= L)
-    k_write = k * (F.pad(g.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)).exp() * last_same).unsqueeze(-1)
+    k_write = k * (suffix_sums(g).exp() * last_same).unsqueeze(-1)
     state_decay = (G[..., -1].exp() * carried[..., -1])[..., None, None]  # c_L exp(G_L): [B, H, N, 1, 1]
 
     state = (torch.zeros(batch, v_heads, dk, dv, dtype=dtype, device=q.device) if initial_state is None

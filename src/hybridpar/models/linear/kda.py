@@ -57,14 +57,16 @@ def _decayed_products(a: Tensor, b: Tensor, G: Tensor, visible: Tensor) -> Tenso
     a_s, b_s, G_s = (x.unflatten(-2, (n, S)) for x in (a, b, G))  # [.., n, S, dk]
     # within a sub-chunk: pairwise G_i - G_j, masked (j > i) to -inf before the exp
     below = torch.ones(S, S, dtype=torch.bool, device=G.device).tril()
-    pairwise = (G_s[..., :, None, :] - G_s[..., None, :, :]).to(a.dtype).masked_fill(~below[..., None], float("-inf")).exp()
+    pairwise = (G_s[..., :, None, :] - G_s[..., None, :, :]).to(a.dtype)
+    pairwise = pairwise.masked_fill(~below[..., None], float("-inf")).exp()
     inner = ((a_s[..., :, None, :] * pairwise) * b_s[..., None, :, :]).sum(-1)  # [.., n, S, S]
     out = (inner.unsqueeze(-2) * torch.eye(n, dtype=a.dtype, device=G.device)[:, None, :, None]).flatten(-2)
     if n > 1:  # rows of sub-chunk s >= 1, columns before it: two factors <= 1 around R_s, one matmul
         R = G_s[..., :-1, -1:, :]  # [.., n-1, 1, dk]: G at the end of sub-chunk s-1
         rows = a_s[..., 1:, :, :] * (G_s[..., 1:, :, :] - R).to(a.dtype).exp()  # [.., n-1, S, dk]
         earlier = torch.arange(C, device=G.device)[None, :] < torch.arange(1, n, device=G.device)[:, None] * S
-        cols = b.unsqueeze(-3) * (R - G.unsqueeze(-3)).to(a.dtype).masked_fill(~earlier[..., None], float("-inf")).exp()
+        cols = (R - G.unsqueeze(-3)).to(a.dtype).masked_fill(~earlier[..., None], float("-inf"))
+        cols = b.unsqueeze(-3) * cols.exp()
         cross = rows @ cols.transpose(-1, -2)  # [.., n-1, S, C]
         out = out + torch.cat([torch.zeros_like(cross[..., :1, :, :]), cross], dim=-3)
     return out.flatten(-3, -2).masked_fill(~visible, 0.0)  # [.., C, C]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -84,12 +85,23 @@ def _segsum_matrix(log_decay: Tensor, resets_so_far: Tensor) -> Tensor:
     ``[..., m, m]``. The sums are a cumsum of ``la`` masked below the diagonal (stable segsum).
     """
     m = log_decay.shape[-1]
-    strictly_lower = torch.ones(m, m, dtype=torch.bool, device=log_decay.device).tril(-1)
-    terms = log_decay[..., :, None].expand(*log_decay.shape, m) * strictly_lower  # [..., m(k), m(i)]: la_k for k > i
-    segsum = terms.cumsum(-2)  # [..., m(j), m(i)] = sum_{i<k<=j} la_k
-    same_run = (resets_so_far[..., :, None] == resets_so_far[..., None, :]) & strictly_lower.logical_or(
-        torch.eye(m, dtype=torch.bool, device=log_decay.device))
-    return _masked_exp(segsum, same_run)
+    lower = torch.ones(m, m, dtype=torch.bool, device=log_decay.device).tril()
+    same_run = (resets_so_far[..., :, None] == resets_so_far[..., None, :]) & lower
+    return _masked_exp(segment_sums(log_decay), same_run)
+
+
+def segment_sums(a: Tensor) -> Tensor:
+    """``S[..., j, i] = sum_{i<k<=j} a_k`` (0 on and above the diagonal) of ``a [..., m]``: ``[..., m, m]``, a
+    cumsum of ``a`` masked below the diagonal, never a difference of two cumsums (which cancels once one step is
+    large: a float32 cumsum of -7e6 steps by 0.5)."""
+    m = a.shape[-1]
+    strictly_lower = torch.ones(m, m, dtype=torch.bool, device=a.device).tril(-1)
+    return torch.where(strictly_lower, a[..., :, None], 0.0).cumsum(-2)  # [..., m(k), m(i)]: a_k for k > i, summed
+
+
+def suffix_sums(a: Tensor) -> Tensor:
+    """``sum_{k>s} a_k`` for every ``s`` of ``a [..., m]`` (0 at the last), without a difference of cumsums."""
+    return F.pad(a.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
 
 
 def _masked_exp(exponent: Tensor, keep: Tensor) -> Tensor:

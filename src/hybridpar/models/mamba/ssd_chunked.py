@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridpar.models.precision import full_precision
-from hybridpar.models.mamba.recurrence import decay_floor, linear_recurrence, reverse_recurrence, step_decay
+from hybridpar.models.mamba.recurrence import (decay_floor, linear_recurrence, reverse_recurrence, segment_sums,
+                                               step_decay, suffix_sums)
 
 # Working set of step 1: the [k, G, R, Q, Q] decay matrices of k chunks at a time. Every op of a slice
 # is one kernel launch on a GPU, where the host's dispatch (microseconds per op) then bounds the step:
@@ -154,7 +155,7 @@ def _chunk_states(p: _Prepared, layout: ChunkLayout):
     """States each chunk leaves for its last document, with the initial states that enter it:
     ``S [Kc, G, N, R*P]``, the per-token weights ``u [Kc, G, R, Q]`` and the init weights."""
     in_last = (layout.doc == layout.doc[:, -1:])[:, None, None, :]  # [Kc, 1, 1, Q]
-    u = p.exp(F.pad(p.a.double().flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)), in_last)  # [Kc, G, R, Q] sum_{k>s} a_k
+    u = p.exp(suffix_sums(p.a.double()), in_last)  # [Kc, G, R, Q]: exp(sum_{k>s} a_k)
     kc, groups, _, _, _ = p.xdt.shape
     S = p.xdt.new_empty(kc, groups, p.Bg.shape[-1], p.xdt.shape[2] * p.xdt.shape[-1])
     for part in _chunk_slices(p):
@@ -201,9 +202,8 @@ def _diagonal(p: _Prepared, layout: ChunkLayout, part: slice, with_factors: bool
     doc = layout.doc[part]
     keep = (doc[:, :, None] == doc[:, None, :]) & torch.ones(q, q, dtype=torch.bool, device=doc.device).tril()
     CB = (p.Cg[part] @ p.Bg[part].transpose(-1, -2)) * keep[:, None]  # [k, G, Q(l), Q(s)]
-    a = p.a[part]  # exponents sum_{s<k<=l} a_k: a_k where k > s, summed over k <= l
-    lower = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
-    decay = torch.where(lower, a[..., :, None], 0.0).cumsum_(-2).clamp_(decay_floor(a.dtype), 0.0).exp_()  # [k, G, R, Q, Q]
+    a = p.a[part]  # exponents sum_{s<k<=l} a_k
+    decay = segment_sums(a).clamp_(decay_floor(a.dtype), 0.0).exp_()  # [k, G, R, Q, Q]
     if not with_factors:
         return decay.mul_(CB[:, :, None])
     return decay * CB[:, :, None], decay, CB, keep
