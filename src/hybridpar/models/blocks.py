@@ -192,9 +192,9 @@ class _RMSNormFunction(torch.autograd.Function):
         u, _ = _gated(x, gate)
         grouped = u.unflatten(-1, (-1, group_size))
         if span is None:
-            rstd = torch.rsqrt(grouped.pow(2).mean(-1) + eps)  # [..., groups]
+            rstd = overflow_is_nan(grouped.pow(2).mean(-1), eps)  # [..., groups]
         else:
-            rstd = torch.rsqrt(span[0](grouped.pow(2).sum(-1)) / span[1] + eps)  # [..., 1], summed over ranks
+            rstd = overflow_is_nan(span[0](grouped.pow(2).sum(-1)) / span[1], eps)  # [..., 1], summed over ranks
         ctx.save_for_backward(x, gate, weight, rstd)
         ctx.group_size, ctx.span = group_size, span
         normed = (grouped * rstd[..., None]).flatten(-2)
@@ -228,6 +228,13 @@ def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, group_size: i
         if kernel != "pure":
             return fused_gated_rms_norm(x, gate, weight, group_size, eps, kernel)
     return _RMSNormFunction.apply(x, gate, weight, group_size, eps, span)
+
+
+def overflow_is_nan(mean_square: Tensor, eps: float) -> Tensor:
+    """``rstd = (mean(u^2) + eps)^-1/2``, NaN where ``mean(u^2)`` overflowed (a group past ~1.8e19 in float32): ``rsqrt``
+    gave 0 there and the norm a finite 0, so a diverged stream trained on in silence (round 30); NaN reaches the loss,
+    where ``train.on_nonfinite`` sees it. An op on ``[..., groups]``, not on the activation."""
+    return torch.where(mean_square.isinf(), float("nan"), torch.rsqrt(mean_square + eps))
 
 
 def _gated(x: Tensor, gate: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -19,6 +19,10 @@ way reads the inputs and writes the outputs once (~0.5 and ~0.3 GB). Two maintai
   bytes and the planner do not depend on the kernel. Its output is in ``x``'s dtype (bf16 under
   autocast: rounded once; ours is float32 and autocast rounds it at ``out_proj``).
 
+Past float32's squares (a group of values beyond ~1.8e19) ours and ``rms_norm_to`` give NaN where the
+mean of squares overflows (``blocks.overflow_is_nan``: the guard sees the run diverge); torch's fused
+kernel and FLA's give 0 there, a finite output, as ``rsqrt(inf)`` does.
+
 ``norm_kernel`` says which runs, logged once per family, kernel and reason (``norm kernel: fla
 (...)``): the pure norm on CPU (the exact reference, unchanged), for float64, for DTensors (TP) and
 other tensor subclasses, for a group that spans TP ranks, for groups wider than FLA's 64 KiB row, for
@@ -136,7 +140,8 @@ def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def _norm_to(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(weight * x * rstd in out_dtype, rstd [..., 1])``, as ``F.rms_norm`` then the cast: one rounding."""
-    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    mean_square = x.pow(2).mean(-1, keepdim=True)
+    rstd = torch.where(mean_square.isinf(), float("nan"), torch.rsqrt(mean_square + eps))  # blocks.overflow_is_nan
     return (x * rstd * weight).to(out_dtype), rstd
 
 
