@@ -217,8 +217,8 @@ def moe_traffic(layout: Layout, recomputed: tuple[bool, ...] | None = None) -> T
             calls = flow.count(flow.output, pattern, "E") * packs if layout.sp else blocks  # SP: the slice's backward
             _take(extra, kind, label, sent(kind, tp, tokens * c.hidden_size * entry), calls)
             extra.add(kind, label, sent(kind, tp, tokens * c.hidden_size * e), calls)
-    if c.moe_router == "sigmoid":  # NemotronH's weights: float32 scores, bf16 under autocast (its linear casts)
-        weight = e if layout.autocast else layout.compute_bytes
+    if c.moe_router == "sigmoid":  # NemotronH's weights: float32 scores (under autocast too: precision.float32_modules)
+        weight = layout.compute_bytes
     else:  # Granite's softmax is cast to the experts' input (type_as): float32 under autocast, FSDP's bf16 e
         weight = layout.stream_bytes if layout.hf_decoder else e
     extra.add("all_reduce", label, sent("all_reduce", tp, tc * c.moe_top_k * weight), flow.count(flow.input, pattern, "E") * packs)
