@@ -294,8 +294,8 @@ class Trainer:
     def print_sample(self) -> None:
         """``train.sample``: gather the full weights, continue the prompt on rank 0 (``train/sample.py``)."""
         state = canonical_state_dict(self.model)
-        if self.rank == 0:
-            model = build_model(self.config).to(self.device)
+        if self.rank == 0:  # peft.method=lora: the adapters too (the base alone refused the state, after training)
+            model = apply_peft(self.config, build_model(self.config)).to(self.device)
             load_canonical_state_dict(model, state)
             print_sample(model, self.tokenizer, self.sample)
 
