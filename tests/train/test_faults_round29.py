@@ -68,3 +68,21 @@ def test_a_lora_run_prints_its_sample_from_the_adapted_model(cases):
     the sample's single-device model was the base alone. It is the base with the run's adapters now."""
     output = cases["lora_sample"]
     assert "Error" not in output and "sample (4 tokens, greedy):\nalpha " in output, output
+
+
+def test_check_packing_says_it_runs_neither_checkpointing_nor_compile():
+    """``check --packing parallel.compile=aot_eager parallel.activation_checkpointing=selective`` said "exact ...
+    packed documents never meet" and nothing else: both of its runs are the eager model without checkpointing (a
+    compiled block runs other kernels on CUDA), while the layout and mixed precision it ignores were said."""
+    from hybridpar.config import load_config
+    from hybridpar.train.proof.packing import _layout_note
+
+    note = _layout_note(load_config(None, ["parallel.compile=aot_eager", "parallel.activation_checkpointing=selective"]))
+    assert note == ("parallel.activation_checkpointing=selective, parallel.compile=aot_eager not used here: both runs are "
+                    "the eager model without checkpointing; hybridpar check without --packing runs the layout with them")
+    note = _layout_note(load_config(None, ["parallel.cp=2", "parallel.mixed_precision=bf16",
+                                           "parallel.activation_checkpointing=full"]))
+    assert note.startswith("layout: parallel.cp=2 not used here") and "; parallel.mixed_precision=bf16 not used" in note
+    assert note.endswith("; parallel.activation_checkpointing=full not used here: both runs are the eager model without "
+                         "checkpointing; hybridpar check without --packing runs the layout with them"), note
+    assert _layout_note(load_config(None, [])) == ""

@@ -73,15 +73,23 @@ def _training_rule(config: RunConfig, model, vocab_size: int) -> str | None:
 
 def _layout_note(config: RunConfig) -> str:
     """What a layout given to ``check --packing`` does: nothing (the comparison is one process's; every process of
-    the job ran it alike), said, so a pass is not read as packing proven under that layout."""
-    degrees = [f"parallel.{name}={getattr(config.parallel, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp")
-               if getattr(config.parallel, name) != 1]
-    mixed = config.parallel.mixed_precision
-    note = "" if not degrees else (f"layout: {', '.join(degrees)} not used here: the packed and one-per-row runs are one "
-                                   "process's (each process ran the same); hybridpar check without --packing proves "
-                                   "the layout")
-    return note + ("; " if note and mixed else "") + (f"parallel.mixed_precision={mixed} not used here: both runs "
-                                                      f"compute in {config.model.dtype}, held to its tolerance" if mixed else "")
+    the job ran it alike), said, so a pass is not read as packing proven under that layout; nor are mixed precision,
+    activation checkpointing and compile used (both runs are the plain eager model), said too."""
+    p = config.parallel
+    degrees = [f"parallel.{name}={getattr(p, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp")
+               if getattr(p, name) != 1]
+    notes = [] if not degrees else [f"layout: {', '.join(degrees)} not used here: the packed and one-per-row runs are "
+                                    "one process's (each process ran the same); hybridpar check without --packing "
+                                    "proves the layout"]
+    if p.mixed_precision:
+        notes.append(f"parallel.mixed_precision={p.mixed_precision} not used here: both runs compute in "
+                     f"{config.model.dtype}, held to its tolerance")
+    wrapped = [f"parallel.{name}={value}" for name, value in (("activation_checkpointing", p.activation_checkpointing),
+                                                                ("compile", p.compile)) if value not in ("none", False)]
+    if wrapped:  # a compiled block runs other kernels (on CUDA: FlexAttention, the fused scans) than the eager one
+        notes.append(f"{', '.join(wrapped)} not used here: both runs are the eager model without checkpointing; "
+                     "hybridpar check without --packing runs the layout with them")
+    return "; ".join(notes)
 
 
 def run_packing_check(config: RunConfig, device: torch.device, tolerance: float | None = None) -> int:
