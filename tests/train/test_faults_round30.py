@@ -118,9 +118,33 @@ def test_clipping_is_torchs_clip_grad_norm_at_every_scale(dtype):
             assert float((a.grad - b.grad).abs().max()) <= tolerance * float(b.grad.abs().max()), (norm, max_norm)
 
 
+def _vocab_parallel_under_autocast(rank):
+    """The vocabulary-parallel loss of rank ``rank``'s half of a 96-row head under CPU autocast, and one process's
+    chunked loss of the whole head: ``(loss, d hidden, d weight of this rank's rows)`` of each (float64 copies)."""
+    import torch.distributed as dist
+
+    from hybridpar.models.lm_head_loss import chunked_lm_head_loss
+    from hybridpar.parallel.tensor.vocab_parallel_loss import vocab_parallel_lm_head_loss
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(40, 32), torch.randn(96, 32)
+    labels = torch.randint(0, 96, (40,))
+    labels[::7] = -100
+    rows = slice(48 * rank, 48 * (rank + 1))
+    out = []
+    for parallel in (True, False):
+        h, w = hidden.clone().requires_grad_(), (weight[rows] if parallel else weight).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (vocab_parallel_lm_head_loss(h, w, labels, tp_group=dist.group.WORLD, chunk_size=16) if parallel
+                    else chunked_lm_head_loss(h, w, labels, chunk_size=16)).loss_sum
+        loss.backward()
+        out.append((float(loss), h.grad.double(), (w.grad if parallel else w.grad[rows]).double()))
+    return out
+
+
 def _overflow_on_rank_0(rank, world_size, root):
     """Steps 1-3 under ``mixed_precision=bf16``, rank 0's first block overflowing (past bf16's range) at step 2 only,
-    as one rank's data would; returns each step's outcome."""
+    as one rank's data would; returns each step's outcome (and ``_vocab_parallel_under_autocast``: one launch)."""
     from hybridpar.config import load_config
     from hybridpar.train.nonfinite import NonFiniteError
     from hybridpar.train.trainer import Trainer
@@ -128,7 +152,7 @@ def _overflow_on_rank_0(rank, world_size, root):
     small = ["model.preset=tiny", "tensorboard=false", "plot=false", "train.eval_every=0", "data.pack_size=64",
              "data.packs_per_step=2", "parallel.mixed_precision=bf16", "train.steps=3", "parallel.cp=1",
              "data.task_options={min_len: 16, max_len: 32, num_kv_pairs: 2, vocab_size: 32}"]
-    out = {}
+    out = {"vocab parallel": _vocab_parallel_under_autocast(rank)}
     for layout, policy in ((["parallel.dp_shard=2"], "skip"), (["parallel.tp=2"], "stop")):
         trainer = Trainer(load_config(DEFAULT, small + [f"output_dir={root}/{layout[0]}-{policy}", *layout,
                                                         f"train.on_nonfinite={policy}"]), torch.device("cpu"))
@@ -154,14 +178,31 @@ def _overflow_on_rank_0(rank, world_size, root):
     return out
 
 
-def test_a_bf16_overflow_on_one_rank_is_every_ranks_decision_at_the_same_step(tmp_path):
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    """The file's one 2-rank launch (``_overflow_on_rank_0``)."""
+    return run_ranks(2, _overflow_on_rank_0, str(tmp_path_factory.mktemp("round30")), timeout_s=300)
+
+
+def test_a_bf16_overflow_on_one_rank_is_every_ranks_decision_at_the_same_step(tp_results):
     """``train.on_nonfinite`` under a bf16 overflow on rank 0 only (dp_shard=2: FSDP's bf16; tp=2: autocast): the loss
     and the gradient norm are global, so both ranks skip step 2 (and train on at step 3) or stop at step 2 together;
     nobody hangs in a collective the other left (tp=2 skips alike: measured, round 30)."""
-    results = run_ranks(2, _overflow_on_rank_0, str(tmp_path), timeout_s=300)
+    results = [{k: v for k, v in out.items() if k != "vocab parallel"} for out in tp_results]
     skipped = [(True, True, None), (False, False, 1), (True, True, 1)]
     for out in results:
         assert out["parallel.dp_shard=2 skip"] == skipped, out
         assert out["parallel.tp=2 stop"][:1] == [(True, True, None)], out
         assert out["parallel.tp=2 stop"][1].startswith("step 2: the loss is nan and the gradient norm nan"), out
     assert results[0] == results[1]
+
+
+def test_the_vocabulary_parallel_loss_runs_its_matmuls_in_bf16_under_autocast_as_one_process(tp_results):
+    """Under ``mixed_precision=bf16`` without FSDP the chunked loss runs its logit blocks' matmuls in bf16 on one
+    process, but the vocabulary-parallel loss (tp > 1) ran them in float32: tp=2 and one process computed other
+    logits (the loss 2.8e-4 apart here, relative). Now both take bf16 blocks and float32 statistics: the loss agrees to float32's rounding of the sums, the
+    gradients to bf16's of each block's matmul (the blocks' rows differ with the shard)."""
+    for parallel, single in [out["vocab parallel"] for out in tp_results]:
+        assert abs(parallel[0] / single[0] - 1) < 1e-6, (parallel[0], single[0])
+        for got, want in zip(parallel[1:], single[1:]):
+            assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())

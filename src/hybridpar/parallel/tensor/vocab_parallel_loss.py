@@ -29,6 +29,9 @@ Backward: each rank recomputes its blocks with the global ``lse`` and gets the e
 input was a DTensor (sequence parallel ``Shard(1)``), the partial gradient is handed to DTensor
 as ``Partial`` instead, which reduce-scatters it back to ``[B, S/tp, D]``.
 
+Under autocast (mixed precision without FSDP) the block matmuls run in bf16 and the statistics in
+float32, as ``chunked_lm_head_loss`` does on one process (they ran in float32 here before round 30).
+
 The passes and the collectives are one ``torch.library.custom_op`` (forward and backward), so
 ``torch.compile`` sees one node and no host sync happens. Inputs are checked before any
 collective. ``VocabParallelLMHeadLoss`` is the ``HybridLM.loss_core`` the TP plan installs
@@ -48,8 +51,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hybridpar.models.arguments import python_number
 from hybridpar.models.lm_head_loss import (
-    IGNORE_INDEX, LMHeadLoss, chunked_lm_head_loss, check_label_values, check_lm_head_inputs, compute_dtype,
-    check_logit_transform, local_gradients, local_statistics, loss_from_statistics,
+    IGNORE_INDEX, LMHeadLoss, autocast_matmul_dtype, chunked_lm_head_loss, check_label_values, check_lm_head_inputs,
+    compute_dtype, check_logit_transform, local_gradients, local_statistics, loss_from_statistics,
 )
 
 __all__ = ["vocab_parallel_lm_head_loss", "VocabParallelLMHeadLoss", "VocabParallelLoss", "vocab_shard"]
@@ -67,13 +70,14 @@ def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
 @torch.library.custom_op("hybridpar::vocab_parallel_lm_head_loss", mutates_args=())
 def _vocab_parallel_op(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, vocab_size: int,
                        group_name: str, with_predictions: bool, reduce_grad_hidden: bool, scale: float = 1.0,
-                       softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                       softcap: float | None = None, matmul_dtype: torch.dtype | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss_sum, lse [T], argmax [T])``; ``hidden [T, D]`` whole, ``weight [V_r, D]`` this rank's rows."""
     group = _resolve_process_group(group_name)
     offset, _ = vocab_shard(vocab_size, dist.get_world_size(group), dist.get_rank(group))
     check_label_values(labels, vocab_size)  # before the first collective
-    row_max, sum_exp, target, argmax = local_statistics(hidden, weight, labels, chunk_size, offset, scale=scale,
-                                                        softcap=softcap)
+    row_max, sum_exp, target, argmax = local_statistics(hidden, weight, labels, chunk_size, offset, matmul_dtype,
+                                                        scale=scale, softcap=softcap)
     global_max = row_max.clone()
     dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)  # [T] -> [T]
     # [2T + 1]: rescaled sums of exponentials, target logits, and the rows (must add up to V)
@@ -91,7 +95,7 @@ def _vocab_parallel_op(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_siz
 
 @_vocab_parallel_op.register_fake
 def _(hidden, weight, labels, chunk_size, vocab_size, group_name, with_predictions, reduce_grad_hidden, scale=1.0,
-      softcap=None):
+      softcap=None, matmul_dtype=None):
     dtype = compute_dtype(hidden, weight)
     tokens = hidden.shape[0]
     return hidden.new_empty((), dtype=dtype), hidden.new_empty((tokens,), dtype=dtype), labels.new_empty((tokens,))
@@ -100,10 +104,11 @@ def _(hidden, weight, labels, chunk_size, vocab_size, group_name, with_predictio
 @torch.library.custom_op("hybridpar::vocab_parallel_lm_head_loss_backward", mutates_args=())
 def _vocab_parallel_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor,
                                 chunk_size: int, vocab_size: int, group_name: str, reduce_grad_hidden: bool,
-                                scale: float = 1.0, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+                                scale: float = 1.0, softcap: float | None = None,
+                                matmul_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     group = _resolve_process_group(group_name)
     offset, _ = vocab_shard(vocab_size, dist.get_world_size(group), dist.get_rank(group))
-    grad_hidden, grad_weight = local_gradients(grad_loss, hidden, weight, labels, lse, chunk_size, offset,
+    grad_hidden, grad_weight = local_gradients(grad_loss, hidden, weight, labels, lse, chunk_size, offset, matmul_dtype,
                                                scale=scale, softcap=softcap)
     if reduce_grad_hidden:
         dist.all_reduce(grad_hidden, group=group)  # partial over vocabulary shards [T, D] -> full [T, D]
@@ -112,21 +117,21 @@ def _vocab_parallel_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tenso
 
 @_vocab_parallel_backward_op.register_fake
 def _(grad_loss, hidden, weight, labels, lse, chunk_size, vocab_size, group_name, reduce_grad_hidden, scale=1.0,
-      softcap=None):
+      softcap=None, matmul_dtype=None):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, labels, chunk_size, vocab_size, group_name, _, reduce_grad_hidden, scale, softcap = inputs
+    hidden, weight, labels, chunk_size, vocab_size, group_name, _, reduce_grad_hidden, scale, softcap, mm = inputs
     ctx.save_for_backward(hidden, weight, labels, output[1])
-    ctx.options = (chunk_size, vocab_size, group_name, reduce_grad_hidden, scale, softcap)
+    ctx.options = (chunk_size, vocab_size, group_name, reduce_grad_hidden, scale, softcap, mm)
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_argmax):
     hidden, weight, labels, lse = ctx.saved_tensors
     grad_hidden, grad_weight = torch.ops.hybridpar.vocab_parallel_lm_head_loss_backward(
         grad_loss, hidden, weight, labels, lse, *ctx.options)
-    return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+    return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("hybridpar::vocab_parallel_lm_head_loss", _backward, setup_context=_setup_context)
@@ -212,7 +217,8 @@ def vocab_parallel_lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, 
     flat_labels = labels.reshape(-1).long()
     loss_sum, _, argmax = torch.ops.hybridpar.vocab_parallel_lm_head_loss(
         local_hidden.reshape(-1, local_hidden.shape[-1]), local_weight, flat_labels, chunk_size, vocab,
-        group.group_name, return_predictions, reduce_grad_hidden, float(scale), None if softcap is None else float(softcap))
+        group.group_name, return_predictions, reduce_grad_hidden, float(scale), None if softcap is None else float(softcap),
+        autocast_matmul_dtype(local_hidden, local_weight))  # bf16 block matmuls under autocast, as on one process
     count = (flat_labels != IGNORE_INDEX).sum()
     return LMHeadLoss(loss_sum, count, argmax.view(labels.shape) if return_predictions else None)
 
