@@ -162,6 +162,39 @@ def segments_case() -> dict:
             for q, want in results["reference"].items()}
 
 
+def saturated_case(family: str) -> dict:
+    """A delta rule (``"gdn"``: ``g [1, T, H]``, ``"kda"``: ``g [1, T, H, dk]``) through ``rule_on_rows`` after a
+    saturated decay: token 5's ``g`` is -7e6 among steps of -5e-2 or less; two documents, one over FLA's
+    64-token chunk edge. ``{quantity: [FLA fp32 error, pure fp32 error]}`` against the pure rule in float64."""
+    import torch
+
+    from hybridpar.models.linear.gated_delta import chunk_gated_delta_rule
+    from hybridpar.models.linear.gdn_core import rule_on_rows
+    from hybridpar.models.linear.gdn_fused import fused_gated_delta_rule
+    from hybridpar.models.linear.kda import chunk_kda_rule
+    from hybridpar.models.linear.kda_fused import fused_kda_rule
+    from hybridpar.models.mamba.core import row_documents
+
+    tokens, heads = 80, 2
+    fused, pure, g_shape = {"gdn": (fused_gated_delta_rule, chunk_gated_delta_rule, (1, tokens, heads)),
+                            "kda": (fused_kda_rule, chunk_kda_rule, (1, tokens, heads, DK))}[family]
+    gen = torch.Generator().manual_seed(3)
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=gen), dim=-1)  # noqa: E731
+    base = dict(q=unit(1, tokens, heads, DK), k=unit(1, tokens, heads, DK), v=torch.randn(1, tokens, heads, DV, generator=gen),
+                g=-0.05 * torch.rand(*g_shape, generator=gen), beta=torch.rand(1, tokens, heads, generator=gen))
+    base["g"][:, 5] = -7e6
+    cu_docs = row_documents(torch.tensor([0, 66, tokens]), 1, tokens, "cpu")
+    results = {}
+    for name, dtype, kernel in (("reference", torch.float64, "pure"), ("pure", torch.float32, "pure"),
+                                ("fla", torch.float32, "fla")):
+        leaves = {n: t.to(dtype).requires_grad_() for n, t in base.items()}
+        o = rule_on_rows(*leaves.values(), cu_docs, kernel, fused, pure, 16, dtype)
+        grads = torch.autograd.grad((o * _probe(o.shape, dtype)).sum(), list(leaves.values()))
+        results[name] = {"o": o, **{f"grad {n}": d for n, d in zip(leaves, grads)}}
+    return {q: [_relative(results["fla"][q], want), _relative(results["pure"][q], want)]
+            for q, want in results["reference"].items()}
+
+
 def routes_case() -> dict:
     """``backward_routes`` of the ``states`` call (both outputs seeded), counting ``chunk_fwd_o``."""
     import fla.ops.gated_delta_rule.chunk as chunk
@@ -193,7 +226,8 @@ def main() -> None:
     import fla
 
     report = {"fla": fla.__version__, "contract": contract_against_fla_naive(),
-              "cases": {"core": core_case(), "states": states_case(), "segments": segments_case()},
+              "cases": {"core": core_case(), "states": states_case(), "segments": segments_case(),
+                        "saturated": saturated_case("gdn")},
               "routes": routes_case()}
     print(json.dumps(report))
 

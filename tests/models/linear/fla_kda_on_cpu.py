@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 
+from tests.models.linear.fla_gdn_on_cpu import saturated_case
 from tests.models.mamba.fla_on_cpu import _patch_triton, _relative, backward_routes  # TRITON_INTERPRET=1 on import
 
 HEADS, D, KERNEL = 2, 16, 4  # the model's heads; the segments case runs one head
@@ -181,7 +182,7 @@ def main() -> None:
 
     compiled, model_errors = compiled_case()
     report = {"fla": fla.__version__, "contract": contract_against_fla_naive(),
-              "cases": {"segments": segments_case()}, "compiled": compiled,
+              "cases": {"segments": segments_case(), "saturated": saturated_case("kda")}, "compiled": compiled,
               "model_errors": model_errors, "routes": routes_case()}
     print(json.dumps(report))
 

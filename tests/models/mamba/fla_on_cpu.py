@@ -108,9 +108,10 @@ def _relative(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-def _case(groups: int, with_states: bool, seed: int) -> tuple[dict, dict, dict]:
+def _case(groups: int, with_states: bool, seed: int, saturated: bool = False) -> tuple[dict, dict, dict]:
     """``(inputs by name, states keywords but the initial states and histories, sizes)`` of a case:
-    three documents, one over FLA's 64-token chunk edge, one of 5."""
+    three documents, one over FLA's 64-token chunk edge, one of 5. ``saturated``: token 3's ``dt``
+    saturates the softplus (1e6, at ``A = -e^2``: ``dt A`` ~ -7e6) among steps of about -5e-2."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -122,6 +123,9 @@ def _case(groups: int, with_states: bool, seed: int) -> tuple[dict, dict, dict]:
                 conv_bias=0.1 * torch.randn(width, generator=gen),
                 dt_bias=0.5 * torch.randn(heads, generator=gen), A_log=torch.rand(heads, generator=gen).log(),
                 D=torch.randn(heads, generator=gen))
+    if saturated:
+        base["dt"][:, 3] = 1e6
+        base["A_log"].fill_(2.0)
     if with_states:
         base.update(conv_history=torch.randn(3, kernel - 1, width, generator=gen),
                     init_states=0.3 * torch.randn(3, heads, head_dim, state, generator=gen))
@@ -137,14 +141,14 @@ def _fused_args(leaves: dict, states: dict) -> tuple[list, dict]:
     return args, states
 
 
-def run_case(groups: int, with_states: bool, seed: int) -> dict:
+def run_case(groups: int, with_states: bool, seed: int, saturated: bool = False) -> dict:
     """``{quantity: [FLA fp32 error, pure fp32 error]}`` against the pure core in float64."""
     import torch
 
     from hybridpar.models.mamba.core import mamba_conv_scan
     from hybridpar.models.mamba.fused_op import fused_conv_scan
 
-    base, given, sizes = _case(groups, with_states, seed)
+    base, given, sizes = _case(groups, with_states, seed, saturated)
     results: dict = {}
     for dtype in (torch.float64, torch.float32):
         leaves = {name: t.to(dtype).requires_grad_() for name, t in base.items()}
@@ -307,7 +311,8 @@ def main() -> None:
     _patch_triton()
     import fla
 
-    cases = {"1 group, no states": (1, False, 0), "2 groups, CP states": (2, True, 1)}
+    cases = {"1 group, no states": (1, False, 0), "2 groups, CP states": (2, True, 1),
+             "2 groups, CP states, saturated dt": (2, True, 5, True)}
     report = {"fla": fla.__version__, "cases": {name: run_case(*args) for name, args in cases.items()},
               "gated_norm": run_gated_norm(), "model": run_model(), "routes": run_routes()}
     print(json.dumps(report))

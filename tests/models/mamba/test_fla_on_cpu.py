@@ -1,7 +1,8 @@
 """FLA's own Triton kernels (fla-core 0.6.0: conv and scan, forward and backward) behind the fused Mamba op, run on
 CPU by triton's interpreter (``fla_on_cpu.py``, a fresh process): outputs, final states and every
 input's gradient within 1e-5 of the pure-PyTorch core in float64, on packed documents with and
-without the CP ``state`` strategy's initial states and conv histories; so are the output and every
+without the CP ``state`` strategy's initial states and conv histories, and within 5e-5 after a saturated ``dt``
+(``dt A`` ~ -7e6: 1.5e-2 and 2.9 off before the op floored ``g``, ``fused_op.py``); so are the output and every
 gradient of FLA's gated group RMSNorm behind Mamba2's norm (``models/norm_kernels.py``). The pure core in float32
 is shown beside it as the floor float32 reaches (both measured ~1e-6 or below). And a tiny
 hybrid of one block of each kind (2 Mamba heads), blocks compiled (aot_eager) with its Mamba layer on FLA's
@@ -20,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 TOL = 1e-5
+SATURATED_TOL = 5e-5  # after a saturated dt, FLA's float32 chunk cumsums hold the -104.3 floor (ulp 7.6e-6)
 MODEL_TOL = 5e-5  # a whole float32 model: errors compound over layers (the pure core's: 5.0e-6)
 
 
@@ -48,11 +50,11 @@ def test_fla_kernels_under_the_triton_interpreter_match_the_pure_core():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["fla"] == "0.6.0"
-    assert set(report["cases"]) == {"1 group, no states", "2 groups, CP states"}
+    assert set(report["cases"]) == {"1 group, no states", "2 groups, CP states", "2 groups, CP states, saturated dt"}
     assert {"final_states", "grad init_states", "grad conv_history"} <= set(report["cases"]["2 groups, CP states"])
     for case, errors in report["cases"].items():
         for quantity, (fla_error, pure_error) in errors.items():
-            assert fla_error <= TOL, (case, quantity, fla_error, pure_error)
+            assert fla_error <= (SATURATED_TOL if "saturated" in case else TOL), (case, quantity, fla_error, pure_error)
             assert pure_error <= TOL, (case, quantity, fla_error, pure_error)
     norm = report["gated_norm"]
     assert norm["kernel"] == "fla"

@@ -9,6 +9,12 @@ backward, or an fla-core whose internals differ). ``torch.compile`` sees two opa
 fake kernels (FLA's entry points are ``torch.compiler.disable``-d: a graph break otherwise). Both rules
 take ``(q, k, v, g, beta, scale=, initial_state=, output_final_state=, cu_seqlens=)`` on one stream
 ``[1, T, ...]``: ``o [1, T, Hv, dv]`` in v's dtype, final states ``[N, Hv, dk, dv]`` in float32 or wider.
+
+Both ops floor ``g`` where ``exp(g)`` is 0 in its dtype (``recurrence.underflow_log``, -104.3 in float32; no
+value changes, and ``d g`` is 0 there as the floor's gradient says): FLA's kernels take ``exp`` of
+differences of float32 within-chunk cumsums of ``g``, and after one saturated decay (-7e6) every later
+step of the chunk was lost in the cumsum's rounding (``o`` 0.5 relative off float64 under triton's
+interpreter; floored, 1e-5), as in the Mamba op (``models/mamba/fused_op.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from torch import Tensor
 
 from hybridpar.models.mamba.fused_op import autograd_on
+from hybridpar.models.mamba.recurrence import underflow_log
 from hybridpar.models.precision import autocast_off
 
 __all__ = ["register_rule_ops"]
@@ -36,9 +43,12 @@ def register_rule_ops(name: str, kernel: Callable[[str], Callable], rule_backwar
         wants_float32 = initial_state is not None and float32_states and rule == "fla"
         return initial_state.float() if wants_float32 else initial_state
 
+    def floored(g):  # the module docstring
+        return g.clamp_min(underflow_log(g.dtype))
+
     def math(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule):
         fp = torch.promote_types(v.dtype, torch.float32)
-        o, final = kernel(rule)(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=states(initial_state, rule),
+        o, final = kernel(rule)(q, k, v, floored(g), beta, scale=q.shape[-1] ** -0.5, initial_state=states(initial_state, rule),
                                 output_final_state=want_final, cu_seqlens=cu_seqlens.long())
         return o.to(v.dtype), (final.to(fp) if want_final else None)
 
@@ -66,8 +76,9 @@ def register_rule_ops(name: str, kernel: Callable[[str], Callable], rule_backwar
         direct = rule_backward(rule)
         if direct is not None:  # grad_o [1, T, Hv, dv] and grad_final [N, Hv, dk, dv] (None: no final states)
             with torch.no_grad(), autocast_off():
-                grads = direct(q, k, v, g, beta, grad_o, grad_final, scale=q.shape[-1] ** -0.5,
-                               initial_state=states(initial_state, rule), cu_seqlens=cu_seqlens.long())
+                grads = list(direct(q, k, v, floored(g), beta, grad_o, grad_final, scale=q.shape[-1] ** -0.5,
+                                    initial_state=states(initial_state, rule), cu_seqlens=cu_seqlens.long()))
+                grads[3] = grads[3].masked_fill(g < underflow_log(g.dtype), 0)  # the floor's gradient
         else:
             with autograd_on(), autocast_off():
                 leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]

@@ -10,13 +10,18 @@ Mamba2's SSD with a scalar decay per head is FLA's simple GLA. Per document and 
                      initial_state, output_final_state, cu_seqlens, state_v_first=True)
 
 with ``B``/``C`` repeated from groups to heads (``k``/``q [1, T, H, N]``), ``v [1, T, H, P]``,
-``g [1, T, H]`` in float32 (the decays stay fp32; FLA's kernels accumulate states in fp32),
+``g [1, T, H]`` in float32 (the decays stay fp32; FLA's kernels accumulate states in fp32) and
+floored where ``exp(g)`` is 0 in float32 (``recurrence.underflow_log``, -104.3: no value changes),
 every row laid end to end on one stream whose documents are ``cu_docs`` (``cu_seqlens``), and
 states ``[docs, H, P, N]`` (``state_v_first``: our layout). ``D x`` is added outside. Initial
 states enter the documents that start at ``init_at``; final states are read at document ends.
 The conv + SiLU is FLA's ``causal_conv1d`` (documents as ``cu_seqlens``, conv histories as its
 initial states); with a stand-in scan, the conv registered with it or ours (``conv.py``). Both
 accumulate in float32; ``q``, ``k``, ``v`` are in the activations' dtype (bf16 under mixed precision).
+
+Why the floor: FLA's kernels take ``exp`` of differences of float32 within-chunk cumsums of ``g``; after
+one saturated step (``dt A`` ~ -7e6) each later step of the chunk is lost in the cumsum's rounding (FLA's
+kernels under triton's interpreter: ``y`` 1.5e-2 and ``d A_log`` 2.9 relative off float64; floored, 1e-5).
 
 ``hybridpar::fused_conv_scan`` runs that math without autograd and saves only its inputs;
 ``hybridpar::fused_conv_scan_backward`` recomputes it up to the scan's inputs and differentiates it:
@@ -51,6 +56,7 @@ from torch import Tensor
 from hybridpar.models.mamba.conv import conv_forward
 from hybridpar.models.mamba.fla_backward import simple_gla_backward
 from hybridpar.models.mamba.fused_glue import add_skip, scan_gradients, scan_values
+from hybridpar.models.mamba.recurrence import underflow_log
 from hybridpar.models.precision import autocast_off
 
 __all__ = ["fla_scan", "fla_status", "fla_gated_backward_refusal", "gated_backward_refusal", "import_fla",
@@ -198,7 +204,7 @@ def _glue(xBC, dt, conv_weight, conv_bias, dt_bias, A_log, init_states, conv_his
     dt_used = F.softplus(cast(dt.reshape(total, heads)) + cast(dt_bias))  # [T, H]
     if (dt_min, dt_max) != (0.0, float("inf")):
         dt_used = dt_used.clamp(dt_min, dt_max)
-    g = (dt_used * -torch.exp(cast(A_log)))[None]  # [1, T, H]
+    g = (dt_used * -torch.exp(cast(A_log))).clamp_min(underflow_log(fp))[None]  # [1, T, H]; see the module docstring
     initial = None if init_states is None else _per_document(init_states, init_at, cu_docs, fp)  # [n_docs, H, P, N]
     return post, dt_used, g, initial
 

@@ -36,6 +36,14 @@ def decay_floor(dtype: torch.dtype) -> float:
     return 0.75 * math.log(torch.finfo(dtype).tiny)
 
 
+def underflow_log(dtype: torch.dtype) -> float:
+    """A log decay whose ``exp`` is 0 in ``dtype``: below half its smallest subnormal (about -104.3 in
+    float32, -745.4 in float64). A step's log decay floored there changes no value a recurrence held in
+    ``dtype`` can take: every decay through that step rounds to 0 either way."""
+    info = torch.finfo(dtype)
+    return math.log(info.tiny * info.eps) - 1.0
+
+
 def linear_recurrence(u: Tensor, log_decay: Tensor, reset: Tensor) -> Tensor:
     """``h`` of the recurrence above. u ``[..., n, D]``, log_decay ``[..., n]`` (<= 0), reset bool
     ``[n]`` (shared by all leading dims). Returns ``[..., n, D]``."""
