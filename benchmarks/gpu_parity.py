@@ -13,6 +13,12 @@ precision is set to IEEE (``TRITON_F32_DEFAULT=ieee``, before triton compiles FL
 Each quantity passes when ``max |fused - pure| <= 1e-4 * max |pure|``. Exit status 1 on any
 failure (or when the fused kernel cannot run here: the reason is printed).
 
+- ``saturated`` (a report, not a gate: its own ``gpu_saturated.{json,md}``, outside the exit status):
+  round 28's spike, one token whose ``dt`` saturates the softplus (``dt_bias`` 1e6 there) among
+  steps of ``dt * A`` ~ -7e-3, on ``small``'s Mamba shapes; the pure core and the fused one in
+  float32 against the pure core in float64. The pure core keeps its within-chunk cumsum in float64
+  (1e-7 on CPU); a kernel taking differences of float32 cumsums loses every later step of the chunk.
+
     python benchmarks/gpu_parity.py [--out benchmarks/results]
 
 Writes ``gpu_parity.json`` and ``gpu_parity.md``.
@@ -103,6 +109,35 @@ def state_parity(device) -> list[tuple[str, float]]:
     return rows
 
 
+def saturated_precision(device) -> list[tuple[str, float]]:
+    """Round 28's saturated ``dt`` on CUDA: ``y``, the final states and the gradients of ``dt_bias`` and
+    ``A_log``, per kernel in float32, relative to the pure core in float64."""
+    c = HybridConfig.from_preset("small")
+    heads, p, n, g, k = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_n_groups, c.conv_kernel
+    gen = torch.Generator().manual_seed(6)
+    cu = torch.tensor([0, 1000, 2048])
+    tokens = int(cu[-1])
+    base = dict(xBC=torch.randn(1, tokens, heads * p + 2 * g * n, generator=gen),
+                dt=torch.full((1, tokens, heads), -5.0).index_fill_(1, torch.tensor([37, 1100]), 1e6),
+                conv_weight=torch.randn(heads * p + 2 * g * n, k, generator=gen) * 0.5,
+                conv_bias=torch.randn(heads * p + 2 * g * n, generator=gen) * 0.1, dt_bias=torch.zeros(heads),
+                A_log=torch.full((heads,), 2.0), D=torch.randn(heads, generator=gen))
+    options = dict(head_dim=p, state_size=n, chunk_size=c.chunk_size, cu_docs=cu.to(device), dt_limit=(0.0, float("inf")),
+                   final_at=(cu[1:] - 1).to(device))
+    probe = torch.Generator().manual_seed(7)
+    out = {}
+    for mode, dtype in (("pure", torch.float64), ("pure", torch.float32), ("fla", torch.float32)):
+        inputs = {name: t.to(device, dtype).requires_grad_() for name, t in base.items()}
+        with use_mamba_kernel(mode):
+            y, final = mamba_conv_scan(*inputs.values(), **options)
+        probe_y = torch.randn(y.shape, generator=probe.manual_seed(8)).to(device, dtype)
+        d_bias, d_a = torch.autograd.grad((y * probe_y).sum() + final.sum(), [inputs["dt_bias"], inputs["A_log"]])
+        out[mode, dtype] = dict(y=y.detach(), final=final.detach(), dt_bias=d_bias, A_log=d_a)
+    reference = out["pure", torch.float64]
+    return [(f"{mode} float32 {name}", rel(out[mode, torch.float32][name].double(), ref))
+            for mode in ("pure", "fla") for name, ref in reference.items()]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -124,8 +159,12 @@ def main() -> int:
             "tolerance": TOLERANCE, "fla_guard_lifted": lifted}
     sections = harness.parity_sections({"model": lambda: model_parity(device), "states": lambda: state_parity(device)},
                                        TOLERANCE)
-    return harness.write_parity("gpu_parity", "Fused Mamba path vs the pure-PyTorch core on CUDA (float32, TF32 off)",
-                                meta, sections, out=args.out)
+    status = harness.write_parity("gpu_parity", "Fused Mamba path vs the pure-PyTorch core on CUDA (float32, TF32 off)",
+                                  meta, sections, out=args.out)
+    saturated = harness.parity_sections({"saturated": lambda: saturated_precision(device)}, TOLERANCE)
+    harness.write_parity("gpu_saturated", "A saturated dt on CUDA: each kernel in float32 vs the pure core in float64",
+                         meta, saturated, out=args.out)
+    return status
 
 
 if __name__ == "__main__":
