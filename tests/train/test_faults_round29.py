@@ -86,3 +86,54 @@ def test_check_packing_says_it_runs_neither_checkpointing_nor_compile():
     assert note.endswith("; parallel.activation_checkpointing=full not used here: both runs are the eager model without "
                          "checkpointing; hybridpar check without --packing runs the layout with them"), note
     assert _layout_note(load_config(None, [])) == ""
+
+
+def _exported(model, folder, merge: bool) -> tuple[dict, dict]:
+    """``(adapter_config.json or config.json, {tensor name: tensor})`` of ``export_lora(model, folder)``."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from hybridpar.models.hf.lora_export import export_lora
+    from hybridpar.parallel.state import canonical_state_dict
+
+    export_lora(model, folder, canonical_state_dict(model), merge=merge)
+    config = json.loads((folder / ("config.json" if merge else "adapter_config.json")).read_text())
+    return config, {name: t for f in sorted(folder.glob("*.safetensors")) for name, t in load_file(f).items()}
+
+
+def test_a_lora_export_under_activation_checkpointing_names_modules_as_one_process_does(tmp_path):
+    """``model.export_hf`` of a LoRA run with ``parallel.activation_checkpointing`` (full or selective): the adapter
+    named the modules as the wrapped model does. A transformers model's ``adapter_config.json`` targeted
+    ``model.layers.0._checkpoint_wrapped_module.self_attn.q_proj`` (no base has it: peft finds no module) and its
+    expert factors were written under hybridpar's names, not peft's (``experts.lora_down_proj.lora_A.weight`` for
+    ``experts.base_layer.lora_A.weight``: peft loads them as missing, the update lost); a merged export of expert
+    adapters and a HybridLM's adapter export raised after training ("parameter 'backbone.layers.0.
+    _checkpoint_wrapped_module.mixer.in_proj.weight' has no BambaForCausalLM name"). Every name is now the one
+    process's."""
+    from hybridpar.models.hf.lora_export import mamba_out_proj_targets
+    from hybridpar.models.hybrid import HybridConfig, HybridLM
+    from hybridpar.models.lora import add_lora
+    from hybridpar.parallel.checkpointing import apply_activation_checkpointing
+    from tests.distributed.tensor.hf_models import build_model
+
+    model = build_model("qwen3_moe")
+    add_lora(model, r=4, alpha=8, targets=["q_proj"], target_parameters=["mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(generator=torch.Generator().manual_seed(len(name)))
+    plain = {merge: _exported(model, tmp_path / f"plain_{merge}", merge) for merge in (False, True)}
+    apply_activation_checkpointing(model, "full")
+    for merge in (False, True):
+        config, tensors = _exported(model, tmp_path / f"checkpointed_{merge}", merge)
+        assert config == plain[merge][0]
+        assert sorted(tensors) == sorted(plain[merge][1]) and all(torch.equal(t, plain[merge][1][n])
+                                                                  for n, t in tensors.items())
+    assert "model.layers.0.self_attn.q_proj" in plain[False][0]["target_modules"]
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in plain[False][1]
+    hybrid = HybridLM(HybridConfig.from_preset("tiny"))
+    add_lora(hybrid, r=4, alpha=8)  # the default targets hold the Mamba out_proj, whose adapter peft cannot load
+    apply_activation_checkpointing(hybrid, "selective")
+    assert mamba_out_proj_targets(hybrid) == ["backbone.layers.0.mixer.out_proj", "backbone.layers.3.mixer.out_proj"]

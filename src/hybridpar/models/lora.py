@@ -34,6 +34,7 @@ from torch import nn
 
 from hybridpar.config_rules import quoted
 from hybridpar.models.arguments import python_number
+from hybridpar.models.names import canonical_name
 from hybridpar.models.lora_experts import adapt_experts, adapter_child, expert_lora_modules, expert_targets
 from hybridpar.models.token_dropout import TokenDropout, dropout_tokens
 
@@ -57,8 +58,9 @@ def is_lora_parameter(name: str) -> bool:
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """``{name: base module}`` of every module carrying an adapter."""
-    return {name: m for name, m in model.named_modules() if getattr(m, "lora_scaling", None) is not None}
+    """``{name: base module}`` of every module carrying an adapter, by its single-device name (under activation
+    checkpointing too: an export named ``layers.0._checkpoint_wrapped_module.q_proj``, which no base has)."""
+    return {canonical_name(name): m for name, m in model.named_modules() if getattr(m, "lora_scaling", None) is not None}
 
 
 def refuse_adapters(model: nn.Module, state: dict | None, caller: str) -> None:

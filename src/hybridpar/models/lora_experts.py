@@ -33,6 +33,8 @@ import types
 import torch
 from torch import nn
 
+from hybridpar.models.names import canonical_name
+
 __all__ = ["ExpertLoRA", "GateUpB", "stacked_parameters", "expert_targets", "adapt_experts", "expert_lora_modules",
            "expert_delta", "adapter_child", "experts_transposed", "peft_names", "peft_target_parameters"]
 
@@ -184,8 +186,9 @@ def adapt_experts(model: nn.Module, targets, *, r: int, alpha: float, dtype_of, 
 
 
 def expert_lora_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """``{name: experts module}`` of every module whose stacked parameters carry adapters."""
-    return {n: m for n, m in model.named_modules() if getattr(m, MARK, False)}
+    """``{name: experts module}`` of every module whose stacked parameters carry adapters, by its single-device
+    name (activation checkpointing's wrapper atoms dropped, as ``lora.lora_modules``)."""
+    return {canonical_name(n): m for n, m in model.named_modules() if getattr(m, MARK, False)}
 
 
 def peft_names(model: nn.Module) -> dict[str, str]:

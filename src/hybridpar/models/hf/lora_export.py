@@ -230,9 +230,9 @@ def check_mergeable(model: nn.Module) -> None:
 
 
 def mamba_out_proj_targets(model: nn.Module) -> list[str]:
-    """Adapted ``out_proj`` modules of Mamba mixers (peft cannot load those adapters)."""
-    return [name for name in lora_modules(model)
-            if name.endswith("out_proj") and _is_mamba(dict(model.named_modules()).get(name.rpartition(".")[0]))]
+    """Adapted ``out_proj`` modules of Mamba mixers (peft cannot load those adapters), by single-device name."""
+    return [f"{canonical_name(name)}.out_proj" for name, module in model.named_modules()
+            if _is_mamba(module) and getattr(getattr(module, "out_proj", None), "lora_scaling", None) is not None]
 
 
 def _is_mamba(module) -> bool:
