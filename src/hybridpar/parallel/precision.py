@@ -69,7 +69,8 @@ def float32_modules(model: nn.Module) -> list[nn.Module]:
                   or getattr(m, "_keep_in_fp32_modules", None)), None)
     if owner is None:
         return []
-    entries = [*(owner._keep_in_fp32_modules_strict or ()), *(getattr(owner, "_keep_in_fp32_modules", None) or ())]
+    entries = [*(getattr(owner, "_keep_in_fp32_modules_strict", None) or ()),
+               *(getattr(owner, "_keep_in_fp32_modules", None) or ())]
     wanted = [entry for entry in entries if isinstance(entry, str) and entry.endswith(".weight")]
     modules = dict(model.named_modules())
     return [modules[name.rsplit(".", 1)[0]] for name, _ in model.named_parameters()
