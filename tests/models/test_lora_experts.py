@@ -38,6 +38,19 @@ def _base(implementation: str = "eager", name: str = "qwen3_moe"):
         _randomize_all(model)
         _exact_norms(model)
         return model
+    if name == "llama4":  # transposed experts [E, D, 2I] / [E, I, D], the shared expert added in place
+        import transformers as hf
+
+        from tests.distributed.tensor.hf_models import COMMON
+
+        torch.manual_seed(0)
+        config = hf.Llama4TextConfig(**{**COMMON, "attn_implementation": "eager"}, head_dim=16,
+                                     intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=2,
+                                     no_rope_layers=[1, 0], attention_chunk_size=32)
+        model = hf.Llama4ForCausalLM(config).double()
+        _randomize_all(model)
+        _exact_norms(model)
+        return model
     if name == "nemotron_h_moe":  # Mamba, attention and MoE layers; its own (eager) experts loop
         from tests.models.hf.hybrid_models import build_hybrid
 
@@ -84,7 +97,8 @@ def _loss(model, ids):
     return logits, torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
 
 
-@pytest.mark.parametrize("name, experts", [("qwen3_moe", EXPERTS), ("nemotron_h_moe", NEMOTRON), ("gpt_oss", EXPERTS)])
+@pytest.mark.parametrize("name, experts", [("qwen3_moe", EXPERTS), ("nemotron_h_moe", NEMOTRON), ("gpt_oss", EXPERTS),
+                                           ("llama4", EXPERTS)])
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's call
 def test_expert_adapters_match_peft_target_parameters(name, experts):
     from peft import LoraConfig, get_peft_model
@@ -204,10 +218,12 @@ def _trained(rank, world_size, overrides):
     Trainer(config, torch.device("cpu")).fit()
 
 
-def test_a_tp2_lora_run_exports_expert_adapters_that_peft_loads(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama4"])
+def test_a_tp2_lora_run_exports_expert_adapters_that_peft_loads(tmp_path, name):
     """The trainer at tp=2 (experts sharded, factors paired), adapting the experts only
     (``peft.target_modules=[]``), writes an adapter peft loads on the base; its experts' factors moved
-    (they trained) and the merged-by-peft logits differ from the base's."""
+    (they trained) and the merged-by-peft logits differ from the base's. Llama 4's experts are stored
+    transposed without the flag: the adapter follows peft's reading (its factors' shapes were swapped)."""
     import warnings
 
     import transformers as hf
@@ -215,7 +231,7 @@ def test_a_tp2_lora_run_exports_expert_adapters_that_peft_loads(tmp_path):
 
     from tests.distributed.harness import run_ranks
 
-    base = _base()
+    base = _base(name=name)
     base.save_pretrained(tmp_path / "base")
     overrides = [f"model.hf_path={tmp_path / 'base'}", "model.dtype=float64", "parallel.cp=1", "parallel.tp=2",
                  "data.pack_size=32", "train.steps=2", "train.eval_every=0", "checkpoint.every=-1", "plot=false",

@@ -1,7 +1,8 @@
 """LoRA on transformers' stacked MoE experts (``peft.target_parameters``; single-device code).
 
 transformers keeps the experts of a layer as 3-D parameters, ``gate_up_proj [E, 2I, D]`` (or
-``up_proj [E, I, D]``) and ``down_proj [E, D, I]``, ``[E, in, out]`` when ``is_transposed``. Each
+``up_proj [E, I, D]``) and ``down_proj [E, D, I]``, ``[E, in, out]`` when ``is_transposed`` (peft's reading,
+``peft_transposed``: Llama 4's experts, transposed without the flag, are adapted as peft adapts them). Each
 adapted parameter gets peft's ``ParamWrapper`` factors, per expert ``e`` a rank-``r`` update::
 
     lora_A.weight [r*E, in]     A_e = A[e*r:(e+1)*r]          (rows: expert-major)
@@ -36,7 +37,8 @@ from torch import nn
 from hybridpar.models.names import canonical_name
 
 __all__ = ["ExpertLoRA", "GateUpB", "stacked_parameters", "expert_targets", "adapt_experts", "expert_lora_modules",
-           "expert_delta", "adapter_child", "experts_transposed", "peft_names", "peft_target_parameters"]
+           "expert_delta", "adapter_child", "experts_transposed", "peft_transposed", "peft_names",
+           "peft_target_parameters"]
 
 MARK = "_hybridpar_expert_lora"
 
@@ -54,6 +56,13 @@ def experts_transposed(module: nn.Module) -> bool:
         return gate_up.shape[2] == 2 * down.shape[1] and gate_up.shape[1] == down.shape[2]
     hidden = getattr(module, "hidden_size", None)
     return isinstance(hidden, int) and down.shape[1] != down.shape[2] and down.shape[2] == hidden
+
+
+def peft_transposed(module: nn.Module) -> bool:
+    """Whether peft's ``ParamWrapper`` reads the stacked weights as ``[E, in, out]``: the ``is_transposed``
+    flag alone. Llama 4's experts, transposed without it, are adapted as ``[E, out, in]`` (their ``2I``/``I``
+    dim as ``in``): a rank-``r`` update of each expert all the same, and the adapter file peft loads."""
+    return bool(getattr(module, "is_transposed", False))
 
 
 def adapter_child(parameter: str) -> str:
@@ -171,8 +180,10 @@ def adapt_experts(model: nn.Module, targets, *, r: int, alpha: float, dtype_of, 
                          "peft.target_parameters.")
     for name, (module, parameter) in chosen.items():
         weight = module._parameters[parameter]
-        transposed = experts_transposed(module)
-        gate_up = parameter == "gate_up_proj" and getattr(module, "is_concatenated", True)
+        transposed = peft_transposed(module)
+        # [gate | up] are rows of B where the adapter's out is the weight's 2I dim (not Llama 4's: peft reads it as in)
+        gate_up = parameter == "gate_up_proj" and getattr(module, "is_concatenated", True) and \
+            transposed == experts_transposed(module)
         module.add_module(adapter_child(parameter), ExpertLoRA(weight, r, alpha, transposed, dtype_of(weight.dtype),
                                                                generator, gate_up))
     for module in {id(m): m for m, _ in chosen.values()}.values():

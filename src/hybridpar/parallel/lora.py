@@ -313,8 +313,10 @@ def pair_expert_lora(experts: nn.Module, tp_mesh: DeviceMesh) -> None:
                 raise ValueError(f"{type(experts).__name__}.{parameter}: a strided TP shard needs the gate/up "
                                  "rows of LoRA's B stored apart (GateUpB); use parallel.tp=1 for this model.")
             sharded, replicated, shard_placement = "lora_B", "lora_A", Shard(0)  # GateUpB: gate and up each by rows
-        else:  # I = in: A's columns, B replicated
-            sharded, replicated, shard_placement = "lora_A", "lora_B", Shard(1)
+        else:  # I = in: A's columns, B replicated (Llama 4's gate_up as peft reads it: strided like the weight)
+            shard_placement = _StridedShard(1, split_factor=placement.split_factor) \
+                if isinstance(placement, _StridedShard) else Shard(1)
+            sharded, replicated = "lora_A", "lora_B"
         _distribute(getattr(adapter, sharded), shard_placement, tp_mesh)
         _distribute(getattr(adapter, replicated), Replicate(), tp_mesh)
         # the replicated factor's gradient is a partial sum over TP: [r*E, D] or [D, r*E] all-reduced in backward

@@ -37,8 +37,8 @@ from hybridpar.config_rules import quoted
 from hybridpar.models.hf.checkpoint import NEMOTRON_H, architecture_of, hf_tensor_name
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.models.lora import LORA_PARAMETERS, adapter_settings, is_lora_parameter, lora_modules
-from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_lora_modules, experts_transposed,
-                                           peft_names, peft_target_parameters)
+from hybridpar.models.lora_experts import (adapter_child, expert_delta, expert_lora_modules, peft_names,
+                                           peft_target_parameters)
 from hybridpar.models.names import canonical_name
 from hybridpar.strict_json import check_files, load_file as load_json
 
@@ -187,7 +187,7 @@ def _adapter_config_problem(config) -> str | None:
 
 def expert_layouts(model: nn.Module) -> dict[str, tuple[int, bool]]:
     """``{"<experts>.lora_<parameter>": (experts, is_transposed)}`` of a model's expert adapters."""
-    return {f"{path}.{adapter_child(p)}": (m._parameters[p].shape[0], experts_transposed(m))
+    return {f"{path}.{adapter_child(p)}": (m._parameters[p].shape[0], getattr(m, adapter_child(p)).transposed)
             for path, m in expert_lora_modules(model).items() for p in m.lora_parameters}
 
 
