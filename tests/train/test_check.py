@@ -115,6 +115,48 @@ def test_check_under_lora_proves_the_a_gradients_too():
     assert code == 0 and "check exact" in report and "B factors drawn at random" in report, report
     code, report = results["wrong"]
     assert code == 1 and "check FAILED" in report, report
-    failed = [line for line in report.splitlines() if line.endswith("FAIL")]
-    assert failed and all(".lora_A." in line for line in failed[:-1]), report
-    assert failed[-1].strip().startswith("grad norm"), report  # their norm too (round 27)
+    failed = [line.strip() for line in report.splitlines() if line.endswith("FAIL")]
+    grads = [line for line in failed if line.startswith("grad ")]
+    assert grads and all(".lora_A." in line for line in grads[:-1]), report
+    assert grads[-1].startswith("grad norm"), report  # their norm too (round 27)
+    assert all(line.startswith("AdamW update of ") for line in failed[len(grads):]), report  # and the updates
+
+
+def _update_checks(rank, world_size):
+    import hybridpar.train.proof.layout as check
+
+    def run(*overrides) -> tuple[int, str]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = check.run_check(load_config(DEFAULT, SMALL + ["model.dtype=float64", "parallel.dp_shard=2",
+                                                                  "data.packs_per_step=2", *overrides]),
+                                   torch.device("cpu"))
+        return code, out.getvalue()
+
+    results = {"sharded": run()}
+    original = check.Trainer
+
+    class OneStepAhead(original):  # the layout's schedule one step ahead: every gradient right, every update not
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.scheduler.step()
+
+    check.Trainer = OneStepAhead
+    try:
+        results["schedule"] = run()
+    finally:
+        check.Trainer = original
+    return results
+
+
+def test_check_compares_the_first_adamw_update_in_float64():
+    """The update of every parameter after one AdamW step (clipping, the schedule's first rate, weight decay) under
+    FSDP's sharded optimizer equals one process's; a layout whose schedule runs a step ahead (its gradients all
+    exact) fails on the updates alone."""
+    results = run_ranks(2, _update_checks, timeout_s=300)[0]
+    code, report = results["sharded"]
+    assert code == 0 and "AdamW update at step 1 (" in report and "check exact" in report, report
+    code, report = results["schedule"]
+    assert code == 1 and "AdamW update of " in report and "grad lm_head.weight" in report, report
+    failed = [line for line in report.splitlines() if line.rstrip().endswith("FAIL")]
+    assert failed and all("AdamW update of " in line for line in failed), report

@@ -6,7 +6,9 @@ parameter. A user's proof that their layout computes what one GPU would, for a `
 and for a transformers model alike (``trainer.pack_loss_sum``).
 
 Also compared: the gradient norm that ``train.grad_clip`` clips by and the run logs
-(``optim.clip_grad_norm``, its own reductions over the shards). A gradient of another shape, one
+(``optim.clip_grad_norm``, its own reductions over the shards), and in float64 the first AdamW update
+of every parameter (clipped, at the schedule's first rate, with weight decay: the trainer's optimizer on
+its shards against one process's). A gradient of another shape, one
 a process has that the other has not, and one that differs between ranks (a replicated
 parameter whose replicas disagree: each rank compares its own copy, and every rank's failures
 are gathered into the one verdict) fail.
@@ -29,7 +31,7 @@ from hybridpar.config import ConfigError, RunConfig
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
 from hybridpar.train.loss import valid_token_count
-from hybridpar.train.optim import build_optimizer, clip_grad_norm
+from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.train.hf_model import use_blockwise_attention
 from hybridpar.train.peft import apply_peft, key_dropout
@@ -96,6 +98,36 @@ def gradient_rows(reference: torch.nn.Module, reference_grads: dict, parallel_gr
 
 
 @torch.no_grad()
+def update_rows(trainer, reference: torch.nn.Module, config: RunConfig,
+                tolerance: float) -> list[tuple[str, float, float]]:
+    """AdamW's first update of every parameter, ``p_1 - p_0``, under the layout (``train.grad_clip``, the
+    trainer's optimizer and schedule on its shards) against one process's (``build_optimizer``), by canonical
+    name: one row per parameter whose update differs, else one row. Only in float64: at step 1 AdamW moves
+    each element by about ``lr * g / (|g| + eps)``, so a gradient near 0 turns float32's rounding into an
+    update of up to ``lr`` either way. Steps both models (compare the gradients first). Collective."""
+    if config.model.dtype != "float64" or config.parallel.mixed_precision:
+        return []
+    before = (canonical_state_dict(trainer.model), canonical_state_dict(reference))
+    clip_grad_norm(trainer.model.parameters(), config.train.grad_clip)
+    trainer.optimizer.step()
+    optimizer = build_optimizer(reference, config.train)
+    build_scheduler(optimizer, config.train)  # the first step's rate, as the trainer's schedule set it
+    clip_grad_norm(reference.parameters(), config.train.grad_clip)
+    optimizer.step()
+    after = (canonical_state_dict(trainer.model), canonical_state_dict(reference))
+    rows, worst = [], (0.0, 0.0)
+    for name, one in after[1].items():
+        if name not in after[0] or after[0][name].shape != one.shape:
+            continue  # a row of gradient_rows already
+        layout_update, one_update = after[0][name] - before[0][name], one - before[1][name]
+        difference, scale = float((layout_update - one_update).abs().max()), float(one_update.abs().max())
+        if not within(difference, scale, tolerance):
+            rows.append((f"AdamW update of {name}", difference, scale))
+        worst = max(worst, (difference, scale))
+    return rows or [(f"AdamW update at step 1 ({len(after[1])} parameters, lr {optimizer.param_groups[0]['lr']:.2e})",
+                     *worst)]
+
+
 def decay_rows(trainer, reference: torch.nn.Module, config: RunConfig) -> list[tuple[str, float, float]]:
     """AdamW's weight-decay group of every trainable parameter under the layout (the trainer's optimizer, grouped on
     the parallelized model's names, shapes and marks) against one process's (``build_optimizer``), by canonical name:
@@ -208,6 +240,7 @@ def run_check(config: RunConfig, device: torch.device, tolerance: float | None =
     reference_norm = clip_grad_norm(reference.parameters(), math.inf)
     rows.append(("grad norm (train.grad_clip clips by it)", float((parallel_norm - reference_norm).abs()),
                  float(reference_norm)))
+    rows += update_rows(trainer, reference, config, tolerance)  # float64: the first update (steps both models)
     rows += decay_rows(trainer, reference, config)  # the update's groups (the gradients are compared above)
     exact = (config.model.dtype == "float64" and config.parallel.mixed_precision is None
              and all(difference <= EXACT * max(1.0, scale) for _, difference, scale in rows))
