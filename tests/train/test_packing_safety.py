@@ -182,15 +182,27 @@ CHECKED = {  # transformers hybrids whose float64 ``hybridpar check`` runs here 
 }
 
 
+@pytest.fixture(scope="module")
+def checked(checkpoints, tmp_path_factory):
+    """Every layout of ``CHECKED`` in one 2-rank launch (``run_each``: one call per model), not one
+    launch per model: a rank's first-time costs (imports, DTensor's sharding propagation) come once."""
+    root = tmp_path_factory.mktemp("checked")
+    names = sorted(CHECKED)
+    calls = []
+    for name in names:
+        common = ["check", f"model.hf_path={checkpoints[name]}", "model.dtype=float64", "data.pack_size=128",
+                  "data.packs_per_step=2", "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}",
+                  "tensorboard=false", "plot=false"]
+        calls.append(([common + layout + [f"output_dir={root}/{name}-{index}"]
+                       for index, layout in enumerate(CHECKED[name])],))
+    return {name: ranks[0] for name, ranks in zip(names, run_each(2, _cli_runs, calls, timeout_s=600))}
+
+
 @pytest.mark.parametrize("name", sorted(CHECKED))
-def test_transformers_hybrids_check_exact_in_float64(checkpoints, tmp_path, name):
+def test_transformers_hybrids_check_exact_in_float64(checked, name):
     """``hybridpar check`` in float64 on packed rows: exact at each layout of ``CHECKED``."""
-    common = ["check", f"model.hf_path={checkpoints[name]}", "model.dtype=float64", "data.pack_size=128",
-              "data.packs_per_step=2", "data.task_options={min_len: 32, max_len: 64, num_kv_pairs: [2, 4]}",
-              "tensorboard=false", "plot=false"]
-    runs = [common + layout + [f"output_dir={tmp_path}/{index}"] for index, layout in enumerate(CHECKED[name])]
-    results = run_ranks(2, _cli_runs, runs, timeout_s=300)
-    for code, report in results[0]:
+    assert len(checked[name]) == len(CHECKED[name])
+    for code, report in checked[name]:
         assert code == 0 and "check exact" in report and "several documents per row" in report, report[-3000:]
 
 
