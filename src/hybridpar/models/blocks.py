@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.models.cuda_compile import compiled_backend, run_compiled
-from hybridpar.models.norm_kernels import fused_gated_rms_norm, fused_rms_norm, norm_kernel, rms_norm_to
+from hybridpar.models.norm_kernels import (fused_gated_rms_norm, fused_rms_norm, norm_kernel, overflow_is_nan,
+                                           rms_norm_to)
 
 
 class _Relu2(torch.autograd.Function):
@@ -228,13 +229,6 @@ def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, group_size: i
         if kernel != "pure":
             return fused_gated_rms_norm(x, gate, weight, group_size, eps, kernel)
     return _RMSNormFunction.apply(x, gate, weight, group_size, eps, span)
-
-
-def overflow_is_nan(mean_square: Tensor, eps: float) -> Tensor:
-    """``rstd = (mean(u^2) + eps)^-1/2``, NaN where ``mean(u^2)`` overflowed (a group past ~1.8e19 in float32): ``rsqrt``
-    gave 0 there and the norm a finite 0, so a diverged stream trained on in silence (round 30); NaN reaches the loss,
-    where ``train.on_nonfinite`` sees it. An op on ``[..., groups]``, not on the activation."""
-    return torch.where(mean_square.isinf(), float("nan"), torch.rsqrt(mean_square + eps))
 
 
 def _gated(x: Tensor, gate: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -20,7 +20,7 @@ way reads the inputs and writes the outputs once (~0.5 and ~0.3 GB). Two maintai
   autocast: rounded once; ours is float32 and autocast rounds it at ``out_proj``).
 
 Past float32's squares (a group of values beyond ~1.8e19) ours and ``rms_norm_to`` give NaN where the
-mean of squares overflows (``blocks.overflow_is_nan``: the guard sees the run diverge); torch's fused
+mean of squares overflows (``overflow_is_nan``: the guard sees the run diverge); torch's fused
 kernel and FLA's give 0 there, a finite output, as ``rsqrt(inf)`` does.
 
 ``norm_kernel`` says which runs, logged once per family, kernel and reason (``norm kernel: fla
@@ -48,7 +48,7 @@ from hybridpar.models.mamba import fused
 from hybridpar.models.mamba.fused_op import import_fla
 
 __all__ = ["kernel_for", "norm_kernel", "plain_tensors", "fused_rms_norm", "fused_gated_rms_norm", "register_gated_norm",
-           "rms_norm_to", "FLA_ROW_BYTES"]
+           "rms_norm_to", "overflow_is_nan", "FLA_ROW_BYTES"]
 
 logger = logging.getLogger(__name__)
 FLA_ROW_BYTES = 65536  # FLA's norm kernels hold one group of a row in a block of at most this many bytes
@@ -140,9 +140,15 @@ def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def _norm_to(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(weight * x * rstd in out_dtype, rstd [..., 1])``, as ``F.rms_norm`` then the cast: one rounding."""
-    mean_square = x.pow(2).mean(-1, keepdim=True)
-    rstd = torch.where(mean_square.isinf(), float("nan"), torch.rsqrt(mean_square + eps))  # blocks.overflow_is_nan
+    rstd = overflow_is_nan(x.pow(2).mean(-1, keepdim=True), eps)
     return (x * rstd * weight).to(out_dtype), rstd
+
+
+def overflow_is_nan(mean_square: Tensor, eps: float) -> Tensor:
+    """``rstd = (mean(u^2) + eps)^-1/2``, NaN where ``mean(u^2)`` overflowed (a group past ~1.8e19 in float32): ``rsqrt``
+    gave 0 there and the norm a finite 0, so a diverged stream trained on in silence (round 30); NaN reaches the loss,
+    where ``train.on_nonfinite`` sees it. An op on ``[..., groups]``, not on the activation."""
+    return torch.where(mean_square.isinf(), float("nan"), torch.rsqrt(mean_square + eps))
 
 
 def _norm_to_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:

@@ -48,8 +48,9 @@ def register_rule_ops(name: str, kernel: Callable[[str], Callable], rule_backwar
 
     def math(q, k, v, g, beta, initial_state, cu_seqlens, want_final, rule):
         fp = torch.promote_types(v.dtype, torch.float32)
-        o, final = kernel(rule)(q, k, v, floored(g), beta, scale=q.shape[-1] ** -0.5, initial_state=states(initial_state, rule),
-                                output_final_state=want_final, cu_seqlens=cu_seqlens.long())
+        o, final = kernel(rule)(q, k, v, floored(g), beta, scale=q.shape[-1] ** -0.5,
+                                initial_state=states(initial_state, rule), output_final_state=want_final,
+                                cu_seqlens=cu_seqlens.long())
         return o.to(v.dtype), (final.to(fp) if want_final else None)
 
     def final_shape(q, v, cu_seqlens):
@@ -78,7 +79,7 @@ def register_rule_ops(name: str, kernel: Callable[[str], Callable], rule_backwar
             with torch.no_grad(), autocast_off():
                 grads = list(direct(q, k, v, floored(g), beta, grad_o, grad_final, scale=q.shape[-1] ** -0.5,
                                     initial_state=states(initial_state, rule), cu_seqlens=cu_seqlens.long()))
-                grads[3] = grads[3].masked_fill(g < underflow_log(g.dtype), 0)  # the floor's gradient
+                grads[3] = grads[3].masked_fill(g < underflow_log(g.dtype), 0)  # the floor's gradient: 0 where it acts
         else:
             with autograd_on(), autocast_off():
                 leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
