@@ -41,16 +41,21 @@ def test_a_tolerance_that_is_not_finite_and_positive_is_refused(tolerance, capsy
     assert "must be a finite number > 0" in capsys.readouterr().err
 
 
+def _run_check(*overrides) -> tuple[int, str]:
+    """``(exit code, stdout)`` of ``run_check`` on the small job with ``overrides``, in this process."""
+    import hybridpar.train.proof.layout as check
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = check.run_check(load_config(DEFAULT, SMALL + list(overrides)), torch.device("cpu"))
+    return code, out.getvalue()
+
+
 def _checks(rank, world_size):
     import hybridpar.train.proof.layout as check
     import hybridpar.train.trainer as trainer
 
-    def run(*overrides) -> tuple[int, str]:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = check.run_check(load_config(DEFAULT, SMALL + list(overrides)), torch.device("cpu"))
-        return code, out.getvalue()
-
+    run = _run_check
     results = {"float64": run("model.dtype=float64"), "float32": run("model.dtype=float32")}
     original = trainer.build_model
 
@@ -82,11 +87,7 @@ def _lora_checks(rank, world_size):
     import hybridpar.train.proof.layout as check
 
     def run(*overrides) -> tuple[int, str]:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = check.run_check(load_config(DEFAULT, SMALL + ["model.dtype=float64", "peft.method=lora", "peft.r=4",
-                                                                 *overrides]), torch.device("cpu"))
-        return code, out.getvalue()
+        return _run_check("model.dtype=float64", "peft.method=lora", "peft.r=4", *overrides)
 
     results = {"right": run()}
     real = check.Trainer
@@ -126,12 +127,7 @@ def _update_checks(rank, world_size):
     import hybridpar.train.proof.layout as check
 
     def run(*overrides) -> tuple[int, str]:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = check.run_check(load_config(DEFAULT, SMALL + ["model.dtype=float64", "parallel.dp_shard=2",
-                                                                  "data.packs_per_step=2", *overrides]),
-                                   torch.device("cpu"))
-        return code, out.getvalue()
+        return _run_check("model.dtype=float64", "parallel.dp_shard=2", "data.packs_per_step=2", *overrides)
 
     results = {"sharded": run()}
     original = check.Trainer
