@@ -195,14 +195,49 @@ def _turn_span(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, ids
     Each render is a tokenization (most of the cost): the whole conversation's ``ids`` stand for the last
     message's, and the render without the generation prompt is made only when the one with it is no prefix."""
     end = ids if i == len(messages) - 1 else tokenizer.apply_chat_template(messages[:i + 1])
-    starts = (tokenizer.apply_chat_template(messages[:i], add_generation_prompt=g) for g in (True, False))  # i > 0
-    start = next((s for s in starts if _is_prefix(s, end)), None)
+    prompted = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True)  # i > 0
+    if _is_prefix(prompted, end) and _is_prefix(end, ids):
+        return len(prompted), len(end)
+    start = _text_start(messages, i, tokenizer, ids)
+    if start is None:
+        plain = tokenizer.apply_chat_template(messages[:i])  # a template that ignores add_generation_prompt
+        start = len(plain) if _is_prefix(plain, end) else None
     if start is None or not _is_prefix(end, ids):
         raise ValueError(
             f"the chat template does not render message {i} as a continuation of the messages before it, so the "
             "assistant tokens cannot be found by prefix; use a template with {% generation %} tags"
         )
-    return len(start), len(end)
+    return start, len(end)
+
+
+def _render_text(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    with render_limit(tokenizer.name):
+        return tokenizer.hf.apply_chat_template(messages, tokenize=False, chat_template=tokenizer.chat_template,
+                                                add_generation_prompt=add_generation_prompt)
+
+
+def _text_start(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, ids: list[int]) -> int | None:
+    """The first token of assistant message ``i`` found on the rendered text, when the generation prompt's tokens are
+    no prefix of the conversation's because its last token merges with the reply's first (a prompt ending in a space,
+    ``Assistant: `` + ``Hi`` -> ``:`` `` Hi``; ``\n`` + ``\nHi`` -> ``\n\n``): the first token that ends after the
+    prompt's text, as transformers' ``{% generation %}`` mask takes a token the reply begins in. None when the
+    template adds no generation prompt, or the text is no prefix (then the header is learned, or the template refused).
+    Without it the header was learned silently: the render without the generation prompt was taken as the start."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None or not getattr(hf, "is_fast", False) or tokenizer.chat_template is None:
+        return None
+    try:
+        whole, prompt = _render_text(tokenizer, messages), _render_text(tokenizer, messages[:i], True)
+        if prompt == _render_text(tokenizer, messages[:i]) or not whole.startswith(prompt):
+            return None
+        encoded = hf(whole, add_special_tokens=False, return_offsets_mapping=True)
+    except TimeoutError as error:
+        raise ValueError(str(error)) from None
+    except Exception:  # noqa: BLE001 - the template's own error is said by the tokenized render
+        return None
+    if list(encoded["input_ids"]) != list(ids):
+        return None
+    return next((t for t, (_, stop) in enumerate(encoded["offset_mapping"]) if stop > len(prompt)), None)
 
 
 def _check_rendered(messages: list[dict[str, str]], tokenizer: Tokenizer) -> None:

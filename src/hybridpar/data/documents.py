@@ -5,7 +5,8 @@
     jsonl                JSON lines, a string field              text_field ("text")
     chat                 JSON lines with a ``messages`` list     messages_field ("messages")
     prompt_completion    JSON lines with prompt / completion     prompt_field ("prompt"), completion_field ("completion")
-    hf_dataset           ``datasets`` files or saved dataset     kind ("text"), field, split ("train"), builder
+    hf_dataset           ``datasets`` files or saved dataset     kind ("text"), field, split ("train"), builder,
+                                                                 prompt_field, completion_field (prompt_completion)
     python_stdlib        the .py files under a directory         max_bytes, max_file_bytes, eval_fraction, exclude
                          (null: this Python's standard library)  (``data/stdlib.py``)
 
@@ -35,7 +36,8 @@ FILE_TASKS = {  # task -> its options and their defaults
     "jsonl": {"text_field": "text"},
     "chat": {"messages_field": "messages"},
     "prompt_completion": {"prompt_field": "prompt", "completion_field": "completion"},
-    "hf_dataset": {"kind": "text", "field": None, "split": "train", "builder": None},
+    "hf_dataset": {"kind": "text", "field": None, "split": "train", "builder": None, "prompt_field": "prompt",
+                   "completion_field": "completion"},
     "python_stdlib": STDLIB_OPTIONS,
 }
 

@@ -9,8 +9,8 @@
 
 ``kind`` says what a row holds: ``"text"`` (a string column, default ``"text"``; one document
 per row, see ``Tokenizer.document``), ``"messages"`` (a chat column, default ``"messages"``;
-``chat.chat_document``) or ``"prompt_completion"`` (columns ``prompt`` and ``completion``;
-``chat.prompt_completion_document``). Nothing is downloaded.
+``chat.chat_document``) or ``"prompt_completion"`` (columns ``prompt_field`` and ``completion_field``,
+default ``prompt`` and ``completion``; ``chat.prompt_completion_document``). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hybridpar.data.chat import chat_document, prompt_completion_document
 from hybridpar.data.tokenizers import as_tokenizer
 from hybridpar.strict_json import check_json_data_file
 
-__all__ = ["HF_KINDS", "load_hf_dataset", "hf_dataset_documents"]
+__all__ = ["HF_KINDS", "load_hf_dataset", "hf_options_problem", "hf_dataset_documents"]
 
 HF_KINDS = {"text": "text", "messages": "messages", "prompt_completion": None}  # kind -> default column
 HF_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
@@ -156,21 +156,37 @@ def _check_parquet_rows(path: Path) -> None:
                          "rows); write the data into it, or point data.path at the file that holds it.")
 
 
-def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", field: str | None = None,
-                         split: str = "train", builder: str | None = None) -> list:
-    """Documents of every row of a local dataset: token lists (``text``) or ``{"input_ids",
-    "labels"}`` (``messages``, ``prompt_completion``)."""
+def hf_options_problem(kind: str = "text", field: str | None = None, prompt_field: str = "prompt",
+                       completion_field: str = "completion", **_) -> str | None:
+    """Why options of ``hf_dataset`` do not go together (the launcher asks before any process starts)."""
     if kind not in HF_KINDS:
-        raise ValueError(f"kind={quoted(kind)} is unknown; choose one of {sorted(HF_KINDS)}.")
-    if kind == "prompt_completion" and field is not None:
-        raise ValueError("kind='prompt_completion' reads the columns 'prompt' and 'completion'; leave field unset.")
+        return f"kind={quoted(kind)} is unknown; choose one of {sorted(HF_KINDS)}."
+    if kind == "prompt_completion" and field is not None:  # the fix the missing-column message named was refused here
+        return (f"field={quoted(field)} does not apply to kind='prompt_completion', which reads two columns; name them "
+                "with data.task_options.prompt_field and completion_field (default 'prompt', 'completion').")
+    pair = {"prompt_field": prompt_field, "completion_field": completion_field}
+    if kind != "prompt_completion" and (prompt_field, completion_field) != ("prompt", "completion"):
+        return (f"{quoted(pair)} apply to kind='prompt_completion' only, not kind={quoted(kind)}; name the column with "
+                "data.task_options.field, or set kind='prompt_completion'.")
+    return None
+
+
+def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", field: str | None = None,
+                         split: str = "train", builder: str | None = None, prompt_field: str = "prompt",
+                         completion_field: str = "completion") -> list:
+    """Documents of every row of a local dataset: token lists (``text``) or ``{"input_ids",
+    "labels"}`` (``messages``, ``prompt_completion``: columns ``prompt_field`` and ``completion_field``)."""
+    if problem := hf_options_problem(kind, field, prompt_field, completion_field):
+        raise ValueError(problem)
     tokenizer = as_tokenizer(tokenizer)
     dataset = load_hf_dataset(path, split, builder)
-    columns = [field or HF_KINDS[kind]] if kind != "prompt_completion" else ["prompt", "completion"]
+    columns = [field or HF_KINDS[kind]] if kind != "prompt_completion" else [prompt_field, completion_field]
     absent = [c for c in columns if c not in dataset.column_names]
     if absent:
+        option = ("data.task_options.prompt_field / completion_field" if kind == "prompt_completion"
+                  else "the field option (data.task_options.field)")
         raise ValueError(f"dataset {path} (split {quoted(split)}) has columns {dataset.column_names}, not {absent}; "
-                         "pass the field option (data.task_options.field) naming the right column.")
+                         f"pass {option} naming the right column{'s' if kind == 'prompt_completion' else ''}.")
     docs = []
     for row, record in enumerate(dataset.select_columns(columns)):
         try:
@@ -183,7 +199,7 @@ def hf_dataset_documents(path: str | Path, tokenizer=None, kind: str = "text", f
             elif kind == "messages":
                 docs.append(chat_document(record[columns[0]], tokenizer))
             else:
-                docs.append(prompt_completion_document(record["prompt"], record["completion"], tokenizer))
+                docs.append(prompt_completion_document(record[prompt_field], record[completion_field], tokenizer))
         except ValueError as error:
             raise ValueError(f"{path} row {row + 1} of {len(dataset)} (counted from 1; a CSV header is no row): "
                              f"{error}") from None

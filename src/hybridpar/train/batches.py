@@ -32,7 +32,7 @@ import numpy as np
 from hybridpar.config_rules import Notice, bounded_message, did_you_mean, quoted
 from hybridpar.config import DataConfig
 from hybridpar.data.documents import FILE_TASKS, file_documents
-from hybridpar.data.hf_datasets import HF_KINDS
+from hybridpar.data.hf_datasets import HF_KINDS, hf_options_problem
 from hybridpar.data.packing import pack_documents
 from hybridpar.data.sources import TASKS, TEXT_SPLITS, _document_at
 from hybridpar.data.stdlib import check_stdlib_options, stdlib_corpus, stdlib_root
@@ -212,6 +212,8 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
         if importlib.util.find_spec("datasets") is None:
             raise DataError("data.task='hf_dataset' needs the optional 'datasets' package: pip install "
                             "'hybridpar[data]'; plain text and JSONL files work without it (tasks text, jsonl, chat).")
+        if problem := hf_options_problem(**config.task_options):
+            raise DataError(f"data.task_options: {problem}")
     elif not config.path or not Path(config.path).is_file():
         raise DataError(f"data.path={quoted(config.path) + ' is not a file' if config.path else 'null names no file'}; data.task={quoted(config.task)} needs an existing local file.")
     return data_tokenizer(config, vocab_size, model_path)

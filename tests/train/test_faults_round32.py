@@ -1,0 +1,80 @@
+"""Round 32: the data path end to end (every data.task, tokenizers, chat templates, hf_dataset) (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from hybridpar.config import DataConfig
+from hybridpar.data.chat import chat_document, prompt_completion_documents
+from hybridpar.data.packing import IGNORE_INDEX
+from hybridpar.data.tokenizers import PretrainedTokenizer
+from hybridpar.train.batches import DataError, validate_data
+from tests.data.bpe import train_tiny_bpe
+
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "how are you"},
+    {"role": "user", "content": "the fox"},
+    {"role": "assistant", "content": "jumps over"},
+]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return train_tiny_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+def with_template(tokenizer, template):
+    clone = PretrainedTokenizer(tokenizer.hf, tokenizer.source_dir)
+    clone.chat_template = template
+    return clone
+
+
+def _turns(reply: str) -> str:
+    return ("{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n"
+            "{% elif m['role'] == 'assistant' %}Assistant: " + reply + "{% else %}{{ m['content'] }}\n{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}")
+
+
+def test_a_generation_prompt_whose_last_token_merges_with_the_reply_keeps_its_header_unlearned(bpe):
+    """The generation prompt ``Assistant: `` ends in a space, which the byte-level BPE joins to the reply's first word
+    (``:`` `` how``), so its tokens were no prefix of the conversation's and the start fell back to the render without
+    it: the header ``Assistant:`` was trained on, silently. Now the start is found on the rendered text: the labels
+    equal transformers' ``{% generation %}`` mask of the same template (which takes the token the reply begins in)."""
+    plain = with_template(bpe, _turns("{{ m['content'] }}{{ eos_token }}\n"))
+    tagged = with_template(bpe, _turns("{% generation %}{{ m['content'] }}{{ eos_token }}\n{% endgeneration %}"))
+    doc = chat_document(CONVERSATION, plain)
+    assert doc == chat_document(CONVERSATION, tagged)
+    trained = [bpe.decode([label], skip_special_tokens=False) for label in doc["labels"] if label != IGNORE_INDEX]
+    assert "".join(trained) == " how are you<|eos|>\n jumps over<|eos|>\n"
+
+
+def test_hf_dataset_prompt_completion_reads_columns_of_other_names(bpe, tmp_path):
+    """``kind=prompt_completion`` on columns ``instruction``/``output`` was told "pass the field option", and ``field``
+    was then refused ("leave field unset"): no setting read the dataset. The columns are named by
+    ``prompt_field``/``completion_field`` (as ``data.task=prompt_completion`` names its fields), and ``field`` with
+    that kind is refused before any process starts, naming them."""
+    datasets = pytest.importorskip("datasets")
+    from hybridpar.data.hf_datasets import hf_dataset_documents
+
+    rows = [{"instruction": "hello there", "output": " how are you"}, {"instruction": "the fox", "output": " jumps"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fields = {"prompt_field": "instruction", "completion_field": "output"}
+    expected = prompt_completion_documents(tmp_path / "rows.jsonl", bpe, **fields)
+    assert hf_dataset_documents(tmp_path / "saved", bpe, kind="prompt_completion", **fields) == expected
+    with pytest.raises(ValueError, match="pass data.task_options.prompt_field / completion_field"):
+        hf_dataset_documents(tmp_path / "saved", bpe, kind="prompt_completion")
+    config = DataConfig(task="hf_dataset", path=str(tmp_path / "saved"), tokenizer=str(bpe.source_dir),
+                        task_options={"kind": "prompt_completion", "field": "instruction"})
+    with pytest.raises(DataError, match="field='instruction' does not apply to kind='prompt_completion'.*prompt_field"):
+        validate_data(config, 4096)
+    config.task_options = {"kind": "text", "prompt_field": "instruction"}
+    with pytest.raises(DataError, match="apply to kind='prompt_completion' only"):
+        validate_data(config, 4096)
