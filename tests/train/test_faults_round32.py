@@ -78,3 +78,34 @@ def test_hf_dataset_prompt_completion_reads_columns_of_other_names(bpe, tmp_path
     config.task_options = {"kind": "text", "prompt_field": "instruction"}
     with pytest.raises(DataError, match="apply to kind='prompt_completion' only"):
         validate_data(config, 4096)
+
+
+LLAMA_DATE = (  # Llama 3.2's system header (its date lines), on ChatML turns
+    "{{- bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}{%- endif %}"
+    "{%- endif %}{{- '<|im_start|>system\\nToday Date: ' + date_string + '\\n' + eos_token }}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + eos_token }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_chat_template_that_writes_todays_date_renders_one_fixed_date(bpe, monkeypatch):
+    """Llama 3.2's template writes ``strftime_now('%d %b %Y')`` into every system header: a conversation's tokens (and
+    their number, so the packs) changed with the day the data was read, a run resumed another day (or ranks reading
+    on either side of midnight) trained other batches. Every render now reads one fixed date, Llama 3.1's default."""
+    import datetime
+
+    import transformers.utils.chat_template_utils as templates
+
+    tokenizer = with_template(bpe, LLAMA_DATE)
+    conversation = CONVERSATION[1:3]
+    doc = chat_document(conversation, tokenizer)
+    assert "Today Date: 26 Jul 2024\n" in bpe.decode(doc["input_ids"], skip_special_tokens=False)
+
+    class Tomorrow(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2031, 12, 31, 23, 59)
+    monkeypatch.setattr(templates, "datetime", Tomorrow, raising=False)
+    templates._compile_jinja_template.cache_clear()  # a fresh compile, as in another process on another day
+    assert chat_document(conversation, with_template(bpe, LLAMA_DATE)) == doc
+    assert tokenizer.apply_chat_template(conversation, add_generation_prompt=True)[:len(doc["input_ids"])] == doc["input_ids"]

@@ -211,7 +211,7 @@ def _turn_span(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, ids
 
 
 def _render_text(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    with render_limit(tokenizer.name):
+    with render_limit(tokenizer.name, tokenizer.chat_template):
         return tokenizer.hf.apply_chat_template(messages, tokenize=False, chat_template=tokenizer.chat_template,
                                                 add_generation_prompt=add_generation_prompt)
 
@@ -247,7 +247,7 @@ def _check_rendered(messages: list[dict[str, str]], tokenizer: Tokenizer) -> Non
     if getattr(tokenizer, "hf", None) is None or tokenizer.chat_template is None:
         return
     try:
-        with render_limit(tokenizer.name):
+        with render_limit(tokenizer.name, tokenizer.chat_template):
             text = tokenizer.hf.apply_chat_template(messages, tokenize=False, chat_template=tokenizer.chat_template)
     except TimeoutError as error:
         raise ValueError(str(error)) from None

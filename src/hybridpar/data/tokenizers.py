@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.config_rules import Notice, quoted, shorten
+from hybridpar.data.template_clock import fixed_clock
 from hybridpar.strict_json import check_files, check_no_duplicate_keys
 
 __all__ = [
@@ -200,7 +201,7 @@ class PretrainedTokenizer(Tokenizer):
         if self.chat_template is None:
             return super().apply_chat_template(messages, add_generation_prompt)
         try:
-            with render_limit(self.name):
+            with render_limit(self.name, self.chat_template):
                 rendered = self.hf.apply_chat_template(
                     list(messages), tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
                     chat_template=self.chat_template, return_assistant_tokens_mask=return_assistant_mask,
@@ -220,10 +221,12 @@ RENDER_SECONDS = 60.0  # one conversation; a template's nested loops (range(1000
 
 
 @contextlib.contextmanager
-def render_limit(name: str):
+def render_limit(name: str, template: str | None = None):
     """TimeoutError when rendering takes more than ``RENDER_SECONDS`` (a timer signal, in the main thread only:
     the launcher, ``--dry-run`` and every rank read data there); a loop in a chat template hung the run before
-    any step, with nothing said."""
+    any step, with nothing said. ``template`` renders at a fixed date (``data/template_clock.py``)."""
+    if template is not None:
+        fixed_clock(template)
     if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
         yield  # another thread, or a timer already running: left alone
         return
