@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridpar.config import ConfigError, load_config
 from tests.distributed.harness import run_ranks
@@ -48,16 +49,20 @@ def checkpoints(tmp_path_factory):
     return {name: str(root / name) for name in ("qwen3_moe", "granite_moe", "nemotron_h_moe")}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "granite_moe", "nemotron_h_moe"])
-def test_one_pack_trains_transformers_own_loss_with_its_load_balancing_term(checkpoints, name):
+@pytest.mark.parametrize("name, padding", [("qwen3_moe", 0), ("granite_moe", 0), ("nemotron_h_moe", 0),
+                                           ("qwen3_moe", 3), ("granite_moe", 5)])
+def test_one_pack_trains_transformers_own_loss_with_its_load_balancing_term(checkpoints, name, padding):
     """NemotronH with ``output_router_logits`` returns its router logits but no ``aux_loss`` and adds no term to
-    its own loss: nor does hybridpar (it raised a TypeError at cp=1 and was refused at cp > 1)."""
+    its own loss: nor does hybridpar (it raised a TypeError at cp=1 and was refused at cp > 1). A document padded
+    (``data.pad_to_multiple_of``) trains what transformers computes on the document alone: the padded rows
+    were counted in the term (1% at 24 of 256 rows), so it changed with the padding, and with it with cp."""
     import transformers as hf
 
     from hybridpar.models.hf.float64 import keep_float64
-    from hybridpar.models.hf.router_aux import router_aux_term
+    from hybridpar.models.hf.router_aux import router_aux_term, switch_loss, switch_parts
     from hybridpar.parallel.context.inputs import shard_inputs
     from hybridpar.train.hf_model import use_blockwise_attention
+    from hybridpar.train.loss import real_token_mask
     from hybridpar.train.trainer import build_model, pack_loss_sum, pack_tensors
 
     model = build_model(load_config(DEFAULT, JOB + [f"model.hf_path={checkpoints[name]}", "parallel.cp=1",
@@ -68,19 +73,27 @@ def test_one_pack_trains_transformers_own_loss_with_its_load_balancing_term(chec
     keep_float64(reference.to(torch.float64))  # its router too (kept in float32 by from_pretrained)
     tokens = 48
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(1))
-    pack = {"input_ids": ids, "labels": torch.cat([ids[1:], torch.tensor([-100])]), "position_ids": torch.arange(tokens),
-            "seq_lens": torch.tensor([tokens]), "seq_lens_padded": torch.tensor([tokens])}  # one document, no padding
+    pad = torch.full((padding,), -100)
+    pack = {"input_ids": torch.cat([ids, torch.zeros(padding, dtype=ids.dtype)]),  # one document, padded
+            "labels": torch.cat([ids[1:], torch.tensor([-100]), pad]), "position_ids": torch.arange(tokens + padding),
+            "seq_lens": torch.tensor([tokens]), "seq_lens_padded": torch.tensor([tokens + padding])}
     input_ids, labels, packed = pack_tensors(pack, torch.device("cpu"))
     model.train(), reference.train()
     loss_sum, _ = pack_loss_sum(model, shard_inputs(input_ids=input_ids, labels=labels, packed=packed))
-    aux = router_aux_term(model, 1)
+    aux = router_aux_term(model, 1, real=real_token_mask(pack))
     if name == "nemotron_h_moe":
         assert aux is None
     else:
         assert aux is not None and float(aux) > 0.1  # the term is there, and not small beside the token loss
     objective = loss_sum / (tokens - 1) + (0 if aux is None else aux)
     objective.backward()
-    want = reference(input_ids=input_ids, labels=input_ids, use_cache=False).loss  # token loss + coef * aux_loss
+    out = reference(input_ids=ids[None], labels=ids[None], use_cache=False)
+    want = out.loss  # token loss + coef * aux_loss
+    if padding:  # transformers' term in float64: its own counts C_e / R are float32 (expert_mask.float())
+        coefficient = reference.config.router_aux_loss_coef
+        assert abs(float(aux) - coefficient * float(out.aux_loss)) <= 1e-6 * float(aux)
+        want = F.cross_entropy(out.logits[0, :-1], ids[1:]) + coefficient * switch_loss(*switch_parts(
+            out.router_logits, reference.config.num_experts_per_tok))
     want.backward()
     assert abs(float(objective) - float(want)) <= 1e-12 * abs(float(want))
     ours = dict(model.named_parameters())

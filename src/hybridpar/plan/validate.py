@@ -50,6 +50,7 @@ def _saved_bytes(trainer, pack) -> dict:
     import torch
 
     from hybridpar.models.hf.router_aux import router_aux_term
+    from hybridpar.train.loss import real_token_mask
     from hybridpar.train.tensor_peak import TensorPeak
 
     def parameters():
@@ -68,10 +69,11 @@ def _saved_bytes(trainer, pack) -> dict:
     gc.collect()
     with TensorPeak() as events:
         with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
-            loss_sum, _, _ = trainer.forward_loss_sum(pack)
+            loss_sum, _, sharded = trainer.forward_loss_sum(pack)
         # the router load-balancing term, as the trainer takes it before backward (it drops the recorded
         # logits; at cp > 1 its own softmax replaces the model's): outside the hooks, which count the model's
-        aux = router_aux_term(trainer.model, 1, trainer._cp_sum if trainer.layout.dims.cp > 1 else None)
+        aux = router_aux_term(trainer.model, 1, trainer._cp_sum if trainer.layout.dims.cp > 1 else None,
+                              real_token_mask(pack)[sharded.global_positions().cpu()])
         gc.collect()  # tensors the forward left in reference cycles are garbage, not kept for backward
     gathered = sum(n for ptr, n in parameters().items() if ptr not in before)  # FSDP's root, kept gathered
     outputs = sum(n for out in (loss_sum, aux) for _, n in _storages(out))

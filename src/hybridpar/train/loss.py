@@ -18,7 +18,8 @@ from torch import Tensor
 
 from hybridpar.models.lm_head_loss import IGNORE_INDEX, LMHeadLoss, chunked_lm_head_loss
 
-__all__ = ["IGNORE_INDEX", "lm_head_loss", "lm_head_loss_output", "token_loss_sum", "valid_token_count", "global_sum"]
+__all__ = ["IGNORE_INDEX", "lm_head_loss", "lm_head_loss_output", "token_loss_sum", "valid_token_count", "real_token_mask",
+           "global_sum"]
 
 
 def lm_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_size: int = 4096, tp_group=None,
@@ -76,6 +77,15 @@ def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
 def valid_token_count(labels: Tensor) -> Tensor:
     """Number of tokens that carry a label (int64 scalar)."""
     return (labels != IGNORE_INDEX).sum()
+
+
+def real_token_mask(pack: dict) -> Tensor:
+    """bool ``[T]`` of one pack (``data/packing.pack_documents``): True at its documents' real tokens, False at
+    each document's padding (``seq_lens_padded - seq_lens``) and the pack's unfilled tail."""
+    real, padded = pack["seq_lens"].long(), pack["seq_lens_padded"].long()  # [n_docs]
+    flags = torch.tensor([True, False]).repeat(real.numel())  # real, padding, real, padding, ...
+    mask = torch.repeat_interleave(flags, torch.stack([real, padded - real], dim=1).reshape(-1))
+    return torch.cat([mask, mask.new_zeros(pack["input_ids"].shape[-1] - mask.numel())])
 
 
 def global_sum(value: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -49,7 +49,7 @@ from hybridpar.train.run.export import export_trained, validate_export
 from hybridpar.train.packing_rule import PROBE_TOLERANCE, leak_probe, packing_line, packing_problem
 from hybridpar.train.hf_model import (build_hf_model, hf_forward_inputs, hf_loss_sum, loss_path_line, meta_model,
                                       model_backend, randomness_problem, use_blockwise_attention)
-from hybridpar.train.loss import global_sum, valid_token_count
+from hybridpar.train.loss import global_sum, real_token_mask, valid_token_count
 from hybridpar.train.run.metrics import MetricsLogger, notice, peak_memory_gib
 from hybridpar.train.nonfinite import NonFiniteError, NonFiniteGuard, assert_finite_state, step_schedule
 from hybridpar.train.peft import apply_peft, key_dropout, lora_line
@@ -158,7 +158,9 @@ class Trainer:
         if not isinstance(model, HybridLM):
             self.say(loss_path_line(model))
         self.unkeyed = None if isinstance(model, HybridLM) else randomness_problem(config, model, self.vocab_size, world)
-        if p.cp > 1 and router_aux_coefficient(model.config) and (why := switch_form_problem(model, self.vocab_size)):
+        if (why := router_aux_coefficient(model.config) and switch_form_problem(model, self.vocab_size)) and p.cp == 1:
+            self.say(f"router auxiliary loss: {type(model).__name__}'s own, padded positions counted ({why})")
+        elif why:
             raise ConfigError(f"parallel.cp={p.cp}: {type(model).__name__}'s router auxiliary loss cannot be split over "
                               f"a pack's ranks: {why}; use parallel.cp=1, or set \"output_router_logits\": false in "
                               f"{config.model.hf_path}/config.json.")
@@ -221,7 +223,8 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------
     def forward_loss_sum(self, pack: dict, predictions: bool = False, at=None) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``(loss_sum, argmax ids or None, labels)`` of this rank's share of a pack; ``at``: (step, pack index) keys dropout."""
+        """``(loss_sum, argmax ids or None, this rank's inputs)`` of its share of a pack; ``at``: (step, pack index) keys
+        dropout."""
         input_ids, labels, packed = pack_tensors(pack, self.device, self.vocab_size)
         sharded = shard_inputs(
             input_ids=input_ids, labels=labels, packed=packed, cp_group=self.layout.cp_group,
@@ -230,7 +233,7 @@ class Trainer:
         if at is not None:
             key_dropout(self.model, *at, sharded)
         loss_sum, predicted = pack_loss_sum(self.model, sharded, predictions)
-        return loss_sum, predicted, sharded.labels
+        return loss_sum, predicted, sharded
 
     def step_gradients(self, step: int) -> Tensor | None:
         """Forward/backward of every pack of ``step`` on this rank; returns the global loss (None: no labelled token)."""
@@ -241,9 +244,9 @@ class Trainer:
         loss_total, aux_total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for index, pack in enumerate(packs):
             set_micro_batch(self.model, index, len(packs))  # FSDP reduces gradients once, after the last pack
-            loss_sum, _, _ = self.forward_loss_sum(pack, at=(step, self.layout.dp_rank * len(packs) + index))
-            aux = router_aux_term(self.model, self.config.data.packs_per_step,  # MoE load balancing
-                                  self._cp_sum if self.layout.dims.cp > 1 else None)
+            loss_sum, _, sharded = self.forward_loss_sum(pack, at=(step, self.layout.dp_rank * len(packs) + index))
+            aux = router_aux_term(self.model, self.config.data.packs_per_step, self._cp_sum if self.layout.dims.cp > 1
+                                  else None, real_token_mask(pack)[sharded.global_positions().cpu()])  # MoE balancing
             (loss_sum / count + (0 if aux is None else aux)).backward()
             loss_total += loss_sum.detach().double()
             aux_total += 0 if aux is None else aux.detach().double()
@@ -280,8 +283,8 @@ class Trainer:
         packs = self.eval_data.rank_packs(0, self.layout.dp_rank, self.layout.dims.size("dp"))
         sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, answers
         for pack in packs:
-            loss_sum, predicted, labels = self.forward_loss_sum(pack, predictions=True)
-            correct, total = prediction_counts(predicted, labels)
+            loss_sum, predicted, sharded = self.forward_loss_sum(pack, predictions=True)
+            correct, total = prediction_counts(predicted, sharded.labels)
             sums += torch.stack([loss_sum.double(), correct.double(), total.double()])
         sums = global_sum(sums, self.layout.dp_cp_group)
         metrics = {"eval_loss": float(sums[0] / sums[2].clamp(min=1)), "eval_accuracy": float(sums[1] / sums[2].clamp(min=1))}

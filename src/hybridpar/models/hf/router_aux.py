@@ -23,6 +23,13 @@ the CP ranks (``reduce``) each rank's ``E sum_e (C_e / R) (S_e^rank / R)`` adds 
 and its gradient is the pack's share on that rank's rows. ``switch_form_problem`` checks at load
 that the model's ``aux_loss`` is this form (one forward of a few tokens); a model whose term is not
 is refused at cp > 1.
+
+Padding. The packer pads each document to ``data.pad_to_multiple_of`` (default ``2*cp``), so the
+rows a model routes depend on the layout; transformers' own call (no attention mask) counts them.
+The term is taken over real tokens only, ``R`` = the pack's real rows, as transformers'
+``load_balancing_loss_func`` does given the attention mask of an unpadded batch: the same number at
+every layout and padding. A model whose term is not Switch's form keeps its own ``aux_loss``
+(padding counted) at cp = 1; the trainer says so.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from torch import Tensor, nn
 __all__ = ["router_aux_coefficient", "capture_router_aux", "router_aux_term", "switch_form_problem"]
 
 _CAPTURED = "_hybridpar_router_aux"  # (aux_loss, router_logits) of the last forward, written by the hook
+_NOT_SWITCH = "_hybridpar_router_aux_not_switch"  # set by switch_form_problem: the term cannot leave padding out
 PROBE_TOKENS = 8
 
 
@@ -66,10 +74,17 @@ def _local(t: Tensor) -> Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor: replicated under TP
 
 
-def switch_parts(router_logits: tuple[Tensor, ...], top_k: int) -> tuple[Tensor, Tensor, Tensor]:
+def switch_parts(router_logits: tuple[Tensor, ...], top_k: int,
+                 real: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(C [E] choice counts, S [E] summed router probabilities, R routed rows)`` of Switch's form
-    (module docstring) over every layer's ``[rows, E]`` logits; ``S`` carries the gradient."""
+    (module docstring) over every layer's ``[rows, E]`` logits, only the rows where ``real [rows]`` is True
+    if given; ``S`` carries the gradient."""
     logits = [_local(z) for z in router_logits]
+    if real is not None:
+        if any(z.shape[0] != real.numel() for z in logits):
+            raise RuntimeError(f"router logits of {[z.shape[0] for z in logits]} rows against {real.numel()} tokens; "
+                               "the load-balancing term cannot tell padding from real rows")
+        logits = [z[real.to(z.device)] for z in logits]
     dtype = torch.promote_types(logits[0].dtype, torch.float32)
     counts = torch.zeros(logits[0].shape[-1], dtype=dtype, device=logits[0].device)
     probs, rows = torch.zeros_like(counts), 0
@@ -85,21 +100,25 @@ def switch_loss(counts: Tensor, probs: Tensor, rows: Tensor) -> Tensor:
     return counts.numel() * ((counts / rows) * (probs / rows)).sum()
 
 
-def router_aux_term(model: nn.Module, packs_per_step: int,
-                    reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
+def router_aux_term(model: nn.Module, packs_per_step: int, reduce: Callable[[Tensor], Tensor] | None = None,
+                    real: Tensor | None = None) -> Tensor | None:
     """``coef * aux_p / packs_per_step`` of ``model``'s last forward, its pack's share of the step's
     objective, or None where the model adds no auxiliary loss. ``reduce`` sums a tensor over the
-    ranks that share the pack (context parallelism): this rank's part of Switch's form."""
+    ranks that share the pack (context parallelism): this rank's part of Switch's form. ``real``
+    (bool ``[tokens]``, this rank's, in its order) leaves the documents' padding out (module docstring)."""
     captured = getattr(model, _CAPTURED, None)
     if captured is None:
         return None
     setattr(model, _CAPTURED, None)
     aux, router_logits = captured
     coefficient = router_aux_coefficient(model.config)
-    if reduce is None:
+    real = None if real is None or bool(real.all()) or getattr(model, _NOT_SWITCH, False) else real
+    if reduce is None and real is None:
         return coefficient * _local(aux) / packs_per_step
-    counts, probs, rows = switch_parts(router_logits, model.config.num_experts_per_tok)
-    return coefficient * switch_loss(reduce(counts), probs, reduce(rows)) / packs_per_step
+    counts, probs, rows = switch_parts(router_logits, model.config.num_experts_per_tok, real)
+    if reduce is not None:
+        counts, rows = reduce(counts), reduce(rows)
+    return coefficient * switch_loss(counts, probs, rows) / packs_per_step
 
 
 def switch_form_problem(model: nn.Module, vocab_size: int) -> str | None:
@@ -118,5 +137,6 @@ def switch_form_problem(model: nn.Module, vocab_size: int) -> str | None:
         return "its forward returns no aux_loss and router_logits of Switch's form"
     ours = float(switch_loss(*switch_parts(logits, top_k)))
     if abs(ours - float(aux)) > 1e-5 * abs(float(aux)):
+        setattr(model, _NOT_SWITCH, True)  # router_aux_term keeps the model's own aux_loss
         return f"its aux_loss ({float(aux):.6g}) is not Switch's load-balancing form ({ours:.6g}) on a probe"
     return None

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hybridpar.config import ConfigError, RunConfig
 from hybridpar.parallel.context.inputs import shard_inputs
 from hybridpar.parallel.state import canonical_state_dict, load_canonical_state_dict
-from hybridpar.train.loss import valid_token_count
+from hybridpar.train.loss import real_token_mask, valid_token_count
 from hybridpar.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybridpar.models.hybrid import HybridLM
 from hybridpar.train.hf_model import use_blockwise_attention
@@ -64,7 +64,7 @@ def reference_step(model, packs, device) -> torch.Tensor:
         sharded = shard_inputs(input_ids=input_ids, labels=labels, packed=packed)
         key_dropout(model, 0, index, sharded)  # LoRA dropout: the masks the parallel step drew
         loss_sum, _ = pack_loss_sum(model, sharded)
-        aux = router_aux_term(model, len(packs))  # transformers' MoE load balancing, per pack
+        aux = router_aux_term(model, len(packs), None, real_token_mask(pack))  # transformers' MoE load balancing, per pack
         (loss_sum / count + (0 if aux is None else aux)).backward()
         total += loss_sum.detach().double() + (0 if aux is None else aux.detach().double() * count)
     return total / count
