@@ -109,3 +109,41 @@ def test_a_chat_template_that_writes_todays_date_renders_one_fixed_date(bpe, mon
     templates._compile_jinja_template.cache_clear()  # a fresh compile, as in another process on another day
     assert chat_document(conversation, with_template(bpe, LLAMA_DATE)) == doc
     assert tokenizer.apply_chat_template(conversation, add_generation_prompt=True)[:len(doc["input_ids"])] == doc["input_ids"]
+
+
+def _prepending_tokenizer(folder):
+    """A SentencePiece-style BPE saved as a plain ``tokenizer.json`` (the legacy Llama/Mistral pipeline: a normalizer
+    that prepends ``▁`` to every text and writes spaces as ``▁``, no pre-tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridpar.data.tokenizers import load_pretrained_tokenizer
+    from tests.data.bpe import CORPUS
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    raw.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        initial_alphabet=list("▁abcdefghijklmnopqrstuvwxyz"),
+                                                        show_progress=False))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(folder))
+    return load_pretrained_tokenizer(folder)
+
+
+def test_a_completion_is_tokenized_as_it_reads_after_its_prompt(tmp_path):
+    """The completion was tokenized on its own: a tokenizer that prepends ``▁`` to every text read the completion
+    `` how are you`` (a leading space, as OpenAI's format writes it) as ``▁▁`` ``how``, where the same text after the
+    prompt is ``▁how``: every completion was trained on a double space it never meets. Now the completion's tokens are
+    those of ``prompt + completion`` after the prompt's (when the prompt's tokens begin them)."""
+    from hybridpar.data.chat import prompt_completion_document
+
+    tokenizer = _prepending_tokenizer(tmp_path)
+    doc = prompt_completion_document("hello there", " how are you", tokenizer)
+    whole = tokenizer.document("hello there how are you", add_eos=False)
+    prompt = tokenizer.document("hello there", add_eos=False)
+    assert doc["input_ids"] == whole + [tokenizer.eos_id]
+    assert doc["labels"] == [IGNORE_INDEX] * (len(prompt) - 1) + whole[len(prompt):] + [tokenizer.eos_id, IGNORE_INDEX]
+    assert "▁▁" not in tokenizer.hf.convert_ids_to_tokens(doc["input_ids"])

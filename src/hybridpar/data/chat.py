@@ -24,7 +24,9 @@ Which tokens are trained on (``mask[t]`` for token ``t`` of ``ids``):
   its assistant header is learned too.
 - **prompt_completion** (``prompt``, ``completion`` strings): ``ids = P + C + [EOS]`` with
   ``P`` the prompt as a document without EOS (BOS if the tokenizer adds one) and ``C`` the
-  completion without special tokens, each tokenized on its own; the mask covers ``C`` and EOS.
+  completion's tokens in ``prompt + completion`` when ``P`` begins those (else the completion
+  tokenized on its own: a tokenizer that prepends ``▁`` to a text read `` Paris`` alone as
+  ``▁▁`` ``Paris``); the mask covers ``C`` and EOS.
 
 Errors name the file and line (JSONL) or the dataset row.
 """
@@ -321,6 +323,9 @@ def prompt_completion_document(prompt: str, completion: str, tokenizer) -> Docum
                              "remove the record.")
     prompt_ids = tokenizer.document(prompt, add_eos=False)
     completion_ids = tokenizer.encode(completion, add_special_tokens=False) + [tokenizer.eos_id]
+    joint = tokenizer.document(prompt + completion, add_eos=False) if prompt_ids and completion else []
+    if joint[:len(prompt_ids)] == prompt_ids and len(joint) > len(prompt_ids):  # the completion's tokens after the prompt
+        completion_ids = joint[len(prompt_ids):] + [tokenizer.eos_id]
     ids = prompt_ids + completion_ids
     mask = [False] * len(prompt_ids) + [True] * len(completion_ids)
     if not prompt_ids:
