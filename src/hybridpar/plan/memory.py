@@ -10,7 +10,7 @@ Walking one step's last pack (the worst: earlier packs' gradients are live) bloc
                     + sum_{j<i} logits_j (a MoE block's router logits, recorded to the forward's end)
     loss          = base + G_acc + root + sum_j saved_j + saved_head + loss_ws (forward / backward)
                     (+ every E block's logits in the forward, held for the router's load-balancing term)
-    router aux    = loss without loss_ws + the term's cp > 1 workspace (``plan/hf/moe.router_aux_workspace``)
+    router aux    = loss without loss_ws + the term's workspace (``plan/hf/moe.router_aux_workspace``)
     backward i    = base + G_i + root + sum_{j<=i} saved_j - freed(i) + gathered(i) + gathered(i-1)
                     + bwd_ws(i) + unsharded grads of i (FSDP, before its reduce-scatter)
     optimizer     = params + grads + AdamW state + the largest parameter's update temporaries (x2)

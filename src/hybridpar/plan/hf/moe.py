@@ -52,7 +52,8 @@ keep ``[E]``), outside every checkpoint, so each ``E`` block keeps ``R`` more un
 (``router_aux_bytes``; under LoRA only where its input has a gradient: the router is frozen). In
 backward each softmax's gradient ``[Tc, E]`` waits for its layer's router: the same ``R``, freed
 at the same block. The trainer's hook holds the logits too until it takes the term, after the
-head's loss: the loss moment holds ``n_E R`` more. At cp > 1 ``router_aux.switch_parts`` computes
+head's loss: the loss moment holds ``n_E R`` more. At cp > 1, and wherever the pack holds padding
+(the term leaves it out; ``data.pad_to_multiple_of``, so nearly always), ``router_aux.switch_parts`` computes
 the softmax of every layer's logits again (kept instead of the model's, whose graph goes when the
 term is taken), each with a ``one_hot [Tc k, E]`` int64 and a ``topk [Tc, k]`` (values ``e_c``,
 indices int64) at a time: one moment of ``saved + head + 2 n_E R + Tc k (8 E + 12)``
@@ -92,10 +93,10 @@ def router_aux_bytes(layout: Layout, input_grad: bool = True) -> int:
 
 
 def router_aux_workspace(layout: Layout) -> int:
-    """Beyond every saved byte, the head's and the held logits (``memory_plan`` adds those), at cp > 1 while
-    the trainer takes the term: the second softmax of every ``E`` block and one layer's ``one_hot`` and
-    ``topk``; 0 without the term or at cp = 1."""
-    if not router_aux_bytes(layout) or layout.cp == 1:
+    """Beyond every saved byte, the head's and the held logits (``memory_plan`` adds those), while the trainer
+    takes the term over a pack's real tokens: the second softmax of every ``E`` block and one layer's ``one_hot``
+    and ``topk``; 0 without the term (a pack without padding at cp = 1 keeps the model's own: less)."""
+    if not router_aux_bytes(layout):
         return 0
     c, tc = layout.model, layout.tokens
     return c.pattern.count("E") * router_logits_bytes(layout) + tc * c.moe_top_k * (8 * c.moe_experts + 12)
