@@ -147,3 +147,23 @@ def test_a_completion_is_tokenized_as_it_reads_after_its_prompt(tmp_path):
     assert doc["input_ids"] == whole + [tokenizer.eos_id]
     assert doc["labels"] == [IGNORE_INDEX] * (len(prompt) - 1) + whole[len(prompt):] + [tokenizer.eos_id, IGNORE_INDEX]
     assert "▁▁" not in tokenizer.hf.convert_ids_to_tokens(doc["input_ids"])
+
+
+def test_a_tokenizer_with_named_chat_templates_only_is_told_so(bpe, tmp_path):
+    """A ``tokenizer_config.json`` whose ``chat_template`` is a list of named templates without ``default`` (transformers
+    reads it as a dict) was told "tokenizer ... has none; set data.tokenizer to a directory whose tokenizer_config.json
+    ... defines one", of a directory that defines one. Now the named templates are listed with the fix."""
+    import shutil
+
+    from hybridpar.data.tokenizers import CHATML_TEMPLATE
+
+    shutil.copytree(bpe.source_dir, tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").unlink()
+    config_file = tmp_path / "tok" / "tokenizer_config.json"
+    settings = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**settings, "chat_template": [{"name": "tool_use", "template": CHATML_TEMPLATE}]}))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    config = DataConfig(task="chat", path=str(tmp_path / "chat.jsonl"), tokenizer=str(tmp_path / "tok"))
+    with pytest.raises(DataError, match=r"has only named ones \(\['tool_use'\]\); write the one to train with into its "
+                                        "chat_template.jinja"):
+        validate_data(config, 4096)

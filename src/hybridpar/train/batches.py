@@ -156,6 +156,11 @@ def data_tokenizer(config: DataConfig, vocab_size: int, model_path: str | None =
         raise DataError(f"data.tokenizer={quoted(spec)}: {error}") from None
     needs_template = config.task == "chat" or (config.task == "hf_dataset"
                                                 and config.task_options.get("kind") == "messages")
+    named = getattr(getattr(tokenizer, "hf", None), "chat_template", None)  # named templates: a dict, read as 'default'
+    if needs_template and tokenizer.chat_template is None and isinstance(named, dict) and named:
+        raise DataError(f"data.task={quoted(config.task)} renders conversations with the tokenizer's default chat template, "
+                        f"but tokenizer {tokenizer.name} has only named ones ({quoted(sorted(named))}); write the one to "
+                        "train with into its chat_template.jinja (or name it 'default').")
     if needs_template and tokenizer.chat_template is None:
         raise DataError(f"data.task={quoted(config.task)} renders conversations with the tokenizer's chat template, but "
                         f"tokenizer {tokenizer.name} has none; set data.tokenizer to a directory whose "
