@@ -17,12 +17,17 @@ float64 never uses TF32, and ``hybridpar check`` turns it off.
 
 from __future__ import annotations
 
+import re
 import types
+import warnings
 
 import torch
 from torch import nn
 
-__all__ = ["apply_autocast", "autocast_dtype", "float32_modules", "set_tf32", "AUTOCAST_DTYPES"]
+from hybridpar.config_rules import Notice
+
+__all__ = ["apply_autocast", "autocast_dtype", "float32_modules", "float32_owners", "float32_parameters", "set_tf32",
+           "AUTOCAST_DTYPES"]
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
 
@@ -55,26 +60,55 @@ def _autocast_forward(self, *args, **kwargs):
         return self._forward_before_autocast(*args, **kwargs)
 
 
+def _to_float32(value):
+    low = isinstance(value, torch.Tensor) and value.is_floating_point() and value.element_size() < 4
+    return value.float() if low else value
+
+
 def _float32_forward(self, *args, **kwargs):
+    """The module's forward with autocast off and its 16-bit floating inputs in float32 (a bf16 ``in_proj`` output
+    into a kept ``conv1d``: as a float32 module computes it; a router casts them itself)."""
     with torch.autocast(_device_type(args, kwargs, self), enabled=False):
-        return self._forward_before_float32(*args, **kwargs)
+        return self._forward_before_float32(*map(_to_float32, args), **{k: _to_float32(v) for k, v in kwargs.items()})
 
 
-def float32_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules whose weight transformers keeps in float32: an entry ``<module>.weight`` of the model's
-    ``_keep_in_fp32_modules_strict`` or ``_keep_in_fp32_modules``, matched in parameter names as transformers
-    matches them (a substring). These are MoE routers (``gate.weight``: NemotronH, DeepSeek-V3, GLM4-MoE, Kimi
-    Linear, ...), whose forward casts its input and weight to float32 to pick the experts."""
+def _kept_entries(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``(strict, weights)``: the model's ``_keep_in_fp32_modules_strict`` entries (what transformers keeps in float32
+    when it loads in bf16) and the ``*.weight`` entries of either list (round 30's routers)."""
     owner = next((m for m in model.modules() if getattr(m, "_keep_in_fp32_modules_strict", None)
                   or getattr(m, "_keep_in_fp32_modules", None)), None)
     if owner is None:
-        return []
-    entries = [*(getattr(owner, "_keep_in_fp32_modules_strict", None) or ()),
-               *(getattr(owner, "_keep_in_fp32_modules", None) or ())]
-    wanted = [entry for entry in entries if isinstance(entry, str) and entry.endswith(".weight")]
-    modules = dict(model.named_modules())
-    return [modules[name.rsplit(".", 1)[0]] for name, _ in model.named_parameters()
-            if "." in name and any(entry in name for entry in wanted) and name.endswith(".weight")]
+        return [], []
+    strict = [e for e in (getattr(owner, "_keep_in_fp32_modules_strict", None) or ()) if isinstance(e, str)]
+    loose = [e for e in (getattr(owner, "_keep_in_fp32_modules", None) or ()) if isinstance(e, str)]
+    return strict, [e for e in strict + loose if e.endswith(".weight")]
+
+
+def float32_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters transformers keeps in float32, by name: those an entry of ``_keep_in_fp32_modules_strict``
+    matches (``re.search`` of the entry, ``*`` as ``.*``, in the parameter's name, as transformers' loader matches
+    them: ``core_model_loading``), and those a ``*.weight`` entry of ``_keep_in_fp32_modules`` matches. Buffers
+    (most ``e_score_correction_bias``) are left out: neither autocast nor FSDP casts a buffer."""
+    strict, weights = _kept_entries(model)
+    patterns = [re.compile(e.replace("*", ".*")) for e in dict.fromkeys(strict + weights)]
+    return {name: p for name, p in model.named_parameters() if any(pat.search(name) for pat in patterns)}
+
+
+def float32_owners(model: nn.Module) -> dict[nn.Module, list[str]]:
+    """Each module that directly holds a parameter of ``float32_parameters``, with those parameters' local names."""
+    modules, owners = dict(model.named_modules()), {}
+    for name in float32_parameters(model):
+        path, _, leaf = name.rpartition(".")
+        owners.setdefault(modules[path], []).append(leaf)
+    return owners
+
+
+def float32_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose ``weight`` transformers keeps in float32 (``float32_parameters``): MoE routers
+    (``gate.weight``: NemotronH, DeepSeek-V3, GLM4-MoE, Kimi Linear, ...), whose forward casts its input and weight
+    to float32 to pick the experts, and a kept ``conv1d`` or linear. They run their matmul with autocast off. A bare
+    parameter (``sinks``, ``dt_bias``, ``expert_bias``) is read in elementwise math, float32 under autocast already."""
+    return [module for module, leaves in float32_owners(model).items() if "weight" in leaves]
 
 
 def apply_autocast(model: nn.Module, mixed_precision: str = "bf16") -> nn.Module:
@@ -97,6 +131,11 @@ def apply_autocast(model: nn.Module, mixed_precision: str = "bf16") -> nn.Module
     (round 30).
     """
     check_autocast_model(model, mixed_precision)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and head in float32_modules(model):
+        warnings.warn(f"{type(model).__name__} keeps lm_head in float32, but hybridpar's loss computes its logits in "
+                      f"bf16 matmuls under autocast (models/lm_head_loss.py); train with parallel.mixed_precision=null "
+                      "for float32 logits.", Notice, stacklevel=2)
     for module in float32_modules(model):  # routers transformers computes in float32: autocast made them bf16
         module._forward_before_float32 = module.forward
         module.forward = types.MethodType(_float32_forward, module)

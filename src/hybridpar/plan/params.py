@@ -7,7 +7,8 @@ every parameter over ``P_f = dp_shard * cp`` ranks; rank 0 holds the largest sha
     N_rank  = sum_p ceil(d0_p / P_f) * prod(rest_p)          (P_f = 1 without FSDP)
     persistent = N_rank * e_p * (1 param + 1 grad + 2 AdamW)  (fp32 master with bf16 compute too)
     gathered(u) = sum_{p in u} numel_p * e_fsdp              one unit's unsharded parameters
-                                                             (e_fsdp = 2 under bf16, else e_p)
+                                                             (e_fsdp = 2 under bf16, else e_p; 4 for a
+                                                             parameter kept in float32, its own unit)
 
 LoRA (``peft.method=lora``, rank r): the base keeps ``N_rank * e_p`` of frozen parameters and no
 gradient or AdamW state; the adapters (``adapter_units``: per adapted linear ``A [r, in]`` and
@@ -63,10 +64,12 @@ class ParameterMemory:
     grad_unit_numel: dict | None = None  # trainable elements per unit (LoRA: the adapters'); None: unit_numel
     adapters: int = 0  # adapter parameters of the model (LoRA)
     adapter_gather_bytes: int = 0  # e_fsdp of the adapters (LoRA): 2 under bf16, else e_a
+    float32_unit_numel: dict | None = None  # elements kept in float32 per unit, gathered in 4 bytes under bf16
 
     def gathered(self, unit: str) -> int:
         adapters = self.grad_unit_numel[unit] if self.grad_unit_numel is not None else 0
-        return (self.unit_numel[unit] - adapters) * self.gather_bytes_per_element + adapters * self.adapter_gather_bytes
+        kept = (self.float32_unit_numel or {}).get(unit, 0) * (4 - self.gather_bytes_per_element)
+        return (self.unit_numel[unit] - adapters) * self.gather_bytes_per_element + adapters * self.adapter_gather_bytes + kept
 
     @property
     def trainable_unit_numel(self) -> dict:
@@ -209,9 +212,10 @@ def parameter_memory(layout: Layout) -> ParameterMemory:
     unit_numel = {name: sum(math.prod(p.shape) for p in params) for name, params in units.items()}
     e_p = layout.param_bytes
     gather = 2 if layout.mixed_precision == "bf16" else e_p
+    kept = {name: sum(math.prod(p.shape) for p in params if p.float32) for name, params in units.items()} if gather < 4 else None
     if not layout.lora_rank:
         return ParameterMemory(parameter_count(layout.model), per_rank, unit_numel, per_rank * e_p, per_rank * e_p,
-                               2 * per_rank * e_p, gather, e_p)
+                               2 * per_rank * e_p, gather, e_p, float32_unit_numel=kept)
     adapters = adapter_units(layout)
     adapter_rank = sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for u in adapters.values() for s in u)
     adapter_numel = {name: sum(math.prod(s) for s in adapters.get(name, ())) for name in unit_numel}
@@ -221,4 +225,4 @@ def parameter_memory(layout: Layout) -> ParameterMemory:
                            {n: unit_numel[n] + adapter_numel[n] for n in unit_numel}, per_rank * e_p + adapter_rank * e_a,
                            adapter_rank * e_a, 2 * adapter_rank * e_a, gather, e_a, adapter_numel,
                            sum(math.prod(s) for u in full.values() for s in u),
-                           2 if layout.mixed_precision == "bf16" else e_a)
+                           2 if layout.mixed_precision == "bf16" else e_a, kept)

@@ -24,7 +24,9 @@ dp_replicate``. Per pack unless marked "per step":
     fsdp          per unit u (blocks, root) with S_u = sum over its TP-local parameters of
                   ceil(d0/P_f) * (numel/d0) * e: all_gather (P_f-1) S_u, 2 per pack for blocks
                   and 1 for the root (every unit 1 per step with reshard_after_forward=False);
-                  reduce_scatter (P_f-1) S_u per step; HSDP all_reduce 2(R-1)/R S_u per step
+                  reduce_scatter (P_f-1) S_u per step; HSDP all_reduce 2(R-1)/R S_u per step. A parameter
+                  kept in float32 (``ParamShape.float32``: NemotronH's router) is a unit of its own, gathered
+                  in float32 (e >= 4) under a 16-bit policy
     clip          per set of groups gradients are sharded over, and group in it: all_reduce of one summed
                   square (8 bytes: float64), per step
 
@@ -329,22 +331,25 @@ def fsdp(s: StepShape) -> Tally:
     m, flow, blocks = s.packs_per_rank, s.flow, len(s.model.pattern)
     units = blocks // 2 if s.paired else blocks
     reduce_size = max(s.element_size, 4)  # parameters gathered in e, gradients reduced in >= float32
-    for unit, params in unit_parameters(s.model, dims.tp, s.sequence_parallel).items():
+    for unit, all_params in unit_parameters(s.model, dims.tp, s.sequence_parallel).items():
         adapters = (s.adapters or {}).get(unit, [])
-        nbytes = shard_bytes(params, shard, s.element_size) + shard_bytes(adapters, shard, s.adapter_size)
-        if s.adapters is None:
-            grad_bytes = shard_bytes(params, shard, reduce_size)
-        else:  # LoRA: only the adapters' gradients
-            grad_bytes = shard_bytes(adapters, shard, s.adapter_grad_size)
-        if shard > 1:
-            index = int(unit.rsplit(".", 1)[1]) // (2 if s.paired else 1) if unit else -1
-            backward = unit != "" and flow.gathered_in_backward(index, units, s.paired)
-            gathers = 1 if not s.reshard_after_forward else m * (2 if backward else 1)
-            out.add("all_gather", shard_label, sent("all_gather", shard, nbytes), gathers)
-            if grad_bytes:
-                out.add("reduce_scatter", shard_label, sent("reduce_scatter", shard, shard * grad_bytes))
-        if rep > 1 and grad_bytes:
-            out.add("all_reduce", rep_label, sent("all_reduce", rep, grad_bytes))
+        # a parameter kept in float32 is a unit of its own under a 16-bit policy (data/fsdp.float32_units)
+        kept = [p for p in all_params if p.float32] if s.element_size < 4 else []
+        params = [p for p in all_params if not (p.float32 and kept)]
+        parts = [(shard_bytes(params, shard, s.element_size) + shard_bytes(adapters, shard, s.adapter_size),
+                  shard_bytes(params, shard, reduce_size) if s.adapters is None  # LoRA: the adapters' gradients
+                  else shard_bytes(adapters, shard, s.adapter_grad_size))] + [
+            (shard_bytes([p], shard, 4), shard_bytes([p], shard, reduce_size) if s.adapters is None else 0) for p in kept]
+        index = int(unit.rsplit(".", 1)[1]) // (2 if s.paired else 1) if unit else -1
+        backward = unit != "" and flow.gathered_in_backward(index, units, s.paired)
+        gathers = 1 if not s.reshard_after_forward else m * (2 if backward else 1)
+        for nbytes, grad_bytes in parts:
+            if shard > 1:
+                out.add("all_gather", shard_label, sent("all_gather", shard, nbytes), gathers)
+                if grad_bytes:
+                    out.add("reduce_scatter", shard_label, sent("reduce_scatter", shard, shard * grad_bytes))
+            if rep > 1 and grad_bytes:
+                out.add("all_reduce", rep_label, sent("all_reduce", rep, grad_bytes))
     return out
 
 

@@ -39,6 +39,7 @@ class ParamShape:
     tp_sharded: bool  # a Shard placement on tp (its gradient norm is reduced over tp)
     sp_norm: bool = False  # a replicated norm weight fed sequence-sharded activations (Partial grad)
     tp_sum_in_autograd: bool = False  # replicated, its TP-partial gradient summed by autograd on each pack
+    float32: bool = False  # kept in float32 (parallel/precision.float32_parameters): its own FSDP unit, gathered in float32
 
 
 def unit_parameters(config: HybridConfig, tp: int = 1, sequence_parallel: bool = False) -> dict[str, list[ParamShape]]:

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from hybridpar.config_rules import Notice
 from hybridpar.parallel.checkpointing import find_blocks
 from hybridpar.parallel.dims import ParallelDims
+from hybridpar.parallel.precision import float32_owners
 from hybridpar.parallel.data.param_layouts import MODULE_TP_DIMS, Layout, parameter_layouts
 
 __all__ = [
@@ -112,6 +113,39 @@ def _mixed_precision(mixed_precision) -> MixedPrecisionPolicy:
     raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use None, 'bf16' or a MixedPrecisionPolicy")
 
 
+def float32_units(model: nn.Module, units: list[nn.Module], policy: MixedPrecisionPolicy) -> list[tuple]:
+    """``(module or group, policy)`` to shard before the blocks so that what transformers keeps in float32
+    (``precision.float32_owners``: MoE routers' ``gate.weight``, ``sinks``, ``dt_bias``, ``expert_bias``, ...) is
+    gathered in float32 under a bf16 policy, as one process computes it (round 31: a router gathered in bf16 picked
+    other experts for 0.7-1.6% of the tokens). FSDP2's dtype is per unit, so each owner is a unit of its own with
+    ``param_dtype=float32``: a linear (its ``weight`` kept) casts its inputs to float32 as its forward does; an
+    owner of bare parameters keeps its inputs, and its children that hold parameters are first one unit of the
+    block's policy (``fully_shard([child, ...])``), so only the kept parameters change dtype. An owner that is a
+    block itself or sits in no block (a kept ``lm_head``) stays in its unit's dtype, with one warning."""
+    if policy.param_dtype in (None, torch.float32):
+        return []
+    inside = {id(m) for unit in units for m in unit.modules()} - {id(unit) for unit in units}
+    owners = float32_owners(model)
+    left = sorted({f"{type(m).__name__}.{leaf}" for m, leaves in owners.items() if id(m) not in inside for leaf in leaves})
+    if left:
+        warnings.warn(f"{type(model).__name__}: FSDP gathers {', '.join(left)} in {policy.param_dtype} though "
+                      "transformers keeps them in float32 (they sit in no block or on a block itself); train them "
+                      "with parallel.mixed_precision=null to keep them float32.", Notice, stacklevel=3)
+    done: set[int] = set()  # parameters already in a unit
+    out = []
+    # innermost first: an owner inside another is sharded before it
+    for owner in sorted((m for m in owners if id(m) in inside), key=lambda m: len(list(m.modules()))):
+        matmul = "weight" in owners[owner]
+        if not matmul:
+            children = [c for c in owner.children() if any(id(p) not in done for p in c.parameters())]
+            if children:
+                out.append((children if len(children) > 1 else children[0], policy))
+        out.append((owner, MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=policy.reduce_dtype,
+                                                cast_forward_inputs=matmul)))
+        done |= {id(p) for p in owner.parameters()}
+    return out
+
+
 def check_reshard_after_forward(value, shard_size: int) -> bool | int:
     """``value`` as ``fully_shard`` takes it, or ``ValueError``: a bool, or an int dividing the
     FSDP shard size ``dp_shard * cp`` (the group size parameters are resharded to after
@@ -153,8 +187,9 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, mixed_precision=None,
     if not units:
         warnings.warn(f"{type(model).__name__} has no model.layers / backbone.layers / layers / _fsdp_units; "
                       "sharding the root as one FSDP unit", Notice, stacklevel=2)
-    for unit in [group if len(group) > 1 else group[0] for group in shared_submodules(units)] + units:
-        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for unit, unit_policy in [*float32_units(model, units, policy), *(
+            (unit, policy) for unit in [group if len(group) > 1 else group[0] for group in shared_submodules(units)] + units)]:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=unit_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
     _keep_first_pre_hooks(model)
     for module in model.modules():

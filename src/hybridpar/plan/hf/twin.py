@@ -64,6 +64,7 @@ class TwinConfig(HybridConfig):
     moe_gated: bool = False  # experts [gate | up] (Granite) or up only (NemotronH, relu2)
     moe_shared_size: int = 0  # the shared experts' intermediate size (0: none)
     moe_router: str = "softmax"  # "softmax" of the top-k logits (Granite) or "sigmoid" with groups (NemotronH)
+    moe_router_float32: bool = False  # transformers keeps gate.weight in float32 (NemotronH's strict list)
     moe_groups: tuple[int, int] = (1, 1)  # NemotronH's n_group, topk_group
     moe_norm_topk: bool = False  # NemotronH's norm_topk_prob
     moe_latent_size: int = 0  # NemotronH's fc1/fc2_latent_proj [L, D], [D, L] around the experts (0: none)
@@ -90,7 +91,7 @@ class TwinConfig(HybridConfig):
         d, e, inter, shared = self.hidden_size, self.moe_experts, self.moe_intermediate_size, self.moe_shared_size
         sharded, width = tp > 1, self.moe_latent_size or d  # the experts read and write the latent width
         up = "gate_up_proj" if self.moe_gated else "up_proj"
-        params = [ParamShape(f"{prefix}.gate.weight", (e, d), False),
+        params = [ParamShape(f"{prefix}.gate.weight", (e, d), False, float32=self.moe_router_float32),
                   ParamShape(f"{prefix}.experts.{up}", (e, (2 if self.moe_gated else 1) * inter // tp, width), sharded),
                   ParamShape(f"{prefix}.experts.down_proj", (e, width, inter // tp), sharded)]
         if self.moe_latent_size:  # replicated over TP (parallel/tensor/moe.py: LocalReplicateParallel)
@@ -151,6 +152,7 @@ def _mamba_hybrid_twin(config) -> tuple[TwinConfig | None, str]:
         shape.update(moe_experts=config.n_routed_experts, moe_top_k=config.num_experts_per_tok,
                      moe_intermediate_size=config.moe_intermediate_size,
                      moe_shared_size=config.moe_shared_expert_intermediate_size, moe_router="sigmoid",
+                     moe_router_float32=True,  # NemotronH's _keep_in_fp32_modules_strict names gate.weight
                      moe_groups=(config.n_group, config.topk_group), moe_norm_topk=bool(config.norm_topk_prob),
                      moe_latent_size=getattr(config, "moe_latent_size", None) or 0,
                      moe_router_logits=bool(getattr(config, "output_router_logits", False)))
