@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -167,3 +168,19 @@ def test_a_tokenizer_with_named_chat_templates_only_is_told_so(bpe, tmp_path):
     with pytest.raises(DataError, match=r"has only named ones \(\['tool_use'\]\); write the one to train with into its "
                                         "chat_template.jinja"):
         validate_data(config, 4096)
+
+
+def test_a_prompt_field_that_is_also_the_completion_field_is_refused(tmp_path):
+    """``prompt_field`` and ``completion_field`` naming one field (``prompt``, ``prompt``) trained each prompt as its own
+    completion without a word. Refused before any process starts (prompt_completion and hf_dataset), and by the reader."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "hello there", "completion": " how are you"}) + "\n")
+    same = {"prompt_field": "prompt", "completion_field": "prompt"}
+    with pytest.raises(DataError, match="prompt_field and completion_field both name 'prompt'"):
+        validate_data(DataConfig(task="prompt_completion", path=str(tmp_path / "p.jsonl"), tokenizer="bytes",
+                                 task_options=same), 256)
+    with pytest.raises(ValueError, match="prompt_field and completion_field both name 'prompt'"):
+        prompt_completion_documents(tmp_path / "p.jsonl", None, **same)
+    if importlib.util.find_spec("datasets") is not None:
+        with pytest.raises(DataError, match="prompt_field and completion_field both name 'prompt'"):
+            validate_data(DataConfig(task="hf_dataset", path=str(tmp_path / "p.jsonl"), tokenizer="bytes",
+                                     task_options={"kind": "prompt_completion", **same}), 256)

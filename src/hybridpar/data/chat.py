@@ -356,6 +356,9 @@ def prompt_completion_documents(paths, tokenizer, prompt_field: str = "prompt",
                                 completion_field: str = "completion") -> list[Document]:
     """One document per JSONL record's ``prompt``/``completion`` pair (see the module docstring)."""
     tokenizer = as_tokenizer(tokenizer)
+    if prompt_field == completion_field:
+        raise ValueError(f"prompt_field and completion_field both name {quoted(prompt_field)}: the prompt would be trained "
+                         "on as its own completion; name the completion's field in completion_field.")
     docs = []
     for where, record in read_jsonl(paths):
         absent = [f for f in (prompt_field, completion_field) if f not in record]

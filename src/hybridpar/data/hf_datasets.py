@@ -165,6 +165,9 @@ def hf_options_problem(kind: str = "text", field: str | None = None, prompt_fiel
         return (f"field={quoted(field)} does not apply to kind='prompt_completion', which reads two columns; name them "
                 "with data.task_options.prompt_field and completion_field (default 'prompt', 'completion').")
     pair = {"prompt_field": prompt_field, "completion_field": completion_field}
+    if kind == "prompt_completion" and prompt_field == completion_field:
+        return (f"prompt_field and completion_field both name {quoted(prompt_field)}: the prompt would be trained on as "
+                "its own completion; name the completion's column in completion_field.")
     if kind != "prompt_completion" and (prompt_field, completion_field) != ("prompt", "completion"):
         return (f"{quoted(pair)} apply to kind='prompt_completion' only, not kind={quoted(kind)}; name the column with "
                 "data.task_options.field, or set kind='prompt_completion'.")

@@ -197,6 +197,11 @@ def validate_data(config: DataConfig, vocab_size: int, model_path: str | None = 
                             f"{'name' if name in ('kind', 'split', 'builder') else 'field or column name'})"
                             f"{' or null' if allowed[name] is None else ''}; e.g. data.task_options.{name}="
                             f"{quoted(allowed[name] or {'builder': 'csv'}.get(name, 'text'))}.")
+    pair = [config.task_options.get(name, allowed.get(name)) for name in ("prompt_field", "completion_field")]
+    kind = config.task_options.get("kind", "prompt_completion")  # hf_dataset's; prompt_completion has none
+    if "prompt_field" in allowed and kind == "prompt_completion" and pair[0] == pair[1]:  # a prompt as its completion
+        raise DataError(f"data.task_options.prompt_field and completion_field both name {quoted(pair[0])}: the prompt "
+                        "would be trained on as its own completion; name the completion's field in completion_field.")
     if config.task == "hf_dataset" and config.task_options.get("kind", "text") not in HF_KINDS:
         raise DataError(f"data.task_options.kind={quoted(config.task_options['kind'])} is invalid: it must be one of "
                         f"{sorted(HF_KINDS)} (what each row holds); e.g. data.task_options.kind='text' (the default).")
