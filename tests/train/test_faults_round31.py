@@ -168,3 +168,39 @@ def test_under_autocast_a_kept_conv_runs_in_float32_and_bare_kept_parameters_sta
                                                                                rtol=1e-6, atol=0)
     assert precision.float32_modules(model) == [model.conv1d] and sorted(precision.float32_parameters(model)) == [
         "conv1d.bias", "conv1d.weight", "dt_bias"]
+
+
+def test_a_kept_lm_head_that_hybridpars_loss_computes_in_bf16_is_said_in_one_line():
+    """Hunyuan V4 keeps ``lm_head`` in float32; hybridpar's loss takes ``lm_head.weight`` into bf16 matmuls under
+    autocast (``models/lm_head_loss.py``), which this round does not change: one warning names it and the fix."""
+    from hybridpar.config_rules import Notice
+    from hybridpar.parallel.precision import apply_autocast
+
+    class _Head(torch.nn.Module):
+        _keep_in_fp32_modules_strict = ["lm_head"]
+
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(D, 8, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    with pytest.warns(Notice, match=r"keeps lm_head in float32.*parallel.mixed_precision=null"):
+        apply_autocast(_Head())
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hybridpar.parallel.data.fsdp import float32_units
+
+    model = _Model()  # under FSDP a kept parameter outside the blocks stays in the root's bf16 unit: said too
+    model._keep_in_fp32_modules_strict = ["gate.weight", "sinks", "lm_head"]
+    model.lm_head = torch.nn.Linear(D, 8, bias=False)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.warns(Notice, match=r"FSDP gathers Linear.weight in torch.bfloat16 though transformers keeps them"):
+        units = float32_units(model, list(model.layers), bf16)
+    got = [(u, p.param_dtype, p.cast_forward_inputs) for u, p in units]
+    for layer in model.layers:  # the router (float32, inputs cast); the mixer's linear (bf16) before the mixer
+        assert (layer.gate, torch.float32, True) in got
+        assert got.index((layer.mixer.proj, torch.bfloat16, True)) + 1 == got.index((layer.mixer, torch.float32, False))
+    assert len(units) == 6 and float32_units(model, list(model.layers), MixedPrecisionPolicy()) == []
