@@ -88,7 +88,7 @@ def test_a_conversation_is_rendered_once_plus_twice_per_earlier_reply(bpe, monke
     calls.clear()
     other_prompt = with_template(bpe, bpe.chat_template.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>model\n{% endif %}"))
     assistant_mask(CONVERSATION, other_prompt)
-    assert sorted(calls) == [2, 2, 3, 4, 4, 5]  # a prompt the replies do not start with: each prefix again without it
+    assert sorted(calls) == [2, 3, 4, 5]  # a prompt the replies part from: found on the rendered text (round 32)
 
 
 def test_templates_without_a_generation_prompt_or_that_rewrite_turns(bpe):

@@ -184,3 +184,19 @@ def test_a_prompt_field_that_is_also_the_completion_field_is_refused(tmp_path):
         with pytest.raises(DataError, match="prompt_field and completion_field both name 'prompt'"):
             validate_data(DataConfig(task="hf_dataset", path=str(tmp_path / "p.jsonl"), tokenizer="bytes",
                                      task_options={"kind": "prompt_completion", **same}), 256)
+
+
+def test_a_reply_rendered_unlike_the_generation_prompt_starts_where_the_two_part(bpe):
+    """DeepSeek-R1's template prompts ``<|Assistant|><think>\\n`` but renders a past reply as ``<|Assistant|>`` + content:
+    the prompt was no prefix, and the start fell back to the render without it, so the header was trained on. The reply
+    now starts where the prompt's text and the conversation's part: the labels are those of ``{% generation %}`` tags
+    around the reply."""
+    def template(reply):
+        return ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n" + reply +
+                "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    doc = chat_document(CONVERSATION, with_template(bpe, template("{{ m['content'] }}{{ eos_token }}")))
+    tagged = with_template(bpe, template("{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"))
+    assert doc == chat_document(CONVERSATION, tagged)
+    trained = [bpe.decode([label], skip_special_tokens=False) for label in doc["labels"] if label != IGNORE_INDEX]
+    assert "".join(trained) == "how are you<|eos|>jumps over<|eos|>"

@@ -21,7 +21,9 @@ Which tokens are trained on (``mask[t]`` for token ``t`` of ``ids``):
   Both renders must be token prefixes of the whole conversation (templates that rewrite
   earlier turns are refused with a ValueError; give them ``{% generation %}`` tags). A
   template that ignores ``add_generation_prompt`` falls back to ``render(messages[:i])``, so
-  its assistant header is learned too.
+  its assistant header is learned too. When the tokens are no prefix but the texts agree (the
+  prompt's last token merges with the reply's first, or the reply's rendering departs from the
+  prompt part way), ``start`` is the token where the texts part (``_text_start``).
 - **prompt_completion** (``prompt``, ``completion`` strings): ``ids = P + C + [EOS]`` with
   ``P`` the prompt as a document without EOS (BOS if the tokenizer adds one) and ``C`` the
   completion's tokens in ``prompt + completion`` when ``P`` begins those (else the completion
@@ -34,6 +36,7 @@ Errors name the file and line (JSONL) or the dataset row.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -220,17 +223,20 @@ def _render_text(tokenizer: Tokenizer, messages: list[dict[str, str]], add_gener
 
 def _text_start(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, ids: list[int]) -> int | None:
     """The first token of assistant message ``i`` found on the rendered text, when the generation prompt's tokens are
-    no prefix of the conversation's because its last token merges with the reply's first (a prompt ending in a space,
-    ``Assistant: `` + ``Hi`` -> ``:`` `` Hi``; ``\n`` + ``\nHi`` -> ``\n\n``): the first token that ends after the
-    prompt's text, as transformers' ``{% generation %}`` mask takes a token the reply begins in. None when the
-    template adds no generation prompt, or the text is no prefix (then the header is learned, or the template refused).
-    Without it the header was learned silently: the render without the generation prompt was taken as the start."""
+    no prefix of the conversation's: its last token merges with the reply's first (a prompt ending in a space,
+    ``Assistant: `` + ``Hi`` -> ``:`` `` Hi``), or the reply's rendering departs from it (DeepSeek-R1's prompt
+    ``<|Assistant|><think>\n`` before a reply rendered without thinking). The reply starts where the prompt's text and
+    the conversation's part, at the token that ends past it (as transformers' ``{% generation %}`` mask takes a token
+    the reply begins in); the header before is not learned. None when the template adds no generation prompt or the
+    texts part at once (then the render without it is the start). Without it the header was learned, silently."""
     hf = getattr(tokenizer, "hf", None)
     if hf is None or not getattr(hf, "is_fast", False) or tokenizer.chat_template is None:
         return None
     try:
         whole, prompt = _render_text(tokenizer, messages), _render_text(tokenizer, messages[:i], True)
-        if prompt == _render_text(tokenizer, messages[:i]) or not whole.startswith(prompt):
+        plain = _render_text(tokenizer, messages[:i])
+        agree = len(os.path.commonprefix([prompt, whole]))
+        if prompt == plain or not whole.startswith(plain) or agree <= len(plain):
             return None
         encoded = hf(whole, add_special_tokens=False, return_offsets_mapping=True)
     except TimeoutError as error:
@@ -239,7 +245,7 @@ def _text_start(messages: list[dict[str, str]], i: int, tokenizer: Tokenizer, id
         return None
     if list(encoded["input_ids"]) != list(ids):
         return None
-    return next((t for t, (_, stop) in enumerate(encoded["offset_mapping"]) if stop > len(prompt)), None)
+    return next((t for t, (_, stop) in enumerate(encoded["offset_mapping"]) if stop > agree), None)
 
 
 def _check_rendered(messages: list[dict[str, str]], tokenizer: Tokenizer) -> None:
