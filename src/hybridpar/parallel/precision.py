@@ -5,7 +5,8 @@ and fp32 where precision decides (norm statistics, attention softmax/logsumexp, 
 states, the loss: ``models/precision.py``). Two mechanisms give it, as torchtitan does:
 
 - under FSDP (``dp_shard * cp > 1`` or ``dp_replicate > 1``): FSDP2's ``MixedPrecisionPolicy``
-  (parameters gathered in bf16, gradients reduced in fp32; ``data/fsdp.py``);
+  (parameters gathered in bf16, gradients reduced in fp32; ``data/fsdp.py``); what transformers keeps
+  in float32 (``float32_parameters``) is gathered in float32 (``data/fsdp.float32_units``);
 - otherwise (one process, TP and/or CP alone): ``apply_autocast`` runs the model's forward in
   ``torch.autocast(bfloat16)`` on the inputs' device type. Parameters stay float32; the
   backward runs in the dtypes autocast chose in the forward.
