@@ -204,3 +204,41 @@ def test_a_kept_lm_head_that_hybridpars_loss_computes_in_bf16_is_said_in_one_lin
         assert (layer.gate, torch.float32, True) in got
         assert got.index((layer.mixer.proj, torch.bfloat16, True)) + 1 == got.index((layer.mixer, torch.float32, False))
     assert len(units) == 6 and float32_units(model, list(model.layers), MixedPrecisionPolicy()) == []
+
+
+class _KernelMixer(torch.nn.Module):
+    """Bailing-hybrid's (GLM5-Next's) mixer: its kept ``conv1d`` is read as ``self.conv1d.weight`` by a kernel
+    (``causal_conv1d_fn``), so the conv module's own forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1d = torch.nn.Conv1d(D, D, 4, groups=D, padding=3)
+
+    def forward(self, x):  # [T, D]
+        return F.conv1d(x.T[None], self.conv1d.weight, self.conv1d.bias, padding=3, groups=D)[0, :, : x.shape[0]].T
+
+
+def test_a_kept_parameter_its_parent_reads_itself_is_said_not_sharded_apart():
+    """A kept module whose parent reads its weight itself cannot be reached by autocast-off on its forward nor gathered
+    by an FSDP unit of its own: a unit of its own left it a sharded DTensor in its parent's conv (Bailing-hybrid at
+    dp_shard=2 under bf16: "got mixed torch.Tensor and DTensor"). It stays in its block's unit, and both say so."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hybridpar.config_rules import Notice
+    from hybridpar.parallel.data.fsdp import float32_units
+    from hybridpar.parallel.precision import apply_autocast, read_directly
+
+    class _Net(torch.nn.Module):
+        _keep_in_fp32_modules_strict = ["conv1d"]
+
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([_KernelMixer()])
+
+    model = _Net()
+    assert read_directly(model) == {model.layers[0].conv1d: "_KernelMixer.conv1d.weight"}
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.warns(Notice, match=r"FSDP gathers Conv1d.bias, Conv1d.weight in torch.bfloat16.*reads them itself"):
+        assert float32_units(model, [model.layers[0]], bf16) == []
+    with pytest.warns(Notice, match=r"keeps _KernelMixer.conv1d.weight in float32, but its parent reads it itself"):
+        apply_autocast(model)

@@ -18,6 +18,7 @@ float64 never uses TF32, and ``hybridpar check`` turns it off.
 
 from __future__ import annotations
 
+import inspect
 import re
 import types
 import warnings
@@ -104,6 +105,23 @@ def float32_owners(model: nn.Module) -> dict[nn.Module, list[str]]:
     return owners
 
 
+def read_directly(model: nn.Module) -> dict[nn.Module, str]:
+    """The owners (``float32_owners``) whose parent's code reads a kept parameter itself (``self.conv1d.weight``
+    into ``causal_conv1d_fn``: Bailing-hybrid, GLM5-Next), with ``"Parent.conv1d.weight"``: their own forward never
+    runs, so neither autocast-off on it nor an FSDP unit of their own reaches that read."""
+    modules, owners, found = dict(model.named_modules()), float32_owners(model), {}
+    for name, owner in ((n, m) for n, m in modules.items() if m in owners and n):
+        parent_name, _, child = name.rpartition(".")
+        try:
+            source = inspect.getsource(type(modules[parent_name]))
+        except (OSError, TypeError):  # a class defined where no source is kept
+            continue
+        reads = [leaf for leaf in owners[owner] if f".{child}.{leaf}" in source]
+        if reads:
+            found[owner] = f"{type(modules[parent_name]).__name__}.{child}.{reads[0]}"
+    return found
+
+
 def float32_modules(model: nn.Module) -> list[nn.Module]:
     """The modules whose ``weight`` transformers keeps in float32 (``float32_parameters``): MoE routers
     (``gate.weight``: NemotronH, DeepSeek-V3, GLM4-MoE, Kimi Linear, ...), whose forward casts its input and weight
@@ -137,6 +155,11 @@ def apply_autocast(model: nn.Module, mixed_precision: str = "bf16") -> nn.Module
         warnings.warn(f"{type(model).__name__} keeps lm_head in float32, but hybridpar's loss computes its logits in "
                       f"bf16 matmuls under autocast (models/lm_head_loss.py); train with parallel.mixed_precision=null "
                       "for float32 logits.", Notice, stacklevel=2)
+    direct = read_directly(model)
+    if bypassed := [direct[m] for m in float32_modules(model) if m in direct]:
+        warnings.warn(f"{type(model).__name__} keeps {', '.join(bypassed)} in float32, but its parent reads it "
+                      "itself, not through its module, so it runs in bf16 under autocast; train with "
+                      "parallel.mixed_precision=null to keep it float32.", Notice, stacklevel=2)
     for module in float32_modules(model):  # routers transformers computes in float32: autocast made them bf16
         module._forward_before_float32 = module.forward
         module.forward = types.MethodType(_float32_forward, module)

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from hybridpar.config_rules import Notice
 from hybridpar.parallel.checkpointing import find_blocks
 from hybridpar.parallel.dims import ParallelDims
-from hybridpar.parallel.precision import float32_owners
+from hybridpar.parallel.precision import float32_owners, read_directly
 from hybridpar.parallel.data.param_layouts import MODULE_TP_DIMS, Layout, parameter_layouts
 
 __all__ = [
@@ -121,16 +121,18 @@ def float32_units(model: nn.Module, units: list[nn.Module], policy: MixedPrecisi
     ``param_dtype=float32``: a linear (its ``weight`` kept) casts its inputs to float32 as its forward does; an
     owner of bare parameters keeps its inputs, and its children that hold parameters are first one unit of the
     block's policy (``fully_shard([child, ...])``), so only the kept parameters change dtype. An owner that is a
-    block itself or sits in no block (a kept ``lm_head``) stays in its unit's dtype, with one warning."""
+    block itself, sits in no block (a kept ``lm_head``) or whose parent reads the kept parameter itself (its own
+    forward never runs to gather it: ``precision.read_directly``) stays in its unit's dtype, with one warning."""
     if policy.param_dtype in (None, torch.float32):
         return []
-    inside = {id(m) for unit in units for m in unit.modules()} - {id(unit) for unit in units}
-    owners = float32_owners(model)
+    owners, direct = float32_owners(model), read_directly(model)
+    inside = {id(m) for unit in units for m in unit.modules() if m not in direct} - {id(unit) for unit in units}
     left = sorted({f"{type(m).__name__}.{leaf}" for m, leaves in owners.items() if id(m) not in inside for leaf in leaves})
     if left:
         warnings.warn(f"{type(model).__name__}: FSDP gathers {', '.join(left)} in {policy.param_dtype} though "
-                      "transformers keeps them in float32 (they sit in no block or on a block itself); train them "
-                      "with parallel.mixed_precision=null to keep them float32.", Notice, stacklevel=3)
+                      "transformers keeps them in float32 (they sit in no block, on a block itself, or their parent "
+                      "reads them itself); train with parallel.mixed_precision=null to keep them float32.", Notice,
+                      stacklevel=3)
     done: set[int] = set()  # parameters already in a unit
     out = []
     # innermost first: an owner inside another is sharded before it
