@@ -200,3 +200,22 @@ def test_a_reply_rendered_unlike_the_generation_prompt_starts_where_the_two_part
     assert doc == chat_document(CONVERSATION, tagged)
     trained = [bpe.decode([label], skip_special_tokens=False) for label in doc["labels"] if label != IGNORE_INDEX]
     assert "".join(trained) == "how are you<|eos|>jumps over<|eos|>"
+
+
+def test_a_file_of_fewer_packs_than_a_step_is_said(tmp_path):
+    """Steps cycle over a file's packs: with 3 packs and ``data.packs_per_step=4`` step 0 trained pack 0 twice and the
+    others once (its documents weighted double in the step), without a word (evaluation said it, training did not)."""
+    import warnings
+
+    from hybridpar.train.batches import PackStream
+
+    (tmp_path / "t.txt").write_text("\n\n".join(f"paragraph {i} of the file" for i in range(4)))
+    config = DataConfig(task="text", path=str(tmp_path / "t.txt"), tokenizer="bytes", pack_size=32, packs_per_step=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stream = PackStream(config, 1, 256)
+    assert len(stream.pool) == 3 and [id(p) for p in stream.step_packs(0)].count(id(stream.pool[0])) == 2
+    assert [str(w.message) for w in caught] == [
+        f"data.path={str(tmp_path / 't.txt')!r} fills 3 pack(s) of data.pack_size=32, fewer than data.packs_per_step=4: "
+        "every step trains some packs (their documents) more than once, and some more often than others; use "
+        "data.packs_per_step=3 or fewer (a multiple of the data-parallel size)"]

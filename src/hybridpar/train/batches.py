@@ -308,6 +308,12 @@ class PackStream:
             where = f"data.path={quoted(config.path)} holds no document (it is empty or blank)" if self._task is None else \
                 f"data.task={quoted(config.task)} produced no tokens"
             raise DataError(f"{where}; check data.path and data.task_options.")
+        if self._task is None and not seed_offset and len(self.pool) < self.packs_per_step:  # eval: eval_repeat_note
+            warnings.warn(f"data.path={quoted(config.path)} fills {len(self.pool)} pack(s) of data.pack_size="
+                          f"{config.pack_size}, fewer than data.packs_per_step={self.packs_per_step}: every step trains "
+                          "some packs (their documents) more than once, and some more often than others; use "
+                          f"data.packs_per_step={len(self.pool)} or fewer (a multiple of the data-parallel size)",
+                          Notice, stacklevel=2)
 
     def _pack(self, documents: list) -> None:
         with warnings.catch_warnings(record=True) as caught:
