@@ -218,4 +218,4 @@ def test_a_file_of_fewer_packs_than_a_step_is_said(tmp_path):
     assert [str(w.message) for w in caught] == [
         f"data.path={str(tmp_path / 't.txt')!r} fills 3 pack(s) of data.pack_size=32, fewer than data.packs_per_step=4: "
         "every step trains some packs (their documents) more than once, and some more often than others; use "
-        "data.packs_per_step=3 or fewer (a multiple of the data-parallel size)"]
+        "data.packs_per_step=3 or fewer (a multiple of the data-parallel size), a smaller data.pack_size, or more data"]

@@ -312,7 +312,8 @@ class PackStream:
             warnings.warn(f"data.path={quoted(config.path)} fills {len(self.pool)} pack(s) of data.pack_size="
                           f"{config.pack_size}, fewer than data.packs_per_step={self.packs_per_step}: every step trains "
                           "some packs (their documents) more than once, and some more often than others; use "
-                          f"data.packs_per_step={len(self.pool)} or fewer (a multiple of the data-parallel size)",
+                          f"data.packs_per_step={len(self.pool)} or fewer (a multiple of the data-parallel size), a smaller "
+                          "data.pack_size, or more data",
                           Notice, stacklevel=2)
 
     def _pack(self, documents: list) -> None:
