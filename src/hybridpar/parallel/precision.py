@@ -127,7 +127,7 @@ def float32_modules(model: nn.Module) -> list[nn.Module]:
     (``gate.weight``: NemotronH, DeepSeek-V3, GLM4-MoE, Kimi Linear, ...), whose forward casts its input and weight
     to float32 to pick the experts, and a kept ``conv1d`` or linear. They run their matmul with autocast off. A bare
     parameter (``sinks``, ``dt_bias``, ``expert_bias``) is read in elementwise math, float32 under autocast already."""
-    return [module for module, leaves in float32_owners(model).items() if "weight" in leaves]
+    return [module for module, leaves in float32_owners(model).items() if "weight" in leaves and module is not model]
 
 
 def apply_autocast(model: nn.Module, mixed_precision: str = "bf16") -> nn.Module:

@@ -142,6 +142,7 @@ def float32_units(model: nn.Module, units: list[nn.Module], policy: MixedPrecisi
             children = [c for c in owner.children() if any(id(p) not in done for p in c.parameters())]
             if children:
                 out.append((children if len(children) > 1 else children[0], policy))
+                done |= {id(p) for c in children for p in c.parameters()}
         out.append((owner, MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=policy.reduce_dtype,
                                                 cast_forward_inputs=matmul)))
         done |= {id(p) for p in owner.parameters()}
