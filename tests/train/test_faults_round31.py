@@ -242,3 +242,41 @@ def test_a_kept_parameter_its_parent_reads_itself_is_said_not_sharded_apart():
         assert float32_units(model, [model.layers[0]], bf16) == []
     with pytest.warns(Notice, match=r"keeps _KernelMixer.conv1d.weight in float32, but its parent reads it itself"):
         apply_autocast(model)
+
+
+def test_a_kept_parameter_under_a_forward_hybridpar_replaced_stays_in_its_block_unit():
+    """hybridpar's Kimi Linear core replaces the attention's forward and reads ``forget_gate.dt_bias`` itself, so the
+    gate's own forward never runs: made a float32 unit of its own, ``dt_bias`` stayed a sharded DTensor there (a
+    tiny Kimi Linear with ``install_kda_core`` at dp_shard=2 under bf16: "would remove or reshape sharded dimension
+    0"). An owner below a replaced forward inside its block stays in the block's unit, said in one warning."""
+    import types
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hybridpar.config_rules import Notice
+    from hybridpar.parallel.data.fsdp import float32_units
+
+    class _Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dt_bias = torch.nn.Parameter(torch.zeros(D))
+
+    class _Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.forget_gate = _Gate()
+
+    class _Net(torch.nn.Module):
+        _keep_in_fp32_modules_strict = ["dt_bias"]
+
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"attn": _Attention()})])
+
+    model = _Net()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert [u for u, _ in float32_units(model, list(model.layers), bf16)] == [model.layers[0]["attn"].forget_gate]
+    attention = model.layers[0]["attn"]
+    attention.forward = types.MethodType(lambda self, x: x + self.forget_gate.dt_bias, attention)  # switch_forward
+    with pytest.warns(Notice, match=r"FSDP gathers _Gate.dt_bias in torch.bfloat16"):
+        assert float32_units(model, list(model.layers), bf16) == []

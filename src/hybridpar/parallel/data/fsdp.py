@@ -122,10 +122,11 @@ def float32_units(model: nn.Module, units: list[nn.Module], policy: MixedPrecisi
     owner of bare parameters keeps its inputs, and its children that hold parameters are first one unit of the
     block's policy (``fully_shard([child, ...])``), so only the kept parameters change dtype. An owner that is a
     block itself, sits in no block (a kept ``lm_head``) or whose parent reads the kept parameter itself (its own
-    forward never runs to gather it: ``precision.read_directly``) stays in its unit's dtype, with one warning."""
+    forward never runs to gather it: ``precision.read_directly``, or a forward hybridpar replaced inside the block)
+    stays in its unit's dtype, with one warning."""
     if policy.param_dtype in (None, torch.float32):
         return []
-    owners, direct = float32_owners(model), read_directly(model)
+    owners, direct = float32_owners(model), {*read_directly(model), *_under_replaced_forward(model, units)}
     inside = {id(m) for unit in units for m in unit.modules() if m not in direct} - {id(unit) for unit in units}
     left = sorted({f"{type(m).__name__}.{leaf}" for m, leaves in owners.items() if id(m) not in inside for leaf in leaves})
     if left:
@@ -147,6 +148,22 @@ def float32_units(model: nn.Module, units: list[nn.Module], policy: MixedPrecisi
                                                 cast_forward_inputs=matmul)))
         done |= {id(p) for p in owner.parameters()}
     return out
+
+
+def _under_replaced_forward(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Owners (``float32_owners``) below a module of their block whose forward hybridpar replaced (``switch_forward``:
+    Kimi Linear's KDA reads ``forget_gate.dt_bias`` itself): the code that runs may read their parameters without
+    their forward, so an FSDP unit of their own would leave them sharded there."""
+    modules, owners, unit_ids, found = dict(model.named_modules()), float32_owners(model), {id(u) for u in units}, []
+    for name, owner in ((n, m) for n, m in modules.items() if m in owners and n):
+        path = name.rsplit(".", 1)[0] if "." in name else ""
+        while path and id(modules[path]) not in unit_ids:
+            ancestor = modules[path]
+            if "forward" in vars(ancestor) and not hasattr(ancestor, "_forward_before_float32"):
+                found.append(owner)
+                break
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+    return found
 
 
 def check_reshard_after_forward(value, shard_size: int) -> bool | int:
