@@ -219,3 +219,19 @@ def test_a_file_of_fewer_packs_than_a_step_is_said(tmp_path):
         f"data.path={str(tmp_path / 't.txt')!r} fills 3 pack(s) of data.pack_size=32, fewer than data.packs_per_step=4: "
         "every step trains some packs (their documents) more than once, and some more often than others; use "
         "data.packs_per_step=3 or fewer (a multiple of the data-parallel size), a smaller data.pack_size, or more data"]
+
+
+def test_paragraphs_are_separated_by_any_blank_line(tmp_path):
+    """``split=paragraph`` split on ``\\n\\n`` only: a line of spaces (an editor's indentation, text pasted from the web)
+    joined two paragraphs into one document, and a third newline led the next paragraph with a ``\\n`` token, so a
+    document's tokens depended on invisible whitespace. Lines of whitespace are blank lines; errors still name the line."""
+    from hybridpar.data.sources import text_documents
+    from hybridpar.data.tokenizers import ByteTokenizer
+
+    (tmp_path / "t.txt").write_text("first one\n   \nsecond\n\n\n\nthird\nand more\n \t \n\nlast\n")
+    tokens = ByteTokenizer()
+    assert [tokens.decode(d) for d in text_documents(tmp_path / "t.txt", split="paragraph")] == [
+        "first one", "second", "third\nand more", "last\n"]
+    (tmp_path / "t.txt").write_text("first one\n   \nsecond\n\n\n\nbad \x03 byte\n")
+    with pytest.raises(ValueError, match=r"t.txt:7"):
+        text_documents(tmp_path / "t.txt", split="paragraph")

@@ -21,6 +21,7 @@ there is none). Nothing is downloaded.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -230,6 +231,7 @@ def _paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
 
 
 TEXT_SPLITS = ("paragraph", "line", "file")
+BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line of spaces was no separator, a third newline led the next paragraph
 _JSON_KINDS = {int: "number", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -280,10 +282,12 @@ def _text_parts(text: str, split: str) -> list[tuple[int, str]]:
         return [(1, text)]
     if split == "line":
         return [(number, line) for number, line in enumerate(text.split("\n"), start=1)]
-    parts, line = [], 1
-    for part in text.split("\n\n"):  # paragraphs: separated by a blank line
+    parts, line, start = [], 1, 0
+    for gap in [*BLANK_LINES.finditer(text), None]:  # paragraphs: separated by blank (or whitespace-only) lines
+        part = text[start:gap.start() if gap else len(text)]
         parts.append((line, part))
-        line += part.count("\n") + 2
+        if gap:
+            line, start = line + part.count("\n") + gap.group().count("\n"), gap.end()
     return parts
 
 
