@@ -92,7 +92,8 @@ LLAMA_DATE = (  # Llama 3.2's system header (its date lines), on ChatML turns
 def test_a_chat_template_that_writes_todays_date_renders_one_fixed_date(bpe, monkeypatch):
     """Llama 3.2's template writes ``strftime_now('%d %b %Y')`` into every system header: a conversation's tokens (and
     their number, so the packs) changed with the day the data was read, a run resumed another day (or ranks reading
-    on either side of midnight) trained other batches. Every render now reads one fixed date, Llama 3.1's default."""
+    on either side of midnight) trained other batches. Every render now reads one fixed date, Llama 3.1's default, and
+    transformers' own renders of the template after it still read today."""
     import datetime
 
     import transformers.utils.chat_template_utils as templates
@@ -110,6 +111,8 @@ def test_a_chat_template_that_writes_todays_date_renders_one_fixed_date(bpe, mon
     templates._compile_jinja_template.cache_clear()  # a fresh compile, as in another process on another day
     assert chat_document(conversation, with_template(bpe, LLAMA_DATE)) == doc
     assert tokenizer.apply_chat_template(conversation, add_generation_prompt=True)[:len(doc["input_ids"])] == doc["input_ids"]
+    own = bpe.hf.apply_chat_template(conversation, tokenize=False, chat_template=LLAMA_DATE)  # transformers' own: today
+    assert "Today Date: 31 Dec 2031\n" in own
 
 
 def _prepending_tokenizer(folder):

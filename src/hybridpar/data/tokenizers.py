@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import signal
-import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.config_rules import Notice, quoted, shorten
-from hybridpar.data.template_clock import fixed_clock
+from hybridpar.data.template_clock import fixed_clock, time_limit
 from hybridpar.strict_json import check_files, check_no_duplicate_keys
 
 __all__ = [
@@ -222,26 +220,10 @@ RENDER_SECONDS = 60.0  # one conversation; a template's nested loops (range(1000
 
 @contextlib.contextmanager
 def render_limit(name: str, template: str | None = None):
-    """TimeoutError when rendering takes more than ``RENDER_SECONDS`` (a timer signal, in the main thread only:
-    the launcher, ``--dry-run`` and every rank read data there); a loop in a chat template hung the run before
-    any step, with nothing said. ``template`` renders at a fixed date (``data/template_clock.py``)."""
-    if template is not None:
-        fixed_clock(template)
-    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
-        yield  # another thread, or a timer already running: left alone
-        return
-
-    def expired(signum, frame):
-        raise TimeoutError(f"the chat template of tokenizer {name} took more than {RENDER_SECONDS:g} s to render one "
-                           "conversation (a loop in the template?); fix the template (chat_template.jinja or "
-                           "tokenizer_config.json).")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS)
-    try:
+    """TimeoutError when rendering takes more than ``RENDER_SECONDS`` (a loop in a chat template hung the run before
+    any step, with nothing said); ``template`` renders at a fixed date (both in ``data/template_clock.py``)."""
+    with fixed_clock(template), time_limit(name, RENDER_SECONDS):
         yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def ships_tokenizer(path: str | Path | None) -> bool:
