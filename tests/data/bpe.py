@@ -1,6 +1,6 @@
 """A tiny byte-level BPE tokenizer trained in the test session (no downloads)."""
 
-from hybridpar.data.tokenizers import train_bpe_tokenizer
+from hybridpar.data.tokenizers import PretrainedTokenizer, train_bpe_tokenizer
 
 CORPUS = [
     "hello there, how are you today?",
@@ -12,3 +12,10 @@ CORPUS = [
 
 def train_tiny_bpe(out_dir, **kwargs):
     return train_bpe_tokenizer(CORPUS, out_dir, vocab_size=kwargs.pop("vocab_size", 320), **kwargs)
+
+
+def with_template(tokenizer, template):
+    """A copy of a ``PretrainedTokenizer`` with another chat template."""
+    clone = PretrainedTokenizer(tokenizer.hf, tokenizer.source_dir)
+    clone.chat_template = template
+    return clone

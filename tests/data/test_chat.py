@@ -18,8 +18,8 @@ from hybridpar.data.chat import (
     shifted_labels,
 )
 from hybridpar.data.packing import IGNORE_INDEX, collate_thd, pack_documents
-from hybridpar.data.tokenizers import ByteTokenizer, PretrainedTokenizer
-from tests.data.bpe import train_tiny_bpe
+from hybridpar.data.tokenizers import ByteTokenizer
+from tests.data.bpe import train_tiny_bpe, with_template
 
 CONVERSATION = [
     {"role": "system", "content": "be brief"},
@@ -40,12 +40,6 @@ TAGGED_TEMPLATE = (
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     return train_tiny_bpe(tmp_path_factory.mktemp("bpe"))
-
-
-def with_template(tokenizer, template):
-    clone = PretrainedTokenizer(tokenizer.hf, tokenizer.source_dir)
-    clone.chat_template = template
-    return clone
 
 
 def hand_built(tok):

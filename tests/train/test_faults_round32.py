@@ -13,28 +13,14 @@ import pytest
 from hybridpar.config import DataConfig
 from hybridpar.data.chat import chat_document, prompt_completion_documents
 from hybridpar.data.packing import IGNORE_INDEX
-from hybridpar.data.tokenizers import PretrainedTokenizer
 from hybridpar.train.batches import DataError, validate_data
-from tests.data.bpe import train_tiny_bpe
-
-CONVERSATION = [
-    {"role": "system", "content": "be brief"},
-    {"role": "user", "content": "hello there"},
-    {"role": "assistant", "content": "how are you"},
-    {"role": "user", "content": "the fox"},
-    {"role": "assistant", "content": "jumps over"},
-]
+from tests.data.bpe import train_tiny_bpe, with_template
+from tests.data.test_chat import CONVERSATION
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     return train_tiny_bpe(tmp_path_factory.mktemp("bpe"))
-
-
-def with_template(tokenizer, template):
-    clone = PretrainedTokenizer(tokenizer.hf, tokenizer.source_dir)
-    clone.chat_template = template
-    return clone
 
 
 def _turns(reply: str) -> str:
