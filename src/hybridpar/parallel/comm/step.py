@@ -354,18 +354,18 @@ def fsdp(s: StepShape) -> Tally:
 
 
 def tp_adapters(s: StepShape) -> Tally:
-    """LoRA under TP: each replicated factor (``A`` of a column-parallel base, ``B`` of a row-parallel
-    one, a shared B/C group's rows of an ``in_proj`` ``B``) has a gradient summed over TP: one
-    all-reduce of its elements per pack, or with FSDP once per step (it reduces TP-partial gradients
-    itself, after the last pack); an ``in_proj``'s ``A`` and shared rows sum in autograd, per pack."""
+    """LoRA under TP: each replicated factor (``A`` of a column-parallel base, ``B`` of a row-parallel one, a shared
+    B/C group's rows of an ``in_proj`` ``B``) has a gradient summed over TP (in bf16 under FSDP's bf16; autocast: own):
+    one all-reduce per pack, or with FSDP once per step (it reduces TP-partial gradients itself, after the last pack);
+    an ``in_proj``'s ``A`` and shared rows sum in autograd, per pack."""
     out = Tally()
     if s.adapters is None or s.dims.tp == 1:
         return out
-    label, m = dim_label(s.dims, ("tp",)), s.packs_per_rank
+    label, m, e = dim_label(s.dims, ("tp",)), s.packs_per_rank, s.adapter_size if s.fsdp else s.adapter_grad_size
     for params in s.adapters.values():
         for p in params:
             if not p.tp_sharded:
-                nbytes = sent("all_reduce", s.dims.tp, math.prod(p.shape) * s.adapter_grad_size)
+                nbytes = sent("all_reduce", s.dims.tp, math.prod(p.shape) * e)
                 out.add("all_reduce", label, nbytes, m if p.tp_sum_in_autograd or not s.fsdp else 1)
     return out
 
